@@ -1,0 +1,3 @@
+from epbench.cli import main
+
+main()

@@ -1,0 +1,36 @@
+"""Backends by name. Each is imported only when asked for, so a missing optional dependency
+(the compiled kernels, DeepEP) costs nothing until someone selects that backend."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Dict, Optional, Tuple, Type
+
+from epbench.backends.base import Backend
+from epbench.errors import UserError
+
+REGISTRY: Dict[str, str] = {
+    "reference": "epbench.backends.reference:ReferenceBackend",
+    "epbench": "epbench.backends.epbench_kernels:EpbenchBackend",
+}
+
+
+def backend_class(name: str) -> Type[Backend]:
+    if name not in REGISTRY:
+        raise UserError(f"backend {name!r}: unknown (known: {', '.join(REGISTRY)})")
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def load_backend(name: str) -> Tuple[Optional[Type[Backend]], Optional[str]]:
+    """(class, None), or (None, why it cannot be imported here)."""
+    try:
+        return backend_class(name), None
+    except ImportError as e:
+        return None, f"cannot import: {e}"
+
+
+def check_names(names) -> None:
+    for n in names:
+        if n not in REGISTRY:
+            raise UserError(f"backend {n!r}: unknown (known: {', '.join(REGISTRY)})")

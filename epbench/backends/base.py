@@ -1,0 +1,119 @@
+"""The interface every dispatch/combine implementation fills in.
+
+The driver (epbench/driver.py) owns timing, verification and recording; a backend only
+moves tokens. One backend object lives per rank for one (scenario, world): its constructor
+allocates every buffer it will ever need, so nothing is allocated inside the timed region.
+
+Semantics shared by all backends (the verification in epbench/verify.py checks them):
+
+dispatch
+    Each rank holds ``x`` (``[T, hidden]``; bf16, or fp8 e4m3 with ``x_scales``
+    ``[T, hidden // 128]`` float32), ``topk_idx`` (``[T, topk]`` int64 global expert ids;
+    rank ``r`` owns experts ``[r * experts_per_rank, (r + 1) * experts_per_rank)``) and
+    ``topk_weights`` (``[T, topk]`` float32). A token goes once to every rank that holds at
+    least one of its experts. The receiver gets rows ``[0, num_recv)`` of a buffer ordered by
+    (source rank, source token index), each with the token's full ``topk_idx`` and
+    ``topk_weights`` as sent, plus ``expert_counts[e]`` = number of received rows whose
+    ``topk_idx`` contains local expert ``e``.
+
+combine
+    The receiver fills ``combine_input(out)[:num_recv]`` (bf16, one row per received row,
+    same order). Token ``t`` of source rank ``s`` comes back as
+    ``sum over ranks d holding t:  w(t, d) * y_d[row of t on d]`` with
+    ``w(t, d) = sum of t's topk_weights whose experts live on d``, accumulated in fp32,
+    returned as bf16 ``[T, hidden]``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a backend needs to size and place its buffers on one rank."""
+
+    rank: int
+    world: int
+    gpus_per_node: int
+    device: torch.device
+    hidden: int
+    max_tokens_per_rank: int  # the largest T any rank will pass to dispatch
+    topk: int
+    experts_per_rank: int
+    dispatch_dtype: str  # "bf16" | "fp8"
+    timeout_s: float = 10.0  # a kernel waiting on a peer gives up after this long
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.gpus_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.gpus_per_node
+
+    @property
+    def num_experts(self) -> int:
+        return self.world * self.experts_per_rank
+
+
+@dataclass
+class DispatchInput:
+    x: torch.Tensor  # [T, hidden] bf16 or float8_e4m3fn
+    x_scales: Optional[torch.Tensor]  # [T, hidden // 128] float32 (fp8 only)
+    topk_idx: torch.Tensor  # [T, topk] int64, global expert ids
+    topk_weights: torch.Tensor  # [T, topk] float32
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass
+class DispatchOutput:
+    """Rows [0, num_recv) are valid; tensors may be views of backend-owned buffers that the
+    next dispatch overwrites. ``num_recv`` may be a device tensor so that nothing waits on the
+    host inside the timed region; the driver reads it with ``int()`` afterwards."""
+
+    x: torch.Tensor  # [capacity, hidden]
+    x_scales: Optional[torch.Tensor]  # [capacity, hidden // 128] float32 (fp8 only)
+    topk_idx: torch.Tensor  # [capacity, topk] int64
+    topk_weights: torch.Tensor  # [capacity, topk] float32
+    expert_counts: torch.Tensor  # [experts_per_rank] integer
+    num_recv: Union[int, torch.Tensor]
+    handle: Any = None  # backend-private layout kept for combine
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+    uses_sms: ClassVar[bool] = False  # True when num_sms changes what runs
+    hierarchical: ClassVar[bool] = False  # True: one NIC copy per destination node
+
+    @classmethod
+    def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
+        """None when this backend can run here, else one line saying why not."""
+        return None
+
+    @abstractmethod
+    def __init__(self, setup: RankSetup) -> None: ...
+
+    @abstractmethod
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput: ...
+
+    @abstractmethod
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        """A writable bf16 [capacity, hidden] tensor the caller fills before combine."""
+
+    @abstractmethod
+    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
+        """Returns bf16 [T, hidden] for the T tokens of the matching dispatch."""
+
+    def poison(self) -> None:
+        """Fill every output buffer the backend owns with garbage (NaN / 0xFF)."""
+
+    def close(self) -> None:
+        """Release buffers and peer mappings."""

@@ -1,0 +1,216 @@
+"""The epbench command line. Each command parses options and calls one function."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+from rich.console import Console
+
+
+from epbench import launch, scenario
+from epbench.errors import UserError, VerificationFailed
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="Benchmark MoE expert-parallel dispatch/combine and characterise its bandwidth.")
+console = Console()
+err = Console(stderr=True)
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
+
+ScenarioArg = Annotated[Optional[Path], typer.Argument(
+    help="Scenario YAML. Default: the shipped scenario that fits this host.", show_default=False)]
+NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="Run the scenario's shape on this many ranks (one node).")]
+BackendsOpt = Annotated[Optional[str], typer.Option("--backends", help="Comma-separated backends (default: the scenario's).")]
+SmsOpt = Annotated[Optional[str], typer.Option("--sms", help="Comma-separated SM counts, e.g. 8,16,24.")]
+ItersOpt = Annotated[Optional[int], typer.Option("--iters", help="Timed iterations per point.")]
+WarmupOpt = Annotated[Optional[int], typer.Option("--warmup", help="Untimed iterations per point.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cuda | cpu (default: the scenario's).")]
+ResultsOpt = Annotated[Path, typer.Option("--results", help="Folder that receives the run folder.")]
+NnodesOpt = Annotated[Optional[int], typer.Option("--nnodes", help="Nodes (multi-node runs; passed to torchrun).")]
+NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="This node's rank (passed to torchrun).")]
+RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (passed to torchrun).")]
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
+FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
+                                                 help="dispatch | combine: corrupt one output row (tests the checks).")]
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")] = False) -> None:
+    if debug:
+        os.environ["EPBENCH_DEBUG"] = "1"
+
+
+def default_scenario() -> Path:
+    """The shipped scenario that matches this host: 8 GPUs -> h100x8, 4 -> h200x4, none -> smoke."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    name = "h100x8" if n >= 8 else "h200x4" if n >= 4 else "smoke"
+    path = SCENARIOS / f"{name}.yaml"
+    console.print(f"no scenario given: running {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path} "
+                  f"({n} CUDA GPU{'s' if n != 1 else ''} found)")
+    return path
+
+
+def resolve_device(s: scenario.Scenario, device: Optional[str]) -> str:
+    import torch
+
+    want = device or s.bench.device
+    if want not in scenario.DEVICES:
+        raise UserError(f"--device: must be one of {', '.join(scenario.DEVICES)}, got {want!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want == "auto":
+        want = "cuda" if gpus else "cpu"
+    if want == "cuda":
+        per_node = s.topology.gpus_per_node
+        if gpus < per_node:
+            raise UserError(f"{s.source}: topology.gpus_per_node: needs {per_node} GPUs per node but "
+                            f"this host has {gpus}; use --nproc N to run the shape on fewer ranks"
+                            f"{' or --device cpu' if not gpus else ''}")
+    return want
+
+
+def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str],
+             sms: Optional[str], iters: Optional[int], warmup: Optional[int]):
+    from epbench.backends import check_names
+    from epbench.driver import RunOptions
+
+    s = scenario.load(path or default_scenario())
+    if nproc is not None:
+        s = s.with_world(nproc)
+    names = tuple(b.strip() for b in backends.split(",") if b.strip()) if backends else s.bench.backends
+    check_names(names)
+    sms_list = scenario.maybe_int_list(sms, "--sms") or s.bench.sms
+    for opt, v in (("--iters", iters), ("--warmup", warmup)):
+        if v is not None and v < (1 if opt == "--iters" else 0):
+            raise UserError(f"{opt}: must be {'positive' if opt == '--iters' else 'zero or positive'}, got {v}")
+    opts = RunOptions(backends=names, sms=sms_list,
+                      warmup=s.bench.warmup if warmup is None else warmup,
+                      iters=s.bench.iters if iters is None else iters)
+    return s, opts
+
+
+def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
+            results: Path, nnodes, node_rank, rdzv, run_dir, fault) -> None:
+    import dataclasses
+
+    launch.apply_safe_env()
+    if path is None and launch.under_torchrun():
+        raise UserError("a scenario file is required under torchrun")
+    path = path or default_scenario()
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
+    if fault not in (None, "dispatch", "combine"):
+        raise UserError(f"--inject-fault: must be dispatch or combine, got {fault!r}")
+    opts = dataclasses.replace(opts, inject_fault=fault)
+    if launch.under_torchrun():
+        from epbench.session import run_worker
+
+        code = run_worker(s, opts, device or s.bench.device, run_dir, results,
+                          [command] + sys.argv[2:])
+        raise typer.Exit(code)
+    dev = resolve_device(s, device)
+    nodes = nnodes or 1
+    if s.topology.nodes > 1 and nodes == 1:
+        raise UserError(f"{s.source}: topology.nodes: this scenario spans {s.topology.nodes} nodes; "
+                        f"start it on every node with --nnodes {s.topology.nodes} --node-rank N "
+                        f"--rdzv-endpoint HOST:PORT, or use --nproc to run its shape on one node")
+    from epbench.results import new_run_dir
+
+    run_dir = run_dir or new_run_dir(results, s.name)
+    args = [command, str(path), "--run-dir", str(run_dir), "--device", dev,
+            "--backends", ",".join(opts.backends), "--sms", ",".join(map(str, opts.sms)),
+            "--iters", str(opts.iters), "--warmup", str(opts.warmup), "--results", str(results)]
+    # --nproc stays here: torchrun's parser would take it for its own --nproc-per-node, and
+    # the ranks learn their number from torchrun anyway.
+    if fault:
+        args += ["--inject-fault", fault]
+    cmd = launch.torchrun_args(args, s.topology.gpus_per_node, nodes, node_rank, rdzv)
+    code = launch.relaunch(cmd, dev)
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()  # the job died before it measured anything
+    raise typer.Exit(code)
+
+
+@app.command()
+def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt = None,
+        sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None,
+        device: DeviceOpt = None, results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
+        node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
+        inject_fault: FaultOpt = None) -> None:
+    """Run a scenario across ranks (re-executing under torchrun) and print its table."""
+    _launch("run", path, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
+            rdzv_endpoint, run_dir, inject_fault)
+
+
+@app.command()
+def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
+          sms: Annotated[str, typer.Option("--sms", help="Comma-separated SM counts, e.g. 4,8,16,24,32.")],
+          nproc: NprocOpt = None, backends: BackendsOpt = None, iters: ItersOpt = None,
+          warmup: WarmupOpt = None, device: DeviceOpt = None,
+          results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
+          node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
+          run_dir: RunDirOpt = None, inject_fault: FaultOpt = None) -> None:
+    """Run a scenario at each SM count, with a progress bar; one results folder for all."""
+    _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
+            node_rank, rdzv_endpoint, run_dir, inject_fault)
+
+
+@app.command()
+def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML files.")]) -> None:
+    """Check scenario files; one line per file."""
+    bad = 0
+    for p in paths:
+        try:
+            s = scenario.load(p)
+        except UserError as e:
+            err.print(f"[red]invalid[/] {e}", highlight=False)
+            bad += 1
+            continue
+        m = s.model
+        console.print(f"[green]ok[/] {p}: {s.world} ranks ({s.topology.nodes}x{s.topology.gpus_per_node}), "
+                      f"hidden {m.hidden}, {m.tokens_per_rank} tokens/rank, top-{m.topk}, "
+                      f"{m.experts_per_rank} experts/rank, {m.dispatch_dtype}, {s.routing.kind} routing",
+                      highlight=False)
+    if bad:
+        raise typer.Exit(2)
+
+
+@app.command()
+def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them).")]) -> None:
+    """Print the table of one or more results folders."""
+    from epbench.report import print_run
+    from epbench.results import find_runs, load_run
+
+    for d in find_runs(run_dirs):
+        meta, df = load_run(d)
+        console.print(f"[bold]{d}[/]")
+        print_run(df, meta, console)
+
+
+@app.command()
+def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them).")],
+         out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the PNGs (default: <run>/plots).")] = None) -> None:
+    """Draw bandwidth-vs-SMs and per-rank plots from results folders."""
+    from epbench.plot import plot_run
+    from epbench.results import find_runs
+
+    for d in find_runs(paths):
+        for png in plot_run(d, (out / d.name) if out else None):
+            console.print(f"wrote {png}")
+
+
+def main() -> None:
+    launch.apply_safe_env()
+    try:
+        app()
+    except (UserError, VerificationFailed) as e:
+        if os.environ.get("EPBENCH_DEBUG"):
+            traceback.print_exc()
+        where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
+        err.print(f"epbench: error: {where}{e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)

@@ -1,0 +1,230 @@
+"""The one driver every backend goes through, on every rank:
+
+scenario -> routing -> backend -> timed samples + verification -> metrics rows -> results folder.
+
+Each (backend, SM count) point is timed (dispatch and combine alternate, as in a model: the
+stand-in expert's output is written between them, outside the timed region), then verified
+on fresh random inputs with poisoned outputs. Rank 0 gathers the samples, turns them into
+rows (epbench/metrics.py) and writes them before the next point starts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from epbench import metrics
+from epbench.backends import load_backend
+from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.inputs import dispatch_input, expert_output, make_tokens
+from epbench.launch import Comm
+from epbench.routing import RankRouting, Traffic, route_all, traffic
+from epbench.scenario import Scenario
+from epbench.verify import check_combine, check_dispatch
+
+OPS = ("dispatch", "combine")
+TIMING_SALT = 0  # token values used while timing; verification draws fresh ones per point
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    backends: Tuple[str, ...]
+    sms: Tuple[int, ...]
+    warmup: int
+    iters: int
+    inject_fault: Optional[str] = None  # "dispatch" | "combine": corrupt one output row
+    progress: bool = True
+
+
+@dataclass
+class PointRecord:
+    """One rank's raw outcome for one (backend, sms) point."""
+
+    rank: int
+    samples_us: Dict[str, List[float]] = field(default_factory=dict)
+    wrong: Dict[str, int] = field(default_factory=dict)
+    problem: Dict[str, str] = field(default_factory=dict)
+
+
+class Timer:
+    """Per-iteration device events on GPUs, the wall clock on CPUs (gloo calls are blocking)."""
+
+    def __init__(self, device: torch.device, n: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.n = n
+        if self.cuda:
+            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                           for _ in range(n)]
+        self.wall: List[float] = []
+
+    def time(self, i: int, fn: Callable[[], Any]) -> Any:
+        if self.cuda:
+            start, end = self.events[i]
+            start.record()
+            out = fn()
+            end.record()
+            return out
+        t0 = time.perf_counter()
+        out = fn()
+        self.wall.append((time.perf_counter() - t0) * 1e6)
+        return out
+
+    def samples_us(self, skip: int) -> List[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) * 1e3 for s, e in self.events[skip:]]
+        return self.wall[skip:]
+
+
+def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
+    n = int(out.num_recv)
+    y = be.combine_input(out)
+    scales = out.x_scales[:n] if out.x_scales is not None else None
+    y[:n].copy_(expert_output(out.x[:n], scales, rank))
+
+
+def _check_backend_errors(be: Backend) -> None:
+    check = getattr(be, "check_errors", None)
+    if check is not None:
+        check()
+
+
+def time_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, warmup: int,
+               iters: int) -> Dict[str, List[float]]:
+    n = warmup + iters
+    timers = {op: Timer(comm.device, n) for op in OPS}
+    for i in range(n):
+        comm.sync()
+        out = timers["dispatch"].time(i, lambda: be.dispatch(inp, sms))
+        _fill_expert_output(be, out, comm.rank)
+        comm.sync()
+        timers["combine"].time(i, lambda: be.combine(out, sms))
+    samples = {op: t.samples_us(warmup) for op, t in timers.items()}
+    _check_backend_errors(be)
+    return samples
+
+
+def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int, comm: Comm,
+                 salt: int, inject_fault: Optional[str], rec: PointRecord) -> None:
+    m = s.model
+
+    def input_of(rank: int) -> DispatchInput:
+        x = make_tokens(routings[rank].num_tokens, m.hidden, s.routing.seed, rank, salt, comm.device)
+        return dispatch_input(x, routings[rank], m.dispatch_dtype, comm.device)
+
+    own = input_of(comm.rank)
+    be.poison()
+    comm.sync()
+    out = be.dispatch(own, sms)
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize()
+    _check_backend_errors(be)
+    if inject_fault == "dispatch" and int(out.num_recv) > 0:
+        out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
+    d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, input_of)
+    if inject_fault == "dispatch":  # restore the row so that combine is checked on its own
+        out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
+    _fill_expert_output(be, out, comm.rank)
+    comm.sync()
+    got = be.combine(out, sms)
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize()
+    _check_backend_errors(be)
+    if inject_fault == "combine" and got.shape[0] > 0:
+        got[0].fill_(1234.0)
+    c = check_combine(got, own, comm.world, m.experts_per_rank)
+    rec.wrong = {"dispatch": d.wrong, "combine": c.wrong}
+    rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
+
+
+def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,
+               device: str) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """Rank 0: raw samples -> one row per (op, rank) with bytes and bandwidths."""
+    m, topo = s.model, s.topology
+    rows, samples = [], []
+    for op in OPS:
+        dtype = m.dispatch_dtype if op == "dispatch" else m.combine_dtype
+        nbytes = metrics.rank_bytes(tr, op, metrics.row_bytes(dtype, m.hidden))
+        for rec in records:
+            r = rec.rank
+            ts = rec.samples_us[op]
+            t_med = metrics.median(ts)
+            has_nic = topo.nodes > 1
+            rows.append({
+                "scenario": s.name, "backend": be_cls.name, "op": op, "sms": sms, "rank": r,
+                "node": r // topo.gpus_per_node, "world": s.world, "nodes": topo.nodes,
+                "device": device, "dtype": dtype, "hidden": m.hidden,
+                "tokens_per_rank": m.tokens_per_rank, "topk": m.topk,
+                "experts_per_rank": m.experts_per_rank, "routing": s.routing.kind,
+                "iters": len(ts), "time_us": t_med, "time_us_min": min(ts),
+                "time_us_max": max(ts), "time_us_mean": sum(ts) / len(ts),
+                "algo_bytes": int(nbytes["algo"][r]), "nvlink_bytes": int(nbytes["nvlink"][r]),
+                "nic_bytes": int(nbytes["nic"][r]) if has_nic else None,
+                "algbw_gbps": metrics.bandwidth_gbps(int(nbytes["algo"][r]), t_med),
+                "busbw_nvlink_gbps": metrics.bandwidth_gbps(int(nbytes["nvlink"][r]), t_med),
+                "busbw_nic_gbps": (metrics.bandwidth_gbps(int(nbytes["nic"][r]), t_med)
+                                   if has_nic else None),
+                "wrong": rec.wrong[op], "problem": rec.problem[op],
+            })
+            samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
+                         "time_us": t} for i, t in enumerate(ts)]
+    return rows, samples
+
+
+def _first_reason(reason: Optional[str]) -> Optional[str]:
+    """A backend runs only if it can run on every rank; returns the first rank's reason."""
+    reasons: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    return next((f"rank {i}: {r}" for i, r in enumerate(reasons) if r), None)
+
+
+def measure(s: Scenario, opts: RunOptions, comm: Comm,
+            on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
+            on_skip: Callable[[str, str], None],
+            advance: Callable[[str], None]) -> int:
+    """Runs every point on every rank. Rank 0's callbacks receive rows; returns the number
+    of wrong rows summed over ranks and points."""
+    m = s.model
+    routings = route_all(s)
+    device = comm.device.type
+    x = make_tokens(m.tokens_per_rank, m.hidden, s.routing.seed, comm.rank, TIMING_SALT, comm.device)
+    inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device)
+    setup = RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
+                      device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
+                      topk=m.topk, experts_per_rank=m.experts_per_rank,
+                      dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s)
+    total_wrong = 0
+    salt = 1
+    for name in opts.backends:
+        be_cls, reason = load_backend(name)
+        reason = _first_reason(reason or be_cls.unavailable_reason(setup))
+        sms_list = opts.sms if be_cls is not None and be_cls.uses_sms else (0,)
+        if reason:
+            on_skip(name, reason)
+            for _ in sms_list:
+                advance(f"{name}: skipped")
+            continue
+        be = be_cls(setup)
+        tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, be_cls.hierarchical)
+        try:
+            for sms in sms_list:
+                rec = PointRecord(comm.rank)
+                rec.samples_us = time_point(be, inp, sms, comm, opts.warmup, opts.iters)
+                verify_point(be, s, routings, sms, comm, salt, opts.inject_fault, rec)
+                salt += 1
+                gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
+                dist.gather_object(rec, gathered, dst=0)
+                if comm.rank == 0:
+                    rows, samples = point_rows(s, be_cls, sms, gathered, tr, device)
+                    total_wrong += sum(r["wrong"] for r in rows)
+                    on_point(rows, samples)
+                    advance(f"{name} sms={sms or 'auto'}")
+        finally:
+            be.close()
+    flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.device)
+    dist.broadcast(flag, src=0)
+    return int(flag.item())

@@ -1,0 +1,62 @@
+"""Token data for a run: random (never zeros), regenerable on any rank from (seed, rank, salt).
+
+Expert outputs for combine are derived from what a rank received, scaled by a per-rank factor,
+so that the source can predict every copy it gets back without another exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from epbench.backends.base import DispatchInput
+from epbench.routing import RankRouting, _generator
+from epbench.scenario import FP8_BLOCK
+
+FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+def make_tokens(num_tokens: int, hidden: int, seed: int, rank: int, salt: int,
+                device: torch.device) -> torch.Tensor:
+    """bf16 [T, hidden], standard normal, from a generator seeded by (seed, rank, salt)."""
+    seed64 = int(torch.randint(0, 2**62, (1,), generator=_generator(seed, 3, rank, salt)))
+    g = torch.Generator(device=device).manual_seed(seed64)
+    return torch.randn(num_tokens, hidden, generator=g, device=device).to(torch.bfloat16)
+
+
+def quantize_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 payload [T, hidden] and one fp32 scale per 128 elements [T, hidden / 128]."""
+    t, h = x.shape
+    blocks = x.float().view(t, h // FP8_BLOCK, FP8_BLOCK)
+    scales = blocks.abs().amax(dim=2).clamp_(min=1e-8) / FP8_MAX
+    q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h)
+    return q, scales
+
+
+def dequantize(x: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
+    """float32 values of a dispatched payload."""
+    if scales is None:
+        return x.float()
+    t, h = x.shape
+    return (x.float().view(t, h // FP8_BLOCK, FP8_BLOCK) * scales.unsqueeze(2)).view(t, h)
+
+
+def dispatch_input(x: torch.Tensor, routing: RankRouting, dtype: str,
+                   device: torch.device) -> DispatchInput:
+    idx = routing.topk_idx.to(device)
+    w = routing.topk_weights.to(device)
+    if dtype == "fp8":
+        q, s = quantize_fp8(x)
+        return DispatchInput(q, s, idx, w)
+    return DispatchInput(x, None, idx, w)
+
+
+def expert_factor(rank: int) -> float:
+    """Rank d's stand-in expert multiplies every received row by this (0.25 .. 2.0)."""
+    return (rank % 8 + 1) / 4.0
+
+
+def expert_output(received: torch.Tensor, scales: Optional[torch.Tensor], rank: int) -> torch.Tensor:
+    """bf16 rows the stand-in expert on ``rank`` returns for received rows."""
+    return (dequantize(received, scales) * expert_factor(rank)).to(torch.bfloat16)

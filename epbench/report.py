@@ -1,0 +1,75 @@
+"""Tables for people: formatting happens here and nowhere earlier."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from epbench.metrics import summarize
+
+
+def _num(v: Any) -> str:
+    """Three significant figures at most, none wasted on big numbers (327, 41.2, 0.0123)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    v = float(v)
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+
+
+def wide_console() -> Console:
+    """Rich assumes 80 columns when output is not a terminal (logs, CI); tables need more."""
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
+def _spread(row: pd.Series, col: str) -> str:
+    lo, med, hi = (row.get(f"{col}_{s}") for s in ("min", "median", "max"))
+    if lo is None or (isinstance(lo, float) and math.isnan(lo)):
+        return "-"
+    if abs(hi - lo) < 0.05 * max(abs(med), 1e-9):
+        return _num(med)
+    return f"{_num(lo)} / {_num(med)} / {_num(hi)}"
+
+
+def results_table(df: pd.DataFrame, title: str = "") -> Table:
+    summary = summarize(df)
+    table = Table(title=title or None, caption="bandwidths in GB/s; 'a / b / c' = min / median / "
+                  "max over ranks; time = slowest rank's median")
+    for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("time us", "right"),
+                      ("algbw", "right"), ("NVLink busbw", "right"), ("NIC busbw", "right"),
+                      ("slowest rank", "right"), ("#wrong", "right")):
+        table.add_column(col, justify=just)
+    for _, r in summary.iterrows():
+        wrong = int(r["wrong"])
+        table.add_row(r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
+                      _num(r["time_us"]), _spread(r, "algbw_gbps"),
+                      _spread(r, "busbw_nvlink_gbps"), _spread(r, "busbw_nic_gbps"),
+                      str(int(r["slowest_rank"])),
+                      f"[bold red]{wrong}[/]" if wrong else "0")
+    return table
+
+
+def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None) -> None:
+    console = console or wide_console()
+    scenario = meta.get("scenario", {})
+    title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "
+             f"({meta.get('device', '?')})")
+    if df.empty:
+        console.print(f"{title}: no measured points")
+    else:
+        console.print(results_table(df, title))
+    for note in meta.get("notes", []):
+        console.print(f"note: {note}")
+    wrong = int(df["wrong"].sum()) if not df.empty else 0
+    if wrong:
+        bad = df[df["wrong"] > 0].iloc[0]
+        console.print(f"[bold red]VERIFICATION FAILED: {wrong} wrong rows[/] (first: {bad['backend']} "
+                      f"{bad['op']} sms={bad['sms']} rank {bad['rank']}: {bad['problem']})")
+    if meta.get("status") not in (None, "complete"):
+        console.print(f"[yellow]run status: {meta.get('status')}[/]")

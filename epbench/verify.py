@@ -1,0 +1,113 @@
+"""Checks a backend's outputs against what the routing says they must be.
+
+dispatch: bit-exact. Every received row, its scales (fp8), expert ids and weights must equal
+the source's, in (source rank, token index) order; the row count and the per-expert counts
+must match. combine: each returned token must be within COMBINE_RTOL of
+``sum_d w(t, d) * y_d(t)`` (fp32 accumulation, one bf16 rounding at the end, so the only
+freedom is summation order plus that rounding: half a bf16 ulp is 2^-9 relative).
+
+Each check returns the number of wrong rows (counts that differ add their difference) and a
+short description of the first problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from epbench.backends.base import DispatchInput, DispatchOutput
+from epbench.inputs import expert_output
+from epbench.routing import copy_weights, dest_mask
+
+COMBINE_RTOL = 2.0**-7
+COMBINE_ATOL = 1e-6
+
+
+@dataclass
+class CheckResult:
+    wrong: int = 0
+    first_problem: str = ""
+
+    def add(self, n: int, problem: str) -> None:
+        if n and not self.first_problem:
+            self.first_problem = problem
+        self.wrong += n
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Same-size integer view, so NaN poison and -0.0 compare by their bits."""
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(dtype)
+
+
+def _bad_rows(got: torch.Tensor, want: torch.Tensor) -> int:
+    if got.numel() == 0:
+        return 0
+    diff = _bits(got) != _bits(want)
+    return int(diff.reshape(diff.shape[0], -1).any(dim=1).sum())
+
+
+def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank: int,
+                   input_of: Callable[[int], DispatchInput]) -> CheckResult:
+    """``input_of(s)`` rebuilds source rank s's dispatch input on this rank's device."""
+    res = CheckResult()
+    got_n = int(out.num_recv)
+    offset = 0
+    expected_counts = torch.zeros(experts_per_rank, dtype=torch.int64, device=out.x.device)
+    lo = rank * experts_per_rank
+    for s in range(world):
+        inp = input_of(s)
+        rows = dest_mask(inp.topk_idx, experts_per_rank, world)[:, rank].nonzero().flatten()
+        n = int(rows.numel())
+        local = inp.topk_idx[rows] - lo
+        hit = (local >= 0) & (local < experts_per_rank)
+        expected_counts += torch.bincount(local[hit], minlength=experts_per_rank)
+        end = min(offset + n, got_n)
+        k = max(end - offset, 0)
+        if k:
+            sl, want = slice(offset, end), rows[:k]
+            res.add(_bad_rows(out.x[sl], inp.x[want]), f"rows from rank {s}: payload differs")
+            if inp.x_scales is not None:
+                res.add(_bad_rows(out.x_scales[sl], inp.x_scales[want]),
+                        f"rows from rank {s}: fp8 scales differ")
+            res.add(_bad_rows(out.topk_idx[sl], inp.topk_idx[want]),
+                    f"rows from rank {s}: expert ids differ")
+            res.add(_bad_rows(out.topk_weights[sl], inp.topk_weights[want]),
+                    f"rows from rank {s}: weights differ")
+        offset += n
+    res.add(abs(got_n - offset), f"received {got_n} rows, expected {offset}")
+    got_counts = out.expert_counts.to(torch.int64)
+    res.add(int((got_counts != expected_counts).sum()),
+            f"expert counts {got_counts.tolist()} != {expected_counts.tolist()}")
+    return res
+
+
+def expected_combine(inp: DispatchInput, world: int, experts_per_rank: int) -> torch.Tensor:
+    """fp32 [T, hidden]: what combine must return for this rank's own dispatch input."""
+    mask = dest_mask(inp.topk_idx, experts_per_rank, world)
+    w = copy_weights(inp.topk_idx, inp.topk_weights, experts_per_rank, world)
+    acc = torch.zeros(inp.x.shape, dtype=torch.float32, device=inp.x.device)
+    for d in range(world):
+        if bool(mask[:, d].any()):
+            acc += (w[:, d] * mask[:, d]).unsqueeze(1) * expert_output(inp.x, inp.x_scales, d).float()
+    return acc
+
+
+def check_combine(got: torch.Tensor, inp: DispatchInput, world: int,
+                  experts_per_rank: int) -> CheckResult:
+    res = CheckResult()
+    t = inp.num_tokens
+    if tuple(got.shape) != (t, inp.x.shape[1]):
+        res.add(max(t, 1), f"combine returned shape {tuple(got.shape)}, expected {(t, inp.x.shape[1])}")
+        return res
+    want = expected_combine(inp, world, experts_per_rank)
+    ok = torch.isclose(got.float(), want, rtol=COMBINE_RTOL, atol=COMBINE_ATOL)
+    bad = int((~ok.all(dim=1)).sum()) if t else 0
+    if bad:
+        row = int((~ok.all(dim=1)).nonzero()[0])
+        col = int((~ok[row]).nonzero()[0])
+        res.add(bad, f"token {row}: got {float(got[row, col])} at column {col}, "
+                     f"expected {float(want[row, col])}")
+    return res
