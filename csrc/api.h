@@ -1,0 +1,51 @@
+// extern "C" API of libepbench_ep.so, called from epbench/cuda_lib.py through ctypes.
+// Every function returns 0 on success and -1 on failure; ep_last_error() then says why.
+// Pointers are device pointers (torch tensor.data_ptr()); `stream` is a cudaStream_t.
+#pragma once
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ep_config {
+  int rank;
+  int world;  // ranks in this NVLink domain, <= 8
+  int device;
+  int hidden;
+  int max_tokens;  // the largest T any rank passes to dispatch
+  int topk;
+  int experts_per_rank;
+  int fp8;  // 1: x is fp8 e4m3 with float32 scales per 128 elements
+  double timeout_s;
+} ep_config;
+
+// Buffers a Python caller may view as tensors (ep_region).
+enum ep_region_id {
+  EP_RECV_X = 0,
+  EP_RECV_SCALES = 1,
+  EP_RECV_IDX = 2,
+  EP_RECV_W = 3,
+  EP_COMBINE_IN = 4,
+  EP_OUT = 5,
+  EP_NUM_RECV = 6,
+  EP_EXPERT_COUNTS = 7,
+};
+
+enum ep_dispatch_impl { EP_DISPATCH_REG = 0, EP_DISPATCH_TMA = 1 };
+
+const char* ep_last_error(void);
+int ep_create(const ep_config* cfg, void** ctx);
+int ep_ipc_handle(void* ctx, void* handle_out /* 64 bytes */);
+int ep_open_peers(void* ctx, const void* handles /* world * 64 bytes, rank order */);
+int ep_region(void* ctx, int which, unsigned long long* ptr, unsigned long long* bytes);
+int ep_dispatch(void* ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
+                int num_tokens, int num_sms, int impl, int warps, int stages, int epoch, void* stream);
+int ep_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,
+               int warps, int epoch, void* stream);
+// Reads the host-mapped timeout record without synchronising: 1 if a kernel gave up.
+int ep_poll_error(void* ctx, int* rank, int* peer, int* phase);
+int ep_destroy(void* ctx);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,195 @@
+// Buffers and CUDA IPC: one cudaMalloc region per rank (layout in common.cuh), exported with a
+// single IPC handle and mapped on every peer with cudaIpcOpenMemHandle. All sizes are the worst
+// case (every token of every rank routed to one rank), so nothing is allocated after ep_create.
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+
+static thread_local char g_error[512];
+
+void ep_set_error(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_error, sizeof(g_error), fmt, ap);
+  va_end(ap);
+}
+
+extern "C" const char* ep_last_error(void) { return g_error; }
+
+static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// Hands out 256-byte aligned offsets in order.
+struct Carver {
+  size_t next = 0;
+  size_t take(size_t bytes) {
+    size_t off = align_up(next, 256);
+    next = off + bytes;
+    return off;
+  }
+};
+
+extern "C" int ep_create(const ep_config* cfg, void** out) {
+  *out = nullptr;
+  if (cfg->world < 1 || cfg->world > EP_MAX_WORLD || cfg->rank < 0 || cfg->rank >= cfg->world) {
+    ep_set_error("world must be 1..%d and 0 <= rank < world (got rank %d world %d)", EP_MAX_WORLD, cfg->rank,
+                 cfg->world);
+    return -1;
+  }
+  if (cfg->topk < 1 || cfg->topk > EP_MAX_TOPK) {
+    ep_set_error("topk must be 1..%d (got %d)", EP_MAX_TOPK, cfg->topk);
+    return -1;
+  }
+  if (cfg->hidden % (cfg->fp8 ? 128 : 8) != 0) {
+    ep_set_error("hidden %d must be a multiple of %d", cfg->hidden, cfg->fp8 ? 128 : 8);
+    return -1;
+  }
+  CUDA_CHECK(cudaSetDevice(cfg->device));
+  EpContext* ctx = new EpContext();
+  memset(ctx, 0, sizeof(*ctx));
+  EpParams& p = ctx->p;
+  ctx->device = cfg->device;
+  p.rank = cfg->rank;
+  p.world = cfg->world;
+  p.experts_per_rank = cfg->experts_per_rank;
+  p.topk = cfg->topk;
+  p.hidden = cfg->hidden;
+  p.num_scales = cfg->fp8 ? cfg->hidden / 128 : 0;
+  p.row_bytes = cfg->fp8 ? cfg->hidden : cfg->hidden * 2;
+  p.max_tokens = cfg->max_tokens;
+  p.capacity = cfg->world * cfg->max_tokens;
+  p.timeout_ns = (unsigned long long)(cfg->timeout_s * 1e9);
+
+  EpSignals& s = p.sig;
+  s.notify_stride = (int)align_up(1 + cfg->world + cfg->experts_per_rank, 32);
+  s.notify_off = 0;
+  s.done_off = s.notify_off + s.notify_stride * cfg->world;
+  s.ready_off = s.done_off + 32;
+  s.pulled_off = s.ready_off + 32;
+  s.total_ints = s.pulled_off + 32;
+
+  const size_t cap = (size_t)p.capacity;
+  Carver c;
+  p.off_recv_x = c.take(cap * p.row_bytes);
+  p.off_recv_scales = c.take(cap * p.num_scales * sizeof(float));
+  p.off_recv_idx = c.take(cap * p.topk * sizeof(long long));
+  p.off_recv_w = c.take(cap * p.topk * sizeof(float));
+  p.off_combine_in = c.take(cap * p.hidden * 2);
+  p.off_signals = c.take((size_t)s.total_ints * sizeof(int));
+  ctx->shared_bytes = c.next;
+  ctx->off_out = c.take((size_t)p.max_tokens * p.hidden * 2);
+  ctx->off_slot_map = c.take((size_t)p.max_tokens * p.world * sizeof(int));
+  ctx->off_base = c.take(EP_MAX_WORLD * sizeof(int));
+  ctx->off_num_recv = c.take(sizeof(long long));
+  ctx->off_expert_counts = c.take((size_t)p.experts_per_rank * sizeof(long long));
+  ctx->off_counters = c.take(4 * sizeof(unsigned));
+  ctx->off_dev_error = c.take(sizeof(int));
+  ctx->region_bytes = align_up(c.next, 1 << 21);
+
+  cudaError_t err = cudaMalloc(&ctx->region, ctx->region_bytes);
+  if (err != cudaSuccess) {
+    ep_set_error("cudaMalloc of %zu bytes failed: %s", ctx->region_bytes, cudaGetErrorString(err));
+    delete ctx;
+    return -1;
+  }
+  // Signals, counters and the error word must start at zero; the rest is garbage until written.
+  CUDA_CHECK(cudaMemset(ctx->region + p.off_signals, 0, (size_t)s.total_ints * sizeof(int)));
+  CUDA_CHECK(cudaMemset(ctx->region + ctx->off_counters, 0, 4 * sizeof(unsigned)));
+  CUDA_CHECK(cudaMemset(ctx->region + ctx->off_dev_error, 0, sizeof(int)));
+
+  void* host_err = nullptr;
+  CUDA_CHECK(cudaHostAlloc(&host_err, sizeof(EpErrorInfo), cudaHostAllocMapped));
+  memset(host_err, 0, sizeof(EpErrorInfo));
+  ctx->host_error = (EpErrorInfo*)host_err;
+  void* dev_alias = nullptr;
+  CUDA_CHECK(cudaHostGetDevicePointer(&dev_alias, host_err, 0));
+  p.host_error = (EpErrorInfo*)dev_alias;
+
+  p.slot_map = (int*)(ctx->region + ctx->off_slot_map);
+  p.base = (int*)(ctx->region + ctx->off_base);
+  p.num_recv = (long long*)(ctx->region + ctx->off_num_recv);
+  p.expert_counts = (long long*)(ctx->region + ctx->off_expert_counts);
+  p.counters = (unsigned*)(ctx->region + ctx->off_counters);
+  p.dev_error = (int*)(ctx->region + ctx->off_dev_error);
+  for (int r = 0; r < EP_MAX_WORLD; ++r) p.peer_base[r] = nullptr;
+  p.peer_base[p.rank] = ctx->region;
+
+  CUDA_CHECK(cudaDeviceGetAttribute(&ctx->max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cfg->device));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  *out = ctx;
+  return 0;
+}
+
+extern "C" int ep_ipc_handle(void* vctx, void* handle_out) {
+  EpContext* ctx = (EpContext*)vctx;
+  CUDA_CHECK(cudaSetDevice(ctx->device));
+  cudaIpcMemHandle_t h;
+  CUDA_CHECK(cudaIpcGetMemHandle(&h, ctx->region));
+  static_assert(sizeof(h) == 64, "cudaIpcMemHandle_t is 64 bytes");
+  memcpy(handle_out, &h, sizeof(h));
+  return 0;
+}
+
+extern "C" int ep_open_peers(void* vctx, const void* handles) {
+  EpContext* ctx = (EpContext*)vctx;
+  CUDA_CHECK(cudaSetDevice(ctx->device));
+  for (int r = 0; r < ctx->p.world; ++r) {
+    if (r == ctx->p.rank) continue;
+    cudaIpcMemHandle_t h;
+    memcpy(&h, (const char*)handles + 64 * r, sizeof(h));
+    void* ptr = nullptr;
+    cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      ep_set_error("rank %d: cudaIpcOpenMemHandle for peer %d failed: %s", ctx->p.rank, r, cudaGetErrorString(err));
+      return -1;
+    }
+    ctx->p.peer_base[r] = (uint8_t*)ptr;
+  }
+  ctx->peers_open = true;
+  return 0;
+}
+
+extern "C" int ep_region(void* vctx, int which, unsigned long long* ptr, unsigned long long* bytes) {
+  EpContext* ctx = (EpContext*)vctx;
+  const EpParams& p = ctx->p;
+  const size_t cap = (size_t)p.capacity;
+  size_t off = 0, n = 0;
+  switch (which) {
+    case EP_RECV_X: off = p.off_recv_x; n = cap * p.row_bytes; break;
+    case EP_RECV_SCALES: off = p.off_recv_scales; n = cap * p.num_scales * sizeof(float); break;
+    case EP_RECV_IDX: off = p.off_recv_idx; n = cap * p.topk * sizeof(long long); break;
+    case EP_RECV_W: off = p.off_recv_w; n = cap * p.topk * sizeof(float); break;
+    case EP_COMBINE_IN: off = p.off_combine_in; n = cap * p.hidden * 2; break;
+    case EP_OUT: off = ctx->off_out; n = (size_t)p.max_tokens * p.hidden * 2; break;
+    case EP_NUM_RECV: off = ctx->off_num_recv; n = sizeof(long long); break;
+    case EP_EXPERT_COUNTS: off = ctx->off_expert_counts; n = (size_t)p.experts_per_rank * sizeof(long long); break;
+    default: ep_set_error("unknown region %d", which); return -1;
+  }
+  *ptr = (unsigned long long)(ctx->region + off);
+  *bytes = n;
+  return 0;
+}
+
+extern "C" int ep_poll_error(void* vctx, int* rank, int* peer, int* phase) {
+  EpContext* ctx = (EpContext*)vctx;
+  if (!ctx->host_error->flag) return 0;
+  *rank = ctx->host_error->rank;
+  *peer = ctx->host_error->peer;
+  *phase = ctx->host_error->phase;
+  return 1;
+}
+
+extern "C" int ep_destroy(void* vctx) {
+  EpContext* ctx = (EpContext*)vctx;
+  if (!ctx) return 0;
+  CUDA_CHECK(cudaSetDevice(ctx->device));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  for (int r = 0; r < ctx->p.world; ++r) {
+    if (r != ctx->p.rank && ctx->p.peer_base[r]) CUDA_CHECK(cudaIpcCloseMemHandle(ctx->p.peer_base[r]));
+  }
+  CUDA_CHECK(cudaFree(ctx->region));
+  CUDA_CHECK(cudaFreeHost((void*)ctx->host_error));
+  delete ctx;
+  return 0;
+}

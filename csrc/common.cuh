@@ -1,0 +1,201 @@
+// Shared by every kernel file: the context that one rank keeps, the parameter block every kernel
+// receives by value, PTX helpers for system-scope release/acquire, and the bounded spin-wait.
+//
+// Memory region (one cudaMalloc per rank, exported once with cudaIpcGetMemHandle; every rank
+// computes the same offsets, so a peer's buffer = peer_base[peer] + offset):
+//   shared part (peers write or read it over NVLink)
+//     recv_x        [capacity, row_bytes]        dispatch destination, rows (source, token) order
+//     recv_scales   [capacity, num_scales] f32   fp8 only
+//     recv_idx      [capacity, topk] i64
+//     recv_w        [capacity, topk] f32
+//     combine_in    [capacity, hidden] bf16      filled by the caller, pulled by sources in combine
+//     signals       int32 flags, see Signals below
+//   local part (only this rank touches it)
+//     out           [max_tokens, hidden] bf16    combine result
+//     slot_map      [max_tokens, world] i32      token t's row on rank d relative to my base there, -1: not sent
+//     base          [world] i32                  first row of my tokens in rank d's recv buffer
+//     num_recv      i64, expert_counts [experts_per_rank] i64
+//     counters      u32 [4]                      blocks finished per launch (reset by the last block)
+//     dev_error     i32                          nonzero once any wait timed out: every spin loop bails
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "api.h"
+
+#define EP_MAX_WORLD 8
+#define EP_MAX_TOPK 32
+
+// Records the message for ep_last_error() and returns -1 from the calling API function.
+#define CUDA_CHECK(expr)                                                                  \
+  do {                                                                                    \
+    cudaError_t err_ = (expr);                                                            \
+    if (err_ != cudaSuccess) {                                                            \
+      ep_set_error("%s:%d: %s: %s", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
+      return -1;                                                                          \
+    }                                                                                     \
+  } while (0)
+
+void ep_set_error(const char* fmt, ...);
+
+enum EpPhase { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombineReady = 3, kPhaseCombineDone = 4 };
+
+// Host-mapped pinned memory: a kernel that gives up writes here, Python reads it without a sync.
+struct EpErrorInfo {
+  volatile int flag;
+  volatile int rank;
+  volatile int peer;
+  volatile int phase;
+};
+
+// Offsets (in int32 units) of the flags inside the signals area. Each flag is written by exactly
+// one source rank with st.release.sys and holds the epoch of the last call that wrote it; epochs
+// only grow, so nothing is ever reset.
+//   notify row s : [flag, counts to each dest (world), counts per local expert of mine (E)]
+//                  written by source s in its notify kernel
+//   done[s]      : source s finished writing its dispatch rows into my buffers
+//   ready[s]     : rank s entered combine, so its combine_in is filled and may be pulled
+//   pulled[s]    : rank s finished pulling from my combine_in (my buffer may be reused)
+struct EpSignals {
+  int notify_stride;
+  int notify_off;
+  int done_off;
+  int ready_off;
+  int pulled_off;
+  int total_ints;
+};
+
+struct EpParams {
+  int rank, world, experts_per_rank, topk, hidden, num_scales;
+  int row_bytes;  // bytes of one x row as dispatched (hidden * 2 for bf16, hidden for fp8)
+  int max_tokens, capacity;
+  unsigned long long timeout_ns;
+  uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
+  size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_signals;
+  EpSignals sig;
+  int* slot_map;
+  int* base;
+  long long* num_recv;
+  long long* expert_counts;
+  unsigned* counters;
+  int* dev_error;
+  EpErrorInfo* host_error;  // device alias of the host-mapped struct
+};
+
+enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
+
+struct EpContext {
+  EpParams p;
+  int device;
+  uint8_t* region;
+  size_t region_bytes, shared_bytes;
+  size_t off_out, off_slot_map, off_base, off_num_recv, off_expert_counts, off_counters, off_dev_error;
+  EpErrorInfo* host_error;  // host view
+  bool peers_open;
+  int max_smem_optin;
+};
+
+// ---- launchers (each next to its kernel) ----
+int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int epoch, cudaStream_t stream);
+
+// ---- device helpers ----
+__device__ __forceinline__ int ld_acquire_sys(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int ld_volatile(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(int* p, int v) {
+  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// 16-byte read of data nobody writes during the kernel; no L1 allocation (streamed once).
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+  int4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_v4(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ int* signal_ptr(const EpParams& p, int rank, int index) {
+  return reinterpret_cast<int*>(p.peer_base[rank] + p.off_signals) + index;
+}
+
+// Out of line and without the EpParams reference, so the parameter block stays in param space.
+static __device__ __noinline__ void report_timeout(int* dev_error, EpErrorInfo* host_error, int rank, int peer, int phase) {
+  if (atomicCAS(dev_error, 0, phase) == 0) {
+    host_error->rank = rank;
+    host_error->peer = peer;
+    host_error->phase = phase;
+    __threadfence_system();
+    host_error->flag = 1;
+    __threadfence_system();
+  }
+}
+
+// Spins until *flag >= expected. Gives up (returns false) when another wait already failed or
+// after p.timeout_ns, recording (rank, peer, phase) for the host.
+__device__ __forceinline__ bool wait_flag(const EpParams& p, const int* flag, int expected, int peer, int phase) {
+  unsigned long long start = globaltimer();
+  while (true) {
+    if (ld_acquire_sys(flag) - expected >= 0) return true;
+    if (ld_volatile(p.dev_error) != 0) return false;
+    if (globaltimer() - start > p.timeout_ns) {
+      report_timeout(p.dev_error, p.host_error, p.rank, peer, phase);
+      return false;
+    }
+  }
+}
+
+// Called by every thread at the end of a kernel whose blocks wrote into peer memory. All
+// threads fence, then one thread per block counts the block done; the last block of the grid
+// releases `epoch` into flag `my_flag_index` of every peer and waits until every peer has
+// released its own flag to me (flag_base + peer). Returns after the wait (or a timeout).
+__device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int counter, int flag_base, int epoch,
+                                                      int phase) {
+  __shared__ int is_last;
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned prev = atomicAdd(p.counters + counter, 1u);
+    is_last = (prev == gridDim.x - 1);
+    if (is_last) atomicExch(p.counters + counter, 0u);
+  }
+  __syncthreads();
+  if (!is_last) return;
+  fence_acq_rel_sys();
+  const int peer = threadIdx.x;
+  if (peer < p.world) {
+    st_release_sys(signal_ptr(p, peer, flag_base + p.rank), epoch);
+    wait_flag(p, signal_ptr(p, p.rank, flag_base + peer), epoch, peer, phase);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}

@@ -1,0 +1,258 @@
+// Dispatch: after the notify kernel (layout.cu) has produced slot_map and base, num_sms blocks
+// push every token row once to every rank that holds one of its experts, straight into that
+// rank's recv buffers (row base[d] + slot_map[t][d]), then signal completion.
+//
+// Work split (both variants): warp w of block b is global warp g = b * warps + w; it handles
+// tokens g, g + G, g + 2G, ... (G = all warps of the grid), so every block is an independent
+// channel and blocks never wait on each other.
+//
+// dispatch_reg_kernel: each lane loads kU 16-byte vectors of the row (ld.global.nc, all in
+//   flight at once) and stores the same registers to every destination row (st.global 16 B).
+// dispatch_tma_kernel: lane 0 of each warp runs a ring of `stages` row buffers in shared
+//   memory: cp.async.bulk global -> shared (completes on the stage's mbarrier), then one
+//   cp.async.bulk shared -> peer global per destination, committed as one bulk group per token;
+//   a stage is refilled once its group has finished reading it (wait_group.read 1). Loads run
+//   stages - 1 tokens ahead. The other lanes copy the metadata.
+// Both: lanes < topk copy topk_idx / topk_weights, lanes stride over the fp8 scales.
+//
+// Completion (grid_release_and_wait in common.cuh): every thread fences at system scope; the
+// last block to finish stores done[me] = epoch into every rank's signals with st.release.sys,
+// then waits until done[s] == epoch for every source s in my signals, so the kernel ends only
+// when every row addressed to this rank has landed.
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace {
+
+struct DispatchArgs {
+  const uint8_t* x;
+  const float* x_scales;
+  const int64_t* topk_idx;
+  const float* topk_w;
+  int num_tokens;
+};
+
+// Row of token t on every rank (-1 where it is not sent), the same in every lane.
+__device__ __forceinline__ void dest_rows(const EpParams& p, int t, int lane, int my_base, int (&rows)[EP_MAX_WORLD]) {
+  const int slot = lane < p.world ? p.slot_map[(size_t)t * p.world + lane] : -1;
+  const int my_row = slot >= 0 ? my_base + slot : -1;
+#pragma unroll
+  for (int d = 0; d < EP_MAX_WORLD; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
+}
+
+__device__ __forceinline__ void copy_metadata(const EpParams& p, const DispatchArgs& a, int t, int lane,
+                                              const int (&rows)[EP_MAX_WORLD]) {
+  const int topk = p.topk;
+  long long idx = 0;
+  float w = 0.f;
+  if (lane < topk) {
+    idx = a.topk_idx[(size_t)t * topk + lane];
+    w = a.topk_w[(size_t)t * topk + lane];
+  }
+#pragma unroll
+  for (int d = 0; d < EP_MAX_WORLD; ++d) {
+    if (rows[d] < 0) continue;
+    uint8_t* pb = p.peer_base[d];
+    if (lane < topk) {
+      reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)rows[d] * topk + lane] = idx;
+      reinterpret_cast<float*>(pb + p.off_recv_w)[(size_t)rows[d] * topk + lane] = w;
+    }
+    float* dst_scales = reinterpret_cast<float*>(pb + p.off_recv_scales) + (size_t)rows[d] * p.num_scales;
+    for (int j = lane; j < p.num_scales; j += 32) dst_scales[j] = a.x_scales[(size_t)t * p.num_scales + j];
+  }
+}
+
+template <int kU, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_reg_kernel(EpParams p, DispatchArgs a, int epoch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int total_warps = gridDim.x * nwarps;
+  const int my_base = lane < p.world ? p.base[lane] : 0;
+  const int V = p.row_bytes >> 4;
+  const bool aborted = ld_volatile(p.dev_error) != 0;
+  for (int t = blockIdx.x * nwarps + warp; !aborted && t < a.num_tokens; t += total_warps) {
+    int rows[EP_MAX_WORLD];
+    dest_rows(p, t, lane, my_base, rows);
+    const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+      int4 buf[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int i = v0 + u * 32 + lane;
+        if (i < V) buf[u] = ld_nc_v4(src + i);
+      }
+#pragma unroll
+      for (int d = 0; d < EP_MAX_WORLD; ++d) {
+        if (rows[d] < 0) continue;
+        int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int i = v0 + u * 32 + lane;
+          if (i < V) st_v4(dst + i, buf[u]);
+        }
+      }
+    }
+    copy_metadata(p, a, t, lane, rows);
+  }
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
+}
+
+// ---- TMA (bulk copy) helpers ----
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) { return (uint32_t)__cvta_generic_to_shared(ptr); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "EP_MBAR_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra EP_MBAR_WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(smem_dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(smem_src)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read_all_but_one() {
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+constexpr int kTmaMaxThreads = 1024;
+
+__device__ __forceinline__ size_t tma_bar_bytes(int nwarps, int stages) {
+  return ((size_t)nwarps * stages * sizeof(uint64_t) + 127) / 128 * 128;
+}
+
+__global__ void __launch_bounds__(kTmaMaxThreads, 1)
+    dispatch_tma_kernel(EpParams p, DispatchArgs a, int epoch, int stages) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const uint32_t row_bytes = (uint32_t)p.row_bytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * stages;
+  uint8_t* ring = smem + tma_bar_bytes(nwarps, stages) + (size_t)warp * stages * row_bytes;
+  if (lane == 0) {
+    for (int s = 0; s < stages; ++s) mbar_init(bars + s, 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncwarp();
+
+  const int first = blockIdx.x * nwarps + warp, step = gridDim.x * nwarps;
+  const bool aborted = ld_volatile(p.dev_error) != 0;
+  const int n = (!aborted && first < a.num_tokens) ? (a.num_tokens - first + step - 1) / step : 0;
+  const int my_base = lane < p.world ? p.base[lane] : 0;
+  if (lane == 0) {
+    for (int j = 0; j < stages - 1 && j < n; ++j) {
+      mbar_expect_tx(bars + j, row_bytes);
+      bulk_load(ring + (size_t)j * row_bytes, a.x + (size_t)(first + j * step) * row_bytes, row_bytes, bars + j);
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    const int t = first + j * step;
+    int rows[EP_MAX_WORLD];
+    dest_rows(p, t, lane, my_base, rows);
+    if (lane == 0) {
+      const int s = j % stages;
+      mbar_wait(bars + s, (uint32_t)((j / stages) & 1));
+#pragma unroll
+      for (int d = 0; d < EP_MAX_WORLD; ++d) {
+        if (rows[d] < 0) continue;
+        bulk_store(p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * row_bytes, ring + (size_t)s * row_bytes,
+                   row_bytes);
+      }
+      bulk_commit();
+      const int jn = j + stages - 1;
+      if (jn < n) {
+        bulk_wait_read_all_but_one();  // the group of token j - 1, which used stage jn % stages, is read
+        const int sn = jn % stages;
+        mbar_expect_tx(bars + sn, row_bytes);
+        bulk_load(ring + (size_t)sn * row_bytes, a.x + (size_t)(first + jn * step) * row_bytes, row_bytes,
+                  bars + sn);
+      }
+    }
+    copy_metadata(p, a, t, lane, rows);
+  }
+  if (lane == 0) {
+    bulk_wait_all();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+  __syncwarp();
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
+}
+
+}  // namespace
+
+extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
+                           int num_tokens, int num_sms, int impl, int warps, int stages, int epoch, void* vstream) {
+  EpContext* ctx = (EpContext*)vctx;
+  const EpParams& p = ctx->p;
+  cudaStream_t stream = (cudaStream_t)vstream;
+  if (!ctx->peers_open) {
+    ep_set_error("peers not opened: call ep_open_peers first");
+    return -1;
+  }
+  if (num_tokens < 0 || num_tokens > p.max_tokens) {
+    ep_set_error("num_tokens %d outside 0..max_tokens %d", num_tokens, p.max_tokens);
+    return -1;
+  }
+  if (num_sms < 1 || warps < 1 || warps > 32) {
+    ep_set_error("num_sms must be >= 1 and warps 1..32 (got %d, %d)", num_sms, warps);
+    return -1;
+  }
+  if (p.num_scales > 0 && x_scales == nullptr && num_tokens > 0) {
+    ep_set_error("fp8 dispatch needs x_scales");
+    return -1;
+  }
+  CUDA_CHECK(cudaSetDevice(ctx->device));
+  if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, epoch, stream) != 0) return -1;
+
+  DispatchArgs a;
+  a.x = (const uint8_t*)x;
+  a.x_scales = (const float*)x_scales;
+  a.topk_idx = (const int64_t*)topk_idx;
+  a.topk_w = (const float*)topk_w;
+  a.num_tokens = num_tokens;
+
+  if (impl == EP_DISPATCH_TMA) {
+    const size_t bar_bytes = ((size_t)warps * 32 * sizeof(uint64_t) + 127) / 128 * 128;
+    const size_t room = (size_t)ctx->max_smem_optin - bar_bytes;
+    const int fit = (int)std::min<size_t>(room / ((size_t)warps * p.row_bytes), 32);
+    const int use = std::min(stages, fit);
+    if (use >= 2) {
+      const size_t smem = ((size_t)warps * use * sizeof(uint64_t) + 127) / 128 * 128 + (size_t)warps * use * p.row_bytes;
+      CUDA_CHECK(cudaFuncSetAttribute(dispatch_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      dispatch_tma_kernel<<<num_sms, warps * 32, smem, stream>>>(p, a, epoch, use);
+      CUDA_CHECK(cudaGetLastError());
+      return 0;
+    }
+    // Rows too large for two stages per warp: the register path below handles any size.
+  }
+  if (warps <= 16) {
+    dispatch_reg_kernel<8, 512><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+  } else {
+    dispatch_reg_kernel<4, 1024><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+  }
+  CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
