@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
-from rich.console import Console
 
 
 from epbench import launch, scenario
+from epbench.console import wide_console
 from epbench.errors import UserError, VerificationFailed
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Benchmark MoE expert-parallel dispatch/combine and characterise its bandwidth.")
-console = Console()
-err = Console(stderr=True)
+console = wide_console()
+err = wide_console(stderr=True)
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 

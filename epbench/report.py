@@ -7,6 +7,8 @@ from typing import Any, Dict, List, Optional
 
 import pandas as pd
 from rich.console import Console
+
+from epbench.console import wide_console
 from rich.table import Table
 
 from epbench.metrics import summarize
@@ -20,12 +22,6 @@ def _num(v: Any) -> str:
     if abs(v) >= 100:
         return f"{v:.0f}"
     return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
-
-
-def wide_console() -> Console:
-    """Rich assumes 80 columns when output is not a terminal (logs, CI); tables need more."""
-    c = Console()
-    return c if c.is_terminal else Console(width=160)
 
 
 def _spread(row: pd.Series, col: str) -> str:

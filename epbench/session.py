@@ -11,7 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from epbench import launch, provenance
 from epbench.driver import RunOptions, measure
-from epbench.report import print_run, wide_console
+from epbench.console import wide_console
+from epbench.report import print_run
 from epbench.results import RunWriter, new_run_dir
 from epbench.scenario import Scenario
 

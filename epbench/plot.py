@@ -1,0 +1,121 @@
+"""PNG plots drawn from results folders only (never from a live run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from epbench.metrics import summarize  # noqa: E402
+from epbench.results import load_run  # noqa: E402
+
+OPS = ("dispatch", "combine")
+
+
+def _label(backend: str) -> str:
+    return "reference (NCCL / gloo)" if backend == "reference" else backend
+
+
+def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
+    """Slowest rank's NVLink bus bandwidth (solid) and algorithm bandwidth (dashed) against the
+    SM count; a backend whose SM count epbench does not control is a horizontal line."""
+    fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
+    swept = sorted({int(s) for s in summary["sms"] if s})
+    for ax, op in zip(axes, OPS):
+        part = summary[summary["op"] == op]
+        for i, (backend, g) in enumerate(part.groupby("backend", sort=False)):
+            color = f"C{i}"
+            g = g.sort_values("sms")
+            if (g["sms"] == 0).all():
+                for col, style in (("busbw_nvlink_gbps_min", "-"), ("algbw_gbps_min", "--")):
+                    ax.axhline(g[col].iloc[0], color=color, linestyle=style, linewidth=1.2,
+                               label=f"{_label(backend)} {'busbw' if style == '-' else 'algbw'} (auto SMs)")
+            else:
+                ax.plot(g["sms"], g["busbw_nvlink_gbps_min"], "o-", color=color,
+                        label=f"{_label(backend)} NVLink busbw")
+                ax.plot(g["sms"], g["algbw_gbps_min"], "s--", color=color, alpha=0.7,
+                        label=f"{_label(backend)} algbw")
+        ax.set_title(op)
+        ax.set_xlabel("SMs")
+        if swept:
+            ax.set_xticks(swept)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s (slowest rank)")
+    axes[-1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def per_rank(df: pd.DataFrame, title: str, path: Path) -> Path:
+    """Each rank's NVLink bus bandwidth at every backend's largest SM count: imbalance shows."""
+    fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
+    for ax, op in zip(axes, OPS):
+        part = df[df["op"] == op]
+        groups = [(b, g[g["sms"] == g["sms"].max()]) for b, g in part.groupby("backend", sort=False)]
+        width = 0.8 / max(len(groups), 1)
+        for i, (backend, g) in enumerate(groups):
+            g = g.sort_values("rank")
+            sms = int(g["sms"].iloc[0])
+            ax.bar(g["rank"] + (i - (len(groups) - 1) / 2) * width, g["busbw_nvlink_gbps"],
+                   width=width, color=f"C{i}",
+                   label=f"{_label(backend)} ({sms} SMs)" if sms else _label(backend))
+        ax.set_title(op)
+        ax.set_xlabel("rank")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("NVLink busbw GB/s")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def expert_load(meta: dict, path: Path) -> Optional[Path]:
+    """Tokens routed to each expert (regenerated from the run's scenario and seed)."""
+    from epbench.routing import expert_load as load_of, route_all
+    from epbench.scenario import parse
+
+    data = dict(meta.get("scenario") or {})
+    if not data:
+        return None
+    data.pop("source", None)
+    s = parse(data, "meta.json")
+    load = load_of(route_all(s), s.num_experts).numpy()
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    epr = s.model.experts_per_rank
+    ax.bar(range(len(load)), load, width=1.0,
+           color=[f"C{(e // epr) % 10}" for e in range(len(load))])
+    ax.axhline(load.mean(), color="k", linestyle="--", linewidth=1, label="average")
+    ax.set_xlabel(f"expert (colour = rank, {epr} per rank)")
+    ax.set_ylabel("tokens")
+    ax.set_title(f"{s.name}: expert load, {s.routing.kind} routing "
+                 f"(max/avg {load.max() / max(load.mean(), 1e-9):.2f})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: Path, out_dir: Optional[Path] = None) -> List[Path]:
+    meta, df = load_run(run_dir)
+    out_dir = out_dir or run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    title = f"{run_dir.name} ({meta.get('world', '?')} ranks, {meta.get('device', '?')})"
+    written: List[Path] = []
+    if not df.empty:
+        written.append(bandwidth_vs_sms(summarize(df), title, out_dir / "bandwidth_vs_sms.png"))
+        written.append(per_rank(df, title, out_dir / "per_rank.png"))
+    load_png = expert_load(meta, out_dir / "expert_load.png")
+    if load_png:
+        written.append(load_png)
+    return written
