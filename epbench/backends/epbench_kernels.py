@@ -1,0 +1,234 @@
+"""The ``epbench`` backend: epbench's own intranode dispatch/combine kernels (csrc/).
+
+One device region per rank holds every buffer (sized for the worst case: all tokens of all
+ranks routed to one rank); it is exported with one CUDA IPC handle, the handles are swapped
+with ``all_gather_object`` and every peer's region is mapped once, in the constructor.
+``dispatch`` launches the notify kernel (count exchange, slots, and the barrier that makes
+buffer reuse safe) and the dispatch kernel; ``combine`` launches the pull-and-reduce kernel.
+Nothing is allocated and nothing waits on the host inside either call; ``num_recv`` and
+``expert_counts`` stay on the device.
+
+Tuning knobs other than the SM count are constructor arguments, with the environment as the
+default (values chosen by measurement, notes/KERNELS.md):
+  EPBENCH_DISPATCH_IMPL   reg | tma      (register path or TMA bulk-copy path)
+  EPBENCH_DISPATCH_WARPS  warps per dispatch block (1..32)
+  EPBENCH_TMA_STAGES      row buffers per warp in the TMA path
+  EPBENCH_COMBINE_WARPS   warps per combine block (1..16)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from epbench import cuda_lib
+from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+
+DEFAULTS: Dict[str, Any] = {
+    "dispatch_impl": "reg",
+    "dispatch_warps": 16,
+    "tma_stages": 3,
+    "combine_warps": 16,
+}
+MAX_WORLD = 8
+MAX_TOPK = 32
+NOTIFY_SMEM_BYTES = 227 * 1024
+
+
+def _knob(name: str, given: Optional[Any]) -> Any:
+    if given is not None:
+        return given
+    env = os.environ.get(f"EPBENCH_{name.upper()}")
+    if env is None:
+        return DEFAULTS[name]
+    return env if isinstance(DEFAULTS[name], str) else int(env)
+
+
+class _DeviceBytes:
+    """Exposes a raw device pointer to torch.as_tensor (no copy, no ownership)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }
+
+
+@dataclass
+class _Handle:
+    """What combine needs from the matching dispatch (the layout itself stays on the device)."""
+
+    num_tokens: int
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    epoch: int
+
+
+class EpbenchBackend(Backend):
+    name = "epbench"
+    uses_sms = True
+
+    @classmethod
+    def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
+        if setup.device.type != "cuda" or not torch.cuda.is_available():
+            return "needs CUDA GPUs"
+        if setup.world > MAX_WORLD:
+            return f"intranode kernels handle at most {MAX_WORLD} ranks (world {setup.world})"
+        if setup.world > setup.gpus_per_node:
+            return "intranode only: every rank must be in one NVLink domain (nodes > 1)"
+        if torch.cuda.get_device_capability(setup.device)[0] < 9:
+            return "needs compute capability 9.0 or newer (kernels are built for sm_90)"
+        if setup.topk > MAX_TOPK:
+            return f"topk {setup.topk} > {MAX_TOPK}"
+        multiple = 128 if setup.dispatch_dtype == "fp8" else 8
+        if setup.hidden % multiple:
+            return f"hidden {setup.hidden} must be a multiple of {multiple}"
+        if setup.num_experts * 4 > NOTIFY_SMEM_BYTES:
+            return f"{setup.num_experts} experts exceed the notify kernel's shared memory"
+        try:
+            cuda_lib.load()
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    def __init__(self, setup: RankSetup, *, dispatch_impl: Optional[str] = None,
+                 dispatch_warps: Optional[int] = None, tma_stages: Optional[int] = None,
+                 combine_warps: Optional[int] = None) -> None:
+        reason = self.unavailable_reason(setup)
+        if reason:
+            raise RuntimeError(f"epbench backend unavailable: {reason}")
+        self.s = setup
+        self.dispatch_impl = _knob("dispatch_impl", dispatch_impl)
+        if self.dispatch_impl not in cuda_lib.DISPATCH_IMPLS:
+            raise ValueError(f"dispatch_impl must be one of {list(cuda_lib.DISPATCH_IMPLS)}")
+        self.dispatch_warps = _knob("dispatch_warps", dispatch_warps)
+        self.tma_stages = _knob("tma_stages", tma_stages)
+        self.combine_warps = _knob("combine_warps", combine_warps)
+        self._lib = cuda_lib.load()
+        self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
+                                   else torch.cuda.current_device())
+        self.fp8 = setup.dispatch_dtype == "fp8"
+        cfg = cuda_lib.EpConfig(setup.rank, setup.world, self.device.index, setup.hidden,
+                                setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
+                                int(self.fp8), float(setup.timeout_s))
+        self._ctx = ctypes.c_void_p()
+        cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
+        self._open_peers()
+        self._views()
+        self._dispatch_epoch = 0
+        self._combine_epoch = 0
+
+    # ---- set-up ----
+    def _open_peers(self) -> None:
+        handle = ctypes.create_string_buffer(64)
+        cuda_lib.check(self._lib.ep_ipc_handle(self._ctx, handle), "ep_ipc_handle")
+        handles = [handle.raw]
+        if self.s.world > 1:
+            handles = [b""] * self.s.world
+            dist.all_gather_object(handles, handle.raw)
+        cuda_lib.check(self._lib.ep_open_peers(self._ctx, b"".join(handles)), "ep_open_peers")
+
+    def _region(self, which: int) -> torch.Tensor:
+        ptr, nbytes = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        cuda_lib.check(self._lib.ep_region(self._ctx, which, ctypes.byref(ptr), ctypes.byref(nbytes)),
+                       "ep_region")
+        if nbytes.value == 0:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        return torch.as_tensor(_DeviceBytes(ptr.value, nbytes.value), device=self.device)
+
+    def _views(self) -> None:
+        s = self.s
+        cap, h, k = s.world * s.max_tokens_per_rank, s.hidden, s.topk
+        x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        self.recv_x = self._region(cuda_lib.RECV_X).view(x_dtype).view(cap, h)
+        self.recv_scales = (self._region(cuda_lib.RECV_SCALES).view(torch.float32).view(cap, h // 128)
+                            if self.fp8 else None)
+        self.recv_idx = self._region(cuda_lib.RECV_IDX).view(torch.int64).view(cap, k)
+        self.recv_w = self._region(cuda_lib.RECV_W).view(torch.float32).view(cap, k)
+        self.combine_in = self._region(cuda_lib.COMBINE_IN).view(torch.bfloat16).view(cap, h)
+        self.out = self._region(cuda_lib.OUT).view(torch.bfloat16).view(s.max_tokens_per_rank, h)
+        self.num_recv = self._region(cuda_lib.NUM_RECV).view(torch.int64).view(())
+        self.expert_counts = self._region(cuda_lib.EXPERT_COUNTS).view(torch.int64)
+
+    # ---- the two operations ----
+    def _stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+        s = self.s
+        x, t = inp.x, inp.num_tokens
+        want = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        if x.dtype != want or x.dim() != 2 or x.shape[1] != s.hidden:
+            raise ValueError(f"x must be {want} [T, {s.hidden}], got {x.dtype} {list(x.shape)}")
+        if t > s.max_tokens_per_rank:
+            raise ValueError(f"{t} tokens > max_tokens_per_rank {s.max_tokens_per_rank}")
+        x = x.contiguous()
+        if x.data_ptr() % 16:
+            raise ValueError("x must be 16-byte aligned")
+        scales = inp.x_scales.contiguous() if self.fp8 else None
+        if self.fp8 and (scales is None or scales.dtype != torch.float32):
+            raise ValueError("fp8 dispatch needs float32 x_scales [T, hidden / 128]")
+        idx = inp.topk_idx.contiguous()
+        w = inp.topk_weights.contiguous()
+        self._dispatch_epoch += 1
+        rc = self._lib.ep_dispatch(
+            self._ctx, x.data_ptr(), scales.data_ptr() if scales is not None else None, idx.data_ptr(),
+            w.data_ptr(), t, int(num_sms), cuda_lib.DISPATCH_IMPLS[self.dispatch_impl],
+            int(self.dispatch_warps), int(self.tma_stages), self._dispatch_epoch, self._stream())
+        cuda_lib.check(rc, "dispatch")
+        self._raise_if_timed_out()
+        handle = _Handle(t, idx, w, self._dispatch_epoch)
+        return DispatchOutput(self.recv_x, self.recv_scales, self.recv_idx, self.recv_w,
+                              self.expert_counts, self.num_recv, handle)
+
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        return self.combine_in
+
+    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
+        h: _Handle = out.handle
+        if h.epoch != self._dispatch_epoch:
+            raise RuntimeError("epbench combine must follow its own dispatch (another dispatch ran since)")
+        self._combine_epoch += 1
+        rc = self._lib.ep_combine(self._ctx, self.out.data_ptr(), h.topk_idx.data_ptr(),
+                                  h.topk_weights.data_ptr(), h.num_tokens, int(num_sms),
+                                  int(self.combine_warps), self._combine_epoch, self._stream())
+        cuda_lib.check(rc, "combine")
+        self._raise_if_timed_out()
+        return self.out[: h.num_tokens]
+
+    # ---- errors, poison, release ----
+    def _raise_if_timed_out(self) -> None:
+        """Reads the host-mapped timeout record; costs no synchronisation."""
+        rank, peer, phase = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if self._lib.ep_poll_error(self._ctx, ctypes.byref(rank), ctypes.byref(peer), ctypes.byref(phase)):
+            what = cuda_lib.PHASES.get(phase.value, f"phase {phase.value}")
+            raise RuntimeError(f"epbench kernels: rank {rank.value} gave up after {self.s.timeout_s:g} s "
+                               f"waiting for rank {peer.value} in {what}")
+
+    def check_errors(self) -> None:
+        """Waits for this rank's queued kernels, then raises if any of them timed out on a peer."""
+        torch.cuda.synchronize(self.device)
+        self._raise_if_timed_out()
+
+    def poison(self) -> None:
+        self.recv_x.view(torch.uint8).fill_(0xFF)
+        if self.recv_scales is not None:
+            self.recv_scales.fill_(float("nan"))
+        self.recv_idx.fill_(-1)
+        self.recv_w.fill_(float("nan"))
+        self.expert_counts.fill_(-1)
+        self.num_recv.fill_(-1)
+        self.out.fill_(float("nan"))
+
+    def close(self) -> None:
+        """Collective: every rank must call it (peers may still write into this rank's region)."""
+        if self._ctx:
+            torch.cuda.synchronize(self.device)
+            if self.s.world > 1 and dist.is_available() and dist.is_initialized():
+                dist.barrier()
+            cuda_lib.check(self._lib.ep_destroy(self._ctx), "ep_destroy")
+            self._ctx = ctypes.c_void_p()

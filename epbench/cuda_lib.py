@@ -1,0 +1,82 @@
+"""ctypes loader for epbench's compiled kernels (csrc/ -> epbench/_lib/libepbench_ep.so).
+
+The library is plain CUDA C++ with an extern "C" API (csrc/api.h): device pointers go in as
+``tensor.data_ptr()`` and the stream as ``torch.cuda.current_stream().cuda_stream``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+LIB_PATH = Path(__file__).resolve().parent / "_lib" / "libepbench_ep.so"
+NOT_BUILT = "kernels not built: run `make build`"
+
+# Region ids (enum ep_region_id in csrc/api.h).
+RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS = range(8)
+# Dispatch implementations (enum ep_dispatch_impl).
+DISPATCH_IMPLS = {"reg": 0, "tma": 1}
+# Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
+PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
+          3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)"}
+
+
+class EpConfig(ctypes.Structure):
+    _fields_ = [
+        ("rank", ctypes.c_int),
+        ("world", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("hidden", ctypes.c_int),
+        ("max_tokens", ctypes.c_int),
+        ("topk", ctypes.c_int),
+        ("experts_per_rank", ctypes.c_int),
+        ("fp8", ctypes.c_int),
+        ("timeout_s", ctypes.c_double),
+    ]
+
+
+_lib: Optional[ctypes.CDLL] = None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp, i, ull = ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong
+    ip = ctypes.POINTER(ctypes.c_int)
+    lib.ep_last_error.restype = ctypes.c_char_p
+    lib.ep_last_error.argtypes = []
+    signatures = {
+        "ep_create": [ctypes.POINTER(EpConfig), ctypes.POINTER(vp)],
+        "ep_ipc_handle": [vp, ctypes.c_char_p],
+        "ep_open_peers": [vp, ctypes.c_char_p],
+        "ep_region": [vp, i, ctypes.POINTER(ull), ctypes.POINTER(ull)],
+        "ep_dispatch": [vp, vp, vp, vp, vp, i, i, i, i, i, i, vp],
+        "ep_combine": [vp, vp, vp, vp, i, i, i, i, vp],
+        "ep_poll_error": [vp, ip, ip, ip],
+        "ep_destroy": [vp],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library; RuntimeError with a one-line reason when it is missing or broken."""
+    global _lib
+    if _lib is None:
+        if not LIB_PATH.exists():
+            raise RuntimeError(f"{NOT_BUILT} ({LIB_PATH} is missing)")
+        try:
+            lib = ctypes.CDLL(str(LIB_PATH))
+        except OSError as e:
+            raise RuntimeError(f"cannot load {LIB_PATH}: {e}; rebuild with `make build`") from e
+        _declare(lib)
+        _lib = lib
+    return _lib
+
+
+def check(rc: int, what: str) -> None:
+    """Raises RuntimeError carrying the library's message when an API call failed."""
+    if rc != 0:
+        msg = load().ep_last_error().decode(errors="replace")
+        raise RuntimeError(f"epbench kernels: {what} failed: {msg}")

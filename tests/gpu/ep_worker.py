@@ -1,0 +1,279 @@
+"""Multi-rank worker for the epbench kernels, started by torchrun (one process per GPU).
+
+    torchrun --nproc_per_node 4 tests/gpu/ep_worker.py check [--quick]
+    torchrun --nproc_per_node 4 tests/gpu/ep_worker.py bench [--sms 8,16,24,32] [--out DIR]
+
+check: every edge case of the backend interface against epbench.verify (bit-exact dispatch,
+combine within its tolerance), fresh random inputs and poisoned outputs each time, both
+dispatch implementations, then a deliberate missing peer that must raise, not hang.
+bench: the h200x4 and DeepSeek-V3 shapes, bf16 and fp8, dispatch variants x SM counts;
+median of the per-call CUDA-event times, slowest rank; prints a table last.
+Exit code 0 only if every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
+from epbench.backends.epbench_kernels import EpbenchBackend  # noqa: E402
+from epbench.inputs import dispatch_input, expert_output, make_tokens  # noqa: E402
+from epbench.metrics import row_bytes  # noqa: E402
+from epbench.routing import RankRouting, dest_mask, route_rank  # noqa: E402
+from epbench.scenario import Routing  # noqa: E402
+from epbench.verify import check_combine, check_dispatch  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    hidden: int
+    tokens: Sequence[int]  # per rank (cycled when shorter than the world)
+    topk: int
+    experts_per_rank: int
+    dtype: str = "bf16"
+    routing: str = "uniform"  # uniform | zipf | hot | own | one
+
+
+def rank_routing(case: Case, rank: int, world: int, seed: int) -> RankRouting:
+    t = case.tokens[rank % len(case.tokens)]
+    e = case.experts_per_rank
+    if case.routing in ("own", "one"):
+        g = torch.Generator().manual_seed(seed * 131 + rank)
+        target = rank if case.routing == "own" else 0
+        idx = torch.stack([torch.randperm(e, generator=g)[: case.topk] for _ in range(t)]) if t else \
+            torch.empty(0, case.topk, dtype=torch.int64)
+        idx = (idx + target * e).to(torch.int64)
+        w = torch.rand(t, case.topk, generator=g) + 0.5
+        return RankRouting(idx, (w / w.sum(dim=1, keepdim=True)).float())
+    return route_rank(Routing(kind=case.routing, seed=seed), t, case.topk, world * e, rank)
+
+
+def make_setup(case: Case, rank: int, world: int, device: torch.device, timeout_s: float = 10.0) -> RankSetup:
+    return RankSetup(rank=rank, world=world, gpus_per_node=world, device=device, hidden=case.hidden,
+                     max_tokens_per_rank=max(max(case.tokens), 1), topk=case.topk,
+                     experts_per_rank=case.experts_per_rank, dispatch_dtype=case.dtype, timeout_s=timeout_s)
+
+
+def all_sum(v: int, device: torch.device) -> int:
+    t = torch.tensor([v], dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def check_case(be: EpbenchBackend, case: Case, rank: int, world: int, device: torch.device, salt: int,
+               sms: int) -> Dict[str, object]:
+    routings = [rank_routing(case, r, world, seed=salt) for r in range(world)]
+
+    def input_of(r: int) -> DispatchInput:
+        x = make_tokens(routings[r].num_tokens, case.hidden, 7, r, salt, device)
+        return dispatch_input(x, routings[r], case.dtype, device)
+
+    own = input_of(rank)
+    be.poison()
+    be.combine_input(None).fill_(float("nan"))
+    dist.barrier()
+    out = be.dispatch(own, sms)
+    be.check_errors()
+    d = check_dispatch(out, rank, world, case.experts_per_rank, input_of)
+    n = int(out.num_recv)
+    y = be.combine_input(out)
+    scales = out.x_scales[:n] if out.x_scales is not None else None
+    y[:n].copy_(expert_output(out.x[:n], scales, rank))
+    dist.barrier()
+    got = be.combine(out, sms).clone()
+    be.check_errors()
+    c = check_combine(got, own, world, case.experts_per_rank)
+    return {"dispatch_wrong": d.wrong, "combine_wrong": c.wrong,
+            "problem": d.first_problem or c.first_problem, "num_recv": n}
+
+
+CHECK_CASES: List[Case] = [
+    Case("uniform bf16 h2048", 2048, [512, 300, 1, 777], 8, 4),
+    Case("uniform fp8 h2048", 2048, [512, 300, 1, 777], 8, 4, "fp8"),
+    Case("zipf bf16 h4096", 4096, [1000], 8, 16, "bf16", "zipf"),
+    Case("hot fp8 h4096", 4096, [1000], 8, 16, "fp8", "hot"),
+    Case("T=4095 bf16 h7168 e64", 7168, [4095], 8, 64),
+    Case("T=1 bf16", 2048, [1], 8, 4),
+    Case("rank with 0 tokens", 2048, [64, 0, 100, 0], 6, 4),
+    Case("all ranks 0 tokens", 2048, [0], 4, 4),
+    Case("own rank only", 2048, [333], 4, 8, "bf16", "own"),
+    Case("every token to rank 0", 3072, [257], 8, 8, "bf16", "one"),
+    Case("every token to rank 0 fp8", 3072, [257], 8, 8, "fp8", "one"),
+    Case("h200x4 bf16 h8192", 8192, [4096], 8, 2),
+    Case("h200x4 fp8 h8192", 8192, [4096], 8, 2, "fp8"),
+    Case("fp8 h7168 e64", 7168, [4096, 1000], 8, 64, "fp8"),
+]
+QUICK = {"uniform bf16 h2048", "uniform fp8 h2048", "rank with 0 tokens", "T=1 bf16", "every token to rank 0",
+         "own rank only", "fp8 h7168 e64"}
+
+
+def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    failures = 0
+    lines = []
+    cases = [c for c in CHECK_CASES if not args.quick or c.name in QUICK]
+    for case in cases:
+        be = EpbenchBackend(make_setup(case, rank, world, device))
+        for impl, warps, sms in (("reg", 16, 3), ("tma", 4, 5), ("reg", 32, 16)):
+            be.dispatch_impl, be.dispatch_warps = impl, warps
+            for rep in range(2):  # twice: the second call reuses buffers and flags
+                salt = zlib.crc32(f"{case.name}/{impl}/{sms}/{rep}".encode()) % 10000
+                try:
+                    r = check_case(be, case, rank, world, device, salt, sms)
+                except RuntimeError as e:
+                    r = {"dispatch_wrong": -1, "combine_wrong": -1, "problem": str(e), "num_recv": -1}
+                bad = all_sum(int(r["dispatch_wrong"] != 0) + int(r["combine_wrong"] != 0), device)
+                failures += bad
+                if rank == 0 and (bad or rep == 0):
+                    lines.append(f"{'FAIL' if bad else 'ok  '} {case.name:<28} {impl}:{warps} sms={sms:<3} "
+                                 f"recv={r['num_recv']} d_wrong={r['dispatch_wrong']} c_wrong={r['combine_wrong']} "
+                                 f"{r['problem']}")
+        be.close()
+        if rank == 0:
+            print("\n".join(lines[-3:]), flush=True)
+    failures += check_timeout(rank, world, device)
+    if rank == 0:
+        print(f"check world={world}: {'PASS' if failures == 0 else f'{failures} FAILURES'}", flush=True)
+    return failures
+
+
+def check_timeout(rank: int, world: int, device: torch.device) -> int:
+    """Rank world-1 skips a dispatch: every other rank must raise naming it, within the timeout."""
+    case = Case("timeout", 2048, [16], 4, 4)
+    be = EpbenchBackend(make_setup(case, rank, world, device, timeout_s=1.0))
+    routing = rank_routing(case, rank, world, seed=1)
+    inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
+    ok = True
+    if rank != world - 1:
+        t0 = time.time()
+        try:
+            be.dispatch(inp, 4)
+            be.check_errors()
+            ok = False
+            msg = "no error raised"
+        except RuntimeError as e:
+            msg = str(e)
+            ok = f"waiting for rank {world - 1}" in msg and f"rank {rank} " in msg
+        if rank == 0:
+            print(f"{'ok  ' if ok else 'FAIL'} missing peer -> {msg!r} after {time.time() - t0:.1f} s", flush=True)
+    dist.barrier()
+    be.close()
+    return all_sum(int(not ok), device)
+
+
+# ---------------------------------------------------------------- bench
+SHAPES = [
+    Case("h200x4", 8192, [4096], 8, 2),
+    Case("dsv3", 7168, [4096], 8, 64),
+]
+
+
+def remote_rows(routing: RankRouting, rank: int, world: int, e: int) -> int:
+    mask = dest_mask(routing.topk_idx, e, world)
+    mask[:, rank] = False
+    return int(mask.sum())
+
+
+def time_calls(be: EpbenchBackend, inp: DispatchInput, sms: int, warmup: int, iters: int,
+               one: torch.Tensor, do_combine: bool) -> Dict[str, float]:
+    n = warmup + iters
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(n)]
+    for i in range(n):
+        dist.all_reduce(one)
+        ev[i][0].record()
+        out = be.dispatch(inp, sms)
+        ev[i][1].record()
+        if do_combine:
+            dist.all_reduce(one)
+            ev[i][2].record()
+            be.combine(out, sms)
+            ev[i][3].record()
+    torch.cuda.synchronize()
+    be.check_errors()
+    res = {"dispatch": statistics.median(ev[i][0].elapsed_time(ev[i][1]) * 1e3 for i in range(warmup, n))}
+    if do_combine:
+        res["combine"] = statistics.median(ev[i][2].elapsed_time(ev[i][3]) * 1e3 for i in range(warmup, n))
+    return res
+
+
+def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    sms_list = [int(s) for s in args.sms.split(",")]
+    variants = [v.split(":") for v in args.variants.split(",")]
+    one = torch.ones(1, device=device)
+    rows: List[Dict[str, object]] = []
+    for shape in SHAPES:
+        for dtype in ("bf16", "fp8"):
+            case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, dtype)
+            be = EpbenchBackend(make_setup(case, rank, world, device))
+            routing = rank_routing(case, rank, world, seed=3)
+            x = make_tokens(routing.num_tokens, case.hidden, 7, rank, 99, device)
+            inp = dispatch_input(x, routing, dtype, device)
+            be.combine_in.copy_(torch.randn(be.combine_in.shape, device=device).to(torch.bfloat16))
+            d_bytes = remote_rows(routing, rank, world, case.experts_per_rank) * row_bytes(dtype, case.hidden)
+            c_bytes = remote_rows(routing, rank, world, case.experts_per_rank) * 2 * case.hidden
+            for v in variants:
+                impl, warps = v[0], int(v[1])
+                be.dispatch_impl, be.dispatch_warps = impl, warps
+                if impl == "tma":
+                    be.tma_stages = int(v[2])
+                for sms in sms_list:
+                    # combine depends on neither dtype nor dispatch variant: time it with the first variant
+                    do_combine = dtype == "bf16" and v is variants[0]
+                    t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine)
+                    for op, us in t.items():
+                        nbytes = d_bytes if op == "dispatch" else c_bytes
+                        stats = torch.tensor([us, -nbytes / us / 1e3], dtype=torch.float64, device=device)
+                        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # slowest time, lowest busbw
+                        rows.append({"shape": shape.name, "dtype": dtype if op == "dispatch" else "bf16",
+                                     "op": op, "variant": ":".join(v) if op == "dispatch" else f"pull:{be.combine_warps}",
+                                     "sms": sms, "time_us": round(float(stats[0]), 1),
+                                     "busbw_gbps": round(-float(stats[1]), 1)})
+            be.close()
+    if rank == 0:
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"bench_world{world}.json").write_text(json.dumps(rows, indent=1))
+        print(f"{'shape':<7} {'op':<8} {'dtype':<5} {'variant':<10} {'sms':>4} {'time_us':>9} {'busbw_gbps':>10}")
+        for r in rows:
+            print(f"{r['shape']:<7} {r['op']:<8} {r['dtype']:<5} {r['variant']:<10} {r['sms']:>4} "
+                  f"{r['time_us']:>9} {r['busbw_gbps']:>10}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["check", "bench"])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sms", default="8,16,24,32")
+    ap.add_argument("--variants", default="reg:16,reg:32,tma:4:3,tma:2:6")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        failures = run_check(args, rank, world, device) if args.mode == "check" else run_bench(args, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
