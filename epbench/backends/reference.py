@@ -9,7 +9,7 @@ and the ``all_to_all_single`` calls with uneven splits. Output buffers are alloc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -38,25 +38,37 @@ class ReferenceBackend(Backend):
         self.s = setup
         cap = setup.world * setup.max_tokens_per_rank
         h, k = setup.hidden, setup.topk
-        self.payload_bytes = row_bytes(setup.dispatch_dtype, h)
-        self.meta_bytes = k * 12  # int64 expert id + float32 weight per slot
+        # One packed row per token copy, so that one all_to_all moves everything:
+        # [expert ids int64 x k | weights f32 x k | fp8 scales f32 (fp8 only) | payload | pad]
+        self.meta_bytes = 12 * k
+        self.x_bytes = h if setup.dispatch_dtype == "fp8" else 2 * h
+        self.scale_bytes = row_bytes(setup.dispatch_dtype, h) - self.x_bytes
+        used = self.meta_bytes + self.scale_bytes + self.x_bytes
+        self.row = (used + 15) // 16 * 16  # keeps every field's view aligned
         dev = setup.device
-        self.recv_payload = torch.empty(cap, self.payload_bytes, dtype=torch.uint8, device=dev)
-        self.recv_meta = torch.empty(cap, self.meta_bytes, dtype=torch.uint8, device=dev)
+        self.send = torch.zeros(setup.max_tokens_per_rank, self.row, dtype=torch.uint8, device=dev)
+        self.send_rows = torch.empty(cap, self.row, dtype=torch.uint8, device=dev)
+        self.recv = torch.empty(cap, self.row, dtype=torch.uint8, device=dev)
         self.combine_in = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
         self.combine_back = torch.empty(cap, 2 * h, dtype=torch.uint8, device=dev)
         self.acc = torch.empty(setup.max_tokens_per_rank, h, dtype=torch.float32, device=dev)
         self.out = torch.empty(setup.max_tokens_per_rank, h, dtype=torch.bfloat16, device=dev)
         self.recv_counts = torch.empty(setup.world, dtype=torch.int64, device=dev)
 
-    def _payload(self, inp: DispatchInput) -> torch.Tensor:
-        x = inp.x.view(torch.uint8)
-        if inp.x_scales is None:
-            return x
-        return torch.cat([x, inp.x_scales.contiguous().view(torch.uint8)], dim=1)
+    def _fields(self, rows: torch.Tensor):
+        """Typed views (ids, weights, scales, x) of packed rows."""
+        k = self.s.topk
+        m, sc = self.meta_bytes, self.scale_bytes
+        ids = rows[:, : 8 * k].view(torch.int64)
+        weights = rows[:, 8 * k: m].view(torch.float32)
+        scales = rows[:, m: m + sc].view(torch.float32) if sc else None
+        x = rows[:, m + sc: m + sc + self.x_bytes]
+        x = x.view(torch.float8_e4m3fn) if self.s.dispatch_dtype == "fp8" else x.view(torch.bfloat16)
+        return ids, weights, scales, x
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         s = self.s
+        t = inp.num_tokens
         mask = dest_mask(inp.topk_idx, s.experts_per_rank, s.world)
         dest_of_copy, token_of_copy = mask.t().nonzero(as_tuple=True)  # sorted by (dest, token)
         send_counts = mask.sum(dim=0)
@@ -64,27 +76,24 @@ class ReferenceBackend(Backend):
         send_splits = send_counts.tolist()
         recv_splits = self.recv_counts.tolist()  # the host synchronisation every user pays
         n = sum(recv_splits)
-        payload = self._payload(inp).index_select(0, token_of_copy)
-        meta = torch.cat([inp.topk_idx.view(torch.uint8).view(-1, 8 * s.topk),
-                          inp.topk_weights.view(torch.uint8).view(-1, 4 * s.topk)], dim=1)
-        meta = meta.index_select(0, token_of_copy)
-        recv_payload, recv_meta = self.recv_payload[:n], self.recv_meta[:n]
-        dist.all_to_all_single(recv_payload, payload, recv_splits, send_splits)
-        dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits)
-        h, k = s.hidden, s.topk
-        if s.dispatch_dtype == "fp8":
-            x = recv_payload[:, :h].view(torch.float8_e4m3fn)
-            scales: Optional[torch.Tensor] = recv_payload[:, h:].view(torch.float32)
-        else:
-            x, scales = recv_payload.view(torch.bfloat16), None
-        topk_idx = recv_meta[:, :8 * k].view(torch.int64)
-        topk_weights = recv_meta[:, 8 * k:].view(torch.float32)
-        local = topk_idx - s.rank * s.experts_per_rank
+        packed = self.send[:t]
+        ids, weights, scales, x = self._fields(packed)
+        ids.copy_(inp.topk_idx)
+        weights.copy_(inp.topk_weights)
+        if scales is not None:
+            scales.copy_(inp.x_scales)
+        x.copy_(inp.x)
+        rows = self.send_rows[: token_of_copy.numel()]
+        torch.index_select(packed, 0, token_of_copy, out=rows)
+        recv = self.recv[:n]
+        dist.all_to_all_single(recv, rows, recv_splits, send_splits)
+        ids, weights, scales, x = self._fields(recv)
+        local = ids - s.rank * s.experts_per_rank
         hit = (local >= 0) & (local < s.experts_per_rank)
         counts = torch.bincount(local[hit], minlength=s.experts_per_rank)
         layout = _Layout(send_splits, recv_splits, token_of_copy, dest_of_copy,
                          inp.topk_idx, inp.topk_weights, n)
-        return DispatchOutput(x, scales, topk_idx, topk_weights, counts, n, layout)
+        return DispatchOutput(x, scales, ids, weights, counts, n, layout)
 
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
         return self.combine_in[: out.handle.num_recv]
@@ -98,13 +107,12 @@ class ReferenceBackend(Backend):
         w = copy_weights(lay.topk_idx, lay.topk_weights, s.experts_per_rank, s.world)
         w_copy = w[lay.token_of_copy, lay.dest_of_copy]
         acc = self.acc[:t].zero_()
-        acc.index_add_(0, lay.token_of_copy, sent.view(torch.bfloat16).float() * w_copy.unsqueeze(1))
+        acc.index_add_(0, lay.token_of_copy, sent.view(torch.bfloat16).float().mul_(w_copy.unsqueeze(1)))
         out_rows = self.out[:t]
         out_rows.copy_(acc)
         return out_rows
 
     def poison(self) -> None:
-        self.recv_payload.fill_(0xFF)
-        self.recv_meta.fill_(0xFF)
+        self.recv.fill_(0xFF)
         self.combine_back.fill_(0xFF)
         self.out.fill_(float("nan"))
