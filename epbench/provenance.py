@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def _run(cmd: List[str], cwd: Optional[Path] = None) -> Optional[str]:
 
 
 def git_commit() -> Optional[str]:
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO)
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO) or os.environ.get("EPBENCH_GIT_COMMIT")
     if commit and _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO):
         commit += "+dirty"
     return commit
@@ -73,5 +74,6 @@ def collect(argv: List[str], device: str) -> Dict[str, Any]:
         except Exception as e:
             info["nccl"] = f"unknown ({e})"
         info.update(nvml_info())
-        info["topology"] = _run(["nvidia-smi", "topo", "-m"]) or "skipped: nvidia-smi unavailable"
+        topo = _run(["nvidia-smi", "topo", "-m"])
+        info["topology"] = re.sub(r"\x1b\[[0-9;]*m", "", topo) if topo else "skipped: nvidia-smi unavailable"
     return info
