@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	  echo "$$host_site" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/epbench-host-site.pth"; \
 	  echo "using the torch already installed in $$host_site"; fi
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import wheel" 2>/dev/null || $(PY) -m pip install -q wheel
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	@touch $@
 
