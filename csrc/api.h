@@ -31,7 +31,14 @@ enum ep_region_id {
   EP_EXPERT_COUNTS = 7,
 };
 
-enum ep_dispatch_impl { EP_DISPATCH_REG = 0, EP_DISPATCH_TMA = 1 };
+// NOTIFY_ONLY runs the layout kernel alone (the data kernel is skipped): a measuring aid only,
+// the receive buffers are left stale.
+enum ep_dispatch_impl {
+  EP_DISPATCH_REG = 0,
+  EP_DISPATCH_TMA = 1,
+  EP_DISPATCH_REG_PIPELINED = 2,
+  EP_DISPATCH_NOTIFY_ONLY = 9,
+};
 
 const char* ep_last_error(void);
 int ep_create(const ep_config* cfg, void** ctx);

@@ -8,6 +8,8 @@
 //
 // dispatch_reg_kernel: each lane loads kU 16-byte vectors of the row (ld.global.nc, all in
 //   flight at once) and stores the same registers to every destination row (st.global 16 B).
+//   kPipelined: the next chunk's loads are issued before the current chunk is stored (two register
+//   buffers), so a warp never waits on a load it could have started earlier.
 // dispatch_tma_kernel: lane 0 of each warp runs a ring of `stages` row buffers in shared
 //   memory: cp.async.bulk global -> shared (completes on the stage's mbarrier), then one
 //   cp.async.bulk shared -> peer global per destination, committed as one bulk group per token;
@@ -63,7 +65,7 @@ __device__ __forceinline__ void copy_metadata(const EpParams& p, const DispatchA
   }
 }
 
-template <int kU, int kThreads>
+template <int kU, int kThreads, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_reg_kernel(EpParams p, DispatchArgs a, int epoch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
@@ -74,12 +76,30 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_reg_kernel(EpParams p, D
     int rows[EP_MAX_WORLD];
     dest_rows(p, t, lane, my_base, rows);
     const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
-    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
-      int4 buf[kU];
+    int4 buf[kU], next[kU];
+    if (kPipelined) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        const int i = v0 + u * 32 + lane;
-        if (i < V) buf[u] = ld_nc_v4(src + i);
+        const int i = u * 32 + lane;
+        if (i < V) next[u] = ld_nc_v4(src + i);
+      }
+    }
+    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+      if (kPipelined) {
+        // chunk v0 is already in flight in next[]: take it, then start the following chunk's loads
+#pragma unroll
+        for (int u = 0; u < kU; ++u) buf[u] = next[u];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int i = v0 + 32 * kU + u * 32 + lane;
+          if (i < V) next[u] = ld_nc_v4(src + i);
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int i = v0 + u * 32 + lane;
+          if (i < V) buf[u] = ld_nc_v4(src + i);
+        }
       }
 #pragma unroll
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
@@ -248,10 +268,14 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     }
     // Rows too large for two stages per warp: the register path below handles any size.
   }
+  if (impl == EP_DISPATCH_NOTIFY_ONLY) return 0;
+  const bool pipe = impl == EP_DISPATCH_REG_PIPELINED;
   if (warps <= 16) {
-    dispatch_reg_kernel<8, 512><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+    if (pipe) dispatch_reg_kernel<8, 512, true><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+    else dispatch_reg_kernel<8, 512, false><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
   } else {
-    dispatch_reg_kernel<4, 1024><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+    if (pipe) dispatch_reg_kernel<4, 1024, true><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+    else dispatch_reg_kernel<4, 1024, false><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
   }
   CUDA_CHECK(cudaGetLastError());
   return 0;

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         for (int v = 0; v < u; ++v) e = (ids[v] == e) ? -1 : e;
         for (int j = 0; j < k0 && e >= 0; ++j) e = (row[j] == e) ? -1 : e;
         if (e >= 0) mask |= 1u << (int)(e / E);
-        const unsigned same = __match_any_sync(0xffffffffu, e);
+        const unsigned same = __match_any_sync(0xffffffffu, (int)e);  // 32-bit match: ids < 2^31
         if (e >= 0 && lane == __ffs(same) - 1) atomicAdd(&expert_cnt[e], __popc(same));
       }
     }

@@ -16,7 +16,7 @@ NOT_BUILT = "kernels not built: run `make build`"
 # Region ids (enum ep_region_id in csrc/api.h).
 RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS = range(8)
 # Dispatch implementations (enum ep_dispatch_impl).
-DISPATCH_IMPLS = {"reg": 0, "tma": 1}
+DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "notify-only": 9}
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
 PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
           3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)"}

@@ -128,7 +128,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     cases = [c for c in CHECK_CASES if not args.quick or c.name in QUICK]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device))
-        for impl, warps, sms in (("reg", 16, 3), ("tma", 4, 5), ("reg", 32, 16)):
+        for impl, warps, sms in (("reg", 16, 3), ("tma", 4, 5), ("pipe", 16, 8), ("pipe", 32, 16)):
             be.dispatch_impl, be.dispatch_warps = impl, warps
             for rep in range(2):  # twice: the second call reuses buffers and flags
                 salt = zlib.crc32(f"{case.name}/{impl}/{sms}/{rep}".encode()) % 10000
@@ -192,21 +192,28 @@ def time_calls(be: EpbenchBackend, inp: DispatchInput, sms: int, warmup: int, it
                one: torch.Tensor, do_combine: bool) -> Dict[str, float]:
     n = warmup + iters
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(n)]
+    host: Dict[str, List[float]] = {"dispatch": [], "combine": []}
     for i in range(n):
         dist.all_reduce(one)
         ev[i][0].record()
+        h0 = time.perf_counter()
         out = be.dispatch(inp, sms)
+        host["dispatch"].append((time.perf_counter() - h0) * 1e6)
         ev[i][1].record()
         if do_combine:
             dist.all_reduce(one)
             ev[i][2].record()
+            h0 = time.perf_counter()
             be.combine(out, sms)
+            host["combine"].append((time.perf_counter() - h0) * 1e6)
             ev[i][3].record()
     torch.cuda.synchronize()
     be.check_errors()
-    res = {"dispatch": statistics.median(ev[i][0].elapsed_time(ev[i][1]) * 1e3 for i in range(warmup, n))}
+    res = {"dispatch": statistics.median(ev[i][0].elapsed_time(ev[i][1]) * 1e3 for i in range(warmup, n)),
+           "host_dispatch": statistics.median(host["dispatch"][warmup:])}
     if do_combine:
         res["combine"] = statistics.median(ev[i][2].elapsed_time(ev[i][3]) * 1e3 for i in range(warmup, n))
+        res["host_combine"] = statistics.median(host["combine"][warmup:])
     return res
 
 
@@ -226,6 +233,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             d_bytes = remote_rows(routing, rank, world, case.experts_per_rank) * row_bytes(dtype, case.hidden)
             c_bytes = remote_rows(routing, rank, world, case.experts_per_rank) * 2 * case.hidden
             for v in variants:
+                if dtype == "fp8" and v[0] == "tma":
+                    continue  # v1: tma was never better than reg for fp8 rows
                 impl, warps = v[0], int(v[1])
                 be.dispatch_impl, be.dispatch_warps = impl, warps
                 if impl == "tma":
@@ -234,23 +243,28 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     # combine depends on neither dtype nor dispatch variant: time it with the first variant
                     do_combine = dtype == "bf16" and v is variants[0]
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine)
-                    for op, us in t.items():
+                    for op in ("dispatch", "combine"):
+                        if op not in t:
+                            continue
+                        us = t[op]
                         nbytes = d_bytes if op == "dispatch" else c_bytes
-                        stats = torch.tensor([us, -nbytes / us / 1e3], dtype=torch.float64, device=device)
+                        stats = torch.tensor([us, -nbytes / us / 1e3, t[f"host_{op}"]], dtype=torch.float64,
+                                             device=device)
                         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # slowest time, lowest busbw
                         rows.append({"shape": shape.name, "dtype": dtype if op == "dispatch" else "bf16",
                                      "op": op, "variant": ":".join(v) if op == "dispatch" else f"pull:{be.combine_warps}",
                                      "sms": sms, "time_us": round(float(stats[0]), 1),
-                                     "busbw_gbps": round(-float(stats[1]), 1)})
+                                     "busbw_gbps": round(-float(stats[1]), 1), "host_us": round(float(stats[2]), 1)})
             be.close()
     if rank == 0:
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / f"bench_world{world}.json").write_text(json.dumps(rows, indent=1))
-        print(f"{'shape':<7} {'op':<8} {'dtype':<5} {'variant':<10} {'sms':>4} {'time_us':>9} {'busbw_gbps':>10}")
+        print(f"{'shape':<7} {'op':<8} {'dtype':<5} {'variant':<14} {'sms':>4} {'time_us':>9} {'busbw_gbps':>10} "
+              f"{'host_us':>8}")
         for r in rows:
-            print(f"{r['shape']:<7} {r['op']:<8} {r['dtype']:<5} {r['variant']:<10} {r['sms']:>4} "
-                  f"{r['time_us']:>9} {r['busbw_gbps']:>10}")
+            print(f"{r['shape']:<7} {r['op']:<8} {r['dtype']:<5} {r['variant']:<14} {r['sms']:>4} "
+                  f"{r['time_us']:>9} {r['busbw_gbps']:>10} {r['host_us']:>8}")
     return 0
 
 
@@ -259,7 +273,7 @@ def main() -> int:
     ap.add_argument("mode", choices=["check", "bench"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sms", default="8,16,24,32")
-    ap.add_argument("--variants", default="reg:16,reg:32,tma:4:3,tma:2:6")
+    ap.add_argument("--variants", default="reg:16,pipe:16,pipe:32,tma:2:6,notify-only:16")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
