@@ -51,6 +51,8 @@ int ep_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, i
                int warps, int epoch, void* stream);
 // Reads the host-mapped timeout record without synchronising: 1 if a kernel gave up.
 int ep_poll_error(void* ctx, int* rank, int* peer, int* phase);
+// Host address of the record's flag word (int), for a poll that costs no function call.
+void* ep_error_flag_ptr(void* ctx);
 int ep_destroy(void* ctx);
 
 #ifdef __cplusplus

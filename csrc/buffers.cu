@@ -180,6 +180,11 @@ extern "C" int ep_poll_error(void* vctx, int* rank, int* peer, int* phase) {
   return 1;
 }
 
+extern "C" void* ep_error_flag_ptr(void* vctx) {
+  EpContext* ctx = (EpContext*)vctx;
+  return (void*)&ctx->host_error->flag;
+}
+
 extern "C" int ep_destroy(void* vctx) {
   EpContext* ctx = (EpContext*)vctx;
   if (!ctx) return 0;

@@ -67,6 +67,7 @@ __device__ __forceinline__ void copy_metadata(const EpParams& p, const DispatchA
 
 template <int kU, int kThreads, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_reg_kernel(EpParams p, DispatchArgs a, int epoch) {
+  griddep_wait();  // slot_map and base come from the notify kernel
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
   const int my_base = lane < p.world ? p.base[lane] : 0;
@@ -168,6 +169,7 @@ __device__ __forceinline__ size_t tma_bar_bytes(int nwarps, int stages) {
 __global__ void __launch_bounds__(kTmaMaxThreads, 1)
     dispatch_tma_kernel(EpParams p, DispatchArgs a, int epoch, int stages) {
   extern __shared__ __align__(128) uint8_t smem[];
+  griddep_wait();  // slot_map and base come from the notify kernel
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const uint32_t row_bytes = (uint32_t)p.row_bytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * stages;
@@ -262,21 +264,20 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     if (use >= 2) {
       const size_t smem = ((size_t)warps * use * sizeof(uint64_t) + 127) / 128 * 128 + (size_t)warps * use * p.row_bytes;
       CUDA_CHECK(cudaFuncSetAttribute(dispatch_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      dispatch_tma_kernel<<<num_sms, warps * 32, smem, stream>>>(p, a, epoch, use);
-      CUDA_CHECK(cudaGetLastError());
+      CUDA_CHECK(launch_dependent(dispatch_tma_kernel, num_sms, warps * 32, smem, stream, p, a, epoch, use));
       return 0;
     }
     // Rows too large for two stages per warp: the register path below handles any size.
   }
   if (impl == EP_DISPATCH_NOTIFY_ONLY) return 0;
   const bool pipe = impl == EP_DISPATCH_REG_PIPELINED;
+  const int threads = warps * 32;
   if (warps <= 16) {
-    if (pipe) dispatch_reg_kernel<8, 512, true><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
-    else dispatch_reg_kernel<8, 512, false><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+    CUDA_CHECK(pipe ? launch_dependent(dispatch_reg_kernel<8, 512, true>, num_sms, threads, 0, stream, p, a, epoch)
+                    : launch_dependent(dispatch_reg_kernel<8, 512, false>, num_sms, threads, 0, stream, p, a, epoch));
   } else {
-    if (pipe) dispatch_reg_kernel<4, 1024, true><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
-    else dispatch_reg_kernel<4, 1024, false><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+    CUDA_CHECK(pipe ? launch_dependent(dispatch_reg_kernel<4, 1024, true>, num_sms, threads, 0, stream, p, a, epoch)
+                    : launch_dependent(dispatch_reg_kernel<4, 1024, false>, num_sms, threads, 0, stream, p, a, epoch));
   }
-  CUDA_CHECK(cudaGetLastError());
   return 0;
 }

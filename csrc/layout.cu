@@ -1,11 +1,11 @@
 // Notify / layout kernel: one block of 1024 threads, launched first in every dispatch.
 //
-// 1. Every thread takes one token per round (rounds of blockDim tokens, in token order) and
-//    builds the token's destination-rank bitmask from its topk_idx; duplicate expert ids in one
-//    token count once. Per-expert counts are aggregated per warp (__match_any_sync) into shared
-//    memory. A block-wide exclusive scan of the bitmasks (8 destinations packed as 16-bit fields
-//    in two 64-bit words) gives each token its slot among my tokens bound for rank d:
-//    slot_map[t][d] = slot, or -1 when t does not go to d.
+// 1. Every thread takes 4 consecutive tokens per round (rounds of 4 * blockDim tokens), loads
+//    all their expert ids at once and builds each token's destination-rank bitmask; duplicate
+//    expert ids in one token count once. Per-expert counts go to shared memory (aggregated per
+//    warp with __match_any_sync when there are <= 64 experts). A block-wide exclusive scan of the
+//    bitmasks (8 destinations packed as 16-bit fields in two 64-bit words) gives each token its
+//    slot among my tokens bound for rank d: slot_map[t][d] = slot, or -1 when t does not go to d.
 // 2. Warp d (d < world) writes my row into rank d's signals: [flag, my count to every rank,
 //    my count per local expert of d]; each lane fences, lane 0 releases flag = epoch.
 // 3. Thread s (s < world) waits until rank s's row in my signals carries this epoch. Having
@@ -18,6 +18,17 @@
 namespace {
 
 constexpr int kNotifyThreads = 1024;
+constexpr int kTokensPerThread = 4;
+
+// Destination bitmask as 16-bit counters: ranks 0-3 in one word, 4-7 in the other.
+__device__ __forceinline__ unsigned long long pack_lo(unsigned mask) {
+  unsigned long long w = 0;
+#pragma unroll
+  for (int d = 0; d < 4; ++d) w |= (unsigned long long)((mask >> d) & 1u) << (16 * d);
+  return w;
+}
+
+__device__ __forceinline__ unsigned long long pack_hi(unsigned mask) { return pack_lo(mask >> 4); }
 
 __device__ __forceinline__ int field16(unsigned long long lo, unsigned long long hi, int d) {
   const unsigned long long w = d < 4 ? lo : hi;
@@ -40,33 +51,56 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   __syncthreads();
   if (aborted) return;
 
+  // Let the data kernel (launched with programmatic stream serialization) get resident now; it
+  // waits in griddepcontrol.wait until this grid has completed and its writes are visible.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
   // ---- 1. masks, expert counts, slots ----
-  for (int r0 = 0; r0 < num_tokens; r0 += blockDim.x) {
-    const int t = r0 + tid;
-    const bool valid = t < num_tokens;
-    const int64_t* row = topk_idx + (size_t)(valid ? t : 0) * topk;
-    unsigned mask = 0;
+  // A round covers blockDim * kTokensPerThread tokens; thread i takes kTokensPerThread
+  // consecutive tokens, so one block scan per round orders them all.
+  const bool aggregate = num_experts <= 64;  // few experts: many lanes hit one counter
+  for (int r0 = 0; r0 < num_tokens; r0 += blockDim.x * kTokensPerThread) {
+    const int t0 = r0 + tid * kTokensPerThread;
+    int ids[kTokensPerThread][8];
+    unsigned masks[kTokensPerThread];
+#pragma unroll
+    for (int u = 0; u < kTokensPerThread; ++u) masks[u] = 0;
     for (int k0 = 0; k0 < topk; k0 += 8) {
-      long long ids[8];
+      // all loads of this group first (independent, in flight together), then the bookkeeping
 #pragma unroll
-      for (int u = 0; u < 8; ++u) ids[u] = (valid && k0 + u < topk) ? (long long)row[k0 + u] : -1;
+      for (int u = 0; u < kTokensPerThread; ++u) {
+        const bool valid = t0 + u < num_tokens;
+        const int64_t* row = topk_idx + (size_t)(valid ? t0 + u : 0) * topk;
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        long long e = ids[u];
-        if (e < 0 || e >= num_experts) e = -1;
+        for (int v = 0; v < 8; ++v) {
+          const long long e = (valid && k0 + v < topk) ? (long long)row[k0 + v] : -1;
+          ids[u][v] = (e < 0 || e >= num_experts) ? -1 : (int)e;
+        }
+      }
 #pragma unroll
-        for (int v = 0; v < u; ++v) e = (ids[v] == e) ? -1 : e;
-        for (int j = 0; j < k0 && e >= 0; ++j) e = (row[j] == e) ? -1 : e;
-        if (e >= 0) mask |= 1u << (int)(e / E);
-        const unsigned same = __match_any_sync(0xffffffffu, (int)e);  // 32-bit match: ids < 2^31
-        if (e >= 0 && lane == __ffs(same) - 1) atomicAdd(&expert_cnt[e], __popc(same));
+      for (int u = 0; u < kTokensPerThread; ++u) {
+        const int64_t* row = topk_idx + (size_t)(t0 + u < num_tokens ? t0 + u : 0) * topk;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          int e = ids[u][v];
+#pragma unroll
+          for (int w = 0; w < v; ++w) e = (ids[u][w] == e) ? -1 : e;  // duplicates count once
+          for (int j = 0; j < k0 && e >= 0; ++j) e = (row[j] == e) ? -1 : e;
+          if (e >= 0) masks[u] |= 1u << (e / E);
+          if (aggregate) {
+            const unsigned same = __match_any_sync(0xffffffffu, e);
+            if (e >= 0 && lane == __ffs(same) - 1) atomicAdd(&expert_cnt[e], __popc(same));
+          } else if (e >= 0) {
+            atomicAdd(&expert_cnt[e], 1);
+          }
+        }
       }
     }
     unsigned long long lo = 0, hi = 0;
 #pragma unroll
-    for (int d = 0; d < 4; ++d) {
-      lo |= (unsigned long long)((mask >> d) & 1u) << (16 * d);
-      hi |= (unsigned long long)((mask >> (d + 4)) & 1u) << (16 * d);
+    for (int u = 0; u < kTokensPerThread; ++u) {
+      lo += pack_lo(masks[u]);
+      hi += pack_hi(masks[u]);
     }
     unsigned long long lo_in = lo, hi_in = hi;
 #pragma unroll
@@ -101,11 +135,17 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       }
     }
     __syncthreads();
-    const unsigned long long ex_lo = lo_in - lo + (warp ? warp_incl[warp - 1][0] : 0ull);
-    const unsigned long long ex_hi = hi_in - hi + (warp ? warp_incl[warp - 1][1] : 0ull);
-    if (valid) {
-      int* slots = p.slot_map + (size_t)t * world;
-      for (int d = 0; d < world; ++d) slots[d] = ((mask >> d) & 1u) ? running[d] + field16(ex_lo, ex_hi, d) : -1;
+    unsigned long long cur_lo = lo_in - lo + (warp ? warp_incl[warp - 1][0] : 0ull);
+    unsigned long long cur_hi = hi_in - hi + (warp ? warp_incl[warp - 1][1] : 0ull);
+#pragma unroll
+    for (int u = 0; u < kTokensPerThread; ++u) {
+      if (t0 + u < num_tokens) {
+        int* slots = p.slot_map + (size_t)(t0 + u) * world;
+        for (int d = 0; d < world; ++d)
+          slots[d] = ((masks[u] >> d) & 1u) ? running[d] + field16(cur_lo, cur_hi, d) : -1;
+      }
+      cur_lo += pack_lo(masks[u]);
+      cur_hi += pack_hi(masks[u]);
     }
     __syncthreads();
     if (tid < world) running[tid] += field16(warp_incl[nwarps - 1][0], warp_incl[nwarps - 1][1], tid);

@@ -54,6 +54,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ep_poll_error": [vp, ip, ip, ip],
         "ep_destroy": [vp],
     }
+    lib.ep_error_flag_ptr.argtypes = [vp]
+    lib.ep_error_flag_ptr.restype = vp
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes = args

@@ -66,6 +66,7 @@ class _Handle:
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     epoch: int
+    out: torch.Tensor  # rows [0, T) of the combine output buffer
 
 
 class EpbenchBackend(Backend):
@@ -103,8 +104,6 @@ class EpbenchBackend(Backend):
             raise RuntimeError(f"epbench backend unavailable: {reason}")
         self.s = setup
         self.dispatch_impl = _knob("dispatch_impl", dispatch_impl)
-        if self.dispatch_impl not in cuda_lib.DISPATCH_IMPLS:
-            raise ValueError(f"dispatch_impl must be one of {list(cuda_lib.DISPATCH_IMPLS)}")
         self.dispatch_warps = _knob("dispatch_warps", dispatch_warps)
         self.tma_stages = _knob("tma_stages", tma_stages)
         self.combine_warps = _knob("combine_warps", combine_warps)
@@ -119,8 +118,18 @@ class EpbenchBackend(Backend):
         cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
         self._open_peers()
         self._views()
+        # The timeout record's flag word, read without a function call on every dispatch/combine.
+        self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ctx))
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        index = self.device.index
+        self._stream = (lambda: raw(index)) if raw is not None else \
+            (lambda: torch.cuda.current_stream(self.device).cuda_stream)
+        self._x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
         self._dispatch_epoch = 0
         self._combine_epoch = 0
+        self._checked: Optional[tuple] = None  # tensors of the last input that passed _check_input
+        self._out_ptr = self.out.data_ptr()
+        self._out_t, self._out_view = setup.max_tokens_per_rank, self.out
 
     # ---- set-up ----
     def _open_peers(self) -> None:
@@ -155,33 +164,54 @@ class EpbenchBackend(Backend):
         self.expert_counts = self._region(cuda_lib.EXPERT_COUNTS).view(torch.int64)
 
     # ---- the two operations ----
-    def _stream(self) -> ctypes.c_void_p:
-        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+    # Both run on the host while the GPU may already wait for them (the timed region starts at
+    # the previous event), so they do as little Python as possible: measured 35 us per call in v1.
+    @property
+    def dispatch_impl(self) -> str:
+        return self._impl
 
-    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
-        s = self.s
-        x, t = inp.x, inp.num_tokens
-        want = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
-        if x.dtype != want or x.dim() != 2 or x.shape[1] != s.hidden:
-            raise ValueError(f"x must be {want} [T, {s.hidden}], got {x.dtype} {list(x.shape)}")
-        if t > s.max_tokens_per_rank:
-            raise ValueError(f"{t} tokens > max_tokens_per_rank {s.max_tokens_per_rank}")
-        x = x.contiguous()
+    @dispatch_impl.setter
+    def dispatch_impl(self, value: str) -> None:
+        if value not in cuda_lib.DISPATCH_IMPLS:
+            raise ValueError(f"dispatch_impl must be one of {list(cuda_lib.DISPATCH_IMPLS)}, got {value!r}")
+        self._impl = value
+        self._impl_code = cuda_lib.DISPATCH_IMPLS[value]
+
+    def _check_input(self, inp: DispatchInput) -> None:
+        s, x = self.s, inp.x
+        if x.dtype != self._x_dtype or x.dim() != 2 or x.shape[1] != s.hidden:
+            raise ValueError(f"x must be {self._x_dtype} [T, {s.hidden}], got {x.dtype} {list(x.shape)}")
+        if x.shape[0] > s.max_tokens_per_rank:
+            raise ValueError(f"{x.shape[0]} tokens > max_tokens_per_rank {s.max_tokens_per_rank}")
+        if not (x.is_contiguous() and inp.topk_idx.is_contiguous() and inp.topk_weights.is_contiguous()):
+            raise ValueError("x, topk_idx and topk_weights must be contiguous")
         if x.data_ptr() % 16:
             raise ValueError("x must be 16-byte aligned")
-        scales = inp.x_scales.contiguous() if self.fp8 else None
-        if self.fp8 and (scales is None or scales.dtype != torch.float32):
-            raise ValueError("fp8 dispatch needs float32 x_scales [T, hidden / 128]")
-        idx = inp.topk_idx.contiguous()
-        w = inp.topk_weights.contiguous()
+        if inp.topk_idx.dtype != torch.int64 or inp.topk_weights.dtype != torch.float32:
+            raise ValueError("topk_idx must be int64 and topk_weights float32")
+        if self.fp8 and (inp.x_scales is None or inp.x_scales.dtype != torch.float32
+                         or not inp.x_scales.is_contiguous()):
+            raise ValueError("fp8 dispatch needs contiguous float32 x_scales [T, hidden / 128]")
+
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+        x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
+        c = self._checked
+        if c is None or c[0] is not x or c[1] is not idx or c[2] is not w or c[3] is not inp.x_scales:
+            self._check_input(inp)
+            self._checked = (x, idx, w, inp.x_scales)
+        t = x.shape[0]
+        if t != self._out_t:
+            self._out_t, self._out_view = t, self.out[:t]
         self._dispatch_epoch += 1
         rc = self._lib.ep_dispatch(
-            self._ctx, x.data_ptr(), scales.data_ptr() if scales is not None else None, idx.data_ptr(),
-            w.data_ptr(), t, int(num_sms), cuda_lib.DISPATCH_IMPLS[self.dispatch_impl],
-            int(self.dispatch_warps), int(self.tma_stages), self._dispatch_epoch, self._stream())
-        cuda_lib.check(rc, "dispatch")
-        self._raise_if_timed_out()
-        handle = _Handle(t, idx, w, self._dispatch_epoch)
+            self._ctx, x.data_ptr(), inp.x_scales.data_ptr() if self.fp8 else None, idx.data_ptr(),
+            w.data_ptr(), t, num_sms, self._impl_code, self.dispatch_warps, self.tma_stages,
+            self._dispatch_epoch, self._stream())
+        if rc:
+            cuda_lib.check(rc, "dispatch")
+        if self._timed_out.value:
+            self._raise_if_timed_out()
+        handle = _Handle(t, idx, w, self._dispatch_epoch, self._out_view)
         return DispatchOutput(self.recv_x, self.recv_scales, self.recv_idx, self.recv_w,
                               self.expert_counts, self.num_recv, handle)
 
@@ -193,12 +223,13 @@ class EpbenchBackend(Backend):
         if h.epoch != self._dispatch_epoch:
             raise RuntimeError("epbench combine must follow its own dispatch (another dispatch ran since)")
         self._combine_epoch += 1
-        rc = self._lib.ep_combine(self._ctx, self.out.data_ptr(), h.topk_idx.data_ptr(),
-                                  h.topk_weights.data_ptr(), h.num_tokens, int(num_sms),
-                                  int(self.combine_warps), self._combine_epoch, self._stream())
-        cuda_lib.check(rc, "combine")
-        self._raise_if_timed_out()
-        return self.out[: h.num_tokens]
+        rc = self._lib.ep_combine(self._ctx, self._out_ptr, h.topk_idx.data_ptr(), h.topk_weights.data_ptr(),
+                                  h.num_tokens, num_sms, self.combine_warps, self._combine_epoch, self._stream())
+        if rc:
+            cuda_lib.check(rc, "combine")
+        if self._timed_out.value:
+            self._raise_if_timed_out()
+        return h.out
 
     # ---- errors, poison, release ----
     def _raise_if_timed_out(self) -> None:

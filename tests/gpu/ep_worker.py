@@ -189,12 +189,16 @@ def remote_rows(routing: RankRouting, rank: int, world: int, e: int) -> int:
 
 
 def time_calls(be: EpbenchBackend, inp: DispatchInput, sms: int, warmup: int, iters: int,
-               one: torch.Tensor, do_combine: bool) -> Dict[str, float]:
+               one: torch.Tensor, do_combine: bool, presleep: int = 0) -> Dict[str, float]:
+    """presleep > 0 queues a spin of that many cycles before each start event, so the host has
+    enqueued the call before the GPU reaches the event: the time is then GPU work alone."""
     n = warmup + iters
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(n)]
     host: Dict[str, List[float]] = {"dispatch": [], "combine": []}
     for i in range(n):
         dist.all_reduce(one)
+        if presleep:
+            torch.cuda._sleep(presleep)
         ev[i][0].record()
         h0 = time.perf_counter()
         out = be.dispatch(inp, sms)
@@ -202,6 +206,8 @@ def time_calls(be: EpbenchBackend, inp: DispatchInput, sms: int, warmup: int, it
         ev[i][1].record()
         if do_combine:
             dist.all_reduce(one)
+            if presleep:
+                torch.cuda._sleep(presleep)
             ev[i][2].record()
             h0 = time.perf_counter()
             be.combine(out, sms)
@@ -242,7 +248,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 for sms in sms_list:
                     # combine depends on neither dtype nor dispatch variant: time it with the first variant
                     do_combine = dtype == "bf16" and v is variants[0]
-                    t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine)
+                    t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine, args.presleep)
                     for op in ("dispatch", "combine"):
                         if op not in t:
                             continue
@@ -259,7 +265,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     if rank == 0:
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"bench_world{world}.json").write_text(json.dumps(rows, indent=1))
+            (Path(args.out) / f"bench_world{world}{'_gpuonly' if args.presleep else ''}.json").write_text(json.dumps(rows, indent=1))
         print(f"{'shape':<7} {'op':<8} {'dtype':<5} {'variant':<14} {'sms':>4} {'time_us':>9} {'busbw_gbps':>10} "
               f"{'host_us':>8}")
         for r in rows:
@@ -273,7 +279,8 @@ def main() -> int:
     ap.add_argument("mode", choices=["check", "bench"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sms", default="8,16,24,32")
-    ap.add_argument("--variants", default="reg:16,pipe:16,pipe:32,tma:2:6,notify-only:16")
+    ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16")
+    ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
