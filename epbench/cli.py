@@ -168,7 +168,7 @@ def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML fil
         try:
             s = scenario.load(p)
         except UserError as e:
-            err.print(f"[red]invalid[/] {e}", highlight=False)
+            err.print(f"[red]invalid[/] {e}", highlight=False, soft_wrap=True)
             bad += 1
             continue
         m = s.model
