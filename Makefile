@@ -35,10 +35,11 @@ run: build
 test: build
 	$(PY) -m pytest -q
 
-# On the GPU host: build, GPU tests, then the benchmark sweep.
+# On the GPU host: build, GPU tests, then the benchmark sweeps behind README's Performance table.
+GPU_SWEEP ?= h200x4 dsv3x4 h200x4-fp8 dsv3x4-fp8
 gpu-check: build
 	$(PY) -m pytest -q -m gpu tests
-	$(EPB) sweep scenarios/h200x4.yaml --sms 8,16,24
+	for s in $(GPU_SWEEP); do $(EPB) sweep scenarios/$$s.yaml --sms 8,16,24,32 || exit 1; done
 
 clean:
 	rm -rf $(VENV) build epbench/_lib
