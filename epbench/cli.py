@@ -181,15 +181,18 @@ def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML fil
 
 
 @app.command()
-def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them).")]) -> None:
+def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them).")],
+           per_rank: Annotated[bool, typer.Option("--per-rank", help="Also list every rank's time and bandwidths.")] = False) -> None:
     """Print the table of one or more results folders."""
-    from epbench.report import print_run
+    from epbench.report import print_per_rank, print_run
     from epbench.results import find_runs, load_run
 
     for d in find_runs(run_dirs):
         meta, df = load_run(d)
         console.print(f"[bold]{d}[/]")
         print_run(df, meta, console)
+        if per_rank:
+            print_per_rank(df, console)
 
 
 @app.command()
@@ -202,6 +205,50 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
     for d in find_runs(paths):
         for png in plot_run(d, (out / d.name) if out else None):
             console.print(f"wrote {png}")
+
+
+@app.command()
+def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
+            iters: ItersOpt = None, warmup: WarmupOpt = None, device: DeviceOpt = None) -> None:
+    """Ceilings for the scenario's own bytes: copy-engine peer copies measured on the GPUs,
+    nominal NVLink / NIC limits from the hardware. Without GPUs it prints the byte counts and
+    nominal part and exits 0."""
+    from epbench import ceiling as ce
+
+    launch.apply_safe_env()
+    s = scenario.load(path)
+    if nproc is not None:
+        s = s.with_world(nproc)
+    for opt, v, low in (("--iters", iters, 1), ("--warmup", warmup, 0)):
+        if v is not None and v < low:
+            raise UserError(f"{opt}: must be at least {low}, got {v}")
+    n_iters = s.bench.iters if iters is None else iters
+    n_warmup = s.bench.warmup if warmup is None else warmup
+    if launch.under_torchrun():
+        raise typer.Exit(ce.run_worker(s, n_warmup, n_iters, console))
+    if s.topology.nodes > 1:
+        raise UserError(f"{s.source}: topology.nodes: ceilings are measured inside one node; "
+                        f"use --nproc N to run the shape on N GPUs of this node")
+    if resolve_device(s, device) != "cuda":
+        raise typer.Exit(ce.run_local(s, console))
+    args = ["ceiling", str(path), "--device", "cuda", "--iters", str(n_iters),
+            "--warmup", str(n_warmup)]
+    raise typer.Exit(launch.relaunch(launch.torchrun_args(args, s.topology.gpus_per_node), "cuda"))
+
+
+@app.command()
+def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseline).")],
+            b: Annotated[Path, typer.Argument(help="Results folder B.")],
+            plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG.")] = None) -> None:
+    """Two results folders side by side: matching (scenario, backend, op, SMs) rows, ratios
+    B/A, and a warning for each hardware or software difference."""
+    from epbench.compare import print_compare
+
+    print_compare(a, b, console)
+    if plot_out is not None:
+        from epbench.plot import compare_plot
+
+        console.print(f"wrote {compare_plot(a, b, plot_out)}")
 
 
 def main() -> None:

@@ -119,3 +119,42 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None) -> List[Path]:
     if load_png:
         written.append(load_png)
     return written
+
+
+def compare_plot(a_dir: Path, b_dir: Path, out: Path) -> Path:
+    """Both runs' slowest-rank NVLink bus bandwidth against the SM count, per op and backend:
+    A solid, B dashed, one colour per backend."""
+    from epbench.compare import load
+
+    runs = [(a_dir, "A", "o-"), (b_dir, "B", "s--")]
+    frames = []
+    for d, tag, style in runs:
+        _, df = load(d)
+        frames.append((tag, style, summarize(df) if not df.empty else df))
+    backends = list(dict.fromkeys(b for _, _, s in frames if not s.empty for b in s["backend"]))
+    fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
+    for ax, op in zip(axes, OPS):
+        for tag, style, summary in frames:
+            if summary.empty:
+                continue
+            for backend, g in summary[summary["op"] == op].groupby("backend", sort=False):
+                color = f"C{backends.index(backend)}"
+                g = g.sort_values("sms")
+                label = f"{tag}: {_label(backend)}"
+                if (g["sms"] == 0).all():
+                    ax.axhline(g["busbw_nvlink_gbps_min"].iloc[0], color=color,
+                               linestyle=style[1:], label=f"{label} (auto SMs)")
+                else:
+                    ax.plot(g["sms"], g["busbw_nvlink_gbps_min"], style, color=color, label=label)
+        ax.set_title(op)
+        ax.set_xlabel("SMs")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("NVLink busbw GB/s (slowest rank)")
+    if axes[-1].get_legend_handles_labels()[0]:
+        axes[-1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"A = {a_dir.name}  vs  B = {b_dir.name}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -69,3 +69,35 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
                       f"{bad['op']} sms={bad['sms']} rank {bad['rank']}: {bad['problem']})")
     if meta.get("status") not in (None, "complete"):
         console.print(f"[yellow]run status: {meta.get('status')}[/]")
+
+
+def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
+    """One row per (backend, op, SMs, rank): that rank's median time and bandwidths, the spread
+    of its iterations, and a mark on the slowest rank of each point."""
+    table = Table(title=title or None, caption="time = the rank's median over iterations "
+                  "(min - max in brackets); bandwidths in GB/s; * = slowest rank of the point")
+    for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("rank", "right"),
+                      ("time us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
+                      ("NIC busbw", "right"), ("#wrong", "right")):
+        table.add_column(col, justify=just)
+    for _, g in df.groupby(["backend", "op", "sms"], sort=False, dropna=False):
+        slowest = g["time_us"].idxmax()
+        for i, r in g.sort_values("rank").iterrows():
+            spread = ""
+            if "time_us_min" in r and "time_us_max" in r:
+                spread = f" ({_num(r['time_us_min'])} - {_num(r['time_us_max'])})"
+            wrong = int(r["wrong"]) if "wrong" in r else 0
+            table.add_row(r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
+                          f"{int(r['rank'])}{' *' if i == slowest else ''}",
+                          _num(r["time_us"]) + spread, _num(r.get("algbw_gbps")),
+                          _num(r.get("busbw_nvlink_gbps")), _num(r.get("busbw_nic_gbps")),
+                          f"[bold red]{wrong}[/]" if wrong else "0")
+    return table
+
+
+def print_per_rank(df: pd.DataFrame, console: Optional[Console] = None) -> None:
+    console = console or wide_console()
+    if df.empty:
+        console.print("per rank: no measured points")
+        return
+    console.print(per_rank_table(df, "per rank"))

@@ -1,0 +1,507 @@
+"""Ceilings: how fast the scenario's own bytes could move on this machine, measured in the run.
+
+For each operation, rank r must send ``bytes_to[r][d]`` over NVLink to each peer d (dispatch:
+row r of ``routing.Traffic.nvlink`` x row bytes; combine: column r, the same copies going back).
+Two ideal transfers of exactly those bytes:
+
+copy engines
+    every rank issues one asynchronous peer copy per destination, each on its own stream, all
+    ranks at once (after the same cross-rank sync the driver uses). A rank's time per iteration
+    runs from an event before the copies to one after the last; the ceiling time is the max
+    over ranks of each rank's median -- the same rule as an operation's time.
+plain SM stores
+    the same bytes written by kernels with 16-byte stores into peer memory at a given SM count.
+    That needs a CUDA kernel: a provider is plugged in with ``set_sm_store_provider``; until
+    then the SM-store ceiling is reported as absent, never estimated.
+
+Nominal limits come from the hardware: NVLink = active links x the per-link rate of the link
+generation NVML reports; NIC = the sum of the active InfiniBand port rates of the nearest NIC.
+The ideal time is bytes / rate. A result's percent of ceiling is ceiling time / its time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from epbench import metrics
+from epbench.routing import Traffic
+
+OPS = ("dispatch", "combine")
+
+# Per-link rate in GB/s, one direction, by the value nvmlDeviceGetNvLinkVersion returns
+# (nvmlNvlinkVersion_t: 1 = 1.0, 2 = 2.0, 3 = 2.2, 4 = 3.0, 5 = 3.1, 6 = 4.0, 7 = 5.0).
+# 4.0 and 5.0 are the raw signalling rates (2 lanes x 106.25 / 212.5 Gb/s); earlier ones are
+# the published per-direction link rates (P100 20, V100 and A100 25 GB/s).
+NVLINK_VERSIONS: Dict[int, Tuple[str, Optional[float]]] = {
+    1: ("1.0", 20.0), 2: ("2.0", 25.0), 3: ("2.2", 25.0), 4: ("3.0", 25.0), 5: ("3.1", 25.0),
+    6: ("4.0", 26.5625), 7: ("5.0", 53.125), 8: ("6.0", None),
+}
+NVML_NVLINK_MAX_LINKS = 18  # older bindings lack the constant; newer ones say 36
+
+
+# -- arithmetic ----------------------------------------------------------------------------
+
+def ideal_time_us(nbytes: float, gbps: Optional[float]) -> Optional[float]:
+    """Microseconds to move ``nbytes`` at ``gbps`` (10^9 bytes/s); None without a rate."""
+    if gbps is None or not gbps > 0:
+        return None
+    return nbytes / (gbps * metrics.GB) * 1e6
+
+
+def percent_of_ceiling(time_us: Optional[float], ceiling_us: Optional[float]) -> Optional[float]:
+    """How close a result comes to the ceiling for the same bytes: 100 x ceiling / time
+    (the ratio of the bandwidths). None when either time is missing."""
+    if time_us is None or ceiling_us is None or not time_us > 0 or ceiling_us < 0:
+        return None
+    return 100.0 * ceiling_us / time_us
+
+
+def bytes_to_peers(tr: Traffic, op: str, rank: int, row: int) -> List[int]:
+    """Bytes rank ``rank`` sends over NVLink to each rank in ``op`` (0 to itself)."""
+    if op == "dispatch":
+        copies = tr.nvlink[rank]
+    elif op == "combine":
+        copies = tr.nvlink[:, rank]
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return [int(c) * row for c in copies]
+
+
+def op_row_bytes(s: Any, op: str) -> int:
+    m = s.model
+    return metrics.row_bytes(m.dispatch_dtype if op == "dispatch" else m.combine_dtype, m.hidden)
+
+
+def byte_plan(s: Any, tr: Traffic) -> Dict[str, List[List[int]]]:
+    """op -> [rank][destination] NVLink bytes for the whole job."""
+    return {op: [bytes_to_peers(tr, op, r, op_row_bytes(s, op)) for r in range(s.world)]
+            for op in OPS}
+
+
+# -- nominal limits ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NvlinkLimit:
+    links: int
+    version: Optional[str]  # "4.0"
+    nvml_version: Optional[int]  # what NVML returned
+    per_link_gbps: Optional[float]
+
+    @property
+    def gbps(self) -> Optional[float]:
+        return self.links * self.per_link_gbps if self.per_link_gbps is not None else None
+
+    def describe(self) -> str:
+        if self.per_link_gbps is None:
+            return (f"{self.links} active links, NVLink version {self.version or '?'} "
+                    f"(NVML {self.nvml_version}): per-link rate unknown")
+        return (f"{self.links} active links x {self.per_link_gbps:g} GB/s "
+                f"(NVLink {self.version}, NVML version {self.nvml_version}) = {self.gbps:.0f} GB/s "
+                f"per direction")
+
+
+def nvlink_limit(nvml: Any, handle: Any) -> Tuple[Optional[NvlinkLimit], Optional[str]]:
+    """Active links (nvmlDeviceGetNvLinkState per link) and their generation's rate."""
+    max_links = int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", NVML_NVLINK_MAX_LINKS))
+    active: List[int] = []
+    for link in range(max_links):
+        try:
+            if nvml.nvmlDeviceGetNvLinkState(handle, link) == getattr(nvml, "NVML_FEATURE_ENABLED", 1):
+                active.append(link)
+        except nvml.NVMLError:
+            continue  # past the last link, or not supported
+    if not active:
+        return None, "no active NVLink links"
+    try:
+        raw = int(nvml.nvmlDeviceGetNvLinkVersion(handle, active[0]))
+    except nvml.NVMLError as e:
+        return NvlinkLimit(len(active), None, None, None), f"NVLink version unreadable: {e}"
+    version, rate = NVLINK_VERSIONS.get(raw, (None, None))
+    return NvlinkLimit(len(active), version, raw, rate), None
+
+
+def parse_ib_rate(text: str) -> Optional[float]:
+    """'400 Gb/sec (4X NDR)' -> 400.0 (Gb/s)."""
+    m = re.match(r"\s*([0-9.]+)\s*Gb/sec", text)
+    return float(m.group(1)) if m else None
+
+
+def nic_limit_gbps(nic: Optional[str], sysfs: Path) -> Optional[float]:
+    """GB/s (bytes) of the NIC's ports whose ``state`` is ACTIVE (every port when the state
+    file is missing); None when no rate is readable."""
+    if nic is None:
+        return None
+    total = None
+    for port in sorted((sysfs / "class/infiniband" / nic / "ports").glob("*")):
+        state = port / "state"
+        if state.is_file() and "ACTIVE" not in state.read_text():
+            continue
+        try:
+            gbit = parse_ib_rate((port / "rate").read_text())
+        except OSError:
+            gbit = None
+        if gbit is not None:
+            total = (total or 0.0) + gbit / 8
+    return total
+
+
+@dataclass(frozen=True)
+class Limits:
+    nvlink: Optional[NvlinkLimit]
+    nic_gbps: Optional[float]
+    nic: Optional[str]
+    notes: Tuple[str, ...]
+
+
+def read_limits(device_index: Optional[int], sysfs: Path = Path("/sys")) -> Limits:
+    """This rank's nominal limits from NVML and sysfs (anything unreadable is None + a note)."""
+    from epbench import counters
+
+    notes: List[str] = []
+    nv = None
+    ident = counters.GpuIdentity()
+    if device_index is None:
+        notes.append("NVLink limit: no CUDA device")
+    else:
+        try:
+            ident = counters.torch_identity(device_index)
+        except Exception as e:
+            notes.append(f"NVLink limit: no CUDA device {device_index}: {e}")
+        nvml, why = counters._import_nvml()
+        if why:
+            notes.append(f"NVLink limit: {why}")
+        else:
+            try:
+                handle, why = counters.nvml_handle(nvml, ident)
+                if handle is not None:
+                    nv, why = nvlink_limit(nvml, handle)
+                if why:
+                    notes.append(f"NVLink limit: {why}")
+            finally:
+                nvml.nvmlShutdown()
+    nic, how = counters.nearest_nic(ident.pci_bus_id, sysfs)
+    if nic is None:
+        notes.append(f"NIC limit: {how}")
+    return Limits(nv, nic_limit_gbps(nic, sysfs), nic, tuple(notes))
+
+
+# -- measured ceilings (CUDA) --------------------------------------------------------------
+
+# (bytes_to, peers, source, sms, comm, warmup, iters) -> per-iteration microseconds
+SmStoreProvider = Callable[[Sequence[int], Dict[int, Any], Any, int, Any, int, int], List[float]]
+_sm_store_provider: Optional[SmStoreProvider] = None
+SM_STORE_ABSENT = ("plain SM-store ceiling: absent (needs an epbench store kernel; none is "
+                   "plugged in yet)")
+
+
+def set_sm_store_provider(fn: Optional[SmStoreProvider]) -> None:
+    """Plugs in the SM-store measurement: ``fn(bytes_to, peers, source, sms, comm, warmup,
+    iters)`` writes ``bytes_to[d]`` bytes from ``source`` into ``peers[d]`` with plain stores
+    on ``sms`` SMs, and returns each timed iteration's microseconds."""
+    global _sm_store_provider
+    _sm_store_provider = fn
+
+
+def recv_offsets(plan: List[List[int]], dest: int) -> List[int]:
+    """Where each source's bytes land in ``dest``'s receive buffer (sources in rank order)."""
+    offs, at = [], 0
+    for src in range(len(plan)):
+        offs.append(at)
+        at += plan[src][dest]
+    return offs
+
+
+class PeerBuffers:
+    """One receive buffer per rank, mapped into every other rank through CUDA IPC
+    (torch.multiprocessing.reductions: the same mechanism torch uses between processes)."""
+
+    def __init__(self, nbytes: int, comm: Any) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.local = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=comm.device)
+        handles: List[Any] = [None] * comm.world
+        dist.all_gather_object(handles, reduce_tensor(self.local))
+        self.peers: Dict[int, Any] = {}
+        for r, (rebuild, args) in enumerate(handles):
+            if r != comm.rank:
+                self.peers[r] = rebuild(*args)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    def close(self) -> None:
+        self.peers.clear()
+
+
+class Cudart:
+    """The few CUDA runtime calls the copy-engine ceiling makes itself, from the libcudart torch
+    already loaded. torch's cross-device ``copy_`` into tensors mapped from another process
+    adds event barriers with the destination device's streams around every copy and measured
+    34 GB/s per rank on the H200 host: not a ceiling, and not
+    one direct peer copy (cause not pinned down: its barriers, or a staged path), where
+    direct peer copies reach ~250 GB/s."""
+
+    MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
+    PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.lib = ctypes.CDLL(self._path())
+        c = ctypes
+        self.lib.cudaDeviceEnablePeerAccess.argtypes = [c.c_int, c.c_uint]
+        self.lib.cudaMemcpyAsync.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
+        self.lib.cudaGetErrorString.restype = c.c_char_p
+        self.lib.cudaGetErrorString.argtypes = [c.c_int]
+        self.lib.cudaGetLastError.argtypes = []
+
+    @staticmethod
+    def _path() -> str:
+        """The libcudart mapped into this process (torch loads it with CUDA)."""
+        import ctypes.util
+
+        import torch
+
+        torch.cuda.init()
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    if "libcudart.so" in line:
+                        return line.split()[-1]
+        except OSError:
+            pass
+        found = ctypes.util.find_library("cudart")
+        if not found:
+            raise RuntimeError("libcudart not found")
+        return found
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: {self.lib.cudaGetErrorString(rc).decode()}")
+
+    def enable_peer_access(self, peer: int) -> None:
+        """From the current device to ``peer``; already enabled is fine (and is cleared from
+        the runtime's last-error slot, where torch would find it later)."""
+        rc = self.lib.cudaDeviceEnablePeerAccess(peer, 0)
+        if rc == self.PEER_ALREADY_ENABLED:
+            self.lib.cudaGetLastError()
+            return
+        self.check(rc, f"cudaDeviceEnablePeerAccess({peer})")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.check(self.lib.cudaMemcpyAsync(dst, src, nbytes, self.MEMCPY_DEFAULT, stream),
+                   "cudaMemcpyAsync")
+
+
+def copy_engine_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, source: Any,
+                           warmup: int, iters: int) -> List[float]:
+    """This rank's per-iteration time for one async peer copy per destination, concurrently."""
+    import torch
+
+    me = comm.rank
+    rt = Cudart()
+    dests = [d for d in range(comm.world) if d != me and plan[me][d] > 0]
+    for d in dests:
+        rt.enable_peer_access(bufs.peers[d].device.index)
+    dst = {d: bufs.peers[d].data_ptr() + recv_offsets(plan, d)[me] for d in dests}
+    streams = {d: torch.cuda.Stream(device=comm.device) for d in dests}
+    main = torch.cuda.current_stream(comm.device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(warmup + iters)]
+    for start, end in events:
+        comm.sync()
+        start.record(main)
+        for d in dests:
+            streams[d].wait_stream(main)
+            rt.memcpy_async(dst[d], source.data_ptr(), plan[me][d], streams[d].cuda_stream)
+        for d in dests:
+            main.wait_stream(streams[d])
+        end.record(main)
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in events[warmup:]]
+
+
+@dataclass
+class OpCeiling:
+    op: str
+    bytes_per_rank: List[int]  # NVLink bytes each rank sends
+    copy_engine_us: Optional[float]  # max over ranks of the median; None on CPU
+    sm_store_us: Dict[int, Optional[float]]  # by SM count; None = absent
+    ideal_us: Optional[float]  # max over ranks of bytes / nominal NVLink rate (hardware)
+    scenario_ideal_us: Optional[float] = None  # the same at the scenario's topology.nvlink_gbps
+    # NVLink TX bytes NVML counted per copy-engine iteration, per rank (None: no counter)
+    counted_per_iter: Optional[List[Optional[float]]] = None
+
+    def counted_vs_computed(self) -> Optional[float]:
+        """The rank furthest from 1 of counted / computed bytes; None without counters."""
+        pairs = [(n, b) for n, b in zip(self.counted_per_iter or [], self.bytes_per_rank)
+                 if n is not None and b > 0]
+        if not pairs:
+            return None
+        return max((n / b for n, b in pairs), key=lambda r: abs(r - 1.0))
+
+    @property
+    def max_bytes(self) -> int:
+        return max(self.bytes_per_rank) if self.bytes_per_rank else 0
+
+    @property
+    def copy_engine_gbps(self) -> Optional[float]:
+        return metrics.bandwidth_gbps(self.max_bytes, self.copy_engine_us) \
+            if self.copy_engine_us is not None else None
+
+
+def ideal_per_op(plan: Dict[str, List[List[int]]], rates: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
+    """Max over ranks of (bytes a rank sends / that rank's nominal rate); None if any rank's
+    rate is unknown."""
+    out: Dict[str, Optional[float]] = {}
+    for op, m in plan.items():
+        times = [ideal_time_us(sum(row), rate) for row, rate in zip(m, rates)]
+        out[op] = None if any(t is None for t in times) else max(times, default=0.0)
+    return out
+
+
+def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
+                     rates: Sequence[Optional[float]]) -> List[OpCeiling]:
+    """On every rank (CUDA): copy-engine ceilings per op, and SM-store ceilings when a provider
+    is plugged in. Returns the same list on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from epbench import counters
+
+    plan = byte_plan(s, tr)
+    result = byte_ceilings(s, tr, rates)
+    cnt, _ = counters.open_counters(comm.local_rank)
+    for c in result:
+        m = plan[c.op]
+        recv = max(sum(m[src][d] for src in range(comm.world)) for d in range(comm.world))
+        send = max(max(row) for row in m)
+        source = torch.randint(0, 255, (max(send, 16),), dtype=torch.uint8, device=comm.device)
+        bufs = PeerBuffers(recv, comm)
+        try:
+            before = cnt.read() if cnt else {}
+            samples = copy_engine_samples_us(m, comm, bufs, source, warmup, iters)
+            tx = counters.delta(before, cnt.read() if cnt else {}).get("nvlink_tx")
+            c.counted_per_iter = [None] * comm.world
+            dist.all_gather_object(c.counted_per_iter,
+                                   tx / (warmup + iters) if tx is not None else None)
+            c.copy_engine_us = _max_over_ranks(samples, comm)
+            if _sm_store_provider is not None:
+                for sms in c.sm_store_us:
+                    c.sm_store_us[sms] = _max_over_ranks(
+                        _sm_store_provider(m[comm.rank], bufs.peers, source, sms, comm, warmup,
+                                           iters), comm)
+        finally:
+            torch.cuda.synchronize()
+            dist.barrier()  # no rank still copies into a buffer that is about to go
+            bufs.close()
+            dist.barrier()  # every peer mapping is closed before its owner frees the buffer
+            torch.cuda.ipc_collect()
+    if cnt:
+        cnt.close()
+    return result
+
+
+def _max_over_ranks(samples_us: List[float], comm: Any) -> float:
+    import torch.distributed as dist
+
+    meds: List[Any] = [None] * comm.world
+    dist.all_gather_object(meds, metrics.median(samples_us))
+    return max(meds)
+
+
+def byte_ceilings(s: Any, tr: Traffic, rates: Sequence[Optional[float]]) -> List[OpCeiling]:
+    """The part that needs no GPU: bytes per rank and the nominal ideal times."""
+    plan = byte_plan(s, tr)
+    ideal = ideal_per_op(plan, rates)
+    return [OpCeiling(op, [sum(row) for row in plan[op]], None, {k: None for k in s.bench.sms},
+                      ideal[op], ideal_time_us(max(sum(r) for r in plan[op]), s.topology.nvlink_gbps))
+            for op in OPS]
+
+
+# -- output --------------------------------------------------------------------------------
+
+def ceiling_table(ceilings: List[OpCeiling], title: str):
+    from rich.table import Table
+
+    from epbench.report import _num
+
+    t = Table(title=title, caption="bytes = NVLink bytes a rank sends (max over ranks); times in us "
+              "(max over ranks of the median); GB/s = bytes / time; NVML TX / computed = NVLink "
+              "bytes NVML counted per copy-engine iteration over the bytes asked for (the rank "
+              "furthest from 1)")
+    for col in ("op", "MB per rank", "copy engine us", "copy engine GB/s", "SM stores us",
+                "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed"):
+        t.add_column(col, justify="left" if col == "op" else "right")
+    for c in ceilings:
+        sm = [f"{k}: {_num(v)}" for k, v in c.sm_store_us.items() if v is not None]
+        t.add_row(c.op, _num(c.max_bytes / 1e6), _num(c.copy_engine_us), _num(c.copy_engine_gbps),
+                  ", ".join(sm) if sm else "absent",
+                  _num(c.ideal_us),
+                  _num(metrics.bandwidth_gbps(c.max_bytes, c.ideal_us) if c.ideal_us else None),
+                  _num(c.scenario_ideal_us), _ratio(c.counted_vs_computed()))
+    return t
+
+
+def _ratio(r: Optional[float]) -> str:
+    if r is None:
+        return "-"
+    flag = " [bold red]!>10%[/]" if abs(r - 1.0) > 0.10 else ""
+    return f"{r:.3f}{flag}"
+
+
+def print_ceilings(s: Any, ceilings: List[OpCeiling], limits: Limits, device: str,
+                   console: Any) -> None:
+    console.print(ceiling_table(ceilings, f"{s.name}: ceilings on {s.world} ranks ({device})"))
+    console.print(f"NVLink nominal: {limits.nvlink.describe() if limits.nvlink else 'unknown'}; "
+                  f"scenario says {s.topology.nvlink_gbps:g} GB/s")
+    console.print("NIC nominal: " + (f"{limits.nic} {limits.nic_gbps:g} GB/s" if limits.nic_gbps
+                                     else "none"))
+    for n in limits.notes:
+        console.print(f"note: {n}")
+    if device != "cuda":
+        console.print("note: copy-engine ceilings need CUDA GPUs; only the byte counts and nominal "
+                      "limits are shown")
+    if not any(v is not None for c in ceilings for v in c.sm_store_us.values()):
+        console.print(f"note: {SM_STORE_ABSENT}")
+
+
+def rates_of(limits: Sequence[Limits]) -> List[Optional[float]]:
+    return [lim.nvlink.gbps if lim.nvlink else None for lim in limits]
+
+
+def run_local(s: Any, console: Any) -> int:
+    """Without GPUs: byte counts and whatever nominal limits this host reports."""
+    from epbench.routing import route_all, traffic
+
+    tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
+    limits = read_limits(None)
+    ceilings = byte_ceilings(s, tr, rates_of([limits] * s.world))
+    print_ceilings(s, ceilings, limits, "cpu", console)
+    return 0
+
+
+def run_worker(s: Any, warmup: int, iters: int, console: Any) -> int:
+    """One rank under torchrun (CUDA): measure, and rank 0 prints."""
+    import torch.distributed as dist
+
+    from epbench import launch
+    from epbench.routing import route_all, traffic
+
+    comm = launch.init_distributed("cuda")
+    if comm.world != s.world:
+        s = s.with_world(comm.world)
+    tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
+    mine = read_limits(comm.local_rank)
+    limits: List[Any] = [None] * comm.world
+    dist.all_gather_object(limits, mine)
+    ceilings = measure_ceilings(s, tr, comm, warmup, iters, rates_of(limits))
+    if comm.rank == 0:
+        print_ceilings(s, ceilings, limits[0], "cuda", console)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,99 @@
+"""Two results folders side by side: the rows both measured, ratios B/A, and what differs
+between the machines and software that produced them. Reads results folders only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import pandas as pd
+
+from epbench.errors import UserError
+from epbench.metrics import summarize
+from epbench.results import is_run_dir, load_run
+
+KEYS = ["scenario", "backend", "op", "sms"]
+PROVENANCE = ("gpus", "driver", "cuda", "torch", "nccl", "host", "world")
+# the slowest rank's time, and the NVLink bus bandwidth of the slowest-bandwidth rank
+VALUES = ("time_us", "busbw_nvlink_gbps_min")
+
+
+def load(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
+    if not path.exists():
+        raise UserError(f"{path}: no such results folder")
+    if not is_run_dir(path):
+        raise UserError(f"{path}: not a results folder (no meta.json)")
+    return load_run(path)
+
+
+def ratio(b: Any, a: Any) -> Any:
+    if a is None or b is None or pd.isna(a) or pd.isna(b) or a == 0:
+        return None
+    return float(b) / float(a)
+
+
+def side_by_side(df_a: pd.DataFrame, df_b: pd.DataFrame) -> pd.DataFrame:
+    """One row per (scenario, backend, op, sms) found in either run: each run's time and
+    NVLink busbw (None where that run lacks the row) and the ratios B/A."""
+    cols = KEYS + list(VALUES)
+    sa = summarize(df_a)[cols] if not df_a.empty else pd.DataFrame(columns=cols)
+    sb = summarize(df_b)[cols] if not df_b.empty else pd.DataFrame(columns=cols)
+    both = sa.merge(sb, on=KEYS, how="outer", suffixes=("_a", "_b"), sort=False)
+    both = both.astype(object).where(both.notna(), None)
+    for v in VALUES:
+        both[f"{v}_ratio"] = pd.Series([ratio(b, a) for a, b in zip(both[f"{v}_a"], both[f"{v}_b"])],
+                                       index=both.index, dtype=object)
+    return both
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, list):
+        return ", ".join(map(str, v))
+    return "missing" if v is None else str(v)
+
+
+def provenance_warnings(meta_a: Dict[str, Any], meta_b: Dict[str, Any]) -> List[str]:
+    """One line per hardware / software field that differs between the runs."""
+    out = []
+    for key in PROVENANCE:
+        a, b = meta_a.get(key), meta_b.get(key)
+        if a != b:
+            out.append(f"{key} differs: A {_show(a)} vs B {_show(b)}")
+    return out
+
+
+def compare_table(both: pd.DataFrame, title: str):
+    from rich.table import Table
+
+    from epbench.report import _num
+
+    t = Table(title=title, caption="time = slowest rank's median (us); NVLink busbw = slowest-"
+              "bandwidth rank (GB/s); ratio = B / A ('-' where a run lacks the row)")
+    for col, just in (("scenario", "left"), ("op", "left"), ("backend", "left"), ("SMs", "right"),
+                      ("time A", "right"), ("time B", "right"), ("time B/A", "right"),
+                      ("busbw A", "right"), ("busbw B", "right"), ("busbw B/A", "right")):
+        t.add_column(col, justify=just)
+
+    def r3(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    for _, r in both.iterrows():
+        t.add_row(str(r["scenario"]), str(r["op"]), str(r["backend"]),
+                  str(int(r["sms"])) if r["sms"] else "auto",
+                  _num(r["time_us_a"]), _num(r["time_us_b"]), r3(r["time_us_ratio"]),
+                  _num(r["busbw_nvlink_gbps_min_a"]), _num(r["busbw_nvlink_gbps_min_b"]),
+                  r3(r["busbw_nvlink_gbps_min_ratio"]))
+    return t
+
+
+def print_compare(a: Path, b: Path, console) -> pd.DataFrame:
+    meta_a, df_a = load(a)
+    meta_b, df_b = load(b)
+    both = side_by_side(df_a, df_b)
+    if both.empty:
+        console.print(f"A {a} and B {b}: no measured points in either")
+    else:
+        console.print(compare_table(both, f"A = {a}  vs  B = {b}"))
+    for w in provenance_warnings(meta_a, meta_b):
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    return both

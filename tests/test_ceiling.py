@@ -1,0 +1,156 @@
+"""Ceiling arithmetic, byte plans and nominal limits (fake NVML, fake sysfs), and the CPU path
+of ``epbench ceiling``."""
+
+import types
+from pathlib import Path
+
+import pynvml
+import pytest
+import torch
+
+from epbench import ceiling
+from epbench.routing import Traffic, route_all, traffic
+from epbench.scenario import parse
+from support import assert_one_line_error, epbench, scenario_dict
+
+
+def test_ideal_time_and_percent_of_ceiling():
+    # 64 MiB at 478.125 GB/s (18 x 26.5625) takes 140.4 us.
+    assert ceiling.ideal_time_us(64 * 2**20, 478.125) == pytest.approx(140.36, abs=0.01)
+    assert ceiling.ideal_time_us(1e9, 0) is None
+    assert ceiling.ideal_time_us(1e9, None) is None
+    # a 400 us result against a 300 us ceiling runs at 75% of it
+    assert ceiling.percent_of_ceiling(400.0, 300.0) == pytest.approx(75.0)
+    assert ceiling.percent_of_ceiling(None, 300.0) is None
+    assert ceiling.percent_of_ceiling(400.0, None) is None
+    assert ceiling.percent_of_ceiling(0.0, 300.0) is None
+
+
+def test_bytes_to_peers_dispatch_rows_combine_columns():
+    nv = torch.tensor([[0, 1, 2], [3, 0, 4], [5, 6, 0]])
+    tr = Traffic(total=nv + torch.eye(3, dtype=torch.int64), nvlink=nv, nic=torch.zeros_like(nv))
+    assert ceiling.bytes_to_peers(tr, "dispatch", 1, 10) == [30, 0, 40]
+    assert ceiling.bytes_to_peers(tr, "combine", 1, 10) == [10, 0, 60]
+    with pytest.raises(ValueError):
+        ceiling.bytes_to_peers(tr, "gather", 0, 1)
+
+
+def test_recv_offsets_do_not_overlap():
+    plan = [[0, 5, 7], [2, 0, 3], [4, 6, 0]]
+    assert ceiling.recv_offsets(plan, 2) == [0, 7, 10]
+    assert ceiling.recv_offsets(plan, 0) == [0, 0, 2]
+
+
+def scenario(**model):
+    return parse(scenario_dict(model=model, topology={"nvlink_gbps": 100.0}), "test.yaml")
+
+
+def test_byte_ceilings_match_the_routing():
+    s = scenario(hidden=256, tokens_per_rank=16, topk=4, experts_per_rank=4)
+    tr = traffic(route_all(s), 4, 4, False)
+    cs = ceiling.byte_ceilings(s, tr, [200.0, 200.0, 200.0, None])
+    d, c = cs
+    assert (d.op, c.op) == ("dispatch", "combine")
+    assert d.bytes_per_rank == [int(tr.nvlink[r].sum()) * 512 for r in range(4)]
+    assert c.bytes_per_rank == [int(tr.nvlink[:, r].sum()) * 512 for r in range(4)]
+    assert d.ideal_us is None  # one rank's rate unknown: no made-up ideal time
+    assert d.scenario_ideal_us == pytest.approx(max(d.bytes_per_rank) / 100e9 * 1e6)
+    assert d.copy_engine_us is None and d.copy_engine_gbps is None
+    assert all(v is None for v in d.sm_store_us.values())
+    full = ceiling.byte_ceilings(s, tr, [200.0, 100.0, 200.0, 200.0])
+    # the slow rank decides: its bytes / its rate
+    assert full[0].ideal_us == pytest.approx(
+        max(b / r for b, r in zip(full[0].bytes_per_rank, [200e9, 100e9, 200e9, 200e9])) * 1e6)
+
+
+class FakeNvml:
+    NVMLError = pynvml.NVMLError
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_MAX_LINKS = 36
+
+    def __init__(self, active_links=18, version=6):
+        self.active, self.version = active_links, version
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if link >= 18:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return 1 if link < self.active else 0
+
+    def nvmlDeviceGetNvLinkVersion(self, h, link):
+        if self.version is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self.version
+
+
+def test_nvlink_limit_h200_shape():
+    lim, why = ceiling.nvlink_limit(FakeNvml(18, 6), 0)
+    assert why is None
+    assert (lim.links, lim.version, lim.per_link_gbps) == (18, "4.0", 26.5625)
+    assert lim.gbps == pytest.approx(478.125)
+    assert "18 active links x 26.5625 GB/s" in lim.describe() and "478" in lim.describe()
+
+
+def test_nvlink_limit_partial_unknown_and_none():
+    lim, _ = ceiling.nvlink_limit(FakeNvml(12, 4), 0)
+    assert (lim.links, lim.version, lim.gbps) == (12, "3.0", 300.0)
+    lim, _ = ceiling.nvlink_limit(FakeNvml(18, 99), 0)
+    assert lim.gbps is None and "unknown" in lim.describe()
+    lim, why = ceiling.nvlink_limit(FakeNvml(18, None), 0)
+    assert lim.gbps is None and "version" in why
+    lim, why = ceiling.nvlink_limit(FakeNvml(0), 0)
+    assert lim is None and why == "no active NVLink links"
+
+
+def test_nic_limit_from_sysfs(tmp_path):
+    ports = tmp_path / "class/infiniband/mlx5_0/ports"
+    for port, rate, state in (("1", "400 Gb/sec (4X NDR)", "4: ACTIVE"),
+                              ("2", "200 Gb/sec (4X HDR)", "1: DOWN")):
+        (ports / port).mkdir(parents=True)
+        (ports / port / "rate").write_text(rate + "\n")
+        (ports / port / "state").write_text(state + "\n")
+    assert ceiling.nic_limit_gbps("mlx5_0", tmp_path) == pytest.approx(50.0)
+    assert ceiling.nic_limit_gbps(None, tmp_path) is None
+    assert ceiling.parse_ib_rate("100 Gb/sec (4X EDR)") == 100.0
+    assert ceiling.parse_ib_rate("garbage") is None
+
+
+def test_sm_store_is_absent_until_a_provider_is_plugged_in():
+    s = scenario()
+    tr = traffic(route_all(s), 4, 4, False)
+    c = ceiling.byte_ceilings(s, tr, [None] * 4)
+    table_text = render(ceiling.ceiling_table(c, "t"))
+    assert "absent" in table_text
+    assert ceiling._sm_store_provider is None
+
+
+def render(table):
+    from rich.console import Console
+
+    con = Console(record=True, width=200, color_system=None)
+    con.print(table)
+    return con.export_text()
+
+
+@pytest.mark.slow
+def test_ceiling_command_on_cpu_prints_bytes_and_says_what_needs_gpus():
+    r = epbench("ceiling", "scenarios/smoke.yaml")
+    assert r.code == 0, r.both
+    assert "dispatch" in r.out and "combine" in r.out
+    assert "copy-engine ceilings need CUDA GPUs" in r.out
+    assert "SM-store ceiling: absent" in r.out
+
+
+def test_ceiling_command_bad_input_is_one_line(tmp_path):
+    r = epbench("ceiling", tmp_path / "nope.yaml")
+    assert_one_line_error(r, "nope.yaml")
+    r = epbench("ceiling", "scenarios/smoke.yaml", "--iters", "0")
+    assert_one_line_error(r, "--iters")
+
+
+def test_counted_vs_computed_reports_the_worst_rank():
+    c = ceiling.OpCeiling("dispatch", [100, 200, 0], None, {}, None,
+                          counted_per_iter=[101.0, 260.0, 5.0])
+    assert c.counted_vs_computed() == pytest.approx(1.3)  # rank 1; rank 2 sends nothing
+    assert "!>10%" in ceiling._ratio(1.3) and "!" not in ceiling._ratio(1.02)
+    assert ceiling.OpCeiling("combine", [100], None, {}, None).counted_vs_computed() is None
+    assert ceiling._ratio(None) == "-"

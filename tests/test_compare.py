@@ -1,0 +1,135 @@
+"""compare.py, the compare command and plot, and the per-rank report, on results folders
+written by results.RunWriter into tmp_path."""
+
+import json
+
+import pandas as pd
+import pytest
+from rich.console import Console
+
+from epbench import compare, report
+from epbench.plot import compare_plot
+from epbench.results import RunWriter
+from support import assert_one_line_error, epbench
+
+META = {"scenario": {"name": "s"}, "world": 2, "device": "cuda", "gpus": ["NVIDIA H200"] * 2,
+        "driver": "580.159.04", "cuda": "13.0", "torch": "2.11.0+cu130", "nccl": "2.28.9",
+        "host": "gpu-host"}
+
+
+def rows(backend, op, sms, times, busbw, wrong=0):
+    return [{"scenario": "s", "backend": backend, "op": op, "sms": sms, "rank": r, "world": 2,
+             "time_us": t, "time_us_min": t * 0.9, "time_us_max": t * 1.2,
+             "algbw_gbps": b * 4 / 3, "busbw_nvlink_gbps": b, "busbw_nic_gbps": None,
+             "wrong": wrong, "problem": ""} for r, (t, b) in enumerate(zip(times, busbw))]
+
+
+def write_run(path, meta, row_lists):
+    w = RunWriter(path, meta)
+    for rs in row_lists:
+        w.add(rs, [])
+    w.finish("complete")
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path):
+    a = write_run(tmp_path / "a", META, [
+        rows("reference", "dispatch", 0, (800.0, 820.0), (250.0, 240.0)),
+        rows("epbench", "dispatch", 8, (500.0, 520.0), (300.0, 290.0)),
+        rows("epbench", "dispatch", 16, (450.0, 450.0), (320.0, 330.0)),
+    ])
+    b = write_run(tmp_path / "b", dict(META, driver="570.86.10", host="other"), [
+        rows("reference", "dispatch", 0, (820.0, 861.0), (245.0, 230.0)),
+        rows("epbench", "dispatch", 8, (400.0, 416.0), (360.0, 348.0)),
+        rows("epbench", "dispatch", 32, (380.0, 390.0), (370.0, 380.0)),
+    ])
+    return a, b
+
+
+def test_side_by_side_ratios_and_unmatched_rows(runs):
+    a, b = runs
+    both = compare.side_by_side(compare.load(a)[1], compare.load(b)[1])
+    by = {(r.backend, r.sms): r for r in both.itertuples()}
+    ref = by[("reference", 0)]
+    assert ref.time_us_a == 820.0 and ref.time_us_b == 861.0  # slowest rank's time
+    assert ref.time_us_ratio == pytest.approx(861.0 / 820.0)
+    assert ref.busbw_nvlink_gbps_min_ratio == pytest.approx(230.0 / 240.0)
+    ep8 = by[("epbench", 8)]
+    assert ep8.time_us_ratio == pytest.approx(416.0 / 520.0)
+    only_a, only_b = by[("epbench", 16)], by[("epbench", 32)]
+    assert only_a.time_us_b is None and only_a.time_us_ratio is None
+    assert only_b.time_us_a is None and only_b.busbw_nvlink_gbps_min_ratio is None
+    assert len(both) == 4
+
+
+def test_provenance_warnings_one_per_difference():
+    w = compare.provenance_warnings(META, dict(META, driver="570", world=4, nccl=None))
+    assert w == ["driver differs: A 580.159.04 vs B 570", "nccl differs: A 2.28.9 vs B missing",
+                 "world differs: A 2 vs B 4"]
+    assert compare.provenance_warnings(META, dict(META)) == []
+
+
+def test_print_compare_table_and_warnings(runs):
+    a, b = runs
+    con = Console(record=True, width=220, color_system=None)
+    compare.print_compare(a, b, con)
+    text = con.export_text()
+    line = next(ln for ln in text.splitlines() if "epbench" in ln and " 8 " in ln)
+    assert "520" in line and "416" in line and "0.800" in line
+    assert "warning: driver differs: A 580.159.04 vs B 570.86.10" in text
+    assert "warning: host differs: A gpu-host vs B other" in text
+    assert "gpus differs" not in text
+
+
+def test_compare_missing_folders_are_user_errors(tmp_path, runs):
+    a, _ = runs
+    with pytest.raises(compare.UserError, match="no such results folder"):
+        compare.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(compare.UserError, match="not a results folder"):
+        compare.load(tmp_path / "empty")
+    r = epbench("compare", a, tmp_path / "nope")
+    assert_one_line_error(r, "nope", "no such results folder")
+
+
+def test_compare_command_and_plot(runs, tmp_path):
+    a, b = runs
+    png = tmp_path / "cmp" / "compare.png"
+    r = epbench("compare", a, b, "--plot", png)
+    assert r.code == 0, r.both
+    assert "time B/A" in r.out and "driver differs" in r.out
+    assert png.is_file() and png.stat().st_size > 10_000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_plot_with_an_empty_run(tmp_path, runs):
+    a, _ = runs
+    empty = tmp_path / "e"
+    RunWriter(empty, META).finish("failed")
+    out = compare_plot(a, empty, tmp_path / "x.png")
+    assert out.is_file()
+
+
+# -- per-rank report ----------------------------------------------------------------------
+
+def test_per_rank_table_lists_every_rank_and_marks_the_slowest(runs):
+    a, _ = runs
+    df = pd.read_csv(a / "results.csv")
+    con = Console(record=True, width=220, color_system=None)
+    report.print_per_rank(df, con)
+    text = con.export_text()
+    lines = [ln for ln in text.splitlines() if "epbench" in ln and " 8 " in ln]
+    assert len(lines) == 2
+    slow = next(ln for ln in lines if "1 *" in ln)
+    assert "520" in slow and "290" in slow and "(468 - 624)" in slow
+    assert not any("0 *" in ln for ln in lines)
+
+
+def test_report_per_rank_option(runs):
+    a, _ = runs
+    r = epbench("report", a, "--per-rank")
+    assert r.code == 0, r.both
+    assert "per rank" in r.out and "1 *" in r.out
+    r = epbench("report", a)
+    assert "per rank" not in r.out
