@@ -84,13 +84,15 @@ class ReferenceBackend(Backend):
             scales.copy_(inp.x_scales)
         x.copy_(inp.x)
         rows = self.send_rows[: token_of_copy.numel()]
-        torch.index_select(packed, 0, token_of_copy, out=rows)
+        # Gather whole rows as 8-byte words: a byte-typed gather moves one byte per element.
+        torch.index_select(packed.view(torch.int64), 0, token_of_copy, out=rows.view(torch.int64))
         recv = self.recv[:n]
         dist.all_to_all_single(recv, rows, recv_splits, send_splits)
         ids, weights, scales, x = self._fields(recv)
         local = ids - s.rank * s.experts_per_rank
         hit = (local >= 0) & (local < s.experts_per_rank)
-        counts = torch.bincount(local[hit], minlength=s.experts_per_rank)
+        other = s.experts_per_rank  # one extra bin for experts of other ranks (no boolean gather)
+        counts = torch.bincount(torch.where(hit, local, other).flatten(), minlength=other + 1)[:other]
         layout = _Layout(send_splits, recv_splits, token_of_copy, dest_of_copy,
                          inp.topk_idx, inp.topk_weights, n)
         return DispatchOutput(x, scales, ids, weights, counts, n, layout)
