@@ -1,0 +1,282 @@
+"""The command line as users type it: ``python -m epbench ...`` in a subprocess.
+
+Bad input: exit 2, one line on stderr naming the file (or option) and the key, no traceback.
+Real runs: 4 (or 2) CPU ranks over gloo under torchrun; the smoke run happens once per session
+(conftest.smoke_run) and several tests read its folder. Every run writes under a temporary
+results root, never into the repository's results/."""
+
+import json
+
+import pytest
+import torch
+
+from support import (SCENARIOS, DROP, assert_one_line_error, epbench, run_cli, scenario_dict)
+
+SHIPPED = sorted(SCENARIOS.glob("*.yaml"))
+SMOKE = "scenarios/smoke.yaml"
+NO_GPU = not torch.cuda.is_available()
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+BAD_FILES = {
+    # name: (file contents, text the one line must contain besides the file name)
+    "malformed": ("model:\n  hidden: [256,\n", "malformed YAML"),
+    "unknown-key": (scenario_dict(model={"hiden": 256}), "model.hiden: unknown key"),
+    "missing-key": (scenario_dict(model={"topk": DROP}), "model.topk: missing"),
+    "wrong-type": (scenario_dict(model={"hidden": "large"}), "model.hidden: must be an integer"),
+    "topk-too-big": (scenario_dict(model={"topk": 17}), "model.topk: must not exceed"),
+    "zero-tokens": (scenario_dict(model={"tokens_per_rank": 0}),
+                    "model.tokens_per_rank: must be positive"),
+    "hidden-not-x8": (scenario_dict(model={"hidden": 260}), "model.hidden: must be a multiple of 8"),
+    "fp8-not-x128": (scenario_dict(model={"hidden": 264, "dispatch_dtype": "fp8"}),
+                     "model.hidden: must be a multiple of 128"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_bad_scenario_file(case, write_scenario, tmp_path):
+    data, needle = BAD_FILES[case]
+    path = write_scenario(case, data)
+    r = epbench("run", path, "--results", tmp_path / "res")
+    line = assert_one_line_error(r, str(path), needle)
+    assert line.startswith("epbench: error: ")
+    assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the host has GPUs")
+def test_shipped_gpu_scenario_on_a_cpu_host(tmp_path):
+    path = "scenarios/h200x4.yaml"
+    r = epbench("run", path, "--results", tmp_path / "res")
+    assert_one_line_error(r, path, "topology.gpus_per_node", "needs 4 GPUs")
+    assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the host has GPUs")
+def test_more_gpus_than_the_host_has(write_scenario, tmp_path):
+    path = write_scenario("eight", scenario_dict(topology={"gpus_per_node": 8},
+                                                 bench={"device": "cuda"}))
+    assert_one_line_error(epbench("run", path, "--results", tmp_path), str(path),
+                          "topology.gpus_per_node", "needs 8 GPUs")
+    assert_one_line_error(epbench("run", SMOKE, "--device", "cuda", "--results", tmp_path),
+                          SMOKE, "topology.gpus_per_node")
+
+
+def test_several_nodes_need_the_multi_node_flags(write_scenario, tmp_path):
+    path = write_scenario("two-nodes", scenario_dict(topology={"nodes": 2, "gpus_per_node": 2}))
+    assert_one_line_error(epbench("run", path, "--results", tmp_path), str(path),
+                          "topology.nodes", "--nnodes 2")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("run", SMOKE, "--sms", "0"), ("--sms", "positive")),
+    (("sweep", SMOKE, "--sms", "8,x"), ("--sms", "8,x")),
+    (("run", SMOKE, "--backends", "reference,nope"), ("backend 'nope'", "unknown")),
+    (("run", SMOKE, "--nproc", "0"), ("--nproc",)),
+    (("run", SMOKE, "--iters", "0"), ("--iters", "positive")),
+    (("run", SMOKE, "--device", "tpu"), ("--device", "tpu")),
+    (("run", SMOKE, "--inject-fault", "gather"), ("--inject-fault", "gather")),
+    (("run", "scenarios/no-such-scenario.yaml"), ("scenarios/no-such-scenario.yaml",
+                                                   "no such scenario file")),
+], ids=["sms-zero", "sweep-sms-text", "backend", "nproc", "iters", "device", "fault",
+        "no-file"])
+def test_bad_options(args, needles, tmp_path):
+    assert_one_line_error(epbench(*args, "--results", tmp_path / "res"), *needles)
+    assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
+
+
+def test_nproc_too_small_for_topk(write_scenario, tmp_path):
+    path = write_scenario("topk8", scenario_dict(model={"topk": 8, "experts_per_rank": 2}))
+    assert_one_line_error(epbench("run", path, "--nproc", "3", "--results", tmp_path),
+                          "--nproc 3", "topk 8")
+
+
+def test_debug_shows_the_traceback(write_scenario, tmp_path):
+    path = write_scenario("bad", scenario_dict(model={"hidden": 260}))
+    r = epbench("--debug", "run", path, "--results", tmp_path)
+    assert r.code == 2
+    assert "Traceback (most recent call last)" in r.err
+    assert "UserError" in r.err
+    assert r.err.strip().splitlines()[-1].startswith(f"epbench: error: {path}: model.hidden")
+
+
+# -- validate --------------------------------------------------------------------------------
+
+def test_validate_every_shipped_scenario():
+    names = [f"scenarios/{p.name}" for p in SHIPPED]
+    r = epbench("validate", *names)
+    assert r.code == 0, r.both
+    assert r.err == ""
+    for n in names:
+        assert f"ok {n}:" in r.out
+
+
+def test_validate_reports_each_bad_file_on_one_line(write_scenario):
+    bad = write_scenario("unknown", scenario_dict(model={"hiden": 256}))
+    bad2 = write_scenario("fp8", scenario_dict(model={"hidden": 264, "dispatch_dtype": "fp8"}))
+    r = epbench("validate", SMOKE, bad, bad2)
+    assert r.code == 2
+    assert "Traceback" not in r.both
+    assert f"ok {SMOKE}:" in r.out
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 2, r.err
+    assert str(bad) in lines[0] and "model.hiden" in lines[0]
+    assert str(bad2) in lines[1] and "model.hidden" in lines[1]
+
+
+# -- real runs: 4 CPU ranks over gloo --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smoke_run_succeeds_and_prints_the_table(smoke_run):
+    r = smoke_run.result
+    assert r.code == 0, r.both
+    assert "Traceback" not in r.both
+    assert smoke_run.dir is not None
+    out = r.out
+    assert "smoke on 4 ranks (cpu)" in out
+    for header in ("time us", "algbw", "NVLink busbw", "#wrong"):
+        assert header in out
+    assert any("dispatch" in ln and "reference" in ln for ln in out.splitlines())
+    assert any("combine" in ln and "reference" in ln for ln in out.splitlines())
+    assert f"results: {smoke_run.dir}" in out
+    assert "VERIFICATION FAILED" not in out
+
+
+@pytest.mark.slow
+def test_smoke_results_csv(smoke_run):
+    df = smoke_run.rows()
+    # one row per backend x op x SMs x rank: the reference backend (no SM knob), 2 ops, 4 ranks
+    assert len(df) == 8
+    assert set(df["backend"]) == {"reference"}
+    assert sorted(df.groupby("op")["rank"].apply(sorted).tolist()) == [[0, 1, 2, 3]] * 2
+    assert set(df["world"]) == {4}
+    assert (df["wrong"] == 0).all()
+    assert (df["time_us"] > 0).all() and (df["algbw_gbps"] > 0).all()
+    assert (df["iters"] == 5).all()
+    # raw numbers with units in the column names
+    for col in ("time_us", "algbw_gbps", "busbw_nvlink_gbps", "algo_bytes", "nvlink_bytes"):
+        assert col in df.columns and df[col].dtype.kind in "fi"
+    # the byte counts follow from the routing
+    from epbench import metrics
+    from epbench.routing import route_all, traffic
+    from epbench.scenario import load
+
+    s = load(SCENARIOS / "smoke.yaml")
+    t = traffic(route_all(s), s.model.experts_per_rank, 4, hierarchical=False)
+    want = metrics.rank_bytes(t, "dispatch", metrics.row_bytes("bf16", s.model.hidden))
+    got = df[df["op"] == "dispatch"].sort_values("rank")
+    assert got["algo_bytes"].tolist() == want["algo"].tolist()
+    assert got["nvlink_bytes"].tolist() == want["nvlink"].tolist()
+    row = got.iloc[0]
+    assert row["algbw_gbps"] == pytest.approx(row["algo_bytes"] / (row["time_us"] * 1e3))
+
+
+@pytest.mark.slow
+def test_smoke_samples_csv(smoke_run):
+    samples = smoke_run.samples()
+    assert len(samples) == 5 * 2 * 4  # iters x ops x ranks
+    assert sorted(samples["iter"].unique()) == list(range(5))
+    df = smoke_run.rows()
+    for (op, rank), g in samples.groupby(["op", "rank"]):
+        row = df[(df["op"] == op) & (df["rank"] == rank)].iloc[0]
+        assert row["time_us"] == pytest.approx(g["time_us"].median())
+        assert row["time_us_max"] == pytest.approx(g["time_us"].max())
+
+
+@pytest.mark.slow
+def test_smoke_meta_json(smoke_run):
+    meta = smoke_run.meta()
+    assert meta["status"] == "complete"
+    assert meta["argv"][0] == "run" and "scenarios/smoke.yaml" in meta["argv"]
+    assert meta["scenario"]["name"] == "smoke"
+    assert meta["scenario"]["model"]["hidden"] == 256
+    assert meta["world"] == 4
+    assert "git_commit" in meta
+    assert meta["torch"] == torch.__version__
+    assert meta["wrong"] == 0
+    # the compiled-kernel backend needs GPUs: skipped, with the reason kept
+    notes = meta.get("notes", [])
+    assert any(n.startswith("backend epbench skipped") for n in notes), notes
+    assert any("backend epbench skipped" in ln for ln in smoke_run.result.out.splitlines())
+
+
+@pytest.mark.slow
+def test_report_reprints_the_table(smoke_run):
+    r = epbench("report", smoke_run.dir)
+    assert r.code == 0, r.both
+    assert str(smoke_run.dir.name) in r.out
+    assert "smoke on 4 ranks (cpu)" in r.out and "#wrong" in r.out
+    table = [ln for ln in r.out.splitlines() if "reference" in ln]
+    assert len(table) == 2
+    # the same numbers the run printed
+    printed = [ln for ln in smoke_run.result.out.splitlines() if "reference" in ln]
+    assert table == printed
+
+
+def test_report_of_a_folder_that_is_not_a_run(tmp_path):
+    (tmp_path / "x").mkdir()
+    assert_one_line_error(epbench("report", tmp_path / "x"), str(tmp_path / "x"))
+
+
+@pytest.fixture(scope="module")
+def fault_runs(results_root, smoke_run):
+    """Verification must fail when one output row is corrupted on every rank (2 ranks: cheaper,
+    and it exercises --nproc)."""
+    return {op: run_cli(results_root, "run", SMOKE, "--inject-fault", op, "--nproc", "2",
+                        "--iters", "2", "--warmup", "0")
+            for op in ("dispatch", "combine")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_corrupted_result_fails_verification(fault_runs, op):
+    run = fault_runs[op]
+    assert run.result.code != 0, run.result.both
+    assert "VERIFICATION FAILED" in run.result.out
+    df = run.rows()
+    by_op = df.groupby("op")["wrong"].sum()
+    assert by_op[op] >= 2  # one corrupted row on each of the 2 ranks
+    other = "combine" if op == "dispatch" else "dispatch"
+    assert by_op[other] == 0  # the checks do not bleed into the other operation
+    assert (df[df["op"] == op]["problem"].fillna("") != "").all()
+    meta = run.meta()
+    assert meta["wrong"] == by_op[op] and meta["world"] == 2
+    # the table carries the count in its #wrong column
+    line = next(ln for ln in run.result.out.splitlines() if op in ln and "reference" in ln)
+    assert line.rstrip(" │").split()[-1] == str(by_op[op])
+
+
+@pytest.fixture(scope="module")
+def sweep_run(results_root, smoke_run):
+    return run_cli(results_root, "sweep", SMOKE, "--sms", "2,4", "--nproc", "2", "--iters", "3",
+                   "--warmup", "1")
+
+
+@pytest.mark.slow
+def test_sweep_on_two_ranks(sweep_run):
+    r = sweep_run.result
+    assert r.code == 0, r.both
+    assert "smoke on 2 ranks (cpu)" in r.out
+    meta = sweep_run.meta()
+    assert meta["argv"][0] == "sweep"
+    assert meta["world"] == 2  # --nproc: the results record the real world size
+    assert meta["options"]["sms"] == [2, 4]
+    df = sweep_run.rows()
+    assert set(df["world"]) == {2} and sorted(set(df["rank"])) == [0, 1]
+    # the reference backend has no SM knob: one point; the epbench backend is skipped on CPU
+    assert len(df) == 2 * 2
+    assert len(sweep_run.samples()) == 3 * 2 * 2
+
+
+@pytest.mark.slow
+def test_runs_never_share_a_folder(results_root, smoke_run, fault_runs, sweep_run):
+    runs = [smoke_run, *fault_runs.values(), sweep_run]
+    dirs = [r.dir for r in runs]
+    assert None not in dirs
+    assert len(set(dirs)) == len(runs)
+    assert set(dirs) <= set(results_root.iterdir())
+    # each folder still holds its own run: later runs overwrote nothing
+    argvs = [tuple(json.loads((d / "meta.json").read_text())["argv"]) for d in dirs]
+    assert len(set(argvs)) == len(runs)
+    assert smoke_run.meta()["wrong"] == 0 and (smoke_run.rows()["wrong"] == 0).all()

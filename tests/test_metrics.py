@@ -1,0 +1,114 @@
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from support import scenario_dict
+from epbench import metrics
+from epbench.routing import Traffic, route_all, traffic
+from epbench.scenario import parse
+
+
+@pytest.mark.parametrize("dtype, hidden, nbytes", [
+    ("bf16", 8192, 16384),
+    ("bf16", 7168, 14336),
+    ("fp8", 8192, 8192 + 4 * 64),  # e4m3 payload + one fp32 scale per 128 elements
+    ("fp8", 7168, 7168 + 4 * 56),
+    ("fp8", 128, 132),
+])
+def test_row_bytes(dtype, hidden, nbytes):
+    assert metrics.row_bytes(dtype, hidden) == nbytes
+
+
+def test_row_bytes_unknown_dtype():
+    with pytest.raises(ValueError):
+        metrics.row_bytes("fp16", 128)
+
+
+HAND = Traffic(total=torch.tensor([[1, 2, 0], [3, 4, 5], [0, 6, 7]]),
+               nvlink=torch.tensor([[0, 2, 0], [3, 0, 5], [0, 6, 0]]),
+               nic=torch.tensor([[0, 0, 0], [0, 0, 1], [2, 0, 0]]))
+
+
+def test_rank_bytes_dispatch_by_hand():
+    b = metrics.rank_bytes(HAND, "dispatch", 100)
+    assert b["algo"].tolist() == [400, 1200, 1200]  # received copies (columns), own included
+    assert b["nvlink"].tolist() == [200, 800, 600]  # sent copies (rows)
+    assert b["nic"].tolist() == [0, 100, 200]
+
+
+def test_rank_bytes_combine_by_hand():
+    b = metrics.rank_bytes(HAND, "combine", 100)
+    assert b["algo"].tolist() == [400, 1200, 1200]  # the same rows go back
+    assert b["nvlink"].tolist() == [300, 800, 500]  # the copies flow backwards: columns
+    assert b["nic"].tolist() == [200, 0, 100]
+
+
+def test_rank_bytes_unknown_op():
+    with pytest.raises(ValueError):
+        metrics.rank_bytes(HAND, "gather", 1)
+
+
+def test_bandwidth_gbps():
+    assert metrics.bandwidth_gbps(1e9, 1e6) == pytest.approx(1.0)
+    assert metrics.bandwidth_gbps(16384 * 4096, 500.0) == pytest.approx(134.217728)
+    assert metrics.bandwidth_gbps(1e9, 0.0) is None
+    assert metrics.bandwidth_gbps(1e9, None) is None
+    assert metrics.bandwidth_gbps(1e9, float("nan")) is None
+
+
+def test_median():
+    assert metrics.median([3, 1, 2]) == 2
+    assert metrics.median([4, 1, 3, 2]) == 2.5
+    assert metrics.median([7.0]) == 7.0
+
+
+def test_busbw_over_algbw_is_nccl_ratio_for_a_full_all_to_all():
+    """topk = all experts: every token reaches every rank, the case nccl-tests' (n-1)/n covers."""
+    s = parse(scenario_dict(model={"topk": 16, "experts_per_rank": 4}))
+    t = traffic(route_all(s), 4, 4, hierarchical=False)
+    b = metrics.rank_bytes(t, "dispatch", metrics.row_bytes("bf16", s.model.hidden))
+    ratio = (b["nvlink"].double() / b["algo"].double())
+    assert torch.allclose(ratio, torch.full((4,), 3 / 4, dtype=torch.float64))
+
+
+def test_busbw_over_algbw_is_smaller_for_sparse_routing():
+    s = parse(scenario_dict(model={"topk": 2, "experts_per_rank": 4}))
+    t = traffic(route_all(s), 4, 4, hierarchical=False)
+    b = metrics.rank_bytes(t, "dispatch", 2)
+    assert float(b["nvlink"].sum()) / float(b["algo"].sum()) < 3 / 4
+
+
+def rows(op, times, algbw, wrong=(0, 0, 0), nic=None):
+    return [{"scenario": "s", "backend": "reference", "op": op, "sms": 0, "rank": r, "world": 3,
+             "time_us": t, "algbw_gbps": a, "busbw_nvlink_gbps": a / 2,
+             "busbw_nic_gbps": nic, "wrong": w}
+            for r, (t, a, w) in enumerate(zip(times, algbw, wrong))]
+
+
+def test_summarize_max_time_and_spread_over_ranks():
+    df = pd.DataFrame(rows("dispatch", [10.0, 30.0, 20.0], [1.0, 2.0, 6.0], wrong=(0, 2, 1))
+                      + rows("combine", [5.0, 4.0, 6.0], [3.0, 3.0, 3.0]))
+    s = metrics.summarize(df).set_index("op")
+    d, c = s.loc["dispatch"], s.loc["combine"]
+    assert d["time_us"] == 30.0 and d["slowest_rank"] == 1
+    assert c["time_us"] == 6.0 and c["slowest_rank"] == 2
+    assert (d["algbw_gbps_min"], d["algbw_gbps_median"], d["algbw_gbps_max"]) == (1.0, 2.0, 6.0)
+    assert (d["busbw_nvlink_gbps_min"], d["busbw_nvlink_gbps_max"]) == (0.5, 3.0)
+    assert d["wrong"] == 3 and c["wrong"] == 0
+    assert d["world"] == 3
+    assert d["busbw_nic_gbps_median"] is None or math.isnan(d["busbw_nic_gbps_median"])
+    assert list(s.index) == ["dispatch", "combine"]  # first-seen order
+
+
+def test_summarize_keeps_points_apart():
+    a = rows("dispatch", [1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    b = [dict(r, sms=8, time_us=2.0) for r in a]
+    s = metrics.summarize(pd.DataFrame(a + b))
+    assert len(s) == 2
+    assert sorted(s["time_us"]) == [1.0, 2.0]
+
+
+def test_summarize_empty():
+    assert metrics.summarize(pd.DataFrame()).empty

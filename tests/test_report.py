@@ -1,0 +1,88 @@
+import pandas as pd
+import pytest
+from rich.console import Console
+
+from epbench import report
+
+
+def console() -> Console:
+    return Console(record=True, width=200, color_system=None)
+
+
+def rows(op="dispatch", times=(100.0, 200.0), algbw=(10.0, 20.0), wrong=(0, 0), sms=0,
+         problem=""):
+    return [{"scenario": "s", "backend": "reference", "op": op, "sms": sms, "rank": r, "world": 2,
+             "time_us": t, "algbw_gbps": a, "busbw_nvlink_gbps": a * 0.75,
+             "busbw_nic_gbps": None, "wrong": w, "problem": problem if w else ""}
+            for r, (t, a, w) in enumerate(zip(times, algbw, wrong))]
+
+
+META = {"scenario": {"name": "smoke"}, "world": 2, "device": "cpu", "status": "complete"}
+
+
+@pytest.mark.parametrize("value, text", [
+    (327.4, "327"), (1234.5, "1234"), (41.23, "41.2"), (10.0, "10.0"), (9.876, "9.88"),
+    (0.012345, "0.0123"), (None, "-"), (float("nan"), "-"), (-150.2, "-150"),
+])
+def test_num(value, text):
+    assert report._num(value) == text
+
+
+def table_lines(df, meta=META):
+    c = console()
+    report.print_run(pd.DataFrame(df), meta, c)
+    return c.export_text()
+
+
+def line_with(text, *needles):
+    hits = [ln for ln in text.splitlines() if all(n in ln for n in needles)]
+    assert hits, f"no line with {needles} in:\n{text}"
+    return hits[0]
+
+
+def test_table_shows_slowest_rank_time_and_spread():
+    text = table_lines(rows(times=(100.0, 200.0), algbw=(10.0, 20.0)))
+    assert "smoke on 2 ranks (cpu)" in text
+    for header in ("op", "backend", "SMs", "time us", "algbw", "NVLink busbw", "NIC busbw",
+                   "#wrong"):
+        assert header in text
+    line = line_with(text, "dispatch", "reference")
+    assert "200" in line and "auto" in line  # time = the slowest rank's median; sms 0 = auto
+    assert "10.0 / 15.0 / 20.0" in line  # algbw min / median / max over ranks
+    assert "7.5 / 11.2 / 15.0" in line
+    assert "VERIFICATION FAILED" not in text
+
+
+def test_table_collapses_an_even_spread_and_shows_sms():
+    text = table_lines(rows(algbw=(30.0, 30.5), sms=24))
+    line = line_with(text, "dispatch")
+    assert " 30.2 " in line and "/" not in line
+    assert " 24 " in line
+
+
+def test_one_row_per_op_and_point():
+    text = table_lines(rows("dispatch") + rows("combine") + rows("dispatch", sms=8))
+    data = [ln for ln in text.splitlines() if "reference" in ln]
+    assert len(data) == 3
+
+
+def test_wrong_rows_fail_verification_loudly():
+    text = table_lines(rows("combine", wrong=(0, 3), problem="token 0: got 1234.0"))
+    assert "VERIFICATION FAILED: 3 wrong rows" in text
+    assert "combine" in line_with(text, "VERIFICATION FAILED") and "rank 1" in text
+    assert "token 0: got 1234.0" in text
+    assert line_with(text, "combine", "reference").rstrip(" │").endswith("3")
+
+
+def test_notes_status_and_empty_runs():
+    meta = dict(META, notes=["backend epbench skipped: needs CUDA GPUs"], status="failed: boom")
+    text = table_lines([], meta)
+    assert "no measured points" in text
+    assert "note: backend epbench skipped: needs CUDA GPUs" in text
+    assert "run status: failed: boom" in text
+    assert "run status" not in table_lines(rows())
+
+
+def test_results_table_rows_match_summary():
+    t = report.results_table(pd.DataFrame(rows() + rows("combine")), "title")
+    assert t.row_count == 2

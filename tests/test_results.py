@@ -1,0 +1,142 @@
+import datetime as real_datetime
+import json
+import os
+
+import pandas as pd
+import pytest
+
+from epbench import results
+from epbench.errors import UserError
+
+ROW = {"scenario": "s", "backend": "reference", "op": "dispatch", "sms": 0, "rank": 0,
+       "time_us": 12.5, "wrong": 0}
+SAMPLE = {"backend": "reference", "op": "dispatch", "sms": 0, "rank": 0, "iter": 0, "time_us": 12.5}
+
+
+def test_atomic_write_leaves_no_temporary_file(tmp_path):
+    p = tmp_path / "a.json"
+    results._atomic_write(p, "one\n")
+    results._atomic_write(p, "two\n")
+    assert p.read_text() == "two\n"
+    assert [f.name for f in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_atomic_write_that_fails_keeps_the_old_file(tmp_path, monkeypatch):
+    p = tmp_path / "results.csv"
+    results._atomic_write(p, "old\n")
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(results.os, "replace", boom)
+    with pytest.raises(OSError):
+        results._atomic_write(p, "new, half written\n")
+    assert p.read_text() == "old\n"
+
+
+class _FrozenClock:
+    """Stands in for the datetime module: every call to now() returns the same second."""
+
+    timezone = real_datetime.timezone
+
+    class datetime:
+        @staticmethod
+        def now(tz=None):
+            return real_datetime.datetime(2030, 1, 2, 3, 4, 5, tzinfo=tz)
+
+
+def test_new_run_dir_in_the_same_second_never_reuses_a_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "datetime", _FrozenClock)
+    dirs = [results.new_run_dir(tmp_path / "res", "smoke") for _ in range(3)]
+    assert [d.name for d in dirs] == ["20300102T030405Z_smoke", "20300102T030405Z_smoke-1",
+                                      "20300102T030405Z_smoke-2"]
+    assert all(d.is_dir() for d in dirs)
+
+
+def test_new_run_dir_skips_a_folder_that_exists(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "datetime", _FrozenClock)
+    taken = tmp_path / "20300102T030405Z_smoke"
+    taken.mkdir()
+    (taken / "mine").write_text("keep")
+    d = results.new_run_dir(tmp_path, "smoke")
+    assert d != taken and d.name == "20300102T030405Z_smoke-1"
+    assert (taken / "mine").read_text() == "keep"
+
+
+def test_new_run_dir_uses_utc_time_and_scenario(tmp_path):
+    d = results.new_run_dir(tmp_path, "h200x4")
+    stamp, name = d.name.split("_", 1)
+    assert name == "h200x4"
+    real_datetime.datetime.strptime(stamp, "%Y%m%dT%H%M%SZ")
+
+
+def test_run_writer_writes_meta_then_tables_after_each_point(tmp_path):
+    d = tmp_path / "run"
+    w = results.RunWriter(d, {"argv": ["run", "x.yaml"], "scenario": {"name": "s"}})
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["status"] == "running" and meta["argv"] == ["run", "x.yaml"]
+    assert not (d / "results.csv").exists()
+
+    w.add([ROW], [SAMPLE])
+    # a run that dies now keeps its first point
+    m, df = results.load_run(d)
+    assert m["status"] == "running"
+    assert len(df) == 1 and df["time_us"].iloc[0] == 12.5
+    w.add([dict(ROW, op="combine")], [dict(SAMPLE, op="combine"), dict(SAMPLE, iter=1)])
+    assert len(pd.read_csv(d / "results.csv")) == 2
+    assert len(results.load_samples(d)) == 3
+
+    w.finish("complete", wrong=0)
+    m, _ = results.load_run(d)
+    assert m["status"] == "complete" and m["wrong"] == 0 and "finished_utc" in m
+    assert sorted(f.name for f in d.iterdir()) == ["meta.json", "results.csv", "samples.csv"]
+
+
+def test_run_writer_refuses_a_folder_with_results(tmp_path):
+    d = tmp_path / "run"
+    w = results.RunWriter(d, {})
+    w.add([ROW], [SAMPLE])
+    before = (d / "results.csv").read_text()
+    with pytest.raises(UserError, match="already holds results"):
+        results.RunWriter(d, {})
+    assert (d / "results.csv").read_text() == before
+    assert json.loads((d / "meta.json").read_text())["status"] == "running"
+
+
+def test_load_run_on_a_folder_that_is_not_a_run(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(UserError, match="not a results folder"):
+        results.load_run(tmp_path)
+
+
+def test_load_run_with_broken_meta(tmp_path):
+    (tmp_path / "meta.json").write_text("{not json")
+    with pytest.raises(UserError, match="meta.json: not valid JSON"):
+        results.load_run(tmp_path)
+
+
+def test_load_run_without_points_is_empty(tmp_path):
+    results.RunWriter(tmp_path / "r", {"scenario": {"name": "s"}})
+    meta, df = results.load_run(tmp_path / "r")
+    assert df.empty and meta["scenario"]["name"] == "s"
+    assert results.load_samples(tmp_path / "r").empty
+
+
+def test_find_runs(tmp_path):
+    a = results.new_run_dir(tmp_path, "a")
+    results.RunWriter(a, {})
+    b = tmp_path / "b_run"
+    results.RunWriter(b, {})
+    (tmp_path / "stray").mkdir()
+    assert results.find_runs([tmp_path]) == sorted([a, b])
+    assert results.find_runs([a]) == [a]
+    with pytest.raises(UserError, match="no results folders"):
+        results.find_runs([tmp_path / "stray"])
+    with pytest.raises(UserError, match="no such file or folder"):
+        results.find_runs([tmp_path / "missing"])
+
+
+def test_run_dir_names_differ_without_a_frozen_clock(tmp_path):
+    names = {results.new_run_dir(tmp_path, "s").name for _ in range(5)}
+    assert len(names) == 5
+    assert len(os.listdir(tmp_path)) == 5

@@ -1,0 +1,190 @@
+"""The checks against outputs built by hand from the reference semantics (backends/base.py):
+a world of 3 ranks, 2 experts each, seen from rank 1; no process group needed."""
+
+import pytest
+import torch
+
+from epbench.backends.base import DispatchInput, DispatchOutput
+from epbench.inputs import dispatch_input, expert_factor, make_tokens
+from epbench.routing import route_rank
+from epbench.scenario import Routing
+from epbench.verify import check_combine, check_dispatch, expected_combine
+
+WORLD, EPR, TOPK, HIDDEN, ME = 3, 2, 2, 128, 1
+TOKENS = (5, 7, 4)  # ranks may hold different numbers of tokens
+CPU = torch.device("cpu")
+
+
+def inputs_of(dtype: str):
+    out = []
+    for s, t in enumerate(TOKENS):
+        r = route_rank(Routing(seed=5), t, TOPK, WORLD * EPR, s)
+        out.append(dispatch_input(make_tokens(t, HIDDEN, 5, s, 1, CPU), r, dtype, CPU))
+    return out
+
+
+def hand_dispatch(ins, capacity: int = 32) -> DispatchOutput:
+    """What rank ME must receive, spelled out with loops: by source rank, then token index."""
+    picked = [(s, t) for s, inp in enumerate(ins) for t in range(inp.num_tokens)
+              if any(int(e) // EPR == ME for e in inp.topk_idx[t])]
+    fp8 = ins[0].x_scales is not None
+    x = torch.full((capacity, HIDDEN), float("nan")).to(ins[0].x.dtype)
+    scales = torch.full((capacity, HIDDEN // 128), float("nan")) if fp8 else None
+    idx = torch.full((capacity, TOPK), -1, dtype=torch.int64)
+    w = torch.full((capacity, TOPK), float("nan"))
+    counts = torch.zeros(EPR, dtype=torch.int32)
+    for row, (s, t) in enumerate(picked):
+        x[row] = ins[s].x[t]
+        if fp8:
+            scales[row] = ins[s].x_scales[t]
+        idx[row] = ins[s].topk_idx[t]
+        w[row] = ins[s].topk_weights[t]
+        for e in ins[s].topk_idx[t].tolist():
+            if e // EPR == ME:
+                counts[e % EPR] += 1
+    return DispatchOutput(x, scales, idx, w, counts, len(picked))
+
+
+def dispatch_wrong(out, ins) -> int:
+    return check_dispatch(out, ME, WORLD, EPR, lambda s: ins[s]).wrong
+
+
+@pytest.fixture(params=["bf16", "fp8"])
+def case(request):
+    ins = inputs_of(request.param)
+    out = hand_dispatch(ins)
+    assert out.num_recv > 0
+    return ins, out
+
+
+def test_correct_dispatch_passes(case):
+    ins, out = case
+    res = check_dispatch(out, ME, WORLD, EPR, lambda s: ins[s])
+    assert res.wrong == 0, res.first_problem
+    assert res.first_problem == ""
+
+
+def test_one_flipped_byte_is_one_wrong_row(case):
+    ins, out = case
+    out.x[out.num_recv - 1].view(torch.uint8)[3] ^= 0x01
+    res = check_dispatch(out, ME, WORLD, EPR, lambda s: ins[s])
+    assert res.wrong == 1
+    assert "payload" in res.first_problem
+
+
+def test_swapped_rows_are_wrong(case):
+    ins, out = case
+    assert out.num_recv >= 2
+    out.x[[0, 1]] = out.x[[1, 0]]
+    assert dispatch_wrong(out, ins) == 2
+
+
+def test_wrong_expert_id_and_weight(case):
+    ins, out = case
+    out.topk_idx[0, 0] += 1
+    assert dispatch_wrong(out, ins) >= 1
+    out = hand_dispatch(ins)
+    out.topk_weights[0, 1] = out.topk_weights[0, 1] * 1.0001
+    assert dispatch_wrong(out, ins) == 1
+
+
+def test_wrong_counts(case):
+    ins, out = case
+    out.expert_counts[0] += 1
+    res = check_dispatch(out, ME, WORLD, EPR, lambda s: ins[s])
+    assert res.wrong == 1 and "expert counts" in res.first_problem
+    out = hand_dispatch(ins)
+    out.num_recv -= 1  # the last row goes missing
+    assert dispatch_wrong(out, ins) >= 1
+
+
+def test_fp8_scales_are_checked():
+    ins = inputs_of("fp8")
+    out = hand_dispatch(ins)
+    out.x_scales[0, 0] *= 2
+    res = check_dispatch(out, ME, WORLD, EPR, lambda s: ins[s])
+    assert res.wrong == 1 and "scales" in res.first_problem
+
+
+def test_nan_poison_left_in_place_is_caught(case):
+    ins, out = case
+    n = out.num_recv
+    out.x[:n] = float("nan")  # as if the backend never wrote the rows
+    assert dispatch_wrong(out, ins) == n
+
+
+def test_nan_from_the_source_matches_bit_for_bit():
+    """A NaN that was sent is received as that NaN: bits compare, not values."""
+    ins = inputs_of("bf16")
+    out = hand_dispatch(ins)
+    s, t = next((s, t) for s, inp in enumerate(ins) for t in range(inp.num_tokens)
+                if any(int(e) // EPR == ME for e in inp.topk_idx[t]))
+    ins[s].x[t, 0] = float("nan")
+    out = hand_dispatch(ins)
+    assert dispatch_wrong(out, ins) == 0
+
+
+def hand_combine(inp: DispatchInput) -> torch.Tensor:
+    """Each token: sum over the ranks d that hold one of its experts of
+    (its weights on d) * (expert on d's output for it), in fp32, rounded once to bf16."""
+    xs = inp.x.float() if inp.x_scales is None else (
+        inp.x.float().view(inp.num_tokens, -1, 128) * inp.x_scales.unsqueeze(2)
+    ).view(inp.num_tokens, HIDDEN)
+    out = torch.zeros(inp.num_tokens, HIDDEN)
+    for t in range(inp.num_tokens):
+        for d in range(WORLD):
+            w = sum(float(wt) for e, wt in zip(inp.topk_idx[t].tolist(), inp.topk_weights[t])
+                    if e // EPR == d)
+            if any(e // EPR == d for e in inp.topk_idx[t].tolist()):
+                y = (xs[t] * expert_factor(d)).to(torch.bfloat16).float()
+                out[t] += w * y
+    return out.to(torch.bfloat16)
+
+
+def test_expected_combine_matches_the_hand_sum(case):
+    ins, _ = case
+    want = hand_combine(ins[ME])
+    got = expected_combine(ins[ME], WORLD, EPR)
+    assert torch.allclose(got.to(torch.bfloat16).float(), want.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_correct_combine_passes(case):
+    ins, _ = case
+    res = check_combine(hand_combine(ins[ME]), ins[ME], WORLD, EPR)
+    assert res.wrong == 0, res.first_problem
+
+
+def test_combine_off_by_one_percent_in_one_row_fails(case):
+    ins, _ = case
+    got = hand_combine(ins[ME])
+    got[2] = (got[2].float() * 1.01).to(torch.bfloat16)
+    res = check_combine(got, ins[ME], WORLD, EPR)
+    assert res.wrong == 1 and res.first_problem.startswith("token 2:")
+
+
+def test_combine_nan_poison_and_zeros_fail(case):
+    ins, _ = case
+    got = hand_combine(ins[ME])
+    got[0, 5] = float("nan")
+    assert check_combine(got, ins[ME], WORLD, EPR).wrong == 1
+    zeros = torch.zeros_like(got)
+    assert check_combine(zeros, ins[ME], WORLD, EPR).wrong == ins[ME].num_tokens
+
+
+def test_combine_missing_a_copy_fails():
+    """Dropping one destination's contribution must be noticed."""
+    ins = inputs_of("bf16")
+    inp = ins[ME]
+    t = next(t for t in range(inp.num_tokens)
+             if len({int(e) // EPR for e in inp.topk_idx[t]}) == 2)
+    got = hand_combine(inp)
+    d = int(inp.topk_idx[t, 0]) // EPR
+    w = float(inp.topk_weights[t, 0])
+    got[t] = (got[t].float() - w * (inp.x[t].float() * expert_factor(d))).to(torch.bfloat16)
+    assert check_combine(got, inp, WORLD, EPR).wrong == 1
+
+
+def test_combine_wrong_shape(case):
+    ins, _ = case
+    got = hand_combine(ins[ME])[:-1]
+    assert check_combine(got, ins[ME], WORLD, EPR).wrong >= 1
