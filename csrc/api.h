@@ -29,6 +29,20 @@ enum ep_region_id {
   EP_OUT = 5,
   EP_NUM_RECV = 6,
   EP_EXPERT_COUNTS = 7,
+  EP_DEBUG_STAMPS = 8,  // u64 [16] %globaltimer per phase, written only while EP_OPT_DEBUG_STAMPS is on
+};
+
+// ep_set_option keys.
+enum ep_option {
+  EP_OPT_DEBUG_STAMPS = 0,  // 1: kernels record per-phase %globaltimer stamps (debug; default 0)
+  EP_OPT_NOTIFY_IMPL = 1,   // ep_notify_impl
+};
+
+// Notify (layout) kernel variants.
+enum ep_notify_impl {
+  EP_NOTIFY_DIRECT = 0,  // v1-v3: each thread reads its 4 tokens' ids straight from global memory
+  EP_NOTIFY_STAGED = 1,  // v4: coalesced id loads staged through shared memory, counts published
+                         // to peers before the slot pass, vector slot stores
 };
 
 // NOTIFY_ONLY runs the layout kernel alone (the data kernel is skipped): a measuring aid only,
@@ -45,6 +59,7 @@ int ep_create(const ep_config* cfg, void** ctx);
 int ep_ipc_handle(void* ctx, void* handle_out /* 64 bytes */);
 int ep_open_peers(void* ctx, const void* handles /* world * 64 bytes, rank order */);
 int ep_region(void* ctx, int which, unsigned long long* ptr, unsigned long long* bytes);
+int ep_set_option(void* ctx, int key, int value);
 int ep_dispatch(void* ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
                 int num_tokens, int num_sms, int impl, int warps, int stages, int epoch, void* stream);
 int ep_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,

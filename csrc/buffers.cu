@@ -85,6 +85,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   ctx->off_expert_counts = c.take((size_t)p.experts_per_rank * sizeof(long long));
   ctx->off_counters = c.take(4 * sizeof(unsigned));
   ctx->off_dev_error = c.take(sizeof(int));
+  ctx->off_stamps = c.take(kNumStamps * sizeof(unsigned long long));
   ctx->region_bytes = align_up(c.next, 1 << 21);
 
   cudaError_t err = cudaMalloc(&ctx->region, ctx->region_bytes);
@@ -164,11 +165,28 @@ extern "C" int ep_region(void* vctx, int which, unsigned long long* ptr, unsigne
     case EP_OUT: off = ctx->off_out; n = (size_t)p.max_tokens * p.hidden * 2; break;
     case EP_NUM_RECV: off = ctx->off_num_recv; n = sizeof(long long); break;
     case EP_EXPERT_COUNTS: off = ctx->off_expert_counts; n = (size_t)p.experts_per_rank * sizeof(long long); break;
+    case EP_DEBUG_STAMPS: off = ctx->off_stamps; n = kNumStamps * sizeof(unsigned long long); break;
     default: ep_set_error("unknown region %d", which); return -1;
   }
   *ptr = (unsigned long long)(ctx->region + off);
   *bytes = n;
   return 0;
+}
+
+extern "C" int ep_set_option(void* vctx, int key, int value) {
+  EpContext* ctx = (EpContext*)vctx;
+  switch (key) {
+    case EP_OPT_DEBUG_STAMPS:
+      ctx->p.stamps = value ? (unsigned long long*)(ctx->region + ctx->off_stamps) : nullptr;
+      return 0;
+    case EP_OPT_NOTIFY_IMPL:
+      if (value != EP_NOTIFY_DIRECT && value != EP_NOTIFY_STAGED) break;
+      ctx->p.notify_impl = value;
+      return 0;
+    default: break;
+  }
+  ep_set_error("ep_set_option: bad key %d or value %d", key, value);
+  return -1;
 }
 
 extern "C" int ep_poll_error(void* vctx, int* rank, int* peer, int* phase) {

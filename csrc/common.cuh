@@ -82,7 +82,26 @@ struct EpParams {
   unsigned* counters;
   int* dev_error;
   EpErrorInfo* host_error;  // device alias of the host-mapped struct
+  // Debug only (ep_set_option EP_OPT_DEBUG_STAMPS): when non-null, kernels store %globaltimer per
+  // phase at the kStamp* indices. Null by default: the stores are skipped.
+  unsigned long long* stamps;
+  int notify_impl;  // EP_NOTIFY_* (api.h)
 };
+
+// Indices into EpParams::stamps (one launch's worth; each call overwrites them).
+enum EpStamp {
+  kStampNotifyStart = 0,
+  kStampCounted = 1,    // masks and counts of every token done
+  kStampPublished = 2,  // my count row stored into every peer (thread 0's warp)
+  kStampSlots = 3,      // slot_map written (staged notify: after publishing)
+  kStampPeersSeen = 4,  // every peer's row for this epoch seen
+  kStampNotifyEnd = 5,
+  kStampDataStart = 6,  // data kernel block 0 past griddepcontrol.wait
+  kStampDataLast = 7,   // last data block done with its rows (before the completion flags)
+  kStampDataEnd = 8,    // last block saw every peer's completion flag
+  kNumStamps = 16,
+};
+
 
 enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
 
@@ -91,7 +110,7 @@ struct EpContext {
   int device;
   uint8_t* region;
   size_t region_bytes, shared_bytes;
-  size_t off_out, off_slot_map, off_base, off_num_recv, off_expert_counts, off_counters, off_dev_error;
+  size_t off_out, off_slot_map, off_base, off_num_recv, off_expert_counts, off_counters, off_dev_error, off_stamps;
   EpErrorInfo* host_error;  // host view
   bool peers_open;
   int max_smem_optin;
@@ -144,6 +163,10 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+__device__ __forceinline__ void stamp(const EpParams& p, int which) {
+  if (p.stamps != nullptr) p.stamps[which] = globaltimer();
 }
 
 // 16-byte read of data nobody writes during the kernel; no L1 allocation (streamed once).
@@ -207,11 +230,16 @@ __device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int cou
   }
   __syncthreads();
   if (!is_last) return;
+  if (threadIdx.x == 0 && counter == kCounterDispatch) stamp(p, kStampDataLast);
   fence_acq_rel_sys();
   const int peer = threadIdx.x;
   if (peer < p.world) {
     st_release_sys(signal_ptr(p, peer, flag_base + p.rank), epoch);
     wait_flag(p, signal_ptr(p, p.rank, flag_base + peer), epoch, peer, phase);
+  }
+  if (p.stamps != nullptr && counter == kCounterDispatch) {
+    __syncthreads();  // block-uniform: every thread of the last block is here
+    if (threadIdx.x == 0) stamp(p, kStampDataEnd);
   }
 }
 

@@ -68,6 +68,7 @@ __device__ __forceinline__ void copy_metadata(const EpParams& p, const DispatchA
 template <int kU, int kThreads, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_reg_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
   const int my_base = lane < p.world ? p.base[lane] : 0;

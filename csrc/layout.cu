@@ -50,6 +50,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   if (tid < EP_MAX_WORLD) running[tid] = 0;
   __syncthreads();
   if (aborted) return;
+  if (tid == 0) stamp(p, kStampNotifyStart);
 
   // Let the data kernel (launched with programmatic stream serialization) get resident now; it
   // waits in griddepcontrol.wait until this grid has completed and its writes are visible.
@@ -152,6 +153,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     __syncthreads();
   }
 
+  if (tid == 0) stamp(p, kStampCounted);
+
   // ---- 2. publish my row to every rank ----
   const int stride = p.sig.notify_stride;
   if (warp < world) {
@@ -163,6 +166,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     __syncwarp();
     if (lane == 0) st_release_sys(row, epoch);
   }
+  if (tid == 0) {
+    stamp(p, kStampPublished);
+    stamp(p, kStampSlots);
+  }
 
   // ---- 3. wait for every rank's row ----
   if (tid < world) {
@@ -170,6 +177,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   }
   __syncthreads();
   if (ld_volatile(p.dev_error)) return;
+  if (tid == 0) stamp(p, kStampPeersSeen);
 
   // ---- 4. offsets and counts ----
   const int* rows = signal_ptr(p, p.rank, p.sig.notify_off);
@@ -188,12 +196,270 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     for (int s = 0; s < world; ++s) c += ld_volatile(rows + s * stride + 1 + world + e);
     p.expert_counts[e] = c;
   }
+  if (tid == 0) stamp(p, kStampNotifyEnd);
+}
+
+// ---- v4: staged notify ----
+// Same results as notify_kernel, in three passes:
+//   A. Per round of 4 * blockDim tokens, warp w owns tokens [128 w, 128 w + 128) of the round and
+//      lane l tokens 4 l .. 4 l + 3 of those (the same assignment as notify_kernel). The ids are
+//      loaded coalesced (32 consecutive int64 per warp instruction, in groups of 8 per token)
+//      into a per-warp shared stage as u16, then each lane reads its own tokens back from shared
+//      memory. Masks go to slot_map[t][0] (scratch, rewritten in pass C by the same thread),
+//      counts per expert to shared memory, counts per destination to total[].
+//   B. Publish my row to every rank (as notify_kernel step 2): the peers' rows travel while C runs.
+//   C. Per round: each thread reads back its masks, block scan, slot_map written with 16-byte
+//      stores (4 tokens x world ints per thread are contiguous).
+// Then the wait and the offsets exactly as notify_kernel steps 3-4.
+constexpr int kStageIdsPerWarp = 32 * kTokensPerThread * 8;  // 128 tokens x 8 ids of one k group
+constexpr uint16_t kNoExpert = 0xffff;
+
+__host__ __device__ __forceinline__ size_t staged_cnt_bytes(int num_experts) {
+  return ((size_t)num_experts * sizeof(int) + 15) / 16 * 16;
+}
+
+__global__ void __launch_bounds__(kNotifyThreads, 1)
+    notify_staged_kernel(EpParams p, const int64_t* __restrict__ topk_idx, int num_tokens, int epoch) {
+  extern __shared__ __align__(16) uint8_t dyn[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int world = p.world, E = p.experts_per_rank, topk = p.topk;
+  const int num_experts = world * E;
+  int* expert_cnt = reinterpret_cast<int*>(dyn);
+  uint16_t* stage = reinterpret_cast<uint16_t*>(dyn + staged_cnt_bytes(num_experts)) + warp * kStageIdsPerWarp;
+  __shared__ unsigned long long warp_incl[32][2];
+  __shared__ int running[EP_MAX_WORLD];
+  __shared__ int total[EP_MAX_WORLD];
+  __shared__ int aborted;
+
+  if (tid == 0) aborted = ld_volatile(p.dev_error);
+  for (int i = tid; i < num_experts; i += blockDim.x) expert_cnt[i] = 0;
+  if (tid < EP_MAX_WORLD) {
+    running[tid] = 0;
+    total[tid] = 0;
+  }
+  __syncthreads();
+  if (aborted) return;
+  if (tid == 0) stamp(p, kStampNotifyStart);
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+  const int round_tokens = blockDim.x * kTokensPerThread;
+  const bool aggregate = num_experts <= 64;
+  // ---- A. masks and counts ----
+  for (int r0 = 0; r0 < num_tokens; r0 += round_tokens) {
+    const int tw0 = r0 + warp * 32 * kTokensPerThread;  // first token of this warp
+    const int t0 = tw0 + lane * kTokensPerThread;       // first token of this lane
+    unsigned masks[kTokensPerThread];
+#pragma unroll
+    for (int u = 0; u < kTokensPerThread; ++u) masks[u] = 0;
+    for (int k0 = 0; k0 < topk; k0 += 8) {
+      // stage ids [tw0, tw0 + 128) x [k0, k0 + 8): element j = token * 8 + k
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        int v[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int j = (half * 16 + i) * 32 + lane;
+          const int t = tw0 + (j >> 3), k = k0 + (j & 7);
+          const long long e = (t < num_tokens && k < topk) ? (long long)topk_idx[(size_t)t * topk + k] : -1;
+          v[i] = (e < 0 || e >= num_experts) ? -1 : (int)e;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) stage[(half * 16 + i) * 32 + lane] = v[i] < 0 ? kNoExpert : (uint16_t)v[i];
+      }
+      __syncwarp();
+      int ids[kTokensPerThread][8];
+#pragma unroll
+      for (int u = 0; u < kTokensPerThread; ++u) {
+        const uint4 q = reinterpret_cast<const uint4*>(stage)[lane * kTokensPerThread + u];
+        const uint32_t w4[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          const uint32_t a = w4[h] & 0xffffu, b = w4[h] >> 16;
+          ids[u][2 * h] = a == kNoExpert ? -1 : (int)a;
+          ids[u][2 * h + 1] = b == kNoExpert ? -1 : (int)b;
+        }
+      }
+      __syncwarp();  // the stage is refilled by the next k group
+#pragma unroll
+      for (int u = 0; u < kTokensPerThread; ++u) {
+        const int64_t* row = topk_idx + (size_t)(t0 + u < num_tokens ? t0 + u : 0) * topk;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          int e = ids[u][v];
+#pragma unroll
+          for (int w = 0; w < v; ++w) e = (ids[u][w] == e) ? -1 : e;  // duplicates count once
+          for (int j = 0; j < k0 && e >= 0; ++j) e = (row[j] == e) ? -1 : e;
+          if (e >= 0) masks[u] |= 1u << (e / E);
+          if (aggregate) {
+            const unsigned same = __match_any_sync(0xffffffffu, e);
+            if (e >= 0 && lane == __ffs(same) - 1) atomicAdd(&expert_cnt[e], __popc(same));
+          } else if (e >= 0) {
+            atomicAdd(&expert_cnt[e], 1);
+          }
+        }
+      }
+    }
+    unsigned long long lo = 0, hi = 0;
+#pragma unroll
+    for (int u = 0; u < kTokensPerThread; ++u) {
+      if (t0 + u < num_tokens) p.slot_map[(size_t)(t0 + u) * world] = (int)masks[u];
+      lo += pack_lo(masks[u]);
+      hi += pack_hi(masks[u]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {  // <= 128 tokens per warp: no 16-bit field overflows
+      lo += __shfl_xor_sync(0xffffffffu, lo, off);
+      hi += __shfl_xor_sync(0xffffffffu, hi, off);
+    }
+    if (lane < world) atomicAdd(&total[lane], field16(lo, hi, lane));
+  }
+  __syncthreads();
+  if (tid == 0) stamp(p, kStampCounted);
+
+  // ---- B. publish my row to every rank ----
+  const int stride = p.sig.notify_stride;
+  if (warp < world) {
+    const int d = warp;
+    int* row = signal_ptr(p, d, p.sig.notify_off + p.rank * stride);
+    for (int j = lane; j < world; j += 32) row[1 + j] = total[j];
+    for (int e = lane; e < E; e += 32) row[1 + world + e] = expert_cnt[d * E + e];
+    fence_acq_rel_sys();
+    __syncwarp();
+    if (lane == 0) st_release_sys(row, epoch);
+  }
+  if (tid == 0) stamp(p, kStampPublished);
+
+  // ---- C. slots ----
+  for (int r0 = 0; r0 < num_tokens; r0 += round_tokens) {
+    const int t0 = r0 + tid * kTokensPerThread;
+    unsigned masks[kTokensPerThread];
+    unsigned long long lo = 0, hi = 0;
+#pragma unroll
+    for (int u = 0; u < kTokensPerThread; ++u) {
+      masks[u] = t0 + u < num_tokens ? (unsigned)p.slot_map[(size_t)(t0 + u) * world] : 0u;
+      lo += pack_lo(masks[u]);
+      hi += pack_hi(masks[u]);
+    }
+    unsigned long long lo_in = lo, hi_in = hi;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const unsigned long long a = __shfl_up_sync(0xffffffffu, lo_in, off);
+      const unsigned long long b = __shfl_up_sync(0xffffffffu, hi_in, off);
+      if (lane >= off) {
+        lo_in += a;
+        hi_in += b;
+      }
+    }
+    if (lane == 31) {
+      warp_incl[warp][0] = lo_in;
+      warp_incl[warp][1] = hi_in;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      unsigned long long a = lane < nwarps ? warp_incl[lane][0] : 0;
+      unsigned long long b = lane < nwarps ? warp_incl[lane][1] : 0;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned long long x = __shfl_up_sync(0xffffffffu, a, off);
+        const unsigned long long y = __shfl_up_sync(0xffffffffu, b, off);
+        if (lane >= off) {
+          a += x;
+          b += y;
+        }
+      }
+      if (lane < nwarps) {
+        warp_incl[lane][0] = a;
+        warp_incl[lane][1] = b;
+      }
+    }
+    __syncthreads();
+    unsigned long long cur_lo[kTokensPerThread], cur_hi[kTokensPerThread];
+    cur_lo[0] = lo_in - lo + (warp ? warp_incl[warp - 1][0] : 0ull);
+    cur_hi[0] = hi_in - hi + (warp ? warp_incl[warp - 1][1] : 0ull);
+#pragma unroll
+    for (int u = 1; u < kTokensPerThread; ++u) {
+      cur_lo[u] = cur_lo[u - 1] + pack_lo(masks[u - 1]);
+      cur_hi[u] = cur_hi[u - 1] + pack_hi(masks[u - 1]);
+    }
+    int run[EP_MAX_WORLD];
+#pragma unroll
+    for (int d = 0; d < EP_MAX_WORLD; ++d) run[d] = d < world ? running[d] : 0;
+    // value of flat entry i = u * world + d of this thread's 4 tokens
+    auto slot_of = [&](int i) -> int {
+      const int u = i / world, d = i - u * world;
+      unsigned m = 0;
+      unsigned long long l = 0, h = 0;
+#pragma unroll
+      for (int uu = 0; uu < kTokensPerThread; ++uu) {
+        if (uu == u) {
+          m = masks[uu];
+          l = cur_lo[uu];
+          h = cur_hi[uu];
+        }
+      }
+      int r = 0;
+#pragma unroll
+      for (int dd = 0; dd < EP_MAX_WORLD; ++dd) r = dd == d ? run[dd] : r;
+      return ((m >> d) & 1u) ? r + field16(l, h, d) : -1;
+    };
+    int* slots = p.slot_map + (size_t)t0 * world;
+    if (t0 + kTokensPerThread <= num_tokens) {
+      // 4 * world ints starting at a multiple of 16 bytes: world 16-byte stores
+      for (int q = 0; q < world; ++q)
+        reinterpret_cast<int4*>(slots)[q] = make_int4(slot_of(4 * q), slot_of(4 * q + 1), slot_of(4 * q + 2),
+                                                      slot_of(4 * q + 3));
+    } else if (t0 < num_tokens) {
+      for (int i = 0; i < (num_tokens - t0) * world; ++i) slots[i] = slot_of(i);
+    }
+    __syncthreads();
+    if (tid < world) running[tid] += field16(warp_incl[nwarps - 1][0], warp_incl[nwarps - 1][1], tid);
+    __syncthreads();
+  }
+  if (tid == 0) stamp(p, kStampSlots);
+
+  // ---- wait for every rank's row ----
+  if (tid < world) {
+    wait_flag(p, signal_ptr(p, p.rank, p.sig.notify_off + tid * stride), epoch, tid, kPhaseNotify);
+  }
+  __syncthreads();
+  if (ld_volatile(p.dev_error)) return;
+  if (tid == 0) stamp(p, kStampPeersSeen);
+
+  // ---- offsets and counts ----
+  const int* rows = signal_ptr(p, p.rank, p.sig.notify_off);
+  if (tid < world) {
+    int b = 0;
+    for (int s = 0; s < p.rank; ++s) b += ld_volatile(rows + s * stride + 1 + tid);
+    p.base[tid] = b;
+  }
+  if (tid == 32) {
+    long long n = 0;
+    for (int s = 0; s < world; ++s) n += ld_volatile(rows + s * stride + 1 + p.rank);
+    *p.num_recv = n;
+  }
+  for (int e = tid; e < E; e += blockDim.x) {
+    long long c = 0;
+    for (int s = 0; s < world; ++s) c += ld_volatile(rows + s * stride + 1 + world + e);
+    p.expert_counts[e] = c;
+  }
+  if (tid == 0) stamp(p, kStampNotifyEnd);
 }
 
 }  // namespace
 
 int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int epoch, cudaStream_t stream) {
-  const size_t smem = (size_t)ctx->p.world * ctx->p.experts_per_rank * sizeof(int);
+  const int num_experts = ctx->p.world * ctx->p.experts_per_rank;
+  if (ctx->p.notify_impl == EP_NOTIFY_STAGED) {
+    const size_t smem = staged_cnt_bytes(num_experts) + (size_t)(kNotifyThreads / 32) * kStageIdsPerWarp * sizeof(uint16_t);
+    // u16 ids need < 65535 experts; too many experts for the stage: the direct kernel below
+    if (num_experts < kNoExpert && smem <= (size_t)ctx->max_smem_optin) {
+      CUDA_CHECK(cudaFuncSetAttribute(notify_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      notify_staged_kernel<<<1, kNotifyThreads, smem, stream>>>(ctx->p, topk_idx, num_tokens, epoch);
+      CUDA_CHECK(cudaGetLastError());
+      return 0;
+    }
+  }
+  const size_t smem = (size_t)num_experts * sizeof(int);
   if (smem > 48 * 1024) {
     if (smem > (size_t)ctx->max_smem_optin) {
       ep_set_error("world * experts_per_rank = %zu experts exceeds the notify kernel's shared memory", smem / 4);

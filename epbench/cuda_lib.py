@@ -14,7 +14,13 @@ LIB_PATH = Path(__file__).resolve().parent / "_lib" / "libepbench_ep.so"
 NOT_BUILT = "kernels not built: run `make build`"
 
 # Region ids (enum ep_region_id in csrc/api.h).
-RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS = range(8)
+RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS = range(9)
+# ep_set_option keys (enum ep_option) and notify variants (enum ep_notify_impl).
+OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL = 0, 1
+NOTIFY_IMPLS = {"direct": 0, "staged": 1}
+# Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
+STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
+          "data_last", "data_end"]
 # Dispatch implementations (enum ep_dispatch_impl).
 DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "notify-only": 9}
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
@@ -52,6 +58,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ep_dispatch": [vp, vp, vp, vp, vp, i, i, i, i, i, i, vp],
         "ep_combine": [vp, vp, vp, vp, i, i, i, i, vp],
         "ep_poll_error": [vp, ip, ip, ip],
+        "ep_set_option": [vp, i, i],
         "ep_destroy": [vp],
     }
     lib.ep_error_flag_ptr.argtypes = [vp]

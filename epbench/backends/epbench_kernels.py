@@ -14,6 +14,9 @@ default (values chosen by measurement, notes/KERNELS.md):
   EPBENCH_DISPATCH_WARPS  warps per dispatch block (1..32)
   EPBENCH_TMA_STAGES      row buffers per warp in the TMA path
   EPBENCH_COMBINE_WARPS   warps per combine block (1..16)
+  EPBENCH_NOTIFY_IMPL     staged | direct (layout kernel variant, v4)
+Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
+``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ DEFAULTS: Dict[str, Any] = {
     "dispatch_warps": 16,
     "tma_stages": 3,
     "combine_warps": 16,
+    "notify_impl": "staged",
 }
 MAX_WORLD = 8
 MAX_TOPK = 32
@@ -100,7 +104,7 @@ class EpbenchBackend(Backend):
 
     def __init__(self, setup: RankSetup, *, dispatch_impl: Optional[str] = None,
                  dispatch_warps: Optional[int] = None, tma_stages: Optional[int] = None,
-                 combine_warps: Optional[int] = None) -> None:
+                 combine_warps: Optional[int] = None, notify_impl: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -120,6 +124,7 @@ class EpbenchBackend(Backend):
         cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
         self._open_peers()
         self._views()
+        self.notify_impl = _knob("notify_impl", notify_impl)
         # The timeout record's flag word, read without a function call on every dispatch/combine.
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ctx))
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -178,6 +183,27 @@ class EpbenchBackend(Backend):
             raise ValueError(f"dispatch_impl must be one of {list(cuda_lib.DISPATCH_IMPLS)}, got {value!r}")
         self._impl = value
         self._impl_code = cuda_lib.DISPATCH_IMPLS[value]
+
+    @property
+    def notify_impl(self) -> str:
+        return self._notify
+
+    @notify_impl.setter
+    def notify_impl(self, value: str) -> None:
+        if value not in cuda_lib.NOTIFY_IMPLS:
+            raise ValueError(f"notify_impl must be one of {list(cuda_lib.NOTIFY_IMPLS)}, got {value!r}")
+        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_NOTIFY_IMPL, cuda_lib.NOTIFY_IMPLS[value]),
+                       "ep_set_option")
+        self._notify = value
+
+    def set_debug_stamps(self, on: bool) -> None:
+        """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""
+        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_DEBUG_STAMPS, int(on)), "ep_set_option")
+
+    def debug_stamps(self) -> Dict[str, int]:
+        """The stamps of the last call (ns, this GPU's %globaltimer); synchronize first."""
+        raw = self._region(cuda_lib.DEBUG_STAMPS).view(torch.int64).cpu().tolist()
+        return dict(zip(cuda_lib.STAMPS, raw))
 
     def _check_input(self, inp: DispatchInput) -> None:
         s, x = self.s, inp.x

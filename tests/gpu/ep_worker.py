@@ -223,11 +223,45 @@ def time_calls(be: EpbenchBackend, inp: DispatchInput, sms: int, warmup: int, it
     return res
 
 
+def stamp_phases(be: EpbenchBackend, inp: DispatchInput, sms: int, n: int, one: torch.Tensor,
+                 device: torch.device) -> str:
+    """n extra calls with the debug stamps on (GPU-only: a spin before each), median of each phase
+    per rank in us; start = this rank's notify start minus the earliest rank's (same-host
+    %globaltimer, assumed common)."""
+    names = ["counted", "published", "slots", "peers_seen", "notify_end", "data_start", "data_last", "data_end"]
+    be.set_debug_stamps(True)
+    per: List[List[float]] = []
+    for _ in range(n):
+        dist.all_reduce(one)
+        torch.cuda._sleep(200000)
+        be.dispatch(inp, sms)
+        torch.cuda.synchronize()
+        st = be.debug_stamps()
+        t = torch.tensor([st["notify_start"]] + [st[k] for k in names], dtype=torch.int64, device=device)
+        allt = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(allt, t)
+        start0 = min(int(a[0]) for a in allt)
+        prev, row = int(t[0]), [(int(t[0]) - start0) / 1e3]
+        for i in range(1, len(t)):
+            cur = int(t[i]) if int(t[i]) >= prev else prev  # stamps a variant does not write
+            row.append((cur - prev) / 1e3)
+            prev = cur
+        per.append(row)
+    be.set_debug_stamps(False)
+    med = [statistics.median(r[i] for r in per) for i in range(len(per[0]))]
+    allm = [torch.zeros(len(med), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(allm, torch.tensor(med, dtype=torch.float64, device=device))
+    cols = ["start"] + names
+    return " | ".join(f"{c}=" + ",".join(f"{float(m[i]):.1f}" for m in allm) for i, c in enumerate(cols))
+
+
 def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     sms_list = [int(s) for s in args.sms.split(",")]
     variants = [v.split(":") for v in args.variants.split(",")]
     one = torch.ones(1, device=device)
     rows: List[Dict[str, object]] = []
+    stamp_lines: List[str] = []
+    notify_impls = args.notify.split(",")
     for shape in SHAPES:
         for dtype in ("bf16", "fp8"):
             case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, dtype)
@@ -238,7 +272,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             be.combine_in.copy_(torch.randn(be.combine_in.shape, device=device).to(torch.bfloat16))
             d_bytes = remote_rows(routing, rank, world, case.experts_per_rank) * row_bytes(dtype, case.hidden)
             c_bytes = remote_rows(routing, rank, world, case.experts_per_rank) * 2 * case.hidden
-            for v in variants:
+            for v, nimpl in [(v, n) for n in notify_impls for v in variants]:
+                be.notify_impl = nimpl
                 if dtype == "fp8" and v[0] == "tma":
                     continue  # v1: tma was never better than reg for fp8 rows
                 impl, warps = v[0], int(v[1])
@@ -247,8 +282,12 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     be.tma_stages = int(v[2])
                 for sms in sms_list:
                     # combine depends on neither dtype nor dispatch variant: time it with the first variant
-                    do_combine = dtype == "bf16" and v is variants[0]
+                    do_combine = dtype == "bf16" and v is variants[0] and nimpl == notify_impls[0]
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine, args.presleep)
+                    label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
+                    if args.stamps and sms in (8, 16) and v[0] in ("reg", "notify-only"):
+                        line = stamp_phases(be, inp, sms, args.stamps, one, device)
+                        stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
                     for op in ("dispatch", "combine"):
                         if op not in t:
                             continue
@@ -258,7 +297,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                                              device=device)
                         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # slowest time, lowest busbw
                         rows.append({"shape": shape.name, "dtype": dtype if op == "dispatch" else "bf16",
-                                     "op": op, "variant": ":".join(v) if op == "dispatch" else f"pull:{be.combine_warps}",
+                                     "op": op, "variant": label if op == "dispatch" else f"pull:{be.combine_warps}",
                                      "sms": sms, "time_us": round(float(stats[0]), 1),
                                      "busbw_gbps": round(-float(stats[1]), 1), "host_us": round(float(stats[2]), 1)})
             be.close()
@@ -266,6 +305,9 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / f"bench_world{world}{'_gpuonly' if args.presleep else ''}.json").write_text(json.dumps(rows, indent=1))
+        if stamp_lines:
+            print("per-phase GPU time (us, median; one value per rank; start = skew vs earliest rank)")
+            print("\n".join(stamp_lines))
         print(f"{'shape':<7} {'op':<8} {'dtype':<5} {'variant':<14} {'sms':>4} {'time_us':>9} {'busbw_gbps':>10} "
               f"{'host_us':>8}")
         for r in rows:
@@ -280,6 +322,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sms", default="8,16,24,32")
     ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16")
+    ap.add_argument("--notify", default="staged", help="notify kernel variants to bench: staged,direct")
+    ap.add_argument("--stamps", type=int, default=0, help="extra calls with per-phase debug stamps (0: none)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
