@@ -190,7 +190,8 @@ def read_limits(device_index: Optional[int], sysfs: Path = Path("/sys")) -> Limi
 
 # -- measured ceilings (CUDA) --------------------------------------------------------------
 
-# (bytes_to, peers, source, sms, comm, warmup, iters) -> per-iteration microseconds
+# (bytes_to, peers: rank -> device pointer of its receive buffer mapped here, source tensor, sms,
+#  comm, warmup, iters) -> per-iteration microseconds
 SmStoreProvider = Callable[[Sequence[int], Dict[int, Any], Any, int, Any, int, int], List[float]]
 _sm_store_provider: Optional[SmStoreProvider] = None
 SM_STORE_ABSENT = ("plain SM-store ceiling: absent (needs an epbench store kernel; none is "
@@ -214,50 +215,40 @@ def recv_offsets(plan: List[List[int]], dest: int) -> List[int]:
     return offs
 
 
-class PeerBuffers:
-    """One receive buffer per rank, mapped into every other rank through CUDA IPC
-    (torch.multiprocessing.reductions: the same mechanism torch uses between processes)."""
-
-    def __init__(self, nbytes: int, comm: Any) -> None:
-        import torch
-        import torch.distributed as dist
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        self.local = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=comm.device)
-        handles: List[Any] = [None] * comm.world
-        dist.all_gather_object(handles, reduce_tensor(self.local))
-        self.peers: Dict[int, Any] = {}
-        for r, (rebuild, args) in enumerate(handles):
-            if r != comm.rank:
-                self.peers[r] = rebuild(*args)
-        torch.cuda.synchronize()
-        dist.barrier()
-
-    def close(self) -> None:
-        self.peers.clear()
-
-
 class Cudart:
     """The few CUDA runtime calls the copy-engine ceiling makes itself, from the libcudart torch
-    already loaded. torch's cross-device ``copy_`` into tensors mapped from another process
-    adds event barriers with the destination device's streams around every copy and measured
-    34 GB/s per rank on the H200 host: not a ceiling, and not
-    one direct peer copy (cause not pinned down: its barriers, or a staged path), where
-    direct peer copies reach ~250 GB/s."""
+    already loaded.
+
+    Why not torch: a receive buffer shared with ``torch.multiprocessing.reductions`` is opened
+    by torch in the *owner's* device context; peer copies into it (``copy_`` or
+    ``cudaMemcpyAsync``) measured 36 GB/s per rank on the H200 host with NVML counting no NVLink
+    TX at all, i.e. staged, not a peer copy. Here every rank opens its peers' handles in its own
+    device's context (as DeepEP does), so the copy engine can write over NVLink."""
 
     MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
+    IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
     PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+    HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
     def __init__(self) -> None:
-        import ctypes
+        import ctypes as c
 
-        self.lib = ctypes.CDLL(self._path())
-        c = ctypes
-        self.lib.cudaDeviceEnablePeerAccess.argtypes = [c.c_int, c.c_uint]
-        self.lib.cudaMemcpyAsync.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
-        self.lib.cudaGetErrorString.restype = c.c_char_p
-        self.lib.cudaGetErrorString.argtypes = [c.c_int]
-        self.lib.cudaGetLastError.argtypes = []
+        class IpcHandle(c.Structure):
+            _fields_ = [("reserved", c.c_char * Cudart.HANDLE_BYTES)]
+
+        self.c, self.IpcHandle = c, IpcHandle
+        lib = self.lib = c.CDLL(self._path())
+        lib.cudaSetDevice.argtypes = [c.c_int]
+        lib.cudaMalloc.argtypes = [c.POINTER(c.c_void_p), c.c_size_t]
+        lib.cudaFree.argtypes = [c.c_void_p]
+        lib.cudaIpcGetMemHandle.argtypes = [c.POINTER(IpcHandle), c.c_void_p]
+        lib.cudaIpcOpenMemHandle.argtypes = [c.POINTER(c.c_void_p), IpcHandle, c.c_uint]
+        lib.cudaIpcCloseMemHandle.argtypes = [c.c_void_p]
+        lib.cudaDeviceEnablePeerAccess.argtypes = [c.c_int, c.c_uint]
+        lib.cudaMemcpyAsync.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
+        lib.cudaGetErrorString.restype = c.c_char_p
+        lib.cudaGetErrorString.argtypes = [c.c_int]
+        lib.cudaGetLastError.argtypes = []
 
     @staticmethod
     def _path() -> str:
@@ -283,6 +274,35 @@ class Cudart:
         if rc != 0:
             raise RuntimeError(f"{what}: {self.lib.cudaGetErrorString(rc).decode()}")
 
+    def set_device(self, device: int) -> None:
+        self.check(self.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
+
+    def malloc(self, nbytes: int) -> int:
+        """A whole allocation of its own: an IPC handle always names an allocation's base."""
+        ptr = self.c.c_void_p()
+        self.check(self.lib.cudaMalloc(self.c.byref(ptr), nbytes), f"cudaMalloc({nbytes})")
+        return int(ptr.value)
+
+    def free(self, ptr: int) -> None:
+        self.check(self.lib.cudaFree(ptr), "cudaFree")
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        h = self.IpcHandle()
+        self.check(self.lib.cudaIpcGetMemHandle(self.c.byref(h), ptr), "cudaIpcGetMemHandle")
+        return self.c.string_at(self.c.addressof(h), self.HANDLE_BYTES)
+
+    def ipc_open(self, handle: bytes) -> int:
+        """Maps a peer's allocation into the current device's context."""
+        h = self.IpcHandle.from_buffer_copy(handle)
+        ptr = self.c.c_void_p()
+        self.check(self.lib.cudaIpcOpenMemHandle(self.c.byref(ptr), h,
+                                                 self.IPC_LAZY_ENABLE_PEER_ACCESS),
+                   "cudaIpcOpenMemHandle")
+        return int(ptr.value)
+
+    def ipc_close(self, ptr: int) -> None:
+        self.check(self.lib.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
     def enable_peer_access(self, peer: int) -> None:
         """From the current device to ``peer``; already enabled is fine (and is cleared from
         the runtime's last-error slot, where torch would find it later)."""
@@ -297,17 +317,43 @@ class Cudart:
                    "cudaMemcpyAsync")
 
 
+class PeerBuffers:
+    """One receive buffer per rank (cudaMalloc), mapped into every other rank's own device
+    context through CUDA IPC. ``peers[d]`` is rank d's buffer as a device pointer here."""
+
+    def __init__(self, nbytes: int, comm: Any, rt: Any, dist: Any) -> None:
+        self.rt, self.dist = rt, dist
+        rt.set_device(comm.device.index)
+        self.local = rt.malloc(max(nbytes, 16))
+        self.peers: Dict[int, int] = {}
+        try:
+            shared: List[Any] = [None] * comm.world
+            dist.all_gather_object(shared, (rt.ipc_handle(self.local), comm.device.index))
+            for r, (handle, device) in enumerate(shared):
+                if r != comm.rank:
+                    rt.enable_peer_access(device)
+                    self.peers[r] = rt.ipc_open(handle)
+        finally:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Every rank unmaps its peers before any owner frees its buffer."""
+        for ptr in self.peers.values():
+            self.rt.ipc_close(ptr)
+        self.peers.clear()
+        self.dist.barrier()
+        self.rt.free(self.local)
+
+
 def copy_engine_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, source: Any,
                            warmup: int, iters: int) -> List[float]:
     """This rank's per-iteration time for one async peer copy per destination, concurrently."""
     import torch
 
     me = comm.rank
-    rt = Cudart()
+    rt = bufs.rt
     dests = [d for d in range(comm.world) if d != me and plan[me][d] > 0]
-    for d in dests:
-        rt.enable_peer_access(bufs.peers[d].device.index)
-    dst = {d: bufs.peers[d].data_ptr() + recv_offsets(plan, d)[me] for d in dests}
+    dst = {d: bufs.peers[d] + recv_offsets(plan, d)[me] for d in dests}
     streams = {d: torch.cuda.Stream(device=comm.device) for d in dests}
     main = torch.cuda.current_stream(comm.device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -376,12 +422,13 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
     plan = byte_plan(s, tr)
     result = byte_ceilings(s, tr, rates)
     cnt, _ = counters.open_counters(comm.local_rank)
+    rt = Cudart()
     for c in result:
         m = plan[c.op]
         recv = max(sum(m[src][d] for src in range(comm.world)) for d in range(comm.world))
         send = max(max(row) for row in m)
         source = torch.randint(0, 255, (max(send, 16),), dtype=torch.uint8, device=comm.device)
-        bufs = PeerBuffers(recv, comm)
+        bufs = PeerBuffers(recv, comm, rt, dist)
         try:
             before = cnt.read() if cnt else {}
             samples = copy_engine_samples_us(m, comm, bufs, source, warmup, iters)
@@ -399,8 +446,6 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
             torch.cuda.synchronize()
             dist.barrier()  # no rank still copies into a buffer that is about to go
             bufs.close()
-            dist.barrier()  # every peer mapping is closed before its owner frees the buffer
-            torch.cuda.ipc_collect()
     if cnt:
         cnt.close()
     return result

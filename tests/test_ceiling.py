@@ -154,3 +154,58 @@ def test_counted_vs_computed_reports_the_worst_rank():
     assert "!>10%" in ceiling._ratio(1.3) and "!" not in ceiling._ratio(1.02)
     assert ceiling.OpCeiling("combine", [100], None, {}, None).counted_vs_computed() is None
     assert ceiling._ratio(None) == "-"
+
+
+class FakeRuntime:
+    """Records the CUDA runtime calls PeerBuffers makes (no GPU needed)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def set_device(self, d):
+        self.calls.append(("set_device", d))
+
+    def malloc(self, n):
+        self.calls.append(("malloc", n))
+        return 0x1000
+
+    def ipc_handle(self, ptr):
+        return b"h%d" % ptr
+
+    def enable_peer_access(self, d):
+        self.calls.append(("peer", d))
+
+    def ipc_open(self, h):
+        self.calls.append(("open", h))
+        return 0x9000 + len(self.calls)
+
+    def ipc_close(self, ptr):
+        self.calls.append(("close", ptr))
+
+    def free(self, ptr):
+        self.calls.append(("free", ptr))
+
+
+class FakeDist:
+    def __init__(self, log):
+        self.log = log
+
+    def all_gather_object(self, out, obj):
+        for r in range(len(out)):
+            out[r] = (b"h%d" % (0x1000 + r), r)  # rank r's handle, on device r
+
+    def barrier(self):
+        self.log.append(("barrier",))
+
+
+def test_peer_buffers_open_peers_on_own_device_and_close_before_free():
+    rt = FakeRuntime()
+    comm = types.SimpleNamespace(rank=1, world=3, device=types.SimpleNamespace(index=1))
+    bufs = ceiling.PeerBuffers(100, comm, rt, FakeDist(rt.calls))
+    assert rt.calls[:2] == [("set_device", 1), ("malloc", 100)]
+    assert sorted(bufs.peers) == [0, 2]  # never its own buffer
+    assert ("peer", 0) in rt.calls and ("peer", 2) in rt.calls and ("peer", 1) not in rt.calls
+    assert ("open", b"h%d" % 0x1000) in rt.calls and ("open", b"h%d" % 0x1002) in rt.calls
+    bufs.close()
+    tail = [c[0] for c in rt.calls[-4:]]
+    assert tail == ["close", "close", "barrier", "free"]  # unmapped everywhere before freed
