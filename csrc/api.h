@@ -51,6 +51,7 @@ enum ep_dispatch_impl {
   EP_DISPATCH_REG = 0,
   EP_DISPATCH_TMA = 1,
   EP_DISPATCH_REG_PIPELINED = 2,
+  EP_DISPATCH_LEAN = 3,  // v5: reg with every per-token load (x chunk 0, slots, ids, weights, scales) issued first
   EP_DISPATCH_NOTIFY_ONLY = 9,
 };
 
@@ -69,6 +70,10 @@ int ep_poll_error(void* ctx, int* rank, int* peer, int* phase);
 // Host address of the record's flag word (int), for a poll that costs no function call.
 void* ep_error_flag_ptr(void* ctx);
 int ep_destroy(void* ctx);
+// Measuring aid (bench.cu): every rank at once moves (world - 1) * bytes_per_peer over NVLink with
+// num_blocks x warps; mode 0 store, 1 load, 2 split warps, 3 interleaved, 4-7 the same with
+// local memory as source / destination. Needs ep_open_peers; clobbers recv_x and combine_in.
+int ep_bench_link(void* ctx, int mode, int num_blocks, int warps, long long bytes_per_peer, void* stream);
 
 #ifdef __cplusplus
 }

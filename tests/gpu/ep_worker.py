@@ -2,12 +2,14 @@
 
     torchrun --nproc_per_node 4 tests/gpu/ep_worker.py check [--quick]
     torchrun --nproc_per_node 4 tests/gpu/ep_worker.py bench [--sms 8,16,24,32] [--out DIR]
+    torchrun --nproc_per_node 4 tests/gpu/ep_worker.py linkbench [--sms 8,16] [--link-modes store,load,...]
 
 check: every edge case of the backend interface against epbench.verify (bit-exact dispatch,
 combine within its tolerance), fresh random inputs and poisoned outputs each time, both
 dispatch implementations, then a deliberate missing peer that must raise, not hang.
 bench: the h200x4 and DeepSeek-V3 shapes, bf16 and fp8, dispatch variants x SM counts;
 median of the per-call CUDA-event times, slowest rank; prints a table last.
+linkbench: NVLink micro-benchmark (csrc/bench.cu): store-only / load-only / mixed per-SM rates.
 Exit code 0 only if every check passed.
 """
 
@@ -128,7 +130,8 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     cases = [c for c in CHECK_CASES if not args.quick or c.name in QUICK]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device))
-        for impl, warps, sms in (("reg", 16, 3), ("tma", 4, 5), ("pipe", 16, 8), ("pipe", 32, 16)):
+        for impl, warps, sms in (("reg", 16, 3), ("tma", 4, 5), ("pipe", 16, 8), ("pipe", 32, 16), ("lean", 16, 8),
+                                 ("lean", 32, 5)):
             be.dispatch_impl, be.dispatch_warps = impl, warps
             for rep in range(2):  # twice: the second call reuses buffers and flags
                 salt = zlib.crc32(f"{case.name}/{impl}/{sms}/{rep}".encode()) % 10000
@@ -285,7 +288,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     do_combine = dtype == "bf16" and v is variants[0] and nimpl == notify_impls[0]
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine, args.presleep)
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
-                    if args.stamps and sms in (8, 16) and v[0] in ("reg", "notify-only"):
+                    if args.stamps and sms in (8, 16) and v[0] in ("reg", "lean", "notify-only"):
                         line = stamp_phases(be, inp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
                     for op in ("dispatch", "combine"):
@@ -316,10 +319,51 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     return 0
 
 
+def run_link_bench(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    """NVLink micro-benchmark (csrc/bench.cu): every rank at once, per mode and block count, median
+    time of args.iters launches (each after an all-reduce that aligns the ranks), slowest rank.
+    Egress per GPU = (world - 1) * bytes_per_peer / time (own stores + what peers load from me)."""
+    from epbench import cuda_lib
+    be = EpbenchBackend(make_setup(Case("link", 8192, [4096], 8, 2), rank, world, device))
+    per_peer = 64 << 20
+    one = torch.ones(1, device=device)
+    rows = []
+    for spec in args.link_modes.split(","):
+        name, warps = (spec.split(":") + ["16"])[:2]
+        for blocks in [int(b) for b in args.sms.split(",")]:
+            times = []
+            for i in range(args.warmup + args.iters):
+                dist.all_reduce(one)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                cuda_lib.check(be._lib.ep_bench_link(be._ctx, cuda_lib.LINK_BENCH_MODES[name], blocks, int(warps),
+                                                     per_peer, be._stream()), "ep_bench_link")
+                e1.record()
+                e1.synchronize()
+                if i >= args.warmup:
+                    times.append(e0.elapsed_time(e1) * 1e3)
+            st = torch.tensor([statistics.median(times), min(times)], dtype=torch.float64, device=device)
+            dist.all_reduce(st, op=dist.ReduceOp.MAX)
+            us = float(st[0])
+            rows.append((f"{name}:{warps}", blocks, us, (world - 1) * per_peer / us / 1e3,
+                         (world - 1) * per_peer / us / 1e3 / blocks))
+    be.close()
+    if rank == 0:
+        print(f"{'mode':<20} {'blocks':>6} {'time_us':>9} {'egress_gbps':>11} {'per_sm':>7}")
+        for r in rows:
+            print(f"{r[0]:<20} {r[1]:>6} {r[2]:>9.1f} {r[3]:>11.1f} {r[4]:>7.1f}")
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"linkbench_world{world}.json").write_text(json.dumps(rows))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "bench"])
+    ap.add_argument("mode", choices=["check", "bench", "linkbench"])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--link-modes", default="store,load,split,interleave,push,pull,split-real,interleave-real,"
+                    "split:32,split-real:32", help="linkbench modes (name[:warps])")
     ap.add_argument("--sms", default="8,16,24,32")
     ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16")
     ap.add_argument("--notify", default="staged", help="notify kernel variants to bench: staged,direct")
@@ -334,7 +378,8 @@ def main() -> int:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     try:
-        failures = run_check(args, rank, world, device) if args.mode == "check" else run_bench(args, rank, world, device)
+        run = {"check": run_check, "bench": run_bench, "linkbench": run_link_bench}[args.mode]
+        failures = run(args, rank, world, device)
     finally:
         dist.destroy_process_group()
     return 1 if failures else 0
