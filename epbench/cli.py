@@ -78,7 +78,6 @@ def resolve_device(s: scenario.Scenario, device: Optional[str]) -> str:
 def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str],
              sms: Optional[str], iters: Optional[int], warmup: Optional[int]):
     from epbench.backends import check_names
-    from epbench.driver import RunOptions
 
     s = scenario.load(path or default_scenario())
     if nproc is not None:
@@ -89,6 +88,8 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
     for opt, v in (("--iters", iters), ("--warmup", warmup)):
         if v is not None and v < (1 if opt == "--iters" else 0):
             raise UserError(f"{opt}: must be {'positive' if opt == '--iters' else 'zero or positive'}, got {v}")
+    from epbench.driver import RunOptions  # torch comes in only once the input is known good
+
     opts = RunOptions(backends=names, sms=sms_list,
                       warmup=s.bench.warmup if warmup is None else warmup,
                       iters=s.bench.iters if iters is None else iters)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from epbench import counters as hw
 from epbench import metrics
 from epbench.backends import load_backend
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
@@ -28,6 +29,7 @@ from epbench.verify import check_combine, check_dispatch
 
 OPS = ("dispatch", "combine")
 TIMING_SALT = 0  # token values used while timing; verification draws fresh ones per point
+COUNTED_ITERS = 10  # calls per op in the untimed pass that reads the hardware counters
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class PointRecord:
     samples_us: Dict[str, List[float]] = field(default_factory=dict)
     wrong: Dict[str, int] = field(default_factory=dict)
     problem: Dict[str, str] = field(default_factory=dict)
+    counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
+    counted_iters: int = 0
 
 
 class Timer:
@@ -117,6 +121,34 @@ def time_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, warmup: in
     return samples
 
 
+def count_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, cnt: hw.Counters,
+                n: int, rec: PointRecord) -> None:
+    """Untimed pass: the bytes the hardware saw leave this GPU during each op, summed over n
+    calls. Each call is fenced by device synchronisations so that the readings bracket it; the
+    cross-rank sync happens before a reading, so its own few bytes are not counted."""
+    totals: Dict[str, Dict[str, int]] = {op: {} for op in OPS}
+
+    def add(op: str, before: Dict[str, int]) -> None:
+        torch.cuda.synchronize()
+        for k, v in hw.delta(before, cnt.read()).items():
+            totals[op][k] = totals[op].get(k, 0) + v
+
+    for _ in range(n):
+        comm.sync()
+        torch.cuda.synchronize()
+        before = cnt.read()
+        out = be.dispatch(inp, sms)
+        add("dispatch", before)
+        _fill_expert_output(be, out, comm.rank)
+        comm.sync()
+        torch.cuda.synchronize()
+        before = cnt.read()
+        be.combine(out, sms)
+        add("combine", before)
+    _check_backend_errors(be)
+    rec.counted, rec.counted_iters = totals, n
+
+
 def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int, comm: Comm,
                  salt: int, inject_fault: Optional[str], rec: PointRecord) -> None:
     m = s.model
@@ -150,6 +182,23 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
+def _measured_columns(rec: PointRecord, op: str, nvlink_bytes: int, nic_bytes: Optional[int],
+                      time_us: float) -> Dict[str, Any]:
+    """Counter-measured bytes per call beside the computed ones; empty (None) where no counter
+    was read, never zero. A disagreement of more than 10% is flagged."""
+    cols: Dict[str, Any] = {}
+    for tier, computed in (("nvlink", nvlink_bytes), ("nic", nic_bytes)):
+        got = rec.counted.get(op, {}).get(f"{tier}_tx") if computed is not None else None
+        per_call = got / rec.counted_iters if got is not None and rec.counted_iters else None
+        cols[f"{tier}_bytes_measured"] = per_call
+        cols[f"busbw_{tier}_measured_gbps"] = (metrics.bandwidth_gbps(per_call, time_us)
+                                               if per_call is not None else None)
+        cols[f"{tier}_counter_ratio"] = (per_call / computed if per_call is not None and computed
+                                         else None)
+        cols[f"{tier}_counter_mismatch"] = hw.disagrees(per_call, computed)
+    return cols
+
+
 def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,
                device: str) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """Rank 0: raw samples -> one row per (op, rank) with bytes and bandwidths."""
@@ -163,6 +212,8 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
             ts = rec.samples_us[op]
             t_med = metrics.median(ts)
             has_nic = topo.nodes > 1
+            measured = _measured_columns(rec, op, int(nbytes["nvlink"][r]),
+                                         int(nbytes["nic"][r]) if has_nic else None, t_med)
             rows.append({
                 "scenario": s.name, "backend": be_cls.name, "op": op, "sms": sms, "rank": r,
                 "node": r // topo.gpus_per_node, "world": s.world, "nodes": topo.nodes,
@@ -177,6 +228,7 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 "busbw_nvlink_gbps": metrics.bandwidth_gbps(int(nbytes["nvlink"][r]), t_med),
                 "busbw_nic_gbps": (metrics.bandwidth_gbps(int(nbytes["nic"][r]), t_med)
                                    if has_nic else None),
+                **measured,
                 "wrong": rec.wrong[op], "problem": rec.problem[op],
             })
             samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
@@ -193,7 +245,7 @@ def _first_reason(reason: Optional[str]) -> Optional[str]:
 
 def measure(s: Scenario, opts: RunOptions, comm: Comm,
             on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
-            on_skip: Callable[[str, str], None],
+            on_note: Callable[[str], None],
             advance: Callable[[str], None]) -> int:
     """Runs every point on every rank. Rank 0's callbacks receive rows; returns the number
     of wrong rows summed over ranks and points."""
@@ -206,6 +258,13 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
                       device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
                       topk=m.topk, experts_per_rank=m.experts_per_rank,
                       dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s)
+    cnt: Optional[hw.Counters] = None
+    if comm.device.type == "cuda":
+        cnt, notes = hw.open_counters(comm.device.index)
+        for note in notes:
+            on_note(f"hardware counters: {note}")
+    else:
+        on_note("hardware counters: not read on CPU runs (the NVML column stays empty)")
     total_wrong = 0
     salt = 1
     for name in opts.backends:
@@ -213,7 +272,7 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
         reason = _first_reason(reason or be_cls.unavailable_reason(setup))
         sms_list = opts.sms if be_cls is not None and be_cls.uses_sms else (0,)
         if reason:
-            on_skip(name, reason)
+            on_note(f"backend {name} skipped: {reason}")
             for _ in sms_list:
                 advance(f"{name}: skipped")
             continue
@@ -223,6 +282,8 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
             for sms in sms_list:
                 rec = PointRecord(comm.rank)
                 rec.samples_us = time_point(be, inp, sms, comm, opts.warmup, opts.iters)
+                if cnt is not None:
+                    count_point(be, inp, sms, comm, cnt, min(COUNTED_ITERS, opts.iters), rec)
                 verify_point(be, s, routings, sms, comm, salt, opts.inject_fault, rec)
                 salt += 1
                 gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
@@ -234,6 +295,8 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
                     advance(f"{name} sms={sms or 'auto'}")
         finally:
             be.close()
+    if cnt is not None:
+        cnt.close()
     flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.device)
     dist.broadcast(flag, src=0)
     return int(flag.item())

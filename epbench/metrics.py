@@ -89,7 +89,11 @@ def summarize(df):
         row = dict(zip(keys, key))
         row.update(world=int(g["world"].iloc[0]), time_us=float(g["time_us"].max()),
                    slowest_rank=int(slow["rank"]), wrong=int(g["wrong"].sum()))
-        for col in ("algbw_gbps", "busbw_nvlink_gbps", "busbw_nic_gbps"):
+        for flag in ("nvlink_counter_mismatch", "nic_counter_mismatch"):
+            vals = g[flag].dropna() if flag in g else []
+            row[flag] = bool(pd.Series(vals, dtype=object).astype(bool).any()) if len(vals) else None
+        for col in ("algbw_gbps", "busbw_nvlink_gbps", "busbw_nic_gbps",
+                    "busbw_nvlink_measured_gbps", "busbw_nic_measured_gbps"):
             vals = pd.to_numeric(g[col], errors="coerce").dropna() if col in g else pd.Series([], dtype=float)
             for stat in ("min", "median", "max"):
                 row[f"{col}_{stat}"] = float(getattr(vals, stat)()) if len(vals) else None

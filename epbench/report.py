@@ -33,19 +33,26 @@ def _spread(row: pd.Series, col: str) -> str:
     return f"{_num(lo)} / {_num(med)} / {_num(hi)}"
 
 
+def _counted(row: pd.Series, tier: str) -> str:
+    text = _spread(row, f"busbw_{tier}_measured_gbps")
+    return f"{text} [bold red]![/]" if row.get(f"{tier}_counter_mismatch") is True else text
+
+
 def results_table(df: pd.DataFrame, title: str = "") -> Table:
     summary = summarize(df)
     table = Table(title=title or None, caption="bandwidths in GB/s; 'a / b / c' = min / median / "
-                  "max over ranks; time = slowest rank's median")
+                  "max over ranks; time = slowest rank's median; NVML = NVLink bytes the GPU counted "
+                  "leaving it, '!' = more than 10% away from the computed bytes")
     for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("time us", "right"),
-                      ("algbw", "right"), ("NVLink busbw", "right"), ("NIC busbw", "right"),
-                      ("slowest rank", "right"), ("#wrong", "right")):
+                      ("algbw", "right"), ("NVLink busbw", "right"), ("NVLink NVML", "right"),
+                      ("NIC busbw", "right"), ("slowest rank", "right"), ("#wrong", "right")):
         table.add_column(col, justify=just)
     for _, r in summary.iterrows():
         wrong = int(r["wrong"])
         table.add_row(r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
                       _num(r["time_us"]), _spread(r, "algbw_gbps"),
-                      _spread(r, "busbw_nvlink_gbps"), _spread(r, "busbw_nic_gbps"),
+                      _spread(r, "busbw_nvlink_gbps"), _counted(r, "nvlink"),
+                      _spread(r, "busbw_nic_gbps"),
                       str(int(r["slowest_rank"])),
                       f"[bold red]{wrong}[/]" if wrong else "0")
     return table

@@ -50,9 +50,9 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
     def on_point(rows, samples) -> None:
         writer.add(rows, samples)
 
-    def on_skip(name: str, reason: str) -> None:
-        if rank0:
-            notes.append(f"backend {name} skipped: {reason}")
+    def on_note(note: str) -> None:
+        if rank0 and note not in notes:
+            notes.append(note)
 
     def advance(label: str) -> None:
         if rank0:
@@ -60,7 +60,7 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
 
     try:
         with progress:
-            wrong = measure(s, opts, comm, on_point, on_skip, advance)
+            wrong = measure(s, opts, comm, on_point, on_note, advance)
     except BaseException as e:
         if writer is not None:
             writer.finish(f"failed: {type(e).__name__}: {e}", notes=notes)

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import importlib
-from typing import Dict, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Dict, Optional, Tuple, Type
 
-from epbench.backends.base import Backend
 from epbench.errors import UserError
+
+if TYPE_CHECKING:  # importing base pulls in torch; name checks must stay cheap
+    from epbench.backends.base import Backend
 
 REGISTRY: Dict[str, str] = {
     "reference": "epbench.backends.reference:ReferenceBackend",
@@ -15,14 +17,14 @@ REGISTRY: Dict[str, str] = {
 }
 
 
-def backend_class(name: str) -> Type[Backend]:
+def backend_class(name: str) -> Type["Backend"]:
     if name not in REGISTRY:
         raise UserError(f"backend {name!r}: unknown (known: {', '.join(REGISTRY)})")
     module, cls = REGISTRY[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def load_backend(name: str) -> Tuple[Optional[Type[Backend]], Optional[str]]:
+def load_backend(name: str) -> Tuple[Optional[Type["Backend"]], Optional[str]]:
     """(class, None), or (None, why it cannot be imported here)."""
     try:
         return backend_class(name), None

@@ -1,0 +1,57 @@
+"""The driver's pieces that need no process group: counter columns and the timer."""
+
+import math
+
+import torch
+
+from epbench.driver import PointRecord, Timer, _measured_columns
+from epbench.metrics import summarize
+
+
+def test_measured_columns_agree_within_ten_percent():
+    rec = PointRecord(rank=0, counted={"dispatch": {"nvlink_tx": 10 * 1050}}, counted_iters=10)
+    cols = _measured_columns(rec, "dispatch", nvlink_bytes=1000, nic_bytes=None, time_us=1.0)
+    assert cols["nvlink_bytes_measured"] == 1050
+    assert math.isclose(cols["nvlink_counter_ratio"], 1.05)
+    assert cols["nvlink_counter_mismatch"] is False
+    assert math.isclose(cols["busbw_nvlink_measured_gbps"], 1050 / 1e-6 / 1e9)
+    assert cols["nic_bytes_measured"] is None and cols["nic_counter_mismatch"] is None
+
+
+def test_measured_columns_flag_a_disagreement():
+    rec = PointRecord(rank=0, counted={"combine": {"nvlink_tx": 5 * 1200}}, counted_iters=5)
+    cols = _measured_columns(rec, "combine", nvlink_bytes=1000, nic_bytes=None, time_us=2.0)
+    assert cols["nvlink_counter_mismatch"] is True
+
+
+def test_missing_counter_is_empty_not_zero():
+    rec = PointRecord(rank=0)
+    cols = _measured_columns(rec, "dispatch", nvlink_bytes=1000, nic_bytes=500, time_us=2.0)
+    assert all(v is None for v in cols.values())
+
+
+def _row(rank, t, measured, mismatch):
+    return {"scenario": "s", "backend": "b", "op": "dispatch", "sms": 8, "rank": rank, "world": 2,
+            "time_us": t, "wrong": 0, "algbw_gbps": 1.0, "busbw_nvlink_gbps": 1.0,
+            "busbw_nic_gbps": None, "busbw_nvlink_measured_gbps": measured,
+            "nvlink_counter_mismatch": mismatch}
+
+
+def test_summary_carries_the_counter_flag():
+    import pandas as pd
+
+    df = pd.DataFrame([_row(0, 10.0, 1.0, False), _row(1, 12.0, 0.5, True)])
+    (row,) = summarize(df).to_dict("records")
+    assert row["nvlink_counter_mismatch"] is True
+    assert row["busbw_nvlink_measured_gbps_min"] == 0.5
+    df = pd.DataFrame([_row(0, 10.0, None, None), _row(1, 12.0, None, None)])
+    (row,) = summarize(df).to_dict("records")
+    assert row["nvlink_counter_mismatch"] is None and row["busbw_nvlink_measured_gbps_min"] is None
+
+
+def test_cpu_timer_keeps_samples_after_warmup():
+    t = Timer(torch.device("cpu"), 4)
+    for i in range(4):
+        t.time(i, lambda: sum(range(1000)))
+    samples = t.samples_us(skip=1)
+    assert len(samples) == 3 and all(s > 0 for s in samples)
