@@ -128,20 +128,24 @@ def count_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, cnt: hw.C
     cross-rank sync happens before a reading, so its own few bytes are not counted."""
     totals: Dict[str, Dict[str, int]] = {op: {} for op in OPS}
 
+    def fence() -> None:
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def add(op: str, before: Dict[str, int]) -> None:
-        torch.cuda.synchronize()
+        fence()
         for k, v in hw.delta(before, cnt.read()).items():
             totals[op][k] = totals[op].get(k, 0) + v
 
     for _ in range(n):
         comm.sync()
-        torch.cuda.synchronize()
+        fence()
         before = cnt.read()
         out = be.dispatch(inp, sms)
         add("dispatch", before)
         _fill_expert_output(be, out, comm.rank)
         comm.sync()
-        torch.cuda.synchronize()
+        fence()
         before = cnt.read()
         be.combine(out, sms)
         add("combine", before)
