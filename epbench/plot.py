@@ -45,6 +45,7 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
         if swept:
             ax.set_xticks(swept)
         ax.grid(alpha=0.3)
+    axes[0].set_ylim(bottom=0)  # bandwidth axes start at zero: no exaggerated gaps
     axes[0].set_ylabel("GB/s (slowest rank)")
     axes[-1].legend(fontsize=8, loc="lower right")
     fig.suptitle(title)
@@ -68,8 +69,10 @@ def per_rank(df: pd.DataFrame, title: str, path: Path) -> Path:
                    width=width, color=f"C{i}",
                    label=f"{_label(backend)} ({sms} SMs)" if sms else _label(backend))
         ax.set_title(op)
+        ax.set_xticks(sorted(part["rank"].unique()))
         ax.set_xlabel("rank")
         ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylim(bottom=0)
     axes[0].set_ylabel("NVLink busbw GB/s")
     axes[-1].legend(fontsize=8)
     fig.suptitle(title)
