@@ -52,6 +52,8 @@ enum ep_dispatch_impl {
   EP_DISPATCH_TMA = 1,
   EP_DISPATCH_REG_PIPELINED = 2,
   EP_DISPATCH_LEAN = 3,  // v5: reg with every per-token load (x chunk 0, slots, ids, weights, scales) issued first
+  EP_DISPATCH_DMAJ = 4,  // v7: destination-major: each warp streams its contiguous token range to one rank at a time
+  EP_DISPATCH_DMAJ_NOROT = 5,  // v7: dmaj with every warp visiting the destinations in the same order
   EP_DISPATCH_NOTIFY_ONLY = 9,
 };
 

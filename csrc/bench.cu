@@ -15,6 +15,14 @@
 //   5 pull      like 1 with the loaded data stored to local memory (the combine pattern)
 //   6 split-real  even warps mode 4, odd warps mode 5
 //   7 interleave-real  every warp: remote loads + local loads, remote stores + local stores
+// v7, the steps from the plain push (4) towards the dispatch data phase, one difference at a time
+// (link_push_rows_kernel; local combine_in -> peers' recv_x, same bytes per peer as mode 4):
+//   8 push-fan       one 4 KiB local load feeds the stores of that chunk to every peer (dispatch's fan-out)
+//   9 push-row       a warp copies 4 consecutive chunks (a 16 KiB row) to one peer before its next unit
+//  10 push-fan-row   16 KiB rows, each chunk loaded once and stored to every peer (dispatch minus metadata)
+//  11 push-fan-row-meta  10 plus dispatch's per-row metadata stores (64 B ids + 32 B weights per peer)
+//  12 reduce-local   no NVLink: rows of max_tokens x 16 KiB, each the fp32 sum of world local bf16 rows,
+//                    written locally (the local pass a push-based combine would add); time only
 #include <algorithm>
 
 #include "common.cuh"
@@ -79,6 +87,101 @@ __global__ void __launch_bounds__(kThreads, 1) link_bench_kernel(EpParams p, int
   if (acc == 0x9e3779b9u) p.counters[3] = acc;  // keeps the loads alive
 }
 
+
+// Modes 8-11: work unit = a row of kRowChunks chunks; with kFan the unit is stored to every peer
+// (rows_per_peer units), else unit u goes to peer u % npeer (rows_per_peer * npeer units).
+template <int kThreads, bool kFan, int kRowChunks, bool kMeta>
+__global__ void __launch_bounds__(kThreads, 1) link_push_rows_kernel(EpParams p, long long chunks_per_peer,
+                                                                 size_t seg_bytes) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int npeer = p.world - 1;
+  if (npeer < 1) return;
+  const long long rows_per_peer = chunks_per_peer / kRowChunks;
+  const long long n = kFan ? rows_per_peer : rows_per_peer * npeer;
+  const long long step = (long long)gridDim.x * nwarps;
+  const size_t unit_bytes = (size_t)kRowChunks * kChunkVec * 16;
+  for (long long c = (long long)blockIdx.x * nwarps + warp; c < n; c += step) {
+    const long long r = kFan ? c : c / npeer;
+    const int j0 = kFan ? 0 : (int)(c % npeer);
+    // without fan-out each peer's rows come from their own segment (no L2 reuse across peers)
+    const int4* lsrc = reinterpret_cast<const int4*>(p.peer_base[p.rank] + p.off_combine_in +
+                                                     (kFan ? 0 : (size_t)j0 * seg_bytes) + r * unit_bytes);
+#pragma unroll 1
+    for (int k = 0; k < kRowChunks; ++k) {
+      int4 buf[kBU];
+#pragma unroll
+      for (int u = 0; u < kBU; ++u) buf[u] = ld_nc_v4(lsrc + k * kChunkVec + u * 32 + lane);
+      for (int j = j0; j < (kFan ? npeer : j0 + 1); ++j) {
+        const int peer = (p.rank + 1 + j) % p.world;
+        int4* dst = reinterpret_cast<int4*>(p.peer_base[peer] + p.off_recv_x + p.rank * seg_bytes + r * unit_bytes);
+#pragma unroll
+        for (int u = 0; u < kBU; ++u) st_v4(dst + k * kChunkVec + u * 32 + lane, buf[u]);
+      }
+    }
+    if (kMeta) {
+      for (int j = j0; j < (kFan ? npeer : j0 + 1); ++j) {
+        const int peer = (p.rank + 1 + j) % p.world;
+        const size_t row = (size_t)p.rank * p.max_tokens + (size_t)(r % p.max_tokens);
+        if (lane < p.topk) {
+          reinterpret_cast<long long*>(p.peer_base[peer] + p.off_recv_idx)[row * p.topk + lane] = r + lane;
+          reinterpret_cast<float*>(p.peer_base[peer] + p.off_recv_w)[row * p.topk + lane] = (float)lane;
+        }
+      }
+    }
+  }
+}
+
+// Mode 12: out[r] = sum over h < world of in_h[r] (bf16 rows of 16 KiB, fp32 sums), all local.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) reduce_local_kernel(EpParams p, long long rows, size_t seg_bytes) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const long long step = (long long)gridDim.x * nwarps;
+  constexpr int kU = 4;
+  const int V = 1024;  // 16 KiB rows
+  for (long long r = (long long)blockIdx.x * nwarps + warp; r < rows; r += step) {
+    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+      int4 buf[4][kU];
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        if (h >= p.world) continue;
+        const int4* src = reinterpret_cast<const int4*>(p.peer_base[p.rank] + p.off_combine_in + h * seg_bytes +
+                                                        r * 16384);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) buf[h][u] = ld_nc_v4(src + v0 + u * 32 + lane);
+      }
+      float acc[kU][8];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        if (h >= p.world) continue;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const uint32_t w4[4] = {(uint32_t)buf[h][u].x, (uint32_t)buf[h][u].y, (uint32_t)buf[h][u].z,
+                                  (uint32_t)buf[h][u].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[u][2 * i] += __uint_as_float(w4[i] << 16);
+            acc[u][2 * i + 1] += __uint_as_float(w4[i] & 0xffff0000u);
+          }
+        }
+      }
+      int4* dst = reinterpret_cast<int4*>(p.peer_base[p.rank] + p.off_recv_x + r * 16384);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        int4 o;
+        o.x = (int)((__float_as_uint(acc[u][0]) >> 16) | (__float_as_uint(acc[u][1]) & 0xffff0000u));
+        o.y = (int)((__float_as_uint(acc[u][2]) >> 16) | (__float_as_uint(acc[u][3]) & 0xffff0000u));
+        o.z = (int)((__float_as_uint(acc[u][4]) >> 16) | (__float_as_uint(acc[u][5]) & 0xffff0000u));
+        o.w = (int)((__float_as_uint(acc[u][6]) >> 16) | (__float_as_uint(acc[u][7]) & 0xffff0000u));
+        st_v4(dst + v0 + u * 32 + lane, o);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, long long bytes_per_peer,
@@ -90,7 +193,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
     return -1;
   }
   const size_t seg = std::min((size_t)p.max_tokens * p.row_bytes, (size_t)p.max_tokens * p.hidden * 2);
-  if (mode < 0 || mode > 7 || num_blocks < 1 || warps < 2 || warps > 32 || (warps & 1) || bytes_per_peer <= 0 ||
+  if (mode < 0 || mode > 12 || num_blocks < 1 || warps < 2 || warps > 32 || (warps & 1) || bytes_per_peer <= 0 ||
       bytes_per_peer % (kChunkVec * 16 * 2) != 0 || (size_t)bytes_per_peer > seg) {
     ep_set_error("ep_bench_link: bad mode %d, blocks %d, warps %d or bytes %lld (max %zu, multiple of %d)", mode,
                  num_blocks, warps, bytes_per_peer, seg, kChunkVec * 32);
@@ -98,6 +201,29 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
   }
   CUDA_CHECK(cudaSetDevice(ctx->device));
   const long long chunks = bytes_per_peer / (kChunkVec * 16);
+  cudaStream_t st = (cudaStream_t)vstream;
+  if (mode >= 8) {
+    if (warps > 16) {
+      ep_set_error("ep_bench_link: modes 8-12 take at most 16 warps");
+      return -1;
+    }
+    const int thr = warps * 32;
+    if (mode == 8) link_push_rows_kernel<512, true, 1, false><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
+    if (mode == 9) link_push_rows_kernel<512, false, 4, false><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
+    if (mode == 10) link_push_rows_kernel<512, true, 4, false><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
+    if (mode == 11) link_push_rows_kernel<512, true, 4, true><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
+    if (mode == 12) {
+      // rows of 16 KiB that fit every source segment: the h200x4 combine has max_tokens rows
+      const long long rows = std::min<long long>(p.max_tokens, (long long)(seg / 16384));
+      if (p.hidden * 2 != 16384 || p.world > 4) {
+        ep_set_error("ep_bench_link: reduce-local needs hidden 8192 and world <= 4");
+        return -1;
+      }
+      reduce_local_kernel<512><<<num_blocks, thr, 0, st>>>(p, rows, seg);
+    }
+    CUDA_CHECK(cudaGetLastError());
+    return 0;
+  }
   if (warps <= 16)  // 128 registers: both buffers of the interleaved modes fit
     link_bench_kernel<512><<<num_blocks, warps * 32, 0, (cudaStream_t)vstream>>>(p, mode, chunks, seg);
   else  // 64 registers: the interleaved modes spill, the split ones do not need both buffers

@@ -136,6 +136,126 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
+// dmaj (v7, destination-major): warp g owns the contiguous token range [g * per, (g + 1) * per)
+// (per = ceil(T / G)) and copies it to one destination at a time: for each destination d (warps
+// start at different d: warp g at (rank + 1 + g) % world when kRotate), it walks its tokens that go
+// to d in order, so its rows land in one contiguous run of d's recv buffer (slots of consecutive
+// tokens bound for d are consecutive). Every row is loaded from x once per destination (HBM reads
+// are ~14x cheaper than NVLink bytes), one 16-byte load feeds one remote store, like the plain
+// push of the micro-benchmark. Loads are pipelined one chunk ahead, across token boundaries, and a
+// token's ids / weights / scales are loaded before its first store. Slots come 32 tokens at a time
+// (one lane per token) and a ballot picks the tokens bound for d.
+template <int kU, int kThreads, bool kRotate>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_dmaj_kernel(EpParams p, DispatchArgs a, int epoch) {
+  griddep_wait();  // slot_map and base come from the notify kernel
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int G = gridDim.x * nwarps, g = blockIdx.x * nwarps + warp;
+  const int world = p.world, topk = p.topk, ns = p.num_scales, T = a.num_tokens;
+  const int V = p.row_bytes >> 4;
+  const int per = (T + G - 1) / G;
+  const int tb = min(T, g * per), te = min(T, tb + per);
+  const bool aborted = ld_volatile(p.dev_error) != 0;
+  for (int j = 0; !aborted && tb < te && j < world; ++j) {
+    const int d = kRotate ? (p.rank + 1 + g + j) % world : (p.rank + 1 + j) % world;
+    const int dbase = p.base[d];
+    uint8_t* pb = p.peer_base[d];
+    // cursor over my tokens bound for d: group of 32 tokens from gt0, lane l holds slot of gt0 + l
+    int gt0 = tb, gslot = -1;
+    unsigned todo = 0;
+    {
+      const int tt = gt0 + lane;
+      gslot = tt < te ? p.slot_map[(size_t)tt * world + d] : -1;
+      todo = __ballot_sync(0xffffffffu, gslot >= 0);
+    }
+    int t = -1, row = -1;
+    // advance: next token of mine bound for d (warp-uniform), false when none is left
+#define DMAJ_ADVANCE(T_, ROW_, OK_)                                              \
+  do {                                                                           \
+    OK_ = false;                                                                 \
+    while (todo == 0 && gt0 + 32 < te) {                                         \
+      gt0 += 32;                                                                 \
+      const int tt = gt0 + lane;                                                 \
+      gslot = tt < te ? p.slot_map[(size_t)tt * world + d] : -1;                 \
+      todo = __ballot_sync(0xffffffffu, gslot >= 0);                             \
+    }                                                                            \
+    if (todo != 0) {                                                             \
+      const int b = __ffs(todo) - 1;                                             \
+      todo &= todo - 1;                                                          \
+      T_ = gt0 + b;                                                              \
+      ROW_ = dbase + __shfl_sync(0xffffffffu, gslot, b);                         \
+      OK_ = true;                                                                \
+    }                                                                            \
+  } while (0)
+    bool have;
+    DMAJ_ADVANCE(t, row, have);
+    int4 buf[kU];
+    if (have) {
+      const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int i = u * 32 + lane;
+        if (i < V) buf[u] = ld_nc_v4(src + i);
+      }
+    }
+    while (have) {
+      long long idx = 0;
+      float w = 0.f, sc0 = 0.f, sc1 = 0.f;
+      if (lane < topk) {
+        idx = a.topk_idx[(size_t)t * topk + lane];
+        w = a.topk_w[(size_t)t * topk + lane];
+      }
+      const float* scales = a.x_scales + (size_t)t * ns;
+      if (lane < ns) sc0 = scales[lane];
+      if (lane + 32 < ns) sc1 = scales[lane + 32];
+      const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+      int4* dst = reinterpret_cast<int4*>(pb + p.off_recv_x + (size_t)row * p.row_bytes);
+      int tn = -1, rown = -1;
+      bool have_next = false;
+      for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+        int4 nb[kU];
+        if (v0 + 32 * kU < V) {  // next chunk of this row
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const int i = v0 + 32 * kU + u * 32 + lane;
+            if (i < V) nb[u] = ld_nc_v4(src + i);
+          }
+        } else {  // chunk 0 of my next token bound for d
+          DMAJ_ADVANCE(tn, rown, have_next);
+          if (have_next) {
+            const int4* nsrc = reinterpret_cast<const int4*>(a.x + (size_t)tn * p.row_bytes);
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+              const int i = u * 32 + lane;
+              if (i < V) nb[u] = ld_nc_v4(nsrc + i);
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int i = v0 + u * 32 + lane;
+          if (i < V) st_v4(dst + i, buf[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) buf[u] = nb[u];
+      }
+      if (lane < topk) {
+        reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)row * topk + lane] = idx;
+        reinterpret_cast<float*>(pb + p.off_recv_w)[(size_t)row * topk + lane] = w;
+      }
+      float* dst_scales = reinterpret_cast<float*>(pb + p.off_recv_scales) + (size_t)row * ns;
+      if (lane < ns) dst_scales[lane] = sc0;
+      if (lane + 32 < ns) dst_scales[lane + 32] = sc1;
+      for (int jj = lane + 64; jj < ns; jj += 32) dst_scales[jj] = scales[jj];
+      t = tn;
+      row = rown;
+      have = have_next;
+    }
+#undef DMAJ_ADVANCE
+  }
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
+}
+
 template <int kU, int kThreads, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_reg_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
@@ -344,6 +464,17 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   if (impl == EP_DISPATCH_NOTIFY_ONLY) return 0;
   const bool pipe = impl == EP_DISPATCH_REG_PIPELINED;
   const int threads = warps * 32;
+  if (impl == EP_DISPATCH_DMAJ || impl == EP_DISPATCH_DMAJ_NOROT) {
+    const bool rot = impl == EP_DISPATCH_DMAJ;
+    if (warps <= 16) {
+      CUDA_CHECK(rot ? launch_dependent(dispatch_dmaj_kernel<8, 512, true>, num_sms, threads, 0, stream, p, a, epoch)
+                     : launch_dependent(dispatch_dmaj_kernel<8, 512, false>, num_sms, threads, 0, stream, p, a, epoch));
+    } else {
+      CUDA_CHECK(rot ? launch_dependent(dispatch_dmaj_kernel<4, 1024, true>, num_sms, threads, 0, stream, p, a, epoch)
+                     : launch_dependent(dispatch_dmaj_kernel<4, 1024, false>, num_sms, threads, 0, stream, p, a, epoch));
+    }
+    return 0;
+  }
   if (impl == EP_DISPATCH_LEAN) {
     CUDA_CHECK(warps <= 16 ? launch_dependent(dispatch_lean_kernel<8, 512>, num_sms, threads, 0, stream, p, a, epoch)
                            : launch_dependent(dispatch_lean_kernel<4, 1024>, num_sms, threads, 0, stream, p, a, epoch));

@@ -10,9 +10,10 @@ copy engines
     runs from an event before the copies to one after the last; the ceiling time is the max
     over ranks of each rank's median -- the same rule as an operation's time.
 plain SM stores
-    the same bytes written by kernels with 16-byte stores into peer memory at a given SM count.
-    That needs a CUDA kernel: a provider is plugged in with ``set_sm_store_provider``; until
-    then the SM-store ceiling is reported as absent, never estimated.
+    the same bytes written by a kernel with plain 16-byte stores into peer memory at a given SM
+    count (``ep_store_ceiling`` in csrc/ceiling.cu: no layout, no flags). It needs the built
+    kernels library; without it (or with another provider plugged in through
+    ``set_sm_store_provider``) it is reported as absent, never estimated.
 
 Nominal limits come from the hardware: NVLink = active links x the per-link rate of the link
 generation NVML reports; NIC = the sum of the active InfiniBand port rates of the nearest NIC.
@@ -190,20 +191,61 @@ def read_limits(device_index: Optional[int], sysfs: Path = Path("/sys")) -> Limi
 
 # -- measured ceilings (CUDA) --------------------------------------------------------------
 
-# (bytes_to, peers: rank -> device pointer of its receive buffer mapped here, source tensor, sms,
-#  comm, warmup, iters) -> per-iteration microseconds
-SmStoreProvider = Callable[[Sequence[int], Dict[int, Any], Any, int, Any, int, int], List[float]]
+# (dst: peer rank -> device pointer where this rank's bytes go in that peer's buffer, mapped here;
+#  nbytes: peer rank -> bytes; source tensor, sms, comm, warmup, iters) -> per-iteration microseconds
+SmStoreProvider = Callable[[Dict[int, int], Dict[int, int], Any, int, Any, int, int], List[float]]
 _sm_store_provider: Optional[SmStoreProvider] = None
 SM_STORE_ABSENT = ("plain SM-store ceiling: absent (needs an epbench store kernel; none is "
                    "plugged in yet)")
 
 
 def set_sm_store_provider(fn: Optional[SmStoreProvider]) -> None:
-    """Plugs in the SM-store measurement: ``fn(bytes_to, peers, source, sms, comm, warmup,
-    iters)`` writes ``bytes_to[d]`` bytes from ``source`` into ``peers[d]`` with plain stores
-    on ``sms`` SMs, and returns each timed iteration's microseconds."""
+    """Plugs in the SM-store measurement: ``fn(dst, nbytes, source, sms, comm, warmup, iters)``
+    writes ``nbytes[d]`` bytes from ``source`` to ``dst[d]`` with plain stores on ``sms`` SMs,
+    and returns each timed iteration's microseconds."""
     global _sm_store_provider
     _sm_store_provider = fn
+
+
+STORE_THREADS = 1024  # threads per block of the store-ceiling kernel (one block per SM)
+
+
+def kernel_store_provider() -> Optional[SmStoreProvider]:
+    """The csrc store kernel as a provider, or None when the kernels library is not built."""
+    try:
+        from epbench import cuda_lib
+
+        lib = cuda_lib.load()
+        fn = lib.ep_store_ceiling
+    except (RuntimeError, OSError, AttributeError):
+        return None
+    import ctypes
+
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_longlong),
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+
+    def store_samples_us(dst: Dict[int, int], nbytes: Dict[int, int], source: Any, sms: int,
+                         comm: Any, warmup: int, iters: int) -> List[float]:
+        import torch
+
+        peers = sorted(dst)
+        ptrs = (ctypes.c_ulonglong * max(len(peers), 1))(*[dst[d] for d in peers])
+        sizes = (ctypes.c_longlong * max(len(peers), 1))(*[nbytes[d] for d in peers])
+        stream = torch.cuda.current_stream(comm.device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(warmup + iters)]
+        for start, end in events:
+            comm.sync()
+            start.record(stream)
+            rc = fn(ptrs, sizes, len(peers), source.data_ptr(), int(sms), STORE_THREADS,
+                    ctypes.c_void_p(stream.cuda_stream))
+            end.record(stream)
+            cuda_lib.check(rc, "ep_store_ceiling")
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in events[warmup:]]
+
+    return store_samples_us
 
 
 def recv_offsets(plan: List[List[int]], dest: int) -> List[int]:
@@ -437,11 +479,15 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
             dist.all_gather_object(c.counted_per_iter,
                                    tx / (warmup + iters) if tx is not None else None)
             c.copy_engine_us = _max_over_ranks(samples, comm)
-            if _sm_store_provider is not None:
+            provider = _sm_store_provider or kernel_store_provider()
+            if provider is not None:
+                me = comm.rank
+                dests = [d for d in range(comm.world) if d != me and m[me][d] > 0]
+                dst = {d: bufs.peers[d] + recv_offsets(m, d)[me] for d in dests}
+                nbytes = {d: m[me][d] for d in dests}
                 for sms in c.sm_store_us:
                     c.sm_store_us[sms] = _max_over_ranks(
-                        _sm_store_provider(m[comm.rank], bufs.peers, source, sms, comm, warmup,
-                                           iters), comm)
+                        provider(dst, nbytes, source, sms, comm, warmup, iters), comm)
         finally:
             torch.cuda.synchronize()
             dist.barrier()  # no rank still copies into a buffer that is about to go

@@ -22,10 +22,11 @@ NOTIFY_IMPLS = {"direct": 0, "staged": 1}
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
           "data_last", "data_end"]
 # Dispatch implementations (enum ep_dispatch_impl).
-DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "notify-only": 9}
+DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "dmaj": 4, "dmaj-norot": 5, "notify-only": 9}
 # NVLink micro-benchmark modes (ep_bench_link, csrc/bench.cu).
 LINK_BENCH_MODES = {"store": 0, "load": 1, "split": 2, "interleave": 3, "push": 4, "pull": 5, "split-real": 6,
-                    "interleave-real": 7}
+                    "interleave-real": 7, "push-fan": 8, "push-row": 9, "push-fan-row": 10,
+                    "push-fan-row-meta": 11, "reduce-local": 12}
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
 PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
           3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)"}

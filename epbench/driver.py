@@ -170,7 +170,8 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     _check_backend_errors(be)
     if inject_fault == "dispatch" and int(out.num_recv) > 0:
         out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
-    d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, input_of)
+    d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, input_of,
+                       local_expert_ids=be.receives_local_expert_ids)
     if inject_fault == "dispatch":  # restore the row so that combine is checked on its own
         out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
     _fill_expert_output(be, out, comm.rank)
@@ -203,8 +204,16 @@ def _measured_columns(rec: PointRecord, op: str, nvlink_bytes: int, nic_bytes: O
     return cols
 
 
+def _ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:
+    """The op's ceilings measured in this run (epbench/ceiling.py): copy engines, and plain SM
+    stores at this point's SM count (None where not measured, e.g. NCCL's own SM choice)."""
+    return {"ceiling_copy_engine_us": c.copy_engine_us if c is not None else None,
+            "ceiling_sm_store_us": c.sm_store_us.get(sms) if c is not None and sms else None}
+
+
 def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,
-               device: str) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+               device: str, ceilings: Optional[Dict[str, Any]] = None
+               ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """Rank 0: raw samples -> one row per (op, rank) with bytes and bandwidths."""
     m, topo = s.model, s.topology
     rows, samples = [], []
@@ -233,6 +242,7 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 "busbw_nic_gbps": (metrics.bandwidth_gbps(int(nbytes["nic"][r]), t_med)
                                    if has_nic else None),
                 **measured,
+                **_ceiling_columns((ceilings or {}).get(op), sms),
                 "wrong": rec.wrong[op], "problem": rec.problem[op],
             })
             samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
@@ -250,7 +260,8 @@ def _first_reason(reason: Optional[str]) -> Optional[str]:
 def measure(s: Scenario, opts: RunOptions, comm: Comm,
             on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
             on_note: Callable[[str], None],
-            advance: Callable[[str], None]) -> int:
+            advance: Callable[[str], None],
+            ceilings: Optional[Dict[str, Any]] = None) -> int:
     """Runs every point on every rank. Rank 0's callbacks receive rows; returns the number
     of wrong rows summed over ranks and points."""
     m = s.model
@@ -293,7 +304,7 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
                 gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
                 dist.gather_object(rec, gathered, dst=0)
                 if comm.rank == 0:
-                    rows, samples = point_rows(s, be_cls, sms, gathered, tr, device)
+                    rows, samples = point_rows(s, be_cls, sms, gathered, tr, device, ceilings)
                     total_wrong += sum(r["wrong"] for r in rows)
                     on_point(rows, samples)
                     advance(f"{name} sms={sms or 'auto'}")

@@ -97,5 +97,11 @@ def summarize(df):
             vals = pd.to_numeric(g[col], errors="coerce").dropna() if col in g else pd.Series([], dtype=float)
             for stat in ("min", "median", "max"):
                 row[f"{col}_{stat}"] = float(getattr(vals, stat)()) if len(vals) else None
+        for kind in ("copy_engine", "sm_store"):
+            col = f"ceiling_{kind}_us"
+            ceil = pd.to_numeric(g[col], errors="coerce").max() if col in g else float("nan")
+            # percent of ceiling = ceiling time / the op's time: 100 = as fast as the ideal copy
+            row[f"pct_of_{kind}_ceiling"] = (100.0 * float(ceil) / row["time_us"]
+                                             if ceil == ceil and row["time_us"] > 0 else None)
         out.append(row)
     return pd.DataFrame(out)

@@ -33,6 +33,13 @@ def _spread(row: pd.Series, col: str) -> str:
     return f"{_num(lo)} / {_num(med)} / {_num(hi)}"
 
 
+def _ceiling_pct(row: pd.Series) -> str:
+    vals = [row.get(f"pct_of_{k}_ceiling") for k in ("copy_engine", "sm_store")]
+    if all(v is None or v != v for v in vals):
+        return "-"
+    return " / ".join(_num(v) for v in vals)
+
+
 def _counted(row: pd.Series, tier: str) -> str:
     text = _spread(row, f"busbw_{tier}_measured_gbps")
     return f"{text} [bold red]![/]" if row.get(f"{tier}_counter_mismatch") is True else text
@@ -40,19 +47,21 @@ def _counted(row: pd.Series, tier: str) -> str:
 
 def results_table(df: pd.DataFrame, title: str = "") -> Table:
     summary = summarize(df)
-    table = Table(title=title or None, caption="bandwidths in GB/s; 'a / b / c' = min / median / "
-                  "max over ranks; time = slowest rank's median; NVML = NVLink bytes the GPU counted "
-                  "leaving it, '!' = more than 10% away from the computed bytes")
+    table = Table(title=title or None, caption="GB/s; 'a / b / c' = min / median / max over ranks; time = slowest "
+                  "rank's median. NVML: NVLink busbw from the GPUs' own counters ('!' = >10% off the "
+                  "computed). % ceil: this run's ideal copy of the same bytes by copy engines (CE) / "
+                  "by plain SM stores at the same SMs (SM), time over the op's time")
     for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("time us", "right"),
-                      ("algbw", "right"), ("NVLink busbw", "right"), ("NVLink NVML", "right"),
-                      ("NIC busbw", "right"), ("slowest rank", "right"), ("#wrong", "right")):
+                      ("algbw", "right"), ("NVLink busbw", "right"), ("NVML", "right"),
+                      ("NIC busbw", "right"), ("% ceil CE / SM", "right"),
+                      ("slow rank", "right"), ("#wrong", "right")):
         table.add_column(col, justify=just)
     for _, r in summary.iterrows():
         wrong = int(r["wrong"])
         table.add_row(r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
                       _num(r["time_us"]), _spread(r, "algbw_gbps"),
                       _spread(r, "busbw_nvlink_gbps"), _counted(r, "nvlink"),
-                      _spread(r, "busbw_nic_gbps"),
+                      _spread(r, "busbw_nic_gbps"), _ceiling_pct(r),
                       str(int(r["slowest_rank"])),
                       f"[bold red]{wrong}[/]" if wrong else "0")
     return table

@@ -24,6 +24,26 @@ def _points(opts: RunOptions) -> int:
     return sum(len(opts.sms) if c is not None and c.uses_sms else 1 for c in classes)
 
 
+def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
+                     on_note: Any) -> Optional[Dict[str, Any]]:
+    """Ceilings for this scenario's bytes, measured once per run before the backends (GPU only):
+    copy engines, and plain SM stores at each swept SM count."""
+    if comm.device.type != "cuda":
+        on_note("ceilings: measured on CUDA GPUs only (the % of ceiling column stays empty)")
+        return None
+    from epbench import ceiling
+    from epbench.routing import route_all, traffic
+
+    swept = dataclasses.replace(s, bench=dataclasses.replace(s.bench, sms=opts.sms))
+    tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
+    limits: List[Any] = [None] * comm.world
+    dist.all_gather_object(limits, ceiling.read_limits(comm.local_rank))
+    found = ceiling.measure_ceilings(swept, tr, comm, opts.warmup, opts.iters, ceiling.rates_of(limits))
+    if all(v is None for c in found for v in c.sm_store_us.values()):
+        on_note(f"ceilings: {ceiling.SM_STORE_ABSENT}")
+    return {c.op: c for c in found}
+
+
 def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path],
                results_root: Path, argv: List[str]) -> int:
     if device == "auto":
@@ -58,9 +78,10 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
         if rank0:
             progress.update(task, advance=1, description=f"{s.name}: {label}")
 
+    ceilings = measure_ceilings(s, opts, comm, on_note)
     try:
         with progress:
-            wrong = measure(s, opts, comm, on_point, on_note, advance)
+            wrong = measure(s, opts, comm, on_point, on_note, advance, ceilings)
     except BaseException as e:
         if writer is not None:
             writer.finish(f"failed: {type(e).__name__}: {e}", notes=notes)

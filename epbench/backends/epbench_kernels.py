@@ -10,7 +10,8 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are constructor arguments, with the environment as the
 default (values chosen by measurement, notes/KERNELS.md):
-  EPBENCH_DISPATCH_IMPL   lean | reg | pipe | tma  (register paths or TMA bulk-copy path)
+  EPBENCH_DISPATCH_IMPL   lean | dmaj | dmaj-norot | reg | pipe | tma  (register paths or TMA bulk-copy path;
+                          dmaj: destination-major, v7, notes/KERNELS.md)
   EPBENCH_DISPATCH_WARPS  warps per dispatch block (1..32)
   EPBENCH_TMA_STAGES      row buffers per warp in the TMA path
   EPBENCH_COMBINE_WARPS   warps per combine block (1..16)

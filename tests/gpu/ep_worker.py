@@ -128,10 +128,10 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     failures = 0
     lines = []
     cases = [c for c in CHECK_CASES if not args.quick or c.name in QUICK]
+    impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device))
-        for impl, warps, sms in (("reg", 16, 3), ("tma", 4, 5), ("pipe", 16, 8), ("pipe", 32, 16), ("lean", 16, 8),
-                                 ("lean", 32, 5)):
+        for impl, warps, sms in impls:
             be.dispatch_impl, be.dispatch_warps = impl, warps
             for rep in range(2):  # twice: the second call reuses buffers and flags
                 salt = zlib.crc32(f"{case.name}/{impl}/{sms}/{rep}".encode()) % 10000
@@ -288,7 +288,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     do_combine = dtype == "bf16" and v is variants[0] and nimpl == notify_impls[0]
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine, args.presleep)
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
-                    if args.stamps and sms in (8, 16) and v[0] in ("reg", "lean", "notify-only"):
+                    stamped = ("reg", "lean", "dmaj", "dmaj-norot", "notify-only")
+                    if args.stamps and sms in (8, 16) and v[0] in stamped:
                         line = stamp_phases(be, inp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
                     for op in ("dispatch", "combine"):
@@ -364,6 +365,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--link-modes", default="store,load,split,interleave,push,pull,split-real,interleave-real,"
                     "split:32,split-real:32", help="linkbench modes (name[:warps])")
+    ap.add_argument("--impls", default="reg:16:3,tma:4:5,pipe:16:8,pipe:32:16,lean:16:8,lean:32:5,dmaj:16:8,"
+                    "dmaj:32:5,dmaj-norot:16:3", help="check: dispatch variants as impl:warps:sms")
     ap.add_argument("--sms", default="8,16,24,32")
     ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16")
     ap.add_argument("--notify", default="staged", help="notify kernel variants to bench: staged,direct")
