@@ -74,7 +74,8 @@ void* ep_error_flag_ptr(void* ctx);
 int ep_destroy(void* ctx);
 // Measuring aid (bench.cu): every rank at once moves (world - 1) * bytes_per_peer over NVLink with
 // num_blocks x warps; mode 0 store, 1 load, 2 split warps, 3 interleaved, 4-7 the same with
-// local memory as source / destination. Needs ep_open_peers; clobbers recv_x and combine_in.
+// local memory as source / destination, 8-11 the steps from the plain push towards the dispatch data phase,
+// 12 a local reduce (bench.cu says which). Needs ep_open_peers; clobbers recv_x, recv_idx/w and combine_in.
 int ep_bench_link(void* ctx, int mode, int num_blocks, int warps, long long bytes_per_peer, void* stream);
 
 #ifdef __cplusplus
