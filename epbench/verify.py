@@ -50,8 +50,13 @@ def _bad_rows(got: torch.Tensor, want: torch.Tensor) -> int:
 
 
 def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank: int,
-                   input_of: Callable[[int], DispatchInput]) -> CheckResult:
-    """``input_of(s)`` rebuilds source rank s's dispatch input on this rank's device."""
+                   input_of: Callable[[int], DispatchInput],
+                   local_expert_ids: bool = False) -> CheckResult:
+    """``input_of(s)`` rebuilds source rank s's dispatch input on this rank's device.
+
+    ``local_expert_ids`` (a backend's ``receives_local_expert_ids``): each received expert id
+    must be the local index (id - rank * experts_per_rank) where the expert lives on this rank
+    and -1 elsewhere, and each weight the sent weight there and 0 elsewhere; still bit-exact."""
     res = CheckResult()
     got_n = int(out.num_recv)
     offset = 0
@@ -72,13 +77,19 @@ def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank:
             if inp.x_scales is not None:
                 res.add(_bad_rows(out.x_scales[sl], inp.x_scales[want]),
                         f"rows from rank {s}: fp8 scales differ")
-            res.add(_bad_rows(out.topk_idx[sl], inp.topk_idx[want]),
+            want_idx, want_w = inp.topk_idx[want], inp.topk_weights[want]
+            if local_expert_ids:
+                mine = hit[:k]
+                want_idx = torch.where(mine, local[:k], torch.full_like(want_idx, -1))
+                want_w = torch.where(mine, want_w, torch.zeros_like(want_w))
+            res.add(_bad_rows(out.topk_idx[sl], want_idx),
                     f"rows from rank {s}: expert ids differ")
-            res.add(_bad_rows(out.topk_weights[sl], inp.topk_weights[want]),
+            res.add(_bad_rows(out.topk_weights[sl], want_w),
                     f"rows from rank {s}: weights differ")
         offset += n
     res.add(abs(got_n - offset), f"received {got_n} rows, expected {offset}")
-    got_counts = out.expert_counts.to(torch.int64)
+    # a backend may report the counts from the host (DeepEP returns them as a Python list)
+    got_counts = out.expert_counts.to(device=expected_counts.device, dtype=torch.int64)
     res.add(int((got_counts != expected_counts).sum()),
             f"expert counts {got_counts.tolist()} != {expected_counts.tolist()}")
     return res

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # importing base pulls in torch; name checks must stay cheap
 REGISTRY: Dict[str, str] = {
     "reference": "epbench.backends.reference:ReferenceBackend",
     "epbench": "epbench.backends.epbench_kernels:EpbenchBackend",
+    "deepep": "epbench.backends.deepep:DeepEPBackend",
 }
 
 

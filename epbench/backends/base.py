@@ -92,6 +92,11 @@ class Backend(ABC):
     name: ClassVar[str]
     uses_sms: ClassVar[bool] = False  # True when num_sms changes what runs
     hierarchical: ClassVar[bool] = False  # True: one NIC copy per destination node
+    # True: the received ``topk_idx`` holds local expert indices (global id minus
+    # rank * experts_per_rank) for this rank's experts and -1 for the others, whose weights are
+    # 0 (DeepEP's layout). Verification then compares against that masked form; False: the
+    # full global ids and weights, as sent (the contract above).
+    receives_local_expert_ids: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:

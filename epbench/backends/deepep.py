@@ -1,0 +1,186 @@
+"""The ``deepep`` backend: DeepEP's V1 high-throughput intranode kernels (``deep_ep.Buffer``),
+driven the way a model would call them, as a baseline beside the reference and epbench
+backends. Optional: it is skipped with a note when ``import deep_ep`` fails.
+
+What one timed call contains:
+
+dispatch
+    ``Buffer.get_dispatch_layout`` (per-rank / per-expert counts, ``is_token_in_rank``) and
+    ``Buffer.dispatch`` with the config for the point's SM count. DeepEP waits on the host for
+    the received counts inside ``dispatch`` (its ``num_recv_tokens_per_expert_list`` is a Python
+    list); that wait is part of its cost and is timed as such.
+
+combine
+    DeepEP's combine adds the returned copies *without* weights, while epbench's combine returns
+    ``sum_d w(t, d) * y_d``. Each received row is therefore first scaled by the sum of its
+    received (masked) weights, which is exactly ``w(t, d)``, then ``Buffer.combine`` runs. A
+    DeepEP user has to do the same scaling, so it is inside the timed call.
+
+Semantic difference kept as DeepEP has it: the received ``topk_idx`` holds local expert indices
+(-1 for experts of other ranks, whose weights are 0); ``receives_local_expert_ids`` tells the
+verification to expect that form (epbench/verify.py).
+
+SM count: DeepEP runs ``num_sms / 2`` channels (2 SMs per channel: one sends, one receives), so
+the count must be even. It is a class-wide setting (``Buffer.set_num_sms``) and a field of the
+``Config`` passed to each call; both are host-side, set only when the point's count changes.
+The NVL buffer is sized once, in the constructor, for the largest SM count this backend accepts
+(the GPU's SM count rounded down to even, or ``max_sms`` / EPBENCH_DEEPEP_MAX_SMS), since
+DeepEP's buffer size hint grows with the number of channels.
+
+DeepEP allocates its output tensors on every call (from PyTorch's caching allocator), so
+``poison`` can only poison the buffers this class owns; stale outputs of DeepEP itself cannot be
+pre-poisoned.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.scenario import FP8_BLOCK
+
+MAX_INTRANODE_RANKS = 8  # DeepEP's NUM_MAX_NVL_PEERS
+
+
+def _import_deep_ep() -> Any:
+    return importlib.import_module("deep_ep")
+
+
+@dataclass
+class _Handle:
+    """What combine needs from the matching dispatch."""
+
+    deep_ep_handle: Any  # DeepEP's own layout tuple
+    num_recv: int
+    recv_topk_weights: torch.Tensor  # [num_recv, topk] float32, 0 for other ranks' experts
+
+
+class DeepEPBackend(Backend):
+    name = "deepep"
+    uses_sms = True
+    receives_local_expert_ids = True
+
+    @classmethod
+    def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
+        try:
+            deep_ep = _import_deep_ep()
+        except Exception as e:  # ImportError, or a broken build failing to load its extension
+            detail = " ".join(str(e).split()) or type(e).__name__
+            return f"deep_ep is not installed (import deep_ep failed: {detail})"
+        if setup.device.type != "cuda" or not torch.cuda.is_available():
+            return "needs CUDA GPUs"
+        if setup.world > MAX_INTRANODE_RANKS or setup.world > setup.gpus_per_node:
+            return (f"intranode only: at most {MAX_INTRANODE_RANKS} ranks on one node "
+                    f"(world {setup.world}, {setup.gpus_per_node} GPUs per node)")
+        if setup.dispatch_dtype == "fp8" and setup.hidden % FP8_BLOCK:
+            return f"fp8 dispatch needs hidden % {FP8_BLOCK} == 0 (hidden {setup.hidden})"
+        if setup.hidden % 8:
+            # DeepEP copies rows in 16-byte units: hidden * 2 bytes (bf16) must divide by 16.
+            return f"hidden {setup.hidden} must be a multiple of 8 (rows move in 16-byte units)"
+        try:
+            deep_ep.Buffer.get_dispatch_config(setup.world)
+            deep_ep.Buffer.get_combine_config(setup.world)
+        except (AssertionError, KeyError) as e:
+            detail = " ".join(str(e).split())
+            return f"DeepEP has no config for {setup.world} ranks" + (f" ({detail})" if detail else "")
+        # Hidden sizes: DeepEP's intranode kernels take any hidden that passes the checks above
+        # as far as we know; anything else it rejects surfaces as an error from the first call.
+        return None
+
+    def __init__(self, setup: RankSetup, *, max_sms: Optional[int] = None,
+                 group: Optional[Any] = None) -> None:
+        self.s = setup
+        self.deep_ep = _import_deep_ep()
+        self.fp8 = setup.dispatch_dtype == "fp8"
+        self.group = group if group is not None else dist.group.WORLD
+        if max_sms is None and os.environ.get("EPBENCH_DEEPEP_MAX_SMS"):
+            max_sms = int(os.environ["EPBENCH_DEEPEP_MAX_SMS"])
+        if max_sms is None:
+            max_sms = (torch.cuda.get_device_properties(setup.device).multi_processor_count
+                       if setup.device.type == "cuda" else 2)
+        self.max_sms = max(2, max_sms - max_sms % 2)
+        self._configs: Dict[int, Tuple[Any, Any]] = {}
+        # Worst case for the NVL buffer: the most channels, and bf16 rows (combine is always
+        # bf16; an fp8 row with its scales, hidden + hidden / 32 bytes, is smaller). DeepEP's
+        # hint already adds room for the top-k ids, weights and up to 128 scales per row.
+        hidden_bytes = setup.hidden * 2
+        dispatch_cfg, combine_cfg = self._configs_for(self.max_sms)
+        num_nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, setup.world)
+                            for cfg in (dispatch_cfg, combine_cfg))
+        self.buffer = self.deep_ep.Buffer(self.group, num_nvl_bytes, 0)
+        cap = setup.world * setup.max_tokens_per_rank  # every token of every rank lands here
+        dev = setup.device
+        self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=dev)
+        self.combine_scaled = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=dev)
+
+    def _configs_for(self, num_sms: int) -> Tuple[Any, Any]:
+        """(dispatch config, combine config) for this SM count; sets DeepEP's class-wide count
+        when it differs (a host-side attribute; configs are cached per count)."""
+        if num_sms % 2 or num_sms <= 0:
+            raise ValueError(f"deepep: the SM count must be even and positive (DeepEP runs one "
+                             f"channel per 2 SMs), got {num_sms}")
+        if num_sms > self.max_sms:
+            raise ValueError(f"deepep: {num_sms} SMs exceed the {self.max_sms} the buffer was "
+                             f"sized for (set EPBENCH_DEEPEP_MAX_SMS)")
+        Buffer = self.deep_ep.Buffer
+        if Buffer.num_sms != num_sms:
+            Buffer.set_num_sms(num_sms)
+        cfgs = self._configs.get(num_sms)
+        if cfgs is None:
+            cfgs = (Buffer.get_dispatch_config(self.s.world), Buffer.get_combine_config(self.s.world))
+            self._configs[num_sms] = cfgs
+        return cfgs
+
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+        config, _ = self._configs_for(num_sms)
+        buf = self.buffer
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(inp.topk_idx,
+                                                                      self.s.num_experts)
+        x = (inp.x, inp.x_scales) if self.fp8 else inp.x
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=inp.topk_idx,
+            topk_weights=inp.topk_weights, config=config)
+        recv_scales = None
+        if self.fp8:
+            recv_x, recv_scales = recv_x
+        num_recv = int(recv_x.shape[0])
+        # The counts are already on the host (DeepEP waited for them); a CPU tensor keeps a
+        # host-to-device copy out of the timed call.
+        expert_counts = torch.tensor(counts, dtype=torch.int64)
+        return DispatchOutput(recv_x, recv_scales, recv_idx, recv_w, expert_counts, num_recv,
+                              _Handle(handle, num_recv, recv_w))
+
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        return self.combine_in[: out.handle.num_recv]
+
+    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
+        _, config = self._configs_for(num_sms)
+        h: _Handle = out.handle
+        n = h.num_recv
+        # DeepEP sums the copies without weights: scale row r by w(t, d), the sum of its masked
+        # received weights. This rounds each scaled row to bf16 once more (<= 2^-9 relative)
+        # before DeepEP's fp32 sum and final bf16 rounding. In the verification every copy of a
+        # token has the token's sign (the stand-in experts scale by positive factors), so the
+        # total stays within about 2^-8 relative, inside verify.COMBINE_RTOL (2^-7).
+        w = h.recv_topk_weights.sum(dim=1, keepdim=True)
+        y = self.combine_scaled[:n]
+        torch.mul(self.combine_in[:n], w, out=y)
+        combined, _, _ = self.buffer.combine(y, h.deep_ep_handle, config=config)
+        return combined
+
+    def poison(self) -> None:
+        self.combine_in.fill_(float("nan"))
+        self.combine_scaled.fill_(float("nan"))
+
+    def close(self) -> None:
+        # DeepEP frees its NVL buffer (and syncs peers) when the Buffer object goes away; every
+        # rank closes at the same point of the driver.
+        self.buffer = None
+        self._configs.clear()
