@@ -35,6 +35,7 @@ NnodesOpt = Annotated[Optional[int], typer.Option("--nnodes", help="Nodes (multi
 NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="This node's rank (passed to torchrun).")]
 RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (passed to torchrun).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
+NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
 
@@ -97,7 +98,7 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
 
 
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
-            results: Path, nnodes, node_rank, rdzv, run_dir, fault) -> None:
+            results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False) -> None:
     import dataclasses
 
     launch.apply_safe_env()
@@ -107,7 +108,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
     if fault not in (None, "dispatch", "combine"):
         raise UserError(f"--inject-fault: must be dispatch or combine, got {fault!r}")
-    opts = dataclasses.replace(opts, inject_fault=fault)
+    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings)
     if launch.under_torchrun():
         from epbench.session import run_worker
 
@@ -130,6 +131,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     # the ranks learn their number from torchrun anyway.
     if fault:
         args += ["--inject-fault", fault]
+    if no_ceilings:
+        args.append("--no-ceilings")
     cmd = launch.torchrun_args(args, s.topology.gpus_per_node, nodes, node_rank, rdzv)
     code = launch.relaunch(cmd, dev)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
@@ -142,10 +145,10 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None,
         device: DeviceOpt = None, results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
-        inject_fault: FaultOpt = None) -> None:
+        inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False) -> None:
     """Run a scenario across ranks (re-executing under torchrun) and print its table."""
     _launch("run", path, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-            rdzv_endpoint, run_dir, inject_fault)
+            rdzv_endpoint, run_dir, inject_fault, no_ceilings)
 
 
 @app.command()
@@ -155,10 +158,11 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           warmup: WarmupOpt = None, device: DeviceOpt = None,
           results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
-          run_dir: RunDirOpt = None, inject_fault: FaultOpt = None) -> None:
+          run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
+          no_ceilings: NoCeilOpt = False) -> None:
     """Run a scenario at each SM count, with a progress bar; one results folder for all."""
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault)
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings)
 
 
 @app.command()

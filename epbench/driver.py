@@ -40,6 +40,7 @@ class RunOptions:
     iters: int
     inject_fault: Optional[str] = None  # "dispatch" | "combine": corrupt one output row
     progress: bool = True
+    ceilings: bool = True  # measure copy-engine / SM-store ceilings before the backends (GPU)
 
 
 @dataclass

@@ -31,6 +31,9 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
     if comm.device.type != "cuda":
         on_note("ceilings: measured on CUDA GPUs only (the % of ceiling column stays empty)")
         return None
+    if not opts.ceilings:
+        on_note("ceilings: skipped (--no-ceilings)")
+        return None
     from epbench import ceiling
     from epbench.routing import route_all, traffic
 
@@ -38,7 +41,12 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
     tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
     limits: List[Any] = [None] * comm.world
     dist.all_gather_object(limits, ceiling.read_limits(comm.local_rank))
-    found = ceiling.measure_ceilings(swept, tr, comm, opts.warmup, opts.iters, ceiling.rates_of(limits))
+    try:
+        found = ceiling.measure_ceilings(swept, tr, comm, opts.warmup, opts.iters,
+                                         ceiling.rates_of(limits))
+    except Exception as e:
+        raise RuntimeError(f"ceiling measurement failed ({e}); run again with --no-ceilings "
+                           f"to skip it") from e
     if all(v is None for c in found for v in c.sm_store_us.values()):
         on_note(f"ceilings: {ceiling.SM_STORE_ABSENT}")
     return {c.op: c for c in found}
