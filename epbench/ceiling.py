@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from epbench import metrics
 from epbench.routing import Traffic
+from epbench.timing import Timer
 
 OPS = ("dispatch", "combine")
 
@@ -232,18 +233,14 @@ def kernel_store_provider() -> Optional[SmStoreProvider]:
         peers = sorted(dst)
         ptrs = (ctypes.c_ulonglong * max(len(peers), 1))(*[dst[d] for d in peers])
         sizes = (ctypes.c_longlong * max(len(peers), 1))(*[nbytes[d] for d in peers])
-        stream = torch.cuda.current_stream(comm.device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(warmup + iters)]
-        for start, end in events:
+        stream = ctypes.c_void_p(torch.cuda.current_stream(comm.device).cuda_stream)
+        timer = Timer(comm.device, warmup + iters)
+        for i in range(warmup + iters):
             comm.sync()
-            start.record(stream)
-            rc = fn(ptrs, sizes, len(peers), source.data_ptr(), int(sms), STORE_THREADS,
-                    ctypes.c_void_p(stream.cuda_stream))
-            end.record(stream)
+            rc = timer.time(i, lambda: fn(ptrs, sizes, len(peers), source.data_ptr(), int(sms),
+                                          STORE_THREADS, stream))
             cuda_lib.check(rc, "ep_store_ceiling")
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) * 1e3 for s, e in events[warmup:]]
+        return timer.samples_us(warmup)
 
     return store_samples_us
 
@@ -398,19 +395,19 @@ def copy_engine_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, 
     dst = {d: bufs.peers[d] + recv_offsets(plan, d)[me] for d in dests}
     streams = {d: torch.cuda.Stream(device=comm.device) for d in dests}
     main = torch.cuda.current_stream(comm.device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(warmup + iters)]
-    for start, end in events:
-        comm.sync()
-        start.record(main)
+
+    def copies() -> None:
         for d in dests:
             streams[d].wait_stream(main)
             rt.memcpy_async(dst[d], source.data_ptr(), plan[me][d], streams[d].cuda_stream)
         for d in dests:
             main.wait_stream(streams[d])
-        end.record(main)
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in events[warmup:]]
+
+    timer = Timer(comm.device, warmup + iters)
+    for i in range(warmup + iters):
+        comm.sync()
+        timer.time(i, copies)
+    return timer.samples_us(warmup)
 
 
 @dataclass

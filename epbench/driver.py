@@ -10,7 +10,6 @@ rows (epbench/metrics.py) and writes them before the next point starts.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -23,6 +22,7 @@ from epbench.backends import load_backend
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 from epbench.inputs import dispatch_input, expert_output, make_tokens
 from epbench.launch import Comm
+from epbench.timing import Timer
 from epbench.routing import RankRouting, Traffic, route_all, traffic
 from epbench.scenario import Scenario
 from epbench.verify import check_combine, check_dispatch
@@ -53,36 +53,6 @@ class PointRecord:
     problem: Dict[str, str] = field(default_factory=dict)
     counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
     counted_iters: int = 0
-
-
-class Timer:
-    """Per-iteration device events on GPUs, the wall clock on CPUs (gloo calls are blocking)."""
-
-    def __init__(self, device: torch.device, n: int) -> None:
-        self.cuda = device.type == "cuda"
-        self.n = n
-        if self.cuda:
-            self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                           for _ in range(n)]
-        self.wall: List[float] = []
-
-    def time(self, i: int, fn: Callable[[], Any]) -> Any:
-        if self.cuda:
-            start, end = self.events[i]
-            start.record()
-            out = fn()
-            end.record()
-            return out
-        t0 = time.perf_counter()
-        out = fn()
-        self.wall.append((time.perf_counter() - t0) * 1e6)
-        return out
-
-    def samples_us(self, skip: int) -> List[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [s.elapsed_time(e) * 1e3 for s, e in self.events[skip:]]
-        return self.wall[skip:]
 
 
 def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:

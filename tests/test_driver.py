@@ -1,10 +1,8 @@
-"""The driver's pieces that need no process group: counter columns and the timer."""
+"""The driver's pieces that need no process group: the counter columns."""
 
 import math
 
-import torch
-
-from epbench.driver import PointRecord, Timer, _measured_columns
+from epbench.driver import PointRecord, _measured_columns
 from epbench.metrics import summarize
 
 
@@ -47,11 +45,3 @@ def test_summary_carries_the_counter_flag():
     df = pd.DataFrame([_row(0, 10.0, None, None), _row(1, 12.0, None, None)])
     (row,) = summarize(df).to_dict("records")
     assert row["nvlink_counter_mismatch"] is None and row["busbw_nvlink_measured_gbps_min"] is None
-
-
-def test_cpu_timer_keeps_samples_after_warmup():
-    t = Timer(torch.device("cpu"), 4)
-    for i in range(4):
-        t.time(i, lambda: sum(range(1000)))
-    samples = t.samples_us(skip=1)
-    assert len(samples) == 3 and all(s > 0 for s in samples)
