@@ -68,10 +68,11 @@ def resolve_device(s: scenario.Scenario, device: Optional[str]) -> str:
     if want == "auto":
         want = "cuda" if gpus else "cpu"
     if want == "cuda":
-        per_node = s.topology.gpus_per_node
-        if gpus < per_node:
-            raise UserError(f"{s.source}: topology.gpus_per_node: needs {per_node} GPUs per node but "
-                            f"this host has {gpus}; use --nproc N to run the shape on fewer ranks"
+        per_host = s.topology.ranks_per_host
+        key = "topology.virtual_nodes" if s.topology.virtual_nodes else "topology.gpus_per_node"
+        if gpus < per_host:
+            raise UserError(f"{s.source}: {key}: needs {per_host} GPUs on this host but it has "
+                            f"{gpus}; use --nproc N to run the shape on fewer ranks"
                             f"{' or --device cpu' if not gpus else ''}")
     return want
 
@@ -117,7 +118,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         raise typer.Exit(code)
     dev = resolve_device(s, device)
     nodes = nnodes or 1
-    if s.topology.nodes > 1 and nodes == 1:
+    if s.topology.nodes > 1 and nodes == 1 and not s.topology.virtual_nodes:
         raise UserError(f"{s.source}: topology.nodes: this scenario spans {s.topology.nodes} nodes; "
                         f"start it on every node with --nnodes {s.topology.nodes} --node-rank N "
                         f"--rdzv-endpoint HOST:PORT, or use --nproc to run its shape on one node")
@@ -133,7 +134,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         args += ["--inject-fault", fault]
     if no_ceilings:
         args.append("--no-ceilings")
-    cmd = launch.torchrun_args(args, s.topology.gpus_per_node, nodes, node_rank, rdzv)
+    cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv)
     code = launch.relaunch(cmd, dev)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()  # the job died before it measured anything
@@ -177,7 +178,8 @@ def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML fil
             bad += 1
             continue
         m = s.model
-        console.print(f"[green]ok[/] {p}: {s.world} ranks ({s.topology.nodes}x{s.topology.gpus_per_node}), "
+        console.print(f"[green]ok[/] {p}: {s.world} ranks ({s.topology.nodes}x{s.topology.gpus_per_node}"
+                      f"{', virtual nodes' if s.topology.virtual_nodes else ''}), "
                       f"hidden {m.hidden}, {m.tokens_per_rank} tokens/rank, top-{m.topk}, "
                       f"{m.experts_per_rank} experts/rank, {m.dispatch_dtype}, {s.routing.kind} routing",
                       highlight=False)

@@ -6,4 +6,4 @@ from rich.console import Console
 
 def wide_console(stderr: bool = False) -> Console:
     c = Console(stderr=stderr)
-    return c if c.is_terminal else Console(stderr=stderr, width=160)
+    return c if c.is_terminal else Console(stderr=stderr, width=200)

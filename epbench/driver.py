@@ -201,6 +201,7 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
             rows.append({
                 "scenario": s.name, "backend": be_cls.name, "op": op, "sms": sms, "rank": r,
                 "node": r // topo.gpus_per_node, "world": s.world, "nodes": topo.nodes,
+                "nic_virtual": topo.virtual_nodes,  # inter-node bytes went over NVLink
                 "device": device, "dtype": dtype, "hidden": m.hidden,
                 "tokens_per_rank": m.tokens_per_rank, "topk": m.topk,
                 "experts_per_rank": m.experts_per_rank, "routing": s.routing.kind,

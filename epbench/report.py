@@ -45,6 +45,11 @@ def _counted(row: pd.Series, tier: str) -> str:
     return f"{text} [bold red]![/]" if row.get(f"{tier}_counter_mismatch") is True else text
 
 
+def _virtual(df: pd.DataFrame) -> bool:
+    """Virtual nodes: the NIC tier's bytes crossed NVLink on one host, so the column says so."""
+    return "nic_virtual" in df and bool(df["nic_virtual"].fillna(False).astype(bool).any())
+
+
 def results_table(df: pd.DataFrame, title: str = "") -> Table:
     summary = summarize(df)
     table = Table(title=title or None, caption="GB/s; 'a / b / c' = min / median / max over ranks; time = slowest "
@@ -53,7 +58,7 @@ def results_table(df: pd.DataFrame, title: str = "") -> Table:
                   "by plain SM stores at the same SMs (SM), time over the op's time")
     for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("time us", "right"),
                       ("algbw", "right"), ("NVLink busbw", "right"), ("NVML", "right"),
-                      ("NIC busbw", "right"), ("% ceil CE / SM", "right"),
+                      ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("% ceil CE / SM", "right"),
                       ("slow rank", "right"), ("#wrong", "right")):
         table.add_column(col, justify=just)
     for _, r in summary.iterrows():
@@ -94,7 +99,7 @@ def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
                   "(min - max in brackets); bandwidths in GB/s; * = slowest rank of the point")
     for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("rank", "right"),
                       ("time us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
-                      ("NIC busbw", "right"), ("#wrong", "right")):
+                      ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("#wrong", "right")):
         table.add_column(col, justify=just)
     for _, g in df.groupby(["backend", "op", "sms"], sort=False, dropna=False):
         slowest = g["time_us"].idxmax()

@@ -39,10 +39,17 @@ class Topology:
     name: str = ""
     nvlink_gbps: float = 450.0  # nominal per-GPU NVLink bandwidth, one direction
     nic_gbps: float = 0.0  # nominal per-GPU NIC bandwidth, one direction (0: none)
+    # Virtual nodes: all `nodes x gpus_per_node` ranks run on one host and the inter-node tier
+    # travels over NVLink. Its bytes are still counted as the NIC tier, labelled virtual.
+    virtual_nodes: bool = False
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.world if self.virtual_nodes else self.gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class Scenario:
             raise UserError(
                 f"--nproc {nproc}: topk {self.model.topk} exceeds the "
                 f"{nproc * self.model.experts_per_rank} experts of {nproc} ranks")
-        topo = dataclasses.replace(self.topology, nodes=1, gpus_per_node=nproc,
+        topo = dataclasses.replace(self.topology, nodes=1, gpus_per_node=nproc, virtual_nodes=False,
                                    name=f"{self.topology.name} (on {nproc} ranks)".strip())
         return dataclasses.replace(self, topology=topo)
 
