@@ -139,11 +139,12 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     if comm.device.type == "cuda":
         torch.cuda.synchronize()
     _check_backend_errors(be)
-    if inject_fault == "dispatch" and int(out.num_recv) > 0:
+    corrupt = inject_fault == "dispatch" and int(out.num_recv) > 0
+    if corrupt:
         out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
     d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, input_of,
                        local_expert_ids=be.receives_local_expert_ids)
-    if inject_fault == "dispatch":  # restore the row so that combine is checked on its own
+    if corrupt:  # restore the row so that combine is checked on its own
         out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
     _fill_expert_output(be, out, comm.rank)
     comm.sync()
