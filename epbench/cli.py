@@ -258,6 +258,32 @@ def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseli
         console.print(f"wrote {compare_plot(a, b, plot_out)}")
 
 
+@app.command()
+def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topology; nothing runs).")],
+            calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Intranode results folder (or a folder of them) that sets the NVLink efficiency. Default: the best matching run in docs/perf/, else none.")] = None,
+            backend: Annotated[str, typer.Option("--backend", help="Backend whose measured efficiency calibrates the model.")] = "epbench",
+            sms: Annotated[Optional[int], typer.Option("--sms", help="Calibrate from this SM count (default: the run's fastest).")] = None,
+            nic_efficiency: Annotated[float, typer.Option("--nic-efficiency", help="Fraction of the nominal NIC rate reached (assumed; nothing here measures a NIC).")] = 1.0,
+            overhead_us: Annotated[float, typer.Option("--overhead-us", help="Fixed per-call cost taken out of the calibration time and added to each prediction.")] = 0.0,
+            json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the numbers to this new file (never overwritten).")] = None) -> None:
+    """PREDICTED dispatch/combine time and bandwidths for a topology from its routing bytes and
+    link rates, calibrated by a measured intranode run (epbench/predict.py). CPU only."""
+    from epbench import predict as model
+
+    s = scenario.load(path)
+    if sms is not None and sms < 1:
+        raise UserError(f"--sms: must be positive, got {sms}")
+    if calibrate is not None:
+        calib = model.calibrate([calibrate], s, backend, sms, overhead_us)
+    else:
+        calib = model.default_calibration(s, backend, sms, overhead_us)
+    pred = model.predict(s, calib, nic_efficiency)
+    model.print_prediction(pred, console)
+    if json_out is not None:
+        model.write_json(pred, json_out)
+        console.print(f"wrote {json_out}")
+
+
 def main() -> None:
     launch.apply_safe_env()
     try:

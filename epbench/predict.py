@@ -1,0 +1,501 @@
+"""``epbench predict``: expected dispatch/combine time and bandwidth for a topology that cannot
+run here (several nodes over a network), from the scenario's routing and the link rates,
+calibrated by an intranode run that did run here. Everything it prints is PREDICTED.
+
+The model
+=========
+
+Bytes per rank and tier
+    The scenario's routing (routing.route_all, deterministic per seed) gives the copy matrices
+    of routing.traffic for two algorithms:
+
+    - hierarchical (what epbench's internode kernels are built to do, as in DeepEP and
+      Hybrid-EP): a token crosses the network once per destination node, to the GPU with the
+      same local rank there, which forwards it over NVLink to the GPUs of that node that hold
+      its experts;
+    - flat (the NCCL all-to-all way): every copy goes straight to its destination rank, so a
+      token crosses the network once per destination *rank* on another node.
+
+    For rank r and tier k (NVLink, NIC) with row bytes R (metrics.row_bytes):
+    ``tx_k[r]`` = bytes leaving GPU r over tier k (the metrics.rank_bytes convention: dispatch =
+    row sums of the tier's matrix, combine = column sums) and ``rx_k[r]`` = bytes arriving at
+    GPU r over tier k (the other sums). A link carries each direction at its nominal rate
+    independently, so the busier direction is the one that takes time:
+    ``bytes_k[r] = max(tx_k[r], rx_k[r])``. (For routings where every rank sends and receives
+    alike, tx = rx; with hot experts the receiving side of a hot rank is the busier one.)
+
+Time per tier
+    ``t_k[r] = bytes_k[r] / (eff_k * rate_k)``: rate_k the scenario's nominal per-GPU, one-
+    direction rate (topology.nvlink_gbps, topology.nic_gbps, GB/s = 1e9 bytes/s), eff_k the
+    fraction of it that is reached (below).
+
+Time per rank and per op
+    The hierarchical kernels pipeline the tiers: tokens are forwarded over NVLink in chunks
+    while later chunks are still on the network (DeepEP's and Hybrid-EP's internode kernels
+    are built that way, and so is the epbench design in issue 5). When the pipeline works,
+    the busier tier sets the time:
+    ``t_overlap[r] = max_k t_k[r] + overhead`` (the prediction; a lower bound).
+    Without overlap (store and forward: all network traffic, then all forwarding) the tiers add:
+    ``t_serial[r] = sum_k t_k[r] + overhead`` (the upper bound; shown beside it).
+    The op's time is that of the slowest rank, as in metrics.summarize:
+    ``T = max_r t[r]``. The limiting tier is the argmax of t_k at the slowest rank.
+    Virtual nodes (one host) are the exception: their "NIC" copies travel over the same NVLink
+    ports, so the two tiers share one link: ``t[r] = (bytes_nvlink[r] + bytes_nic[r]) /
+    (eff_nvlink * nvlink rate) + overhead``.
+
+Bandwidths (as metrics.py defines them, on the predicted per-rank time)
+    algbw[r] = rows rank r receives (own included) * R / t[r];
+    busbw_k[r] = tx_k[r] / t[r];
+    DeepEP-convention RDMA bandwidth[r] = (token, destination node) pairs of rank r's tokens,
+    *its own node included*, * R / t[r]. DeepEP's test_internode.py and Hybrid-EP's tests count
+    their "RDMA" bytes this way (Hybrid-EP: "to align with DeepEP, we do not set the local node
+    map to zeros"), so their published RDMA figures compare with this column, not with busbw
+    NIC, which counts only bytes that really leave the node (4/3 less on 4 nodes when every
+    token reaches every node).
+
+Efficiencies and overhead
+    NVLink: ``eff_nvlink[op] = max_r bytes_nvlink[r] / ((time_op - overhead) * nominal)``,
+    from one measured intranode point: ``time_op`` = slowest rank's median time of that op,
+    ``bytes_nvlink[r] = max(tx, rx)`` as above (tx from the run's results.csv, rx rebuilt from
+    the scenario in its meta.json; tx alone where that cannot be rebuilt), nominal = that run's
+    topology.nvlink_gbps. With overhead 0 and a routing where every rank sends and receives
+    alike, this is the measured NVLink bus bandwidth over the nominal rate: a whole-call
+    efficiency that includes the call's fixed costs (layout, metadata exchange, launch) in
+    proportion to the bytes. With it, the model reproduces the calibration run's time exactly
+    (same bytes, same measure). ``--overhead-us`` states a fixed per-call cost instead:
+    it is taken out of the measured time before the efficiency is computed and added back to
+    every prediction, so the calibration run is still reproduced. One intranode shape cannot
+    separate the two, so the default is 0 and the output says so.
+    The point: ``--calibrate PATH`` (a results folder or a folder of them), else docs/perf/ of
+    this repository, else none (then 100% of nominal, said as "uncalibrated"). A run qualifies
+    when it ran on CUDA GPUs on one real node (no virtual nodes), holds the backend (at --sms
+    if given), every rank's rows of the point verified (wrong 0), and its dispatch dtype is the
+    scenario's. Among those, a run with the scenario's routing kind, then its hidden size, then
+    its experts per rank is preferred; then the newest. Within the run, the SM count with the
+    smallest dispatch + combine time is taken ("best"), unless --sms names one.
+    NIC: ``--nic-efficiency`` (default 1.0 = 100% of nominal), never taken from anything
+    measured here: this host has no NIC. The flat alternative uses the same efficiencies, so
+    hierarchical and flat differ only in the bytes they move.
+
+What the model leaves out: latency per message and per hop (small against the milliseconds of
+these shapes), congestion in the network fabric (assumed non-blocking, rail-optimised), the
+forwarding GPU's SMs that compete with its own sends, and NIC efficiency, which is assumed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from epbench import metrics
+from epbench.errors import UserError
+from epbench.routing import RankRouting, Traffic, dest_mask, route_all, traffic
+from epbench.scenario import Scenario
+
+OPS = ("dispatch", "combine")
+ALGORITHMS = ("hierarchical", "flat")
+DEFAULT_NIC_EFFICIENCY = 1.0
+DEFAULT_CALIBRATION = Path(__file__).resolve().parent.parent / "docs" / "perf"
+
+
+# -- calibration -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Calibration:
+    """NVLink efficiency per op (fraction of nominal) and the per-call overhead, with where
+    they came from. ``source`` None: uncalibrated (efficiency 1.0)."""
+
+    nvlink_efficiency: Dict[str, float]
+    overhead_us: float = 0.0
+    source: Optional[str] = None
+    scenario: str = ""
+    backend: str = ""
+    sms: Optional[int] = None
+    dtype: str = ""
+    nominal_nvlink_gbps: Optional[float] = None
+    measured_time_us: Dict[str, float] = field(default_factory=dict)
+    measured_busbw_gbps: Dict[str, float] = field(default_factory=dict)
+    why_none: str = ""  # uncalibrated: where it looked
+
+    def describe(self) -> str:
+        if self.source is None:
+            return (f"calibration: none ({self.why_none or 'no measured run given'}), "
+                    f"uncalibrated: 100% of nominal NVLink rate; "
+                    f"per-call overhead {self.overhead_us:g} us")
+        eff = " / ".join(f"{op} {100 * self.nvlink_efficiency[op]:.1f}%" for op in OPS)
+        bus = " / ".join(f"{self.measured_busbw_gbps[op]:.1f}" for op in OPS)
+        t = " / ".join(f"{self.measured_time_us[op]:.0f}" for op in OPS)
+        sms = f"{self.sms} SMs" if self.sms else "SMs auto"
+        return (f"calibration: {self.source} (MEASURED: {self.scenario}, backend {self.backend}, "
+                f"{sms}, {self.dtype} dispatch): dispatch / combine {t} us, NVLink busbw {bus} "
+                f"GB/s of {self.nominal_nvlink_gbps:g} nominal -> NVLink efficiency {eff}; "
+                f"per-call overhead {self.overhead_us:g} us"
+                f"{' (0: fixed costs are inside the efficiency)' if not self.overhead_us else ''}")
+
+
+def uncalibrated(overhead_us: float = 0.0, why_none: str = "") -> Calibration:
+    return Calibration({op: 1.0 for op in OPS}, overhead_us, why_none=why_none)
+
+
+def _run_candidates(run: Path, s: Scenario, backend: str, sms: Optional[int]
+                    ) -> Tuple[Optional[Dict[str, Any]], str]:
+    """The qualifying points of one run: (info, '') or (None, why not)."""
+    from epbench.results import load_run
+
+    meta, df = load_run(run)
+    sc = meta.get("scenario") or {}
+    topo, model = sc.get("topology") or {}, sc.get("model") or {}
+    if meta.get("device") != "cuda":
+        return None, "not a CUDA run"
+    if topo.get("nodes", 1) != 1 or topo.get("virtual_nodes"):
+        return None, "not an intranode run"
+    if model.get("dispatch_dtype", "bf16") != s.model.dispatch_dtype:
+        return None, f"dispatch dtype {model.get('dispatch_dtype')} is not {s.model.dispatch_dtype}"
+    if df.empty or "backend" not in df:
+        return None, "no measured points"
+    need = {"backend", "op", "sms", "rank", "time_us", "nvlink_bytes", "wrong"}
+    if not need <= set(df.columns):
+        return None, f"results.csv lacks {', '.join(sorted(need - set(df.columns)))}"
+    rows = df[df["backend"] == backend]
+    if sms is not None:
+        rows = rows[rows["sms"] == sms]
+    if rows.empty:
+        return None, f"no {backend} rows" + (f" at {sms} SMs" if sms is not None else "")
+    points = {}
+    for n, g in rows.groupby("sms"):
+        ops = {op: g[g["op"] == op] for op in OPS}
+        if any(o.empty for o in ops.values()) or int(g["wrong"].fillna(1).sum()) != 0:
+            continue
+        # (op time = slowest rank's median, bytes of the busiest rank and direction)
+        points[int(n)] = {op: (float(o["time_us"].max()), float(o["nvlink_bytes"].max()),
+                               metrics.bandwidth_gbps(float(o.loc[o["time_us"].idxmax(),
+                                                                  "nvlink_bytes"]),
+                                                      float(o["time_us"].max())))
+                          for op, o in ops.items()}
+    if not points:
+        return None, f"no verified {backend} point with both ops"
+    nominal = float(topo.get("nvlink_gbps") or 0.0)
+    if not nominal > 0:
+        return None, "no nominal NVLink rate in meta.json"
+    prefer = (sc.get("routing", {}).get("kind") == s.routing.kind,
+              model.get("hidden") == s.model.hidden,
+              model.get("experts_per_rank") == s.model.experts_per_rank,
+              str(meta.get("started_utc") or ""), run.name)
+    return {"run": run, "name": sc.get("name", run.name), "points": points, "nominal": nominal,
+            "prefer": prefer, "scenario": sc, "rows": rows}, ""
+
+
+def _busiest_nvlink_bytes(sc: Dict[str, Any], rows) -> Dict[str, float]:
+    """max over ranks of max(tx, rx) NVLink bytes per op in a calibration run, rebuilt from its
+    meta.json scenario (results.csv holds only tx). Empty where the scenario cannot be rebuilt
+    or its tx bytes disagree with the file's; the caller then uses the file's tx bytes."""
+    from epbench import scenario as scenario_mod
+
+    try:
+        rs = scenario_mod.parse({k: v for k, v in sc.items() if k != "source"}, "meta.json")
+    except UserError:
+        return {}
+    if rs.topology.nodes != 1 or set(rows["rank"].astype(int)) != set(range(rs.world)):
+        return {}
+    tr = traffic(route_all(rs), rs.model.experts_per_rank, rs.topology.gpus_per_node, False)
+    out = {}
+    for op in OPS:
+        dtype = rs.model.dispatch_dtype if op == "dispatch" else rs.model.combine_dtype
+        b = tier_bytes(tr, op, metrics.row_bytes(dtype, rs.model.hidden))
+        mine = rows[rows["op"] == op]
+        if any(int(b["nvlink_tx"][int(r.rank)]) != int(r.nvlink_bytes) for r in mine.itertuples()):
+            return {}
+        out[op] = float(torch.maximum(b["nvlink_tx"], b["nvlink_rx"]).max())
+    return out
+
+
+def calibrate(paths: Sequence[Path], s: Scenario, backend: str = "epbench",
+              sms: Optional[int] = None, overhead_us: float = 0.0,
+              required: bool = True) -> Calibration:
+    """The calibration point from results folders (see the module docstring for the rule).
+    ``required``: no qualifying run is an error (--calibrate) rather than 'uncalibrated'."""
+    from epbench.results import find_runs
+
+    wanted = (f"verified CUDA intranode run of backend {backend}"
+              f"{f' at {sms} SMs' if sms is not None else ''} with "
+              f"{s.model.dispatch_dtype} dispatch")
+    where = ", ".join(_shown(Path(p)) for p in paths)
+    try:
+        runs = find_runs(list(paths))
+    except UserError as e:
+        if required:
+            raise UserError(f"--calibrate: {e}") from None
+        return uncalibrated(overhead_us, f"{where} holds no results folders")
+    found, why = [], []
+    for run in runs:
+        info, reason = _run_candidates(run, s, backend, sms)
+        if info is None:
+            why.append(f"{run.name}: {reason}")
+        else:
+            found.append(info)
+    if not found:
+        if not required:
+            return uncalibrated(overhead_us, f"{where} holds no {wanted}")
+        raise UserError(f"--calibrate {where}: holds no {wanted}; {'; '.join(why[:3])}")
+    best = max(found, key=lambda f: f["prefer"])
+    n = sms if sms is not None else min(best["points"],
+                                        key=lambda k: sum(v[0] for v in best["points"][k].values()))
+    point = best["points"][n]
+    rows = best["rows"]
+    busiest = _busiest_nvlink_bytes(best["scenario"], rows[rows["sms"] == n])
+    eff, bus = {}, {}
+    for op, (time_us, tx_bytes, slow_busbw) in point.items():
+        nbytes = busiest.get(op) or tx_bytes
+        if not time_us > overhead_us:
+            raise UserError(f"--overhead-us: {overhead_us:g} is not below the measured {op} "
+                            f"time of {time_us:.0f} us in {best['run']}")
+        bus[op] = slow_busbw
+        # eff = max_r max(tx_r, rx_r) / ((time - overhead) * nominal)
+        eff[op] = metrics.bandwidth_gbps(nbytes, time_us - overhead_us) / best["nominal"]
+        if not eff[op] > 0:
+            raise UserError(f"{best['run']}: {op} at {n} SMs moved no NVLink bytes; "
+                            f"it cannot calibrate the NVLink tier")
+    return Calibration(eff, overhead_us, _shown(best["run"]), best["name"], backend, n or None,
+                       s.model.dispatch_dtype, best["nominal"],
+                       {op: v[0] for op, v in point.items()}, bus)
+
+
+def _shown(path: Path) -> str:
+    """A path as a person would type it: relative to the working folder when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def default_calibration(s: Scenario, backend: str = "epbench", sms: Optional[int] = None,
+                        overhead_us: float = 0.0, root: Path = DEFAULT_CALIBRATION) -> Calibration:
+    """The measured runs shipped in docs/perf/ if any qualifies, else uncalibrated."""
+    if not root.is_dir():
+        return uncalibrated(overhead_us, f"no {_shown(root)} folder")
+    return calibrate([root], s, backend, sms, overhead_us, required=False)
+
+
+# -- the model -------------------------------------------------------------------------------
+
+@dataclass
+class OpPrediction:
+    algorithm: str
+    op: str
+    time_us: float  # tiers overlapped (the prediction)
+    serial_time_us: float  # tiers one after the other (the upper bound)
+    slowest_rank: int
+    limiting_tier: str  # nvlink | nic (at the slowest rank, overlapped)
+    rank_time_us: List[float]
+    rank_serial_time_us: List[float]
+    algo_bytes: List[int]
+    nvlink_tx_bytes: List[int]
+    nvlink_rx_bytes: List[int]
+    nic_tx_bytes: List[int]
+    nic_rx_bytes: List[int]
+    node_copy_bytes: List[int]  # DeepEP's RDMA convention: per destination node, own included
+    algbw_gbps: List[float]
+    busbw_nvlink_gbps: List[float]
+    busbw_nic_gbps: List[float]
+    rdma_deepep_gbps: List[float]
+
+    def stats(self, key: str) -> Dict[str, float]:
+        vals = sorted(getattr(self, key))
+        return {"slowest": getattr(self, key)[self.slowest_rank], "min": vals[0],
+                "median": metrics.median(vals), "max": vals[-1]}
+
+
+@dataclass
+class Prediction:
+    scenario: str
+    source: str
+    world: int
+    nodes: int
+    gpus_per_node: int
+    virtual_nodes: bool
+    nvlink_gbps: float
+    nic_gbps: float
+    nic_efficiency: float
+    calibration: Calibration
+    ops: List[OpPrediction]
+
+    def get(self, algorithm: str, op: str) -> OpPrediction:
+        return next(p for p in self.ops if p.algorithm == algorithm and p.op == op)
+
+
+def tier_bytes(tr: Traffic, op: str, row: int) -> Dict[str, torch.Tensor]:
+    """Per rank: bytes leaving (tx) and arriving (rx) over each tier, and algorithm bytes.
+    Combine moves the dispatch copies backwards, so its matrices are the transposes."""
+    out = {}
+    for tier in ("nvlink", "nic"):
+        m = getattr(tr, tier)
+        rows_, cols = m.sum(dim=1) * row, m.sum(dim=0) * row  # sent by i / received by j
+        out[f"{tier}_tx"], out[f"{tier}_rx"] = (rows_, cols) if op == "dispatch" else (cols, rows_)
+    out["algo"] = tr.total.sum(dim=0) * row
+    return out
+
+
+def node_copies(routings: Sequence[RankRouting], experts_per_rank: int,
+                gpus_per_node: int) -> torch.Tensor:
+    """[world]: (token, destination node) pairs of each rank's tokens, its own node included."""
+    world = len(routings)
+    nodes = world // gpus_per_node
+    return torch.tensor([int(dest_mask(r.topk_idx.cpu(), experts_per_rank, world)
+                             .view(-1, nodes, gpus_per_node).any(dim=2).sum())
+                         for r in routings], dtype=torch.int64)
+
+
+def _gbps(nbytes: float, time_us: float) -> float:
+    return metrics.bandwidth_gbps(nbytes, time_us) or 0.0
+
+
+def predict_op(s: Scenario, tr: Traffic, pairs: torch.Tensor, algorithm: str, op: str,
+               calib: Calibration, nic_efficiency: float) -> OpPrediction:
+    t = s.topology
+    dtype = s.model.dispatch_dtype if op == "dispatch" else s.model.combine_dtype
+    row = metrics.row_bytes(dtype, s.model.hidden)
+    b = tier_bytes(tr, op, row)
+    nvl_rate = calib.nvlink_efficiency[op] * t.nvlink_gbps * metrics.GB  # bytes/s reached
+    nic_rate = nic_efficiency * t.nic_gbps * metrics.GB
+    per_rank, serial, limits = [], [], []
+    for r in range(s.world):
+        nvl = max(int(b["nvlink_tx"][r]), int(b["nvlink_rx"][r]))  # the busier direction
+        nic = max(int(b["nic_tx"][r]), int(b["nic_rx"][r]))
+        t_nvl = nvl / nvl_rate * 1e6  # us = bytes / (eff * rate)
+        if t.virtual_nodes:  # both tiers on the same NVLink ports
+            t_nic, t_nvl = 0.0, (nvl + nic) / nvl_rate * 1e6
+        elif nic:
+            if not nic_rate > 0:
+                raise UserError(f"{s.source}: topology.nic_gbps: must be positive to predict "
+                                f"traffic between nodes, got {t.nic_gbps:g}")
+            t_nic = nic / nic_rate * 1e6
+        else:
+            t_nic = 0.0
+        per_rank.append(max(t_nvl, t_nic) + calib.overhead_us)  # tiers overlap
+        serial.append(t_nvl + t_nic + calib.overhead_us)  # tiers one after the other
+        limits.append("nic" if t_nic > t_nvl else "nvlink")
+    slow = max(range(s.world), key=lambda r: per_rank[r])  # op time = the slowest rank's
+    ints = {k: [int(v) for v in b[k]] for k in b}
+    pair_bytes = [int(p) * row for p in pairs]
+    return OpPrediction(
+        algorithm, op, per_rank[slow], max(serial), slow, limits[slow], per_rank, serial,
+        ints["algo"], ints["nvlink_tx"], ints["nvlink_rx"], ints["nic_tx"], ints["nic_rx"],
+        pair_bytes,
+        [_gbps(ints["algo"][r], per_rank[r]) for r in range(s.world)],  # algbw = received / t
+        [_gbps(ints["nvlink_tx"][r], per_rank[r]) for r in range(s.world)],  # busbw = leaving / t
+        [_gbps(ints["nic_tx"][r], per_rank[r]) for r in range(s.world)],
+        [_gbps(pair_bytes[r], per_rank[r]) for r in range(s.world)])
+
+
+def predict(s: Scenario, calib: Calibration,
+            nic_efficiency: float = DEFAULT_NIC_EFFICIENCY) -> Prediction:
+    if not 0 < nic_efficiency <= 1:
+        raise UserError(f"--nic-efficiency: must lie in (0, 1], got {nic_efficiency:g}")
+    if calib.overhead_us < 0:
+        raise UserError(f"--overhead-us: must be zero or positive, got {calib.overhead_us:g}")
+    t = s.topology
+    if t.nodes > 1 and not t.virtual_nodes and not t.nic_gbps > 0:
+        raise UserError(f"{s.source}: topology.nic_gbps: must be positive to predict "
+                        f"{t.nodes} nodes, got {t.nic_gbps:g}")
+    routings = route_all(s)
+    pairs = node_copies(routings, s.model.experts_per_rank, t.gpus_per_node)
+    ops = []
+    for algorithm in ALGORITHMS:
+        tr = traffic(routings, s.model.experts_per_rank, t.gpus_per_node,
+                     hierarchical=algorithm == "hierarchical")
+        ops += [predict_op(s, tr, pairs, algorithm, op, calib, nic_efficiency) for op in OPS]
+    return Prediction(s.name, s.source, s.world, t.nodes, t.gpus_per_node, t.virtual_nodes,
+                      t.nvlink_gbps, t.nic_gbps, nic_efficiency, calib, ops)
+
+
+# -- output ----------------------------------------------------------------------------------
+
+def _num(v: Optional[float]) -> str:
+    from epbench.report import _num as fmt
+
+    return fmt(v)
+
+
+def _spread(p: OpPrediction, key: str) -> str:
+    """slowest rank's value, then min / median / max over ranks where they differ by 5%+."""
+    st = p.stats(key)
+    if st["max"] == 0:
+        return "-"
+    text = _num(st["slowest"])
+    if st["max"] - st["min"] >= 0.05 * max(st["median"], 1e-9):
+        text += f" ({_num(st['min'])} / {_num(st['median'])} / {_num(st['max'])})"
+    return text
+
+
+def nic_line(pred: Prediction) -> str:
+    if pred.nodes == 1:
+        return "NIC: none (one node)"
+    if pred.virtual_nodes:
+        return "NIC: virtual nodes: the inter-node tier shares NVLink (NVLink efficiency applies)"
+    assumed = " (the default)" if pred.nic_efficiency == DEFAULT_NIC_EFFICIENCY else ""
+    return (f"NIC efficiency: {100 * pred.nic_efficiency:g}% of {pred.nic_gbps:g} GB/s nominal "
+            f"per GPU{assumed}: ASSUMED (--nic-efficiency), nothing measured; this host has no NIC")
+
+
+def print_prediction(pred: Prediction, console) -> None:
+    from rich.table import Table
+
+    title = (f"PREDICTED: {pred.scenario} on {pred.world} ranks ({pred.nodes} "
+             f"{'virtual ' if pred.virtual_nodes else ''}nodes x {pred.gpus_per_node}), "
+             f"NVLink {pred.nvlink_gbps:g} GB/s, NIC {pred.nic_gbps:g} GB/s per GPU")
+    table = Table(title=title, caption=(
+        "PREDICTED, not measured. GB/s; value of the slowest rank, (min / median / max over "
+        "ranks) where they differ. time: tiers overlapped (the prediction); serial: tiers one "
+        "after the other (upper bound). RDMA (DeepEP conv.): per destination node, own node "
+        "included, as DeepEP and Hybrid-EP count it"))
+    for col, just in (("algorithm", "left"), ("op", "left"), ("time us", "right"),
+                      ("serial us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
+                      ("NIC busbw (virtual)" if pred.virtual_nodes else "NIC busbw", "right"),
+                      ("RDMA (DeepEP conv.)", "right"), ("limit", "left"),
+                      ("slow rank", "right")):
+        table.add_column(col, justify=just)
+    for p in pred.ops:
+        table.add_row(p.algorithm, p.op, _num(p.time_us), _num(p.serial_time_us),
+                      _spread(p, "algbw_gbps"), _spread(p, "busbw_nvlink_gbps"),
+                      _spread(p, "busbw_nic_gbps"),
+                      _spread(p, "rdma_deepep_gbps") if pred.nodes > 1 else "-",
+                      "NIC" if p.limiting_tier == "nic" else "NVLink", str(p.slowest_rank))
+    console.print(table)
+    console.print(pred.calibration.describe(), highlight=False, soft_wrap=True)
+    console.print(nic_line(pred), highlight=False, soft_wrap=True)
+
+
+def to_dict(pred: Prediction) -> Dict[str, Any]:
+    d = asdict(pred)
+    d["predicted"] = True
+    d["summary"] = [{"algorithm": p.algorithm, "op": p.op, "time_us": p.time_us,
+                     "serial_time_us": p.serial_time_us, "slowest_rank": p.slowest_rank,
+                     "limiting_tier": p.limiting_tier,
+                     **{f"{k}_{stat}": v for k in ("algbw_gbps", "busbw_nvlink_gbps",
+                                                   "busbw_nic_gbps", "rdma_deepep_gbps")
+                        for stat, v in p.stats(k).items()}}
+                    for p in pred.ops]
+    return d
+
+
+def write_json(pred: Prediction, path: Path) -> None:
+    """Never overwrites a file and never writes into a results folder."""
+    from epbench.results import is_run_dir
+
+    if path.exists():
+        raise UserError(f"--json {path}: already exists; refusing to overwrite it")
+    if path.parent.is_dir() and is_run_dir(path.parent):
+        raise UserError(f"--json {path}: {path.parent} is a results folder; predictions stay "
+                        f"out of measured results")
+    if not path.parent.is_dir():
+        raise UserError(f"--json {path}: no such folder {path.parent}")
+    text = json.dumps(to_dict(pred), indent=2, default=str) + "\n"
+    try:
+        with open(path, "x") as f:  # exclusive: a file that appeared meanwhile is not clobbered
+            f.write(text)
+    except FileExistsError:
+        raise UserError(f"--json {path}: already exists; refusing to overwrite it") from None

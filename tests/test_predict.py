@@ -1,0 +1,258 @@
+"""epbench predict: the model against hand-computed numbers, its calibration from results
+folders, and the command line. CPU only.
+
+The tiny shape: 2 nodes x 2 ranks, 1 expert per rank, top-4, so every token reaches every rank.
+With T tokens per rank and bf16 rows of R = 512 bytes (hidden 256), per rank and per op:
+
+- hierarchical: NVLink out = 2 T R (its own copy to the node peer, and the copy it forwards for
+  its same-rail partner on the other node), NIC out = T R (one copy to the other node);
+- flat: NVLink out = T R, NIC out = 2 T R (one copy per rank of the other node);
+- every rank receives 4 T R (algbw bytes); DeepEP counts 2 T R as "RDMA" (two nodes per token,
+  its own included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from epbench import predict, scenario
+from epbench.errors import UserError
+from epbench.results import RunWriter
+from support import SCENARIOS, assert_one_line_error, epbench, scenario_dict
+
+T, R = 1000, 512
+TR = T * R
+
+
+def tiny(nodes=2, gpus=2, nvlink=100.0, nic=10.0, topk=4, **topo):
+    data = scenario_dict(model={"hidden": 256, "tokens_per_rank": T, "topk": topk,
+                                "experts_per_rank": 1},
+                         topology={"nodes": nodes, "gpus_per_node": gpus, "nvlink_gbps": nvlink,
+                                   "nic_gbps": nic, **topo})
+    return scenario.parse(data, "tiny.yaml")
+
+
+def test_hierarchical_and_flat_bytes_and_times_by_hand():
+    p = predict.predict(tiny(), predict.uncalibrated(), nic_efficiency=1.0)
+    h, f = p.get("hierarchical", "dispatch"), p.get("flat", "dispatch")
+    assert h.nic_tx_bytes == h.nic_rx_bytes == [TR] * 4
+    assert h.nvlink_tx_bytes == h.nvlink_rx_bytes == [2 * TR] * 4
+    assert f.nic_tx_bytes == [2 * TR] * 4 and f.nvlink_tx_bytes == [TR] * 4
+    assert h.algo_bytes == f.algo_bytes == [4 * TR] * 4
+    assert h.node_copy_bytes == [2 * TR] * 4
+    # hierarchical: NVLink 1.024 MB / 100 GB/s = 10.24 us, NIC 0.512 MB / 10 GB/s = 51.2 us
+    assert h.time_us == pytest.approx(51.2)
+    assert h.serial_time_us == pytest.approx(61.44)
+    assert h.limiting_tier == "nic"
+    assert h.stats("algbw_gbps")["slowest"] == pytest.approx(40.0)  # 2.048 MB / 51.2 us
+    assert h.stats("busbw_nvlink_gbps")["median"] == pytest.approx(20.0)
+    assert h.stats("busbw_nic_gbps")["max"] == pytest.approx(10.0)
+    assert h.stats("rdma_deepep_gbps")["min"] == pytest.approx(20.0)
+    # flat: NVLink 5.12 us, NIC 1.024 MB / 10 GB/s = 102.4 us
+    assert f.time_us == pytest.approx(102.4) and f.serial_time_us == pytest.approx(107.52)
+    assert f.stats("algbw_gbps")["slowest"] == pytest.approx(20.0)
+    # combine moves the same copies back: the same bytes per direction, the same times
+    hc = p.get("hierarchical", "combine")
+    assert hc.nic_tx_bytes == [TR] * 4 and hc.time_us == pytest.approx(51.2)
+
+
+def test_efficiencies_and_overhead_scale_the_tiers():
+    calib = predict.Calibration({"dispatch": 0.5, "combine": 0.25}, overhead_us=3.0)
+    p = predict.predict(tiny(), calib, nic_efficiency=0.8)
+    h = p.get("hierarchical", "dispatch")
+    # NVLink 1.024 MB / 50 GB/s = 20.48 us; NIC 0.512 MB / 8 GB/s = 64 us; + 3 us
+    assert h.time_us == pytest.approx(67.0) and h.serial_time_us == pytest.approx(87.48)
+    hc = p.get("hierarchical", "combine")
+    # NVLink at 25 GB/s: 40.96 us, still under the NIC's 64
+    assert hc.time_us == pytest.approx(67.0) and hc.serial_time_us == pytest.approx(107.96)
+    slow_nvl = predict.predict(tiny(nic=100.0), calib, nic_efficiency=1.0)
+    assert slow_nvl.get("hierarchical", "combine").limiting_tier == "nvlink"
+    assert slow_nvl.get("hierarchical", "combine").time_us == pytest.approx(43.96)
+
+
+def test_virtual_nodes_share_nvlink_and_one_node_has_no_nic():
+    v = predict.predict(tiny(virtual_nodes=True), predict.uncalibrated())
+    h = v.get("hierarchical", "dispatch")
+    assert h.time_us == pytest.approx((2 * TR + TR) / 100e9 * 1e6)  # both tiers on NVLink
+    one = predict.predict(tiny(nodes=1, gpus=4, nic=0.0), predict.uncalibrated())
+    d = one.get("hierarchical", "dispatch")
+    assert d.nic_tx_bytes == [0] * 4 and d.nvlink_tx_bytes == [3 * TR] * 4
+    assert d.time_us == pytest.approx(3 * TR / 100e9 * 1e6)
+
+
+def test_several_nodes_without_a_nic_rate_or_a_bad_efficiency_are_refused():
+    with pytest.raises(UserError, match="topology.nic_gbps"):
+        predict.predict(tiny(nic=0.0), predict.uncalibrated())
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(UserError, match="--nic-efficiency"):
+            predict.predict(tiny(), predict.uncalibrated(), nic_efficiency=bad)
+
+
+def test_h100x32_nic_bytes_match_the_expected_node_fan_out():
+    """Uniform top-8 of 64 experts, 16 per node: a token misses a given node with probability
+    C(48,8)/C(64,8), so it crosses the network to 3 (1 - that) nodes on average."""
+    s = scenario.load(SCENARIOS / "h100x32.yaml")
+    p = predict.predict(s, predict.uncalibrated())
+    h, f = p.get("hierarchical", "dispatch"), p.get("flat", "dispatch")
+    row = 2 * 8192
+    per_token = 3 * (1 - math.comb(48, 8) / math.comb(64, 8))
+    mean_nic = sum(h.nic_tx_bytes) / s.world
+    assert mean_nic == pytest.approx(4096 * per_token * row, rel=0.01)
+    # flat: one copy per destination rank of another node: 24 of 32 ranks, each hit with
+    # probability 1 - C(62,8)/C(64,8)
+    flat_per_token = 24 * (1 - math.comb(62, 8) / math.comb(64, 8))
+    assert sum(f.nic_tx_bytes) / s.world == pytest.approx(4096 * flat_per_token * row, rel=0.01)
+    assert h.limiting_tier == "nic" and h.time_us < f.time_us
+    assert h.time_us == pytest.approx(max(h.nic_tx_bytes + h.nic_rx_bytes) / 50e9 * 1e6)
+
+
+# -- calibration -----------------------------------------------------------------------------
+
+def cal_scenario():
+    """1 node x 2 ranks, top-2 of 2 experts: each rank sends T rows = 512,000 bytes to its peer."""
+    return scenario.parse(scenario_dict(model={"hidden": 256, "tokens_per_rank": T, "topk": 2,
+                                               "experts_per_rank": 1},
+                                        topology={"nodes": 1, "gpus_per_node": 2,
+                                                  "nvlink_gbps": 100.0}), "cal.yaml")
+
+
+def write_run(path, points, device="cuda", meta_scenario=None, dtype="bf16", wrong=0,
+              started="2026-11-21T15:00:00+00:00"):
+    """points: {sms: (dispatch time us, combine time us)}; both ranks alike."""
+    s = cal_scenario()
+    sc = meta_scenario if meta_scenario is not None else s.to_dict()
+    if dtype != "bf16":
+        sc["model"]["dispatch_dtype"] = dtype
+    w = RunWriter(path, {"scenario": sc, "device": device, "started_utc": started})
+    rows = [{"scenario": "cal", "backend": "epbench", "op": op, "sms": n, "rank": r,
+             "device": device, "time_us": t + 0.1 * r, "nvlink_bytes": TR,
+             "wrong": wrong if (n, op, r) == (16, "dispatch", 1) else 0}
+            for n, times in points.items() for op, t in zip(("dispatch", "combine"), times)
+            for r in range(2)]
+    w.add(rows, [])
+    w.finish("complete")
+    return path
+
+
+def test_calibration_takes_the_fastest_point_or_the_named_sms(tmp_path):
+    # 512,000 bytes in 10.24 us = 50 GB/s = 50% of 100; in 12.8 us = 40%
+    run = write_run(tmp_path / "r1", {16: (10.14, 12.7), 8: (20.38, 25.5)})
+    c = predict.calibrate([run], tiny(), "epbench")
+    assert c.sms == 16 and c.source.endswith("r1")
+    assert c.nvlink_efficiency["dispatch"] == pytest.approx(0.5)
+    assert c.nvlink_efficiency["combine"] == pytest.approx(0.4)
+    c8 = predict.calibrate([run], tiny(), "epbench", sms=8)
+    assert c8.nvlink_efficiency["dispatch"] == pytest.approx(0.25)
+    assert "NVLink efficiency dispatch 50.0% / combine 40.0%" in c.describe()
+    assert "16 SMs" in c.describe() and "MEASURED" in c.describe()
+    # applied: hierarchical tiny dispatch NVLink 1.024 MB at 50 GB/s = 20.48 us < NIC 51.2 us
+    p = predict.predict(tiny(nic=100.0), c)
+    assert p.get("hierarchical", "dispatch").time_us == pytest.approx(20.48)
+
+
+def test_calibration_overhead_is_taken_out_and_added_back(tmp_path):
+    run = write_run(tmp_path / "r1", {16: (10.14, 12.7)})
+    c = predict.calibrate([run], cal_scenario(), "epbench", overhead_us=2.24)
+    # 512,000 bytes in (10.24 - 2.24) us = 64 GB/s
+    assert c.nvlink_efficiency["dispatch"] == pytest.approx(0.64)
+    back = predict.predict(cal_scenario(), c)  # the calibration shape is reproduced
+    assert back.get("flat", "dispatch").time_us == pytest.approx(10.24)
+    assert back.get("flat", "combine").time_us == pytest.approx(12.8)
+    with pytest.raises(UserError, match="--overhead-us"):
+        predict.calibrate([run], cal_scenario(), "epbench", overhead_us=11.0)
+
+
+def test_calibration_skips_unverified_cpu_and_other_dtype_runs(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root / "bad", {16: (5.0, 5.0)}, wrong=3)  # fastest, but a wrong row
+    write_run(root / "cpu", {16: (4.0, 4.0)}, device="cpu")
+    write_run(root / "fp8", {16: (3.0, 3.0)}, dtype="fp8")
+    write_run(root / "good", {16: (10.14, 12.7)}, started="2026-01-01T00:00:00+00:00")
+    c = predict.calibrate([root], tiny(), "epbench")
+    assert c.source.endswith("good") and c.nvlink_efficiency["dispatch"] == pytest.approx(0.5)
+    with pytest.raises(UserError, match="fp8 dispatch"):
+        predict.calibrate([root / "good"], scenario.parse(
+            scenario_dict(model={"dispatch_dtype": "fp8", "hidden": 256}), "f.yaml"), "epbench")
+    with pytest.raises(UserError, match="backend deepep"):
+        predict.calibrate([root], tiny(), "deepep")
+    # the default place holding nothing usable: uncalibrated, and it says where it looked
+    c = predict.default_calibration(tiny(), "deepep", root=root)
+    assert c.source is None and c.nvlink_efficiency == {"dispatch": 1.0, "combine": 1.0}
+    assert "uncalibrated: 100% of nominal" in c.describe() and "runs" in c.describe()
+
+
+def test_calibration_prefers_newest_among_the_closest_shapes(tmp_path):
+    write_run(tmp_path / "old", {16: (10.14, 12.7)}, started="2026-01-01T00:00:00+00:00")
+    write_run(tmp_path / "new", {16: (20.38, 25.5)}, started="2026-06-01T00:00:00+00:00")
+    assert predict.calibrate([tmp_path], tiny(), "epbench").source.endswith("new")
+    other = cal_scenario().to_dict()
+    other["routing"]["kind"] = "zipf"
+    write_run(tmp_path / "newest-zipf", {16: (5.0, 5.0)}, meta_scenario=other,
+              started="2026-09-01T00:00:00+00:00")
+    assert predict.calibrate([tmp_path], tiny(), "epbench").source.endswith("new")
+
+
+def test_calibration_reproduces_the_measured_runs_it_came_from():
+    """docs/perf: predicting a measured intranode scenario from its own run gives back the
+    measured time, hot experts included (their receiving side is the busier direction)."""
+    from epbench.results import find_runs, load_run
+
+    runs = find_runs([predict.DEFAULT_CALIBRATION])
+    hot = next(r for r in runs if r.name.endswith("dsv3x4-hot"))
+    s = scenario.load(SCENARIOS / "dsv3x4-hot.yaml")
+    p = predict.predict(s, predict.calibrate([hot], s, "epbench", sms=16))
+    _, df = load_run(hot)
+    for op in ("dispatch", "combine"):
+        measured = df[(df.backend == "epbench") & (df.op == op) & (df.sms == 16)].time_us.max()
+        assert p.get("flat", op).time_us == pytest.approx(measured, rel=1e-9)
+
+
+# -- the command line ------------------------------------------------------------------------
+
+def test_cli_h100x32_prints_the_predicted_table_and_its_calibration():
+    r = epbench("predict", "scenarios/h100x32.yaml")
+    assert r.code == 0, r.both
+    assert "PREDICTED: h100x32 on 32 ranks (4 nodes x 8)" in r.out
+    lines = r.out.splitlines()
+    for algo in ("hierarchical", "flat"):
+        for op in ("dispatch", "combine"):
+            assert any(algo in ln and op in ln for ln in lines), (algo, op, r.out)
+    assert "calibration: docs/perf/" in r.out and "backend epbench" in r.out
+    assert "NVLink efficiency dispatch" in r.out
+    assert "NIC efficiency: 100% of 50 GB/s" in r.out and "ASSUMED" in r.out
+
+
+def test_cli_json_is_written_once_and_never_into_a_results_folder(tmp_path):
+    out = tmp_path / "p.json"
+    r = epbench("predict", "scenarios/h100x32.yaml", "--nic-efficiency", "0.8", "--json", out)
+    assert r.code == 0, r.both
+    data = json.loads(out.read_text())
+    assert data["predicted"] is True and data["nic_efficiency"] == 0.8
+    h = next(x for x in data["summary"] if x["algorithm"] == "hierarchical"
+             and x["op"] == "dispatch")
+    assert h["limiting_tier"] == "nic" and h["time_us"] > 0
+    assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", "--json", out),
+                          "--json", "already exists")
+    run = write_run(tmp_path / "run", {16: (10.0, 10.0)})
+    assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", "--json",
+                                  run / "pred.json"), "results folder")
+    assert not (run / "pred.json").exists()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("--nic-efficiency", "0"), ("--nic-efficiency",)),
+    (("--calibrate", "no/such/run"), ("--calibrate", "no/such/run")),
+    (("--sms", "0"), ("--sms",)),
+    (("--calibrate", "docs/perf", "--backend", "nope"), ("--calibrate", "backend nope")),
+])
+def test_cli_bad_options_exit_2_with_one_line(args, needles):
+    assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", *args), *needles)
+
+
+def test_cli_bad_scenario_exits_2(write_scenario):
+    assert_one_line_error(epbench("predict", "scenarios/none.yaml"), "no such scenario file")
+    path = write_scenario("nonic", scenario_dict(topology={"nodes": 2, "gpus_per_node": 2}))
+    assert_one_line_error(epbench("predict", path), str(path), "topology.nic_gbps")
