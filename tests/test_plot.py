@@ -1,0 +1,47 @@
+"""epbench plot: PNGs drawn from results folders only (a CPU smoke run and the GPU runs kept in
+docs/perf)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from epbench.plot import plot_run
+from support import REPO, epbench
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+GPU_RUN = sorted((REPO / "docs" / "perf").glob("*_h200x4"))
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 10_000 and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_command_writes_every_png_of_a_cpu_run(smoke_run, tmp_path):
+    out = tmp_path / "pngs"
+    r = epbench("plot", str(smoke_run.dir), "--out", str(out))
+    assert r.code == 0, r.both
+    written = sorted(p.name for p in (out / smoke_run.dir.name).iterdir())
+    assert written == ["bandwidth_vs_sms.png", "expert_load.png", "per_rank.png"]
+    assert all(_is_png(out / smoke_run.dir.name / name) for name in written)
+    assert not (smoke_run.dir / "plots").exists()  # --out keeps the run folder as it was
+
+
+@pytest.mark.skipif(not GPU_RUN, reason="no GPU run kept in docs/perf")
+def test_plot_of_a_gpu_sweep_with_several_sm_counts(tmp_path):
+    run = tmp_path / GPU_RUN[-1].name
+    shutil.copytree(GPU_RUN[-1], run, ignore=shutil.ignore_patterns("plots"))
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    pngs = plot_run(run)
+    assert [p.name for p in pngs] == ["bandwidth_vs_sms.png", "per_rank.png", "expert_load.png"]
+    assert all(_is_png(p) for p in pngs)
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert after == before  # plotting never touches the measured files
+
+
+def test_plot_of_something_that_is_not_a_results_folder(tmp_path):
+    r = epbench("plot", str(tmp_path))
+    assert r.code == 2
+    assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
