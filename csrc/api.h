@@ -78,6 +78,33 @@ int ep_destroy(void* ctx);
 // 12 a local reduce (bench.cu says which). Needs ep_open_peers; clobbers recv_x, recv_idx/w and combine_in.
 int ep_bench_link(void* ctx, int mode, int num_blocks, int warps, long long bytes_per_peer, void* stream);
 
+// ---- low-latency mode (ll_buffers.cu, ll_dispatch.cu, ll_combine.cu; layout in ll_common.cuh) ----
+// Buffers a Python caller may view as tensors (ep_ll_region).
+enum ep_ll_region_id {
+  EP_LL_X = 0,           // [E, C, row_bytes] received rows, C = world * max_tokens
+  EP_LL_SCALES = 1,      // [E, C, hidden / 128] f32 (fp8 only)
+  EP_LL_PAIR = 2,        // [E, C] i32: t * topk + k of each received row
+  EP_LL_COUNTS = 3,      // [E] i64 rows per local expert
+  EP_LL_SRC_COUNTS = 4,  // [E, world] i32 rows per (local expert, source)
+  EP_LL_COMBINE_IN = 5,  // [E, C, hidden] bf16, filled by the caller before ep_ll_combine
+  EP_LL_OUT = 6,         // [max_tokens, hidden] bf16 combine result
+  EP_LL_EPOCHS = 7,      // i32 [2] calls done (dispatch, combine), advanced on the device
+};
+
+// Creates the low-latency region (same ep_config). Export, map and poll it through the EpContext
+// that ep_ll_base returns (ep_ipc_handle, ep_open_peers, ep_poll_error, ep_error_flag_ptr);
+// release it with ep_ll_destroy (not ep_destroy).
+int ep_ll_create(const ep_config* cfg, void** ll_ctx);
+void* ep_ll_base(void* ll_ctx);
+int ep_ll_region(void* ll_ctx, int which, unsigned long long* ptr, unsigned long long* bytes);
+// Both calls allocate nothing, never synchronise with the host and take their epoch from device
+// memory: they may be captured into a CUDA graph and replayed. num_sms <= the GPU's SM count.
+int ep_ll_dispatch(void* ll_ctx, const void* x, const void* x_scales, const void* topk_idx, int num_tokens,
+                   int num_sms, int warps, void* stream);
+int ep_ll_combine(void* ll_ctx, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms, int warps,
+                  void* stream);
+int ep_ll_destroy(void* ll_ctx);
+
 #ifdef __cplusplus
 }
 #endif

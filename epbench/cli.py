@@ -27,6 +27,7 @@ ScenarioArg = Annotated[Optional[Path], typer.Argument(
 NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="Run the scenario's shape on this many ranks (one node).")]
 BackendsOpt = Annotated[Optional[str], typer.Option("--backends", help="Comma-separated backends (default: the scenario's).")]
 SmsOpt = Annotated[Optional[str], typer.Option("--sms", help="Comma-separated SM counts, e.g. 8,16,24.")]
+TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separated tokens per rank, e.g. 1,8,32,128,256 (default: the scenario's).")]
 ItersOpt = Annotated[Optional[int], typer.Option("--iters", help="Timed iterations per point.")]
 WarmupOpt = Annotated[Optional[int], typer.Option("--warmup", help="Untimed iterations per point.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cuda | cpu (default: the scenario's).")]
@@ -99,7 +100,8 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
 
 
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
-            results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False) -> None:
+            results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
+            tokens: Optional[str] = None) -> None:
     import dataclasses
 
     launch.apply_safe_env()
@@ -109,7 +111,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
     if fault not in (None, "dispatch", "combine"):
         raise UserError(f"--inject-fault: must be dispatch or combine, got {fault!r}")
-    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings)
+    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings,
+                               tokens=scenario.maybe_int_list(tokens, "--tokens"))
     if launch.under_torchrun():
         from epbench.session import run_worker
 
@@ -134,6 +137,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         args += ["--inject-fault", fault]
     if no_ceilings:
         args.append("--no-ceilings")
+    if opts.tokens:
+        args += ["--tokens", ",".join(map(str, opts.tokens))]
     cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv)
     code = launch.relaunch(cmd, dev)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
@@ -146,24 +151,27 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None,
         device: DeviceOpt = None, results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
-        inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False) -> None:
+        inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None) -> None:
     """Run a scenario across ranks (re-executing under torchrun) and print its table."""
     _launch("run", path, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-            rdzv_endpoint, run_dir, inject_fault, no_ceilings)
+            rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens)
 
 
 @app.command()
 def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
-          sms: Annotated[str, typer.Option("--sms", help="Comma-separated SM counts, e.g. 4,8,16,24,32.")],
+          sms: Annotated[Optional[str], typer.Option("--sms", help="Comma-separated SM counts, e.g. 4,8,16,24,32.")] = None,
+          tokens: TokensOpt = None,
           nproc: NprocOpt = None, backends: BackendsOpt = None, iters: ItersOpt = None,
           warmup: WarmupOpt = None, device: DeviceOpt = None,
           results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
           no_ceilings: NoCeilOpt = False) -> None:
-    """Run a scenario at each SM count, with a progress bar; one results folder for all."""
+    """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
+    if sms is None and tokens is None:
+        raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings)
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens)
 
 
 @app.command()

@@ -29,7 +29,11 @@ LINK_BENCH_MODES = {"store": 0, "load": 1, "split": 2, "interleave": 3, "push": 
                     "push-fan-row-meta": 11, "reduce-local": 12}
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
 PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
-          3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)"}
+          3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)",
+          5: "low-latency dispatch (waiting for an expert's rows)",
+          6: "low-latency combine (waiting for expert outputs)"}
+# Low-latency regions (enum ep_ll_region_id in csrc/api.h).
+LL_X, LL_SCALES, LL_PAIR, LL_COUNTS, LL_SRC_COUNTS, LL_COMBINE_IN, LL_OUT, LL_EPOCHS = range(8)
 
 
 class EpConfig(ctypes.Structure):
@@ -65,7 +69,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ep_set_option": [vp, i, i],
         "ep_destroy": [vp],
         "ep_bench_link": [vp, i, i, i, ctypes.c_longlong, vp],
+        "ep_ll_create": [ctypes.POINTER(EpConfig), ctypes.POINTER(vp)],
+        "ep_ll_region": [vp, i, ctypes.POINTER(ull), ctypes.POINTER(ull)],
+        "ep_ll_dispatch": [vp, vp, vp, vp, i, i, i, vp],
+        "ep_ll_combine": [vp, vp, vp, i, i, i, vp],
+        "ep_ll_destroy": [vp],
     }
+    lib.ep_ll_base.argtypes = [vp]
+    lib.ep_ll_base.restype = vp
     lib.ep_error_flag_ptr.argtypes = [vp]
     lib.ep_error_flag_ptr.restype = vp
     for name, args in signatures.items():

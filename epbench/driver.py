@@ -6,6 +6,11 @@ Each (backend, SM count) point is timed (dispatch and combine alternate, as in a
 stand-in expert's output is written between them, outside the timed region), then verified
 on fresh random inputs with poisoned outputs. Rank 0 gathers the samples, turns them into
 rows (epbench/metrics.py) and writes them before the next point starts.
+
+``--tokens`` repeats everything per batch size (one backend object per size: the padding of
+low-latency buffers is the batch size). In low-latency mode each point is timed twice for a
+backend that supports CUDA graphs: plain launches, then replays of one captured graph per op
+(rows say which in ``timing``); each way is verified on its own.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ import torch.distributed as dist
 from epbench import counters as hw
 from epbench import metrics
 from epbench.backends import load_backend
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
 from epbench.inputs import dispatch_input, expert_output, make_tokens
 from epbench.launch import Comm
 from epbench.timing import Timer
 from epbench.routing import RankRouting, Traffic, route_all, traffic
 from epbench.scenario import Scenario
-from epbench.verify import check_combine, check_dispatch
+from epbench.verify import (check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
+                            ll_expert_output)
 
 OPS = ("dispatch", "combine")
 TIMING_SALT = 0  # token values used while timing; verification draws fresh ones per point
@@ -41,6 +47,7 @@ class RunOptions:
     inject_fault: Optional[str] = None  # "dispatch" | "combine": corrupt one output row
     progress: bool = True
     ceilings: bool = True  # measure copy-engine / SM-store ceilings before the backends (GPU)
+    tokens: Optional[Tuple[int, ...]] = None  # batch sizes to sweep (None: the scenario's)
 
 
 @dataclass
@@ -53,6 +60,7 @@ class PointRecord:
     problem: Dict[str, str] = field(default_factory=dict)
     counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
     counted_iters: int = 0
+    timing: str = "launch"  # low-latency mode: "launch" | "graph"
 
 
 def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
@@ -159,6 +167,128 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
+# ---- low-latency mode ----
+
+@dataclass
+class LowLatencyCalls:
+    """The two calls of one low-latency point, as timed: plain launches or graph replays.
+    ``load`` puts new token values in front of the next dispatch (same routing, same shapes)."""
+
+    dispatch: Callable[[], LowLatencyOutput]
+    combine: Callable[[LowLatencyOutput], torch.Tensor]
+    load: Callable[[DispatchInput], None]
+
+
+def launch_calls(be: Backend, inp: DispatchInput, sms: int) -> LowLatencyCalls:
+    state = {"inp": inp}
+
+    def load(new: DispatchInput) -> None:
+        state["inp"] = new
+
+    return LowLatencyCalls(lambda: be.ll_dispatch(state["inp"], sms),
+                           lambda out: be.ll_combine(out, sms), load)
+
+
+def graph_calls(be: Backend, inp: DispatchInput, sms: int) -> LowLatencyCalls:
+    """Captures one ll_dispatch and one ll_combine into a CUDA graph each (nothing runs while
+    capturing); every call replays them on the current stream. The inputs are copied into
+    tensors the graphs own, so ``load`` only copies."""
+    static = DispatchInput(inp.x.clone(), inp.x_scales.clone() if inp.x_scales is not None else None,
+                           inp.topk_idx.clone(), inp.topk_weights.clone())
+    torch.cuda.synchronize()
+    g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_dispatch):
+        out = be.ll_dispatch(static, sms)
+    with torch.cuda.graph(g_combine):
+        got = be.ll_combine(out, sms)
+    torch.cuda.synchronize()
+
+    def dispatch() -> LowLatencyOutput:
+        g_dispatch.replay()
+        return out
+
+    def combine(_: LowLatencyOutput) -> torch.Tensor:
+        g_combine.replay()
+        return got
+
+    def load(new: DispatchInput) -> None:
+        static.x.copy_(new.x)
+        if static.x_scales is not None:
+            static.x_scales.copy_(new.x_scales)
+        static.topk_idx.copy_(new.topk_idx)
+        static.topk_weights.copy_(new.topk_weights)
+
+    return LowLatencyCalls(dispatch, combine, load)
+
+
+def _fill_ll_expert_output(be: Backend, out: LowLatencyOutput, rank: int) -> None:
+    """Every slot through the stand-in experts (padding too: reading the counts would be a host
+    synchronisation before each timed call)."""
+    e = out.x.shape[0]
+    be.ll_combine_input(out).copy_(ll_expert_output(out.x, out.x_scales, rank * e))
+
+
+def time_ll_point(be: Backend, calls: LowLatencyCalls, comm: Comm, warmup: int,
+                  iters: int) -> Dict[str, List[float]]:
+    n = warmup + iters
+    timers = {op: Timer(comm.device, n) for op in OPS}
+    for i in range(n):
+        comm.sync()
+        out = timers["dispatch"].time(i, calls.dispatch)
+        _fill_ll_expert_output(be, out, comm.rank)
+        comm.sync()
+        timers["combine"].time(i, lambda: calls.combine(out))
+    samples = {op: t.samples_us(warmup) for op, t in timers.items()}
+    _check_backend_errors(be)
+    return samples
+
+
+def _first_valid_slot(out: LowLatencyOutput) -> Optional[Tuple[int, int]]:
+    """(expert, slot) of one received row, or None when nothing arrived (a host read: only
+    used by --inject-fault)."""
+    src = out.src_counts.cpu()
+    for e in range(src.shape[0]):
+        for s in range(src.shape[1]):
+            if int(src[e, s]) > 0:
+                return e, s * out.max_tokens_per_rank
+    return None
+
+
+def verify_ll_point(be: Backend, calls: LowLatencyCalls, s: Scenario, routings: List[RankRouting],
+                    comm: Comm, salt: int, inject_fault: Optional[str], rec: PointRecord) -> None:
+    m = s.model
+
+    def input_of(rank: int) -> DispatchInput:
+        x = make_tokens(routings[rank].num_tokens, m.hidden, s.routing.seed, rank, salt, comm.device)
+        return dispatch_input(x, routings[rank], m.dispatch_dtype, comm.device)
+
+    own = input_of(comm.rank)
+    calls.load(own)
+    be.poison()
+    comm.sync()
+    out = calls.dispatch()
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize()
+    _check_backend_errors(be)
+    where = _first_valid_slot(out) if inject_fault == "dispatch" else None
+    if where is not None:
+        out.x[where].view(torch.uint8).bitwise_xor_(0x5A)
+    d = check_ll_dispatch(out, comm.rank, comm.world, m.experts_per_rank, input_of)
+    if where is not None:  # restore the row so that combine is checked on its own
+        out.x[where].view(torch.uint8).bitwise_xor_(0x5A)
+    _fill_ll_expert_output(be, out, comm.rank)
+    comm.sync()
+    got = calls.combine(out)
+    if comm.device.type == "cuda":
+        torch.cuda.synchronize()
+    _check_backend_errors(be)
+    if inject_fault == "combine" and got.shape[0] > 0:
+        got[0].fill_(1234.0)
+    c = check_ll_combine(got, own)
+    rec.wrong = {"dispatch": d.wrong, "combine": c.wrong}
+    rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
+
+
 def _measured_columns(rec: PointRecord, op: str, nvlink_bytes: int, nic_bytes: Optional[int],
                       time_us: float) -> Dict[str, Any]:
     """Counter-measured bytes per call beside the computed ones; empty (None) where no counter
@@ -218,8 +348,12 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 **_ceiling_columns((ceilings or {}).get(op), sms),
                 "wrong": rec.wrong[op], "problem": rec.problem[op],
             })
+            if s.mode == "low_latency":  # latency first: the tail matters for decode
+                rows[-1].update(mode=s.mode, timing=rec.timing, time_us_p99=metrics.percentile(ts, 99))
+            extra = {"timing": rec.timing} if s.mode == "low_latency" else {}
             samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
-                         "time_us": t} for i, t in enumerate(ts)]
+                         "time_us": t, "tokens_per_rank": m.tokens_per_rank, **extra}
+                        for i, t in enumerate(ts)]
     return rows, samples
 
 
@@ -230,14 +364,50 @@ def _first_reason(reason: Optional[str]) -> Optional[str]:
     return next((f"rank {i}: {r}" for i, r in enumerate(reasons) if r), None)
 
 
+def _mode_reason(be_cls: Optional[type], mode: str) -> Optional[str]:
+    if be_cls is None or mode in be_cls.modes:
+        return None
+    return f"does not implement mode {mode} (it implements: {', '.join(be_cls.modes)})"
+
+
 def measure(s: Scenario, opts: RunOptions, comm: Comm,
             on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
             on_note: Callable[[str], None],
             advance: Callable[[str], None],
             ceilings: Optional[Dict[str, Any]] = None) -> int:
-    """Runs every point on every rank. Rank 0's callbacks receive rows; returns the number
-    of wrong rows summed over ranks and points."""
+    """Runs every point on every rank, for each batch size of ``opts.tokens``. Rank 0's
+    callbacks receive rows; returns the number of wrong rows summed over ranks and points.
+    ``ceilings`` were measured for the scenario's own batch size; rows of others get none."""
+    cnt: Optional[hw.Counters] = None
+    if comm.device.type == "cuda" and s.mode == "normal":
+        cnt, notes = hw.open_counters(comm.device.index)
+        for note in notes:
+            on_note(f"hardware counters: {note}")
+    elif comm.device.type == "cuda":
+        on_note("hardware counters: not read in low_latency mode (the NVML column stays empty)")
+    else:
+        on_note("hardware counters: not read on CPU runs (the NVML column stays empty)")
+    total_wrong = 0
+    salt = [1]
+    for tokens in opts.tokens or (s.model.tokens_per_rank,):
+        sized = s.with_tokens(tokens)
+        own_ceilings = ceilings if tokens == s.model.tokens_per_rank else None
+        total_wrong += _measure_size(sized, opts, comm, on_point, on_note, advance, own_ceilings, cnt, salt)
+    if cnt is not None:
+        cnt.close()
+    flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.device)
+    dist.broadcast(flag, src=0)
+    return int(flag.item())
+
+
+def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
+                  on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
+                  on_note: Callable[[str], None], advance: Callable[[str], None],
+                  ceilings: Optional[Dict[str, Any]], cnt: Optional[hw.Counters],
+                  salt: List[int]) -> int:
+    """Every backend and SM count at one batch size; ``salt[0]`` advances per verified point."""
     m = s.model
+    low_latency = s.mode == "low_latency"
     routings = route_all(s)
     device = comm.device.type
     x = make_tokens(m.tokens_per_rank, m.hidden, s.routing.seed, comm.rank, TIMING_SALT, comm.device)
@@ -245,19 +415,11 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
     setup = RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
                       device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
                       topk=m.topk, experts_per_rank=m.experts_per_rank,
-                      dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s)
-    cnt: Optional[hw.Counters] = None
-    if comm.device.type == "cuda":
-        cnt, notes = hw.open_counters(comm.device.index)
-        for note in notes:
-            on_note(f"hardware counters: {note}")
-    else:
-        on_note("hardware counters: not read on CPU runs (the NVML column stays empty)")
+                      dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s, mode=s.mode)
     total_wrong = 0
-    salt = 1
     for name in opts.backends:
         be_cls, reason = load_backend(name)
-        reason = _first_reason(reason or be_cls.unavailable_reason(setup))
+        reason = _first_reason(reason or _mode_reason(be_cls, s.mode) or be_cls.unavailable_reason(setup))
         sms_list = opts.sms if be_cls is not None and be_cls.uses_sms else (0,)
         if reason:
             on_note(f"backend {name} skipped: {reason}")
@@ -265,26 +427,34 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
                 advance(f"{name}: skipped")
             continue
         be = be_cls(setup)
-        tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, be_cls.hierarchical)
+        if low_latency:
+            tr = metrics.pair_traffic(routings, m.experts_per_rank, s.topology.gpus_per_node)
+        else:
+            tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, be_cls.hierarchical)
+        timings = ("launch",)
+        if low_latency and be_cls.supports_cuda_graphs and device == "cuda":
+            timings = ("launch", "graph")
         try:
             for sms in sms_list:
-                rec = PointRecord(comm.rank)
-                rec.samples_us = time_point(be, inp, sms, comm, opts.warmup, opts.iters)
-                if cnt is not None:
-                    count_point(be, inp, sms, comm, cnt, min(COUNTED_ITERS, opts.iters), rec)
-                verify_point(be, s, routings, sms, comm, salt, opts.inject_fault, rec)
-                salt += 1
-                gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
-                dist.gather_object(rec, gathered, dst=0)
-                if comm.rank == 0:
-                    rows, samples = point_rows(s, be_cls, sms, gathered, tr, device, ceilings)
-                    total_wrong += sum(r["wrong"] for r in rows)
-                    on_point(rows, samples)
-                    advance(f"{name} sms={sms or 'auto'}")
+                for timing in timings:
+                    rec = PointRecord(comm.rank, timing=timing)
+                    if low_latency:
+                        calls = (graph_calls if timing == "graph" else launch_calls)(be, inp, sms)
+                        rec.samples_us = time_ll_point(be, calls, comm, opts.warmup, opts.iters)
+                        verify_ll_point(be, calls, s, routings, comm, salt[0], opts.inject_fault, rec)
+                    else:
+                        rec.samples_us = time_point(be, inp, sms, comm, opts.warmup, opts.iters)
+                        if cnt is not None:
+                            count_point(be, inp, sms, comm, cnt, min(COUNTED_ITERS, opts.iters), rec)
+                        verify_point(be, s, routings, sms, comm, salt[0], opts.inject_fault, rec)
+                    salt[0] += 1
+                    gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
+                    dist.gather_object(rec, gathered, dst=0)
+                    if comm.rank == 0:
+                        rows, samples = point_rows(s, be_cls, sms, gathered, tr, device, ceilings)
+                        total_wrong += sum(r["wrong"] for r in rows)
+                        on_point(rows, samples)
+                advance(f"{name} sms={sms or 'auto'}" + (f" tokens={m.tokens_per_rank}" if opts.tokens else ""))
         finally:
             be.close()
-    if cnt is not None:
-        cnt.close()
-    flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.device)
-    dist.broadcast(flag, src=0)
-    return int(flag.item())
+    return total_wrong

@@ -21,6 +21,13 @@ Bus bandwidth per tier (per rank r)
     are the row sums of the tier's copy matrix (routing.Traffic) times row bytes; for combine,
     the column sums (the same copies flow back). The rank's own copy never leaves the GPU.
 
+Low-latency mode
+    One row per (token, expert) pair instead of one per (token, destination rank): a token
+    with three experts on rank d crosses the link three times (the receiver gets it straight
+    in each expert's buffer). ``pair_traffic`` counts pairs; the formulas above are unchanged.
+    The headline is latency: p50 and p99 of the per-iteration times (``time_us``,
+    ``time_us_p99``), each the max over ranks.
+
 Relation to nccl-tests
     nccl-tests' all-to-all reports ``busbw = algbw * (n - 1) / n``: with n ranks exchanging
     equal blocks, (n-1)/n of what a rank receives crossed a link. Here the ratio is whatever
@@ -62,6 +69,26 @@ def rank_bytes(t: Traffic, op: str, row: int) -> Dict[str, torch.Tensor]:
     raise ValueError(f"unknown op {op!r}")
 
 
+def pair_traffic(routings, experts_per_rank: int, gpus_per_node: int) -> Traffic:
+    """Low-latency traffic: (token, expert) pairs sent from rank i to rank j, flat (no relay)."""
+    world = len(routings)
+    total = torch.zeros(world, world, dtype=torch.int64)
+    for s, r in enumerate(routings):
+        dest = r.topk_idx.flatten().cpu() // experts_per_rank
+        total[s] = torch.zeros(world, dtype=torch.int64).scatter_add_(0, dest, torch.ones_like(dest))
+    node_of = torch.arange(world) // gpus_per_node
+    remote = total * (1 - torch.eye(world, dtype=torch.int64))
+    same = node_of.unsqueeze(1) == node_of.unsqueeze(0)
+    return Traffic(total, torch.where(same, remote, 0), torch.where(same, 0, remote))
+
+
+def percentile(values, q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sequence: an observed value."""
+    v = sorted(values)
+    rank = max(1, -(-len(v) * q // 100))  # ceil(n * q / 100)
+    return float(v[int(rank) - 1])
+
+
 def bandwidth_gbps(nbytes: float, time_us: float) -> Optional[float]:
     """GB/s from bytes and microseconds; None when time is missing or zero."""
     if time_us is None or not time_us > 0:
@@ -82,13 +109,16 @@ def summarize(df):
 
     if df.empty:
         return df
-    keys = ["scenario", "backend", "op", "sms"]
+    # a --tokens sweep and low-latency timing kinds are further keys where the rows carry them
+    keys = ["scenario", "backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing") if k in df]
     out = []
     for key, g in df.groupby(keys, sort=False, dropna=False):
         slow = g.loc[g["time_us"].idxmax()]
         row = dict(zip(keys, key))
         row.update(world=int(g["world"].iloc[0]), time_us=float(g["time_us"].max()),
                    slowest_rank=int(slow["rank"]), wrong=int(g["wrong"].sum()))
+        if "time_us_p99" in g:
+            row["time_us_p99"] = float(pd.to_numeric(g["time_us_p99"], errors="coerce").max())
         for flag in ("nvlink_counter_mismatch", "nic_counter_mismatch"):
             vals = g[flag].dropna() if flag in g else []
             row[flag] = bool(pd.Series(vals, dtype=object).astype(bool).any()) if len(vals) else None

@@ -50,12 +50,45 @@ def _virtual(df: pd.DataFrame) -> bool:
     return "nic_virtual" in df and bool(df["nic_virtual"].fillna(False).astype(bool).any())
 
 
-def results_table(df: pd.DataFrame, title: str = "") -> Table:
+def _low_latency(df: pd.DataFrame) -> bool:
+    return "timing" in df and bool(df["timing"].notna().any())
+
+
+def _swept_tokens(df: pd.DataFrame) -> bool:
+    return "tokens_per_rank" in df and df["tokens_per_rank"].nunique() > 1
+
+
+def low_latency_table(df: pd.DataFrame, title: str = "") -> Table:
+    """Latency first: p50 and p99 over iterations (each the slowest rank's), then bandwidth."""
     summary = summarize(df)
+    table = Table(title=title or None, caption="p50 / p99 = percentiles of the per-iteration times, "
+                  "slowest rank; timing: plain launches or CUDA-graph replays; GB/s, 'a / b / c' = "
+                  "min / median / max over ranks; one row per (token, expert) pair")
+    for col, just in (("tokens", "right"), ("op", "left"), ("backend", "left"), ("SMs", "right"),
+                      ("timing", "left"), ("p50 us", "right"), ("p99 us", "right"), ("algbw", "right"),
+                      ("NVLink busbw", "right"), ("slow rank", "right"), ("#wrong", "right")):
+        table.add_column(col, justify=just)
+    for _, r in summary.iterrows():
+        wrong = int(r["wrong"])
+        table.add_row(str(int(r["tokens_per_rank"])), r["op"], r["backend"],
+                      str(int(r["sms"])) if r["sms"] else "auto", str(r["timing"]),
+                      _num(r["time_us"]), _num(r.get("time_us_p99")), _spread(r, "algbw_gbps"),
+                      _spread(r, "busbw_nvlink_gbps"), str(int(r["slowest_rank"])),
+                      f"[bold red]{wrong}[/]" if wrong else "0")
+    return table
+
+
+def results_table(df: pd.DataFrame, title: str = "") -> Table:
+    if _low_latency(df):
+        return low_latency_table(df, title)
+    summary = summarize(df)
+    tokens = _swept_tokens(df)
     table = Table(title=title or None, caption="GB/s; 'a / b / c' = min / median / max over ranks; time = slowest "
                   "rank's median. NVML: NVLink busbw from the GPUs' own counters ('!' = >10% off the "
                   "computed). % ceil: this run's ideal copy of the same bytes by copy engines (CE) / "
                   "by plain SM stores at the same SMs (SM), time over the op's time")
+    if tokens:
+        table.add_column("tokens", justify="right")
     for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("time us", "right"),
                       ("algbw", "right"), ("NVLink busbw", "right"), ("NVML", "right"),
                       ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("% ceil CE / SM", "right"),
@@ -63,7 +96,8 @@ def results_table(df: pd.DataFrame, title: str = "") -> Table:
         table.add_column(col, justify=just)
     for _, r in summary.iterrows():
         wrong = int(r["wrong"])
-        table.add_row(r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
+        table.add_row(*([str(int(r["tokens_per_rank"]))] if tokens else []),
+                      r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
                       _num(r["time_us"]), _spread(r, "algbw_gbps"),
                       _spread(r, "busbw_nvlink_gbps"), _counted(r, "nvlink"),
                       _spread(r, "busbw_nic_gbps"), _ceiling_pct(r),
@@ -101,7 +135,8 @@ def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
                       ("time us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
                       ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("#wrong", "right")):
         table.add_column(col, justify=just)
-    for _, g in df.groupby(["backend", "op", "sms"], sort=False, dropna=False):
+    keys = ["backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing") if k in df]
+    for _, g in df.groupby(keys, sort=False, dropna=False):
         slowest = g["time_us"].idxmax()
         for i, r in g.sort_values("rank").iterrows():
             spread = ""

@@ -17,7 +17,10 @@ from epbench.errors import UserError
 
 DTYPES = ("bf16", "fp8")
 ROUTINGS = ("uniform", "zipf", "hot")
-MODES = ("normal",)
+# normal: throughput dispatch/combine (rows grouped per destination rank). low_latency: decode-sized
+# batches received straight into per-expert padded buffers (epbench/backends/base.py,
+# LowLatencyOutput); the padding per source rank is model.tokens_per_rank.
+MODES = ("normal", "low_latency")
 DEVICES = ("auto", "cuda", "cpu")
 FP8_BLOCK = 128  # elements per fp32 scale in fp8 dispatch
 
@@ -103,6 +106,14 @@ class Scenario:
         topo = dataclasses.replace(self.topology, nodes=1, gpus_per_node=nproc, virtual_nodes=False,
                                    name=f"{self.topology.name} (on {nproc} ranks)".strip())
         return dataclasses.replace(self, topology=topo)
+
+    def with_tokens(self, tokens_per_rank: int) -> "Scenario":
+        """The same scenario with another batch size (for ``--tokens``)."""
+        if tokens_per_rank == self.model.tokens_per_rank:
+            return self
+        if tokens_per_rank < 1:
+            raise UserError(f"--tokens: must be positive, got {tokens_per_rank}")
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, tokens_per_rank=tokens_per_rank))
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

@@ -21,7 +21,8 @@ def _points(opts: RunOptions) -> int:
     from epbench.backends import load_backend
 
     classes = [load_backend(b)[0] for b in opts.backends]
-    return sum(len(opts.sms) if c is not None and c.uses_sms else 1 for c in classes)
+    per_size = sum(len(opts.sms) if c is not None and c.uses_sms else 1 for c in classes)
+    return per_size * len(opts.tokens or (0,))
 
 
 def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
@@ -33,6 +34,12 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
         return None
     if not opts.ceilings:
         on_note("ceilings: skipped (--no-ceilings)")
+        return None
+    if s.mode != "normal":
+        on_note(f"ceilings: measured in normal mode only (not {s.mode})")
+        return None
+    if opts.tokens and s.model.tokens_per_rank not in opts.tokens:
+        on_note("ceilings: measured for the scenario's own tokens_per_rank, which --tokens leaves out")
         return None
     from epbench import ceiling
     from epbench.routing import route_all, traffic

@@ -15,6 +15,7 @@ REGISTRY: Dict[str, str] = {
     "reference": "epbench.backends.reference:ReferenceBackend",
     "epbench": "epbench.backends.epbench_kernels:EpbenchBackend",
     "deepep": "epbench.backends.deepep:DeepEPBackend",
+    "epbench-ll": "epbench.backends.epbench_ll:EpbenchLowLatencyBackend",
 }
 
 

@@ -22,13 +22,36 @@ combine
     ``sum over ranks d holding t:  w(t, d) * y_d[row of t on d]`` with
     ``w(t, d) = sum of t's topk_weights whose experts live on d``, accumulated in fp32,
     returned as bf16 ``[T, hidden]``.
+
+Low-latency mode (scenario ``mode: low_latency``; a backend lists it in ``modes``)
+    For decode-sized batches. ``T_max`` = ``RankSetup.max_tokens_per_rank`` is the padding per
+    source rank, ``E`` = ``experts_per_rank``, ``C = world * T_max``.
+
+ll_dispatch
+    Input as for dispatch. Every (token, expert) pair is one row: token ``t`` of source ``s``
+    lands once per expert of its top-k, straight into that expert's padded buffer, at a place
+    fixed by the routing alone (the source can compute it, no layout pass):
+    ``x[e, s * T_max + j]`` on the rank owning global expert ``s_e = rank * E + e``, where
+    ``j`` = number of tokens ``t' < t`` of source ``s`` whose top-k contains that expert
+    (``ll_slots``). The receiver gets ``LowLatencyOutput``: ``x`` ``[E, C, hidden]`` (+ fp8
+    ``x_scales`` ``[E, C, hidden // 128]``), ``src_counts[e, s]`` = rows of source ``s`` for
+    expert ``e`` (valid slots ``j < src_counts[e, s]``; the rest is padding, unspecified),
+    ``counts[e]`` = sum over sources, and ``src_pair[e, s * T_max + j] = t * topk + k`` (the
+    source token and the position ``k`` of the expert in its top-k; the source rank is the
+    slot's block, ``slot // T_max``). Counts may stay on the device: nothing waits on the host.
+
+ll_combine
+    The caller fills ``ll_combine_input(out)`` (bf16 ``[E, C, hidden]``, the valid slots) with
+    each expert's output ``y_e`` for each row it received. Token ``t`` of this rank comes back as
+    ``sum over k < topk:  topk_weights[t, k] * y_{topk_idx[t, k]}(t)``: one term per EXPERT (not
+    per rank as in normal mode), accumulated in fp32, returned as bf16 ``[T, hidden]``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Tuple, Union
 
 import torch
 
@@ -47,6 +70,7 @@ class RankSetup:
     experts_per_rank: int
     dispatch_dtype: str  # "bf16" | "fp8"
     timeout_s: float = 10.0  # a kernel waiting on a peer gives up after this long
+    mode: str = "normal"  # "normal" | "low_latency": which buffers the backend allocates
 
     @property
     def local_rank(self) -> int:
@@ -88,6 +112,37 @@ class DispatchOutput:
     handle: Any = None  # backend-private layout kept for combine
 
 
+@dataclass
+class LowLatencyOutput:
+    """What ll_dispatch returns (layout in the module docstring). Tensors may be views of
+    backend-owned buffers that the next ll_dispatch overwrites; counts stay on the device."""
+
+    x: torch.Tensor  # [E, C, hidden] bf16 or float8_e4m3fn, C = world * T_max
+    x_scales: Optional[torch.Tensor]  # [E, C, hidden // 128] float32 (fp8 only)
+    counts: torch.Tensor  # [E] integer: valid rows per local expert
+    src_counts: torch.Tensor  # [E, world] integer: valid rows per (local expert, source rank)
+    src_pair: torch.Tensor  # [E, C] integer: t * topk + k of the row's source token
+    max_tokens_per_rank: int  # T_max: slot s * T_max + j holds source s's j-th row
+    handle: Any = None  # backend-private state kept for ll_combine
+
+
+def ll_slots(topk_idx: torch.Tensor, num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The low-latency placement, computed by the source alone: ``j[t, k]`` = number of tokens
+    before t whose top-k contains ``topk_idx[t, k]`` (int64 ``[T, topk]``), and the pairs per
+    global expert (int64 ``[num_experts]``). Expert ids must be valid and distinct within a row.
+    No host synchronisation (no bincount, no boolean indexing)."""
+    e = topk_idx.flatten()
+    ones = torch.ones_like(e)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=e.device).scatter_add_(0, e, ones)
+    if e.numel() == 0:
+        return torch.zeros_like(topk_idx), counts
+    order = torch.argsort(e, stable=True)  # by expert, then by (token, k): token order per expert
+    starts = torch.cumsum(counts, 0) - counts
+    j = torch.empty_like(e)
+    j[order] = torch.arange(e.numel(), device=e.device) - starts[e[order]]
+    return j.view_as(topk_idx), counts
+
+
 class Backend(ABC):
     name: ClassVar[str]
     uses_sms: ClassVar[bool] = False  # True when num_sms changes what runs
@@ -97,6 +152,10 @@ class Backend(ABC):
     # 0 (DeepEP's layout). Verification then compares against that masked form; False: the
     # full global ids and weights, as sent (the contract above).
     receives_local_expert_ids: ClassVar[bool] = False
+    modes: ClassVar[Tuple[str, ...]] = ("normal",)  # scenario modes this backend implements
+    # True: the low-latency calls allocate nothing, never wait on the host and keep their
+    # per-call state (epochs) on the device, so a captured CUDA graph of them can be replayed.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -116,6 +175,18 @@ class Backend(ABC):
     @abstractmethod
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         """Returns bf16 [T, hidden] for the T tokens of the matching dispatch."""
+
+    def ll_dispatch(self, inp: DispatchInput, num_sms: int) -> LowLatencyOutput:
+        """Low-latency dispatch (contract above); only where ``"low_latency" in modes``."""
+        raise NotImplementedError(f"{self.name}: no low_latency mode")
+
+    def ll_combine_input(self, out: LowLatencyOutput) -> torch.Tensor:
+        """A writable bf16 [E, C, hidden] tensor the caller fills before ll_combine."""
+        raise NotImplementedError(f"{self.name}: no low_latency mode")
+
+    def ll_combine(self, out: LowLatencyOutput, num_sms: int) -> torch.Tensor:
+        """Returns bf16 [T, hidden] for the T tokens of the matching ll_dispatch."""
+        raise NotImplementedError(f"{self.name}: no low_latency mode")
 
     def poison(self) -> None:
         """Fill every output buffer the backend owns with garbage (NaN / 0xFF)."""

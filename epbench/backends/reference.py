@@ -4,6 +4,12 @@ On GPUs with NCCL this is the NCCL all-to-all baseline every other backend is co
 on CPUs it runs over gloo. It is timed as a user would call it: the layout (which token goes
 where), the exchange of counts, a host synchronisation to learn the split sizes, the gathers
 and the ``all_to_all_single`` calls with uneven splits. Output buffers are allocated once.
+
+Low-latency mode: the same user-level path, one row per (token, expert) pair. The source
+sorts its pairs by expert (which groups them by destination rank), sends them with one uneven
+``all_to_all_single`` after a count exchange and a host synchronisation, and the receiver
+scatters them into the per-expert padded buffer (base.ll_slots gives every row's place).
+Combine sends the expert outputs back in the same order and the source reduces them in fp32.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import (Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup,
+                                   ll_slots)
 from epbench.metrics import row_bytes
 from epbench.routing import copy_weights, dest_mask
 
@@ -30,12 +37,26 @@ class _Layout:
     num_recv: int
 
 
+@dataclass
+class _LowLatencyLayout:
+    send_splits: List[int]
+    recv_splits: List[int]
+    order: torch.Tensor  # [pairs] pair index (t * topk + k) of each sent row, by (expert, token)
+    dest_slot: torch.Tensor  # [rows received] flat index into [E * C] of each received row
+    topk_weights: torch.Tensor
+    num_tokens: int
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     uses_sms = False
+    modes = ("normal", "low_latency")
 
     def __init__(self, setup: RankSetup) -> None:
         self.s = setup
+        if setup.mode == "low_latency":
+            self._init_low_latency(setup)
+            return
         cap = setup.world * setup.max_tokens_per_rank
         h, k = setup.hidden, setup.topk
         # One packed row per token copy, so that one all_to_all moves everything:
@@ -114,7 +135,110 @@ class ReferenceBackend(Backend):
         out_rows.copy_(acc)
         return out_rows
 
+    # ---- low-latency mode ----
+    def _init_low_latency(self, setup: RankSetup) -> None:
+        e, w, tm, h = setup.experts_per_rank, setup.world, setup.max_tokens_per_rank, setup.hidden
+        cap, pairs = w * tm, setup.max_tokens_per_rank * setup.topk
+        # Packed pair row: [pair id int32 | pad to 16 bytes | fp8 scales (fp8 only) | payload | pad]
+        self.meta_bytes = 16
+        self.x_bytes = h if setup.dispatch_dtype == "fp8" else 2 * h
+        self.scale_bytes = row_bytes(setup.dispatch_dtype, h) - self.x_bytes
+        self.row = (self.meta_bytes + self.scale_bytes + self.x_bytes + 15) // 16 * 16
+        dev = setup.device
+        self.ll_tokens = torch.zeros(tm, self.row, dtype=torch.uint8, device=dev)
+        self.ll_send = torch.empty(pairs, self.row, dtype=torch.uint8, device=dev)
+        self.ll_recv = torch.empty(w * pairs, self.row, dtype=torch.uint8, device=dev)  # all sources, worst case
+        x_dtype = torch.float8_e4m3fn if setup.dispatch_dtype == "fp8" else torch.bfloat16
+        self.ll_x = torch.empty(e, cap, h, dtype=x_dtype, device=dev)
+        self.ll_scales = (torch.empty(e, cap, h // 128, dtype=torch.float32, device=dev)
+                          if self.scale_bytes else None)
+        self.ll_pair = torch.empty(e, cap, dtype=torch.int32, device=dev)
+        self.ll_recv_counts = torch.empty(w, e, dtype=torch.int64, device=dev)
+        self.ll_y = torch.empty(e, cap, h, dtype=torch.bfloat16, device=dev)
+        self.ll_y_send = torch.empty(w * pairs, h, dtype=torch.bfloat16, device=dev)
+        self.ll_y_back = torch.empty(pairs, h, dtype=torch.bfloat16, device=dev)
+        self.ll_acc = torch.empty(tm, h, dtype=torch.float32, device=dev)
+        self.ll_out = torch.empty(tm, h, dtype=torch.bfloat16, device=dev)
+
+    def _ll_fields(self, rows: torch.Tensor):
+        """Typed views (pair id, scales, x) of packed low-latency rows."""
+        m, sc = self.meta_bytes, self.scale_bytes
+        pair = rows[:, :4].view(torch.int32).view(-1)
+        scales = rows[:, m: m + sc].view(torch.float32) if sc else None
+        x = rows[:, m + sc: m + sc + self.x_bytes]
+        x = x.view(torch.float8_e4m3fn) if self.s.dispatch_dtype == "fp8" else x.view(torch.bfloat16)
+        return pair, scales, x
+
+    def ll_dispatch(self, inp: DispatchInput, num_sms: int) -> LowLatencyOutput:
+        s = self.s
+        e, w, tm, k = s.experts_per_rank, s.world, s.max_tokens_per_rank, s.topk
+        t = inp.num_tokens
+        _, per_expert = ll_slots(inp.topk_idx, s.num_experts)
+        counts = torch.empty_like(self.ll_recv_counts)
+        dist.all_to_all_single(counts, per_expert.view(w, e))
+        self.ll_recv_counts.copy_(counts)  # [source, local expert]
+        send_splits = per_expert.view(w, e).sum(dim=1).tolist()
+        recv_splits = counts.sum(dim=1).tolist()  # the host synchronisation every user pays
+        n_recv = sum(recv_splits)
+        packed = self.ll_tokens[:t]
+        _, scales, x = self._ll_fields(packed)
+        if scales is not None:
+            scales.copy_(inp.x_scales)
+        x.copy_(inp.x)
+        flat_e = inp.topk_idx.flatten()
+        order = torch.argsort(flat_e, stable=True)  # by expert, so by destination rank
+        rows = self.ll_send[: order.numel()]
+        torch.index_select(packed.view(torch.int64), 0, order // k, out=rows.view(torch.int64))
+        self._ll_fields(rows)[0].copy_(order.to(torch.int32))
+        recv = self.ll_recv[:n_recv]
+        dist.all_to_all_single(recv, rows, recv_splits, send_splits)
+        # Received rows come by (source, local expert, j): their place in [E, C] follows from the counts.
+        sizes = counts.flatten()
+        src, le = torch.meshgrid(torch.arange(w, device=sizes.device), torch.arange(e, device=sizes.device),
+                                 indexing="ij")
+        group_base = (le * (w * tm) + src * tm).flatten()
+        group_start = torch.cumsum(sizes, 0) - sizes
+        dest_slot = (torch.repeat_interleave(group_base - group_start, sizes, output_size=n_recv)
+                     + torch.arange(n_recv, device=sizes.device))
+        # Moved as 4-byte words (every field is a multiple of 4 bytes): fp8 has no index_copy.
+        words = recv.view(torch.int32)
+        m, sc = self.meta_bytes // 4, self.scale_bytes // 4
+        self.ll_pair.view(-1).index_copy_(0, dest_slot, words[:, 0])
+        if sc:
+            self.ll_scales.view(-1, sc).index_copy_(0, dest_slot, words[:, m: m + sc].view(torch.float32))
+        self.ll_x.view(-1, s.hidden).view(torch.int32).index_copy_(0, dest_slot, words[:, m + sc: m + sc + self.x_bytes // 4])
+        src_counts = self.ll_recv_counts.t()
+        layout = _LowLatencyLayout(send_splits, recv_splits, order, dest_slot, inp.topk_weights, t)
+        return LowLatencyOutput(self.ll_x, self.ll_scales, src_counts.sum(dim=1), src_counts, self.ll_pair,
+                                tm, layout)
+
+    def ll_combine_input(self, out: LowLatencyOutput) -> torch.Tensor:
+        return self.ll_y
+
+    def ll_combine(self, out: LowLatencyOutput, num_sms: int) -> torch.Tensor:
+        lay: _LowLatencyLayout = out.handle
+        h, t = self.s.hidden, lay.num_tokens
+        n_recv = lay.dest_slot.numel()
+        y = self.ll_y_send[:n_recv]
+        torch.index_select(self.ll_y.view(-1, h), 0, lay.dest_slot, out=y)
+        back = self.ll_y_back[: lay.order.numel()]
+        dist.all_to_all_single(back.view(torch.uint8), y.view(torch.uint8), lay.send_splits, lay.recv_splits)
+        w_sent = lay.topk_weights.flatten()[lay.order]
+        acc = self.ll_acc[:t].zero_()
+        acc.index_add_(0, lay.order // self.s.topk, back.float().mul_(w_sent.unsqueeze(1)))
+        out_rows = self.ll_out[:t]
+        out_rows.copy_(acc)
+        return out_rows
+
     def poison(self) -> None:
+        if self.s.mode == "low_latency":
+            self.ll_x.view(torch.uint8).fill_(0xFF)
+            if self.ll_scales is not None:
+                self.ll_scales.fill_(float("nan"))
+            self.ll_pair.fill_(-1)
+            self.ll_y_back.fill_(float("nan"))
+            self.ll_out.fill_(float("nan"))
+            return
         self.recv.fill_(0xFF)
         self.combine_back.fill_(0xFF)
         self.out.fill_(float("nan"))

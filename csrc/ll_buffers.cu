@@ -1,0 +1,187 @@
+// Low-latency buffers: one cudaMalloc region per rank laid out as in ll_common.cuh, wrapped in an
+// EpContext so that the normal mode's IPC export / peer mapping / timeout record / teardown
+// (buffers.cu: ep_ipc_handle, ep_open_peers, ep_poll_error, ep_error_flag_ptr, ep_destroy) serve
+// it unchanged. All sizes are the worst case (every token of every rank to one expert), so
+// nothing is allocated after ep_ll_create.
+#include <string.h>
+
+#include "ll_common.cuh"
+
+namespace {
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+struct Carve {
+  size_t next = 0;
+  size_t take(size_t bytes) {
+    const size_t off = align_up(next, 256);
+    next = off + bytes;
+    return off;
+  }
+};
+
+// Largest staged topk_idx (int32, T_max x topk) the dispatch kernel keeps in shared memory.
+constexpr size_t kMaxStagedIdxBytes = 48 * 1024;
+
+}  // namespace
+
+extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
+  *out = nullptr;
+  if (cfg->world < 1 || cfg->world > EP_MAX_WORLD || cfg->rank < 0 || cfg->rank >= cfg->world) {
+    ep_set_error("world must be 1..%d and 0 <= rank < world (got rank %d world %d)", EP_MAX_WORLD, cfg->rank,
+                 cfg->world);
+    return -1;
+  }
+  if (cfg->topk < 1 || cfg->topk > EP_MAX_TOPK || cfg->experts_per_rank < 1 || cfg->max_tokens < 1) {
+    ep_set_error("topk must be 1..%d, experts_per_rank and max_tokens positive", EP_MAX_TOPK);
+    return -1;
+  }
+  if (cfg->hidden % (cfg->fp8 ? 128 : 8) != 0) {
+    ep_set_error("hidden %d must be a multiple of %d", cfg->hidden, cfg->fp8 ? 128 : 8);
+    return -1;
+  }
+  if ((size_t)cfg->max_tokens * cfg->topk * sizeof(int) > kMaxStagedIdxBytes) {
+    ep_set_error("max_tokens x topk = %d exceeds the low-latency kernels' %zu staged ids", cfg->max_tokens * cfg->topk,
+                 kMaxStagedIdxBytes / sizeof(int));
+    return -1;
+  }
+  CUDA_CHECK(cudaSetDevice(cfg->device));
+  EpContext* ep = new EpContext();
+  memset(ep, 0, sizeof(*ep));
+  LlContext* ctx = new LlContext();
+  memset(ctx, 0, sizeof(*ctx));
+  ctx->ep = ep;
+  EpParams& p = ep->p;
+  LlParams& lp = ctx->lp;
+  ep->device = cfg->device;
+  p.rank = cfg->rank;
+  p.world = cfg->world;
+  p.experts_per_rank = cfg->experts_per_rank;
+  p.topk = cfg->topk;
+  p.hidden = cfg->hidden;
+  p.num_scales = cfg->fp8 ? cfg->hidden / 128 : 0;
+  p.row_bytes = cfg->fp8 ? cfg->hidden : cfg->hidden * 2;
+  p.max_tokens = cfg->max_tokens;
+  p.capacity = cfg->world * cfg->max_tokens;
+  p.timeout_ns = (unsigned long long)(cfg->timeout_s * 1e9);
+  lp.t_max = cfg->max_tokens;
+  lp.capacity = cfg->world * cfg->max_tokens;
+  lp.experts = cfg->experts_per_rank;
+  lp.num_experts = cfg->world * cfg->experts_per_rank;
+
+  const size_t slots = (size_t)lp.experts * lp.capacity;
+  Carve c;
+  lp.off_x = c.take(slots * p.row_bytes);
+  lp.off_scales = c.take(slots * p.num_scales * sizeof(float));
+  lp.off_pair = c.take(slots * sizeof(int));
+  lp.off_dflags = c.take((size_t)lp.experts * p.world * sizeof(unsigned long long));
+  lp.off_crows = c.take((size_t)lp.t_max * p.topk * p.hidden * 2);
+  lp.off_cflags = c.take(EP_MAX_WORLD * sizeof(int));
+  ep->shared_bytes = c.next;
+  ctx->off_y = c.take(slots * p.hidden * 2);
+  ctx->off_out = c.take((size_t)lp.t_max * p.hidden * 2);
+  ctx->off_counts = c.take((size_t)lp.experts * sizeof(long long));
+  ctx->off_src_counts = c.take((size_t)lp.experts * p.world * sizeof(int));
+  ctx->off_epochs = c.take(2 * sizeof(int));
+  ctx->off_counters = c.take(4 * sizeof(unsigned));
+  ctx->off_expert_done = c.take((size_t)lp.num_experts * sizeof(unsigned));
+  ctx->off_dev_error = c.take(sizeof(int));
+  ep->region_bytes = align_up(c.next, 1 << 21);
+
+  cudaError_t err = cudaMalloc(&ep->region, ep->region_bytes);
+  if (err != cudaSuccess) {
+    ep_set_error("cudaMalloc of %zu bytes failed: %s", ep->region_bytes, cudaGetErrorString(err));
+    delete ep;
+    delete ctx;
+    return -1;
+  }
+  uint8_t* r = ep->region;
+  // Flags, epochs, counters and the error word start at zero; the buffers are garbage until written.
+  CUDA_CHECK(cudaMemset(r + lp.off_dflags, 0, (size_t)lp.experts * p.world * sizeof(unsigned long long)));
+  CUDA_CHECK(cudaMemset(r + lp.off_cflags, 0, EP_MAX_WORLD * sizeof(int)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_epochs, 0, 2 * sizeof(int)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_counters, 0, 4 * sizeof(unsigned)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_expert_done, 0, (size_t)lp.num_experts * sizeof(unsigned)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_dev_error, 0, sizeof(int)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_counts, 0, (size_t)lp.experts * sizeof(long long)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_src_counts, 0, (size_t)lp.experts * p.world * sizeof(int)));
+
+  void* host_err = nullptr;
+  CUDA_CHECK(cudaHostAlloc(&host_err, sizeof(EpErrorInfo), cudaHostAllocMapped));
+  memset(host_err, 0, sizeof(EpErrorInfo));
+  ep->host_error = (EpErrorInfo*)host_err;
+  void* dev_alias = nullptr;
+  CUDA_CHECK(cudaHostGetDevicePointer(&dev_alias, host_err, 0));
+  p.host_error = (EpErrorInfo*)dev_alias;
+
+  lp.y = (uint16_t*)(r + ctx->off_y);
+  lp.out = (uint16_t*)(r + ctx->off_out);
+  lp.counts = (long long*)(r + ctx->off_counts);
+  lp.src_counts = (int*)(r + ctx->off_src_counts);
+  lp.epochs = (int*)(r + ctx->off_epochs);
+  lp.counters = (unsigned*)(r + ctx->off_counters);
+  lp.expert_done = (unsigned*)(r + ctx->off_expert_done);
+  p.dev_error = (int*)(r + ctx->off_dev_error);
+  for (int i = 0; i < EP_MAX_WORLD; ++i) p.peer_base[i] = nullptr;
+  p.peer_base[p.rank] = r;
+  CUDA_CHECK(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, cfg->device));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  *out = ctx;
+  return 0;
+}
+
+extern "C" void* ep_ll_base(void* vctx) { return ((LlContext*)vctx)->ep; }
+
+extern "C" int ep_ll_region(void* vctx, int which, unsigned long long* ptr, unsigned long long* bytes) {
+  LlContext* ctx = (LlContext*)vctx;
+  const EpParams& p = ctx->ep->p;
+  const LlParams& lp = ctx->lp;
+  const size_t slots = (size_t)lp.experts * lp.capacity;
+  size_t off = 0, n = 0;
+  switch (which) {
+    case EP_LL_X: off = lp.off_x; n = slots * p.row_bytes; break;
+    case EP_LL_SCALES: off = lp.off_scales; n = slots * p.num_scales * sizeof(float); break;
+    case EP_LL_PAIR: off = lp.off_pair; n = slots * sizeof(int); break;
+    case EP_LL_COUNTS: off = ctx->off_counts; n = (size_t)lp.experts * sizeof(long long); break;
+    case EP_LL_SRC_COUNTS: off = ctx->off_src_counts; n = (size_t)lp.experts * p.world * sizeof(int); break;
+    case EP_LL_COMBINE_IN: off = ctx->off_y; n = slots * p.hidden * 2; break;
+    case EP_LL_OUT: off = ctx->off_out; n = (size_t)lp.t_max * p.hidden * 2; break;
+    case EP_LL_EPOCHS: off = ctx->off_epochs; n = 2 * sizeof(int); break;
+    default: ep_set_error("unknown low-latency region %d", which); return -1;
+  }
+  *ptr = (unsigned long long)(ctx->ep->region + off);
+  *bytes = n;
+  return 0;
+}
+
+// Shared by both launchers. The receive phases wait on flags that other blocks of the same grid
+// release, so every block must be resident at once: at most one block per SM.
+int ll_check_launch(const LlContext* ctx, int num_tokens, int num_sms, int warps) {
+  const EpContext* ep = ctx->ep;
+  if (!ep->peers_open) {
+    ep_set_error("peers not opened: call ep_open_peers on ep_ll_base(ctx) first");
+    return -1;
+  }
+  if (num_tokens < 0 || num_tokens > ctx->lp.t_max) {
+    ep_set_error("num_tokens %d outside 0..max_tokens %d", num_tokens, ctx->lp.t_max);
+    return -1;
+  }
+  const int sms = ctx->sm_count;
+  if (num_sms < 1 || num_sms > sms || warps < 2 || warps > 16) {
+    ep_set_error("num_sms must be 1..%d (all blocks resident) and warps 2..16 (got %d, %d)", sms, num_sms, warps);
+    return -1;
+  }
+  if (ctx->lp.experts > num_sms * warps * 32) {
+    ep_set_error("%d experts per rank need at least as many threads (num_sms x warps x 32)", ctx->lp.experts);
+    return -1;
+  }
+  return 0;
+}
+
+extern "C" int ep_ll_destroy(void* vctx) {
+  LlContext* ctx = (LlContext*)vctx;
+  if (!ctx) return 0;
+  const int rc = ep_destroy(ctx->ep);  // synchronises, unmaps peers, frees the region and the record
+  delete ctx;
+  return rc;
+}

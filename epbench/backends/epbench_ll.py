@@ -1,0 +1,210 @@
+"""The ``epbench-ll`` backend: epbench's low-latency dispatch/combine kernels (csrc/ll_*.cu).
+
+Low-latency mode only (contract in base.py): each (token, expert) pair is written straight into
+the owning rank's per-expert padded buffer by the source, with no layout pass and no host
+synchronisation; combine pushes every expert output back to its source, which reduces them
+with the weights in fp32. One device region per rank (ll_buffers.cu), exported and mapped with
+the normal mode's IPC code (buffers.cu) in the constructor. The kernels keep their epochs in
+device memory, so a captured CUDA graph of either call can be replayed (``supports_cuda_graphs``).
+
+The grid is ``num_sms`` blocks (at most the GPU's SM count: the receive phases need every block
+resident) of ``warps`` warps (constructor argument, default from EPBENCH_LL_WARPS, else 16).
+
+NOT YET RUN ON A GPU: written and compiled for sm_90 only (notes/KERNELS.md, "Low-latency mode").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from epbench import cuda_lib
+from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
+from epbench.backends.epbench_kernels import MAX_TOPK, MAX_WORLD, _DeviceBytes
+
+DEFAULT_WARPS = 16
+MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kernel stages (ll_buffers.cu)
+
+
+@dataclass
+class _Handle:
+    """What ll_combine needs from the matching ll_dispatch."""
+
+    num_tokens: int
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    out: torch.Tensor  # rows [0, T) of the combine output buffer
+
+
+class EpbenchLowLatencyBackend(Backend):
+    name = "epbench-ll"
+    uses_sms = True
+    modes = ("low_latency",)
+    supports_cuda_graphs = True
+
+    @classmethod
+    def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
+        if setup.device.type != "cuda" or not torch.cuda.is_available():
+            return "needs CUDA GPUs"
+        if setup.world > MAX_WORLD:
+            return f"intranode kernels handle at most {MAX_WORLD} ranks (world {setup.world})"
+        if setup.world > setup.gpus_per_node:
+            return "intranode only: every rank must be in one NVLink domain (nodes > 1)"
+        if torch.cuda.get_device_capability(setup.device)[0] < 9:
+            return "needs compute capability 9.0 or newer (kernels are built for sm_90)"
+        if setup.topk > MAX_TOPK:
+            return f"topk {setup.topk} > {MAX_TOPK}"
+        if setup.max_tokens_per_rank * setup.topk > MAX_STAGED_IDS:
+            return f"tokens_per_rank x topk > {MAX_STAGED_IDS} (low-latency batches only)"
+        multiple = 128 if setup.dispatch_dtype == "fp8" else 8
+        if setup.hidden % multiple:
+            return f"hidden {setup.hidden} must be a multiple of {multiple}"
+        try:
+            cuda_lib.load()
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    def __init__(self, setup: RankSetup, *, warps: Optional[int] = None) -> None:
+        reason = self.unavailable_reason(setup)
+        if reason:
+            raise RuntimeError(f"epbench-ll backend unavailable: {reason}")
+        self.s = setup
+        self.warps = warps if warps is not None else int(os.environ.get("EPBENCH_LL_WARPS", DEFAULT_WARPS))
+        self._lib = cuda_lib.load()
+        self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
+                                   else torch.cuda.current_device())
+        self.fp8 = setup.dispatch_dtype == "fp8"
+        cfg = cuda_lib.EpConfig(setup.rank, setup.world, self.device.index, setup.hidden,
+                                setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
+                                int(self.fp8), float(setup.timeout_s))
+        self._ctx = ctypes.c_void_p()
+        cuda_lib.check(self._lib.ep_ll_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_ll_create")
+        self._ep = ctypes.c_void_p(self._lib.ep_ll_base(self._ctx))  # IPC, peers, timeout record
+        self._open_peers()
+        self._views()
+        self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ep))
+        self._x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+
+    def _open_peers(self) -> None:
+        handle = ctypes.create_string_buffer(64)
+        cuda_lib.check(self._lib.ep_ipc_handle(self._ep, handle), "ep_ipc_handle")
+        handles = [handle.raw]
+        if self.s.world > 1:
+            handles = [b""] * self.s.world
+            dist.all_gather_object(handles, handle.raw)
+        cuda_lib.check(self._lib.ep_open_peers(self._ep, b"".join(handles)), "ep_open_peers")
+
+    def _region(self, which: int) -> torch.Tensor:
+        ptr, nbytes = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        cuda_lib.check(self._lib.ep_ll_region(self._ctx, which, ctypes.byref(ptr), ctypes.byref(nbytes)),
+                       "ep_ll_region")
+        if nbytes.value == 0:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        return torch.as_tensor(_DeviceBytes(ptr.value, nbytes.value), device=self.device)
+
+    def _views(self) -> None:
+        s = self.s
+        e, c, h = s.experts_per_rank, s.world * s.max_tokens_per_rank, s.hidden
+        x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        self.x = self._region(cuda_lib.LL_X).view(x_dtype).view(e, c, h)
+        self.x_scales = (self._region(cuda_lib.LL_SCALES).view(torch.float32).view(e, c, h // 128)
+                         if self.fp8 else None)
+        self.src_pair = self._region(cuda_lib.LL_PAIR).view(torch.int32).view(e, c)
+        self.counts = self._region(cuda_lib.LL_COUNTS).view(torch.int64)
+        self.src_counts = self._region(cuda_lib.LL_SRC_COUNTS).view(torch.int32).view(e, s.world)
+        self.combine_in = self._region(cuda_lib.LL_COMBINE_IN).view(torch.bfloat16).view(e, c, h)
+        self.out = self._region(cuda_lib.LL_OUT).view(torch.bfloat16).view(s.max_tokens_per_rank, h)
+        self.epochs = self._region(cuda_lib.LL_EPOCHS).view(torch.int32)
+
+    def _check_input(self, inp: DispatchInput) -> None:
+        s, x = self.s, inp.x
+        if x.dtype != self._x_dtype or x.dim() != 2 or x.shape[1] != s.hidden:
+            raise ValueError(f"x must be {self._x_dtype} [T, {s.hidden}], got {x.dtype} {list(x.shape)}")
+        if x.shape[0] > s.max_tokens_per_rank:
+            raise ValueError(f"{x.shape[0]} tokens > max_tokens_per_rank {s.max_tokens_per_rank}")
+        if not (x.is_contiguous() and inp.topk_idx.is_contiguous() and inp.topk_weights.is_contiguous()):
+            raise ValueError("x, topk_idx and topk_weights must be contiguous")
+        if x.data_ptr() % 16:
+            raise ValueError("x must be 16-byte aligned")
+        if inp.topk_idx.dtype != torch.int64 or inp.topk_weights.dtype != torch.float32:
+            raise ValueError("topk_idx must be int64 and topk_weights float32")
+        if self.fp8 and (inp.x_scales is None or inp.x_scales.dtype != torch.float32
+                         or not inp.x_scales.is_contiguous()):
+            raise ValueError("fp8 dispatch needs contiguous float32 x_scales [T, hidden / 128]")
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # ---- low-latency mode ----
+    def ll_dispatch(self, inp: DispatchInput, num_sms: int) -> LowLatencyOutput:
+        self._check_input(inp)
+        t = inp.num_tokens
+        rc = self._lib.ep_ll_dispatch(self._ctx, inp.x.data_ptr(), inp.x_scales.data_ptr() if self.fp8 else None,
+                                      inp.topk_idx.data_ptr(), t, num_sms, self.warps, self._stream())
+        if rc:
+            cuda_lib.check(rc, "ll_dispatch")
+        if self._timed_out.value:
+            self._raise_if_timed_out()
+        handle = _Handle(t, inp.topk_idx, inp.topk_weights, self.out[:t])
+        return LowLatencyOutput(self.x, self.x_scales, self.counts, self.src_counts, self.src_pair,
+                                self.s.max_tokens_per_rank, handle)
+
+    def ll_combine_input(self, out: LowLatencyOutput) -> torch.Tensor:
+        return self.combine_in
+
+    def ll_combine(self, out: LowLatencyOutput, num_sms: int) -> torch.Tensor:
+        h: _Handle = out.handle
+        rc = self._lib.ep_ll_combine(self._ctx, h.topk_idx.data_ptr(), h.topk_weights.data_ptr(), h.num_tokens,
+                                     num_sms, self.warps, self._stream())
+        if rc:
+            cuda_lib.check(rc, "ll_combine")
+        if self._timed_out.value:
+            self._raise_if_timed_out()
+        return h.out
+
+    # ---- normal mode: not implemented by these kernels ----
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+        raise NotImplementedError("epbench-ll implements low_latency mode only (use backend epbench)")
+
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        raise NotImplementedError("epbench-ll implements low_latency mode only (use backend epbench)")
+
+    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
+        raise NotImplementedError("epbench-ll implements low_latency mode only (use backend epbench)")
+
+    # ---- errors, poison, release ----
+    def _raise_if_timed_out(self) -> None:
+        rank, peer, phase = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if self._lib.ep_poll_error(self._ep, ctypes.byref(rank), ctypes.byref(peer), ctypes.byref(phase)):
+            what = cuda_lib.PHASES.get(phase.value, f"phase {phase.value}")
+            raise RuntimeError(f"epbench kernels: rank {rank.value} gave up after {self.s.timeout_s:g} s "
+                               f"waiting for rank {peer.value} in {what}")
+
+    def check_errors(self) -> None:
+        """Waits for this rank's queued kernels, then raises if any of them timed out on a peer."""
+        torch.cuda.synchronize(self.device)
+        self._raise_if_timed_out()
+
+    def poison(self) -> None:
+        self.x.view(torch.uint8).fill_(0xFF)
+        if self.x_scales is not None:
+            self.x_scales.fill_(float("nan"))
+        self.src_pair.fill_(-1)
+        self.counts.fill_(-1)
+        self.src_counts.fill_(-1)
+        self.out.fill_(float("nan"))
+
+    def close(self) -> None:
+        """Collective: every rank must call it (peers may still write into this rank's region)."""
+        if self._ctx:
+            torch.cuda.synchronize(self.device)
+            if self.s.world > 1 and dist.is_available() and dist.is_initialized():
+                dist.barrier()
+            cuda_lib.check(self._lib.ep_ll_destroy(self._ctx), "ep_ll_destroy")
+            self._ctx = ctypes.c_void_p()

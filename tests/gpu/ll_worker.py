@@ -1,0 +1,216 @@
+"""Multi-rank worker for the low-latency kernels (backend epbench-ll), started by torchrun.
+
+    torchrun --nproc_per_node 4 tests/gpu/ll_worker.py check [--quick]
+
+Each case runs the kernels and the NCCL reference's low-latency path on the same inputs: both
+must pass epbench.verify's low-latency checks (bit-exact dispatch per (expert, slot), combine
+within its tolerance) and agree with each other; fresh random inputs and poisoned outputs
+each time, twice per case (buffers and flags reused), then once more through CUDA-graph replays
+(captured once, replayed twice with new token values). Last, a deliberately missing peer must
+raise naming it, not hang. Exit code 0 only if every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
+from epbench.backends.epbench_ll import EpbenchLowLatencyBackend  # noqa: E402
+from epbench.backends.reference import ReferenceBackend  # noqa: E402
+from epbench.driver import LowLatencyCalls, graph_calls, launch_calls  # noqa: E402
+from epbench.inputs import dispatch_input, make_tokens  # noqa: E402
+from epbench.routing import RankRouting, route_rank  # noqa: E402
+from epbench.scenario import Routing  # noqa: E402
+from epbench.verify import COMBINE_RTOL, check_ll_combine, check_ll_dispatch, ll_expert_output  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    hidden: int
+    tokens: Sequence[int]  # per rank (cycled when shorter than the world)
+    topk: int
+    experts_per_rank: int
+    dtype: str = "bf16"
+    routing: str = "uniform"  # uniform | zipf | hot | expert0 (every token picks expert 0)
+
+
+def rank_routing(case: Case, rank: int, world: int, seed: int) -> RankRouting:
+    t = case.tokens[rank % len(case.tokens)]
+    n = world * case.experts_per_rank
+    if case.routing == "expert0":
+        g = torch.Generator().manual_seed(seed * 131 + rank)
+        rest = [torch.randperm(n - 1, generator=g)[: case.topk - 1] + 1 for _ in range(t)]
+        idx = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), r]) for r in rest]) if t else \
+            torch.empty(0, case.topk, dtype=torch.int64)
+        w = torch.rand(t, case.topk, generator=g) + 0.5
+        return RankRouting(idx.to(torch.int64), (w / w.sum(dim=1, keepdim=True)).float())
+    return route_rank(Routing(kind=case.routing, seed=seed), t, case.topk, n, rank)
+
+
+CASES: List[Case] = [
+    Case("dsv3 fp8 T=128", 7168, [128], 8, 64, "fp8"),
+    Case("dsv3 bf16 T=128", 7168, [128], 8, 64, "bf16"),
+    Case("zipf bf16", 4096, [96], 8, 16, "bf16", "zipf"),
+    Case("hot fp8", 4096, [96], 8, 16, "fp8", "hot"),
+    Case("uneven tokens fp8", 2048, [33, 7, 64, 1], 6, 8, "fp8"),
+    Case("rank with 0 tokens", 2048, [32, 0, 17, 0], 4, 4),
+    Case("all ranks 0 tokens", 2048, [0], 4, 4, "fp8"),
+    Case("T=1 bf16", 7168, [1], 8, 64),
+    Case("T=1 fp8", 7168, [1], 8, 64, "fp8"),
+    Case("every token to expert 0", 2048, [100], 8, 8, "bf16", "expert0"),
+    Case("every token to expert 0 fp8", 2048, [100], 8, 8, "fp8", "expert0"),
+    Case("top-1, one expert", 2048, [64], 1, 4, "bf16", "expert0"),
+    Case("T=256 fp8", 7168, [256], 8, 64, "fp8"),
+]
+QUICK = {"dsv3 fp8 T=128", "rank with 0 tokens", "T=1 bf16", "every token to expert 0"}
+
+
+def setup_of(case: Case, rank: int, world: int, device: torch.device, timeout_s: float = 10.0) -> RankSetup:
+    return RankSetup(rank=rank, world=world, gpus_per_node=world, device=device, hidden=case.hidden,
+                     max_tokens_per_rank=max(max(case.tokens), 1), topk=case.topk,
+                     experts_per_rank=case.experts_per_rank, dispatch_dtype=case.dtype, timeout_s=timeout_s,
+                     mode="low_latency")
+
+
+def all_sum(v: int, device: torch.device) -> int:
+    t = torch.tensor([v], dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def one_call(be, calls: LowLatencyCalls, own: DispatchInput, rank: int, world: int, e: int,
+             input_of: Callable[[int], DispatchInput]):
+    """Poison, dispatch, check, stand-in experts, combine, check; returns (dispatch, combine, result)."""
+    calls.load(own)
+    be.poison()
+    be.ll_combine_input(None).fill_(float("nan"))
+    dist.barrier()
+    out = calls.dispatch()
+    torch.cuda.synchronize()
+    if hasattr(be, "check_errors"):
+        be.check_errors()
+    d = check_ll_dispatch(out, rank, world, e, input_of)
+    be.ll_combine_input(out).copy_(ll_expert_output(out.x, out.x_scales, rank * e))
+    dist.barrier()
+    got = calls.combine(out).clone()
+    torch.cuda.synchronize()
+    if hasattr(be, "check_errors"):
+        be.check_errors()
+    return d, check_ll_combine(got, own), got
+
+
+def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int) -> List[str]:
+    """Problems found on this rank (empty: all good)."""
+    problems: List[str] = []
+    kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device))
+    reference = ReferenceBackend(setup_of(case, rank, world, device))
+    for rep in range(2):
+        salt = zlib.crc32(f"{case.name}/{rep}".encode()) % 10000
+        routings = [rank_routing(case, r, world, seed=salt) for r in range(world)]
+
+        def input_of(r: int) -> DispatchInput:
+            x = make_tokens(routings[r].num_tokens, case.hidden, 7, r, salt, device)
+            return dispatch_input(x, routings[r], case.dtype, device)
+
+        own = input_of(rank)
+        results = {}
+        for label, be in (("kernels", kernels), ("reference", reference)):
+            d, c, got = one_call(be, launch_calls(be, own, sms), own, rank, world, case.experts_per_rank, input_of)
+            results[label] = got
+            for what, r in (("dispatch", d), ("combine", c)):
+                if r.wrong:
+                    problems.append(f"{label} {what} rep {rep}: {r.wrong} wrong ({r.first_problem})")
+        if not torch.allclose(results["kernels"].float(), results["reference"].float(), rtol=2 * COMBINE_RTOL,
+                              atol=1e-6):
+            problems.append(f"rep {rep}: kernels' combine differs from the reference's")
+        if rep == 1:  # the same call through CUDA-graph replays, twice with new token values
+            calls = graph_calls(kernels, own, sms)
+            for g in range(2):
+                gsalt = salt + 1 + g
+                fresh = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, gsalt, device),
+                                        routings[r], case.dtype, device) for r in range(world)]
+                d, c, _ = one_call(kernels, calls, fresh[rank], rank, world, case.experts_per_rank,
+                                   lambda r: fresh[r])
+                for what, r in (("dispatch", d), ("combine", c)):
+                    if r.wrong:
+                        problems.append(f"graph replay {g} {what}: {r.wrong} wrong ({r.first_problem})")
+    kernels.close()
+    return problems
+
+
+def check_timeout(rank: int, world: int, device: torch.device) -> int:
+    """Rank world-1 skips a dispatch: every other rank must raise naming it, within the timeout."""
+    case = Case("timeout", 2048, [16], 4, 4)
+    be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=1.0))
+    routing = rank_routing(case, rank, world, seed=1)
+    inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
+    ok = True
+    if rank != world - 1:
+        t0 = time.time()
+        try:
+            be.ll_dispatch(inp, 4)
+            be.check_errors()
+            ok, msg = False, "no error raised"
+        except RuntimeError as e:
+            msg = str(e)
+            ok = f"waiting for rank {world - 1}" in msg and f"rank {rank} " in msg
+        if rank == 0:
+            print(f"{'ok  ' if ok else 'FAIL'} missing peer -> {msg!r} after {time.time() - t0:.1f} s", flush=True)
+    dist.barrier()
+    be.close()
+    return all_sum(int(not ok), device)
+
+
+def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    failures = 0
+    for case in CASES:
+        if args.quick and case.name not in QUICK:
+            continue
+        for sms in [int(s) for s in args.sms.split(",")]:
+            try:
+                problems = run_case(case, rank, world, device, sms)
+            except RuntimeError as e:
+                problems = [f"raised: {e}"]
+            bad = all_sum(int(bool(problems)), device)
+            failures += bad
+            if rank == 0 or problems:
+                print(f"{'FAIL' if bad else 'ok  '} [rank {rank}] {case.name:<30} sms={sms:<3} "
+                      f"{'; '.join(problems)}", flush=True)
+    failures += check_timeout(rank, world, device)
+    if rank == 0:
+        print(f"check world={world}: {'PASS' if failures == 0 else f'{failures} FAILURES'}", flush=True)
+    return failures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["check"])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sms", default="4,32", help="grid sizes to check (blocks; <= the GPU's SM count)")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        failures = run_check(args, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""GPU checks of the low-latency kernels (backend epbench-ll): torchrun starts
+tests/gpu/ll_worker.py, which checks every edge case against epbench.verify and the NCCL
+reference (launches and CUDA-graph replays) and a missing peer against the timeout; then the
+whole pipeline through `epbench sweep --tokens` with both backends, both timings verified."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "gpu" / "ll_worker.py"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS < 2, reason="needs >= 2 CUDA GPUs"),
+]
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    from epbench import cuda_lib
+
+    try:
+        cuda_lib.load().ep_ll_create
+    except (RuntimeError, AttributeError) as e:
+        pytest.skip(f"low-latency kernels not built: {e}")
+
+
+@pytest.mark.parametrize("nproc", sorted({2, min(GPUS, 4)}) if GPUS >= 2 else [2])
+def test_ll_kernels_match_verification(built: None, nproc: int) -> None:
+    env = dict(os.environ, **SAFE_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), "check", *(["--quick"] if nproc == 2 else [])]
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert "PASS" in r.stdout
+
+
+SCENARIO = """
+mode: low_latency
+model: {{hidden: 7168, tokens_per_rank: 128, topk: 8, experts_per_rank: {epr}, dispatch_dtype: {dtype}}}
+topology: {{nodes: 1, gpus_per_node: {world}}}
+routing: {{kind: {routing}, seed: 3}}
+bench: {{warmup: 3, iters: 10, backends: [reference, epbench-ll], sms: [8, 32], device: cuda}}
+"""
+
+
+@pytest.mark.parametrize("dtype,routing", [("fp8", "uniform"), ("bf16", "hot")])
+def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: str, routing: str) -> None:
+    world = min(GPUS, 4)
+    path = tmp_path / f"ll-{dtype}.yaml"
+    path.write_text(SCENARIO.format(epr=256 // world, dtype=dtype, routing=routing, world=world))
+    r = subprocess.run([sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,32,128",
+                        "--results", str(tmp_path / "r")], cwd=ROOT, env=dict(os.environ, **SAFE_ENV),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    import pandas as pd
+
+    (run,) = list((tmp_path / "r").iterdir())
+    df = pd.read_csv(run / "results.csv")
+    assert set(df["backend"]) == {"reference", "epbench-ll"}, "epbench-ll did not run"
+    ll = df[df["backend"] == "epbench-ll"]
+    assert set(ll["timing"]) == {"launch", "graph"}
+    assert sorted(set(ll["tokens_per_rank"])) == [1, 32, 128]
+    assert len(ll) == 3 * 2 * 2 * 2 * world  # tokens x SM counts x timings x ops x ranks
+    assert int(df["wrong"].sum()) == 0
+    assert (df["time_us_p99"] >= df["time_us"]).all()
+    assert "p99 us" in r.stdout
+
+
+def test_corrupted_ll_output_fails(built: None, tmp_path: Path) -> None:
+    world = min(GPUS, 4)
+    path = tmp_path / "ll-fault.yaml"
+    path.write_text(SCENARIO.format(epr=8, dtype="bf16", routing="uniform", world=world))
+    r = subprocess.run([sys.executable, "-m", "epbench", "run", str(path), "--backends", "epbench-ll",
+                        "--inject-fault", "dispatch", "--results", str(tmp_path / "r")],
+                       cwd=ROOT, env=dict(os.environ, **SAFE_ENV), capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    assert "VERIFICATION FAILED" in r.stdout

@@ -1,0 +1,331 @@
+"""Low-latency mode on CPUs: the scenario key and the --tokens axis, the layout contract
+(base.ll_slots), its verification against hand-built outputs (and corrupted ones), the
+reference backend's low-latency path in a real 3-process gloo group, and the CLI sweep of
+scenarios/smoke-ll.yaml over 4 gloo ranks."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from support import assert_one_line_error, epbench, run_cli, scenario_dict
+
+from epbench.backends.base import DispatchInput, LowLatencyOutput, ll_slots
+from epbench.inputs import expert_factor
+from epbench.scenario import parse
+from epbench.verify import check_ll_combine, check_ll_dispatch, ll_expert_output
+
+SMOKE_LL = "scenarios/smoke-ll.yaml"
+
+
+# -- scenario and options ------------------------------------------------------------------------
+
+def test_mode_low_latency_parses():
+    s = parse(scenario_dict(mode="low_latency"), "x.yaml")
+    assert s.mode == "low_latency"
+    assert s.with_tokens(3).model.tokens_per_rank == 3
+    assert s.with_tokens(3).mode == "low_latency"
+
+
+def test_unknown_mode_names_both(write_scenario, tmp_path):
+    path = write_scenario("mode", scenario_dict(mode="fast"))
+    assert_one_line_error(epbench("run", path, "--results", tmp_path), "mode", "normal, low_latency")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (("run", SMOKE_LL, "--tokens", "0"), ("--tokens", "positive")),
+    (("sweep", SMOKE_LL, "--tokens", "1,x"), ("--tokens", "1,x")),
+    (("sweep", SMOKE_LL), ("--sms", "--tokens")),
+], ids=["tokens-zero", "tokens-text", "sweep-needs-an-axis"])
+def test_bad_tokens_options(args, needles, tmp_path):
+    assert_one_line_error(epbench(*args, "--results", tmp_path / "res"), *needles)
+    assert not (tmp_path / "res").exists()
+
+
+# -- the placement ------------------------------------------------------------------------------
+
+def test_ll_slots_by_hand():
+    idx = torch.tensor([[0, 3], [3, 1], [0, 1], [2, 3]])
+    j, counts = ll_slots(idx, 5)
+    # expert 0: tokens 0, 2; expert 1: tokens 1, 2; expert 2: token 3; expert 3: tokens 0, 1, 3
+    assert j.tolist() == [[0, 0], [1, 0], [1, 1], [0, 2]]
+    assert counts.tolist() == [2, 2, 1, 3, 0]
+    j0, c0 = ll_slots(torch.empty(0, 2, dtype=torch.int64), 5)
+    assert j0.shape == (0, 2) and c0.tolist() == [0] * 5
+
+
+# -- verification against hand-built outputs ----------------------------------------------------
+
+WORLD, E, TOPK, H, TM = 2, 2, 2, 128, 3
+
+
+def _inputs(dtype: str = "bf16"):
+    """Two sources: rank 0 has 3 tokens, rank 1 has 2 (experts 0..3, rank r owns 2r, 2r + 1)."""
+    idx = [torch.tensor([[0, 1], [3, 0], [1, 2]]), torch.tensor([[2, 0], [0, 3]])]
+    out = []
+    for s, ids in enumerate(idx):
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(ids.shape[0], H, generator=g).to(torch.bfloat16)
+        w = torch.rand(ids.shape[0], TOPK, generator=g) + 0.5
+        if dtype == "fp8":
+            from epbench.inputs import quantize_fp8
+
+            q, sc = quantize_fp8(x)
+            out.append(DispatchInput(q, sc, ids, w))
+        else:
+            out.append(DispatchInput(x, None, ids, w))
+    return out
+
+
+def _hand_output(rank: int, ins) -> LowLatencyOutput:
+    """What rank `rank` must receive, written by loops (independent of ll_slots)."""
+    dt = ins[0].x.dtype
+    x = torch.full((E, WORLD * TM, H), float("nan"), dtype=torch.float32).to(dt)
+    scales = torch.full((E, WORLD * TM, H // 128), float("nan")) if ins[0].x_scales is not None else None
+    pair = torch.full((E, WORLD * TM), -1, dtype=torch.int32)
+    src_counts = torch.zeros(E, WORLD, dtype=torch.int64)
+    for s, inp in enumerate(ins):
+        for t in range(inp.num_tokens):
+            for k in range(TOPK):
+                e = int(inp.topk_idx[t, k])
+                if e // E != rank:
+                    continue
+                le = e % E
+                j = int(src_counts[le, s])
+                x[le, s * TM + j] = inp.x[t]
+                if scales is not None:
+                    scales[le, s * TM + j] = inp.x_scales[t]
+                pair[le, s * TM + j] = t * TOPK + k
+                src_counts[le, s] += 1
+    return LowLatencyOutput(x, scales, src_counts.sum(dim=1), src_counts, pair, TM)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_check_ll_dispatch_accepts_the_contract(dtype):
+    ins = _inputs(dtype)
+    for rank in range(WORLD):
+        out = _hand_output(rank, ins)
+        r = check_ll_dispatch(out, rank, WORLD, E, lambda s: ins[s])
+        assert r.wrong == 0, r.first_problem
+    # rank 0, expert 0: source 0 tokens 0, 1 -> slots 0, 1; source 1 tokens 0, 1 -> slots 3, 4
+    assert _hand_output(0, ins).src_counts.tolist() == [[2, 2], [2, 0]]
+
+
+def _corrupt(kind: str, out: LowLatencyOutput) -> None:
+    if kind == "payload":
+        out.x[0, 3].view(torch.uint8)[5] ^= 1
+    elif kind == "slot":  # two rows of one expert swapped
+        out.x[0, [0, 1]] = out.x[0, [1, 0]].clone()
+    elif kind == "pair":
+        out.src_pair[1, 0] += 1
+    elif kind == "src_counts":
+        out.src_counts[1, 1] = 1
+    elif kind == "counts":
+        out.counts[0] = 3
+    elif kind == "scales":
+        out.x_scales[0, 0, 0] *= 2
+
+
+@pytest.mark.parametrize("kind", ["payload", "slot", "pair", "src_counts", "counts", "scales"])
+def test_check_ll_dispatch_catches(kind):
+    ins = _inputs("fp8" if kind == "scales" else "bf16")
+    out = _hand_output(0, ins)
+    _corrupt(kind, out)
+    r = check_ll_dispatch(out, 0, WORLD, E, lambda s: ins[s])
+    assert r.wrong > 0 and r.first_problem
+
+
+def test_padding_is_not_checked():
+    ins = _inputs()
+    out = _hand_output(0, ins)
+    out.x[1, 5].fill_(7)  # expert 1 got no row from source 1: slot 3.. are padding
+    out.src_pair[1, 5] = 99
+    assert check_ll_dispatch(out, 0, WORLD, E, lambda s: ins[s]).wrong == 0
+
+
+def test_ll_combine_formula_is_per_expert():
+    ins = _inputs()
+    inp = ins[0]
+    # by hand: sum over k of w * bf16(x * factor(expert)), fp32, then bf16
+    want = torch.zeros(inp.num_tokens, H)
+    for t in range(inp.num_tokens):
+        for k in range(TOPK):
+            e = int(inp.topk_idx[t, k])
+            want[t] += float(inp.topk_weights[t, k]) * (inp.x[t].float() * expert_factor(e)).to(torch.bfloat16).float()
+    got = want.to(torch.bfloat16)
+    assert check_ll_combine(got, inp).wrong == 0
+    bad = got.clone()
+    bad[1, 7] *= 1.1
+    r = check_ll_combine(bad, inp)
+    assert r.wrong == 1 and "token 1" in r.first_problem
+    # the per-rank weighting of normal mode differs whenever one rank holds two of a token's experts
+    per_rank = torch.zeros_like(want)
+    for t in range(inp.num_tokens):
+        for d in range(WORLD):
+            w = sum(float(inp.topk_weights[t, k]) for k in range(TOPK) if int(inp.topk_idx[t, k]) // E == d)
+            if w:
+                per_rank[t] += w * (inp.x[t].float() * expert_factor(d)).to(torch.bfloat16).float()
+    assert check_ll_combine(per_rank.to(torch.bfloat16), inp).wrong > 0
+    assert check_ll_combine(got[:2], inp).wrong > 0  # wrong shape
+
+
+def test_ll_expert_output_uses_global_expert_factors():
+    x = torch.ones(2, 3, H, dtype=torch.bfloat16)
+    y = ll_expert_output(x, None, first_expert=6)
+    assert float(y[0, 0, 0]) == expert_factor(6) and float(y[1, 2, 5]) == expert_factor(7)
+
+
+# -- the reference backend in a real 3-process gloo group --------------------------------------
+
+R_WORLD, R_EPR, R_TOPK, R_HIDDEN, R_MAX = 3, 2, 3, 128, 9
+R_TOKENS = {"bf16": (6, 9, 0), "fp8": (0, 9, 1)}
+
+
+def _r_inputs(dtype, salt):
+    from epbench.inputs import dispatch_input, make_tokens
+    from epbench.routing import route_rank
+    from epbench.scenario import Routing
+
+    out = []
+    for s, t in enumerate(R_TOKENS[dtype]):
+        r = route_rank(Routing(seed=5), t, R_TOPK, R_WORLD * R_EPR, s)
+        out.append(dispatch_input(make_tokens(t, R_HIDDEN, 5, s, salt, torch.device("cpu")),
+                                  r, dtype, torch.device("cpu")))
+    return out
+
+
+def _worker(rank: int, store: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from epbench.backends.base import RankSetup
+    from epbench.backends.reference import ReferenceBackend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=R_WORLD)
+    report = {}
+    try:
+        for dtype in ("bf16", "fp8"):
+            setup = RankSetup(rank=rank, world=R_WORLD, gpus_per_node=R_WORLD, device=torch.device("cpu"),
+                              hidden=R_HIDDEN, max_tokens_per_rank=R_MAX, topk=R_TOPK,
+                              experts_per_rank=R_EPR, dispatch_dtype=dtype, mode="low_latency")
+            be = ReferenceBackend(setup)
+            res = []
+            for salt in (1, 2):  # twice: buffers are reused between calls
+                ins = _r_inputs(dtype, salt)
+                be.poison()
+                out = be.ll_dispatch(ins[rank], 0)
+                d = check_ll_dispatch(out, rank, R_WORLD, R_EPR, lambda s: ins[s])
+                be.ll_combine_input(out).copy_(ll_expert_output(out.x, out.x_scales, rank * R_EPR))
+                got = be.ll_combine(out, 0)
+                c = check_ll_combine(got, ins[rank])
+                res.append({"d": d.wrong, "c": c.wrong, "p": d.first_problem + c.first_problem,
+                            "counts": out.counts.tolist(), "shape": list(out.x.shape)})
+            report[dtype] = res
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def reference_ll(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    d = tmp_path_factory.mktemp("ll_ref")
+    mp.spawn(_worker, args=(str(d / "store"), str(d)), nprocs=R_WORLD, join=True)
+    return [json.loads((d / f"rank{r}.json").read_text()) for r in range(R_WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_reference_low_latency_matches_the_contract(reference_ll, dtype):
+    for rank, rep in enumerate(reference_ll):
+        for it in rep[dtype]:
+            assert it["d"] == 0 and it["c"] == 0, f"rank {rank}: {it['p']}"
+            assert it["shape"] == [R_EPR, R_WORLD * R_MAX, R_HIDDEN]
+    total = sum(sum(rep[dtype][0]["counts"]) for rep in reference_ll)
+    assert total == sum(R_TOKENS[dtype]) * R_TOPK  # every (token, expert) pair arrived once
+
+
+# -- the CLI: 4 gloo ranks, a --tokens sweep, one results folder -------------------------------
+
+@pytest.fixture(scope="module")
+def ll_sweep(tmp_path_factory):
+    return run_cli(tmp_path_factory.mktemp("ll"), "sweep", SMOKE_LL, "--tokens", "1,4")
+
+
+@pytest.mark.slow
+def test_smoke_ll_sweep(ll_sweep):
+    r = ll_sweep.result
+    assert r.code == 0, r.both
+    df = ll_sweep.rows()
+    assert sorted(df["tokens_per_rank"].unique()) == [1, 4]
+    assert set(df["backend"]) == {"reference"}
+    assert set(df["mode"]) == {"low_latency"} and set(df["timing"]) == {"launch"}
+    assert len(df) == 2 * 2 * 4  # token counts x ops x ranks
+    assert (df["wrong"] == 0).all()
+    assert (df["time_us_p99"] >= df["time_us"]).all()
+    samples = ll_sweep.samples()
+    assert len(samples) == 2 * 2 * 4 * 5 and set(samples["tokens_per_rank"]) == {1, 4}
+    meta = ll_sweep.meta()
+    assert meta["status"] == "complete" and meta["scenario"]["mode"] == "low_latency"
+    assert any(n.startswith("backend epbench-ll skipped") for n in meta["notes"]), meta["notes"]
+    for line in ("p50 us", "p99 us", "timing"):
+        assert line in r.out
+    # pairs, not token copies: the algorithm bytes of rank 0's dispatch at 4 tokens
+    from epbench import metrics
+    from epbench.routing import route_all
+    from epbench.scenario import load
+
+    s = load(SMOKE_LL).with_tokens(4)
+    tr = metrics.pair_traffic(route_all(s), s.model.experts_per_rank, 4)
+    want = metrics.rank_bytes(tr, "dispatch", metrics.row_bytes("bf16", s.model.hidden))["algo"]
+    got = df[(df["op"] == "dispatch") & (df["tokens_per_rank"] == 4)].sort_values("rank")
+    assert got["algo_bytes"].tolist() == want.tolist()
+    assert int(want.sum()) == 4 * 4 * s.model.topk * 2 * s.model.hidden  # ranks x tokens x topk x row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["dispatch", "combine"])
+def test_smoke_ll_corruption_is_caught(fault, write_scenario, tmp_path):
+    data = scenario_dict(mode="low_latency", model={"dispatch_dtype": "fp8", "tokens_per_rank": 4})
+    path = write_scenario("ll-fp8", data)
+    run = run_cli(tmp_path / "r", "run", str(path), "--inject-fault", fault)
+    assert run.result.code == 1, run.result.both
+    assert "VERIFICATION FAILED" in run.result.out
+    df = run.rows()
+    assert int(df[df["op"] == fault]["wrong"].sum()) > 0
+    assert int(df[df["op"] != fault]["wrong"].sum()) == 0
+
+
+def test_pair_traffic_counts_pairs():
+    from epbench import metrics
+    from epbench.routing import RankRouting
+
+    rr = [RankRouting(torch.tensor([[0, 1], [2, 3]]), torch.full((2, 2), 0.5)),
+          RankRouting(torch.tensor([[1, 3]]), torch.full((1, 2), 0.5))]
+    tr = metrics.pair_traffic(rr, 2, 2)
+    assert tr.total.tolist() == [[2, 2], [1, 1]]
+    assert tr.nvlink.tolist() == [[0, 2], [1, 0]]
+    assert int(tr.nic.sum()) == 0
+
+
+def test_low_latency_table_and_unchanged_normal_table():
+    from epbench.report import results_table
+
+    base = {"scenario": "x", "backend": "reference", "sms": 0, "world": 2, "wrong": 0, "problem": "",
+            "algbw_gbps": 1.0, "busbw_nvlink_gbps": 0.5, "busbw_nic_gbps": None}
+    rows = [dict(base, op=op, rank=r, tokens_per_rank=t, time_us=10.0 + r, time_us_p99=20.0 + r,
+                 mode="low_latency", timing="launch") for op in ("dispatch", "combine") for r in (0, 1)
+            for t in (1, 8)]
+    table = results_table(pd.DataFrame(rows))
+    headers = [c.header for c in table.columns]
+    assert headers[:7] == ["tokens", "op", "backend", "SMs", "timing", "p50 us", "p99 us"]
+    assert table.row_count == 4
+    p99 = table.columns[headers.index("p99 us")]._cells
+    assert p99 == ["21.0"] * 4  # the slowest rank's p99
+    normal = [dict(base, op=op, rank=r, tokens_per_rank=8, time_us=10.0) for op in ("dispatch", "combine")
+              for r in (0, 1)]
+    headers = [c.header for c in results_table(pd.DataFrame(normal)).columns]
+    assert headers[0] == "op" and "tokens" not in headers and "p99 us" not in headers
