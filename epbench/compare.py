@@ -35,10 +35,12 @@ def ratio(b: Any, a: Any) -> Any:
 def side_by_side(df_a: pd.DataFrame, df_b: pd.DataFrame) -> pd.DataFrame:
     """One row per (scenario, backend, op, sms) found in either run: each run's time and
     NVLink busbw (None where that run lacks the row) and the ratios B/A."""
-    cols = KEYS + list(VALUES)
+    # token-count and timing-mode sweeps (low-latency runs) add to the matching key
+    keys = KEYS + [k for k in ("tokens_per_rank", "timing") if k in df_a and k in df_b]
+    cols = keys + list(VALUES)
     sa = summarize(df_a)[cols] if not df_a.empty else pd.DataFrame(columns=cols)
     sb = summarize(df_b)[cols] if not df_b.empty else pd.DataFrame(columns=cols)
-    both = sa.merge(sb, on=KEYS, how="outer", suffixes=("_a", "_b"), sort=False)
+    both = sa.merge(sb, on=keys, how="outer", suffixes=("_a", "_b"), sort=False)
     both = both.astype(object).where(both.notna(), None)
     for v in VALUES:
         both[f"{v}_ratio"] = pd.Series([ratio(b, a) for a, b in zip(both[f"{v}_a"], both[f"{v}_b"])],
@@ -77,9 +79,18 @@ def compare_table(both: pd.DataFrame, title: str):
     def r3(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}"
 
+    vary = [c for c in ("tokens_per_rank", "timing") if c in both and both[c].nunique() > 1]
+
+    def point(r: pd.Series) -> str:
+        """SMs, plus the token count / timing mode where the runs swept them."""
+        parts = [str(int(r["sms"])) if r["sms"] else "auto"]
+        for c in vary:
+            if r[c] is not None:
+                parts.append(f"{int(r[c])} tok" if c == "tokens_per_rank" else str(r[c]))
+        return " ".join(parts)
+
     for _, r in both.iterrows():
-        t.add_row(str(r["scenario"]), str(r["op"]), str(r["backend"]),
-                  str(int(r["sms"])) if r["sms"] else "auto",
+        t.add_row(str(r["scenario"]), str(r["op"]), str(r["backend"]), point(r),
                   _num(r["time_us_a"]), _num(r["time_us_b"]), r3(r["time_us_ratio"]),
                   _num(r["busbw_nvlink_gbps_min_a"]), _num(r["busbw_nvlink_gbps_min_b"]),
                   r3(r["busbw_nvlink_gbps_min_ratio"]))

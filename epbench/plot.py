@@ -21,6 +21,16 @@ def _label(backend: str) -> str:
     return "reference (NCCL / gloo)" if backend == "reference" else backend
 
 
+def _series(summary: pd.DataFrame):
+    """Lines to draw: one per backend, split further by token count and timing mode when a run
+    swept them (low-latency sweeps), so that points of different sweeps never join."""
+    extra = [c for c in ("tokens_per_rank", "timing") if c in summary and summary[c].nunique() > 1]
+    for i, (key, g) in enumerate(summary.groupby(["backend"] + extra, sort=False)):
+        key = key if isinstance(key, tuple) else (key,)
+        tags = [f"{v} tok" if c == "tokens_per_rank" else str(v) for c, v in zip(extra, key[1:])]
+        yield i, key[0], _label(key[0]) + (f" [{', '.join(tags)}]" if tags else ""), g
+
+
 def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
     """Slowest rank's NVLink bus bandwidth (solid) and algorithm bandwidth (dashed) against the
     SM count; a backend whose SM count epbench does not control is a horizontal line."""
@@ -28,18 +38,18 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
     swept = sorted({int(s) for s in summary["sms"] if s})
     for ax, op in zip(axes, OPS):
         part = summary[summary["op"] == op]
-        for i, (backend, g) in enumerate(part.groupby("backend", sort=False)):
-            color = f"C{i}"
+        for i, _backend, name, g in _series(part):
+            color = f"C{i % 10}"
             g = g.sort_values("sms")
             if (g["sms"] == 0).all():
                 for col, style in (("busbw_nvlink_gbps_min", "-"), ("algbw_gbps_min", "--")):
                     ax.axhline(g[col].iloc[0], color=color, linestyle=style, linewidth=1.2,
-                               label=f"{_label(backend)} {'busbw' if style == '-' else 'algbw'} (auto SMs)")
+                               label=f"{name} {'busbw' if style == '-' else 'algbw'} (auto SMs)")
             else:
                 ax.plot(g["sms"], g["busbw_nvlink_gbps_min"], "o-", color=color,
-                        label=f"{_label(backend)} NVLink busbw")
+                        label=f"{name} NVLink busbw")
                 ax.plot(g["sms"], g["algbw_gbps_min"], "s--", color=color, alpha=0.7,
-                        label=f"{_label(backend)} algbw")
+                        label=f"{name} algbw")
         ax.set_title(op)
         ax.set_xlabel("SMs")
         if swept:
@@ -140,10 +150,10 @@ def compare_plot(a_dir: Path, b_dir: Path, out: Path) -> Path:
         for tag, style, summary in frames:
             if summary.empty:
                 continue
-            for backend, g in summary[summary["op"] == op].groupby("backend", sort=False):
-                color = f"C{backends.index(backend)}"
+            for _, backend, name, g in _series(summary[summary["op"] == op]):
+                color = f"C{backends.index(backend) % 10}"
                 g = g.sort_values("sms")
-                label = f"{tag}: {_label(backend)}"
+                label = f"{tag}: {name}"
                 if (g["sms"] == 0).all():
                     ax.axhline(g["busbw_nvlink_gbps_min"].iloc[0], color=color,
                                linestyle=style[1:], label=f"{label} (auto SMs)")
