@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 LIB_PATH = Path(__file__).resolve().parent / "_lib" / "libepbench_ep.so"
 NOT_BUILT = "kernels not built: run `make build`"
@@ -105,3 +105,38 @@ def check(rc: int, what: str) -> None:
     if rc != 0:
         msg = load().ep_last_error().decode(errors="replace")
         raise RuntimeError(f"epbench kernels: {what} failed: {msg}")
+
+
+def open_peers(lib: ctypes.CDLL, ctx: ctypes.c_void_p, world: int) -> None:
+    """Exports this rank's region, swaps the IPC handles with every rank over torch.distributed
+    and maps every peer's region (collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    handle = ctypes.create_string_buffer(64)
+    check(lib.ep_ipc_handle(ctx, handle), "ep_ipc_handle")
+    handles = [handle.raw]
+    if world > 1:
+        handles = [b""] * world
+        dist.all_gather_object(handles, handle.raw)
+    check(lib.ep_open_peers(ctx, b"".join(handles)), "ep_open_peers")
+
+
+class _DeviceBytes:
+    """Exposes a raw device pointer to torch.as_tensor (no copy, no ownership)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }
+
+
+def region_tensor(getter: Any, ctx: ctypes.c_void_p, which: int, device: Any) -> Any:
+    """A uint8 tensor over one region of the library's device memory (``getter`` is
+    ep_region or ep_ll_region); it does not own the memory."""
+    import torch
+
+    ptr, nbytes = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+    check(getter(ctx, which, ctypes.byref(ptr), ctypes.byref(nbytes)), getter.__name__)
+    if nbytes.value == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.as_tensor(_DeviceBytes(ptr.value, nbytes.value), device=device)

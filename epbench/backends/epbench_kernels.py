@@ -57,15 +57,6 @@ def _knob(name: str, given: Optional[Any]) -> Any:
     return env if isinstance(DEFAULTS[name], str) else int(env)
 
 
-class _DeviceBytes:
-    """Exposes a raw device pointer to torch.as_tensor (no copy, no ownership)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
-        }
-
-
 @dataclass
 class _Handle:
     """What combine needs from the matching dispatch (the layout itself stays on the device)."""
@@ -142,21 +133,10 @@ class EpbenchBackend(Backend):
 
     # ---- set-up ----
     def _open_peers(self) -> None:
-        handle = ctypes.create_string_buffer(64)
-        cuda_lib.check(self._lib.ep_ipc_handle(self._ctx, handle), "ep_ipc_handle")
-        handles = [handle.raw]
-        if self.s.world > 1:
-            handles = [b""] * self.s.world
-            dist.all_gather_object(handles, handle.raw)
-        cuda_lib.check(self._lib.ep_open_peers(self._ctx, b"".join(handles)), "ep_open_peers")
+        cuda_lib.open_peers(self._lib, self._ctx, self.s.world)
 
     def _region(self, which: int) -> torch.Tensor:
-        ptr, nbytes = ctypes.c_ulonglong(), ctypes.c_ulonglong()
-        cuda_lib.check(self._lib.ep_region(self._ctx, which, ctypes.byref(ptr), ctypes.byref(nbytes)),
-                       "ep_region")
-        if nbytes.value == 0:
-            return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return torch.as_tensor(_DeviceBytes(ptr.value, nbytes.value), device=self.device)
+        return cuda_lib.region_tensor(self._lib.ep_region, self._ctx, which, self.device)
 
     def _views(self) -> None:
         s = self.s

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from epbench import cuda_lib
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
-from epbench.backends.epbench_kernels import MAX_TOPK, MAX_WORLD, _DeviceBytes
+from epbench.backends.epbench_kernels import MAX_TOPK, MAX_WORLD
 
 DEFAULT_WARPS = 16
 MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kernel stages (ll_buffers.cu)
@@ -92,21 +92,10 @@ class EpbenchLowLatencyBackend(Backend):
         self._x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
 
     def _open_peers(self) -> None:
-        handle = ctypes.create_string_buffer(64)
-        cuda_lib.check(self._lib.ep_ipc_handle(self._ep, handle), "ep_ipc_handle")
-        handles = [handle.raw]
-        if self.s.world > 1:
-            handles = [b""] * self.s.world
-            dist.all_gather_object(handles, handle.raw)
-        cuda_lib.check(self._lib.ep_open_peers(self._ep, b"".join(handles)), "ep_open_peers")
+        cuda_lib.open_peers(self._lib, self._ep, self.s.world)
 
     def _region(self, which: int) -> torch.Tensor:
-        ptr, nbytes = ctypes.c_ulonglong(), ctypes.c_ulonglong()
-        cuda_lib.check(self._lib.ep_ll_region(self._ctx, which, ctypes.byref(ptr), ctypes.byref(nbytes)),
-                       "ep_ll_region")
-        if nbytes.value == 0:
-            return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return torch.as_tensor(_DeviceBytes(ptr.value, nbytes.value), device=self.device)
+        return cuda_lib.region_tensor(self._lib.ep_ll_region, self._ctx, which, self.device)
 
     def _views(self) -> None:
         s = self.s

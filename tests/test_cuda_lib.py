@@ -1,0 +1,51 @@
+"""The host-side helpers both kernel backends share (the kernels themselves need GPUs)."""
+
+import ctypes
+
+import pytest
+
+from epbench import cuda_lib
+
+
+class FakeLib:
+    """Stands in for the kernels library: records calls, returns 0 like the real API."""
+
+    def __init__(self):
+        self.opened = None
+
+    def ep_ipc_handle(self, ctx, buf):
+        ctypes.memmove(buf, b"H" * 64, 64)
+        return 0
+
+    def ep_open_peers(self, ctx, handles):
+        self.opened = handles
+        return 0
+
+
+def test_open_peers_alone_passes_its_own_handle():
+    lib = FakeLib()
+    cuda_lib.open_peers(lib, ctypes.c_void_p(), world=1)
+    assert lib.opened == b"H" * 64
+
+
+def test_region_tensor_of_an_empty_region_is_empty():
+    def ep_region(ctx, which, ptr, nbytes):
+        return 0  # leaves ptr and nbytes at 0
+
+    t = cuda_lib.region_tensor(ep_region, ctypes.c_void_p(), 3, "cpu")
+    assert t.numel() == 0 and str(t.dtype) == "torch.uint8"
+
+
+def test_region_tensor_reports_a_failed_call(monkeypatch):
+    class Lib:
+        @staticmethod
+        def ep_last_error():
+            return b"no such region"
+
+    monkeypatch.setattr(cuda_lib, "load", lambda: Lib)
+
+    def ep_region(ctx, which, ptr, nbytes):
+        return -1
+
+    with pytest.raises(RuntimeError, match="ep_region failed: no such region"):
+        cuda_lib.region_tensor(ep_region, ctypes.c_void_p(), 99, "cpu")
