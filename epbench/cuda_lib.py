@@ -140,3 +140,13 @@ def region_tensor(getter: Any, ctx: ctypes.c_void_p, which: int, device: Any) ->
     if nbytes.value == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
     return torch.as_tensor(_DeviceBytes(ptr.value, nbytes.value), device=device)
+
+
+def raise_if_timed_out(lib: ctypes.CDLL, ctx: ctypes.c_void_p, timeout_s: float) -> None:
+    """Reads the host-mapped timeout record (no synchronisation) and raises naming the rank,
+    the peer it waited for and the phase, if any kernel gave up."""
+    rank, peer, phase = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if lib.ep_poll_error(ctx, ctypes.byref(rank), ctypes.byref(peer), ctypes.byref(phase)):
+        what = PHASES.get(phase.value, f"phase {phase.value}")
+        raise RuntimeError(f"epbench kernels: rank {rank.value} gave up after {timeout_s:g} s "
+                           f"waiting for rank {peer.value} in {what}")

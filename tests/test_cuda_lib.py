@@ -49,3 +49,23 @@ def test_region_tensor_reports_a_failed_call(monkeypatch):
 
     with pytest.raises(RuntimeError, match="ep_region failed: no such region"):
         cuda_lib.region_tensor(ep_region, ctypes.c_void_p(), 99, "cpu")
+
+
+def test_a_timed_out_wait_names_rank_peer_and_phase():
+    class Lib:
+        @staticmethod
+        def ep_poll_error(ctx, rank, peer, phase):
+            rank._obj.value, peer._obj.value, phase._obj.value = 2, 1, 1
+            return 1
+
+    with pytest.raises(RuntimeError, match=r"rank 2 gave up after 10 s waiting for rank 1 in notify"):
+        cuda_lib.raise_if_timed_out(Lib, ctypes.c_void_p(), 10.0)
+
+
+def test_no_timeout_raises_nothing():
+    class Lib:
+        @staticmethod
+        def ep_poll_error(ctx, rank, peer, phase):
+            return 0
+
+    cuda_lib.raise_if_timed_out(Lib, ctypes.c_void_p(), 10.0)

@@ -169,11 +169,7 @@ class EpbenchLowLatencyBackend(Backend):
 
     # ---- errors, poison, release ----
     def _raise_if_timed_out(self) -> None:
-        rank, peer, phase = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        if self._lib.ep_poll_error(self._ep, ctypes.byref(rank), ctypes.byref(peer), ctypes.byref(phase)):
-            what = cuda_lib.PHASES.get(phase.value, f"phase {phase.value}")
-            raise RuntimeError(f"epbench kernels: rank {rank.value} gave up after {self.s.timeout_s:g} s "
-                               f"waiting for rank {peer.value} in {what}")
+        cuda_lib.raise_if_timed_out(self._lib, self._ep, self.s.timeout_s)
 
     def check_errors(self) -> None:
         """Waits for this rank's queued kernels, then raises if any of them timed out on a peer."""
