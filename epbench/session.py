@@ -25,6 +25,32 @@ def _points(opts: RunOptions) -> int:
     return per_size * len(opts.tokens or (0,))
 
 
+def scenario_digest(s: Scenario, opts: RunOptions) -> str:
+    """What every rank must agree on: the scenario's content (not its file name) and the options."""
+    import hashlib
+    import json
+
+    data = dataclasses.asdict(s)
+    data.pop("source", None)
+    blob = json.dumps([data, dataclasses.asdict(opts)], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def check_same_scenario(s: Scenario, opts: RunOptions) -> None:
+    """Nodes started by hand each read their own scenario file: a difference stops the job with
+    one line on every rank instead of a hang or a silently mixed measurement."""
+    from epbench.errors import UserError
+
+    mine = scenario_digest(s, opts)
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
+    if odd:
+        raise UserError(f"{s.source}: the scenario or options differ across ranks (rank 0: "
+                        f"{everyone[0]}, rank {odd[0]}: {everyone[odd[0]]}); start every node with "
+                        f"the same file and options")
+
+
 def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
                      on_note: Any) -> Optional[Dict[str, Any]]:
     """Ceilings for this scenario's bytes, measured once per run before the backends (GPU only):
@@ -68,6 +94,7 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
     comm = launch.init_distributed(device)
     if comm.world != s.world:
         s = s.with_world(comm.world)  # started by hand under torchrun with another size
+    check_same_scenario(s, opts)
     console = wide_console()
     rank0 = comm.rank == 0
     writer: Optional[RunWriter] = None

@@ -1,0 +1,61 @@
+"""session.py's cross-rank agreement check, in one process (the digest) and over gloo."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from epbench import scenario
+from epbench.driver import RunOptions
+from epbench.errors import UserError
+from epbench.session import check_same_scenario, scenario_digest
+from support import SCENARIOS
+
+OPTS = RunOptions(backends=("reference",), sms=(4,), warmup=1, iters=2)
+
+
+def test_digest_follows_content_not_file_name():
+    s = scenario.load(SCENARIOS / "smoke.yaml")
+    same = dataclasses.replace(s, source="elsewhere/copy.yaml")
+    other = dataclasses.replace(s, model=dataclasses.replace(s.model, hidden=512))
+    assert scenario_digest(s, OPTS) == scenario_digest(same, OPTS)
+    assert scenario_digest(s, OPTS) != scenario_digest(other, OPTS)
+    assert scenario_digest(s, OPTS) != scenario_digest(s, dataclasses.replace(OPTS, iters=3))
+
+
+def _rank(rank: int, port: int, hidden_of_rank1: int, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    s = scenario.load(SCENARIOS / "smoke.yaml")
+    if rank == 1:
+        s = dataclasses.replace(s, model=dataclasses.replace(s.model, hidden=hidden_of_rank1))
+    try:
+        check_same_scenario(s, OPTS)
+        out.put((rank, "ok"))
+    except UserError as e:
+        out.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("hidden,agree", [(256, True), (512, False)])
+def test_ranks_with_different_scenarios_stop_with_one_line(hidden, agree):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, hidden, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    if agree:
+        assert results == {0: "ok", 1: "ok"}
+    else:
+        assert all("differ across ranks" in m and "\n" not in m for m in results.values())
