@@ -85,17 +85,27 @@ def _check_backend_errors(be: Backend) -> None:
         check()
 
 
-def time_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, warmup: int,
-               iters: int) -> Dict[str, List[float]]:
+def _time_pair(comm: Comm, warmup: int, iters: int, dispatch: Callable[[], Any],
+               fill: Callable[[Any], None], combine: Callable[[Any], Any]) -> Dict[str, List[float]]:
+    """The timing loop of both modes: dispatch and combine alternate as in a model, each call
+    preceded by the cross-rank sync; the stand-in expert's output is written between them,
+    outside the timed region."""
     n = warmup + iters
     timers = {op: Timer(comm.device, n) for op in OPS}
     for i in range(n):
         comm.sync()
-        out = timers["dispatch"].time(i, lambda: be.dispatch(inp, sms))
-        _fill_expert_output(be, out, comm.rank)
+        out = timers["dispatch"].time(i, dispatch)
+        fill(out)
         comm.sync()
-        timers["combine"].time(i, lambda: be.combine(out, sms))
-    samples = {op: t.samples_us(warmup) for op, t in timers.items()}
+        timers["combine"].time(i, lambda: combine(out))
+    return {op: t.samples_us(warmup) for op, t in timers.items()}
+
+
+def time_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, warmup: int,
+               iters: int) -> Dict[str, List[float]]:
+    samples = _time_pair(comm, warmup, iters, lambda: be.dispatch(inp, sms),
+                         lambda out: _fill_expert_output(be, out, comm.rank),
+                         lambda out: be.combine(out, sms))
     _check_backend_errors(be)
     return samples
 
@@ -230,15 +240,8 @@ def _fill_ll_expert_output(be: Backend, out: LowLatencyOutput, rank: int) -> Non
 
 def time_ll_point(be: Backend, calls: LowLatencyCalls, comm: Comm, warmup: int,
                   iters: int) -> Dict[str, List[float]]:
-    n = warmup + iters
-    timers = {op: Timer(comm.device, n) for op in OPS}
-    for i in range(n):
-        comm.sync()
-        out = timers["dispatch"].time(i, calls.dispatch)
-        _fill_ll_expert_output(be, out, comm.rank)
-        comm.sync()
-        timers["combine"].time(i, lambda: calls.combine(out))
-    samples = {op: t.samples_us(warmup) for op, t in timers.items()}
+    samples = _time_pair(comm, warmup, iters, calls.dispatch,
+                         lambda out: _fill_ll_expert_output(be, out, comm.rank), calls.combine)
     _check_backend_errors(be)
     return samples
 
