@@ -54,6 +54,7 @@ enum ep_dispatch_impl {
   EP_DISPATCH_LEAN = 3,  // v5: reg with every per-token load (x chunk 0, slots, ids, weights, scales) issued first
   EP_DISPATCH_DMAJ = 4,  // v7: destination-major: each warp streams its contiguous token range to one rank at a time
   EP_DISPATCH_DMAJ_NOROT = 5,  // v7: dmaj with every warp visiting the destinations in the same order
+  EP_DISPATCH_SPREAD = 6,  // v9: (token, destination) pairs spread over warps, one load per remote store
   EP_DISPATCH_NOTIFY_ONLY = 9,
 };
 
@@ -72,10 +73,18 @@ int ep_poll_error(void* ctx, int* rank, int* peer, int* phase);
 // Host address of the record's flag word (int), for a poll that costs no function call.
 void* ep_error_flag_ptr(void* ctx);
 int ep_destroy(void* ctx);
+// v9: who writes the rows a rank dispatches to itself (lean and spread dispatch only).
+enum ep_own_copy {
+  EP_OWN_OFF = 0,      // the data kernel (default, v1-v8 behaviour)
+  EP_OWN_SIDE = 1,     // a `blocks`-block kernel on a side stream, outside num_sms (the data kernel skips them)
+  EP_OWN_SIDE_IN = 2,  // the same, taken from the budget: the data kernel gets num_sms - blocks
+};
+int ep_set_own_copy(void* ctx, int mode, int blocks);
 // Measuring aid (bench.cu): every rank at once moves (world - 1) * bytes_per_peer over NVLink with
 // num_blocks x warps; mode 0 store, 1 load, 2 split warps, 3 interleaved, 4-7 the same with
 // local memory as source / destination, 8-11 the steps from the plain push towards the dispatch data phase,
-// 12 a local reduce (bench.cu says which). Needs ep_open_peers; clobbers recv_x, recv_idx/w and combine_in.
+// 12 a local reduce, 13-16 the v9 spread pattern and own-rank stores (bench.cu says which).
+// Needs ep_open_peers; clobbers recv_x, recv_idx/w and combine_in.
 int ep_bench_link(void* ctx, int mode, int num_blocks, int warps, long long bytes_per_peer, void* stream);
 
 // ---- low-latency mode (ll_buffers.cu, ll_dispatch.cu, ll_combine.cu; layout in ll_common.cuh) ----

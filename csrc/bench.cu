@@ -23,6 +23,15 @@
 //  11 push-fan-row-meta  10 plus dispatch's per-row metadata stores (64 B ids + 32 B weights per peer)
 //  12 reduce-local   no NVLink: rows of max_tokens x 16 KiB, each the fp32 sum of world local bf16 rows,
 //                    written locally (the local pass a push-based combine would add); time only
+// v9 (the spread dispatch and the own-rank rows; 16 KiB rows from one local segment, as in 10 / 11):
+//  13 push-spread       (row, peer) pairs over warps: pair q -> row q / npeer, peer index (q % npeer + row / tpi)
+//                       % npeer (tpi = rows per grid iteration): one load per store, peers balanced at every
+//                       iteration, each row reloaded (L2) per peer (dispatch_spread_kernel's pattern)
+//  14 push-spread-meta  13 plus the 64 B id + 32 B weight stores per row and peer (compare with 11)
+//  15 push-fan-row-meta-self  11 plus dispatch's own-rank copy: each row also stored (with metadata) into
+//                       my own recv_x (my rank's segment, which no peer writes); same NVLink bytes
+//  16 push-spread-meta-self   14 with my own rank as one more destination in the rotation (the spread
+//                       kernel with own rows, compare with 15)
 #include <algorithm>
 
 #include "common.cuh"
@@ -90,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) link_bench_kernel(EpParams p, int
 
 // Modes 8-11: work unit = a row of kRowChunks chunks; with kFan the unit is stored to every peer
 // (rows_per_peer units), else unit u goes to peer u % npeer (rows_per_peer * npeer units).
-template <int kThreads, bool kFan, int kRowChunks, bool kMeta>
+template <int kThreads, bool kFan, int kRowChunks, bool kMeta, bool kSelf = false>
 __global__ void __launch_bounds__(kThreads, 1) link_push_rows_kernel(EpParams p, long long chunks_per_peer,
                                                                  size_t seg_bytes) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -111,15 +120,15 @@ __global__ void __launch_bounds__(kThreads, 1) link_push_rows_kernel(EpParams p,
       int4 buf[kBU];
 #pragma unroll
       for (int u = 0; u < kBU; ++u) buf[u] = ld_nc_v4(lsrc + k * kChunkVec + u * 32 + lane);
-      for (int j = j0; j < (kFan ? npeer : j0 + 1); ++j) {
-        const int peer = (p.rank + 1 + j) % p.world;
+      for (int j = j0; j < (kFan ? npeer + (kSelf ? 1 : 0) : j0 + 1); ++j) {
+        const int peer = (p.rank + 1 + j) % p.world;  // j == npeer (kSelf): my own rank
         int4* dst = reinterpret_cast<int4*>(p.peer_base[peer] + p.off_recv_x + p.rank * seg_bytes + r * unit_bytes);
 #pragma unroll
         for (int u = 0; u < kBU; ++u) st_v4(dst + k * kChunkVec + u * 32 + lane, buf[u]);
       }
     }
     if (kMeta) {
-      for (int j = j0; j < (kFan ? npeer : j0 + 1); ++j) {
+      for (int j = j0; j < (kFan ? npeer + (kSelf ? 1 : 0) : j0 + 1); ++j) {
         const int peer = (p.rank + 1 + j) % p.world;
         const size_t row = (size_t)p.rank * p.max_tokens + (size_t)(r % p.max_tokens);
         if (lane < p.topk) {
@@ -127,6 +136,42 @@ __global__ void __launch_bounds__(kThreads, 1) link_push_rows_kernel(EpParams p,
           reinterpret_cast<float*>(p.peer_base[peer] + p.off_recv_w)[row * p.topk + lane] = (float)lane;
         }
       }
+    }
+  }
+}
+
+// Modes 13, 14, 16: (row, destination) pairs spread over warps (see the header); kSelf adds my own rank as
+// destination index npeer (a local copy into my segment of my recv_x).
+template <int kThreads, bool kMeta, bool kSelf>
+__global__ void __launch_bounds__(kThreads, 1) link_push_spread_kernel(EpParams p, long long chunks_per_peer,
+                                                                   size_t seg_bytes) {
+  constexpr int kRowChunks = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int npeer = p.world - 1;
+  if (npeer < 1) return;
+  const int ndest = npeer + (kSelf ? 1 : 0);
+  const long long rows = chunks_per_peer / kRowChunks;
+  const long long G = (long long)gridDim.x * nwarps;
+  const long long tpi = G / ndest > 0 ? G / ndest : 1;
+  const size_t unit_bytes = (size_t)kRowChunks * kChunkVec * 16;
+  for (long long q = (long long)blockIdx.x * nwarps + warp; q < rows * ndest; q += G) {
+    const long long r = q / ndest;
+    const int k = (int)((q % ndest + r / tpi) % ndest);
+    const int dest = (p.rank + 1 + k) % p.world;  // k == npeer (kSelf): my own rank
+    const int4* lsrc = reinterpret_cast<const int4*>(p.peer_base[p.rank] + p.off_combine_in + r * unit_bytes);
+    int4* dst = reinterpret_cast<int4*>(p.peer_base[dest] + p.off_recv_x + p.rank * seg_bytes + r * unit_bytes);
+#pragma unroll 1
+    for (int c = 0; c < kRowChunks; ++c) {
+      int4 buf[kBU];
+#pragma unroll
+      for (int u = 0; u < kBU; ++u) buf[u] = ld_nc_v4(lsrc + c * kChunkVec + u * 32 + lane);
+#pragma unroll
+      for (int u = 0; u < kBU; ++u) st_v4(dst + c * kChunkVec + u * 32 + lane, buf[u]);
+    }
+    if (kMeta && lane < p.topk) {
+      const size_t row = (size_t)p.rank * p.max_tokens + (size_t)(r % p.max_tokens);
+      reinterpret_cast<long long*>(p.peer_base[dest] + p.off_recv_idx)[row * p.topk + lane] = r + lane;
+      reinterpret_cast<float*>(p.peer_base[dest] + p.off_recv_w)[row * p.topk + lane] = (float)lane;
     }
   }
 }
@@ -193,7 +238,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
     return -1;
   }
   const size_t seg = std::min((size_t)p.max_tokens * p.row_bytes, (size_t)p.max_tokens * p.hidden * 2);
-  if (mode < 0 || mode > 12 || num_blocks < 1 || warps < 2 || warps > 32 || (warps & 1) || bytes_per_peer <= 0 ||
+  if (mode < 0 || mode > 16 || num_blocks < 1 || warps < 2 || warps > 32 || (warps & 1) || bytes_per_peer <= 0 ||
       bytes_per_peer % (kChunkVec * 16 * 2) != 0 || (size_t)bytes_per_peer > seg) {
     ep_set_error("ep_bench_link: bad mode %d, blocks %d, warps %d or bytes %lld (max %zu, multiple of %d)", mode,
                  num_blocks, warps, bytes_per_peer, seg, kChunkVec * 32);
@@ -204,7 +249,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
   cudaStream_t st = (cudaStream_t)vstream;
   if (mode >= 8) {
     if (warps > 16) {
-      ep_set_error("ep_bench_link: modes 8-12 take at most 16 warps");
+      ep_set_error("ep_bench_link: modes 8-16 take at most 16 warps");
       return -1;
     }
     const int thr = warps * 32;
@@ -212,6 +257,10 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
     if (mode == 9) link_push_rows_kernel<512, false, 4, false><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
     if (mode == 10) link_push_rows_kernel<512, true, 4, false><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
     if (mode == 11) link_push_rows_kernel<512, true, 4, true><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
+    if (mode == 13) link_push_spread_kernel<512, false, false><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
+    if (mode == 14) link_push_spread_kernel<512, true, false><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
+    if (mode == 15) link_push_rows_kernel<512, true, 4, true, true><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
+    if (mode == 16) link_push_spread_kernel<512, true, true><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
     if (mode == 12) {
       // rows of 16 KiB that fit every source segment: the h200x4 combine has max_tokens rows
       const long long rows = std::min<long long>(p.max_tokens, (long long)(seg / 16384));

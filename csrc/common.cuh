@@ -16,6 +16,7 @@
 //     base          [world] i32                  first row of my tokens in rank d's recv buffer
 //     num_recv      i64, expert_counts [experts_per_rank] i64
 //     counters      u32 [4]                      blocks finished per launch (reset by the last block)
+//                                                  [2]: v9 own-copy go flag (epoch; dispatch.cu)
 //     dev_error     i32                          nonzero once any wait timed out: every spin loop bails
 #pragma once
 
@@ -104,6 +105,10 @@ enum EpStamp {
 
 
 enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
+// v9 (dispatch.cu, EP_OWN_SIDE*): counters[kCounterOwnGo] = epoch once the data kernel is past its
+// griddepcontrol.wait, i.e. slot_map / base of this call are written; the side-stream own-row kernel
+// waits for it.
+enum { kCounterOwnGo = 2 };
 
 struct EpContext {
   EpParams p;
@@ -114,6 +119,12 @@ struct EpContext {
   EpErrorInfo* host_error;  // host view
   bool peers_open;
   int max_smem_optin;
+  // v9 own-rank rows on a side stream (ep_set_own_copy, dispatch.cu). Zero (off) after `new EpContext()`;
+  // the stream and events are created on first use and not released by ep_destroy (one of each per context).
+  int own_copy;    // EP_OWN_* (api.h)
+  int own_blocks;  // blocks of the side kernel
+  cudaStream_t own_stream;
+  cudaEvent_t own_ev_pre, own_ev_done;
 };
 
 // ---- launchers (each next to its kernel) ----

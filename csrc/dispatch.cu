@@ -65,12 +65,25 @@ __device__ __forceinline__ void copy_metadata(const EpParams& p, const DispatchA
   }
 }
 
+// v9 own-copy hand-off: block 0's thread 0 of the data kernel, past griddepcontrol.wait (slot_map and
+// base of this call are written and visible to this grid), releases the epoch into
+// counters[kCounterOwnGo]; own_rows_kernel on the side stream acquires it before reading the layout.
+__device__ __forceinline__ void own_go_release(const EpParams& p, int epoch) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    st_release_sys(reinterpret_cast<int*>(p.counters + kCounterOwnGo), epoch);
+  }
+}
+
 // lean (v5): the same copy with every per-token load issued before the first store: chunk 0 of x,
 // the slot_map row, topk ids / weights and (fp8) the first 64 scales are all in flight together,
 // so a token costs one memory latency before its stores instead of three in a row.
-template <int kU, int kThreads>
+// kSkipSelf (v9, EP_OWN_SIDE*): rows to my own rank are left to own_rows_kernel on a side stream; this
+// kernel only tells it that the layout is ready (own_go_release). false: the v5 kernel unchanged.
+template <int kU, int kThreads, bool kSkipSelf = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
+  if (kSkipSelf) own_go_release(p, epoch);
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
@@ -110,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
       }
 #pragma unroll
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
-        if (rows[d] < 0) continue;
+        if (rows[d] < 0 || (kSkipSelf && d == p.rank)) continue;
         int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes);
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
@@ -121,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
     }
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) {
-      if (rows[d] < 0) continue;
+      if (rows[d] < 0 || (kSkipSelf && d == p.rank)) continue;
       uint8_t* pb = p.peer_base[d];
       if (lane < topk) {
         reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)rows[d] * topk + lane] = idx;
@@ -134,6 +147,139 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
     }
   }
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
+}
+
+// spread (v9): work unit = one (token, destination) pair; pair q -> token t = q / ndest, destination
+// index k = (q % ndest + t / tpi) % ndest (tpi = tokens per grid iteration = G / ndest), destination
+// (rank + 1 + k) % world, so my own rank comes last (k = world - 1) and is absent when kSkipSelf
+// (ndest = world - 1). Global warp g takes pairs g, g + G, ... For a fixed token k runs over every
+// destination once (a bijection per token whatever G is), so at every grid iteration the warps are
+// spread evenly over the destinations (what dmaj lost), and the t / tpi term turns each warp to the next
+// destination on every iteration, so every warp does its share of the (fast) own-rank rows. Each
+// 16-byte load feeds exactly one store (the plain-push pattern, v7: fan-out cost +23-27 us at 8 SMs);
+// a row is reloaded from HBM / L2 once per destination. Per pair the loads are issued as in lean
+// (chunk 0, the slot, ids / weights, the first 64 scales together); a pair whose token does not go
+// to that destination is dropped after its loads (dsv3: ~1 in 10 of the own pairs).
+template <int kU, int kThreads, bool kSkipSelf>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_spread_kernel(EpParams p, DispatchArgs a, int epoch) {
+  griddep_wait();  // slot_map and base come from the notify kernel
+  if (kSkipSelf) own_go_release(p, epoch);
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int G = gridDim.x * nwarps;
+  const int world = p.world, topk = p.topk, ns = p.num_scales;
+  const int ndest = kSkipSelf ? world - 1 : world;
+  const int tpi = max(1, G / max(ndest, 1));
+  const int my_base = lane < world ? p.base[lane] : 0;
+  const int V = p.row_bytes >> 4;
+  const bool aborted = ld_volatile(p.dev_error) != 0;
+  const long long npairs = ndest > 0 ? (long long)a.num_tokens * ndest : 0;
+  for (long long q = (long long)blockIdx.x * nwarps + warp; !aborted && q < npairs; q += G) {
+    const int t = (int)(q / ndest);
+    const int k = ((int)(q % ndest) + t / tpi) % ndest;
+    const int d = (p.rank + 1 + k) % world;
+    const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+    int4 buf[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = u * 32 + lane;
+      if (i < V) buf[u] = ld_nc_v4(src + i);
+    }
+    const int slot = p.slot_map[(size_t)t * world + d];  // same address in every lane: one transaction
+    long long idx = 0;
+    float w = 0.f, sc0 = 0.f, sc1 = 0.f;
+    if (lane < topk) {
+      idx = a.topk_idx[(size_t)t * topk + lane];
+      w = a.topk_w[(size_t)t * topk + lane];
+    }
+    const float* scales = a.x_scales + (size_t)t * ns;
+    if (lane < ns) sc0 = scales[lane];
+    if (lane + 32 < ns) sc1 = scales[lane + 32];
+    if (slot < 0) continue;  // warp-uniform
+    const int row = __shfl_sync(0xffffffffu, my_base, d) + slot;
+    uint8_t* pb = p.peer_base[d];
+    int4* dst = reinterpret_cast<int4*>(pb + p.off_recv_x + (size_t)row * p.row_bytes);
+    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+      if (v0 > 0) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int i = v0 + u * 32 + lane;
+          if (i < V) buf[u] = ld_nc_v4(src + i);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int i = v0 + u * 32 + lane;
+        if (i < V) st_v4(dst + i, buf[u]);
+      }
+    }
+    if (lane < topk) {
+      reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)row * topk + lane] = idx;
+      reinterpret_cast<float*>(pb + p.off_recv_w)[(size_t)row * topk + lane] = w;
+    }
+    float* dst_scales = reinterpret_cast<float*>(pb + p.off_recv_scales) + (size_t)row * ns;
+    if (lane < ns) dst_scales[lane] = sc0;
+    if (lane + 32 < ns) dst_scales[lane + 32] = sc1;
+    for (int j = lane + 64; j < ns; j += 32) dst_scales[j] = scales[j];
+  }
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
+}
+
+// v9 own rows (EP_OWN_SIDE*): a small grid on a side stream copies the rows this rank dispatches to
+// itself (x row t -> my recv_x row base[me] + slot_map[t][me], plus ids / weights / scales), while the
+// data kernel (lean or spread with kSkipSelf) pushes only the remote rows. It is launched before the
+// data kernel can have started, so it first waits for the data kernel's go flag (own_go_release): no
+// stream event between the notify and the data kernel, whose programmatic dependent launch stays intact.
+// A copy engine cannot do this copy: the own rows are a gather (tokens routed to me are not contiguous in
+// x) whose addresses exist only on the device after the notify. The wait does not report a timeout of its
+// own before 2 x timeout (the notify's or the data kernel's wait names the missing peer first); it bails
+// as soon as dev_error is set.
+template <int kU, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) own_rows_kernel(EpParams p, DispatchArgs a, int epoch) {
+  const int* go = reinterpret_cast<const int*>(p.counters + kCounterOwnGo);
+  if (threadIdx.x == 0) {
+    const unsigned long long start = globaltimer();
+    while (ld_acquire_sys(go) - epoch < 0) {
+      if (ld_volatile(p.dev_error) != 0) break;
+      if (globaltimer() - start > 2 * p.timeout_ns + 1000000000ull) {
+        report_timeout(p.dev_error, p.host_error, p.rank, p.rank, kPhaseDispatch);
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  if (ld_volatile(p.dev_error) != 0) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int G = gridDim.x * nwarps, world = p.world, topk = p.topk, ns = p.num_scales, me = p.rank;
+  const int V = p.row_bytes >> 4;
+  const int base = ld_volatile(p.base + me);
+  uint8_t* pb = p.peer_base[me];
+  for (int t = blockIdx.x * nwarps + warp; t < a.num_tokens; t += G) {
+    const int slot = ld_volatile(p.slot_map + (size_t)t * world + me);
+    if (slot < 0) continue;
+    const int row = base + slot;
+    const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+    int4* dst = reinterpret_cast<int4*>(pb + p.off_recv_x + (size_t)row * p.row_bytes);
+    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+      int4 buf[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int i = v0 + u * 32 + lane;
+        if (i < V) buf[u] = ld_nc_v4(src + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int i = v0 + u * 32 + lane;
+        if (i < V) st_v4(dst + i, buf[u]);
+      }
+    }
+    if (lane < topk) {
+      reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)row * topk + lane] = a.topk_idx[(size_t)t * topk + lane];
+      reinterpret_cast<float*>(pb + p.off_recv_w)[(size_t)row * topk + lane] = a.topk_w[(size_t)t * topk + lane];
+    }
+    float* dst_scales = reinterpret_cast<float*>(pb + p.off_recv_scales) + (size_t)row * ns;
+    for (int j = lane; j < ns; j += 32) dst_scales[j] = a.x_scales[(size_t)t * ns + j];
+  }
 }
 
 // dmaj (v7, destination-major): warp g owns the contiguous token range [g * per, (g + 1) * per)
@@ -439,6 +585,24 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(ctx->device));
+  // v9 own rows on a side stream: only for lean and spread (the other variants ignore the option).
+  const bool own_side = ctx->own_copy != EP_OWN_OFF && (impl == EP_DISPATCH_LEAN || impl == EP_DISPATCH_SPREAD);
+  int data_sms = num_sms;
+  if (own_side) {
+    if (ctx->own_copy == EP_OWN_SIDE_IN) data_sms = num_sms - ctx->own_blocks;
+    if (data_sms < 1) {
+      ep_set_error("own copy side-in: num_sms %d leaves no block beside %d own-row blocks", num_sms, ctx->own_blocks);
+      return -1;
+    }
+    if (ctx->own_stream == nullptr) {
+      CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->own_stream, cudaStreamNonBlocking));
+      CUDA_CHECK(cudaEventCreateWithFlags(&ctx->own_ev_pre, cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&ctx->own_ev_done, cudaEventDisableTiming));
+    }
+    // the side stream starts after everything queued before this call (buffer reuse), not after the notify
+    CUDA_CHECK(cudaEventRecord(ctx->own_ev_pre, stream));
+    CUDA_CHECK(cudaStreamWaitEvent(ctx->own_stream, ctx->own_ev_pre, 0));
+  }
   if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, epoch, stream) != 0) return -1;
 
   DispatchArgs a;
@@ -475,6 +639,28 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     }
     return 0;
   }
+  if (own_side) {  // v9: lean or spread without the own rows, which a side-stream kernel copies
+    if (impl == EP_DISPATCH_LEAN) {
+      CUDA_CHECK(warps <= 16
+                     ? launch_dependent(dispatch_lean_kernel<8, 512, true>, data_sms, threads, 0, stream, p, a, epoch)
+                     : launch_dependent(dispatch_lean_kernel<4, 1024, true>, data_sms, threads, 0, stream, p, a, epoch));
+    } else {
+      CUDA_CHECK(warps <= 16
+                     ? launch_dependent(dispatch_spread_kernel<8, 512, true>, data_sms, threads, 0, stream, p, a, epoch)
+                     : launch_dependent(dispatch_spread_kernel<4, 1024, true>, data_sms, threads, 0, stream, p, a, epoch));
+    }
+    own_rows_kernel<8, 512><<<ctx->own_blocks, 512, 0, ctx->own_stream>>>(p, a, epoch);
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaEventRecord(ctx->own_ev_done, ctx->own_stream));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->own_ev_done, 0));
+    return 0;
+  }
+  if (impl == EP_DISPATCH_SPREAD) {
+    CUDA_CHECK(warps <= 16
+                   ? launch_dependent(dispatch_spread_kernel<8, 512, false>, num_sms, threads, 0, stream, p, a, epoch)
+                   : launch_dependent(dispatch_spread_kernel<4, 1024, false>, num_sms, threads, 0, stream, p, a, epoch));
+    return 0;
+  }
   if (impl == EP_DISPATCH_LEAN) {
     CUDA_CHECK(warps <= 16 ? launch_dependent(dispatch_lean_kernel<8, 512>, num_sms, threads, 0, stream, p, a, epoch)
                            : launch_dependent(dispatch_lean_kernel<4, 1024>, num_sms, threads, 0, stream, p, a, epoch));
@@ -487,5 +673,16 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     CUDA_CHECK(pipe ? launch_dependent(dispatch_reg_kernel<4, 1024, true>, num_sms, threads, 0, stream, p, a, epoch)
                     : launch_dependent(dispatch_reg_kernel<4, 1024, false>, num_sms, threads, 0, stream, p, a, epoch));
   }
+  return 0;
+}
+
+extern "C" int ep_set_own_copy(void* vctx, int mode, int blocks) {
+  EpContext* ctx = (EpContext*)vctx;
+  if ((mode != EP_OWN_OFF && mode != EP_OWN_SIDE && mode != EP_OWN_SIDE_IN) || blocks < 1 || blocks > 64) {
+    ep_set_error("ep_set_own_copy: bad mode %d or blocks %d (1..64)", mode, blocks);
+    return -1;
+  }
+  ctx->own_copy = mode;
+  ctx->own_blocks = blocks;
   return 0;
 }

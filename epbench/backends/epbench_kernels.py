@@ -10,8 +10,12 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are constructor arguments, with the environment as the
 default (values chosen by measurement, notes/KERNELS.md):
-  EPBENCH_DISPATCH_IMPL   lean | dmaj | dmaj-norot | reg | pipe | tma  (register paths or TMA bulk-copy path;
-                          dmaj: destination-major, v7, notes/KERNELS.md)
+  EPBENCH_DISPATCH_IMPL   lean | spread | dmaj | dmaj-norot | reg | pipe | tma  (register paths or TMA bulk-copy
+                          path; dmaj: destination-major, v7; spread: (token, destination) pairs, v9; notes/KERNELS.md)
+  EPBENCH_OWN_COPY        off | side | side-in  (v9, lean / spread only: rows to my own rank copied by a
+                          side-stream kernel of EPBENCH_OWN_BLOCKS blocks, outside num_sms (side) or taken from it
+                          (side-in); off = the data kernel writes them, as before)
+  EPBENCH_OWN_BLOCKS      blocks of that side kernel
   EPBENCH_DISPATCH_WARPS  warps per dispatch block (1..32)
   EPBENCH_TMA_STAGES      row buffers per warp in the TMA path
   EPBENCH_COMBINE_WARPS   warps per combine block (1..16)
@@ -42,6 +46,8 @@ DEFAULTS: Dict[str, Any] = {
     "tma_stages": 3,
     "combine_warps": 16,
     "notify_impl": "staged",
+    "own_copy": "off",
+    "own_blocks": 2,
 }
 MAX_WORLD = 8
 MAX_TOPK = 32
@@ -97,7 +103,8 @@ class EpbenchBackend(Backend):
 
     def __init__(self, setup: RankSetup, *, dispatch_impl: Optional[str] = None,
                  dispatch_warps: Optional[int] = None, tma_stages: Optional[int] = None,
-                 combine_warps: Optional[int] = None, notify_impl: Optional[str] = None) -> None:
+                 combine_warps: Optional[int] = None, notify_impl: Optional[str] = None,
+                 own_copy: Optional[str] = None, own_blocks: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -118,6 +125,8 @@ class EpbenchBackend(Backend):
         self._open_peers()
         self._views()
         self.notify_impl = _knob("notify_impl", notify_impl)
+        self._own_blocks = _knob("own_blocks", own_blocks)
+        self.own_copy = _knob("own_copy", own_copy)
         # The timeout record's flag word, read without a function call on every dispatch/combine.
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ctx))
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -177,6 +186,28 @@ class EpbenchBackend(Backend):
         cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_NOTIFY_IMPL, cuda_lib.NOTIFY_IMPLS[value]),
                        "ep_set_option")
         self._notify = value
+
+    @property
+    def own_copy(self) -> str:
+        return self._own
+
+    @own_copy.setter
+    def own_copy(self, value: str) -> None:
+        if value not in cuda_lib.OWN_COPY_MODES:
+            raise ValueError(f"own_copy must be one of {list(cuda_lib.OWN_COPY_MODES)}, got {value!r}")
+        cuda_lib.check(self._lib.ep_set_own_copy(self._ctx, cuda_lib.OWN_COPY_MODES[value], int(self._own_blocks)),
+                       "ep_set_own_copy")
+        self._own = value
+
+    @property
+    def own_blocks(self) -> int:
+        return self._own_blocks
+
+    @own_blocks.setter
+    def own_blocks(self, value: int) -> None:
+        cuda_lib.check(self._lib.ep_set_own_copy(self._ctx, cuda_lib.OWN_COPY_MODES[self._own], int(value)),
+                       "ep_set_own_copy")
+        self._own_blocks = int(value)
 
     def set_debug_stamps(self, on: bool) -> None:
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -124,6 +125,21 @@ QUICK = {"uniform bf16 h2048", "uniform fp8 h2048", "rank with 0 tokens", "T=1 b
          "own rank only", "fp8 h7168 e64"}
 
 
+def set_impl(be: EpbenchBackend, name: str, warps: int) -> None:
+    """name = impl[+side|+side-in][blocks] (v9): the dispatch variant and who writes the own-rank rows,
+    e.g. spread+side-in4 = spread kernel on num_sms - 4 blocks, own rows by a 4-block side-stream kernel."""
+    impl, _, own = name.partition("+")
+    blocks = 2
+    if own:
+        m = re.fullmatch(r"(side|side-in)(\d*)", own)
+        if m is None:
+            raise ValueError(f"bad own-copy suffix in {name!r} (want +side, +side-in, optional block count)")
+        own, blocks = m.group(1), int(m.group(2) or 2)
+    be.dispatch_impl, be.dispatch_warps = impl, warps
+    be.own_blocks = blocks
+    be.own_copy = own or "off"
+
+
 def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     failures = 0
     lines = []
@@ -132,7 +148,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device))
         for impl, warps, sms in impls:
-            be.dispatch_impl, be.dispatch_warps = impl, warps
+            set_impl(be, impl, warps)
             for rep in range(2):  # twice: the second call reuses buffers and flags
                 salt = zlib.crc32(f"{case.name}/{impl}/{sms}/{rep}".encode()) % 10000
                 try:
@@ -279,8 +295,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 be.notify_impl = nimpl
                 if dtype == "fp8" and v[0] == "tma":
                     continue  # v1: tma was never better than reg for fp8 rows
-                impl, warps = v[0], int(v[1])
-                be.dispatch_impl, be.dispatch_warps = impl, warps
+                impl, warps = v[0].partition("+")[0], int(v[1])
+                set_impl(be, v[0], warps)
                 if impl == "tma":
                     be.tma_stages = int(v[2])
                 for sms in sms_list:
@@ -288,8 +304,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     do_combine = dtype == "bf16" and v is variants[0] and nimpl == notify_impls[0]
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine, args.presleep)
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
-                    stamped = ("reg", "lean", "dmaj", "dmaj-norot", "notify-only")
-                    if args.stamps and sms in (8, 16) and v[0] in stamped:
+                    stamped = ("reg", "lean", "dmaj", "dmaj-norot", "spread", "notify-only")
+                    if args.stamps and sms in (8, 16) and impl in stamped:
                         line = stamp_phases(be, inp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
                     for op in ("dispatch", "combine"):
@@ -366,7 +382,9 @@ def main() -> int:
     ap.add_argument("--link-modes", default="store,load,split,interleave,push,pull,split-real,interleave-real,"
                     "split:32,split-real:32", help="linkbench modes (name[:warps])")
     ap.add_argument("--impls", default="reg:16:3,tma:4:5,pipe:16:8,pipe:32:16,lean:16:8,lean:32:5,dmaj:16:8,"
-                    "dmaj:32:5,dmaj-norot:16:3", help="check: dispatch variants as impl:warps:sms")
+                    "dmaj:32:5,dmaj-norot:16:3,spread:16:8,spread:32:5,spread:16:3,lean+side:16:8,"
+                    "spread+side:16:8,spread+side-in:16:8,spread+side-in1:32:3",
+                    help="check: dispatch variants as impl[+side|+side-in[blocks]]:warps:sms")
     ap.add_argument("--sms", default="8,16,24,32")
     ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16")
     ap.add_argument("--notify", default="staged", help="notify kernel variants to bench: staged,direct")
