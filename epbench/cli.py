@@ -35,6 +35,7 @@ ResultsOpt = Annotated[Path, typer.Option("--results", help="Folder that receive
 NnodesOpt = Annotated[Optional[int], typer.Option("--nnodes", help="Nodes (multi-node runs; passed to torchrun).")]
 NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="This node's rank (passed to torchrun).")]
 RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (passed to torchrun).")]
+RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="Seconds to wait for every node to join (multi-node; torchrun's default otherwise).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
@@ -101,7 +102,7 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
 
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
-            tokens: Optional[str] = None) -> None:
+            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None) -> None:
     import dataclasses
 
     launch.apply_safe_env()
@@ -121,6 +122,12 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         raise typer.Exit(code)
     dev = resolve_device(s, device)
     nodes = nnodes or 1
+    if nodes > 1 and not rdzv:
+        raise UserError("--nnodes: a multi-node run needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    if nodes > 1 and nodes != s.topology.nodes:
+        raise UserError(f"--nnodes {nodes}: {s.source} describes {s.topology.nodes} node(s)")
+    if rdzv_timeout is not None and rdzv_timeout < 1:
+        raise UserError(f"--rdzv-timeout: must be at least 1 second, got {rdzv_timeout}")
     if s.topology.nodes > 1 and nodes == 1 and not s.topology.virtual_nodes:
         raise UserError(f"{s.source}: topology.nodes: this scenario spans {s.topology.nodes} nodes; "
                         f"start it on every node with --nnodes {s.topology.nodes} --node-rank N "
@@ -139,7 +146,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         args.append("--no-ceilings")
     if opts.tokens:
         args += ["--tokens", ",".join(map(str, opts.tokens))]
-    cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv)
+    cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv, rdzv_timeout)
     code = launch.relaunch(cmd, dev)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()  # the job died before it measured anything
@@ -151,10 +158,11 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None,
         device: DeviceOpt = None, results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
-        inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None) -> None:
+        inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
+        rdzv_timeout: RdzvTimeoutOpt = None) -> None:
     """Run a scenario across ranks (re-executing under torchrun) and print its table."""
     _launch("run", path, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-            rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens)
+            rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout)
 
 
 @app.command()
@@ -166,12 +174,12 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
-          no_ceilings: NoCeilOpt = False) -> None:
+          no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None) -> None:
     """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens)
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout)
 
 
 @app.command()

@@ -25,14 +25,16 @@ def under_torchrun() -> bool:
 
 
 def torchrun_args(args: List[str], nproc_per_node: int, nnodes: int = 1,
-                  node_rank: Optional[int] = None,
-                  rdzv_endpoint: Optional[str] = None) -> List[str]:
+                  node_rank: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
+                  rdzv_timeout_s: Optional[int] = None) -> List[str]:
     """torchrun's own arguments for re-running ``epbench <args>`` on every rank."""
     cmd = [f"--nproc-per-node={nproc_per_node}"]
     if nnodes > 1 or rdzv_endpoint:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
         if node_rank is not None:
             cmd.append(f"--node-rank={node_rank}")
+        if rdzv_timeout_s is not None:
+            cmd.append(f"--rdzv-conf=join_timeout={rdzv_timeout_s}")
     else:
         cmd.append("--standalone")
     return cmd + ["-m", "epbench", *args]
@@ -45,6 +47,7 @@ def relaunch(torchrun: List[str], device: str) -> int:
 
     from torch.distributed import run as trun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     os.environ.update(SAFE_ENV)
     if device == "cpu":
@@ -58,6 +61,17 @@ def relaunch(torchrun: List[str], device: str) -> int:
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         print(f"epbench: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
         return code
+    except RendezvousError as e:
+        # the other nodes never came (wrong endpoint, a node not started, a firewall)
+        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+        where = next((a.split("=", 1)[1] for a in torchrun if a.startswith("--rdzv-endpoint=")), "?")
+        why = ("not every node joined in time (start the same command on every node; "
+               "--rdzv-timeout waits longer)" if isinstance(e, RendezvousTimeoutError)
+               else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}")
+        print(f"epbench: error: the nodes could not meet at the rendezvous {where}: {why}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -1,0 +1,48 @@
+"""Multi-node launch: the flags torchrun gets, and startup failures as one clear line."""
+
+from __future__ import annotations
+
+import socket
+
+from epbench.launch import torchrun_args
+from support import epbench
+
+
+def test_single_node_is_standalone_and_multi_node_uses_c10d():
+    one = torchrun_args(["run", "x.yaml"], 4)
+    assert "--standalone" in one and one[-3:] == ["epbench", "run", "x.yaml"]
+    many = torchrun_args(["run", "x.yaml"], 8, nnodes=4, node_rank=2, rdzv_endpoint="h:1",
+                         rdzv_timeout_s=30)
+    assert {"--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "--node-rank=2",
+            "--rdzv-conf=join_timeout=30"} <= set(many)
+    assert "--standalone" not in many
+
+
+TWO_NODES = """
+model: {hidden: 256, tokens_per_rank: 16, topk: 4, experts_per_rank: 4}
+topology: {nodes: 2, gpus_per_node: 2}
+bench: {warmup: 1, iters: 2, backends: [reference], device: cpu}
+"""
+
+
+def test_a_node_left_alone_stops_with_one_line(tmp_path, write_scenario):
+    path = write_scenario("two-nodes", TWO_NODES)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = epbench("run", path, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+                f"127.0.0.1:{port}", "--rdzv-timeout", "2", "--results", tmp_path / "r")
+    assert r.code == 1
+    lines = [ln for ln in r.err.splitlines() if ln.strip()]
+    assert lines == [lines[0]] and "could not meet at the rendezvous" in lines[0]
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # nothing half-made
+
+
+def test_multi_node_flags_are_checked_before_anything_starts(write_scenario):
+    path = write_scenario("two-nodes", TWO_NODES)
+    for args, needle in ((["--nnodes", "2"], "--rdzv-endpoint"),
+                         (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "describes 2 node(s)"),
+                         (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"],
+                          "--rdzv-timeout")):
+        r = epbench("run", path, *args)
+        assert r.code == 2 and needle in r.err and len(r.err.strip().splitlines()) == 1
