@@ -155,3 +155,24 @@ def raise_if_timed_out(lib: ctypes.CDLL, ctx: ctypes.c_void_p, timeout_s: float)
         what = PHASES.get(phase.value, f"phase {phase.value}")
         raise RuntimeError(f"epbench kernels: rank {rank.value} gave up after {timeout_s:g} s "
                            f"waiting for rank {peer.value} in {what}")
+
+
+def check_dispatch_input(inp: Any, setup: Any, x_dtype: Any, fp8: bool) -> None:
+    """What the kernels need of a dispatch input (shapes, dtypes, contiguity, 16-byte alignment);
+    ValueError naming the first thing wrong."""
+    import torch
+
+    s, x = setup, inp.x
+    if x.dtype != x_dtype or x.dim() != 2 or x.shape[1] != s.hidden:
+        raise ValueError(f"x must be {x_dtype} [T, {s.hidden}], got {x.dtype} {list(x.shape)}")
+    if x.shape[0] > s.max_tokens_per_rank:
+        raise ValueError(f"{x.shape[0]} tokens > max_tokens_per_rank {s.max_tokens_per_rank}")
+    if not (x.is_contiguous() and inp.topk_idx.is_contiguous() and inp.topk_weights.is_contiguous()):
+        raise ValueError("x, topk_idx and topk_weights must be contiguous")
+    if x.data_ptr() % 16:
+        raise ValueError("x must be 16-byte aligned")
+    if inp.topk_idx.dtype != torch.int64 or inp.topk_weights.dtype != torch.float32:
+        raise ValueError("topk_idx must be int64 and topk_weights float32")
+    if fp8 and (inp.x_scales is None or inp.x_scales.dtype != torch.float32
+                or not inp.x_scales.is_contiguous()):
+        raise ValueError("fp8 dispatch needs contiguous float32 x_scales [T, hidden / 128]")

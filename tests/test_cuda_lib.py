@@ -69,3 +69,24 @@ def test_no_timeout_raises_nothing():
             return 0
 
     cuda_lib.raise_if_timed_out(Lib, ctypes.c_void_p(), 10.0)
+
+
+def test_dispatch_input_check_accepts_good_input_and_names_bad():
+    import torch
+
+    from epbench.backends.base import DispatchInput, RankSetup
+
+    setup = RankSetup(rank=0, world=2, gpus_per_node=2, device=torch.device("cpu"), hidden=256,
+                      max_tokens_per_rank=8, topk=2, experts_per_rank=2, dispatch_dtype="bf16")
+    good = DispatchInput(torch.randn(4, 256).bfloat16(), None, torch.zeros(4, 2, dtype=torch.int64),
+                         torch.ones(4, 2))
+    cuda_lib.check_dispatch_input(good, setup, torch.bfloat16, False)
+    too_many = DispatchInput(torch.randn(9, 256).bfloat16(), None, torch.zeros(9, 2, dtype=torch.int64),
+                             torch.ones(9, 2))
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        cuda_lib.check_dispatch_input(too_many, setup, torch.bfloat16, False)
+    with pytest.raises(ValueError, match="x_scales"):
+        cuda_lib.check_dispatch_input(good, setup, torch.bfloat16, True)
+    bad_ids = DispatchInput(good.x, None, good.topk_idx.int(), good.topk_weights)
+    with pytest.raises(ValueError, match="int64"):
+        cuda_lib.check_dispatch_input(bad_ids, setup, torch.bfloat16, False)

@@ -219,20 +219,7 @@ class EpbenchBackend(Backend):
         return dict(zip(cuda_lib.STAMPS, raw))
 
     def _check_input(self, inp: DispatchInput) -> None:
-        s, x = self.s, inp.x
-        if x.dtype != self._x_dtype or x.dim() != 2 or x.shape[1] != s.hidden:
-            raise ValueError(f"x must be {self._x_dtype} [T, {s.hidden}], got {x.dtype} {list(x.shape)}")
-        if x.shape[0] > s.max_tokens_per_rank:
-            raise ValueError(f"{x.shape[0]} tokens > max_tokens_per_rank {s.max_tokens_per_rank}")
-        if not (x.is_contiguous() and inp.topk_idx.is_contiguous() and inp.topk_weights.is_contiguous()):
-            raise ValueError("x, topk_idx and topk_weights must be contiguous")
-        if x.data_ptr() % 16:
-            raise ValueError("x must be 16-byte aligned")
-        if inp.topk_idx.dtype != torch.int64 or inp.topk_weights.dtype != torch.float32:
-            raise ValueError("topk_idx must be int64 and topk_weights float32")
-        if self.fp8 and (inp.x_scales is None or inp.x_scales.dtype != torch.float32
-                         or not inp.x_scales.is_contiguous()):
-            raise ValueError("fp8 dispatch needs contiguous float32 x_scales [T, hidden / 128]")
+        cuda_lib.check_dispatch_input(inp, self.s, self._x_dtype, self.fp8)
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
