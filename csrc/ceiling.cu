@@ -3,11 +3,13 @@
 // epbench/ceiling.py so every result can show its percent of what SM-driven copies reach at the
 // same SM count.
 //
-// Grid: num_blocks blocks (one per SM) x `threads` threads. Block b starts at destination
-// b % ndst and walks the destinations round-robin, so all links are busy from the first store;
-// within a destination the blocks stride over 16-byte vectors together, each thread keeping
-// kUnroll loads in flight before it stores them. Tail bytes past the last full 16-byte vector
-// are not copied (rows are multiples of 16 bytes for bf16; fp8 rows lose < 16 bytes per peer).
+// Grid: num_blocks blocks (one per SM) x `threads` threads, the pattern of the link
+// micro-benchmark's fastest mode (csrc/bench.cu, mode 4 `push`): the work unit is a 4 KiB chunk
+// (32 lanes x kUnroll 16-byte vectors, all loads in flight before the stores), and consecutive
+// units go to different destinations (unit u -> destination u % ndst, chunk u / ndst), so every
+// link is busy all the time and each warp's stores spread over all peers. Tail bytes past the last
+// full 16-byte vector are not copied (rows are multiples of 16 bytes for bf16; fp8 rows lose
+// < 16 bytes per peer).
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -16,7 +18,8 @@
 namespace {
 
 constexpr int kMaxDst = EP_MAX_WORLD;
-constexpr int kUnroll = 4;
+constexpr int kUnroll = 8;
+constexpr int kChunk = 32 * kUnroll;  // vectors per unit
 
 struct StoreCeilingArgs {
   int4* dst[kMaxDst];
@@ -25,21 +28,26 @@ struct StoreCeilingArgs {
   int ndst;
 };
 
-__global__ void store_ceiling_kernel(StoreCeilingArgs a) {
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (int k = 0; k < a.ndst; ++k) {
-    const int d = (blockIdx.x + k) % a.ndst;
+__global__ void store_ceiling_kernel(StoreCeilingArgs a, long long max_chunks) {
+  const int lane = threadIdx.x & 31;
+  const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  const long long units = max_chunks * a.ndst;
+  for (long long u = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); u < units; u += warps) {
+    const int d = (int)(u % a.ndst);
+    const long long base = (u / a.ndst) * kChunk, n = a.vecs[d];
+    if (base >= n) continue;
     int4* dst = a.dst[d];
-    const long long n = a.vecs[d];
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
-      int4 v[kUnroll];
+    int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc_v4(a.src + i + u * stride);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) st_v4(dst + i + u * stride, v[u]);
+    for (int k = 0; k < kUnroll; ++k) {
+      const long long i = base + k * 32 + lane;
+      if (i < n) v[k] = ld_nc_v4(a.src + i);
     }
-    for (; i < n; i += stride) st_v4(dst + i, ld_nc_v4(a.src + i));
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const long long i = base + k * 32 + lane;
+      if (i < n) st_v4(dst + i, v[k]);
+    }
   }
 }
 
@@ -54,6 +62,7 @@ extern "C" int ep_store_ceiling(const unsigned long long* dst_ptrs, const long l
     return -1;
   }
   StoreCeilingArgs a = {};
+  long long max_chunks = 0;
   a.src = static_cast<const int4*>(src);
   a.ndst = ndst;
   for (int d = 0; d < ndst; ++d) {
@@ -63,9 +72,10 @@ extern "C" int ep_store_ceiling(const unsigned long long* dst_ptrs, const long l
     }
     a.dst[d] = reinterpret_cast<int4*>(dst_ptrs[d]);
     a.vecs[d] = bytes[d] / 16;
+    max_chunks = a.vecs[d] / kChunk + 1 > max_chunks ? a.vecs[d] / kChunk + 1 : max_chunks;
   }
   if (ndst == 0) return 0;
-  store_ceiling_kernel<<<num_blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  store_ceiling_kernel<<<num_blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(a, max_chunks);
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }

@@ -208,7 +208,7 @@ def set_sm_store_provider(fn: Optional[SmStoreProvider]) -> None:
     _sm_store_provider = fn
 
 
-STORE_THREADS = 1024  # threads per block of the store-ceiling kernel (one block per SM)
+STORE_THREADS = 512  # threads per block of the store-ceiling kernel (one block per SM), as in bench.cu
 
 
 def kernel_store_provider() -> Optional[SmStoreProvider]:
