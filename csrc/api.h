@@ -108,10 +108,11 @@ void* ep_ll_base(void* ll_ctx);
 int ep_ll_region(void* ll_ctx, int which, unsigned long long* ptr, unsigned long long* bytes);
 // Both calls allocate nothing, never synchronise with the host and take their epoch from device
 // memory: they may be captured into a CUDA graph and replayed. num_sms <= the GPU's SM count.
-int ep_ll_dispatch(void* ll_ctx, const void* x, const void* x_scales, const void* topk_idx, int num_tokens,
-                   int num_sms, int warps, void* stream);
-int ep_ll_combine(void* ll_ctx, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms, int warps,
-                  void* stream);
+// The routing weights travel with the dispatch (f32 [T, topk]): combine's expert side sums each
+// token's experts on this rank with them and sends one partial row per (token, rank).
+int ep_ll_dispatch(void* ll_ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
+                   int num_tokens, int num_sms, int warps, void* stream);
+int ep_ll_combine(void* ll_ctx, const void* topk_idx, int num_tokens, int num_sms, int warps, void* stream);
 int ep_ll_destroy(void* ll_ctx);
 
 #ifdef __cplusplus

@@ -75,13 +75,16 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.off_scales = c.take(slots * p.num_scales * sizeof(float));
   lp.off_pair = c.take(slots * sizeof(int));
   lp.off_dflags = c.take((size_t)lp.experts * p.world * sizeof(unsigned long long));
-  lp.off_crows = c.take((size_t)lp.t_max * p.topk * p.hidden * 2);
+  lp.off_tmap = c.take((size_t)p.world * lp.t_max * p.topk * sizeof(unsigned long long));
+  lp.off_tw = c.take((size_t)p.world * lp.t_max * p.topk * sizeof(float));
+  lp.off_crows = c.take((size_t)lp.t_max * p.world * p.hidden * 2);
   lp.off_cflags = c.take(EP_MAX_WORLD * sizeof(int));
   ep->shared_bytes = c.next;
   ctx->off_y = c.take(slots * p.hidden * 2);
   ctx->off_out = c.take((size_t)lp.t_max * p.hidden * 2);
   ctx->off_counts = c.take((size_t)lp.experts * sizeof(long long));
   ctx->off_src_counts = c.take((size_t)lp.experts * p.world * sizeof(int));
+  ctx->off_src_tokens = c.take(EP_MAX_WORLD * sizeof(int));
   ctx->off_epochs = c.take(2 * sizeof(int));
   ctx->off_counters = c.take(4 * sizeof(unsigned));
   ctx->off_expert_done = c.take((size_t)lp.num_experts * sizeof(unsigned));
@@ -99,6 +102,8 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   // Flags, epochs, counters and the error word start at zero; the buffers are garbage until written.
   CUDA_CHECK(cudaMemset(r + lp.off_dflags, 0, (size_t)lp.experts * p.world * sizeof(unsigned long long)));
   CUDA_CHECK(cudaMemset(r + lp.off_cflags, 0, EP_MAX_WORLD * sizeof(int)));
+  CUDA_CHECK(cudaMemset(r + lp.off_tmap, 0, (size_t)p.world * lp.t_max * p.topk * sizeof(unsigned long long)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_src_tokens, 0, EP_MAX_WORLD * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_epochs, 0, 2 * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counters, 0, 4 * sizeof(unsigned)));
   CUDA_CHECK(cudaMemset(r + ctx->off_expert_done, 0, (size_t)lp.num_experts * sizeof(unsigned)));
@@ -118,6 +123,7 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.out = (uint16_t*)(r + ctx->off_out);
   lp.counts = (long long*)(r + ctx->off_counts);
   lp.src_counts = (int*)(r + ctx->off_src_counts);
+  lp.src_tokens = (int*)(r + ctx->off_src_tokens);
   lp.epochs = (int*)(r + ctx->off_epochs);
   lp.counters = (unsigned*)(r + ctx->off_counters);
   lp.expert_done = (unsigned*)(r + ctx->off_expert_done);

@@ -1,25 +1,29 @@
 // Low-latency combine: one kernel, a push phase then a reduce phase; the epoch read from device
-// memory (CUDA-graph capturable). Layout and flags: ll_common.cuh; the formula:
-// epbench/backends/base.py (one term per expert, fp32 accumulation).
+// memory (CUDA-graph capturable). Layout and flags: ll_common.cuh. The result is the contract's
+// sum_k w[t, k] * y_{e_k}(t) (epbench/backends/base.py), computed in two fp32 steps: each rank
+// first sums a token's experts that live on it (its partial), then the source adds the partials.
 //
-// Push phase (expert side): the slots of y [E, C] are taken 32 at a time, one per lane: warp g
-// of the grid takes slots 32g .. 32g + 31, then 32(g + G) ... (G = all warps). A lane's slot
-// (le, s * T_max + j) is valid when j < src_counts[le, s] (from the matching dispatch); for each
-// valid slot the warp copies the bf16 output row into crows[pair] of source rank s (pair = t * topk
-// + k as received), with 16-byte loads then 16-byte stores over NVLink.
+// Push phase (expert side, pre-reduced: one row per (token, rank), not per (token, expert)):
+// work unit = (source s, token t < T_s, chunk c of kV x 32 16-byte vectors), c fastest, units
+// strided over all warps of the grid. Lane k < topk reads tmap[s, t, k] and tw[s, t, k] (written
+// by s's dispatch; an entry of another epoch means expert k of t is not on this rank); for the
+// valid k, up to kG at a time, the warp loads chunk c of y[slot_k] (all loads in flight), adds
+// w_k * y in fp32, and stores the bf16 partial into crows[t * world + me] of rank s over NVLink.
+// A token with no expert here costs one 8-byte load per lane and is skipped.
 // Release: every thread fences at system scope; the last block of the grid (block counter 1)
 // stores cflags[me] = epoch into every rank with st.release.sys.
 // Reduce phase (source side): in every block, thread s < world waits (bounded, wait_flag) for
-// cflags[s] == epoch in my region, so all rows for my tokens have landed; then warp g takes
-// tokens g, g + G, ...: lane k < topk holds w[t, k] (0 for an id outside 0..num_experts), and
-// each lane accumulates sum_k w_k * crows[t * topk + k] in fp32 over its 16-byte vectors, then
-// stores bf16 into out[t].
+// cflags[s] == epoch in my region, so all partials for my tokens have landed; then unit (t, c):
+// the ranks holding t's experts (from topk_idx) give a bit mask, the warp loads chunk c of each
+// of those partials (all in flight), sums them in fp32 and stores bf16 into out[t].
 // The reduce waits on a flag that the last block of this same grid releases: every block must be
 // resident at once (num_sms <= SM count, one 512-thread block per SM; ll_check_launch).
 // Last block of the grid stores the epoch back (ll_finish_launch, block counter 2).
 //
 // Reuse: a peer pushes into my crows for call n only after its dispatch n, which needed my
-// dispatch n, which started after my combine n - 1 had finished reading crows.
+// dispatch n, which started after my combine n - 1 had finished reading crows. A source rewrites
+// my tmap / tw in its dispatch n + 1 only after its combine n saw my cflags, which I release
+// after my push phase n (the only reader of tmap / tw) is done.
 #include <cuda_bf16.h>
 
 #include "ll_common.cuh"
@@ -28,28 +32,11 @@ namespace {
 
 struct LlCombineArgs {
   const int64_t* topk_idx;  // [T, topk] as given to the matching dispatch
-  const float* topk_w;      // [T, topk]
   int num_tokens;
 };
 
-constexpr int kU = 8;  // vectors per lane in flight when pushing
-constexpr int kR = 4;  // vectors per lane per row when reducing
-
-__device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors, int lane) {
-  for (int v0 = 0; v0 < vectors; v0 += 32 * kU) {
-    int4 buf[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = v0 + u * 32 + lane;
-      if (i < vectors) buf[u] = ld_nc_v4(src + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = v0 + u * 32 + lane;
-      if (i < vectors) st_v4(dst + i, buf[u]);
-    }
-  }
-}
+constexpr int kV = 2;  // 16-byte vectors per lane in a unit's chunk (64 vectors = 1 KiB of bf16)
+constexpr int kG = 4;  // rows whose chunk is loaded at once (kG x kV loads in flight per lane)
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v, float w) {
   const uint32_t words[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
@@ -70,39 +57,106 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
   return make_int4((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
 }
 
+// acc += sum over the rows selected by `mask` (bit b = lane b's row) of w_b * rows_b[v0 + 32 u + lane].
+// `row_of(b)` gives lane b's row base (already shuffled), `w` lane b's weight (shuffled inside).
+template <typename RowOf>
+__device__ __forceinline__ void accumulate(float (&acc)[kV][8], unsigned mask, float w, int v0, int V, int lane,
+                                           RowOf row_of) {
+  while (mask != 0) {
+    int lanes[kG];
+    int n = 0;
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      lanes[g] = mask != 0 ? __ffs(mask) - 1 : -1;
+      if (mask != 0) {
+        mask &= mask - 1;
+        ++n;
+      }
+    }
+    int4 buf[kG][kV];
+    float wg[kG];
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      const int b = lanes[g] < 0 ? 0 : lanes[g];
+      wg[g] = __shfl_sync(0xffffffffu, w, b);
+      const int4* row = row_of(b);
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        const int i = v0 + u * 32 + lane;
+        if (g < n && i < V) buf[g][u] = row[i];  // written by peers during this call or the caller: no .nc
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      if (g < n) {
+#pragma unroll
+        for (int u = 0; u < kV; ++u)
+          if (v0 + u * 32 + lane < V) add_bf16x8(acc[u], buf[g][u], wg[g]);
+      }
+    }
+  }
+}
+
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
-  __shared__ int s_epoch;
+  __shared__ int s_epoch, s_depoch;
+  __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
   __shared__ int is_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int world = p.world, topk = p.topk, E = lp.experts, C = lp.capacity, Tm = lp.t_max;
-  if (threadIdx.x == 0) s_epoch = ld_volatile(lp.epochs + 1) + 1;
+  const int world = p.world, topk = p.topk, E = lp.experts;
+  if (threadIdx.x == 0) {
+    s_epoch = ld_volatile(lp.epochs + 1) + 1;
+    s_depoch = ld_volatile(lp.epochs);  // the matching dispatch's epoch (stream order)
+    int acc = 0;
+    for (int s = 0; s < world; ++s) {
+      s_tokens[s] = acc;
+      acc += lp.src_tokens[s];
+    }
+    s_tokens[world] = acc;
+  }
   __syncthreads();
-  const int epoch = s_epoch;
-  const int G = gridDim.x * nwarps;
+  const int epoch = s_epoch, depoch = s_depoch;
+  const long long G = (long long)gridDim.x * nwarps;
   const size_t row = (size_t)p.hidden * 2;
-  const int V = p.hidden >> 3;  // 16-byte vectors per bf16 row
-  const int slots = E * C;
-  const int* pairs = reinterpret_cast<const int*>(p.peer_base[p.rank] + lp.off_pair);
+  const int V = p.hidden >> 3;           // 16-byte vectors per bf16 row
+  const int nch = (V + 32 * kV - 1) / (32 * kV);  // chunks per row
+  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(p.peer_base[p.rank] + lp.off_tmap);
+  const float* tw = reinterpret_cast<const float*>(p.peer_base[p.rank] + lp.off_tw);
+  const uint8_t* y = reinterpret_cast<const uint8_t*>(lp.y);
 
   bool aborted = ld_volatile(p.dev_error) != 0;
-  for (int q0 = (blockIdx.x * nwarps + warp) * 32; !aborted && q0 < slots; q0 += G * 32) {
-    const int q = q0 + lane;
-    int src = 0, pair = 0;
-    bool valid = false;
-    if (q < slots) {
-      const int le = q / C, rem = q - le * C;
-      src = rem / Tm;
-      valid = rem - src * Tm < lp.src_counts[le * world + src];
-      if (valid) pair = pairs[q];
+  const long long push_units = (long long)s_tokens[world] * nch;
+  for (long long u = blockIdx.x * nwarps + warp; !aborted && u < push_units; u += G) {
+    const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
+    int s = 0;
+    while (st >= s_tokens[s + 1]) ++s;
+    const int t = st - s_tokens[s];
+    unsigned long long ent = 0;
+    float w = 0.f;
+    if (lane < topk) {
+      const size_t tk = ((size_t)s * lp.t_max + t) * topk + lane;
+      ent = tmap[tk];
+      w = tw[tk];
     }
-    for (unsigned todo = __ballot_sync(0xffffffffu, valid); todo != 0; todo &= todo - 1) {
-      const int b = __ffs(todo) - 1;
-      const int s = __shfl_sync(0xffffffffu, src, b);
-      const int pr = __shfl_sync(0xffffffffu, pair, b);
-      copy_row(reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + (size_t)pr * row),
-               reinterpret_cast<const int4*>(reinterpret_cast<const uint8_t*>(lp.y) + (size_t)(q0 + b) * row), V,
-               lane);
+    const bool valid = lane < topk && (int)(ent >> 32) == depoch;
+    const unsigned mask = __ballot_sync(0xffffffffu, valid);
+    if (mask == 0) continue;  // no expert of this token here (warp-uniform)
+    const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
+    const int v0 = c * 32 * kV;
+    float acc[kV][8];
+#pragma unroll
+    for (int uu = 0; uu < kV; ++uu)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[uu][i] = 0.f;
+    accumulate(acc, mask, w, v0, V, lane, [&](int b) {
+      const int sl = __shfl_sync(0xffffffffu, slot, b);
+      return reinterpret_cast<const int4*>(y + (size_t)sl * row);
+    });
+    int4* dst = reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * world + p.rank) * row);
+#pragma unroll
+    for (int uu = 0; uu < kV; ++uu) {
+      const int i = v0 + uu * 32 + lane;
+      if (i < V) st_v4(dst + i, to_bf16x8(acc[uu]));
     }
   }
 
@@ -125,42 +179,30 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
 
   aborted = ld_volatile(p.dev_error) != 0;
   const uint8_t* crows = p.peer_base[p.rank] + lp.off_crows;
-  for (int t = blockIdx.x * nwarps + warp; !aborted && t < a.num_tokens; t += G) {
-    float w = 0.f;
-    bool ok = false;
+  const long long red_units = (long long)a.num_tokens * nch;
+  for (long long u = blockIdx.x * nwarps + warp; !aborted && u < red_units; u += G) {
+    const int t = (int)(u / nch), c = (int)(u - (long long)t * nch);
+    int d = -1;
     if (lane < topk) {
       const long long e = a.topk_idx[(size_t)t * topk + lane];
-      ok = e >= 0 && e < lp.num_experts;
-      w = ok ? a.topk_w[(size_t)t * topk + lane] : 0.f;
+      if (e >= 0 && e < lp.num_experts) d = (int)(e / E);
     }
-    const unsigned used = __ballot_sync(0xffffffffu, ok);
-    const int4* rows = reinterpret_cast<const int4*>(crows + (size_t)t * topk * row);
+    // bit d set when some expert of t lives on rank d; lane d of the mask loads rank d's partial
+    const unsigned ranks = __reduce_or_sync(0xffffffffu, d >= 0 ? 1u << d : 0u);
+    const int v0 = c * 32 * kV;
+    float acc[kV][8];
+#pragma unroll
+    for (int uu = 0; uu < kV; ++uu)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[uu][i] = 0.f;
+    accumulate(acc, ranks, 1.f, v0, V, lane, [&](int b) {
+      return reinterpret_cast<const int4*>(crows + ((size_t)t * world + b) * row);
+    });
     int4* dst = reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden);
-    for (int v0 = 0; v0 < V; v0 += 32 * kR) {
-      float acc[kR][8];
 #pragma unroll
-      for (int u = 0; u < kR; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-      for (int k = 0; k < topk; ++k) {
-        const float wk = __shfl_sync(0xffffffffu, w, k);
-        if (!((used >> k) & 1u)) continue;  // warp-uniform
-        int4 buf[kR];
-#pragma unroll
-        for (int u = 0; u < kR; ++u) {
-          const int i = v0 + u * 32 + lane;
-          if (i < V) buf[u] = rows[(size_t)k * V + i];  // peers wrote these during this kernel: no .nc
-        }
-#pragma unroll
-        for (int u = 0; u < kR; ++u) {
-          if (v0 + u * 32 + lane < V) add_bf16x8(acc[u], buf[u], wk);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kR; ++u) {
-        const int i = v0 + u * 32 + lane;
-        if (i < V) dst[i] = to_bf16x8(acc[u]);
-      }
+    for (int uu = 0; uu < kV; ++uu) {
+      const int i = v0 + uu * 32 + lane;
+      if (i < V) dst[i] = to_bf16x8(acc[uu]);
     }
   }
   ll_finish_launch(lp.counters + 2, lp.epochs + 1, epoch);
@@ -168,14 +210,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
 
 }  // namespace
 
-extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,
-                             int warps, void* vstream) {
+extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, int num_sms, int warps,
+                             void* vstream) {
   LlContext* ctx = (LlContext*)vctx;
   if (ll_check_launch(ctx, num_tokens, num_sms, warps) != 0) return -1;
   CUDA_CHECK(cudaSetDevice(ctx->ep->device));
   LlCombineArgs a;
   a.topk_idx = (const int64_t*)topk_idx;
-  a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
   ll_combine_kernel<512><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);
   CUDA_CHECK(cudaGetLastError());

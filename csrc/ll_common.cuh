@@ -9,16 +9,22 @@
 //     x          [E, C, row_bytes]       row of source s for local expert e at slot s * T_max + j
 //     scales     [E, C, ns] f32          fp8 only
 //     pair       [E, C] i32              t * topk + k of the row's source token
-//     dflags     [E, world] u64          dispatch: (epoch << 32) | rows, stored by source s into
-//                                        [e, s] with st.release.sys once all its rows for e landed
-//     crows      [T_max * topk, hidden] bf16   combine: expert e_k's output for my token t lands in
-//                                        row t * topk + k, pushed by the rank owning e_k
+//     dflags     [E, world] u64          dispatch: (epoch << 32) | (T_s << 16) | rows, stored by
+//                                        source s into [e, s] with st.release.sys once all its rows
+//                                        for e landed (T_s = the source's token count)
+//     tmap       [world, T_max, topk] u64  dispatch: (epoch << 32) | slot (= le * C + s * T_max + j)
+//                                        of source s's token t, k-th expert, when that expert is
+//                                        mine; entries of older epochs are stale (never cleared)
+//     tw         [world, T_max, topk] f32  the matching routing weight w[t, k]
+//     crows      [T_max, world, hidden] bf16  combine: rank d's partial sum for my token t
+//                                        (sum over t's experts on d of w * y) lands in row t * world + d
 //     cflags     [world] i32             combine: epoch, stored by rank d into [d] with
 //                                        st.release.sys once all of d's pushes to me landed
 //   local part
 //     y          [E, C, hidden] bf16     combine input, filled by the caller
 //     out        [T_max, hidden] bf16    combine result
-//     counts     [E] i64, src_counts [E, world] i32   written by the dispatch receive phase
+//     counts     [E] i64, src_counts [E, world] i32, src_tokens [world] i32   written by the
+//                                        dispatch receive phase
 //     epochs     i32 [2]                 calls done (dispatch, combine): each kernel uses epoch + 1
 //                                        and its last block stores it, so a replayed CUDA graph
 //                                        advances them on the device
@@ -34,11 +40,12 @@ enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6 };  // continue EpPhase
 
 struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank
-  size_t off_x, off_scales, off_pair, off_dflags, off_crows, off_cflags;
+  size_t off_x, off_scales, off_pair, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
   uint16_t* y;
   uint16_t* out;
   long long* counts;
   int* src_counts;
+  int* src_tokens;  // [world] tokens of each source in the last dispatch (from its dflags)
   int* epochs;
   unsigned* counters;
   unsigned* expert_done;
@@ -48,7 +55,7 @@ struct LlContext {
   EpContext* ep;  // region, device, peers and the timeout record, as in normal mode
   LlParams lp;
   int sm_count;  // read once here: launches may be captured into a CUDA graph
-  size_t off_y, off_out, off_counts, off_src_counts, off_epochs, off_counters, off_expert_done, off_dev_error;
+  size_t off_y, off_out, off_counts, off_src_counts, off_src_tokens, off_epochs, off_counters, off_expert_done, off_dev_error;
 };
 
 __device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned long long* p) {

@@ -11,12 +11,15 @@
 //      token t's slot j among my tokens routed to e is computed here, by the source alone.
 //   2. for each token of chunk c that picked e (lowest first), copies its row straight into
 //      x[le, me * T_max + j] on the rank d owning e (16-byte loads, all in flight, then 16-byte
-//      stores over NVLink), the fp8 scales, and pair = t * topk + k (lane 0).
+//      stores over NVLink), the fp8 scales, pair = t * topk + k (lane 0), and for combine the
+//      token map entry tmap[me, t, k] = (epoch << 32) | slot (lane 1) and w[t, k] (lane 2).
 //   3. fences at system scope; lane 0 counts the unit done in expert_done[e]. The last of e's
-//      units resets that counter and stores dflags[le, me] = (epoch << 32) | total into rank d
-//      with st.release.sys: every row this rank sends to e has landed before the flag does.
+//      units resets that counter and stores dflags[le, me] = (epoch << 32) | (T << 16) | total
+//      into rank d with st.release.sys: every row this rank sends to e (and its tmap entry) has
+//      landed before the flag does.
 // Receive phase: thread i < E of the grid waits (bounded, wait_epoch_u64) until every source's
-// dflags[i, s] carries this epoch, then writes src_counts[i, s] and counts[i]. The kernel ends
+// dflags[i, s] carries this epoch, then writes src_counts[i, s] and counts[i] (thread 0 also
+// src_tokens[s], the source's token count, for combine). The kernel ends
 // only when every row addressed to this rank's experts has landed.
 // Last block of the grid stores the epoch back (ll_finish_launch) for the next launch.
 //
@@ -31,6 +34,7 @@ struct LlDispatchArgs {
   const uint8_t* x;         // [T, row_bytes]
   const float* x_scales;    // [T, ns] (fp8 only)
   const int64_t* topk_idx;  // [T, topk]
+  const float* topk_w;      // [T, topk]
   int num_tokens;
 };
 
@@ -101,7 +105,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
         const float* src = a.x_scales + (size_t)t * ns;
         for (int i = lane; i < ns; i += 32) dst[i] = src[i];
       }
+      const size_t tk = ((size_t)p.rank * lp.t_max + t) * topk + k;
       if (lane == 0) reinterpret_cast<int*>(pb + lp.off_pair)[slot] = t * topk + k;
+      if (lane == 1)
+        reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] =
+            ((unsigned long long)(unsigned)epoch << 32) | (unsigned long long)slot;
+      if (lane == 2) reinterpret_cast<float*>(pb + lp.off_tw)[tk] = a.topk_w[(size_t)t * topk + k];
     }
     fence_acq_rel_sys();
     __syncwarp();
@@ -111,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
         atomicExch(lp.expert_done + e, 0u);
         fence_acq_rel_sys();
         unsigned long long* flag = reinterpret_cast<unsigned long long*>(pb + lp.off_dflags) + (size_t)le * world + p.rank;
-        st_release_sys_u64(flag, ((unsigned long long)(unsigned)epoch << 32) | (unsigned)total);
+        st_release_sys_u64(flag, ((unsigned long long)(unsigned)epoch << 32) | ((unsigned)T << 16) | (unsigned)total);
       }
     }
   }
@@ -122,8 +131,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
         reinterpret_cast<const unsigned long long*>(p.peer_base[p.rank] + lp.off_dflags) + (size_t)i * world;
     long long sum = 0;
     for (int s = 0; s < world; ++s) {
-      const int n = (int)(wait_epoch_u64(p, flags + s, epoch, s, kPhaseLlDispatch) & 0xffffffffu);
+      const unsigned long long v = wait_epoch_u64(p, flags + s, epoch, s, kPhaseLlDispatch);
+      const int n = (int)(v & 0xffffu);
       lp.src_counts[i * world + s] = n;
+      if (i == 0) lp.src_tokens[s] = (int)((v >> 16) & 0xffffu);
       sum += n;
     }
     lp.counts[i] = sum;
@@ -133,8 +144,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
 
 }  // namespace
 
-extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, const void* topk_idx, int num_tokens,
-                              int num_sms, int warps, void* vstream) {
+extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, const void* topk_idx,
+                              const void* topk_w, int num_tokens, int num_sms, int warps, void* vstream) {
   LlContext* ctx = (LlContext*)vctx;
   if (ll_check_launch(ctx, num_tokens, num_sms, warps) != 0) return -1;
   const EpParams& p = ctx->ep->p;
@@ -147,6 +158,7 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   a.x = (const uint8_t*)x;
   a.x_scales = (const float*)x_scales;
   a.topk_idx = (const int64_t*)topk_idx;
+  a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
   const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
   ll_dispatch_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);

@@ -76,8 +76,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ep_bench_link": [vp, i, i, i, ctypes.c_longlong, vp],
         "ep_ll_create": [ctypes.POINTER(EpConfig), ctypes.POINTER(vp)],
         "ep_ll_region": [vp, i, ctypes.POINTER(ull), ctypes.POINTER(ull)],
-        "ep_ll_dispatch": [vp, vp, vp, vp, i, i, i, vp],
-        "ep_ll_combine": [vp, vp, vp, i, i, i, vp],
+        "ep_ll_dispatch": [vp, vp, vp, vp, vp, i, i, i, vp],
+        "ep_ll_combine": [vp, vp, i, i, i, vp],
         "ep_ll_destroy": [vp],
     }
     lib.ep_ll_base.argtypes = [vp]

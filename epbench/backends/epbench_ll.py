@@ -2,15 +2,18 @@
 
 Low-latency mode only (contract in base.py): each (token, expert) pair is written straight into
 the owning rank's per-expert padded buffer by the source, with no layout pass and no host
-synchronisation; combine pushes every expert output back to its source, which reduces them
-with the weights in fp32. One device region per rank (ll_buffers.cu), exported and mapped with
+synchronisation (the routing weights travel with the rows); combine's expert side sums each
+token's experts on this rank with those weights in fp32 and pushes one bf16 partial row per
+(token, rank) back to the source, which adds the partials in fp32 (one extra bf16 rounding per
+partial, as in hierarchical combines). One device region per rank (ll_buffers.cu), exported and mapped with
 the normal mode's IPC code (buffers.cu) in the constructor. The kernels keep their epochs in
 device memory, so a captured CUDA graph of either call can be replayed (``supports_cuda_graphs``).
 
 The grid is ``num_sms`` blocks (at most the GPU's SM count: the receive phases need every block
 resident) of ``warps`` warps (constructor argument, default from EPBENCH_LL_WARPS, else 16).
 
-NOT YET RUN ON A GPU: written and compiled for sm_90 only (notes/KERNELS.md, "Low-latency mode").
+GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
+figures in notes/KERNELS.md, "Low-latency mode".
 """
 
 from __future__ import annotations
@@ -122,7 +125,8 @@ class EpbenchLowLatencyBackend(Backend):
         self._check_input(inp)
         t = inp.num_tokens
         rc = self._lib.ep_ll_dispatch(self._ctx, inp.x.data_ptr(), inp.x_scales.data_ptr() if self.fp8 else None,
-                                      inp.topk_idx.data_ptr(), t, num_sms, self.warps, self._stream())
+                                      inp.topk_idx.data_ptr(), inp.topk_weights.data_ptr(), t, num_sms, self.warps,
+                                      self._stream())
         if rc:
             cuda_lib.check(rc, "ll_dispatch")
         if self._timed_out.value:
@@ -136,8 +140,8 @@ class EpbenchLowLatencyBackend(Backend):
 
     def ll_combine(self, out: LowLatencyOutput, num_sms: int) -> torch.Tensor:
         h: _Handle = out.handle
-        rc = self._lib.ep_ll_combine(self._ctx, h.topk_idx.data_ptr(), h.topk_weights.data_ptr(), h.num_tokens,
-                                     num_sms, self.warps, self._stream())
+        rc = self._lib.ep_ll_combine(self._ctx, h.topk_idx.data_ptr(), h.num_tokens, num_sms, self.warps,
+                                     self._stream())
         if rc:
             cuda_lib.check(rc, "ll_combine")
         if self._timed_out.value:
