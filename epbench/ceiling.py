@@ -236,9 +236,8 @@ def kernel_store_provider() -> Optional[SmStoreProvider]:
         stream = ctypes.c_void_p(torch.cuda.current_stream(comm.device).cuda_stream)
         timer = Timer(comm.device, warmup + iters)
         for i in range(warmup + iters):
-            comm.sync()
             rc = timer.time(i, lambda: fn(ptrs, sizes, len(peers), source.data_ptr(), int(sms),
-                                          STORE_THREADS, stream))
+                                          STORE_THREADS, stream), align=comm.sync)
             cuda_lib.check(rc, "ep_store_ceiling")
         return timer.samples_us(warmup)
 
@@ -405,8 +404,7 @@ def copy_engine_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, 
 
     timer = Timer(comm.device, warmup + iters)
     for i in range(warmup + iters):
-        comm.sync()
-        timer.time(i, copies)
+        timer.time(i, copies, align=comm.sync)
     return timer.samples_us(warmup)
 
 

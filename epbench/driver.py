@@ -15,7 +15,7 @@ backend that supports CUDA graphs: plain launches, then replays of one captured 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -93,11 +93,9 @@ def _time_pair(comm: Comm, warmup: int, iters: int, dispatch: Callable[[], Any],
     n = warmup + iters
     timers = {op: Timer(comm.device, n) for op in OPS}
     for i in range(n):
-        comm.sync()
-        out = timers["dispatch"].time(i, dispatch)
+        out = timers["dispatch"].time(i, dispatch, align=comm.sync)
         fill(out)
-        comm.sync()
-        timers["combine"].time(i, lambda: combine(out))
+        timers["combine"].time(i, lambda: combine(out), align=comm.sync)
     return {op: t.samples_us(warmup) for op, t in timers.items()}
 
 
@@ -367,6 +365,13 @@ def _first_reason(reason: Optional[str]) -> Optional[str]:
     return next((f"rank {i}: {r}" for i, r in enumerate(reasons) if r), None)
 
 
+def runs_as_normal(be_cls: Optional[type], mode: str) -> bool:
+    """True for a normal-mode-only backend in a low-latency run: it then times its normal path on
+    the same batch (rows labelled timing "normal"), beside the low-latency kernels."""
+    return (mode == "low_latency" and be_cls is not None and "normal" in be_cls.modes
+            and "low_latency" not in be_cls.modes)
+
+
 def _mode_reason(be_cls: Optional[type], mode: str) -> Optional[str]:
     if be_cls is None or mode in be_cls.modes:
         return None
@@ -422,32 +427,35 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
     total_wrong = 0
     for name in opts.backends:
         be_cls, reason = load_backend(name)
-        reason = _first_reason(reason or _mode_reason(be_cls, s.mode) or be_cls.unavailable_reason(setup))
+        as_normal = runs_as_normal(be_cls, s.mode)
+        be_setup = replace(setup, mode="normal") if as_normal else setup
+        reason = _first_reason(reason or (None if as_normal else _mode_reason(be_cls, s.mode))
+                               or be_cls.unavailable_reason(be_setup))
         sms_list = opts.sms if be_cls is not None and be_cls.uses_sms else (0,)
         if reason:
             on_note(f"backend {name} skipped: {reason}")
             for _ in sms_list:
                 advance(f"{name}: skipped")
             continue
-        be = be_cls(setup)
-        if low_latency:
+        be = be_cls(be_setup)
+        if low_latency and not as_normal:
             tr = metrics.pair_traffic(routings, m.experts_per_rank, s.topology.gpus_per_node)
         else:
             tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, be_cls.hierarchical)
-        timings = ("launch",)
-        if low_latency and be_cls.supports_cuda_graphs and device == "cuda":
+        timings = ("normal",) if as_normal else ("launch",)
+        if low_latency and not as_normal and be_cls.supports_cuda_graphs and device == "cuda":
             timings = ("launch", "graph")
         try:
             for sms in sms_list:
                 for timing in timings:
                     rec = PointRecord(comm.rank, timing=timing)
-                    if low_latency:
+                    if low_latency and not as_normal:
                         calls = (graph_calls if timing == "graph" else launch_calls)(be, inp, sms)
                         rec.samples_us = time_ll_point(be, calls, comm, opts.warmup, opts.iters)
                         verify_ll_point(be, calls, s, routings, comm, salt[0], opts.inject_fault, rec)
                     else:
                         rec.samples_us = time_point(be, inp, sms, comm, opts.warmup, opts.iters)
-                        if cnt is not None:
+                        if cnt is not None and not low_latency:
                             count_point(be, inp, sms, comm, cnt, min(COUNTED_ITERS, opts.iters), rec)
                         verify_point(be, s, routings, sms, comm, salt[0], opts.inject_fault, rec)
                     salt[0] += 1

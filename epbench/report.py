@@ -62,8 +62,9 @@ def low_latency_table(df: pd.DataFrame, title: str = "") -> Table:
     """Latency first: p50 and p99 over iterations (each the slowest rank's), then bandwidth."""
     summary = summarize(df)
     table = Table(title=title or None, caption="p50 / p99 = percentiles of the per-iteration times, "
-                  "slowest rank; timing: plain launches or CUDA-graph replays; GB/s, 'a / b / c' = "
-                  "min / median / max over ranks; one row per (token, expert) pair")
+                  "slowest rank; timing: plain launches or CUDA-graph replays of the low-latency path "
+                  "(bytes: one row per (token, expert) pair), or 'normal': a normal-mode backend on the "
+                  "same batch (one row per (token, rank)); GB/s, 'a / b / c' = min / median / max over ranks")
     for col, just in (("tokens", "right"), ("op", "left"), ("backend", "left"), ("SMs", "right"),
                       ("timing", "left"), ("p50 us", "right"), ("p99 us", "right"), ("algbw", "right"),
                       ("NVLink busbw", "right"), ("slow rank", "right"), ("#wrong", "right")):

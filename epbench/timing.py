@@ -1,12 +1,15 @@
 """The one way epbench times a call: per-iteration device events on GPUs, the wall clock on CPUs
 (gloo calls block).
 
-On GPUs each timed call is preceded by a short device-side sleep (``HOST_LEAD_US``) queued before
-the start event: while the GPU sleeps, the host queues the call itself, so the interval between
+On GPUs each timed call is preceded by a short device-side sleep (``HOST_LEAD_US``), then the
+cross-rank alignment (``align``: a one-element all-reduce on the stream), then the start event:
+while the GPU sleeps, the host queues the alignment and the call itself, so the interval between
 the two events is the call's device time and never the host's launch cost. Without it a call
 shorter than its own Python/launch overhead (the low-latency kernels at a few tokens) is timed as
-GPU idle time waiting for the host. The sleep follows the cross-rank sync, and every rank sleeps
-equally long, so the ranks still start the timed call together."""
+GPU idle time waiting for the host. The alignment comes after the sleep because a sleep counts
+clock cycles, and idle GPUs run at different clocks: aligning first and sleeping second let
+ranks start up to ~40 us apart (measured, 2026-11-21), which a call that waits for its peers
+then shows as its own time."""
 
 from __future__ import annotations
 
@@ -50,14 +53,19 @@ class Timer:
                            for _ in range(n)]
         self.wall: List[float] = []
 
-    def time(self, i: int, fn: Callable[[], Any]) -> Any:
+    def time(self, i: int, fn: Callable[[], Any], align: Optional[Callable[[], None]] = None) -> Any:
+        """Times ``fn``; ``align`` (the cross-rank sync) runs just before, outside the timed region."""
         if self.cuda:
             start, end = self.events[i]
             host_lead()
+            if align is not None:
+                align()
             start.record()
             out = fn()
             end.record()
             return out
+        if align is not None:
+            align()
         t0 = time.perf_counter()
         out = fn()
         self.wall.append((time.perf_counter() - t0) * 1e6)
