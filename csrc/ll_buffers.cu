@@ -74,7 +74,10 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.off_x = c.take(slots * p.row_bytes);
   lp.off_scales = c.take(slots * p.num_scales * sizeof(float));
   lp.off_pair = c.take(slots * sizeof(int));
-  lp.off_dflags = c.take((size_t)lp.experts * p.world * sizeof(unsigned long long));
+  lp.off_stage = c.take((size_t)p.world * lp.t_max * p.row_bytes);
+  lp.off_sscales = c.take((size_t)p.world * lp.t_max * p.num_scales * sizeof(float));
+  lp.off_cnt = c.take((size_t)p.world * lp.experts * sizeof(int));
+  lp.off_dflags = c.take(EP_MAX_WORLD * sizeof(unsigned long long));
   lp.off_tmap = c.take((size_t)p.world * lp.t_max * p.topk * sizeof(unsigned long long));
   lp.off_tw = c.take((size_t)p.world * lp.t_max * p.topk * sizeof(float));
   lp.off_crows = c.take((size_t)lp.t_max * p.world * p.hidden * 2);
@@ -87,7 +90,6 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   ctx->off_src_tokens = c.take(EP_MAX_WORLD * sizeof(int));
   ctx->off_epochs = c.take(2 * sizeof(int));
   ctx->off_counters = c.take(4 * sizeof(unsigned));
-  ctx->off_expert_done = c.take((size_t)lp.num_experts * sizeof(unsigned));
   ctx->off_dev_error = c.take(sizeof(int));
   ep->region_bytes = align_up(c.next, 1 << 21);
 
@@ -100,13 +102,12 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   }
   uint8_t* r = ep->region;
   // Flags, epochs, counters and the error word start at zero; the buffers are garbage until written.
-  CUDA_CHECK(cudaMemset(r + lp.off_dflags, 0, (size_t)lp.experts * p.world * sizeof(unsigned long long)));
+  CUDA_CHECK(cudaMemset(r + lp.off_dflags, 0, EP_MAX_WORLD * sizeof(unsigned long long)));
   CUDA_CHECK(cudaMemset(r + lp.off_cflags, 0, EP_MAX_WORLD * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + lp.off_tmap, 0, (size_t)p.world * lp.t_max * p.topk * sizeof(unsigned long long)));
   CUDA_CHECK(cudaMemset(r + ctx->off_src_tokens, 0, EP_MAX_WORLD * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_epochs, 0, 2 * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counters, 0, 4 * sizeof(unsigned)));
-  CUDA_CHECK(cudaMemset(r + ctx->off_expert_done, 0, (size_t)lp.num_experts * sizeof(unsigned)));
   CUDA_CHECK(cudaMemset(r + ctx->off_dev_error, 0, sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counts, 0, (size_t)lp.experts * sizeof(long long)));
   CUDA_CHECK(cudaMemset(r + ctx->off_src_counts, 0, (size_t)lp.experts * p.world * sizeof(int)));
@@ -126,7 +127,6 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.src_tokens = (int*)(r + ctx->off_src_tokens);
   lp.epochs = (int*)(r + ctx->off_epochs);
   lp.counters = (unsigned*)(r + ctx->off_counters);
-  lp.expert_done = (unsigned*)(r + ctx->off_expert_done);
   p.dev_error = (int*)(r + ctx->off_dev_error);
   for (int i = 0; i < EP_MAX_WORLD; ++i) p.peer_base[i] = nullptr;
   p.peer_base[p.rank] = r;

@@ -5,13 +5,17 @@
 // (ep_ipc_handle / ep_open_peers in buffers.cu, on the EpContext that ep_ll_base returns); every
 // rank computes the same offsets, so a peer's buffer = peer_base[peer] + offset.
 // E = experts per rank, C = world * T_max (T_max = max tokens per rank), ns = hidden / 128 (fp8).
-//   shared part (peers write it over NVLink)
+//   shared part (peers write it over NVLink; x, scales, pair are written by the receiver itself)
 //     x          [E, C, row_bytes]       row of source s for local expert e at slot s * T_max + j
 //     scales     [E, C, ns] f32          fp8 only
 //     pair       [E, C] i32              t * topk + k of the row's source token
-//     dflags     [E, world] u64          dispatch: (epoch << 32) | (T_s << 16) | rows, stored by
-//                                        source s into [e, s] with st.release.sys once all its rows
-//                                        for e landed (T_s = the source's token count)
+//     stage      [world, T_max, row_bytes]  dispatch: source s's token t, sent once to every rank
+//                                        holding one of its experts (row s * T_max + t)
+//     sscales    [world, T_max, ns] f32  its fp8 scales
+//     cnt        [world, E] i32          dispatch: rows source s has for each of my experts
+//     dflags     [world] u64             dispatch: (epoch << 32) | T_s, stored by source s into [s]
+//                                        with st.release.sys once all its stage rows, tmap / tw
+//                                        entries and counts for me have landed
 //     tmap       [world, T_max, topk] u64  dispatch: (epoch << 32) | slot (= le * C + s * T_max + j)
 //                                        of source s's token t, k-th expert, when that expert is
 //                                        mine; entries of older epochs are stale (never cleared)
@@ -28,9 +32,9 @@
 //     epochs     i32 [2]                 calls done (dispatch, combine): each kernel uses epoch + 1
 //                                        and its last block stores it, so a replayed CUDA graph
 //                                        advances them on the device
-//     counters   u32 [4]                 blocks finished: 0 dispatch, 1 combine pushes, 2 combine end
+//     counters   u32 [4]                 blocks finished: 0 dispatch end, 1 combine pushes, 2 combine
+//                                        end, 3 dispatch sends
 //                                        (each reset by the last block)
-//     expert_done u32 [num_experts]      dispatch units finished per global expert (reset by the last)
 //     dev_error  i32                     nonzero once any wait timed out: every spin loop bails
 #pragma once
 
@@ -40,7 +44,7 @@ enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6 };  // continue EpPhase
 
 struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank
-  size_t off_x, off_scales, off_pair, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
+  size_t off_x, off_scales, off_pair, off_stage, off_sscales, off_cnt, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
   uint16_t* y;
   uint16_t* out;
   long long* counts;
@@ -48,14 +52,13 @@ struct LlParams {
   int* src_tokens;  // [world] tokens of each source in the last dispatch (from its dflags)
   int* epochs;
   unsigned* counters;
-  unsigned* expert_done;
 };
 
 struct LlContext {
   EpContext* ep;  // region, device, peers and the timeout record, as in normal mode
   LlParams lp;
   int sm_count;  // read once here: launches may be captured into a CUDA graph
-  size_t off_y, off_out, off_counts, off_src_counts, off_src_tokens, off_epochs, off_counters, off_expert_done, off_dev_error;
+  size_t off_y, off_out, off_counts, off_src_counts, off_src_tokens, off_epochs, off_counters, off_dev_error;
 };
 
 __device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned long long* p) {

@@ -1,31 +1,33 @@
-// Low-latency dispatch: one kernel, a send phase then a receive phase; no layout pass, no host
-// synchronisation, the epoch read from device memory (CUDA-graph capturable). Layout and flags:
-// ll_common.cuh; the placement contract: epbench/backends/base.py (ll_slots).
+// Low-latency dispatch (v2, staged): one kernel, a send phase then a receive phase; no layout
+// pass, no host synchronisation, the epoch read from device memory (CUDA-graph capturable).
+// Layout and flags: ll_common.cuh; the placement contract: epbench/backends/base.py (ll_slots).
 //
-// Work unit = (global expert e, chunk c of 32 tokens), chunk-major so that neighbouring warps
-// take different experts (and so different destinations). Warp g of the grid takes units
-// g, g + G, ... (G = all warps). Every block first stages topk_idx as int32 in shared memory.
-// For its unit a warp:
-//   1. scans the staged ids of all chunks, one token per lane: a ballot per chunk says which
-//      tokens picked e; `before` = such tokens in earlier chunks, `total` = in all chunks. So
-//      token t's slot j among my tokens routed to e is computed here, by the source alone.
-//   2. for each token of chunk c that picked e (lowest first), copies its row straight into
-//      x[le, me * T_max + j] on the rank d owning e (16-byte loads, all in flight, then 16-byte
-//      stores over NVLink), the fp8 scales, pair = t * topk + k (lane 0), and for combine the
-//      token map entry tmap[me, t, k] = (epoch << 32) | slot (lane 1) and w[t, k] (lane 2).
-//   3. fences at system scope; lane 0 counts the unit done in expert_done[e]. The last of e's
-//      units resets that counter and stores dflags[le, me] = (epoch << 32) | (T << 16) | total
-//      into rank d with st.release.sys: every row this rank sends to e (and its tmap entry) has
-//      landed before the flag does.
-// Receive phase: thread i < E of the grid waits (bounded, wait_epoch_u64) until every source's
-// dflags[i, s] carries this epoch, then writes src_counts[i, s] and counts[i] (thread 0 also
-// src_tokens[s], the source's token count, for combine). The kernel ends
-// only when every row addressed to this rank's experts has landed.
-// Last block of the grid stores the epoch back (ll_finish_launch) for the next launch.
+// A token crosses NVLink once per destination rank (not once per expert): the receiver copies it
+// into each of its experts' slots locally, which costs HBM bandwidth instead of NVLink bandwidth
+// (DeepSeek-V3 on 4 ranks: ~2.7 remote rows per token instead of ~6).
+// Send phase (every block first stages topk_idx as int32 in shared memory):
+//   rows: unit (token t, destination index i), strided over all warps; destination
+//      d = (me + 1 + i) % world, so neighbouring warps write to different ranks. If t has an
+//      expert on d, the warp copies its row into stage[me, t] on d (16-byte loads, all in flight,
+//      then 16-byte stores over NVLink), and its fp8 scales into sscales.
+//   slots: unit (global expert e, chunk c of 32 tokens). The warp scans the staged ids of all
+//      chunks, one token per lane: a ballot per chunk says which tokens picked e; `before` =
+//      such tokens in earlier chunks, so token t's slot j among my tokens routed to e is known
+//      here, by the source alone. Each lane whose token picked e (as its k-th expert) stores
+//      tmap[me, t, k] = (epoch << 32) | (le * C + me * T_max + j) and tw[me, t, k] = w[t, k] on d;
+//      the chunk-0 unit stores cnt[me, le] = rows for e.
+//   release: every thread fences at system scope; the last block of the grid (block counter 3)
+//      stores dflags[me] = (epoch << 32) | T into every rank with st.release.sys.
+// Receive phase: thread s < world of every block waits (bounded) for dflags[s] of this epoch;
+// block 0 writes counts / src_counts / src_tokens from cnt; then unit (source s, token t < T_s,
+// chunk c of the row): lane k reads tmap[s, t, k] (another epoch: that expert is not mine), and
+// the warp copies chunk c of stage[s, t] into x at each valid slot (and, for c = 0, the scales and
+// pair = t * topk + k). The kernel ends when every row addressed to my experts is in place.
+// Last block of the grid stores the epoch back (ll_finish_launch, block counter 0).
 //
-// Buffer reuse is safe without another barrier: a source starts call n + 1 only after its
-// combine n, which waited for every rank's combine pushes, which each rank sends only after its
-// own dispatch n (and the caller's use of x) is done.
+// Buffer reuse is safe without another barrier: a source writes my stage / tmap / tw / cnt for
+// call n + 1 only after its combine n, which waited for my combine n's flag, which I release after
+// my dispatch n (the only reader of stage / cnt) and my combine n push phase (of tmap / tw).
 #include "ll_common.cuh"
 
 namespace {
@@ -38,7 +40,8 @@ struct LlDispatchArgs {
   int num_tokens;
 };
 
-constexpr int kU = 8;  // 16-byte vectors per lane in flight
+constexpr int kU = 8;  // 16-byte vectors per lane in flight when sending a row
+constexpr int kS = 4;  // 16-byte vectors per lane in a scatter unit's chunk
 
 __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors, int lane) {
   for (int v0 = 0; v0 < vectors; v0 += 32 * kU) {
@@ -59,21 +62,43 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_idx[];  // [T * topk] expert ids
-  __shared__ int s_epoch;
+  __shared__ int s_epoch, is_last;
+  __shared__ int s_pre[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int T = a.num_tokens, topk = p.topk, world = p.world, E = lp.experts, NE = lp.num_experts;
+  const int me = p.rank, Tm = lp.t_max, ns = p.num_scales, V = p.row_bytes >> 4;
   if (threadIdx.x == 0) s_epoch = ld_volatile(lp.epochs) + 1;
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
   __syncthreads();
   const int epoch = s_epoch;
-  const bool aborted = ld_volatile(p.dev_error) != 0;
-  const int chunks = T > 0 ? (T + 31) / 32 : 1;  // one empty chunk still publishes "0 rows"
-  const int units = NE * chunks;
-  const int G = gridDim.x * nwarps;
-  const int V = p.row_bytes >> 4, ns = p.num_scales;
+  const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
+  const long long G = (long long)gridDim.x * nwarps, gw = (long long)blockIdx.x * nwarps + warp;
+  bool aborted = ld_volatile(p.dev_error) != 0;
 
-  for (int u = blockIdx.x * nwarps + warp; !aborted && u < units; u += G) {
-    const int c = u / NE, e = u - c * NE;
+  // rows: each token once per destination rank that holds one of its experts
+  for (long long u = gw; !aborted && u < (long long)T * world; u += G) {
+    const int t = (int)(u / world), d = (me + 1 + (int)(u - (long long)t * world)) % world;
+    bool hit = false;
+    if (lane < topk) {
+      const int e = s_idx[t * topk + lane];
+      hit = e >= d * E && e < (d + 1) * E;
+    }
+    if (!__any_sync(0xffffffffu, hit)) continue;
+    uint8_t* pb = p.peer_base[d];
+    const size_t srow = (size_t)me * Tm + t;
+    copy_row(reinterpret_cast<int4*>(pb + lp.off_stage + srow * p.row_bytes),
+             reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes), V, lane);
+    if (ns) {
+      float* dst = reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
+      const float* src = a.x_scales + (size_t)t * ns;
+      for (int i = lane; i < ns; i += 32) dst[i] = src[i];
+    }
+  }
+
+  // slots: where each (token, expert) pair goes, computed by the source
+  const int chunks = T > 0 ? (T + 31) / 32 : 1;  // one empty chunk still publishes "0 rows"
+  for (long long u = gw; !aborted && u < (long long)NE * chunks; u += G) {
+    const int c = (int)(u / NE), e = (int)(u - (long long)c * NE);
     int before = 0, total = 0, kk = -1;
     unsigned mine = 0;
     for (int cc = 0; cc < chunks; ++cc) {
@@ -92,52 +117,96 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
     }
     const int d = e / E, le = e - d * E;
     uint8_t* pb = p.peer_base[d];
-    const size_t slot0 = (size_t)le * lp.capacity + (size_t)p.rank * lp.t_max + before;
-    for (unsigned todo = mine; todo != 0; todo &= todo - 1) {
-      const int b = __ffs(todo) - 1;
-      const size_t slot = slot0 + __popc(mine & ((1u << b) - 1));
-      const int t = c * 32 + b;
-      const int k = __shfl_sync(0xffffffffu, kk, b);
-      copy_row(reinterpret_cast<int4*>(pb + lp.off_x + slot * p.row_bytes),
-               reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes), V, lane);
-      if (ns) {
-        float* dst = reinterpret_cast<float*>(pb + lp.off_scales) + slot * ns;
-        const float* src = a.x_scales + (size_t)t * ns;
-        for (int i = lane; i < ns; i += 32) dst[i] = src[i];
-      }
-      const size_t tk = ((size_t)p.rank * lp.t_max + t) * topk + k;
-      if (lane == 0) reinterpret_cast<int*>(pb + lp.off_pair)[slot] = t * topk + k;
-      if (lane == 1)
-        reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] =
-            ((unsigned long long)(unsigned)epoch << 32) | (unsigned long long)slot;
-      if (lane == 2) reinterpret_cast<float*>(pb + lp.off_tw)[tk] = a.topk_w[(size_t)t * topk + k];
+    if ((mine >> lane) & 1u) {
+      const int t = c * 32 + lane;
+      const size_t slot = (size_t)le * lp.capacity + (size_t)me * Tm + before + __popc(mine & ((1u << lane) - 1));
+      const size_t tk = ((size_t)me * Tm + t) * topk + kk;
+      reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned long long)slot;
+      reinterpret_cast<float*>(pb + lp.off_tw)[tk] = a.topk_w[(size_t)t * topk + kk];
     }
-    fence_acq_rel_sys();
-    __syncwarp();
-    if (lane == 0) {
-      const unsigned prev = atomicAdd(lp.expert_done + e, 1u);
-      if (prev == (unsigned)chunks - 1) {
-        atomicExch(lp.expert_done + e, 0u);
-        fence_acq_rel_sys();
-        unsigned long long* flag = reinterpret_cast<unsigned long long*>(pb + lp.off_dflags) + (size_t)le * world + p.rank;
-        st_release_sys_u64(flag, ((unsigned long long)(unsigned)epoch << 32) | ((unsigned)T << 16) | (unsigned)total);
-      }
-    }
+    if (c == 0 && lane == 0) reinterpret_cast<int*>(pb + lp.off_cnt)[me * E + le] = total;
   }
 
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < E && !aborted) {
-    const unsigned long long* flags =
-        reinterpret_cast<const unsigned long long*>(p.peer_base[p.rank] + lp.off_dflags) + (size_t)i * world;
-    long long sum = 0;
-    for (int s = 0; s < world; ++s) {
-      const unsigned long long v = wait_epoch_u64(p, flags + s, epoch, s, kPhaseLlDispatch);
-      const int n = (int)(v & 0xffffu);
-      lp.src_counts[i * world + s] = n;
-      if (i == 0) lp.src_tokens[s] = (int)((v >> 16) & 0xffffu);
-      sum += n;
+  // release: the last block to finish sending tells every rank
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(lp.counters + 3, 1u) == gridDim.x - 1;
+    if (is_last) atomicExch(lp.counters + 3, 0u);
+  }
+  __syncthreads();
+  if (is_last && threadIdx.x < world) {
+    fence_acq_rel_sys();
+    st_release_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dflags) + me,
+                       tag | (unsigned)T);
+  }
+
+  // receive: wait for every source, then place the staged rows into the experts' slots
+  const uint8_t* mybase = p.peer_base[me];
+  if (threadIdx.x < world) {
+    const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_dflags);
+    s_pre[threadIdx.x + 1] = (int)(wait_epoch_u64(p, flags + threadIdx.x, epoch, threadIdx.x, kPhaseLlDispatch) &
+                                   0xffffffffu);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_pre[0] = 0;
+    for (int s = 0; s < world; ++s) s_pre[s + 1] += s_pre[s];
+  }
+  __syncthreads();
+  aborted = ld_volatile(p.dev_error) != 0;
+  const int* cnt = reinterpret_cast<const int*>(mybase + lp.off_cnt);
+  if (blockIdx.x == 0 && !aborted) {
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+      long long sum = 0;
+      for (int s = 0; s < world; ++s) {
+        const int n = cnt[s * E + i];
+        lp.src_counts[i * world + s] = n;
+        sum += n;
+      }
+      lp.counts[i] = sum;
     }
-    lp.counts[i] = sum;
+    if (threadIdx.x < world) lp.src_tokens[threadIdx.x] = s_pre[threadIdx.x + 1] - s_pre[threadIdx.x];
+  }
+  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tmap);
+  const int nch = (V + 32 * kS - 1) / (32 * kS);
+  uint8_t* xr = p.peer_base[me] + lp.off_x;
+  float* xs = reinterpret_cast<float*>(p.peer_base[me] + lp.off_scales);
+  int* pair = reinterpret_cast<int*>(p.peer_base[me] + lp.off_pair);
+  for (long long u = gw; !aborted && u < (long long)s_pre[world] * nch; u += G) {
+    const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
+    int s = 0;
+    while (st >= s_pre[s + 1]) ++s;
+    const int t = st - s_pre[s];
+    const size_t srow = (size_t)s * Tm + t;
+    unsigned long long ent = 0;
+    if (lane < topk) ent = tmap[srow * topk + lane];
+    const bool valid = lane < topk && (int)(ent >> 32) == epoch;
+    const unsigned mask = __ballot_sync(0xffffffffu, valid);
+    if (mask == 0) continue;  // no expert of this token here (warp-uniform)
+    const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
+    const int4* src = reinterpret_cast<const int4*>(mybase + lp.off_stage + srow * p.row_bytes);
+    int4 buf[kS];
+#pragma unroll
+    for (int q = 0; q < kS; ++q) {
+      const int i = c * 32 * kS + q * 32 + lane;
+      if (i < V) buf[q] = src[i];  // written by a peer during this kernel: no .nc
+    }
+    for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+      const int b = __ffs(todo) - 1;
+      const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
+      int4* dst = reinterpret_cast<int4*>(xr + sl * p.row_bytes);
+#pragma unroll
+      for (int q = 0; q < kS; ++q) {
+        const int i = c * 32 * kS + q * 32 + lane;
+        if (i < V) dst[i] = buf[q];
+      }
+      if (c == 0) {
+        const float* ssrc = reinterpret_cast<const float*>(mybase + lp.off_sscales) + srow * ns;
+        for (int i = lane; i < ns; i += 32) xs[sl * ns + i] = ssrc[i];
+        if (lane == 0) pair[sl] = t * topk + b;
+      }
+    }
   }
   ll_finish_launch(lp.counters + 0, lp.epochs + 0, epoch);
 }
