@@ -1,13 +1,15 @@
 """The ``epbench-ll`` backend: epbench's low-latency dispatch/combine kernels (csrc/ll_*.cu).
 
-Low-latency mode only (contract in base.py): each (token, expert) pair is written straight into
-the owning rank's per-expert padded buffer by the source, with no layout pass and no host
-synchronisation (the routing weights travel with the rows); combine's expert side sums each
-token's experts on this rank with those weights in fp32 and pushes one bf16 partial row per
-(token, rank) back to the source, which adds the partials in fp32 (one extra bf16 rounding per
-partial, as in hierarchical combines). One device region per rank (ll_buffers.cu), exported and mapped with
-the normal mode's IPC code (buffers.cu) in the constructor. The kernels keep their epochs in
-device memory, so a captured CUDA graph of either call can be replayed (``supports_cuda_graphs``).
+Low-latency mode only (contract in base.py). Dispatch: each token crosses NVLink once per
+destination rank that holds one of its experts, into a staging area there, with the slot of every
+(token, expert) pair computed by the source itself (no layout pass, no host synchronisation, the
+routing weights travel along); the receiver then copies each staged row into its experts' padded
+slots locally. Combine: the expert side sums each token's experts on this rank with those weights
+in fp32 and pushes one bf16 partial row per (token, rank) back to the source, which adds the
+partials in fp32 (one extra bf16 rounding per partial, as in hierarchical combines). One device
+region per rank (ll_buffers.cu), exported and mapped with the normal mode's IPC code (buffers.cu)
+in the constructor. The kernels keep their epochs in device memory, so a captured CUDA graph of
+either call can be replayed (``supports_cuda_graphs``).
 
 The grid is ``num_sms`` blocks (at most the GPU's SM count: the receive phases need every block
 resident) of ``warps`` warps (constructor argument, default from EPBENCH_LL_WARPS, else 16).
