@@ -290,6 +290,16 @@ def verify_ll_point(be: Backend, calls: LowLatencyCalls, s: Scenario, routings: 
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
+def counter_reference_bytes(virtual_nodes: bool, nvlink_bytes: int,
+                            nic_bytes: Optional[int]) -> Tuple[int, Optional[int]]:
+    """What each tier's hardware counter should see per call. With virtual nodes the "NIC" tier
+    travels over NVLink too, so the GPU's NVLink counters count both tiers and no NIC counter
+    applies."""
+    if virtual_nodes:
+        return nvlink_bytes + (nic_bytes or 0), None
+    return nvlink_bytes, nic_bytes
+
+
 def _measured_columns(rec: PointRecord, op: str, nvlink_bytes: int, nic_bytes: Optional[int],
                       time_us: float) -> Dict[str, Any]:
     """Counter-measured bytes per call beside the computed ones; empty (None) where no counter
@@ -328,8 +338,8 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
             ts = rec.samples_us[op]
             t_med = metrics.median(ts)
             has_nic = topo.nodes > 1
-            measured = _measured_columns(rec, op, int(nbytes["nvlink"][r]),
-                                         int(nbytes["nic"][r]) if has_nic else None, t_med)
+            measured = _measured_columns(rec, op, *counter_reference_bytes(
+                topo.virtual_nodes, int(nbytes["nvlink"][r]), int(nbytes["nic"][r]) if has_nic else None), t_med)
             rows.append({
                 "scenario": s.name, "backend": be_cls.name, "op": op, "sms": sms, "rank": r,
                 "node": r // topo.gpus_per_node, "world": s.world, "nodes": topo.nodes,

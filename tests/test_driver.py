@@ -64,3 +64,12 @@ def test_a_normal_only_backend_runs_its_normal_path_in_a_low_latency_run():
     assert not runs_as_normal(Both, "low_latency")  # has its own low-latency path
     assert not runs_as_normal(LowLatencyOnly, "low_latency")
     assert not runs_as_normal(None, "low_latency")
+
+
+def test_virtual_nodes_compare_the_nvlink_counter_with_both_tiers():
+    from epbench.driver import counter_reference_bytes
+
+    assert counter_reference_bytes(False, 300, 100) == (300, 100)
+    assert counter_reference_bytes(False, 300, None) == (300, None)
+    # 2 virtual nodes x 2 GPUs: the inter-node bytes also cross NVLink, no NIC counter applies
+    assert counter_reference_bytes(True, 300, 100) == (400, None)
