@@ -80,18 +80,15 @@ __device__ __forceinline__ void own_go_release(const EpParams& p, int epoch) {
 // so a token costs one memory latency before its stores instead of three in a row.
 // kSkipSelf (v9, EP_OWN_SIDE*): rows to my own rank are left to own_rows_kernel on a side stream; this
 // kernel only tells it that the layout is ready (own_go_release). false: the v5 kernel unchanged.
-template <int kU, int kThreads, bool kSkipSelf = false>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
-  griddep_wait();  // slot_map and base come from the notify kernel
-  if (kSkipSelf) own_go_release(p, epoch);
-  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int total_warps = gridDim.x * nwarps;
+// The lean token loop (v5), shared by dispatch_lean_kernel and dispatch_owntma_kernel: tokens first,
+// first + step, ... of this warp; with kSkipSelf the rows to my own rank are left to someone else.
+template <int kU, bool kSkipSelf>
+__device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
   const int world = p.world, topk = p.topk, ns = p.num_scales;
   const int my_base = lane < world ? p.base[lane] : 0;
   const int V = p.row_bytes >> 4;
   const bool aborted = ld_volatile(p.dev_error) != 0;
-  for (int t = blockIdx.x * nwarps + warp; !aborted && t < a.num_tokens; t += total_warps) {
+  for (int t = first; !aborted && t < a.num_tokens; t += step) {
     const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
     int4 buf[kU];
 #pragma unroll
@@ -146,6 +143,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
       for (int j = lane + 64; j < ns; j += 32) dst_scales[j] = scales[j];
     }
   }
+}
+
+template <int kU, int kThreads, bool kSkipSelf = false>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
+  griddep_wait();  // slot_map and base come from the notify kernel
+  if (kSkipSelf) own_go_release(p, epoch);
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int total_warps = gridDim.x * nwarps;
+  lean_rows<kU, kSkipSelf>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
@@ -561,6 +568,99 @@ __global__ void __launch_bounds__(kTmaMaxThreads, 1)
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
+// owntma (v10): lean for the remote rows, the copy engine of the SM (TMA bulk copies) for the rows to
+// my own rank. Warps 0 .. nwarps - 2 of every block run the lean loop with kSkipSelf over tokens
+// strided by all of those warps; the last warp of each block copies the own rows of its tokens
+// (blockIdx.x, + gridDim.x, ...): lanes look up 32 tokens' own slots at a time, then lane 0 moves
+// up to kOwnStages of them at once global -> shared (cp.async.bulk + mbarrier) -> my receive buffer
+// (cp.async.bulk.global.shared), while all lanes store their ids, weights and scales. v9 measured
+// what the own stores cost the pushing warps at 8 SMs (ladder mode 15 vs 11: +50 us), and that two
+// extra SMs of register copies are too slow (~90 GB/s for 67 MB); the bulk copies need ~14 GB/s per
+// SM here and leave the pushing warps' issue slots alone.
+constexpr int kOwnStages = 4;
+
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+__device__ __forceinline__ void own_rows_tma(const EpParams& p, const DispatchArgs& a, uint8_t* smem, int lane) {
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+  uint8_t* ring = smem + 128;
+  const uint32_t rb = (uint32_t)p.row_bytes;
+  const int me = p.rank, world = p.world, topk = p.topk, ns = p.num_scales;
+  if (lane == 0) {
+    for (int s = 0; s < kOwnStages; ++s) mbar_init(bars + s, 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncwarp();
+  const int T = a.num_tokens, G = gridDim.x;
+  const int n = blockIdx.x < T ? (T - (int)blockIdx.x + G - 1) / G : 0;  // tokens of this block
+  const int base = p.base[me];
+  uint8_t* recv = p.peer_base[me];
+  unsigned parity = 0;  // lane 0: the phase each stage's mbarrier is in
+  const bool aborted = ld_volatile(p.dev_error) != 0;
+  for (int j0 = 0; !aborted && j0 < n; j0 += 32) {
+    const int t_l = (int)blockIdx.x + (j0 + lane) * G;
+    const int slot = j0 + lane < n ? p.slot_map[(size_t)t_l * world + me] : -1;
+    for (unsigned todo = __ballot_sync(0xffffffffu, slot >= 0); todo != 0;) {
+      int tok[kOwnStages], row[kOwnStages], cnt = 0;
+#pragma unroll
+      for (int i = 0; i < kOwnStages; ++i) {
+        tok[i] = row[i] = -1;
+        if (todo != 0) {
+          const int b = __ffs(todo) - 1;
+          todo &= todo - 1;
+          tok[i] = (int)blockIdx.x + (j0 + b) * G;
+          row[i] = base + __shfl_sync(0xffffffffu, slot, b);
+          ++cnt;
+        }
+      }
+      if (lane == 0) {
+        for (int i = 0; i < cnt; ++i) {
+          mbar_expect_tx(bars + i, rb);
+          bulk_load(ring + (size_t)i * rb, a.x + (size_t)tok[i] * rb, rb, bars + i);
+        }
+      }
+      for (int i = 0; i < cnt; ++i) {  // metadata while the rows are in flight
+        if (lane < topk) {
+          reinterpret_cast<long long*>(recv + p.off_recv_idx)[(size_t)row[i] * topk + lane] =
+              a.topk_idx[(size_t)tok[i] * topk + lane];
+          reinterpret_cast<float*>(recv + p.off_recv_w)[(size_t)row[i] * topk + lane] = a.topk_w[(size_t)tok[i] * topk + lane];
+        }
+        float* dst_scales = reinterpret_cast<float*>(recv + p.off_recv_scales) + (size_t)row[i] * ns;
+        for (int j = lane; j < ns; j += 32) dst_scales[j] = a.x_scales[(size_t)tok[i] * ns + j];
+      }
+      if (lane == 0) {
+        for (int i = 0; i < cnt; ++i) {
+          mbar_wait(bars + i, (parity >> i) & 1u);
+          parity ^= 1u << i;
+          bulk_store(recv + p.off_recv_x + (size_t)row[i] * rb, ring + (size_t)i * rb, rb);
+        }
+        bulk_commit();
+        bulk_wait_read_all();  // the stores have read the ring before the next loads overwrite it
+      }
+      __syncwarp();
+    }
+  }
+  if (lane == 0) {
+    bulk_wait_all();
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // bulk writes visible before the release
+  }
+  __syncwarp();
+}
+
+template <int kU, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_owntma_kernel(EpParams p, DispatchArgs a, int epoch) {
+  extern __shared__ __align__(128) uint8_t own_smem[];
+  griddep_wait();  // slot_map and base come from the notify kernel
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (warp == nwarps - 1) {
+    own_rows_tma(p, a, own_smem, lane);
+  } else {
+    lean_rows<kU, true>(p, a, blockIdx.x * (nwarps - 1) + warp, gridDim.x * (nwarps - 1), lane);
+  }
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
+}
+
 }  // namespace
 
 extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
@@ -625,6 +725,18 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     }
     // Rows too large for two stages per warp: the register path below handles any size.
   }
+  if (impl == EP_DISPATCH_OWNTMA && warps >= 2 && warps <= 16 && p.row_bytes % 16 == 0) {
+    const size_t smem = 128 + (size_t)kOwnStages * p.row_bytes;
+    if (smem <= (size_t)ctx->max_smem_optin) {
+      CUDA_CHECK(cudaFuncSetAttribute(dispatch_owntma_kernel<8, 512>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)smem));
+      CUDA_CHECK(launch_dependent(dispatch_owntma_kernel<8, 512>, num_sms, warps * 32, smem, stream, p, a, epoch));
+      return 0;
+    }
+  }
+  // owntma outside its limits (rows too large for the ring, fp8 rows not 16-byte multiples, > 16
+  // warps) falls through to lean.
+  if (impl == EP_DISPATCH_OWNTMA) impl = EP_DISPATCH_LEAN;
   if (impl == EP_DISPATCH_NOTIFY_ONLY) return 0;
   const bool pipe = impl == EP_DISPATCH_REG_PIPELINED;
   const int threads = warps * 32;

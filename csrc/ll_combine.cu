@@ -97,11 +97,26 @@ __device__ __forceinline__ void accumulate(float (&acc)[kV][8], unsigned mask, f
   }
 }
 
+// dst[v0 + 32 u + lane] = bf16(sum over the rows in `mask` of w_b * row_b[...]) for one chunk.
+template <typename RowOf>
+__device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int v0, int V, int lane, RowOf row_of) {
+  float acc[kV][8];
+#pragma unroll
+  for (int uu = 0; uu < kV; ++uu)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[uu][i] = 0.f;
+  accumulate(acc, mask, w, v0, V, lane, row_of);
+#pragma unroll
+  for (int uu = 0; uu < kV; ++uu) {
+    const int i = v0 + uu * 32 + lane;
+    if (i < V) st_v4(dst + i, to_bf16x8(acc[uu]));
+  }
+}
+
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
   __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
-  __shared__ int is_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = lp.experts;
   if (threadIdx.x == 0) {
@@ -142,35 +157,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     const unsigned mask = __ballot_sync(0xffffffffu, valid);
     if (mask == 0) continue;  // no expert of this token here (warp-uniform)
     const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
-    const int v0 = c * 32 * kV;
-    float acc[kV][8];
-#pragma unroll
-    for (int uu = 0; uu < kV; ++uu)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[uu][i] = 0.f;
-    accumulate(acc, mask, w, v0, V, lane, [&](int b) {
+    int4* dst = reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * world + p.rank) * row);
+    sum_chunk(dst, mask, w, c * 32 * kV, V, lane, [&](int b) {
       const int sl = __shfl_sync(0xffffffffu, slot, b);
       return reinterpret_cast<const int4*>(y + (size_t)sl * row);
     });
-    int4* dst = reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * world + p.rank) * row);
-#pragma unroll
-    for (int uu = 0; uu < kV; ++uu) {
-      const int i = v0 + uu * 32 + lane;
-      if (i < V) st_v4(dst + i, to_bf16x8(acc[uu]));
-    }
   }
 
-  fence_acq_rel_sys();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    is_last = atomicAdd(lp.counters + 1, 1u) == gridDim.x - 1;
-    if (is_last) atomicExch(lp.counters + 1, 0u);
-  }
-  __syncthreads();
-  if (is_last && threadIdx.x < world) {
-    fence_acq_rel_sys();
+  if (ll_last_block(lp.counters + 1) && threadIdx.x < world)
     st_release_sys(reinterpret_cast<int*>(p.peer_base[threadIdx.x] + lp.off_cflags) + p.rank, epoch);
-  }
   if (threadIdx.x < world) {
     wait_flag(p, reinterpret_cast<const int*>(p.peer_base[p.rank] + lp.off_cflags) + threadIdx.x, epoch,
               threadIdx.x, kPhaseLlCombine);
@@ -189,21 +184,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     }
     // bit d set when some expert of t lives on rank d; lane d of the mask loads rank d's partial
     const unsigned ranks = __reduce_or_sync(0xffffffffu, d >= 0 ? 1u << d : 0u);
-    const int v0 = c * 32 * kV;
-    float acc[kV][8];
-#pragma unroll
-    for (int uu = 0; uu < kV; ++uu)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[uu][i] = 0.f;
-    accumulate(acc, ranks, 1.f, v0, V, lane, [&](int b) {
-      return reinterpret_cast<const int4*>(crows + ((size_t)t * world + b) * row);
-    });
-    int4* dst = reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden);
-#pragma unroll
-    for (int uu = 0; uu < kV; ++uu) {
-      const int i = v0 + uu * 32 + lane;
-      if (i < V) dst[i] = to_bf16x8(acc[uu]);
-    }
+    sum_chunk(reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden), ranks, 1.f, c * 32 * kV, V, lane,
+              [&](int b) { return reinterpret_cast<const int4*>(crows + ((size_t)t * world + b) * row); });
   }
   ll_finish_launch(lp.counters + 2, lp.epochs + 1, epoch);
 }

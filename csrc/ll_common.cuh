@@ -86,6 +86,23 @@ __device__ __forceinline__ unsigned long long wait_epoch_u64(const EpParams& p, 
   }
 }
 
+// Every thread of every block calls it once its stores to peers are issued: each thread fences at
+// system scope, the block counts itself done in `counter`, and the call returns true (in every
+// thread) in the last block of the grid only, after a second fence, so that its release stores
+// that follow order every block's stores before them. The last block resets the counter.
+__device__ __forceinline__ bool ll_last_block(unsigned* counter) {
+  __shared__ int last;
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (last) atomicExch(counter, 0u);
+  }
+  __syncthreads();
+  if (last) fence_acq_rel_sys();
+  return last;
+}
+
 // Every thread of every block calls it last. The last block of the grid resets the block counter
 // and stores `epoch` as the number of calls done, for the next launch (stream order makes it visible).
 __device__ __forceinline__ void ll_finish_launch(unsigned* counter, int* epochs_slot, int epoch) {

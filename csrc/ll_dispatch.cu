@@ -62,7 +62,7 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_idx[];  // [T * topk] expert ids
-  __shared__ int s_epoch, is_last;
+  __shared__ int s_epoch;
   __shared__ int s_pre[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int T = a.num_tokens, topk = p.topk, world = p.world, E = lp.experts, NE = lp.num_experts;
@@ -128,18 +128,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
   }
 
   // release: the last block to finish sending tells every rank
-  fence_acq_rel_sys();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    is_last = atomicAdd(lp.counters + 3, 1u) == gridDim.x - 1;
-    if (is_last) atomicExch(lp.counters + 3, 0u);
-  }
-  __syncthreads();
-  if (is_last && threadIdx.x < world) {
-    fence_acq_rel_sys();
+  if (ll_last_block(lp.counters + 3) && threadIdx.x < world)
     st_release_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dflags) + me,
                        tag | (unsigned)T);
-  }
 
   // receive: wait for every source, then place the staged rows into the experts' slots
   const uint8_t* mybase = p.peer_base[me];

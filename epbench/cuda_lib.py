@@ -23,7 +23,7 @@ STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify
           "data_last", "data_end"]
 # Dispatch implementations (enum ep_dispatch_impl).
 DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "dmaj": 4, "dmaj-norot": 5, "spread": 6,
-                  "notify-only": 9}
+                  "owntma": 7, "notify-only": 9}
 # Who writes a rank's rows to itself (enum ep_own_copy, ep_set_own_copy; v9, lean and spread only).
 OWN_COPY_MODES = {"off": 0, "side": 1, "side-in": 2}
 # NVLink micro-benchmark modes (ep_bench_link, csrc/bench.cu).

@@ -304,7 +304,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     do_combine = dtype == "bf16" and v is variants[0] and nimpl == notify_impls[0]
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine, args.presleep)
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
-                    stamped = ("reg", "lean", "dmaj", "dmaj-norot", "spread", "notify-only")
+                    stamped = ("reg", "lean", "owntma", "dmaj", "dmaj-norot", "spread", "notify-only")
                     if args.stamps and sms in (8, 16) and impl in stamped:
                         line = stamp_phases(be, inp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
