@@ -25,6 +25,7 @@
 // my tmap / tw in its dispatch n + 1 only after its combine n saw my cflags, which I release
 // after my push phase n (the only reader of tmap / tw) is done.
 #include <cuda_bf16.h>
+#include <stdlib.h>
 
 #include "ll_common.cuh"
 
@@ -35,7 +36,8 @@ struct LlCombineArgs {
   int num_tokens;
 };
 
-constexpr int kV = 2;  // 16-byte vectors per lane in a unit's chunk (64 vectors = 1 KiB of bf16)
+// kV: 16-byte vectors per lane in a unit's chunk (2: 64 vectors = 1 KiB of bf16; 4: 2 KiB), a template
+// parameter measured both ways (EPBENCH_LL_COMBINE_CHUNK=2|4, default 2).
 constexpr int kG = 4;  // rows whose chunk is loaded at once (kG x kV loads in flight per lane)
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v, float w) {
@@ -59,7 +61,7 @@ __device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
 
 // acc += sum over the rows selected by `mask` (bit b = lane b's row) of w_b * rows_b[v0 + 32 u + lane].
 // `row_of(b)` gives lane b's row base (already shuffled), `w` lane b's weight (shuffled inside).
-template <typename RowOf>
+template <int kV, typename RowOf>
 __device__ __forceinline__ void accumulate(float (&acc)[kV][8], unsigned mask, float w, int v0, int V, int lane,
                                            RowOf row_of) {
   while (mask != 0) {
@@ -98,14 +100,14 @@ __device__ __forceinline__ void accumulate(float (&acc)[kV][8], unsigned mask, f
 }
 
 // dst[v0 + 32 u + lane] = bf16(sum over the rows in `mask` of w_b * row_b[...]) for one chunk.
-template <typename RowOf>
+template <int kV, typename RowOf>
 __device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int v0, int V, int lane, RowOf row_of) {
   float acc[kV][8];
 #pragma unroll
   for (int uu = 0; uu < kV; ++uu)
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[uu][i] = 0.f;
-  accumulate(acc, mask, w, v0, V, lane, row_of);
+  accumulate<kV>(acc, mask, w, v0, V, lane, row_of);
 #pragma unroll
   for (int uu = 0; uu < kV; ++uu) {
     const int i = v0 + uu * 32 + lane;
@@ -113,7 +115,7 @@ __device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int
   }
 }
 
-template <int kThreads>
+template <int kThreads, int kV>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
   __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
@@ -158,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     if (mask == 0) continue;  // no expert of this token here (warp-uniform)
     const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
     int4* dst = reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * world + p.rank) * row);
-    sum_chunk(dst, mask, w, c * 32 * kV, V, lane, [&](int b) {
+    sum_chunk<kV>(dst, mask, w, c * 32 * kV, V, lane, [&](int b) {
       const int sl = __shfl_sync(0xffffffffu, slot, b);
       return reinterpret_cast<const int4*>(y + (size_t)sl * row);
     });
@@ -184,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     }
     // bit d set when some expert of t lives on rank d; lane d of the mask loads rank d's partial
     const unsigned ranks = __reduce_or_sync(0xffffffffu, d >= 0 ? 1u << d : 0u);
-    sum_chunk(reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden), ranks, 1.f, c * 32 * kV, V, lane,
+    sum_chunk<kV>(reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden), ranks, 1.f, c * 32 * kV, V, lane,
               [&](int b) { return reinterpret_cast<const int4*>(crows + ((size_t)t * world + b) * row); });
   }
   ll_finish_launch(lp.counters + 2, lp.epochs + 1, epoch);
@@ -200,7 +202,14 @@ extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, i
   LlCombineArgs a;
   a.topk_idx = (const int64_t*)topk_idx;
   a.num_tokens = num_tokens;
-  ll_combine_kernel<512><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);
+  static const int chunk = [] {
+    const char* v = getenv("EPBENCH_LL_COMBINE_CHUNK");
+    return v != nullptr && atoi(v) == 4 ? 4 : 2;
+  }();
+  if (chunk == 4)
+    ll_combine_kernel<512, 4><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);
+  else
+    ll_combine_kernel<512, 2><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }
