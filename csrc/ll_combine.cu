@@ -36,8 +36,9 @@ struct LlCombineArgs {
   int num_tokens;
 };
 
-// kV: 16-byte vectors per lane in a unit's chunk (2: 64 vectors = 1 KiB of bf16; 4: 2 KiB), a template
-// parameter measured both ways (EPBENCH_LL_COMBINE_CHUNK=2|4, default 2).
+// kV: 16-byte vectors per lane in a unit's chunk (4: 128 vectors = 2 KiB of bf16, the default; 2: 1 KiB),
+// a template parameter measured both ways (EPBENCH_LL_COMBINE_CHUNK=2|4; 2026-11-21, 128 tokens, 4 x H200:
+// 4 took 39.2 / 40.3 us at 132 / 64 SMs against 40.3 / 44.0 for 2, notes/KERNELS.md).
 constexpr int kG = 4;  // rows whose chunk is loaded at once (kG x kV loads in flight per lane)
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v, float w) {
@@ -204,7 +205,7 @@ extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, i
   a.num_tokens = num_tokens;
   static const int chunk = [] {
     const char* v = getenv("EPBENCH_LL_COMBINE_CHUNK");
-    return v != nullptr && atoi(v) == 4 ? 4 : 2;
+    return v != nullptr && atoi(v) == 2 ? 2 : 4;
   }();
   if (chunk == 4)
     ll_combine_kernel<512, 4><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);

@@ -13,6 +13,7 @@ either call can be replayed (``supports_cuda_graphs``).
 
 The grid is ``num_sms`` blocks (at most the GPU's SM count: the receive phases need every block
 resident) of ``warps`` warps (constructor argument, default from EPBENCH_LL_WARPS, else 16).
+EPBENCH_LL_COMBINE_CHUNK=2|4 picks combine's work-unit chunk (1 or 2 KiB of a row; default 4).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
 figures in notes/KERNELS.md, "Low-latency mode".
