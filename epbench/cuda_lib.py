@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 LIB_PATH = Path(__file__).resolve().parent / "_lib" / "libepbench_ep.so"
 NOT_BUILT = "kernels not built: run `make build`"
@@ -57,12 +57,11 @@ class EpConfig(ctypes.Structure):
 _lib: Optional[ctypes.CDLL] = None
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def signatures() -> Dict[str, List[Any]]:
+    """ctypes argument types of every int-returning function of csrc/api.h that Python calls."""
     vp, i, ull = ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong
     ip = ctypes.POINTER(ctypes.c_int)
-    lib.ep_last_error.restype = ctypes.c_char_p
-    lib.ep_last_error.argtypes = []
-    signatures = {
+    return {
         "ep_create": [ctypes.POINTER(EpConfig), ctypes.POINTER(vp)],
         "ep_ipc_handle": [vp, ctypes.c_char_p],
         "ep_open_peers": [vp, ctypes.c_char_p],
@@ -80,11 +79,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ep_ll_combine": [vp, vp, i, i, i, vp],
         "ep_ll_destroy": [vp],
     }
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp = ctypes.c_void_p
+    lib.ep_last_error.restype = ctypes.c_char_p
+    lib.ep_last_error.argtypes = []
     lib.ep_ll_base.argtypes = [vp]
     lib.ep_ll_base.restype = vp
     lib.ep_error_flag_ptr.argtypes = [vp]
     lib.ep_error_flag_ptr.restype = vp
-    for name, args in signatures.items():
+    for name, args in signatures().items():
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = ctypes.c_int

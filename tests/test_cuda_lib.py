@@ -90,3 +90,22 @@ def test_dispatch_input_check_accepts_good_input_and_names_bad():
     bad_ids = DispatchInput(good.x, None, good.topk_idx.int(), good.topk_weights)
     with pytest.raises(ValueError, match="int64"):
         cuda_lib.check_dispatch_input(bad_ids, setup, torch.bfloat16, False)
+
+
+def test_ctypes_signatures_match_the_c_api_header():
+    """A parameter added to csrc/api.h but not to cuda_lib (or the reverse) shifts every later
+    argument of that call on the GPU; catch it here, without a GPU."""
+    import re
+    from pathlib import Path
+
+    from epbench.cuda_lib import signatures
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "api.h").read_text()
+    header = re.sub(r"//[^\n]*|/\*.*?\*/", "", header, flags=re.S)
+    declared = {}
+    for name, params in re.findall(r"\bint\s+(ep_\w+)\s*\(([^;{]*)\)\s*;", header):
+        params = params.strip()
+        declared[name] = 0 if params in ("", "void") else params.count(",") + 1
+    for name, argtypes in signatures().items():
+        assert name in declared, f"{name} is not declared in csrc/api.h"
+        assert declared[name] == len(argtypes), f"{name}: api.h has {declared[name]} parameters, cuda_lib {len(argtypes)}"
