@@ -448,18 +448,19 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                 advance(f"{name}: skipped")
             continue
         be = be_cls(be_setup)
-        if low_latency and not as_normal:
+        ll_path = low_latency and not as_normal  # this backend's own low-latency calls
+        if ll_path:
             tr = metrics.pair_traffic(routings, m.experts_per_rank, s.topology.gpus_per_node)
         else:
             tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, be_cls.hierarchical)
         timings = ("normal",) if as_normal else ("launch",)
-        if low_latency and not as_normal and be_cls.supports_cuda_graphs and device == "cuda":
+        if ll_path and be_cls.supports_cuda_graphs and device == "cuda":
             timings = ("launch", "graph")
         try:
             for sms in sms_list:
                 for timing in timings:
                     rec = PointRecord(comm.rank, timing=timing)
-                    if low_latency and not as_normal:
+                    if ll_path:
                         calls = (graph_calls if timing == "graph" else launch_calls)(be, inp, sms)
                         rec.samples_us = time_ll_point(be, calls, comm, opts.warmup, opts.iters)
                         verify_ll_point(be, calls, s, routings, comm, salt[0], opts.inject_fault, rec)
