@@ -89,7 +89,6 @@ class Comm:
     def sync(self) -> None:
         """Align ranks before a timed call. On GPUs a one-element NCCL all-reduce queued on the
         stream lines the ranks' streams up without a host round trip; on CPUs, a barrier."""
-        import torch
         import torch.distributed as dist
 
         if self.device.type == "cuda":

@@ -2,7 +2,6 @@
 of ``epbench ceiling``."""
 
 import types
-from pathlib import Path
 
 import pynvml
 import pytest

@@ -1,7 +1,6 @@
 """compare.py, the compare command and plot, and the per-rank report, on results folders
 written by results.RunWriter into tmp_path."""
 
-import json
 
 import pandas as pd
 import pytest

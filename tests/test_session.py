@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 
 import pytest
