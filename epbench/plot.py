@@ -65,6 +65,38 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
     return path
 
 
+def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path) -> Path:
+    """Low-latency sweeps: p50 latency of the slowest rank against tokens per rank, one line per
+    (backend, SM count); CUDA-graph replays where a backend has them, else its one timing mode.
+    Log axes: the NCCL reference and the kernels sit orders of magnitude apart."""
+    fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
+    for ax, op in zip(axes, OPS):
+        part = summary[summary["op"] == op]
+        for i, (backend, g) in enumerate(part.groupby("backend", sort=False)):
+            timing = "graph" if (g["timing"] == "graph").any() else g["timing"].iloc[0]
+            g = g[g["timing"] == timing]
+            for j, (sms, h) in enumerate(g.groupby("sms")):
+                h = h.sort_values("tokens_per_rank")
+                ax.plot(h["tokens_per_rank"], h["time_us"], "o-", color=f"C{i % 10}",
+                        alpha=1.0 - 0.25 * (j % 3),
+                        label=f"{_label(backend)}, {int(sms)} SMs, {timing}" if sms else f"{_label(backend)}, {timing}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sorted(int(t) for t in part["tokens_per_rank"].unique())
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_title(op)
+        ax.set_xlabel("tokens per rank")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("p50 latency, us (slowest rank)")
+    axes[-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def per_rank(df: pd.DataFrame, title: str, path: Path) -> Path:
     """Each rank's NVLink bus bandwidth at every backend's largest SM count: imbalance shows."""
     fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
@@ -126,8 +158,11 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None) -> List[Path]:
     title = f"{run_dir.name} ({meta.get('world', '?')} ranks, {meta.get('device', '?')})"
     written: List[Path] = []
     if not df.empty:
-        written.append(bandwidth_vs_sms(summarize(df), title, out_dir / "bandwidth_vs_sms.png"))
+        summary = summarize(df)
+        written.append(bandwidth_vs_sms(summary, title, out_dir / "bandwidth_vs_sms.png"))
         written.append(per_rank(df, title, out_dir / "per_rank.png"))
+        if "timing" in summary and summary["timing"].notna().any() and summary["tokens_per_rank"].nunique() > 1:
+            written.append(latency_vs_tokens(summary, title, out_dir / "latency_vs_tokens.png"))
     load_png = expert_load(meta, out_dir / "expert_load.png")
     if load_png:
         written.append(load_png)

@@ -45,3 +45,16 @@ def test_plot_of_something_that_is_not_a_results_folder(tmp_path):
     r = epbench("plot", str(tmp_path))
     assert r.code == 2
     assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
+
+
+LL_RUN = sorted((REPO / "docs" / "perf").glob("*_dsv3x4-ll"))
+
+
+@pytest.mark.skipif(not LL_RUN, reason="no low-latency GPU run kept in docs/perf")
+def test_plot_of_a_low_latency_tokens_sweep_adds_latency_against_tokens(tmp_path):
+    run = tmp_path / LL_RUN[0].name
+    shutil.copytree(LL_RUN[0], run, ignore=shutil.ignore_patterns("plots", "samples.csv"))
+    pngs = plot_run(run)
+    names = [p.name for p in pngs]
+    assert "latency_vs_tokens.png" in names  # the first kept run swept 1..256 tokens
+    assert all(_is_png(p) for p in pngs)
