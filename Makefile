@@ -9,7 +9,7 @@ export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup build run test gpu-check clean
+.PHONY: setup build nvshmem nvshmem-carry run test gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -26,8 +26,42 @@ $(VENV)/.installed: pyproject.toml
 
 # Compiles csrc/ into epbench/_lib/ when nvcc exists; says so and carries on when it does not.
 build: setup
-	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) -C csrc; \
+	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) -C csrc && $(MAKE) --no-print-directory nvshmem; \
 	else echo "nvcc not found: skipping the CUDA kernels (the reference backend still runs)"; fi
+
+# NVSHMEM (groundwork for multi-node, issue #5): headers and libraries come from a pip wheel, installed
+# into the venv unless already there. Where pip cannot get it (no network), a one-line note: csrc/nvshmem
+# is then built against an NVSHMEM already installed (torch's CUDA builds bring one), else skipped, and
+# the rest builds as before. NVSHMEM_HOME=<folder with include/ and lib/> skips pip altogether.
+# Reached through `build` (needs nvcc).
+NVSHMEM_WHEEL   ?= nvidia-nvshmem-cu13==3.4.5
+NVSHMEM_PIP_LOG := $(VENV)/nvshmem-pip.log
+NVSHMEM_FIND    := import os, importlib.util as u; s = u.find_spec('nvidia.nvshmem'); \
+                   print(next((p for p in (s.submodule_search_locations if s else []) \
+                               if os.path.isfile(os.path.join(p, 'include', 'nvshmem.h'))), ''))
+nvshmem: setup
+ifdef NVSHMEM_HOME
+	$(MAKE) -C csrc nvshmem NVSHMEM_HOME="$(abspath $(NVSHMEM_HOME))"
+else
+	@if ! $(PY) -c "import importlib.metadata as m, sys; n, v = '$(NVSHMEM_WHEEL)'.split('=='); sys.exit(m.version(n) != v)" 2>/dev/null; then \
+	  if $(PY) -m pip install -q --retries 1 --timeout 30 "$(NVSHMEM_WHEEL)" >$(NVSHMEM_PIP_LOG) 2>&1; then \
+	    echo "installed $(NVSHMEM_WHEEL)"; \
+	  else home=$$($(PY) -c "$(NVSHMEM_FIND)" 2>/dev/null); \
+	    if [ -z "$$home" ]; then echo "pip could not install $(NVSHMEM_WHEEL) (see $(NVSHMEM_PIP_LOG)): skipping csrc/nvshmem"; exit 0; fi; \
+	    echo "pip could not install $(NVSHMEM_WHEEL) (see $(NVSHMEM_PIP_LOG)): csrc/nvshmem uses the NVSHMEM in $$home"; fi; fi; \
+	$(MAKE) -C csrc nvshmem NVSHMEM_HOME="$$($(PY) -c "$(NVSHMEM_FIND)" 2>/dev/null)"
+endif
+
+# For a machine without network (the GPU host): copies what csrc/nvshmem needs (headers, device library,
+# host library and its bootstrap/transport plugins) from the venv's wheel into .whl/nvshmem (git-ignored,
+# about 45 MB); carry `.whl` there and run `make build NVSHMEM_HOME=.whl/nvshmem`.
+nvshmem-carry: setup
+	@home=$$($(PY) -c "$(NVSHMEM_FIND)" 2>/dev/null); \
+	if [ -z "$$home" ]; then echo "no NVSHMEM installed in $(VENV): run make build first"; exit 1; fi; \
+	rm -rf .whl/nvshmem && mkdir -p .whl/nvshmem/lib && cp -r "$$home/include" .whl/nvshmem/ && \
+	cp "$$home"/lib/libnvshmem_device.a "$$home"/lib/libnvshmem_host.so.3 "$$home"/lib/nvshmem_bootstrap_uid.so.3 \
+	   "$$home"/lib/nvshmem_transport_ibrc.so.3 .whl/nvshmem/lib/ && \
+	echo "copied $$home to .whl/nvshmem ($$(du -sh .whl/nvshmem | cut -f1))"
 
 run: build
 	$(EPB) run

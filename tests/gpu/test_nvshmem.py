@@ -1,0 +1,48 @@
+"""GPU check of the NVSHMEM groundwork (multi-node, issue #5): torchrun starts
+tests/gpu/nvshmem_worker.py on up to 4 GPUs of this host; NVSHMEM bootstraps over a unique id
+broadcast by torch.distributed, then every PE puts 4 KiB into every other PE with
+put-with-signal and checks what it got. PASS and the median round time, or the failing rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "gpu" / "nvshmem_worker.py"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS < 2, reason="needs >= 2 CUDA GPUs"),
+]
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    from epbench import nvshmem_lib
+
+    # Only the file: loading it would pull libnvshmem_host into this process (the worker loads
+    # it, and refuses a mismatched NVSHMEM with a one-line reason).
+    if not nvshmem_lib.LIB_PATH.exists():
+        pytest.skip(f"{nvshmem_lib.NOT_BUILT} ({nvshmem_lib.LIB_PATH} is missing)")
+
+
+def test_nvshmem_ping_all_to_all(built: None) -> None:
+    nproc = min(GPUS, 4)
+    env = dict(os.environ, **SAFE_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), "--iters", "200", "--timeout", "10"]
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert f"PASS nvshmem ping world={nproc}" in r.stdout, r.stdout[-4000:]
+    print(r.stdout.strip().splitlines()[-1])
