@@ -31,6 +31,14 @@ def _series(summary: pd.DataFrame):
         yield i, key[0], _label(key[0]) + (f" [{', '.join(tags)}]" if tags else ""), g
 
 
+def _save(fig, title: str, path: Path) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
     """Slowest rank's NVLink bus bandwidth (solid) and algorithm bandwidth (dashed) against the
     SM count; a backend whose SM count epbench does not control is a horizontal line."""
@@ -58,11 +66,7 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
     axes[0].set_ylim(bottom=0)  # bandwidth axes start at zero: no exaggerated gaps
     axes[0].set_ylabel("GB/s (slowest rank)")
     axes[-1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, title, path)
 
 
 def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path) -> Path:
@@ -90,11 +94,7 @@ def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path) -> Path:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("p50 latency, us (slowest rank)")
     axes[-1].legend(fontsize=7, loc="upper left")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, title, path)
 
 
 def per_rank(df: pd.DataFrame, title: str, path: Path) -> Path:
@@ -117,11 +117,7 @@ def per_rank(df: pd.DataFrame, title: str, path: Path) -> Path:
     axes[0].set_ylim(bottom=0)
     axes[0].set_ylabel("NVLink busbw GB/s")
     axes[-1].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, title, path)
 
 
 def expert_load(meta: dict, path: Path) -> Optional[Path]:

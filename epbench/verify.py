@@ -112,14 +112,13 @@ def expected_combine(inp: DispatchInput, world: int, experts_per_rank: int) -> t
     return acc
 
 
-def check_combine(got: torch.Tensor, inp: DispatchInput, world: int,
-                  experts_per_rank: int) -> CheckResult:
+def _compare_combine(got: torch.Tensor, want_of: Callable[[], torch.Tensor], t: int, h: int) -> CheckResult:
+    """Shared by both modes: shape first, then every element within COMBINE_RTOL of ``want_of()``."""
     res = CheckResult()
-    t = inp.num_tokens
-    if tuple(got.shape) != (t, inp.x.shape[1]):
-        res.add(max(t, 1), f"combine returned shape {tuple(got.shape)}, expected {(t, inp.x.shape[1])}")
+    if tuple(got.shape) != (t, h):
+        res.add(max(t, 1), f"combine returned shape {tuple(got.shape)}, expected {(t, h)}")
         return res
-    want = expected_combine(inp, world, experts_per_rank)
+    want = want_of()
     ok = torch.isclose(got.float(), want, rtol=COMBINE_RTOL, atol=COMBINE_ATOL)
     bad = int((~ok.all(dim=1)).sum()) if t else 0
     if bad:
@@ -128,6 +127,12 @@ def check_combine(got: torch.Tensor, inp: DispatchInput, world: int,
         res.add(bad, f"token {row}: got {float(got[row, col])} at column {col}, "
                      f"expected {float(want[row, col])}")
     return res
+
+
+def check_combine(got: torch.Tensor, inp: DispatchInput, world: int,
+                  experts_per_rank: int) -> CheckResult:
+    return _compare_combine(got, lambda: expected_combine(inp, world, experts_per_rank),
+                            inp.num_tokens, inp.x.shape[1])
 
 
 # ---- low-latency mode ----
@@ -200,17 +205,4 @@ def expected_ll_combine(inp: DispatchInput) -> torch.Tensor:
 
 
 def check_ll_combine(got: torch.Tensor, inp: DispatchInput) -> CheckResult:
-    res = CheckResult()
-    t, h = inp.num_tokens, inp.x.shape[1]
-    if tuple(got.shape) != (t, h):
-        res.add(max(t, 1), f"combine returned shape {tuple(got.shape)}, expected {(t, h)}")
-        return res
-    want = expected_ll_combine(inp)
-    ok = torch.isclose(got.float(), want, rtol=COMBINE_RTOL, atol=COMBINE_ATOL)
-    bad = int((~ok.all(dim=1)).sum()) if t else 0
-    if bad:
-        row = int((~ok.all(dim=1)).nonzero()[0])
-        col = int((~ok[row]).nonzero()[0])
-        res.add(bad, f"token {row}: got {float(got[row, col])} at column {col}, "
-                     f"expected {float(want[row, col])}")
-    return res
+    return _compare_combine(got, lambda: expected_ll_combine(inp), inp.num_tokens, inp.x.shape[1])

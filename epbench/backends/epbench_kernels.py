@@ -75,32 +75,38 @@ class _Handle:
     out: torch.Tensor  # rows [0, T) of the combine output buffer
 
 
+def intranode_reason(setup: RankSetup) -> Optional[str]:
+    """Why epbench's intranode kernels (normal or low-latency) cannot run for ``setup``, or None."""
+    if setup.device.type != "cuda" or not torch.cuda.is_available():
+        return "needs CUDA GPUs"
+    if setup.world > MAX_WORLD:
+        return f"intranode kernels handle at most {MAX_WORLD} ranks (world {setup.world})"
+    if setup.world > setup.gpus_per_node:
+        return "intranode only: every rank must be in one NVLink domain (nodes > 1)"
+    if torch.cuda.get_device_capability(setup.device)[0] < 9:
+        return "needs compute capability 9.0 or newer (kernels are built for sm_90)"
+    if setup.topk > MAX_TOPK:
+        return f"topk {setup.topk} > {MAX_TOPK}"
+    multiple = 128 if setup.dispatch_dtype == "fp8" else 8
+    if setup.hidden % multiple:
+        return f"hidden {setup.hidden} must be a multiple of {multiple}"
+    try:
+        cuda_lib.load()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 class EpbenchBackend(Backend):
     name = "epbench"
     uses_sms = True
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
-        if setup.device.type != "cuda" or not torch.cuda.is_available():
-            return "needs CUDA GPUs"
-        if setup.world > MAX_WORLD:
-            return f"intranode kernels handle at most {MAX_WORLD} ranks (world {setup.world})"
-        if setup.world > setup.gpus_per_node:
-            return "intranode only: every rank must be in one NVLink domain (nodes > 1)"
-        if torch.cuda.get_device_capability(setup.device)[0] < 9:
-            return "needs compute capability 9.0 or newer (kernels are built for sm_90)"
-        if setup.topk > MAX_TOPK:
-            return f"topk {setup.topk} > {MAX_TOPK}"
-        multiple = 128 if setup.dispatch_dtype == "fp8" else 8
-        if setup.hidden % multiple:
-            return f"hidden {setup.hidden} must be a multiple of {multiple}"
         if setup.num_experts * 4 > NOTIFY_SMEM_BYTES:
-            return f"{setup.num_experts} experts exceed the notify kernel's shared memory"
-        try:
-            cuda_lib.load()
-        except RuntimeError as e:
-            return str(e)
-        return None
+            return intranode_reason(setup) or \
+                f"{setup.num_experts} experts exceed the notify kernel's shared memory"
+        return intranode_reason(setup)
 
     def __init__(self, setup: RankSetup, *, dispatch_impl: Optional[str] = None,
                  dispatch_warps: Optional[int] = None, tma_stages: Optional[int] = None,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from epbench import cuda_lib
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
-from epbench.backends.epbench_kernels import MAX_TOPK, MAX_WORLD
+from epbench.backends.epbench_kernels import intranode_reason
 
 DEFAULT_WARPS = 16
 MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kernel stages (ll_buffers.cu)
@@ -55,26 +55,10 @@ class EpbenchLowLatencyBackend(Backend):
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
-        if setup.device.type != "cuda" or not torch.cuda.is_available():
-            return "needs CUDA GPUs"
-        if setup.world > MAX_WORLD:
-            return f"intranode kernels handle at most {MAX_WORLD} ranks (world {setup.world})"
-        if setup.world > setup.gpus_per_node:
-            return "intranode only: every rank must be in one NVLink domain (nodes > 1)"
-        if torch.cuda.get_device_capability(setup.device)[0] < 9:
-            return "needs compute capability 9.0 or newer (kernels are built for sm_90)"
-        if setup.topk > MAX_TOPK:
-            return f"topk {setup.topk} > {MAX_TOPK}"
         if setup.max_tokens_per_rank * setup.topk > MAX_STAGED_IDS:
-            return f"tokens_per_rank x topk > {MAX_STAGED_IDS} (low-latency batches only)"
-        multiple = 128 if setup.dispatch_dtype == "fp8" else 8
-        if setup.hidden % multiple:
-            return f"hidden {setup.hidden} must be a multiple of {multiple}"
-        try:
-            cuda_lib.load()
-        except RuntimeError as e:
-            return str(e)
-        return None
+            return intranode_reason(setup) or \
+                f"tokens_per_rank x topk > {MAX_STAGED_IDS} (low-latency batches only)"
+        return intranode_reason(setup)
 
     def __init__(self, setup: RankSetup, *, warps: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
