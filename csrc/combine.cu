@@ -26,25 +26,6 @@ struct CombineArgs {
   int num_tokens;
 };
 
-__device__ __forceinline__ void fma_bf16x8(float (&acc)[8], const int4& v, float w) {
-  const uint32_t words[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    acc[2 * i] = fmaf(w, __uint_as_float(words[i] << 16), acc[2 * i]);
-    acc[2 * i + 1] = fmaf(w, __uint_as_float(words[i] & 0xffff0000u), acc[2 * i + 1]);
-  }
-}
-
-__device__ __forceinline__ uint4 pack_bf16x8(const float (&acc)[8]) {
-  uint32_t words[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    words[i] = *reinterpret_cast<uint32_t*>(&h);
-  }
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
-
 template <int kMaxWorld, int kU>
 __global__ void __launch_bounds__(512, 1) combine_pull_kernel(EpParams p, CombineArgs a, int epoch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -110,7 +91,10 @@ __global__ void __launch_bounds__(512, 1) combine_pull_kernel(EpParams p, Combin
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int i = v0 + u * 32 + lane;
-        if (i < V) dst[i] = pack_bf16x8(acc[u]);
+        if (i < V) {
+          const int4 v = pack_bf16x8(acc[u]);
+          dst[i] = make_uint4(v.x, v.y, v.z, v.w);
+        }
       }
     }
   }

@@ -20,6 +20,7 @@
 //     dev_error     i32                          nonzero once any wait timed out: every spin loop bails
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -258,4 +259,25 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
+}
+
+// acc[i] += w * bf16 element i of the 16-byte vector v (8 bf16), in fp32.
+__device__ __forceinline__ void fma_bf16x8(float (&acc)[8], const int4& v, float w) {
+  const uint32_t words[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] = fmaf(w, __uint_as_float(words[i] << 16), acc[2 * i]);
+    acc[2 * i + 1] = fmaf(w, __uint_as_float(words[i] & 0xffff0000u), acc[2 * i + 1]);
+  }
+}
+
+// Eight fp32 values rounded to bf16 (nearest even) in one 16-byte vector.
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+  uint32_t words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    words[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+  return make_int4((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
 }

@@ -41,25 +41,6 @@ struct LlCombineArgs {
 // 4 took 39.2 / 40.3 us at 132 / 64 SMs against 40.3 / 44.0 for 2, notes/KERNELS.md).
 constexpr int kG = 4;  // rows whose chunk is loaded at once (kG x kV loads in flight per lane)
 
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v, float w) {
-  const uint32_t words[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    acc[2 * i] = fmaf(w, __uint_as_float(words[i] << 16), acc[2 * i]);
-    acc[2 * i + 1] = fmaf(w, __uint_as_float(words[i] & 0xffff0000u), acc[2 * i + 1]);
-  }
-}
-
-__device__ __forceinline__ int4 to_bf16x8(const float (&acc)[8]) {
-  uint32_t words[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    words[i] = *reinterpret_cast<uint32_t*>(&h);
-  }
-  return make_int4((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
-}
-
 // acc += sum over the rows selected by `mask` (bit b = lane b's row) of w_b * rows_b[v0 + 32 u + lane].
 // `row_of(b)` gives lane b's row base (already shuffled), `w` lane b's weight (shuffled inside).
 template <int kV, typename RowOf>
@@ -94,7 +75,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[kV][8], unsigned mask, f
       if (g < n) {
 #pragma unroll
         for (int u = 0; u < kV; ++u)
-          if (v0 + u * 32 + lane < V) add_bf16x8(acc[u], buf[g][u], wg[g]);
+          if (v0 + u * 32 + lane < V) fma_bf16x8(acc[u], buf[g][u], wg[g]);
       }
     }
   }
@@ -112,7 +93,7 @@ __device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int
 #pragma unroll
   for (int uu = 0; uu < kV; ++uu) {
     const int i = v0 + uu * 32 + lane;
-    if (i < V) st_v4(dst + i, to_bf16x8(acc[uu]));
+    if (i < V) st_v4(dst + i, pack_bf16x8(acc[uu]));
   }
 }
 

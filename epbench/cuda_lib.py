@@ -152,12 +152,14 @@ def region_tensor(getter: Any, ctx: ctypes.c_void_p, which: int, device: Any) ->
     return torch.as_tensor(_DeviceBytes(ptr.value, nbytes.value), device=device)
 
 
-def raise_if_timed_out(lib: ctypes.CDLL, ctx: ctypes.c_void_p, timeout_s: float) -> None:
+def raise_if_timed_out(lib: ctypes.CDLL, ctx: ctypes.c_void_p, timeout_s: float,
+                       poll: Any = None, phases: Optional[Dict[int, str]] = None) -> None:
     """Reads the host-mapped timeout record (no synchronisation) and raises naming the rank,
-    the peer it waited for and the phase, if any kernel gave up."""
+    the peer it waited for and the phase, if any kernel gave up. ``poll`` (default
+    lib.ep_poll_error) and ``phases`` let the NVSHMEM library's kernels share this."""
     rank, peer, phase = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    if lib.ep_poll_error(ctx, ctypes.byref(rank), ctypes.byref(peer), ctypes.byref(phase)):
-        what = PHASES.get(phase.value, f"phase {phase.value}")
+    if (poll or lib.ep_poll_error)(ctx, ctypes.byref(rank), ctypes.byref(peer), ctypes.byref(phase)):
+        what = (phases or PHASES).get(phase.value, f"phase {phase.value}")
         raise RuntimeError(f"epbench kernels: rank {rank.value} gave up after {timeout_s:g} s "
                            f"waiting for rank {peer.value} in {what}")
 

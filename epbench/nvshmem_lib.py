@@ -1,8 +1,9 @@
 """ctypes loader for the NVSHMEM groundwork library (csrc/nvshmem/ -> epbench/_lib/libepbench_nvshmem.so).
 
-Groundwork for multi-node dispatch/combine (issue #5): NVSHMEM bootstrap over a unique id that
-torch.distributed carries from rank 0 to every rank, and an all-to-all put-with-signal ping
-(csrc/nvshmem/api_nvshmem.h). Nothing in the CLI uses it yet; tests/gpu/nvshmem_worker.py does.
+Multi-node dispatch/combine (issue #5): NVSHMEM bootstrap over a unique id that torch.distributed
+carries from rank 0 to every rank, an all-to-all put-with-signal ping, and the hierarchical
+dispatch/combine kernels (eph_*, csrc/nvshmem/hier.cu) that the ``epbench-hier`` backend drives
+(csrc/nvshmem/api_nvshmem.h).
 """
 
 from __future__ import annotations
@@ -30,12 +31,39 @@ def signatures() -> Dict[str, List[Any]]:
         "epn_n_pes": [],
         "epn_ping": [i, ctypes.c_double, ctypes.POINTER(ctypes.c_double)],
         "epn_finalize": [],
+        "eph_create": [ctypes.POINTER(EphConfig), ctypes.POINTER(vp)],
+        "eph_region": [vp, i, ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong)],
+        "eph_dispatch": [vp, vp, vp, vp, vp, i, i, i, i, ctypes.c_longlong, vp],
+        "eph_combine": [vp, vp, vp, vp, i, i, i, ctypes.c_longlong, vp],
+        "eph_poll_error": [vp, ip, ip, ip],
+        "eph_destroy": [vp],
     }
+
+
+class EphConfig(ctypes.Structure):
+    """EphConfig of csrc/nvshmem/api_nvshmem.h."""
+
+    _fields_ = [(name, ctypes.c_int) for name in ("rank", "world", "gpus_per_node", "device", "hidden",
+                                                   "max_tokens", "topk", "experts_per_rank", "fp8")] + \
+        [("timeout_s", ctypes.c_double)]
+
+
+# Regions of a hierarchical context (enum EPH_* of the header).
+EPH_RECV_X, EPH_RECV_SCALES, EPH_RECV_IDX, EPH_RECV_W, EPH_COMBINE_IN, EPH_NUM_RECV, EPH_EXPERT_COUNTS = range(7)
+# Phases a hierarchical kernel reports when it gives up waiting (enum HierPhase of hier.cu).
+PHASES = {11: "hierarchical count exchange", 12: "hierarchical dispatch (waiting for a chunk from the rail peer)",
+          13: "hierarchical dispatch (waiting for a GPU of this node to finish forwarding)",
+          14: "hierarchical combine (waiting for a GPU of this node to be ready)",
+          15: "hierarchical combine (waiting for a partial sum from another node)"}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.epn_last_error.restype = ctypes.c_char_p
     lib.epn_last_error.argtypes = []
+    lib.eph_symmetric_bytes.restype = ctypes.c_longlong
+    lib.eph_symmetric_bytes.argtypes = [ctypes.POINTER(EphConfig)]
+    lib.eph_error_flag_ptr.restype = ctypes.c_void_p
+    lib.eph_error_flag_ptr.argtypes = [ctypes.c_void_p]
     for name, args in signatures().items():
         fn = getattr(lib, name)
         fn.argtypes = args
@@ -126,6 +154,33 @@ def bootstrap(rank: int, world: int, device: int, group: Any = None) -> ctypes.C
     return lib
 
 
+_initialised: Optional[tuple] = None  # (rank, world, device) once this process has initialised NVSHMEM
+HEAP_MARGIN = 256 << 20  # NVSHMEM's own symmetric allocations (the ping's buffers, internal state)
+
+
+def ensure_initialised(rank: int, world: int, device: int, heap_bytes: int) -> ctypes.CDLL:
+    """Initialises NVSHMEM once per process (collective), with a symmetric heap of at least
+    ``heap_bytes`` plus a margin: NVSHMEM_SYMMETRIC_SIZE is set here unless the user set it (then
+    theirs is used as given). Later calls with the same (rank, world, device) reuse it; NVSHMEM is
+    left initialised until the process ends (finalize is collective, and a rank that failed would
+    hang its peers in it)."""
+    import os
+
+    global _initialised
+    want = (rank, world, device)
+    if _initialised is not None:
+        if _initialised != want:
+            raise RuntimeError(f"epbench NVSHMEM: already initialised as rank/world/device {_initialised}, "
+                               f"asked for {want}")
+        return load()
+    if "NVSHMEM_SYMMETRIC_SIZE" not in os.environ:
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(1 << 30, heap_bytes + HEAP_MARGIN))
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # never NVLink multicast
+    lib = bootstrap(rank, world, device)
+    _initialised = want
+    return lib
+
+
 def ping(iters: int, timeout_s: float = 10.0) -> float:
     """Median microseconds of `iters` all-to-all put-with-signal rounds (collective); RuntimeError
     naming the PE that never signalled or sent wrong bytes."""
@@ -137,4 +192,6 @@ def ping(iters: int, timeout_s: float = 10.0) -> float:
 
 def finalize() -> None:
     """Frees the symmetric buffers and finalizes NVSHMEM (collective; a no-op if never initialised)."""
+    global _initialised
     check(load().epn_finalize(), "epn_finalize")
+    _initialised = None

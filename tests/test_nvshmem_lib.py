@@ -17,7 +17,7 @@ HEADER = Path(__file__).resolve().parents[1] / "csrc" / "nvshmem" / "api_nvshmem
 def test_ctypes_signatures_match_the_header():
     text = re.sub(r"//[^\n]*|/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
     declared = {}
-    for name, params in re.findall(r"\bint\s+(epn_\w+)\s*\(([^;{]*)\)\s*;", text):
+    for name, params in re.findall(r"\bint\s+(ep[nh]_\w+)\s*\(([^;{]*)\)\s*;", text):
         params = params.strip()
         declared[name] = 0 if params in ("", "void") else params.count(",") + 1
     assert declared == {name: len(args) for name, args in nvshmem_lib.signatures().items()}

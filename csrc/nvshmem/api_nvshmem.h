@@ -43,6 +43,62 @@ int epn_finalize(void);
 // Why the last failing call failed ("" if none did).
 const char* epn_last_error(void);
 
+
+// ---- Hierarchical dispatch/combine (hier.cu): NVLink inside a node, NVSHMEM puts between nodes ----
+// Rank r = node * gpus_per_node + local; the same semantics as the intranode kernels
+// (epbench/backends/base.py). Every function returns 0 on success and -1 on failure
+// (epn_last_error() says why), unless noted.
+typedef struct {
+  int rank, world, gpus_per_node, device;
+  int hidden, max_tokens, topk, experts_per_rank;
+  int fp8;           // 1: rows are fp8 e4m3 with one fp32 scale per 128 elements
+  double timeout_s;  // a kernel waiting on a peer gives up after this long
+} EphConfig;
+
+// Regions of a context that Python views as tensors.
+enum {
+  EPH_RECV_X = 0,
+  EPH_RECV_SCALES = 1,
+  EPH_RECV_IDX = 2,
+  EPH_RECV_W = 3,
+  EPH_COMBINE_IN = 4,
+  EPH_NUM_RECV = 5,
+  EPH_EXPERT_COUNTS = 6,
+};
+
+// Bytes of symmetric heap that eph_create needs for cfg (-1 for a bad config); NVSHMEM_SYMMETRIC_SIZE
+// must cover it (plus NVSHMEM's own use) before epn_init.
+long long eph_symmetric_bytes(const EphConfig* cfg);
+
+// Collective (every PE, same cfg apart from rank/device): the symmetric buffers, the NVLink
+// pointers to the GPUs of this PE's node, the local layout buffers. Needs epn_init first.
+int eph_create(const EphConfig* cfg, void** ctx);
+
+// Pointer and size of one region (EPH_*).
+int eph_region(void* ctx, int which, void** ptr, long long* bytes);
+
+// Enqueues layout, count exchange and dispatch on `stream` (nothing waits on the host). num_sms
+// blocks, send_blocks of them put rows to other nodes (1 .. num_sms - 1 when there are several
+// nodes; ignored on one node); chunk: rows per put and per signal. epoch: grows by one per call,
+// the same on every PE.
+int eph_dispatch(void* ctx, const void* x, const void* scales, const void* topk_idx, const void* topk_w,
+                 int num_tokens, int num_sms, int send_blocks, int chunk, long long epoch, void* stream);
+
+// Enqueues the combine of the last dispatch (same epoch, same topk_idx/topk_w/num_tokens) into
+// out (bf16 [num_tokens, hidden]); send_blocks of num_sms blocks reduce and put the partials for
+// other nodes' tokens.
+int eph_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,
+                int send_blocks, long long epoch, void* stream);
+
+// The host-mapped word that a kernel sets when a wait timed out (read without synchronising).
+void* eph_error_flag_ptr(void* ctx);
+
+// 1 and (rank, peer, phase) when a wait timed out, else 0.
+int eph_poll_error(void* ctx, int* rank, int* peer, int* phase);
+
+// Collective: waits for the device, a barrier, then frees everything.
+int eph_destroy(void* ctx);
+
 #ifdef __cplusplus
 }
 #endif

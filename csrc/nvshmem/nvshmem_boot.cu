@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "api_nvshmem.h"
+#include "epn_internal.h"
 
 namespace {
 
@@ -33,7 +34,6 @@ struct PingReport {
   unsigned want;   // and what it should have been
 };
 
-thread_local char g_error[512];
 
 struct State {
   bool ready = false;
@@ -48,18 +48,11 @@ struct State {
 };
 State g;
 
-int fail(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(g_error, sizeof(g_error), fmt, ap);
-  va_end(ap);
-  return -1;
-}
 
 #define EPN_CUDA(call)                                                                   \
   do {                                                                                   \
     cudaError_t err_ = (call);                                                           \
-    if (err_ != cudaSuccess) return fail("%s: %s", #call, cudaGetErrorString(err_));     \
+    if (err_ != cudaSuccess) return epn_fail("%s: %s", #call, cudaGetErrorString(err_));     \
   } while (0)
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -172,10 +165,20 @@ void release_buffers() {
 
 }  // namespace
 
+thread_local char g_error[512];
+
+int epn_fail(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_error, sizeof(g_error), fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
 extern "C" int epn_uniqueid_size(void) { return static_cast<int>(sizeof(nvshmemx_uniqueid_t)); }
 
 extern "C" int epn_versions(int* built, int* loaded) {
-  if (built == nullptr || loaded == nullptr) return fail("epn_versions: null pointer");
+  if (built == nullptr || loaded == nullptr) return epn_fail("epn_versions: null pointer");
   *built = NVSHMEM_VENDOR_MAJOR_VERSION * 10000 + NVSHMEM_VENDOR_MINOR_VERSION * 100 + NVSHMEM_VENDOR_PATCH_VERSION;
   int major = 0, minor = 0, patch = 0;
   nvshmemx_vendor_get_version_info(&major, &minor, &patch);  // answered by libnvshmem_host
@@ -185,40 +188,40 @@ extern "C" int epn_versions(int* built, int* loaded) {
 
 extern "C" int epn_get_uniqueid(void* out, int cap) {
   if (out == nullptr || cap < static_cast<int>(sizeof(nvshmemx_uniqueid_t)))
-    return fail("epn_get_uniqueid: need %zu bytes, got %d", sizeof(nvshmemx_uniqueid_t), cap);
+    return epn_fail("epn_get_uniqueid: need %zu bytes, got %d", sizeof(nvshmemx_uniqueid_t), cap);
   nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
   const int rc = nvshmemx_get_uniqueid(&id);
-  if (rc != 0) return fail("nvshmemx_get_uniqueid returned %d", rc);
+  if (rc != 0) return epn_fail("nvshmemx_get_uniqueid returned %d", rc);
   memcpy(out, &id, sizeof(id));
   return static_cast<int>(sizeof(id));
 }
 
 extern "C" int epn_init(const void* uid, int uid_size, int rank, int world, int device) {
-  if (g.ready) return fail("epn_init: NVSHMEM is already initialised (call epn_finalize first)");
+  if (g.ready) return epn_fail("epn_init: NVSHMEM is already initialised (call epn_finalize first)");
   if (uid == nullptr || uid_size != static_cast<int>(sizeof(nvshmemx_uniqueid_t)))
-    return fail("epn_init: the unique id must be %zu bytes, got %d", sizeof(nvshmemx_uniqueid_t), uid_size);
-  if (world < 1 || rank < 0 || rank >= world) return fail("epn_init: rank %d of world %d", rank, world);
+    return epn_fail("epn_init: the unique id must be %zu bytes, got %d", sizeof(nvshmemx_uniqueid_t), uid_size);
+  if (world < 1 || rank < 0 || rank >= world) return epn_fail("epn_init: rank %d of world %d", rank, world);
   EPN_CUDA(cudaSetDevice(device));
 
   nvshmemx_uniqueid_t id;  // must outlive nvshmemx_init_attr: the attributes point at it
   memcpy(&id, uid, sizeof(id));
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   int rc = nvshmemx_set_attr_uniqueid_args(rank, world, &id, &attr);
-  if (rc != 0) return fail("nvshmemx_set_attr_uniqueid_args returned %d", rc);
+  if (rc != 0) return epn_fail("nvshmemx_set_attr_uniqueid_args returned %d", rc);
   rc = nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
-  if (rc != 0) return fail("nvshmemx_init_attr returned %d", rc);
+  if (rc != 0) return epn_fail("nvshmemx_init_attr returned %d", rc);
   g.me = nvshmem_my_pe();
   g.npes = nvshmem_n_pes();
   g.ready = true;  // from here on epn_finalize must run, even if the rest fails
   if (g.me != rank || g.npes != world)
-    return fail("NVSHMEM says PE %d of %d, expected rank %d of %d", g.me, g.npes, rank, world);
+    return epn_fail("NVSHMEM says PE %d of %d, expected rank %d of %d", g.me, g.npes, rank, world);
 
   const size_t npes = static_cast<size_t>(g.npes);
   // nvshmem_malloc is collective; every PE asks for the same sizes in the same order.
   g.send = static_cast<uint8_t*>(nvshmem_malloc(npes * kBlockBytes));
   g.recv = static_cast<uint8_t*>(nvshmem_malloc(2 * npes * kBlockBytes));
   g.sig = static_cast<uint64_t*>(nvshmem_malloc(2 * npes * sizeof(uint64_t)));
-  if (!g.send || !g.recv || !g.sig) return fail("nvshmem_malloc failed (symmetric heap too small?)");
+  if (!g.send || !g.recv || !g.sig) return epn_fail("nvshmem_malloc failed (symmetric heap too small?)");
   EPN_CUDA(cudaMalloc(&g.report, sizeof(PingReport)));
   EPN_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
   EPN_CUDA(cudaMemset(g.recv, 0, 2 * npes * kBlockBytes));
@@ -234,8 +237,8 @@ extern "C" int epn_my_pe(void) { return g.ready ? g.me : -1; }
 extern "C" int epn_n_pes(void) { return g.ready ? g.npes : -1; }
 
 extern "C" int epn_ping(int iters, double timeout_s, double* us_out) {
-  if (!g.ready || g.sig == nullptr) return fail("epn_ping: call epn_init first");
-  if (iters < 1 || us_out == nullptr) return fail("epn_ping: iters must be >= 1 and us_out set");
+  if (!g.ready || g.sig == nullptr) return epn_fail("epn_ping: call epn_init first");
+  if (iters < 1 || us_out == nullptr) return epn_fail("epn_ping: iters must be >= 1 and us_out set");
   const int peers = std::max(g.npes - 1, 1);
   const dim3 grid(1), block(32 * std::min(peers, kMaxWarps));
   const long long timeout_ns = timeout_s > 0 ? static_cast<long long>(timeout_s * 1e9) : 0;
@@ -254,14 +257,14 @@ extern "C" int epn_ping(int iters, double timeout_s, double* us_out) {
     cudaError_t err = cudaMemsetAsync(g.report, 0, sizeof(PingReport), g.stream);
     if (err == cudaSuccess) err = cudaEventRecord(start, g.stream);
     if (err != cudaSuccess) {
-      rc = fail("round %llu: %s", static_cast<unsigned long long>(round), cudaGetErrorString(err));
+      rc = epn_fail("round %llu: %s", static_cast<unsigned long long>(round), cudaGetErrorString(err));
       break;
     }
     // Collective launch: the kernel waits on other PEs (NVSHMEM's rule for such kernels).
     const int lrc = nvshmemx_collective_launch(reinterpret_cast<const void*>(ping_kernel), grid, block,
                                                args, 0, g.stream);
     if (lrc != 0) {
-      rc = fail("round %llu: nvshmemx_collective_launch returned %d", static_cast<unsigned long long>(round), lrc);
+      rc = epn_fail("round %llu: nvshmemx_collective_launch returned %d", static_cast<unsigned long long>(round), lrc);
       break;
     }
     err = cudaEventRecord(stop, g.stream);
@@ -270,14 +273,14 @@ extern "C" int epn_ping(int iters, double timeout_s, double* us_out) {
     float ms = 0.f;
     if (err == cudaSuccess) err = cudaEventElapsedTime(&ms, start, stop);
     if (err != cudaSuccess) {
-      rc = fail("round %llu: %s", static_cast<unsigned long long>(round), cudaGetErrorString(err));
+      rc = epn_fail("round %llu: %s", static_cast<unsigned long long>(round), cudaGetErrorString(err));
       break;
     }
     if (rep.status == kPingTimeout) {
-      rc = fail("PE %d, round %llu: no signal from PE %d after %g s", g.me,
+      rc = epn_fail("PE %d, round %llu: no signal from PE %d after %g s", g.me,
                 static_cast<unsigned long long>(round), rep.peer, timeout_s);
     } else if (rep.status == kPingWrongBytes) {
-      rc = fail("PE %d, round %llu: %d of %d words from PE %d wrong (first: word %d = 0x%08x, want 0x%08x)",
+      rc = epn_fail("PE %d, round %llu: %d of %d words from PE %d wrong (first: word %d = 0x%08x, want 0x%08x)",
                 g.me, static_cast<unsigned long long>(round), rep.bad_words, kBlockWords, rep.peer,
                 rep.first_bad, rep.got, rep.want);
     }
@@ -299,7 +302,7 @@ extern "C" int epn_finalize(void) {
   release_buffers();
   nvshmem_finalize();
   g = State{};
-  if (err != cudaSuccess) return fail("epn_finalize: %s", cudaGetErrorString(err));
+  if (err != cudaSuccess) return epn_fail("epn_finalize: %s", cudaGetErrorString(err));
   return 0;
 }
 

@@ -16,6 +16,7 @@ REGISTRY: Dict[str, str] = {
     "epbench": "epbench.backends.epbench_kernels:EpbenchBackend",
     "deepep": "epbench.backends.deepep:DeepEPBackend",
     "epbench-ll": "epbench.backends.epbench_ll:EpbenchLowLatencyBackend",
+    "epbench-hier": "epbench.backends.epbench_hier:EpbenchHierBackend",
 }
 
 

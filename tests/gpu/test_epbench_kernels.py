@@ -3,16 +3,11 @@ which checks every edge case against epbench.verify and a missing peer against t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from gpu_launch import ROOT, torchrun
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "gpu" / "ep_worker.py"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -20,15 +15,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(GPUS < 2, reason="needs >= 2 CUDA GPUs"),
 ]
-
-
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), *args]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +29,6 @@ def built() -> None:
 
 @pytest.mark.parametrize("nproc", sorted({2, min(GPUS, 4)}) if GPUS >= 2 else [2])
 def test_kernels_match_verification(built: None, nproc: int) -> None:
-    r = _torchrun(nproc, "check", *(["--quick"] if nproc == 2 else []))
+    r = torchrun(WORKER, nproc, "check", *(["--quick"] if nproc == 2 else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout

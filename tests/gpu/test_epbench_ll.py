@@ -5,20 +5,17 @@ whole pipeline through `epbench sweep --tokens` with both backends, both timings
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from gpu_launch import ROOT, safe_env, torchrun
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "gpu" / "ll_worker.py"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-            "PYTHONUNBUFFERED": "1"}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,11 +35,7 @@ def built() -> None:
 
 @pytest.mark.parametrize("nproc", sorted({2, min(GPUS, 4)}) if GPUS >= 2 else [2])
 def test_ll_kernels_match_verification(built: None, nproc: int) -> None:
-    env = dict(os.environ, **SAFE_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), "check", *(["--quick"] if nproc == 2 else [])]
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = torchrun(WORKER, nproc, "check", *(["--quick"] if nproc == 2 else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
 
@@ -62,7 +55,7 @@ def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: 
     path = tmp_path / f"ll-{dtype}.yaml"
     path.write_text(SCENARIO.format(epr=256 // world, dtype=dtype, routing=routing, world=world))
     r = subprocess.run([sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,32,128",
-                        "--results", str(tmp_path / "r")], cwd=ROOT, env=dict(os.environ, **SAFE_ENV),
+                        "--results", str(tmp_path / "r")], cwd=ROOT, env=safe_env(),
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     import pandas as pd
@@ -85,6 +78,6 @@ def test_corrupted_ll_output_fails(built: None, tmp_path: Path) -> None:
     path.write_text(SCENARIO.format(epr=8, dtype="bf16", routing="uniform", world=world))
     r = subprocess.run([sys.executable, "-m", "epbench", "run", str(path), "--backends", "epbench-ll",
                         "--inject-fault", "dispatch", "--results", str(tmp_path / "r")],
-                       cwd=ROOT, env=dict(os.environ, **SAFE_ENV), capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "VERIFICATION FAILED" in r.stdout

@@ -5,20 +5,13 @@ put-with-signal and checks what it got. PASS and the median round time, or the f
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from gpu_launch import ROOT, torchrun
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "gpu" / "nvshmem_worker.py"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-            "PYTHONUNBUFFERED": "1"}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,11 +31,7 @@ def built() -> None:
 
 def test_nvshmem_ping_all_to_all(built: None) -> None:
     nproc = min(GPUS, 4)
-    env = dict(os.environ, **SAFE_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), "--iters", "200", "--timeout", "10"]
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = torchrun(WORKER, nproc, "--iters", "200", "--timeout", "10", timeout=300)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert f"PASS nvshmem ping world={nproc}" in r.stdout, r.stdout[-4000:]
     print(r.stdout.strip().splitlines()[-1])

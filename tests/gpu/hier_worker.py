@@ -1,0 +1,118 @@
+"""Multi-rank worker for the hierarchical kernels (backend epbench-hier), started by torchrun.
+
+    torchrun --nproc_per_node 4 tests/gpu/hier_worker.py check [--gpus-per-node 2] [--quick]
+
+check: the intranode edge cases (tests/gpu/ep_worker.py's CHECK_CASES) plus every token to one
+node, as virtual nodes of --gpus-per-node GPUs, against epbench.verify (bit-exact dispatch,
+combine within its tolerance), twice each with fresh inputs and poisoned outputs, at two SM
+counts and two shares of sending blocks; then a missing peer that must raise naming it, not hang.
+Exit code 0 only if every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ep_worker import CHECK_CASES, QUICK, Case, all_sum, check_case, make_setup, rank_routing  # noqa: E402
+
+from epbench.backends.epbench_hier import EpbenchHierBackend  # noqa: E402
+from epbench.inputs import dispatch_input, make_tokens  # noqa: E402
+
+# (num_sms, share of sending blocks): few and many blocks, both splits
+POINTS = [(4, 0.5), (24, 0.25)]
+HEAP = 6 << 30  # symmetric heap for the largest case (h8192, 4096 tokens, 4 ranks) with room
+
+
+def hier_setup(case: Case, rank: int, world: int, g: int, device: torch.device, timeout_s: float = 10.0):
+    return replace(make_setup(case, rank, world, device, timeout_s), gpus_per_node=g)
+
+
+def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    g = args.gpus_per_node
+    failures = 0
+    cases = [c for c in CHECK_CASES if not args.quick or c.name in QUICK]
+    for case in cases:
+        be = EpbenchHierBackend(hier_setup(case, rank, world, g, device))
+        lines = []
+        for sms, share in POINTS:
+            be.send_share = share
+            for rep in range(2):  # twice: the second call reuses buffers and signals
+                salt = zlib.crc32(f"{case.name}/{sms}/{share}/{rep}".encode()) % 10000
+                try:
+                    r = check_case(be, case, rank, world, device, salt, sms)
+                except RuntimeError as e:
+                    r = {"dispatch_wrong": -1, "combine_wrong": -1, "problem": str(e), "num_recv": -1}
+                bad = all_sum(int(r["dispatch_wrong"] != 0) + int(r["combine_wrong"] != 0), device)
+                failures += bad
+                if rank == 0 and (bad or rep == 0):
+                    lines.append(f"{'FAIL' if bad else 'ok  '} {case.name:<28} sms={sms:<3} share={share} "
+                                 f"recv={r['num_recv']} d_wrong={r['dispatch_wrong']} "
+                                 f"c_wrong={r['combine_wrong']} {r['problem']}")
+        be.close()
+        if rank == 0:
+            print("\n".join(lines), flush=True)
+    failures += check_timeout(rank, world, g, device)
+    if rank == 0:
+        print(f"hier check world={world} gpus_per_node={g}: {'PASS' if failures == 0 else f'{failures} FAILURES'}",
+              flush=True)
+    return failures
+
+
+def check_timeout(rank: int, world: int, g: int, device: torch.device) -> int:
+    """Rank world-1 skips a dispatch: every other rank must raise naming it, within the timeout."""
+    case = Case("timeout", 2048, [16], 4, 4)
+    be = EpbenchHierBackend(hier_setup(case, rank, world, g, device, timeout_s=1.0))
+    inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), rank_routing(case, rank, world, seed=1),
+                         "bf16", device)
+    ok = True
+    if rank != world - 1:
+        t0 = time.time()
+        try:
+            be.dispatch(inp, 4)
+            be.check_errors()
+            ok, msg = False, "no error raised"
+        except RuntimeError as e:
+            msg = str(e)
+            ok = f"waiting for rank {world - 1}" in msg and f"rank {rank} " in msg
+        if rank == 0:
+            print(f"{'ok  ' if ok else 'FAIL'} missing peer -> {msg!r} after {time.time() - t0:.1f} s", flush=True)
+    dist.barrier()
+    be.close()
+    return all_sum(int(not ok), device)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["check"])
+    ap.add_argument("--gpus-per-node", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world % args.gpus_per_node:
+        print(f"world {world} is not a multiple of --gpus-per-node {args.gpus_per_node}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(HEAP))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        failures = run_check(args, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""GPU checks of the hierarchical kernels (backend epbench-hier, issue #5) on virtual nodes of this
+host: torchrun starts tests/gpu/hier_worker.py (every edge case against epbench.verify, and a
+missing peer against the timeout), then the whole pipeline through `epbench run` on the 2 x 2
+virtual-node scenario with the NCCL reference beside it, every point verified."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gpu_launch import ROOT, safe_env, torchrun
+
+torch = pytest.importorskip("torch")
+
+WORKER = ROOT / "tests" / "gpu" / "hier_worker.py"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS < 4, reason="needs >= 4 CUDA GPUs (2 virtual nodes x 2)"),
+]
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    from epbench import nvshmem_lib
+
+    if not nvshmem_lib.LIB_PATH.exists():  # loading it here would pull libnvshmem_host into pytest
+        pytest.skip(f"{nvshmem_lib.NOT_BUILT} ({nvshmem_lib.LIB_PATH} is missing)")
+
+
+@pytest.mark.parametrize("gpus_per_node", [2, 1])
+def test_hier_kernels_match_verification(built: None, gpus_per_node: int) -> None:
+    r = torchrun(WORKER, 4, "check", "--gpus-per-node", str(gpus_per_node),
+                 *(["--quick"] if gpus_per_node == 1 else []))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert "PASS" in r.stdout
+    print(r.stdout.strip().splitlines()[-1])
+
+
+def test_virtual_scenario_runs_verified(built: None, tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "epbench", "run", "scenarios/h200x2x2-virtual.yaml",
+                        "--backends", "reference,epbench-hier", "--sms", "16", "--results", str(tmp_path / "r")],
+                       cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    import pandas as pd
+
+    (run,) = list((tmp_path / "r").iterdir())
+    df = pd.read_csv(run / "results.csv")
+    assert set(df["backend"]) == {"reference", "epbench-hier"}, "epbench-hier did not run"
+    assert int(df["wrong"].sum()) == 0
+    hier = df[df["backend"] == "epbench-hier"]
+    assert (hier["nic_bytes"] > 0).all() and hier["nic_virtual"].all()
