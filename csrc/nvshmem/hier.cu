@@ -143,16 +143,30 @@ __device__ __noinline__ bool wait_local_flag(const HierParams& p, const int* fla
   return true;
 }
 
-// Warp copy of `bytes` (a multiple of 16, 16-byte aligned) from src to each of the `n` dsts.
+// Warp copy of `bytes` (a multiple of 16, 16-byte aligned) from src to each of the `n` dsts: kCopyU
+// 16-byte loads in flight per lane (a 16 KiB row is 4 rounds of 4 KiB per warp), then the stores.
+constexpr int kCopyU = 8;
 __device__ __forceinline__ void warp_copy16(uint8_t* const* dst, int n, const uint8_t* src, int bytes, int lane,
                                             bool src_remote_written) {
   const int nv = bytes >> 4;
-  for (int v = lane; v < nv; v += 32) {
-    const int4 d = src_remote_written ? __ldcg(reinterpret_cast<const int4*>(src) + v)
-                                      : ld_nc_v4(reinterpret_cast<const int4*>(src) + v);
+  const int4* s = reinterpret_cast<const int4*>(src);
+  for (int v0 = lane; v0 < nv; v0 += 32 * kCopyU) {
+    int4 buf[kCopyU];
 #pragma unroll
-    for (int g = 0; g < kMaxG; ++g)
-      if (g < n) st_v4(reinterpret_cast<int4*>(dst[g]) + v, d);
+    for (int u = 0; u < kCopyU; ++u) {
+      const int i = v0 + u * 32;
+      if (i < nv) buf[u] = src_remote_written ? __ldcg(s + i) : ld_nc_v4(s + i);
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g) {
+      if (g >= n) break;
+      int4* d = reinterpret_cast<int4*>(dst[g]);
+#pragma unroll
+      for (int u = 0; u < kCopyU; ++u) {
+        const int i = v0 + u * 32;
+        if (i < nv) st_v4(d + i, buf[u]);
+      }
+    }
   }
 }
 
@@ -410,31 +424,54 @@ __device__ __forceinline__ float weight_on(const HierParams& p, const uint32_t* 
   return s;
 }
 
-// One token's rows: lane g < G (and pos >= 0) names GPU g of my node with its row and weight; the
-// warp sums w * row over them, plus up to kMaxNodes extra bf16 rows (weight 1), into dst (bf16).
-__device__ __forceinline__ void reduce_row(const HierParams& p, int4* dst, unsigned gmask, int my_row, float my_w,
-                                           unsigned nmask, const int4* const* extra, int lane) {
-  const int V = p.hidden >> 3;
-  const int4* src[kMaxG];
-  float wg[kMaxG];
-#pragma unroll
-  for (int g = 0; g < kMaxG; ++g) {
-    const int r = __shfl_sync(0xffffffffu, my_row, g);
-    wg[g] = __shfl_sync(0xffffffffu, my_w, g);
-    src[g] = reinterpret_cast<const int4*>(p.peer_combine_in[g < p.G ? g : 0] + static_cast<size_t>(r) * p.hidden);
+// The rows one output row is summed from: up to G rows of my node's GPUs (weight w(t, g)) and up to
+// N - 1 bf16 partials from other nodes (weight 1). Built per warp in shared memory.
+constexpr int kMaxSrc = kMaxG + kMaxNodes;
+struct SrcList {
+  const int4* ptr[kMaxSrc];
+  float w[kMaxSrc];
+};
+
+// Lanes with `mine` set add (ptr, w) to the warp's list after the `base` entries already there;
+// returns the new count (all lanes).
+__device__ __forceinline__ int add_sources(SrcList& list, int base, bool mine, const void* ptr, float w, int lane) {
+  const unsigned m = __ballot_sync(0xffffffffu, mine);
+  if (mine) {
+    const int at = base + __popc(m & ((1u << lane) - 1u));
+    list.ptr[at] = static_cast<const int4*>(ptr);
+    list.w[at] = w;
   }
-  for (int v = lane; v < V; v += 32) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int4 buf[kMaxG];
+  __syncwarp();
+  return base + __popc(m);
+}
+
+// dst (bf16 row) = sum over the list of w * row, fp32: kRedU vectors per lane and two rows at a time,
+// so 2 x kRedU 16-byte loads are in flight per lane.
+constexpr int kRedU = 4;
+__device__ __forceinline__ void reduce_row(const HierParams& p, int4* dst, const SrcList& list, int ns, int lane) {
+  const int V = p.hidden >> 3;
+  for (int v0 = lane; v0 < V; v0 += 32 * kRedU) {
+    float acc[kRedU][8];
 #pragma unroll
-    for (int g = 0; g < kMaxG; ++g)
-      if ((gmask >> g) & 1u) buf[g] = ld_nc_v4(src[g] + v);
+    for (int u = 0; u < kRedU; ++u)
 #pragma unroll
-    for (int g = 0; g < kMaxG; ++g)
-      if ((gmask >> g) & 1u) fma_bf16x8(acc, buf[g], wg[g]);
-    for (int m = 0; m < kMaxNodes; ++m)
-      if ((nmask >> m) & 1u) fma_bf16x8(acc, __ldcg(extra[m] + v), 1.f);
-    st_v4(dst + v, pack_bf16x8(acc));
+      for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+    for (int s0 = 0; s0 < ns; s0 += 2) {
+      int4 b[2][kRedU];
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int u = 0; u < kRedU; ++u)
+          if (s0 + a < ns && v0 + u * 32 < V) b[a][u] = __ldcg(list.ptr[s0 + a] + v0 + u * 32);
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int u = 0; u < kRedU; ++u)
+          if (s0 + a < ns && v0 + u * 32 < V) fma_bf16x8(acc[u], b[a][u], list.w[s0 + a]);
+    }
+#pragma unroll
+    for (int u = 0; u < kRedU; ++u)
+      if (v0 + u * 32 < V) st_v4(dst + v0 + u * 32, pack_bf16x8(acc[u]));
   }
 }
 
@@ -442,7 +479,8 @@ __device__ void send_partials(const HierParams& p, int send_blocks, long long ep
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = send_blocks * kWarps;
   const int C = p.chunk, T_max = p.max_tokens, G = p.G, H = p.hidden;
-  const int4* none[kMaxNodes] = {};
+  __shared__ SrcList lists[kWarps];
+  SrcList& list = lists[threadIdx.x >> 5];
   for (int k = 1; k < p.N; ++k) {
     const int n2 = (p.node + k) % p.N;
     const int src = n2 * G + p.local;
@@ -452,14 +490,15 @@ __device__ void send_partials(const HierParams& p, int send_blocks, long long ep
       for (int j = j0; j < j1; ++j) {
         const uint8_t* msg = p.msg_recv + (static_cast<size_t>(n2) * T_max + j) * p.msg_bytes;
         const int my_pos = lane < G ? __ldcg(reinterpret_cast<const int*>(msg + p.msg_off_pos) + lane) : -1;
-        const unsigned gmask = __ballot_sync(0xffffffffu, my_pos >= 0);
-        const int my_row = my_pos >= 0 ? p.off[src * G + lane] + my_pos : 0;
-        const float my_w = my_pos >= 0 ? weight_on(p, reinterpret_cast<const uint32_t*>(msg + p.msg_off_idx),
-                                                   reinterpret_cast<const uint32_t*>(msg + p.msg_off_w),
-                                                   p.node * G + lane, true)
-                                       : 0.f;
-        int4* dst = reinterpret_cast<int4*>(p.part_send + (static_cast<size_t>(n2) * T_max + j) * H);
-        reduce_row(p, dst, gmask, my_row, my_w, 0u, none, lane);
+        const bool has = my_pos >= 0;
+        const float my_w = has ? weight_on(p, reinterpret_cast<const uint32_t*>(msg + p.msg_off_idx),
+                                           reinterpret_cast<const uint32_t*>(msg + p.msg_off_w), p.node * G + lane, true)
+                               : 0.f;
+        const void* row = has ? p.peer_combine_in[lane] + static_cast<size_t>(p.off[src * G + lane] + my_pos) * H
+                              : nullptr;
+        const int ns = add_sources(list, 0, has, row, my_w, lane);
+        reduce_row(p, reinterpret_cast<int4*>(p.part_send + (static_cast<size_t>(n2) * T_max + j) * H), list, ns, lane);
+        __syncwarp();
       }
       __syncwarp();
       __threadfence();
@@ -480,15 +519,18 @@ __device__ void finish_tokens(const HierParams& p, __nv_bfloat16* out, const int
   const int lane = threadIdx.x & 31;
   const int gw = fin_block * kWarps + (threadIdx.x >> 5), nw = fin_blocks * kWarps;
   const int G = p.G, N = p.N, T_max = p.max_tokens, H = p.hidden, K = p.topk;
+  __shared__ SrcList lists[kWarps];
+  SrcList& list = lists[threadIdx.x >> 5];
   for (int t = gw; t < T; t += nw) {
     const int* pos = p.pos + static_cast<size_t>(t) * p.world + p.node * G;
     const int my_pos = lane < G ? pos[lane] : -1;
-    const unsigned gmask = __ballot_sync(0xffffffffu, my_pos >= 0);
-    const int my_row = my_pos >= 0 ? p.off[p.rank * G + lane] + my_pos : 0;
-    const float my_w = my_pos >= 0 ? weight_on(p, reinterpret_cast<const uint32_t*>(idx + static_cast<size_t>(t) * K),
-                                               reinterpret_cast<const uint32_t*>(w + static_cast<size_t>(t) * K),
-                                               p.node * G + lane, false)
-                                   : 0.f;
+    const bool has = my_pos >= 0;
+    const float my_w = has ? weight_on(p, reinterpret_cast<const uint32_t*>(idx + static_cast<size_t>(t) * K),
+                                       reinterpret_cast<const uint32_t*>(w + static_cast<size_t>(t) * K),
+                                       p.node * G + lane, false)
+                           : 0.f;
+    const void* row = has ? p.peer_combine_in[lane] + static_cast<size_t>(p.off[p.rank * G + lane] + my_pos) * H
+                          : nullptr;
     // remote partials: lane m waits for the chunk that holds token t's partial from node m
     const int jm = (lane < N && lane != p.node) ? p.jn[static_cast<size_t>(t) * N + lane] : -1;
     int ok = 1;
@@ -496,15 +538,11 @@ __device__ void finish_tokens(const HierParams& p, __nv_bfloat16* out, const int
       ok = wait_signal(p, p.part_sig + static_cast<size_t>(lane) * T_max + jm / p.chunk, epoch, lane * G + p.local,
                        kPhPartials);
     if (!__all_sync(0xffffffffu, ok)) return;
-    const unsigned nmask = __ballot_sync(0xffffffffu, jm >= 0);
-    const int4* extra[kMaxNodes];
-#pragma unroll
-    for (int m = 0; m < kMaxNodes; ++m) {
-      const int j = __shfl_sync(0xffffffffu, jm, m);
-      extra[m] = reinterpret_cast<const int4*>(p.part_recv + (static_cast<size_t>(m) * T_max + (j < 0 ? 0 : j)) * H);
-    }
-    reduce_row(p, reinterpret_cast<int4*>(out + static_cast<size_t>(t) * H), gmask, my_row, my_w, nmask, extra,
-               lane);
+    int ns = add_sources(list, 0, has, row, my_w, lane);
+    ns = add_sources(list, ns, jm >= 0, p.part_recv + (static_cast<size_t>(lane) * T_max + (jm < 0 ? 0 : jm)) * H,
+                     1.f, lane);
+    reduce_row(p, reinterpret_cast<int4*>(out + static_cast<size_t>(t) * H), list, ns, lane);
+    __syncwarp();
   }
 }
 
