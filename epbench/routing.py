@@ -149,3 +149,9 @@ def traffic(routings: Sequence[RankRouting], experts_per_rank: int, gpus_per_nod
                 if d != relay:
                     nvlink[relay, d] += int(mask[:, d].sum())
     return Traffic(total, nvlink, nic)
+
+
+def all_on_nvlink(tr: Traffic) -> Traffic:
+    """The same copies with the network tier moved onto NVLink: what virtual nodes do (both tiers
+    share the GPUs' NVLink ports), so the NVLink ceiling must cover every copy that leaves a GPU."""
+    return Traffic(tr.total, tr.nvlink + tr.nic, torch.zeros_like(tr.nic))

@@ -68,10 +68,12 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
         on_note("ceilings: measured for the scenario's own tokens_per_rank, which --tokens leaves out")
         return None
     from epbench import ceiling
-    from epbench.routing import route_all, traffic
+    from epbench.routing import all_on_nvlink, route_all, traffic
 
     swept = dataclasses.replace(s, bench=dataclasses.replace(s.bench, sms=opts.sms))
     tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
+    if s.topology.virtual_nodes:  # the inter-node copies cross NVLink too: the ceiling covers them
+        tr = all_on_nvlink(tr)
     limits: List[Any] = [None] * comm.world
     dist.all_gather_object(limits, ceiling.read_limits(comm.local_rank))
     try:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from epbench import scenario
-from epbench.routing import route_all, traffic
+from epbench.routing import all_on_nvlink, route_all, traffic
 from support import SCENARIOS, run_cli
 
 
@@ -26,6 +27,10 @@ def test_flat_traffic_across_virtual_nodes_counts_nic_copies():
     # ranks 0,1 on node 0 and 2,3 on node 1: copies between the pairs are NIC-tier copies
     assert int(tr.nic[0, 2]) == int(tr.total[0, 2]) > 0
     assert int(tr.nic[0, 1]) == 0 and int(tr.nvlink[0, 1]) == int(tr.total[0, 1])
+    # the ceiling of a virtual-node run covers both tiers: every off-GPU copy on NVLink, none twice
+    both = all_on_nvlink(tr)
+    assert torch.equal(both.nvlink, tr.nvlink + tr.nic) and int(both.nic.sum()) == 0
+    assert int(both.nvlink[0, 2]) == int(tr.total[0, 2]) and int(both.nvlink[0, 0]) == 0
 
 
 @pytest.mark.slow

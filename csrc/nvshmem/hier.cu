@@ -54,6 +54,7 @@
 #include <nvshmemx.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "../common.cuh"
@@ -75,6 +76,7 @@ enum HierPhase { kPhCounts = 11, kPhRows = 12, kPhDone = 13, kPhReady = 14, kPhP
 struct HierParams {
   int rank, world, G, N, node, local;
   int hidden, row_bytes, num_scales, topk, E, max_tokens, chunk;
+  int copy_unroll;  // 16-byte loads in flight per lane in the row copies: 8 or 16 (EPBENCH_HIER_COPY_UNROLL, experiment)
   int msg_bytes, msg_off_scales, msg_off_idx, msg_off_w, msg_off_pos;
   int row_ints;  // my_row / cnt_mat row: [W rank counts | N node counts | W * E expert counts]
   unsigned long long timeout_ns;
@@ -143,17 +145,18 @@ __device__ __noinline__ bool wait_local_flag(const HierParams& p, const int* fla
   return true;
 }
 
-// Warp copy of `bytes` (a multiple of 16, 16-byte aligned) from src to each of the `n` dsts: kCopyU
-// 16-byte loads in flight per lane (a 16 KiB row is 4 rounds of 4 KiB per warp), then the stores.
-constexpr int kCopyU = 8;
-__device__ __forceinline__ void warp_copy16(uint8_t* const* dst, int n, const uint8_t* src, int bytes, int lane,
-                                            bool src_remote_written) {
+// Warp copy of `bytes` (a multiple of 16, 16-byte aligned) from src to each of the `n` dsts: kU
+// 16-byte loads in flight per lane (kU = 8: a 16 KiB row is 4 rounds of 4 KiB per warp), then the
+// stores.
+template <int kU>
+__device__ __forceinline__ void warp_copy16_u(uint8_t* const* dst, int n, const uint8_t* src, int bytes, int lane,
+                                              bool src_remote_written) {
   const int nv = bytes >> 4;
   const int4* s = reinterpret_cast<const int4*>(src);
-  for (int v0 = lane; v0 < nv; v0 += 32 * kCopyU) {
-    int4 buf[kCopyU];
+  for (int v0 = lane; v0 < nv; v0 += 32 * kU) {
+    int4 buf[kU];
 #pragma unroll
-    for (int u = 0; u < kCopyU; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const int i = v0 + u * 32;
       if (i < nv) buf[u] = src_remote_written ? __ldcg(s + i) : ld_nc_v4(s + i);
     }
@@ -162,7 +165,7 @@ __device__ __forceinline__ void warp_copy16(uint8_t* const* dst, int n, const ui
       if (g >= n) break;
       int4* d = reinterpret_cast<int4*>(dst[g]);
 #pragma unroll
-      for (int u = 0; u < kCopyU; ++u) {
+      for (int u = 0; u < kU; ++u) {
         const int i = v0 + u * 32;
         if (i < nv) st_v4(d + i, buf[u]);
       }
@@ -275,6 +278,7 @@ __device__ __forceinline__ void warp_copy4(uint32_t* dst, const uint32_t* src, i
   for (int i = lane; i < n; i += 32) dst[i] = src[i];
 }
 
+template <int kU>
 __device__ void send_rows(const HierParams& p, const DispatchIn& in, int send_blocks, long long epoch) {
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = send_blocks * kWarps;
@@ -288,7 +292,7 @@ __device__ void send_rows(const HierParams& p, const DispatchIn& in, int send_bl
         const int t = p.tok_of[static_cast<size_t>(m) * T_max + j];
         uint8_t* msg = p.msg_send + (static_cast<size_t>(m) * T_max + j) * p.msg_bytes;
         uint8_t* dst[kMaxG] = {msg};
-        warp_copy16(dst, 1, in.x + static_cast<size_t>(t) * p.row_bytes, p.row_bytes, lane, false);
+        warp_copy16_u<kU>(dst, 1, in.x + static_cast<size_t>(t) * p.row_bytes, p.row_bytes, lane, false);
         if (p.num_scales)
           warp_copy4(reinterpret_cast<uint32_t*>(msg + p.msg_off_scales),
                      reinterpret_cast<const uint32_t*>(in.scales + static_cast<size_t>(t) * p.num_scales),
@@ -314,6 +318,7 @@ __device__ void send_rows(const HierParams& p, const DispatchIn& in, int send_bl
   if (lane == 0) nvshmem_quiet();  // msg_send may be rewritten by the next call
 }
 
+template <int kU>
 __device__ void forward_rows(const HierParams& p, const DispatchIn& in, int fwd_block, int fwd_blocks,
                              long long epoch) {
   const int lane = threadIdx.x & 31;
@@ -365,7 +370,7 @@ __device__ void forward_rows(const HierParams& p, const DispatchIn& in, int fwd_
             dst[n++] = p.peer_recv_x[g] + static_cast<size_t>(r) * p.row_bytes;
           }
         }
-        warp_copy16(dst, n, row, p.row_bytes, lane, !own);
+        warp_copy16_u<kU>(dst, n, row, p.row_bytes, lane, !own);
         // scales, ids, weights: lanes over (destination, word)
         int gi = 0;
         for (int g = 0; g < G; ++g) {
@@ -383,14 +388,15 @@ __device__ void forward_rows(const HierParams& p, const DispatchIn& in, int fwd_
   }
 }
 
+template <int kU>
 __global__ void __launch_bounds__(kThreads, 1) hier_dispatch_kernel(HierParams p, DispatchIn in, int send_blocks,
                                                                     long long epoch) {
   if (static_cast<int>(blockIdx.x) < send_blocks) {
-    send_rows(p, in, send_blocks, epoch);
+    send_rows<kU>(p, in, send_blocks, epoch);
     return;
   }
   const int fwd_block = blockIdx.x - send_blocks, fwd_blocks = gridDim.x - send_blocks;
-  forward_rows(p, in, fwd_block, fwd_blocks, epoch);
+  forward_rows<kU>(p, in, fwd_block, fwd_blocks, epoch);
   // The last forwarding block tells every GPU of my node that my rows are in, then waits for theirs.
   __shared__ int is_last;
   fence_acq_rel_sys();
@@ -660,6 +666,8 @@ extern "C" int eph_create(const EphConfig* cfg, void** out) {
   p.E = c.experts_per_rank;
   p.max_tokens = c.max_tokens;
   p.chunk = 8;
+  const char* unroll = getenv("EPBENCH_HIER_COPY_UNROLL");
+  p.copy_unroll = unroll != nullptr && atoi(unroll) == 16 ? 16 : 8;
   p.timeout_ns = static_cast<unsigned long long>((c.timeout_s > 0 ? c.timeout_s : 10.0) * 1e9);
   ctx->device = c.device;
   int rc = 0;
@@ -793,7 +801,10 @@ extern "C" int eph_dispatch(void* vctx, const void* x, const void* scales, const
   EPH_CUDA(cudaGetLastError());
   const DispatchIn in{static_cast<const uint8_t*>(x), static_cast<const float*>(scales),
                       static_cast<const int64_t*>(topk_idx), static_cast<const float*>(topk_w)};
-  hier_dispatch_kernel<<<num_sms, kThreads, 0, s>>>(p, in, send_blocks, epoch);
+  if (p.copy_unroll == 16)
+    hier_dispatch_kernel<16><<<num_sms, kThreads, 0, s>>>(p, in, send_blocks, epoch);
+  else
+    hier_dispatch_kernel<8><<<num_sms, kThreads, 0, s>>>(p, in, send_blocks, epoch);
   EPH_CUDA(cudaGetLastError());
   return 0;
 }
