@@ -53,6 +53,8 @@ typedef struct {
   int hidden, max_tokens, topk, experts_per_rank;
   int fp8;           // 1: rows are fp8 e4m3 with one fp32 scale per 128 elements
   double timeout_s;  // a kernel waiting on a peer gives up after this long
+  int force_put;     // 1: always pack and put between nodes, even to a peer NVLink reaches (0: such a
+                     // peer's buffer is written in place with SM stores, then signalled)
 } EphConfig;
 
 // Regions of a context that Python views as tensors.

@@ -54,7 +54,6 @@
 #include <nvshmemx.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include "../common.cuh"
@@ -76,7 +75,12 @@ enum HierPhase { kPhCounts = 11, kPhRows = 12, kPhDone = 13, kPhReady = 14, kPhP
 struct HierParams {
   int rank, world, G, N, node, local;
   int hidden, row_bytes, num_scales, topk, E, max_tokens, chunk;
-  int copy_unroll;  // 16-byte loads in flight per lane in the row copies: 8 or 16 (EPBENCH_HIER_COPY_UNROLL, experiment)
+  // Direct transport (peer reachable by NVLink load/store, as on virtual nodes or a multi-node
+  // NVLink domain): the rail peer's msg_recv on node m / the source's part_recv on node n', written
+  // in place with SM stores and then signalled (nvshmemx_signal_op), with no local staging copy and no
+  // put. Null: pack locally and put-with-signal (the network path). EphConfig.force_put nulls them.
+  uint8_t* direct_msg_recv[kMaxNodes];
+  __nv_bfloat16* direct_part_recv[kMaxNodes];
   int msg_bytes, msg_off_scales, msg_off_idx, msg_off_w, msg_off_pos;
   int row_ints;  // my_row / cnt_mat row: [W rank counts | N node counts | W * E expert counts]
   unsigned long long timeout_ns;
@@ -147,7 +151,8 @@ __device__ __noinline__ bool wait_local_flag(const HierParams& p, const int* fla
 
 // Warp copy of `bytes` (a multiple of 16, 16-byte aligned) from src to each of the `n` dsts: kU
 // 16-byte loads in flight per lane (kU = 8: a 16 KiB row is 4 rounds of 4 KiB per warp), then the
-// stores.
+// stores. kCopyU = 8: 16 measured no faster (2026-11-21, notes/NVSHMEM.md).
+constexpr int kCopyU = 8;
 template <int kU>
 __device__ __forceinline__ void warp_copy16_u(uint8_t* const* dst, int n, const uint8_t* src, int bytes, int lane,
                                               bool src_remote_written) {
@@ -278,6 +283,14 @@ __device__ __forceinline__ void warp_copy4(uint32_t* dst, const uint32_t* src, i
   for (int i = lane; i < n; i += 32) dst[i] = src[i];
 }
 
+// The warp's stores into a peer (direct transport) are made visible, then `sig` on `pe` := epoch.
+__device__ __forceinline__ void signal_after_warp_stores(uint64_t* sig, long long epoch, int pe, int lane) {
+  __threadfence_system();  // every lane: its own stores first
+  __syncwarp();
+  if (lane == 0) nvshmemx_signal_op(sig, static_cast<uint64_t>(epoch), NVSHMEM_SIGNAL_SET, pe);
+  __syncwarp();
+}
+
 template <int kU>
 __device__ void send_rows(const HierParams& p, const DispatchIn& in, int send_blocks, long long epoch) {
   const int lane = threadIdx.x & 31;
@@ -286,11 +299,13 @@ __device__ void send_rows(const HierParams& p, const DispatchIn& in, int send_bl
   for (int k = 1; k < p.N; ++k) {
     const int m = (p.node + k) % p.N;
     const int rows = p.to_node[m], nch = (rows + C - 1) / C;
+    uint8_t* direct = p.direct_msg_recv[m];
     for (int c = gw; c < nch; c += nw) {
       const int j0 = c * C, j1 = min(rows, j0 + C);
       for (int j = j0; j < j1; ++j) {
         const int t = p.tok_of[static_cast<size_t>(m) * T_max + j];
-        uint8_t* msg = p.msg_send + (static_cast<size_t>(m) * T_max + j) * p.msg_bytes;
+        uint8_t* msg = direct ? direct + (static_cast<size_t>(p.node) * T_max + j) * p.msg_bytes
+                              : p.msg_send + (static_cast<size_t>(m) * T_max + j) * p.msg_bytes;
         uint8_t* dst[kMaxG] = {msg};
         warp_copy16_u<kU>(dst, 1, in.x + static_cast<size_t>(t) * p.row_bytes, p.row_bytes, lane, false);
         if (p.num_scales)
@@ -303,6 +318,10 @@ __device__ void send_rows(const HierParams& p, const DispatchIn& in, int send_bl
                    reinterpret_cast<const uint32_t*>(in.w + static_cast<size_t>(t) * K), K, lane);
         warp_copy4(reinterpret_cast<uint32_t*>(msg + p.msg_off_pos),
                    reinterpret_cast<const uint32_t*>(p.pos + static_cast<size_t>(t) * p.world + m * G), G, lane);
+      }
+      if (direct) {
+        signal_after_warp_stores(p.msg_sig + static_cast<size_t>(p.node) * T_max + c, epoch, m * G + p.local, lane);
+        continue;
       }
       __syncwarp();
       __threadfence();  // the packed bytes are visible to whatever engine reads them for the put
@@ -491,6 +510,7 @@ __device__ void send_partials(const HierParams& p, int send_blocks, long long ep
     const int n2 = (p.node + k) % p.N;
     const int src = n2 * G + p.local;
     const int rows = p.from_node[n2], nch = (rows + C - 1) / C;
+    __nv_bfloat16* direct = p.direct_part_recv[n2];
     for (int c = gw; c < nch; c += nw) {
       const int j0 = c * C, j1 = min(rows, j0 + C);
       for (int j = j0; j < j1; ++j) {
@@ -503,8 +523,14 @@ __device__ void send_partials(const HierParams& p, int send_blocks, long long ep
         const void* row = has ? p.peer_combine_in[lane] + static_cast<size_t>(p.off[src * G + lane] + my_pos) * H
                               : nullptr;
         const int ns = add_sources(list, 0, has, row, my_w, lane);
-        reduce_row(p, reinterpret_cast<int4*>(p.part_send + (static_cast<size_t>(n2) * T_max + j) * H), list, ns, lane);
+        __nv_bfloat16* dst = direct ? direct + (static_cast<size_t>(p.node) * T_max + j) * H
+                                    : p.part_send + (static_cast<size_t>(n2) * T_max + j) * H;
+        reduce_row(p, reinterpret_cast<int4*>(dst), list, ns, lane);
         __syncwarp();
+      }
+      if (direct) {
+        signal_after_warp_stores(p.part_sig + static_cast<size_t>(p.node) * T_max + c, epoch, src, lane);
+        continue;
       }
       __syncwarp();
       __threadfence();
@@ -666,8 +692,6 @@ extern "C" int eph_create(const EphConfig* cfg, void** out) {
   p.E = c.experts_per_rank;
   p.max_tokens = c.max_tokens;
   p.chunk = 8;
-  const char* unroll = getenv("EPBENCH_HIER_COPY_UNROLL");
-  p.copy_unroll = unroll != nullptr && atoi(unroll) == 16 ? 16 : 8;
   p.timeout_ns = static_cast<unsigned long long>((c.timeout_s > 0 ? c.timeout_s : 10.0) * 1e9);
   ctx->device = c.device;
   int rc = 0;
@@ -719,6 +743,13 @@ extern "C" int eph_create(const EphConfig* cfg, void** out) {
         !p.peer_combine_in[g] || !p.peer_flags[g])
       return fail_free(epn_fail("eph_create: PE %d (node %d) cannot reach PE %d of its own node by NVLink "
                                 "load/store (nvshmem_ptr is null)", p.rank, p.node, pe));
+  }
+
+  for (int m = 0; m < p.N; ++m) {  // rail peers on every node (my own never used)
+    const int pe = m * p.G + p.local;
+    p.direct_msg_recv[m] = c.force_put || m == p.node ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(p.msg_recv, pe));
+    p.direct_part_recv[m] =
+        c.force_put || m == p.node ? nullptr : static_cast<__nv_bfloat16*>(nvshmem_ptr(p.part_recv, pe));
   }
 
   const size_t T = c.max_tokens > 0 ? c.max_tokens : 1;
@@ -801,10 +832,7 @@ extern "C" int eph_dispatch(void* vctx, const void* x, const void* scales, const
   EPH_CUDA(cudaGetLastError());
   const DispatchIn in{static_cast<const uint8_t*>(x), static_cast<const float*>(scales),
                       static_cast<const int64_t*>(topk_idx), static_cast<const float*>(topk_w)};
-  if (p.copy_unroll == 16)
-    hier_dispatch_kernel<16><<<num_sms, kThreads, 0, s>>>(p, in, send_blocks, epoch);
-  else
-    hier_dispatch_kernel<8><<<num_sms, kThreads, 0, s>>>(p, in, send_blocks, epoch);
+  hier_dispatch_kernel<kCopyU><<<num_sms, kThreads, 0, s>>>(p, in, send_blocks, epoch);
   EPH_CUDA(cudaGetLastError());
   return 0;
 }

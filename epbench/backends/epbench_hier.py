@@ -10,10 +10,15 @@ on virtual nodes of one host, where NVSHMEM carries that tier over NVLink (label
 Semantics, buffers and no-host-sync rules as in base.py: every buffer is in NVSHMEM's symmetric
 heap or device memory allocated once in the constructor.
 
-Knobs (constructor arguments; the environment is the default):
-  EPBENCH_HIER_SEND_SHARE  share of the num_sms blocks that put rows (dispatch) or partials (combine)
+Knobs (constructor arguments; the environment is the default; defaults chosen by measurement,
+notes/NVSHMEM.md):
+  EPBENCH_HIER_SEND_SHARE  share of the num_sms blocks that send rows (dispatch) or partials (combine)
                            to other nodes; the rest forward over NVLink / finish tokens (default 0.5)
-  EPBENCH_HIER_CHUNK       rows per put and per signal (default 8)
+  EPBENCH_HIER_CHUNK       rows per put and per signal (default 4)
+  EPBENCH_HIER_TRANSPORT   auto: a rail peer that NVLink reaches (virtual nodes, one NVLink domain) gets
+                           its rows written in place by SM stores, then an NVSHMEM signal, like the SMs'
+                           part on a real network where the NIC moves the packed rows; put: always pack
+                           locally and put-with-signal (the network path), kept to test that path here
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ MAX_GPUS_PER_NODE = 8
 MAX_NODES = 16
 MAX_TOPK = 32
 DEFAULT_SEND_SHARE = 0.5
-DEFAULT_CHUNK = 8
+DEFAULT_CHUNK = 4
+TRANSPORTS = ("auto", "put")
 
 
 @dataclass
@@ -53,10 +59,11 @@ def send_blocks(num_sms: int, nodes: int, share: float) -> int:
     return min(num_sms - 1, max(1, round(num_sms * share)))
 
 
-def _config(setup: RankSetup, device: int) -> nvshmem_lib.EphConfig:
+def _config(setup: RankSetup, device: int, transport: str) -> nvshmem_lib.EphConfig:
     return nvshmem_lib.EphConfig(setup.rank, setup.world, setup.gpus_per_node, device, setup.hidden,
                                  setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
-                                 int(setup.dispatch_dtype == "fp8"), float(setup.timeout_s))
+                                 int(setup.dispatch_dtype == "fp8"), float(setup.timeout_s),
+                                 int(transport == "put"))
 
 
 class EpbenchHierBackend(Backend):
@@ -86,7 +93,7 @@ class EpbenchHierBackend(Backend):
         return None
 
     def __init__(self, setup: RankSetup, *, send_share: Optional[float] = None,
-                 chunk: Optional[int] = None) -> None:
+                 chunk: Optional[int] = None, transport: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-hier backend unavailable: {reason}")
@@ -97,13 +104,16 @@ class EpbenchHierBackend(Backend):
         if not 0.0 < self.send_share < 1.0 or not 1 <= self.chunk <= 1024:
             raise ValueError(f"EPBENCH_HIER_SEND_SHARE must be in (0, 1) and EPBENCH_HIER_CHUNK in 1..1024, "
                              f"got {self.send_share} and {self.chunk}")
+        self.transport = transport or os.environ.get("EPBENCH_HIER_TRANSPORT", "auto")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"EPBENCH_HIER_TRANSPORT must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         self.nodes = setup.world // setup.gpus_per_node
         self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
                                    else torch.cuda.current_device())
         self.fp8 = setup.dispatch_dtype == "fp8"
         self._x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
         lib = nvshmem_lib.load()
-        cfg = _config(setup, self.device.index)
+        cfg = _config(setup, self.device.index, self.transport)
         heap = lib.eph_symmetric_bytes(ctypes.byref(cfg))
         nvshmem_lib.check(-1 if heap < 0 else 0, "eph_symmetric_bytes")
         self._lib = nvshmem_lib.ensure_initialised(setup.rank, setup.world, self.device.index, heap)

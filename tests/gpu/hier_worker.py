@@ -1,11 +1,13 @@
 """Multi-rank worker for the hierarchical kernels (backend epbench-hier), started by torchrun.
 
-    torchrun --nproc_per_node 4 tests/gpu/hier_worker.py check [--gpus-per-node 2] [--quick]
+    torchrun --nproc_per_node 4 tests/gpu/hier_worker.py check [--gpus-per-node 2] [--transport auto|put] [--quick]
 
 check: the intranode edge cases (tests/gpu/ep_worker.py's CHECK_CASES) plus every token to one
 node, as virtual nodes of --gpus-per-node GPUs, against epbench.verify (bit-exact dispatch,
 combine within its tolerance), twice each with fresh inputs and poisoned outputs, at two SM
-counts and two shares of sending blocks; then a missing peer that must raise naming it, not hang.
+counts and two shares of sending blocks, over the given transport between nodes (auto: in-place
+stores where NVLink reaches; put: NVSHMEM put-with-signal, the network path); then a missing peer
+that must raise naming it, not hang.
 Exit code 0 only if every check passed.
 """
 
@@ -36,6 +38,7 @@ HEAP = 6 << 30  # symmetric heap for the largest case (h8192, 4096 tokens, 4 ran
 
 
 def hier_setup(case: Case, rank: int, world: int, g: int, device: torch.device, timeout_s: float = 10.0):
+    """make_setup's RankSetup with g GPUs per (virtual) node."""
     return replace(make_setup(case, rank, world, device, timeout_s), gpus_per_node=g)
 
 
@@ -44,7 +47,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     failures = 0
     cases = [c for c in CHECK_CASES if not args.quick or c.name in QUICK]
     for case in cases:
-        be = EpbenchHierBackend(hier_setup(case, rank, world, g, device))
+        be = EpbenchHierBackend(hier_setup(case, rank, world, g, device), transport=args.transport)
         lines = []
         for sms, share in POINTS:
             be.send_share = share
@@ -65,8 +68,8 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             print("\n".join(lines), flush=True)
     failures += check_timeout(rank, world, g, device)
     if rank == 0:
-        print(f"hier check world={world} gpus_per_node={g}: {'PASS' if failures == 0 else f'{failures} FAILURES'}",
-              flush=True)
+        print(f"hier check world={world} gpus_per_node={g} transport={args.transport}: "
+              f"{'PASS' if failures == 0 else f'{failures} FAILURES'}", flush=True)
     return failures
 
 
@@ -97,6 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["check"])
     ap.add_argument("--gpus-per-node", type=int, default=2)
+    ap.add_argument("--transport", choices=["auto", "put"], default="auto")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -31,10 +31,11 @@ def built() -> None:
         pytest.skip(f"{nvshmem_lib.NOT_BUILT} ({nvshmem_lib.LIB_PATH} is missing)")
 
 
-@pytest.mark.parametrize("gpus_per_node", [2, 1])
-def test_hier_kernels_match_verification(built: None, gpus_per_node: int) -> None:
-    r = torchrun(WORKER, 4, "check", "--gpus-per-node", str(gpus_per_node),
-                 *(["--quick"] if gpus_per_node == 1 else []))
+@pytest.mark.parametrize("gpus_per_node,transport,quick", [(2, "auto", False), (2, "put", False),
+                                                          (1, "auto", True), (1, "put", True)])
+def test_hier_kernels_match_verification(built: None, gpus_per_node: int, transport: str, quick: bool) -> None:
+    r = torchrun(WORKER, 4, "check", "--gpus-per-node", str(gpus_per_node), "--transport", transport,
+                 *(["--quick"] if quick else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
     print(r.stdout.strip().splitlines()[-1])
