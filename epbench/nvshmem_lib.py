@@ -45,7 +45,7 @@ class EphConfig(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int) for name in ("rank", "world", "gpus_per_node", "device", "hidden",
                                                    "max_tokens", "topk", "experts_per_rank", "fp8")] + \
-        [("timeout_s", ctypes.c_double), ("force_put", ctypes.c_int)]
+        [("timeout_s", ctypes.c_double), ("transport", ctypes.c_int)]
 
 
 # Regions of a hierarchical context (enum EPH_* of the header).

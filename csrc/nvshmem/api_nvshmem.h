@@ -53,8 +53,11 @@ typedef struct {
   int hidden, max_tokens, topk, experts_per_rank;
   int fp8;           // 1: rows are fp8 e4m3 with one fp32 scale per 128 elements
   double timeout_s;  // a kernel waiting on a peer gives up after this long
-  int force_put;     // 1: always pack and put between nodes, even to a peer NVLink reaches (0: such a
-                     // peer's buffer is written in place with SM stores, then signalled)
+  // Between nodes, to a rail peer that NVLink reaches (virtual nodes, one NVLink domain); a peer that
+  // it does not reach always gets pack + put-with-signal. 0 (auto): dispatch packs and puts, combine
+  // stores its partials in place then signals (measured the faster mix); 1 (put): pack + put for
+  // both; 2 (direct): in-place stores + signal for both.
+  int transport;
 } EphConfig;
 
 // Regions of a context that Python views as tensors.

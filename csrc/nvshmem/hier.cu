@@ -78,7 +78,7 @@ struct HierParams {
   // Direct transport (peer reachable by NVLink load/store, as on virtual nodes or a multi-node
   // NVLink domain): the rail peer's msg_recv on node m / the source's part_recv on node n', written
   // in place with SM stores and then signalled (nvshmemx_signal_op), with no local staging copy and no
-  // put. Null: pack locally and put-with-signal (the network path). EphConfig.force_put nulls them.
+  // put. Null: pack locally and put-with-signal (the network path). EphConfig.transport picks.
   uint8_t* direct_msg_recv[kMaxNodes];
   __nv_bfloat16* direct_part_recv[kMaxNodes];
   int msg_bytes, msg_off_scales, msg_off_idx, msg_off_w, msg_off_pos;
@@ -675,6 +675,7 @@ extern "C" int eph_create(const EphConfig* cfg, void** out) {
   if (out == nullptr) return epn_fail("eph_create: null output");
   *out = nullptr;
   if (check_config(cfg)) return -1;
+  if (cfg->transport < 0 || cfg->transport > 2) return epn_fail("eph_create: transport %d (0 auto, 1 put, 2 direct)", cfg->transport);
   if (epn_my_pe() != cfg->rank || epn_n_pes() != cfg->world)
     return epn_fail("eph_create: NVSHMEM is PE %d of %d, the config says rank %d of %d (call epn_init first)",
                     epn_my_pe(), epn_n_pes(), cfg->rank, cfg->world);
@@ -747,9 +748,9 @@ extern "C" int eph_create(const EphConfig* cfg, void** out) {
 
   for (int m = 0; m < p.N; ++m) {  // rail peers on every node (my own never used)
     const int pe = m * p.G + p.local;
-    p.direct_msg_recv[m] = c.force_put || m == p.node ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(p.msg_recv, pe));
-    p.direct_part_recv[m] =
-        c.force_put || m == p.node ? nullptr : static_cast<__nv_bfloat16*>(nvshmem_ptr(p.part_recv, pe));
+    const bool rows_direct = c.transport == 2 && m != p.node, partials_direct = c.transport != 1 && m != p.node;
+    p.direct_msg_recv[m] = rows_direct ? static_cast<uint8_t*>(nvshmem_ptr(p.msg_recv, pe)) : nullptr;
+    p.direct_part_recv[m] = partials_direct ? static_cast<__nv_bfloat16*>(nvshmem_ptr(p.part_recv, pe)) : nullptr;
   }
 
   const size_t T = c.max_tokens > 0 ? c.max_tokens : 1;

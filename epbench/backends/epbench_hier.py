@@ -15,10 +15,11 @@ notes/NVSHMEM.md):
   EPBENCH_HIER_SEND_SHARE  share of the num_sms blocks that send rows (dispatch) or partials (combine)
                            to other nodes; the rest forward over NVLink / finish tokens (default 0.5)
   EPBENCH_HIER_CHUNK       rows per put and per signal (default 4)
-  EPBENCH_HIER_TRANSPORT   auto: a rail peer that NVLink reaches (virtual nodes, one NVLink domain) gets
-                           its rows written in place by SM stores, then an NVSHMEM signal, like the SMs'
-                           part on a real network where the NIC moves the packed rows; put: always pack
-                           locally and put-with-signal (the network path), kept to test that path here
+  EPBENCH_HIER_TRANSPORT   how rows (dispatch) and partials (combine) reach a rail peer that NVLink
+                           reaches (virtual nodes, one NVLink domain): put = pack locally, then NVSHMEM
+                           put-with-signal (the only way over a real network); direct = SM stores in place,
+                           then an NVSHMEM signal; auto (default) = put for dispatch, direct for combine
+                           (the fastest mix measured). A peer NVLink does not reach always gets put.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ MAX_NODES = 16
 MAX_TOPK = 32
 DEFAULT_SEND_SHARE = 0.5
 DEFAULT_CHUNK = 4
-TRANSPORTS = ("auto", "put")
+TRANSPORTS = ("auto", "put", "direct")  # EphConfig.transport 0, 1, 2
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _config(setup: RankSetup, device: int, transport: str) -> nvshmem_lib.EphCon
     return nvshmem_lib.EphConfig(setup.rank, setup.world, setup.gpus_per_node, device, setup.hidden,
                                  setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
                                  int(setup.dispatch_dtype == "fp8"), float(setup.timeout_s),
-                                 int(transport == "put"))
+                                 TRANSPORTS.index(transport))
 
 
 class EpbenchHierBackend(Backend):

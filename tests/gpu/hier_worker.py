@@ -1,12 +1,13 @@
 """Multi-rank worker for the hierarchical kernels (backend epbench-hier), started by torchrun.
 
-    torchrun --nproc_per_node 4 tests/gpu/hier_worker.py check [--gpus-per-node 2] [--transport auto|put] [--quick]
+    torchrun --nproc_per_node 4 tests/gpu/hier_worker.py check [--gpus-per-node 2] [--transport auto|put|direct] [--quick]
 
 check: the intranode edge cases (tests/gpu/ep_worker.py's CHECK_CASES) plus every token to one
 node, as virtual nodes of --gpus-per-node GPUs, against epbench.verify (bit-exact dispatch,
 combine within its tolerance), twice each with fresh inputs and poisoned outputs, at two SM
-counts and two shares of sending blocks, over the given transport between nodes (auto: in-place
-stores where NVLink reaches; put: NVSHMEM put-with-signal, the network path); then a missing peer
+counts and two shares of sending blocks, over the given transport between nodes (put: NVSHMEM
+put-with-signal, the network path; direct: in-place stores where NVLink reaches; auto: put for
+dispatch, direct for combine); then a missing peer
 that must raise naming it, not hang.
 Exit code 0 only if every check passed.
 """
@@ -100,7 +101,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["check"])
     ap.add_argument("--gpus-per-node", type=int, default=2)
-    ap.add_argument("--transport", choices=["auto", "put"], default="auto")
+    ap.add_argument("--transport", choices=["auto", "put", "direct"], default="auto")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -31,8 +31,8 @@ def built() -> None:
         pytest.skip(f"{nvshmem_lib.NOT_BUILT} ({nvshmem_lib.LIB_PATH} is missing)")
 
 
-@pytest.mark.parametrize("gpus_per_node,transport,quick", [(2, "auto", False), (2, "put", False),
-                                                          (1, "auto", True), (1, "put", True)])
+@pytest.mark.parametrize("gpus_per_node,transport,quick", [(2, "auto", False), (2, "put", True), (2, "direct", True),
+                                                          (1, "put", True), (1, "direct", True)])
 def test_hier_kernels_match_verification(built: None, gpus_per_node: int, transport: str, quick: bool) -> None:
     r = torchrun(WORKER, 4, "check", "--gpus-per-node", str(gpus_per_node), "--transport", transport,
                  *(["--quick"] if quick else []))
