@@ -11,6 +11,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -196,6 +197,21 @@ extern "C" int epn_get_uniqueid(void* out, int cap) {
   return static_cast<int>(sizeof(id));
 }
 
+namespace {
+volatile int g_in_init = 0;  // inside nvshmemx_init_attr
+int g_init_rank = -1;
+
+void say_init_failed() {
+  if (!g_in_init) return;
+  fprintf(stderr,
+          "epbench: NVSHMEM initialisation failed on rank %d and NVSHMEM ended the process (its own "
+          "message is above; NVSHMEM_DEBUG=INFO says more; check NVSHMEM_SYMMETRIC_SIZE and, on one host, "
+          "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo)\n",
+          g_init_rank);
+  fflush(stderr);
+}
+}  // namespace
+
 extern "C" int epn_init(const void* uid, int uid_size, int rank, int world, int device) {
   if (g.ready) return epn_fail("epn_init: NVSHMEM is already initialised (call epn_finalize first)");
   if (uid == nullptr || uid_size != static_cast<int>(sizeof(nvshmemx_uniqueid_t)))
@@ -208,7 +224,14 @@ extern "C" int epn_init(const void* uid, int uid_size, int rank, int world, int 
   nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
   int rc = nvshmemx_set_attr_uniqueid_args(rank, world, &id, &attr);
   if (rc != 0) return epn_fail("nvshmemx_set_attr_uniqueid_args returned %d", rc);
+  // A failed NVSHMEM init exits the process from inside nvshmemx_init_attr (it never returns an
+  // error): a handler registered with atexit says in one line which rank it was and what to try.
+  static bool handler_set = false;
+  if (!handler_set) handler_set = atexit(say_init_failed) == 0;
+  g_init_rank = rank;
+  g_in_init = 1;
   rc = nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+  g_in_init = 0;
   if (rc != 0) return epn_fail("nvshmemx_init_attr returned %d", rc);
   g.me = nvshmem_my_pe();
   g.npes = nvshmem_n_pes();

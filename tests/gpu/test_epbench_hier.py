@@ -54,3 +54,18 @@ def test_virtual_scenario_runs_verified(built: None, tmp_path: Path) -> None:
     assert int(df["wrong"].sum()) == 0
     hier = df[df["backend"] == "epbench-hier"]
     assert (hier["nic_bytes"] > 0).all() and hier["nic_virtual"].all()
+
+
+def test_nvshmem_startup_failure_is_one_line(built: None, tmp_path: Path) -> None:
+    """A bootstrap that cannot start (no such network interface for NVSHMEM's unique-id socket) ends
+    the run with one epbench line naming NVSHMEM, not a hang or a bare exit."""
+    env = dict(safe_env(), NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="epbench-no-such-if")
+    r = subprocess.run([sys.executable, "-m", "epbench", "run", "scenarios/h200x2x2-virtual.yaml", "--backends",
+                        "epbench-hier", "--sms", "8", "--no-ceilings", "--results", str(tmp_path / "r")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-4000:]
+    lines = [ln for ln in out.splitlines()
+             if "epbench: NVSHMEM initialisation failed on rank" in ln or "epbench NVSHMEM:" in ln]
+    assert lines, out[-4000:]
+    print(lines[0])
