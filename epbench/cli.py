@@ -13,7 +13,7 @@ import typer
 
 from epbench import launch, scenario
 from epbench.console import wide_console
-from epbench.errors import UserError, VerificationFailed
+from epbench.errors import StartupError, UserError, VerificationFailed
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Benchmark MoE expert-parallel dispatch/combine and characterise its bandwidth.")
@@ -304,7 +304,7 @@ def main() -> None:
     launch.apply_safe_env()
     try:
         app()
-    except (UserError, VerificationFailed) as e:
+    except (UserError, VerificationFailed, StartupError) as e:
         if os.environ.get("EPBENCH_DEBUG"):
             traceback.print_exc()
         where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""

@@ -1,4 +1,4 @@
-"""One error type for user mistakes: the CLI prints its message as one line and exits 2."""
+"""Errors the CLI prints as one line: user mistakes (exit 2), failed verification and failed start-up (exit 1)."""
 
 
 class UserError(Exception):
@@ -9,5 +9,11 @@ class UserError(Exception):
 
 class VerificationFailed(Exception):
     """A measured configuration produced wrong results; the run exits non-zero."""
+
+    exit_code = 1
+
+
+class StartupError(RuntimeError):
+    """The machinery between ranks could not start (e.g. NVSHMEM's bootstrap); the run exits 1."""
 
     exit_code = 1

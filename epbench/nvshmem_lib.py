@@ -12,8 +12,12 @@ import ctypes
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from epbench.errors import StartupError
+
 LIB_PATH = Path(__file__).resolve().parent / "_lib" / "libepbench_nvshmem.so"
 NOT_BUILT = "NVSHMEM library not built: run `make build` (it needs nvcc and the nvidia-nvshmem-cu13 wheel)"
+STARTUP_HINT = ("NVSHMEM_DEBUG=INFO says more; check NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME (on one host: lo) "
+                "and NVSHMEM_SYMMETRIC_SIZE")
 UID_CAP = 256  # bytes offered to epn_get_uniqueid (nvshmemx_uniqueid_t is 128 in NVSHMEM 3.x)
 
 _lib: Optional[ctypes.CDLL] = None
@@ -141,16 +145,19 @@ def bootstrap(rank: int, world: int, device: int, group: Any = None) -> ctypes.C
     if torch.cuda.is_available():
         torch.cuda.set_device(device)  # NCCL's broadcast of the id goes through the current device
     uid = b""
-    if rank == 0:
-        buf = ctypes.create_string_buffer(UID_CAP)
-        n = lib.epn_get_uniqueid(buf, UID_CAP)
-        check(n, "epn_get_uniqueid")
-        uid = buf.raw[:n]
-    if world > 1:
-        box = [uid]
-        dist.broadcast_object_list(box, src=0, group=group)
-        uid = box[0]
-    check(lib.epn_init(uid, len(uid), rank, world, device), "epn_init")
+    try:
+        if rank == 0:
+            buf = ctypes.create_string_buffer(UID_CAP)
+            n = lib.epn_get_uniqueid(buf, UID_CAP)
+            check(n, "epn_get_uniqueid")
+            uid = buf.raw[:n]
+        if world > 1:
+            box = [uid]
+            dist.broadcast_object_list(box, src=0, group=group)
+            uid = box[0]
+        check(lib.epn_init(uid, len(uid), rank, world, device), "epn_init")
+    except RuntimeError as e:
+        raise StartupError(f"NVSHMEM could not start on rank {rank}: {e} ({STARTUP_HINT})") from e
     return lib
 
 

@@ -80,3 +80,17 @@ def test_a_failed_call_carries_the_library_message(monkeypatch):
     with pytest.raises(RuntimeError, match="epbench NVSHMEM: epn_ping failed: boom"):
         nvshmem_lib.check(-1, "epn_ping")
     nvshmem_lib.check(128, "epn_get_uniqueid")  # a size is not a failure
+
+
+def test_a_failed_start_is_one_startup_error_naming_the_rank(monkeypatch):
+    class Refusing(FakeLib):
+        def epn_init(self, uid, size, rank, world, device):
+            return -1
+
+    monkeypatch.setattr(nvshmem_lib, "load", lambda: Refusing())
+    with pytest.raises(nvshmem_lib.StartupError) as e:
+        nvshmem_lib.bootstrap(rank=0, world=1, device=0)
+    msg = str(e.value)
+    assert msg.startswith("NVSHMEM could not start on rank 0: epbench NVSHMEM: epn_init failed: boom")
+    assert "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME" in msg and "\n" not in msg
+    assert e.value.exit_code == 1
