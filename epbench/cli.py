@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
+from rich.markup import escape
 
 
 from epbench import launch, scenario
@@ -190,7 +191,7 @@ def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML fil
         try:
             s = scenario.load(p)
         except UserError as e:
-            err.print(f"[red]invalid[/] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[red]invalid[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             bad += 1
             continue
         m = s.model
@@ -308,5 +309,5 @@ def main() -> None:
         if os.environ.get("EPBENCH_DEBUG"):
             traceback.print_exc()
         where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
-        err.print(f"epbench: error: {where}{e}", highlight=False, soft_wrap=True)
+        err.print(f"epbench: error: {where}{e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)

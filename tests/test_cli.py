@@ -280,3 +280,24 @@ def test_runs_never_share_a_folder(results_root, smoke_run, fault_runs, sweep_ru
     argvs = [tuple(json.loads((d / "meta.json").read_text())["argv"]) for d in dirs]
     assert len(set(argvs)) == len(runs)
     assert smoke_run.meta()["wrong"] == 0 and (smoke_run.rows()["wrong"] == 0).all()
+
+
+def test_a_rank_error_names_the_rank_literally(monkeypatch, capsys):
+    """Under torchrun the one-line error starts with [rank N] (not eaten as console markup), for a
+    start-up failure too (exit 1), and brackets inside the message survive."""
+    from epbench import cli
+    from epbench.errors import StartupError
+
+    def boom() -> None:
+        raise StartupError("NVSHMEM could not start on rank 3: [uid] refused")
+
+    monkeypatch.setattr(cli, "app", boom)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "epbench: error: [rank 3] NVSHMEM could not start on rank 3: [uid] refused" in err
+    assert len(err.strip().splitlines()) == 1
