@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from epbench import cuda_lib, nvshmem_lib
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
 
 MAX_GPUS_PER_NODE = 8
 MAX_NODES = 16
@@ -122,10 +122,7 @@ class EpbenchHierBackend(Backend):
         nvshmem_lib.check(self._lib.eph_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "eph_create")
         self._views()
         self._timed_out = ctypes.c_int.from_address(self._lib.eph_error_flag_ptr(self._ctx))
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        index = self.device.index
-        self._stream = (lambda: raw(index)) if raw is not None else \
-            (lambda: torch.cuda.current_stream(self.device).cuda_stream)
+        self._stream = raw_stream_getter(self.device)
         self._epoch = 0
         self._checked: Optional[tuple] = None
 
@@ -191,20 +188,11 @@ class EpbenchHierBackend(Backend):
         self._raise_if_timed_out()
 
     def poison(self) -> None:
-        self.recv_x.view(torch.uint8).fill_(0xFF)
-        if self.recv_scales is not None:
-            self.recv_scales.fill_(float("nan"))
-        self.recv_idx.fill_(-1)
-        self.recv_w.fill_(float("nan"))
-        self.expert_counts.fill_(-1)
-        self.num_recv.fill_(-1)
-        self.out.fill_(float("nan"))
+        poison_dispatch_outputs(self)
 
     def close(self) -> None:
         """Collective: every rank must call it (peers may still write into this rank's buffers)."""
         if self._ctx:
-            torch.cuda.synchronize(self.device)
-            if self.s.world > 1 and dist.is_available() and dist.is_initialized():
-                dist.barrier()
-            nvshmem_lib.check(self._lib.eph_destroy(self._ctx), "eph_destroy")
+            release_collective(self.device, self.s.world,
+                               lambda: nvshmem_lib.check(self._lib.eph_destroy(self._ctx), "eph_destroy"))
             self._ctx = ctypes.c_void_p()

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from epbench import cuda_lib
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
 
 # Chosen by measurement (notes/KERNELS.md): v1-v3: pipe, reg:32 and tma:2:6 were within 1-2% of reg:16
 # for bf16 and tma was worse for fp8; v5: lean (reg with every per-token load issued first) was faster
@@ -136,10 +136,7 @@ class EpbenchBackend(Backend):
         self.own_copy = _knob("own_copy", own_copy)
         # The timeout record's flag word, read without a function call on every dispatch/combine.
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ctx))
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        index = self.device.index
-        self._stream = (lambda: raw(index)) if raw is not None else \
-            (lambda: torch.cuda.current_stream(self.device).cuda_stream)
+        self._stream = raw_stream_getter(self.device)
         self._x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
         self._dispatch_epoch = 0
         self._combine_epoch = 0
@@ -276,20 +273,11 @@ class EpbenchBackend(Backend):
         self._raise_if_timed_out()
 
     def poison(self) -> None:
-        self.recv_x.view(torch.uint8).fill_(0xFF)
-        if self.recv_scales is not None:
-            self.recv_scales.fill_(float("nan"))
-        self.recv_idx.fill_(-1)
-        self.recv_w.fill_(float("nan"))
-        self.expert_counts.fill_(-1)
-        self.num_recv.fill_(-1)
-        self.out.fill_(float("nan"))
+        poison_dispatch_outputs(self)
 
     def close(self) -> None:
         """Collective: every rank must call it (peers may still write into this rank's region)."""
         if self._ctx:
-            torch.cuda.synchronize(self.device)
-            if self.s.world > 1 and dist.is_available() and dist.is_initialized():
-                dist.barrier()
-            cuda_lib.check(self._lib.ep_destroy(self._ctx), "ep_destroy")
+            release_collective(self.device, self.s.world,
+                               lambda: cuda_lib.check(self._lib.ep_destroy(self._ctx), "ep_destroy"))
             self._ctx = ctypes.c_void_p()

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from epbench import cuda_lib
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
 from epbench.backends.epbench_kernels import intranode_reason
+from epbench.backends.kernel_common import release_collective
 
 DEFAULT_WARPS = 16
 MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kernel stages (ll_buffers.cu)
@@ -166,8 +166,6 @@ class EpbenchLowLatencyBackend(Backend):
     def close(self) -> None:
         """Collective: every rank must call it (peers may still write into this rank's region)."""
         if self._ctx:
-            torch.cuda.synchronize(self.device)
-            if self.s.world > 1 and dist.is_available() and dist.is_initialized():
-                dist.barrier()
-            cuda_lib.check(self._lib.ep_ll_destroy(self._ctx), "ep_ll_destroy")
+            release_collective(self.device, self.s.world,
+                               lambda: cuda_lib.check(self._lib.ep_ll_destroy(self._ctx), "ep_ll_destroy"))
             self._ctx = ctypes.c_void_p()

@@ -25,7 +25,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -170,20 +170,16 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     return failures
 
 
-def check_timeout(rank: int, world: int, device: torch.device) -> int:
-    """Rank world-1 skips a dispatch: every other rank must raise naming it, within the timeout."""
-    case = Case("timeout", 2048, [16], 4, 4)
-    be = EpbenchBackend(make_setup(case, rank, world, device, timeout_s=1.0))
-    routing = rank_routing(case, rank, world, seed=1)
-    inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
+def expect_missing_peer(be, start: Callable[[], object], rank: int, world: int, device: torch.device) -> int:
+    """Rank world-1 skips the call: every other rank runs ``start()`` (a dispatch of ``be``) and must
+    raise naming rank world-1 within the backend's timeout. Closes ``be``; returns the failures."""
     ok = True
     if rank != world - 1:
         t0 = time.time()
         try:
-            be.dispatch(inp, 4)
+            start()
             be.check_errors()
-            ok = False
-            msg = "no error raised"
+            ok, msg = False, "no error raised"
         except RuntimeError as e:
             msg = str(e)
             ok = f"waiting for rank {world - 1}" in msg and f"rank {rank} " in msg
@@ -192,6 +188,15 @@ def check_timeout(rank: int, world: int, device: torch.device) -> int:
     dist.barrier()
     be.close()
     return all_sum(int(not ok), device)
+
+
+def check_timeout(rank: int, world: int, device: torch.device) -> int:
+    """Rank world-1 skips a dispatch: every other rank must raise naming it, within the timeout."""
+    case = Case("timeout", 2048, [16], 4, 4)
+    be = EpbenchBackend(make_setup(case, rank, world, device, timeout_s=1.0))
+    routing = rank_routing(case, rank, world, seed=1)
+    inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
+    return expect_missing_peer(be, lambda: be.dispatch(inp, 4), rank, world, device)
 
 
 # ---------------------------------------------------------------- bench

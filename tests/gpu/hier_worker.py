@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +27,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ep_worker import CHECK_CASES, QUICK, Case, all_sum, check_case, make_setup, rank_routing  # noqa: E402
+from ep_worker import (CHECK_CASES, QUICK, Case, all_sum, check_case, expect_missing_peer,  # noqa: E402
+                       make_setup, rank_routing)
 
 from epbench.backends.epbench_hier import EpbenchHierBackend  # noqa: E402
 from epbench.inputs import dispatch_input, make_tokens  # noqa: E402
@@ -80,21 +80,7 @@ def check_timeout(rank: int, world: int, g: int, device: torch.device) -> int:
     be = EpbenchHierBackend(hier_setup(case, rank, world, g, device, timeout_s=1.0))
     inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), rank_routing(case, rank, world, seed=1),
                          "bf16", device)
-    ok = True
-    if rank != world - 1:
-        t0 = time.time()
-        try:
-            be.dispatch(inp, 4)
-            be.check_errors()
-            ok, msg = False, "no error raised"
-        except RuntimeError as e:
-            msg = str(e)
-            ok = f"waiting for rank {world - 1}" in msg and f"rank {rank} " in msg
-        if rank == 0:
-            print(f"{'ok  ' if ok else 'FAIL'} missing peer -> {msg!r} after {time.time() - t0:.1f} s", flush=True)
-    dist.barrier()
-    be.close()
-    return all_sum(int(not ok), device)
+    return expect_missing_peer(be, lambda: be.dispatch(inp, 4), rank, world, device)
 
 
 def main() -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from ep_worker import expect_missing_peer  # noqa: E402
 
 from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_ll import EpbenchLowLatencyBackend  # noqa: E402
@@ -157,21 +158,7 @@ def check_timeout(rank: int, world: int, device: torch.device) -> int:
     be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=1.0))
     routing = rank_routing(case, rank, world, seed=1)
     inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
-    ok = True
-    if rank != world - 1:
-        t0 = time.time()
-        try:
-            be.ll_dispatch(inp, 4)
-            be.check_errors()
-            ok, msg = False, "no error raised"
-        except RuntimeError as e:
-            msg = str(e)
-            ok = f"waiting for rank {world - 1}" in msg and f"rank {rank} " in msg
-        if rank == 0:
-            print(f"{'ok  ' if ok else 'FAIL'} missing peer -> {msg!r} after {time.time() - t0:.1f} s", flush=True)
-    dist.barrier()
-    be.close()
-    return all_sum(int(not ok), device)
+    return expect_missing_peer(be, lambda: be.ll_dispatch(inp, 4), rank, world, device)
 
 
 def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
