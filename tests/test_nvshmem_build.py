@@ -21,8 +21,11 @@ CSRC = ROOT / "csrc"
 
 
 @pytest.fixture(scope="module")
-def nvshmem_build(tmp_path_factory) -> Path:
-    """The build folder of one `make nvshmem-check` (objects and the device-linked check library)."""
+def nvshmem_build() -> Path:
+    """The build folder of one `make nvshmem-check` (objects and the device-linked check library):
+    csrc's own build folder, so objects that `make build` just compiled against the same NVSHMEM are
+    reused (make rebuilds whatever is stale, and the NVSHMEM_HOME stamp forces a rebuild for another
+    NVSHMEM)."""
     if shutil.which("nvcc") is None:
         if os.environ.get("CI"):
             pytest.fail("CI is set but nvcc is not on PATH: the NVSHMEM code cannot be checked")
@@ -31,8 +34,8 @@ def nvshmem_build(tmp_path_factory) -> Path:
     if home is None:
         pytest.skip("NVSHMEM not found: the nvidia-nvshmem-cu13 wheel is not installed in this Python "
                     "(`make build` installs it when pip can reach the index)")
-    build = tmp_path_factory.mktemp("nvshmem-build")
-    r = subprocess.run(["make", "-s", "-C", str(CSRC), "nvshmem-check", f"BUILD={build}", f"NVSHMEM_HOME={home}"],
+    build = CSRC / "build"
+    r = subprocess.run(["make", "-s", "-C", str(CSRC), "nvshmem-check", f"NVSHMEM_HOME={home}"],
                        capture_output=True, text=True)
     assert r.returncode == 0, f"csrc/nvshmem does not build:\n{r.stdout[-2000:]}{r.stderr[-4000:]}"
     assert "compiles and device-links for sm_90" in r.stdout, r.stdout
