@@ -141,6 +141,10 @@ def uncalibrated(overhead_us: float = 0.0, why_none: str = "") -> Calibration:
     return Calibration({op: 1.0 for op in OPS}, overhead_us, why_none=why_none)
 
 
+# EPBENCH_* variables recorded in meta.json that do not change the kernels
+NOT_KNOBS = {"EPBENCH_GIT_COMMIT", "EPBENCH_DEBUG"}
+
+
 def _run_candidates(run: Path, s: Scenario, backend: str, sms: Optional[int]
                     ) -> Tuple[Optional[Dict[str, Any]], str]:
     """The qualifying points of one run: (info, '') or (None, why not)."""
@@ -155,6 +159,10 @@ def _run_candidates(run: Path, s: Scenario, backend: str, sms: Optional[int]
         return None, "not an intranode run"
     if model.get("dispatch_dtype", "bf16") != s.model.dispatch_dtype:
         return None, f"dispatch dtype {model.get('dispatch_dtype')} is not {s.model.dispatch_dtype}"
+    knobs = sorted(f"{k}={v}" for k, v in (meta.get("env") or {}).items()
+                   if k.startswith("EPBENCH_") and k not in NOT_KNOBS)
+    if knobs:  # an experiment with non-default kernels, not what a user gets
+        return None, f"run with tuning knobs set ({', '.join(knobs)})"
     if df.empty or "backend" not in df:
         return None, "no measured points"
     need = {"backend", "op", "sms", "rank", "time_us", "nvlink_bytes", "wrong"}

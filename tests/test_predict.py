@@ -120,13 +120,14 @@ def cal_scenario():
 
 
 def write_run(path, points, device="cuda", meta_scenario=None, dtype="bf16", wrong=0,
-              started="2026-11-21T15:00:00+00:00"):
+              started="2026-11-21T15:00:00+00:00", env=None):
     """points: {sms: (dispatch time us, combine time us)}; both ranks alike."""
     s = cal_scenario()
     sc = meta_scenario if meta_scenario is not None else s.to_dict()
     if dtype != "bf16":
         sc["model"]["dispatch_dtype"] = dtype
-    w = RunWriter(path, {"scenario": sc, "device": device, "started_utc": started})
+    w = RunWriter(path, {"scenario": sc, "device": device, "started_utc": started,
+                         "env": env or {"EPBENCH_GIT_COMMIT": "abc", "NCCL_NVLS_ENABLE": "0"}})
     rows = [{"scenario": "cal", "backend": "epbench", "op": op, "sms": n, "rank": r,
              "device": device, "time_us": t + 0.1 * r, "nvlink_bytes": TR,
              "wrong": wrong if (n, op, r) == (16, "dispatch", 1) else 0}
@@ -170,6 +171,8 @@ def test_calibration_skips_unverified_cpu_and_other_dtype_runs(tmp_path):
     write_run(root / "bad", {16: (5.0, 5.0)}, wrong=3)  # fastest, but a wrong row
     write_run(root / "cpu", {16: (4.0, 4.0)}, device="cpu")
     write_run(root / "fp8", {16: (3.0, 3.0)}, dtype="fp8")
+    write_run(root / "knob", {16: (2.0, 2.0)}, env={"EPBENCH_DISPATCH_IMPL": "owntma"},  # an experiment
+              started="2026-12-01T00:00:00+00:00")
     write_run(root / "good", {16: (10.14, 12.7)}, started="2026-01-01T00:00:00+00:00")
     c = predict.calibrate([root], tiny(), "epbench")
     assert c.source.endswith("good") and c.nvlink_efficiency["dispatch"] == pytest.approx(0.5)
