@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import matplotlib
 
@@ -39,25 +39,36 @@ def _save(fig, title: str, path: Path) -> Path:
     return path
 
 
-def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
-    """Slowest rank's NVLink bus bandwidth (solid) and algorithm bandwidth (dashed) against the
-    SM count; a backend whose SM count epbench does not control is a horizontal line."""
-    fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
+def bus_tiers(summary: pd.DataFrame, virtual: bool = False) -> List[Tuple[str, str, str]]:
+    """(column, label, line style) of each bus tier with numbers: NVLink always, the NIC tier
+    where the run had one (labelled virtual when the nodes were virtual: it crossed NVLink)."""
+    tiers = [("busbw_nvlink_gbps_min", "NVLink busbw", "-")]
+    col = "busbw_nic_gbps_min"
+    if col in summary and pd.to_numeric(summary[col], errors="coerce").notna().any():
+        tiers.append((col, "NIC busbw (virtual)" if virtual else "NIC busbw", ":"))
+    return tiers
+
+
+def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: bool = False) -> Path:
+    """Slowest rank's bus bandwidth per tier (NVLink solid, NIC dotted where there is one) and
+    algorithm bandwidth (dashed) against the SM count; a backend whose SM count epbench does not
+    control is a horizontal line."""
+    fig, axes = plt.subplots(1, len(OPS), figsize=(15, 4.5), sharey=True)
     swept = sorted({int(s) for s in summary["sms"] if s})
+    series = bus_tiers(summary, virtual) + [("algbw_gbps_min", "algbw", "--")]
+    markers = {"-": "o", ":": "^", "--": "s"}
     for ax, op in zip(axes, OPS):
         part = summary[summary["op"] == op]
         for i, _backend, name, g in _series(part):
             color = f"C{i % 10}"
             g = g.sort_values("sms")
-            if (g["sms"] == 0).all():
-                for col, style in (("busbw_nvlink_gbps_min", "-"), ("algbw_gbps_min", "--")):
+            for col, what, style in series:
+                if (g["sms"] == 0).all():
                     ax.axhline(g[col].iloc[0], color=color, linestyle=style, linewidth=1.2,
-                               label=f"{name} {'busbw' if style == '-' else 'algbw'} (auto SMs)")
-            else:
-                ax.plot(g["sms"], g["busbw_nvlink_gbps_min"], "o-", color=color,
-                        label=f"{name} NVLink busbw")
-                ax.plot(g["sms"], g["algbw_gbps_min"], "s--", color=color, alpha=0.7,
-                        label=f"{name} algbw")
+                               label=f"{name} {what} (auto SMs)")
+                else:
+                    ax.plot(g["sms"], g[col], markers[style] + style, color=color,
+                            alpha=0.7 if style == "--" else 1.0, label=f"{name} {what}")
         ax.set_title(op)
         ax.set_xlabel("SMs")
         if swept:
@@ -65,7 +76,7 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylim(bottom=0)  # bandwidth axes start at zero: no exaggerated gaps
     axes[0].set_ylabel("GB/s (slowest rank)")
-    axes[-1].legend(fontsize=8, loc="lower right")
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the data, never on it
     return _save(fig, title, path)
 
 
@@ -155,7 +166,8 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None) -> List[Path]:
     written: List[Path] = []
     if not df.empty:
         summary = summarize(df)
-        written.append(bandwidth_vs_sms(summary, title, out_dir / "bandwidth_vs_sms.png"))
+        virtual = "nic_virtual" in df and bool(df["nic_virtual"].fillna(False).astype(bool).any())
+        written.append(bandwidth_vs_sms(summary, title, out_dir / "bandwidth_vs_sms.png", virtual))
         written.append(per_rank(df, title, out_dir / "per_rank.png"))
         if "timing" in summary and summary["timing"].notna().any() and summary["tokens_per_rank"].nunique() > 1:
             written.append(latency_vs_tokens(summary, title, out_dir / "latency_vs_tokens.png"))

@@ -58,3 +58,22 @@ def test_plot_of_a_low_latency_tokens_sweep_adds_latency_against_tokens(tmp_path
     names = [p.name for p in pngs]
     assert "latency_vs_tokens.png" in names  # the first kept run swept 1..256 tokens
     assert all(_is_png(p) for p in pngs)
+
+
+VIRTUAL_RUN = sorted((REPO / "docs" / "perf").glob("*/results/*_h200x2x2-virtual"))
+
+
+@pytest.mark.skipif(not VIRTUAL_RUN, reason="no virtual-node GPU run kept in docs/perf")
+def test_plot_of_a_virtual_node_run_draws_the_nic_tier_labelled_virtual(tmp_path):
+    from epbench.metrics import summarize
+    from epbench.plot import bus_tiers
+    from epbench.results import load_run
+
+    run = tmp_path / VIRTUAL_RUN[-1].name
+    shutil.copytree(VIRTUAL_RUN[-1], run, ignore=shutil.ignore_patterns("plots", "samples.csv"))
+    _, df = load_run(run)
+    labels = [label for _, label, _ in bus_tiers(summarize(df), virtual=True)]
+    assert labels == ["NVLink busbw", "NIC busbw (virtual)"]
+    assert all(_is_png(p) for p in plot_run(run))
+    one_node = summarize(df.assign(busbw_nic_gbps=None))
+    assert [label for _, label, _ in bus_tiers(one_node)] == ["NVLink busbw"]
