@@ -64,6 +64,11 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
     if s.mode != "normal":
         on_note(f"ceilings: measured in normal mode only (not {s.mode})")
         return None
+    if s.topology.nodes > 1 and not s.topology.virtual_nodes:
+        # the ceiling kernels map every rank's buffer with CUDA IPC, which does not cross nodes
+        on_note(f"ceilings: measured inside one node only (this run spans {s.topology.nodes} nodes; "
+                f"`epbench ceiling` on one node measures that node's)")
+        return None
     if opts.tokens and s.model.tokens_per_rank not in opts.tokens:
         on_note("ceilings: measured for the scenario's own tokens_per_rank, which --tokens leaves out")
         return None

@@ -58,3 +58,22 @@ def test_ranks_with_different_scenarios_stop_with_one_line(hidden, agree):
         assert results == {0: "ok", 1: "ok"}
     else:
         assert all("differ across ranks" in m and "\n" not in m for m in results.values())
+
+
+def test_no_ceiling_across_real_nodes_but_on_virtual_ones():
+    """The ceiling kernels map peers with CUDA IPC, which cannot cross nodes: a real multi-node run
+    skips them with a note (before touching a GPU); virtual nodes on one host do measure them."""
+    from types import SimpleNamespace
+
+    import epbench.session as session
+
+    notes = []
+    comm = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    real = scenario.load(SCENARIOS / "h100x32.yaml")
+    assert session.measure_ceilings(real, OPTS, comm, notes.append) is None
+    assert notes == ["ceilings: measured inside one node only (this run spans 4 nodes; "
+                     "`epbench ceiling` on one node measures that node's)"]
+    virtual = scenario.load(SCENARIOS / "h200x2x2-virtual.yaml")
+    notes.clear()  # virtual nodes pass this guard and reach the next one (tokens the run leaves out)
+    assert session.measure_ceilings(virtual, dataclasses.replace(OPTS, tokens=(7,)), comm, notes.append) is None
+    assert notes == ["ceilings: measured for the scenario's own tokens_per_rank, which --tokens leaves out"]
