@@ -71,7 +71,7 @@ test: build
 	$(PY) -m pytest -q
 
 # On the GPU host: build, GPU tests, then the benchmark sweeps behind README's Performance table.
-GPU_SWEEP ?= h200x4 dsv3x4 h200x4-fp8 dsv3x4-fp8
+GPU_SWEEP ?= h200x4 dsv3x4 h200x4-fp8 dsv3x4-fp8 h200x2x2-virtual dsv3x2x2-virtual
 # The sweeps run even when a GPU test fails (their own verification still guards each point);
 # the target fails at the end if anything did.
 gpu-check: build
