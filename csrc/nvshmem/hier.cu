@@ -625,13 +625,15 @@ SymSizes sym_sizes(const EphConfig& c) {
   const int N = message_layout(c, p);
   const size_t T = c.max_tokens, cap = static_cast<size_t>(c.world) * T;
   SymSizes s{};
-  s.recv_x = align16(cap * p.row_bytes);
-  s.recv_scales = align16(cap * 4 * (p.num_scales ? p.num_scales : 1));
-  s.recv_idx = align16(cap * 8 * c.topk);
-  s.recv_w = align16(cap * 4 * c.topk);
-  s.combine_in = align16(cap * 2 * c.hidden);
-  s.msg = N > 1 ? static_cast<size_t>(N) * T * p.msg_bytes : 16;
-  s.part = N > 1 ? static_cast<size_t>(N) * T * 2 * c.hidden : 16;
+  // never 0 bytes (max_tokens 0): nvshmem_malloc(0) returns null, which would read as a full heap
+  auto some = [](size_t n) { return align16(n > 16 ? n : 16); };
+  s.recv_x = some(cap * p.row_bytes);
+  s.recv_scales = some(cap * 4 * (p.num_scales ? p.num_scales : 1));
+  s.recv_idx = some(cap * 8 * c.topk);
+  s.recv_w = some(cap * 4 * c.topk);
+  s.combine_in = some(cap * 2 * c.hidden);
+  s.msg = N > 1 ? some(static_cast<size_t>(N) * T * p.msg_bytes) : 16;
+  s.part = N > 1 ? some(static_cast<size_t>(N) * T * 2 * c.hidden) : 16;
   s.my_row = align16(4 * static_cast<size_t>(p.row_ints));
   s.cnt_mat = align16(2 * static_cast<size_t>(c.world) * p.row_ints * 4);
   s.cnt_sig = 2 * static_cast<size_t>(c.world) * 8;

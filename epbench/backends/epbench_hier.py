@@ -27,9 +27,10 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from epbench import cuda_lib, nvshmem_lib
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
@@ -50,6 +51,7 @@ class _Handle:
     topk_weights: torch.Tensor
     epoch: int
     out: torch.Tensor
+    combined: bool = False
 
 
 def send_blocks(num_sms: int, nodes: int, share: float) -> int:
@@ -108,6 +110,7 @@ class EpbenchHierBackend(Backend):
         self.transport = transport or os.environ.get("EPBENCH_HIER_TRANSPORT", "auto")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"EPBENCH_HIER_TRANSPORT must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        self._check_same_chunk()
         self.nodes = setup.world // setup.gpus_per_node
         self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
                                    else torch.cuda.current_device())
@@ -125,6 +128,15 @@ class EpbenchHierBackend(Backend):
         self._stream = raw_stream_getter(self.device)
         self._epoch = 0
         self._checked: Optional[tuple] = None
+
+    def _check_same_chunk(self) -> None:
+        """Every rank must use the same chunk (senders and receivers count signals in chunks); the
+        environment may differ between nodes, so it is compared once, here."""
+        if self.s.world > 1 and dist.is_available() and dist.is_initialized():
+            chunks: List[Any] = [None] * self.s.world
+            dist.all_gather_object(chunks, self.chunk)
+            if len(set(chunks)) > 1:
+                raise ValueError(f"EPBENCH_HIER_CHUNK differs between ranks ({chunks}): set it the same on every node")
 
     def _region(self, which: int) -> torch.Tensor:
         return cuda_lib.region_tensor(self._lib.eph_region, self._ctx, which, self.device)
@@ -149,13 +161,14 @@ class EpbenchHierBackend(Backend):
             cuda_lib.check_dispatch_input(inp, self.s, self._x_dtype, self.fp8)
             self._checked = (x, idx, w, inp.x_scales)
         t = x.shape[0]
-        self._epoch += 1
+        epoch = self._epoch + 1  # kept only once enqueued: every rank's epochs must stay in step
         rc = self._lib.eph_dispatch(self._ctx, x.data_ptr(), inp.x_scales.data_ptr() if self.fp8 else None,
                                     idx.data_ptr(), w.data_ptr(), t, num_sms,
-                                    send_blocks(num_sms, self.nodes, self.send_share), self.chunk, self._epoch,
+                                    send_blocks(num_sms, self.nodes, self.send_share), self.chunk, epoch,
                                     self._stream())
         if rc:
             nvshmem_lib.check(rc, "eph_dispatch")
+        self._epoch = epoch
         if self._timed_out.value:
             self._raise_if_timed_out()
         handle = _Handle(t, idx, w, self._epoch, self.out[:t])
@@ -169,6 +182,9 @@ class EpbenchHierBackend(Backend):
         h: _Handle = out.handle
         if h.epoch != self._epoch:
             raise RuntimeError("epbench-hier combine must follow its own dispatch (another dispatch ran since)")
+        if h.combined:  # its flags and signals already hold this epoch: a second combine would not wait
+            raise RuntimeError("epbench-hier: this dispatch was already combined; dispatch again first")
+        h.combined = True
         rc = self._lib.eph_combine(self._ctx, h.out.data_ptr(), h.topk_idx.data_ptr(), h.topk_weights.data_ptr(),
                                    h.num_tokens, num_sms, send_blocks(num_sms, self.nodes, self.send_share),
                                    h.epoch, self._stream())
