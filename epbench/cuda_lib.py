@@ -95,18 +95,24 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
 
 
+def open_library(path: Path, not_built: str, declare: Any) -> ctypes.CDLL:
+    """Opens one of epbench's compiled libraries and declares its functions (``declare(lib)``);
+    RuntimeError with a one-line reason when it is missing or cannot be loaded."""
+    if not path.exists():
+        raise RuntimeError(f"{not_built} ({path} is missing)")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise RuntimeError(f"cannot load {path}: {e}; rebuild with `make build`") from e
+    declare(lib)
+    return lib
+
+
 def load() -> ctypes.CDLL:
     """The loaded library; RuntimeError with a one-line reason when it is missing or broken."""
     global _lib
     if _lib is None:
-        if not LIB_PATH.exists():
-            raise RuntimeError(f"{NOT_BUILT} ({LIB_PATH} is missing)")
-        try:
-            lib = ctypes.CDLL(str(LIB_PATH))
-        except OSError as e:
-            raise RuntimeError(f"cannot load {LIB_PATH}: {e}; rebuild with `make build`") from e
-        _declare(lib)
-        _lib = lib
+        _lib = open_library(LIB_PATH, NOT_BUILT, _declare)
     return _lib
 
 

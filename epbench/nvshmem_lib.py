@@ -110,13 +110,9 @@ def load() -> ctypes.CDLL:
     first copy loaded wins by soname: torch may bring its own)."""
     global _lib
     if _lib is None:
-        if not LIB_PATH.exists():
-            raise RuntimeError(f"{NOT_BUILT} ({LIB_PATH} is missing)")
-        try:
-            lib = ctypes.CDLL(str(LIB_PATH))
-        except OSError as e:
-            raise RuntimeError(f"cannot load {LIB_PATH}: {e}; rebuild with `make build`") from e
-        _declare(lib)
+        from epbench.cuda_lib import open_library
+
+        lib = open_library(LIB_PATH, NOT_BUILT, _declare)
         built, loaded = ctypes.c_int(), ctypes.c_int()
         check(lib.epn_versions(ctypes.byref(built), ctypes.byref(loaded)), "epn_versions", lib)
         if built.value != loaded.value:

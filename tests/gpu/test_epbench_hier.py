@@ -10,17 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_launch import ROOT, safe_env, torchrun
+from gpu_launch import ROOT, needs_gpus, safe_env, torchrun
 
 torch = pytest.importorskip("torch")
 
 WORKER = ROOT / "tests" / "gpu" / "hier_worker.py"
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(GPUS < 4, reason="needs >= 4 CUDA GPUs (2 virtual nodes x 2)"),
-]
+pytestmark = needs_gpus(4, "2 virtual nodes x 2")
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_launch import ROOT, safe_env, torchrun
+from gpu_launch import GPUS, ROOT, needs_gpus, safe_env, torchrun
 
 torch = pytest.importorskip("torch")
 
 WORKER = ROOT / "tests" / "gpu" / "ll_worker.py"
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(GPUS < 2, reason="needs >= 2 CUDA GPUs"),
-]
+pytestmark = needs_gpus(2)
 
 
 @pytest.fixture(scope="module")

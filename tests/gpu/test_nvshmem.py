@@ -6,17 +6,13 @@ put-with-signal and checks what it got. PASS and the median round time, or the f
 from __future__ import annotations
 
 import pytest
-from gpu_launch import ROOT, torchrun
+from gpu_launch import GPUS, ROOT, needs_gpus, torchrun
 
 torch = pytest.importorskip("torch")
 
 WORKER = ROOT / "tests" / "gpu" / "nvshmem_worker.py"
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(GPUS < 2, reason="needs >= 2 CUDA GPUs"),
-]
+pytestmark = needs_gpus(2)
 
 
 @pytest.fixture(scope="module")
