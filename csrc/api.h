@@ -55,7 +55,8 @@ enum ep_dispatch_impl {
   EP_DISPATCH_DMAJ = 4,  // v7: destination-major: each warp streams its contiguous token range to one rank at a time
   EP_DISPATCH_DMAJ_NOROT = 5,  // v7: dmaj with every warp visiting the destinations in the same order
   EP_DISPATCH_SPREAD = 6,  // v9: (token, destination) pairs spread over warps, one load per remote store
-  EP_DISPATCH_OWNTMA = 7,  // v10: lean for remote rows; own-rank rows by one warp per block with TMA bulk copies
+  EP_DISPATCH_OWNTMA = 7,  // v10/v11: lean for remote rows; own-rank rows by one warp per block through a TMA ring
+  EP_DISPATCH_SPREADTMA = 8,  // v11: spread for remote pairs; own-rank rows as in owntma
   EP_DISPATCH_NOTIFY_ONLY = 9,
 };
 

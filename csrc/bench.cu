@@ -32,6 +32,13 @@
 //                       my own recv_x (my rank's segment, which no peer writes); same NVLink bytes
 //  16 push-spread-meta-self   14 with my own rank as one more destination in the rotation (the spread
 //                       kernel with own rows, compare with 15)
+// v11 (does the SM's bulk-copy unit move NVLink bytes faster per SM than register loads / stores?): lane 0
+// of every warp streams units through its own TmaRing (common.cuh), global -> shared -> global; unit u of
+// ring r goes to / comes from peer u % (world - 1) as in modes 4 / 5; `warps` = rings per block.
+//  17 tma-pull      4 KiB units, peer combine_in -> my recv_x (the combine's direction), 8 stages, 4 ahead
+//  18 tma-push      4 KiB units, my combine_in -> peer recv_x (the dispatch's direction)
+//  19 tma-pull-16k  16 KiB units, 4 stages, 2 ahead
+//  20 tma-push-16k
 #include <algorithm>
 
 #include "common.cuh"
@@ -227,6 +234,46 @@ __global__ void __launch_bounds__(kThreads, 1) reduce_local_kernel(EpParams p, l
   }
 }
 
+// Modes 17-20: one TmaRing per warp (lane 0), units of kUnitBytes.
+template <int kUnitBytes, int S, int L, bool kPull>
+__global__ void __launch_bounds__(1024, 1) link_tma_kernel(EpParams p, long long units_per_peer, size_t seg_bytes) {
+  extern __shared__ __align__(128) uint8_t tma_smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int npeer = p.world - 1;
+  if (npeer < 1 || lane != 0) return;
+  TmaRing<S, L> ring;
+  ring.init(tma_smem + (size_t)warp * (TmaRing<S, L>::kHeader + (size_t)S * kUnitBytes), kUnitBytes);
+  const long long total = units_per_peer * npeer, step = (long long)gridDim.x * nwarps;
+  for (long long u = (long long)blockIdx.x * nwarps + warp; u < total; u += step) {
+    const int peer = (p.rank + 1 + (int)(u % npeer)) % p.world;
+    const size_t off = (size_t)(u / npeer) * kUnitBytes;
+    if (kPull) {
+      ring.push(p.peer_base[peer] + p.off_combine_in + p.rank * seg_bytes + off,
+                p.peer_base[p.rank] + p.off_recv_x + peer * seg_bytes + off, kUnitBytes);
+    } else {
+      ring.push(p.peer_base[p.rank] + p.off_combine_in + peer * seg_bytes + off,
+                p.peer_base[peer] + p.off_recv_x + p.rank * seg_bytes + off, kUnitBytes);
+    }
+  }
+  ring.drain();
+}
+
+template <int kUnitBytes, int S, int L, bool kPull>
+int launch_link_tma(const EpContext* ctx, int blocks, int rings, long long bytes_per_peer, size_t seg,
+                    cudaStream_t st) {
+  const size_t smem = (size_t)rings * (TmaRing<S, L>::kHeader + (size_t)S * kUnitBytes);
+  if (smem > (size_t)ctx->max_smem_optin || bytes_per_peer % kUnitBytes != 0) {
+    ep_set_error("ep_bench_link: %d rings of %d x %d B need %zu B of shared memory (max %d)", rings, S, kUnitBytes,
+                 smem, ctx->max_smem_optin);
+    return -1;
+  }
+  CUDA_CHECK(cudaFuncSetAttribute(link_tma_kernel<kUnitBytes, S, L, kPull>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  link_tma_kernel<kUnitBytes, S, L, kPull><<<blocks, rings * 32, smem, st>>>(ctx->p, bytes_per_peer / kUnitBytes, seg);
+  CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
 }  // namespace
 
 extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, long long bytes_per_peer,
@@ -238,7 +285,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
     return -1;
   }
   const size_t seg = std::min((size_t)p.max_tokens * p.row_bytes, (size_t)p.max_tokens * p.hidden * 2);
-  if (mode < 0 || mode > 16 || num_blocks < 1 || warps < 2 || warps > 32 || (warps & 1) || bytes_per_peer <= 0 ||
+  if (mode < 0 || mode > 20 || num_blocks < 1 || warps < 2 || warps > 32 || (warps & 1) || bytes_per_peer <= 0 ||
       bytes_per_peer % (kChunkVec * 16 * 2) != 0 || (size_t)bytes_per_peer > seg) {
     ep_set_error("ep_bench_link: bad mode %d, blocks %d, warps %d or bytes %lld (max %zu, multiple of %d)", mode,
                  num_blocks, warps, bytes_per_peer, seg, kChunkVec * 32);
@@ -247,6 +294,10 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
   CUDA_CHECK(cudaSetDevice(ctx->device));
   const long long chunks = bytes_per_peer / (kChunkVec * 16);
   cudaStream_t st = (cudaStream_t)vstream;
+  if (mode == 17) return launch_link_tma<4096, 8, 4, true>(ctx, num_blocks, warps, bytes_per_peer, seg, st);
+  if (mode == 18) return launch_link_tma<4096, 8, 4, false>(ctx, num_blocks, warps, bytes_per_peer, seg, st);
+  if (mode == 19) return launch_link_tma<16384, 4, 2, true>(ctx, num_blocks, warps, bytes_per_peer, seg, st);
+  if (mode == 20) return launch_link_tma<16384, 4, 2, false>(ctx, num_blocks, warps, bytes_per_peer, seg, st);
   if (mode >= 8) {
     if (warps > 16) {
       ep_set_error("ep_bench_link: modes 8-16 take at most 16 warps");

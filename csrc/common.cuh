@@ -281,3 +281,97 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
   }
   return make_int4((int)words[0], (int)words[1], (int)words[2], (int)words[3]);
 }
+
+// ---- TMA (bulk copy) helpers ----
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) { return (uint32_t)__cvta_generic_to_shared(ptr); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "EP_MBAR_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra EP_MBAR_WAIT_%=;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(smem_dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(smem_src)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read_all_but_one() {
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// A ring of S shared-memory stages through which one thread (lane 0 of a warp) streams copies
+// global -> shared -> global with the SM's bulk-copy unit, L loads ahead of the stores (0 < L < S).
+// push(src, dst, bytes): waits, if needed, until the store that last used the stage has read it
+// (wait_group.read S - L - 1: in steady state exactly stores - (loads - S) - 1 groups may still be
+// reading), starts the load, and once L loads are in flight stores the oldest loaded stage (one bulk
+// group per store). drain(): stores what is left, waits for every write, and fences the async proxy
+// so that a following release (fence.acq_rel.sys + st.release.sys) covers the bulk writes.
+// Shared layout at `smem` (128-byte aligned): kHeader bytes of bookkeeping, then S stages.
+template <int S, int L>
+struct TmaRing {
+  static_assert(0 < L && L < S && S <= 32, "TmaRing: 0 < L < S <= 32");
+  static constexpr int kHeader = 1024;  // S mbarriers, S destinations, S sizes
+  uint64_t* bars;
+  void** dsts;
+  uint32_t* sizes;
+  uint8_t* stages;
+  uint32_t stage_bytes;
+  int loads = 0, stores = 0;
+
+  __device__ __forceinline__ void init(uint8_t* smem, uint32_t bytes_per_stage) {
+    bars = reinterpret_cast<uint64_t*>(smem);
+    dsts = reinterpret_cast<void**>(smem + 256);
+    sizes = reinterpret_cast<uint32_t*>(smem + 512);
+    stages = smem + kHeader;
+    stage_bytes = bytes_per_stage;
+    for (int s = 0; s < S; ++s) mbar_init(bars + s, 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __device__ __forceinline__ void store_oldest() {
+    const int s = stores % S;
+    mbar_wait(bars + s, (uint32_t)((stores / S) & 1));
+    bulk_store(dsts[s], stages + (size_t)s * stage_bytes, sizes[s]);
+    bulk_commit();
+    ++stores;
+  }
+  __device__ __forceinline__ void push(const void* src, void* dst, uint32_t bytes) {
+    const int s = loads % S;
+    if (loads >= S) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(S - L - 1) : "memory");
+    dsts[s] = dst;
+    sizes[s] = bytes;
+    mbar_expect_tx(bars + s, bytes);
+    bulk_load(stages + (size_t)s * stage_bytes, src, bytes, bars + s);
+    ++loads;
+    if (loads > L) store_oldest();
+  }
+  __device__ __forceinline__ void drain() {
+    while (stores < loads) store_oldest();
+    bulk_wait_all();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+};

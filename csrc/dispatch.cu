@@ -167,13 +167,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
 // a row is reloaded from HBM / L2 once per destination. Per pair the loads are issued as in lean
 // (chunk 0, the slot, ids / weights, the first 64 scales together); a pair whose token does not go
 // to that destination is dropped after its loads (dsv3: ~1 in 10 of the own pairs).
-template <int kU, int kThreads, bool kSkipSelf>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_spread_kernel(EpParams p, DispatchArgs a, int epoch) {
-  griddep_wait();  // slot_map and base come from the notify kernel
-  if (kSkipSelf) own_go_release(p, epoch);
-  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int G = gridDim.x * nwarps;
+// spread's pair loop (v9) over the pushing warps first, first + step, ... (see dispatch_spread_kernel).
+template <int kU, bool kSkipSelf>
+__device__ __forceinline__ void spread_pairs(const EpParams& p, const DispatchArgs& a, int first, int G, int lane) {
   const int world = p.world, topk = p.topk, ns = p.num_scales;
   const int ndest = kSkipSelf ? world - 1 : world;
   const int tpi = max(1, G / max(ndest, 1));
@@ -181,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_spread_kernel(EpParams p
   const int V = p.row_bytes >> 4;
   const bool aborted = ld_volatile(p.dev_error) != 0;
   const long long npairs = ndest > 0 ? (long long)a.num_tokens * ndest : 0;
-  for (long long q = (long long)blockIdx.x * nwarps + warp; !aborted && q < npairs; q += G) {
+  for (long long q = first; !aborted && q < npairs; q += G) {
     const int t = (int)(q / ndest);
     const int k = ((int)(q % ndest) + t / tpi) % ndest;
     const int d = (p.rank + 1 + k) % world;
@@ -229,6 +225,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_spread_kernel(EpParams p
     if (lane + 32 < ns) dst_scales[lane + 32] = sc1;
     for (int j = lane + 64; j < ns; j += 32) dst_scales[j] = scales[j];
   }
+}
+
+template <int kU, int kThreads, bool kSkipSelf>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_spread_kernel(EpParams p, DispatchArgs a, int epoch) {
+  griddep_wait();  // slot_map and base come from the notify kernel
+  if (kSkipSelf) own_go_release(p, epoch);
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  spread_pairs<kU, kSkipSelf>(p, a, blockIdx.x * nwarps + warp, gridDim.x * nwarps, lane);
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
@@ -463,48 +468,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_reg_kernel(EpParams p, D
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
-// ---- TMA (bulk copy) helpers ----
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) { return (uint32_t)__cvta_generic_to_shared(ptr); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "EP_MBAR_WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra EP_MBAR_WAIT_%=;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(smem_dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(smem_src)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read_all_but_one() {
-  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
 constexpr int kTmaMaxThreads = 1024;
 
 __device__ __forceinline__ size_t tma_bar_bytes(int nwarps, int stages) {
@@ -568,95 +531,93 @@ __global__ void __launch_bounds__(kTmaMaxThreads, 1)
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
-// owntma (v10): lean for the remote rows, the copy engine of the SM (TMA bulk copies) for the rows to
-// my own rank. Warps 0 .. nwarps - 2 of every block run the lean loop with kSkipSelf over tokens
-// strided by all of those warps; the last warp of each block copies the own rows of its tokens
-// (blockIdx.x, + gridDim.x, ...): lanes look up 32 tokens' own slots at a time, then lane 0 moves
-// up to kOwnStages of them at once global -> shared (cp.async.bulk + mbarrier) -> my receive buffer
-// (cp.async.bulk.global.shared), while all lanes store their ids, weights and scales. v9 measured
-// what the own stores cost the pushing warps at 8 SMs (ladder mode 15 vs 11: +50 us), and that two
-// extra SMs of register copies are too slow (~90 GB/s for 67 MB); the bulk copies need ~14 GB/s per
-// SM here and leave the pushing warps' issue slots alone.
-constexpr int kOwnStages = 4;
-
-__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// owntma (v10, ring v11) and spreadtma (v11): the rows to my own rank move through the SM's bulk-copy
+// unit (TMA) instead of the pushing warps' registers. Warps 0 .. nwarps - 2 of every block push only the
+// remote rows (lean or spread with kSkipSelf); the last warp copies the own rows of its block's tokens
+// (blockIdx.x, + gridDim.x, ...): for 32 tokens at a time, each lane looks up its token's own slot and
+// stores that token's ids, weights and scales (32 tokens' metadata loads in flight at once), then lane
+// 0 streams the batch's rows x[t] -> my recv_x[base[me] + slot] through a TmaRing of kOwnStages row
+// stages, kOwnAhead loads ahead of the stores, carried across batches. v9 measured what the own stores
+// cost the pushing warps at 8 SMs (ladder mode 15 vs 11: +50 us; spread with the own rows on 2 extra SMs:
+// data phase 590 us vs lean 664); v10 moved 4 rows per round trip (load all, wait, store all, wait) and
+// was latency-bound at ~10 GB/s per SM; the ring keeps kOwnAhead rows loading while earlier ones store.
+constexpr int kOwnStages = 8, kOwnAhead = 4;
+constexpr int kOwnBatchBytes = 256;  // 32 token indices + 32 rows, before the ring (128-byte aligned)
+using OwnRing = TmaRing<kOwnStages, kOwnAhead>;
 
 __device__ __forceinline__ void own_rows_tma(const EpParams& p, const DispatchArgs& a, uint8_t* smem, int lane) {
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
-  uint8_t* ring = smem + 128;
   const uint32_t rb = (uint32_t)p.row_bytes;
   const int me = p.rank, world = p.world, topk = p.topk, ns = p.num_scales;
-  if (lane == 0) {
-    for (int s = 0; s < kOwnStages; ++s) mbar_init(bars + s, 1);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
+  int* batch_tok = reinterpret_cast<int*>(smem);  // the batch's own rows, compacted (lane 0 reads them)
+  int* batch_row = batch_tok + 32;
+  OwnRing ring;
+  if (lane == 0) ring.init(smem + kOwnBatchBytes, rb);
   __syncwarp();
   const int T = a.num_tokens, G = gridDim.x;
-  const int n = blockIdx.x < T ? (T - (int)blockIdx.x + G - 1) / G : 0;  // tokens of this block
+  const int n = (int)blockIdx.x < T ? (T - (int)blockIdx.x + G - 1) / G : 0;  // tokens of this block
   const int base = p.base[me];
   uint8_t* recv = p.peer_base[me];
-  unsigned parity = 0;  // lane 0: the phase each stage's mbarrier is in
   const bool aborted = ld_volatile(p.dev_error) != 0;
   for (int j0 = 0; !aborted && j0 < n; j0 += 32) {
-    const int t_l = (int)blockIdx.x + (j0 + lane) * G;
-    const int slot = j0 + lane < n ? p.slot_map[(size_t)t_l * world + me] : -1;
-    for (unsigned todo = __ballot_sync(0xffffffffu, slot >= 0); todo != 0;) {
-      int tok[kOwnStages], row[kOwnStages], cnt = 0;
+    const int t = (int)blockIdx.x + (j0 + lane) * G;
+    const int slot = j0 + lane < n ? p.slot_map[(size_t)t * world + me] : -1;
+    const int row = base + slot;
+    if (slot >= 0) {  // this lane's token: its metadata, loads of every field before the stores
+      long long idx[EP_MAX_TOPK];
+      float w[EP_MAX_TOPK];
 #pragma unroll
-      for (int i = 0; i < kOwnStages; ++i) {
-        tok[i] = row[i] = -1;
-        if (todo != 0) {
-          const int b = __ffs(todo) - 1;
-          todo &= todo - 1;
-          tok[i] = (int)blockIdx.x + (j0 + b) * G;
-          row[i] = base + __shfl_sync(0xffffffffu, slot, b);
-          ++cnt;
+      for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        if (k < topk) {
+          idx[k] = a.topk_idx[(size_t)t * topk + k];
+          w[k] = a.topk_w[(size_t)t * topk + k];
         }
       }
-      if (lane == 0) {
-        for (int i = 0; i < cnt; ++i) {
-          mbar_expect_tx(bars + i, rb);
-          bulk_load(ring + (size_t)i * rb, a.x + (size_t)tok[i] * rb, rb, bars + i);
+      long long* di = reinterpret_cast<long long*>(recv + p.off_recv_idx) + (size_t)row * topk;
+      float* dw = reinterpret_cast<float*>(recv + p.off_recv_w) + (size_t)row * topk;
+#pragma unroll
+      for (int k = 0; k < EP_MAX_TOPK; ++k) {
+        if (k < topk) {
+          di[k] = idx[k];
+          dw[k] = w[k];
         }
       }
-      for (int i = 0; i < cnt; ++i) {  // metadata while the rows are in flight
-        if (lane < topk) {
-          reinterpret_cast<long long*>(recv + p.off_recv_idx)[(size_t)row[i] * topk + lane] =
-              a.topk_idx[(size_t)tok[i] * topk + lane];
-          reinterpret_cast<float*>(recv + p.off_recv_w)[(size_t)row[i] * topk + lane] = a.topk_w[(size_t)tok[i] * topk + lane];
-        }
-        float* dst_scales = reinterpret_cast<float*>(recv + p.off_recv_scales) + (size_t)row[i] * ns;
-        for (int j = lane; j < ns; j += 32) dst_scales[j] = a.x_scales[(size_t)tok[i] * ns + j];
-      }
-      if (lane == 0) {
-        for (int i = 0; i < cnt; ++i) {
-          mbar_wait(bars + i, (parity >> i) & 1u);
-          parity ^= 1u << i;
-          bulk_store(recv + p.off_recv_x + (size_t)row[i] * rb, ring + (size_t)i * rb, rb);
-        }
-        bulk_commit();
-        bulk_wait_read_all();  // the stores have read the ring before the next loads overwrite it
-      }
-      __syncwarp();
+      const float* src_s = a.x_scales + (size_t)t * ns;
+      float* dst_s = reinterpret_cast<float*>(recv + p.off_recv_scales) + (size_t)row * ns;
+#pragma unroll 8
+      for (int j = 0; j < ns; ++j) dst_s[j] = src_s[j];
     }
+    const unsigned have = __ballot_sync(0xffffffffu, slot >= 0);
+    if (slot >= 0) {
+      const int at = __popc(have & ((1u << lane) - 1));
+      batch_tok[at] = t;
+      batch_row[at] = row;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      const int cnt = __popc(have);
+      for (int i = 0; i < cnt; ++i)
+        ring.push(a.x + (size_t)batch_tok[i] * rb, recv + p.off_recv_x + (size_t)batch_row[i] * rb, rb);
+    }
+    __syncwarp();
   }
-  if (lane == 0) {
-    bulk_wait_all();
-    asm volatile("fence.proxy.async.global;" ::: "memory");  // bulk writes visible before the release
-  }
+  if (lane == 0) ring.drain();
   __syncwarp();
 }
 
-template <int kU, int kThreads>
+// kSpread false: owntma (lean for the remote rows); true: spreadtma (spread for the remote pairs).
+template <int kU, int kThreads, bool kSpread>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_owntma_kernel(EpParams p, DispatchArgs a, int epoch) {
   extern __shared__ __align__(128) uint8_t own_smem[];
   griddep_wait();  // slot_map and base come from the notify kernel
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int first = blockIdx.x * (nwarps - 1) + warp, step = gridDim.x * (nwarps - 1);
   if (warp == nwarps - 1) {
     own_rows_tma(p, a, own_smem, lane);
+  } else if (kSpread) {
+    spread_pairs<kU, true>(p, a, first, step, lane);
   } else {
-    lean_rows<kU, true>(p, a, blockIdx.x * (nwarps - 1) + warp, gridDim.x * (nwarps - 1), lane);
+    lean_rows<kU, true>(p, a, first, step, lane);
   }
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
@@ -725,18 +686,21 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     }
     // Rows too large for two stages per warp: the register path below handles any size.
   }
-  if (impl == EP_DISPATCH_OWNTMA && warps >= 2 && warps <= 16 && p.row_bytes % 16 == 0) {
-    const size_t smem = 128 + (size_t)kOwnStages * p.row_bytes;
+  if ((impl == EP_DISPATCH_OWNTMA || impl == EP_DISPATCH_SPREADTMA) && warps >= 2 && warps <= 16 &&
+      p.row_bytes % 16 == 0) {
+    const size_t smem = kOwnBatchBytes + OwnRing::kHeader + (size_t)kOwnStages * p.row_bytes;
     if (smem <= (size_t)ctx->max_smem_optin) {
-      CUDA_CHECK(cudaFuncSetAttribute(dispatch_owntma_kernel<8, 512>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)smem));
-      CUDA_CHECK(launch_dependent(dispatch_owntma_kernel<8, 512>, num_sms, warps * 32, smem, stream, p, a, epoch));
+      auto kernel = impl == EP_DISPATCH_OWNTMA ? dispatch_owntma_kernel<8, 512, false>
+                                               : dispatch_owntma_kernel<8, 512, true>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, smem, stream, p, a, epoch));
       return 0;
     }
   }
-  // owntma outside its limits (rows too large for the ring, fp8 rows not 16-byte multiples, > 16
-  // warps) falls through to lean.
+  // owntma / spreadtma outside their limits (rows too large for the ring, fp8 rows not 16-byte
+  // multiples, > 16 warps) fall through to lean / spread.
   if (impl == EP_DISPATCH_OWNTMA) impl = EP_DISPATCH_LEAN;
+  if (impl == EP_DISPATCH_SPREADTMA) impl = EP_DISPATCH_SPREAD;
   if (impl == EP_DISPATCH_NOTIFY_ONLY) return 0;
   const bool pipe = impl == EP_DISPATCH_REG_PIPELINED;
   const int threads = warps * 32;
