@@ -285,7 +285,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
     return -1;
   }
   const size_t seg = std::min((size_t)p.max_tokens * p.row_bytes, (size_t)p.max_tokens * p.hidden * 2);
-  if (mode < 0 || mode > 20 || num_blocks < 1 || warps < 2 || warps > 32 || (warps & 1) || bytes_per_peer <= 0 ||
+  if (mode < 0 || mode > 20 || num_blocks < 1 || warps < 1 || warps > 32 || ((mode == 2 || mode == 6) && (warps & 1)) || bytes_per_peer <= 0 ||
       bytes_per_peer % (kChunkVec * 16 * 2) != 0 || (size_t)bytes_per_peer > seg) {
     ep_set_error("ep_bench_link: bad mode %d, blocks %d, warps %d or bytes %lld (max %zu, multiple of %d)", mode,
                  num_blocks, warps, bytes_per_peer, seg, kChunkVec * 32);

@@ -81,8 +81,10 @@ __device__ __forceinline__ void own_go_release(const EpParams& p, int epoch) {
 // kSkipSelf (v9, EP_OWN_SIDE*): rows to my own rank are left to own_rows_kernel on a side stream; this
 // kernel only tells it that the layout is ready (own_go_release). false: the v5 kernel unchanged.
 // The lean token loop (v5), shared by dispatch_lean_kernel and dispatch_owntma_kernel: tokens first,
-// first + step, ... of this warp; with kSkipSelf the rows to my own rank are left to someone else.
-template <int kU, bool kSkipSelf>
+// first + step, ... of this warp. kSkip: 0 every destination; 1 (kSkipSelf) my own rank's rows and
+// metadata are left to someone else; 2 (owntma) only my own rank's row data is (the metadata, already in
+// registers, is stored here).
+template <int kU, int kSkip>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
   const int world = p.world, topk = p.topk, ns = p.num_scales;
   const int my_base = lane < world ? p.base[lane] : 0;
@@ -120,7 +122,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       }
 #pragma unroll
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
-        if (rows[d] < 0 || (kSkipSelf && d == p.rank)) continue;
+        if (rows[d] < 0 || (kSkip != 0 && d == p.rank)) continue;
         int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes);
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
@@ -131,7 +133,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     }
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) {
-      if (rows[d] < 0 || (kSkipSelf && d == p.rank)) continue;
+      if (rows[d] < 0 || (kSkip == 1 && d == p.rank)) continue;
       uint8_t* pb = p.peer_base[d];
       if (lane < topk) {
         reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)rows[d] * topk + lane] = idx;
@@ -152,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
-  lean_rows<kU, kSkipSelf>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
+  lean_rows<kU, kSkipSelf ? 1 : 0>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
@@ -534,23 +536,24 @@ __global__ void __launch_bounds__(kTmaMaxThreads, 1)
 // owntma (v10, ring v11) and spreadtma (v11): the rows to my own rank move through the SM's bulk-copy
 // unit (TMA) instead of the pushing warps' registers. Warps 0 .. nwarps - 2 of every block push only the
 // remote rows (lean or spread with kSkipSelf); the last warp copies the own rows of its block's tokens
-// (blockIdx.x, + gridDim.x, ...): for 32 tokens at a time, each lane looks up its token's own slot and
-// stores that token's ids, weights and scales (32 tokens' metadata loads in flight at once), then lane
-// 0 streams the batch's rows x[t] -> my recv_x[base[me] + slot] through a TmaRing of kOwnStages row
-// stages, kOwnAhead loads ahead of the stores, carried across batches. v9 measured what the own stores
+// (blockIdx.x, + gridDim.x, ...): for 32 tokens at a time, each lane looks up its token's own slot
+// (spreadtma: and stores that token's ids, weights and scales; owntma's pushing warps store them from
+// the registers they already hold), then lane 0 streams the batch's rows x[t] -> my recv_x[base[me] + slot] through a TmaRing (12 row stages, 8
+// loads ahead where they fit, else 6 / 4), carried across batches. v9 measured what the own stores
 // cost the pushing warps at 8 SMs (ladder mode 15 vs 11: +50 us; spread with the own rows on 2 extra SMs:
 // data phase 590 us vs lean 664); v10 moved 4 rows per round trip (load all, wait, store all, wait) and
-// was latency-bound at ~10 GB/s per SM; the ring keeps kOwnAhead rows loading while earlier ones store.
-constexpr int kOwnStages = 8, kOwnAhead = 4;
+// was latency-bound at ~10 GB/s per SM; the ring keeps several rows loading while earlier ones store.
 constexpr int kOwnBatchBytes = 256;  // 32 token indices + 32 rows, before the ring (128-byte aligned)
-using OwnRing = TmaRing<kOwnStages, kOwnAhead>;
 
+// kMeta: this warp also stores the own rows' ids, weights and scales (spreadtma; owntma's pushing warps
+// store them from registers). S stages, L loads ahead (TmaRing).
+template <bool kMeta, int S, int L>
 __device__ __forceinline__ void own_rows_tma(const EpParams& p, const DispatchArgs& a, uint8_t* smem, int lane) {
   const uint32_t rb = (uint32_t)p.row_bytes;
   const int me = p.rank, world = p.world, topk = p.topk, ns = p.num_scales;
   int* batch_tok = reinterpret_cast<int*>(smem);  // the batch's own rows, compacted (lane 0 reads them)
   int* batch_row = batch_tok + 32;
-  OwnRing ring;
+  TmaRing<S, L> ring;
   if (lane == 0) ring.init(smem + kOwnBatchBytes, rb);
   __syncwarp();
   const int T = a.num_tokens, G = gridDim.x;
@@ -562,7 +565,7 @@ __device__ __forceinline__ void own_rows_tma(const EpParams& p, const DispatchAr
     const int t = (int)blockIdx.x + (j0 + lane) * G;
     const int slot = j0 + lane < n ? p.slot_map[(size_t)t * world + me] : -1;
     const int row = base + slot;
-    if (slot >= 0) {  // this lane's token: its metadata, loads of every field before the stores
+    if (kMeta && slot >= 0) {  // this lane's token: its metadata, loads of every field before the stores
       long long idx[EP_MAX_TOPK];
       float w[EP_MAX_TOPK];
 #pragma unroll
@@ -605,7 +608,7 @@ __device__ __forceinline__ void own_rows_tma(const EpParams& p, const DispatchAr
 }
 
 // kSpread false: owntma (lean for the remote rows); true: spreadtma (spread for the remote pairs).
-template <int kU, int kThreads, bool kSpread>
+template <int kU, int kThreads, bool kSpread, int S, int L>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_owntma_kernel(EpParams p, DispatchArgs a, int epoch) {
   extern __shared__ __align__(128) uint8_t own_smem[];
   griddep_wait();  // slot_map and base come from the notify kernel
@@ -613,11 +616,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_owntma_kernel(EpParams p
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int first = blockIdx.x * (nwarps - 1) + warp, step = gridDim.x * (nwarps - 1);
   if (warp == nwarps - 1) {
-    own_rows_tma(p, a, own_smem, lane);
+    own_rows_tma<kSpread, S, L>(p, a, own_smem, lane);
   } else if (kSpread) {
     spread_pairs<kU, true>(p, a, first, step, lane);
   } else {
-    lean_rows<kU, true>(p, a, first, step, lane);
+    lean_rows<kU, 2>(p, a, first, step, lane);
   }
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
@@ -688,10 +691,14 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   }
   if ((impl == EP_DISPATCH_OWNTMA || impl == EP_DISPATCH_SPREADTMA) && warps >= 2 && warps <= 16 &&
       p.row_bytes % 16 == 0) {
-    const size_t smem = kOwnBatchBytes + OwnRing::kHeader + (size_t)kOwnStages * p.row_bytes;
+    // the deepest ring that fits: 12 stages, 8 loads ahead (bf16 rows up to ~18 KB), else 6 / 4
+    const size_t hdr = kOwnBatchBytes + TmaRing<12, 8>::kHeader;
+    const bool deep = hdr + 12 * (size_t)p.row_bytes <= (size_t)ctx->max_smem_optin;
+    const size_t smem = hdr + (deep ? 12 : 6) * (size_t)p.row_bytes;
     if (smem <= (size_t)ctx->max_smem_optin) {
-      auto kernel = impl == EP_DISPATCH_OWNTMA ? dispatch_owntma_kernel<8, 512, false>
-                                               : dispatch_owntma_kernel<8, 512, true>;
+      const bool own = impl == EP_DISPATCH_OWNTMA;
+      auto kernel = deep ? (own ? dispatch_owntma_kernel<8, 512, false, 12, 8> : dispatch_owntma_kernel<8, 512, true, 12, 8>)
+                         : (own ? dispatch_owntma_kernel<8, 512, false, 6, 4> : dispatch_owntma_kernel<8, 512, true, 6, 4>);
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
       CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, smem, stream, p, a, epoch));
       return 0;
