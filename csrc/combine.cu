@@ -13,7 +13,19 @@
 // 4. grid_release_and_wait on pulled[]: the last block stores pulled[me] = epoch into every
 //    rank and waits for every rank's pulled[] flag, so the call ends only when no peer still
 //    reads my combine_in (the caller may overwrite it right after).
+//
+// combine_tma_kernel (v11, EP_COMBINE_TMA): the same contract and steps 1, 2 and 4; step 3 pulls with
+// the SM's bulk-copy unit instead of register loads (linkbench v11: at 8 blocks bulk pulls from peers
+// reach ~323 GB/s of egress, register pulls ~276). Work unit = (token, 4 KiB chunk of its row); warp g
+// takes its tokens g, g + G, ... chunk by chunk. Each warp owns S stages of world x 4 KiB in shared
+// memory; lane 0 loads unit j's chunk from every holder's combine_in into stage j % S (cp.async.bulk,
+// one mbarrier per stage counting the bytes), S units ahead of the reduction; the whole warp waits
+// on the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t] and hands the
+// stage back to lane 0 for unit j + S. Rows and weights of the warp's tokens are computed 32 tokens at a
+// time (one lane per token) into a double-buffered per-warp table, one batch ahead of the loads.
 #include <cuda_bf16.h>
+
+#include <algorithm>
 
 #include "common.cuh"
 
@@ -26,19 +38,23 @@ struct CombineArgs {
   int num_tokens;
 };
 
+// Steps 1 and 2: tell every peer my combine_in is filled, wait until every peer's is.
+__device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
+  if (blockIdx.x == 0 && threadIdx.x < p.world) {
+    fence_acq_rel_sys();
+    st_release_sys(signal_ptr(p, threadIdx.x, p.sig.ready_off + p.rank), epoch);
+  }
+  if (threadIdx.x < p.world) {
+    wait_flag(p, signal_ptr(p, p.rank, p.sig.ready_off + threadIdx.x), epoch, threadIdx.x, kPhaseCombineReady);
+  }
+  __syncthreads();
+}
+
 template <int kMaxWorld, int kU>
 __global__ void __launch_bounds__(512, 1) combine_pull_kernel(EpParams p, CombineArgs a, int epoch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = p.experts_per_rank;
-
-  if (blockIdx.x == 0 && threadIdx.x < world) {
-    fence_acq_rel_sys();
-    st_release_sys(signal_ptr(p, threadIdx.x, p.sig.ready_off + p.rank), epoch);
-  }
-  if (threadIdx.x < world) {
-    wait_flag(p, signal_ptr(p, p.rank, p.sig.ready_off + threadIdx.x), epoch, threadIdx.x, kPhaseCombineReady);
-  }
-  __syncthreads();
+  combine_ready(p, epoch);
 
   const bool aborted = ld_volatile(p.dev_error) != 0;
   const int my_base = lane < world ? p.base[lane] : 0;
@@ -101,6 +117,120 @@ __global__ void __launch_bounds__(512, 1) combine_pull_kernel(EpParams p, Combin
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
+constexpr int kCtChunk = 4096;
+
+// Per-warp shared memory of combine_tma_kernel: S mbarriers (128 B), the token table (2 batches x 32
+// tokens x world rows, then as many weights), S stages of world x kCtChunk.
+__host__ __device__ __forceinline__ size_t ct_table_bytes(int world) { return (size_t)2 * 32 * world * 8; }
+__host__ __device__ __forceinline__ size_t ct_warp_bytes(int world, int stages) {
+  return 128 + ct_table_bytes(world) + (size_t)stages * world * kCtChunk;
+}
+
+template <int S>
+__global__ void __launch_bounds__(1024, 1) combine_tma_kernel(EpParams p, CombineArgs a, int epoch) {
+  extern __shared__ __align__(128) uint8_t ct_smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int world = p.world, topk = p.topk, E = p.experts_per_rank;
+  combine_ready(p, epoch);
+
+  uint8_t* mine = ct_smem + (size_t)warp * ct_warp_bytes(world, S);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(mine);
+  int* trow = reinterpret_cast<int*>(mine + 128);                                 // [2][32][world]
+  float* tw = reinterpret_cast<float*>(mine + 128 + ct_table_bytes(world) / 2);  // [2][32][world]
+  uint8_t* stages = mine + 128 + ct_table_bytes(world);
+  const int row_bytes = p.hidden * 2;
+  const int nch = (row_bytes + kCtChunk - 1) / kCtChunk;
+  const int g = blockIdx.x * nwarps + warp, G = gridDim.x * nwarps, T = a.num_tokens;
+  const bool aborted = ld_volatile(p.dev_error) != 0;
+  const int ntok = (!aborted && g < T) ? (T - g + G - 1) / G : 0;  // my tokens g + k * G, k < ntok
+  const long long nunits = (long long)ntok * nch;
+
+  // rows of my tokens 32b .. 32b + 31 on every rank (-1: not there) and w(t, d), one lane per token
+  auto fill_table = [&](int b) {
+    const int k = 32 * b + lane;
+    int* rr = trow + ((b & 1) * 32 + lane) * world;
+    float* ww = tw + ((b & 1) * 32 + lane) * world;
+    if (k >= ntok) return;
+    const int t = g + k * G;
+    float wd[EP_MAX_WORLD];
+#pragma unroll
+    for (int d = 0; d < EP_MAX_WORLD; ++d) wd[d] = 0.f;
+    for (int kk = 0; kk < topk; ++kk) {
+      const long long e = a.topk_idx[(size_t)t * topk + kk];
+      const float w = a.topk_w[(size_t)t * topk + kk];
+      const int owner = (e >= 0 && e < (long long)world * E) ? (int)(e / E) : -1;
+#pragma unroll
+      for (int d = 0; d < EP_MAX_WORLD; ++d) wd[d] += owner == d ? w : 0.f;
+    }
+#pragma unroll
+    for (int d = 0; d < EP_MAX_WORLD; ++d) {
+      if (d >= world) break;
+      const int slot = p.slot_map[(size_t)t * world + d];
+      rr[d] = slot >= 0 ? p.base[d] + slot : -1;
+      ww[d] = wd[d];
+    }
+  };
+  // lane 0: unit j's chunk from every holder into stage j % S
+  auto issue = [&](long long j) {
+    const int k = (int)(j / nch), c = (int)(j % nch), s = (int)(j % S);
+    const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
+    const uint32_t bytes = (uint32_t)min(kCtChunk, row_bytes - c * kCtChunk);
+    uint32_t total = 0;
+    for (int d = 0; d < world; ++d) total += rr[d] >= 0 ? bytes : 0u;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the warp's reads of the stage come first
+    mbar_expect_tx(bars + s, total);
+    for (int d = 0; d < world; ++d) {
+      if (rr[d] < 0) continue;
+      bulk_load(stages + ((size_t)s * world + d) * kCtChunk,
+                p.peer_base[d] + p.off_combine_in + (size_t)rr[d] * row_bytes + (size_t)c * kCtChunk, bytes, bars + s);
+    }
+  };
+
+  if (ntok > 0) {
+    if (lane == 0) {
+      for (int s = 0; s < S; ++s) mbar_init(bars + s, 1);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    fill_table(0);
+    if (ntok > 32) fill_table(1);
+    __syncwarp();
+    if (lane == 0)
+      for (long long j = 0; j < S && j < nunits; ++j) issue(j);
+    for (long long j = 0; j < nunits; ++j) {
+      const int k = (int)(j / nch), c = (int)(j % nch), s = (int)(j % S);
+      if (c == 0 && (k & 31) == 0 && k > 0 && k + 32 < ntok) {
+        // entering batch k / 32: every unit of the previous batch is loaded, its table half is free
+        fill_table(k / 32 + 1);
+        __syncwarp();
+      }
+      mbar_wait(bars + s, (uint32_t)((j / S) & 1));
+      const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
+      const float* ww = tw + (((k >> 5) & 1) * 32 + (k & 31)) * world;
+      const int nv = min(kCtChunk, row_bytes - c * kCtChunk) >> 4;
+      const int t = g + k * G;
+      uint4* dst = a.out + (size_t)t * (row_bytes >> 4) + (size_t)c * (kCtChunk >> 4);
+#pragma unroll
+      for (int i = 0; i < kCtChunk / 16 / 32; ++i) {
+        const int v = lane + 32 * i;
+        if (v >= nv) break;
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+        for (int d = 0; d < world; ++d) {
+          if (rr[d] < 0) continue;
+          const int4 x = reinterpret_cast<const int4*>(stages + ((size_t)s * world + d) * kCtChunk)[v];
+          fma_bf16x8(acc, x, ww[d]);
+        }
+        const int4 o = pack_bf16x8(acc);
+        dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+      }
+      __syncwarp();
+      if (lane == 0 && j + S < nunits) issue(j + S);
+    }
+  }
+  grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
+}
+
 template <int kMaxWorld, int kU>
 int launch_combine(const EpParams& p, const CombineArgs& a, int num_sms, int warps, int epoch, cudaStream_t stream) {
   combine_pull_kernel<kMaxWorld, kU><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
@@ -133,6 +263,21 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   a.topk_idx = (const int64_t*)topk_idx;
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
+  if (ctx->combine_impl == EP_COMBINE_TMA) {
+    // as many warps (up to `warps`) as the per-warp stages fit in shared memory
+    const int S = ctx->combine_stages;
+    const int fit = (int)((size_t)ctx->max_smem_optin / ct_warp_bytes(p.world, S));
+    const int w = std::min(warps, fit);
+    if (w >= 1) {
+      const size_t smem = (size_t)w * ct_warp_bytes(p.world, S);
+      auto kernel = S == 2 ? combine_tma_kernel<2> : S == 3 ? combine_tma_kernel<3> : combine_tma_kernel<4>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
+      CUDA_CHECK(cudaGetLastError());
+      return 0;
+    }
+    // not even one warp's stages fit (world 8 with 4 stages): the register pull below
+  }
   if (p.world <= 2) return launch_combine<2, 4>(p, a, num_sms, warps, epoch, stream);
   if (p.world <= 4) return launch_combine<4, 4>(p, a, num_sms, warps, epoch, stream);
   return launch_combine<8, 2>(p, a, num_sms, warps, epoch, stream);

@@ -126,6 +126,8 @@ struct EpContext {
   int own_blocks;  // blocks of the side kernel
   cudaStream_t own_stream;
   cudaEvent_t own_ev_pre, own_ev_done;
+  int combine_impl;    // EP_COMBINE_* (ep_set_option EP_OPT_COMBINE_IMPL)
+  int combine_stages;  // EP_COMBINE_TMA stages per warp (EP_OPT_COMBINE_STAGES)
 };
 
 // ---- launchers (each next to its kernel) ----

@@ -19,7 +19,10 @@ default (values chosen by measurement, notes/KERNELS.md):
   EPBENCH_OWN_BLOCKS      blocks of that side kernel
   EPBENCH_DISPATCH_WARPS  warps per dispatch block (1..32)
   EPBENCH_TMA_STAGES      row buffers per warp in the TMA path
-  EPBENCH_COMBINE_WARPS   warps per combine block (1..16)
+  EPBENCH_COMBINE_WARPS   warps per combine block (1..16; tma: at most as many as the stages fit in shared memory)
+  EPBENCH_COMBINE_IMPL    pull | tma  (register loads from the holders, v1; or bulk-copy loads into per-warp
+                          shared-memory stages, v11)
+  EPBENCH_COMBINE_STAGES  stages per warp of the tma combine (2..4)
   EPBENCH_NOTIFY_IMPL     staged | direct (layout kernel variant, v4)
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
@@ -46,6 +49,8 @@ DEFAULTS: Dict[str, Any] = {
     "dispatch_warps": 16,
     "tma_stages": 3,
     "combine_warps": 16,
+    "combine_impl": "pull",
+    "combine_stages": 2,
     "notify_impl": "staged",
     "own_copy": "off",
     "own_blocks": 2,
@@ -111,7 +116,8 @@ class EpbenchBackend(Backend):
     def __init__(self, setup: RankSetup, *, dispatch_impl: Optional[str] = None,
                  dispatch_warps: Optional[int] = None, tma_stages: Optional[int] = None,
                  combine_warps: Optional[int] = None, notify_impl: Optional[str] = None,
-                 own_copy: Optional[str] = None, own_blocks: Optional[int] = None) -> None:
+                 own_copy: Optional[str] = None, own_blocks: Optional[int] = None,
+                 combine_impl: Optional[str] = None, combine_stages: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -132,6 +138,8 @@ class EpbenchBackend(Backend):
         self._open_peers()
         self._views()
         self.notify_impl = _knob("notify_impl", notify_impl)
+        self.combine_impl = _knob("combine_impl", combine_impl)
+        self.combine_stages = _knob("combine_stages", combine_stages)
         self._own_blocks = _knob("own_blocks", own_blocks)
         self.own_copy = _knob("own_copy", own_copy)
         # The timeout record's flag word, read without a function call on every dispatch/combine.
@@ -190,6 +198,29 @@ class EpbenchBackend(Backend):
         cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_NOTIFY_IMPL, cuda_lib.NOTIFY_IMPLS[value]),
                        "ep_set_option")
         self._notify = value
+
+    @property
+    def combine_impl(self) -> str:
+        return self._combine_impl
+
+    @combine_impl.setter
+    def combine_impl(self, value: str) -> None:
+        if value not in cuda_lib.COMBINE_IMPLS:
+            raise ValueError(f"combine_impl must be one of {list(cuda_lib.COMBINE_IMPLS)}, got {value!r}")
+        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_IMPL, cuda_lib.COMBINE_IMPLS[value]),
+                       "ep_set_option")
+        self._combine_impl = value
+
+    @property
+    def combine_stages(self) -> int:
+        return self._combine_stages
+
+    @combine_stages.setter
+    def combine_stages(self, value: int) -> None:
+        if not 2 <= int(value) <= 4:
+            raise ValueError(f"combine_stages must be 2..4, got {value!r}")
+        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_STAGES, int(value)), "ep_set_option")
+        self._combine_stages = int(value)
 
     @property
     def own_copy(self) -> str:

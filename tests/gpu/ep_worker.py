@@ -147,6 +147,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device))
+        be.combine_impl, be.combine_warps = args.combine_impl, args.combine_warps
         for impl, warps, sms in impls:
             set_impl(be, impl, warps)
             for rep in range(2):  # twice: the second call reuses buffers and flags
@@ -307,22 +308,27 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 for sms in sms_list:
                     # combine depends on neither dtype nor dispatch variant: time it with the first variant
                     do_combine = dtype == "bf16" and v is variants[0] and nimpl == notify_impls[0]
-                    t = time_calls(be, inp, sms, args.warmup, args.iters, one, do_combine, args.presleep)
+                    t = time_calls(be, inp, sms, args.warmup, args.iters, one, False, args.presleep)
+                    for cv in args.combine_variants.split(",") if do_combine else []:
+                        be.combine_impl, be.combine_warps = cv.split(":")[0], int(cv.split(":")[1])
+                        be.combine_stages = int(cv.split(":")[2]) if cv.count(":") > 1 else 2
+                        tc = time_calls(be, inp, sms, args.warmup, args.iters, one, True, args.presleep)
+                        t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
                     stamped = ("reg", "lean", "owntma", "dmaj", "dmaj-norot", "spread", "notify-only")
                     if args.stamps and sms in (8, 16) and impl in stamped:
                         line = stamp_phases(be, inp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
-                    for op in ("dispatch", "combine"):
-                        if op not in t:
-                            continue
+                    for op in [o for o in t if o == "dispatch" or o.startswith("combine")]:
                         us = t[op]
                         nbytes = d_bytes if op == "dispatch" else c_bytes
-                        stats = torch.tensor([us, -nbytes / us / 1e3, t[f"host_{op}"]], dtype=torch.float64,
+                        host_us = t[f"host_{op}"]
+                        op, cv = (op.split(" ") + [""])[:2]
+                        stats = torch.tensor([us, -nbytes / us / 1e3, host_us], dtype=torch.float64,
                                              device=device)
                         dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # slowest time, lowest busbw
                         rows.append({"shape": shape.name, "dtype": dtype if op == "dispatch" else "bf16",
-                                     "op": op, "variant": label if op == "dispatch" else f"pull:{be.combine_warps}",
+                                     "op": op, "variant": label if op == "dispatch" else cv,
                                      "sms": sms, "time_us": round(float(stats[0]), 1),
                                      "busbw_gbps": round(-float(stats[1]), 1), "host_us": round(float(stats[2]), 1)})
             be.close()
@@ -392,6 +398,10 @@ def main() -> int:
                     help="check: dispatch variants as impl[+side|+side-in[blocks]]:warps:sms")
     ap.add_argument("--sms", default="8,16,24,32")
     ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16")
+    ap.add_argument("--combine-variants", default="pull:16",
+                    help="bench: combine variants as impl:warps[:stages] (pull:16, tma:16:2, ...)")
+    ap.add_argument("--combine-impl", default="pull", help="check: combine variant (pull | tma)")
+    ap.add_argument("--combine-warps", type=int, default=16, help="check: combine warps")
     ap.add_argument("--notify", default="staged", help="notify kernel variants to bench: staged,direct")
     ap.add_argument("--stamps", type=int, default=0, help="extra calls with per-phase debug stamps (0: none)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
