@@ -177,7 +177,9 @@ __global__ void __launch_bounds__(1024, 1) combine_tma_kernel(EpParams p, Combin
     const uint32_t bytes = (uint32_t)min(kCtChunk, row_bytes - c * kCtChunk);
     uint32_t total = 0;
     for (int d = 0; d < world; ++d) total += rr[d] >= 0 ? bytes : 0u;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the warp's reads of the stage come first
+    // No proxy fence before reusing the stage: the warp's reads of it have completed (their values were
+    // consumed before the __syncwarp that precedes this call). v11 first fenced here
+    // (fence.proxy.async.shared::cta) and every unit then waited for the previous one's loads.
     mbar_expect_tx(bars + s, total);
     for (int d = 0; d < world; ++d) {
       if (rr[d] < 0) continue;
