@@ -126,8 +126,8 @@ __host__ __device__ __forceinline__ size_t ct_warp_bytes(int world, int stages) 
   return 128 + ct_table_bytes(world) + (size_t)stages * world * kCtChunk;
 }
 
-template <int S>
-__global__ void __launch_bounds__(1024, 1) combine_tma_kernel(EpParams p, CombineArgs a, int epoch) {
+template <int S, int kMaxWorld>
+__global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, CombineArgs a, int epoch) {
   extern __shared__ __align__(128) uint8_t ct_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = p.experts_per_rank;
@@ -210,25 +210,44 @@ __global__ void __launch_bounds__(1024, 1) combine_tma_kernel(EpParams p, Combin
         __syncwarp();
       }
       mbar_wait(bars + s, (uint32_t)((j / S) & 1));
+      // The sum, with the holders unrolled (kMaxWorld) and held in registers: two vectors' loads from
+      // every holder's chunk in flight before their FMAs. (v11 first looped over world at run time,
+      // reading rows and weights from shared memory inside the loop: ~3.4 us per unit and warp.)
       const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
       const float* ww = tw + (((k >> 5) & 1) * 32 + (k & 31)) * world;
+      bool have[kMaxWorld];
+      float wd[kMaxWorld];
+      const int4* src[kMaxWorld];
+#pragma unroll
+      for (int d = 0; d < kMaxWorld; ++d) {
+        have[d] = d < world && rr[d] >= 0;
+        wd[d] = d < world ? ww[d] : 0.f;
+        src[d] = reinterpret_cast<const int4*>(stages + ((size_t)s * world + (d < world ? d : 0)) * kCtChunk);
+      }
       const int nv = min(kCtChunk, row_bytes - c * kCtChunk) >> 4;
       const int t = g + k * G;
       uint4* dst = a.out + (size_t)t * (row_bytes >> 4) + (size_t)c * (kCtChunk >> 4);
 #pragma unroll
-      for (int i = 0; i < kCtChunk / 16 / 32; ++i) {
-        const int v = lane + 32 * i;
-        if (v >= nv) break;
-        float acc[8];
+      for (int i = 0; i < kCtChunk / 16 / 32; i += 2) {
+        int4 x[kMaxWorld][2];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = 0.f;
-        for (int d = 0; d < world; ++d) {
-          if (rr[d] < 0) continue;
-          const int4 x = reinterpret_cast<const int4*>(stages + ((size_t)s * world + d) * kCtChunk)[v];
-          fma_bf16x8(acc, x, ww[d]);
+        for (int d = 0; d < kMaxWorld; ++d)
+#pragma unroll
+          for (int u = 0; u < 2; ++u)
+            if (have[d] && lane + 32 * (i + u) < nv) x[d][u] = src[d][lane + 32 * (i + u)];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int v = lane + 32 * (i + u);
+          if (v >= nv) continue;
+          float acc[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+#pragma unroll
+          for (int d = 0; d < kMaxWorld; ++d)
+            if (have[d]) fma_bf16x8(acc, x[d][u], wd[d]);
+          const int4 o = pack_bf16x8(acc);
+          dst[v] = make_uint4(o.x, o.y, o.z, o.w);
         }
-        const int4 o = pack_bf16x8(acc);
-        dst[v] = make_uint4(o.x, o.y, o.z, o.w);
       }
       __syncwarp();
       if (lane == 0 && j + S < nunits) issue(j + S);
@@ -277,7 +296,10 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     const int w = std::min(warps, fit);
     if (w >= 1) {
       const size_t smem = (size_t)w * ct_warp_bytes(p.world, S);
-      auto kernel = S == 2 ? combine_tma_kernel<2> : S == 3 ? combine_tma_kernel<3> : combine_tma_kernel<4>;
+      auto kernel = p.world <= 4 ? (S == 2 ? combine_tma_kernel<2, 4> : S == 3 ? combine_tma_kernel<3, 4>
+                                                                        : combine_tma_kernel<4, 4>)
+                                 : (S == 2 ? combine_tma_kernel<2, 8> : S == 3 ? combine_tma_kernel<3, 8>
+                                                                        : combine_tma_kernel<4, 8>);
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
       kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
       CUDA_CHECK(cudaGetLastError());
