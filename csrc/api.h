@@ -37,7 +37,7 @@ enum ep_option {
   EP_OPT_DEBUG_STAMPS = 0,  // 1: kernels record per-phase %globaltimer stamps (debug; default 0)
   EP_OPT_NOTIFY_IMPL = 1,   // ep_notify_impl
   EP_OPT_COMBINE_IMPL = 2,  // ep_combine_impl
-  EP_OPT_COMBINE_STAGES = 3,  // EP_COMBINE_TMA: at most this many stages (2..32; 0, the default: as many as fit)
+  EP_OPT_COMBINE_STAGES = 3,  // stages per warp of EP_COMBINE_TMA (2..4; default 2)
 };
 
 // Notify (layout) kernel variants.
@@ -50,7 +50,7 @@ enum ep_notify_impl {
 // Combine kernel variants.
 enum ep_combine_impl {
   EP_COMBINE_PULL = 0,  // v1: register loads from every holder, fp32 fma, bf16 store
-  EP_COMBINE_TMA = 1,   // v11: a producer warp's bulk-copy (TMA) loads into shared-memory stages, consumer warps sum
+  EP_COMBINE_TMA = 1,   // v11: bulk-copy (TMA) loads into per-warp shared-memory stages, then the same sum
 };
 
 // NOTIFY_ONLY runs the layout kernel alone (the data kernel is skipped): a measuring aid only,

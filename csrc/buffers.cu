@@ -50,6 +50,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   memset(ctx, 0, sizeof(*ctx));
   EpParams& p = ctx->p;
   ctx->device = cfg->device;
+  ctx->combine_stages = 2;
   p.rank = cfg->rank;
   p.world = cfg->world;
   p.experts_per_rank = cfg->experts_per_rank;
@@ -188,7 +189,7 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       ctx->combine_impl = value;
       return 0;
     case EP_OPT_COMBINE_STAGES:
-      if (value != 0 && (value < 2 || value > 32)) break;
+      if (value < 2 || value > 4) break;
       ctx->combine_stages = value;
       return 0;
     default: break;

@@ -16,11 +16,13 @@
 //
 // combine_tma_kernel (v11, EP_COMBINE_TMA): the same contract and steps 1, 2 and 4; step 3 pulls with
 // the SM's bulk-copy unit instead of register loads (linkbench v11: at 8 blocks bulk pulls from peers
-// reach ~323 GB/s of egress, register pulls ~276). Work unit = (token, 4 KiB chunk of its row), the
-// block's tokens blockIdx.x, + gridDim.x, ... A producer warp loads each unit's chunk from every holder's
-// combine_in into one of S shared-memory stages (cp.async.bulk onto the stage's full mbarrier), up to S
-// units ahead; two groups of four consumer warps take alternate units, sum the holders' chunks in fp32
-// with w(t, d), store bf16 into out[t] and release the stage (empty mbarrier). Details at the kernel.
+// reach ~323 GB/s of egress, register pulls ~276). Work unit = (token, 4 KiB chunk of its row); warp g
+// takes its tokens g, g + G, ... chunk by chunk. Each warp owns S stages of world x 4 KiB in shared
+// memory; lane 0 loads unit j's chunk from every holder's combine_in into stage j % S (cp.async.bulk,
+// one mbarrier per stage counting the bytes), S units ahead of the reduction; the whole warp waits
+// on the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t] and hands the
+// stage back to lane 0 for unit j + S. Rows and weights of the warp's tokens are computed 32 tokens at a
+// time (one lane per token) into a double-buffered per-warp table, one batch ahead of the loads.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -115,147 +117,141 @@ __global__ void __launch_bounds__(512, 1) combine_pull_kernel(EpParams p, Combin
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
-constexpr int kCtChunk = 4096;                           // bytes of a row per work unit
-constexpr int kCtGroups = 2, kCtGroupWarps = 4;          // consumer warps: groups take alternate units
-constexpr int kCtGroupThreads = kCtGroupWarps * 32;      // threads of a group: kCtChunk / 16 / 128 vectors each
-constexpr int kCtThreads = kCtGroups * kCtGroupThreads + 32;  // + one producer warp
-constexpr int kCtMaxStages = 32;
-constexpr int kCtTable = 4 * 32;  // token table: 4 batches of 32 tokens, refilled one batch ahead
+constexpr int kCtChunk = 4096;
 
-// Shared memory of combine_tma_kernel: full / empty mbarriers (kCtMaxStages each), the token table (rows, then
-// weights: kCtTable x world each), then the stages (world x kCtChunk each).
-__host__ __device__ __forceinline__ size_t ct_header_bytes(int world) {
-  return 2 * kCtMaxStages * 8 + ((size_t)kCtTable * world * 8 + 127) / 128 * 128;
+// Per-warp shared memory of combine_tma_kernel: S mbarriers (128 B), the token table (2 batches x 32
+// tokens x world rows, then as many weights), S stages of world x kCtChunk.
+__host__ __device__ __forceinline__ size_t ct_table_bytes(int world) { return (size_t)2 * 32 * world * 8; }
+__host__ __device__ __forceinline__ size_t ct_warp_bytes(int world, int stages) {
+  return 128 + ct_table_bytes(world) + (size_t)stages * world * kCtChunk;
 }
 
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-// Producer (last warp): lane 0 streams unit j = (token k, chunk c) of this block's tokens (blockIdx.x +
-// k * gridDim.x) into stage j % S: waits until the consumers have released the stage (empty[s]), then
-// one bulk load per holder of the token onto full[s]. The whole warp refills the token table (rows on
-// every rank, w(t, d); one lane per token) one batch of 32 tokens ahead.
-// Consumers (kCtGroups groups of kCtGroupWarps warps): group g takes units g, g + kCtGroups, ...; each
-// thread sums its kCtChunk / 16 / kCtGroupThreads vectors over the holders in fp32 and stores bf16 into
-// out[t]; lane 0 of each warp then arrives on empty[s].
-template <int kMaxWorld>
-__global__ void __launch_bounds__(kCtThreads, 1) combine_tma_kernel(EpParams p, CombineArgs a, int epoch, int S) {
+template <int S, int kMaxWorld>
+__global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, CombineArgs a, int epoch) {
   extern __shared__ __align__(128) uint8_t ct_smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = p.experts_per_rank;
-  uint64_t* full = reinterpret_cast<uint64_t*>(ct_smem);
-  uint64_t* empty = full + kCtMaxStages;
-  int* trow = reinterpret_cast<int*>(ct_smem + 2 * kCtMaxStages * 8);  // [kCtTable][world]
-  float* tw = reinterpret_cast<float*>(trow + kCtTable * world);        // [kCtTable][world]
-  uint8_t* stages = ct_smem + ct_header_bytes(world);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full + s, 1);
-      mbar_init(empty + s, kCtGroupWarps);
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  combine_ready(p, epoch);  // ends with __syncthreads: the barriers are initialised for everyone
+  combine_ready(p, epoch);
 
+  uint8_t* mine = ct_smem + (size_t)warp * ct_warp_bytes(world, S);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(mine);
+  int* trow = reinterpret_cast<int*>(mine + 128);                                 // [2][32][world]
+  float* tw = reinterpret_cast<float*>(mine + 128 + ct_table_bytes(world) / 2);  // [2][32][world]
+  uint8_t* stages = mine + 128 + ct_table_bytes(world);
   const int row_bytes = p.hidden * 2;
   const int nch = (row_bytes + kCtChunk - 1) / kCtChunk;
-  const int T = a.num_tokens, B = gridDim.x, b0 = blockIdx.x;
+  const int g = blockIdx.x * nwarps + warp, G = gridDim.x * nwarps, T = a.num_tokens;
   const bool aborted = ld_volatile(p.dev_error) != 0;
-  const int ntok = (!aborted && b0 < T) ? (T - b0 + B - 1) / B : 0;  // tokens b0 + k * B, k < ntok
+  const int ntok = (!aborted && g < T) ? (T - g + G - 1) / G : 0;  // my tokens g + k * G, k < ntok
   const long long nunits = (long long)ntok * nch;
 
-  if (warp == kCtGroups * kCtGroupWarps) {  // producer
-    auto fill = [&](int b) {  // batch b: tokens 32b .. 32b + 31, one per lane
-      const int k = 32 * b + lane;
-      if (k >= ntok) return;
-      const int t = b0 + k * B;
-      int* rr = trow + ((b & 3) * 32 + lane) * world;
-      float* ww = tw + ((b & 3) * 32 + lane) * world;
-      float wd[EP_MAX_WORLD];
+  // rows of my tokens 32b .. 32b + 31 on every rank (-1: not there) and w(t, d), one lane per token
+  auto fill_table = [&](int b) {
+    const int k = 32 * b + lane;
+    int* rr = trow + ((b & 1) * 32 + lane) * world;
+    float* ww = tw + ((b & 1) * 32 + lane) * world;
+    if (k >= ntok) return;
+    const int t = g + k * G;
+    float wd[EP_MAX_WORLD];
 #pragma unroll
-      for (int d = 0; d < EP_MAX_WORLD; ++d) wd[d] = 0.f;
-      for (int kk = 0; kk < topk; ++kk) {
-        const long long e = a.topk_idx[(size_t)t * topk + kk];
-        const float w = a.topk_w[(size_t)t * topk + kk];
-        const int owner = (e >= 0 && e < (long long)world * E) ? (int)(e / E) : -1;
+    for (int d = 0; d < EP_MAX_WORLD; ++d) wd[d] = 0.f;
+    for (int kk = 0; kk < topk; ++kk) {
+      const long long e = a.topk_idx[(size_t)t * topk + kk];
+      const float w = a.topk_w[(size_t)t * topk + kk];
+      const int owner = (e >= 0 && e < (long long)world * E) ? (int)(e / E) : -1;
 #pragma unroll
-        for (int d = 0; d < EP_MAX_WORLD; ++d) wd[d] += owner == d ? w : 0.f;
-      }
+      for (int d = 0; d < EP_MAX_WORLD; ++d) wd[d] += owner == d ? w : 0.f;
+    }
 #pragma unroll
-      for (int d = 0; d < EP_MAX_WORLD; ++d) {
-        if (d >= world) break;
-        const int slot = p.slot_map[(size_t)t * world + d];
-        rr[d] = slot >= 0 ? p.base[d] + slot : -1;
-        ww[d] = wd[d];
-      }
-    };
-    if (ntok > 0) fill(0);
+    for (int d = 0; d < EP_MAX_WORLD; ++d) {
+      if (d >= world) break;
+      const int slot = p.slot_map[(size_t)t * world + d];
+      rr[d] = slot >= 0 ? p.base[d] + slot : -1;
+      ww[d] = wd[d];
+    }
+  };
+  // lane 0: unit j's chunk from every holder into stage j % S
+  auto issue = [&](long long j) {
+    const int k = (int)(j / nch), c = (int)(j % nch), s = (int)(j % S);
+    const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
+    const uint32_t bytes = (uint32_t)min(kCtChunk, row_bytes - c * kCtChunk);
+    uint32_t total = 0;
+    for (int d = 0; d < world; ++d) total += rr[d] >= 0 ? bytes : 0u;
+    // No proxy fence before reusing the stage: the warp's reads of it have completed (their values were
+    // consumed before the __syncwarp that precedes this call). v11 first fenced here
+    // (fence.proxy.async.shared::cta) and every unit then waited for the previous one's loads.
+    mbar_expect_tx(bars + s, total);
+    for (int d = 0; d < world; ++d) {
+      if (rr[d] < 0) continue;
+      bulk_load(stages + ((size_t)s * world + d) * kCtChunk,
+                p.peer_base[d] + p.off_combine_in + (size_t)rr[d] * row_bytes + (size_t)c * kCtChunk, bytes, bars + s);
+    }
+  };
+
+  if (ntok > 0) {
+    if (lane == 0) {
+      for (int s = 0; s < S; ++s) mbar_init(bars + s, 1);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    fill_table(0);
+    if (ntok > 32) fill_table(1);
+    __syncwarp();
+    if (lane == 0)
+      for (long long j = 0; j < S && j < nunits; ++j) issue(j);
+    // Reconverge before every wait: lanes 1-31 suspended in mbarrier.try_wait while lane 0 still has to
+    // issue would delay the issue until the wait gives up (v11 first run: ~3.4 us per unit and warp,
+    // whatever S, as if one unit at a time were in flight).
     __syncwarp();
     for (long long j = 0; j < nunits; ++j) {
       const int k = (int)(j / nch), c = (int)(j % nch), s = (int)(j % S);
-      if (c == 0 && (k & 31) == 0) {
-        // batch k / 32 + 1 goes where batch k / 32 - 3 was: the consumers are at most S <= 32 units behind
-        if (k + 32 < ntok) fill(k / 32 + 1);
+      if (c == 0 && (k & 31) == 0 && k > 0 && k + 32 < ntok) {
+        // entering batch k / 32: every unit of the previous batch is loaded, its table half is free
+        fill_table(k / 32 + 1);
         __syncwarp();
       }
-      if (lane == 0) {
-        if (j >= S) mbar_wait(empty + s, (uint32_t)((j / S - 1) & 1));
-        const int* rr = trow + (((k >> 5) & 3) * 32 + (k & 31)) * world;
-        const uint32_t bytes = (uint32_t)min(kCtChunk, row_bytes - c * kCtChunk);
-        uint32_t total = 0;
-        for (int d = 0; d < world; ++d) total += rr[d] >= 0 ? bytes : 0u;
-        mbar_expect_tx(full + s, total);  // release: the table entries written above come with it
-        for (int d = 0; d < world; ++d) {
-          if (rr[d] < 0) continue;
-          bulk_load(stages + ((size_t)s * world + d) * kCtChunk,
-                    p.peer_base[d] + p.off_combine_in + (size_t)rr[d] * row_bytes + (size_t)c * kCtChunk, bytes,
-                    full + s);
-        }
-      }
-      __syncwarp();
-    }
-  } else {  // consumers
-    const int grp = warp / kCtGroupWarps, gt = threadIdx.x - grp * kCtGroupThreads;
-    constexpr int kVec = kCtChunk / 16 / kCtGroupThreads;  // vectors per thread and unit
-    for (long long j = grp; j < nunits; j += kCtGroups) {
-      const int k = (int)(j / nch), c = (int)(j % nch), s = (int)(j % S);
-      mbar_wait(full + s, (uint32_t)((j / S) & 1));
-      const int* rr = trow + (((k >> 5) & 3) * 32 + (k & 31)) * world;
-      const float* ww = tw + (((k >> 5) & 3) * 32 + (k & 31)) * world;
-      const int nv = min(kCtChunk, row_bytes - c * kCtChunk) >> 4;
+      mbar_wait(bars + s, (uint32_t)((j / S) & 1));
+      // The sum, with the holders unrolled (kMaxWorld) and held in registers: two vectors' loads from
+      // every holder's chunk in flight before their FMAs. (v11 first looped over world at run time,
+      // reading rows and weights from shared memory inside the loop: ~3.4 us per unit and warp.)
+      const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
+      const float* ww = tw + (((k >> 5) & 1) * 32 + (k & 31)) * world;
       bool have[kMaxWorld];
       float wd[kMaxWorld];
+      const int4* src[kMaxWorld];
 #pragma unroll
       for (int d = 0; d < kMaxWorld; ++d) {
         have[d] = d < world && rr[d] >= 0;
         wd[d] = d < world ? ww[d] : 0.f;
+        src[d] = reinterpret_cast<const int4*>(stages + ((size_t)s * world + (d < world ? d : 0)) * kCtChunk);
       }
-      int4 x[kMaxWorld][kVec];
-#pragma unroll
-      for (int d = 0; d < kMaxWorld; ++d)
-#pragma unroll
-        for (int u = 0; u < kVec; ++u) {
-          const int v = gt + kCtGroupThreads * u;
-          if (have[d] && v < nv) x[d][u] = reinterpret_cast<const int4*>(stages + ((size_t)s * world + d) * kCtChunk)[v];
-        }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + s);  // the stage is read (the values are in registers)
-      const int t = b0 + k * B;
+      const int nv = min(kCtChunk, row_bytes - c * kCtChunk) >> 4;
+      const int t = g + k * G;
       uint4* dst = a.out + (size_t)t * (row_bytes >> 4) + (size_t)c * (kCtChunk >> 4);
 #pragma unroll
-      for (int u = 0; u < kVec; ++u) {
-        const int v = gt + kCtGroupThreads * u;
-        if (v >= nv) continue;
-        float acc[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+      for (int i = 0; i < kCtChunk / 16 / 32; i += 2) {
+        int4 x[kMaxWorld][2];
 #pragma unroll
         for (int d = 0; d < kMaxWorld; ++d)
-          if (have[d]) fma_bf16x8(acc, x[d][u], wd[d]);
-        const int4 o = pack_bf16x8(acc);
-        dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+#pragma unroll
+          for (int u = 0; u < 2; ++u)
+            if (have[d] && lane + 32 * (i + u) < nv) x[d][u] = src[d][lane + 32 * (i + u)];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int v = lane + 32 * (i + u);
+          if (v >= nv) continue;
+          float acc[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+#pragma unroll
+          for (int d = 0; d < kMaxWorld; ++d)
+            if (have[d]) fma_bf16x8(acc, x[d][u], wd[d]);
+          const int4 o = pack_bf16x8(acc);
+          dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+        }
       }
+      __syncwarp();
+      if (lane == 0 && j + S < nunits) issue(j + S);
+      __syncwarp();
     }
   }
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
@@ -294,19 +290,22 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
   if (ctx->combine_impl == EP_COMBINE_TMA) {
-    // stages: as many as fit (at most kCtMaxStages), or ctx->combine_stages when set and smaller
-    const size_t hdr = ct_header_bytes(p.world), stage = (size_t)p.world * kCtChunk;
-    int S = (int)std::min<size_t>(kCtMaxStages, ((size_t)ctx->max_smem_optin - hdr) / stage);
-    if (ctx->combine_stages > 0) S = std::min(S, ctx->combine_stages);
-    if (S >= 2) {
-      const size_t smem = hdr + (size_t)S * stage;
-      auto kernel = p.world <= 4 ? combine_tma_kernel<4> : combine_tma_kernel<8>;
+    // as many warps (up to `warps`) as the per-warp stages fit in shared memory
+    const int S = ctx->combine_stages;
+    const int fit = (int)((size_t)ctx->max_smem_optin / ct_warp_bytes(p.world, S));
+    const int w = std::min(warps, fit);
+    if (w >= 1) {
+      const size_t smem = (size_t)w * ct_warp_bytes(p.world, S);
+      auto kernel = p.world <= 4 ? (S == 2 ? combine_tma_kernel<2, 4> : S == 3 ? combine_tma_kernel<3, 4>
+                                                                        : combine_tma_kernel<4, 4>)
+                                 : (S == 2 ? combine_tma_kernel<2, 8> : S == 3 ? combine_tma_kernel<3, 8>
+                                                                        : combine_tma_kernel<4, 8>);
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      kernel<<<num_sms, kCtThreads, smem, stream>>>(p, a, epoch, S);
+      kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
       CUDA_CHECK(cudaGetLastError());
       return 0;
     }
-    // fewer than two stages fit: the register pull below
+    // not even one warp's stages fit (world 8 with 4 stages): the register pull below
   }
   if (p.world <= 2) return launch_combine<2, 4>(p, a, num_sms, warps, epoch, stream);
   if (p.world <= 4) return launch_combine<4, 4>(p, a, num_sms, warps, epoch, stream);

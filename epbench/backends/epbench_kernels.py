@@ -19,10 +19,10 @@ default (values chosen by measurement, notes/KERNELS.md):
   EPBENCH_OWN_BLOCKS      blocks of that side kernel
   EPBENCH_DISPATCH_WARPS  warps per dispatch block (1..32)
   EPBENCH_TMA_STAGES      row buffers per warp in the TMA path
-  EPBENCH_COMBINE_WARPS   warps per combine block (1..16; pull only: tma has 1 producer + 8 consumer warps)
-  EPBENCH_COMBINE_IMPL    pull | tma  (register loads from the holders, v1; or a producer warp's bulk-copy loads
-                          into shared-memory stages summed by consumer warps, v11)
-  EPBENCH_COMBINE_STAGES  tma: at most this many stages (0 = as many as fit in shared memory)
+  EPBENCH_COMBINE_WARPS   warps per combine block (1..16; tma: at most as many as the stages fit in shared memory)
+  EPBENCH_COMBINE_IMPL    pull | tma  (register loads from the holders, v1; or bulk-copy loads into per-warp
+                          shared-memory stages, v11)
+  EPBENCH_COMBINE_STAGES  stages per warp of the tma combine (2..4)
   EPBENCH_NOTIFY_IMPL     staged | direct (layout kernel variant, v4)
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
@@ -50,7 +50,7 @@ DEFAULTS: Dict[str, Any] = {
     "tma_stages": 3,
     "combine_warps": 16,
     "combine_impl": "pull",
-    "combine_stages": 0,
+    "combine_stages": 2,
     "notify_impl": "staged",
     "own_copy": "off",
     "own_blocks": 2,
@@ -217,8 +217,8 @@ class EpbenchBackend(Backend):
 
     @combine_stages.setter
     def combine_stages(self, value: int) -> None:
-        if int(value) != 0 and not 2 <= int(value) <= 32:
-            raise ValueError(f"combine_stages must be 0 (as many as fit) or 2..32, got {value!r}")
+        if not 2 <= int(value) <= 4:
+            raise ValueError(f"combine_stages must be 2..4, got {value!r}")
         cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_STAGES, int(value)), "ep_set_option")
         self._combine_stages = int(value)
 

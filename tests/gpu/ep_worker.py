@@ -311,7 +311,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, False, args.presleep)
                     for cv in args.combine_variants.split(",") if do_combine else []:
                         be.combine_impl, be.combine_warps = cv.split(":")[0], int(cv.split(":")[1])
-                        be.combine_stages = int(cv.split(":")[2]) if cv.count(":") > 1 else 0
+                        be.combine_stages = int(cv.split(":")[2]) if cv.count(":") > 1 else 2
                         tc = time_calls(be, inp, sms, args.warmup, args.iters, one, True, args.presleep)
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
