@@ -109,3 +109,32 @@ def test_ctypes_signatures_match_the_c_api_header():
     for name, argtypes in signatures().items():
         assert name in declared, f"{name} is not declared in csrc/api.h"
         assert declared[name] == len(argtypes), f"{name}: api.h has {declared[name]} parameters, cuda_lib {len(argtypes)}"
+
+
+def test_python_enum_tables_match_the_c_api_header():
+    """cuda_lib's name -> code tables are what the kernels receive; a value that drifts from
+    csrc/api.h silently runs another variant on the GPU. Compare them here, without a GPU."""
+    import re
+    from pathlib import Path
+
+    from epbench import cuda_lib
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "api.h").read_text()
+    values = {name: int(v) for name, v in re.findall(r"\b(EP_[A-Z0-9_]+)\s*=\s*(\d+)", header)}
+
+    def c_name(prefix: str, py_name: str) -> str:
+        return prefix + py_name.upper().replace("-", "_")
+
+    dispatch_c = {"pipe": "EP_DISPATCH_REG_PIPELINED", "dmaj-norot": "EP_DISPATCH_DMAJ_NOROT"}
+    for name, code in cuda_lib.DISPATCH_IMPLS.items():
+        assert values[dispatch_c.get(name, c_name("EP_DISPATCH_", name))] == code, name
+    for name, code in cuda_lib.NOTIFY_IMPLS.items():
+        assert values[c_name("EP_NOTIFY_", name)] == code, name
+    for name, code in cuda_lib.COMBINE_IMPLS.items():
+        assert values[c_name("EP_COMBINE_", name)] == code, name
+    for name, code in cuda_lib.OWN_COPY_MODES.items():
+        assert values[c_name("EP_OWN_", name)] == code, name
+    assert values["EP_OPT_DEBUG_STAMPS"] == cuda_lib.OPT_DEBUG_STAMPS
+    assert values["EP_OPT_NOTIFY_IMPL"] == cuda_lib.OPT_NOTIFY_IMPL
+    assert values["EP_OPT_COMBINE_IMPL"] == cuda_lib.OPT_COMBINE_IMPL
+    assert values["EP_OPT_COMBINE_STAGES"] == cuda_lib.OPT_COMBINE_STAGES
