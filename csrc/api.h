@@ -38,6 +38,7 @@ enum ep_option {
   EP_OPT_NOTIFY_IMPL = 1,   // ep_notify_impl
   EP_OPT_COMBINE_IMPL = 2,  // ep_combine_impl
   EP_OPT_COMBINE_STAGES = 3,  // stages per warp of EP_COMBINE_TMA (2..4; default 2)
+  EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of EP_COMBINE_TMA (1024, 2048, 4096; default 4096)
 };
 
 // Notify (layout) kernel variants.
@@ -45,6 +46,8 @@ enum ep_notify_impl {
   EP_NOTIFY_DIRECT = 0,  // v1-v3: each thread reads its 4 tokens' ids straight from global memory
   EP_NOTIFY_STAGED = 1,  // v4: coalesced id loads staged through shared memory, counts published
                          // to peers before the slot pass, vector slot stores
+  EP_NOTIFY_GRID = 2,    // v12: the staged kernel on up to num_sms blocks (block counts handed over in
+                         // global memory; the last block publishes)
 };
 
 // Combine kernel variants.

@@ -51,6 +51,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   EpParams& p = ctx->p;
   ctx->device = cfg->device;
   ctx->combine_stages = 2;
+  ctx->combine_chunk = 4096;
   p.rank = cfg->rank;
   p.world = cfg->world;
   p.experts_per_rank = cfg->experts_per_rank;
@@ -84,7 +85,9 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   ctx->off_base = c.take(EP_MAX_WORLD * sizeof(int));
   ctx->off_num_recv = c.take(sizeof(long long));
   ctx->off_expert_counts = c.take((size_t)p.experts_per_rank * sizeof(long long));
-  ctx->off_counters = c.take(4 * sizeof(unsigned));
+  ctx->off_counters = c.take(kNumCounters * sizeof(unsigned));
+  ctx->notify_scratch_bytes = ((size_t)kMaxNotifyBlocks * (1 + EP_MAX_WORLD) + (size_t)cfg->world * cfg->experts_per_rank) * sizeof(int);
+  ctx->off_notify_scratch = c.take(ctx->notify_scratch_bytes);
   ctx->off_dev_error = c.take(sizeof(int));
   ctx->off_stamps = c.take(kNumStamps * sizeof(unsigned long long));
   ctx->region_bytes = align_up(c.next, 1 << 21);
@@ -97,7 +100,8 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   }
   // Signals, counters and the error word must start at zero; the rest is garbage until written.
   CUDA_CHECK(cudaMemset(ctx->region + p.off_signals, 0, (size_t)s.total_ints * sizeof(int)));
-  CUDA_CHECK(cudaMemset(ctx->region + ctx->off_counters, 0, 4 * sizeof(unsigned)));
+  CUDA_CHECK(cudaMemset(ctx->region + ctx->off_counters, 0, kNumCounters * sizeof(unsigned)));
+  CUDA_CHECK(cudaMemset(ctx->region + ctx->off_notify_scratch, 0, ctx->notify_scratch_bytes));
   CUDA_CHECK(cudaMemset(ctx->region + ctx->off_dev_error, 0, sizeof(int)));
 
   void* host_err = nullptr;
@@ -113,6 +117,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.num_recv = (long long*)(ctx->region + ctx->off_num_recv);
   p.expert_counts = (long long*)(ctx->region + ctx->off_expert_counts);
   p.counters = (unsigned*)(ctx->region + ctx->off_counters);
+  p.notify_scratch = (int*)(ctx->region + ctx->off_notify_scratch);
   p.dev_error = (int*)(ctx->region + ctx->off_dev_error);
   for (int r = 0; r < EP_MAX_WORLD; ++r) p.peer_base[r] = nullptr;
   p.peer_base[p.rank] = ctx->region;
@@ -181,7 +186,7 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       ctx->p.stamps = value ? (unsigned long long*)(ctx->region + ctx->off_stamps) : nullptr;
       return 0;
     case EP_OPT_NOTIFY_IMPL:
-      if (value != EP_NOTIFY_DIRECT && value != EP_NOTIFY_STAGED) break;
+      if (value != EP_NOTIFY_DIRECT && value != EP_NOTIFY_STAGED && value != EP_NOTIFY_GRID) break;
       ctx->p.notify_impl = value;
       return 0;
     case EP_OPT_COMBINE_IMPL:
@@ -191,6 +196,10 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
     case EP_OPT_COMBINE_STAGES:
       if (value < 2 || value > 4) break;
       ctx->combine_stages = value;
+      return 0;
+    case EP_OPT_COMBINE_CHUNK:
+      if (value != 1024 && value != 2048 && value != 4096) break;
+      ctx->combine_chunk = value;
       return 0;
     default: break;
   }

@@ -117,23 +117,22 @@ __global__ void __launch_bounds__(512, 1) combine_pull_kernel(EpParams p, Combin
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
-constexpr int kCtChunk = 4096;
-
 // Per-warp shared memory of combine_tma_kernel: S mbarriers (128 B), the token table (2 batches x 32
-// tokens x world rows, then as many weights), S stages of world x kCtChunk.
+// tokens x world rows, then as many weights), S stages of world x kCtChunk bytes (v12: kCtChunk 1, 2 or
+// 4 KiB, EP_OPT_COMBINE_CHUNK; smaller chunks fit more warps, so more warps share the reduction).
 __host__ __device__ __forceinline__ size_t ct_table_bytes(int world) { return (size_t)2 * 32 * world * 8; }
-__host__ __device__ __forceinline__ size_t ct_warp_bytes(int world, int stages) {
-  return 128 + ct_table_bytes(world) + (size_t)stages * world * kCtChunk;
+__host__ __device__ __forceinline__ size_t ct_warp_bytes(int world, int stages, int chunk) {
+  return 128 + ct_table_bytes(world) + (size_t)stages * world * chunk;
 }
 
-template <int S, int kMaxWorld>
+template <int S, int kMaxWorld, int kCtChunk>
 __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, CombineArgs a, int epoch) {
   extern __shared__ __align__(128) uint8_t ct_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = p.experts_per_rank;
   combine_ready(p, epoch);
 
-  uint8_t* mine = ct_smem + (size_t)warp * ct_warp_bytes(world, S);
+  uint8_t* mine = ct_smem + (size_t)warp * ct_warp_bytes(world, S, kCtChunk);
   uint64_t* bars = reinterpret_cast<uint64_t*>(mine);
   int* trow = reinterpret_cast<int*>(mine + 128);                                 // [2][32][world]
   float* tw = reinterpret_cast<float*>(mine + 128 + ct_table_bytes(world) / 2);  // [2][32][world]
@@ -257,6 +256,12 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
+template <int C>
+auto pick_combine_tma(int world, int S) -> decltype(&combine_tma_kernel<2, 4, C>) {
+  if (world <= 4) return S == 2 ? combine_tma_kernel<2, 4, C> : S == 3 ? combine_tma_kernel<3, 4, C> : combine_tma_kernel<4, 4, C>;
+  return S == 2 ? combine_tma_kernel<2, 8, C> : S == 3 ? combine_tma_kernel<3, 8, C> : combine_tma_kernel<4, 8, C>;
+}
+
 template <int kMaxWorld, int kU>
 int launch_combine(const EpParams& p, const CombineArgs& a, int num_sms, int warps, int epoch, cudaStream_t stream) {
   combine_pull_kernel<kMaxWorld, kU><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
@@ -291,15 +296,14 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   a.num_tokens = num_tokens;
   if (ctx->combine_impl == EP_COMBINE_TMA) {
     // as many warps (up to `warps`) as the per-warp stages fit in shared memory
-    const int S = ctx->combine_stages;
-    const int fit = (int)((size_t)ctx->max_smem_optin / ct_warp_bytes(p.world, S));
+    const int S = ctx->combine_stages, C = ctx->combine_chunk;
+    const int fit = (int)((size_t)ctx->max_smem_optin / ct_warp_bytes(p.world, S, C));
     const int w = std::min(warps, fit);
     if (w >= 1) {
-      const size_t smem = (size_t)w * ct_warp_bytes(p.world, S);
-      auto kernel = p.world <= 4 ? (S == 2 ? combine_tma_kernel<2, 4> : S == 3 ? combine_tma_kernel<3, 4>
-                                                                        : combine_tma_kernel<4, 4>)
-                                 : (S == 2 ? combine_tma_kernel<2, 8> : S == 3 ? combine_tma_kernel<3, 8>
-                                                                        : combine_tma_kernel<4, 8>);
+      const size_t smem = (size_t)w * ct_warp_bytes(p.world, S, C);
+      auto kernel = pick_combine_tma<4096>(p.world, S);
+      if (C == 2048) kernel = pick_combine_tma<2048>(p.world, S);
+      if (C == 1024) kernel = pick_combine_tma<1024>(p.world, S);
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
       kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
       CUDA_CHECK(cudaGetLastError());

@@ -15,8 +15,11 @@
 //     slot_map      [max_tokens, world] i32      token t's row on rank d relative to my base there, -1: not sent
 //     base          [world] i32                  first row of my tokens in rank d's recv buffer
 //     num_recv      i64, expert_counts [experts_per_rank] i64
-//     counters      u32 [4]                      blocks finished per launch (reset by the last block)
+//     counters      u32 [8]                      blocks finished per launch (reset by the last block)
 //                                                  [2]: v9 own-copy go flag (epoch; dispatch.cu)
+//                                                  [3], [4]: v12 grid notify range index / tickets
+//     notify_scratch i32 [kMaxNotifyBlocks x (1 + EP_MAX_WORLD) + world * E]: v12 grid notify's
+//                                                  per-block flags and counts, expert count accumulator
 //     dev_error     i32                          nonzero once any wait timed out: every spin loop bails
 #pragma once
 
@@ -82,6 +85,7 @@ struct EpParams {
   long long* num_recv;
   long long* expert_counts;
   unsigned* counters;
+  int* notify_scratch;  // v12 grid notify (layout.cu); the accumulator part is zero between calls
   int* dev_error;
   EpErrorInfo* host_error;  // device alias of the host-mapped struct
   // Debug only (ep_set_option EP_OPT_DEBUG_STAMPS): when non-null, kernels store %globaltimer per
@@ -110,13 +114,19 @@ enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
 // griddepcontrol.wait, i.e. slot_map / base of this call are written; the side-stream own-row kernel
 // waits for it.
 enum { kCounterOwnGo = 2 };
+// v12 grid notify (layout.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;
+// the last block resets both.
+enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
+constexpr int kMaxNotifyBlocks = 128;
 
 struct EpContext {
   EpParams p;
   int device;
   uint8_t* region;
   size_t region_bytes, shared_bytes;
-  size_t off_out, off_slot_map, off_base, off_num_recv, off_expert_counts, off_counters, off_dev_error, off_stamps;
+  size_t off_out, off_slot_map, off_base, off_num_recv, off_expert_counts, off_counters, off_notify_scratch,
+      off_dev_error, off_stamps;
+  size_t notify_scratch_bytes;
   EpErrorInfo* host_error;  // host view
   bool peers_open;
   int max_smem_optin;
@@ -128,10 +138,13 @@ struct EpContext {
   cudaEvent_t own_ev_pre, own_ev_done;
   int combine_impl;    // EP_COMBINE_* (ep_set_option EP_OPT_COMBINE_IMPL)
   int combine_stages;  // EP_COMBINE_TMA stages per warp (EP_OPT_COMBINE_STAGES)
+  int combine_chunk;   // EP_COMBINE_TMA bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
 };
 
 // ---- launchers (each next to its kernel) ----
-int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int epoch, cudaStream_t stream);
+// num_sms: the data kernel's blocks; the v12 grid notify uses up to that many.
+int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, int epoch,
+                     cudaStream_t stream);
 
 // Launches a kernel that may start while the previous kernel on the stream (the notify kernel)
 // is still running: programmatic dependent launch. The kernel must execute
@@ -169,6 +182,10 @@ __device__ __forceinline__ int ld_volatile(const int* p) {
 
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
   asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -255,6 +272,12 @@ __device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int cou
     __syncthreads();  // block-uniform: every thread of the last block is here
     if (threadIdx.x == 0) stamp(p, kStampDataEnd);
   }
+}
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

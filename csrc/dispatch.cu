@@ -667,7 +667,7 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     CUDA_CHECK(cudaEventRecord(ctx->own_ev_pre, stream));
     CUDA_CHECK(cudaStreamWaitEvent(ctx->own_stream, ctx->own_ev_pre, 0));
   }
-  if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, epoch, stream) != 0) return -1;
+  if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, epoch, stream) != 0) return -1;
 
   DispatchArgs a;
   a.x = (const uint8_t*)x;

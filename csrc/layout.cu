@@ -13,6 +13,8 @@
 //    with the buffers of the previous one: this is the barrier that makes buffer reuse safe.
 // 4. From the world x world count matrix: base[d] = rows that ranks < me send to d (my first
 //    row on d), num_recv = rows sent to me, expert_counts[e] = sum over sources.
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace {
@@ -211,6 +213,15 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 //   C. Per round: each thread reads back its masks, block scan, slot_map written with 16-byte
 //      stores (4 tokens x world ints per thread are contiguous).
 // Then the wait and the offsets exactly as notify_kernel steps 3-4.
+//
+// v12 (EP_NOTIFY_GRID): the same kernel on nb > 1 blocks (nb ~ the data kernel's SM count; block-uniform
+// ranges of `chunk` tokens, a multiple of 128, so every int4 slot store stays aligned). A block takes its
+// range index from a counter in arrival order (so it only ever waits for blocks that are running). After
+// A it stores its per-destination counts, adds its expert counts into a global accumulator, releases its
+// flag and takes a ticket; the block with the last ticket sums every block's counts (and zeroes the
+// accumulator and both counters for the next call) and does B, the peers' wait and the offsets. In C,
+// block b starts its running slots at the counts of the blocks before it (waiting for their flags).
+// One block (nb = 1) is the v4 kernel: no scratch, no tickets.
 constexpr int kStageIdsPerWarp = 32 * kTokensPerThread * 8;  // 128 tokens x 8 ids of one k group
 constexpr uint16_t kNoExpert = 0xffff;
 
@@ -219,7 +230,7 @@ __host__ __device__ __forceinline__ size_t staged_cnt_bytes(int num_experts) {
 }
 
 __global__ void __launch_bounds__(kNotifyThreads, 1)
-    notify_staged_kernel(EpParams p, const int64_t* __restrict__ topk_idx, int num_tokens, int epoch) {
+    notify_staged_kernel(EpParams p, const int64_t* __restrict__ topk_idx, int num_tokens, int chunk, int epoch) {
   extern __shared__ __align__(16) uint8_t dyn[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, E = p.experts_per_rank, topk = p.topk;
@@ -229,9 +240,17 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   __shared__ unsigned long long warp_incl[32][2];
   __shared__ int running[EP_MAX_WORLD];
   __shared__ int total[EP_MAX_WORLD];
-  __shared__ int aborted;
+  __shared__ int aborted, blk, is_last;
+  const int nb = gridDim.x;
+  int* blk_flag = p.notify_scratch;                               // [kMaxNotifyBlocks]
+  int* blk_cnt = blk_flag + kMaxNotifyBlocks;                     // [kMaxNotifyBlocks][EP_MAX_WORLD]
+  int* expert_acc = blk_cnt + kMaxNotifyBlocks * EP_MAX_WORLD;  // [num_experts]
 
-  if (tid == 0) aborted = ld_volatile(p.dev_error);
+  if (tid == 0) {
+    aborted = ld_volatile(p.dev_error);
+    blk = nb > 1 ? (int)atomicAdd(p.counters + kCounterNotifyTile, 1u) : 0;
+    is_last = nb == 1;
+  }
   for (int i = tid; i < num_experts; i += blockDim.x) expert_cnt[i] = 0;
   if (tid < EP_MAX_WORLD) {
     running[tid] = 0;
@@ -239,13 +258,15 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   }
   __syncthreads();
   if (aborted) return;
-  if (tid == 0) stamp(p, kStampNotifyStart);
+  const int b = blk;
+  const int t_begin = min(num_tokens, b * chunk), t_end = min(num_tokens, t_begin + chunk);
+  if (tid == 0 && b == 0) stamp(p, kStampNotifyStart);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   const int round_tokens = blockDim.x * kTokensPerThread;
   const bool aggregate = num_experts <= 64;
   // ---- A. masks and counts ----
-  for (int r0 = 0; r0 < num_tokens; r0 += round_tokens) {
+  for (int r0 = t_begin; r0 < t_end; r0 += round_tokens) {
     const int tw0 = r0 + warp * 32 * kTokensPerThread;  // first token of this warp
     const int t0 = tw0 + lane * kTokensPerThread;       // first token of this lane
     unsigned masks[kTokensPerThread];
@@ -260,7 +281,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         for (int i = 0; i < 16; ++i) {
           const int j = (half * 16 + i) * 32 + lane;
           const int t = tw0 + (j >> 3), k = k0 + (j & 7);
-          const long long e = (t < num_tokens && k < topk) ? (long long)topk_idx[(size_t)t * topk + k] : -1;
+          const long long e = (t < t_end && k < topk) ? (long long)topk_idx[(size_t)t * topk + k] : -1;
           v[i] = (e < 0 || e >= num_experts) ? -1 : (int)e;
         }
 #pragma unroll
@@ -282,7 +303,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       __syncwarp();  // the stage is refilled by the next k group
 #pragma unroll
       for (int u = 0; u < kTokensPerThread; ++u) {
-        const int64_t* row = topk_idx + (size_t)(t0 + u < num_tokens ? t0 + u : 0) * topk;
+        const int64_t* row = topk_idx + (size_t)(t0 + u < t_end ? t0 + u : 0) * topk;
 #pragma unroll
         for (int v = 0; v < 8; ++v) {
           int e = ids[u][v];
@@ -302,7 +323,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     unsigned long long lo = 0, hi = 0;
 #pragma unroll
     for (int u = 0; u < kTokensPerThread; ++u) {
-      if (t0 + u < num_tokens) p.slot_map[(size_t)(t0 + u) * world] = (int)masks[u];
+      if (t0 + u < t_end) p.slot_map[(size_t)(t0 + u) * world] = (int)masks[u];
       lo += pack_lo(masks[u]);
       hi += pack_hi(masks[u]);
     }
@@ -314,11 +335,40 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     if (lane < world) atomicAdd(&total[lane], field16(lo, hi, lane));
   }
   __syncthreads();
-  if (tid == 0) stamp(p, kStampCounted);
+
+  // ---- v12: hand-off between blocks (nb > 1) ----
+  if (nb > 1) {
+    if (tid < world) blk_cnt[b * EP_MAX_WORLD + tid] = total[tid];
+    for (int e = tid; e < num_experts; e += blockDim.x)
+      if (expert_cnt[e] != 0) atomicAdd(expert_acc + e, expert_cnt[e]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      st_release_gpu(blk_flag + b, epoch);
+      is_last = atomicAdd(p.counters + kCounterNotifyDone, 1u) == (unsigned)(nb - 1);
+    }
+    __syncthreads();
+    if (is_last) {
+      __threadfence();  // every block's counts and expert adds precede its ticket
+      if (warp < world) {
+        int c = 0;
+        for (int j = lane; j < nb; j += 32) c += ld_volatile(blk_cnt + j * EP_MAX_WORLD + warp);
+        c = warp_sum_int(c);
+        if (lane == 0) total[warp] = c;
+      }
+      for (int e = tid; e < num_experts; e += blockDim.x) expert_cnt[e] = atomicExch(expert_acc + e, 0);
+      if (tid == 0) {  // every block has taken its range and its ticket: ready for the next call
+        atomicExch(p.counters + kCounterNotifyTile, 0u);
+        atomicExch(p.counters + kCounterNotifyDone, 0u);
+      }
+      __syncthreads();
+    }
+  }
+  if (tid == 0 && is_last) stamp(p, kStampCounted);
 
   // ---- B. publish my row to every rank ----
   const int stride = p.sig.notify_stride;
-  if (warp < world) {
+  if (is_last && warp < world) {
     const int d = warp;
     int* row = signal_ptr(p, d, p.sig.notify_off + p.rank * stride);
     for (int j = lane; j < world; j += 32) row[1 + j] = total[j];
@@ -327,16 +377,27 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     __syncwarp();
     if (lane == 0) st_release_sys(row, epoch);
   }
-  if (tid == 0) stamp(p, kStampPublished);
+  if (tid == 0 && is_last) stamp(p, kStampPublished);
 
   // ---- C. slots ----
-  for (int r0 = 0; r0 < num_tokens; r0 += round_tokens) {
+  if (nb > 1 && b > 0) {  // my first slot on rank d = tokens of blocks 0 .. b-1 bound for d
+    for (int j = tid; j < b; j += blockDim.x) wait_flag(p, blk_flag + j, epoch, p.rank, kPhaseNotify);
+    __syncthreads();
+    if (warp < world) {
+      int c = 0;
+      for (int j = lane; j < b; j += 32) c += ld_volatile(blk_cnt + j * EP_MAX_WORLD + warp);
+      c = warp_sum_int(c);
+      if (lane == 0) running[warp] = c;
+    }
+    __syncthreads();
+  }
+  for (int r0 = t_begin; r0 < t_end; r0 += round_tokens) {
     const int t0 = r0 + tid * kTokensPerThread;
     unsigned masks[kTokensPerThread];
     unsigned long long lo = 0, hi = 0;
 #pragma unroll
     for (int u = 0; u < kTokensPerThread; ++u) {
-      masks[u] = t0 + u < num_tokens ? (unsigned)p.slot_map[(size_t)(t0 + u) * world] : 0u;
+      masks[u] = t0 + u < t_end ? (unsigned)p.slot_map[(size_t)(t0 + u) * world] : 0u;
       lo += pack_lo(masks[u]);
       hi += pack_hi(masks[u]);
     }
@@ -403,18 +464,19 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       return ((m >> d) & 1u) ? r + field16(l, h, d) : -1;
     };
     int* slots = p.slot_map + (size_t)t0 * world;
-    if (t0 + kTokensPerThread <= num_tokens) {
+    if (t0 + kTokensPerThread <= t_end) {
       // 4 * world ints starting at a multiple of 16 bytes: world 16-byte stores
       for (int q = 0; q < world; ++q)
         reinterpret_cast<int4*>(slots)[q] = make_int4(slot_of(4 * q), slot_of(4 * q + 1), slot_of(4 * q + 2),
                                                       slot_of(4 * q + 3));
-    } else if (t0 < num_tokens) {
-      for (int i = 0; i < (num_tokens - t0) * world; ++i) slots[i] = slot_of(i);
+    } else if (t0 < t_end) {
+      for (int i = 0; i < (t_end - t0) * world; ++i) slots[i] = slot_of(i);
     }
     __syncthreads();
     if (tid < world) running[tid] += field16(warp_incl[nwarps - 1][0], warp_incl[nwarps - 1][1], tid);
     __syncthreads();
   }
+  if (!is_last) return;  // block-uniform
   if (tid == 0) stamp(p, kStampSlots);
 
   // ---- wait for every rank's row ----
@@ -447,14 +509,24 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 
 }  // namespace
 
-int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int epoch, cudaStream_t stream) {
+int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, int epoch,
+                     cudaStream_t stream) {
   const int num_experts = ctx->p.world * ctx->p.experts_per_rank;
-  if (ctx->p.notify_impl == EP_NOTIFY_STAGED) {
-    const size_t smem = staged_cnt_bytes(num_experts) + (size_t)(kNotifyThreads / 32) * kStageIdsPerWarp * sizeof(uint16_t);
+  if (ctx->p.notify_impl == EP_NOTIFY_STAGED || ctx->p.notify_impl == EP_NOTIFY_GRID) {
+    // grid: ranges of whole 128-token warp groups, at most one block per data SM (kMaxNotifyBlocks)
+    int nb = 1, chunk = num_tokens, threads = kNotifyThreads;
+    if (ctx->p.notify_impl == EP_NOTIFY_GRID && num_tokens > 128) {
+      const int want = std::max(1, std::min({num_sms, kMaxNotifyBlocks, (num_tokens + 127) / 128}));
+      chunk = ((num_tokens + want - 1) / want + 127) / 128 * 128;
+      nb = (num_tokens + chunk - 1) / chunk;
+      // one round of 4 tokens per thread when it fits; never fewer than 8 warps (B needs world warps)
+      threads = std::min(kNotifyThreads, std::max(256, (chunk / kTokensPerThread + 31) / 32 * 32));
+    }
+    const size_t smem = staged_cnt_bytes(num_experts) + (size_t)(threads / 32) * kStageIdsPerWarp * sizeof(uint16_t);
     // u16 ids need < 65535 experts; too many experts for the stage: the direct kernel below
     if (num_experts < kNoExpert && smem <= (size_t)ctx->max_smem_optin) {
       CUDA_CHECK(cudaFuncSetAttribute(notify_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      notify_staged_kernel<<<1, kNotifyThreads, smem, stream>>>(ctx->p, topk_idx, num_tokens, epoch);
+      notify_staged_kernel<<<nb, threads, smem, stream>>>(ctx->p, topk_idx, num_tokens, chunk, epoch);
       CUDA_CHECK(cudaGetLastError());
       return 0;
     }

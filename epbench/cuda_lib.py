@@ -16,8 +16,9 @@ NOT_BUILT = "kernels not built: run `make build`"
 # Region ids (enum ep_region_id in csrc/api.h).
 RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS = range(9)
 # ep_set_option keys (enum ep_option) and notify variants (enum ep_notify_impl).
-OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_IMPL, OPT_COMBINE_STAGES = 0, 1, 2, 3
-NOTIFY_IMPLS = {"direct": 0, "staged": 1}
+OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 2, 3, 4
+COMBINE_CHUNKS = (1024, 2048, 4096)
+NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
 # Combine variants (enum ep_combine_impl): register pull (v1) or bulk-copy pull (v11).
 COMBINE_IMPLS = {"pull": 0, "tma": 1}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).

@@ -138,3 +138,4 @@ def test_python_enum_tables_match_the_c_api_header():
     assert values["EP_OPT_NOTIFY_IMPL"] == cuda_lib.OPT_NOTIFY_IMPL
     assert values["EP_OPT_COMBINE_IMPL"] == cuda_lib.OPT_COMBINE_IMPL
     assert values["EP_OPT_COMBINE_STAGES"] == cuda_lib.OPT_COMBINE_STAGES
+    assert values["EP_OPT_COMBINE_CHUNK"] == cuda_lib.OPT_COMBINE_CHUNK

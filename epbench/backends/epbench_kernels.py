@@ -24,7 +24,9 @@ default (values chosen by measurement, notes/KERNELS.md):
   EPBENCH_COMBINE_IMPL    pull | tma  (register loads from the holders, v1; or bulk-copy loads into per-warp
                           shared-memory stages, v11)
   EPBENCH_COMBINE_STAGES  stages per warp of the tma combine (2..4)
-  EPBENCH_NOTIFY_IMPL     staged | direct (layout kernel variant, v4)
+  EPBENCH_COMBINE_CHUNK   bytes per holder and stage of the tma combine (1024 | 2048 | 4096; v12)
+  EPBENCH_NOTIFY_IMPL     staged | direct | grid (layout kernel variant: v4 one block; v1-v3; v12 the
+                          staged kernel on up to num_sms blocks)
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
 """
@@ -52,6 +54,7 @@ DEFAULTS: Dict[str, Any] = {
     "combine_warps": 16,
     "combine_impl": "pull",
     "combine_stages": 2,
+    "combine_chunk": 4096,
     "notify_impl": "staged",
     "own_copy": "off",
     "own_blocks": 2,
@@ -118,7 +121,8 @@ class EpbenchBackend(Backend):
                  dispatch_warps: Optional[int] = None, tma_stages: Optional[int] = None,
                  combine_warps: Optional[int] = None, notify_impl: Optional[str] = None,
                  own_copy: Optional[str] = None, own_blocks: Optional[int] = None,
-                 combine_impl: Optional[str] = None, combine_stages: Optional[int] = None) -> None:
+                 combine_impl: Optional[str] = None, combine_stages: Optional[int] = None,
+                 combine_chunk: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -141,6 +145,7 @@ class EpbenchBackend(Backend):
         self.notify_impl = _knob("notify_impl", notify_impl)
         self.combine_impl = _knob("combine_impl", combine_impl)
         self.combine_stages = _knob("combine_stages", combine_stages)
+        self.combine_chunk = _knob("combine_chunk", combine_chunk)
         self._own_blocks = _knob("own_blocks", own_blocks)
         self.own_copy = _knob("own_copy", own_copy)
         # The timeout record's flag word, read without a function call on every dispatch/combine.
@@ -222,6 +227,17 @@ class EpbenchBackend(Backend):
             raise ValueError(f"combine_stages must be 2..4, got {value!r}")
         cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_STAGES, int(value)), "ep_set_option")
         self._combine_stages = int(value)
+
+    @property
+    def combine_chunk(self) -> int:
+        return self._combine_chunk
+
+    @combine_chunk.setter
+    def combine_chunk(self, value: int) -> None:
+        if int(value) not in cuda_lib.COMBINE_CHUNKS:
+            raise ValueError(f"combine_chunk must be one of {list(cuda_lib.COMBINE_CHUNKS)}, got {value!r}")
+        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_CHUNK, int(value)), "ep_set_option")
+        self._combine_chunk = int(value)
 
     @property
     def own_copy(self) -> str:

@@ -148,6 +148,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device))
         be.combine_impl, be.combine_warps = args.combine_impl, args.combine_warps
+        be.combine_stages, be.combine_chunk = args.combine_stages, args.combine_chunk
         for impl, warps, sms in impls:
             set_impl(be, impl, warps)
             for rep in range(2):  # twice: the second call reuses buffers and flags
@@ -311,7 +312,9 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, False, args.presleep)
                     for cv in args.combine_variants.split(",") if do_combine else []:
                         be.combine_impl, be.combine_warps = cv.split(":")[0], int(cv.split(":")[1])
-                        be.combine_stages = int(cv.split(":")[2]) if cv.count(":") > 1 else 2
+                        parts = cv.split(":")  # impl:warps[:stages[:chunk]]
+                        be.combine_stages = int(parts[2]) if len(parts) > 2 else 2
+                        be.combine_chunk = int(parts[3]) if len(parts) > 3 else 4096
                         tc = time_calls(be, inp, sms, args.warmup, args.iters, one, True, args.presleep)
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
@@ -402,6 +405,8 @@ def main() -> int:
                     help="bench: combine variants as impl:warps[:stages] (pull:16, tma:16:2, ...)")
     ap.add_argument("--combine-impl", default="pull", help="check: combine variant (pull | tma)")
     ap.add_argument("--combine-warps", type=int, default=16, help="check: combine warps")
+    ap.add_argument("--combine-stages", type=int, default=2, help="check: tma combine stages per warp")
+    ap.add_argument("--combine-chunk", type=int, default=4096, help="check: tma combine bytes per holder and stage")
     ap.add_argument("--notify", default="staged", help="notify kernel variants to bench: staged,direct")
     ap.add_argument("--stamps", type=int, default=0, help="extra calls with per-phase debug stamps (0: none)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
