@@ -16,12 +16,12 @@
 //
 // combine_tma_kernel (v11, EP_COMBINE_TMA): the same contract and steps 1, 2 and 4; step 3 pulls with
 // the SM's bulk-copy unit instead of register loads (linkbench v11: at 8 blocks bulk pulls from peers
-// reach ~323 GB/s of egress, register pulls ~276). Work unit = (token, 4 KiB chunk of its row); warp g
-// takes its tokens g, g + G, ... chunk by chunk. Each warp owns S stages of world x 4 KiB in shared
-// memory; lane 0 loads unit j's chunk from every holder's combine_in into stage j % S (cp.async.bulk,
-// one mbarrier per stage counting the bytes), S units ahead of the reduction; the whole warp waits
-// on the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t] and hands the
-// stage back to lane 0 for unit j + S. Rows and weights of the warp's tokens are computed 32 tokens at a
+// reach ~323 GB/s of egress, register pulls ~276). Work unit = (token, chunk of its row; 4 KiB in v11,
+// 1 / 2 / 4 KiB since v12); warp g takes its tokens g, g + G, ... chunk by chunk. Each warp owns S stages
+// of world x chunk in shared memory; lane d loads unit j's chunk from holder d's combine_in into stage
+// j % S (cp.async.bulk, one mbarrier per stage counting the bytes), S units ahead of the reduction; the
+// whole warp waits on the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t]
+// and issues the loads of unit j + S into the freed stage. Rows and weights of the warp's tokens are computed 32 tokens at a
 // time (one lane per token) into a double-buffered per-warp table, one batch ahead of the loads.
 #include <cuda_bf16.h>
 
@@ -169,22 +169,24 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
       ww[d] = wd[d];
     }
   };
-  // lane 0: unit j's chunk from every holder into stage j % S
+  // unit j's chunk from every holder into stage j % S; lane d < world loads holder d's (v12: in parallel;
+  // v11 had lane 0 issue them one after another), lane 0 arms the stage's barrier with the total (a
+  // copy that lands before the arming only takes the transaction count below zero for a moment: the
+  // phase cannot complete without lane 0's arrival).
   auto issue = [&](long long j) {
     const int k = (int)(j / nch), c = (int)(j % nch), s = (int)(j % S);
     const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
     const uint32_t bytes = (uint32_t)min(kCtChunk, row_bytes - c * kCtChunk);
-    uint32_t total = 0;
-    for (int d = 0; d < world; ++d) total += rr[d] >= 0 ? bytes : 0u;
     // No proxy fence before reusing the stage: the warp's reads of it have completed (their values were
     // consumed before the __syncwarp that precedes this call). v11 first fenced here
     // (fence.proxy.async.shared::cta) and every unit then waited for the previous one's loads.
-    mbar_expect_tx(bars + s, total);
-    for (int d = 0; d < world; ++d) {
-      if (rr[d] < 0) continue;
-      bulk_load(stages + ((size_t)s * world + d) * kCtChunk,
-                p.peer_base[d] + p.off_combine_in + (size_t)rr[d] * row_bytes + (size_t)c * kCtChunk, bytes, bars + s);
-    }
+    const int my_row = lane < world ? rr[lane] : -1;
+    const unsigned holders = __ballot_sync(0xffffffffu, my_row >= 0);
+    if (lane == 0) mbar_expect_tx(bars + s, (uint32_t)__popc(holders) * bytes);
+    if (my_row >= 0)
+      bulk_load(stages + ((size_t)s * world + lane) * kCtChunk,
+                p.peer_base[lane] + p.off_combine_in + (size_t)my_row * row_bytes + (size_t)c * kCtChunk, bytes,
+                bars + s);
   };
 
   if (ntok > 0) {
@@ -195,8 +197,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
     fill_table(0);
     if (ntok > 32) fill_table(1);
     __syncwarp();
-    if (lane == 0)
-      for (long long j = 0; j < S && j < nunits; ++j) issue(j);
+    for (long long j = 0; j < S && j < nunits; ++j) issue(j);
     // Reconverge before every wait: lanes 1-31 suspended in mbarrier.try_wait while lane 0 still has to
     // issue would delay the issue until the wait gives up (v11 first run: ~3.4 us per unit and warp,
     // whatever S, as if one unit at a time were in flight).
@@ -249,7 +250,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
         }
       }
       __syncwarp();
-      if (lane == 0 && j + S < nunits) issue(j + S);
+      if (j + S < nunits) issue(j + S);  // warp-uniform
       __syncwarp();
     }
   }

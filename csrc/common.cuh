@@ -105,6 +105,7 @@ enum EpStamp {
   kStampDataStart = 6,  // data kernel block 0 past griddepcontrol.wait
   kStampDataLast = 7,   // last data block done with its rows (before the completion flags)
   kStampDataEnd = 8,    // last block saw every peer's completion flag
+  kStampBlockCounted = 9,  // notify: a block finished A (grid: the last block to get there)
   kNumStamps = 16,
 };
 

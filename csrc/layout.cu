@@ -222,13 +222,16 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 // accumulator and both counters for the next call) and does B, the peers' wait and the offsets. In C,
 // block b starts its running slots at the counts of the blocks before it (waiting for their flags).
 // One block (nb = 1) is the v4 kernel: no scratch, no tickets.
-constexpr int kStageIdsPerWarp = 32 * kTokensPerThread * 8;  // 128 tokens x 8 ids of one k group
+// ids of one k group staged per warp: 32 * kTPT tokens x 8
+__host__ __device__ constexpr int stage_ids_per_warp(int tpt) { return 32 * tpt * 8; }
 constexpr uint16_t kNoExpert = 0xffff;
 
 __host__ __device__ __forceinline__ size_t staged_cnt_bytes(int num_experts) {
   return ((size_t)num_experts * sizeof(int) + 15) / 16 * 16;
 }
 
+// kTPT tokens per thread: 4 (v4, one block) or 1 (v12 grid: a warp's A is 4x shorter; 32 tokens per warp)
+template <int kTPT>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
     notify_staged_kernel(EpParams p, const int64_t* __restrict__ topk_idx, int num_tokens, int chunk, int epoch) {
   extern __shared__ __align__(16) uint8_t dyn[];
@@ -236,7 +239,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   const int world = p.world, E = p.experts_per_rank, topk = p.topk;
   const int num_experts = world * E;
   int* expert_cnt = reinterpret_cast<int*>(dyn);
-  uint16_t* stage = reinterpret_cast<uint16_t*>(dyn + staged_cnt_bytes(num_experts)) + warp * kStageIdsPerWarp;
+  uint16_t* stage = reinterpret_cast<uint16_t*>(dyn + staged_cnt_bytes(num_experts)) + warp * stage_ids_per_warp(kTPT);
   __shared__ unsigned long long warp_incl[32][2];
   __shared__ int running[EP_MAX_WORLD];
   __shared__ int total[EP_MAX_WORLD];
@@ -263,35 +266,36 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   if (tid == 0 && b == 0) stamp(p, kStampNotifyStart);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-  const int round_tokens = blockDim.x * kTokensPerThread;
+  const int round_tokens = blockDim.x * kTPT;
   const bool aggregate = num_experts <= 64;
   // ---- A. masks and counts ----
   for (int r0 = t_begin; r0 < t_end; r0 += round_tokens) {
-    const int tw0 = r0 + warp * 32 * kTokensPerThread;  // first token of this warp
-    const int t0 = tw0 + lane * kTokensPerThread;       // first token of this lane
-    unsigned masks[kTokensPerThread];
+    const int tw0 = r0 + warp * 32 * kTPT;  // first token of this warp
+    const int t0 = tw0 + lane * kTPT;       // first token of this lane
+    unsigned masks[kTPT];
 #pragma unroll
-    for (int u = 0; u < kTokensPerThread; ++u) masks[u] = 0;
+    for (int u = 0; u < kTPT; ++u) masks[u] = 0;
     for (int k0 = 0; k0 < topk; k0 += 8) {
       // stage ids [tw0, tw0 + 128) x [k0, k0 + 8): element j = token * 8 + k
+      constexpr int kPer = 8 * kTPT, kBatch = kPer < 16 ? kPer : 16;  // loads per lane, in flight at once
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        int v[16];
+      for (int h0 = 0; h0 < kPer; h0 += kBatch) {
+        int v[kBatch];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int j = (half * 16 + i) * 32 + lane;
+        for (int i = 0; i < kBatch; ++i) {
+          const int j = (h0 + i) * 32 + lane;
           const int t = tw0 + (j >> 3), k = k0 + (j & 7);
           const long long e = (t < t_end && k < topk) ? (long long)topk_idx[(size_t)t * topk + k] : -1;
           v[i] = (e < 0 || e >= num_experts) ? -1 : (int)e;
         }
 #pragma unroll
-        for (int i = 0; i < 16; ++i) stage[(half * 16 + i) * 32 + lane] = v[i] < 0 ? kNoExpert : (uint16_t)v[i];
+        for (int i = 0; i < kBatch; ++i) stage[(h0 + i) * 32 + lane] = v[i] < 0 ? kNoExpert : (uint16_t)v[i];
       }
       __syncwarp();
-      int ids[kTokensPerThread][8];
+      int ids[kTPT][8];
 #pragma unroll
-      for (int u = 0; u < kTokensPerThread; ++u) {
-        const uint4 q = reinterpret_cast<const uint4*>(stage)[lane * kTokensPerThread + u];
+      for (int u = 0; u < kTPT; ++u) {
+        const uint4 q = reinterpret_cast<const uint4*>(stage)[lane * kTPT + u];
         const uint32_t w4[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
@@ -302,7 +306,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       }
       __syncwarp();  // the stage is refilled by the next k group
 #pragma unroll
-      for (int u = 0; u < kTokensPerThread; ++u) {
+      for (int u = 0; u < kTPT; ++u) {
         const int64_t* row = topk_idx + (size_t)(t0 + u < t_end ? t0 + u : 0) * topk;
 #pragma unroll
         for (int v = 0; v < 8; ++v) {
@@ -322,7 +326,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     }
     unsigned long long lo = 0, hi = 0;
 #pragma unroll
-    for (int u = 0; u < kTokensPerThread; ++u) {
+    for (int u = 0; u < kTPT; ++u) {
       if (t0 + u < t_end) p.slot_map[(size_t)(t0 + u) * world] = (int)masks[u];
       lo += pack_lo(masks[u]);
       hi += pack_hi(masks[u]);
@@ -335,6 +339,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     if (lane < world) atomicAdd(&total[lane], field16(lo, hi, lane));
   }
   __syncthreads();
+  if (tid == 0) stamp(p, kStampBlockCounted);  // every block: the last one to finish A stays
 
   // ---- v12: hand-off between blocks (nb > 1) ----
   if (nb > 1) {
@@ -392,11 +397,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     __syncthreads();
   }
   for (int r0 = t_begin; r0 < t_end; r0 += round_tokens) {
-    const int t0 = r0 + tid * kTokensPerThread;
-    unsigned masks[kTokensPerThread];
+    const int t0 = r0 + tid * kTPT;
+    unsigned masks[kTPT];
     unsigned long long lo = 0, hi = 0;
 #pragma unroll
-    for (int u = 0; u < kTokensPerThread; ++u) {
+    for (int u = 0; u < kTPT; ++u) {
       masks[u] = t0 + u < t_end ? (unsigned)p.slot_map[(size_t)(t0 + u) * world] : 0u;
       lo += pack_lo(masks[u]);
       hi += pack_hi(masks[u]);
@@ -434,11 +439,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       }
     }
     __syncthreads();
-    unsigned long long cur_lo[kTokensPerThread], cur_hi[kTokensPerThread];
+    unsigned long long cur_lo[kTPT], cur_hi[kTPT];
     cur_lo[0] = lo_in - lo + (warp ? warp_incl[warp - 1][0] : 0ull);
     cur_hi[0] = hi_in - hi + (warp ? warp_incl[warp - 1][1] : 0ull);
 #pragma unroll
-    for (int u = 1; u < kTokensPerThread; ++u) {
+    for (int u = 1; u < kTPT; ++u) {
       cur_lo[u] = cur_lo[u - 1] + pack_lo(masks[u - 1]);
       cur_hi[u] = cur_hi[u - 1] + pack_hi(masks[u - 1]);
     }
@@ -451,7 +456,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       unsigned m = 0;
       unsigned long long l = 0, h = 0;
 #pragma unroll
-      for (int uu = 0; uu < kTokensPerThread; ++uu) {
+      for (int uu = 0; uu < kTPT; ++uu) {
         if (uu == u) {
           m = masks[uu];
           l = cur_lo[uu];
@@ -464,7 +469,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       return ((m >> d) & 1u) ? r + field16(l, h, d) : -1;
     };
     int* slots = p.slot_map + (size_t)t0 * world;
-    if (t0 + kTokensPerThread <= t_end) {
+    if (kTPT == 4 && t0 + kTPT <= t_end) {
       // 4 * world ints starting at a multiple of 16 bytes: world 16-byte stores
       for (int q = 0; q < world; ++q)
         reinterpret_cast<int4*>(slots)[q] = make_int4(slot_of(4 * q), slot_of(4 * q + 1), slot_of(4 * q + 2),
@@ -514,19 +519,22 @@ int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, in
   const int num_experts = ctx->p.world * ctx->p.experts_per_rank;
   if (ctx->p.notify_impl == EP_NOTIFY_STAGED || ctx->p.notify_impl == EP_NOTIFY_GRID) {
     // grid: ranges of whole 128-token warp groups, at most one block per data SM (kMaxNotifyBlocks)
+    const bool grid = ctx->p.notify_impl == EP_NOTIFY_GRID;
     int nb = 1, chunk = num_tokens, threads = kNotifyThreads;
-    if (ctx->p.notify_impl == EP_NOTIFY_GRID && num_tokens > 128) {
+    if (grid) {
       const int want = std::max(1, std::min({num_sms, kMaxNotifyBlocks, (num_tokens + 127) / 128}));
-      chunk = ((num_tokens + want - 1) / want + 127) / 128 * 128;
-      nb = (num_tokens + chunk - 1) / chunk;
-      // one round of 4 tokens per thread when it fits; never fewer than 8 warps (B needs world warps)
-      threads = std::min(kNotifyThreads, std::max(256, (chunk / kTokensPerThread + 31) / 32 * 32));
+      chunk = std::max(128, ((num_tokens + want - 1) / want + 127) / 128 * 128);
+      nb = std::max(1, (num_tokens + chunk - 1) / chunk);
+      // one token per thread, one round when it fits; never fewer than 8 warps (B needs world warps)
+      threads = std::min(kNotifyThreads, std::max(256, chunk));
     }
-    const size_t smem = staged_cnt_bytes(num_experts) + (size_t)(threads / 32) * kStageIdsPerWarp * sizeof(uint16_t);
+    const int tpt = grid ? 1 : kTokensPerThread;
+    const size_t smem = staged_cnt_bytes(num_experts) + (size_t)(threads / 32) * stage_ids_per_warp(tpt) * sizeof(uint16_t);
     // u16 ids need < 65535 experts; too many experts for the stage: the direct kernel below
     if (num_experts < kNoExpert && smem <= (size_t)ctx->max_smem_optin) {
-      CUDA_CHECK(cudaFuncSetAttribute(notify_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      notify_staged_kernel<<<nb, threads, smem, stream>>>(ctx->p, topk_idx, num_tokens, chunk, epoch);
+      auto kernel = grid ? notify_staged_kernel<1> : notify_staged_kernel<kTokensPerThread>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      kernel<<<nb, threads, smem, stream>>>(ctx->p, topk_idx, num_tokens, chunk, epoch);
       CUDA_CHECK(cudaGetLastError());
       return 0;
     }

@@ -23,7 +23,7 @@ NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
 COMBINE_IMPLS = {"pull": 0, "tma": 1}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
-          "data_last", "data_end"]
+          "data_last", "data_end", "block_counted"]
 # Dispatch implementations (enum ep_dispatch_impl).
 DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "dmaj": 4, "dmaj-norot": 5, "spread": 6,
                   "owntma": 7, "spreadtma": 8, "notify-only": 9}

@@ -254,7 +254,7 @@ def stamp_phases(be: EpbenchBackend, inp: DispatchInput, sms: int, n: int, one: 
     """n extra calls with the debug stamps on (GPU-only: a spin before each), median of each phase
     per rank in us; start = this rank's notify start minus the earliest rank's (same-host
     %globaltimer, assumed common)."""
-    names = ["counted", "published", "slots", "peers_seen", "notify_end", "data_start", "data_last", "data_end"]
+    names = ["block_counted", "counted", "published", "slots", "peers_seen", "notify_end", "data_start", "data_last", "data_end"]
     be.set_debug_stamps(True)
     per: List[List[float]] = []
     for _ in range(n):
