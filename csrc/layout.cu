@@ -474,8 +474,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       for (int q = 0; q < world; ++q)
         reinterpret_cast<int4*>(slots)[q] = make_int4(slot_of(4 * q), slot_of(4 * q + 1), slot_of(4 * q + 2),
                                                       slot_of(4 * q + 3));
-    } else if (t0 < t_end) {
-      for (int i = 0; i < (t_end - t0) * world; ++i) slots[i] = slot_of(i);
+    } else if (t0 < t_end) {  // this thread's tokens t0 .. min(t0 + kTPT, t_end) - 1 only
+      for (int i = 0; i < min(kTPT, t_end - t0) * world; ++i) slots[i] = slot_of(i);
     }
     __syncthreads();
     if (tid < world) running[tid] += field16(warp_incl[nwarps - 1][0], warp_incl[nwarps - 1][1], tid);

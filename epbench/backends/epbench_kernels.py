@@ -20,9 +20,10 @@ default (values chosen by measurement, notes/KERNELS.md):
   EPBENCH_OWN_BLOCKS      blocks of that side kernel
   EPBENCH_DISPATCH_WARPS  warps per dispatch block (1..32)
   EPBENCH_TMA_STAGES      row buffers per warp in the TMA path
-  EPBENCH_COMBINE_WARPS   warps per combine block (1..16; tma: at most as many as the stages fit in shared memory)
-  EPBENCH_COMBINE_IMPL    pull | tma  (register loads from the holders, v1; or bulk-copy loads into per-warp
-                          shared-memory stages, v11)
+  EPBENCH_COMBINE_WARPS   warps per combine block (1..16; tma: at most as many as the stages fit in shared memory;
+                          0 = by SM count: pull 16, tma clamp(128 / num_sms, 8, 16), v12)
+  EPBENCH_COMBINE_IMPL    tma | pull  (bulk-copy loads into per-warp shared-memory stages, v11-v12; or register
+                          loads from the holders, v1)
   EPBENCH_COMBINE_STAGES  stages per warp of the tma combine (2..4)
   EPBENCH_COMBINE_CHUNK   bytes per holder and stage of the tma combine (1024 | 2048 | 4096; v12)
   EPBENCH_NOTIFY_IMPL     staged | direct | grid (layout kernel variant: v4 one block; v1-v3; v12 the
@@ -46,16 +47,18 @@ from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_g
 
 # Chosen by measurement (notes/KERNELS.md): v1-v3: pipe, reg:32 and tma:2:6 were within 1-2% of reg:16
 # for bf16 and tma was worse for fp8; v5: lean (reg with every per-token load issued first) was faster
-# than reg at all 8 measured points, by 0.3-1.2%.
+# than reg at all 8 measured points, by 0.3-1.2%. v12: the grid notify was faster than staged at 8-32 SMs
+# (-14 to -38 us per dispatch); the tma combine with 2 KiB chunks x 2 stages (12 warps fit) beat pull at
+# 8 SMs (h200x4 637 vs ~708 us, dsv3 520 vs 578) and matched it at 16-32 SMs with 8 warps per block.
 DEFAULTS: Dict[str, Any] = {
     "dispatch_impl": "lean",
     "dispatch_warps": 16,
     "tma_stages": 3,
-    "combine_warps": 16,
-    "combine_impl": "pull",
+    "combine_warps": 0,
+    "combine_impl": "tma",
     "combine_stages": 2,
-    "combine_chunk": 4096,
-    "notify_impl": "staged",
+    "combine_chunk": 2048,
+    "notify_impl": "grid",
     "own_copy": "off",
     "own_blocks": 2,
 }
@@ -295,6 +298,16 @@ class EpbenchBackend(Backend):
         return DispatchOutput(self.recv_x, self.recv_scales, self.recv_idx, self.recv_w,
                               self.expert_counts, self.num_recv, handle)
 
+    def _combine_warps_for(self, num_sms: int) -> int:
+        """combine_warps, or with 0 the measured rule (notes/KERNELS.md v12): the tma combine is bound by
+        its warps' own reductions at 8 SMs (12 warps fit: fastest) and by the fabric from 16 SMs on, where
+        more than ~128 warps in the grid only adds load traffic (16 warps at 32 SMs: +3%)."""
+        if self.combine_warps:
+            return self.combine_warps
+        if self.combine_impl != "tma":
+            return 16
+        return max(8, min(16, 128 // max(1, num_sms)))
+
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
         return self.combine_in
 
@@ -304,7 +317,8 @@ class EpbenchBackend(Backend):
             raise RuntimeError("epbench combine must follow its own dispatch (another dispatch ran since)")
         self._combine_epoch += 1
         rc = self._lib.ep_combine(self._ctx, self._out_ptr, h.topk_idx.data_ptr(), h.topk_weights.data_ptr(),
-                                  h.num_tokens, num_sms, self.combine_warps, self._combine_epoch, self._stream())
+                                  h.num_tokens, num_sms, self._combine_warps_for(num_sms), self._combine_epoch,
+                                  self._stream())
         if rc:
             cuda_lib.check(rc, "combine")
         if self._timed_out.value:

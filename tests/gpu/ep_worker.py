@@ -147,8 +147,11 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device))
-        be.combine_impl, be.combine_warps = args.combine_impl, args.combine_warps
-        be.combine_stages, be.combine_chunk = args.combine_stages, args.combine_chunk
+        if args.notify:
+            be.notify_impl = args.notify.split(",")[0]
+        for knob in ("combine_impl", "combine_warps", "combine_stages", "combine_chunk"):
+            if getattr(args, knob) is not None:
+                setattr(be, knob, getattr(args, knob))
         for impl, warps, sms in impls:
             set_impl(be, impl, warps)
             for rep in range(2):  # twice: the second call reuses buffers and flags
@@ -287,7 +290,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     one = torch.ones(1, device=device)
     rows: List[Dict[str, object]] = []
     stamp_lines: List[str] = []
-    notify_impls = args.notify.split(",")
+    notify_impls = args.notify.split(",") if args.notify else [None]
     for shape in SHAPES:
         for dtype in ("bf16", "fp8"):
             case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, dtype)
@@ -299,7 +302,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             d_bytes = remote_rows(routing, rank, world, case.experts_per_rank) * row_bytes(dtype, case.hidden)
             c_bytes = remote_rows(routing, rank, world, case.experts_per_rank) * 2 * case.hidden
             for v, nimpl in [(v, n) for n in notify_impls for v in variants]:
-                be.notify_impl = nimpl
+                if nimpl is not None:
+                    be.notify_impl = nimpl
                 if dtype == "fp8" and v[0] == "tma":
                     continue  # v1: tma was never better than reg for fp8 rows
                 impl, warps = v[0].partition("+")[0], int(v[1])
@@ -312,9 +316,9 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     t = time_calls(be, inp, sms, args.warmup, args.iters, one, False, args.presleep)
                     for cv in args.combine_variants.split(",") if do_combine else []:
                         be.combine_impl, be.combine_warps = cv.split(":")[0], int(cv.split(":")[1])
-                        parts = cv.split(":")  # impl:warps[:stages[:chunk]]
+                        parts = cv.split(":")  # impl:warps[:stages[:chunk]]; warps 0: by SM count
                         be.combine_stages = int(parts[2]) if len(parts) > 2 else 2
-                        be.combine_chunk = int(parts[3]) if len(parts) > 3 else 4096
+                        be.combine_chunk = int(parts[3]) if len(parts) > 3 else 2048
                         tc = time_calls(be, inp, sms, args.warmup, args.iters, one, True, args.presleep)
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
@@ -401,13 +405,15 @@ def main() -> int:
                     help="check: dispatch variants as impl[+side|+side-in[blocks]]:warps:sms")
     ap.add_argument("--sms", default="8,16,24,32")
     ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16")
-    ap.add_argument("--combine-variants", default="pull:16",
-                    help="bench: combine variants as impl:warps[:stages] (pull:16, tma:16:2, ...)")
-    ap.add_argument("--combine-impl", default="pull", help="check: combine variant (pull | tma)")
-    ap.add_argument("--combine-warps", type=int, default=16, help="check: combine warps")
-    ap.add_argument("--combine-stages", type=int, default=2, help="check: tma combine stages per warp")
-    ap.add_argument("--combine-chunk", type=int, default=4096, help="check: tma combine bytes per holder and stage")
-    ap.add_argument("--notify", default="staged", help="notify kernel variants to bench: staged,direct")
+    ap.add_argument("--combine-variants", default="tma:0,pull:16",
+                    help="bench: combine variants as impl:warps[:stages[:chunk]] (tma:0 = by SM count, pull:16, "
+                    "tma:16:2:2048, ...)")
+    ap.add_argument("--combine-impl", default=None, help="check: combine variant (pull | tma; default: the backend's)")
+    ap.add_argument("--combine-warps", type=int, default=None, help="check: combine warps (0: by SM count)")
+    ap.add_argument("--combine-stages", type=int, default=None, help="check: tma combine stages per warp")
+    ap.add_argument("--combine-chunk", type=int, default=None, help="check: tma combine bytes per holder and stage")
+    ap.add_argument("--notify", default=None,
+                    help="notify kernel variants to bench (grid,staged,direct), check: the first (default: the backend's)")
     ap.add_argument("--stamps", type=int, default=0, help="extra calls with per-phase debug stamps (0: none)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
     ap.add_argument("--warmup", type=int, default=5)

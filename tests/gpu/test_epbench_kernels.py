@@ -28,3 +28,13 @@ def test_kernels_match_verification(built: None, nproc: int) -> None:
     r = torchrun(WORKER, nproc, "check", *(["--quick"] if nproc == 2 else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
+
+
+@pytest.mark.skipif(GPUS < 4, reason="needs >= 4 CUDA GPUs")
+def test_non_default_variants_match_verification(built: None) -> None:
+    """The defaults (grid notify, tma combine) run in the test above; the variants they replaced (v4 staged
+    notify, v1 pull combine) stay selectable and must stay correct."""
+    r = torchrun(WORKER, 4, "check", "--quick", "--notify", "staged", "--combine-impl", "pull",
+                 "--impls", "lean:16:8,lean:16:3")
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert "PASS" in r.stdout
