@@ -323,7 +323,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
                     stamped = ("reg", "lean", "owntma", "dmaj", "dmaj-norot", "spread", "notify-only")
-                    if args.stamps and sms in (8, 16) and impl in stamped:
+                    if args.stamps and impl in stamped:
                         line = stamp_phases(be, inp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
                     for op in [o for o in t if o == "dispatch" or o.startswith("combine")]:
