@@ -69,6 +69,7 @@ enum ep_dispatch_impl {
   EP_DISPATCH_OWNTMA = 7,  // v10/v11: lean for remote rows; own-rank rows by one warp per block through a TMA ring
   EP_DISPATCH_SPREADTMA = 8,  // v11: spread for remote pairs; own-rank rows as in owntma
   EP_DISPATCH_NOTIFY_ONLY = 9,
+  EP_DISPATCH_LEAN_DYN = 10,  // v12: lean with tokens handed to warps by a counter (balances blocks and warps)
 };
 
 const char* ep_last_error(void);

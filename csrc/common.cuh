@@ -106,6 +106,7 @@ enum EpStamp {
   kStampDataLast = 7,   // last data block done with its rows (before the completion flags)
   kStampDataEnd = 8,    // last block saw every peer's completion flag
   kStampBlockCounted = 9,  // notify: a block finished A (grid: the last block to get there)
+  kStampDataFirst = 10,    // first data block done with its rows
   kNumStamps = 16,
 };
 
@@ -118,6 +119,8 @@ enum { kCounterOwnGo = 2 };
 // v12 grid notify (layout.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;
 // the last block resets both.
 enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
+// v12 lean-dyn (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
+enum { kCounterDispatchWork = 5 };
 constexpr int kMaxNotifyBlocks = 128;
 
 struct EpContext {
@@ -250,8 +253,9 @@ __device__ __forceinline__ bool wait_flag(const EpParams& p, const int* flag, in
 // threads fence, then one thread per block counts the block done; the last block of the grid
 // releases `epoch` into flag `my_flag_index` of every peer and waits until every peer has
 // released its own flag to me (flag_base + peer). Returns after the wait (or a timeout).
+// reset_counter >= 0: a work counter of the kernel, zeroed by the last block (every block is past its last use).
 __device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int counter, int flag_base, int epoch,
-                                                      int phase) {
+                                                      int phase, int reset_counter = -1) {
   __shared__ int is_last;
   fence_acq_rel_sys();
   __syncthreads();
@@ -259,6 +263,8 @@ __device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int cou
     unsigned prev = atomicAdd(p.counters + counter, 1u);
     is_last = (prev == gridDim.x - 1);
     if (is_last) atomicExch(p.counters + counter, 0u);
+    if (is_last && reset_counter >= 0) atomicExch(p.counters + reset_counter, 0u);
+    if (prev == 0 && counter == kCounterDispatch) stamp(p, kStampDataFirst);
   }
   __syncthreads();
   if (!is_last) return;

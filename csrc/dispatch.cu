@@ -84,13 +84,25 @@ __device__ __forceinline__ void own_go_release(const EpParams& p, int epoch) {
 // first + step, ... of this warp. kSkip: 0 every destination; 1 (kSkipSelf) my own rank's rows and
 // metadata are left to someone else; 2 (owntma) only my own rank's row data is (the metadata, already in
 // registers, is stored here).
-template <int kU, int kSkip>
+// kDyn (v12, lean-dyn): ignore first / step; lane 0 takes the next token from counters[kCounterDispatchWork]
+// one token ahead (the atomic's latency hides behind the current token's copy), so faster warps and blocks
+// take more tokens and no warp is left with one token more than the others (4096 tokens over 384 warps).
+template <int kU, int kSkip, bool kDyn = false>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
   const int world = p.world, topk = p.topk, ns = p.num_scales;
   const int my_base = lane < world ? p.base[lane] : 0;
   const int V = p.row_bytes >> 4;
   const bool aborted = ld_volatile(p.dev_error) != 0;
-  for (int t = first; !aborted && t < a.num_tokens; t += step) {
+  unsigned* work = p.counters + kCounterDispatchWork;
+  int t = first;
+  if (kDyn) {
+    unsigned g = 0;
+    if (lane == 0) g = atomicAdd(work, 1u);
+    t = (int)__shfl_sync(0xffffffffu, g, 0);
+  }
+  for (; !aborted && t < a.num_tokens;) {
+    unsigned next = 0;
+    if (kDyn && lane == 0) next = atomicAdd(work, 1u);
     const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
     int4 buf[kU];
 #pragma unroll
@@ -144,18 +156,19 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       if (lane + 32 < ns) dst_scales[lane + 32] = sc1;
       for (int j = lane + 64; j < ns; j += 32) dst_scales[j] = scales[j];
     }
+    t = kDyn ? (int)__shfl_sync(0xffffffffu, next, 0) : t + step;
   }
 }
 
-template <int kU, int kThreads, bool kSkipSelf = false>
+template <int kU, int kThreads, bool kSkipSelf = false, bool kDyn = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
   if (kSkipSelf) own_go_release(p, epoch);
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
-  lean_rows<kU, kSkipSelf ? 1 : 0>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
-  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
+  lean_rows<kU, kSkipSelf ? 1 : 0, kDyn>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch, kDyn ? kCounterDispatchWork : -1);
 }
 
 // spread (v9): work unit = one (token, destination) pair; pair q -> token t = q / ndest, destination
@@ -747,6 +760,12 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   if (impl == EP_DISPATCH_LEAN) {
     CUDA_CHECK(warps <= 16 ? launch_dependent(dispatch_lean_kernel<8, 512>, num_sms, threads, 0, stream, p, a, epoch)
                            : launch_dependent(dispatch_lean_kernel<4, 1024>, num_sms, threads, 0, stream, p, a, epoch));
+    return 0;
+  }
+  if (impl == EP_DISPATCH_LEAN_DYN) {
+    CUDA_CHECK(warps <= 16
+                   ? launch_dependent(dispatch_lean_kernel<8, 512, false, true>, num_sms, threads, 0, stream, p, a, epoch)
+                   : launch_dependent(dispatch_lean_kernel<4, 1024, false, true>, num_sms, threads, 0, stream, p, a, epoch));
     return 0;
   }
   if (warps <= 16) {

@@ -23,10 +23,10 @@ NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
 COMBINE_IMPLS = {"pull": 0, "tma": 1}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
-          "data_last", "data_end", "block_counted"]
+          "data_last", "data_end", "block_counted", "data_first"]
 # Dispatch implementations (enum ep_dispatch_impl).
 DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "dmaj": 4, "dmaj-norot": 5, "spread": 6,
-                  "owntma": 7, "spreadtma": 8, "notify-only": 9}
+                  "owntma": 7, "spreadtma": 8, "notify-only": 9, "lean-dyn": 10}
 # Who writes a rank's rows to itself (enum ep_own_copy, ep_set_own_copy; v9, lean and spread only).
 OWN_COPY_MODES = {"off": 0, "side": 1, "side-in": 2}
 # NVLink micro-benchmark modes (ep_bench_link, csrc/bench.cu).

@@ -10,10 +10,11 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are constructor arguments, with the environment as the
 default (values chosen by measurement, notes/KERNELS.md):
-  EPBENCH_DISPATCH_IMPL   lean | owntma | spreadtma | spread | dmaj | dmaj-norot | reg | pipe | tma  (register
+  EPBENCH_DISPATCH_IMPL   lean | lean-dyn | owntma | spreadtma | spread | dmaj | dmaj-norot | reg | pipe | tma  (register
                           paths or TMA bulk-copy path; dmaj: destination-major, v7; spread: (token, destination)
                           pairs, v9; owntma / spreadtma: lean / spread for the remote rows, a TMA ring for the
-                          own-rank rows, v10-v11; all slower than lean, notes/KERNELS.md)
+                          own-rank rows, v10-v11; all slower than lean, notes/KERNELS.md; lean-dyn: lean with
+                          tokens handed to warps by a counter, v12)
   EPBENCH_OWN_COPY        off | side | side-in  (v9, lean / spread only: rows to my own rank copied by a
                           side-stream kernel of EPBENCH_OWN_BLOCKS blocks, outside num_sms (side) or taken from it
                           (side-in); off = the data kernel writes them, as before)

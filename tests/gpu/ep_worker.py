@@ -257,7 +257,8 @@ def stamp_phases(be: EpbenchBackend, inp: DispatchInput, sms: int, n: int, one: 
     """n extra calls with the debug stamps on (GPU-only: a spin before each), median of each phase
     per rank in us; start = this rank's notify start minus the earliest rank's (same-host
     %globaltimer, assumed common)."""
-    names = ["block_counted", "counted", "published", "slots", "peers_seen", "notify_end", "data_start", "data_last", "data_end"]
+    names = ["block_counted", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
+             "data_first", "data_last", "data_end"]
     be.set_debug_stamps(True)
     per: List[List[float]] = []
     for _ in range(n):
@@ -322,7 +323,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                         tc = time_calls(be, inp, sms, args.warmup, args.iters, one, True, args.presleep)
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
-                    stamped = ("reg", "lean", "owntma", "dmaj", "dmaj-norot", "spread", "notify-only")
+                    stamped = ("reg", "lean", "lean-dyn", "owntma", "dmaj", "dmaj-norot", "spread", "notify-only")
                     if args.stamps and impl in stamped:
                         line = stamp_phases(be, inp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
