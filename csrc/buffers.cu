@@ -123,6 +123,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.peer_base[p.rank] = ctx->region;
 
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx->max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cfg->device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&ctx->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, cfg->device));
   CUDA_CHECK(cudaDeviceSynchronize());
   *out = ctx;
   return 0;
@@ -196,6 +197,10 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
     case EP_OPT_COMBINE_STAGES:
       if (value < 2 || value > 4) break;
       ctx->combine_stages = value;
+      return 0;
+    case EP_OPT_EXCLUSIVE_SMS:
+      if (value != 0 && value != 1) break;
+      ctx->exclusive_sms = value;
       return 0;
     case EP_OPT_COMBINE_CHUNK:
       if (value != 1024 && value != 2048 && value != 4096) break;

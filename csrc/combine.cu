@@ -264,8 +264,9 @@ auto pick_combine_tma(int world, int S) -> decltype(&combine_tma_kernel<2, 4, C>
 }
 
 template <int kMaxWorld, int kU>
-int launch_combine(const EpParams& p, const CombineArgs& a, int num_sms, int warps, int epoch, cudaStream_t stream) {
-  combine_pull_kernel<kMaxWorld, kU><<<num_sms, warps * 32, 0, stream>>>(p, a, epoch);
+int launch_combine(const EpContext* ctx, const CombineArgs& a, int num_sms, int warps, int epoch, cudaStream_t stream) {
+  CUDA_CHECK(exclusive_smem_attr(ctx, combine_pull_kernel<kMaxWorld, kU>));
+  combine_pull_kernel<kMaxWorld, kU><<<num_sms, warps * 32, exclusive_smem(ctx), stream>>>(ctx->p, a, epoch);
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }
@@ -312,7 +313,7 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     }
     // not even one warp's stages fit (world 8 with 4 stages): the register pull below
   }
-  if (p.world <= 2) return launch_combine<2, 4>(p, a, num_sms, warps, epoch, stream);
-  if (p.world <= 4) return launch_combine<4, 4>(p, a, num_sms, warps, epoch, stream);
-  return launch_combine<8, 2>(p, a, num_sms, warps, epoch, stream);
+  if (p.world <= 2) return launch_combine<2, 4>(ctx, a, num_sms, warps, epoch, stream);
+  if (p.world <= 4) return launch_combine<4, 4>(ctx, a, num_sms, warps, epoch, stream);
+  return launch_combine<8, 2>(ctx, a, num_sms, warps, epoch, stream);
 }

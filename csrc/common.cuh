@@ -107,6 +107,7 @@ enum EpStamp {
   kStampDataEnd = 8,    // last block saw every peer's completion flag
   kStampBlockCounted = 9,  // notify: a block finished A (grid: the last block to get there)
   kStampDataFirst = 10,    // first data block done with its rows
+  kStampSmMask = 11,       // [11..13]: bit s set when a data block ran on SM s (lean / lean-dyn; debug)
   kNumStamps = 16,
 };
 
@@ -143,6 +144,8 @@ struct EpContext {
   int combine_impl;    // EP_COMBINE_* (ep_set_option EP_OPT_COMBINE_IMPL)
   int combine_stages;  // EP_COMBINE_TMA stages per warp (EP_OPT_COMBINE_STAGES)
   int combine_chunk;   // EP_COMBINE_TMA bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
+  int exclusive_sms;   // EP_OPT_EXCLUSIVE_SMS: data kernels reserve over half an SM's shared memory
+  int smem_per_sm;     // cudaDevAttrMaxSharedMemoryPerMultiprocessor
 };
 
 // ---- launchers (each next to its kernel) ----
@@ -202,6 +205,26 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 
 __device__ __forceinline__ void stamp(const EpParams& p, int which) {
   if (p.stamps != nullptr) p.stamps[which] = globaltimer();
+}
+
+// Debug stamps on: record this block's SM in the kStampSmMask bits (zeroed by the notify kernel).
+__device__ __forceinline__ void stamp_sm(const EpParams& p) {
+  if (p.stamps == nullptr || threadIdx.x != 0) return;
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  if (smid < 192) atomicOr(p.stamps + kStampSmMask + smid / 64, 1ull << (smid % 64));
+}
+
+// v12: the dynamic shared memory a data kernel asks for so that no two of its blocks share an SM (over half of
+// an SM's shared memory; 0 when the option is off). The kernel must allow that size (exclusive_smem_attr).
+inline size_t exclusive_smem(const EpContext* ctx) {
+  return ctx->exclusive_sms ? (size_t)ctx->smem_per_sm / 2 + 1024 : 0;
+}
+template <typename K>
+cudaError_t exclusive_smem_attr(const EpContext* ctx, K kernel) {
+  return ctx->exclusive_sms
+             ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)exclusive_smem(ctx))
+             : cudaSuccess;
 }
 
 // 16-byte read of data nobody writes during the kernel; no L1 allocation (streamed once).

@@ -163,6 +163,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
 template <int kU, int kThreads, bool kSkipSelf = false, bool kDyn = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
+  stamp_sm(p);
   if (kSkipSelf) own_go_release(p, epoch);
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -757,15 +758,12 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
                    : launch_dependent(dispatch_spread_kernel<4, 1024, false>, num_sms, threads, 0, stream, p, a, epoch));
     return 0;
   }
-  if (impl == EP_DISPATCH_LEAN) {
-    CUDA_CHECK(warps <= 16 ? launch_dependent(dispatch_lean_kernel<8, 512>, num_sms, threads, 0, stream, p, a, epoch)
-                           : launch_dependent(dispatch_lean_kernel<4, 1024>, num_sms, threads, 0, stream, p, a, epoch));
-    return 0;
-  }
-  if (impl == EP_DISPATCH_LEAN_DYN) {
-    CUDA_CHECK(warps <= 16
-                   ? launch_dependent(dispatch_lean_kernel<8, 512, false, true>, num_sms, threads, 0, stream, p, a, epoch)
-                   : launch_dependent(dispatch_lean_kernel<4, 1024, false, true>, num_sms, threads, 0, stream, p, a, epoch));
+  if (impl == EP_DISPATCH_LEAN || impl == EP_DISPATCH_LEAN_DYN) {
+    const bool dyn = impl == EP_DISPATCH_LEAN_DYN;
+    auto kernel = warps <= 16 ? (dyn ? dispatch_lean_kernel<8, 512, false, true> : dispatch_lean_kernel<8, 512>)
+                              : (dyn ? dispatch_lean_kernel<4, 1024, false, true> : dispatch_lean_kernel<4, 1024>);
+    CUDA_CHECK(exclusive_smem_attr(ctx, kernel));
+    CUDA_CHECK(launch_dependent(kernel, num_sms, threads, exclusive_smem(ctx), stream, p, a, epoch));
     return 0;
   }
   if (warps <= 16) {

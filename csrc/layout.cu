@@ -264,6 +264,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   const int b = blk;
   const int t_begin = min(num_tokens, b * chunk), t_end = min(num_tokens, t_begin + chunk);
   if (tid == 0 && b == 0) stamp(p, kStampNotifyStart);
+  if (tid < 3 && b == 0 && p.stamps != nullptr) p.stamps[kStampSmMask + tid] = 0;  // the data kernel's SMs
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   const int round_tokens = blockDim.x * kTPT;

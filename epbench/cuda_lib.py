@@ -17,13 +17,14 @@ NOT_BUILT = "kernels not built: run `make build`"
 RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS = range(9)
 # ep_set_option keys (enum ep_option) and notify variants (enum ep_notify_impl).
 OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 2, 3, 4
+OPT_EXCLUSIVE_SMS = 5
 COMBINE_CHUNKS = (1024, 2048, 4096)
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
 # Combine variants (enum ep_combine_impl): register pull (v1) or bulk-copy pull (v11).
 COMBINE_IMPLS = {"pull": 0, "tma": 1}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
-          "data_last", "data_end", "block_counted", "data_first"]
+          "data_last", "data_end", "block_counted", "data_first", "sm_mask0", "sm_mask1", "sm_mask2"]
 # Dispatch implementations (enum ep_dispatch_impl).
 DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "dmaj": 4, "dmaj-norot": 5, "spread": 6,
                   "owntma": 7, "spreadtma": 8, "notify-only": 9, "lean-dyn": 10}

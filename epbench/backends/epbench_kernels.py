@@ -27,6 +27,8 @@ default (values chosen by measurement, notes/KERNELS.md):
                           loads from the holders, v1)
   EPBENCH_COMBINE_STAGES  stages per warp of the tma combine (2..4)
   EPBENCH_COMBINE_CHUNK   bytes per holder and stage of the tma combine (1024 | 2048 | 4096; v12)
+  EPBENCH_EXCLUSIVE_SMS   1: the lean dispatch and pull combine kernels reserve over half an SM's shared memory,
+                          so that no two of their blocks share an SM (v12; the tma combine's stages already do)
   EPBENCH_NOTIFY_IMPL     staged | direct | grid (layout kernel variant: v4 one block; v1-v3; v12 the
                           staged kernel on up to num_sms blocks)
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
@@ -59,6 +61,7 @@ DEFAULTS: Dict[str, Any] = {
     "combine_impl": "tma",
     "combine_stages": 2,
     "combine_chunk": 2048,
+    "exclusive_sms": 0,
     "notify_impl": "grid",
     "own_copy": "off",
     "own_blocks": 2,
@@ -126,7 +129,7 @@ class EpbenchBackend(Backend):
                  combine_warps: Optional[int] = None, notify_impl: Optional[str] = None,
                  own_copy: Optional[str] = None, own_blocks: Optional[int] = None,
                  combine_impl: Optional[str] = None, combine_stages: Optional[int] = None,
-                 combine_chunk: Optional[int] = None) -> None:
+                 combine_chunk: Optional[int] = None, exclusive_sms: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -150,6 +153,7 @@ class EpbenchBackend(Backend):
         self.combine_impl = _knob("combine_impl", combine_impl)
         self.combine_stages = _knob("combine_stages", combine_stages)
         self.combine_chunk = _knob("combine_chunk", combine_chunk)
+        self.exclusive_sms = _knob("exclusive_sms", exclusive_sms)
         self._own_blocks = _knob("own_blocks", own_blocks)
         self.own_copy = _knob("own_copy", own_copy)
         # The timeout record's flag word, read without a function call on every dispatch/combine.
@@ -231,6 +235,17 @@ class EpbenchBackend(Backend):
             raise ValueError(f"combine_stages must be 2..4, got {value!r}")
         cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_STAGES, int(value)), "ep_set_option")
         self._combine_stages = int(value)
+
+    @property
+    def exclusive_sms(self) -> int:
+        return self._exclusive_sms
+
+    @exclusive_sms.setter
+    def exclusive_sms(self, value: int) -> None:
+        if int(value) not in (0, 1):
+            raise ValueError(f"exclusive_sms must be 0 or 1, got {value!r}")
+        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_EXCLUSIVE_SMS, int(value)), "ep_set_option")
+        self._exclusive_sms = int(value)
 
     @property
     def combine_chunk(self) -> int:

@@ -276,12 +276,13 @@ def stamp_phases(be: EpbenchBackend, inp: DispatchInput, sms: int, n: int, one: 
             cur = int(t[i]) if int(t[i]) >= prev else prev  # stamps a variant does not write
             row.append((cur - prev) / 1e3)
             prev = cur
-        per.append(row)
+        sms_used = sum(bin(st[f"sm_mask{i}"] & (2 ** 64 - 1)).count("1") for i in range(3))
+        per.append(row + [float(sms_used)])
     be.set_debug_stamps(False)
     med = [statistics.median(r[i] for r in per) for i in range(len(per[0]))]
     allm = [torch.zeros(len(med), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(allm, torch.tensor(med, dtype=torch.float64, device=device))
-    cols = ["start"] + names
+    cols = ["start"] + names + ["distinct_sms"]
     return " | ".join(f"{c}=" + ",".join(f"{float(m[i]):.1f}" for m in allm) for i, c in enumerate(cols))
 
 
@@ -307,8 +308,10 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     be.notify_impl = nimpl
                 if dtype == "fp8" and v[0] == "tma":
                     continue  # v1: tma was never better than reg for fp8 rows
-                impl, warps = v[0].partition("+")[0], int(v[1])
-                set_impl(be, v[0], warps)
+                name, excl = (v[0][:-2], 1) if v[0].endswith("@x") else (v[0], 0)  # @x: exclusive SMs
+                be.exclusive_sms = excl
+                impl, warps = name.partition("+")[0], int(v[1])
+                set_impl(be, name, warps)
                 if impl == "tma":
                     be.tma_stages = int(v[2])
                 for sms in sms_list:
@@ -405,7 +408,8 @@ def main() -> int:
                     "spread+side:16:8,spread+side-in:16:8,spread+side-in1:32:3",
                     help="check: dispatch variants as impl[+side|+side-in[blocks]]:warps:sms")
     ap.add_argument("--sms", default="8,16,24,32")
-    ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16")
+    ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16",
+                    help="bench: dispatch variants impl:warps[:stages]; impl@x = with exclusive SMs")
     ap.add_argument("--combine-variants", default="tma:0,pull:16",
                     help="bench: combine variants as impl:warps[:stages[:chunk]] (tma:0 = by SM count, pull:16, "
                     "tma:16:2:2048, ...)")
