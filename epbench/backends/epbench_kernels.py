@@ -52,9 +52,12 @@ from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_g
 # for bf16 and tma was worse for fp8; v5: lean (reg with every per-token load issued first) was faster
 # than reg at all 8 measured points, by 0.3-1.2%. v12: the grid notify was faster than staged at 8-32 SMs
 # (-14 to -38 us per dispatch); the tma combine with 2 KiB chunks x 2 stages (12 warps fit) beat pull at
-# 8 SMs (h200x4 637 vs ~708 us, dsv3 520 vs 578) and matched it at 16-32 SMs with 8 warps per block.
+# 8 SMs (h200x4 637 vs ~708 us, dsv3 520 vs 578) and matched it at 16-32 SMs with 8 warps per block;
+# lean-dyn (tokens handed out by a counter) beat lean at 16 and 24 SMs by 5-10 us (blocks on different SMs
+# move data at different rates: at 32 SMs the first static block finished after ~360 us, the last ~576) and
+# was within 1% elsewhere.
 DEFAULTS: Dict[str, Any] = {
-    "dispatch_impl": "lean",
+    "dispatch_impl": "lean-dyn",
     "dispatch_warps": 16,
     "tma_stages": 3,
     "combine_warps": 0,

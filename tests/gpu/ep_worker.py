@@ -403,7 +403,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--link-modes", default="store,load,split,interleave,push,pull,split-real,interleave-real,"
                     "split:32,split-real:32", help="linkbench modes (name[:warps])")
-    ap.add_argument("--impls", default="reg:16:3,tma:4:5,pipe:16:8,pipe:32:16,lean:16:8,lean:32:5,dmaj:16:8,"
+    ap.add_argument("--impls", default="reg:16:3,tma:4:5,pipe:16:8,pipe:32:16,lean:16:8,lean:32:5,lean-dyn:16:8,"
+                    "lean-dyn:16:24,lean-dyn:32:3,dmaj:16:8,"
                     "dmaj:32:5,dmaj-norot:16:3,spread:16:8,spread:32:5,spread:16:3,lean+side:16:8,"
                     "spread+side:16:8,spread+side-in:16:8,spread+side-in1:32:3",
                     help="check: dispatch variants as impl[+side|+side-in[blocks]]:warps:sms")
