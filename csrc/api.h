@@ -38,7 +38,7 @@ enum ep_option {
   EP_OPT_NOTIFY_IMPL = 1,   // ep_notify_impl
   EP_OPT_COMBINE_IMPL = 2,  // ep_combine_impl
   EP_OPT_COMBINE_STAGES = 3,  // stages per warp of EP_COMBINE_TMA (2..4; default 2)
-  EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of EP_COMBINE_TMA (1024, 2048, 4096; default 4096)
+  EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of EP_COMBINE_TMA (1024, 2048, 4096; default 2048)
   EP_OPT_EXCLUSIVE_SMS = 5,   // 1: the lean dispatch and pull combine kernels reserve over half an SM's shared
                               // memory, so no two of their blocks share an SM (default 0)
 };

@@ -50,8 +50,11 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   memset(ctx, 0, sizeof(*ctx));
   EpParams& p = ctx->p;
   ctx->device = cfg->device;
+  // the measured defaults (notes/KERNELS.md v12); the Python backend sets every option explicitly anyway
+  ctx->combine_impl = EP_COMBINE_TMA;
   ctx->combine_stages = 2;
-  ctx->combine_chunk = 4096;
+  ctx->combine_chunk = 2048;
+  p.notify_impl = EP_NOTIFY_GRID;
   p.rank = cfg->rank;
   p.world = cfg->world;
   p.experts_per_rank = cfg->experts_per_rank;
