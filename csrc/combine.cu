@@ -311,7 +311,8 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
       CUDA_CHECK(cudaGetLastError());
       return 0;
     }
-    // not even one warp's stages fit (world 8 with 4 stages): the register pull below
+    // not even one warp's stages fit (not reached with the allowed stages / chunks up to world 8): the
+    // register pull below
   }
   if (p.world <= 2) return launch_combine<2, 4>(ctx, a, num_sms, warps, epoch, stream);
   if (p.world <= 4) return launch_combine<4, 4>(ctx, a, num_sms, warps, epoch, stream);

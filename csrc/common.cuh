@@ -122,6 +122,8 @@ enum { kCounterOwnGo = 2 };
 enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
 // v12 lean-dyn (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
 enum { kCounterDispatchWork = 5 };
+// [7]: a sink the link benchmark (bench.cu) may write to keep its loads alive; no kernel reads it.
+enum { kCounterBenchSink = 7 };
 constexpr int kMaxNotifyBlocks = 128;
 
 struct EpContext {

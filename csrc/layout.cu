@@ -53,6 +53,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   __syncthreads();
   if (aborted) return;
   if (tid == 0) stamp(p, kStampNotifyStart);
+  if (tid < 3 && p.stamps != nullptr) p.stamps[kStampSmMask + tid] = 0;  // the data kernel's SMs
 
   // Let the data kernel (launched with programmatic stream serialization) get resident now; it
   // waits in griddepcontrol.wait until this grid has completed and its writes are visible.
@@ -260,7 +261,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     total[tid] = 0;
   }
   __syncthreads();
-  if (aborted) return;
+  // An aborted call leaves the range / ticket counters and the accumulator dirty; that is safe only because
+  // dev_error is never cleared (a context that timed out stays failed). A range index past the grid means
+  // the counters were not reset: give up like an abort instead of indexing out of the scratch area.
+  if (aborted || blk >= nb) return;
   const int b = blk;
   const int t_begin = min(num_tokens, b * chunk), t_end = min(num_tokens, t_begin + chunk);
   if (tid == 0 && b == 0) stamp(p, kStampNotifyStart);

@@ -28,7 +28,8 @@ default (values chosen by measurement, notes/KERNELS.md):
   EPBENCH_COMBINE_STAGES  stages per warp of the tma combine (2..4)
   EPBENCH_COMBINE_CHUNK   bytes per holder and stage of the tma combine (1024 | 2048 | 4096; v12)
   EPBENCH_EXCLUSIVE_SMS   1: the lean dispatch and pull combine kernels reserve over half an SM's shared memory,
-                          so that no two of their blocks share an SM (v12; the tma combine's stages already do)
+                          so that no two of their blocks share an SM (v12; measured: blocks never shared an SM
+                          without it either)
   EPBENCH_NOTIFY_IMPL     staged | direct | grid (layout kernel variant: v4 one block; v1-v3; v12 the
                           staged kernel on up to num_sms blocks)
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
@@ -141,6 +142,8 @@ class EpbenchBackend(Backend):
         self.dispatch_warps = _knob("dispatch_warps", dispatch_warps)
         self.tma_stages = _knob("tma_stages", tma_stages)
         self.combine_warps = _knob("combine_warps", combine_warps)
+        if not 0 <= self.combine_warps <= 16:
+            raise ValueError(f"combine_warps must be 0 (by SM count) or 1..16, got {self.combine_warps!r}")
         self._lib = cuda_lib.load()
         self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
                                    else torch.cuda.current_device())
@@ -304,6 +307,9 @@ class EpbenchBackend(Backend):
         t = x.shape[0]
         if t != self._out_t:
             self._out_t, self._out_view = t, self.out[:t]
+        if self._own != "off" and self._impl not in ("lean", "spread"):
+            raise ValueError(f"own_copy={self._own!r} needs dispatch_impl lean or spread (got {self._impl!r}; "
+                             "the other kernels write the own-rank rows themselves)")
         self._dispatch_epoch += 1
         rc = self._lib.ep_dispatch(
             self._ctx, x.data_ptr(), inp.x_scales.data_ptr() if self.fp8 else None, idx.data_ptr(),
