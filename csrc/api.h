@@ -72,6 +72,7 @@ enum ep_dispatch_impl {
   EP_DISPATCH_SPREADTMA = 8,  // v11: spread for remote pairs; own-rank rows as in owntma
   EP_DISPATCH_NOTIFY_ONLY = 9,
   EP_DISPATCH_LEAN_DYN = 10,  // v12: lean with tokens handed to warps by a counter (balances blocks and warps)
+  EP_DISPATCH_OWNBULK = 11,   // v13: lean-dyn with the own-rank rows staged in shared memory and written by bulk stores
 };
 
 const char* ep_last_error(void);

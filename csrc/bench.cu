@@ -39,6 +39,7 @@
 //  18 tma-push      4 KiB units, my combine_in -> peer recv_x (the dispatch's direction)
 //  19 tma-pull-16k  16 KiB units, 4 stages, 2 ahead
 //  20 tma-push-16k
+// v13: 21 push-reduce  (see link_push_reduce_kernel) 3/4 of the warps push 16 KiB rows as mode 9, 1/4 run mode 12
 #include <algorithm>
 
 #include "common.cuh"
@@ -106,17 +107,15 @@ __global__ void __launch_bounds__(kThreads, 1) link_bench_kernel(EpParams p, int
 
 // Modes 8-11: work unit = a row of kRowChunks chunks; with kFan the unit is stored to every peer
 // (rows_per_peer units), else unit u goes to peer u % npeer (rows_per_peer * npeer units).
-template <int kThreads, bool kFan, int kRowChunks, bool kMeta, bool kSelf = false>
-__global__ void __launch_bounds__(kThreads, 1) link_push_rows_kernel(EpParams p, long long chunks_per_peer,
-                                                                 size_t seg_bytes) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+// The loop of modes 8-11 / 15 over units first, first + step, ... (also mode 21's pushing warps).
+template <bool kFan, int kRowChunks, bool kMeta, bool kSelf = false>
+__device__ __forceinline__ void push_rows(const EpParams& p, long long chunks_per_peer, size_t seg_bytes,
+                                          long long first, long long step, int lane) {
   const int npeer = p.world - 1;
-  if (npeer < 1) return;
   const long long rows_per_peer = chunks_per_peer / kRowChunks;
   const long long n = kFan ? rows_per_peer : rows_per_peer * npeer;
-  const long long step = (long long)gridDim.x * nwarps;
   const size_t unit_bytes = (size_t)kRowChunks * kChunkVec * 16;
-  for (long long c = (long long)blockIdx.x * nwarps + warp; c < n; c += step) {
+  for (long long c = first; c < n; c += step) {
     const long long r = kFan ? c : c / npeer;
     const int j0 = kFan ? 0 : (int)(c % npeer);
     // without fan-out each peer's rows come from their own segment (no L2 reuse across peers)
@@ -145,6 +144,15 @@ __global__ void __launch_bounds__(kThreads, 1) link_push_rows_kernel(EpParams p,
       }
     }
   }
+}
+
+template <int kThreads, bool kFan, int kRowChunks, bool kMeta, bool kSelf = false>
+__global__ void __launch_bounds__(kThreads, 1) link_push_rows_kernel(EpParams p, long long chunks_per_peer,
+                                                                 size_t seg_bytes) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (p.world < 2) return;
+  push_rows<kFan, kRowChunks, kMeta, kSelf>(p, chunks_per_peer, seg_bytes, (long long)blockIdx.x * nwarps + warp,
+                                            (long long)gridDim.x * nwarps, lane);
 }
 
 // Modes 13, 14, 16: (row, destination) pairs spread over warps (see the header); kSelf adds my own rank as
@@ -183,14 +191,13 @@ __global__ void __launch_bounds__(kThreads, 1) link_push_spread_kernel(EpParams 
   }
 }
 
-// Mode 12: out[r] = sum over h < world of in_h[r] (bf16 rows of 16 KiB, fp32 sums), all local.
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads, 1) reduce_local_kernel(EpParams p, long long rows, size_t seg_bytes) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const long long step = (long long)gridDim.x * nwarps;
+// Mode 12: out[r] = sum over h < world of in_h[r] (bf16 rows of 16 KiB, fp32 sums), all local; rows
+// first, first + step, ... (also mode 21's reducing warps).
+__device__ __forceinline__ void reduce_rows(const EpParams& p, long long rows, size_t seg_bytes, long long first,
+                                            long long step, int lane) {
   constexpr int kU = 4;
   const int V = 1024;  // 16 KiB rows
-  for (long long r = (long long)blockIdx.x * nwarps + warp; r < rows; r += step) {
+  for (long long r = first; r < rows; r += step) {
     for (int v0 = 0; v0 < V; v0 += 32 * kU) {
       int4 buf[4][kU];
 #pragma unroll
@@ -232,6 +239,28 @@ __global__ void __launch_bounds__(kThreads, 1) reduce_local_kernel(EpParams p, l
       }
     }
   }
+}
+
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) reduce_local_kernel(EpParams p, long long rows, size_t seg_bytes) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  reduce_rows(p, rows, seg_bytes, (long long)blockIdx.x * nwarps + warp, (long long)gridDim.x * nwarps, lane);
+}
+
+// Mode 21 (v13, would a push combine's local reduction hide behind its pushes?): the last nwarps / 4 warps of
+// every block run mode 12's reduction (max_tokens rows) while the others push as mode 9 (16 KiB rows, each to
+// one peer: the combine's holder -> source direction). Time = both done; compare with modes 9 and 12 alone.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) link_push_reduce_kernel(EpParams p, long long chunks_per_peer,
+                                                                   size_t seg_bytes, long long rows) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int nred = nwarps / 4, npush = nwarps - nred;
+  if (p.world < 2) return;
+  if (warp < npush)
+    push_rows<false, 4, false>(p, chunks_per_peer, seg_bytes, (long long)blockIdx.x * npush + warp,
+                               (long long)gridDim.x * npush, lane);
+  else
+    reduce_rows(p, rows, seg_bytes, (long long)blockIdx.x * nred + (warp - npush), (long long)gridDim.x * nred, lane);
 }
 
 // Modes 17-20: one TmaRing per warp (lane 0), units of kUnitBytes.
@@ -285,7 +314,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
     return -1;
   }
   const size_t seg = std::min((size_t)p.max_tokens * p.row_bytes, (size_t)p.max_tokens * p.hidden * 2);
-  if (mode < 0 || mode > 20 || num_blocks < 1 || warps < 1 || warps > 32 || ((mode == 2 || mode == 6) && (warps & 1)) || bytes_per_peer <= 0 ||
+  if (mode < 0 || mode > 21 || num_blocks < 1 || warps < 1 || warps > 32 || ((mode == 2 || mode == 6) && (warps & 1)) || bytes_per_peer <= 0 ||
       bytes_per_peer % (kChunkVec * 16 * 2) != 0 || (size_t)bytes_per_peer > seg) {
     ep_set_error("ep_bench_link: bad mode %d, blocks %d, warps %d or bytes %lld (max %zu, multiple of %d)", mode,
                  num_blocks, warps, bytes_per_peer, seg, kChunkVec * 32);
@@ -300,7 +329,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
   if (mode == 20) return launch_link_tma<16384, 4, 2, false>(ctx, num_blocks, warps, bytes_per_peer, seg, st);
   if (mode >= 8) {
     if (warps > 16) {
-      ep_set_error("ep_bench_link: modes 8-16 take at most 16 warps");
+      ep_set_error("ep_bench_link: modes 8-16 and 21 take at most 16 warps");
       return -1;
     }
     const int thr = warps * 32;
@@ -312,14 +341,15 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
     if (mode == 14) link_push_spread_kernel<512, true, false><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
     if (mode == 15) link_push_rows_kernel<512, true, 4, true, true><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
     if (mode == 16) link_push_spread_kernel<512, true, true><<<num_blocks, thr, 0, st>>>(p, chunks, seg);
-    if (mode == 12) {
+    if (mode == 12 || mode == 21) {
       // rows of 16 KiB that fit every source segment: the h200x4 combine has max_tokens rows
       const long long rows = std::min<long long>(p.max_tokens, (long long)(seg / 16384));
-      if (p.hidden * 2 != 16384 || p.world > 4) {
-        ep_set_error("ep_bench_link: reduce-local needs hidden 8192 and world <= 4");
+      if (p.hidden * 2 != 16384 || p.world > 4 || (mode == 21 && warps < 4)) {
+        ep_set_error("ep_bench_link: reduce-local / push-reduce need hidden 8192, world <= 4 (and >= 4 warps)");
         return -1;
       }
-      reduce_local_kernel<512><<<num_blocks, thr, 0, st>>>(p, rows, seg);
+      if (mode == 12) reduce_local_kernel<512><<<num_blocks, thr, 0, st>>>(p, rows, seg);
+      if (mode == 21) link_push_reduce_kernel<512><<<num_blocks, thr, 0, st>>>(p, chunks, seg, rows);
     }
     CUDA_CHECK(cudaGetLastError());
     return 0;

@@ -87,14 +87,19 @@ __device__ __forceinline__ void own_go_release(const EpParams& p, int epoch) {
 // kDyn (v12, lean-dyn): ignore first / step; lane 0 takes the next token from counters[kCounterDispatchWork]
 // one token ahead (the atomic's latency hides behind the current token's copy), so faster warps and blocks
 // take more tokens and no warp is left with one token more than the others (4096 tokens over 384 warps).
-template <int kU, int kSkip, bool kDyn = false>
-__device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
+// kOwnBulk (v13, ownbulk): the own-rank row data goes register -> this warp's 2 shared-memory stages
+// (kU x 512 B each) -> my recv_x by one cp.async.bulk per chunk issued by lane 0, instead of 16-byte
+// st.global from every lane; the pushing warps' remote stores are unchanged. `stage` = this warp's stages.
+template <int kU, int kSkip, bool kDyn = false, bool kOwnBulk = false>
+__device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane,
+                                          uint8_t* stage = nullptr) {
   const int world = p.world, topk = p.topk, ns = p.num_scales;
   const int my_base = lane < world ? p.base[lane] : 0;
   const int V = p.row_bytes >> 4;
   const bool aborted = ld_volatile(p.dev_error) != 0;
   unsigned* work = p.counters + kCounterDispatchWork;
   int t = first;
+  int nbulk = 0;  // kOwnBulk: bulk groups committed by lane 0 (the same count in every lane)
   if (kDyn) {
     unsigned g = 0;
     if (lane == 0) g = atomicAdd(work, 1u);
@@ -136,6 +141,23 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
         if (rows[d] < 0 || (kSkip != 0 && d == p.rank)) continue;
         int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes);
+        if (kOwnBulk && d == p.rank) {
+          // stage nbulk & 1 was last read by group nbulk - 2: wait until at most one group is still reading
+          if (nbulk >= 2 && lane == 0) bulk_wait_read_all_but_one();
+          __syncwarp();
+          int4* sb = reinterpret_cast<int4*>(stage + (size_t)(nbulk & 1) * kU * 512);
+#pragma unroll
+          for (int u = 0; u < kU; ++u)
+            if (v0 + u * 32 + lane < V) sb[u * 32 + lane] = buf[u];
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic smem writes -> bulk copy
+          __syncwarp();
+          if (lane == 0) {
+            bulk_store(dst + v0, sb, (uint32_t)min(32 * kU, V - v0) * 16u);
+            bulk_commit();
+          }
+          ++nbulk;
+          continue;
+        }
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int i = v0 + u * 32 + lane;
@@ -158,17 +180,26 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     }
     t = kDyn ? (int)__shfl_sync(0xffffffffu, next, 0) : t + step;
   }
+  if (kOwnBulk) {  // every bulk write done and ordered before the caller's release (as TmaRing::drain)
+    if (lane == 0 && nbulk > 0) {
+      bulk_wait_all();
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    __syncwarp();
+  }
 }
 
-template <int kU, int kThreads, bool kSkipSelf = false, bool kDyn = false>
+template <int kU, int kThreads, bool kSkipSelf = false, bool kDyn = false, bool kOwnBulk = false>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
+  extern __shared__ __align__(128) uint8_t lean_smem[];  // kOwnBulk: 2 x kU x 512 B per warp
   griddep_wait();  // slot_map and base come from the notify kernel
   stamp_sm(p);
   if (kSkipSelf) own_go_release(p, epoch);
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
-  lean_rows<kU, kSkipSelf ? 1 : 0, kDyn>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
+  lean_rows<kU, kSkipSelf ? 1 : 0, kDyn, kOwnBulk>(p, a, blockIdx.x * nwarps + warp, total_warps, lane,
+                                                   lean_smem + (size_t)warp * 2 * kU * 512);
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch, kDyn ? kCounterDispatchWork : -1);
 }
 
@@ -758,6 +789,14 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
                    : launch_dependent(dispatch_spread_kernel<4, 1024, false>, num_sms, threads, 0, stream, p, a, epoch));
     return 0;
   }
+  if (impl == EP_DISPATCH_OWNBULK && warps <= 16) {  // 8 KiB of stages per warp: up to 128 KiB
+    auto kernel = dispatch_lean_kernel<8, 512, false, true, true>;
+    const size_t smem = std::max((size_t)warps * 2 * 8 * 512, exclusive_smem(ctx));
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CUDA_CHECK(launch_dependent(kernel, num_sms, threads, smem, stream, p, a, epoch));
+    return 0;
+  }
+  if (impl == EP_DISPATCH_OWNBULK) impl = EP_DISPATCH_LEAN_DYN;  // > 16 warps: the stages do not fit
   if (impl == EP_DISPATCH_LEAN || impl == EP_DISPATCH_LEAN_DYN) {
     const bool dyn = impl == EP_DISPATCH_LEAN_DYN;
     auto kernel = warps <= 16 ? (dyn ? dispatch_lean_kernel<8, 512, false, true> : dispatch_lean_kernel<8, 512>)

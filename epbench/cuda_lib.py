@@ -27,7 +27,8 @@ STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify
           "data_last", "data_end", "block_counted", "data_first", "sm_mask0", "sm_mask1", "sm_mask2"]
 # Dispatch implementations (enum ep_dispatch_impl).
 DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "dmaj": 4, "dmaj-norot": 5, "spread": 6,
-                  "owntma": 7, "spreadtma": 8, "notify-only": 9, "lean-dyn": 10}
+                  "owntma": 7, "spreadtma": 8, "notify-only": 9, "lean-dyn": 10,
+                  "ownbulk": 11}
 # Who writes a rank's rows to itself (enum ep_own_copy, ep_set_own_copy; v9, lean and spread only).
 OWN_COPY_MODES = {"off": 0, "side": 1, "side-in": 2}
 # NVLink micro-benchmark modes (ep_bench_link, csrc/bench.cu).
@@ -35,7 +36,8 @@ LINK_BENCH_MODES = {"store": 0, "load": 1, "split": 2, "interleave": 3, "push": 
                     "interleave-real": 7, "push-fan": 8, "push-row": 9, "push-fan-row": 10,
                     "push-fan-row-meta": 11, "reduce-local": 12, "push-spread": 13, "push-spread-meta": 14,
                     "push-fan-row-meta-self": 15, "push-spread-meta-self": 16,
-                    "tma-pull": 17, "tma-push": 18, "tma-pull-16k": 19, "tma-push-16k": 20}
+                    "tma-pull": 17, "tma-push": 18, "tma-pull-16k": 19, "tma-push-16k": 20,
+                    "push-reduce": 21}
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
 PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
           3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)",

@@ -326,7 +326,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                         tc = time_calls(be, inp, sms, args.warmup, args.iters, one, True, args.presleep)
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
-                    stamped = ("reg", "lean", "lean-dyn", "owntma", "dmaj", "dmaj-norot", "spread", "notify-only")
+                    stamped = ("reg", "lean", "lean-dyn", "ownbulk", "owntma", "dmaj", "dmaj-norot", "spread", "notify-only")
                     if args.stamps and impl in stamped:
                         line = stamp_phases(be, inp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
