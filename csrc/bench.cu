@@ -39,6 +39,8 @@
 //  18 tma-push      4 KiB units, my combine_in -> peer recv_x (the dispatch's direction)
 //  19 tma-pull-16k  16 KiB units, 4 stages, 2 ahead
 //  20 tma-push-16k
+// v13: 22 store-local  mode 0 with my own rank as the destination (segment j of my recv_x): local stores only
+//      23 copy-local   mode 4 likewise (local loads -> local stores): what an SM writes per second with no NVLink
 // v13: 21 push-reduce  (see link_push_reduce_kernel) 3/4 of the warps push 16 KiB rows as mode 9, 1/4 run mode 12
 #include <algorithm>
 
@@ -56,8 +58,9 @@ __global__ void __launch_bounds__(kThreads, 1) link_bench_kernel(EpParams p, int
   const int npeer = p.world - 1;
   if (npeer < 1) return;
   const long long total = chunks_per_peer * npeer;
-  const bool real = mode >= 4;
-  const int m = mode & 3;
+  const bool self = mode >= 22;  // 22 / 23: modes 0 / 4 into my own recv_x (local stores only)
+  const bool real = mode >= 4 && mode != 22;
+  const int m = self ? 0 : mode & 3;
   bool push = true, pull = true;
   long long n = total, first = (long long)blockIdx.x * nwarps + warp, step = (long long)gridDim.x * nwarps;
   if (m == 0) pull = false;
@@ -73,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, 1) link_bench_kernel(EpParams p, int
   unsigned acc = 0;
   for (long long c = first; c < n; c += step) {
     const int j = (int)(c % npeer);
-    const int peer = (p.rank + 1 + j) % p.world;
+    const int peer = self ? p.rank : (p.rank + 1 + j) % p.world;
     const size_t off = (size_t)(c / npeer) * kChunkVec * 16;
     int4 lbuf[kBU], sbuf[kBU];
     if (pull) {
@@ -82,11 +85,14 @@ __global__ void __launch_bounds__(kThreads, 1) link_bench_kernel(EpParams p, int
       for (int u = 0; u < kBU; ++u) lbuf[u] = ld_nc_v4(src + u * 32 + lane);
     }
     if (push) {
-      const int4* lsrc = reinterpret_cast<const int4*>(p.peer_base[p.rank] + p.off_combine_in + peer * seg_bytes + off);
+      // self: segment j of my buffers (j < world - 1), else the peer's segment; the store goes to segment j /
+      // my rank's segment of the destination's recv_x
+      const size_t src_seg = (size_t)(self ? j : peer) * seg_bytes, dst_seg = (size_t)(self ? j : p.rank) * seg_bytes;
+      const int4* lsrc = reinterpret_cast<const int4*>(p.peer_base[p.rank] + p.off_combine_in + src_seg + off);
 #pragma unroll
       for (int u = 0; u < kBU; ++u)
         sbuf[u] = real ? ld_nc_v4(lsrc + u * 32 + lane) : make_int4((int)c, u, lane, j);
-      int4* dst = reinterpret_cast<int4*>(p.peer_base[peer] + p.off_recv_x + p.rank * seg_bytes + off);
+      int4* dst = reinterpret_cast<int4*>(p.peer_base[peer] + p.off_recv_x + dst_seg + off);
 #pragma unroll
       for (int u = 0; u < kBU; ++u) st_v4(dst + u * 32 + lane, sbuf[u]);
     }
@@ -314,7 +320,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
     return -1;
   }
   const size_t seg = std::min((size_t)p.max_tokens * p.row_bytes, (size_t)p.max_tokens * p.hidden * 2);
-  if (mode < 0 || mode > 21 || num_blocks < 1 || warps < 1 || warps > 32 || ((mode == 2 || mode == 6) && (warps & 1)) || bytes_per_peer <= 0 ||
+  if (mode < 0 || mode > 23 || num_blocks < 1 || warps < 1 || warps > 32 || ((mode == 2 || mode == 6) && (warps & 1)) || bytes_per_peer <= 0 ||
       bytes_per_peer % (kChunkVec * 16 * 2) != 0 || (size_t)bytes_per_peer > seg) {
     ep_set_error("ep_bench_link: bad mode %d, blocks %d, warps %d or bytes %lld (max %zu, multiple of %d)", mode,
                  num_blocks, warps, bytes_per_peer, seg, kChunkVec * 32);
@@ -327,7 +333,7 @@ extern "C" int ep_bench_link(void* vctx, int mode, int num_blocks, int warps, lo
   if (mode == 18) return launch_link_tma<4096, 8, 4, false>(ctx, num_blocks, warps, bytes_per_peer, seg, st);
   if (mode == 19) return launch_link_tma<16384, 4, 2, true>(ctx, num_blocks, warps, bytes_per_peer, seg, st);
   if (mode == 20) return launch_link_tma<16384, 4, 2, false>(ctx, num_blocks, warps, bytes_per_peer, seg, st);
-  if (mode >= 8) {
+  if (mode >= 8 && mode <= 21) {
     if (warps > 16) {
       ep_set_error("ep_bench_link: modes 8-16 and 21 take at most 16 warps");
       return -1;

@@ -37,7 +37,7 @@ LINK_BENCH_MODES = {"store": 0, "load": 1, "split": 2, "interleave": 3, "push": 
                     "push-fan-row-meta": 11, "reduce-local": 12, "push-spread": 13, "push-spread-meta": 14,
                     "push-fan-row-meta-self": 15, "push-spread-meta-self": 16,
                     "tma-pull": 17, "tma-push": 18, "tma-pull-16k": 19, "tma-push-16k": 20,
-                    "push-reduce": 21}
+                    "push-reduce": 21, "store-local": 22, "copy-local": 23}
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
 PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
           3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)",
