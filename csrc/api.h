@@ -30,6 +30,7 @@ enum ep_region_id {
   EP_NUM_RECV = 6,
   EP_EXPERT_COUNTS = 7,
   EP_DEBUG_STAMPS = 8,  // u64 [16] %globaltimer per phase, written only while EP_OPT_DEBUG_STAMPS is on
+  EP_DISPATCH_X = 9,    // [max_tokens, row_bytes]: x rows the pull dispatch lets peers read (caller fills it)
 };
 
 // ep_set_option keys.
@@ -73,6 +74,8 @@ enum ep_dispatch_impl {
   EP_DISPATCH_NOTIFY_ONLY = 9,
   EP_DISPATCH_LEAN_DYN = 10,  // v12: lean with tokens handed to warps by a counter (balances blocks and warps)
   EP_DISPATCH_OWNBULK = 11,   // v13: lean-dyn with the own-rank rows staged in shared memory and written by bulk stores
+  EP_DISPATCH_PULL = 12,      // v13: receivers pull rows from the sources' EP_DISPATCH_X by bulk copies; metadata
+                              //      pushed as lean. Needs x == EP_DISPATCH_X (else lean-dyn runs)
 };
 
 const char* ep_last_error(void);

@@ -67,12 +67,13 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.timeout_ns = (unsigned long long)(cfg->timeout_s * 1e9);
 
   EpSignals& s = p.sig;
-  s.notify_stride = (int)align_up(1 + cfg->world + cfg->experts_per_rank, 32);
+  s.notify_stride = (int)align_up(2 + cfg->world + cfg->experts_per_rank, 32);  // + num_tokens
   s.notify_off = 0;
   s.done_off = s.notify_off + s.notify_stride * cfg->world;
   s.ready_off = s.done_off + 32;
   s.pulled_off = s.ready_off + 32;
-  s.total_ints = s.pulled_off + 32;
+  s.dsp_ready_off = s.pulled_off + 32;
+  s.total_ints = s.dsp_ready_off + 32;
 
   const size_t cap = (size_t)p.capacity;
   Carver c;
@@ -81,6 +82,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.off_recv_idx = c.take(cap * p.topk * sizeof(long long));
   p.off_recv_w = c.take(cap * p.topk * sizeof(float));
   p.off_combine_in = c.take(cap * p.hidden * 2);
+  p.off_dispatch_x = c.take((size_t)p.max_tokens * p.row_bytes);
   p.off_signals = c.take((size_t)s.total_ints * sizeof(int));
   ctx->shared_bytes = c.next;
   ctx->off_out = c.take((size_t)p.max_tokens * p.hidden * 2);
@@ -116,6 +118,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.host_error = (EpErrorInfo*)dev_alias;
 
   p.slot_map = (int*)(ctx->region + ctx->off_slot_map);
+  p.off_slot_map = ctx->off_slot_map;
   p.base = (int*)(ctx->region + ctx->off_base);
   p.num_recv = (long long*)(ctx->region + ctx->off_num_recv);
   p.expert_counts = (long long*)(ctx->region + ctx->off_expert_counts);
@@ -176,6 +179,7 @@ extern "C" int ep_region(void* vctx, int which, unsigned long long* ptr, unsigne
     case EP_NUM_RECV: off = ctx->off_num_recv; n = sizeof(long long); break;
     case EP_EXPERT_COUNTS: off = ctx->off_expert_counts; n = (size_t)p.experts_per_rank * sizeof(long long); break;
     case EP_DEBUG_STAMPS: off = ctx->off_stamps; n = kNumStamps * sizeof(unsigned long long); break;
+    case EP_DISPATCH_X: off = p.off_dispatch_x; n = (size_t)p.max_tokens * p.row_bytes; break;
     default: ep_set_error("unknown region %d", which); return -1;
   }
   *ptr = (unsigned long long)(ctx->region + off);

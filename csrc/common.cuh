@@ -63,12 +63,15 @@ struct EpErrorInfo {
 //   done[s]      : source s finished writing its dispatch rows into my buffers
 //   ready[s]     : rank s entered combine, so its combine_in is filled and may be pulled
 //   pulled[s]    : rank s finished pulling from my combine_in (my buffer may be reused)
+//   dsp_ready[s] : (pull dispatch, v13) rank s's slot_map and dispatch_x of this call are complete
+// The notify row also carries the source's num_tokens at [1 + world + E].
 struct EpSignals {
   int notify_stride;
   int notify_off;
   int done_off;
   int ready_off;
   int pulled_off;
+  int dsp_ready_off;
   int total_ints;
 };
 
@@ -79,6 +82,7 @@ struct EpParams {
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
   size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_signals;
+  size_t off_dispatch_x, off_slot_map;  // v13 pull dispatch: peers read my input rows and my slot_map
   EpSignals sig;
   int* slot_map;
   int* base;

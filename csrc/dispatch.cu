@@ -83,7 +83,7 @@ __device__ __forceinline__ void own_go_release(const EpParams& p, int epoch) {
 // The lean token loop (v5), shared by dispatch_lean_kernel and dispatch_owntma_kernel: tokens first,
 // first + step, ... of this warp. kSkip: 0 every destination; 1 (kSkipSelf) my own rank's rows and
 // metadata are left to someone else; 2 (owntma) only my own rank's row data is (the metadata, already in
-// registers, is stored here).
+// registers, is stored here); 3 (pull, v13) no row data at all (receivers pull it), metadata only.
 // kDyn (v12, lean-dyn): ignore first / step; lane 0 takes the next token from counters[kCounterDispatchWork]
 // one token ahead (the atomic's latency hides behind the current token's copy), so faster warps and blocks
 // take more tokens and no warp is left with one token more than the others (4096 tokens over 384 warps).
@@ -113,7 +113,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int i = u * 32 + lane;
-      if (i < V) buf[u] = ld_nc_v4(src + i);
+      if (kSkip != 3 && i < V) buf[u] = ld_nc_v4(src + i);
     }
     const int slot = lane < world ? p.slot_map[(size_t)t * world + lane] : -1;
     long long idx = 0;
@@ -129,7 +129,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     int rows[EP_MAX_WORLD];
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
-    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+    for (int v0 = 0; v0 < (kSkip == 3 ? 0 : V); v0 += 32 * kU) {
       if (v0 > 0) {
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
@@ -201,6 +201,106 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
   lean_rows<kU, kSkipSelf ? 1 : 0, kDyn, kOwnBulk>(p, a, blockIdx.x * nwarps + warp, total_warps, lane,
                                                    lean_smem + (size_t)warp * 2 * kU * 512);
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch, kDyn ? kCounterDispatchWork : -1);
+}
+
+// pull (v13): every receiver reads its rows from the sources instead of every source writing them. An SM
+// writes at most ~50 GB/s into peers and ~63 GB/s locally (linkbench store / store-local, 1-4 blocks), and
+// the push kernels write every row (3 remote + 1 own per token in h200x4) from the sender's SMs: at 8 SMs
+// that write port, not NVLink, sets the data phase (~407 GB/s of writes, ~51 GB/s per SM). Pulled rows
+// enter through the SM's bulk-copy loads and leave it as local writes only.
+// Block = `rings` ring warps + the rest metadata warps.
+//   ring warp (lane 0 streams a TmaRing<S, L> of whole rows: peer dispatch_x row -> my recv_x row): units
+//     q = (source index k = q % world, token t = q / world), source (me + 1 + k) % world (my own rank last in
+//     each group of world units); ring r of the grid takes units r, r + R, ... (R = rings of the grid) in
+//     batches of 32, one per lane: each lane looks up its unit's slot in the source's slot_map (a 4-byte
+//     peer load, issued one batch ahead), then the selected rows go into the ring in order.
+//   metadata warps: lean_rows<kSkip 3> (ids, weights, fp8 scales pushed to every destination row).
+// Handshakes: block 0 releases dsp_ready[me] into every peer once past griddepcontrol.wait (my slot_map and
+// my dispatch_x, filled before this call on my stream, are complete); a ring warp waits for every source's
+// flag before its first lookup; each source's token count comes with its notify row. The completion barrier
+// (done flags) then also means "every peer has finished reading my dispatch_x".
+template <int S, int L>
+__global__ void __launch_bounds__(512, 1) dispatch_pull_kernel(EpParams p, DispatchArgs a, int epoch, int rings) {
+  extern __shared__ __align__(128) uint8_t pull_smem[];
+  griddep_wait();  // slot_map and base come from the notify kernel
+  stamp_sm(p);
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int world = p.world, me = p.rank;
+  if (blockIdx.x == 0 && warp == 0 && lane < world) {
+    fence_acq_rel_sys();
+    st_release_sys(signal_ptr(p, lane, p.sig.dsp_ready_off + me), epoch);
+  }
+  if (warp < rings) {
+    const uint32_t rb = (uint32_t)p.row_bytes;
+    TmaRing<S, L> ring;
+    if (lane == 0) ring.init(pull_smem + (size_t)warp * (TmaRing<S, L>::kHeader + (size_t)S * rb), rb);
+    bool ok = true;
+    if (lane < world && lane != me)
+      ok = wait_flag(p, signal_ptr(p, me, p.sig.dsp_ready_off + lane), epoch, lane, kPhaseDispatch);
+    ok = __all_sync(0xffffffffu, ok) && ld_volatile(p.dev_error) == 0;
+    __syncwarp();  // orders the peers' slot_map (acquired by lane d) before every lane's lookups
+    // lane d < world: source d's token count (its notify row) and its first row in my recv buffers
+    const int* nrow = signal_ptr(p, me, p.sig.notify_off);
+    const int ntok_l =
+        lane < world ? ld_volatile(nrow + lane * p.sig.notify_stride + 1 + world + p.experts_per_rank) : 0;
+    const int base_l = lane < world ? p.base[lane] : 0;
+    int maxn = ntok_l;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) maxn = max(maxn, __shfl_xor_sync(0xffffffffu, maxn, off));
+    const long long Q = ok ? (long long)world * maxn : 0;
+    const long long R = (long long)gridDim.x * rings, r0 = (long long)blockIdx.x * rings + warp;
+    // unit qq -> source s, token t (-1: none) and the slot load (issued, consumed a batch later)
+    auto issue = [&](long long qq, int& s, int& t, int& slot) {
+      s = qq < Q ? (me + 1 + (int)(qq % world)) % world : 0;
+      t = qq < Q ? (int)(qq / world) : -1;
+      slot = -1;
+      int n_s = 0;
+#pragma unroll
+      for (int d = 0; d < EP_MAX_WORLD; ++d) {
+        const int v = __shfl_sync(0xffffffffu, ntok_l, d);
+        if (d == s) n_s = v;
+      }
+      if (t >= 0 && t < n_s)
+        slot = ld_volatile(reinterpret_cast<const int*>(p.peer_base[s] + p.off_slot_map) + (size_t)t * world + me);
+      else
+        t = -1;
+    };
+    long long q = r0 + (long long)lane * R;
+    int s_cur, t_cur, slot_cur;
+    issue(q, s_cur, t_cur, slot_cur);
+    for (long long qb = r0; qb < Q; qb += 32 * R) {
+      int s_nxt, t_nxt, slot_nxt;
+      issue(q + 32 * R, s_nxt, t_nxt, slot_nxt);  // the next batch's lookups travel meanwhile
+      int b_s = 0;
+#pragma unroll
+      for (int d = 0; d < EP_MAX_WORLD; ++d) {
+        const int v = __shfl_sync(0xffffffffu, base_l, d);
+        if (d == s_cur) b_s = v;
+      }
+      const int row = (t_cur >= 0 && slot_cur >= 0) ? b_s + slot_cur : -1;
+      unsigned sel = __ballot_sync(0xffffffffu, row >= 0);
+      while (sel) {
+        const int l = __ffs(sel) - 1;
+        sel &= sel - 1;
+        const int rs = __shfl_sync(0xffffffffu, s_cur, l), rt = __shfl_sync(0xffffffffu, t_cur, l);
+        const int rr = __shfl_sync(0xffffffffu, row, l);
+        if (lane == 0)
+          ring.push(p.peer_base[rs] + p.off_dispatch_x + (size_t)rt * rb,
+                    p.peer_base[me] + p.off_recv_x + (size_t)rr * rb, rb);
+      }
+      q += 32 * R;
+      s_cur = s_nxt;
+      t_cur = t_nxt;
+      slot_cur = slot_nxt;
+    }
+    if (lane == 0) ring.drain();
+    __syncwarp();
+  } else {
+    const int mw = nwarps - rings;
+    lean_rows<8, 3>(p, a, blockIdx.x * mw + (warp - rings), gridDim.x * mw, lane);
+  }
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
 // spread (v9): work unit = one (token, destination) pair; pair q -> token t = q / ndest, destination
@@ -788,6 +888,21 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
                    ? launch_dependent(dispatch_spread_kernel<8, 512, false>, num_sms, threads, 0, stream, p, a, epoch)
                    : launch_dependent(dispatch_spread_kernel<4, 1024, false>, num_sms, threads, 0, stream, p, a, epoch));
     return 0;
+  }
+  if (impl == EP_DISPATCH_PULL) {
+    // rings of 4 row stages, 2 loads ahead (linkbench tma-pull-16k: 323 GB/s at 8 blocks with 3 rings), as many
+    // as fit (at most 6), plus 4 metadata warps; x must be my dispatch_x region, rows whole 16-byte units
+    const size_t per_ring = TmaRing<4, 2>::kHeader + 4 * (size_t)p.row_bytes;
+    const int rings = (int)std::min<size_t>(6, (size_t)ctx->max_smem_optin / per_ring);
+    if ((const uint8_t*)x == ctx->region + p.off_dispatch_x && p.row_bytes % 16 == 0 && rings >= 1) {
+      const size_t smem = (size_t)rings * per_ring;
+      CUDA_CHECK(cudaFuncSetAttribute(dispatch_pull_kernel<4, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)smem));
+      CUDA_CHECK(launch_dependent(dispatch_pull_kernel<4, 2>, num_sms, (rings + 4) * 32, smem, stream, p, a, epoch,
+                                  rings));
+      return 0;
+    }
+    impl = EP_DISPATCH_LEAN_DYN;  // x elsewhere: peers cannot read it
   }
   if (impl == EP_DISPATCH_OWNBULK && warps <= 16) {  // 8 KiB of stages per warp: up to 128 KiB
     auto kernel = dispatch_lean_kernel<8, 512, false, true, true>;

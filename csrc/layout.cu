@@ -165,6 +165,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     int* row = signal_ptr(p, d, p.sig.notify_off + p.rank * stride);
     for (int j = lane; j < world; j += 32) row[1 + j] = running[j];
     for (int e = lane; e < E; e += 32) row[1 + world + e] = expert_cnt[d * E + e];
+    if (lane == 0) row[1 + world + E] = num_tokens;  // the pull dispatch's token range of this source
     fence_acq_rel_sys();
     __syncwarp();
     if (lane == 0) st_release_sys(row, epoch);
@@ -383,6 +384,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     int* row = signal_ptr(p, d, p.sig.notify_off + p.rank * stride);
     for (int j = lane; j < world; j += 32) row[1 + j] = total[j];
     for (int e = lane; e < E; e += 32) row[1 + world + e] = expert_cnt[d * E + e];
+    if (lane == 0) row[1 + world + E] = num_tokens;  // the pull dispatch's token range of this source
     fence_acq_rel_sys();
     __syncwarp();
     if (lane == 0) st_release_sys(row, epoch);

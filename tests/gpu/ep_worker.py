@@ -314,21 +314,23 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 set_impl(be, name, warps)
                 if impl == "tma":
                     be.tma_stages = int(v[2])
+                vinp = be.prepare_input(inp)  # pull: x in the registered dispatch_x, untimed (as in the driver)
                 for sms in sms_list:
                     # combine depends on neither dtype nor dispatch variant: time it with the first variant
                     do_combine = dtype == "bf16" and v is variants[0] and nimpl == notify_impls[0]
-                    t = time_calls(be, inp, sms, args.warmup, args.iters, one, False, args.presleep)
+                    t = time_calls(be, vinp, sms, args.warmup, args.iters, one, False, args.presleep)
                     for cv in args.combine_variants.split(",") if do_combine else []:
                         be.combine_impl, be.combine_warps = cv.split(":")[0], int(cv.split(":")[1])
                         parts = cv.split(":")  # impl:warps[:stages[:chunk]]; warps 0: by SM count
                         be.combine_stages = int(parts[2]) if len(parts) > 2 else 2
                         be.combine_chunk = int(parts[3]) if len(parts) > 3 else 2048
-                        tc = time_calls(be, inp, sms, args.warmup, args.iters, one, True, args.presleep)
+                        tc = time_calls(be, vinp, sms, args.warmup, args.iters, one, True, args.presleep)
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
-                    stamped = ("reg", "lean", "lean-dyn", "ownbulk", "owntma", "dmaj", "dmaj-norot", "spread", "notify-only")
+                    stamped = ("reg", "lean", "lean-dyn", "ownbulk", "pull", "owntma", "dmaj", "dmaj-norot", "spread",
+                               "notify-only")
                     if args.stamps and impl in stamped:
-                        line = stamp_phases(be, inp, sms, args.stamps, one, device)
+                        line = stamp_phases(be, vinp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
                     for op in [o for o in t if o == "dispatch" or o.startswith("combine")]:
                         us = t[op]
