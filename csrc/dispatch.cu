@@ -83,7 +83,8 @@ __device__ __forceinline__ void own_go_release(const EpParams& p, int epoch) {
 // The lean token loop (v5), shared by dispatch_lean_kernel and dispatch_owntma_kernel: tokens first,
 // first + step, ... of this warp. kSkip: 0 every destination; 1 (kSkipSelf) my own rank's rows and
 // metadata are left to someone else; 2 (owntma) only my own rank's row data is (the metadata, already in
-// registers, is stored here); 3 (pull, v13) no row data at all (receivers pull it), metadata only.
+// registers, is stored here); 3 no row data at all, metadata only; 4 (pull, v13) row data only to my own
+// rank (the peers pull theirs), metadata to every destination.
 // kDyn (v12, lean-dyn): ignore first / step; lane 0 takes the next token from counters[kCounterDispatchWork]
 // one token ahead (the atomic's latency hides behind the current token's copy), so faster warps and blocks
 // take more tokens and no warp is left with one token more than the others (4096 tokens over 384 warps).
@@ -113,7 +114,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int i = u * 32 + lane;
-      if (kSkip != 3 && i < V) buf[u] = ld_nc_v4(src + i);
+      if (kSkip != 3 && i < V) buf[u] = ld_nc_v4(src + i);  // kSkip 4 with no own row: loaded, unused
     }
     const int slot = lane < world ? p.slot_map[(size_t)t * world + lane] : -1;
     long long idx = 0;
@@ -139,7 +140,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       }
 #pragma unroll
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
-        if (rows[d] < 0 || (kSkip != 0 && d == p.rank)) continue;
+        if (rows[d] < 0 || (kSkip != 0 && kSkip != 4 && d == p.rank) || (kSkip == 4 && d != p.rank)) continue;
         int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes);
         if (kOwnBulk && d == p.rank) {
           // stage nbulk & 1 was last read by group nbulk - 2: wait until at most one group is still reading
@@ -210,11 +211,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
 // enter through the SM's bulk-copy loads and leave it as local writes only.
 // Block = `rings` ring warps + the rest metadata warps.
 //   ring warp (lane 0 streams a TmaRing<S, L> of whole rows: peer dispatch_x row -> my recv_x row): units
-//     q = (source index k = q % world, token t = q / world), source (me + 1 + k) % world (my own rank last in
-//     each group of world units); ring r of the grid takes units r, r + R, ... (R = rings of the grid) in
-//     batches of 32, one per lane: each lane looks up its unit's slot in the source's slot_map (a 4-byte
-//     peer load, issued one batch ahead), then the selected rows go into the ring in order.
-//   metadata warps: lean_rows<kSkip 3> (ids, weights, fp8 scales pushed to every destination row).
+//     q = (peer index k = q % (world - 1), token t = q / (world - 1)), source (me + 1 + k) % world; ring r of
+//     the grid takes units r, r + R, ... (R = rings of the grid) in batches of 32, one per lane: each lane
+//     looks up its unit's slot in the source's slot_map (a 4-byte peer load, issued one batch ahead), then
+//     the selected rows go into the ring in order, to row seg[s] + slot (seg[s] = rows of sources < s).
+//   copy warps: lean_rows<kSkip 4>: my own rows (register copy) and the metadata (ids, weights, fp8 scales)
+//     pushed to every destination row, as lean does.
 // Handshakes: block 0 releases dsp_ready[me] into every peer once past griddepcontrol.wait (my slot_map and
 // my dispatch_x, filled before this call on my stream, are complete); a ring warp waits for every source's
 // flag before its first lookup; each source's token count comes with its notify row. The completion barrier
@@ -240,20 +242,28 @@ __global__ void __launch_bounds__(512, 1) dispatch_pull_kernel(EpParams p, Dispa
       ok = wait_flag(p, signal_ptr(p, me, p.sig.dsp_ready_off + lane), epoch, lane, kPhaseDispatch);
     ok = __all_sync(0xffffffffu, ok) && ld_volatile(p.dev_error) == 0;
     __syncwarp();  // orders the peers' slot_map (acquired by lane d) before every lane's lookups
-    // lane d < world: source d's token count (its notify row) and its first row in my recv buffers
+    // lane d < world: source d's token count and its first row in my recv buffers (both from the notify rows)
     const int* nrow = signal_ptr(p, me, p.sig.notify_off);
-    const int ntok_l =
-        lane < world ? ld_volatile(nrow + lane * p.sig.notify_stride + 1 + world + p.experts_per_rank) : 0;
-    const int base_l = lane < world ? p.base[lane] : 0;
+    const int stride = p.sig.notify_stride;
+    const int ntok_l = lane < world ? ld_volatile(nrow + lane * stride + 1 + world + p.experts_per_rank) : 0;
+    const int cnt_l = lane < world ? ld_volatile(nrow + lane * stride + 1 + me) : 0;
+    int base_l = cnt_l;  // inclusive prefix over sources, then exclusive
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, base_l, off);
+      if (lane >= off) base_l += v;
+    }
+    base_l -= cnt_l;
     int maxn = ntok_l;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) maxn = max(maxn, __shfl_xor_sync(0xffffffffu, maxn, off));
-    const long long Q = ok ? (long long)world * maxn : 0;
+    const int np = world - 1;
+    const long long Q = ok ? (long long)np * maxn : 0;
     const long long R = (long long)gridDim.x * rings, r0 = (long long)blockIdx.x * rings + warp;
     // unit qq -> source s, token t (-1: none) and the slot load (issued, consumed a batch later)
     auto issue = [&](long long qq, int& s, int& t, int& slot) {
-      s = qq < Q ? (me + 1 + (int)(qq % world)) % world : 0;
-      t = qq < Q ? (int)(qq / world) : -1;
+      s = qq < Q ? (me + 1 + (int)(qq % np)) % world : 0;
+      t = qq < Q ? (int)(qq / np) : -1;
       slot = -1;
       int n_s = 0;
 #pragma unroll
@@ -298,7 +308,7 @@ __global__ void __launch_bounds__(512, 1) dispatch_pull_kernel(EpParams p, Dispa
     __syncwarp();
   } else {
     const int mw = nwarps - rings;
-    lean_rows<8, 3>(p, a, blockIdx.x * mw + (warp - rings), gridDim.x * mw, lane);
+    lean_rows<8, 4>(p, a, blockIdx.x * mw + (warp - rings), gridDim.x * mw, lane);
   }
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
@@ -812,6 +822,13 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     CUDA_CHECK(cudaEventRecord(ctx->own_ev_pre, stream));
     CUDA_CHECK(cudaStreamWaitEvent(ctx->own_stream, ctx->own_ev_pre, 0));
   }
+  if (impl == EP_DISPATCH_PULL &&  // checked before anything is launched (see the pull launch below)
+      ((const uint8_t*)x != ctx->region + p.off_dispatch_x || p.row_bytes % 16 != 0 ||
+       TmaRing<4, 2>::kHeader + 4 * (size_t)p.row_bytes > (size_t)ctx->max_smem_optin)) {
+    ep_set_error("pull dispatch: x must be the EP_DISPATCH_X region and a row a multiple of 16 bytes <= %d (got %d)",
+                 (ctx->max_smem_optin - TmaRing<4, 2>::kHeader) / 4, p.row_bytes);
+    return -1;
+  }
   if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, epoch, stream) != 0) return -1;
 
   DispatchArgs a;
@@ -891,18 +908,16 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   }
   if (impl == EP_DISPATCH_PULL) {
     // rings of 4 row stages, 2 loads ahead (linkbench tma-pull-16k: 323 GB/s at 8 blocks with 3 rings), as many
-    // as fit (at most 6), plus 4 metadata warps; x must be my dispatch_x region, rows whole 16-byte units
+    // as fit (at most 6), plus 8 copy warps. Every rank must take this path (peers wait for its flags): x must
+    // be my dispatch_x region and the rows whole 16-byte units, else it is an error, not a fallback.
     const size_t per_ring = TmaRing<4, 2>::kHeader + 4 * (size_t)p.row_bytes;
     const int rings = (int)std::min<size_t>(6, (size_t)ctx->max_smem_optin / per_ring);
-    if ((const uint8_t*)x == ctx->region + p.off_dispatch_x && p.row_bytes % 16 == 0 && rings >= 1) {
-      const size_t smem = (size_t)rings * per_ring;
-      CUDA_CHECK(cudaFuncSetAttribute(dispatch_pull_kernel<4, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)smem));
-      CUDA_CHECK(launch_dependent(dispatch_pull_kernel<4, 2>, num_sms, (rings + 4) * 32, smem, stream, p, a, epoch,
-                                  rings));
-      return 0;
-    }
-    impl = EP_DISPATCH_LEAN_DYN;  // x elsewhere: peers cannot read it
+    const size_t smem = (size_t)rings * per_ring;
+    CUDA_CHECK(cudaFuncSetAttribute(dispatch_pull_kernel<4, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem));
+    CUDA_CHECK(launch_dependent(dispatch_pull_kernel<4, 2>, num_sms, (rings + 8) * 32, smem, stream, p, a, epoch,
+                                rings));
+    return 0;
   }
   if (impl == EP_DISPATCH_OWNBULK && warps <= 16) {  // 8 KiB of stages per warp: up to 128 KiB
     auto kernel = dispatch_lean_kernel<8, 512, false, true, true>;

@@ -320,12 +320,14 @@ class EpbenchBackend(Backend):
         if self._own != "off" and self._impl not in ("lean", "spread"):
             raise ValueError(f"own_copy={self._own!r} needs dispatch_impl lean or spread (got {self._impl!r}; "
                              "the other kernels write the own-rank rows themselves)")
-        if self._impl == "pull" and x.data_ptr() != self.dispatch_x.data_ptr():
-            x = self.dispatch_x[:t]  # not prepared: copied here, inside the call (correct, slower)
-            x.copy_(inp.x)
+        x_ptr = x.data_ptr()
+        if self._impl == "pull":  # the kernel reads peers' dispatch_x (every rank passes its region, even for 0 rows)
+            if x_ptr != self.dispatch_x.data_ptr():
+                self.dispatch_x[:t].copy_(x)  # not prepared: copied here, inside the call (correct, slower)
+            x_ptr = self.dispatch_x.data_ptr()
         self._dispatch_epoch += 1
         rc = self._lib.ep_dispatch(
-            self._ctx, x.data_ptr(), inp.x_scales.data_ptr() if self.fp8 else None, idx.data_ptr(),
+            self._ctx, x_ptr, inp.x_scales.data_ptr() if self.fp8 else None, idx.data_ptr(),
             w.data_ptr(), t, num_sms, self._impl_code, self.dispatch_warps, self.tma_stages,
             self._dispatch_epoch, self._stream())
         if rc:
