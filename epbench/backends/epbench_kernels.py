@@ -10,11 +10,13 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are constructor arguments, with the environment as the
 default (values chosen by measurement, notes/KERNELS.md):
-  EPBENCH_DISPATCH_IMPL   lean | lean-dyn | owntma | spreadtma | spread | dmaj | dmaj-norot | reg | pipe | tma  (register
-                          paths or TMA bulk-copy path; dmaj: destination-major, v7; spread: (token, destination)
-                          pairs, v9; owntma / spreadtma: lean / spread for the remote rows, a TMA ring for the
-                          own-rank rows, v10-v11; all slower than lean, notes/KERNELS.md; lean-dyn: lean with
-                          tokens handed to warps by a counter, v12)
+  EPBENCH_DISPATCH_IMPL   lean | lean-dyn | ownbulk | pull | owntma | spreadtma | spread | dmaj | dmaj-norot | reg |
+                          pipe | tma  (register paths or TMA bulk-copy path; dmaj: destination-major, v7; spread:
+                          (token, destination) pairs, v9; owntma / spreadtma: lean / spread for the remote rows, a
+                          TMA ring for the own-rank rows, v10-v11; all slower than lean, notes/KERNELS.md; lean-dyn:
+                          lean with tokens handed to warps by a counter, v12; v13, both slower than lean-dyn:
+                          ownbulk: own-rank rows by bulk stores from shared memory; pull: receivers bulk-copy their
+                          rows from the sources' registered ``dispatch_x``, which ``prepare_input`` fills untimed)
   EPBENCH_OWN_COPY        off | side | side-in  (v9, lean / spread only: rows to my own rank copied by a
                           side-stream kernel of EPBENCH_OWN_BLOCKS blocks, outside num_sms (side) or taken from it
                           (side-in); off = the data kernel writes them, as before)
