@@ -43,7 +43,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -84,6 +84,31 @@ def _knob(name: str, given: Optional[Any]) -> Any:
     if env is None:
         return DEFAULTS[name]
     return env if isinstance(DEFAULTS[name], str) else int(env)
+
+
+class _Option:
+    """A backend knob that lives in the C context (ep_set_option): assigning validates the value (a name of
+    ``allowed`` when it is a dict of name -> code, else one of the allowed ints), passes it to the library
+    and keeps it for reading back."""
+
+    def __init__(self, key: int, allowed: Union[Dict[str, int], Sequence[int]]) -> None:
+        self.key, self.allowed = key, allowed
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_opt_" + name
+
+    def __get__(self, obj: Any, objtype: Optional[type] = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        named = isinstance(self.allowed, dict)
+        if not named:
+            value = int(value)
+        if value not in self.allowed:
+            raise ValueError(f"{self.name} must be one of {list(self.allowed)}, got {value!r}")
+        code = self.allowed[value] if named else value
+        cuda_lib.check(obj._lib.ep_set_option(obj._ctx, self.key, code), "ep_set_option")
+        setattr(obj, self.slot, value)
 
 
 @dataclass
@@ -219,62 +244,12 @@ class EpbenchBackend(Backend):
         self._impl = value
         self._impl_code = cuda_lib.DISPATCH_IMPLS[value]
 
-    @property
-    def notify_impl(self) -> str:
-        return self._notify
-
-    @notify_impl.setter
-    def notify_impl(self, value: str) -> None:
-        if value not in cuda_lib.NOTIFY_IMPLS:
-            raise ValueError(f"notify_impl must be one of {list(cuda_lib.NOTIFY_IMPLS)}, got {value!r}")
-        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_NOTIFY_IMPL, cuda_lib.NOTIFY_IMPLS[value]),
-                       "ep_set_option")
-        self._notify = value
-
-    @property
-    def combine_impl(self) -> str:
-        return self._combine_impl
-
-    @combine_impl.setter
-    def combine_impl(self, value: str) -> None:
-        if value not in cuda_lib.COMBINE_IMPLS:
-            raise ValueError(f"combine_impl must be one of {list(cuda_lib.COMBINE_IMPLS)}, got {value!r}")
-        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_IMPL, cuda_lib.COMBINE_IMPLS[value]),
-                       "ep_set_option")
-        self._combine_impl = value
-
-    @property
-    def combine_stages(self) -> int:
-        return self._combine_stages
-
-    @combine_stages.setter
-    def combine_stages(self, value: int) -> None:
-        if not 2 <= int(value) <= 4:
-            raise ValueError(f"combine_stages must be 2..4, got {value!r}")
-        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_STAGES, int(value)), "ep_set_option")
-        self._combine_stages = int(value)
-
-    @property
-    def exclusive_sms(self) -> int:
-        return self._exclusive_sms
-
-    @exclusive_sms.setter
-    def exclusive_sms(self, value: int) -> None:
-        if int(value) not in (0, 1):
-            raise ValueError(f"exclusive_sms must be 0 or 1, got {value!r}")
-        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_EXCLUSIVE_SMS, int(value)), "ep_set_option")
-        self._exclusive_sms = int(value)
-
-    @property
-    def combine_chunk(self) -> int:
-        return self._combine_chunk
-
-    @combine_chunk.setter
-    def combine_chunk(self, value: int) -> None:
-        if int(value) not in cuda_lib.COMBINE_CHUNKS:
-            raise ValueError(f"combine_chunk must be one of {list(cuda_lib.COMBINE_CHUNKS)}, got {value!r}")
-        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_COMBINE_CHUNK, int(value)), "ep_set_option")
-        self._combine_chunk = int(value)
+    # Knobs set with ep_set_option (one descriptor each, see _Option).
+    notify_impl = _Option(cuda_lib.OPT_NOTIFY_IMPL, cuda_lib.NOTIFY_IMPLS)
+    combine_impl = _Option(cuda_lib.OPT_COMBINE_IMPL, cuda_lib.COMBINE_IMPLS)
+    combine_stages = _Option(cuda_lib.OPT_COMBINE_STAGES, (2, 3, 4))
+    combine_chunk = _Option(cuda_lib.OPT_COMBINE_CHUNK, cuda_lib.COMBINE_CHUNKS)
+    exclusive_sms = _Option(cuda_lib.OPT_EXCLUSIVE_SMS, (0, 1))
 
     @property
     def own_copy(self) -> str:
@@ -323,9 +298,8 @@ class EpbenchBackend(Backend):
             raise ValueError(f"own_copy={self._own!r} needs dispatch_impl lean or spread (got {self._impl!r}; "
                              "the other kernels write the own-rank rows themselves)")
         x_ptr = x.data_ptr()
-        if self._impl == "pull":  # the kernel reads peers' dispatch_x (every rank passes its region, even for 0 rows)
-            if x_ptr != self.dispatch_x.data_ptr():
-                self.dispatch_x[:t].copy_(x)  # not prepared: copied here, inside the call (correct, slower)
+        if self._impl == "pull":  # the kernel reads peers' dispatch_x: every rank passes its region, even for 0 rows
+            self.prepare_input(inp)  # a no-op when prepared; else copied here, inside the call (correct, slower)
             x_ptr = self.dispatch_x.data_ptr()
         self._dispatch_epoch += 1
         rc = self._lib.ep_dispatch(
