@@ -37,6 +37,92 @@ __device__ __forceinline__ int field16(unsigned long long lo, unsigned long long
   return (int)((w >> (16 * (d & 3))) & 0xffffull);
 }
 
+// Block-wide exclusive scan of per-thread packed counts (pack_lo / pack_hi: one 16-bit field per
+// destination): ex_lo / ex_hi = the sum over the threads before this one; afterwards warp_incl[nwarps - 1]
+// holds the block's totals. Every thread of the block calls it (two __syncthreads).
+__device__ __forceinline__ void block_scan_packed(unsigned long long lo, unsigned long long hi, int lane, int warp,
+                                                  int nwarps, unsigned long long (*warp_incl)[2],
+                                                  unsigned long long& ex_lo, unsigned long long& ex_hi) {
+  unsigned long long lo_in = lo, hi_in = hi;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const unsigned long long a = __shfl_up_sync(0xffffffffu, lo_in, off);
+    const unsigned long long b = __shfl_up_sync(0xffffffffu, hi_in, off);
+    if (lane >= off) {
+      lo_in += a;
+      hi_in += b;
+    }
+  }
+  if (lane == 31) {
+    warp_incl[warp][0] = lo_in;
+    warp_incl[warp][1] = hi_in;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    unsigned long long a = lane < nwarps ? warp_incl[lane][0] : 0;
+    unsigned long long b = lane < nwarps ? warp_incl[lane][1] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const unsigned long long x = __shfl_up_sync(0xffffffffu, a, off);
+      const unsigned long long y = __shfl_up_sync(0xffffffffu, b, off);
+      if (lane >= off) {
+        a += x;
+        b += y;
+      }
+    }
+    if (lane < nwarps) {
+      warp_incl[lane][0] = a;
+      warp_incl[lane][1] = b;
+    }
+  }
+  __syncthreads();
+  ex_lo = lo_in - lo + (warp ? warp_incl[warp - 1][0] : 0ull);
+  ex_hi = hi_in - hi + (warp ? warp_incl[warp - 1][1] : 0ull);
+}
+
+// Warp d (< world) stores my notify row into rank d's signals: [flag, counts per destination (counts[]),
+// my tokens per expert of rank d, num_tokens], then releases the flag.
+__device__ __forceinline__ void publish_row(const EpParams& p, int d, int lane, const int* counts,
+                                            const int* expert_cnt, int num_tokens, int epoch) {
+  const int world = p.world, E = p.experts_per_rank;
+  int* row = signal_ptr(p, d, p.sig.notify_off + p.rank * p.sig.notify_stride);
+  for (int j = lane; j < world; j += 32) row[1 + j] = counts[j];
+  for (int e = lane; e < E; e += 32) row[1 + world + e] = expert_cnt[d * E + e];
+  if (lane == 0) row[1 + world + E] = num_tokens;  // the pull dispatch's token range of this source
+  fence_acq_rel_sys();
+  __syncwarp();
+  if (lane == 0) st_release_sys(row, epoch);
+}
+
+// The whole block: wait for every rank's row, then my offsets on every destination (base), the rows I
+// receive (num_recv) and my experts' counts.
+__device__ __forceinline__ void wait_rows_and_offsets(const EpParams& p, int epoch) {
+  const int tid = threadIdx.x, world = p.world, E = p.experts_per_rank, stride = p.sig.notify_stride;
+  if (tid < world) {
+    wait_flag(p, signal_ptr(p, p.rank, p.sig.notify_off + tid * stride), epoch, tid, kPhaseNotify);
+  }
+  __syncthreads();
+  if (ld_volatile(p.dev_error)) return;
+  if (tid == 0) stamp(p, kStampPeersSeen);
+  const int* rows = signal_ptr(p, p.rank, p.sig.notify_off);
+  if (tid < world) {
+    int b = 0;
+    for (int s = 0; s < p.rank; ++s) b += ld_volatile(rows + s * stride + 1 + tid);
+    p.base[tid] = b;
+  }
+  if (tid == 32) {
+    long long n = 0;
+    for (int s = 0; s < world; ++s) n += ld_volatile(rows + s * stride + 1 + p.rank);
+    *p.num_recv = n;
+  }
+  for (int e = tid; e < E; e += blockDim.x) {
+    long long c = 0;
+    for (int s = 0; s < world; ++s) c += ld_volatile(rows + s * stride + 1 + world + e);
+    p.expert_counts[e] = c;
+  }
+  if (tid == 0) stamp(p, kStampNotifyEnd);
+}
+
 __global__ void __launch_bounds__(kNotifyThreads, 1)
     notify_kernel(EpParams p, const int64_t* __restrict__ topk_idx, int num_tokens, int epoch) {
   extern __shared__ int expert_cnt[];  // [world * E]: my tokens per global expert
@@ -106,41 +192,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       lo += pack_lo(masks[u]);
       hi += pack_hi(masks[u]);
     }
-    unsigned long long lo_in = lo, hi_in = hi;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const unsigned long long a = __shfl_up_sync(0xffffffffu, lo_in, off);
-      const unsigned long long b = __shfl_up_sync(0xffffffffu, hi_in, off);
-      if (lane >= off) {
-        lo_in += a;
-        hi_in += b;
-      }
-    }
-    if (lane == 31) {
-      warp_incl[warp][0] = lo_in;
-      warp_incl[warp][1] = hi_in;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      unsigned long long a = lane < nwarps ? warp_incl[lane][0] : 0;
-      unsigned long long b = lane < nwarps ? warp_incl[lane][1] : 0;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned long long x = __shfl_up_sync(0xffffffffu, a, off);
-        const unsigned long long y = __shfl_up_sync(0xffffffffu, b, off);
-        if (lane >= off) {
-          a += x;
-          b += y;
-        }
-      }
-      if (lane < nwarps) {
-        warp_incl[lane][0] = a;
-        warp_incl[lane][1] = b;
-      }
-    }
-    __syncthreads();
-    unsigned long long cur_lo = lo_in - lo + (warp ? warp_incl[warp - 1][0] : 0ull);
-    unsigned long long cur_hi = hi_in - hi + (warp ? warp_incl[warp - 1][1] : 0ull);
+    unsigned long long cur_lo, cur_hi;
+    block_scan_packed(lo, hi, lane, warp, nwarps, warp_incl, cur_lo, cur_hi);
 #pragma unroll
     for (int u = 0; u < kTokensPerThread; ++u) {
       if (t0 + u < num_tokens) {
@@ -159,48 +212,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   if (tid == 0) stamp(p, kStampCounted);
 
   // ---- 2. publish my row to every rank ----
-  const int stride = p.sig.notify_stride;
-  if (warp < world) {
-    const int d = warp;
-    int* row = signal_ptr(p, d, p.sig.notify_off + p.rank * stride);
-    for (int j = lane; j < world; j += 32) row[1 + j] = running[j];
-    for (int e = lane; e < E; e += 32) row[1 + world + e] = expert_cnt[d * E + e];
-    if (lane == 0) row[1 + world + E] = num_tokens;  // the pull dispatch's token range of this source
-    fence_acq_rel_sys();
-    __syncwarp();
-    if (lane == 0) st_release_sys(row, epoch);
-  }
+  if (warp < world) publish_row(p, warp, lane, running, expert_cnt, num_tokens, epoch);
   if (tid == 0) {
     stamp(p, kStampPublished);
     stamp(p, kStampSlots);
   }
 
-  // ---- 3. wait for every rank's row ----
-  if (tid < world) {
-    wait_flag(p, signal_ptr(p, p.rank, p.sig.notify_off + tid * stride), epoch, tid, kPhaseNotify);
-  }
-  __syncthreads();
-  if (ld_volatile(p.dev_error)) return;
-  if (tid == 0) stamp(p, kStampPeersSeen);
-
-  // ---- 4. offsets and counts ----
-  const int* rows = signal_ptr(p, p.rank, p.sig.notify_off);
-  if (tid < world) {
-    int b = 0;
-    for (int s = 0; s < p.rank; ++s) b += ld_volatile(rows + s * stride + 1 + tid);
-    p.base[tid] = b;
-  }
-  if (tid == 32) {
-    long long n = 0;
-    for (int s = 0; s < world; ++s) n += ld_volatile(rows + s * stride + 1 + p.rank);
-    *p.num_recv = n;
-  }
-  for (int e = tid; e < E; e += blockDim.x) {
-    long long c = 0;
-    for (int s = 0; s < world; ++s) c += ld_volatile(rows + s * stride + 1 + world + e);
-    p.expert_counts[e] = c;
-  }
-  if (tid == 0) stamp(p, kStampNotifyEnd);
+  wait_rows_and_offsets(p, epoch);
 }
 
 // ---- v4: staged notify ----
@@ -378,17 +396,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   if (tid == 0 && is_last) stamp(p, kStampCounted);
 
   // ---- B. publish my row to every rank ----
-  const int stride = p.sig.notify_stride;
-  if (is_last && warp < world) {
-    const int d = warp;
-    int* row = signal_ptr(p, d, p.sig.notify_off + p.rank * stride);
-    for (int j = lane; j < world; j += 32) row[1 + j] = total[j];
-    for (int e = lane; e < E; e += 32) row[1 + world + e] = expert_cnt[d * E + e];
-    if (lane == 0) row[1 + world + E] = num_tokens;  // the pull dispatch's token range of this source
-    fence_acq_rel_sys();
-    __syncwarp();
-    if (lane == 0) st_release_sys(row, epoch);
-  }
+  if (is_last && warp < world) publish_row(p, warp, lane, total, expert_cnt, num_tokens, epoch);
   if (tid == 0 && is_last) stamp(p, kStampPublished);
 
   // ---- C. slots ----
@@ -413,42 +421,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       lo += pack_lo(masks[u]);
       hi += pack_hi(masks[u]);
     }
-    unsigned long long lo_in = lo, hi_in = hi;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const unsigned long long a = __shfl_up_sync(0xffffffffu, lo_in, off);
-      const unsigned long long b = __shfl_up_sync(0xffffffffu, hi_in, off);
-      if (lane >= off) {
-        lo_in += a;
-        hi_in += b;
-      }
-    }
-    if (lane == 31) {
-      warp_incl[warp][0] = lo_in;
-      warp_incl[warp][1] = hi_in;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      unsigned long long a = lane < nwarps ? warp_incl[lane][0] : 0;
-      unsigned long long b = lane < nwarps ? warp_incl[lane][1] : 0;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned long long x = __shfl_up_sync(0xffffffffu, a, off);
-        const unsigned long long y = __shfl_up_sync(0xffffffffu, b, off);
-        if (lane >= off) {
-          a += x;
-          b += y;
-        }
-      }
-      if (lane < nwarps) {
-        warp_incl[lane][0] = a;
-        warp_incl[lane][1] = b;
-      }
-    }
-    __syncthreads();
     unsigned long long cur_lo[kTPT], cur_hi[kTPT];
-    cur_lo[0] = lo_in - lo + (warp ? warp_incl[warp - 1][0] : 0ull);
-    cur_hi[0] = hi_in - hi + (warp ? warp_incl[warp - 1][1] : 0ull);
+    block_scan_packed(lo, hi, lane, warp, nwarps, warp_incl, cur_lo[0], cur_hi[0]);
 #pragma unroll
     for (int u = 1; u < kTPT; ++u) {
       cur_lo[u] = cur_lo[u - 1] + pack_lo(masks[u - 1]);
@@ -491,32 +465,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   if (!is_last) return;  // block-uniform
   if (tid == 0) stamp(p, kStampSlots);
 
-  // ---- wait for every rank's row ----
-  if (tid < world) {
-    wait_flag(p, signal_ptr(p, p.rank, p.sig.notify_off + tid * stride), epoch, tid, kPhaseNotify);
-  }
-  __syncthreads();
-  if (ld_volatile(p.dev_error)) return;
-  if (tid == 0) stamp(p, kStampPeersSeen);
-
-  // ---- offsets and counts ----
-  const int* rows = signal_ptr(p, p.rank, p.sig.notify_off);
-  if (tid < world) {
-    int b = 0;
-    for (int s = 0; s < p.rank; ++s) b += ld_volatile(rows + s * stride + 1 + tid);
-    p.base[tid] = b;
-  }
-  if (tid == 32) {
-    long long n = 0;
-    for (int s = 0; s < world; ++s) n += ld_volatile(rows + s * stride + 1 + p.rank);
-    *p.num_recv = n;
-  }
-  for (int e = tid; e < E; e += blockDim.x) {
-    long long c = 0;
-    for (int s = 0; s < world; ++s) c += ld_volatile(rows + s * stride + 1 + world + e);
-    p.expert_counts[e] = c;
-  }
-  if (tid == 0) stamp(p, kStampNotifyEnd);
+  wait_rows_and_offsets(p, epoch);
 }
 
 }  // namespace
