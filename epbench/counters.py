@@ -5,9 +5,12 @@ Two tiers, each optional:
 NVLink (NVML)
     ``nvmlDeviceGetFieldValues`` with ``NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX`` / ``_RX``
     (field ids 138 / 139) and scope id ``0xFFFFFFFF``: cumulative payload KiB summed over all
-    links of the GPU. Payload only (the ``RAW`` fields 140 / 141 add protocol overhead), which
-    is what epbench's computed bus bytes count. The counters belong to the GPU, not to the
-    process: anything else using the GPU's links at the same time is counted too.
+    links of the GPU, which is what epbench's computed bus bytes count. The ``RAW`` fields
+    140 / 141 count the same traffic with the protocol's overhead (packet headers, read
+    requests, flow control): what the links actually carried, to hold against their raw
+    capacity, links x per-link rate (fields 91 ``NVLINK_LINK_COUNT`` and 90
+    ``NVLINK_SPEED_MBPS_COMMON``, MB/s per link and direction). The counters belong to the GPU,
+    not to the process: anything else using the GPU's links at the same time is counted too.
 
 InfiniBand / RoCE (sysfs)
     ``/sys/class/infiniband/<dev>/ports/<port>/counters/port_xmit_data`` and ``port_rcv_data``,
@@ -20,7 +23,8 @@ ties, and NICs that share nothing but the root of the tree, are decided by the N
 and another NUMA node is not "near": the GPU then has no NIC tier.
 
 ``Counters.read()`` returns cumulative bytes under the keys ``nvlink_tx``, ``nvlink_rx``,
-``nic_tx``, ``nic_rx``; a counter that cannot be read is absent from the dict, never 0.
+``nvlink_raw_tx``, ``nvlink_raw_rx``, ``nic_tx``, ``nic_rx``; a counter that cannot be read is
+absent from the dict, never 0.
 Take differences with ``delta`` around a block of work that has been synchronised.
 """
 
@@ -32,12 +36,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 NVLINK_TX_FIELD = 138  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, KiB
 NVLINK_RX_FIELD = 139  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, KiB
+NVLINK_RAW_TX_FIELD = 140  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX: payload + protocol, KiB
+NVLINK_RAW_RX_FIELD = 141  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX
+NVLINK_SPEED_FIELD = 90  # NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON: MB/s per active link and direction
+NVLINK_LINK_COUNT_FIELD = 91  # NVML_FI_DEV_NVLINK_LINK_COUNT
 ALL_LINKS = 0xFFFFFFFF  # scope id: summed over every link
 KIB = 1024
 IB_COUNTER_UNIT = 4  # port_xmit_data / port_rcv_data count 4-byte words
 SYSFS = Path("/sys")
 
-NVLINK_FIELDS = {"nvlink_tx": NVLINK_TX_FIELD, "nvlink_rx": NVLINK_RX_FIELD}
+NVLINK_FIELDS = {"nvlink_tx": NVLINK_TX_FIELD, "nvlink_rx": NVLINK_RX_FIELD,
+                 "nvlink_raw_tx": NVLINK_RAW_TX_FIELD, "nvlink_raw_rx": NVLINK_RAW_RX_FIELD}
 
 # nvmlValueType_t -> member of the c_nvmlValue_t union
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",
@@ -146,6 +155,26 @@ def read_nvlink_fields(nvml: Any, handle: Any,
             continue
         out[key] = _field_value(v) * KIB
     return out, notes
+
+
+def nvlink_capacity_gbps(nvml: Any, handle: Any) -> Tuple[Optional[float], Optional[str]]:
+    """(GB/s the GPU's links carry per direction, raw: link count x per-link rate, None) or
+    (None, why not)."""
+    try:
+        speed, count = nvml.nvmlDeviceGetFieldValues(
+            handle, [(NVLINK_SPEED_FIELD, 0), (NVLINK_LINK_COUNT_FIELD, 0)])
+    except TypeError:
+        return None, "nvidia-ml-py too old for scoped field ids; no link capacity"
+    except nvml.NVMLError as e:
+        return None, f"link capacity: nvmlDeviceGetFieldValues failed: {e}"
+    for field, v in ((NVLINK_SPEED_FIELD, speed), (NVLINK_LINK_COUNT_FIELD, count)):
+        ret = int(v.nvmlReturn)
+        if ret != nvml.NVML_SUCCESS:
+            return None, f"link capacity: field {field} not supported: {_nvml_error_text(nvml, ret)}"
+    mbps, links = _field_value(speed), _field_value(count)
+    if mbps <= 0 or links <= 0:
+        return None, f"link capacity: {links} links at {mbps} MB/s"
+    return links * mbps * 1e6 / 1e9, None
 
 
 def _nvml_error_text(nvml: Any, ret: int) -> str:
@@ -260,10 +289,11 @@ class Counters:
     """The counters available for one GPU. ``read()`` merges every tier's cumulative bytes."""
 
     def __init__(self, nvlink: Optional[NvlinkReader], nic: Optional[NicReader],
-                 nvml: Any = None) -> None:
+                 nvml: Any = None, link_capacity_gbps: Optional[float] = None) -> None:
         self.nvlink = nvlink
         self.nic = nic
         self._nvml = nvml
+        self.link_capacity_gbps = link_capacity_gbps  # raw, per direction; None: unknown
 
     @property
     def keys(self) -> List[str]:
@@ -303,6 +333,7 @@ def open_counters(device_index: int, *, nvml: Any = None, identity: Optional[Gpu
         if why:
             notes.append(why)
     nvlink = None
+    capacity = None
     if nvml is not None:
         handle, why = nvml_handle(nvml, identity)
         if why:
@@ -312,6 +343,9 @@ def open_counters(device_index: int, *, nvml: Any = None, identity: Optional[Gpu
             notes += why_not
             if values:
                 nvlink = NvlinkReader(nvml, handle, list(values))
+                capacity, why = nvlink_capacity_gbps(nvml, handle)
+                if why:
+                    notes.append(why)
     nic_name, how = nearest_nic(identity.pci_bus_id, sysfs)
     nic = None
     if nic_name is None:
@@ -328,7 +362,7 @@ def open_counters(device_index: int, *, nvml: Any = None, identity: Optional[Gpu
             except Exception:
                 pass
         return None, notes
-    return Counters(nvlink, nic, nvml), notes
+    return Counters(nvlink, nic, nvml, capacity), notes
 
 
 # -- arithmetic on readings ----------------------------------------------------------------

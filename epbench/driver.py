@@ -60,6 +60,7 @@ class PointRecord:
     problem: Dict[str, str] = field(default_factory=dict)
     counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
     counted_iters: int = 0
+    link_capacity_gbps: Optional[float] = None  # the GPU's raw NVLink rate per direction
     timing: str = "launch"  # low-latency mode: "launch" | "graph"
 
 
@@ -140,6 +141,7 @@ def count_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, cnt: hw.C
         add("combine", before)
     _check_backend_errors(be)
     rec.counted, rec.counted_iters = totals, n
+    rec.link_capacity_gbps = cnt.link_capacity_gbps
 
 
 def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int, comm: Comm,
@@ -316,7 +318,31 @@ def _measured_columns(rec: PointRecord, op: str, nvlink_bytes: int, nic_bytes: O
         cols[f"{tier}_counter_ratio"] = (per_call / computed if per_call is not None and computed
                                          else None)
         cols[f"{tier}_counter_mismatch"] = hw.disagrees(per_call, computed)
+    cols.update(_link_columns(rec, op, time_us))
     return cols
+
+
+def _link_columns(rec: PointRecord, op: str, time_us: float) -> Dict[str, Any]:
+    """What the links carried, protocol included (NVML's raw counters), per call: the payload's
+    share of it (link efficiency) and the busier direction's rate as a percentage of the links'
+    raw capacity (100 = every link busy the whole call). None where a counter was not read."""
+    counted = rec.counted.get(op, {})
+    n = rec.counted_iters
+
+    def per_call(key: str) -> Optional[float]:
+        return counted[key] / n if key in counted and n else None
+
+    raw_tx, raw_rx, tx = per_call("nvlink_raw_tx"), per_call("nvlink_raw_rx"), per_call("nvlink_tx")
+    busier = max((b for b in (raw_tx, raw_rx) if b is not None), default=None)
+    busier_gbps = metrics.bandwidth_gbps(busier, time_us) if busier is not None else None
+    cap = rec.link_capacity_gbps
+    return {"nvlink_raw_tx_bytes_measured": raw_tx, "nvlink_raw_rx_bytes_measured": raw_rx,
+            "nvlink_capacity_gbps": cap,
+            # payload / (payload + protocol) on the way out
+            "nvlink_efficiency": tx / raw_tx if tx is not None and raw_tx else None,
+            # busier direction's raw bytes / time / (links x per-link rate)
+            "nvlink_link_use_pct": (100.0 * busier_gbps / cap if busier_gbps is not None and cap
+                                    else None)}
 
 
 def _ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:

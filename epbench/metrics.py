@@ -123,7 +123,8 @@ def summarize(df):
             vals = g[flag].dropna() if flag in g else []
             row[flag] = bool(pd.Series(vals, dtype=object).astype(bool).any()) if len(vals) else None
         for col in ("algbw_gbps", "busbw_nvlink_gbps", "busbw_nic_gbps",
-                    "busbw_nvlink_measured_gbps", "busbw_nic_measured_gbps"):
+                    "busbw_nvlink_measured_gbps", "busbw_nic_measured_gbps",
+                    "nvlink_link_use_pct", "nvlink_efficiency"):
             vals = pd.to_numeric(g[col], errors="coerce").dropna() if col in g else pd.Series([], dtype=float)
             for stat in ("min", "median", "max"):
                 row[f"{col}_{stat}"] = float(getattr(vals, stat)()) if len(vals) else None

@@ -86,12 +86,14 @@ def results_table(df: pd.DataFrame, title: str = "") -> Table:
     tokens = _swept_tokens(df)
     table = Table(title=title or None, caption="GB/s; 'a / b / c' = min / median / max over ranks; time = slowest "
                   "rank's median. NVML: NVLink busbw from the GPUs' own counters ('!' = >10% off the "
-                  "computed). % ceil: this run's ideal copy of the same bytes by copy engines (CE) / "
-                  "by plain SM stores at the same SMs (SM), time over the op's time")
+                  "computed). links %: the busier direction's NVLink traffic, protocol included "
+                  "(NVML raw counters), over the links' raw capacity for the op's time. % ceil: this "
+                  "run's ideal copy of the same bytes by copy engines (CE) / by plain SM stores at the "
+                  "same SMs (SM), time over the op's time")
     if tokens:
         table.add_column("tokens", justify="right")
     for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("time us", "right"),
-                      ("algbw", "right"), ("NVLink busbw", "right"), ("NVML", "right"),
+                      ("algbw", "right"), ("NVLink busbw", "right"), ("NVML", "right"), ("links %", "right"),
                       ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("% ceil CE / SM", "right"),
                       ("slow rank", "right"), ("#wrong", "right")):
         table.add_column(col, justify=just)
@@ -101,7 +103,7 @@ def results_table(df: pd.DataFrame, title: str = "") -> Table:
                       r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
                       _num(r["time_us"]), _spread(r, "algbw_gbps"),
                       _spread(r, "busbw_nvlink_gbps"), _counted(r, "nvlink"),
-                      _spread(r, "busbw_nic_gbps"), _ceiling_pct(r),
+                      _spread(r, "nvlink_link_use_pct"), _spread(r, "busbw_nic_gbps"), _ceiling_pct(r),
                       str(int(r["slowest_rank"])),
                       f"[bold red]{wrong}[/]" if wrong else "0")
     return table

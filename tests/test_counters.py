@@ -89,6 +89,27 @@ def test_nvlink_counters_in_bytes_from_recorded_values(tmp_path):
     assert ids == [(138, 0xFFFFFFFF), (139, 0xFFFFFFFF)]
 
 
+def test_raw_counters_and_link_capacity(tmp_path):
+    # H200: 18 links at 26562 MB/s each -> 478 GB/s per direction
+    nvml = FakeNvml({138: [1], 139: [2], 140: [3], 141: [4], 90: [26562], 91: [18]})
+    c, notes = open_counters(0, nvml=nvml, identity=GPU, sysfs=no_nic(tmp_path))
+    assert c.read() == {"nvlink_tx": 1024, "nvlink_rx": 2048, "nvlink_raw_tx": 3072,
+                        "nvlink_raw_rx": 4096}
+    assert abs(c.link_capacity_gbps - 478.116) < 1e-9
+    assert not [n for n in notes if "capacity" in n or "not supported" in n]
+
+
+def test_no_link_capacity_is_noted_not_guessed(tmp_path):
+    nvml = FakeNvml({138: [1], 139: [2], 90: [26562], 91: [0]})
+    c, notes = open_counters(0, nvml=nvml, identity=GPU, sysfs=no_nic(tmp_path))
+    assert c.link_capacity_gbps is None
+    assert any("0 links" in n for n in notes)
+    assert any("field 140 (nvlink_raw_tx) not supported" in n for n in notes)
+    nvml = FakeNvml({138: [1], 139: [2], 90: 3, 91: [18]})
+    c, notes = open_counters(0, nvml=nvml, identity=GPU, sysfs=no_nic(tmp_path))
+    assert c.link_capacity_gbps is None and any("field 90 not supported" in n for n in notes)
+
+
 def test_match_by_uuid_when_no_bus_id(tmp_path):
     nvml = FakeNvml({138: [5], 139: [6]})
     c, _ = open_counters(0, nvml=nvml, identity=GpuIdentity(uuid="1"), sysfs=no_nic(tmp_path))
@@ -112,10 +133,10 @@ def test_not_supported_field_is_absent_and_noted(tmp_path):
 
 
 def test_every_field_unsupported_means_no_counters(tmp_path):
-    nvml = FakeNvml({138: 3, 139: 3})
+    nvml = FakeNvml({138: 3, 139: 3, 140: 3, 141: 3})
     c, notes = open_counters(0, nvml=nvml, identity=GPU, sysfs=no_nic(tmp_path))
     assert c is None
-    assert sum("not supported" in n for n in notes) == 2
+    assert sum("not supported" in n for n in notes) == 4
     assert nvml.shutdowns == 1
 
 

@@ -28,6 +28,30 @@ def test_missing_counter_is_empty_not_zero():
     assert all(v is None for v in cols.values())
 
 
+def test_link_columns_from_raw_counters():
+    # 10 calls of 1 ms: 2.0 GB of payload and 2.5 GB on the wire out, 2.6 GB in, on 400 GB/s links
+    rec = PointRecord(rank=0, counted={"combine": {"nvlink_tx": 10 * 2_000_000_000,
+                                                   "nvlink_raw_tx": 10 * 2_500_000_000,
+                                                   "nvlink_raw_rx": 10 * 2_600_000_000}},
+                      counted_iters=10, link_capacity_gbps=400.0)
+    cols = _measured_columns(rec, "combine", nvlink_bytes=2_000_000_000, nic_bytes=None, time_us=1e4)
+    assert math.isclose(cols["nvlink_efficiency"], 0.8)
+    assert cols["nvlink_raw_rx_bytes_measured"] == 2_600_000_000
+    # the busier direction (in: 2.6 GB / 10 ms = 260 GB/s) over 400 GB/s
+    assert math.isclose(cols["nvlink_link_use_pct"], 65.0)
+
+
+def test_link_use_needs_the_capacity_and_a_raw_counter():
+    rec = PointRecord(rank=0, counted={"dispatch": {"nvlink_tx": 10, "nvlink_raw_tx": 20}},
+                      counted_iters=1)
+    cols = _measured_columns(rec, "dispatch", nvlink_bytes=10, nic_bytes=None, time_us=1.0)
+    assert cols["nvlink_link_use_pct"] is None and cols["nvlink_efficiency"] == 0.5
+    rec = PointRecord(rank=0, counted={"dispatch": {"nvlink_tx": 10}}, counted_iters=1,
+                      link_capacity_gbps=478.0)
+    cols = _measured_columns(rec, "dispatch", nvlink_bytes=10, nic_bytes=None, time_us=1.0)
+    assert cols["nvlink_link_use_pct"] is None and cols["nvlink_efficiency"] is None
+
+
 def _row(rank, t, measured, mismatch):
     return {"scenario": "s", "backend": "b", "op": "dispatch", "sms": 8, "rank": rank, "world": 2,
             "time_us": t, "wrong": 0, "algbw_gbps": 1.0, "busbw_nvlink_gbps": 1.0,

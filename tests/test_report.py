@@ -86,3 +86,14 @@ def test_notes_status_and_empty_runs():
 def test_results_table_rows_match_summary():
     t = report.results_table(pd.DataFrame(rows() + rows("combine")), "title")
     assert t.row_count == 2
+
+
+def test_link_use_column_from_the_raw_counters():
+    df = rows(times=(100.0, 100.0))
+    df[0]["nvlink_link_use_pct"], df[1]["nvlink_link_use_pct"] = 91.0, 93.0
+    text = table_lines(df)
+    assert "links %" in text
+    assert "92.0" in line_with(text, "dispatch", "reference")  # collapsed: min/max within 5%
+    # no raw counter read (CPU runs): a dash, never 0
+    text = table_lines(rows())
+    assert " - " in line_with(text, "dispatch", "reference")
