@@ -8,8 +8,8 @@ NVLink (NVML)
     links of the GPU, which is what epbench's computed bus bytes count. The ``RAW`` fields
     140 / 141 count the same traffic with the protocol's overhead (packet headers, read
     requests, flow control): what the links actually carried, to hold against their raw
-    capacity, links x per-link rate (fields 91 ``NVLINK_LINK_COUNT`` and 90
-    ``NVLINK_SPEED_MBPS_COMMON``, MB/s per link and direction). The counters belong to the GPU,
+    capacity, the sum of the active links' rates (field 91 ``NVLINK_LINK_COUNT``, then per link
+    165 ``NVLINK_GET_STATE`` and 164 ``NVLINK_GET_SPEED``, MB/s per direction). The counters belong to the GPU,
     not to the process: anything else using the GPU's links at the same time is counted too.
 
 InfiniBand / RoCE (sysfs)
@@ -38,8 +38,10 @@ NVLINK_TX_FIELD = 138  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, KiB
 NVLINK_RX_FIELD = 139  # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, KiB
 NVLINK_RAW_TX_FIELD = 140  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX: payload + protocol, KiB
 NVLINK_RAW_RX_FIELD = 141  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX
-NVLINK_SPEED_FIELD = 90  # NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON: MB/s per active link and direction
 NVLINK_LINK_COUNT_FIELD = 91  # NVML_FI_DEV_NVLINK_LINK_COUNT
+NVLINK_SPEED_FIELD = 164  # NVML_FI_DEV_NVLINK_GET_SPEED, scoped by link: MB/s (1e6 B/s) per direction
+NVLINK_STATE_FIELD = 165  # NVML_FI_DEV_NVLINK_GET_STATE, scoped by link: 1 = active
+NVML_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS: asked when the link count itself is unsupported
 ALL_LINKS = 0xFFFFFFFF  # scope id: summed over every link
 KIB = 1024
 IB_COUNTER_UNIT = 4  # port_xmit_data / port_rcv_data count 4-byte words
@@ -158,23 +160,29 @@ def read_nvlink_fields(nvml: Any, handle: Any,
 
 
 def nvlink_capacity_gbps(nvml: Any, handle: Any) -> Tuple[Optional[float], Optional[str]]:
-    """(GB/s the GPU's links carry per direction, raw: link count x per-link rate, None) or
-    (None, why not)."""
+    """(GB/s the GPU's active links carry per direction, raw, None) or (None, why not): the sum
+    over the links that NVML reports active of each one's rate (fields 165 state and 164 speed,
+    scoped by link id, as NCCL reads them; the device-wide field 90 is not supported on H200)."""
+    def ok(v: Any) -> bool:
+        return int(v.nvmlReturn) == nvml.NVML_SUCCESS
+
     try:
-        speed, count = nvml.nvmlDeviceGetFieldValues(
-            handle, [(NVLINK_SPEED_FIELD, 0), (NVLINK_LINK_COUNT_FIELD, 0)])
+        (count,) = nvml.nvmlDeviceGetFieldValues(handle, [(NVLINK_LINK_COUNT_FIELD, 0)])
+        links = _field_value(count) if ok(count) else NVML_MAX_LINKS
+        values = nvml.nvmlDeviceGetFieldValues(
+            handle, [(f, link) for link in range(links) for f in (NVLINK_STATE_FIELD, NVLINK_SPEED_FIELD)])
     except TypeError:
         return None, "nvidia-ml-py too old for scoped field ids; no link capacity"
     except nvml.NVMLError as e:
         return None, f"link capacity: nvmlDeviceGetFieldValues failed: {e}"
-    for field, v in ((NVLINK_SPEED_FIELD, speed), (NVLINK_LINK_COUNT_FIELD, count)):
-        ret = int(v.nvmlReturn)
-        if ret != nvml.NVML_SUCCESS:
-            return None, f"link capacity: field {field} not supported: {_nvml_error_text(nvml, ret)}"
-    mbps, links = _field_value(speed), _field_value(count)
-    if mbps <= 0 or links <= 0:
-        return None, f"link capacity: {links} links at {mbps} MB/s"
-    return links * mbps * 1e6 / 1e9, None
+    pairs = list(zip(values[0::2], values[1::2]))
+    mbps = [_field_value(speed) for state, speed in pairs
+            if ok(state) and ok(speed) and _field_value(state) == 1]
+    if not mbps or sum(mbps) <= 0:
+        why = next((_nvml_error_text(nvml, int(v.nvmlReturn)) for pair in pairs for v in pair if not ok(v)),
+                   "no active link")
+        return None, f"link capacity unknown ({len(pairs)} links asked: {why})"
+    return sum(mbps) * 1e6 / 1e9, None
 
 
 def _nvml_error_text(nvml: Any, ret: int) -> str:

@@ -90,24 +90,33 @@ def test_nvlink_counters_in_bytes_from_recorded_values(tmp_path):
 
 
 def test_raw_counters_and_link_capacity(tmp_path):
-    # H200: 18 links at 26562 MB/s each -> 478 GB/s per direction
-    nvml = FakeNvml({138: [1], 139: [2], 140: [3], 141: [4], 90: [26562], 91: [18]})
+    # H200: 18 active links at 26562 MB/s each -> 478 GB/s per direction
+    nvml = FakeNvml({138: [1], 139: [2], 140: [3], 141: [4], 91: [18], 165: [1], 164: [26562]})
     c, notes = open_counters(0, nvml=nvml, identity=GPU, sysfs=no_nic(tmp_path))
     assert c.read() == {"nvlink_tx": 1024, "nvlink_rx": 2048, "nvlink_raw_tx": 3072,
                         "nvlink_raw_rx": 4096}
     assert abs(c.link_capacity_gbps - 478.116) < 1e-9
     assert not [n for n in notes if "capacity" in n or "not supported" in n]
+    # every link asked by its own scope id, state and speed
+    asked = nvml.calls[-1][1]  # the last call open_counters made
+    assert asked[:4] == [(165, 0), (164, 0), (165, 1), (164, 1)] and len(asked) == 36
+
+
+def test_link_count_unsupported_asks_the_most_links(tmp_path):
+    nvml = FakeNvml({138: [1], 139: [2], 91: 3, 165: [1], 164: [26562]})
+    c, _ = open_counters(0, nvml=nvml, identity=GPU, sysfs=no_nic(tmp_path))
+    assert abs(c.link_capacity_gbps - 18 * 26.562) < 1e-9
 
 
 def test_no_link_capacity_is_noted_not_guessed(tmp_path):
-    nvml = FakeNvml({138: [1], 139: [2], 90: [26562], 91: [0]})
+    nvml = FakeNvml({138: [1], 139: [2], 91: [18], 165: [0], 164: [26562]})  # no link active
     c, notes = open_counters(0, nvml=nvml, identity=GPU, sysfs=no_nic(tmp_path))
     assert c.link_capacity_gbps is None
-    assert any("0 links" in n for n in notes)
+    assert any("link capacity unknown (18 links asked: no active link)" in n for n in notes)
     assert any("field 140 (nvlink_raw_tx) not supported" in n for n in notes)
-    nvml = FakeNvml({138: [1], 139: [2], 90: 3, 91: [18]})
+    nvml = FakeNvml({138: [1], 139: [2], 91: [18], 165: [1], 164: 3})
     c, notes = open_counters(0, nvml=nvml, identity=GPU, sysfs=no_nic(tmp_path))
-    assert c.link_capacity_gbps is None and any("field 90 not supported" in n for n in notes)
+    assert c.link_capacity_gbps is None and any("Not Supported" in n and "capacity" in n for n in notes)
 
 
 def test_match_by_uuid_when_no_bus_id(tmp_path):

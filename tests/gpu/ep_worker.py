@@ -364,8 +364,9 @@ def run_link_bench(args: argparse.Namespace, rank: int, world: int, device: torc
     """NVLink micro-benchmark (csrc/bench.cu): every rank at once, per mode and block count, median
     time of args.iters launches (each after an all-reduce that aligns the ranks), slowest rank.
     Egress per GPU = (world - 1) * bytes_per_peer / time (own stores + what peers load from me)."""
-    from epbench import cuda_lib
+    from epbench import counters, cuda_lib
     be = EpbenchBackend(make_setup(Case("link", 8192, [4096], 8, 2), rank, world, device))
+    cnt, _ = counters.open_counters(device.index)
     per_peer = 64 << 20
     one = torch.ones(1, device=device)
     rows = []
@@ -373,7 +374,11 @@ def run_link_bench(args: argparse.Namespace, rank: int, world: int, device: torc
         name, warps = (spec.split(":") + ["16"])[:2]
         for blocks in [int(b) for b in args.sms.split(",")]:
             times = []
+            before: Dict[str, int] = {}
             for i in range(args.warmup + args.iters):
+                if i == args.warmup and cnt is not None:
+                    torch.cuda.synchronize()
+                    before = cnt.read()
                 dist.all_reduce(one)
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
@@ -386,13 +391,25 @@ def run_link_bench(args: argparse.Namespace, rank: int, world: int, device: torc
             st = torch.tensor([statistics.median(times), min(times)], dtype=torch.float64, device=device)
             dist.all_reduce(st, op=dist.ReduceOp.MAX)
             us = float(st[0])
+            # NVML over the timed launches (plus their 1-element all-reduces): payload / raw bytes out,
+            # and the raw rate while the kernels ran (summed over ranks, so a mean per GPU)
+            torch.cuda.synchronize()
+            got = counters.delta(before, cnt.read()) if cnt is not None else {}
+            c = torch.tensor([got.get("nvlink_tx", -1), got.get("nvlink_raw_tx", -1), sum(times)],
+                             dtype=torch.float64, device=device)
+            dist.all_reduce(c)
+            eff = float(c[0] / c[1]) if c[1] > 0 and c[0] > 0 else float("nan")
+            raw_gbps = float(c[1] / c[2] / 1e3) if c[1] > 0 else float("nan")
             rows.append((f"{name}:{warps}", blocks, us, (world - 1) * per_peer / us / 1e3,
-                         (world - 1) * per_peer / us / 1e3 / blocks))
+                         (world - 1) * per_peer / us / 1e3 / blocks, eff, raw_gbps))
     be.close()
+    if cnt is not None:
+        cnt.close()
     if rank == 0:
-        print(f"{'mode':<20} {'blocks':>6} {'time_us':>9} {'egress_gbps':>11} {'per_sm':>7}")
+        print(f"{'mode':<20} {'blocks':>6} {'time_us':>9} {'egress_gbps':>11} {'per_sm':>7} "
+              f"{'link_eff':>8} {'raw_gbps':>8}")
         for r in rows:
-            print(f"{r[0]:<20} {r[1]:>6} {r[2]:>9.1f} {r[3]:>11.1f} {r[4]:>7.1f}")
+            print(f"{r[0]:<20} {r[1]:>6} {r[2]:>9.1f} {r[3]:>11.1f} {r[4]:>7.1f} {r[5]:>8.3f} {r[6]:>8.1f}")
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / f"linkbench_world{world}.json").write_text(json.dumps(rows))
