@@ -42,6 +42,7 @@ enum ep_option {
   EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of EP_COMBINE_TMA (1024, 2048, 4096; default 2048)
   EP_OPT_EXCLUSIVE_SMS = 5,   // 1: the lean dispatch and pull combine kernels reserve over half an SM's shared
                               // memory, so no two of their blocks share an SM (default 0)
+  EP_OPT_SPLIT_OWN_WARPS = 6,  // EP_DISPATCH_SPLIT: warps per block that copy the own-rank rows (1..31; default 4)
 };
 
 // Notify (layout) kernel variants.
@@ -76,6 +77,7 @@ enum ep_dispatch_impl {
   EP_DISPATCH_OWNBULK = 11,   // v13: lean-dyn with the own-rank rows staged in shared memory and written by bulk stores
   EP_DISPATCH_PULL = 12,      // v13: receivers pull rows from the sources' EP_DISPATCH_X by bulk copies; metadata
                               //      pushed as lean. Needs x == EP_DISPATCH_X (else lean-dyn runs)
+  EP_DISPATCH_SPLIT = 13,     // v14: lean-dyn for the remote rows, own-rank rows by separate warps of each block
 };
 
 const char* ep_last_error(void);

@@ -54,6 +54,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   ctx->combine_impl = EP_COMBINE_TMA;
   ctx->combine_stages = 2;
   ctx->combine_chunk = 2048;
+  ctx->split_own_warps = 4;
   p.notify_impl = EP_NOTIFY_GRID;
   p.rank = cfg->rank;
   p.world = cfg->world;
@@ -208,6 +209,10 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
     case EP_OPT_EXCLUSIVE_SMS:
       if (value != 0 && value != 1) break;
       ctx->exclusive_sms = value;
+      return 0;
+    case EP_OPT_SPLIT_OWN_WARPS:
+      if (value < 1 || value > 31) break;
+      ctx->split_own_warps = value;
       return 0;
     case EP_OPT_COMBINE_CHUNK:
       if (value != 1024 && value != 2048 && value != 4096) break;

@@ -125,7 +125,8 @@ enum { kCounterOwnGo = 2 };
 // the last block resets both.
 enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
 // v12 lean-dyn (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
-enum { kCounterDispatchWork = 5 };
+// v14 split: [6] hands out tokens to the own-row warps, reset the same way.
+enum { kCounterDispatchWork = 5, kCounterDispatchOwnWork = 6 };
 // [7]: a sink the link benchmark (bench.cu) may write to keep its loads alive; no kernel reads it.
 enum { kCounterBenchSink = 7 };
 constexpr int kMaxNotifyBlocks = 128;
@@ -145,6 +146,7 @@ struct EpContext {
   // the stream and events are created on first use and not released by ep_destroy (one of each per context).
   int own_copy;    // EP_OWN_* (api.h)
   int own_blocks;  // blocks of the side kernel
+  int split_own_warps;  // EP_DISPATCH_SPLIT: own-row warps per block (EP_OPT_SPLIT_OWN_WARPS, default 4)
   cudaStream_t own_stream;
   cudaEvent_t own_ev_pre, own_ev_done;
   int combine_impl;    // EP_COMBINE_* (ep_set_option EP_OPT_COMBINE_IMPL)
@@ -282,9 +284,10 @@ __device__ __forceinline__ bool wait_flag(const EpParams& p, const int* flag, in
 // threads fence, then one thread per block counts the block done; the last block of the grid
 // releases `epoch` into flag `my_flag_index` of every peer and waits until every peer has
 // released its own flag to me (flag_base + peer). Returns after the wait (or a timeout).
-// reset_counter >= 0: a work counter of the kernel, zeroed by the last block (every block is past its last use).
+// reset_counter / reset_counter2 >= 0: work counters of the kernel, zeroed by the last block (every block is
+// past its last use).
 __device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int counter, int flag_base, int epoch,
-                                                      int phase, int reset_counter = -1) {
+                                                      int phase, int reset_counter = -1, int reset_counter2 = -1) {
   __shared__ int is_last;
   fence_acq_rel_sys();
   __syncthreads();
@@ -293,6 +296,7 @@ __device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int cou
     is_last = (prev == gridDim.x - 1);
     if (is_last) atomicExch(p.counters + counter, 0u);
     if (is_last && reset_counter >= 0) atomicExch(p.counters + reset_counter, 0u);
+    if (is_last && reset_counter2 >= 0) atomicExch(p.counters + reset_counter2, 0u);
     if (prev == 0 && counter == kCounterDispatch) stamp(p, kStampDataFirst);
   }
   __syncthreads();

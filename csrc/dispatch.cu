@@ -88,17 +88,19 @@ __device__ __forceinline__ void own_go_release(const EpParams& p, int epoch) {
 // kDyn (v12, lean-dyn): ignore first / step; lane 0 takes the next token from counters[kCounterDispatchWork]
 // one token ahead (the atomic's latency hides behind the current token's copy), so faster warps and blocks
 // take more tokens and no warp is left with one token more than the others (4096 tokens over 384 warps).
+// kSkip 5 (v14, split): only my own rank's row data and metadata (the remote ones are another warp group's).
+// kWork: the counter kDyn hands tokens out from (split gives each of its two warp groups its own).
 // kOwnBulk (v13, ownbulk): the own-rank row data goes register -> this warp's 2 shared-memory stages
 // (kU x 512 B each) -> my recv_x by one cp.async.bulk per chunk issued by lane 0, instead of 16-byte
 // st.global from every lane; the pushing warps' remote stores are unchanged. `stage` = this warp's stages.
-template <int kU, int kSkip, bool kDyn = false, bool kOwnBulk = false>
+template <int kU, int kSkip, bool kDyn = false, bool kOwnBulk = false, int kWork = kCounterDispatchWork>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane,
                                           uint8_t* stage = nullptr) {
   const int world = p.world, topk = p.topk, ns = p.num_scales;
   const int my_base = lane < world ? p.base[lane] : 0;
   const int V = p.row_bytes >> 4;
   const bool aborted = ld_volatile(p.dev_error) != 0;
-  unsigned* work = p.counters + kCounterDispatchWork;
+  unsigned* work = p.counters + kWork;
   int t = first;
   int nbulk = 0;  // kOwnBulk: bulk groups committed by lane 0 (the same count in every lane)
   if (kDyn) {
@@ -140,7 +142,9 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       }
 #pragma unroll
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
-        if (rows[d] < 0 || (kSkip != 0 && kSkip != 4 && d == p.rank) || (kSkip == 4 && d != p.rank)) continue;
+        if (rows[d] < 0 || ((kSkip == 1 || kSkip == 2 || kSkip == 3) && d == p.rank) ||
+            ((kSkip == 4 || kSkip == 5) && d != p.rank))
+          continue;
         int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes);
         if (kOwnBulk && d == p.rank) {
           // stage nbulk & 1 was last read by group nbulk - 2: wait until at most one group is still reading
@@ -168,7 +172,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     }
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) {
-      if (rows[d] < 0 || (kSkip == 1 && d == p.rank)) continue;
+      if (rows[d] < 0 || (kSkip == 1 && d == p.rank) || (kSkip == 5 && d != p.rank)) continue;
       uint8_t* pb = p.peer_base[d];
       if (lane < topk) {
         reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)rows[d] * topk + lane] = idx;
@@ -202,6 +206,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
   lean_rows<kU, kSkipSelf ? 1 : 0, kDyn, kOwnBulk>(p, a, blockIdx.x * nwarps + warp, total_warps, lane,
                                                    lean_smem + (size_t)warp * 2 * kU * 512);
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch, kDyn ? kCounterDispatchWork : -1);
+}
+
+// split (v14): the own-rank rows by their own warps. Warps [0, W - own_warps) of every block push the remote
+// rows and metadata (lean-dyn, tokens from counters[kCounterDispatchWork]); warps [W - own_warps, W) copy the
+// own-rank rows and metadata (tokens from counters[kCounterDispatchOwnWork]); each group walks every token,
+// so x is read twice. Question (notes v14): is it the own stores inside one warp's store stream, or only
+// on the same SM, that costs the 8-SM pushes their link efficiency?
+template <int kU, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_split_kernel(EpParams p, DispatchArgs a, int epoch,
+                                                                     int own_warps) {
+  griddep_wait();  // slot_map and base come from the notify kernel
+  stamp_sm(p);
+  if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (warp < nwarps - own_warps)
+    lean_rows<kU, 1, true>(p, a, 0, 0, lane);
+  else
+    lean_rows<kU, 5, true, false, kCounterDispatchOwnWork>(p, a, 0, 0, lane);
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch, kCounterDispatchWork,
+                        kCounterDispatchOwnWork);
 }
 
 // pull (v13): every receiver reads its rows from the sources instead of every source writing them. An SM
@@ -926,6 +950,14 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     CUDA_CHECK(launch_dependent(kernel, num_sms, threads, smem, stream, p, a, epoch));
     return 0;
   }
+  if (impl == EP_DISPATCH_SPLIT && warps >= 2) {
+    const int own = std::min(ctx->split_own_warps, warps - 1);
+    CUDA_CHECK(warps <= 16
+                   ? launch_dependent(dispatch_split_kernel<8, 512>, num_sms, threads, 0, stream, p, a, epoch, own)
+                   : launch_dependent(dispatch_split_kernel<4, 1024>, num_sms, threads, 0, stream, p, a, epoch, own));
+    return 0;
+  }
+  if (impl == EP_DISPATCH_SPLIT) impl = EP_DISPATCH_LEAN_DYN;  // one warp: nothing to split
   if (impl == EP_DISPATCH_OWNBULK) impl = EP_DISPATCH_LEAN_DYN;  // > 16 warps: the stages do not fit
   if (impl == EP_DISPATCH_LEAN || impl == EP_DISPATCH_LEAN_DYN) {
     const bool dyn = impl == EP_DISPATCH_LEAN_DYN;

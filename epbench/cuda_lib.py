@@ -17,7 +17,7 @@ NOT_BUILT = "kernels not built: run `make build`"
 RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS, DISPATCH_X = range(10)
 # ep_set_option keys (enum ep_option) and notify variants (enum ep_notify_impl).
 OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 2, 3, 4
-OPT_EXCLUSIVE_SMS = 5
+OPT_EXCLUSIVE_SMS, OPT_SPLIT_OWN_WARPS = 5, 6
 COMBINE_CHUNKS = (1024, 2048, 4096)
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
 # Combine variants (enum ep_combine_impl): register pull (v1) or bulk-copy pull (v11).
@@ -28,7 +28,7 @@ STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify
 # Dispatch implementations (enum ep_dispatch_impl).
 DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "dmaj": 4, "dmaj-norot": 5, "spread": 6,
                   "owntma": 7, "spreadtma": 8, "notify-only": 9, "lean-dyn": 10,
-                  "ownbulk": 11, "pull": 12}
+                  "ownbulk": 11, "pull": 12, "split": 13}
 # Who writes a rank's rows to itself (enum ep_own_copy, ep_set_own_copy; v9, lean and spread only).
 OWN_COPY_MODES = {"off": 0, "side": 1, "side-in": 2}
 # NVLink micro-benchmark modes (ep_bench_link, csrc/bench.cu).

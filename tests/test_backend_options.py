@@ -63,7 +63,8 @@ def test_library_error_is_raised_and_the_old_value_kept() -> None:
 
 def test_backend_knobs_map_to_the_c_option_keys() -> None:
     keys = {name: EpbenchBackend.__dict__[name].key for name in
-            ("notify_impl", "combine_impl", "combine_stages", "combine_chunk", "exclusive_sms")}
+            ("notify_impl", "combine_impl", "combine_stages", "combine_chunk", "exclusive_sms",
+             "split_own_warps")}
     assert keys == {"notify_impl": cuda_lib.OPT_NOTIFY_IMPL, "combine_impl": cuda_lib.OPT_COMBINE_IMPL,
                     "combine_stages": cuda_lib.OPT_COMBINE_STAGES, "combine_chunk": cuda_lib.OPT_COMBINE_CHUNK,
-                    "exclusive_sms": cuda_lib.OPT_EXCLUSIVE_SMS}
+                    "exclusive_sms": cuda_lib.OPT_EXCLUSIVE_SMS, "split_own_warps": cuda_lib.OPT_SPLIT_OWN_WARPS}

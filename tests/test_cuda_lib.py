@@ -140,3 +140,4 @@ def test_python_enum_tables_match_the_c_api_header():
     assert values["EP_OPT_COMBINE_STAGES"] == cuda_lib.OPT_COMBINE_STAGES
     assert values["EP_OPT_COMBINE_CHUNK"] == cuda_lib.OPT_COMBINE_CHUNK
     assert values["EP_OPT_EXCLUSIVE_SMS"] == cuda_lib.OPT_EXCLUSIVE_SMS
+    assert values["EP_OPT_SPLIT_OWN_WARPS"] == cuda_lib.OPT_SPLIT_OWN_WARPS

@@ -10,17 +10,20 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are constructor arguments, with the environment as the
 default (values chosen by measurement, notes/KERNELS.md):
-  EPBENCH_DISPATCH_IMPL   lean | lean-dyn | ownbulk | pull | owntma | spreadtma | spread | dmaj | dmaj-norot | reg |
+  EPBENCH_DISPATCH_IMPL   lean | lean-dyn | ownbulk | pull | split | owntma | spreadtma | spread | dmaj | dmaj-norot | reg |
                           pipe | tma  (register paths or TMA bulk-copy path; dmaj: destination-major, v7; spread:
                           (token, destination) pairs, v9; owntma / spreadtma: lean / spread for the remote rows, a
                           TMA ring for the own-rank rows, v10-v11; all slower than lean, notes/KERNELS.md; lean-dyn:
                           lean with tokens handed to warps by a counter, v12; v13, both slower than lean-dyn:
                           ownbulk: own-rank rows by bulk stores from shared memory; pull: receivers bulk-copy their
-                          rows from the sources' registered ``dispatch_x``, which ``prepare_input`` fills untimed)
+                          rows from the sources' registered ``dispatch_x``, which ``prepare_input`` fills untimed;
+                          v14 split: lean-dyn for the remote rows, the own-rank rows by EPBENCH_SPLIT_OWN_WARPS
+                          separate warps of each block)
   EPBENCH_OWN_COPY        off | side | side-in  (v9, lean / spread only: rows to my own rank copied by a
                           side-stream kernel of EPBENCH_OWN_BLOCKS blocks, outside num_sms (side) or taken from it
                           (side-in); off = the data kernel writes them, as before)
   EPBENCH_OWN_BLOCKS      blocks of that side kernel
+  EPBENCH_SPLIT_OWN_WARPS warps per block that copy the own-rank rows in the split dispatch (1..31, default 4)
   EPBENCH_DISPATCH_WARPS  warps per dispatch block (1..32)
   EPBENCH_TMA_STAGES      row buffers per warp in the TMA path
   EPBENCH_COMBINE_WARPS   warps per combine block (1..16; tma: at most as many as the stages fit in shared memory;
@@ -71,6 +74,7 @@ DEFAULTS: Dict[str, Any] = {
     "notify_impl": "grid",
     "own_copy": "off",
     "own_blocks": 2,
+    "split_own_warps": 4,
 }
 MAX_WORLD = 8
 MAX_TOPK = 32
@@ -160,7 +164,8 @@ class EpbenchBackend(Backend):
                  combine_warps: Optional[int] = None, notify_impl: Optional[str] = None,
                  own_copy: Optional[str] = None, own_blocks: Optional[int] = None,
                  combine_impl: Optional[str] = None, combine_stages: Optional[int] = None,
-                 combine_chunk: Optional[int] = None, exclusive_sms: Optional[int] = None) -> None:
+                 combine_chunk: Optional[int] = None, exclusive_sms: Optional[int] = None,
+                 split_own_warps: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -187,6 +192,7 @@ class EpbenchBackend(Backend):
         self.combine_stages = _knob("combine_stages", combine_stages)
         self.combine_chunk = _knob("combine_chunk", combine_chunk)
         self.exclusive_sms = _knob("exclusive_sms", exclusive_sms)
+        self.split_own_warps = _knob("split_own_warps", split_own_warps)
         self._own_blocks = _knob("own_blocks", own_blocks)
         self.own_copy = _knob("own_copy", own_copy)
         # The timeout record's flag word, read without a function call on every dispatch/combine.
@@ -250,6 +256,7 @@ class EpbenchBackend(Backend):
     combine_stages = _Option(cuda_lib.OPT_COMBINE_STAGES, (2, 3, 4))
     combine_chunk = _Option(cuda_lib.OPT_COMBINE_CHUNK, cuda_lib.COMBINE_CHUNKS)
     exclusive_sms = _Option(cuda_lib.OPT_EXCLUSIVE_SMS, (0, 1))
+    split_own_warps = _Option(cuda_lib.OPT_SPLIT_OWN_WARPS, range(1, 32))
 
     @property
     def own_copy(self) -> str:

@@ -41,9 +41,10 @@ def test_non_default_variants_match_verification(built: None) -> None:
 
 
 @pytest.mark.skipif(GPUS < 4, reason="needs >= 4 CUDA GPUs")
-def test_v13_variants_match_verification(built: None) -> None:
-    """v13 knobs (slower than the default, kept selectable): ownbulk (own rows by bulk stores) and pull
-    (receivers bulk-copy their rows from the sources' registered dispatch_x), at 1, 3 and 8 SMs."""
-    r = torchrun(WORKER, 4, "check", "--quick", "--impls", "ownbulk:16:8,pull:16:8,pull:16:3,pull:16:1")
+def test_v13_v14_variants_match_verification(built: None) -> None:
+    """v13-v14 knobs (kept selectable): ownbulk (own rows by bulk stores), pull (receivers bulk-copy their
+    rows from the sources' registered dispatch_x) and split (own rows by their own warps), at 1, 3 and 8 SMs."""
+    r = torchrun(WORKER, 4, "check", "--quick", "--impls",
+                 "ownbulk:16:8,pull:16:8,pull:16:3,pull:16:1,split:16:8,split:2:3,split:32:1")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
