@@ -8,9 +8,10 @@ NVLink (NVML)
     links of the GPU, which is what epbench's computed bus bytes count. The ``RAW`` fields
     140 / 141 count the same traffic with the protocol's overhead (packet headers, read
     requests, flow control): what the links actually carried, to hold against their raw
-    capacity, the sum of the active links' rates (field 91 ``NVLINK_LINK_COUNT``, then per link
-    165 ``NVLINK_GET_STATE`` and 164 ``NVLINK_GET_SPEED``, MB/s per direction). The counters belong to the GPU,
-    not to the process: anything else using the GPU's links at the same time is counted too.
+    capacity, the sum of the active links' rates (field 91 ``NVLINK_LINK_COUNT``, then per
+    link 165 ``NVLINK_GET_STATE`` and 164 ``NVLINK_GET_SPEED``, MB/s per direction). The
+    counters belong to the GPU, not to the process: anything else using the GPU's links at the
+    same time is counted too.
 
 InfiniBand / RoCE (sysfs)
     ``/sys/class/infiniband/<dev>/ports/<port>/counters/port_xmit_data`` and ``port_rcv_data``,
