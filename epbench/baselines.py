@@ -69,24 +69,12 @@ def _tail(p: "subprocess.CompletedProcess[str]") -> str:
     return lines[-1].strip()[:200] if lines else f"exit {p.returncode}"
 
 
-def nvshmem_dir() -> Optional[str]:
-    """The NVSHMEM pip wheel's folder (include/ and lib/), as DeepEP's setup.py looks for it."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec("nvidia.nvshmem")
-    except (ImportError, ValueError):
-        return None
-    for p in (spec.submodule_search_locations or []) if spec else []:
-        if os.path.isfile(os.path.join(p, "include", "nvshmem.h")):
-            return p
-    return None
-
-
 def build_env(base: Dict[str, str]) -> Dict[str, str]:
     env = dict(base)
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    home = nvshmem_dir()
+    from epbench.nvshmem_lib import find_home
+
+    home = find_home()
     if home and "NVSHMEM_DIR" not in env:
         env["NVSHMEM_DIR"] = home
     return env

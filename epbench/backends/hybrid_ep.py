@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import RankSetup
+from epbench.backends.symm_mem import PrecheckOnly
 
 FP8_HIDDEN_MULTIPLE = 512  # Hybrid-EP's FP8 path
 BF16_HIDDEN_MULTIPLE = 16
@@ -30,7 +31,7 @@ def limits_reason(hidden: int, dtype: str, device_type: str) -> Optional[str]:
     return None
 
 
-class HybridEPBackend(Backend):
+class HybridEPBackend(PrecheckOnly):
     name = "hybrid-ep"
 
     @classmethod
@@ -44,15 +45,3 @@ class HybridEPBackend(Backend):
         reason = limits_reason(setup.hidden, setup.dispatch_dtype,
                                setup.device.type if torch.cuda.is_available() else "cpu")
         return reason or "data path not written yet (issue 23): verify needs a per-expert form"
-
-    def __init__(self, setup: RankSetup) -> None:
-        raise NotImplementedError("hybrid-ep: data path not written yet")
-
-    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
-        raise NotImplementedError
-
-    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
-        raise NotImplementedError
-
-    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
-        raise NotImplementedError

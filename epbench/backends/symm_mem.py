@@ -13,6 +13,23 @@ import torch
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 
 
+class PrecheckOnly(Backend):
+    """A baseline whose launch pre-checks exist but whose data path does not: its
+    ``unavailable_reason`` always names a reason, so the driver never constructs it."""
+
+    def __init__(self, setup: RankSetup) -> None:
+        raise NotImplementedError(f"{self.name}: data path not written yet")
+
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+        raise NotImplementedError
+
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
 def limits_reason(world: int, nvshmem_available: bool, device_type: str) -> Optional[str]:
     """What torch's symmetric-memory all-to-all cannot run, known before launch."""
     if device_type != "cuda":
@@ -24,7 +41,7 @@ def limits_reason(world: int, nvshmem_available: bool, device_type: str) -> Opti
     return None
 
 
-class SymmMemBackend(Backend):
+class SymmMemBackend(PrecheckOnly):
     name = "symm-mem"
 
     @classmethod
@@ -37,15 +54,3 @@ class SymmMemBackend(Backend):
         reason = limits_reason(setup.world, available,
                                setup.device.type if torch.cuda.is_available() else "cpu")
         return reason or "data path not written yet (issue 23): only the pre-checks exist"
-
-    def __init__(self, setup: RankSetup) -> None:
-        raise NotImplementedError("symm-mem: data path not written yet")
-
-    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
-        raise NotImplementedError
-
-    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
-        raise NotImplementedError
-
-    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
-        raise NotImplementedError
