@@ -145,7 +145,8 @@ def build(name: str, src: Optional[str], venv_python: str = sys.executable,
              "version": (p.stdout or "").strip(), "source": src or REPO_URL,
              "torch_cuda_arch_list": env.get("TORCH_CUDA_ARCH_LIST"),
              "nvshmem_dir": env.get("NVSHMEM_DIR")}
-    folder = stamp_dir if stamp_dir is not None else Path(venv_python).resolve().parent.parent
+    # not resolved: a venv's python is a link to the base interpreter; versions() reads sys.prefix
+    folder = stamp_dir if stamp_dir is not None else Path(venv_python).absolute().parent.parent
     try:
         (folder / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
     except OSError as e:
