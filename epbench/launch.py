@@ -77,6 +77,36 @@ def relaunch(torchrun: List[str], device: str) -> int:
     return 0
 
 
+def device_index(local_rank: int, device_count: int) -> int:
+    """The GPU a rank runs on: its local rank, wrapped round when ranks outnumber the GPUs
+    (several ranks then share one GPU, through the same code path)."""
+    return local_rank % device_count if device_count > 0 else 0
+
+
+def ranks_per_gpu(local_world: int, device_count: int) -> int:
+    """How many of this host's ranks share the busiest GPU (1: each rank has its own)."""
+    if device_count <= 0:
+        return 1
+    return -(-local_world // device_count)
+
+
+def process_group_backend(device: str, shared: bool) -> str:
+    """NCCL on GPUs, except where ranks share a GPU (NCCL refuses two ranks on one device):
+    gloo then carries the bootstrap, gathers and barriers; the data still moves through the
+    backends' own kernels and CUDA IPC."""
+    return "nccl" if device == "cuda" and not shared else "gloo"
+
+
+def mps_pipe_dir() -> str:
+    return os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+
+
+def mps_active() -> bool:
+    """True when an MPS control daemon serves this process's pipe folder (its ``control``
+    socket exists): the ranks' kernels then run side by side instead of time-slicing."""
+    return os.path.exists(os.path.join(mps_pipe_dir(), "control"))
+
+
 @dataclass
 class Comm:
     """This process's place in the job, and the one cross-rank sync the timing loop uses."""
@@ -85,21 +115,38 @@ class Comm:
     world: int
     local_rank: int
     device: "object"  # torch.device
+    ranks_per_gpu: int = 1  # >1: ranks share GPUs (the process group then runs over gloo)
+
+    @property
+    def shared(self) -> bool:
+        return self.ranks_per_gpu > 1
+
+    @property
+    def collective_device(self) -> "object":
+        """Where tensors handed to torch.distributed live: the GPU under NCCL, else the CPU."""
+        import torch
+
+        return self.device if self.device.type == "cuda" and not self.shared else torch.device("cpu")
 
     def sync(self) -> None:
         """Align ranks before a timed call. On GPUs a one-element NCCL all-reduce queued on the
-        stream lines the ranks' streams up without a host round trip; on CPUs, a barrier."""
+        stream lines the ranks' streams up without a host round trip; where ranks share a GPU
+        (gloo), each rank empties its stream and then meets the others at a barrier; on CPUs,
+        a barrier."""
+        import torch
         import torch.distributed as dist
 
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.shared:
             dist.all_reduce(self._one)
-        else:
-            dist.barrier()
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier()
 
     def init_sync(self) -> None:
         import torch
 
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.shared:
             self._one = torch.ones(1, device=self.device)
 
 
@@ -109,17 +156,19 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> Comm:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
+    per_gpu = 1
     if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-        backend = "nccl"
+        count = torch.cuda.device_count()
+        per_gpu = ranks_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", world)), count)
+        dev = torch.device("cuda", device_index(local_rank, count))
+        torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        backend = "gloo"
+    backend = process_group_backend(device, per_gpu > 1)
     if not dist.is_initialized():
-        kwargs = {"device_id": dev} if device == "cuda" else {}
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    comm = Comm(rank, world, local_rank, dev)
+    comm = Comm(rank, world, local_rank, dev, per_gpu)
     comm.init_sync()
     return comm
