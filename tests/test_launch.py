@@ -46,3 +46,43 @@ def test_multi_node_flags_are_checked_before_anything_starts(write_scenario):
                           "--rdzv-timeout")):
         r = epbench("run", path, *args)
         assert r.code == 2 and needle in r.err and len(r.err.strip().splitlines()) == 1
+
+
+# ---- ranks sharing GPUs ----
+
+def test_device_index_wraps_round_the_gpus():
+    from epbench.launch import device_index
+
+    assert [device_index(r, 4) for r in range(4)] == [0, 1, 2, 3]  # one GPU per rank
+    assert [device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # four ranks on one GPU
+    assert [device_index(r, 2) for r in range(4)] == [0, 1, 0, 1]
+    assert device_index(3, 0) == 0
+
+
+def test_process_group_is_gloo_wherever_ranks_share_a_gpu():
+    from epbench.launch import process_group_backend, ranks_per_gpu
+
+    assert ranks_per_gpu(4, 4) == 1 and ranks_per_gpu(8, 8) == 1 and ranks_per_gpu(2, 8) == 1
+    assert ranks_per_gpu(4, 1) == 4 and ranks_per_gpu(3, 2) == 2 and ranks_per_gpu(4, 0) == 1
+    assert process_group_backend("cuda", shared=False) == "nccl"
+    assert process_group_backend("cuda", shared=True) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert process_group_backend("cpu", shared=False) == "gloo"
+
+
+def test_shared_comm_puts_collectives_on_the_host():
+    import torch
+
+    from epbench.launch import Comm
+
+    gpu = torch.device("cuda", 0)
+    assert Comm(0, 4, 0, gpu, ranks_per_gpu=4).collective_device == torch.device("cpu")
+    assert Comm(0, 4, 0, gpu).collective_device == gpu and not Comm(0, 4, 0, gpu).shared
+
+
+def test_mps_is_on_only_where_its_control_socket_is(monkeypatch, tmp_path):
+    from epbench.launch import mps_active
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_active()
+    (tmp_path / "control").touch()
+    assert mps_active()

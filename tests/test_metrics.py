@@ -187,3 +187,41 @@ def test_virtual_nodes_compare_the_nvlink_counter_with_both_tiers():
     assert counter_reference_bytes(False, 300, None) == (300, None)
     # 2 virtual nodes x 2 GPUs: the inter-node bytes also cross NVLink, no NIC counter applies
     assert counter_reference_bytes(True, 300, 100) == (400, None)
+
+
+def test_functional_reason_names_why_nothing_crossed_a_link():
+    assert metrics.functional_reason(4, 1) is None
+    assert metrics.functional_reason(1, 1) == "one rank: nothing crosses a link"
+    assert metrics.functional_reason(4, 4).startswith("4 ranks share each GPU")
+
+
+def _point(functional, ceilings=None):
+    from types import SimpleNamespace
+
+    s = parse(scenario_dict(topology={"nodes": 1, "gpus_per_node": 2}))
+    recs = [PointRecord(rank=r, samples_us={"dispatch": [10.0, 12.0], "combine": [20.0]},
+                        wrong={"dispatch": 0, "combine": 0}, problem={"dispatch": "", "combine": ""},
+                        counted={op: {"nvlink_tx": 1000, "nvlink_raw_tx": 1200} for op in metrics.OPS},
+                        counted_iters=1, link_capacity_gbps=450.0) for r in range(2)]
+    tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
+    be = SimpleNamespace(name="epbench")
+    return metrics.point_rows(s, be, 8, recs, tr, "cuda", ceilings, functional)[0]
+
+
+def test_functional_rows_carry_the_reason_and_no_link_figure():
+    from types import SimpleNamespace
+
+    ceil = {op: SimpleNamespace(copy_engine_us=5.0, sm_store_us={8: 6.0}) for op in metrics.OPS}
+    real = _point(None, ceil)
+    assert all(r["functional"] is None and r["busbw_nvlink_gbps"] > 0 for r in real)
+    assert all(r["ceiling_sm_store_us"] == 6.0 and r["nvlink_link_use_pct"] is not None for r in real)
+    why = "2 ranks share each GPU: their traffic stays in one GPU's memory"
+    rows = _point(why, ceil)
+    assert all(r["functional"] == why for r in rows)
+    link_cols = [k for k in rows[0] if k.startswith(("busbw_", "ceiling_", "nvlink_link", "nvlink_eff",
+                                                     "nvlink_bytes_measured", "nvlink_raw"))]
+    assert link_cols and all(r[k] is None for r in rows for k in link_cols)  # empty, never zero
+    assert all(r["algbw_gbps"] > 0 and r["wrong"] == 0 for r in rows)  # the time and check remain
+    summary = summarize(pd.DataFrame(rows))
+    assert summary["pct_of_copy_engine_ceiling"].isna().all()
+    assert summary["busbw_nvlink_gbps_max"].isna().all()
