@@ -38,6 +38,7 @@ NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="This no
 RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (passed to torchrun).")]
 RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="Seconds to wait for every node to join (multi-node; torchrun's default otherwise).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
+MpsOpt = Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
@@ -127,7 +128,8 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
 
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
-            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None) -> None:
+            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False) -> None:
+    import contextlib
     import dataclasses
 
     launch.apply_safe_env()
@@ -172,7 +174,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     if opts.tokens:
         args += ["--tokens", ",".join(map(str, opts.tokens))]
     cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv, rdzv_timeout)
-    code = launch.relaunch(cmd, dev)
+    with launch.private_mps() if mps and dev == "cuda" else contextlib.nullcontext():
+        code = launch.relaunch(cmd, dev)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()  # the job died before it measured anything
     raise typer.Exit(code)
@@ -184,7 +187,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         device: DeviceOpt = None, results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
         inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
-        rdzv_timeout: RdzvTimeoutOpt = None) -> None:
+        rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False) -> None:
     """Run a scenario across ranks (re-executing under torchrun) and print its table. Without a
     path: each shipped scenario that fits this host."""
     paths = [path] if path is not None or launch.under_torchrun() else default_scenarios()
@@ -192,7 +195,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
     for p in paths:
         try:
             _launch("run", p, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout)
+                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps)
         except typer.Exit as e:
             worst = worst or e.exit_code
     raise typer.Exit(worst)
@@ -207,12 +210,13 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
-          no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None) -> None:
+          no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None,
+          mps: MpsOpt = False) -> None:
     """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout)
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps)
 
 
 @app.command()

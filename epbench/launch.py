@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 # NVLink multicast can take a shared NVSwitch host down; it stays off in every process we start.
 SAFE_ENV = {
@@ -105,6 +109,45 @@ def mps_active() -> bool:
     """True when an MPS control daemon serves this process's pipe folder (its ``control``
     socket exists): the ranks' kernels then run side by side instead of time-slicing."""
     return os.path.exists(os.path.join(mps_pipe_dir(), "control"))
+
+
+MPS_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+
+
+@contextmanager
+def private_mps() -> Iterator[str]:
+    """An MPS control daemon of this run's own (private pipe and log folders, which the ranks
+    inherit), stopped at exit: ranks sharing a GPU then run side by side instead of taking
+    turns. Yields the pipe folder. An MPS daemon already serving this process is used as is."""
+    from epbench.errors import UserError
+
+    if mps_active():
+        yield mps_pipe_dir()
+        return
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        raise UserError("--mps: nvidia-cuda-mps-control not found (it comes with the NVIDIA driver)")
+    dirs = {k: tempfile.mkdtemp(prefix=f"epbench-mps-{k.split('_')[2].lower()}-") for k in MPS_ENV}
+    before = {k: os.environ.get(k) for k in MPS_ENV}
+    os.environ.update(dirs)
+    try:
+        r = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            why = (r.stderr or r.stdout).strip().splitlines()
+            raise UserError(f"--mps: `nvidia-cuda-mps-control -d` failed (exit {r.returncode}"
+                            f"{': ' + why[0] if why else ''}); starting MPS may need root")
+        try:
+            yield dirs["CUDA_MPS_PIPE_DIRECTORY"]
+        finally:
+            subprocess.run([exe], input="quit\n", capture_output=True, text=True, timeout=60)
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 @dataclass

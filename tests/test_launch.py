@@ -86,3 +86,42 @@ def test_mps_is_on_only_where_its_control_socket_is(monkeypatch, tmp_path):
     assert not mps_active()
     (tmp_path / "control").touch()
     assert mps_active()
+
+
+def test_private_mps_daemon_starts_serves_the_ranks_and_stops(monkeypatch, tmp_path):
+    """A stand-in nvidia-cuda-mps-control: `-d` creates the control socket in the pipe folder it
+    is given, `quit` on stdin is logged. The run's environment points at private folders while
+    the daemon runs (the ranks inherit them), and is restored after."""
+    import os
+    import stat
+
+    from epbench import launch
+
+    log = tmp_path / "calls"
+    exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    exe.parent.mkdir()
+    exe.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; '
+                   f'echo start >> {log}; else cat >> {log}; fi\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    with launch.private_mps() as pipe:
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == pipe != str(tmp_path / "none")
+        assert launch.mps_active()
+    assert log.read_text().split() == ["start", "quit"]
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "none")
+    assert "CUDA_MPS_LOG_DIRECTORY" not in os.environ and not os.path.exists(pipe)
+
+
+def test_private_mps_without_the_control_program_is_one_clear_error(monkeypatch, tmp_path):
+    import pytest
+
+    from epbench import launch
+    from epbench.errors import UserError
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    with pytest.raises(UserError, match="nvidia-cuda-mps-control not found"):
+        with launch.private_mps():
+            pass
