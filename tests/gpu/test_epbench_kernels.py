@@ -14,24 +14,14 @@ WORKER = ROOT / "tests" / "gpu" / "ep_worker.py"
 pytestmark = shares_gpus()
 
 
-@pytest.fixture(scope="module")
-def built() -> None:
-    from epbench import cuda_lib
-
-    try:
-        cuda_lib.load()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-
-
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_kernels_match_verification(built: None, nproc: int) -> None:
+def test_kernels_match_verification(kernels_built: None, nproc: int) -> None:
     r = torchrun(WORKER, nproc, "check", *(["--quick"] if nproc == 2 or shared(nproc) else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
 
 
-def test_non_default_variants_match_verification(built: None) -> None:
+def test_non_default_variants_match_verification(kernels_built: None) -> None:
     """The defaults (grid notify, tma combine) run in the test above; the variants they replaced (v4 staged
     notify, v1 pull combine) stay selectable and must stay correct."""
     r = torchrun(WORKER, 4, "check", "--quick", "--notify", "staged", "--combine-impl", "pull",
@@ -40,7 +30,7 @@ def test_non_default_variants_match_verification(built: None) -> None:
     assert "PASS" in r.stdout
 
 
-def test_v13_v14_variants_match_verification(built: None) -> None:
+def test_v13_v14_variants_match_verification(kernels_built: None) -> None:
     """v13-v14 knobs (kept selectable): ownbulk (own rows by bulk stores), pull (receivers bulk-copy their
     rows from the sources' registered dispatch_x) and split (own rows by their own warps), at 1, 3 and 8 SMs."""
     r = torchrun(WORKER, 4, "check", "--quick", "--impls",

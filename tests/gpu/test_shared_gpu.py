@@ -20,16 +20,6 @@ pytestmark = shares_gpus()
 QUICK = ["--sms", "16", "--iters", "5", "--warmup", "1"]
 
 
-@pytest.fixture(scope="module")
-def built() -> None:
-    from epbench import cuda_lib
-
-    try:
-        cuda_lib.load()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-
-
 def one_gpu_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(safe_env(), CUDA_VISIBLE_DEVICES="0")
     return subprocess.run([sys.executable, "-m", "epbench", "run", *args, "--results", str(tmp_path / "r")],
@@ -54,7 +44,7 @@ def assert_functional(r: subprocess.CompletedProcess, df, meta, why: str, backen
 
 
 @pytest.mark.parametrize("scenario", ["dsv3x4", "dsv3x4-fp8"])
-def test_four_ranks_on_one_gpu_verify_and_print_no_link_figures(built: None, tmp_path: Path,
+def test_four_ranks_on_one_gpu_verify_and_print_no_link_figures(kernels_built: None, tmp_path: Path,
                                                                 scenario: str) -> None:
     r = one_gpu_run(tmp_path, f"scenarios/{scenario}.yaml", "--nproc", "4", *QUICK)
     df, meta = only_run(tmp_path)
@@ -64,14 +54,14 @@ def test_four_ranks_on_one_gpu_verify_and_print_no_link_figures(built: None, tmp
     assert meta["ranks_per_gpu"] == 4 and "MPS " + meta["mps"] in r.stdout
 
 
-def test_one_rank_is_functional_too(built: None, tmp_path: Path) -> None:
+def test_one_rank_is_functional_too(kernels_built: None, tmp_path: Path) -> None:
     """World 1: NCCL runs (one rank, one GPU), but nothing crosses a link for either backend."""
     r = one_gpu_run(tmp_path, "scenarios/dsv3x4.yaml", "--nproc", "1", *QUICK)
     df, meta = only_run(tmp_path)
     assert_functional(r, df, meta, "one rank", ["epbench", "reference"])
 
 
-def test_default_on_a_one_gpu_host_uses_the_gpu(built: None, tmp_path: Path) -> None:
+def test_default_on_a_one_gpu_host_uses_the_gpu(kernels_built: None, tmp_path: Path) -> None:
     """`make run` on one GPU: the shipped 1-GPU default, verified, labelled functional."""
     r = one_gpu_run(tmp_path)
     assert "no scenario given: running scenarios/dsv3x4-1gpu.yaml (1 CUDA GPU found)" in r.stdout
