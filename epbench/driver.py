@@ -15,7 +15,7 @@ backend that supports CUDA graphs: plain launches, then replays of one captured 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -29,7 +29,7 @@ from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLat
 from epbench.inputs import dispatch_input, expert_output, make_tokens
 from epbench.launch import Comm
 from epbench.timing import Timer
-from epbench.routing import RankRouting, Traffic, route_all, traffic
+from epbench.routing import RankRouting, route_all, traffic
 from epbench.scenario import Scenario
 from epbench.verify import (check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
                             ll_expert_output)
