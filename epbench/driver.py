@@ -15,7 +15,7 @@ backend that supports CUDA graphs: plain launches, then replays of one captured 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -23,17 +23,17 @@ import torch.distributed as dist
 
 from epbench import counters as hw
 from epbench import metrics
+from epbench.metrics import OPS, PointRecord, point_rows
 from epbench.backends import load_backend
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
 from epbench.inputs import dispatch_input, expert_output, make_tokens
 from epbench.launch import Comm
 from epbench.timing import Timer
-from epbench.routing import RankRouting, Traffic, route_all, traffic
+from epbench.routing import RankRouting, route_all, traffic
 from epbench.scenario import Scenario
 from epbench.verify import (check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
                             ll_expert_output)
 
-OPS = ("dispatch", "combine")
 TIMING_SALT = 0  # token values used while timing; verification draws fresh ones per point
 COUNTED_ITERS = 10  # calls per op in the untimed pass that reads the hardware counters
 
@@ -48,20 +48,6 @@ class RunOptions:
     progress: bool = True
     ceilings: bool = True  # measure copy-engine / SM-store ceilings before the backends (GPU)
     tokens: Optional[Tuple[int, ...]] = None  # batch sizes to sweep (None: the scenario's)
-
-
-@dataclass
-class PointRecord:
-    """One rank's raw outcome for one (backend, sms) point."""
-
-    rank: int
-    samples_us: Dict[str, List[float]] = field(default_factory=dict)
-    wrong: Dict[str, int] = field(default_factory=dict)
-    problem: Dict[str, str] = field(default_factory=dict)
-    counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
-    counted_iters: int = 0
-    link_capacity_gbps: Optional[float] = None  # the GPU's raw NVLink rate per direction
-    timing: str = "launch"  # low-latency mode: "launch" | "graph"
 
 
 def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
@@ -294,108 +280,6 @@ def verify_ll_point(be: Backend, calls: LowLatencyCalls, s: Scenario, routings: 
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
-def counter_reference_bytes(virtual_nodes: bool, nvlink_bytes: int,
-                            nic_bytes: Optional[int]) -> Tuple[int, Optional[int]]:
-    """What each tier's hardware counter should see per call. With virtual nodes the "NIC" tier
-    travels over NVLink too, so the GPU's NVLink counters count both tiers and no NIC counter
-    applies."""
-    if virtual_nodes:
-        return nvlink_bytes + (nic_bytes or 0), None
-    return nvlink_bytes, nic_bytes
-
-
-def _measured_columns(rec: PointRecord, op: str, nvlink_bytes: int, nic_bytes: Optional[int],
-                      time_us: float) -> Dict[str, Any]:
-    """Counter-measured bytes per call beside the computed ones; empty (None) where no counter
-    was read, never zero. A disagreement of more than 10% is flagged."""
-    cols: Dict[str, Any] = {}
-    for tier, computed in (("nvlink", nvlink_bytes), ("nic", nic_bytes)):
-        got = rec.counted.get(op, {}).get(f"{tier}_tx") if computed is not None else None
-        per_call = got / rec.counted_iters if got is not None and rec.counted_iters else None
-        cols[f"{tier}_bytes_measured"] = per_call
-        cols[f"busbw_{tier}_measured_gbps"] = (metrics.bandwidth_gbps(per_call, time_us)
-                                               if per_call is not None else None)
-        cols[f"{tier}_counter_ratio"] = (per_call / computed if per_call is not None and computed
-                                         else None)
-        cols[f"{tier}_counter_mismatch"] = hw.disagrees(per_call, computed)
-    cols.update(_link_columns(rec, op, time_us))
-    return cols
-
-
-def _link_columns(rec: PointRecord, op: str, time_us: float) -> Dict[str, Any]:
-    """What the links carried, protocol included (NVML's raw counters), per call: the payload's
-    share of it (link efficiency) and the busier direction's rate as a percentage of the links'
-    raw capacity (100 = every link busy the whole call). None where a counter was not read."""
-    counted = rec.counted.get(op, {})
-    n = rec.counted_iters
-
-    def per_call(key: str) -> Optional[float]:
-        return counted[key] / n if key in counted and n else None
-
-    raw_tx, raw_rx, tx = per_call("nvlink_raw_tx"), per_call("nvlink_raw_rx"), per_call("nvlink_tx")
-    busier = max((b for b in (raw_tx, raw_rx) if b is not None), default=None)
-    busier_gbps = metrics.bandwidth_gbps(busier, time_us) if busier is not None else None
-    cap = rec.link_capacity_gbps
-    return {"nvlink_raw_tx_bytes_measured": raw_tx, "nvlink_raw_rx_bytes_measured": raw_rx,
-            "nvlink_capacity_gbps": cap,
-            # payload / (payload + protocol) on the way out
-            "nvlink_efficiency": tx / raw_tx if tx is not None and raw_tx else None,
-            # busier direction's raw bytes / time / (links x per-link rate)
-            "nvlink_link_use_pct": (100.0 * busier_gbps / cap if busier_gbps is not None and cap
-                                    else None)}
-
-
-def _ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:
-    """The op's ceilings measured in this run (epbench/ceiling.py): copy engines, and plain SM
-    stores at this point's SM count (None where not measured, e.g. NCCL's own SM choice)."""
-    return {"ceiling_copy_engine_us": c.copy_engine_us if c is not None else None,
-            "ceiling_sm_store_us": c.sm_store_us.get(sms) if c is not None and sms else None}
-
-
-def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,
-               device: str, ceilings: Optional[Dict[str, Any]] = None
-               ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
-    """Rank 0: raw samples -> one row per (op, rank) with bytes and bandwidths."""
-    m, topo = s.model, s.topology
-    rows, samples = [], []
-    for op in OPS:
-        dtype = m.dispatch_dtype if op == "dispatch" else m.combine_dtype
-        nbytes = metrics.rank_bytes(tr, op, metrics.row_bytes(dtype, m.hidden))
-        for rec in records:
-            r = rec.rank
-            ts = rec.samples_us[op]
-            t_med = metrics.median(ts)
-            has_nic = topo.nodes > 1
-            measured = _measured_columns(rec, op, *counter_reference_bytes(
-                topo.virtual_nodes, int(nbytes["nvlink"][r]), int(nbytes["nic"][r]) if has_nic else None), t_med)
-            rows.append({
-                "scenario": s.name, "backend": be_cls.name, "op": op, "sms": sms, "rank": r,
-                "node": r // topo.gpus_per_node, "world": s.world, "nodes": topo.nodes,
-                "nic_virtual": topo.virtual_nodes,  # inter-node bytes went over NVLink
-                "device": device, "dtype": dtype, "hidden": m.hidden,
-                "tokens_per_rank": m.tokens_per_rank, "topk": m.topk,
-                "experts_per_rank": m.experts_per_rank, "routing": s.routing.kind,
-                "iters": len(ts), "time_us": t_med, "time_us_min": min(ts),
-                "time_us_max": max(ts), "time_us_mean": sum(ts) / len(ts),
-                "algo_bytes": int(nbytes["algo"][r]), "nvlink_bytes": int(nbytes["nvlink"][r]),
-                "nic_bytes": int(nbytes["nic"][r]) if has_nic else None,
-                "algbw_gbps": metrics.bandwidth_gbps(int(nbytes["algo"][r]), t_med),
-                "busbw_nvlink_gbps": metrics.bandwidth_gbps(int(nbytes["nvlink"][r]), t_med),
-                "busbw_nic_gbps": (metrics.bandwidth_gbps(int(nbytes["nic"][r]), t_med)
-                                   if has_nic else None),
-                **measured,
-                **_ceiling_columns((ceilings or {}).get(op), sms),
-                "wrong": rec.wrong[op], "problem": rec.problem[op],
-            })
-            if s.mode == "low_latency":  # latency first: the tail matters for decode
-                rows[-1].update(mode=s.mode, timing=rec.timing, time_us_p99=metrics.percentile(ts, 99))
-            extra = {"timing": rec.timing} if s.mode == "low_latency" else {}
-            samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
-                         "time_us": t, "tokens_per_rank": m.tokens_per_rank, **extra}
-                        for i, t in enumerate(ts)]
-    return rows, samples
-
-
 def _first_reason(reason: Optional[str]) -> Optional[str]:
     """A backend runs only if it can run on every rank; returns the first rank's reason."""
     reasons: List[Optional[str]] = [None] * dist.get_world_size()
@@ -424,8 +308,11 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
     """Runs every point on every rank, for each batch size of ``opts.tokens``. Rank 0's
     callbacks receive rows; returns the number of wrong rows summed over ranks and points.
     ``ceilings`` were measured for the scenario's own batch size; rows of others get none."""
+    functional = metrics.functional_reason(comm.world, comm.ranks_per_gpu)
     cnt: Optional[hw.Counters] = None
-    if comm.device.type == "cuda" and s.mode == "normal":
+    if functional is not None:
+        on_note(f"hardware counters: not read ({functional})")
+    elif comm.device.type == "cuda" and s.mode == "normal":
         cnt, notes = hw.open_counters(comm.device.index)
         for note in notes:
             on_note(f"hardware counters: {note}")
@@ -438,10 +325,11 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
     for tokens in opts.tokens or (s.model.tokens_per_rank,):
         sized = s.with_tokens(tokens)
         own_ceilings = ceilings if tokens == s.model.tokens_per_rank else None
-        total_wrong += _measure_size(sized, opts, comm, on_point, on_note, advance, own_ceilings, cnt, salt)
+        total_wrong += _measure_size(sized, opts, comm, on_point, on_note, advance, own_ceilings, cnt,
+                                     salt, functional)
     if cnt is not None:
         cnt.close()
-    flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.device)
+    flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.collective_device)
     dist.broadcast(flag, src=0)
     return int(flag.item())
 
@@ -450,8 +338,9 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                   on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
                   on_note: Callable[[str], None], advance: Callable[[str], None],
                   ceilings: Optional[Dict[str, Any]], cnt: Optional[hw.Counters],
-                  salt: List[int]) -> int:
-    """Every backend and SM count at one batch size; ``salt[0]`` advances per verified point."""
+                  salt: List[int], functional: Optional[str] = None) -> int:
+    """Every backend and SM count at one batch size; ``salt[0]`` advances per verified point.
+    ``functional``: why no byte crosses a link in this run (its rows then carry no link figures)."""
     m = s.model
     low_latency = s.mode == "low_latency"
     routings = route_all(s)
@@ -501,7 +390,8 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                     gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
                     dist.gather_object(rec, gathered, dst=0)
                     if comm.rank == 0:
-                        rows, samples = point_rows(s, be_cls, sms, gathered, tr, device, ceilings)
+                        rows, samples = point_rows(s, be_cls, sms, gathered, tr, device, ceilings,
+                                                    functional)
                         total_wrong += sum(r["wrong"] for r in rows)
                         on_point(rows, samples)
                 advance(f"{name} sms={sms or 'auto'}" + (f" tokens={m.tokens_per_rank}" if opts.tokens else ""))

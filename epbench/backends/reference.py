@@ -15,7 +15,7 @@ Combine sends the expert outputs back in the same order and the source reduces t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,17 @@ class ReferenceBackend(Backend):
     name = "reference"
     uses_sms = False
     modes = ("normal", "low_latency")
+
+    @classmethod
+    def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
+        """GPU tensors need NCCL; where ranks share a GPU the process group is gloo (NCCL refuses
+        two ranks on one device), and a gloo all-to-all of GPU tensors would measure host
+        staging, not the NCCL baseline."""
+        if (setup.device.type == "cuda" and dist.is_available() and dist.is_initialized()
+                and dist.get_backend() != "nccl"):
+            return (f"the NCCL baseline needs one GPU per rank (this run's process group is "
+                    f"{dist.get_backend()}: ranks share a GPU)")
+        return None
 
     def __init__(self, setup: RankSetup) -> None:
         self.s = setup
