@@ -41,8 +41,9 @@ from typing import Dict, Optional
 
 import torch
 
-from epbench.routing import Traffic
-from epbench.scenario import FP8_BLOCK
+from epbench.layout import round_up
+from epbench.routing import Traffic, dest_mask, expert_load
+from epbench.scenario import FP8_BLOCK, MXFP8_BLOCK
 
 GB = 1e9  # bandwidths are in GB/s (10^9 bytes per second), as NVLink and NIC rates are quoted
 
@@ -52,6 +53,8 @@ def row_bytes(dtype: str, hidden: int) -> int:
         return 2 * hidden
     if dtype == "fp8":
         return hidden + 4 * (hidden // FP8_BLOCK)
+    if dtype == "mxfp8":
+        return mxfp8_row_bytes(hidden)
     raise ValueError(f"unknown dtype {dtype!r}")
 
 
@@ -136,3 +139,51 @@ def summarize(df):
                                              if ceil == ceil and row["time_us"] > 0 else None)
         out.append(row)
     return pd.DataFrame(out)
+
+
+# ---- MXFP8 rows and the expert-major layout (issue 26) ----
+
+def mxfp8_row_bytes(hidden: int) -> int:
+    """Bytes of one mxfp8 row on the wire: ``hidden + hidden / 32``.
+
+    Each element is one e4m3 byte (``hidden`` bytes) and each block of 32 consecutive elements
+    shares one E8M0 scale byte (``hidden / 32`` bytes); the layout is epbench/mxfp8.py's
+    ``pack_rows``. At hidden 7168: 7168 + 224 = 7392 bytes, 0.516 of the bf16 row (14336) and
+    the same as the fp8 row with one fp32 scale per 128 elements (7168 + 4 * 56): both spend
+    1/32 byte per element on scales. Expert ids and weights are not counted, as for bf16."""
+    return hidden + hidden // MXFP8_BLOCK
+
+
+def expert_major_rows(routings, experts_per_rank: int, align: int) -> Dict[str, torch.Tensor]:
+    """Per receiving rank (int64 [world]): the rows the expert-major layout adds on the
+    receiver, none of which crosses a link.
+
+    ``local_copy``: a token with ``n_d`` of its experts on rank d crosses the link once (one
+    row per (token, destination rank), as counted by routing.Traffic) and is written ``n_d``
+    times into d's expert segments: ``n_d - 1`` receiver-local copies. Summed over the tokens
+    d receives: (token, expert) pairs for d's experts minus (token, d) rows. Combine reads
+    the same ``n_d`` expert-output rows and reduces them into the one row that goes back.
+
+    ``padding``: segment e of ``c_e`` rows is padded to ``round_up(c_e, align)``: the sum of
+    ``round_up(c_e, align) - c_e`` over d's experts. Padding is buffer space only (nothing
+    writes or reads it), so it adds rows to the grouped GEMM, not bytes to the links.
+
+    Link bytes, algbw and busbw are left as in the rank-major layout (same rows on the
+    wire), so both layouts and NCCL compare on the same bytes; these columns sit beside them."""
+    world = len(routings)
+    pairs = expert_load(routings, world * experts_per_rank).view(world, experts_per_rank)
+    copies = torch.zeros(world, dtype=torch.int64)
+    for r in routings:
+        copies += dest_mask(r.topk_idx.cpu(), experts_per_rank, world).sum(dim=0)
+    return {"local_copy": pairs.sum(dim=1) - copies,
+            "padding": (round_up(pairs, align) - pairs).sum(dim=1)}
+
+
+def expert_major_columns(extra: Optional[Dict[str, torch.Tensor]], rank: int,
+                         row: int) -> Dict[str, Optional[int]]:
+    """The result columns of one rank: local copies in bytes (the op's row size) and padding
+    in rows; None in the rank-major layout, where neither exists."""
+    if extra is None:
+        return {"local_copy_bytes": None, "padding_rows": None}
+    return {"local_copy_bytes": int(extra["local_copy"][rank]) * row,
+            "padding_rows": int(extra["padding"][rank])}
