@@ -1,8 +1,11 @@
 """Checks a backend's outputs against what the routing says they must be.
 
-dispatch: bit-exact. Every received row, its scales (fp8), expert ids and weights must equal
-the source's, in (source rank, token index) order; the row count and the per-expert counts
-must match. combine: each returned token must be within COMBINE_RTOL of
+dispatch: bit-exact. Every received row, its scales (fp8, mxfp8), expert ids and weights must
+equal the source's, in (source rank, token index) order; the row count and the per-expert counts
+must match. A quantized payload is compared with the reference quantizer's output (also when the
+backend quantizes on the way, ``quantize: fused``) and, dequantized, must lie within the format's
+error of the bf16 source. Expert-major layout: each local expert's segment holds its rows in
+(source, token) order at an offset that is the padded running sum of the counts. combine: each returned token must be within COMBINE_RTOL of
 ``sum_d w(t, d) * y_d(t)`` (fp32 accumulation, one bf16 rounding at the end, so the only
 freedom is summation order plus that rounding: half a bf16 ulp is 2^-9 relative).
 

@@ -97,3 +97,19 @@ def test_virtual_nodes_compare_the_nvlink_counter_with_both_tiers():
     assert counter_reference_bytes(False, 300, None) == (300, None)
     # 2 virtual nodes x 2 GPUs: the inter-node bytes also cross NVLink, no NIC counter applies
     assert counter_reference_bytes(True, 300, 100) == (400, None)
+
+
+def test_backends_without_mxfp8_or_expert_major_are_skipped_with_a_reason():
+    from epbench import scenario as sc
+    from epbench.backends import backend_class
+    from epbench.driver import _payload_reason
+    from support import scenario_dict
+
+    m = sc.parse(scenario_dict(model={"dispatch_dtype": "mxfp8", "layout": "expert_major"})).model
+    assert _payload_reason(backend_class("reference"), m) is None
+    for name in ("epbench", "epbench-ll", "epbench-hier", "deepep"):
+        try:
+            cls = backend_class(name)
+        except ImportError:
+            continue
+        assert _payload_reason(cls, m) == "does not implement dispatch_dtype mxfp8 (it implements: bf16, fp8)"

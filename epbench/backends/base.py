@@ -8,7 +8,9 @@ Semantics shared by all backends (the verification in epbench/verify.py checks t
 
 dispatch
     Each rank holds ``x`` (``[T, hidden]``; bf16, or fp8 e4m3 with ``x_scales``
-    ``[T, hidden // 128]`` float32), ``topk_idx`` (``[T, topk]`` int64 global expert ids;
+    ``[T, hidden // 128]`` float32, or mxfp8: e4m3 with ``x_scales`` ``[T, hidden // 32]`` uint8
+    E8M0 bytes, epbench/mxfp8.py; with ``quantize: fused`` ``x`` is bf16 and the receivers get the
+    quantized rows), ``topk_idx`` (``[T, topk]`` int64 global expert ids;
     rank ``r`` owns experts ``[r * experts_per_rank, (r + 1) * experts_per_rank)``) and
     ``topk_weights`` (``[T, topk]`` float32). A token goes once to every rank that holds at
     least one of its experts. The receiver gets rows ``[0, num_recv)`` of a buffer ordered by

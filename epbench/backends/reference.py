@@ -5,6 +5,12 @@ on CPUs it runs over gloo. It is timed as a user would call it: the layout (whic
 where), the exchange of counts, a host synchronisation to learn the split sizes, the gathers
 and the ``all_to_all_single`` calls with uneven splits. Output buffers are allocated once.
 
+mxfp8 / ``quantize: fused``: the rows are cast by the torch reference quantizer inside the timed
+dispatch, on the sender (the link carries quantized rows). ``layout: expert_major``: after the
+exchange the received rows are gathered (index_select) into per-expert segments padded to
+``align`` rows; combine weighs and sums each token's expert outputs per received row straight
+from the segments, sends one bf16 row per (token, rank) back and the source adds them.
+
 Low-latency mode: the same user-level path, one row per (token, expert) pair. The source
 sorts its pairs by expert (which groups them by destination rank), sends them with one uneven
 ``all_to_all_single`` after a count exchange and a host synchronisation, and the receiver
