@@ -15,7 +15,7 @@ import yaml
 
 from epbench.errors import UserError
 
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "mxfp8")
 ROUTINGS = ("uniform", "zipf", "hot")
 # normal: throughput dispatch/combine (rows grouped per destination rank). low_latency: decode-sized
 # batches received straight into per-expert padded buffers (epbench/backends/base.py,
@@ -23,6 +23,13 @@ ROUTINGS = ("uniform", "zipf", "hot")
 MODES = ("normal", "low_latency")
 DEVICES = ("auto", "cuda", "cpu")
 FP8_BLOCK = 128  # elements per fp32 scale in fp8 dispatch
+MXFP8_BLOCK = 32  # elements per E8M0 scale in mxfp8 dispatch (epbench/mxfp8.py)
+# before: the caller hands quantized rows; fused: bf16 rows in, quantized rows out at the receiver
+QUANTIZE = ("before", "fused")
+# rank_major: received rows by (source rank, token); expert_major: grouped by local expert
+# (epbench/layout.py), each segment padded to a multiple of model.align rows
+LAYOUTS = ("rank_major", "expert_major")
+ALIGNS = (1, 16, 128)
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,9 @@ class Model:
     experts_per_rank: int
     dispatch_dtype: str = "bf16"
     combine_dtype: str = "bf16"
+    quantize: str = "before"
+    layout: str = "rank_major"
+    align: int = 1
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,7 @@ def _check(s: Scenario) -> None:
     if m.dispatch_dtype == "fp8":
         need(m.hidden % FP8_BLOCK == 0, "model.hidden",
              f"must be a multiple of {FP8_BLOCK} for fp8 dispatch", m.hidden)
+    _check_payload(m, s.mode, need)
     need(t.nodes > 0, "topology.nodes", "must be positive", t.nodes)
     need(t.gpus_per_node > 0, "topology.gpus_per_node", "must be positive", t.gpus_per_node)
     need(t.nvlink_gbps > 0, "topology.nvlink_gbps", "must be positive", t.nvlink_gbps)
@@ -205,6 +216,26 @@ def _check(s: Scenario) -> None:
     need(b.timeout_s > 0, "bench.timeout_s", "must be positive", b.timeout_s)
     need(b.device in DEVICES, "bench.device", f"must be one of {', '.join(DEVICES)}", b.device)
     need(s.mode in MODES, "mode", f"must be one of {', '.join(MODES)}", s.mode)
+
+
+def _check_payload(m: Model, mode: str, need: Any) -> None:
+    """dtype, quantize, layout and align (issue 26)."""
+    if m.dispatch_dtype == "mxfp8":
+        need(m.hidden % MXFP8_BLOCK == 0, "model.hidden",
+             f"must be a multiple of {MXFP8_BLOCK} for mxfp8 dispatch", m.hidden)
+    need(m.quantize in QUANTIZE, "model.quantize", f"must be one of {', '.join(QUANTIZE)}", m.quantize)
+    need(m.quantize == "before" or m.dispatch_dtype != "bf16", "model.quantize",
+         "fused needs a quantized dispatch_dtype (fp8 or mxfp8)", m.quantize)
+    need(m.layout in LAYOUTS, "model.layout", f"must be one of {', '.join(LAYOUTS)}", m.layout)
+    need(m.align in ALIGNS, "model.align", f"must be one of {', '.join(map(str, ALIGNS))}", m.align)
+    need(m.align == 1 or m.layout == "expert_major", "model.align",
+         "only applies with layout: expert_major", m.align)
+    if mode == "low_latency":  # low latency already receives per expert (epbench/layout.py)
+        need(m.layout == "rank_major", "model.layout", "must be rank_major in low_latency mode", m.layout)
+        need(m.dispatch_dtype != "mxfp8", "model.dispatch_dtype",
+             "mxfp8 is not implemented in low_latency mode yet", m.dispatch_dtype)
+        need(m.quantize == "before", "model.quantize",
+             "fused is not implemented in low_latency mode yet", m.quantize)
 
 
 def parse(data: Any, source: str = "<scenario>") -> Scenario:
