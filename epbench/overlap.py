@@ -180,7 +180,8 @@ def summarize(df: Any) -> Any:
     import pandas as pd
 
     keys = ["backend", "sms"]
-    worst_low = [c for c in df.columns if c.endswith("_kept_pct") or c in ("gemm_sms", "hidden_pct")]
+    worst_low = [c for c in df.columns
+                 if c.endswith("_pct") and c != "comm_busy_pct" or c == "gemm_sms"]
     worst_high = [c for c in ("pair_us", "sum_us", "max_us", "exposed_us", "comm_busy_pct") if c in df]
     agg: Dict[str, Any] = {c: "min" for c in worst_low}
     agg.update({c: "max" for c in worst_high})
@@ -192,11 +193,11 @@ def summarize(df: Any) -> Any:
 
 
 TABLE_COLUMNS = (  # (header, column, scale)
-    ("SMs", "sms", 1), ("GEMM SMs", "gemm_sms", 1), ("GEMM kept %", "gemm_kept_pct", 1),
-    ("of conf. %", "gemm_kept_of_confined_pct", 1), ("disp. kept %", "dispatch_kept_pct", 1),
-    ("comb. kept %", "combine_kept_pct", 1), ("copy kept %", "copy_kept_pct", 1),
-    ("busy %", "comm_busy_pct", 1), ("pair ms", "pair_us", 1e-3), ("sum ms", "sum_us", 1e-3),
-    ("max ms", "max_us", 1e-3), ("exposed ms", "exposed_us", 1e-3), ("wrong", "wrong", 1),
+    ("SMs", "sms", 1), ("GEMM\nSMs", "gemm_sms", 1), ("GEMM\nkept %", "gemm_kept_pct", 1),
+    ("of\nconf. %", "gemm_kept_of_confined_pct", 1), ("disp.\nkept %", "dispatch_kept_pct", 1),
+    ("comb.\nkept %", "combine_kept_pct", 1), ("copy\nkept %", "copy_kept_pct", 1),
+    ("pair ms", "pair_us", 1e-3), ("sum ms", "sum_us", 1e-3), ("max ms", "max_us", 1e-3),
+    ("exposed\nms", "exposed_us", 1e-3), ("wrong", "wrong", 1),
 )
 
 
@@ -209,10 +210,11 @@ def overlap_table(df: Any, title: str):
 
     summary = summarize(df)
     cols = [c for c in TABLE_COLUMNS if c[1] in summary and summary[c[1]].notna().any()]
-    t = Table(title=title, box=box.SIMPLE, pad_edge=False, padding=(0, 1))
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+              collapse_padding=True)
     t.add_column("backend", justify="left", no_wrap=True)
     for head, _, _ in cols:
-        t.add_column(head, justify="right")
+        t.add_column(head, justify="right", min_width=max(map(len, head.split("\n"))))
     for _, r in summary.iterrows():
         cells = []
         for head, col, scale in cols:
@@ -234,8 +236,7 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
              f"the communication ({meta.get('world', '?')} ranks, {o.get('total_sms', '?')} SMs)")
     console.print(overlap_table(df, title))
     console.print("kept % = alone time / time beside (worst rank); GEMM kept of all SMs, 'of conf.' of "
-                  "its own partition alone; busy % = share of the loop in a communication call; "
-                  "pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
+                  "its own partition alone; pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
                   "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
     for note in meta.get("notes", []):
         console.print(f"note: {note}", highlight=False)
