@@ -196,7 +196,7 @@ TABLE_COLUMNS = (  # (header, column, scale)
     ("SMs", "sms", 1), ("GEMM\nSMs", "gemm_sms", 1), ("GEMM\nkept %", "gemm_kept_pct", 1),
     ("of\nconf. %", "gemm_kept_of_confined_pct", 1), ("disp.\nkept %", "dispatch_kept_pct", 1),
     ("comb.\nkept %", "combine_kept_pct", 1), ("copy\nkept %", "copy_kept_pct", 1),
-    ("pair ms", "pair_us", 1e-3), ("sum ms", "sum_us", 1e-3), ("max ms", "max_us", 1e-3),
+    ("pair\nms", "pair_us", 1e-3), ("sum\nms", "sum_us", 1e-3), ("max\nms", "max_us", 1e-3),
     ("exposed\nms", "exposed_us", 1e-3), ("wrong", "wrong", 1),
 )
 
