@@ -298,7 +298,9 @@ class Partition:
             raise RuntimeError("this torch was built without CUDA green context support")
         self.want = want
         self.ctx = gc.GreenContext.create(num_sms=want, device_id=device_index)
-        self.stream = self.ctx.Stream()
+        s = self.ctx.Stream()  # torch 2.11 returns a torch.Stream; torch.cuda.stream() wants this
+        self.stream = s if isinstance(s, torch.cuda.Stream) else torch.cuda.Stream(
+            stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
         self.ctx.set_context()
         try:
             self.sms = current_context_sms()
