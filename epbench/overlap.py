@@ -25,7 +25,8 @@ Figures per point (``kept`` = 100 x alone time / time beside; 100 = no slowdown)
 
 - ``gemm_kept_pct``: the GEMM's time alone on all SMs over its time per GEMM beside the
   communication loop (GEMMs wholly inside that loop); ``gemm_kept_of_confined_pct`` the same
-  against the GEMM alone in its partition (what interference costs beyond the SMs taken).
+  against the GEMM alone in its partition (what interference costs beyond the SMs taken);
+  ``gemm_kept_in_calls_pct`` the kept % while a call ran, derived (``kept_in_calls_pct``).
 - ``dispatch_kept_pct`` / ``combine_kept_pct`` / ``comm_kept_pct`` (their sum): the driver's
   median alone over the median beside.
 - ``comm_busy_pct``: the share of the loop's span in which a communication call ran (the timing
@@ -88,6 +89,20 @@ def pair_figures(gemm_total_us: float, comm_total_us: float, pair_us: float) -> 
     hidden = 100.0 * (s - pair_us) / (s - m) if s > m else None
     return {"sum_us": s, "max_us": m, "pair_us": pair_us, "exposed_us": pair_us - gemm_total_us,
             "hidden_pct": hidden}
+
+
+def kept_in_calls_pct(all_us: float, confined_us: float, beside_us: float,
+                      busy: Optional[float]) -> Optional[float]:
+    """The GEMM's kept % while a communication call ran, derived from its rate over the whole
+    loop (``beside_us`` per GEMM) on the assumption that between calls (``100 - busy`` % of the
+    loop, where the timing loop sleeps) it ran as fast as alone in its partition:
+    rate_loop = d x rate_calls + (1 - d) x rate_confined, d = busy / 100. None without a busy
+    share or when the figures contradict the assumption (a negative rate)."""
+    if busy is None or not busy > 0 or not (all_us > 0 and confined_us > 0 and beside_us > 0):
+        return None
+    d = busy / 100.0
+    rate = (1.0 / beside_us - (1.0 - d) / confined_us) / d
+    return 100.0 * rate * all_us if rate > 0 else None
 
 
 def inside(spans: Sequence[Tuple[float, float]], lo: float, hi: float) -> List[Tuple[float, float]]:
@@ -170,6 +185,9 @@ def point_row(base: Dict[str, Any], gemm: Dict[str, Any], alone: Dict[str, float
                comm_kept_pct=kept_pct(comm_alone, comm_beside),
                gemm_kept_pct=kept_pct(gemm["gemm_all_us"], gemm["gemm_beside_us"]),
                gemm_kept_of_confined_pct=kept_pct(gemm["gemm_confined_us"], gemm["gemm_beside_us"]),
+               gemm_kept_in_calls_pct=kept_in_calls_pct(gemm["gemm_all_us"], gemm["gemm_confined_us"],
+                                                        gemm["gemm_beside_us"],
+                                                        gemm.get("comm_busy_pct")),
                comm_loop_alone_us=alone["loop"], comm_loop_beside_us=beside["loop"])
     row.update(pair_figures(gemm["gemm_count"] * gemm["gemm_all_us"], alone["loop"], gemm["pair_us"]))
     return row
@@ -236,7 +254,8 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
              f"the communication ({meta.get('world', '?')} ranks, {o.get('total_sms', '?')} SMs)")
     console.print(overlap_table(df, title))
     console.print("kept % = alone time / time beside (worst rank); GEMM kept of all SMs, 'of conf.' of "
-                  "its own partition alone; pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
+                  "its own partition alone (both over the communication loop, gaps included: results.csv's "
+                  "gemm_kept_in_calls_pct is the GEMM's kept % while a call ran); pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
                   "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
     for note in meta.get("notes", []):
         console.print(f"note: {note}", highlight=False)

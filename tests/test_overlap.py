@@ -30,6 +30,16 @@ def test_pair_figures_sum_max_and_exposed():
     assert ov.pair_figures(1000.0, 0.0, 1000.0)["hidden_pct"] is None
 
 
+def test_kept_in_calls_takes_out_the_gaps_between_calls():
+    # alone 100 us, confined 110 us; busy half the loop at a rate that keeps 50 %:
+    # per-GEMM time over the loop = 1 / (0.5 / 200 + 0.5 / 110)
+    beside = 1.0 / (0.5 / 200.0 + 0.5 / 110.0)
+    assert ov.kept_in_calls_pct(100.0, 110.0, beside, 50.0) == pytest.approx(50.0)
+    assert ov.kept_in_calls_pct(100.0, 110.0, 110.0, 100.0) == pytest.approx(100 * 100 / 110)
+    assert ov.kept_in_calls_pct(100.0, 110.0, beside, None) is None
+    assert ov.kept_in_calls_pct(100.0, 110.0, 300.0, 50.0) is None  # slower than the gaps allow
+
+
 def test_spans_inside_a_window_and_loop_sizing():
     spans = [(0.0, 10.0), (10.0, 20.0), (20.0, 30.0), (30.0, 40.0)]
     assert ov.inside(spans, 5.0, 35.0) == [(10.0, 20.0), (20.0, 30.0)]
