@@ -356,10 +356,12 @@ class Gemm:
             self.b = torch.randn(spec.k, spec.n, device=device, dtype=bf, generator=g)
             self.out = torch.empty(spec.m, spec.n, device=device, dtype=bf)
             self.flops = 2.0 * spec.m * spec.n * spec.k
-            self.groups: List[Tuple[int, int]] = []
+            self.groups: List[Tuple[int, int, int]] = []  # (expert, first row, end row)
         else:
             counts = [int(c) for c in (expert_tokens or [])]
-            rows = max(sum(counts), 1)
+            rows = sum(counts)
+            if rows == 0:
+                raise UserError("--gemm experts: no token is routed to this rank's experts")
             self.a = torch.randn(rows, hidden, device=device, dtype=bf, generator=g)
             self.b = torch.randn(max(len(counts), 1), hidden, spec.intermediate, device=device,
                                  dtype=bf, generator=g) / math.sqrt(hidden)
@@ -367,7 +369,7 @@ class Gemm:
             offs = [0]
             for c in counts:
                 offs.append(offs[-1] + c)
-            self.groups = [(offs[e], offs[e + 1]) for e in range(len(counts)) if counts[e]]
+            self.groups = [(e, offs[e], offs[e + 1]) for e in range(len(counts)) if counts[e]]
             self.flops = 2.0 * sum(counts) * hidden * spec.intermediate
 
     def __call__(self) -> None:
@@ -376,7 +378,7 @@ class Gemm:
         if self.spec.kind == "square":
             torch.mm(self.a, self.b, out=self.out)
             return
-        for e, (lo, hi) in enumerate(self.groups):
+        for e, lo, hi in self.groups:
             torch.mm(self.a[lo:hi], self.b[e], out=self.out[lo:hi])
 
     def poison(self) -> None:

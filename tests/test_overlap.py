@@ -137,3 +137,22 @@ def test_cli_refuses_without_a_gpu():
     r = epbench("overlap", str(SCENARIOS / "dsv3x4.yaml"), "--nproc", "1", "--sms", "8")
     assert r.code == 2
     assert "needs a CUDA GPU" in r.both and len(r.both.strip().splitlines()) == 1
+
+
+def test_gemm_check_passes_a_rerun_and_fails_a_poisoned_or_wrong_output():
+    torch = pytest.importorskip("torch")
+    for spec, tokens in ((ov.parse_gemm("32,48,64"), None), (ov.parse_gemm("experts:16"), [5, 0, 7])):
+        g = ov.Gemm(spec, torch.device("cpu"), 64, tokens)
+        g()
+        reference = g.out.clone()
+        g.poison()
+        assert g.wrong(reference) == reference.numel()  # a GEMM that did not run cannot pass
+        g()
+        assert g.wrong(reference) == 0
+        g.out[0, 0] += 10 * (reference.abs().max() + 1)
+        assert g.wrong(reference) == 1
+    assert g.groups == [(0, 0, 5), (2, 5, 12)]  # the expert without tokens launches nothing
+    assert torch.equal(g.out[5:], g.a[5:] @ g.b[2])
+    assert g.flops == 2.0 * 12 * 64 * 16
+    with pytest.raises(UserError, match="no token"):
+        ov.Gemm(ov.parse_gemm("experts"), torch.device("cpu"), 64, [0, 0])
