@@ -220,6 +220,38 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
 
 
 @app.command()
+def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
+            sms: Annotated[Optional[str], typer.Option("--sms", help="SM counts for the communication, e.g. 4,8,16,32 (the GEMM gets the rest).")] = None,
+            backends: BackendsOpt = None,
+            gemm: Annotated[Optional[str], typer.Option("--gemm", help="M,N,K (default 8192,8192,8192), or experts[:INTERMEDIATE] for the rank's expert GEMMs.")] = None,
+            iters: ItersOpt = None, warmup: WarmupOpt = None,
+            results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
+    """What dispatch/combine cost a GEMM running beside them on the other SMs, and back (CUDA)."""
+    import torch
+
+    from epbench import overlap as ov
+    from epbench.results import new_run_dir
+
+    launch.apply_safe_env()
+    spec = ov.parse_gemm(gemm)
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
+    o = ov.OverlapOptions(opts.backends, opts.sms, opts.warmup, opts.iters, spec)
+    if launch.under_torchrun():
+        raise typer.Exit(ov.run_worker(s, o, run_dir, results, ["overlap"] + sys.argv[2:]))
+    if not torch.cuda.is_available():
+        raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
+    resolve_device(s, "cuda")
+    run_dir = run_dir or new_run_dir(results, s.name)
+    args = ["overlap", str(path), "--run-dir", str(run_dir), "--backends", ",".join(o.backends),
+            "--sms", ",".join(map(str, o.sms)), "--iters", str(o.iters), "--warmup", str(o.warmup),
+            "--gemm", gemm or ov.SQUARE_DEFAULT, "--results", str(results)]
+    code = launch.relaunch(launch.torchrun_args(args, s.topology.ranks_per_host), "cuda")
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    raise typer.Exit(code)
+
+
+@app.command()
 def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML files.")]) -> None:
     """Check scenario files; one line per file."""
     bad = 0
