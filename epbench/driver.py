@@ -305,6 +305,16 @@ def verify_ll_point(be: Backend, calls: LowLatencyCalls, s: Scenario, routings: 
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
+def rank_setup(s: Scenario, comm: Comm) -> RankSetup:
+    """What a backend is built from on this rank: the scenario's shape and this rank's place."""
+    m = s.model
+    return RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
+                     device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
+                     topk=m.topk, experts_per_rank=m.experts_per_rank,
+                     dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s, mode=s.mode,
+                     quantize=m.quantize, layout=m.layout, align=m.align)
+
+
 def _first_reason(reason: Optional[str]) -> Optional[str]:
     """A backend runs only if it can run on every rank; returns the first rank's reason."""
     reasons: List[Optional[str]] = [None] * dist.get_world_size()
@@ -384,11 +394,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
     device = comm.device.type
     x = make_tokens(m.tokens_per_rank, m.hidden, s.routing.seed, comm.rank, TIMING_SALT, comm.device)
     inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device, m.quantize)
-    setup = RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
-                      device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
-                      topk=m.topk, experts_per_rank=m.experts_per_rank,
-                      dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s, mode=s.mode,
-                      quantize=m.quantize, layout=m.layout, align=m.align)
+    setup = rank_setup(s, comm)
     em_rows = (metrics.expert_major_rows(routings, m.experts_per_rank, m.align)
                if m.layout == "expert_major" else None)
     total_wrong = 0

@@ -642,7 +642,6 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
 
     from epbench import driver, launch, metrics, provenance
     from epbench.backends import load_backend
-    from epbench.backends.base import RankSetup
     from epbench.console import wide_console
     from epbench.inputs import dispatch_input, make_tokens
     from epbench.results import RunWriter, new_run_dir
@@ -692,10 +691,7 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
             "device": torch.cuda.get_device_name(comm.device), "gemm": opts.gemm.describe(),
             "gemm_flops": gemm.flops, "total_sms": total, "shared_gpu": shared,
             "tokens_per_rank": m.tokens_per_rank, "hidden": m.hidden}
-    setup = RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
-                      device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
-                      topk=m.topk, experts_per_rank=m.experts_per_rank,
-                      dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s, mode=s.mode)
+    setup = driver.rank_setup(s, comm)
     wrong_total, salt = 0, 1
 
     def record(backend: str, sms: int, row: Dict[str, Any], raw: Dict[str, Dict[str, List[float]]]) -> int:
