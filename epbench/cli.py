@@ -39,6 +39,8 @@ RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PO
 RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="Seconds to wait for every node to join (multi-node; torchrun's default otherwise).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
+OptionOpt = Annotated[Optional[List[str]], typer.Option(
+    "--option", help="A backend option, [backend.]key=value (repeatable; README: Backend options).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
 
@@ -81,10 +83,16 @@ def resolve_device(s: scenario.Scenario, device: Optional[str]) -> str:
 
 
 def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str],
-             sms: Optional[str], iters: Optional[int], warmup: Optional[int]):
+             sms: Optional[str], iters: Optional[int], warmup: Optional[int],
+             option: Optional[List[str]] = None):
+    import dataclasses
+
+    from epbench import options
     from epbench.backends import check_names
 
     s = scenario.load(path or default_scenario())
+    if option:
+        s = dataclasses.replace(s, backend_options=options.merge(s.backend_options, options.parse_cli(option)))
     if nproc is not None:
         s = s.with_world(nproc)
     names = tuple(b.strip() for b in backends.split(",") if b.strip()) if backends else s.bench.backends
@@ -103,14 +111,17 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
 
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
-            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None) -> None:
+            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None,
+            option: Optional[List[str]] = None) -> None:
     import dataclasses
+
+    from epbench import options
 
     launch.apply_safe_env()
     if path is None and launch.under_torchrun():
         raise UserError("a scenario file is required under torchrun")
     path = path or default_scenario()
-    s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option)
     if fault not in (None, "dispatch", "combine"):
         raise UserError(f"--inject-fault: must be dispatch or combine, got {fault!r}")
     opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings,
@@ -147,6 +158,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         args.append("--no-ceilings")
     if opts.tokens:
         args += ["--tokens", ",".join(map(str, opts.tokens))]
+    args += options.to_cli(options.parse_cli(option or []))
     cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv, rdzv_timeout)
     code = launch.relaunch(cmd, dev)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
@@ -160,10 +172,10 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         device: DeviceOpt = None, results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
         inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
-        rdzv_timeout: RdzvTimeoutOpt = None) -> None:
+        rdzv_timeout: RdzvTimeoutOpt = None, option: OptionOpt = None) -> None:
     """Run a scenario across ranks (re-executing under torchrun) and print its table."""
     _launch("run", path, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-            rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout)
+            rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, option)
 
 
 @app.command()
@@ -175,12 +187,13 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
-          no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None) -> None:
+          no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None,
+          option: OptionOpt = None) -> None:
     """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout)
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, option)
 
 
 @app.command()

@@ -15,6 +15,7 @@ backend that supports CUDA graphs: plain launches, then replays of one captured 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -56,6 +57,7 @@ class PointRecord:
 
     rank: int
     samples_us: Dict[str, List[float]] = field(default_factory=dict)
+    config: Dict[str, Any] = field(default_factory=dict)  # the backend's effective_config() after the point
     wrong: Dict[str, int] = field(default_factory=dict)
     problem: Dict[str, str] = field(default_factory=dict)
     counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
@@ -386,6 +388,8 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 **measured,
                 **_ceiling_columns((ceilings or {}).get(op), sms),
                 "wrong": rec.wrong[op], "problem": rec.problem[op],
+                "impl": rec.config.get(f"{op}_impl"),
+                "options": json.dumps(rec.config, sort_keys=True) if rec.config else None,
             })
             if s.mode == "low_latency":  # latency first: the tail matters for decode
                 rows[-1].update(mode=s.mode, timing=rec.timing, time_us_p99=metrics.percentile(ts, 99))
@@ -475,7 +479,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             for _ in sms_list:
                 advance(f"{name}: skipped")
             continue
-        be = be_cls(be_setup)
+        be = be_cls(be_setup, **s.backend_options.get(name, {}))
         ll_path = low_latency and not as_normal  # this backend's own low-latency calls
         if ll_path:
             tr = metrics.pair_traffic(routings, m.experts_per_rank, s.topology.gpus_per_node)
@@ -497,6 +501,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                         if cnt is not None and not low_latency:
                             count_point(be, inp, sms, comm, cnt, min(COUNTED_ITERS, opts.iters), rec)
                         verify_point(be, s, routings, sms, comm, salt[0], opts.inject_fault, rec)
+                    rec.config = be.effective_config()
                     salt[0] += 1
                     gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
                     dist.gather_object(rec, gathered, dst=0)
