@@ -65,3 +65,26 @@ def test_scenario_key_is_validated_with_the_file() -> None:
     assert scenario.parse(base, "x.yaml").backend_options == {}
     with pytest.raises(UserError, match=r"^x\.yaml: backend_options\.epbench\.warps: unknown option"):
         scenario.parse({**base, "backend_options": {"epbench": {"warps": 1}}}, "x.yaml")
+
+
+def test_a_cpu_run_records_the_options_it_was_given(tmp_path) -> None:
+    """epbench's kernels skip on CPU; the requested options still land in meta.json, and every row has the
+    impl / options columns (empty for the reference backend, which has none)."""
+    from support import SCENARIOS, run_cli
+
+    run = run_cli(tmp_path, "run", str(SCENARIOS / "smoke.yaml"), "--nproc", "2", "--iters", "2", "--warmup", "0",
+                  "--device", "cpu", "--backends", "reference,epbench", "--option", "dispatch_impl=lean",
+                  "--option", "epbench.combine_warps=12")
+    assert run.result.code == 0, run.result.both
+    assert run.meta()["scenario"]["backend_options"] == {"epbench": {"dispatch_impl": "lean", "combine_warps": 12}}
+    rows = run.rows()
+    assert {"impl", "options"} <= set(rows.columns) and rows["options"].isna().all()
+
+
+def test_a_bad_option_is_one_line_and_exit_2(tmp_path) -> None:
+    from support import SCENARIOS, assert_one_line_error, epbench
+
+    r = epbench("run", str(SCENARIOS / "smoke.yaml"), "--device", "cpu", "--option", "epbench.dispatch_impl=spread",
+                "--results", str(tmp_path))
+    assert r.code == 2
+    assert_one_line_error(r, "dispatch_impl: must be one of lean_dyn, lean")
