@@ -1,4 +1,4 @@
-"""The ``epbench-hier`` backend: epbench's hierarchical dispatch/combine (csrc/nvshmem/hier.cu).
+"""The ``epbench-hier`` backend: epbench's hierarchical dispatch/combine (csrc/nvshmem/hier_*.cu).
 
 For ``nodes x gpus_per_node`` ranks: a token crosses the network at most once per destination
 node, to the GPU with its own local rank there (same rail), which forwards it over NVLink to the
