@@ -37,7 +37,7 @@ struct LlCombineArgs {
 };
 
 // kV: 16-byte vectors per lane in a unit's chunk (4: 128 vectors = 2 KiB of bf16, the default; 2: 1 KiB),
-// a template parameter measured both ways (EPBENCH_LL_COMBINE_CHUNK=2|4; 2026-11-21, 128 tokens, 4 x H200:
+// a template parameter measured both ways (the `chunk` argument of ep_ll_combine, 2|4; 2026-11-21, 128 tokens, 4 x H200:
 // 4 took 39.2 / 40.3 us at 132 / 64 SMs against 40.3 / 44.0 for 2, notes/KERNELS.md).
 constexpr int kG = 4;  // rows whose chunk is loaded at once (kG x kV loads in flight per lane)
 
@@ -176,18 +176,18 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
 
 }  // namespace
 
-extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, int num_sms, int warps,
+extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, int num_sms, int warps, int chunk,
                              void* vstream) {
   LlContext* ctx = (LlContext*)vctx;
   if (ll_check_launch(ctx, num_tokens, num_sms, warps) != 0) return -1;
+  if (chunk != 2 && chunk != 4) {
+    ep_set_error("low-latency combine: chunk must be 2 or 4 vectors per lane (got %d)", chunk);
+    return -1;
+  }
   CUDA_CHECK(cudaSetDevice(ctx->ep->device));
   LlCombineArgs a;
   a.topk_idx = (const int64_t*)topk_idx;
   a.num_tokens = num_tokens;
-  static const int chunk = [] {
-    const char* v = getenv("EPBENCH_LL_COMBINE_CHUNK");
-    return v != nullptr && atoi(v) == 2 ? 2 : 4;
-  }();
   if (chunk == 4)
     ll_combine_kernel<512, 4><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);
   else

@@ -40,6 +40,8 @@ RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="S
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
 MpsOpt = Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
+OptionOpt = Annotated[Optional[List[str]], typer.Option(
+    "--option", help="A backend option, [backend.]key=value (repeatable; README: Backend options).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
 
@@ -106,10 +108,16 @@ def resolve_device(s: scenario.Scenario, device: Optional[str], share: bool = Tr
 
 
 def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str],
-             sms: Optional[str], iters: Optional[int], warmup: Optional[int]):
+             sms: Optional[str], iters: Optional[int], warmup: Optional[int],
+             option: Optional[List[str]] = None):
+    import dataclasses
+
+    from epbench import options
     from epbench.backends import check_names
 
     s = scenario.load(path or default_scenario())
+    if option:
+        s = dataclasses.replace(s, backend_options=options.merge(s.backend_options, options.parse_cli(option)))
     if nproc is not None:
         s = s.with_world(nproc)
     names = tuple(b.strip() for b in backends.split(",") if b.strip()) if backends else s.bench.backends
@@ -128,15 +136,18 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
 
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
-            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False) -> None:
+            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False,
+            option: Optional[List[str]] = None) -> None:
     import contextlib
     import dataclasses
+
+    from epbench import options
 
     launch.apply_safe_env()
     if path is None and launch.under_torchrun():
         raise UserError("a scenario file is required under torchrun")
     path = path or default_scenario()
-    s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option)
     if fault not in (None, "dispatch", "combine"):
         raise UserError(f"--inject-fault: must be dispatch or combine, got {fault!r}")
     opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings,
@@ -173,6 +184,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         args.append("--no-ceilings")
     if opts.tokens:
         args += ["--tokens", ",".join(map(str, opts.tokens))]
+    args += options.to_cli(options.parse_cli(option or []))
     cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv, rdzv_timeout)
     with launch.private_mps() if mps and dev == "cuda" else contextlib.nullcontext():
         code = launch.relaunch(cmd, dev)
@@ -187,7 +199,8 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         device: DeviceOpt = None, results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
         inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
-        rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False) -> None:
+        rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False,
+        option: OptionOpt = None) -> None:
     """Run a scenario across ranks (re-executing under torchrun) and print its table. Without a
     path: each shipped scenario that fits this host."""
     paths = [path] if path is not None or launch.under_torchrun() else default_scenarios()
@@ -195,7 +208,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
     for p in paths:
         try:
             _launch("run", p, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps)
+                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option)
         except typer.Exit as e:
             worst = worst or e.exit_code
     raise typer.Exit(worst)
@@ -211,12 +224,12 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
           no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None,
-          mps: MpsOpt = False) -> None:
+          mps: MpsOpt = False, option: OptionOpt = None) -> None:
     """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps)
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option)
 
 
 @app.command()

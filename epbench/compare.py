@@ -64,6 +64,38 @@ def provenance_warnings(meta_a: Dict[str, Any], meta_b: Dict[str, Any]) -> List[
     return out
 
 
+def _options_of(meta: Dict[str, Any], df: pd.DataFrame) -> Dict[str, Dict[str, Any]]:
+    """backend -> option -> value: what the rows say ran (column ``options``: the union over a backend's rows,
+    a value that differs between rows listed), else what the scenario asked for (meta.json)."""
+    import json
+
+    out: Dict[str, Dict[str, Any]] = {}
+    if "options" in df:
+        for backend, opts in df[["backend", "options"]].dropna().itertuples(index=False):
+            for k, v in json.loads(opts).items():
+                seen = out.setdefault(backend, {}).setdefault(k, [])
+                if v not in seen:
+                    seen.append(v)
+        out = {b: {k: v[0] if len(v) == 1 else v for k, v in o.items()} for b, o in out.items()}
+    for backend, opts in ((meta.get("scenario") or {}).get("backend_options") or {}).items():
+        for k, v in opts.items():
+            out.setdefault(backend, {}).setdefault(k, v)
+    return out
+
+
+def option_warnings(meta_a: Dict[str, Any], df_a: pd.DataFrame,
+                    meta_b: Dict[str, Any], df_b: pd.DataFrame) -> List[str]:
+    """One line per backend option that differs between the runs (backends both ran)."""
+    oa, ob = _options_of(meta_a, df_a), _options_of(meta_b, df_b)
+    out = []
+    for backend in sorted(set(oa) & set(ob)):
+        for key in sorted(set(oa[backend]) | set(ob[backend])):
+            a, b = oa[backend].get(key), ob[backend].get(key)
+            if a != b:
+                out.append(f"{backend} option {key} differs: A {_show(a)} vs B {_show(b)}")
+    return out
+
+
 def compare_table(both: pd.DataFrame, title: str):
     from rich.table import Table
 
@@ -105,6 +137,6 @@ def print_compare(a: Path, b: Path, console) -> pd.DataFrame:
         console.print(f"A {a} and B {b}: no measured points in either")
     else:
         console.print(compare_table(both, f"A = {a}  vs  B = {b}"))
-    for w in provenance_warnings(meta_a, meta_b):
+    for w in provenance_warnings(meta_a, meta_b) + option_warnings(meta_a, df_a, meta_b, df_b):
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
     return both

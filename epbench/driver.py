@@ -410,7 +410,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             for _ in sms_list:
                 advance(f"{name}: skipped")
             continue
-        be = be_cls(be_setup)
+        be = be_cls(be_setup, **s.backend_options.get(name, {}))
         ll_path = low_latency and not as_normal  # this backend's own low-latency calls
         if ll_path:
             tr = metrics.pair_traffic(routings, m.experts_per_rank, s.topology.gpus_per_node)
@@ -432,6 +432,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                         if cnt is not None and not low_latency:
                             count_point(be, inp, sms, comm, cnt, min(COUNTED_ITERS, opts.iters), rec)
                         verify_point(be, s, routings, sms, comm, salt[0], opts.inject_fault, rec)
+                    rec.config = be.effective_config()
                     salt[0] += 1
                     gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
                     dist.gather_object(rec, gathered, dst=0)

@@ -43,6 +43,7 @@ Relation to nccl-tests
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -156,6 +157,7 @@ class PointRecord:
 
     rank: int
     samples_us: Dict[str, List[float]] = field(default_factory=dict)
+    config: Dict[str, Any] = field(default_factory=dict)  # the backend's effective_config() after the point
     wrong: Dict[str, int] = field(default_factory=dict)
     problem: Dict[str, str] = field(default_factory=dict)
     counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
@@ -275,6 +277,8 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 "quantize": m.quantize, "layout": m.layout, "align": m.align,
                 **expert_major_columns(expert_major_rows, r, row_bytes(dtype, m.hidden)),
                 "wrong": rec.wrong[op], "problem": rec.problem[op],
+                "impl": rec.config.get(f"{op}_impl"),
+                "options": json.dumps(rec.config, sort_keys=True) if rec.config else None,
             })
             if s.mode == "low_latency":  # latency first: the tail matters for decode
                 rows[-1].update(mode=s.mode, timing=rec.timing, time_us_p99=percentile(ts, 99))

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
+from epbench import options
 from epbench.errors import UserError
 
 DTYPES = ("bf16", "fp8", "mxfp8")
@@ -93,6 +94,8 @@ class Scenario:
     bench: Bench = field(default_factory=Bench)
     description: str = ""
     mode: str = "normal"
+    # backend -> option -> value (epbench/options.py); validated and typed by parse()
+    backend_options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     source: str = ""  # the file it came from
 
     @property
@@ -172,6 +175,8 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, data[name], key)
+        elif name == "backend_options":
+            kwargs[name] = options.validate(data[name], key)
         else:
             kwargs[name] = _coerce(data[name], tp, key)
     return cls(**kwargs)

@@ -180,6 +180,11 @@ class Backend(ABC):
     @abstractmethod
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput: ...
 
+    def effective_config(self) -> Dict[str, Any]:
+        """The options this backend ran with, after any clamp or fallback of its kernels (epbench/options.py
+        names them); read after the last call of a point and written into its rows. Empty: no options."""
+        return {}
+
     def prepare_input(self, inp: DispatchInput) -> DispatchInput:
         """The input to time ``dispatch`` with, prepared outside the timed region (once per point).
         A backend whose kernel reads the tokens from its own registered buffer copies them there
