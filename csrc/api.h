@@ -124,6 +124,18 @@ int ep_ll_dispatch(void* ll_ctx, const void* x, const void* x_scales, const void
 int ep_ll_combine(void* ll_ctx, const void* topk_idx, int num_tokens, int num_sms, int warps, int chunk,
                   void* stream);
 int ep_ll_destroy(void* ll_ctx);
+// Measuring aids (epbench/llprobe.py, notes/LATENCY.md); they change what later launches and captures
+// do, so set them before capturing. stamps: null (off, the default) or a device buffer of u64
+// [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase
+// boundaries (LlStamp in ll_common.cuh). variant: 0 (default kernels) or LL_VARIANT_* bits
+// (ll_common.cuh) that bring back pieces of the pre-issue-24 synchronisation.
+int ep_ll_set_probe(void* ll_ctx, void* stamps, int variant);
+// A kernel of the ll kernels' grid (num_sms blocks of warps x 32 threads) that does only one fixed
+// cost, stamped like them (start, end of part A at slot 2, end): mode 0 nothing (the launch floor),
+// 1 the grid-wide release / wait / finish handshake of the ll kernels (with the variant set above),
+// 2 thread 0 of each block: 16 dependent global loads, 3 thread 0: 16 x (store, fence.acq_rel.sys),
+// 4 thread 0 of block 0 also stores the smallest nonzero step of %globaltimer (ns) at slot 7.
+int ep_ll_probe(void* ll_ctx, int mode, int num_sms, int warps, void* stream);
 
 #ifdef __cplusplus
 }
