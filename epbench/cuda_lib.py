@@ -85,6 +85,9 @@ def signatures() -> Dict[str, List[Any]]:
         "ep_ll_dispatch": [vp, vp, vp, vp, vp, i, i, i, vp],
         "ep_ll_combine": [vp, vp, i, i, i, vp],
         "ep_ll_destroy": [vp],
+        # csrc/ceiling.cu (not in api.h): the plain SM-store ceiling kernel
+        "ep_store_ceiling": [ctypes.POINTER(ull), ctypes.POINTER(ctypes.c_longlong), i, vp, i, i,
+                             vp],
     }
 
 
