@@ -163,7 +163,7 @@ def measured_points(run: Path) -> Tuple[List[Dict[str, Any]], str]:
     """The points of one results folder that may calibrate the NVLink tier: (points, '') or
     ([], why not). A point qualifies when its run ran on CUDA GPUs on one real node without
     tuning knobs and every rank's rows of both ops at that SM count verified. ``nvlink_bytes``
-    is the busiest rank and direction (see _busiest_nvlink_bytes)."""
+    is the busiest rank and direction (see _Busiest)."""
     from epbench.results import load_run
 
     meta, df = load_run(run)
