@@ -358,7 +358,7 @@ def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseli
 
 @app.command()
 def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topology; nothing runs).")],
-            calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Intranode results folder (or a folder of them) that sets the NVLink efficiency. Default: the best matching run in docs/perf/, else none.")] = None,
+            calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Intranode results folder (or a folder of them) that sets the NVLink efficiency. Default: the best matching point in epbench/data/calibration.csv, else none.")] = None,
             backend: Annotated[str, typer.Option("--backend", help="Backend whose measured efficiency calibrates the model.")] = "epbench",
             sms: Annotated[Optional[int], typer.Option("--sms", help="Calibrate from this SM count (default: the run's fastest).")] = None,
             nic_efficiency: Annotated[float, typer.Option("--nic-efficiency", help="Fraction of the nominal NIC rate reached (assumed; nothing here measures a NIC).")] = 1.0,
