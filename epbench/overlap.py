@@ -340,6 +340,18 @@ class Partition:
             self.ctx.pop_context()
 
 
+def disjoint_partition(free: int, device_index: int) -> Partition:
+    """The largest green context the driver grants within ``free`` SMs. The driver rounds a
+    request up to its SM-group size (H100: 124 asked, 128 given), which would let the GEMM's
+    partition overlap the communication's SMs; asking again for less keeps them disjoint."""
+    want = free
+    while True:
+        p = Partition(want, device_index)
+        if p.sms <= free or want <= 1:
+            return p
+        want -= p.sms - free
+
+
 class Gemm:
     """The computation beside the communication, writing into one preallocated output that
     the check poisons first (a launch that never ran cannot leave a correct result behind)."""
@@ -672,7 +684,7 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
     gemm()
     gemm_all = time_gemm(gemm, opts.gemm_iters, None)
     reference = gemm.out.clone()
-    parts = {k: Partition(total - k, comm.device.index) for k in opts.sms}
+    parts = {k: disjoint_partition(total - k, comm.device.index) for k in opts.sms}
     for k, p in parts.items():
         if p.sms > total - k:
             notes.append(f"{k} SMs: the driver gave the GEMM's green context {p.sms} SMs "

@@ -156,3 +156,18 @@ def test_gemm_check_passes_a_rerun_and_fails_a_poisoned_or_wrong_output():
     assert g.flops == 2.0 * 12 * 64 * 16
     with pytest.raises(UserError, match="no token"):
         ov.Gemm(ov.parse_gemm("experts"), torch.device("cpu"), 64, [0, 0])
+
+
+def test_partition_request_is_lowered_until_it_fits_beside_the_communication(monkeypatch):
+    """The driver rounds a green context up to its SM-group size (8 on H100): asking for the
+    free SMs must not hand the GEMM SMs that the communication uses."""
+    from epbench import overlap as ov
+
+    class Rounding:
+        def __init__(self, want: int, device_index: int) -> None:
+            self.want, self.sms = want, -(-want // 8) * 8
+
+    monkeypatch.setattr(ov, "Partition", Rounding)
+    for k in (4, 8, 16, 32):
+        p = ov.disjoint_partition(132 - k, 0)
+        assert p.sms <= 132 - k and p.sms > 132 - k - 8
