@@ -130,7 +130,7 @@ def test_find_runs(tmp_path):
     (tmp_path / "stray").mkdir()
     assert results.find_runs([tmp_path]) == sorted([a, b])
     assert results.find_runs([a]) == [a]
-    with pytest.raises(UserError, match="no results folders"):
+    with pytest.raises(UserError, match="no readable results folders"):
         results.find_runs([tmp_path / "stray"])
     with pytest.raises(UserError, match="no such file or folder"):
         results.find_runs([tmp_path / "missing"])
