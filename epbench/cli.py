@@ -11,6 +11,11 @@ from typing import Annotated, List, Optional
 import typer
 from rich.markup import escape
 
+try:  # typer >= 0.24 carries its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer on plain click
+    from click import exceptions as click_errors
+
 
 from epbench import launch, scenario
 from epbench.console import wide_console
@@ -140,12 +145,16 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     launch.apply_safe_env()
     if path is None and launch.under_torchrun():
         raise UserError("a scenario file is required under torchrun")
+    token_list = scenario.maybe_int_list(tokens, "--tokens", scenario.MAX_SHAPE["tokens_per_rank"])
+    if not launch.under_torchrun():  # cheap checks of the output folders before torch comes in
+        from epbench.results import check_new_run_dir
+
+        check_new_run_dir(results, run_dir)
     path = path or default_scenario()
     s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
     if fault not in (None, "dispatch", "combine"):
-        raise UserError(f"--inject-fault: must be dispatch or combine, got {fault!r}")
-    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings,
-                               tokens=scenario.maybe_int_list(tokens, "--tokens"))
+        raise UserError(f"--inject-fault: must be dispatch or combine, got {scenario.shown(fault)}")
+    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings, tokens=token_list)
     if launch.under_torchrun():
         from epbench.session import run_worker
 
@@ -351,7 +360,18 @@ def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topolo
 def main() -> None:
     launch.apply_safe_env()
     try:
-        app()
+        sys.exit(app(standalone_mode=False))
+    except click_errors.UsageError as e:  # a mistyped option or value: one line, not click's framed box
+        if isinstance(e, getattr(click_errors, "NoArgsIsHelpError", ())):
+            console.print(e.ctx.get_help() if e.ctx else str(e))
+            sys.exit(e.exit_code)
+        cmd = f"{e.ctx.info_name}: " if e.ctx and e.ctx.parent else ""
+        err.print(f"epbench: error: {cmd}{' '.join(e.format_message().split())}", markup=False,
+                  highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # Ctrl-C outside a run (click turns KeyboardInterrupt into Abort)
+        err.print("epbench: interrupted", markup=False, highlight=False)
+        sys.exit(130)
     except (UserError, VerificationFailed, StartupError) as e:
         if os.environ.get("EPBENCH_DEBUG"):
             traceback.print_exc()

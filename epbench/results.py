@@ -47,10 +47,23 @@ def _shown(path: Path) -> str:
 
 
 def _make_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{_shown(root)}: not a folder; results need a folder")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"{_shown(root)}: cannot hold results ({e.strerror or type(e).__name__})") from None
+
+
+def check_new_run_dir(root: Path, run_dir: Optional[Path]) -> None:
+    """Refuses, before anything starts, a results root that is not a folder or a --run-dir that
+    exists (claim_run_dir / new_run_dir still claim the folder atomically later)."""
+    for p in (root,) + ((run_dir.parent,) if run_dir else ()):
+        if p.exists() and not p.is_dir():
+            raise UserError(f"{_shown(p)}: not a folder; results need a folder")
+    if run_dir is not None and (run_dir.exists() or run_dir.is_symlink()):
+        raise UserError(f"{_shown(run_dir)}: exists already; a run never writes into an existing "
+                        f"folder (give a new --run-dir)")
 
 
 def claim_run_dir(path: Path) -> Path:

@@ -44,6 +44,8 @@ MAX_NODES_PER_JOB = 1024
 MAX_GPUS_PER_NODE = 64
 MAX_GBPS = 1e5
 MAX_RANK_BYTES = 1 << 40  # 1 TiB: more than any one GPU or host holds
+# Shapes far beyond any model's (DeepSeek-V3: hidden 7168, 256 experts, top-8), still generous.
+MAX_SHAPE = {"hidden": 1 << 17, "tokens_per_rank": 1 << 20, "topk": 1024, "experts_per_rank": 4096}
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 4, 4, 60, 60
@@ -170,7 +172,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _key_text(key: str) -> str:
-    return cut(key, 40)
+    return cut(key, 16)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -229,11 +231,13 @@ def _check(s: Scenario) -> None:
         if not cond:
             raise UserError(f"{key}: {rule}, got {shown(value)}")
 
-    need(NAME.fullmatch(s.name) is not None, "name", "must be a file-name token (letters, digits, "
-         "'.', '_', '-'; at most 100; not starting with '.')", s.name)
+    if NAME.fullmatch(s.name) is None:
+        raise UserError(f"name: must be a file-name token (A-Z a-z 0-9 . _ -, at most 100, no "
+                        f"leading '.'), got {shown(s.name, 40)}")
 
-    for key in ("hidden", "tokens_per_rank", "topk", "experts_per_rank"):
-        need(getattr(m, key) > 0, f"model.{key}", "must be positive", getattr(m, key))
+    for key, top in MAX_SHAPE.items():
+        need(0 < getattr(m, key) <= top, f"model.{key}", f"must be positive and at most {top}",
+             getattr(m, key))
     need(m.hidden % 8 == 0, "model.hidden", "must be a multiple of 8 elements (16 bytes)", m.hidden)
     need(m.dispatch_dtype in DTYPES, "model.dispatch_dtype", f"must be one of {', '.join(DTYPES)}",
          m.dispatch_dtype)
@@ -270,11 +274,13 @@ def _check(s: Scenario) -> None:
     check_backends(b.backends, "bench.backends")
     need(s.mode in MODES, "mode", f"must be one of {', '.join(MODES)}", s.mode)
     draws = m.tokens_per_rank * s.num_experts * 4  # routing: one fp32 draw per (token, expert)
-    need(draws <= MAX_RANK_BYTES, "model.experts_per_rank", f"routing needs {draws / 2**30:.3g} GiB "
-         f"(tokens_per_rank x all experts x 4 bytes), more than any host holds", m.experts_per_rank)
+    if draws > MAX_RANK_BYTES:
+        raise UserError(f"model.experts_per_rank: routing needs {draws / 2**30:.0f} GiB ({m.tokens_per_rank} "
+                        f"tokens x {s.num_experts} experts x 4 bytes); no host has that")
     need_bytes = min_bytes_per_rank(s)
-    need(need_bytes <= MAX_RANK_BYTES, "model", f"needs at least {need_bytes / 2**30:.3g} GiB per "
-         f"rank (hidden x tokens_per_rank x ranks), more than any GPU or host holds", _shape(m))
+    if need_bytes > MAX_RANK_BYTES:
+        raise UserError(f"model: needs at least {need_bytes / 2**30:.0f} GiB per rank (hidden {m.hidden} x "
+                        f"{m.tokens_per_rank} tokens x {s.world} ranks); no GPU or host has that")
 
 
 def _shape(m: Model) -> str:

@@ -288,7 +288,7 @@ def test_a_rank_error_names_the_rank_literally(monkeypatch, capsys):
     from epbench import cli
     from epbench.errors import StartupError
 
-    def boom() -> None:
+    def boom(**_click_options) -> None:
         raise StartupError("NVSHMEM could not start on rank 3: [uid] refused")
 
     monkeypatch.setattr(cli, "app", boom)
