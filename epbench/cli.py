@@ -276,7 +276,8 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
 
     for d, meta, df in load_runs(paths, _warn):
         try:
-            written = plot_run(d, (out / d.name) if out else None, force=force, loaded=(meta, df))
+            written = plot_run(d, (out / d.name) if out else None, force=force, loaded=(meta, df),
+                               warn=_warn)
         except UserError as e:  # one run's plots exist or cannot be written: say so, go on
             _warn(str(e))
             continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import matplotlib
 
@@ -176,16 +176,22 @@ def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False) -> P
     return _save(fig, title, path, force)
 
 
-def expert_load(meta: dict, path: Path, force: bool = False) -> Optional[Path]:
-    """Tokens routed to each expert (regenerated from the run's scenario and seed)."""
-    from epbench.routing import expert_load as load_of, route_all
+def run_scenario(meta: dict):
+    """The run's scenario rebuilt from meta.json (UserError where it no longer validates)."""
     from epbench.scenario import parse
 
     data = dict(meta.get("scenario") or {})
-    if not data:
-        return None
     data.pop("source", None)
-    s = parse(data, "meta.json")  # a scenario that no longer validates: UserError, the run is skipped
+    return parse(data, "meta.json scenario")
+
+
+def expert_load(meta: dict, path: Path, force: bool = False) -> Optional[Path]:
+    """Tokens routed to each expert (regenerated from the run's scenario and seed)."""
+    from epbench.routing import expert_load as load_of, route_all
+
+    if not meta.get("scenario"):
+        return None
+    s = run_scenario(meta)
     load = load_of(route_all(s), s.num_experts).numpy()
     fig, ax = plt.subplots(figsize=(10, 3.5))
     epr = s.model.experts_per_rank
@@ -202,10 +208,18 @@ def expert_load(meta: dict, path: Path, force: bool = False) -> Optional[Path]:
 
 
 def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
-             loaded: Optional[Tuple[Dict[str, Any], pd.DataFrame]] = None) -> List[Path]:
+             loaded: Optional[Tuple[Dict[str, Any], pd.DataFrame]] = None,
+             warn: Optional[Callable[[str], None]] = None) -> List[Path]:
     """Every plot of one run (``loaded``: its meta and results, when the caller read them).
-    Plots that exist are kept unless ``force``: then nothing of this run is drawn (UserError)."""
+    Plots that exist are kept unless ``force``: then nothing of this run is drawn (UserError).
+    A scenario in meta.json that no longer validates costs only the expert-load plot (``warn``)."""
     meta, df = loaded or load_run(run_dir)
+    if meta.get("scenario"):
+        try:
+            run_scenario(meta)
+        except UserError as e:
+            (warn or (lambda _text: None))(f"{short_path(run_dir)}: no expert-load plot ({e})")
+            meta = {k: v for k, v in meta.items() if k != "scenario"}
     out_dir = out_dir or run_dir / "plots"
     summary = summarize(df) if not df.empty else df
     names = (["bandwidth_vs_sms.png", "per_rank.png"] if not df.empty else [])

@@ -190,8 +190,10 @@ def _read_text(path: Path) -> str:
 def read_table(path: Path, need: Tuple[str, ...] = ()) -> pd.DataFrame:
     """A CSV this module wrote: empty when absent or empty; a UserError when it was cut short
     (no final newline, a row with fewer fields than the header) or lacks a ``need`` column."""
-    if not path.is_file():
+    if not path.exists():
         return pd.DataFrame()
+    if not path.is_file():
+        raise UserError(f"{_shown(path)}: not a file (corrupt run)")
     text = _read_text(path)
     if not text:
         return pd.DataFrame()
@@ -225,7 +227,7 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     try:
         meta = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f"{_shown(path / META)}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise UserError(f"{_shown(path / META)}: not valid JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
     except (ValueError, RecursionError) as e:  # a 5000-digit number, nesting 100,000 deep
         from epbench.scenario import cut
 
