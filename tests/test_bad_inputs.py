@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -123,30 +122,33 @@ class Child:
     peak_mb: float
 
 
+# The child is started by a small Python process and measured there: a child forked straight from
+# pytest (which may hold torch) would count the parent's pages in its peak resident memory.
+MEASURE = """
+import resource, subprocess, sys
+try:
+    code = subprocess.run([sys.executable, "-m", "epbench", *sys.argv[3:]], timeout=float(sys.argv[2])).returncode
+except subprocess.TimeoutExpired:
+    code = -9
+u = resource.getrusage(resource.RUSAGE_CHILDREN)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{u.ru_maxrss} {u.ru_utime + u.ru_stime}")
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
 def run_measured(*args: str, timeout: float = MAX_WALL) -> Child:
     """``python -m epbench ARGS`` with its exit code, output, CPU time and peak resident memory."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EPBENCH_DEBUG")}
     import tempfile
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-m", "epbench", *map(str, args)], cwd=REPO,
-                             stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() - start > timeout:
-                p.kill()
-                pid, status, usage = os.wait4(p.pid, 0)
-                break
-            time.sleep(0.01)
-        seconds = usage.ru_utime + usage.ru_stime
-        p.returncode = os.waitstatus_to_exitcode(status)  # already reaped: keep Popen quiet
-        out.seek(0)
-        err.seek(0)
-        return Child(p.returncode, out.read(), err.read(), seconds, usage.ru_maxrss / 1024)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EPBENCH_DEBUG")}
+    with tempfile.NamedTemporaryFile("r") as usage:
+        p = subprocess.run([sys.executable, "-c", MEASURE, usage.name, str(timeout), *map(str, args)],
+                           cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           timeout=timeout + 30)
+        peak_kb, cpu_s = usage.read().split()
+    return Child(p.returncode, p.stdout, p.stderr, float(cpu_s), int(peak_kb) / 1024)
 
 
 def assert_cheap(c: Child) -> None:
