@@ -9,7 +9,7 @@ export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup build nvshmem nvshmem-carry run test gpu-check clean
+.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry run test gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -63,6 +63,27 @@ nvshmem-carry: setup
 	cp "$$home"/lib/libnvshmem_device.a "$$home"/lib/libnvshmem_host.so.3 "$$home"/lib/nvshmem_bootstrap_uid.so.3 \
 	   "$$home"/lib/nvshmem_transport_ibrc.so.3 .whl/nvshmem/lib/ && \
 	echo "copied $$home to .whl/nvshmem ($$(du -sh .whl/nvshmem | cut -f1))"
+
+# External baselines (DeepEP V1 / V2 / Hybrid-EP, one flavor per venv: all install as deep_ep) at
+# pinned commits, from DEEPEP_SRC=<checkout> or a clone; a failure is one line, never an error.
+# DEEPEP_FLAVOR=v1|v2|hybrid-ep (default v1). torch's symm-mem backend needs no build.
+DEEPEP_FLAVOR ?= v1
+baselines: setup
+	@$(PY) -m epbench.baselines build --flavor $(DEEPEP_FLAVOR)
+
+baselines-status: setup
+	@$(PY) -m epbench.baselines status
+
+# For the GPU host (no network): the pinned flavor's source as .whl/deepep-src.tar.gz (git-ignored),
+# made from a local checkout; there: mkdir -p /tmp/deepep && tar -xzf .whl/deepep-src.tar.gz -C /tmp/deepep
+# && make baselines DEEPEP_SRC=/tmp/deepep.
+baselines-carry:
+	@test -n "$(DEEPEP_SRC)" || { echo "baselines-carry needs DEEPEP_SRC=<a DeepEP git checkout>"; exit 2; }
+	@commit=$$($(PYTHON) -c "import sys; sys.path.insert(0, '.'); from epbench.baselines import FLAVORS; print(FLAVORS['$(DEEPEP_FLAVOR)'].commit)") && \
+	mkdir -p .whl && tmp=$$(mktemp -d) && \
+	git -C "$(DEEPEP_SRC)" archive --format=tar "$$commit" | tar -x -C "$$tmp" && echo "$$commit" > "$$tmp/.epbench-commit" && \
+	tar -czf .whl/deepep-src.tar.gz -C "$$tmp" . && rm -rf "$$tmp" && \
+	echo "wrote .whl/deepep-src.tar.gz ($(DEEPEP_FLAVOR) at $$commit, $$(du -h .whl/deepep-src.tar.gz | cut -f1))"
 
 run: build
 	$(EPB) run

@@ -6,7 +6,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import Annotated, List, Optional, Tuple
 
 import typer
 from rich.markup import escape
@@ -43,6 +43,7 @@ NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="This no
 RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (passed to torchrun).")]
 RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="Seconds to wait for every node to join (multi-node; torchrun's default otherwise).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
+MpsOpt = Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
@@ -54,19 +55,41 @@ def _root(debug: Annotated[bool, typer.Option("--debug", help="Show full traceba
         os.environ["EPBENCH_DEBUG"] = "1"
 
 
-def default_scenario() -> Path:
-    """The shipped scenario that matches this host: 8 GPUs -> h100x8, 4 -> h200x4, none -> smoke."""
+# The shipped scenarios `epbench run` runs without a path, by the number of GPUs on the host.
+DEFAULTS = {0: ("smoke",), 1: ("dsv3x4-1gpu",), 2: ("dsv3x2", "h8192x2", "dsv3x2x1-virtual"),
+            4: ("h200x4",), 8: ("h100x8",)}
+
+
+def default_names(gpus: int) -> Tuple[str, ...]:
+    """The default scenarios of a host with ``gpus`` GPUs: those of the largest count it reaches."""
+    return DEFAULTS[max(n for n in DEFAULTS if n <= max(gpus, 0))]
+
+
+def default_scenarios() -> List[Path]:
+    """The shipped scenarios that match this host (DEFAULTS), announced in one line."""
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    name = "h100x8" if n >= 8 else "h200x4" if n >= 4 else "smoke"
-    path = SCENARIOS / f"{name}.yaml"
-    console.print(f"no scenario given: running {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path} "
-                  f"({n} CUDA GPU{'s' if n != 1 else ''} found)")
-    return path
+    paths = [SCENARIOS / f"{name}.yaml" for name in default_names(n)]
+    shown = ", ".join(str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(p)
+                      for p in paths)
+    console.print(f"no scenario given: running {shown} ({n} CUDA GPU{'s' if n != 1 else ''} found)")
+    return paths
 
 
-def resolve_device(s: scenario.Scenario, device: Optional[str]) -> str:
+def default_scenario() -> Path:
+    return default_scenarios()[0]
+
+
+def share_note(ranks: int, gpus: int) -> str:
+    return (f"note: {ranks} ranks on {gpus} GPU{'s' if gpus != 1 else ''}: ranks share GPUs, so this "
+            f"is a functional run (the kernels are verified; nothing crosses a link, so no bus "
+            f"bandwidth, link % or ceiling is given)")
+
+
+def resolve_device(s: scenario.Scenario, device: Optional[str], share: bool = True) -> str:
+    """The device a run uses. More ranks than GPUs on the host: the ranks share the GPUs (a
+    functional run, said in one loud line) where ``share`` allows it, else one clear error."""
     import torch
 
     want = device or s.bench.device
@@ -78,10 +101,12 @@ def resolve_device(s: scenario.Scenario, device: Optional[str]) -> str:
     if want == "cuda":
         per_host = s.topology.ranks_per_host
         key = "topology.virtual_nodes" if s.topology.virtual_nodes else "topology.gpus_per_node"
-        if gpus < per_host:
+        if gpus < per_host and not (share and gpus):
             raise UserError(f"{s.source}: {key}: needs {per_host} GPUs on this host but it has "
                             f"{gpus}; use --nproc N to run the shape on fewer ranks"
                             f"{' or --device cpu' if not gpus else ''}")
+        if gpus < per_host:
+            console.print(f"[bold yellow]{share_note(per_host, gpus)}[/]", highlight=False)
     return want
 
 
@@ -139,7 +164,8 @@ def _host_memory() -> int:
 
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
-            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None) -> None:
+            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False) -> None:
+    import contextlib
     import dataclasses
 
     launch.apply_safe_env()
@@ -189,7 +215,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     if opts.tokens:
         args += ["--tokens", ",".join(map(str, opts.tokens))]
     cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv, rdzv_timeout)
-    code = launch.relaunch(cmd, dev)
+    with launch.private_mps() if mps and dev == "cuda" else contextlib.nullcontext():
+        code = launch.relaunch(cmd, dev)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()  # the job died before it measured anything
     raise typer.Exit(code)
@@ -201,10 +228,18 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         device: DeviceOpt = None, results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
         inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
-        rdzv_timeout: RdzvTimeoutOpt = None) -> None:
-    """Run a scenario across ranks (re-executing under torchrun) and print its table."""
-    _launch("run", path, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-            rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout)
+        rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False) -> None:
+    """Run a scenario across ranks (re-executing under torchrun) and print its table. Without a
+    path: each shipped scenario that fits this host."""
+    paths = [path] if path is not None or launch.under_torchrun() else default_scenarios()
+    worst = 0
+    for p in paths:
+        try:
+            _launch("run", p, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
+                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps)
+        except typer.Exit as e:
+            worst = worst or e.exit_code
+    raise typer.Exit(worst)
 
 
 @app.command()
@@ -216,12 +251,45 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           results: ResultsOpt = Path("results"), nnodes: NnodesOpt = None,
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
-          no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None) -> None:
+          no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None,
+          mps: MpsOpt = False) -> None:
     """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout)
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps)
+
+
+@app.command()
+def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
+            sms: Annotated[Optional[str], typer.Option("--sms", help="SM counts for the communication, e.g. 4,8,16,32 (the GEMM gets the rest).")] = None,
+            backends: BackendsOpt = None,
+            gemm: Annotated[Optional[str], typer.Option("--gemm", help="M,N,K (default 8192,8192,8192), or experts[:INTERMEDIATE] for the rank's expert GEMMs.")] = None,
+            iters: ItersOpt = None, warmup: WarmupOpt = None,
+            results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
+    """What dispatch/combine cost a GEMM running beside them on the other SMs, and back (CUDA)."""
+    import torch
+
+    from epbench import overlap as ov
+    from epbench.results import claim_run_dir, new_run_dir
+
+    launch.apply_safe_env()
+    spec = ov.parse_gemm(gemm)
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
+    o = ov.OverlapOptions(opts.backends, opts.sms, opts.warmup, opts.iters, spec)
+    if launch.under_torchrun():
+        raise typer.Exit(ov.run_worker(s, o, run_dir, results, ["overlap"] + sys.argv[2:]))
+    if not torch.cuda.is_available():
+        raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
+    resolve_device(s, "cuda")
+    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s.name)
+    args = ["overlap", str(path), "--run-dir", str(run_dir), "--backends", ",".join(o.backends),
+            "--sms", ",".join(map(str, o.sms)), "--iters", str(o.iters), "--warmup", str(o.warmup),
+            "--gemm", gemm or ov.SQUARE_DEFAULT, "--results", str(results)]
+    code = launch.relaunch(launch.torchrun_args(args, s.topology.ranks_per_host), "cuda")
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -307,7 +375,7 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     if s.topology.nodes > 1:
         raise UserError(f"{s.source}: topology.nodes: ceilings are measured inside one node; "
                         f"use --nproc N to run the shape on N GPUs of this node")
-    if resolve_device(s, device) != "cuda":
+    if resolve_device(s, device, share=False) != "cuda":
         raise typer.Exit(ce.run_local(s, console))
     args = ["ceiling", str(path), "--device", "cuda", "--iters", str(n_iters),
             "--warmup", str(n_warmup)]

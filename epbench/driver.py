@@ -15,7 +15,7 @@ backend that supports CUDA graphs: plain launches, then replays of one captured 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -23,17 +23,17 @@ import torch.distributed as dist
 
 from epbench import counters as hw
 from epbench import metrics
+from epbench.metrics import OPS, PointRecord, point_rows
 from epbench.backends import load_backend
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
-from epbench.inputs import dispatch_input, expert_output, make_tokens
+from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input
 from epbench.launch import Comm
 from epbench.timing import Timer
-from epbench.routing import RankRouting, Traffic, route_all, traffic
+from epbench.routing import RankRouting, route_all, traffic
 from epbench.scenario import Scenario
 from epbench.verify import (check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
-                            ll_expert_output)
+                            em_expert_output, ll_expert_output)
 
-OPS = ("dispatch", "combine")
 TIMING_SALT = 0  # token values used while timing; verification draws fresh ones per point
 COUNTED_ITERS = 10  # calls per op in the untimed pass that reads the hardware counters
 
@@ -50,26 +50,18 @@ class RunOptions:
     tokens: Optional[Tuple[int, ...]] = None  # batch sizes to sweep (None: the scenario's)
 
 
-@dataclass
-class PointRecord:
-    """One rank's raw outcome for one (backend, sms) point."""
-
-    rank: int
-    samples_us: Dict[str, List[float]] = field(default_factory=dict)
-    wrong: Dict[str, int] = field(default_factory=dict)
-    problem: Dict[str, str] = field(default_factory=dict)
-    counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
-    counted_iters: int = 0
-    link_capacity_gbps: Optional[float] = None  # the GPU's raw NVLink rate per direction
-    timing: str = "launch"  # low-latency mode: "launch" | "graph"
-
-
 def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
     """The stand-in expert writes its output for every received row. When the backend keeps
     the row count on the device, the whole buffer is filled instead of reading the count: a
     host synchronisation here would empty the stream before every timed call, and the next
     call's launch latency would then be timed as if a model waited on the host each time."""
     y = be.combine_input(out)
+    if out.expert_major is not None:  # one stand-in expert per segment, every slot filled
+        rows = min(y.shape[0], out.x.shape[0])
+        scales = out.x_scales[:rows] if out.x_scales is not None else None
+        first = rank * out.expert_major.counts.shape[0]
+        y[:rows].copy_(em_expert_output(out.x[:rows], scales, out.expert_major, first))
+        return
     if isinstance(out.num_recv, torch.Tensor):
         rows = min(y.shape[0], out.x.shape[0])
         x, scales = out.x[:rows], out.x_scales[:rows] if out.x_scales is not None else None
@@ -148,9 +140,14 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
                  salt: int, inject_fault: Optional[str], rec: PointRecord) -> None:
     m = s.model
 
-    def input_of(rank: int) -> DispatchInput:
-        x = make_tokens(routings[rank].num_tokens, m.hidden, s.routing.seed, rank, salt, comm.device)
-        return dispatch_input(x, routings[rank], m.dispatch_dtype, comm.device)
+    def source_of(rank: int) -> torch.Tensor:
+        return make_tokens(routings[rank].num_tokens, m.hidden, s.routing.seed, rank, salt, comm.device)
+
+    def input_of(rank: int) -> DispatchInput:  # what the caller hands to dispatch
+        return dispatch_input(source_of(rank), routings[rank], m.dispatch_dtype, comm.device, m.quantize)
+
+    def wire_of(rank: int) -> DispatchInput:  # what the receivers must get
+        return wire_input(input_of(rank), m.dispatch_dtype)
 
     own = input_of(comm.rank)
     be.poison()
@@ -159,13 +156,14 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     if comm.device.type == "cuda":
         torch.cuda.synchronize()
     _check_backend_errors(be)
-    corrupt = inject_fault == "dispatch" and int(out.num_recv) > 0
-    if corrupt:
-        out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
-    d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, input_of,
-                       local_expert_ids=be.receives_local_expert_ids)
-    if corrupt:  # restore the row so that combine is checked on its own
-        out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
+    row0 = _first_received_row(out) if inject_fault == "dispatch" else None
+    if row0 is not None:
+        out.x[row0].view(torch.uint8).bitwise_xor_(0x5A)
+    d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, wire_of,
+                       local_expert_ids=be.receives_local_expert_ids,
+                       source_of=source_of if m.dispatch_dtype != "bf16" else None)
+    if row0 is not None:  # restore the row so that combine is checked on its own
+        out.x[row0].view(torch.uint8).bitwise_xor_(0x5A)
     _fill_expert_output(be, out, comm.rank)
     comm.sync()
     got = be.combine(out, sms)
@@ -174,9 +172,22 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     _check_backend_errors(be)
     if inject_fault == "combine" and got.shape[0] > 0:
         got[0].fill_(1234.0)
-    c = check_combine(got, own, comm.world, m.experts_per_rank)
+    wire = wire_of(comm.rank)
+    # expert-major: one stand-in expert per expert (as in low-latency mode), so the sum is per expert
+    c = (check_ll_combine(got, wire) if out.expert_major is not None
+         else check_combine(got, wire, comm.world, m.experts_per_rank))
     rec.wrong = {"dispatch": d.wrong, "combine": c.wrong}
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
+
+
+def _first_received_row(out: DispatchOutput) -> Optional[int]:
+    """A valid row of the dispatch output (a host read: only used by --inject-fault): row 0, or in
+    the expert-major layout the first row of the first non-empty segment."""
+    if out.expert_major is None:
+        return 0 if int(out.num_recv) > 0 else None
+    counts = out.expert_major.counts.tolist()
+    e = next((i for i, c in enumerate(counts) if c > 0), None)
+    return int(out.expert_major.offsets[e]) if e is not None else None
 
 
 # ---- low-latency mode ----
@@ -294,106 +305,14 @@ def verify_ll_point(be: Backend, calls: LowLatencyCalls, s: Scenario, routings: 
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
-def counter_reference_bytes(virtual_nodes: bool, nvlink_bytes: int,
-                            nic_bytes: Optional[int]) -> Tuple[int, Optional[int]]:
-    """What each tier's hardware counter should see per call. With virtual nodes the "NIC" tier
-    travels over NVLink too, so the GPU's NVLink counters count both tiers and no NIC counter
-    applies."""
-    if virtual_nodes:
-        return nvlink_bytes + (nic_bytes or 0), None
-    return nvlink_bytes, nic_bytes
-
-
-def _measured_columns(rec: PointRecord, op: str, nvlink_bytes: int, nic_bytes: Optional[int],
-                      time_us: float) -> Dict[str, Any]:
-    """Counter-measured bytes per call beside the computed ones; empty (None) where no counter
-    was read, never zero. A disagreement of more than 10% is flagged."""
-    cols: Dict[str, Any] = {}
-    for tier, computed in (("nvlink", nvlink_bytes), ("nic", nic_bytes)):
-        got = rec.counted.get(op, {}).get(f"{tier}_tx") if computed is not None else None
-        per_call = got / rec.counted_iters if got is not None and rec.counted_iters else None
-        cols[f"{tier}_bytes_measured"] = per_call
-        cols[f"busbw_{tier}_measured_gbps"] = (metrics.bandwidth_gbps(per_call, time_us)
-                                               if per_call is not None else None)
-        cols[f"{tier}_counter_ratio"] = (per_call / computed if per_call is not None and computed
-                                         else None)
-        cols[f"{tier}_counter_mismatch"] = hw.disagrees(per_call, computed)
-    cols.update(_link_columns(rec, op, time_us))
-    return cols
-
-
-def _link_columns(rec: PointRecord, op: str, time_us: float) -> Dict[str, Any]:
-    """What the links carried, protocol included (NVML's raw counters), per call: the payload's
-    share of it (link efficiency) and the busier direction's rate as a percentage of the links'
-    raw capacity (100 = every link busy the whole call). None where a counter was not read."""
-    counted = rec.counted.get(op, {})
-    n = rec.counted_iters
-
-    def per_call(key: str) -> Optional[float]:
-        return counted[key] / n if key in counted and n else None
-
-    raw_tx, raw_rx, tx = per_call("nvlink_raw_tx"), per_call("nvlink_raw_rx"), per_call("nvlink_tx")
-    busier = max((b for b in (raw_tx, raw_rx) if b is not None), default=None)
-    busier_gbps = metrics.bandwidth_gbps(busier, time_us) if busier is not None else None
-    cap = rec.link_capacity_gbps
-    return {"nvlink_raw_tx_bytes_measured": raw_tx, "nvlink_raw_rx_bytes_measured": raw_rx,
-            "nvlink_capacity_gbps": cap,
-            # payload / (payload + protocol) on the way out
-            "nvlink_efficiency": tx / raw_tx if tx is not None and raw_tx else None,
-            # busier direction's raw bytes / time / (links x per-link rate)
-            "nvlink_link_use_pct": (100.0 * busier_gbps / cap if busier_gbps is not None and cap
-                                    else None)}
-
-
-def _ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:
-    """The op's ceilings measured in this run (epbench/ceiling.py): copy engines, and plain SM
-    stores at this point's SM count (None where not measured, e.g. NCCL's own SM choice)."""
-    return {"ceiling_copy_engine_us": c.copy_engine_us if c is not None else None,
-            "ceiling_sm_store_us": c.sm_store_us.get(sms) if c is not None and sms else None}
-
-
-def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,
-               device: str, ceilings: Optional[Dict[str, Any]] = None
-               ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
-    """Rank 0: raw samples -> one row per (op, rank) with bytes and bandwidths."""
-    m, topo = s.model, s.topology
-    rows, samples = [], []
-    for op in OPS:
-        dtype = m.dispatch_dtype if op == "dispatch" else m.combine_dtype
-        nbytes = metrics.rank_bytes(tr, op, metrics.row_bytes(dtype, m.hidden))
-        for rec in records:
-            r = rec.rank
-            ts = rec.samples_us[op]
-            t_med = metrics.median(ts)
-            has_nic = topo.nodes > 1
-            measured = _measured_columns(rec, op, *counter_reference_bytes(
-                topo.virtual_nodes, int(nbytes["nvlink"][r]), int(nbytes["nic"][r]) if has_nic else None), t_med)
-            rows.append({
-                "scenario": s.name, "backend": be_cls.name, "op": op, "sms": sms, "rank": r,
-                "node": r // topo.gpus_per_node, "world": s.world, "nodes": topo.nodes,
-                "nic_virtual": topo.virtual_nodes,  # inter-node bytes went over NVLink
-                "device": device, "dtype": dtype, "hidden": m.hidden,
-                "tokens_per_rank": m.tokens_per_rank, "topk": m.topk,
-                "experts_per_rank": m.experts_per_rank, "routing": s.routing.kind,
-                "iters": len(ts), "time_us": t_med, "time_us_min": min(ts),
-                "time_us_max": max(ts), "time_us_mean": sum(ts) / len(ts),
-                "algo_bytes": int(nbytes["algo"][r]), "nvlink_bytes": int(nbytes["nvlink"][r]),
-                "nic_bytes": int(nbytes["nic"][r]) if has_nic else None,
-                "algbw_gbps": metrics.bandwidth_gbps(int(nbytes["algo"][r]), t_med),
-                "busbw_nvlink_gbps": metrics.bandwidth_gbps(int(nbytes["nvlink"][r]), t_med),
-                "busbw_nic_gbps": (metrics.bandwidth_gbps(int(nbytes["nic"][r]), t_med)
-                                   if has_nic else None),
-                **measured,
-                **_ceiling_columns((ceilings or {}).get(op), sms),
-                "wrong": rec.wrong[op], "problem": rec.problem[op],
-            })
-            if s.mode == "low_latency":  # latency first: the tail matters for decode
-                rows[-1].update(mode=s.mode, timing=rec.timing, time_us_p99=metrics.percentile(ts, 99))
-            extra = {"timing": rec.timing} if s.mode == "low_latency" else {}
-            samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
-                         "time_us": t, "tokens_per_rank": m.tokens_per_rank, **extra}
-                        for i, t in enumerate(ts)]
-    return rows, samples
+def rank_setup(s: Scenario, comm: Comm) -> RankSetup:
+    """What a backend is built from on this rank: the scenario's shape and this rank's place."""
+    m = s.model
+    return RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
+                     device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
+                     topk=m.topk, experts_per_rank=m.experts_per_rank,
+                     dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s, mode=s.mode,
+                     quantize=m.quantize, layout=m.layout, align=m.align)
 
 
 def _first_reason(reason: Optional[str]) -> Optional[str]:
@@ -416,6 +335,18 @@ def _mode_reason(be_cls: Optional[type], mode: str) -> Optional[str]:
     return f"does not implement mode {mode} (it implements: {', '.join(be_cls.modes)})"
 
 
+def _payload_reason(be_cls: Optional[type], m: Any) -> Optional[str]:
+    """A backend that lacks the scenario's dispatch dtype, quantize mode or layout is skipped."""
+    if be_cls is None:
+        return None
+    for key, value, known in (("dispatch_dtype", m.dispatch_dtype, be_cls.dtypes),
+                              ("quantize", m.quantize, be_cls.quantize_modes),
+                              ("layout", m.layout, be_cls.layouts)):
+        if value not in known:
+            return f"does not implement {key} {value} (it implements: {', '.join(known)})"
+    return None
+
+
 def measure(s: Scenario, opts: RunOptions, comm: Comm,
             on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
             on_note: Callable[[str], None],
@@ -424,8 +355,11 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
     """Runs every point on every rank, for each batch size of ``opts.tokens``. Rank 0's
     callbacks receive rows; returns the number of wrong rows summed over ranks and points.
     ``ceilings`` were measured for the scenario's own batch size; rows of others get none."""
+    functional = metrics.functional_reason(comm.world, comm.ranks_per_gpu)
     cnt: Optional[hw.Counters] = None
-    if comm.device.type == "cuda" and s.mode == "normal":
+    if functional is not None:
+        on_note(f"hardware counters: not read ({functional})")
+    elif comm.device.type == "cuda" and s.mode == "normal":
         cnt, notes = hw.open_counters(comm.device.index)
         for note in notes:
             on_note(f"hardware counters: {note}")
@@ -438,10 +372,11 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
     for tokens in opts.tokens or (s.model.tokens_per_rank,):
         sized = s.with_tokens(tokens)
         own_ceilings = ceilings if tokens == s.model.tokens_per_rank else None
-        total_wrong += _measure_size(sized, opts, comm, on_point, on_note, advance, own_ceilings, cnt, salt)
+        total_wrong += _measure_size(sized, opts, comm, on_point, on_note, advance, own_ceilings, cnt,
+                                     salt, functional)
     if cnt is not None:
         cnt.close()
-    flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.device)
+    flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.collective_device)
     dist.broadcast(flag, src=0)
     return int(flag.item())
 
@@ -450,25 +385,25 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                   on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
                   on_note: Callable[[str], None], advance: Callable[[str], None],
                   ceilings: Optional[Dict[str, Any]], cnt: Optional[hw.Counters],
-                  salt: List[int]) -> int:
-    """Every backend and SM count at one batch size; ``salt[0]`` advances per verified point."""
+                  salt: List[int], functional: Optional[str] = None) -> int:
+    """Every backend and SM count at one batch size; ``salt[0]`` advances per verified point.
+    ``functional``: why no byte crosses a link in this run (its rows then carry no link figures)."""
     m = s.model
     low_latency = s.mode == "low_latency"
     routings = route_all(s)
     device = comm.device.type
     x = make_tokens(m.tokens_per_rank, m.hidden, s.routing.seed, comm.rank, TIMING_SALT, comm.device)
-    inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device)
-    setup = RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
-                      device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
-                      topk=m.topk, experts_per_rank=m.experts_per_rank,
-                      dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s, mode=s.mode)
+    inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device, m.quantize)
+    setup = rank_setup(s, comm)
+    em_rows = (metrics.expert_major_rows(routings, m.experts_per_rank, m.align)
+               if m.layout == "expert_major" else None)
     total_wrong = 0
     for name in opts.backends:
         be_cls, reason = load_backend(name)
         as_normal = runs_as_normal(be_cls, s.mode)
         be_setup = replace(setup, mode="normal") if as_normal else setup
         reason = _first_reason(reason or (None if as_normal else _mode_reason(be_cls, s.mode))
-                               or be_cls.unavailable_reason(be_setup))
+                               or _payload_reason(be_cls, m) or be_cls.unavailable_reason(be_setup))
         sms_list = opts.sms if be_cls is not None and be_cls.uses_sms else (0,)
         if reason:
             on_note(f"backend {name} skipped: {reason}")
@@ -501,7 +436,8 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                     gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
                     dist.gather_object(rec, gathered, dst=0)
                     if comm.rank == 0:
-                        rows, samples = point_rows(s, be_cls, sms, gathered, tr, device, ceilings)
+                        rows, samples = point_rows(s, be_cls, sms, gathered, tr, device, ceilings,
+                                                   functional, em_rows)
                         total_wrong += sum(r["wrong"] for r in rows)
                         on_point(rows, samples)
                 advance(f"{name} sms={sms or 'auto'}" + (f" tokens={m.tokens_per_rank}" if opts.tokens else ""))

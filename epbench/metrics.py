@@ -28,6 +28,12 @@ Low-latency mode
     The headline is latency: p50 and p99 of the per-iteration times (``time_us``,
     ``time_us_p99``), each the max over ranks.
 
+Functional runs
+    With one rank, or several ranks on one GPU, no byte crosses a link: the kernels, buffers,
+    flags and checks are the same, but the time is that of copies inside one GPU (and, without
+    MPS, of processes taking turns on it). Rows carry the reason in ``functional``; their bus
+    bandwidths, counter figures and ceilings stay empty, never zero.
+
 Relation to nccl-tests
     nccl-tests' all-to-all reports ``busbw = algbw * (n - 1) / n``: with n ranks exchanging
     equal blocks, (n-1)/n of what a rank receives crossed a link. Here the ratio is whatever
@@ -37,14 +43,18 @@ Relation to nccl-tests
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from epbench.routing import Traffic
-from epbench.scenario import FP8_BLOCK
+from epbench import counters as hw
+from epbench.layout import round_up
+from epbench.routing import Traffic, dest_mask, expert_load
+from epbench.scenario import FP8_BLOCK, MXFP8_BLOCK, Scenario
 
 GB = 1e9  # bandwidths are in GB/s (10^9 bytes per second), as NVLink and NIC rates are quoted
+OPS = ("dispatch", "combine")
 
 
 def row_bytes(dtype: str, hidden: int) -> int:
@@ -52,6 +62,8 @@ def row_bytes(dtype: str, hidden: int) -> int:
         return 2 * hidden
     if dtype == "fp8":
         return hidden + 4 * (hidden // FP8_BLOCK)
+    if dtype == "mxfp8":
+        return mxfp8_row_bytes(hidden)
     raise ValueError(f"unknown dtype {dtype!r}")
 
 
@@ -136,3 +148,186 @@ def summarize(df):
                                              if ceil == ceil and row["time_us"] > 0 else None)
         out.append(row)
     return pd.DataFrame(out)
+
+
+@dataclass
+class PointRecord:
+    """One rank's raw outcome for one (backend, sms) point."""
+
+    rank: int
+    samples_us: Dict[str, List[float]] = field(default_factory=dict)
+    wrong: Dict[str, int] = field(default_factory=dict)
+    problem: Dict[str, str] = field(default_factory=dict)
+    counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
+    counted_iters: int = 0
+    link_capacity_gbps: Optional[float] = None  # the GPU's raw NVLink rate per direction
+    timing: str = "launch"  # low-latency mode: "launch" | "graph"
+
+
+def functional_reason(world: int, ranks_per_gpu: int) -> Optional[str]:
+    """Why a run moved no byte over a link (None when it did): one rank, or ranks sharing a GPU.
+    Such a run checks the kernels; its times are not link speed, so no bus bandwidth, link
+    use or ceiling is given for it."""
+    if world == 1:
+        return "one rank: nothing crosses a link"
+    if ranks_per_gpu > 1:
+        return f"{ranks_per_gpu} ranks share each GPU: their traffic stays in one GPU's memory"
+    return None
+
+
+def counter_reference_bytes(virtual_nodes: bool, nvlink_bytes: int,
+                            nic_bytes: Optional[int]) -> Tuple[int, Optional[int]]:
+    """What each tier's hardware counter should see per call. With virtual nodes the "NIC" tier
+    travels over NVLink too, so the GPU's NVLink counters count both tiers and no NIC counter
+    applies."""
+    if virtual_nodes:
+        return nvlink_bytes + (nic_bytes or 0), None
+    return nvlink_bytes, nic_bytes
+
+
+def measured_columns(rec: PointRecord, op: str, nvlink_bytes: int, nic_bytes: Optional[int],
+                     time_us: float) -> Dict[str, Any]:
+    """Counter-measured bytes per call beside the computed ones; empty (None) where no counter
+    was read, never zero. A disagreement of more than 10% is flagged."""
+    cols: Dict[str, Any] = {}
+    for tier, computed in (("nvlink", nvlink_bytes), ("nic", nic_bytes)):
+        got = rec.counted.get(op, {}).get(f"{tier}_tx") if computed is not None else None
+        per_call = got / rec.counted_iters if got is not None and rec.counted_iters else None
+        cols[f"{tier}_bytes_measured"] = per_call
+        cols[f"busbw_{tier}_measured_gbps"] = (bandwidth_gbps(per_call, time_us)
+                                               if per_call is not None else None)
+        cols[f"{tier}_counter_ratio"] = (per_call / computed if per_call is not None and computed
+                                         else None)
+        cols[f"{tier}_counter_mismatch"] = hw.disagrees(per_call, computed)
+    cols.update(link_columns(rec, op, time_us))
+    return cols
+
+
+def link_columns(rec: PointRecord, op: str, time_us: float) -> Dict[str, Any]:
+    """What the links carried, protocol included (NVML's raw counters), per call: the payload's
+    share of it (link efficiency) and the busier direction's rate as a percentage of the links'
+    raw capacity (100 = every link busy the whole call). None where a counter was not read."""
+    counted = rec.counted.get(op, {})
+    n = rec.counted_iters
+
+    def per_call(key: str) -> Optional[float]:
+        return counted[key] / n if key in counted and n else None
+
+    raw_tx, raw_rx, tx = per_call("nvlink_raw_tx"), per_call("nvlink_raw_rx"), per_call("nvlink_tx")
+    busier = max((b for b in (raw_tx, raw_rx) if b is not None), default=None)
+    busier_gbps = bandwidth_gbps(busier, time_us) if busier is not None else None
+    cap = rec.link_capacity_gbps
+    return {"nvlink_raw_tx_bytes_measured": raw_tx, "nvlink_raw_rx_bytes_measured": raw_rx,
+            "nvlink_capacity_gbps": cap,
+            # payload / (payload + protocol) on the way out
+            "nvlink_efficiency": tx / raw_tx if tx is not None and raw_tx else None,
+            # busier direction's raw bytes / time / (links x per-link rate)
+            "nvlink_link_use_pct": (100.0 * busier_gbps / cap if busier_gbps is not None and cap
+                                    else None)}
+
+
+def ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:
+    """The op's ceilings measured in this run (epbench/ceiling.py): copy engines, and plain SM
+    stores at this point's SM count (None where not measured, e.g. NCCL's own SM choice)."""
+    return {"ceiling_copy_engine_us": c.copy_engine_us if c is not None else None,
+            "ceiling_sm_store_us": c.sm_store_us.get(sms) if c is not None and sms else None}
+
+
+def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,
+               device: str, ceilings: Optional[Dict[str, Any]] = None,
+               functional: Optional[str] = None,
+               expert_major_rows: Optional[Dict[str, torch.Tensor]] = None
+               ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """Rank 0: raw samples -> one row per (op, rank) with bytes and bandwidths. In a functional
+    run (``functional`` says why) the link figures stay empty: nothing crossed a link."""
+    m, topo = s.model, s.topology
+    over_links = functional is None
+    rows, samples = [], []
+    for op in OPS:
+        dtype = m.dispatch_dtype if op == "dispatch" else m.combine_dtype
+        nbytes = rank_bytes(tr, op, row_bytes(dtype, m.hidden))
+        for rec in records:
+            r = rec.rank
+            ts = rec.samples_us[op]
+            t_med = median(ts)
+            has_nic = topo.nodes > 1
+            measured = measured_columns(rec, op, *counter_reference_bytes(
+                topo.virtual_nodes, int(nbytes["nvlink"][r]), int(nbytes["nic"][r]) if has_nic else None), t_med)
+            rows.append({
+                "scenario": s.name, "backend": be_cls.name, "op": op, "sms": sms, "rank": r,
+                "node": r // topo.gpus_per_node, "world": s.world, "nodes": topo.nodes,
+                "nic_virtual": topo.virtual_nodes,  # inter-node bytes went over NVLink
+                "device": device, "dtype": dtype, "hidden": m.hidden,
+                "tokens_per_rank": m.tokens_per_rank, "topk": m.topk,
+                "experts_per_rank": m.experts_per_rank, "routing": s.routing.kind,
+                "iters": len(ts), "time_us": t_med, "time_us_min": min(ts),
+                "time_us_max": max(ts), "time_us_mean": sum(ts) / len(ts),
+                "algo_bytes": int(nbytes["algo"][r]), "nvlink_bytes": int(nbytes["nvlink"][r]),
+                "nic_bytes": int(nbytes["nic"][r]) if has_nic else None,
+                "algbw_gbps": bandwidth_gbps(int(nbytes["algo"][r]), t_med),
+                "busbw_nvlink_gbps": (bandwidth_gbps(int(nbytes["nvlink"][r]), t_med)
+                                      if over_links else None),
+                "busbw_nic_gbps": (bandwidth_gbps(int(nbytes["nic"][r]), t_med)
+                                   if has_nic and over_links else None),
+                **{k: v if over_links else None for k, v in measured.items()},
+                **ceiling_columns((ceilings or {}).get(op) if over_links else None, sms),
+                "functional": functional,
+                "quantize": m.quantize, "layout": m.layout, "align": m.align,
+                **expert_major_columns(expert_major_rows, r, row_bytes(dtype, m.hidden)),
+                "wrong": rec.wrong[op], "problem": rec.problem[op],
+            })
+            if s.mode == "low_latency":  # latency first: the tail matters for decode
+                rows[-1].update(mode=s.mode, timing=rec.timing, time_us_p99=percentile(ts, 99))
+            extra = {"timing": rec.timing} if s.mode == "low_latency" else {}
+            samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
+                         "time_us": t, "tokens_per_rank": m.tokens_per_rank, **extra}
+                        for i, t in enumerate(ts)]
+    return rows, samples
+
+
+# ---- MXFP8 rows and the expert-major layout (issue 26) ----
+
+def mxfp8_row_bytes(hidden: int) -> int:
+    """Bytes of one mxfp8 row on the wire: ``hidden + hidden / 32``.
+
+    Each element is one e4m3 byte (``hidden`` bytes) and each block of 32 consecutive elements
+    shares one E8M0 scale byte (``hidden / 32`` bytes); the layout is epbench/mxfp8.py's
+    ``pack_rows``. At hidden 7168: 7168 + 224 = 7392 bytes, 0.516 of the bf16 row (14336) and
+    the same as the fp8 row with one fp32 scale per 128 elements (7168 + 4 * 56): both spend
+    1/32 byte per element on scales. Expert ids and weights are not counted, as for bf16."""
+    return hidden + hidden // MXFP8_BLOCK
+
+
+def expert_major_rows(routings, experts_per_rank: int, align: int) -> Dict[str, torch.Tensor]:
+    """Per receiving rank (int64 [world]): the rows the expert-major layout adds on the
+    receiver, none of which crosses a link.
+
+    ``local_copy``: a token with ``n_d`` of its experts on rank d crosses the link once (one
+    row per (token, destination rank), as counted by routing.Traffic) and is written ``n_d``
+    times into d's expert segments: ``n_d - 1`` receiver-local copies. Summed over the tokens
+    d receives: (token, expert) pairs for d's experts minus (token, d) rows. Combine reads
+    the same ``n_d`` expert-output rows and reduces them into the one row that goes back.
+
+    ``padding``: segment e of ``c_e`` rows is padded to ``round_up(c_e, align)``: the sum of
+    ``round_up(c_e, align) - c_e`` over d's experts. Padding is buffer space only (nothing
+    writes or reads it), so it adds rows to the grouped GEMM, not bytes to the links.
+
+    Link bytes, algbw and busbw are left as in the rank-major layout (same rows on the
+    wire), so both layouts and NCCL compare on the same bytes; these columns sit beside them."""
+    world = len(routings)
+    pairs = expert_load(routings, world * experts_per_rank).view(world, experts_per_rank)
+    copies = torch.zeros(world, dtype=torch.int64)
+    for r in routings:
+        copies += dest_mask(r.topk_idx.cpu(), experts_per_rank, world).sum(dim=0)
+    return {"local_copy": pairs.sum(dim=1) - copies,
+            "padding": (round_up(pairs, align) - pairs).sum(dim=1)}
+
+
+def expert_major_columns(extra: Optional[Dict[str, torch.Tensor]], rank: int,
+                         row: int) -> Dict[str, Optional[int]]:
+    """The result columns of one rank: local copies in bytes (the op's row size) and padding
+    in rows; None in the rank-major layout, where neither exists."""
+    if extra is None:
+        return {"local_copy_bytes": None, "padding_rows": None}
+    return {"local_copy_bytes": int(extra["local_copy"][rank]) * row,
+            "padding_rows": int(extra["padding"][rank])}

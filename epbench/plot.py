@@ -214,6 +214,8 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
     Plots that exist are kept unless ``force``: then nothing of this run is drawn (UserError).
     A scenario in meta.json that no longer validates costs only the expert-load plot (``warn``)."""
     meta, df = loaded or load_run(run_dir)
+    if meta.get("verb") == "overlap":  # its rows are GEMM and communication kept %, not bandwidths
+        return [overlap_plot(run_dir, out_dir, force, (meta, df))]
     if meta.get("scenario"):
         try:
             run_scenario(meta)
@@ -282,3 +284,37 @@ def compare_plot(a_dir: Path, b_dir: Path, out: Path, force: bool = False) -> Pa
     if axes[-1].get_legend_handles_labels()[0]:
         axes[-1].legend(fontsize=8, loc="lower right")
     return _save(fig, f"A = {a_dir.name}  vs  B = {b_dir.name}", out, force)
+
+
+def overlap_plot(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
+                 loaded: Optional[Tuple[Dict[str, Any], pd.DataFrame]] = None) -> Path:
+    """An ``epbench overlap`` folder: the GEMM's kept % (left) and the communication's kept %
+    (right, dispatch + combine, or the calibration copy) against the communication's SMs, one
+    line per backend, the worst rank of each point."""
+    from epbench.overlap import summarize as overlap_summary
+
+    meta, df = loaded or load_run(run_dir)
+    out_dir = out_dir or run_dir / "plots"
+    summary = overlap_summary(df) if not df.empty else df
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    panels = (("GEMM kept % (of alone on all SMs)", "gemm_kept_pct"),
+              ("communication kept % (of alone)", "comm_kept_pct"))
+    for ax, (name, col) in zip(axes, panels):
+        for i, (backend, g) in enumerate(summary.groupby("backend", sort=False) if not summary.empty else []):
+            g = g.sort_values("sms")
+            style = "s--" if backend == "copy" else "o-"
+            label = "plain copy (calibration)" if backend == "copy" else _label(backend)
+            if (g["sms"] == 0).all():
+                ax.axhline(g[col].iloc[0], color=f"C{i % 10}", linestyle=":", label=f"{label} (auto SMs)")
+            else:
+                ax.plot(g["sms"], g[col], style, color=f"C{i % 10}", label=label)
+        ax.set_title(name)
+        ax.set_xlabel("communication SMs (the GEMM has the rest)")
+        ax.axhline(100, color="grey", linewidth=0.8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("% of its own speed alone")
+    if axes[-1].get_legend_handles_labels()[0]:
+        axes[-1].legend(fontsize=8, loc="lower right")
+    o = meta.get("overlap", {})
+    return _save(fig, f"{run_dir.name}: {o.get('gemm', 'GEMM')} beside the communication "
+                      f"({meta.get('world', '?')} ranks)", out_dir / "overlap_vs_sms.png", force)

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from epbench import baselines
+
 REPO = Path(__file__).resolve().parent.parent
 ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM", "CUDA_VISIBLE_DEVICES", "EPBENCH_",
                 "OMP_NUM_THREADS")
@@ -66,6 +68,7 @@ def collect(argv: List[str], device: str) -> Dict[str, Any]:
         "torch": torch.__version__,
         "device": device,
         "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
+        "baselines": baselines.versions(),  # external libraries' versions and pinned commits
     }
     if device == "cuda":
         info["cuda"] = torch.version.cuda

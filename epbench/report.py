@@ -112,8 +112,9 @@ def results_table(df: pd.DataFrame, title: str = "") -> Table:
 def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None) -> None:
     console = console or wide_console()
     scenario = meta.get("scenario", {})
+    functional = " - functional, no link figures" if meta.get("functional") else ""
     title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "
-             f"({meta.get('device', '?')})")
+             f"({meta.get('device', '?')}{functional})")
     if df.empty:
         console.print(f"{title}: no measured points")
     else:

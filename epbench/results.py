@@ -218,6 +218,7 @@ def read_table(path: Path, need: Tuple[str, ...] = ()) -> pd.DataFrame:
 
 
 RESULT_COLUMNS = ("backend", "op", "sms", "rank", "time_us")
+OVERLAP_COLUMNS = ("backend", "sms", "rank")  # `epbench overlap` rows: kept %, per (backend, SMs)
 
 
 def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
@@ -234,7 +235,8 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
         raise UserError(f"{_shown(path / META)}: unreadable ({cut(str(e) or type(e).__name__)})") from None
     if not isinstance(meta, dict):
         raise UserError(f"{_shown(path / META)}: not a JSON object")
-    return meta, read_table(path / RESULTS, RESULT_COLUMNS)
+    need = OVERLAP_COLUMNS if meta.get("verb") == "overlap" else RESULT_COLUMNS
+    return meta, read_table(path / RESULTS, need)
 
 
 def load_samples(path: Path) -> pd.DataFrame:

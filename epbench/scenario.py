@@ -18,7 +18,7 @@ import yaml
 
 from epbench.errors import UserError
 
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "mxfp8")
 ROUTINGS = ("uniform", "zipf", "hot")
 # normal: throughput dispatch/combine (rows grouped per destination rank). low_latency: decode-sized
 # batches received straight into per-expert padded buffers (epbench/backends/base.py,
@@ -26,6 +26,13 @@ ROUTINGS = ("uniform", "zipf", "hot")
 MODES = ("normal", "low_latency")
 DEVICES = ("auto", "cuda", "cpu")
 FP8_BLOCK = 128  # elements per fp32 scale in fp8 dispatch
+MXFP8_BLOCK = 32  # elements per E8M0 scale in mxfp8 dispatch (epbench/mxfp8.py)
+# before: the caller hands quantized rows; fused: bf16 rows in, quantized rows out at the receiver
+QUANTIZE = ("before", "fused")
+# rank_major: received rows by (source rank, token); expert_major: grouped by local expert
+# (epbench/layout.py), each segment padded to a multiple of model.align rows
+LAYOUTS = ("rank_major", "expert_major")
+ALIGNS = (1, 16, 128)
 
 # What a scenario file may be. Real ones are a few hundred bytes, three levels deep and under a
 # hundred YAML nodes; the limits stop hostile or broken files (an 80 MB line, nesting 10,000 deep,
@@ -78,6 +85,9 @@ class Model:
     experts_per_rank: int
     dispatch_dtype: str = "bf16"
     combine_dtype: str = "bf16"
+    quantize: str = "before"
+    layout: str = "rank_major"
+    align: int = 1
 
 
 @dataclass(frozen=True)
@@ -171,6 +181,14 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, str(tp))
 
 
+def _known(key: str, fields: Any) -> str:
+    """The closest known key, else the list of them, in at most ~70 characters."""
+    import difflib
+
+    close = difflib.get_close_matches(key[:100], list(fields), n=1)
+    return f"did you mean {close[0]}?" if close else cut(f"known: {', '.join(fields)}", 70)
+
+
 def _key_text(key: str) -> str:
     return cut(key, 16)
 
@@ -207,7 +225,7 @@ def _build(cls: Any, data: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise UserError(f"{where}.{_key_text(unknown[0])}: unknown key (known: {', '.join(fields)})")
+        raise UserError(f"{where}.{_key_text(unknown[0])}: unknown key ({_known(unknown[0], fields)})")
     kwargs = {}
     for name, f in fields.items():
         key = f"{where}.{name}"
@@ -245,6 +263,7 @@ def _check(s: Scenario) -> None:
     if m.dispatch_dtype == "fp8":
         need(m.hidden % FP8_BLOCK == 0, "model.hidden",
              f"must be a multiple of {FP8_BLOCK} for fp8 dispatch", m.hidden)
+    _check_payload(m, s.mode, need)
     need(0 < t.nodes <= MAX_NODES_PER_JOB, "topology.nodes", f"must be positive and at most {MAX_NODES_PER_JOB}",
          t.nodes)
     need(0 < t.gpus_per_node <= MAX_GPUS_PER_NODE, "topology.gpus_per_node",
@@ -317,6 +336,26 @@ def _name_from_file(source: str) -> str:
     """The file's stem as a run name, with characters a folder name should not carry replaced."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(source).stem).lstrip(".")[:100]
     return name or "scenario"
+
+
+def _check_payload(m: Model, mode: str, need: Any) -> None:
+    """dtype, quantize, layout and align (issue 26)."""
+    if m.dispatch_dtype == "mxfp8":
+        need(m.hidden % MXFP8_BLOCK == 0, "model.hidden",
+             f"must be a multiple of {MXFP8_BLOCK} for mxfp8 dispatch", m.hidden)
+    need(m.quantize in QUANTIZE, "model.quantize", f"must be one of {', '.join(QUANTIZE)}", m.quantize)
+    need(m.quantize == "before" or m.dispatch_dtype != "bf16", "model.quantize",
+         "fused needs a quantized dispatch_dtype (fp8 or mxfp8)", m.quantize)
+    need(m.layout in LAYOUTS, "model.layout", f"must be one of {', '.join(LAYOUTS)}", m.layout)
+    need(m.align in ALIGNS, "model.align", f"must be one of {', '.join(map(str, ALIGNS))}", m.align)
+    need(m.align == 1 or m.layout == "expert_major", "model.align",
+         "only applies with layout: expert_major", m.align)
+    if mode == "low_latency":  # low latency already receives per expert (epbench/layout.py)
+        need(m.layout == "rank_major", "model.layout", "must be rank_major in low_latency mode", m.layout)
+        need(m.dispatch_dtype != "mxfp8", "model.dispatch_dtype",
+             "mxfp8 is not implemented in low_latency mode yet", m.dispatch_dtype)
+        need(m.quantize == "before", "model.quantize",
+             "fused is not implemented in low_latency mode yet", m.quantize)
 
 
 def parse(data: Any, source: str = "<scenario>") -> Scenario:

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from epbench import launch, provenance
+from epbench import launch, metrics, provenance
 from epbench.driver import RunOptions, measure
 from epbench.console import wide_console
 from epbench.report import print_run
@@ -61,6 +61,10 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
     if not opts.ceilings:
         on_note("ceilings: skipped (--no-ceilings)")
         return None
+    functional = metrics.functional_reason(comm.world, comm.ranks_per_gpu)
+    if functional is not None:
+        on_note(f"ceilings: not measured ({functional})")
+        return None
     if s.mode != "normal":
         on_note(f"ceilings: measured in normal mode only (not {s.mode})")
         return None
@@ -92,6 +96,31 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
     return {c.op: c for c in found}
 
 
+def sharing(comm: Any) -> Dict[str, Any]:
+    """What meta.json records about how ranks sat on GPUs: the reason the run is functional
+    (None: its traffic crossed links), ranks per GPU, and whether MPS served the ranks."""
+    out: Dict[str, Any] = {"functional": metrics.functional_reason(comm.world, comm.ranks_per_gpu),
+                           "ranks_per_gpu": comm.ranks_per_gpu}
+    if comm.device.type == "cuda":
+        out["mps"] = "on" if launch.mps_active() else "off"
+    return out
+
+
+def sharing_notes(comm: Any) -> List[str]:
+    """One line on GPU sharing and MPS, one on what a functional run leaves out."""
+    info = sharing(comm)
+    notes = []
+    if comm.shared:
+        turns = ("" if info.get("mps") == "on" else
+                 ": without it the ranks take turns on the GPU, and the times include the turns")
+        notes.append(f"ranks share GPUs: {comm.ranks_per_gpu} per GPU (device = local rank modulo "
+                     f"the GPU count, process group over gloo); MPS {info.get('mps')}{turns}")
+    if info["functional"]:
+        notes.append(f"functional run ({info['functional']}): the kernels are verified as on "
+                     f"separate GPUs; bus bandwidth, link %, ceilings and % of ceiling are not given")
+    return notes
+
+
 def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path],
                results_root: Path, argv: List[str]) -> int:
     if device == "auto":
@@ -109,7 +138,7 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
     if rank0:
         meta: Dict[str, Any] = provenance.collect(argv, device)
         meta.update(scenario=dataclasses.asdict(s), world=comm.world,
-                    options=dataclasses.asdict(opts))
+                    options=dataclasses.asdict(opts), **sharing(comm))
         writer = RunWriter(run_dir or new_run_dir(results_root, s.name), meta)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True,
@@ -127,6 +156,8 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
         if rank0:
             progress.update(task, advance=1, description=f"{s.name}: {label}")
 
+    for note in sharing_notes(comm):
+        on_note(note)
     ceilings = measure_ceilings(s, opts, comm, on_note)
     try:
         with progress:

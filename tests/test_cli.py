@@ -396,3 +396,39 @@ def test_predict_calibrates_from_a_root_with_broken_runs(broken_root):
     assert r.code == 0 and "Traceback" not in r.both, r.both
     _warned(r.err, made)
     assert "calibration:" in r.out and "MEASURED" in r.out
+
+
+# -- hosts of every size (issue 18) ----------------------------------------------------------
+
+@pytest.mark.parametrize("gpus, names", [
+    (0, ("smoke",)), (1, ("dsv3x4-1gpu",)), (2, ("dsv3x2", "h8192x2", "dsv3x2x1-virtual")),
+    (3, ("dsv3x2", "h8192x2", "dsv3x2x1-virtual")), (4, ("h200x4",)), (7, ("h200x4",)),
+    (8, ("h100x8",)), (16, ("h100x8",)),
+])
+def test_default_scenarios_per_gpu_count(gpus, names):
+    from epbench import cli, scenario
+
+    assert cli.default_names(gpus) == names
+    for name in names:  # each default fits its host: ranks per host <= GPUs, or shares one GPU
+        s = scenario.load(SCENARIOS / f"{name}.yaml")
+        assert s.topology.ranks_per_host <= gpus or gpus <= 1, name  # CPU ranks, or sharing one GPU
+        assert (s.bench.device == "cuda") == (gpus > 0), name
+
+
+def test_ranks_share_gpus_with_a_loud_note_but_never_without_a_gpu(monkeypatch, capsys):
+    from epbench import cli, scenario
+    from epbench.errors import UserError
+
+    s = scenario.load(SCENARIOS / "dsv3x4.yaml")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli.resolve_device(s, None) == "cuda"
+    out = capsys.readouterr().out
+    assert "4 ranks on 1 GPU: ranks share GPUs, so this is a functional run" in out
+    with pytest.raises(UserError, match="needs 4 GPUs on this host but it has 1"):
+        cli.resolve_device(s, None, share=False)  # `epbench ceiling` needs separate GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert cli.resolve_device(s, None) == "cuda" and "share" not in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="needs 4 GPUs on this host but it has 0"):
+        cli.resolve_device(s, None)

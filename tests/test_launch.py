@@ -46,3 +46,82 @@ def test_multi_node_flags_are_checked_before_anything_starts(write_scenario):
                           "--rdzv-timeout")):
         r = epbench("run", path, *args)
         assert r.code == 2 and needle in r.err and len(r.err.strip().splitlines()) == 1
+
+
+# ---- ranks sharing GPUs ----
+
+def test_device_index_wraps_round_the_gpus():
+    from epbench.launch import device_index
+
+    assert [device_index(r, 4) for r in range(4)] == [0, 1, 2, 3]  # one GPU per rank
+    assert [device_index(r, 1) for r in range(4)] == [0, 0, 0, 0]  # four ranks on one GPU
+    assert [device_index(r, 2) for r in range(4)] == [0, 1, 0, 1]
+    assert device_index(3, 0) == 0
+
+
+def test_process_group_is_gloo_wherever_ranks_share_a_gpu():
+    from epbench.launch import process_group_backend, ranks_per_gpu
+
+    assert ranks_per_gpu(4, 4) == 1 and ranks_per_gpu(8, 8) == 1 and ranks_per_gpu(2, 8) == 1
+    assert ranks_per_gpu(4, 1) == 4 and ranks_per_gpu(3, 2) == 2 and ranks_per_gpu(4, 0) == 1
+    assert process_group_backend("cuda", shared=False) == "nccl"
+    assert process_group_backend("cuda", shared=True) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert process_group_backend("cpu", shared=False) == "gloo"
+
+
+def test_shared_comm_puts_collectives_on_the_host():
+    import torch
+
+    from epbench.launch import Comm
+
+    gpu = torch.device("cuda", 0)
+    assert Comm(0, 4, 0, gpu, ranks_per_gpu=4).collective_device == torch.device("cpu")
+    assert Comm(0, 4, 0, gpu).collective_device == gpu and not Comm(0, 4, 0, gpu).shared
+
+
+def test_mps_is_on_only_where_its_control_socket_is(monkeypatch, tmp_path):
+    from epbench.launch import mps_active
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_active()
+    (tmp_path / "control").touch()
+    assert mps_active()
+
+
+def test_private_mps_daemon_starts_serves_the_ranks_and_stops(monkeypatch, tmp_path):
+    """A stand-in nvidia-cuda-mps-control: `-d` creates the control socket in the pipe folder it
+    is given, `quit` on stdin is logged. The run's environment points at private folders while
+    the daemon runs (the ranks inherit them), and is restored after."""
+    import os
+    import stat
+
+    from epbench import launch
+
+    log = tmp_path / "calls"
+    exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    exe.parent.mkdir()
+    exe.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; '
+                   f'echo start >> {log}; else cat >> {log}; fi\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    with launch.private_mps() as pipe:
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == pipe != str(tmp_path / "none")
+        assert launch.mps_active()
+    assert log.read_text().split() == ["start", "quit"]
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "none")
+    assert "CUDA_MPS_LOG_DIRECTORY" not in os.environ and not os.path.exists(pipe)
+
+
+def test_private_mps_without_the_control_program_is_one_clear_error(monkeypatch, tmp_path):
+    import pytest
+
+    from epbench import launch
+    from epbench.errors import UserError
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))
+    with pytest.raises(UserError, match="nvidia-cuda-mps-control not found"):
+        with launch.private_mps():
+            pass

@@ -7,6 +7,7 @@ import torch
 from support import scenario_dict
 from epbench import metrics
 from epbench.routing import Traffic, route_all, traffic
+from epbench.metrics import PointRecord, counter_reference_bytes, measured_columns, summarize
 from epbench.scenario import parse
 
 
@@ -112,3 +113,115 @@ def test_summarize_keeps_points_apart():
 
 def test_summarize_empty():
     assert metrics.summarize(pd.DataFrame()).empty
+
+
+# ---- row columns (metrics.point_rows and its helpers) ----
+
+def test_measured_columns_agree_within_ten_percent():
+    rec = PointRecord(rank=0, counted={"dispatch": {"nvlink_tx": 10 * 1050}}, counted_iters=10)
+    cols = measured_columns(rec, "dispatch", nvlink_bytes=1000, nic_bytes=None, time_us=1.0)
+    assert cols["nvlink_bytes_measured"] == 1050
+    assert math.isclose(cols["nvlink_counter_ratio"], 1.05)
+    assert cols["nvlink_counter_mismatch"] is False
+    assert math.isclose(cols["busbw_nvlink_measured_gbps"], 1050 / 1e-6 / 1e9)
+    assert cols["nic_bytes_measured"] is None and cols["nic_counter_mismatch"] is None
+
+
+def test_measured_columns_flag_a_disagreement():
+    rec = PointRecord(rank=0, counted={"combine": {"nvlink_tx": 5 * 1200}}, counted_iters=5)
+    cols = measured_columns(rec, "combine", nvlink_bytes=1000, nic_bytes=None, time_us=2.0)
+    assert cols["nvlink_counter_mismatch"] is True
+
+
+def test_missing_counter_is_empty_not_zero():
+    rec = PointRecord(rank=0)
+    cols = measured_columns(rec, "dispatch", nvlink_bytes=1000, nic_bytes=500, time_us=2.0)
+    assert all(v is None for v in cols.values())
+
+
+def test_link_columns_from_raw_counters():
+    # 10 calls of 1 ms: 2.0 GB of payload and 2.5 GB on the wire out, 2.6 GB in, on 400 GB/s links
+    rec = PointRecord(rank=0, counted={"combine": {"nvlink_tx": 10 * 2_000_000_000,
+                                                   "nvlink_raw_tx": 10 * 2_500_000_000,
+                                                   "nvlink_raw_rx": 10 * 2_600_000_000}},
+                      counted_iters=10, link_capacity_gbps=400.0)
+    cols = measured_columns(rec, "combine", nvlink_bytes=2_000_000_000, nic_bytes=None, time_us=1e4)
+    assert math.isclose(cols["nvlink_efficiency"], 0.8)
+    assert cols["nvlink_raw_rx_bytes_measured"] == 2_600_000_000
+    # the busier direction (in: 2.6 GB / 10 ms = 260 GB/s) over 400 GB/s
+    assert math.isclose(cols["nvlink_link_use_pct"], 65.0)
+
+
+def test_link_use_needs_the_capacity_and_a_raw_counter():
+    rec = PointRecord(rank=0, counted={"dispatch": {"nvlink_tx": 10, "nvlink_raw_tx": 20}},
+                      counted_iters=1)
+    cols = measured_columns(rec, "dispatch", nvlink_bytes=10, nic_bytes=None, time_us=1.0)
+    assert cols["nvlink_link_use_pct"] is None and cols["nvlink_efficiency"] == 0.5
+    rec = PointRecord(rank=0, counted={"dispatch": {"nvlink_tx": 10}}, counted_iters=1,
+                      link_capacity_gbps=478.0)
+    cols = measured_columns(rec, "dispatch", nvlink_bytes=10, nic_bytes=None, time_us=1.0)
+    assert cols["nvlink_link_use_pct"] is None and cols["nvlink_efficiency"] is None
+
+
+def _row(rank, t, measured, mismatch):
+    return {"scenario": "s", "backend": "b", "op": "dispatch", "sms": 8, "rank": rank, "world": 2,
+            "time_us": t, "wrong": 0, "algbw_gbps": 1.0, "busbw_nvlink_gbps": 1.0,
+            "busbw_nic_gbps": None, "busbw_nvlink_measured_gbps": measured,
+            "nvlink_counter_mismatch": mismatch}
+
+
+def test_summary_carries_the_counter_flag():
+    import pandas as pd
+
+    df = pd.DataFrame([_row(0, 10.0, 1.0, False), _row(1, 12.0, 0.5, True)])
+    (row,) = summarize(df).to_dict("records")
+    assert row["nvlink_counter_mismatch"] is True
+    assert row["busbw_nvlink_measured_gbps_min"] == 0.5
+    df = pd.DataFrame([_row(0, 10.0, None, None), _row(1, 12.0, None, None)])
+    (row,) = summarize(df).to_dict("records")
+    assert row["nvlink_counter_mismatch"] is None and row["busbw_nvlink_measured_gbps_min"] is None
+
+
+def test_virtual_nodes_compare_the_nvlink_counter_with_both_tiers():
+    assert counter_reference_bytes(False, 300, 100) == (300, 100)
+    assert counter_reference_bytes(False, 300, None) == (300, None)
+    # 2 virtual nodes x 2 GPUs: the inter-node bytes also cross NVLink, no NIC counter applies
+    assert counter_reference_bytes(True, 300, 100) == (400, None)
+
+
+def test_functional_reason_names_why_nothing_crossed_a_link():
+    assert metrics.functional_reason(4, 1) is None
+    assert metrics.functional_reason(1, 1) == "one rank: nothing crosses a link"
+    assert metrics.functional_reason(4, 4).startswith("4 ranks share each GPU")
+
+
+def _point(functional, ceilings=None):
+    from types import SimpleNamespace
+
+    s = parse(scenario_dict(topology={"nodes": 1, "gpus_per_node": 2}))
+    recs = [PointRecord(rank=r, samples_us={"dispatch": [10.0, 12.0], "combine": [20.0]},
+                        wrong={"dispatch": 0, "combine": 0}, problem={"dispatch": "", "combine": ""},
+                        counted={op: {"nvlink_tx": 1000, "nvlink_raw_tx": 1200} for op in metrics.OPS},
+                        counted_iters=1, link_capacity_gbps=450.0) for r in range(2)]
+    tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
+    be = SimpleNamespace(name="epbench")
+    return metrics.point_rows(s, be, 8, recs, tr, "cuda", ceilings, functional)[0]
+
+
+def test_functional_rows_carry_the_reason_and_no_link_figure():
+    from types import SimpleNamespace
+
+    ceil = {op: SimpleNamespace(copy_engine_us=5.0, sm_store_us={8: 6.0}) for op in metrics.OPS}
+    real = _point(None, ceil)
+    assert all(r["functional"] is None and r["busbw_nvlink_gbps"] > 0 for r in real)
+    assert all(r["ceiling_sm_store_us"] == 6.0 and r["nvlink_link_use_pct"] is not None for r in real)
+    why = "2 ranks share each GPU: their traffic stays in one GPU's memory"
+    rows = _point(why, ceil)
+    assert all(r["functional"] == why for r in rows)
+    link_cols = [k for k in rows[0] if k.startswith(("busbw_", "ceiling_", "nvlink_link", "nvlink_eff",
+                                                     "nvlink_bytes_measured", "nvlink_raw"))]
+    assert link_cols and all(r[k] is None for r in rows for k in link_cols)  # empty, never zero
+    assert all(r["algbw_gbps"] > 0 and r["wrong"] == 0 for r in rows)  # the time and check remain
+    summary = summarize(pd.DataFrame(rows))
+    assert summary["pct_of_copy_engine_ceiling"].isna().all()
+    assert summary["busbw_nvlink_gbps_max"].isna().all()

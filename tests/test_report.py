@@ -97,3 +97,16 @@ def test_link_use_column_from_the_raw_counters():
     # no raw counter read (CPU runs): a dash, never 0
     text = table_lines(rows())
     assert " - " in line_with(text, "dispatch", "reference")
+
+
+def test_functional_run_prints_dashes_for_link_figures():
+    df = [dict(r, busbw_nvlink_gbps=None, functional="4 ranks share each GPU") for r in rows()]
+    meta = dict(META, device="cuda", functional="4 ranks share each GPU",
+                notes=["functional run (4 ranks share each GPU): ... not given"])
+    text = table_lines(df, meta)
+    assert "functional, no link figures" in text
+    line = line_with(text, "dispatch", "reference")
+    cells = [c.strip() for c in line.split("│") if c.strip()]
+    # op, backend, SMs, time, algbw, then NVLink busbw, NVML, links %, NIC busbw, % ceil: all "-"
+    assert cells[5:10] == ["-"] * 5, cells
+    assert "note: functional run" in text

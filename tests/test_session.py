@@ -68,7 +68,7 @@ def test_no_ceiling_across_real_nodes_but_on_virtual_ones():
     import epbench.session as session
 
     notes = []
-    comm = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    comm = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=4, ranks_per_gpu=1)
     real = scenario.load(SCENARIOS / "h100x32.yaml")
     assert session.measure_ceilings(real, OPTS, comm, notes.append) is None
     assert notes == ["ceilings: measured inside one node only (this run spans 4 nodes; "
@@ -77,3 +77,41 @@ def test_no_ceiling_across_real_nodes_but_on_virtual_ones():
     notes.clear()  # virtual nodes pass this guard and reach the next one (tokens the run leaves out)
     assert session.measure_ceilings(virtual, dataclasses.replace(OPTS, tokens=(7,)), comm, notes.append) is None
     assert notes == ["ceilings: measured for the scenario's own tokens_per_rank, which --tokens leaves out"]
+
+
+def _comm(world, per_gpu, device="cuda"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(device=SimpleNamespace(type=device), world=world, ranks_per_gpu=per_gpu,
+                           shared=per_gpu > 1)
+
+
+def test_no_ceiling_where_nothing_crosses_a_link():
+    """Ranks sharing a GPU, or one rank: a copy "ceiling" of bytes that never leave the GPU would
+    be a figure with no meaning (issue 18: 0 MB in 1.25 us, % of ceiling above 100)."""
+    import epbench.session as session
+
+    s = scenario.load(SCENARIOS / "dsv3x4.yaml")
+    for comm, why in ((_comm(4, 4), "4 ranks share each GPU"), (_comm(1, 1), "one rank")):
+        notes = []
+        assert session.measure_ceilings(s, OPTS, comm, notes.append) is None
+        assert len(notes) == 1 and notes[0].startswith("ceilings: not measured (") and why in notes[0]
+
+
+def test_sharing_is_recorded_with_mps_and_the_reason(monkeypatch, tmp_path):
+    import epbench.session as session
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    info = session.sharing(_comm(4, 2))
+    assert info == {"functional": "2 ranks share each GPU: their traffic stays in one GPU's memory",
+                    "ranks_per_gpu": 2, "mps": "off"}
+    notes = session.sharing_notes(_comm(4, 2))
+    assert len(notes) == 2 and "MPS off: without it the ranks take turns" in notes[0]
+    assert notes[1].startswith("functional run (2 ranks share each GPU")
+    (tmp_path / "control").touch()  # the MPS control daemon's socket
+    assert session.sharing(_comm(4, 2))["mps"] == "on"
+    assert "MPS on" in session.sharing_notes(_comm(4, 2))[0]
+    # separate GPUs: nothing to note, nothing functional; CPU runs say nothing about MPS
+    assert session.sharing(_comm(4, 1)) == {"functional": None, "ranks_per_gpu": 1, "mps": "on"}
+    assert session.sharing_notes(_comm(4, 1)) == []
+    assert "mps" not in session.sharing(_comm(4, 1, "cpu"))

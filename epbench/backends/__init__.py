@@ -17,6 +17,9 @@ REGISTRY: Dict[str, str] = {
     "deepep": "epbench.backends.deepep:DeepEPBackend",
     "epbench-ll": "epbench.backends.epbench_ll:EpbenchLowLatencyBackend",
     "epbench-hier": "epbench.backends.epbench_hier:EpbenchHierBackend",
+    "deepep-v2": "epbench.backends.deepep_v2:DeepEPV2Backend",
+    "hybrid-ep": "epbench.backends.hybrid_ep:HybridEPBackend",
+    "symm-mem": "epbench.backends.symm_mem:SymmMemBackend",
 }
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from epbench import cuda_lib, nvshmem_lib
+from epbench.launch import mps_active
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
 
@@ -42,6 +43,12 @@ MAX_TOPK = 32
 DEFAULT_SEND_SHARE = 0.5
 DEFAULT_CHUNK = 4
 TRANSPORTS = ("auto", "put", "direct")  # EphConfig.transport 0, 1, 2
+
+
+def shares_gpus_without_mps() -> bool:
+    """The process group is gloo on GPUs only where ranks share one (epbench.launch)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl" \
+        and not mps_active()
 
 
 @dataclass
@@ -89,6 +96,9 @@ class EpbenchHierBackend(Backend):
         multiple = 128 if setup.dispatch_dtype == "fp8" else 8
         if setup.hidden % multiple:
             return f"hidden {setup.hidden} must be a multiple of {multiple}"
+        if shares_gpus_without_mps():
+            return ("ranks share a GPU and no MPS daemon serves them: NVSHMEM's support for several "
+                    "PEs per GPU is limited without MPS (start nvidia-cuda-mps-control -d)")
         try:
             nvshmem_lib.load()
         except RuntimeError as e:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from epbench.launch import init_distributed  # noqa: E402
 from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_kernels import EpbenchBackend  # noqa: E402
 from epbench.inputs import dispatch_input, expert_output, make_tokens  # noqa: E402
@@ -73,7 +74,8 @@ def make_setup(case: Case, rank: int, world: int, device: torch.device, timeout_
 
 
 def all_sum(v: int, device: torch.device) -> int:
-    t = torch.tensor([v], dtype=torch.int64, device=device)
+    on = device if dist.get_backend() == "nccl" else "cpu"  # gloo: ranks share a GPU
+    t = torch.tensor([v], dtype=torch.int64, device=on)
     dist.all_reduce(t)
     return int(t.item())
 
@@ -446,9 +448,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    # one GPU per rank where the host has enough, else ranks share them (gloo process group)
+    device = init_distributed("cuda").device
     try:
         run = {"check": run_check, "bench": run_bench, "linkbench": run_link_bench}[args.mode]
         failures = run(args, rank, world, device)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ep_worker import (CHECK_CASES, QUICK, Case, all_sum, check_case, expect_missing_peer,  # noqa: E402
                        make_setup, rank_routing)
 
+from epbench.launch import init_distributed  # noqa: E402
 from epbench.backends.epbench_hier import EpbenchHierBackend  # noqa: E402
 from epbench.inputs import dispatch_input, make_tokens  # noqa: E402
 
@@ -95,9 +96,8 @@ def main() -> int:
         print(f"world {world} is not a multiple of --gpus-per-node {args.gpus_per_node}", file=sys.stderr)
         return 2
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(HEAP))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    # one GPU per rank where the host has enough, else ranks share them (gloo process group)
+    device = init_distributed("cuda").device
     try:
         failures = run_check(args, rank, world, device)
     finally:

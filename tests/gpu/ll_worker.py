@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ep_worker import expect_missing_peer  # noqa: E402
 
+from epbench.launch import init_distributed  # noqa: E402
 from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_ll import EpbenchLowLatencyBackend  # noqa: E402
 from epbench.backends.reference import ReferenceBackend  # noqa: E402
@@ -87,7 +88,8 @@ def setup_of(case: Case, rank: int, world: int, device: torch.device, timeout_s:
 
 
 def all_sum(v: int, device: torch.device) -> int:
-    t = torch.tensor([v], dtype=torch.int64, device=device)
+    on = device if dist.get_backend() == "nccl" else "cpu"  # gloo: ranks share a GPU
+    t = torch.tensor([v], dtype=torch.int64, device=on)
     dist.all_reduce(t)
     return int(t.item())
 
@@ -189,9 +191,8 @@ def main() -> int:
     ap.add_argument("--sms", default="4,32", help="grid sizes to check (blocks; <= the GPU's SM count)")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    # one GPU per rank where the host has enough, else ranks share them (gloo process group)
+    device = init_distributed("cuda").device
     try:
         failures = run_check(args, rank, world, device)
     finally:

@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_launch import ROOT, needs_gpus, safe_env, torchrun
+from gpu_launch import ROOT, needs_nvshmem_gpus, safe_env, shared, torchrun
 
 torch = pytest.importorskip("torch")
 
 WORKER = ROOT / "tests" / "gpu" / "hier_worker.py"
 
-pytestmark = needs_gpus(4, "2 virtual nodes x 2")
+pytestmark = needs_nvshmem_gpus(4)  # 2 virtual nodes x 2
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def test_virtual_scenario_runs_verified(built: None, tmp_path: Path) -> None:
 
     (run,) = list((tmp_path / "r").iterdir())
     df = pd.read_csv(run / "results.csv")
-    assert set(df["backend"]) == {"reference", "epbench-hier"}, "epbench-hier did not run"
+    # the NCCL reference needs a GPU per rank: skipped where the 4 ranks share GPUs
+    assert set(df["backend"]) == {"epbench-hier"} | (set() if shared(4) else {"reference"})
     assert int(df["wrong"].sum()) == 0
     hier = df[df["backend"] == "epbench-hier"]
     assert (hier["nic_bytes"] > 0).all() and hier["nic_virtual"].all()

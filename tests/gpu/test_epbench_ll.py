@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_launch import GPUS, ROOT, needs_gpus, safe_env, torchrun
+from gpu_launch import ROOT, safe_env, shared, shares_gpus, torchrun, world
 
 torch = pytest.importorskip("torch")
 
 WORKER = ROOT / "tests" / "gpu" / "ll_worker.py"
 
-pytestmark = needs_gpus(2)
+pytestmark = shares_gpus()
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,9 @@ def built() -> None:
         pytest.skip(f"low-latency kernels not built: {e}")
 
 
-@pytest.mark.parametrize("nproc", sorted({2, min(GPUS, 4)}) if GPUS >= 2 else [2])
+@pytest.mark.parametrize("nproc", [2, 4])
 def test_ll_kernels_match_verification(built: None, nproc: int) -> None:
-    r = torchrun(WORKER, nproc, "check", *(["--quick"] if nproc == 2 else []))
+    r = torchrun(WORKER, nproc, "check", *(["--quick"] if nproc == 2 or shared(nproc) else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
 
@@ -47,9 +47,9 @@ bench: {{warmup: 3, iters: 10, backends: [reference, epbench-ll], sms: [8, 32], 
 
 @pytest.mark.parametrize("dtype,routing", [("fp8", "uniform"), ("bf16", "hot")])
 def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: str, routing: str) -> None:
-    world = min(GPUS, 4)
+    ranks = world()
     path = tmp_path / f"ll-{dtype}.yaml"
-    path.write_text(SCENARIO.format(epr=256 // world, dtype=dtype, routing=routing, world=world))
+    path.write_text(SCENARIO.format(epr=256 // ranks, dtype=dtype, routing=routing, world=ranks))
     r = subprocess.run([sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,32,128",
                         "--results", str(tmp_path / "r")], cwd=ROOT, env=safe_env(),
                        capture_output=True, text=True, timeout=900)
@@ -58,20 +58,21 @@ def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: 
 
     (run,) = list((tmp_path / "r").iterdir())
     df = pd.read_csv(run / "results.csv")
-    assert set(df["backend"]) == {"reference", "epbench-ll"}, "epbench-ll did not run"
+    # the NCCL reference needs a GPU per rank; where ranks share one it is skipped with a note
+    assert set(df["backend"]) == {"epbench-ll"} | (set() if shared(ranks) else {"reference"})
+    assert shared(ranks) == ("backend reference skipped" in r.stdout)
     ll = df[df["backend"] == "epbench-ll"]
     assert set(ll["timing"]) == {"launch", "graph"}
     assert sorted(set(ll["tokens_per_rank"])) == [1, 32, 128]
-    assert len(ll) == 3 * 2 * 2 * 2 * world  # tokens x SM counts x timings x ops x ranks
+    assert len(ll) == 3 * 2 * 2 * 2 * ranks  # tokens x SM counts x timings x ops x ranks
     assert int(df["wrong"].sum()) == 0
     assert (df["time_us_p99"] >= df["time_us"]).all()
     assert "p99 us" in r.stdout
 
 
 def test_corrupted_ll_output_fails(built: None, tmp_path: Path) -> None:
-    world = min(GPUS, 4)
     path = tmp_path / "ll-fault.yaml"
-    path.write_text(SCENARIO.format(epr=8, dtype="bf16", routing="uniform", world=world))
+    path.write_text(SCENARIO.format(epr=8, dtype="bf16", routing="uniform", world=world()))
     r = subprocess.run([sys.executable, "-m", "epbench", "run", str(path), "--backends", "epbench-ll",
                         "--inject-fault", "dispatch", "--results", str(tmp_path / "r")],
                        cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=600)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 WORKER = ROOT / "tests" / "gpu" / "nvshmem_worker.py"
 
-pytestmark = needs_gpus(2)
+pytestmark = needs_gpus(2, "the worker puts one NVSHMEM PE on each GPU")
 
 
 @pytest.fixture(scope="module")
