@@ -11,6 +11,7 @@ import pandas as pd
 from epbench.errors import UserError
 from epbench.metrics import summarize
 from epbench.results import is_run_dir, load_run
+from epbench.scenario import short_path
 
 KEYS = ["scenario", "backend", "op", "sms"]
 PROVENANCE = ("gpus", "driver", "cuda", "torch", "nccl", "host", "world")
@@ -20,10 +21,10 @@ VALUES = ("time_us", "busbw_nvlink_gbps_min")
 
 def load(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     if not path.exists():
-        raise UserError(f"{path}: no such results folder")
+        raise UserError(f"{short_path(path)}: no such results folder")
     if not is_run_dir(path):
-        raise UserError(f"{path}: not a results folder (no meta.json)")
-    return load_run(path)
+        raise UserError(f"{short_path(path)}: not a results folder (no meta.json)")
+    return load_run(path)  # a corrupt or truncated run: UserError naming the file
 
 
 def ratio(b: Any, a: Any) -> Any:
@@ -137,6 +138,10 @@ def print_compare(a: Path, b: Path, console) -> pd.DataFrame:
         console.print(f"A {a} and B {b}: no measured points in either")
     else:
         console.print(compare_table(both, f"A = {a}  vs  B = {b}"))
+        matched = both["time_us_a"].notna() & both["time_us_b"].notna()
+        if not matched.any():
+            console.print("[yellow]warning:[/] no point was measured in both runs (scenario, backend, "
+                          "op and SMs differ everywhere): no ratios", highlight=False)
     for w in provenance_warnings(meta_a, meta_b) + option_warnings(meta_a, df_a, meta_b, df_b):
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
     return both
