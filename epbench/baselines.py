@@ -20,7 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 REPO_URL = "https://github.com/deepseek-ai/DeepEP.git"
 STAMP = "epbench-baselines.json"
@@ -123,6 +123,18 @@ def source_checkout(fl: Flavor, src: Optional[str], workdir: Path, run: Runner,
     return dest, ""
 
 
+def _keep_log(p: Any, venv_python: str, name: str, stamp_dir: Optional[Path]) -> Optional[Path]:
+    """The whole build output beside the stamp, so the one-line note can point at the compiler's
+    own error; None where it cannot be written."""
+    folder = stamp_dir if stamp_dir is not None else Path(venv_python).absolute().parent.parent
+    path = folder / f"epbench-baselines-{name}.log"
+    try:
+        path.write_text((p.stdout or "") + (p.stderr or ""))
+    except OSError:
+        return None
+    return path
+
+
 def build(name: str, src: Optional[str], venv_python: str = sys.executable,
           run: Runner = _run, env: Optional[Dict[str, str]] = None,
           stamp_dir: Optional[Path] = None) -> str:
@@ -136,7 +148,8 @@ def build(name: str, src: Optional[str], venv_python: str = sys.executable,
         p = run([venv_python, "-m", "pip", "install", "--no-build-isolation", "--no-deps", str(path)],
                 None, env)
         if p.returncode:
-            return f"{fl.name}: pip install (the CUDA build) failed: {_tail(p)}"
+            log = _keep_log(p, venv_python, fl.name, stamp_dir)
+            return f"{fl.name}: pip install (the CUDA build) failed: {_tail(p)}" + (f" (full log: {log})" if log else "")
     check = f"import deep_ep; deep_ep.{fl.provides}; print(getattr(deep_ep, '__version__', ''))"
     p = run([venv_python, "-c", check], None, env)
     if p.returncode:
