@@ -74,7 +74,9 @@ def test_failed_build_is_a_note_naming_the_step(tmp_path):
     src = git_checkout(tmp_path)
     note = baselines.build("v1", str(src), run=Recorder(fail=("pip install",)), env={},
                            stamp_dir=tmp_path)
-    assert note == "v1: pip install (the CUDA build) failed: boom: the last line"
+    log = tmp_path / "epbench-baselines-v1.log"
+    assert note == f"v1: pip install (the CUDA build) failed: boom: the last line (full log: {log})"
+    assert "boom: the last line" in log.read_text()
 
 
 def test_failed_import_is_a_note(tmp_path):
