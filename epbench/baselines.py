@@ -77,7 +77,27 @@ def build_env(base: Dict[str, str]) -> Dict[str, str]:
     home = find_home()
     if home and "NVSHMEM_DIR" not in env:
         env["NVSHMEM_DIR"] = home
+    cccl = cccl_include(env)
+    if cccl:
+        # CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl, which nvcc adds by itself but
+        # the host compiler does not; NVSHMEM's headers include it from DeepEP's .cpp files
+        env["CPLUS_INCLUDE_PATH"] = os.pathsep.join(p for p in (cccl, env.get("CPLUS_INCLUDE_PATH")) if p)
     return env
+
+
+def cccl_include(env: Dict[str, str]) -> Optional[str]:
+    """The CUDA toolkit's include/cccl folder (CUDA 13 and later), or None."""
+    import shutil
+
+    roots = [env.get("CUDA_HOME"), env.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc", path=env.get("PATH"))
+    if nvcc:
+        roots.append(str(Path(nvcc).resolve().parent.parent))
+    for root in filter(None, roots):
+        folder = Path(root) / "include" / "cccl"
+        if (folder / "cuda" / "std").is_dir():
+            return str(folder)
+    return None
 
 
 def source_checkout(fl: Flavor, src: Optional[str], workdir: Path, run: Runner,

@@ -1,5 +1,6 @@
 """make baselines' logic, with git, pip and the import check replaced by a recording runner."""
 
+import os
 import json
 import subprocess
 from pathlib import Path
@@ -128,3 +129,10 @@ def test_versions_reads_the_stamp(tmp_path, monkeypatch):
 def test_makefile_carry_target_exists():
     text = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
     assert "baselines-carry:" in text and "git -C \"$(DEEPEP_SRC)\" archive" in text
+
+
+def test_cuda_13_cccl_headers_reach_the_host_compiler(tmp_path):
+    (tmp_path / "include" / "cccl" / "cuda" / "std").mkdir(parents=True)
+    env = baselines.build_env({"CUDA_HOME": str(tmp_path), "PATH": "", "CPLUS_INCLUDE_PATH": "/x"})
+    assert env["CPLUS_INCLUDE_PATH"].split(os.pathsep) == [str(tmp_path / "include" / "cccl"), "/x"]
+    assert "CPLUS_INCLUDE_PATH" not in baselines.build_env({"CUDA_HOME": str(tmp_path / "none"), "PATH": ""})
