@@ -76,13 +76,35 @@ def build_env(base: Dict[str, str]) -> Dict[str, str]:
 
     home = find_home()
     if home and "NVSHMEM_DIR" not in env:
-        env["NVSHMEM_DIR"] = home
+        env["NVSHMEM_DIR"] = nvshmem_link_home(Path(home), Path(sys.prefix) / "epbench-nvshmem")
     cccl = cccl_include(env)
     if cccl:
         # CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl, which nvcc adds by itself but
         # the host compiler does not; NVSHMEM's headers include it from DeepEP's .cpp files
         env["CPLUS_INCLUDE_PATH"] = os.pathsep.join(p for p in (cccl, env.get("CPLUS_INCLUDE_PATH")) if p)
     return env
+
+
+def nvshmem_link_home(home: Path, shadow: Path) -> str:
+    """An NVSHMEM folder DeepEP's setup.py can link against. The pip wheel ships only the
+    versioned ``libnvshmem_host.so.3``, and DeepEP links ``-l:libnvshmem_host.so``: then a folder
+    of links (include/, and lib/ with every file plus the unversioned name) stands in for the
+    wheel's, which is never modified. Returns ``home`` itself where nothing is missing or the
+    links cannot be made."""
+    lib = home / "lib"
+    if (lib / "libnvshmem_host.so").exists() or not (lib / "libnvshmem_host.so.3").exists():
+        return str(home)
+    try:
+        (shadow / "lib").mkdir(parents=True, exist_ok=True)
+        links = {shadow / "include": home / "include", shadow / "lib" / "libnvshmem_host.so": lib / "libnvshmem_host.so.3"}
+        links.update({shadow / "lib" / f.name: f for f in lib.iterdir()})
+        for link, target in links.items():
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(target)
+    except OSError:
+        return str(home)
+    return str(shadow)
 
 
 def cccl_include(env: Dict[str, str]) -> Optional[str]:

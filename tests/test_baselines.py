@@ -136,3 +136,19 @@ def test_cuda_13_cccl_headers_reach_the_host_compiler(tmp_path):
     env = baselines.build_env({"CUDA_HOME": str(tmp_path), "PATH": "", "CPLUS_INCLUDE_PATH": "/x"})
     assert env["CPLUS_INCLUDE_PATH"].split(os.pathsep) == [str(tmp_path / "include" / "cccl"), "/x"]
     assert "CPLUS_INCLUDE_PATH" not in baselines.build_env({"CUDA_HOME": str(tmp_path / "none"), "PATH": ""})
+
+
+def test_nvshmem_wheel_without_the_unversioned_library_gets_a_folder_of_links(tmp_path):
+    home = tmp_path / "nvshmem"
+    (home / "include").mkdir(parents=True)
+    (home / "lib").mkdir()
+    (home / "lib" / "libnvshmem_host.so.3").write_text("host")
+    (home / "lib" / "libnvshmem_device.a").write_text("device")
+    got = Path(baselines.nvshmem_link_home(home, tmp_path / "shadow"))
+    assert got == tmp_path / "shadow"
+    assert (got / "lib" / "libnvshmem_host.so").read_text() == "host"
+    assert (got / "lib" / "libnvshmem_device.a").read_text() == "device"
+    assert (got / "include").resolve() == (home / "include").resolve()
+    assert not (home / "lib" / "libnvshmem_host.so").exists()  # the wheel itself is left alone
+    (home / "lib" / "libnvshmem_host.so").write_text("host")
+    assert baselines.nvshmem_link_home(home, tmp_path / "shadow2") == str(home)
