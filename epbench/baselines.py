@@ -165,10 +165,16 @@ def source_checkout(fl: Flavor, src: Optional[str], workdir: Path, run: Runner,
     return dest, ""
 
 
+def _folder(venv_python: str, stamp_dir: Optional[Path]) -> Path:
+    """Where the build stamp and logs go: the venv of ``venv_python`` (not resolved: a venv's
+    python is a link to the base interpreter, and versions() reads sys.prefix)."""
+    return stamp_dir if stamp_dir is not None else Path(venv_python).absolute().parent.parent
+
+
 def _keep_log(p: Any, venv_python: str, name: str, stamp_dir: Optional[Path]) -> Optional[Path]:
     """The whole build output beside the stamp, so the one-line note can point at the compiler's
     own error; None where it cannot be written."""
-    folder = stamp_dir if stamp_dir is not None else Path(venv_python).absolute().parent.parent
+    folder = _folder(venv_python, stamp_dir)
     path = folder / f"epbench-baselines-{name}.log"
     try:
         path.write_text((p.stdout or "") + (p.stderr or ""))
@@ -192,16 +198,19 @@ def build(name: str, src: Optional[str], venv_python: str = sys.executable,
         if p.returncode:
             log = _keep_log(p, venv_python, fl.name, stamp_dir)
             return f"{fl.name}: pip install (the CUDA build) failed: {_tail(p)}" + (f" (full log: {log})" if log else "")
-    check = f"import deep_ep; deep_ep.{fl.provides}; print(getattr(deep_ep, '__version__', ''))"
+    check = (f"import deep_ep, importlib.metadata as m; deep_ep.{fl.provides}; "
+             f"print(getattr(deep_ep, '__version__', None) or m.version('deep_ep'))")
     p = run([venv_python, "-c", check], None, env)
     if p.returncode:
         return f"{fl.name}: built, but import deep_ep.{fl.provides} failed: {_tail(p)}"
+    stale = _folder(venv_python, stamp_dir) / f"epbench-baselines-{fl.name}.log"
+    if stale.exists():
+        stale.unlink()  # an earlier failure's log would contradict this build
     stamp = {"flavor": fl.name, "commit": fl.commit, "branch": fl.branch,
              "version": (p.stdout or "").strip(), "source": src or REPO_URL,
              "torch_cuda_arch_list": env.get("TORCH_CUDA_ARCH_LIST"),
              "nvshmem_dir": env.get("NVSHMEM_DIR")}
-    # not resolved: a venv's python is a link to the base interpreter; versions() reads sys.prefix
-    folder = stamp_dir if stamp_dir is not None else Path(venv_python).absolute().parent.parent
+    folder = _folder(venv_python, stamp_dir)
     try:
         (folder / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
     except OSError as e:
