@@ -291,7 +291,10 @@ __device__ __forceinline__ bool ll_warp_wait(const EpParams& p, const LlParams& 
   for (unsigned n = 1;; ++n) {
     const bool waiting = ((pending >> lane) & 1u) && !ready();
     pending = __ballot_sync(0xffffffffu, waiting);
-    if (pending == 0) return true;
+    if (pending == 0) {
+      __syncwarp();  // bar.warp.sync orders every lane's later loads after the lanes' acquires
+      return true;
+    }
     if (n % every != 0) continue;
     if (__any_sync(0xffffffffu, lane == 0 && ld_volatile(p.dev_error) != 0)) return false;
     if (__any_sync(0xffffffffu, lane == 0 && globaltimer() - start > p.timeout_ns)) {
