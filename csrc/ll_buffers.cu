@@ -89,8 +89,8 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   ctx->off_counts = c.take((size_t)lp.experts * sizeof(long long));
   ctx->off_src_counts = c.take((size_t)lp.experts * p.world * sizeof(int));
   ctx->off_src_tokens = c.take(EP_MAX_WORLD * sizeof(int));
-  ctx->off_epochs = c.take(2 * kLlEpochSlots * sizeof(int));
-  ctx->off_counters = c.take(kLlCounters * sizeof(unsigned));
+  ctx->off_epochs = c.take(2 * sizeof(int));
+  ctx->off_counters = c.take(4 * sizeof(unsigned));
   ctx->off_dev_error = c.take(sizeof(int));
   ctx->off_probe = c.take(kLlProbeBytes);
   ep->region_bytes = align_up(c.next, 1 << 21);
@@ -108,8 +108,8 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaMemset(r + lp.off_cflags, 0, EP_MAX_WORLD * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + lp.off_tmap, 0, (size_t)p.world * lp.t_max * p.topk * sizeof(unsigned long long)));
   CUDA_CHECK(cudaMemset(r + ctx->off_src_tokens, 0, EP_MAX_WORLD * sizeof(int)));
-  CUDA_CHECK(cudaMemset(r + ctx->off_epochs, 0, 2 * kLlEpochSlots * sizeof(int)));
-  CUDA_CHECK(cudaMemset(r + ctx->off_counters, 0, kLlCounters * sizeof(unsigned)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_epochs, 0, 2 * sizeof(int)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_counters, 0, 4 * sizeof(unsigned)));
   CUDA_CHECK(cudaMemset(r + ctx->off_dev_error, 0, sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_probe, 0, kLlProbeBytes));
   CUDA_CHECK(cudaMemset(r + ctx->off_counts, 0, (size_t)lp.experts * sizeof(long long)));
@@ -155,7 +155,7 @@ extern "C" int ep_ll_region(void* vctx, int which, unsigned long long* ptr, unsi
     case EP_LL_SRC_COUNTS: off = ctx->off_src_counts; n = (size_t)lp.experts * p.world * sizeof(int); break;
     case EP_LL_COMBINE_IN: off = ctx->off_y; n = slots * p.hidden * 2; break;
     case EP_LL_OUT: off = ctx->off_out; n = (size_t)lp.t_max * p.hidden * 2; break;
-    case EP_LL_EPOCHS: off = ctx->off_epochs; n = 2 * kLlEpochSlots * sizeof(int); break;
+    case EP_LL_EPOCHS: off = ctx->off_epochs; n = 2 * sizeof(int); break;
     default: ep_set_error("unknown low-latency region %d", which); return -1;
   }
   *ptr = (unsigned long long)(ctx->ep->region + off);
@@ -163,37 +163,20 @@ extern "C" int ep_ll_region(void* vctx, int which, unsigned long long* ptr, unsi
   return 0;
 }
 
-// Shared by both launchers. A warp may wait for a flag that a warp of another block releases (the
-// last arrival for a destination, my own rank included under LL_VARIANT_NO_BYPASS), so every block
-// must be resident at once: at most one block per SM. The first call after the peers are mapped
-// also picks the flags' scope: .gpu when every peer's region is on this GPU (world 1, ranks
-// sharing one GPU), else .sys.
-int ll_check_launch(LlContext* ctx, int num_tokens, int num_sms, int warps) {
+// Shared by both launchers. The receive phases wait on flags that other blocks of the same grid
+// release, so every block must be resident at once: at most one block per SM.
+int ll_check_launch(const LlContext* ctx, int num_tokens, int num_sms, int warps) {
   const EpContext* ep = ctx->ep;
   if (!ep->peers_open) {
     ep_set_error("peers not opened: call ep_open_peers on ep_ll_base(ctx) first");
     return -1;
-  }
-  if (!ctx->scope_known) {
-    int sys = 0;
-    for (int r = 0; r < ep->p.world; ++r) {
-      cudaPointerAttributes attr;
-      if (cudaPointerGetAttributes(&attr, ep->p.peer_base[r]) != cudaSuccess) {
-        (void)cudaGetLastError();
-        sys = 1;  // unknown: the safe scope
-      } else if (attr.device != ep->device) {
-        sys = 1;
-      }
-    }
-    ctx->lp.sys_scope = sys;
-    ctx->scope_known = 1;
   }
   if (num_tokens < 0 || num_tokens > ctx->lp.t_max) {
     ep_set_error("num_tokens %d outside 0..max_tokens %d", num_tokens, ctx->lp.t_max);
     return -1;
   }
   const int sms = ctx->sm_count;
-  if (num_sms < 1 || num_sms > sms || num_sms > kLlEpochSlots || warps < 2 || warps > 16) {
+  if (num_sms < 1 || num_sms > sms || warps < 2 || warps > 16) {
     ep_set_error("num_sms must be 1..%d (all blocks resident) and warps 2..16 (got %d, %d)", sms, num_sms, warps);
     return -1;
   }
@@ -215,7 +198,7 @@ extern "C" int ep_ll_destroy(void* vctx) {
 // ---- measuring aids (ep_ll_set_probe, ep_ll_probe; notes/LATENCY.md) ----
 extern "C" int ep_ll_set_probe(void* vctx, void* stamps, int variant) {
   LlContext* ctx = (LlContext*)vctx;
-  if (variant < 0 || variant > LL_VARIANT_ALL) {
+  if (variant < 0 || variant > (LL_VARIANT_THREAD_FENCE | LL_VARIANT_SPIN_CHECKS | LL_VARIANT_FINISH_FENCE)) {
     ep_set_error("unknown low-latency variant bits %d", variant);
     return -1;
   }

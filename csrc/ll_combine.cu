@@ -1,31 +1,31 @@
-// Low-latency combine (v3, issue 24 phase 2): one kernel, no grid-wide handshake, the epoch read
-// from per-block slots in device memory (CUDA-graph capturable). Layout and flags: ll_common.cuh.
-// The result is the contract's sum_k w[t, k] * y_{e_k}(t) (epbench/backends/base.py), in fp32:
-// my own experts' terms are added directly; each other rank d first sums t's experts that live on
-// d (its partial, rounded to bf16 once) and pushes it; the source adds the partials.
+// Low-latency combine: one kernel, a push phase then a reduce phase; the epoch read from device
+// memory (CUDA-graph capturable). Layout and flags: ll_common.cuh. The result is the contract's
+// sum_k w[t, k] * y_{e_k}(t) (epbench/backends/base.py), computed in two fp32 steps: each rank
+// first sums a token's experts that live on it (its partial), then the source adds the partials.
 //
-// Steps of each warp, units strided over all warps of the grid:
-//   1. pushes (expert side, one row per (token, rank)): unit (source s != me, token t < T_s, part c
-//      of kV x 32 16-byte vectors): lane k < topk reads tmap[s, t, k] and tw[s, t, k] (written by s's
-//      dispatch; another epoch: expert k of t is not here); the warp loads part c of the valid
-//      experts' y rows, kG at a time, adds w_k * y in fp32 and stores the bf16 partial into
-//      crows[t * world + me] on rank s.
-//   Release: each warp arrives once per destination with the units it did (ll_arrive, the
-//      memory-model argument is there); the arrival completing T_s x parts stores cflags[me] =
-//      epoch on s; for T_s = 0 warp 0 stores it at once (nothing to cover).
-//   2. reduce (source side): unit (token t < T, part c): lane k takes t's k-th expert; for mine it
-//      reads the slot and weight from my own tmap / tw (my dispatch wrote them) and loads that row;
-//      for rank d's it sets bit d, and the lowest lane with an expert on d loads d's partial. The
-//      warp waits (bounded, lanes in parallel) for the flags of the ranks in that
-//      mask it has not yet seen, then sums w_k * y (mine) and the partials (theirs) into out[t].
-//   3. warp 0 waits for every other rank's flag (so that no source rewrites my tmap / tw / stage /
-//      cnt before my pushes for it are done: ll_dispatch.cu, buffer reuse), then every block stores
-//      its epoch slots (ll_epoch_end).
-// At world 1 nothing waits for anything: the whole call is step 2 over my own experts.
-// LL_VARIANT_NO_BYPASS pushes my own partials through crows and flags like a peer's.
+// Push phase (expert side, pre-reduced: one row per (token, rank), not per (token, expert)):
+// work unit = (source s, token t < T_s, chunk c of kV x 32 16-byte vectors), c fastest, units
+// strided over all warps of the grid. Lane k < topk reads tmap[s, t, k] and tw[s, t, k] (written
+// by s's dispatch; an entry of another epoch means expert k of t is not on this rank); for the
+// valid k, up to kG at a time, the warp loads chunk c of y[slot_k] (all loads in flight), adds
+// w_k * y in fp32, and stores the bf16 partial into crows[t * world + me] of rank s over NVLink.
+// A token with no expert here costs one 8-byte load per lane and is skipped.
+// Release: one system-scope fence per block after its barrier (the memory-model argument is at
+// ll_last_block, ll_common.cuh); the last block of the grid (block counter 1) stores cflags[me] =
+// epoch into every rank with st.release.sys.
+// Phase stamps (LlParams::stamps, LlStamp) mark each step per block when a probe asks.
+// Reduce phase (source side): in every block, thread s < world waits (bounded, ll_wait_i32) for
+// cflags[s] == epoch in my region, so all partials for my tokens have landed; then unit (t, c):
+// the ranks holding t's experts (from topk_idx) give a bit mask, the warp loads chunk c of each
+// of those partials (all in flight), sums them in fp32 and stores bf16 into out[t].
+// The reduce waits on a flag that the last block of this same grid releases: every block must be
+// resident at once (num_sms <= SM count, one 512-thread block per SM; ll_check_launch).
+// Last block of the grid stores the epoch back (ll_finish_launch, block counter 2).
 //
-// Reuse of crows: a peer pushes into my crows for call n only after its dispatch n, which waited
-// for my dispatch n's flag, which I release after my combine n - 1 had finished reading crows.
+// Reuse: a peer pushes into my crows for call n only after its dispatch n, which needed my
+// dispatch n, which started after my combine n - 1 had finished reading crows. A source rewrites
+// my tmap / tw in its dispatch n + 1 only after its combine n saw my cflags, which I release
+// after my push phase n (the only reader of tmap / tw) is done.
 #include <cuda_bf16.h>
 #include <stdlib.h>
 
@@ -83,8 +83,15 @@ __device__ __forceinline__ void accumulate(float (&acc)[kV][8], unsigned mask, f
   }
 }
 
-template <int kV>
-__device__ __forceinline__ void store_chunk(int4* dst, const float (&acc)[kV][8], int v0, int V, int lane) {
+// dst[v0 + 32 u + lane] = bf16(sum over the rows in `mask` of w_b * row_b[...]) for one chunk.
+template <int kV, typename RowOf>
+__device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int v0, int V, int lane, RowOf row_of) {
+  float acc[kV][8];
+#pragma unroll
+  for (int uu = 0; uu < kV; ++uu)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[uu][i] = 0.f;
+  accumulate<kV>(acc, mask, w, v0, V, lane, row_of);
 #pragma unroll
   for (int uu = 0; uu < kV; ++uu) {
     const int i = v0 + uu * 32 + lane;
@@ -95,39 +102,38 @@ __device__ __forceinline__ void store_chunk(int4* dst, const float (&acc)[kV][8]
 template <int kThreads, int kV>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
+  __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
   ll_stamp(lp, kLlStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int world = p.world, topk = p.topk, E = lp.experts, me = p.rank;
+  const int world = p.world, topk = p.topk, E = lp.experts;
   if (threadIdx.x == 0) {
-    s_epoch = ll_epoch_begin(lp.epochs + kLlEpochSlots);
-    s_depoch = ld_volatile(lp.epochs + blockIdx.x);  // the matching dispatch's epoch (stream order)
+    s_epoch = ld_volatile(lp.epochs + 1) + 1;
+    s_depoch = ld_volatile(lp.epochs);  // the matching dispatch's epoch (stream order)
+    int acc = 0;
+    for (int s = 0; s < world; ++s) {
+      s_tokens[s] = acc;
+      acc += lp.src_tokens[s];
+    }
+    s_tokens[world] = acc;
   }
   __syncthreads();
   ll_stamp(lp, kLlStaged);
   const int epoch = s_epoch, depoch = s_depoch;
-  const bool sys = ll_sys(lp);
-  const int self = (lp.variant & LL_VARIANT_NO_BYPASS) ? -1 : me;
-  const long long G = (long long)gridDim.x * nwarps, gw = (long long)blockIdx.x * nwarps + warp;
+  const long long G = (long long)gridDim.x * nwarps;
   const size_t row = (size_t)p.hidden * 2;
-  const int V = p.hidden >> 3;                     // 16-byte vectors per bf16 row
-  const int nch = (V + 32 * kV - 1) / (32 * kV);  // parts per row
-  uint8_t* mybase = p.peer_base[me];
-  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tmap);
-  const float* tw = reinterpret_cast<const float*>(mybase + lp.off_tw);
+  const int V = p.hidden >> 3;           // 16-byte vectors per bf16 row
+  const int nch = (V + 32 * kV - 1) / (32 * kV);  // chunks per row
+  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(p.peer_base[p.rank] + lp.off_tmap);
+  const float* tw = reinterpret_cast<const float*>(p.peer_base[p.rank] + lp.off_tw);
   const uint8_t* y = reinterpret_cast<const uint8_t*>(lp.y);
-  int* cflags = reinterpret_cast<int*>(mybase + lp.off_cflags);
-  const unsigned others = ((1u << world) - 1u) & ~(self >= 0 ? 1u << self : 0u);
 
   bool aborted = ld_volatile(p.dev_error) != 0;
-  // 1. pushes for the other sources' tokens (lane s: T_s)
-  const int ts = ((others >> lane) & 1u) ? lp.src_tokens[lane] : 0;
-  const int incl = ll_warp_prefix(ts), total_rows = __shfl_sync(0xffffffffu, incl, 31);
-  unsigned sent = 0;
-  for (long long u = gw; !aborted && u < (long long)total_rows * nch; u += G) {
+  const long long push_units = (long long)s_tokens[world] * nch;
+  for (long long u = blockIdx.x * nwarps + warp; !aborted && u < push_units; u += G) {
     const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
-    int t;
-    const int s = ll_find_lane(incl, ts, st, &t);
-    if (lane == s) ++sent;
+    int s = 0;
+    while (st >= s_tokens[s + 1]) ++s;
+    const int t = st - s_tokens[s];
     unsigned long long ent = 0;
     float w = 0.f;
     if (lane < topk) {
@@ -139,71 +145,39 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     const unsigned mask = __ballot_sync(0xffffffffu, valid);
     if (mask == 0) continue;  // no expert of this token here (warp-uniform)
     const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
-    float acc[kV][8] = {};
-    accumulate<kV>(acc, mask, w, c * 32 * kV, V, lane, [&](int b) {
+    int4* dst = reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * world + p.rank) * row);
+    sum_chunk<kV>(dst, mask, w, c * 32 * kV, V, lane, [&](int b) {
       const int sl = __shfl_sync(0xffffffffu, slot, b);
       return reinterpret_cast<const int4*>(y + (size_t)sl * row);
     });
-    store_chunk<kV>(reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * world + me) * row), acc,
-                    c * 32 * kV, V, lane);
   }
-  __syncwarp();
-  if (lane < world && sent != 0 && ll_arrive(lp.counters + 8 + lane, sent, (unsigned)(ts * nch), sys))
-    ll_st_relaxed_i32(reinterpret_cast<int*>(p.peer_base[lane] + lp.off_cflags) + me, epoch, sys);
-  if (gw == 0 && !aborted && ((others >> lane) & 1u) && ts == 0)
-    ll_st_relaxed_i32(reinterpret_cast<int*>(p.peer_base[lane] + lp.off_cflags) + me, epoch, sys);
-  ll_stamp_block(lp, kLlSent);
+
+  if (ll_last_block(lp, lp.counters + 1) && threadIdx.x < world)
+    st_release_sys(reinterpret_cast<int*>(p.peer_base[threadIdx.x] + lp.off_cflags) + p.rank, epoch);
   ll_stamp(lp, kLlReleased);
+  if (threadIdx.x < world) {
+    ll_wait_i32(p, lp, reinterpret_cast<const int*>(p.peer_base[p.rank] + lp.off_cflags) + threadIdx.x, epoch,
+                threadIdx.x, kPhaseLlCombine);
+  }
+  __syncthreads();
   ll_stamp(lp, kLlWaited);
 
-  // 2. reduce my tokens: my experts' rows directly, the other ranks' partials once their flag is seen
-  const uint8_t* crows = mybase + lp.off_crows;
-  unsigned seen = 0;  // ranks whose flag this warp has seen (warp-uniform)
-  for (long long u = gw; !aborted && u < (long long)a.num_tokens * nch; u += G) {
+  aborted = ld_volatile(p.dev_error) != 0;
+  const uint8_t* crows = p.peer_base[p.rank] + lp.off_crows;
+  const long long red_units = (long long)a.num_tokens * nch;
+  for (long long u = blockIdx.x * nwarps + warp; !aborted && u < red_units; u += G) {
     const int t = (int)(u / nch), c = (int)(u - (long long)t * nch);
     int d = -1;
-    unsigned long long ent = 0;
-    float w = 0.f;
     if (lane < topk) {
       const long long e = a.topk_idx[(size_t)t * topk + lane];
       if (e >= 0 && e < lp.num_experts) d = (int)(e / E);
-      if (d >= 0 && d == self) {
-        const size_t tk = ((size_t)me * lp.t_max + t) * topk + lane;
-        ent = tmap[tk];
-        w = tw[tk];
-      }
     }
-    const bool local = d >= 0 && d == self && (int)(ent >> 32) == depoch;
-    // bit d set when some expert of t lives on rank d (not me); the lowest such lane loads d's partial
-    const bool remote = d >= 0 && d != self;
-    const unsigned ranks = __reduce_or_sync(0xffffffffu, remote ? 1u << d : 0u);
-    const bool rep = remote && __ffs(__match_any_sync(0xffffffffu, d)) - 1 == lane;
-    const unsigned need = ranks & ~seen;
-    if (need != 0) {
-      if (!ll_warp_wait(p, lp, need, kPhaseLlCombine,
-                        [&] { return ll_ld_acquire_i32(cflags + lane, sys) - epoch >= 0; })) {
-        aborted = true;
-        break;
-      }
-      seen |= need;
-    }
-    // one term per lane: my expert's row (weight w) or rank d's partial (weight 1)
-    const uint8_t* rp = local ? y + (size_t)(ent & 0xffffffffu) * row
-                              : crows + ((size_t)t * world + (rep ? d : 0)) * row;
-    float acc[kV][8] = {};
-    accumulate<kV>(acc, __ballot_sync(0xffffffffu, local || rep), local ? w : 1.f, c * 32 * kV, V, lane, [&](int b) {
-      return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, (unsigned long long)rp, b));
-    });
-    store_chunk<kV>(reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden), acc, c * 32 * kV, V, lane);
+    // bit d set when some expert of t lives on rank d; lane d of the mask loads rank d's partial
+    const unsigned ranks = __reduce_or_sync(0xffffffffu, d >= 0 ? 1u << d : 0u);
+    sum_chunk<kV>(reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden), ranks, 1.f, c * 32 * kV, V, lane,
+              [&](int b) { return reinterpret_cast<const int4*>(crows + ((size_t)t * world + b) * row); });
   }
-  ll_stamp_block(lp, kLlReceived);
-
-  // 3. every other rank's flag seen by one warp, then the epoch slots
-  if (gw == 0 && !aborted && (others & ~seen) != 0)
-    ll_warp_wait(p, lp, others & ~seen, kPhaseLlCombine,
-                 [&] { return ll_ld_acquire_i32(cflags + lane, sys) - epoch >= 0; });
-  ll_epoch_end(lp.epochs + kLlEpochSlots, epoch);
-  ll_stamp(lp, kLlEnd);
+  ll_finish_launch(lp, lp.counters + 2, lp.epochs + 1, epoch);
 }
 
 }  // namespace

@@ -1,40 +1,35 @@
-// Low-latency dispatch (v3, issue 24 phase 2): one kernel, no grid-wide handshake, no host
-// synchronisation, the epoch read from per-block slots in device memory (CUDA-graph capturable).
+// Low-latency dispatch (v2, staged): one kernel, a send phase then a receive phase; no layout
+// pass, no host synchronisation, the epoch read from device memory (CUDA-graph capturable).
 // Layout and flags: ll_common.cuh; the placement contract: epbench/backends/base.py (ll_slots).
 //
-// Every block stages topk_idx as int32 in shared memory; then each warp runs, strided over all
-// warps of the grid (G = grid x warps), these unit loops one after another:
-//   1. rows for the other ranks: unit (token t, destination index i), d = (me + 1 + i) % world
-//      over the ranks other than me. If t has an expert on d, the warp copies its row into
-//      stage[me, t] on d (16-byte loads, all in flight, then stores) and its fp8 scales.
-//   2. slots for the other ranks' experts: unit (expert e, chunk c of 32 tokens): a ballot scan of
-//      the staged ids (ll_scan_expert) gives token t's slot j among my tokens routed to e, known by
-//      the source alone; lane t stores tmap[me, t, k] = (epoch << 32) | (le * C + me * T_max + j)
-//      and tw[me, t, k] on d; the chunk-0 unit stores cnt[me, le] = rows for e.
-//   Release: each warp counts the units it did per destination (even those that wrote nothing)
-//      and arrives once per destination (ll_arrive: fence, atomicAdd on counter d); the arrival
-//      that completes d's T + E x chunks units stores dflags[me] = (epoch << 32) | T on d. The
-//      memory-model argument (which fence synchronises with which) is at ll_arrive.
-//   3. my own experts (bypass): unit (local expert le, chunk c, row part h): the same scan, then
-//      part h of each row picked by e is copied from x straight into its slot here (4 rows' loads
-//      in flight), with scales, pair and my own tmap / tw entries (combine reads them): no staging,
-//      no flag. So at world 1 nothing waits for anything.
-//   4. rows from the other ranks: each warp waits (bounded, lanes in parallel: ll_warp_wait) for
-//      every other source's flag of this epoch, which carries T_s; then unit (source s, token
-//      t < T_s, part c): lane k reads tmap[s, t, k] (another epoch: not my expert) and the warp
-//      copies part c of stage[s, t] into each valid slot (for c = 0 the scales and pair too).
-//   5. counts: warp le (strided) writes src_counts[le, s] (s = me: its own scan; else cnt[s, le])
-//      and counts[le]; warp 0 writes src_tokens.
-//   6. the block stores its epoch slots (ll_epoch_end): no counter, no fence.
-// The kernel ends when every row addressed to my experts is in place (each warp saw every flag).
-// LL_VARIANT_NO_BYPASS serves my own rank through steps 1, 2 and 4 like a peer (the multi-rank
-// path, measurable at world 1); LL_VARIANT_SYS_SCOPE forces system-scope fences and flags.
-// Phase stamps (LlParams::stamps, LlStamp) mark the steps per block when a probe asks.
+// A token crosses NVLink once per destination rank (not once per expert): the receiver copies it
+// into each of its experts' slots locally, which costs HBM bandwidth instead of NVLink bandwidth
+// (DeepSeek-V3 on 4 ranks: ~2.7 remote rows per token instead of ~6).
+// Send phase (every block first stages topk_idx as int32 in shared memory):
+//   rows: unit (token t, destination index i), strided over all warps; destination
+//      d = (me + 1 + i) % world, so neighbouring warps write to different ranks. If t has an
+//      expert on d, the warp copies its row into stage[me, t] on d (16-byte loads, all in flight,
+//      then 16-byte stores over NVLink), and its fp8 scales into sscales.
+//   slots: unit (global expert e, chunk c of 32 tokens). The warp scans the staged ids of all
+//      chunks, one token per lane: a ballot per chunk says which tokens picked e; `before` =
+//      such tokens in earlier chunks, so token t's slot j among my tokens routed to e is known
+//      here, by the source alone. Each lane whose token picked e (as its k-th expert) stores
+//      tmap[me, t, k] = (epoch << 32) | (le * C + me * T_max + j) and tw[me, t, k] = w[t, k] on d;
+//      the chunk-0 unit stores cnt[me, le] = rows for e.
+//   release: one system-scope fence per block after its barrier (the memory-model argument is at
+//      ll_last_block, ll_common.cuh); the last block of the grid (block counter 3) stores
+//      dflags[me] = (epoch << 32) | T into every rank with st.release.sys.
+// Receive phase: thread s < world of every block waits (bounded) for dflags[s] of this epoch;
+// block 0 writes counts / src_counts / src_tokens from cnt; then unit (source s, token t < T_s,
+// chunk c of the row): lane k reads tmap[s, t, k] (another epoch: that expert is not mine), and
+// the warp copies chunk c of stage[s, t] into x at each valid slot (and, for c = 0, the scales and
+// pair = t * topk + k). The kernel ends when every row addressed to my experts is in place.
+// Last block of the grid stores the epoch back (ll_finish_launch, block counter 0).
+// Phase stamps (LlParams::stamps, LlStamp) mark each of these steps per block when a probe asks.
 //
-// Buffer reuse without another barrier: a source s writes my stage / tmap / tw / cnt for call
-// n + 1 only after its combine n, which waited (ll_combine.cu, its last step) for my combine n's
-// flag; I release that after my dispatch n (the only reader of stage / cnt) and after my pushes
-// for s (the only reader of tmap[s] / tw[s]). Flags compare epochs with >= (wrapping difference).
+// Buffer reuse is safe without another barrier: a source writes my stage / tmap / tw / cnt for
+// call n + 1 only after its combine n, which waited for my combine n's flag, which I release after
+// my dispatch n (the only reader of stage / cnt) and my combine n push phase (of tmap / tw).
 #include "ll_common.cuh"
 
 namespace {
@@ -66,39 +61,27 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors
   }
 }
 
-constexpr int kR = 4;  // rows whose part is loaded at once in the own-expert copy (kR x kS vectors per lane)
-
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_idx[];  // [T * topk] expert ids
   __shared__ int s_epoch;
+  __shared__ int s_pre[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int T = a.num_tokens, topk = p.topk, world = p.world, E = lp.experts, NE = lp.num_experts;
   const int me = p.rank, Tm = lp.t_max, ns = p.num_scales, V = p.row_bytes >> 4;
   ll_stamp(lp, kLlStart);
-  if (threadIdx.x == 0) s_epoch = ll_epoch_begin(lp.epochs);
+  if (threadIdx.x == 0) s_epoch = ld_volatile(lp.epochs) + 1;
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
   __syncthreads();
   ll_stamp(lp, kLlStaged);
   const int epoch = s_epoch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
-  const bool sys = ll_sys(lp);
-  const int self = (lp.variant & LL_VARIANT_NO_BYPASS) ? -1 : me;  // served without staging or flags
-  const int others = world - (self >= 0 ? 1 : 0);                  // ranks served through flags
   const long long G = (long long)gridDim.x * nwarps, gw = (long long)blockIdx.x * nwarps + warp;
-  const int chunks = T > 0 ? (T + 31) / 32 : 1;  // one empty chunk still publishes "0 rows"
-  const int nch = (V + 32 * kS - 1) / (32 * kS);  // row parts of 32 x kS vectors
-  uint8_t* mybase = p.peer_base[me];
-  uint8_t* xr = mybase + lp.off_x;
-  float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
-  int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
   bool aborted = ld_volatile(p.dev_error) != 0;
-  unsigned sent = 0;  // lane d: units this warp did for destination d
 
-  // 1. rows: each token once per other rank that holds one of its experts
-  for (long long u = gw; !aborted && u < (long long)T * others; u += G) {
-    const int t = (int)(u / others), d = (me + 1 + (int)(u - (long long)t * others)) % world;
-    if (lane == d) ++sent;
+  // rows: each token once per destination rank that holds one of its experts
+  for (long long u = gw; !aborted && u < (long long)T * world; u += G) {
+    const int t = (int)(u / world), d = (me + 1 + (int)(u - (long long)t * world)) % world;
     bool hit = false;
     if (lane < topk) {
       const int e = s_idx[t * topk + lane];
@@ -116,15 +99,27 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
     }
   }
 
-  // 2. slots of the other ranks' experts, computed by the source
-  const int rexp = others * E;  // experts of the ranks served through flags, from rank me + 1 on
-  for (long long u = gw; !aborted && u < (long long)rexp * chunks; u += G) {
-    const int c = (int)(u / rexp), e = (int)(((long long)(me + 1) * E + (u - (long long)c * rexp)) % NE);
+  // slots: where each (token, expert) pair goes, computed by the source
+  const int chunks = T > 0 ? (T + 31) / 32 : 1;  // one empty chunk still publishes "0 rows"
+  for (long long u = gw; !aborted && u < (long long)NE * chunks; u += G) {
+    const int c = (int)(u / NE), e = (int)(u - (long long)c * NE);
+    int before = 0, total = 0, kk = -1;
+    unsigned mine = 0;
+    for (int cc = 0; cc < chunks; ++cc) {
+      const int t = cc * 32 + lane;
+      int hit = -1;
+      if (t < T) {
+        for (int k = 0; k < topk; ++k) hit = s_idx[t * topk + k] == e ? k : hit;
+      }
+      const unsigned m = __ballot_sync(0xffffffffu, hit >= 0);
+      if (cc < c) before += __popc(m);
+      if (cc == c) {
+        mine = m;
+        kk = hit;
+      }
+      total += __popc(m);
+    }
     const int d = e / E, le = e - d * E;
-    if (lane == d) ++sent;
-    unsigned mine;
-    int before, total, kk;
-    ll_scan_expert(s_idx, T, topk, chunks, e, c, &mine, &before, &total, &kk);
     uint8_t* pb = p.peer_base[d];
     if ((mine >> lane) & 1u) {
       const int t = c * 32 + lane;
@@ -136,85 +131,51 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
     if (c == 0 && lane == 0) reinterpret_cast<int*>(pb + lp.off_cnt)[me * E + le] = total;
   }
 
-  // release: per destination, the warp whose arrival completes its units stores the flag there
-  __syncwarp();
-  if (lane < world && sent != 0 &&
-      ll_arrive(lp.counters + lane, sent, (unsigned)(T + E * chunks), sys))
-    ll_st_relaxed_u64(reinterpret_cast<unsigned long long*>(p.peer_base[lane] + lp.off_dflags) + me,
-                      tag | (unsigned)T, sys);
-  ll_stamp_block(lp, kLlSent);
+  // release: the last block to finish sending tells every rank
+  if (ll_last_block(lp, lp.counters + 3) && threadIdx.x < world)
+    st_release_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dflags) + me,
+                       tag | (unsigned)T);
+  ll_stamp(lp, kLlReleased);
 
-  // 3. my own experts: part h of each row straight from x into its slot
-  const int own_units = self >= 0 ? E * chunks * nch : 0;
-  for (long long u = gw; !aborted && u < own_units; u += G) {
-    const int h = (int)(u % nch), rest = (int)(u / nch), c = rest / E, le = rest - c * E;
-    unsigned mine;
-    int before, total, kk;
-    ll_scan_expert(s_idx, T, topk, chunks, me * E + le, c, &mine, &before, &total, &kk);
-    if (mine == 0) continue;
-    const int j = before + __popc(mine & ((1u << lane) - 1));
-    const int slot = le * lp.capacity + me * Tm + j;
-    if (h == 0 && ((mine >> lane) & 1u)) {
-      const int t = c * 32 + lane;
-      const size_t tk = ((size_t)me * Tm + t) * topk + kk;
-      pair[slot] = t * topk + kk;
-      reinterpret_cast<unsigned long long*>(mybase + lp.off_tmap)[tk] = tag | (unsigned long long)slot;
-      reinterpret_cast<float*>(mybase + lp.off_tw)[tk] = a.topk_w[(size_t)t * topk + kk];
-    }
-    for (unsigned todo = mine; todo != 0;) {
-      int lanes[kR];
-#pragma unroll
-      for (int g = 0; g < kR; ++g) {
-        lanes[g] = todo != 0 ? __ffs(todo) - 1 : -1;
-        if (todo != 0) todo &= todo - 1;
-      }
-      int4 buf[kR][kS];
-#pragma unroll
-      for (int g = 0; g < kR; ++g) {
-        if (lanes[g] < 0) continue;
-        const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)(c * 32 + lanes[g]) * p.row_bytes);
-#pragma unroll
-        for (int q = 0; q < kS; ++q) {
-          const int i = h * 32 * kS + q * 32 + lane;
-          if (i < V) buf[g][q] = ld_nc_v4(src + i);
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < kR; ++g) {
-        if (lanes[g] < 0) continue;
-        const int sl = __shfl_sync(0xffffffffu, slot, lanes[g]);
-        int4* dst = reinterpret_cast<int4*>(xr + (size_t)sl * p.row_bytes);
-#pragma unroll
-        for (int q = 0; q < kS; ++q) {
-          const int i = h * 32 * kS + q * 32 + lane;
-          if (i < V) st_v4(dst + i, buf[g][q]);
-        }
-        if (h == 0 && ns) {
-          const float* src = a.x_scales + (size_t)(c * 32 + lanes[g]) * ns;
-          for (int i = lane; i < ns; i += 32) xs[(size_t)sl * ns + i] = src[i];
-        }
-      }
-    }
+  // receive: wait for every source, then place the staged rows into the experts' slots
+  const uint8_t* mybase = p.peer_base[me];
+  if (threadIdx.x < world) {
+    const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_dflags);
+    s_pre[threadIdx.x + 1] = (int)(ll_wait_epoch_u64(p, lp, flags + threadIdx.x, epoch, threadIdx.x,
+                                                     kPhaseLlDispatch) &
+                                   0xffffffffu);
   }
-  ll_stamp_block(lp, kLlReleased);
-
-  // 4. rows from the other sources: wait for their flags (lane s polls source s), then place them
-  const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_dflags);
-  const unsigned pending = ((1u << world) - 1u) & ~(self >= 0 ? 1u << self : 0u);
-  unsigned long long fv = 0;
-  if (!aborted)
-    aborted = !ll_warp_wait(p, lp, pending, kPhaseLlDispatch, [&] {
-      fv = ll_ld_acquire_u64(flags + lane, sys);
-      return (int)(fv >> 32) - epoch >= 0;
-    });
-  ll_stamp_block(lp, kLlWaited);
-  const int ts = ((pending >> lane) & 1u) ? (int)(fv & 0xffffffffu) : 0;  // T_s in lane s
-  const int incl = ll_warp_prefix(ts), total_rows = __shfl_sync(0xffffffffu, incl, 31);
+  __syncthreads();
+  ll_stamp(lp, kLlWaited);
+  if (threadIdx.x == 0) {
+    s_pre[0] = 0;
+    for (int s = 0; s < world; ++s) s_pre[s + 1] += s_pre[s];
+  }
+  __syncthreads();
+  aborted = ld_volatile(p.dev_error) != 0;
+  const int* cnt = reinterpret_cast<const int*>(mybase + lp.off_cnt);
+  if (blockIdx.x == 0 && !aborted) {
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+      long long sum = 0;
+      for (int s = 0; s < world; ++s) {
+        const int n = cnt[s * E + i];
+        lp.src_counts[i * world + s] = n;
+        sum += n;
+      }
+      lp.counts[i] = sum;
+    }
+    if (threadIdx.x < world) lp.src_tokens[threadIdx.x] = s_pre[threadIdx.x + 1] - s_pre[threadIdx.x];
+  }
   const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tmap);
-  for (long long u = gw; !aborted && u < (long long)total_rows * nch; u += G) {
+  const int nch = (V + 32 * kS - 1) / (32 * kS);
+  uint8_t* xr = p.peer_base[me] + lp.off_x;
+  float* xs = reinterpret_cast<float*>(p.peer_base[me] + lp.off_scales);
+  int* pair = reinterpret_cast<int*>(p.peer_base[me] + lp.off_pair);
+  for (long long u = gw; !aborted && u < (long long)s_pre[world] * nch; u += G) {
     const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
-    int t;
-    const int s = ll_find_lane(incl, ts, st, &t);
+    int s = 0;
+    while (st >= s_pre[s + 1]) ++s;
+    const int t = st - s_pre[s];
     const size_t srow = (size_t)s * Tm + t;
     unsigned long long ent = 0;
     if (lane < topk) ent = tmap[srow * topk + lane];
@@ -245,27 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
       }
     }
   }
-  ll_stamp_block(lp, kLlReceived);
-
-  // 5. counts: every source's rows per local expert (the flags above cover cnt)
-  const int* cnt = reinterpret_cast<const int*>(mybase + lp.off_cnt);
-  for (long long le = gw; !aborted && le < E; le += G) {
-    int n = 0;
-    if (self >= 0) {
-      unsigned mine;
-      int before, kk;
-      ll_scan_expert(s_idx, T, topk, chunks, me * E + (int)le, 0, &mine, &before, &n, &kk);
-    }
-    if (lane < world) {
-      if (lane != self) n = cnt[lane * E + le];
-      lp.src_counts[le * world + lane] = n;
-    }
-    const int sum = __reduce_add_sync(0xffffffffu, lane < world ? n : 0);
-    if (lane == 0) lp.counts[le] = sum;
-  }
-  if (gw == 0 && !aborted && lane < world) lp.src_tokens[lane] = lane == self ? T : ts;
-  ll_epoch_end(lp.epochs, epoch);
-  ll_stamp(lp, kLlEnd);
+  ll_finish_launch(lp, lp.counters + 0, lp.epochs + 0, epoch);
 }
 
 }  // namespace

@@ -17,12 +17,9 @@ Rows:
   `chase` (16 dependent global loads by one thread per block: span / 16 ~ one memory round trip),
   `fence` (16 x store + fence.acq_rel.sys), `timer` (the smallest step of %globaltimer, ns);
 - dispatch and combine per tokens x variant, each verified once (#wrong) before it is timed:
-  `default` (the v3 kernels, stamped: a block barrier at each stamp); `nostamp` (the same without
-  stamps: the call time as users see it); `flags` (LL_VARIANT_NO_BYPASS: my own rank served like a
-  peer, through staging, warp arrivals and flags: the multi-rank path at world 1); `sys` (system-
-  scope fences and flags, as across GPUs); `flags-sys` (both: closest to one peer over NVLink);
-  `warps4` / `warps8` (4 / 8 warps per block). The pre-phase-2 kernels are main before issue 24's
-  phase 2 (their table: notes/LATENCY.md, "Measured"); the `sync` probe keeps their handshake.
+  `default`; `old` (every pre-issue-24 sync piece back, LL_VARIANT_* = 7); `fence-all` (only the
+  per-thread fences back); `warps4` / `warps8` (the default kernels with 4 / 8 warps per block;
+  warps8 only when asked for).
 
 Prints one table, a line per row as it is measured (us; p50 unless marked), and writes every number to $OUT/ll_probe.csv when OUT is
 set (or --csv).
@@ -37,17 +34,12 @@ import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
 
-# LlStamp 1..6 after kLlStart (csrc/ll_common.cuh): dispatch: ids staged, rows / slots for the other
-# ranks sent and counted, own experts' rows copied, flags seen, their rows placed, counts + epoch
-PARTS = ["stage", "send", "local", "wait", "receive", "finish"]
+PARTS = ["stage", "send", "release", "wait", "receive", "finish"]  # LlStamp 1..6 (after kLlStart)
 PROBE_MODES = {"empty": (0, 0), "sync": (1, 0), "sync-old": (1, 7), "chase": (2, 0), "fence": (3, 0),
                "timer": (4, 0)}
-# name -> (LL_VARIANT_* bits, warps per block or None for the backend's default, stamps on)
-SYS_SCOPE, NO_BYPASS = 8, 16  # LL_VARIANT_SYS_SCOPE, LL_VARIANT_NO_BYPASS
-VARIANTS = {"default": (0, None, True), "nostamp": (0, None, False), "flags": (NO_BYPASS, None, True),
-            "sys": (SYS_SCOPE, None, True), "flags-sys": (NO_BYPASS | SYS_SCOPE, None, True),
-            "warps4": (0, 4, True), "warps8": (0, 8, True)}
-DEFAULT_VARIANTS = "default,nostamp,flags,flags-sys,warps4"
+# name -> (LL_VARIANT_* bits, warps per block or None for the backend's default)
+VARIANTS = {"default": (0, None), "old": (7, None), "fence-all": (1, None), "warps4": (0, 4), "warps8": (0, 8)}
+DEFAULT_VARIANTS = "default,old,fence-all,warps4"
 STAMPS_PER_BLOCK = 8
 
 
@@ -184,8 +176,7 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argpa
     print(format_table([]), flush=True)
 
     def timed(calls: List, stamps: torch.Tensor, parts) -> List[Dict[str, float]]:
-        """Times each callable of `calls` n times in turn; per callable: the summary of event us and
-        parts per call (parts None: the kernels ran without stamps, event times only)."""
+        """Times each callable of `calls` n times in turn; per callable: (event us, parts per call)."""
         timers = [Timer(dev, n) for _ in calls]
         hist = [torch.empty((n,) + tuple(stamps.shape), dtype=torch.int64, device=dev) for _ in calls]
         for i in range(n):
@@ -196,7 +187,7 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argpa
         for j in range(len(calls)):
             us = timers[j].samples_us(args.warmup)
             h = hist[j][args.warmup:].cpu().tolist()
-            out.append(summarize([parts(b) for b in h] if parts else [], us))
+            out.append(summarize([parts(b) for b in h], us))
         return out
 
     for sms in sms_list:
@@ -219,9 +210,9 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argpa
         for t in tokens:
             routing = route_rank(Routing(kind="uniform", seed=0), t, args.topk, args.experts_per_rank, 0)
             for vname in variants:
-                bits, warps, stamped = VARIANTS[vname]
+                bits, warps = VARIANTS[vname]
                 be.warps = warps or default_warps
-                be.set_probe(stamps if stamped else None, bits)
+                be.set_probe(stamps, bits)
                 x = make_tokens(t, args.hidden, 0, 0, sms * 1000 + t, dev)
                 inp = dispatch_input(x, routing, args.dtype, dev)
                 calls = graph_calls(be, inp, sms)
@@ -236,8 +227,7 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argpa
                 be.check_errors()
                 c = check_ll_combine(got, inp)
                 # y stays as filled: the timed combines read real expert outputs, never zeros
-                res_d, res_c = timed([calls.dispatch, lambda: calls.combine(out)], stamps,
-                                     call_parts if stamped else None)
+                res_d, res_c = timed([calls.dispatch, lambda: calls.combine(out)], stamps, call_parts)
                 be.check_errors()
                 for op, res, wrong in (("dispatch", res_d, d.wrong), ("combine", res_c, c.wrong)):
                     row = {"sms": sms, "op": op, "tokens": t, "variant": vname, "wrong": wrong}

@@ -10,7 +10,7 @@ from epbench import llprobe
 
 
 def _block(start: int, *marks: int) -> list:
-    # LlStamp order: start, staged, sent, released (own rows), waited, received, end, (unused)
+    # LlStamp order: start, staged, sent, released, waited, received, end, (unused)
     return [start, *marks, 0]
 
 
@@ -21,7 +21,7 @@ def test_parts_add_up_to_the_span_over_the_whole_grid() -> None:
     # first start 1000; then the last block past each boundary: 1600, 3000, 4000, 5100, 6500, 7000
     assert p["stage"] == pytest.approx(0.6)
     assert p["send"] == pytest.approx(1.4)
-    assert p["local"] == pytest.approx(1.0)
+    assert p["release"] == pytest.approx(1.0)
     assert p["wait"] == pytest.approx(1.1)
     assert p["receive"] == pytest.approx(1.4)
     assert p["finish"] == pytest.approx(0.5)
@@ -61,15 +61,3 @@ def test_table_and_csv(tmp_path) -> None:
 def test_unknown_variant_is_one_line_and_exit_2(capsys) -> None:
     assert llprobe.main(["--variants", "default,nope"]) == 2
     assert "nope" in capsys.readouterr().err
-
-
-def test_summary_without_stamps_has_call_times_only() -> None:
-    row = llprobe.summarize([], [5.0, 6.0, 7.0])
-    assert row == {"call_p50": 6.0, "call_p99": pytest.approx(6.98), "call_max": 7.0}
-
-
-def test_variants_name_known_bits() -> None:
-    # every variant's bits are within LL_VARIANT_ALL (csrc/ll_common.cuh), the default list is known
-    assert all(0 <= bits <= 31 for bits, _, _ in llprobe.VARIANTS.values())
-    assert set(llprobe.DEFAULT_VARIANTS.split(",")) <= set(llprobe.VARIANTS)
-    assert not llprobe.VARIANTS["nostamp"][2] and llprobe.VARIANTS["flags"][0] == llprobe.NO_BYPASS

@@ -11,14 +11,8 @@ region per rank (ll_buffers.cu), exported and mapped with the normal mode's IPC 
 in the constructor. The kernels keep their epochs in device memory, so a captured CUDA graph of
 either call can be replayed (``supports_cuda_graphs``).
 
-No grid-wide handshake (v3, issue 24): each warp counts what it sent per destination and the
-last arrival stores that destination's flag; rows for this rank's own experts go straight from x
-into the slots (no staging, no flag); combine adds this rank's own experts' rows directly and
-waits only for the flags of the ranks its tokens need; epochs live in per-block slots. Flags and
-fences are at gpu scope when every peer is on this GPU, else system scope (notes/LATENCY.md).
-
-The grid is ``num_sms`` blocks (at most the GPU's SM count: a warp may wait for a flag released
-by a warp of another block, so every block must be resident) of ``warps`` warps; ``combine_chunk`` 2|4 picks combine's work-unit chunk (1 or 2 KiB of a
+The grid is ``num_sms`` blocks (at most the GPU's SM count: the receive phases need every block
+resident) of ``warps`` warps; ``combine_chunk`` 2|4 picks combine's work-unit chunk (1 or 2 KiB of a
 row). Both are backend options (epbench/options.py: defaults 16 and 4, env EPBENCH_LL_WARPS /
 EPBENCH_LL_COMBINE_CHUNK).
 

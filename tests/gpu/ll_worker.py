@@ -5,9 +5,7 @@
 Each case runs the kernels and the NCCL reference's low-latency path on the same inputs: both
 must pass epbench.verify's low-latency checks (bit-exact dispatch per (expert, slot), combine
 within its tolerance) and agree with each other; fresh random inputs and poisoned outputs
-each time, twice per case (buffers and flags reused; the second time with the kernels' own rank
-served through staging and flags at system scope, LL_VARIANT_NO_BYPASS | SYS_SCOPE), then once
-more through CUDA-graph replays
+each time, twice per case (buffers and flags reused), then once more through CUDA-graph replays
 (captured once, replayed twice with new token values). Last, a deliberately missing peer must
 raise naming it, not hang. Exit code 0 only if every check passed.
 """
@@ -79,7 +77,6 @@ CASES: List[Case] = [
     Case("top-1, one expert", 2048, [64], 1, 4, "bf16", "expert0"),
     Case("T=256 fp8", 7168, [256], 8, 64, "fp8"),
 ]
-FLAGS_SYS = 16 | 8  # LL_VARIANT_NO_BYPASS | LL_VARIANT_SYS_SCOPE (csrc/ll_common.cuh)
 QUICK = {"dsv3 fp8 T=128", "rank with 0 tokens", "T=1 bf16", "every token to expert 0"}
 
 
@@ -133,8 +130,6 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int) 
 
         own = input_of(rank)
         results = {}
-        # rep 1 first runs the multi-GPU path: own rank through staging and flags, system scope
-        kernels.set_probe(None, FLAGS_SYS if rep == 1 else 0)
         for label, be in (("kernels", kernels), ("reference", reference)):
             d, c, got = one_call(be, launch_calls(be, own, sms), own, rank, world, case.experts_per_rank, input_of)
             results[label] = got
@@ -145,7 +140,6 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int) 
                               atol=1e-6):
             problems.append(f"rep {rep}: kernels' combine differs from the reference's")
         if rep == 1:  # the same call through CUDA-graph replays, twice with new token values
-            kernels.set_probe(None, 0)
             calls = graph_calls(kernels, own, sms)
             for g in range(2):
                 gsalt = salt + 1 + g
