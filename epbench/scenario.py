@@ -64,6 +64,9 @@ class Routing:
     hot_multiplier: float = 4.0  # ... is picked this many times as often as the average
 
 
+MAX_CONTROL_TIMEOUT_S = 86400.0
+
+
 @dataclass(frozen=True)
 class Bench:
     warmup: int = 5
@@ -72,6 +75,7 @@ class Bench:
     sms: Tuple[int, ...] = (16,)
     timeout_s: float = 10.0
     device: str = "auto"
+    control_timeout_s: float = 300.0  # barriers, gathers and the bootstrap between ranks
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,8 @@ def _check(s: Scenario) -> None:
     need(b.iters > 0, "bench.iters", "must be positive", b.iters)
     need(all(n > 0 for n in b.sms), "bench.sms", "must all be positive", list(b.sms))
     need(b.timeout_s > 0, "bench.timeout_s", "must be positive", b.timeout_s)
+    need(0 < b.control_timeout_s <= MAX_CONTROL_TIMEOUT_S, "bench.control_timeout_s",
+         f"must be positive and at most {MAX_CONTROL_TIMEOUT_S:g} s", b.control_timeout_s)
     need(b.device in DEVICES, "bench.device", f"must be one of {', '.join(DEVICES)}", b.device)
     need(s.mode in MODES, "mode", f"must be one of {', '.join(MODES)}", s.mode)
 

@@ -56,6 +56,9 @@ from typing import Any, ClassVar, Optional, Tuple, Union
 import torch
 
 
+MAX_KERNEL_TIMEOUT_S = 86400.0  # one day: far below what fits in 64-bit nanoseconds
+
+
 @dataclass(frozen=True)
 class RankSetup:
     """What a backend needs to size and place its buffers on one rank."""
@@ -71,6 +74,12 @@ class RankSetup:
     dispatch_dtype: str  # "bf16" | "fp8"
     timeout_s: float = 10.0  # a kernel waiting on a peer gives up after this long
     mode: str = "normal"  # "normal" | "low_latency": which buffers the backend allocates
+
+    def __post_init__(self) -> None:
+        # The kernels turn this into integer nanoseconds: inf, nan or a huge value would not fit.
+        if not 0 < self.timeout_s <= MAX_KERNEL_TIMEOUT_S:
+            raise ValueError(f"timeout_s must be positive and at most {MAX_KERNEL_TIMEOUT_S:g} s, "
+                             f"got {self.timeout_s!r}")
 
     @property
     def local_rank(self) -> int:
