@@ -369,7 +369,9 @@ def _fail(e: BaseException, status: str, code: int) -> None:
 
     if os.environ.get("EPBENCH_DEBUG"):
         traceback.print_exc()
-    known = isinstance(e, (UserError, VerificationFailed, StartupError))
+    from epbench.errors import ControlTimeout, KernelTimeout
+
+    known = isinstance(e, (UserError, VerificationFailed, StartupError, ControlTimeout, KernelTimeout))
     line = str(e) if known else first_line(e)
     if launch.under_torchrun() and os.environ.get(RANK_ERRORS):
         launch.write_rank_error(Path(os.environ[RANK_ERRORS]), int(os.environ["RANK"]), status,

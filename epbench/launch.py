@@ -121,17 +121,26 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
     if device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # several ranks share a few cores
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):  # the modules set their own levels
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     raise_on_signals()
     try:
         trun.run(trun.parse_args(torchrun))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
         said = first_rank_error(error_dir) if error_dir is not None else None
+        # A rank killed by a signal (an abort, a segfault, SIGKILL) is the cause: the others
+        # only saw their connections to it close. SIGTERM is how torchrun stops the rest.
+        killed = sorted((f.timestamp, r, f.exitcode) for r, f in e.failures.items()
+                        if f.exitcode < 0 and f.exitcode != -15)
+        if killed:
+            _, rank, code = killed[0]
+            return Outcome("failed", 1, f"rank {rank} was killed by {_signal_name(code)}")
         if said:
             return Outcome(str(said["status"]), 1, str(said["line"]))
+        rank, failure = e.get_first_failure()
         code = failure.exitcode
-        how = (f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}")
+        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
         return Outcome("failed", code if code > 0 else 1, f"rank {rank} {how}")
     except SignalException as e:
         name = e.sigval.name
