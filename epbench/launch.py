@@ -345,7 +345,7 @@ def is_timeout(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
-def init_distributed(device: str, timeout_s: float) -> Comm:
+def init_distributed(device: str, timeout_s: float = 300.0) -> Comm:
     """Joins the process group; every barrier and gather (and the bootstrap) gives up after
     ``timeout_s``."""
     import torch

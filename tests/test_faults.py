@@ -139,3 +139,38 @@ def test_a_backend_that_aborts_loses_only_its_own_points(tmp_path):
     assert list(left["op"]) == ["dispatch", "combine"]
     assert set(left["status"]) == {"failed: rank 1 was killed by SIGABRT"}
     assert not processes_of(d)
+
+
+def test_deepep_v1_hidden_limits_are_checked_before_launch():
+    """DeepEP V1's intranode dispatch asserts on the device for rows that do not fit its TMA
+    staging (hidden 8192 bf16 killed a whole run on 2 x H200): the pre-check skips them."""
+    from epbench.backends.deepep import hidden_reason
+
+    for hidden, dtype in ((7168, "bf16"), (4096, "bf16"), (8176, "bf16"), (8192, "fp8"), (16352, "fp8")):
+        assert hidden_reason(hidden, dtype) is None
+    assert "above hidden 8176" in hidden_reason(8192, "bf16")
+    assert "above hidden 16352" in hidden_reason(16384, "fp8")
+    assert "16-byte units" in hidden_reason(8184, "bf16")
+
+
+def test_kernel_timeout_must_be_finite_and_bounded_before_the_kernels():
+    import torch
+
+    from epbench.backends.base import RankSetup
+
+    def setup(t):
+        return RankSetup(rank=0, world=2, gpus_per_node=2, device=torch.device("cpu"), hidden=256,
+                         max_tokens_per_rank=8, topk=2, experts_per_rank=2, dispatch_dtype="bf16",
+                         timeout_s=t)
+
+    assert setup(10.0).timeout_s == 10.0
+    for bad in (float("inf"), float("nan"), 0.0, -1.0, 1e12):
+        with pytest.raises(ValueError, match="timeout_s"):
+            setup(bad)
+
+
+def test_control_timeout_is_checked_like_any_option(tmp_path):
+    from support import assert_one_line_error, epbench
+
+    assert_one_line_error(epbench("run", "scenarios/smoke.yaml", "--control-timeout", "0",
+                                  "--results", str(tmp_path)), "--control-timeout")
