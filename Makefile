@@ -25,7 +25,9 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # Compiles csrc/ into epbench/_lib/ when nvcc exists; says so and carries on when it does not.
+# First stamps epbench's commit into the package (epbench/_build_info.json) for copies without .git.
 build: setup
+	@$(PY) -m epbench.provenance --stamp
 	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) -C csrc && { $(MAKE) --no-print-directory nvshmem || \
 	  echo "csrc/nvshmem did not build: the NVSHMEM groundwork is skipped, everything else is unaffected"; }; \
 	else echo "nvcc not found: skipping the CUDA kernels (the reference backend still runs)"; fi

@@ -30,55 +30,52 @@ enum ep_region_id {
   EP_NUM_RECV = 6,
   EP_EXPERT_COUNTS = 7,
   EP_DEBUG_STAMPS = 8,  // u64 [16] %globaltimer per phase, written only while EP_OPT_DEBUG_STAMPS is on
-  EP_DISPATCH_X = 9,    // [max_tokens, row_bytes]: x rows the pull dispatch lets peers read (caller fills it)
 };
 
-// ep_set_option keys.
+// ep_set_option keys. Every value is checked here; what actually ran is read back with ep_effective_config.
 enum ep_option {
   EP_OPT_DEBUG_STAMPS = 0,  // 1: kernels record per-phase %globaltimer stamps (debug; default 0)
-  EP_OPT_NOTIFY_IMPL = 1,   // ep_notify_impl
-  EP_OPT_COMBINE_IMPL = 2,  // ep_combine_impl
-  EP_OPT_COMBINE_STAGES = 3,  // stages per warp of EP_COMBINE_TMA (2..4; default 2)
-  EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of EP_COMBINE_TMA (1024, 2048, 4096; default 2048)
-  EP_OPT_EXCLUSIVE_SMS = 5,   // 1: the lean dispatch and pull combine kernels reserve over half an SM's shared
-                              // memory, so no two of their blocks share an SM (default 0)
-  EP_OPT_SPLIT_OWN_WARPS = 6,  // EP_DISPATCH_SPLIT: warps per block that copy the own-rank rows (1..31; default 4)
+  EP_OPT_NOTIFY_IMPL = 1,   // ep_notify_impl (default EP_NOTIFY_GRID)
+  EP_OPT_COMBINE_STAGES = 3,  // stages per warp of the combine (2..4; default 2)
+  EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of the combine (1024, 2048, 4096; default 2048)
 };
 
-// Notify (layout) kernel variants.
+// Notify (layout) kernel variants; notes/KERNELS.md v4 and v12.
 enum ep_notify_impl {
-  EP_NOTIFY_DIRECT = 0,  // v1-v3: each thread reads its 4 tokens' ids straight from global memory
-  EP_NOTIFY_STAGED = 1,  // v4: coalesced id loads staged through shared memory, counts published
-                         // to peers before the slot pass, vector slot stores
-  EP_NOTIFY_GRID = 2,    // v12: the staged kernel on up to num_sms blocks (block counts handed over in
-                         // global memory; the last block publishes)
+  EP_NOTIFY_DIRECT = 0,  // v1-v3: one block, ids read straight from global memory. Not selectable: it runs
+                         // only as the recorded fallback of the other two when the experts do not fit their
+                         // u16 id stage or shared memory
+  EP_NOTIFY_STAGED = 1,  // v4: one block, coalesced id loads staged through shared memory (won at 24 SMs, v12)
+  EP_NOTIFY_GRID = 2,    // v12 (default): the staged kernel on up to num_sms blocks
 };
 
-// Combine kernel variants.
+// Combine: one kernel, bulk-copy (TMA) loads from every holder into per-warp shared-memory stages, fp32 sum,
+// bf16 store (v11-v12). The register pull of v1 lost or tied at every measured point from v12 on.
 enum ep_combine_impl {
-  EP_COMBINE_PULL = 0,  // v1: register loads from every holder, fp32 fma, bf16 store
-  EP_COMBINE_TMA = 1,   // v11: bulk-copy (TMA) loads into per-warp shared-memory stages, then the same sum
+  EP_COMBINE_TMA = 1,
 };
 
-// NOTIFY_ONLY runs the layout kernel alone (the data kernel is skipped): a measuring aid only,
-// the receive buffers are left stale.
+// Dispatch: the lean copy (every per-token load issued before the first store, v6) with tokens handed to
+// warps either by a counter (lean_dyn, default: v12 won at 16 and 24 SMs) or by a static stride (lean: won
+// at 32 SMs in v12d, both shapes). Every other variant of v1-v14 lost (notes/KERNELS.md "Lessons").
 enum ep_dispatch_impl {
-  EP_DISPATCH_REG = 0,
-  EP_DISPATCH_TMA = 1,
-  EP_DISPATCH_REG_PIPELINED = 2,
-  EP_DISPATCH_LEAN = 3,  // v5: reg with every per-token load (x chunk 0, slots, ids, weights, scales) issued first
-  EP_DISPATCH_DMAJ = 4,  // v7: destination-major: each warp streams its contiguous token range to one rank at a time
-  EP_DISPATCH_DMAJ_NOROT = 5,  // v7: dmaj with every warp visiting the destinations in the same order
-  EP_DISPATCH_SPREAD = 6,  // v9: (token, destination) pairs spread over warps, one load per remote store
-  EP_DISPATCH_OWNTMA = 7,  // v10/v11: lean for remote rows; own-rank rows by one warp per block through a TMA ring
-  EP_DISPATCH_SPREADTMA = 8,  // v11: spread for remote pairs; own-rank rows as in owntma
-  EP_DISPATCH_NOTIFY_ONLY = 9,
-  EP_DISPATCH_LEAN_DYN = 10,  // v12: lean with tokens handed to warps by a counter (balances blocks and warps)
-  EP_DISPATCH_OWNBULK = 11,   // v13: lean-dyn with the own-rank rows staged in shared memory and written by bulk stores
-  EP_DISPATCH_PULL = 12,      // v13: receivers pull rows from the sources' EP_DISPATCH_X by bulk copies; metadata
-                              //      pushed as lean. Needs x == EP_DISPATCH_X (else lean-dyn runs)
-  EP_DISPATCH_SPLIT = 13,     // v14: lean-dyn for the remote rows, own-rank rows by separate warps of each block
+  EP_DISPATCH_LEAN = 3,
+  EP_DISPATCH_LEAN_DYN = 10,
 };
+
+// What the last ep_dispatch / ep_combine launched, after every clamp and fallback (ep_effective_config).
+typedef struct ep_effective {
+  int dispatch_impl;   // ep_dispatch_impl
+  int dispatch_warps;  // warps per dispatch block
+  int dispatch_sms;    // dispatch blocks
+  int notify_impl;     // ep_notify_impl that ran (EP_NOTIFY_DIRECT when the requested one could not)
+  int notify_blocks;   // blocks of the notify kernel
+  int combine_impl;    // ep_combine_impl
+  int combine_warps;   // warps per combine block, after the clamp to the stages that fit in shared memory
+  int combine_sms;     // combine blocks
+  int combine_stages;  // stages per combine warp
+  int combine_chunk;   // bytes per holder and stage
+} ep_effective;
 
 const char* ep_last_error(void);
 int ep_create(const ep_config* cfg, void** ctx);
@@ -86,28 +83,17 @@ int ep_ipc_handle(void* ctx, void* handle_out /* 64 bytes */);
 int ep_open_peers(void* ctx, const void* handles /* world * 64 bytes, rank order */);
 int ep_region(void* ctx, int which, unsigned long long* ptr, unsigned long long* bytes);
 int ep_set_option(void* ctx, int key, int value);
+// impl: ep_dispatch_impl; warps 1..32. An impl or warp count that cannot run is an error before any launch.
 int ep_dispatch(void* ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
-                int num_tokens, int num_sms, int impl, int warps, int stages, int epoch, void* stream);
+                int num_tokens, int num_sms, int impl, int warps, int epoch, void* stream);
 int ep_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,
                int warps, int epoch, void* stream);
 // Reads the host-mapped timeout record without synchronising: 1 if a kernel gave up.
 int ep_poll_error(void* ctx, int* rank, int* peer, int* phase);
 // Host address of the record's flag word (int), for a poll that costs no function call.
 void* ep_error_flag_ptr(void* ctx);
+int ep_effective_config(void* ctx, ep_effective* out);
 int ep_destroy(void* ctx);
-// v9: who writes the rows a rank dispatches to itself (lean and spread dispatch only).
-enum ep_own_copy {
-  EP_OWN_OFF = 0,      // the data kernel (default, v1-v8 behaviour)
-  EP_OWN_SIDE = 1,     // a `blocks`-block kernel on a side stream, outside num_sms (the data kernel skips them)
-  EP_OWN_SIDE_IN = 2,  // the same, taken from the budget: the data kernel gets num_sms - blocks
-};
-int ep_set_own_copy(void* ctx, int mode, int blocks);
-// Measuring aid (bench.cu): every rank at once moves (world - 1) * bytes_per_peer over NVLink with
-// num_blocks x warps; mode 0 store, 1 load, 2 split warps, 3 interleaved, 4-7 the same with
-// local memory as source / destination, 8-11 the steps from the plain push towards the dispatch data phase,
-// 12 a local reduce, 13-16 the v9 spread pattern and own-rank stores (bench.cu says which).
-// Needs ep_open_peers; clobbers recv_x, recv_idx/w and combine_in.
-int ep_bench_link(void* ctx, int mode, int num_blocks, int warps, long long bytes_per_peer, void* stream);
 
 // ---- low-latency mode (ll_buffers.cu, ll_dispatch.cu, ll_combine.cu; layout in ll_common.cuh) ----
 // Buffers a Python caller may view as tensors (ep_ll_region).
@@ -134,8 +120,22 @@ int ep_ll_region(void* ll_ctx, int which, unsigned long long* ptr, unsigned long
 // token's experts on this rank with them and sends one partial row per (token, rank).
 int ep_ll_dispatch(void* ll_ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
                    int num_tokens, int num_sms, int warps, void* stream);
-int ep_ll_combine(void* ll_ctx, const void* topk_idx, int num_tokens, int num_sms, int warps, void* stream);
+// chunk: 16-byte vectors per lane and work unit, 2 or 4 (1 or 2 KiB of a row; notes/KERNELS.md LL v3).
+int ep_ll_combine(void* ll_ctx, const void* topk_idx, int num_tokens, int num_sms, int warps, int chunk,
+                  void* stream);
 int ep_ll_destroy(void* ll_ctx);
+// Measuring aids (epbench/llprobe.py, notes/LATENCY.md); they change what later launches and captures
+// do, so set them before capturing. stamps: null (off, the default) or a device buffer of u64
+// [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase
+// boundaries (LlStamp in ll_common.cuh). variant: 0 (default kernels) or LL_VARIANT_* bits
+// (ll_common.cuh) that bring back pieces of the pre-issue-24 synchronisation.
+int ep_ll_set_probe(void* ll_ctx, void* stamps, int variant);
+// A kernel of the ll kernels' grid (num_sms blocks of warps x 32 threads) that does only one fixed
+// cost, stamped like them (start, end of part A at slot 2, end): mode 0 nothing (the launch floor),
+// 1 the grid-wide release / wait / finish handshake of the ll kernels (with the variant set above),
+// 2 thread 0 of each block: 16 dependent global loads, 3 thread 0: 16 x (store, fence.acq_rel.sys),
+// 4 thread 0 of block 0 also stores the smallest nonzero step of %globaltimer (ns) at slot 7.
+int ep_ll_probe(void* ll_ctx, int mode, int num_sms, int warps, void* stream);
 
 #ifdef __cplusplus
 }

@@ -51,10 +51,8 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   EpParams& p = ctx->p;
   ctx->device = cfg->device;
   // the measured defaults (notes/KERNELS.md v12); the Python backend sets every option explicitly anyway
-  ctx->combine_impl = EP_COMBINE_TMA;
   ctx->combine_stages = 2;
   ctx->combine_chunk = 2048;
-  ctx->split_own_warps = 4;
   p.notify_impl = EP_NOTIFY_GRID;
   p.rank = cfg->rank;
   p.world = cfg->world;
@@ -83,7 +81,6 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.off_recv_idx = c.take(cap * p.topk * sizeof(long long));
   p.off_recv_w = c.take(cap * p.topk * sizeof(float));
   p.off_combine_in = c.take(cap * p.hidden * 2);
-  p.off_dispatch_x = c.take((size_t)p.max_tokens * p.row_bytes);
   p.off_signals = c.take((size_t)s.total_ints * sizeof(int));
   ctx->shared_bytes = c.next;
   ctx->off_out = c.take((size_t)p.max_tokens * p.hidden * 2);
@@ -119,7 +116,6 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.host_error = (EpErrorInfo*)dev_alias;
 
   p.slot_map = (int*)(ctx->region + ctx->off_slot_map);
-  p.off_slot_map = ctx->off_slot_map;
   p.base = (int*)(ctx->region + ctx->off_base);
   p.num_recv = (long long*)(ctx->region + ctx->off_num_recv);
   p.expert_counts = (long long*)(ctx->region + ctx->off_expert_counts);
@@ -130,7 +126,6 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.peer_base[p.rank] = ctx->region;
 
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx->max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cfg->device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&ctx->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, cfg->device));
   CUDA_CHECK(cudaDeviceSynchronize());
   *out = ctx;
   return 0;
@@ -180,7 +175,6 @@ extern "C" int ep_region(void* vctx, int which, unsigned long long* ptr, unsigne
     case EP_NUM_RECV: off = ctx->off_num_recv; n = sizeof(long long); break;
     case EP_EXPERT_COUNTS: off = ctx->off_expert_counts; n = (size_t)p.experts_per_rank * sizeof(long long); break;
     case EP_DEBUG_STAMPS: off = ctx->off_stamps; n = kNumStamps * sizeof(unsigned long long); break;
-    case EP_DISPATCH_X: off = p.off_dispatch_x; n = (size_t)p.max_tokens * p.row_bytes; break;
     default: ep_set_error("unknown region %d", which); return -1;
   }
   *ptr = (unsigned long long)(ctx->region + off);
@@ -195,24 +189,12 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       ctx->p.stamps = value ? (unsigned long long*)(ctx->region + ctx->off_stamps) : nullptr;
       return 0;
     case EP_OPT_NOTIFY_IMPL:
-      if (value != EP_NOTIFY_DIRECT && value != EP_NOTIFY_STAGED && value != EP_NOTIFY_GRID) break;
+      if (value != EP_NOTIFY_STAGED && value != EP_NOTIFY_GRID) break;  // direct: a fallback only
       ctx->p.notify_impl = value;
-      return 0;
-    case EP_OPT_COMBINE_IMPL:
-      if (value != EP_COMBINE_PULL && value != EP_COMBINE_TMA) break;
-      ctx->combine_impl = value;
       return 0;
     case EP_OPT_COMBINE_STAGES:
       if (value < 2 || value > 4) break;
       ctx->combine_stages = value;
-      return 0;
-    case EP_OPT_EXCLUSIVE_SMS:
-      if (value != 0 && value != 1) break;
-      ctx->exclusive_sms = value;
-      return 0;
-    case EP_OPT_SPLIT_OWN_WARPS:
-      if (value < 1 || value > 31) break;
-      ctx->split_own_warps = value;
       return 0;
     case EP_OPT_COMBINE_CHUNK:
       if (value != 1024 && value != 2048 && value != 4096) break;
@@ -249,5 +231,14 @@ extern "C" int ep_destroy(void* vctx) {
   CUDA_CHECK(cudaFree(ctx->region));
   CUDA_CHECK(cudaFreeHost((void*)ctx->host_error));
   delete ctx;
+  return 0;
+}
+
+extern "C" int ep_effective_config(void* vctx, ep_effective* out) {
+  if (vctx == nullptr || out == nullptr) {
+    ep_set_error("ep_effective_config: null context or output");
+    return -1;
+  }
+  *out = ((EpContext*)vctx)->effective;
   return 0;
 }

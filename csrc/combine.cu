@@ -1,28 +1,22 @@
-// Combine (pull): every rank reads its own tokens' rows back from the combine_in buffers of the
-// ranks that received them, and reduces them in fp32 registers as they arrive; no staging
-// buffer, no second pass, no weights on the wire (the source keeps its topk_weights).
+// Combine: every rank reads its own tokens' rows back from the combine_in buffers of the ranks that
+// received them and reduces them in fp32 as they arrive; no staging buffer on the sender, no second
+// pass, no weights on the wire (the source keeps its topk_weights).
 //
 // 1. Block 0, threads d < world: store ready[me] = epoch into rank d's signals
 //    (st.release.sys): my caller has filled my combine_in, peers may pull from it.
 // 2. Every block, threads s < world: wait until ready[s] == epoch in my signals.
-// 3. Warp g of the grid takes tokens g, g + G, ... (G = all warps). For token t it reads the
-//    rows of t on every rank (base[d] + slot_map[t][d], kept from the matching dispatch),
-//    computes w(t, d) = sum of t's topk weights whose experts live on d (a warp reduction), then
-//    streams the row in chunks of 32 * kU vectors: kMaxWorld * kU 16-byte loads in flight per
-//    lane, fp32 fma, one bf16 16-byte store per vector into out[t].
+// 3. combine_tma_kernel (v11-v12): pulls with the SM's bulk-copy unit (v11 linkbench: at 8 blocks bulk
+//    pulls from peers reach ~323 GB/s of egress, register pulls ~276; the v1 register-pull kernel lost at
+//    8 SMs and tied from 16 on, so it was deleted). Work unit = (token, chunk of its row; 1 / 2 / 4 KiB);
+//    warp g takes its tokens g, g + G, ... chunk by chunk. Each warp owns S stages of world x chunk in
+//    shared memory; lane d loads unit j's chunk from holder d's combine_in into stage j % S (cp.async.bulk,
+//    one mbarrier per stage counting the bytes), S units ahead of the reduction; the whole warp waits on
+//    the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t] and issues the
+//    loads of unit j + S into the freed stage. Rows and weights of the warp's tokens are computed 32
+//    tokens at a time (one lane per token) into a double-buffered per-warp table, one batch ahead.
 // 4. grid_release_and_wait on pulled[]: the last block stores pulled[me] = epoch into every
 //    rank and waits for every rank's pulled[] flag, so the call ends only when no peer still
 //    reads my combine_in (the caller may overwrite it right after).
-//
-// combine_tma_kernel (v11, EP_COMBINE_TMA): the same contract and steps 1, 2 and 4; step 3 pulls with
-// the SM's bulk-copy unit instead of register loads (linkbench v11: at 8 blocks bulk pulls from peers
-// reach ~323 GB/s of egress, register pulls ~276). Work unit = (token, chunk of its row; 4 KiB in v11,
-// 1 / 2 / 4 KiB since v12); warp g takes its tokens g, g + G, ... chunk by chunk. Each warp owns S stages
-// of world x chunk in shared memory; lane d loads unit j's chunk from holder d's combine_in into stage
-// j % S (cp.async.bulk, one mbarrier per stage counting the bytes), S units ahead of the reduction; the
-// whole warp waits on the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t]
-// and issues the loads of unit j + S into the freed stage. Rows and weights of the warp's tokens are computed 32 tokens at a
-// time (one lane per token) into a double-buffered per-warp table, one batch ahead of the loads.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -48,73 +42,6 @@ __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
     wait_flag(p, signal_ptr(p, p.rank, p.sig.ready_off + threadIdx.x), epoch, threadIdx.x, kPhaseCombineReady);
   }
   __syncthreads();
-}
-
-template <int kMaxWorld, int kU>
-__global__ void __launch_bounds__(512, 1) combine_pull_kernel(EpParams p, CombineArgs a, int epoch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int world = p.world, topk = p.topk, E = p.experts_per_rank;
-  combine_ready(p, epoch);
-
-  const bool aborted = ld_volatile(p.dev_error) != 0;
-  const int my_base = lane < world ? p.base[lane] : 0;
-  const int V = p.hidden >> 3;  // 16-byte vectors per bf16 row
-  const size_t row_bytes = (size_t)p.hidden * 2;
-  const int total_warps = gridDim.x * nwarps;
-  for (int t = blockIdx.x * nwarps + warp; !aborted && t < a.num_tokens; t += total_warps) {
-    const int slot = lane < world ? p.slot_map[(size_t)t * world + lane] : -1;
-    const int my_row = slot >= 0 ? my_base + slot : -1;
-    long long e = -1;
-    float w = 0.f;
-    if (lane < topk) {
-      e = a.topk_idx[(size_t)t * topk + lane];
-      w = a.topk_w[(size_t)t * topk + lane];
-    }
-    const int owner = (e >= 0 && e < (long long)world * E) ? (int)(e / E) : -1;
-    int rows[kMaxWorld];
-    float wd[kMaxWorld];
-    const int4* src[kMaxWorld];
-#pragma unroll
-    for (int d = 0; d < kMaxWorld; ++d) {
-      rows[d] = __shfl_sync(0xffffffffu, my_row, d);
-      wd[d] = warp_sum(owner == d ? w : 0.f);
-      src[d] = reinterpret_cast<const int4*>(p.peer_base[d < world ? d : 0] + p.off_combine_in +
-                                             (size_t)(rows[d] >= 0 ? rows[d] : 0) * row_bytes);
-    }
-    uint4* dst = a.out + (size_t)t * V;
-    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
-      int4 buf[kMaxWorld][kU];
-#pragma unroll
-      for (int d = 0; d < kMaxWorld; ++d) {
-        if (rows[d] < 0) continue;
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int i = v0 + u * 32 + lane;
-          if (i < V) buf[d][u] = ld_nc_v4(src[d] + i);
-        }
-      }
-      float acc[kU][8];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
-#pragma unroll
-      for (int d = 0; d < kMaxWorld; ++d) {
-        if (rows[d] < 0) continue;
-#pragma unroll
-        for (int u = 0; u < kU; ++u) fma_bf16x8(acc[u], buf[d][u], wd[d]);
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int i = v0 + u * 32 + lane;
-        if (i < V) {
-          const int4 v = pack_bf16x8(acc[u]);
-          dst[i] = make_uint4(v.x, v.y, v.z, v.w);
-        }
-      }
-    }
-  }
-  grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
 // Per-warp shared memory of combine_tma_kernel: S mbarriers (128 B), the token table (2 batches x 32
@@ -263,14 +190,6 @@ auto pick_combine_tma(int world, int S) -> decltype(&combine_tma_kernel<2, 4, C>
   return S == 2 ? combine_tma_kernel<2, 8, C> : S == 3 ? combine_tma_kernel<3, 8, C> : combine_tma_kernel<4, 8, C>;
 }
 
-template <int kMaxWorld, int kU>
-int launch_combine(const EpContext* ctx, const CombineArgs& a, int num_sms, int warps, int epoch, cudaStream_t stream) {
-  CUDA_CHECK(exclusive_smem_attr(ctx, combine_pull_kernel<kMaxWorld, kU>));
-  combine_pull_kernel<kMaxWorld, kU><<<num_sms, warps * 32, exclusive_smem(ctx), stream>>>(ctx->p, a, epoch);
-  CUDA_CHECK(cudaGetLastError());
-  return 0;
-}
-
 }  // namespace
 
 extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens,
@@ -296,25 +215,27 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   a.topk_idx = (const int64_t*)topk_idx;
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
-  if (ctx->combine_impl == EP_COMBINE_TMA) {
-    // as many warps (up to `warps`) as the per-warp stages fit in shared memory
-    const int S = ctx->combine_stages, C = ctx->combine_chunk;
-    const int fit = (int)((size_t)ctx->max_smem_optin / ct_warp_bytes(p.world, S, C));
-    const int w = std::min(warps, fit);
-    if (w >= 1) {
-      const size_t smem = (size_t)w * ct_warp_bytes(p.world, S, C);
-      auto kernel = pick_combine_tma<4096>(p.world, S);
-      if (C == 2048) kernel = pick_combine_tma<2048>(p.world, S);
-      if (C == 1024) kernel = pick_combine_tma<1024>(p.world, S);
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
-      CUDA_CHECK(cudaGetLastError());
-      return 0;
-    }
-    // not even one warp's stages fit (not reached with the allowed stages / chunks up to world 8): the
-    // register pull below
+  // as many warps (up to `warps`) as the per-warp stages fit in shared memory; none fitting is an error
+  const int S = ctx->combine_stages, C = ctx->combine_chunk;
+  const int fit = (int)((size_t)ctx->max_smem_optin / ct_warp_bytes(p.world, S, C));
+  const int w = std::min(warps, fit);
+  if (w < 1) {
+    ep_set_error("combine: %d stages of %d x %d bytes do not fit in %d bytes of shared memory", S, p.world, C,
+                 ctx->max_smem_optin);
+    return -1;
   }
-  if (p.world <= 2) return launch_combine<2, 4>(ctx, a, num_sms, warps, epoch, stream);
-  if (p.world <= 4) return launch_combine<4, 4>(ctx, a, num_sms, warps, epoch, stream);
-  return launch_combine<8, 2>(ctx, a, num_sms, warps, epoch, stream);
+  const size_t smem = (size_t)w * ct_warp_bytes(p.world, S, C);
+  auto kernel = pick_combine_tma<4096>(p.world, S);
+  if (C == 2048) kernel = pick_combine_tma<2048>(p.world, S);
+  if (C == 1024) kernel = pick_combine_tma<1024>(p.world, S);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
+  CUDA_CHECK(cudaGetLastError());
+  ep_effective& eff = ctx->effective;
+  eff.combine_impl = EP_COMBINE_TMA;
+  eff.combine_warps = w;
+  eff.combine_sms = num_sms;
+  eff.combine_stages = S;
+  eff.combine_chunk = C;
+  return 0;
 }

@@ -82,7 +82,6 @@ struct EpParams {
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
   size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_signals;
-  size_t off_dispatch_x, off_slot_map;  // v13 pull dispatch: peers read my input rows and my slot_map
   EpSignals sig;
   int* slot_map;
   int* base;
@@ -117,18 +116,11 @@ enum EpStamp {
 
 
 enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
-// v9 (dispatch.cu, EP_OWN_SIDE*): counters[kCounterOwnGo] = epoch once the data kernel is past its
-// griddepcontrol.wait, i.e. slot_map / base of this call are written; the side-stream own-row kernel
-// waits for it.
-enum { kCounterOwnGo = 2 };
 // v12 grid notify (layout.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;
 // the last block resets both.
 enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
 // v12 lean-dyn (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
-// v14 split: [6] hands out tokens to the own-row warps, reset the same way.
-enum { kCounterDispatchWork = 5, kCounterDispatchOwnWork = 6 };
-// [7]: a sink the link benchmark (bench.cu) may write to keep its loads alive; no kernel reads it.
-enum { kCounterBenchSink = 7 };
+enum { kCounterDispatchWork = 5 };
 constexpr int kMaxNotifyBlocks = 128;
 
 struct EpContext {
@@ -142,18 +134,9 @@ struct EpContext {
   EpErrorInfo* host_error;  // host view
   bool peers_open;
   int max_smem_optin;
-  // v9 own-rank rows on a side stream (ep_set_own_copy, dispatch.cu). Zero (off) after `new EpContext()`;
-  // the stream and events are created on first use and not released by ep_destroy (one of each per context).
-  int own_copy;    // EP_OWN_* (api.h)
-  int own_blocks;  // blocks of the side kernel
-  int split_own_warps;  // EP_DISPATCH_SPLIT: own-row warps per block (EP_OPT_SPLIT_OWN_WARPS, default 4)
-  cudaStream_t own_stream;
-  cudaEvent_t own_ev_pre, own_ev_done;
-  int combine_impl;    // EP_COMBINE_* (ep_set_option EP_OPT_COMBINE_IMPL)
-  int combine_stages;  // EP_COMBINE_TMA stages per warp (EP_OPT_COMBINE_STAGES)
-  int combine_chunk;   // EP_COMBINE_TMA bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
-  int exclusive_sms;   // EP_OPT_EXCLUSIVE_SMS: data kernels reserve over half an SM's shared memory
-  int smem_per_sm;     // cudaDevAttrMaxSharedMemoryPerMultiprocessor
+  int combine_stages;  // stages per combine warp (EP_OPT_COMBINE_STAGES)
+  int combine_chunk;   // combine bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
+  ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
 };
 
 // ---- launchers (each next to its kernel) ----
@@ -221,18 +204,6 @@ __device__ __forceinline__ void stamp_sm(const EpParams& p) {
   unsigned smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   if (smid < 192) atomicOr(p.stamps + kStampSmMask + smid / 64, 1ull << (smid % 64));
-}
-
-// v12: the dynamic shared memory a data kernel asks for so that no two of its blocks share an SM (over half of
-// an SM's shared memory; 0 when the option is off). The kernel must allow that size (exclusive_smem_attr).
-inline size_t exclusive_smem(const EpContext* ctx) {
-  return ctx->exclusive_sms ? (size_t)ctx->smem_per_sm / 2 + 1024 : 0;
-}
-template <typename K>
-cudaError_t exclusive_smem_attr(const EpContext* ctx, K kernel) {
-  return ctx->exclusive_sms
-             ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)exclusive_smem(ctx))
-             : cudaSuccess;
 }
 
 // 16-byte read of data nobody writes during the kernel; no L1 allocation (streamed once).
@@ -389,54 +360,3 @@ __device__ __forceinline__ void bulk_wait_read_all_but_one() {
 }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// A ring of S shared-memory stages through which one thread (lane 0 of a warp) streams copies
-// global -> shared -> global with the SM's bulk-copy unit, L loads ahead of the stores (0 < L < S).
-// push(src, dst, bytes): waits, if needed, until the store that last used the stage has read it
-// (wait_group.read S - L - 1: in steady state exactly stores - (loads - S) - 1 groups may still be
-// reading), starts the load, and once L loads are in flight stores the oldest loaded stage (one bulk
-// group per store). drain(): stores what is left, waits for every write, and fences the async proxy
-// so that a following release (fence.acq_rel.sys + st.release.sys) covers the bulk writes.
-// Shared layout at `smem` (128-byte aligned): kHeader bytes of bookkeeping, then S stages.
-template <int S, int L>
-struct TmaRing {
-  static_assert(0 < L && L < S && S <= 32, "TmaRing: 0 < L < S <= 32");
-  static constexpr int kHeader = 1024;  // S mbarriers, S destinations, S sizes
-  uint64_t* bars;
-  void** dsts;
-  uint32_t* sizes;
-  uint8_t* stages;
-  uint32_t stage_bytes;
-  int loads = 0, stores = 0;
-
-  __device__ __forceinline__ void init(uint8_t* smem, uint32_t bytes_per_stage) {
-    bars = reinterpret_cast<uint64_t*>(smem);
-    dsts = reinterpret_cast<void**>(smem + 256);
-    sizes = reinterpret_cast<uint32_t*>(smem + 512);
-    stages = smem + kHeader;
-    stage_bytes = bytes_per_stage;
-    for (int s = 0; s < S; ++s) mbar_init(bars + s, 1);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __device__ __forceinline__ void store_oldest() {
-    const int s = stores % S;
-    mbar_wait(bars + s, (uint32_t)((stores / S) & 1));
-    bulk_store(dsts[s], stages + (size_t)s * stage_bytes, sizes[s]);
-    bulk_commit();
-    ++stores;
-  }
-  __device__ __forceinline__ void push(const void* src, void* dst, uint32_t bytes) {
-    const int s = loads % S;
-    if (loads >= S) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(S - L - 1) : "memory");
-    dsts[s] = dst;
-    sizes[s] = bytes;
-    mbar_expect_tx(bars + s, bytes);
-    bulk_load(stages + (size_t)s * stage_bytes, src, bytes, bars + s);
-    ++loads;
-    if (loads > L) store_oldest();
-  }
-  __device__ __forceinline__ void drain() {
-    while (stores < loads) store_oldest();
-    bulk_wait_all();
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-  }
-};

@@ -473,7 +473,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, int epoch,
                      cudaStream_t stream) {
   const int num_experts = ctx->p.world * ctx->p.experts_per_rank;
-  if (ctx->p.notify_impl == EP_NOTIFY_STAGED || ctx->p.notify_impl == EP_NOTIFY_GRID) {
+  {
     // grid: ranges of whole 128-token warp groups, at most one block per data SM (kMaxNotifyBlocks)
     const bool grid = ctx->p.notify_impl == EP_NOTIFY_GRID;
     int nb = 1, chunk = num_tokens, threads = kNotifyThreads;
@@ -492,6 +492,8 @@ int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, in
       CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
       kernel<<<nb, threads, smem, stream>>>(ctx->p, topk_idx, num_tokens, chunk, epoch);
       CUDA_CHECK(cudaGetLastError());
+      ctx->effective.notify_impl = ctx->p.notify_impl;
+      ctx->effective.notify_blocks = nb;
       return 0;
     }
   }
@@ -503,7 +505,10 @@ int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, in
     }
     CUDA_CHECK(cudaFuncSetAttribute(notify_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   }
+  // the recorded fallback (ep_effective_config): the staged / grid kernels' id stage does not fit
   notify_kernel<<<1, kNotifyThreads, smem, stream>>>(ctx->p, topk_idx, num_tokens, epoch);
   CUDA_CHECK(cudaGetLastError());
+  ctx->effective.notify_impl = EP_NOTIFY_DIRECT;
+  ctx->effective.notify_blocks = 1;
   return 0;
 }

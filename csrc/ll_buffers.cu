@@ -22,6 +22,7 @@ struct Carve {
 
 // Largest staged topk_idx (int32, T_max x topk) the dispatch kernel keeps in shared memory.
 constexpr size_t kMaxStagedIdxBytes = 48 * 1024;
+constexpr size_t kLlProbeBytes = 64;
 
 }  // namespace
 
@@ -91,6 +92,7 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   ctx->off_epochs = c.take(2 * sizeof(int));
   ctx->off_counters = c.take(4 * sizeof(unsigned));
   ctx->off_dev_error = c.take(sizeof(int));
+  ctx->off_probe = c.take(kLlProbeBytes);
   ep->region_bytes = align_up(c.next, 1 << 21);
 
   cudaError_t err = cudaMalloc(&ep->region, ep->region_bytes);
@@ -109,6 +111,7 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaMemset(r + ctx->off_epochs, 0, 2 * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counters, 0, 4 * sizeof(unsigned)));
   CUDA_CHECK(cudaMemset(r + ctx->off_dev_error, 0, sizeof(int)));
+  CUDA_CHECK(cudaMemset(r + ctx->off_probe, 0, kLlProbeBytes));
   CUDA_CHECK(cudaMemset(r + ctx->off_counts, 0, (size_t)lp.experts * sizeof(long long)));
   CUDA_CHECK(cudaMemset(r + ctx->off_src_counts, 0, (size_t)lp.experts * p.world * sizeof(int)));
 
@@ -190,4 +193,77 @@ extern "C" int ep_ll_destroy(void* vctx) {
   const int rc = ep_destroy(ctx->ep);  // synchronises, unmaps peers, frees the region and the record
   delete ctx;
   return rc;
+}
+
+// ---- measuring aids (ep_ll_set_probe, ep_ll_probe; notes/LATENCY.md) ----
+extern "C" int ep_ll_set_probe(void* vctx, void* stamps, int variant) {
+  LlContext* ctx = (LlContext*)vctx;
+  if (variant < 0 || variant > (LL_VARIANT_THREAD_FENCE | LL_VARIANT_SPIN_CHECKS | LL_VARIANT_FINISH_FENCE)) {
+    ep_set_error("unknown low-latency variant bits %d", variant);
+    return -1;
+  }
+  ctx->lp.stamps = (unsigned long long*)stamps;
+  ctx->lp.variant = variant;
+  return 0;
+}
+
+namespace {
+
+// Scratch at off_probe: [0] u64 flag, [8] u32 block counter, [12] i32 epoch, [16..] words the chase loads.
+__global__ void ll_probe_kernel(EpParams p, LlParams lp, uint8_t* scratch, int mode) {
+  ll_stamp(lp, kLlStart);
+  auto* flag = reinterpret_cast<unsigned long long*>(scratch);
+  auto* counter = reinterpret_cast<unsigned*>(scratch + 8);
+  int* epochs = reinterpret_cast<int*>(scratch + 12);
+  int* words = reinterpret_cast<int*>(scratch + 16);
+  if (mode == 1) {
+    __shared__ int s_epoch;
+    if (threadIdx.x == 0) s_epoch = ld_volatile(epochs) + 1;
+    __syncthreads();
+    const int epoch = s_epoch;
+    if (ll_last_block(lp, counter) && threadIdx.x == 0) st_release_sys_u64(flag, (unsigned long long)epoch << 32);
+    if (threadIdx.x == 0) ll_wait_epoch_u64(p, lp, flag, epoch, 0, kPhaseLlDispatch);
+    __syncthreads();
+    ll_finish_launch(lp, counter + 0, epochs, epoch);  // stamps part A's end (kLlReceived is not used here)
+    return;
+  }
+  if (threadIdx.x == 0 && mode == 2) {
+    int v = 0;
+    for (int i = 0; i < 16; ++i) v = ld_volatile(words + (v & 1));  // each address depends on the last value
+    if (v == 12345) words[2] = v;  // never true (the words are zero): keeps the chain alive
+  }
+  if (threadIdx.x == 0 && mode == 3) {
+    for (int i = 0; i < 16; ++i) {
+      asm volatile("st.volatile.global.b32 [%0], %1;" ::"l"(words + 3 + blockIdx.x % 8), "r"(i) : "memory");
+      fence_acq_rel_sys();
+    }
+  }
+  if (threadIdx.x == 0 && blockIdx.x == 0 && mode == 4 && lp.stamps != nullptr) {
+    unsigned long long prev = globaltimer(), step = ~0ull;
+    for (int i = 0; i < 4096; ++i) {
+      const unsigned long long t = globaltimer();
+      if (t != prev && t - prev < step) step = t - prev;
+      prev = t;
+    }
+    lp.stamps[7] = step;
+  }
+  __syncthreads();
+  ll_stamp(lp, kLlSent);
+  ll_stamp(lp, kLlEnd);
+}
+
+}  // namespace
+
+extern "C" int ep_ll_probe(void* vctx, int mode, int num_sms, int warps, void* stream) {
+  LlContext* ctx = (LlContext*)vctx;
+  if (mode < 0 || mode > 4) {
+    ep_set_error("unknown probe mode %d", mode);
+    return -1;
+  }
+  if (ll_check_launch(ctx, 0, num_sms, warps) != 0) return -1;
+  CUDA_CHECK(cudaSetDevice(ctx->ep->device));
+  ll_probe_kernel<<<num_sms, warps * 32, 0, (cudaStream_t)stream>>>(ctx->ep->p, ctx->lp, ctx->ep->region + ctx->off_probe,
+                                                                    mode);
+  CUDA_CHECK(cudaGetLastError());
+  return 0;
 }

@@ -10,9 +10,11 @@
 // valid k, up to kG at a time, the warp loads chunk c of y[slot_k] (all loads in flight), adds
 // w_k * y in fp32, and stores the bf16 partial into crows[t * world + me] of rank s over NVLink.
 // A token with no expert here costs one 8-byte load per lane and is skipped.
-// Release: every thread fences at system scope; the last block of the grid (block counter 1)
-// stores cflags[me] = epoch into every rank with st.release.sys.
-// Reduce phase (source side): in every block, thread s < world waits (bounded, wait_flag) for
+// Release: one system-scope fence per block after its barrier (the memory-model argument is at
+// ll_last_block, ll_common.cuh); the last block of the grid (block counter 1) stores cflags[me] =
+// epoch into every rank with st.release.sys.
+// Phase stamps (LlParams::stamps, LlStamp) mark each step per block when a probe asks.
+// Reduce phase (source side): in every block, thread s < world waits (bounded, ll_wait_i32) for
 // cflags[s] == epoch in my region, so all partials for my tokens have landed; then unit (t, c):
 // the ranks holding t's experts (from topk_idx) give a bit mask, the warp loads chunk c of each
 // of those partials (all in flight), sums them in fp32 and stores bf16 into out[t].
@@ -37,7 +39,7 @@ struct LlCombineArgs {
 };
 
 // kV: 16-byte vectors per lane in a unit's chunk (4: 128 vectors = 2 KiB of bf16, the default; 2: 1 KiB),
-// a template parameter measured both ways (EPBENCH_LL_COMBINE_CHUNK=2|4; 2026-11-21, 128 tokens, 4 x H200:
+// a template parameter measured both ways (the `chunk` argument of ep_ll_combine, 2|4; 2026-11-21, 128 tokens, 4 x H200:
 // 4 took 39.2 / 40.3 us at 132 / 64 SMs against 40.3 / 44.0 for 2, notes/KERNELS.md).
 constexpr int kG = 4;  // rows whose chunk is loaded at once (kG x kV loads in flight per lane)
 
@@ -101,6 +103,7 @@ template <int kThreads, int kV>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
   __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
+  ll_stamp(lp, kLlStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = lp.experts;
   if (threadIdx.x == 0) {
@@ -114,6 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     s_tokens[world] = acc;
   }
   __syncthreads();
+  ll_stamp(lp, kLlStaged);
   const int epoch = s_epoch, depoch = s_depoch;
   const long long G = (long long)gridDim.x * nwarps;
   const size_t row = (size_t)p.hidden * 2;
@@ -148,13 +152,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     });
   }
 
-  if (ll_last_block(lp.counters + 1) && threadIdx.x < world)
+  if (ll_last_block(lp, lp.counters + 1) && threadIdx.x < world)
     st_release_sys(reinterpret_cast<int*>(p.peer_base[threadIdx.x] + lp.off_cflags) + p.rank, epoch);
+  ll_stamp(lp, kLlReleased);
   if (threadIdx.x < world) {
-    wait_flag(p, reinterpret_cast<const int*>(p.peer_base[p.rank] + lp.off_cflags) + threadIdx.x, epoch,
-              threadIdx.x, kPhaseLlCombine);
+    ll_wait_i32(p, lp, reinterpret_cast<const int*>(p.peer_base[p.rank] + lp.off_cflags) + threadIdx.x, epoch,
+                threadIdx.x, kPhaseLlCombine);
   }
   __syncthreads();
+  ll_stamp(lp, kLlWaited);
 
   aborted = ld_volatile(p.dev_error) != 0;
   const uint8_t* crows = p.peer_base[p.rank] + lp.off_crows;
@@ -171,23 +177,23 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     sum_chunk<kV>(reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden), ranks, 1.f, c * 32 * kV, V, lane,
               [&](int b) { return reinterpret_cast<const int4*>(crows + ((size_t)t * world + b) * row); });
   }
-  ll_finish_launch(lp.counters + 2, lp.epochs + 1, epoch);
+  ll_finish_launch(lp, lp.counters + 2, lp.epochs + 1, epoch);
 }
 
 }  // namespace
 
-extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, int num_sms, int warps,
+extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, int num_sms, int warps, int chunk,
                              void* vstream) {
   LlContext* ctx = (LlContext*)vctx;
   if (ll_check_launch(ctx, num_tokens, num_sms, warps) != 0) return -1;
+  if (chunk != 2 && chunk != 4) {
+    ep_set_error("low-latency combine: chunk must be 2 or 4 vectors per lane (got %d)", chunk);
+    return -1;
+  }
   CUDA_CHECK(cudaSetDevice(ctx->ep->device));
   LlCombineArgs a;
   a.topk_idx = (const int64_t*)topk_idx;
   a.num_tokens = num_tokens;
-  static const int chunk = [] {
-    const char* v = getenv("EPBENCH_LL_COMBINE_CHUNK");
-    return v != nullptr && atoi(v) == 2 ? 2 : 4;
-  }();
   if (chunk == 4)
     ll_combine_kernel<512, 4><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);
   else

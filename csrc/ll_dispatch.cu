@@ -16,14 +16,16 @@
 //      here, by the source alone. Each lane whose token picked e (as its k-th expert) stores
 //      tmap[me, t, k] = (epoch << 32) | (le * C + me * T_max + j) and tw[me, t, k] = w[t, k] on d;
 //      the chunk-0 unit stores cnt[me, le] = rows for e.
-//   release: every thread fences at system scope; the last block of the grid (block counter 3)
-//      stores dflags[me] = (epoch << 32) | T into every rank with st.release.sys.
+//   release: one system-scope fence per block after its barrier (the memory-model argument is at
+//      ll_last_block, ll_common.cuh); the last block of the grid (block counter 3) stores
+//      dflags[me] = (epoch << 32) | T into every rank with st.release.sys.
 // Receive phase: thread s < world of every block waits (bounded) for dflags[s] of this epoch;
 // block 0 writes counts / src_counts / src_tokens from cnt; then unit (source s, token t < T_s,
 // chunk c of the row): lane k reads tmap[s, t, k] (another epoch: that expert is not mine), and
 // the warp copies chunk c of stage[s, t] into x at each valid slot (and, for c = 0, the scales and
 // pair = t * topk + k). The kernel ends when every row addressed to my experts is in place.
 // Last block of the grid stores the epoch back (ll_finish_launch, block counter 0).
+// Phase stamps (LlParams::stamps, LlStamp) mark each of these steps per block when a probe asks.
 //
 // Buffer reuse is safe without another barrier: a source writes my stage / tmap / tw / cnt for
 // call n + 1 only after its combine n, which waited for my combine n's flag, which I release after
@@ -67,9 +69,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int T = a.num_tokens, topk = p.topk, world = p.world, E = lp.experts, NE = lp.num_experts;
   const int me = p.rank, Tm = lp.t_max, ns = p.num_scales, V = p.row_bytes >> 4;
+  ll_stamp(lp, kLlStart);
   if (threadIdx.x == 0) s_epoch = ld_volatile(lp.epochs) + 1;
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
   __syncthreads();
+  ll_stamp(lp, kLlStaged);
   const int epoch = s_epoch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
   const long long G = (long long)gridDim.x * nwarps, gw = (long long)blockIdx.x * nwarps + warp;
@@ -128,18 +132,21 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
   }
 
   // release: the last block to finish sending tells every rank
-  if (ll_last_block(lp.counters + 3) && threadIdx.x < world)
+  if (ll_last_block(lp, lp.counters + 3) && threadIdx.x < world)
     st_release_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dflags) + me,
                        tag | (unsigned)T);
+  ll_stamp(lp, kLlReleased);
 
   // receive: wait for every source, then place the staged rows into the experts' slots
   const uint8_t* mybase = p.peer_base[me];
   if (threadIdx.x < world) {
     const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_dflags);
-    s_pre[threadIdx.x + 1] = (int)(wait_epoch_u64(p, flags + threadIdx.x, epoch, threadIdx.x, kPhaseLlDispatch) &
+    s_pre[threadIdx.x + 1] = (int)(ll_wait_epoch_u64(p, lp, flags + threadIdx.x, epoch, threadIdx.x,
+                                                     kPhaseLlDispatch) &
                                    0xffffffffu);
   }
   __syncthreads();
+  ll_stamp(lp, kLlWaited);
   if (threadIdx.x == 0) {
     s_pre[0] = 0;
     for (int s = 0; s < world; ++s) s_pre[s + 1] += s_pre[s];
@@ -199,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
       }
     }
   }
-  ll_finish_launch(lp.counters + 0, lp.epochs + 0, epoch);
+  ll_finish_launch(lp, lp.counters + 0, lp.epochs + 0, epoch);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from epbench import metrics
+from epbench.cudart import Cudart
 from epbench.routing import Traffic
 from epbench.timing import Timer
 
@@ -217,14 +218,10 @@ def kernel_store_provider() -> Optional[SmStoreProvider]:
         from epbench import cuda_lib
 
         lib = cuda_lib.load()
-        fn = lib.ep_store_ceiling
+        fn = lib.ep_store_ceiling  # declared in cuda_lib.signatures()
     except (RuntimeError, OSError, AttributeError):
         return None
     import ctypes
-
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_longlong),
-                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
 
     def store_samples_us(dst: Dict[int, int], nbytes: Dict[int, int], source: Any, sms: int,
                          comm: Any, warmup: int, iters: int) -> List[float]:
@@ -253,111 +250,15 @@ def recv_offsets(plan: List[List[int]], dest: int) -> List[int]:
     return offs
 
 
-class Cudart:
-    """The few CUDA runtime calls the copy-engine ceiling makes itself, from the libcudart torch
-    already loaded.
+class PeerBuffers:
+    """One receive buffer per rank (cudaMalloc), mapped into every other rank's own device
+    context through CUDA IPC. ``peers[d]`` is rank d's buffer as a device pointer here.
 
     Why not torch: a receive buffer shared with ``torch.multiprocessing.reductions`` is opened
     by torch in the *owner's* device context; peer copies into it (``copy_`` or
     ``cudaMemcpyAsync``) measured 36 GB/s per rank on the H200 host with NVML counting no NVLink
     TX at all, i.e. staged, not a peer copy. Here every rank opens its peers' handles in its own
     device's context (as DeepEP does), so the copy engine can write over NVLink."""
-
-    MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
-    IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
-    PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
-    HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
-
-    def __init__(self) -> None:
-        import ctypes as c
-
-        class IpcHandle(c.Structure):
-            _fields_ = [("reserved", c.c_char * Cudart.HANDLE_BYTES)]
-
-        self.c, self.IpcHandle = c, IpcHandle
-        lib = self.lib = c.CDLL(self._path())
-        lib.cudaSetDevice.argtypes = [c.c_int]
-        lib.cudaMalloc.argtypes = [c.POINTER(c.c_void_p), c.c_size_t]
-        lib.cudaFree.argtypes = [c.c_void_p]
-        lib.cudaIpcGetMemHandle.argtypes = [c.POINTER(IpcHandle), c.c_void_p]
-        lib.cudaIpcOpenMemHandle.argtypes = [c.POINTER(c.c_void_p), IpcHandle, c.c_uint]
-        lib.cudaIpcCloseMemHandle.argtypes = [c.c_void_p]
-        lib.cudaDeviceEnablePeerAccess.argtypes = [c.c_int, c.c_uint]
-        lib.cudaMemcpyAsync.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
-        lib.cudaGetErrorString.restype = c.c_char_p
-        lib.cudaGetErrorString.argtypes = [c.c_int]
-        lib.cudaGetLastError.argtypes = []
-
-    @staticmethod
-    def _path() -> str:
-        """The libcudart mapped into this process (torch loads it with CUDA)."""
-        import ctypes.util
-
-        import torch
-
-        torch.cuda.init()
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    if "libcudart.so" in line:
-                        return line.split()[-1]
-        except OSError:
-            pass
-        found = ctypes.util.find_library("cudart")
-        if not found:
-            raise RuntimeError("libcudart not found")
-        return found
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise RuntimeError(f"{what}: {self.lib.cudaGetErrorString(rc).decode()}")
-
-    def set_device(self, device: int) -> None:
-        self.check(self.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
-
-    def malloc(self, nbytes: int) -> int:
-        """A whole allocation of its own: an IPC handle always names an allocation's base."""
-        ptr = self.c.c_void_p()
-        self.check(self.lib.cudaMalloc(self.c.byref(ptr), nbytes), f"cudaMalloc({nbytes})")
-        return int(ptr.value)
-
-    def free(self, ptr: int) -> None:
-        self.check(self.lib.cudaFree(ptr), "cudaFree")
-
-    def ipc_handle(self, ptr: int) -> bytes:
-        h = self.IpcHandle()
-        self.check(self.lib.cudaIpcGetMemHandle(self.c.byref(h), ptr), "cudaIpcGetMemHandle")
-        return self.c.string_at(self.c.addressof(h), self.HANDLE_BYTES)
-
-    def ipc_open(self, handle: bytes) -> int:
-        """Maps a peer's allocation into the current device's context."""
-        h = self.IpcHandle.from_buffer_copy(handle)
-        ptr = self.c.c_void_p()
-        self.check(self.lib.cudaIpcOpenMemHandle(self.c.byref(ptr), h,
-                                                 self.IPC_LAZY_ENABLE_PEER_ACCESS),
-                   "cudaIpcOpenMemHandle")
-        return int(ptr.value)
-
-    def ipc_close(self, ptr: int) -> None:
-        self.check(self.lib.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
-
-    def enable_peer_access(self, peer: int) -> None:
-        """From the current device to ``peer``; already enabled is fine (and is cleared from
-        the runtime's last-error slot, where torch would find it later)."""
-        rc = self.lib.cudaDeviceEnablePeerAccess(peer, 0)
-        if rc == self.PEER_ALREADY_ENABLED:
-            self.lib.cudaGetLastError()
-            return
-        self.check(rc, f"cudaDeviceEnablePeerAccess({peer})")
-
-    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self.check(self.lib.cudaMemcpyAsync(dst, src, nbytes, self.MEMCPY_DEFAULT, stream),
-                   "cudaMemcpyAsync")
-
-
-class PeerBuffers:
-    """One receive buffer per rank (cudaMalloc), mapped into every other rank's own device
-    context through CUDA IPC. ``peers[d]`` is rank d's buffer as a device pointer here."""
 
     def __init__(self, nbytes: int, comm: Any, rt: Any, dist: Any) -> None:
         self.rt, self.dist = rt, dist
@@ -459,7 +360,7 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
     plan = byte_plan(s, tr)
     result = byte_ceilings(s, tr, rates)
     cnt, _ = counters.open_counters(comm.local_rank)
-    rt = Cudart()
+    rt = Cudart()  # epbench/cudart.py
     for c in result:
         m = plan[c.op]
         recv = max(sum(m[src][d] for src in range(comm.world)) for d in range(comm.world))

@@ -11,6 +11,11 @@ from typing import Annotated, List, Optional, Tuple
 import typer
 from rich.markup import escape
 
+try:  # typer >= 0.24 carries its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer on plain click
+    from click import exceptions as click_errors
+
 
 from epbench import launch, scenario
 from epbench.console import wide_console
@@ -41,6 +46,8 @@ RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
 ControlTimeoutOpt = Annotated[Optional[float], typer.Option("--control-timeout", help="Seconds the ranks wait for each other at a barrier, gather or start-up before stopping with one line naming the missing ranks (default: the scenario's bench.control_timeout_s, 300).")]
 MpsOpt = Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
+OptionOpt = Annotated[Optional[List[str]], typer.Option(
+    "--option", help="A backend option, [backend.]key=value (repeatable; README: Backend options).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
 
@@ -107,18 +114,27 @@ def resolve_device(s: scenario.Scenario, device: Optional[str], share: bool = Tr
 
 
 def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str],
-             sms: Optional[str], iters: Optional[int], warmup: Optional[int]):
-    from epbench.backends import check_names
+             sms: Optional[str], iters: Optional[int], warmup: Optional[int],
+             option: Optional[List[str]] = None):
+    import dataclasses
+
+    from epbench import options
 
     s = scenario.load(path or default_scenario())
+    if option:
+        s = dataclasses.replace(s, backend_options=options.merge(s.backend_options, options.parse_cli(option)))
     if nproc is not None:
         s = s.with_world(nproc)
-    names = tuple(b.strip() for b in backends.split(",") if b.strip()) if backends else s.bench.backends
-    check_names(names)
-    sms_list = scenario.maybe_int_list(sms, "--sms") or s.bench.sms
-    for opt, v in (("--iters", iters), ("--warmup", warmup)):
-        if v is not None and v < (1 if opt == "--iters" else 0):
-            raise UserError(f"{opt}: must be {'positive' if opt == '--iters' else 'zero or positive'}, got {v}")
+    names = s.bench.backends
+    if backends is not None:
+        names = tuple(b.strip() for b in backends.split(",") if b.strip())
+        if not names:
+            raise UserError(f"--backends: must name at least one backend, got {scenario.shown(backends)}")
+        scenario.check_backends(names, "--backends")
+    sms_list = scenario.maybe_int_list(sms, "--sms", scenario.MAX_SMS) or s.bench.sms
+    for opt, v, rule in (("--iters", iters, "positive"), ("--warmup", warmup, "zero or positive")):
+        if v is not None and not (1 if opt == "--iters" else 0) <= v <= scenario.MAX_ITERS:
+            raise UserError(f"{opt}: must be {rule} and at most {scenario.MAX_ITERS}, got {v}")
     from epbench.driver import RunOptions  # torch comes in only once the input is known good
 
     opts = RunOptions(backends=names, sms=sms_list,
@@ -127,22 +143,57 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
     return s, opts
 
 
+def check_memory(s: scenario.Scenario, device: str, tokens: Optional[tuple]) -> None:
+    """Refuses a shape whose buffers cannot fit in one rank's memory (the device's, or the
+    host's share for CPU ranks) before anything is launched."""
+    per_host = s.topology.ranks_per_host
+    if device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        per_gpu = -(-per_host // max(gpus, 1))  # ranks sharing one GPU
+        have = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus)) // per_gpu
+        what = "each GPU of this host" if per_gpu == 1 else f"each GPU shared by {per_gpu} ranks"
+    else:
+        have = _host_memory() // per_host
+        what = f"this host's memory shared by {per_host} CPU ranks"
+    scenario.check_fits(s, s.world, what, have, max(tokens) if tokens else None)
+
+
+def _host_memory() -> int:
+    """Bytes of memory available to new processes (MemAvailable), else the physical total."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
             tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False,
-            control_timeout: Optional[float] = None) -> None:
+            option: Optional[List[str]] = None, control_timeout: Optional[float] = None) -> None:
     import contextlib
     import dataclasses
+
+    from epbench import options
 
     launch.apply_safe_env()
     if path is None and launch.under_torchrun():
         raise UserError("a scenario file is required under torchrun")
+    token_list = scenario.maybe_int_list(tokens, "--tokens", scenario.MAX_SHAPE["tokens_per_rank"])
+    if not launch.under_torchrun():  # cheap checks of the output folders before torch comes in
+        from epbench.results import check_new_run_dir
+
+        check_new_run_dir(results, run_dir)
     path = path or default_scenario()
-    s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option)
     if fault not in (None, "dispatch", "combine"):
-        raise UserError(f"--inject-fault: must be dispatch or combine, got {fault!r}")
-    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings,
-                               tokens=scenario.maybe_int_list(tokens, "--tokens"))
+        raise UserError(f"--inject-fault: must be dispatch or combine, got {scenario.shown(fault)}")
+    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings, tokens=token_list)
     if control_timeout is None:
         control_timeout = s.bench.control_timeout_s
     if not 0 < control_timeout <= scenario.MAX_CONTROL_TIMEOUT_S:
@@ -156,6 +207,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
                           launched=bool(os.environ.get(RANK_ERRORS)))
         raise typer.Exit(code)
     dev = resolve_device(s, device)
+    check_memory(s, dev, opts.tokens)
     nodes = nnodes or 1
     if nodes > 1 and not rdzv:
         raise UserError("--nnodes: a multi-node run needs --rdzv-endpoint HOST:PORT (the same on every node)")
@@ -167,10 +219,10 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         raise UserError(f"{s.source}: topology.nodes: this scenario spans {s.topology.nodes} nodes; "
                         f"start it on every node with --nnodes {s.topology.nodes} --node-rank N "
                         f"--rdzv-endpoint HOST:PORT, or use --nproc to run its shape on one node")
-    from epbench.results import new_run_dir
+    from epbench.results import claim_run_dir, new_run_dir
     from epbench.session import launch_run
 
-    run_dir = run_dir or new_run_dir(results, s.name)
+    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s.name)
     args = [command, str(path), "--run-dir", str(run_dir), "--device", dev,
             "--sms", ",".join(map(str, opts.sms)), "--iters", str(opts.iters),
             "--warmup", str(opts.warmup), "--results", str(results),
@@ -186,6 +238,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     # One job per backend: a backend that kills its processes costs only its own points. Across
     # nodes one job for all backends keeps the nodes in step (one rendezvous).
     jobs = [",".join(opts.backends)] if nodes > 1 else list(opts.backends)
+
+    args += options.to_cli(options.parse_cli(option or []))
 
     def job_command(backends: str) -> List[str]:
         return launch.torchrun_args(args + ["--backends", backends], s.topology.ranks_per_host,
@@ -207,7 +261,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
         inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
         rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False,
-        control_timeout: ControlTimeoutOpt = None) -> None:
+        option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None) -> None:
     """Run a scenario across ranks (re-executing under torchrun) and print its table. Without a
     path: each shipped scenario that fits this host."""
     paths = [path] if path is not None or launch.under_torchrun() else default_scenarios()
@@ -215,7 +269,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
     for p in paths:
         try:
             _launch("run", p, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps,
+                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
                     control_timeout)
         except typer.Exit as e:
             worst = worst or e.exit_code
@@ -232,28 +286,61 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
           no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None,
-          mps: MpsOpt = False, control_timeout: ControlTimeoutOpt = None) -> None:
+          mps: MpsOpt = False, option: OptionOpt = None,
+          control_timeout: ControlTimeoutOpt = None) -> None:
     """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps,
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
             control_timeout)
 
 
 @app.command()
+def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
+            sms: Annotated[Optional[str], typer.Option("--sms", help="SM counts for the communication, e.g. 4,8,16,32 (the GEMM gets the rest).")] = None,
+            backends: BackendsOpt = None,
+            gemm: Annotated[Optional[str], typer.Option("--gemm", help="M,N,K (default 8192,8192,8192), or experts[:INTERMEDIATE] for the rank's expert GEMMs.")] = None,
+            iters: ItersOpt = None, warmup: WarmupOpt = None,
+            results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
+    """What dispatch/combine cost a GEMM running beside them on the other SMs, and back (CUDA)."""
+    import torch
+
+    from epbench import overlap as ov
+    from epbench.results import claim_run_dir, new_run_dir
+
+    launch.apply_safe_env()
+    spec = ov.parse_gemm(gemm)
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
+    o = ov.OverlapOptions(opts.backends, opts.sms, opts.warmup, opts.iters, spec)
+    if launch.under_torchrun():
+        raise typer.Exit(ov.run_worker(s, o, run_dir, results, ["overlap"] + sys.argv[2:]))
+    if not torch.cuda.is_available():
+        raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
+    resolve_device(s, "cuda")
+    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s.name)
+    args = ["overlap", str(path), "--run-dir", str(run_dir), "--backends", ",".join(o.backends),
+            "--sms", ",".join(map(str, o.sms)), "--iters", str(o.iters), "--warmup", str(o.warmup),
+            "--gemm", gemm or ov.SQUARE_DEFAULT, "--results", str(results)]
+    code = launch.relaunch(launch.torchrun_args(args, s.topology.ranks_per_host), "cuda")
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    raise typer.Exit(code)
+
+
+@app.command()
 def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML files.")]) -> None:
-    """Check scenario files; one line per file."""
+    """Check scenario files; one line per file (every file is checked, bad ones on stderr)."""
     bad = 0
     for p in paths:
         try:
             s = scenario.load(p)
         except UserError as e:
-            err.print(f"[red]invalid[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            err.print(f"invalid {e}", markup=False, highlight=False, soft_wrap=True)
             bad += 1
             continue
         m = s.model
-        console.print(f"[green]ok[/] {p}: {s.world} ranks ({s.topology.nodes}x{s.topology.gpus_per_node}"
+        console.print(f"[green]ok[/] {escape(str(s.source))}: {s.world} ranks ({s.topology.nodes}x{s.topology.gpus_per_node}"
                       f"{', virtual nodes' if s.topology.virtual_nodes else ''}), "
                       f"hidden {m.hidden}, {m.tokens_per_rank} tokens/rank, top-{m.topk}, "
                       f"{m.experts_per_rank} experts/rank, {m.dispatch_dtype}, {s.routing.kind} routing",
@@ -262,31 +349,44 @@ def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML fil
         raise typer.Exit(2)
 
 
+def _warn(text: str) -> None:
+    err.print(f"epbench: warning: {text}", markup=False, highlight=False, soft_wrap=True)
+
+
+ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite output files that exist.")]
+
+
 @app.command()
-def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them).")],
+def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
            per_rank: Annotated[bool, typer.Option("--per-rank", help="Also list every rank's time and bandwidths.")] = False) -> None:
     """Print the table of one or more results folders."""
     from epbench.report import print_per_rank, print_run
-    from epbench.results import find_runs, load_run
+    from epbench.results import load_runs
 
-    for d in find_runs(run_dirs):
-        meta, df = load_run(d)
-        console.print(f"[bold]{d}[/]")
+    for d, meta, df in load_runs(run_dirs, _warn):
+        console.print(f"[bold]{escape(str(d))}[/]")
         print_run(df, meta, console)
         if per_rank:
             print_per_rank(df, console)
 
 
 @app.command()
-def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them).")],
-         out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the PNGs (default: <run>/plots).")] = None) -> None:
+def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
+         out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the PNGs (default: <run>/plots).")] = None,
+         force: ForceOpt = False) -> None:
     """Draw bandwidth-vs-SMs and per-rank plots from results folders."""
     from epbench.plot import plot_run
-    from epbench.results import find_runs
+    from epbench.results import load_runs
 
-    for d in find_runs(paths):
-        for png in plot_run(d, (out / d.name) if out else None):
-            console.print(f"wrote {png}")
+    for d, meta, df in load_runs(paths, _warn):
+        try:
+            written = plot_run(d, (out / d.name) if out else None, force=force, loaded=(meta, df),
+                               warn=_warn)
+        except UserError as e:  # one run's plots exist or cannot be written: say so, go on
+            _warn(str(e))
+            continue
+        for png in written:
+            console.print(f"wrote {escape(str(png))}", highlight=False)
 
 
 @app.command()
@@ -321,21 +421,24 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
 @app.command()
 def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseline).")],
             b: Annotated[Path, typer.Argument(help="Results folder B.")],
-            plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG.")] = None) -> None:
+            plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG.")] = None,
+            force: ForceOpt = False) -> None:
     """Two results folders side by side: matching (scenario, backend, op, SMs) rows, ratios
     B/A, and a warning for each hardware or software difference."""
     from epbench.compare import print_compare
 
+    if plot_out is not None:  # a file that exists stops the command before anything is printed
+        from epbench.plot import compare_plot, output_path
+
+        plot_out = output_path(plot_out, force)
     print_compare(a, b, console)
     if plot_out is not None:
-        from epbench.plot import compare_plot
-
-        console.print(f"wrote {compare_plot(a, b, plot_out)}")
+        console.print(f"wrote {escape(str(compare_plot(a, b, plot_out, force)))}", highlight=False)
 
 
 @app.command()
 def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topology; nothing runs).")],
-            calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Intranode results folder (or a folder of them) that sets the NVLink efficiency. Default: the best matching run in docs/perf/, else none.")] = None,
+            calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Intranode results folder (or a folder of them) that sets the NVLink efficiency. Default: the best matching point in epbench/data/calibration.csv, else none.")] = None,
             backend: Annotated[str, typer.Option("--backend", help="Backend whose measured efficiency calibrates the model.")] = "epbench",
             sms: Annotated[Optional[int], typer.Option("--sms", help="Calibrate from this SM count (default: the run's fastest).")] = None,
             nic_efficiency: Annotated[float, typer.Option("--nic-efficiency", help="Fraction of the nominal NIC rate reached (assumed; nothing here measures a NIC).")] = 1.0,
@@ -372,7 +475,7 @@ def _fail(e: BaseException, status: str, code: int) -> None:
     from epbench.errors import ControlTimeout, KernelTimeout
 
     known = isinstance(e, (UserError, VerificationFailed, StartupError, ControlTimeout, KernelTimeout))
-    line = str(e) if known else first_line(e)
+    line = " ".join(str(e).splitlines()) if known else first_line(e)  # one line, whatever it held
     if launch.under_torchrun() and os.environ.get(RANK_ERRORS):
         launch.write_rank_error(Path(os.environ[RANK_ERRORS]), int(os.environ["RANK"]), status,
                                 f"[rank {os.environ['RANK']}] {line}")
@@ -387,14 +490,22 @@ def main() -> None:
 
     launch.apply_safe_env()
     try:
-        app()
+        sys.exit(app(standalone_mode=False))
+    except click_errors.UsageError as e:  # a mistyped option or value: one line, not click's framed box
+        if isinstance(e, getattr(click_errors, "NoArgsIsHelpError", ())):
+            console.print(e.ctx.get_help() if e.ctx else str(e))
+            sys.exit(e.exit_code)
+        cmd = f"{e.ctx.info_name}: " if e.ctx and e.ctx.parent else ""
+        err.print(f"epbench: error: {cmd}{' '.join(e.format_message().split())}", markup=False,
+                  highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # Ctrl-C outside a run (click turns KeyboardInterrupt into Abort)
+        err.print("epbench: interrupted", markup=False, highlight=False)
+        sys.exit(130)
     except (UserError, VerificationFailed, StartupError) as e:
         _fail(e, "failed", e.exit_code)
     except (ControlTimeout, KernelTimeout) as e:
         _fail(e, "timeout", 1)
-    except KeyboardInterrupt:
-        print("epbench: interrupted", file=sys.stderr)
-        sys.exit(130)
     except Exception as e:
         if not launch.under_torchrun():
             raise  # the launcher's own bugs keep their traceback

@@ -11,6 +11,7 @@ import pandas as pd
 from epbench.errors import UserError
 from epbench.metrics import summarize
 from epbench.results import is_run_dir, load_run
+from epbench.scenario import short_path
 
 KEYS = ["scenario", "backend", "op", "sms"]
 PROVENANCE = ("gpus", "driver", "cuda", "torch", "nccl", "host", "world")
@@ -20,10 +21,10 @@ VALUES = ("time_us", "busbw_nvlink_gbps_min")
 
 def load(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     if not path.exists():
-        raise UserError(f"{path}: no such results folder")
+        raise UserError(f"{short_path(path)}: no such results folder")
     if not is_run_dir(path):
-        raise UserError(f"{path}: not a results folder (no meta.json)")
-    return load_run(path)
+        raise UserError(f"{short_path(path)}: not a results folder (no meta.json)")
+    return load_run(path)  # a corrupt or truncated run: UserError naming the file
 
 
 def ratio(b: Any, a: Any) -> Any:
@@ -61,6 +62,38 @@ def provenance_warnings(meta_a: Dict[str, Any], meta_b: Dict[str, Any]) -> List[
         a, b = meta_a.get(key), meta_b.get(key)
         if a != b:
             out.append(f"{key} differs: A {_show(a)} vs B {_show(b)}")
+    return out
+
+
+def _options_of(meta: Dict[str, Any], df: pd.DataFrame) -> Dict[str, Dict[str, Any]]:
+    """backend -> option -> value: what the rows say ran (column ``options``: the union over a backend's rows,
+    a value that differs between rows listed), else what the scenario asked for (meta.json)."""
+    import json
+
+    out: Dict[str, Dict[str, Any]] = {}
+    if "options" in df:
+        for backend, opts in df[["backend", "options"]].dropna().itertuples(index=False):
+            for k, v in json.loads(opts).items():
+                seen = out.setdefault(backend, {}).setdefault(k, [])
+                if v not in seen:
+                    seen.append(v)
+        out = {b: {k: v[0] if len(v) == 1 else v for k, v in o.items()} for b, o in out.items()}
+    for backend, opts in ((meta.get("scenario") or {}).get("backend_options") or {}).items():
+        for k, v in opts.items():
+            out.setdefault(backend, {}).setdefault(k, v)
+    return out
+
+
+def option_warnings(meta_a: Dict[str, Any], df_a: pd.DataFrame,
+                    meta_b: Dict[str, Any], df_b: pd.DataFrame) -> List[str]:
+    """One line per backend option that differs between the runs (backends both ran)."""
+    oa, ob = _options_of(meta_a, df_a), _options_of(meta_b, df_b)
+    out = []
+    for backend in sorted(set(oa) & set(ob)):
+        for key in sorted(set(oa[backend]) | set(ob[backend])):
+            a, b = oa[backend].get(key), ob[backend].get(key)
+            if a != b:
+                out.append(f"{backend} option {key} differs: A {_show(a)} vs B {_show(b)}")
     return out
 
 
@@ -105,6 +138,10 @@ def print_compare(a: Path, b: Path, console) -> pd.DataFrame:
         console.print(f"A {a} and B {b}: no measured points in either")
     else:
         console.print(compare_table(both, f"A = {a}  vs  B = {b}"))
-    for w in provenance_warnings(meta_a, meta_b):
+        matched = both["time_us_a"].notna() & both["time_us_b"].notna()
+        if not matched.any():
+            console.print("[yellow]warning:[/] no point was measured in both runs (scenario, backend, "
+                          "op and SMs differ everywhere): no ratios", highlight=False)
+    for w in provenance_warnings(meta_a, meta_b) + option_warnings(meta_a, df_a, meta_b, df_b):
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
     return both

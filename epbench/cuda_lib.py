@@ -14,30 +14,38 @@ LIB_PATH = Path(__file__).resolve().parent / "_lib" / "libepbench_ep.so"
 NOT_BUILT = "kernels not built: run `make build`"
 
 # Region ids (enum ep_region_id in csrc/api.h).
-RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS, DISPATCH_X = range(10)
-# ep_set_option keys (enum ep_option) and notify variants (enum ep_notify_impl).
-OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 2, 3, 4
-OPT_EXCLUSIVE_SMS, OPT_SPLIT_OWN_WARPS = 5, 6
-COMBINE_CHUNKS = (1024, 2048, 4096)
+RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS = range(9)
+# ep_set_option keys (enum ep_option).
+OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 3, 4
+# Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
+# direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
-# Combine variants (enum ep_combine_impl): register pull (v1) or bulk-copy pull (v11).
-COMBINE_IMPLS = {"pull": 0, "tma": 1}
+COMBINE_IMPLS = {"tma": 1}
+DISPATCH_IMPLS = {"lean": 3, "lean_dyn": 10}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
           "data_last", "data_end", "block_counted", "data_first", "sm_mask0", "sm_mask1", "sm_mask2"]
-# Dispatch implementations (enum ep_dispatch_impl).
-DISPATCH_IMPLS = {"reg": 0, "tma": 1, "pipe": 2, "lean": 3, "dmaj": 4, "dmaj-norot": 5, "spread": 6,
-                  "owntma": 7, "spreadtma": 8, "notify-only": 9, "lean-dyn": 10,
-                  "ownbulk": 11, "pull": 12, "split": 13}
-# Who writes a rank's rows to itself (enum ep_own_copy, ep_set_own_copy; v9, lean and spread only).
-OWN_COPY_MODES = {"off": 0, "side": 1, "side-in": 2}
-# NVLink micro-benchmark modes (ep_bench_link, csrc/bench.cu).
-LINK_BENCH_MODES = {"store": 0, "load": 1, "split": 2, "interleave": 3, "push": 4, "pull": 5, "split-real": 6,
-                    "interleave-real": 7, "push-fan": 8, "push-row": 9, "push-fan-row": 10,
-                    "push-fan-row-meta": 11, "reduce-local": 12, "push-spread": 13, "push-spread-meta": 14,
-                    "push-fan-row-meta-self": 15, "push-spread-meta-self": 16,
-                    "tma-pull": 17, "tma-push": 18, "tma-pull-16k": 19, "tma-push-16k": 20,
-                    "push-reduce": 21, "store-local": 22, "copy-local": 23}
+
+
+class EpEffective(ctypes.Structure):
+    """struct ep_effective (csrc/api.h): what the last dispatch / combine launched."""
+
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "dispatch_impl", "dispatch_warps", "dispatch_sms", "notify_impl", "notify_blocks", "combine_impl",
+        "combine_warps", "combine_sms", "combine_stages", "combine_chunk")]
+
+
+def decode_effective(eff: EpEffective) -> Dict[str, Any]:
+    """The struct as option names and values (epbench/options.py); a code no name maps to stays a number."""
+    def name(table: Dict[str, int], code: int) -> Any:
+        return next((k for k, v in table.items() if v == code), code)
+
+    return {"dispatch_impl": name(DISPATCH_IMPLS, eff.dispatch_impl), "dispatch_warps": eff.dispatch_warps,
+            "notify_impl": name(NOTIFY_IMPLS, eff.notify_impl), "notify_blocks": eff.notify_blocks,
+            "combine_impl": name(COMBINE_IMPLS, eff.combine_impl), "combine_warps": eff.combine_warps,
+            "combine_stages": eff.combine_stages, "combine_chunk": eff.combine_chunk}
+
+
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
 PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
           3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)",
@@ -73,18 +81,22 @@ def signatures() -> Dict[str, List[Any]]:
         "ep_ipc_handle": [vp, ctypes.c_char_p],
         "ep_open_peers": [vp, ctypes.c_char_p],
         "ep_region": [vp, i, ctypes.POINTER(ull), ctypes.POINTER(ull)],
-        "ep_dispatch": [vp, vp, vp, vp, vp, i, i, i, i, i, i, vp],
+        "ep_dispatch": [vp, vp, vp, vp, vp, i, i, i, i, i, vp],
         "ep_combine": [vp, vp, vp, vp, i, i, i, i, vp],
         "ep_poll_error": [vp, ip, ip, ip],
         "ep_set_option": [vp, i, i],
-        "ep_set_own_copy": [vp, i, i],
+        "ep_effective_config": [vp, ctypes.POINTER(EpEffective)],
         "ep_destroy": [vp],
-        "ep_bench_link": [vp, i, i, i, ctypes.c_longlong, vp],
         "ep_ll_create": [ctypes.POINTER(EpConfig), ctypes.POINTER(vp)],
         "ep_ll_region": [vp, i, ctypes.POINTER(ull), ctypes.POINTER(ull)],
         "ep_ll_dispatch": [vp, vp, vp, vp, vp, i, i, i, vp],
-        "ep_ll_combine": [vp, vp, i, i, i, vp],
+        "ep_ll_combine": [vp, vp, i, i, i, i, vp],
         "ep_ll_destroy": [vp],
+        "ep_ll_set_probe": [vp, vp, i],
+        "ep_ll_probe": [vp, i, i, i, vp],
+        # csrc/ceiling.cu (not in api.h): the plain SM-store ceiling kernel
+        "ep_store_ceiling": [ctypes.POINTER(ull), ctypes.POINTER(ctypes.c_longlong), i, vp, i, i,
+                             vp],
     }
 
 

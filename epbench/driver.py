@@ -26,14 +26,14 @@ from epbench import metrics
 from epbench.metrics import OPS, PointRecord, point_rows
 from epbench.backends import load_backend
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
-from epbench.inputs import dispatch_input, expert_output, make_tokens
+from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input
 from epbench.launch import Comm
 from epbench.results import unmeasured_rows
 from epbench.timing import Timer
 from epbench.routing import RankRouting, route_all, traffic
 from epbench.scenario import Scenario
 from epbench.verify import (check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
-                            ll_expert_output)
+                            em_expert_output, ll_expert_output)
 
 TIMING_SALT = 0  # token values used while timing; verification draws fresh ones per point
 COUNTED_ITERS = 10  # calls per op in the untimed pass that reads the hardware counters
@@ -57,6 +57,12 @@ def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
     host synchronisation here would empty the stream before every timed call, and the next
     call's launch latency would then be timed as if a model waited on the host each time."""
     y = be.combine_input(out)
+    if out.expert_major is not None:  # one stand-in expert per segment, every slot filled
+        rows = min(y.shape[0], out.x.shape[0])
+        scales = out.x_scales[:rows] if out.x_scales is not None else None
+        first = rank * out.expert_major.counts.shape[0]
+        y[:rows].copy_(em_expert_output(out.x[:rows], scales, out.expert_major, first))
+        return
     if isinstance(out.num_recv, torch.Tensor):
         rows = min(y.shape[0], out.x.shape[0])
         x, scales = out.x[:rows], out.x_scales[:rows] if out.x_scales is not None else None
@@ -135,9 +141,14 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
                  salt: int, inject_fault: Optional[str], rec: PointRecord) -> None:
     m = s.model
 
-    def input_of(rank: int) -> DispatchInput:
-        x = make_tokens(routings[rank].num_tokens, m.hidden, s.routing.seed, rank, salt, comm.device)
-        return dispatch_input(x, routings[rank], m.dispatch_dtype, comm.device)
+    def source_of(rank: int) -> torch.Tensor:
+        return make_tokens(routings[rank].num_tokens, m.hidden, s.routing.seed, rank, salt, comm.device)
+
+    def input_of(rank: int) -> DispatchInput:  # what the caller hands to dispatch
+        return dispatch_input(source_of(rank), routings[rank], m.dispatch_dtype, comm.device, m.quantize)
+
+    def wire_of(rank: int) -> DispatchInput:  # what the receivers must get
+        return wire_input(input_of(rank), m.dispatch_dtype)
 
     own = input_of(comm.rank)
     be.poison()
@@ -146,13 +157,14 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     if comm.device.type == "cuda":
         torch.cuda.synchronize()
     _check_backend_errors(be)
-    corrupt = inject_fault == "dispatch" and int(out.num_recv) > 0
-    if corrupt:
-        out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
-    d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, input_of,
-                       local_expert_ids=be.receives_local_expert_ids)
-    if corrupt:  # restore the row so that combine is checked on its own
-        out.x[0].view(torch.uint8).bitwise_xor_(0x5A)
+    row0 = _first_received_row(out) if inject_fault == "dispatch" else None
+    if row0 is not None:
+        out.x[row0].view(torch.uint8).bitwise_xor_(0x5A)
+    d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, wire_of,
+                       local_expert_ids=be.receives_local_expert_ids,
+                       source_of=source_of if m.dispatch_dtype != "bf16" else None)
+    if row0 is not None:  # restore the row so that combine is checked on its own
+        out.x[row0].view(torch.uint8).bitwise_xor_(0x5A)
     _fill_expert_output(be, out, comm.rank)
     comm.sync()
     got = be.combine(out, sms)
@@ -161,9 +173,22 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     _check_backend_errors(be)
     if inject_fault == "combine" and got.shape[0] > 0:
         got[0].fill_(1234.0)
-    c = check_combine(got, own, comm.world, m.experts_per_rank)
+    wire = wire_of(comm.rank)
+    # expert-major: one stand-in expert per expert (as in low-latency mode), so the sum is per expert
+    c = (check_ll_combine(got, wire) if out.expert_major is not None
+         else check_combine(got, wire, comm.world, m.experts_per_rank))
     rec.wrong = {"dispatch": d.wrong, "combine": c.wrong}
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
+
+
+def _first_received_row(out: DispatchOutput) -> Optional[int]:
+    """A valid row of the dispatch output (a host read: only used by --inject-fault): row 0, or in
+    the expert-major layout the first row of the first non-empty segment."""
+    if out.expert_major is None:
+        return 0 if int(out.num_recv) > 0 else None
+    counts = out.expert_major.counts.tolist()
+    e = next((i for i, c in enumerate(counts) if c > 0), None)
+    return int(out.expert_major.offsets[e]) if e is not None else None
 
 
 # ---- low-latency mode ----
@@ -281,6 +306,16 @@ def verify_ll_point(be: Backend, calls: LowLatencyCalls, s: Scenario, routings: 
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
+def rank_setup(s: Scenario, comm: Comm) -> RankSetup:
+    """What a backend is built from on this rank: the scenario's shape and this rank's place."""
+    m = s.model
+    return RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
+                     device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
+                     topk=m.topk, experts_per_rank=m.experts_per_rank,
+                     dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s, mode=s.mode,
+                     quantize=m.quantize, layout=m.layout, align=m.align)
+
+
 def _first_reason(reason: Optional[str]) -> Optional[str]:
     """A backend runs only if it can run on every rank; returns the first rank's reason."""
     reasons: List[Optional[str]] = [None] * dist.get_world_size()
@@ -299,6 +334,18 @@ def _mode_reason(be_cls: Optional[type], mode: str) -> Optional[str]:
     if be_cls is None or mode in be_cls.modes:
         return None
     return f"does not implement mode {mode} (it implements: {', '.join(be_cls.modes)})"
+
+
+def _payload_reason(be_cls: Optional[type], m: Any) -> Optional[str]:
+    """A backend that lacks the scenario's dispatch dtype, quantize mode or layout is skipped."""
+    if be_cls is None:
+        return None
+    for key, value, known in (("dispatch_dtype", m.dispatch_dtype, be_cls.dtypes),
+                              ("quantize", m.quantize, be_cls.quantize_modes),
+                              ("layout", m.layout, be_cls.layouts)):
+        if value not in known:
+            return f"does not implement {key} {value} (it implements: {', '.join(known)})"
+    return None
 
 
 def measure(s: Scenario, opts: RunOptions, comm: Comm,
@@ -348,11 +395,10 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
     routings = route_all(s)
     device = comm.device.type
     x = make_tokens(m.tokens_per_rank, m.hidden, s.routing.seed, comm.rank, TIMING_SALT, comm.device)
-    inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device)
-    setup = RankSetup(rank=comm.rank, world=comm.world, gpus_per_node=s.topology.gpus_per_node,
-                      device=comm.device, hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank,
-                      topk=m.topk, experts_per_rank=m.experts_per_rank,
-                      dispatch_dtype=m.dispatch_dtype, timeout_s=s.bench.timeout_s, mode=s.mode)
+    inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device, m.quantize)
+    setup = rank_setup(s, comm)
+    em_rows = (metrics.expert_major_rows(routings, m.experts_per_rank, m.align)
+               if m.layout == "expert_major" else None)
     total_wrong = 0
     for name in opts.backends:
         be_cls, reason = load_backend(name)
@@ -360,7 +406,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
         be_setup = replace(setup, mode="normal") if as_normal else setup
         comm.arrive(f"{name}: availability check")
         reason = _first_reason(reason or (None if as_normal else _mode_reason(be_cls, s.mode))
-                               or be_cls.unavailable_reason(be_setup))
+                               or _payload_reason(be_cls, m) or be_cls.unavailable_reason(be_setup))
         sms_list = opts.sms if be_cls is not None and be_cls.uses_sms else (0,)
         if reason:
             on_note(f"backend {name} skipped: {reason}")
@@ -370,7 +416,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             for _ in sms_list:
                 advance(f"{name}: skipped")
             continue
-        be = be_cls(be_setup)
+        be = be_cls(be_setup, **s.backend_options.get(name, {}))
         ll_path = low_latency and not as_normal  # this backend's own low-latency calls
         if ll_path:
             tr = metrics.pair_traffic(routings, m.experts_per_rank, s.topology.gpus_per_node)
@@ -393,13 +439,14 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                         if cnt is not None and not low_latency:
                             count_point(be, inp, sms, comm, cnt, min(COUNTED_ITERS, opts.iters), rec)
                         verify_point(be, s, routings, sms, comm, salt[0], opts.inject_fault, rec)
+                    rec.config = be.effective_config()
                     salt[0] += 1
                     comm.arrive(f"{name} sms={sms or 'auto'}: gather of results")
                     gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
                     dist.gather_object(rec, gathered, dst=0)
                     if comm.rank == 0:
                         rows, samples = point_rows(s, be_cls, sms, gathered, tr, device, ceilings,
-                                                    functional)
+                                                   functional, em_rows)
                         total_wrong += sum(r["wrong"] for r in rows)
                         on_point(rows, samples)
                 advance(f"{name} sms={sms or 'auto'}" + (f" tokens={m.tokens_per_rank}" if opts.tokens else ""))

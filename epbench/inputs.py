@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from epbench import mxfp8
 from epbench.backends.base import DispatchInput
 from epbench.routing import RankRouting, _generator
 from epbench.scenario import FP8_BLOCK
@@ -35,21 +36,42 @@ def quantize_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(x: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
-    """float32 values of a dispatched payload."""
+    """float32 values of a dispatched payload (the scales' dtype says the format: float32 per
+    128 elements for fp8, uint8 E8M0 bytes per 32 for mxfp8)."""
     if scales is None:
         return x.float()
+    if scales.dtype == torch.uint8:
+        return mxfp8.dequantize(x, scales)
     t, h = x.shape
     return (x.float().view(t, h // FP8_BLOCK, FP8_BLOCK) * scales.unsqueeze(2)).view(t, h)
 
 
-def dispatch_input(x: torch.Tensor, routing: RankRouting, dtype: str,
-                   device: torch.device) -> DispatchInput:
+def quantize(x: torch.Tensor, dtype: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """bf16 rows -> (payload, scales) of ``dtype`` (bf16: the rows themselves, no scales)."""
+    if dtype == "fp8":
+        return quantize_fp8(x)
+    if dtype == "mxfp8":
+        return mxfp8.quantize(x)
+    return x, None
+
+
+def dispatch_input(x: torch.Tensor, routing: RankRouting, dtype: str, device: torch.device,
+                   quantize_mode: str = "before") -> DispatchInput:
+    """What the caller hands to dispatch: quantized rows (``before``) or the bf16 rows
+    (``fused``: the backend quantizes on the way)."""
     idx = routing.topk_idx.to(device)
     w = routing.topk_weights.to(device)
-    if dtype == "fp8":
-        q, s = quantize_fp8(x)
-        return DispatchInput(q, s, idx, w)
-    return DispatchInput(x, None, idx, w)
+    if quantize_mode == "fused":
+        return DispatchInput(x, None, idx, w)
+    return DispatchInput(*quantize(x, dtype), idx, w)
+
+
+def wire_input(inp: DispatchInput, dtype: str) -> DispatchInput:
+    """What the receivers must get from ``inp``: bf16 rows of a fused dispatch quantized by the
+    reference quantizer, anything else as it is."""
+    if inp.x_scales is not None or dtype == "bf16":
+        return inp
+    return DispatchInput(*quantize(inp.x, dtype), inp.topk_idx, inp.topk_weights)
 
 
 def expert_factor(rank: int) -> float:

@@ -43,14 +43,16 @@ Relation to nccl-tests
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from epbench import counters as hw
-from epbench.routing import Traffic
-from epbench.scenario import FP8_BLOCK, Scenario
+from epbench.layout import round_up
+from epbench.routing import Traffic, dest_mask, expert_load
+from epbench.scenario import FP8_BLOCK, MXFP8_BLOCK, Scenario
 
 GB = 1e9  # bandwidths are in GB/s (10^9 bytes per second), as NVLink and NIC rates are quoted
 OPS = ("dispatch", "combine")
@@ -61,6 +63,8 @@ def row_bytes(dtype: str, hidden: int) -> int:
         return 2 * hidden
     if dtype == "fp8":
         return hidden + 4 * (hidden // FP8_BLOCK)
+    if dtype == "mxfp8":
+        return mxfp8_row_bytes(hidden)
     raise ValueError(f"unknown dtype {dtype!r}")
 
 
@@ -153,6 +157,7 @@ class PointRecord:
 
     rank: int
     samples_us: Dict[str, List[float]] = field(default_factory=dict)
+    config: Dict[str, Any] = field(default_factory=dict)  # the backend's effective_config() after the point
     wrong: Dict[str, int] = field(default_factory=dict)
     problem: Dict[str, str] = field(default_factory=dict)
     counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
@@ -232,7 +237,9 @@ def ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:
 
 def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,
                device: str, ceilings: Optional[Dict[str, Any]] = None,
-               functional: Optional[str] = None) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+               functional: Optional[str] = None,
+               expert_major_rows: Optional[Dict[str, torch.Tensor]] = None
+               ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """Rank 0: raw samples -> one row per (op, rank) with bytes and bandwidths. In a functional
     run (``functional`` says why) the link figures stay empty: nothing crossed a link."""
     m, topo = s.model, s.topology
@@ -267,7 +274,11 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 **{k: v if over_links else None for k, v in measured.items()},
                 **ceiling_columns((ceilings or {}).get(op) if over_links else None, sms),
                 "functional": functional,
+                "quantize": m.quantize, "layout": m.layout, "align": m.align,
+                **expert_major_columns(expert_major_rows, r, row_bytes(dtype, m.hidden)),
                 "wrong": rec.wrong[op], "problem": rec.problem[op],
+                "impl": rec.config.get(f"{op}_impl"),
+                "options": json.dumps(rec.config, sort_keys=True) if rec.config else None,
             })
             if s.mode == "low_latency":  # latency first: the tail matters for decode
                 rows[-1].update(mode=s.mode, timing=rec.timing, time_us_p99=percentile(ts, 99))
@@ -276,3 +287,51 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                          "time_us": t, "tokens_per_rank": m.tokens_per_rank, **extra}
                         for i, t in enumerate(ts)]
     return rows, samples
+
+
+# ---- MXFP8 rows and the expert-major layout (issue 26) ----
+
+def mxfp8_row_bytes(hidden: int) -> int:
+    """Bytes of one mxfp8 row on the wire: ``hidden + hidden / 32``.
+
+    Each element is one e4m3 byte (``hidden`` bytes) and each block of 32 consecutive elements
+    shares one E8M0 scale byte (``hidden / 32`` bytes); the layout is epbench/mxfp8.py's
+    ``pack_rows``. At hidden 7168: 7168 + 224 = 7392 bytes, 0.516 of the bf16 row (14336) and
+    the same as the fp8 row with one fp32 scale per 128 elements (7168 + 4 * 56): both spend
+    1/32 byte per element on scales. Expert ids and weights are not counted, as for bf16."""
+    return hidden + hidden // MXFP8_BLOCK
+
+
+def expert_major_rows(routings, experts_per_rank: int, align: int) -> Dict[str, torch.Tensor]:
+    """Per receiving rank (int64 [world]): the rows the expert-major layout adds on the
+    receiver, none of which crosses a link.
+
+    ``local_copy``: a token with ``n_d`` of its experts on rank d crosses the link once (one
+    row per (token, destination rank), as counted by routing.Traffic) and is written ``n_d``
+    times into d's expert segments: ``n_d - 1`` receiver-local copies. Summed over the tokens
+    d receives: (token, expert) pairs for d's experts minus (token, d) rows. Combine reads
+    the same ``n_d`` expert-output rows and reduces them into the one row that goes back.
+
+    ``padding``: segment e of ``c_e`` rows is padded to ``round_up(c_e, align)``: the sum of
+    ``round_up(c_e, align) - c_e`` over d's experts. Padding is buffer space only (nothing
+    writes or reads it), so it adds rows to the grouped GEMM, not bytes to the links.
+
+    Link bytes, algbw and busbw are left as in the rank-major layout (same rows on the
+    wire), so both layouts and NCCL compare on the same bytes; these columns sit beside them."""
+    world = len(routings)
+    pairs = expert_load(routings, world * experts_per_rank).view(world, experts_per_rank)
+    copies = torch.zeros(world, dtype=torch.int64)
+    for r in routings:
+        copies += dest_mask(r.topk_idx.cpu(), experts_per_rank, world).sum(dim=0)
+    return {"local_copy": pairs.sum(dim=1) - copies,
+            "padding": (round_up(pairs, align) - pairs).sum(dim=1)}
+
+
+def expert_major_columns(extra: Optional[Dict[str, torch.Tensor]], rank: int,
+                         row: int) -> Dict[str, Optional[int]]:
+    """The result columns of one rank: local copies in bytes (the op's row size) and padding
+    in rows; None in the rank-major layout, where neither exists."""
+    if extra is None:
+        return {"local_copy_bytes": None, "padding_rows": None}
+    return {"local_copy_bytes": int(extra["local_copy"][rank]) * row,
+            "padding_rows": int(extra["padding"][rank])}

@@ -2,7 +2,7 @@
 
 Multi-node dispatch/combine (issue #5): NVSHMEM bootstrap over a unique id that torch.distributed
 carries from rank 0 to every rank, an all-to-all put-with-signal ping, and the hierarchical
-dispatch/combine kernels (eph_*, csrc/nvshmem/hier.cu) that the ``epbench-hier`` backend drives
+dispatch/combine kernels (eph_*, csrc/nvshmem/hier_*.cu) that the ``epbench-hier`` backend drives
 (csrc/nvshmem/api_nvshmem.h).
 """
 
@@ -54,7 +54,7 @@ class EphConfig(ctypes.Structure):
 
 # Regions of a hierarchical context (enum EPH_* of the header).
 EPH_RECV_X, EPH_RECV_SCALES, EPH_RECV_IDX, EPH_RECV_W, EPH_COMBINE_IN, EPH_NUM_RECV, EPH_EXPERT_COUNTS = range(7)
-# Phases a hierarchical kernel reports when it gives up waiting (enum HierPhase of hier.cu).
+# Phases a hierarchical kernel reports when it gives up waiting (enum HierPhase of csrc/nvshmem/hier_common.cuh).
 PHASES = {11: "hierarchical count exchange", 12: "hierarchical dispatch (waiting for a chunk from the rail peer)",
           13: "hierarchical dispatch (waiting for a GPU of this node to finish forwarding)",
           14: "hierarchical combine (waiting for a GPU of this node to be ready)",

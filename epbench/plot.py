@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
+from epbench.errors import UserError  # noqa: E402
 from epbench.metrics import summarize  # noqa: E402
 from epbench.results import load_run  # noqa: E402
+from epbench.scenario import cut, short_path  # noqa: E402
 
 OPS = ("dispatch", "combine")
 
@@ -31,12 +35,52 @@ def _series(summary: pd.DataFrame):
         yield i, key[0], _label(key[0]) + (f" [{', '.join(tags)}]" if tags else ""), g
 
 
-def _save(fig, title: str, path: Path) -> Path:
+def output_path(path: Path, force: bool) -> Path:
+    """The file a plot will be written to: ``.png`` added where the name has no suffix (what
+    matplotlib would do silently), an existing file refused unless ``force``."""
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    fmt = path.suffix[1:].lower()
+    if fmt not in FigureCanvasBase.get_supported_filetypes():
+        raise UserError(f"{short_path(path)}: unknown image type {fmt!r} (use .png, .svg or .pdf)")
+    if path.is_dir():
+        raise UserError(f"{short_path(path)}: is a folder; give a file name")
+    if path.exists() and not force:
+        raise UserError(f"{short_path(path)}: exists; --force overwrites it")
+    return path
+
+
+def _save_figure(fig, path: Path, force: bool) -> Path:
+    """Writes the figure next to ``path`` and moves it into place: an existing file is replaced
+    only with ``force`` (os.link refuses an existing name, so a file that appeared meanwhile is
+    kept too)."""
+    path = output_path(path, force)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        fig.savefig(tmp, dpi=120, format=path.suffix[1:].lower())
+    except OSError as e:
+        raise UserError(f"{short_path(path)}: cannot write ({e.strerror or type(e).__name__})") from None
+    finally:
+        plt.close(fig)
+    try:
+        if force:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+    except FileExistsError:
+        raise UserError(f"{short_path(path)}: exists; --force overwrites it") from None
+    except OSError as e:
+        raise UserError(f"{short_path(path)}: cannot write ({e.strerror or type(e).__name__})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _save(fig, title: str, path: Path, force: bool = False) -> Path:
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, force)
 
 
 def bus_tiers(summary: pd.DataFrame, virtual: bool = False) -> List[Tuple[str, str, str]]:
@@ -49,7 +93,8 @@ def bus_tiers(summary: pd.DataFrame, virtual: bool = False) -> List[Tuple[str, s
     return tiers
 
 
-def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: bool = False) -> Path:
+def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: bool = False,
+                     force: bool = False) -> Path:
     """Slowest rank's bus bandwidth per tier (NVLink solid, NIC dotted where there is one) and
     algorithm bandwidth (dashed) against the SM count; a backend whose SM count epbench does not
     control is a horizontal line."""
@@ -77,10 +122,10 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: boo
     axes[0].set_ylim(bottom=0)  # bandwidth axes start at zero: no exaggerated gaps
     axes[0].set_ylabel("GB/s (slowest rank)")
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the data, never on it
-    return _save(fig, title, path)
+    return _save(fig, title, path, force)
 
 
-def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path) -> Path:
+def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path, force: bool = False) -> Path:
     """Low-latency sweeps: p50 latency of the slowest rank against tokens per rank, one line per
     (backend, SM count); CUDA-graph replays where a backend has them, else its one timing mode.
     Log axes: the NCCL reference and the kernels sit orders of magnitude apart."""
@@ -105,10 +150,10 @@ def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path) -> Path:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("p50 latency, us (slowest rank)")
     axes[-1].legend(fontsize=7, loc="upper left")
-    return _save(fig, title, path)
+    return _save(fig, title, path, force)
 
 
-def per_rank(df: pd.DataFrame, title: str, path: Path) -> Path:
+def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False) -> Path:
     """Each rank's NVLink bus bandwidth at every backend's largest SM count: imbalance shows."""
     fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
     for ax, op in zip(axes, OPS):
@@ -128,19 +173,25 @@ def per_rank(df: pd.DataFrame, title: str, path: Path) -> Path:
     axes[0].set_ylim(bottom=0)
     axes[0].set_ylabel("NVLink busbw GB/s")
     axes[-1].legend(fontsize=8)
-    return _save(fig, title, path)
+    return _save(fig, title, path, force)
 
 
-def expert_load(meta: dict, path: Path) -> Optional[Path]:
-    """Tokens routed to each expert (regenerated from the run's scenario and seed)."""
-    from epbench.routing import expert_load as load_of, route_all
+def run_scenario(meta: dict):
+    """The run's scenario rebuilt from meta.json (UserError where it no longer validates)."""
     from epbench.scenario import parse
 
     data = dict(meta.get("scenario") or {})
-    if not data:
-        return None
     data.pop("source", None)
-    s = parse(data, "meta.json")
+    return parse(data, "meta.json scenario")
+
+
+def expert_load(meta: dict, path: Path, force: bool = False) -> Optional[Path]:
+    """Tokens routed to each expert (regenerated from the run's scenario and seed)."""
+    from epbench.routing import expert_load as load_of, route_all
+
+    if not meta.get("scenario"):
+        return None
+    s = run_scenario(meta)
     load = load_of(route_all(s), s.num_experts).numpy()
     fig, ax = plt.subplots(figsize=(10, 3.5))
     epr = s.model.experts_per_rank
@@ -153,31 +204,55 @@ def expert_load(meta: dict, path: Path) -> Optional[Path]:
                  f"(max/avg {load.max() / max(load.mean(), 1e-9):.2f})")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, force)
 
 
-def plot_run(run_dir: Path, out_dir: Optional[Path] = None) -> List[Path]:
-    meta, df = load_run(run_dir)
+def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
+             loaded: Optional[Tuple[Dict[str, Any], pd.DataFrame]] = None,
+             warn: Optional[Callable[[str], None]] = None) -> List[Path]:
+    """Every plot of one run (``loaded``: its meta and results, when the caller read them).
+    Plots that exist are kept unless ``force``: then nothing of this run is drawn (UserError).
+    A scenario in meta.json that no longer validates costs only the expert-load plot (``warn``)."""
+    meta, df = loaded or load_run(run_dir)
+    if meta.get("verb") == "overlap":  # its rows are GEMM and communication kept %, not bandwidths
+        return [overlap_plot(run_dir, out_dir, force, (meta, df))]
+    if meta.get("scenario"):
+        try:
+            run_scenario(meta)
+        except UserError as e:
+            (warn or (lambda _text: None))(f"{short_path(run_dir)}: no expert-load plot ({e})")
+            meta = {k: v for k, v in meta.items() if k != "scenario"}
     out_dir = out_dir or run_dir / "plots"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(df) if not df.empty else df
+    names = (["bandwidth_vs_sms.png", "per_rank.png"] if not df.empty else [])
+    tokens_sweep = (not df.empty and "timing" in summary and summary["timing"].notna().any()
+                    and summary["tokens_per_rank"].nunique() > 1)
+    names += ["latency_vs_tokens.png"] if tokens_sweep else []
+    names += ["expert_load.png"] if meta.get("scenario") else []
+    there = [n for n in names if (out_dir / n).exists()]
+    if there and not force:
+        raise UserError(f"{short_path(out_dir)}: holds {', '.join(there)} already; --force redraws them")
     title = f"{run_dir.name} ({meta.get('world', '?')} ranks, {meta.get('device', '?')})"
     written: List[Path] = []
-    if not df.empty:
-        summary = summarize(df)
-        virtual = "nic_virtual" in df and bool(df["nic_virtual"].fillna(False).astype(bool).any())
-        written.append(bandwidth_vs_sms(summary, title, out_dir / "bandwidth_vs_sms.png", virtual))
-        written.append(per_rank(df, title, out_dir / "per_rank.png"))
-        if "timing" in summary and summary["timing"].notna().any() and summary["tokens_per_rank"].nunique() > 1:
-            written.append(latency_vs_tokens(summary, title, out_dir / "latency_vs_tokens.png"))
-    load_png = expert_load(meta, out_dir / "expert_load.png")
+    try:
+        if not df.empty:
+            virtual = "nic_virtual" in df and bool(df["nic_virtual"].fillna(False).astype(bool).any())
+            written.append(bandwidth_vs_sms(summary, title, out_dir / "bandwidth_vs_sms.png", virtual,
+                                            force))
+            written.append(per_rank(df, title, out_dir / "per_rank.png", force))
+            if tokens_sweep:
+                written.append(latency_vs_tokens(summary, title, out_dir / "latency_vs_tokens.png", force))
+        load_png = expert_load(meta, out_dir / "expert_load.png", force)
+    except (KeyError, TypeError, ValueError) as e:  # columns of the wrong kind in a hand-edited file
+        plt.close("all")
+        raise UserError(f"{short_path(run_dir)}: cannot plot ({type(e).__name__}: "
+                        f"{cut(str(e), 60)})") from None
     if load_png:
         written.append(load_png)
     return written
 
 
-def compare_plot(a_dir: Path, b_dir: Path, out: Path) -> Path:
+def compare_plot(a_dir: Path, b_dir: Path, out: Path, force: bool = False) -> Path:
     """Both runs' slowest-rank NVLink bus bandwidth against the SM count, per op and backend:
     A solid, B dashed, one colour per backend."""
     from epbench.compare import load
@@ -208,9 +283,38 @@ def compare_plot(a_dir: Path, b_dir: Path, out: Path) -> Path:
     axes[0].set_ylabel("NVLink busbw GB/s (slowest rank)")
     if axes[-1].get_legend_handles_labels()[0]:
         axes[-1].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"A = {a_dir.name}  vs  B = {b_dir.name}")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, f"A = {a_dir.name}  vs  B = {b_dir.name}", out, force)
+
+
+def overlap_plot(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
+                 loaded: Optional[Tuple[Dict[str, Any], pd.DataFrame]] = None) -> Path:
+    """An ``epbench overlap`` folder: the GEMM's kept % (left) and the communication's kept %
+    (right, dispatch + combine, or the calibration copy) against the communication's SMs, one
+    line per backend, the worst rank of each point."""
+    from epbench.overlap import summarize as overlap_summary
+
+    meta, df = loaded or load_run(run_dir)
+    out_dir = out_dir or run_dir / "plots"
+    summary = overlap_summary(df) if not df.empty else df
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    panels = (("GEMM kept % (of alone on all SMs)", "gemm_kept_pct"),
+              ("communication kept % (of alone)", "comm_kept_pct"))
+    for ax, (name, col) in zip(axes, panels):
+        for i, (backend, g) in enumerate(summary.groupby("backend", sort=False) if not summary.empty else []):
+            g = g.sort_values("sms")
+            style = "s--" if backend == "copy" else "o-"
+            label = "plain copy (calibration)" if backend == "copy" else _label(backend)
+            if (g["sms"] == 0).all():
+                ax.axhline(g[col].iloc[0], color=f"C{i % 10}", linestyle=":", label=f"{label} (auto SMs)")
+            else:
+                ax.plot(g["sms"], g[col], style, color=f"C{i % 10}", label=label)
+        ax.set_title(name)
+        ax.set_xlabel("communication SMs (the GEMM has the rest)")
+        ax.axhline(100, color="grey", linewidth=0.8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("% of its own speed alone")
+    if axes[-1].get_legend_handles_labels()[0]:
+        axes[-1].legend(fontsize=8, loc="lower right")
+    o = meta.get("overlap", {})
+    return _save(fig, f"{run_dir.name}: {o.get('gemm', 'GEMM')} beside the communication "
+                      f"({meta.get('world', '?')} ranks)", out_dir / "overlap_vs_sms.png", force)

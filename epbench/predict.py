@@ -66,8 +66,10 @@ Efficiencies and overhead
     it is taken out of the measured time before the efficiency is computed and added back to
     every prediction, so the calibration run is still reproduced. One intranode shape cannot
     separate the two, so the default is 0 and the output says so.
-    The point: ``--calibrate PATH`` (a results folder or a folder of them), else docs/perf/ of
-    this repository, else none (then 100% of nominal, said as "uncalibrated"). A run qualifies
+    The point: ``--calibrate PATH`` (a results folder or a folder of them), else the measured
+    points shipped in epbench/data/calibration.csv (made by measured_points from such folders,
+    one row per run, backend, SM count and op; notes/PREDICT.md), else none (then 100% of
+    nominal, said as "uncalibrated"). A run qualifies
     when it ran on CUDA GPUs on one real node (no virtual nodes), holds the backend (at --sms
     if given), every rank's rows of the point verified (wrong 0), and its dispatch dtype is the
     scenario's. Among those, a run with the scenario's routing kind, then its hidden size, then
@@ -99,7 +101,8 @@ from epbench.scenario import Scenario
 OPS = ("dispatch", "combine")
 ALGORITHMS = ("hierarchical", "flat")
 DEFAULT_NIC_EFFICIENCY = 1.0
-DEFAULT_CALIBRATION = Path(__file__).resolve().parent.parent / "docs" / "perf"
+# the measured points shipped with epbench (reviewed; notes/PREDICT.md says how to regenerate)
+CALIBRATION_TABLE = Path(__file__).resolve().parent / "data" / "calibration.csv"
 
 
 # -- calibration -----------------------------------------------------------------------------
@@ -143,133 +146,183 @@ def uncalibrated(overhead_us: float = 0.0, why_none: str = "") -> Calibration:
 
 # EPBENCH_* variables recorded in meta.json that do not change the kernels
 NOT_KNOBS = {"EPBENCH_GIT_COMMIT", "EPBENCH_DEBUG"}
+# One measured point: a run's backend at one SM count, one op (the slowest rank's median time).
+POINT_COLUMNS = ("run", "started_utc", "hardware", "scenario", "routing", "hidden",
+                 "experts_per_rank", "dispatch_dtype", "nvlink_gbps", "backend", "sms", "op",
+                 "time_us", "nvlink_bytes", "busbw_gbps")
 
 
-def _run_candidates(run: Path, s: Scenario, backend: str, sms: Optional[int]
-                    ) -> Tuple[Optional[Dict[str, Any]], str]:
-    """The qualifying points of one run: (info, '') or (None, why not)."""
+def _hardware(meta: Dict[str, Any]) -> str:
+    gpus = meta.get("gpus") or []
+    if gpus and len(set(gpus)) == 1:
+        return f"{len(gpus)} x {gpus[0]}"
+    return ", ".join(gpus) or "unknown"
+
+
+def measured_points(run: Path) -> Tuple[List[Dict[str, Any]], str]:
+    """The points of one results folder that may calibrate the NVLink tier: (points, '') or
+    ([], why not). A point qualifies when its run ran on CUDA GPUs on one real node without
+    tuning knobs and every rank's rows of both ops at that SM count verified. ``nvlink_bytes``
+    is the busiest rank and direction (see _Busiest)."""
     from epbench.results import load_run
 
     meta, df = load_run(run)
     sc = meta.get("scenario") or {}
     topo, model = sc.get("topology") or {}, sc.get("model") or {}
     if meta.get("device") != "cuda":
-        return None, "not a CUDA run"
+        return [], "not a CUDA run"
     if topo.get("nodes", 1) != 1 or topo.get("virtual_nodes"):
-        return None, "not an intranode run"
-    if model.get("dispatch_dtype", "bf16") != s.model.dispatch_dtype:
-        return None, f"dispatch dtype {model.get('dispatch_dtype')} is not {s.model.dispatch_dtype}"
+        return [], "not an intranode run"
     knobs = sorted(f"{k}={v}" for k, v in (meta.get("env") or {}).items()
                    if k.startswith("EPBENCH_") and k not in NOT_KNOBS)
     if knobs:  # an experiment with non-default kernels, not what a user gets
-        return None, f"run with tuning knobs set ({', '.join(knobs)})"
+        return [], f"run with tuning knobs set ({', '.join(knobs)})"
     if df.empty or "backend" not in df:
-        return None, "no measured points"
+        return [], "no measured points"
     need = {"backend", "op", "sms", "rank", "time_us", "nvlink_bytes", "wrong"}
     if not need <= set(df.columns):
-        return None, f"results.csv lacks {', '.join(sorted(need - set(df.columns)))}"
-    rows = df[df["backend"] == backend]
-    if sms is not None:
-        rows = rows[rows["sms"] == sms]
-    if rows.empty:
-        return None, f"no {backend} rows" + (f" at {sms} SMs" if sms is not None else "")
-    points = {}
-    for n, g in rows.groupby("sms"):
+        return [], f"results.csv lacks {', '.join(sorted(need - set(df.columns)))}"
+    nominal = float(topo.get("nvlink_gbps") or 0.0)
+    if not nominal > 0:
+        return [], "no nominal NVLink rate in meta.json"
+    common = {"run": run.name, "started_utc": str(meta.get("started_utc") or ""),
+              "hardware": _hardware(meta), "scenario": sc.get("name", run.name),
+              "routing": (sc.get("routing") or {}).get("kind", ""),
+              "hidden": model.get("hidden"), "experts_per_rank": model.get("experts_per_rank"),
+              "dispatch_dtype": model.get("dispatch_dtype", "bf16"), "nvlink_gbps": nominal,
+              "source": _shown(run)}
+    busiest = _Busiest(sc)
+    points = []
+    for (backend, n), g in df.groupby(["backend", "sms"]):
         ops = {op: g[g["op"] == op] for op in OPS}
         if any(o.empty for o in ops.values()) or int(g["wrong"].fillna(1).sum()) != 0:
             continue
-        # (op time = slowest rank's median, bytes of the busiest rank and direction)
-        points[int(n)] = {op: (float(o["time_us"].max()), float(o["nvlink_bytes"].max()),
-                               metrics.bandwidth_gbps(float(o.loc[o["time_us"].idxmax(),
-                                                                  "nvlink_bytes"]),
-                                                      float(o["time_us"].max())))
-                          for op, o in ops.items()}
+        resolved = busiest.bytes(g)
+        for op, o in ops.items():
+            time_us = float(o["time_us"].max())  # the slowest rank's median
+            slow_bytes = float(o.loc[o["time_us"].idxmax(), "nvlink_bytes"])
+            points.append({**common, "backend": str(backend), "sms": int(n), "op": op,
+                           "time_us": time_us,
+                           "nvlink_bytes": resolved.get(op) or float(o["nvlink_bytes"].max()),
+                           "busbw_gbps": metrics.bandwidth_gbps(slow_bytes, time_us)})
     if not points:
-        return None, f"no verified {backend} point with both ops"
-    nominal = float(topo.get("nvlink_gbps") or 0.0)
-    if not nominal > 0:
-        return None, "no nominal NVLink rate in meta.json"
-    prefer = (sc.get("routing", {}).get("kind") == s.routing.kind,
-              model.get("hidden") == s.model.hidden,
-              model.get("experts_per_rank") == s.model.experts_per_rank,
-              str(meta.get("started_utc") or ""), run.name)
-    return {"run": run, "name": sc.get("name", run.name), "points": points, "nominal": nominal,
-            "prefer": prefer, "scenario": sc, "rows": rows}, ""
+        return [], "no verified point with both ops"
+    return points, ""
 
 
-def _busiest_nvlink_bytes(sc: Dict[str, Any], rows) -> Dict[str, float]:
+class _Busiest:
     """max over ranks of max(tx, rx) NVLink bytes per op in a calibration run, rebuilt from its
     meta.json scenario (results.csv holds only tx). Empty where the scenario cannot be rebuilt
     or its tx bytes disagree with the file's; the caller then uses the file's tx bytes."""
-    from epbench import scenario as scenario_mod
 
-    try:
-        rs = scenario_mod.parse({k: v for k, v in sc.items() if k != "source"}, "meta.json")
-    except UserError:
-        return {}
-    if rs.topology.nodes != 1 or set(rows["rank"].astype(int)) != set(range(rs.world)):
-        return {}
-    tr = traffic(route_all(rs), rs.model.experts_per_rank, rs.topology.gpus_per_node, False)
-    out = {}
-    for op in OPS:
-        dtype = rs.model.dispatch_dtype if op == "dispatch" else rs.model.combine_dtype
-        b = tier_bytes(tr, op, metrics.row_bytes(dtype, rs.model.hidden))
-        mine = rows[rows["op"] == op]
-        if any(int(b["nvlink_tx"][int(r.rank)]) != int(r.nvlink_bytes) for r in mine.itertuples()):
+    def __init__(self, sc: Dict[str, Any]):
+        self.sc, self.tiers = sc, None
+
+    def _rebuild(self) -> Optional[Tuple[int, Dict[str, Dict[str, torch.Tensor]]]]:
+        from epbench import scenario as scenario_mod
+
+        try:
+            rs = scenario_mod.parse({k: v for k, v in self.sc.items() if k != "source"},
+                                    "meta.json")
+        except UserError:
+            return None
+        if rs.topology.nodes != 1:
+            return None
+        tr = traffic(route_all(rs), rs.model.experts_per_rank, rs.topology.gpus_per_node, False)
+        return rs.world, {op: tier_bytes(tr, op, metrics.row_bytes(
+            rs.model.dispatch_dtype if op == "dispatch" else rs.model.combine_dtype,
+            rs.model.hidden)) for op in OPS}
+
+    def bytes(self, rows) -> Dict[str, float]:
+        if self.tiers is None:
+            self.tiers = self._rebuild() or (0, {})
+        world, tiers = self.tiers
+        if not tiers or set(rows["rank"].astype(int)) != set(range(world)):
             return {}
-        out[op] = float(torch.maximum(b["nvlink_tx"], b["nvlink_rx"]).max())
-    return out
+        out = {}
+        for op in OPS:
+            b = tiers[op]
+            mine = rows[rows["op"] == op]
+            if any(int(b["nvlink_tx"][int(r.rank)]) != int(r.nvlink_bytes)
+                   for r in mine.itertuples()):
+                return {}
+            out[op] = float(torch.maximum(b["nvlink_tx"], b["nvlink_rx"]).max())
+        return out
+
+
+def _choose(points: List[Dict[str, Any]], s: Scenario, backend: str, sms: Optional[int],
+            overhead_us: float) -> Optional[Calibration]:
+    """The calibration from the qualifying points of the scenario's dispatch dtype and the
+    backend (at --sms if given): a run with the scenario's routing kind, then its hidden size,
+    then its experts per rank is preferred, then the newest; within it the SM count with the
+    smallest dispatch + combine time unless --sms names one. None: no point fits."""
+    runs: Dict[str, Dict[int, Dict[str, Dict[str, Any]]]] = {}
+    for p in points:
+        if (p["backend"] == backend and p["dispatch_dtype"] == s.model.dispatch_dtype
+                and (sms is None or p["sms"] == sms)):
+            runs.setdefault(p["source"], {}).setdefault(p["sms"], {})[p["op"]] = p
+    runs = {src: {n: ops for n, ops in by_sms.items() if set(ops) == set(OPS)}
+            for src, by_sms in runs.items()}
+    runs = {src: by_sms for src, by_sms in runs.items() if by_sms}
+    if not runs:
+        return None
+
+    def prefer(src: str):
+        p = next(iter(next(iter(runs[src].values())).values()))
+        return (p["routing"] == s.routing.kind, p["hidden"] == s.model.hidden,
+                p["experts_per_rank"] == s.model.experts_per_rank, p["started_utc"], p["run"])
+
+    best = runs[max(runs, key=prefer)]
+    n = sms if sms is not None else min(sorted(best),
+                                        key=lambda k: sum(p["time_us"] for p in best[k].values()))
+    point = best[n]
+    eff = {}
+    for op, p in point.items():
+        if not p["time_us"] > overhead_us:
+            raise UserError(f"--overhead-us: {overhead_us:g} is not below the measured {op} "
+                            f"time of {p['time_us']:.0f} us in {p['source']}")
+        # eff = max_r max(tx_r, rx_r) / ((time - overhead) * nominal)
+        eff[op] = metrics.bandwidth_gbps(p["nvlink_bytes"], p["time_us"] - overhead_us) / \
+            p["nvlink_gbps"]
+        if not eff[op] > 0:
+            raise UserError(f"{p['source']}: {op} at {n} SMs moved no NVLink bytes; "
+                            f"it cannot calibrate the NVLink tier")
+    first = point[OPS[0]]
+    return Calibration({op: eff[op] for op in OPS}, overhead_us, first["source"],
+                       first["scenario"], backend, n or None, s.model.dispatch_dtype,
+                       first["nvlink_gbps"], {op: point[op]["time_us"] for op in OPS},
+                       {op: point[op]["busbw_gbps"] for op in OPS})
+
+
+def _wanted(s: Scenario, backend: str, sms: Optional[int]) -> str:
+    return (f"verified CUDA intranode run of backend {backend}"
+            f"{f' at {sms} SMs' if sms is not None else ''} with "
+            f"{s.model.dispatch_dtype} dispatch")
 
 
 def calibrate(paths: Sequence[Path], s: Scenario, backend: str = "epbench",
-              sms: Optional[int] = None, overhead_us: float = 0.0,
-              required: bool = True) -> Calibration:
-    """The calibration point from results folders (see the module docstring for the rule).
-    ``required``: no qualifying run is an error (--calibrate) rather than 'uncalibrated'."""
+              sms: Optional[int] = None, overhead_us: float = 0.0) -> Calibration:
+    """The calibration point from results folders (--calibrate; see the module docstring)."""
     from epbench.results import find_runs
 
-    wanted = (f"verified CUDA intranode run of backend {backend}"
-              f"{f' at {sms} SMs' if sms is not None else ''} with "
-              f"{s.model.dispatch_dtype} dispatch")
     where = ", ".join(_shown(Path(p)) for p in paths)
     try:
         runs = find_runs(list(paths))
     except UserError as e:
-        if required:
-            raise UserError(f"--calibrate: {e}") from None
-        return uncalibrated(overhead_us, f"{where} holds no results folders")
-    found, why = [], []
+        raise UserError(f"--calibrate: {e}") from None
+    points, why = [], []
     for run in runs:
-        info, reason = _run_candidates(run, s, backend, sms)
-        if info is None:
+        found, reason = measured_points(run)
+        points += found
+        if reason:
             why.append(f"{run.name}: {reason}")
-        else:
-            found.append(info)
-    if not found:
-        if not required:
-            return uncalibrated(overhead_us, f"{where} holds no {wanted}")
-        raise UserError(f"--calibrate {where}: holds no {wanted}; {'; '.join(why[:3])}")
-    best = max(found, key=lambda f: f["prefer"])
-    n = sms if sms is not None else min(best["points"],
-                                        key=lambda k: sum(v[0] for v in best["points"][k].values()))
-    point = best["points"][n]
-    rows = best["rows"]
-    busiest = _busiest_nvlink_bytes(best["scenario"], rows[rows["sms"] == n])
-    eff, bus = {}, {}
-    for op, (time_us, tx_bytes, slow_busbw) in point.items():
-        nbytes = busiest.get(op) or tx_bytes
-        if not time_us > overhead_us:
-            raise UserError(f"--overhead-us: {overhead_us:g} is not below the measured {op} "
-                            f"time of {time_us:.0f} us in {best['run']}")
-        bus[op] = slow_busbw
-        # eff = max_r max(tx_r, rx_r) / ((time - overhead) * nominal)
-        eff[op] = metrics.bandwidth_gbps(nbytes, time_us - overhead_us) / best["nominal"]
-        if not eff[op] > 0:
-            raise UserError(f"{best['run']}: {op} at {n} SMs moved no NVLink bytes; "
-                            f"it cannot calibrate the NVLink tier")
-    return Calibration(eff, overhead_us, _shown(best["run"]), best["name"], backend, n or None,
-                       s.model.dispatch_dtype, best["nominal"],
-                       {op: v[0] for op, v in point.items()}, bus)
+        elif _choose(found, s, backend, sms, overhead_us) is None:
+            why.append(f"{run.name}: no {_wanted(s, backend, sms)}")
+    calib = _choose(points, s, backend, sms, overhead_us)
+    if calib is None:
+        raise UserError(f"--calibrate {where}: holds no {_wanted(s, backend, sms)}; "
+                        f"{'; '.join(why[:3])}")
+    return calib
 
 
 def _shown(path: Path) -> str:
@@ -280,12 +333,40 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+def write_points(points: List[Dict[str, Any]], path: Path) -> None:
+    """The calibration table: one CSV row per point (floats written so they read back exact)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, POINT_COLUMNS, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for p in points:
+            w.writerow({k: repr(v) if isinstance(v, float) else v for k, v in p.items()})
+
+
+def read_points(path: Path = CALIBRATION_TABLE) -> List[Dict[str, Any]]:
+    import csv
+
+    ints, floats = ("hidden", "experts_per_rank", "sms"), ("nvlink_gbps", "time_us",
+                                                           "nvlink_bytes", "busbw_gbps")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r.update({k: int(r[k]) for k in ints}, **{k: float(r[k]) for k in floats})
+        r["source"] = (f"{path.parent.name}/{path.name}: {r['run']} ({r['hardware']}, "
+                       f"{r['started_utc'][:10]})")
+    return rows
+
+
 def default_calibration(s: Scenario, backend: str = "epbench", sms: Optional[int] = None,
-                        overhead_us: float = 0.0, root: Path = DEFAULT_CALIBRATION) -> Calibration:
-    """The measured runs shipped in docs/perf/ if any qualifies, else uncalibrated."""
-    if not root.is_dir():
-        return uncalibrated(overhead_us, f"no {_shown(root)} folder")
-    return calibrate([root], s, backend, sms, overhead_us, required=False)
+                        overhead_us: float = 0.0,
+                        table: Path = CALIBRATION_TABLE) -> Calibration:
+    """The points shipped in epbench/data/calibration.csv if any fits, else uncalibrated."""
+    calib = _choose(read_points(table), s, backend, sms, overhead_us)
+    if calib is None:
+        return uncalibrated(overhead_us, f"{table.parent.name}/{table.name} holds no "
+                                         f"{_wanted(s, backend, sms)}")
+    return calib
 
 
 # -- the model -------------------------------------------------------------------------------

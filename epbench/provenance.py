@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -14,7 +15,8 @@ from typing import Any, Dict, List, Optional
 
 from epbench import baselines
 
-REPO = Path(__file__).resolve().parent.parent
+PACKAGE = Path(__file__).resolve().parent
+BUILD_INFO = "_build_info.json"  # in the package, written by `make build` (git-ignored)
 ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM", "CUDA_VISIBLE_DEVICES", "EPBENCH_",
                 "OMP_NUM_THREADS")
 
@@ -27,11 +29,66 @@ def _run(cmd: List[str], cwd: Optional[Path] = None) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def git_commit() -> Optional[str]:
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=REPO) or os.environ.get("EPBENCH_GIT_COMMIT")
-    if commit and _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO):
+def _is_epbench_project(top: Path) -> bool:
+    try:
+        text = (top / "pyproject.toml").read_text()
+    except OSError:
+        return False
+    return re.search(r'^\[project\][^\[]*^name\s*=\s*"epbench"', text, re.M | re.S) is not None
+
+
+def checkout_commit(package: Path = PACKAGE) -> Optional[str]:
+    """HEAD of the git checkout that holds this package, "+dirty" when tracked files differ
+    from it; None unless that checkout is epbench's own: its top holds epbench's pyproject.toml,
+    the package is <top>/epbench and tracked there. (A copy of the package inside some other
+    repository would otherwise record that repository's commit.)"""
+    top = _run(["git", "rev-parse", "--show-toplevel"], cwd=package)
+    if top is None or Path(top).resolve() / "epbench" != package.resolve():
+        return None
+    if not _is_epbench_project(Path(top)):
+        return None
+    if _run(["git", "ls-files", "--error-unmatch", "epbench/provenance.py"], cwd=top) is None:
+        return None
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=top)
+    if commit and _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=top):
         commit += "+dirty"
     return commit
+
+
+def stamped_commit(path: Path) -> Optional[str]:
+    """The commit `make build` stamped into the package, where it ran in epbench's checkout."""
+    try:
+        commit = json.loads(path.read_text()).get("git_commit")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return commit if isinstance(commit, str) and commit else None
+
+
+def git_commit(package: Path = PACKAGE) -> Dict[str, str]:
+    """epbench's own commit and where it came from: the checkout the package runs from, else the
+    stamp written at build time, else unknown."""
+    commit = checkout_commit(package)
+    if commit:
+        return {"git_commit": commit, "git_commit_from": "checkout"}
+    commit = stamped_commit(package / BUILD_INFO)
+    if commit:
+        return {"git_commit": commit, "git_commit_from": f"build stamp {BUILD_INFO}"}
+    return {"git_commit": "unknown", "git_commit_from": "no epbench checkout and no build stamp"}
+
+
+def stamp(package: Path = PACKAGE) -> str:
+    """Writes the checkout's commit into the package for copies that travel without .git; outside
+    a checkout an existing stamp is kept (it names the checkout the copy came from)."""
+    path = package / BUILD_INFO
+    commit = checkout_commit(package)
+    if commit is None:
+        old = stamped_commit(path)
+        return (f"not in epbench's git checkout: kept the build stamp {old}" if old else
+                "not in epbench's git checkout and no build stamp: meta.json will say unknown")
+    path.write_text(json.dumps({"git_commit": commit,
+                                "stamped_utc": datetime.datetime.now(
+                                    datetime.timezone.utc).isoformat()}) + "\n")
+    return f"stamped {commit} into {path.name}"
 
 
 def nvml_info() -> Dict[str, Any]:
@@ -61,7 +118,7 @@ def collect(argv: List[str], device: str) -> Dict[str, Any]:
     info: Dict[str, Any] = {
         "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "argv": argv,
-        "git_commit": git_commit(),
+        **git_commit(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
@@ -80,3 +137,9 @@ def collect(argv: List[str], device: str) -> Dict[str, Any]:
         topo = _run(["nvidia-smi", "topo", "-m"])
         info["topology"] = re.sub(r"\x1b\[[0-9;]*m", "", topo) if topo else "skipped: nvidia-smi unavailable"
     return info
+
+
+if __name__ == "__main__":  # `make build`: python -m epbench.provenance --stamp
+    if sys.argv[1:] != ["--stamp"]:
+        sys.exit("usage: python -m epbench.provenance --stamp")
+    print(stamp())

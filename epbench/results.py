@@ -6,16 +6,24 @@
 
 Every write goes to a temporary file first and is renamed into place, and the tables are
 rewritten after each measured point, so a sweep that dies keeps what it finished. A folder is
-created exclusively: nothing ever overwrites an earlier run.
+created exclusively (os.mkdir of its final name) and meta.json in it is created exclusively too:
+nothing ever overwrites an earlier run, and two runs never share a folder.
+
+Reading never trusts a folder: a corrupt meta.json, a truncated or malformed CSV or an unreadable
+file makes that run a UserError naming it, which the commands that walk many runs report as one
+warning line before going on with the rest.
 """
 
 from __future__ import annotations
 
+import csv
 import datetime
+import io
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pandas as pd
 
@@ -32,9 +40,49 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _shown(path: Path) -> str:
+    from epbench.scenario import short_path
+
+    return short_path(path)
+
+
+def _make_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{_shown(root)}: not a folder; results need a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{_shown(root)}: cannot hold results ({e.strerror or type(e).__name__})") from None
+
+
+def check_new_run_dir(root: Path, run_dir: Optional[Path]) -> None:
+    """Refuses, before anything starts, a results root that is not a folder or a --run-dir that
+    exists (claim_run_dir / new_run_dir still claim the folder atomically later)."""
+    for p in (root,) + ((run_dir.parent,) if run_dir else ()):
+        if p.exists() and not p.is_dir():
+            raise UserError(f"{_shown(p)}: not a folder; results need a folder")
+    if run_dir is not None and (run_dir.exists() or run_dir.is_symlink()):
+        raise UserError(f"{_shown(run_dir)}: exists already; a run never writes into an existing "
+                        f"folder (give a new --run-dir)")
+
+
+def claim_run_dir(path: Path) -> Path:
+    """Creates the folder a run was told to use (--run-dir); one that exists is refused, so that
+    two runs never write into one folder."""
+    _make_root(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        raise UserError(f"{_shown(path)}: exists already; a run never writes into an existing "
+                        f"folder (give a new --run-dir)") from None
+    except OSError as e:
+        raise UserError(f"{_shown(path)}: cannot create ({e.strerror or type(e).__name__})") from None
+    return path
+
+
 def new_run_dir(root: Path, scenario_name: str) -> Path:
     """Creates and returns a fresh folder; never reuses an existing name."""
-    root.mkdir(parents=True, exist_ok=True)
+    _make_root(root)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = f"{stamp}_{scenario_name}"
     for i in range(1000):
@@ -54,8 +102,8 @@ def unmeasured_rows(scenario: str, backend: str, points: List[Tuple[int, int]],
                     status: str) -> List[Dict[str, Any]]:
     """Rows for points that were not measured, one per (op, SM count, tokens per rank): the
     table and results.csv say why (``status``: "skipped: <reason>" or "failed: <reason>")."""
-    return [{"scenario": scenario, "backend": backend, "op": op, "sms": sms,
-             "tokens_per_rank": tokens, "status": status}
+    return [{"scenario": scenario, "backend": backend, "op": op, "sms": sms, "rank": None,
+             "tokens_per_rank": tokens, "time_us": None, "status": status}
             for sms, tokens in points for op in ("dispatch", "combine")]
 
 
@@ -81,8 +129,8 @@ class RunWriter:
             earlier = json.loads((self.dir / META).read_text())
             self.rows = _read_csv_rows(self.dir / RESULTS)
             self.samples = _read_csv_rows(self.dir / SAMPLES)
-        elif (self.dir / RESULTS).exists():
-            raise UserError(f"{run_dir}: already holds results; refusing to overwrite them")
+        else:
+            claim_run(self.dir)
         self.meta = dict(meta, status="running")
         self.meta["notes"] = list(earlier.get("notes", []))
         self.meta["wrong"] = int(earlier.get("wrong", 0))
@@ -108,6 +156,17 @@ class RunWriter:
         self.meta.update(extra, status=status,
                          finished_utc=datetime.datetime.now(datetime.timezone.utc).isoformat())
         self._write_meta()
+
+
+def claim_run(run_dir: Path, meta: Optional[Dict[str, Any]] = None) -> None:
+    """Makes ``run_dir`` this run's: whoever creates meta.json owns the folder (a second run
+    into it is refused). ``meta``: what to write there now (the launcher's claim)."""
+    try:  # the claim: whoever creates meta.json owns the folder
+        with open(run_dir / META, "x") as f:
+            if meta is not None:
+                f.write(json.dumps(meta, indent=2, default=str) + "\n")
+    except FileExistsError:
+        raise UserError(f"{run_dir}: already holds results; refusing to overwrite them") from None
 
 
 def finish_run(run_dir: Path, status: str, error: Optional[str] = None, **extra: Any) -> Dict[str, Any]:
@@ -138,30 +197,115 @@ def is_run_dir(path: Path) -> bool:
     return (path / META).is_file()
 
 
-def find_runs(paths: List[Path]) -> List[Path]:
-    """Each path is a run folder or a folder of run folders."""
-    runs: List[Path] = []
+Warn = Callable[[str], None]
+
+
+def _stderr_warning(text: str) -> None:
+    print(f"epbench: warning: {text}", file=sys.stderr)
+
+
+def _walk(root: Path, warn: Warn) -> Iterator[Path]:
+    """Run folders under ``root`` at any depth, sorted; a run's own sub-folders (plots/) are not
+    searched, symbolic links to folders are not followed (no loops)."""
+    def complain(e: OSError) -> None:
+        warn(f"{_shown(Path(e.filename or root))}: skipped, cannot list ({e.strerror or type(e).__name__})")
+
+    for here, dirs, _files in os.walk(root, onerror=complain):
+        dirs.sort()
+        if is_run_dir(Path(here)):
+            dirs.clear()
+            yield Path(here)
+
+
+def find_runs(paths: List[Path], warn: Optional[Warn] = None) -> List[Path]:
+    """The readable runs named by ``paths``: each a run folder (it must be readable) or a folder
+    searched recursively for runs (an unreadable one found there is skipped with one warning)."""
+    return [d for d, _meta, _df in load_runs(paths, warn)]
+
+
+def load_runs(paths: List[Path], warn: Optional[Warn] = None
+              ) -> List[Tuple[Path, Dict[str, Any], pd.DataFrame]]:
+    """(folder, meta, results) of every readable run under ``paths`` (see find_runs)."""
+    warn = warn or _stderr_warning
+    runs: List[Tuple[Path, Dict[str, Any], pd.DataFrame]] = []
     for p in paths:
         if not p.exists():
-            raise UserError(f"{p}: no such file or folder")
+            raise UserError(f"{_shown(p)}: no such file or folder")
         if is_run_dir(p):
-            runs.append(p)
-        elif p.is_dir():
-            runs += sorted(d for d in p.iterdir() if d.is_dir() and is_run_dir(d))
+            runs.append((p, *load_run(p)))
+            continue
+        if not p.is_dir():
+            raise UserError(f"{_shown(p)}: not a results folder (a file, not a folder)")
+        for d in _walk(p, warn):
+            try:
+                runs.append((d, *load_run(d)))
+            except UserError as e:
+                warn(f"skipped: {e}")
     if not runs:
-        raise UserError(f"{', '.join(map(str, paths))}: no results folders (with {META}) found")
+        raise UserError(f"{_shown(', '.join(map(str, paths)))}: no readable results folders "
+                        f"(with {META}) found")
     return runs
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise UserError(f"{_shown(path)}: not UTF-8 text (corrupt)") from None
+    except OSError as e:
+        raise UserError(f"{_shown(path)}: cannot read ({e.strerror or type(e).__name__})") from None
+
+
+def read_table(path: Path, need: Tuple[str, ...] = ()) -> pd.DataFrame:
+    """A CSV this module wrote: empty when absent or empty; a UserError when it was cut short
+    (no final newline, a row with fewer fields than the header) or lacks a ``need`` column."""
+    if not path.exists():
+        return pd.DataFrame()
+    if not path.is_file():
+        raise UserError(f"{_shown(path)}: not a file (corrupt run)")
+    text = _read_text(path)
+    if not text:
+        return pd.DataFrame()
+    if not text.endswith("\n"):
+        raise UserError(f"{_shown(path)}: truncated (its last line is incomplete)")
+    try:
+        rows = csv.reader(io.StringIO(text))
+        header = next(rows)
+        for n, row in enumerate(rows, start=2):
+            if len(row) != len(header):
+                raise UserError(f"{_shown(path)}: line {n} has {len(row)} fields, the header "
+                                f"{len(header)} (truncated or corrupt)")
+        df = pd.read_csv(io.StringIO(text))
+    except (csv.Error, ValueError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
+        from epbench.scenario import cut
+
+        raise UserError(f"{_shown(path)}: not a readable CSV ({cut(str(e))})") from None
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise UserError(f"{_shown(path)}: lacks the column {missing[0]} (corrupt)")
+    return df
+
+
+RESULT_COLUMNS = ("backend", "op", "sms", "rank", "time_us")
+OVERLAP_COLUMNS = ("backend", "sms", "rank")  # `epbench overlap` rows: kept %, per (backend, SMs)
 
 
 def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     if not is_run_dir(path):
-        raise UserError(f"{path}: not a results folder (no {META})")
+        raise UserError(f"{_shown(path)}: not a results folder (no {META})")
+    text = _read_text(path / META)
     try:
-        meta = json.loads((path / META).read_text())
+        meta = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f"{path / META}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    csv = path / RESULTS
-    df = pd.read_csv(csv) if csv.is_file() and csv.stat().st_size else pd.DataFrame()
+        raise UserError(f"{_shown(path / META)}: not valid JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # a 5000-digit number, nesting 100,000 deep
+        from epbench.scenario import cut
+
+        raise UserError(f"{_shown(path / META)}: unreadable ({cut(str(e) or type(e).__name__)})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{_shown(path / META)}: not a JSON object")
+    need = OVERLAP_COLUMNS if meta.get("verb") == "overlap" else RESULT_COLUMNS
+    df = read_table(path / RESULTS, need)
     if "status" in df:  # rows of points not measured (skipped, failed) carry no figures
         df = df[df["status"].fillna(MEASURED) == MEASURED].drop(columns="status").reset_index(drop=True)
         for col in df.columns:  # integer columns read as float where unmeasured rows left gaps
@@ -172,11 +316,9 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
 
 def load_unmeasured(path: Path) -> pd.DataFrame:
     """The rows of points that were not measured, with the reason in ``status``."""
-    csv = path / RESULTS
-    df = pd.read_csv(csv) if csv.is_file() and csv.stat().st_size else pd.DataFrame()
+    df = read_table(path / RESULTS)
     return df[df["status"].fillna(MEASURED) != MEASURED] if "status" in df else pd.DataFrame()
 
 
 def load_samples(path: Path) -> pd.DataFrame:
-    csv = path / SAMPLES
-    return pd.read_csv(csv) if csv.is_file() and csv.stat().st_size else pd.DataFrame()
+    return read_table(path / SAMPLES)

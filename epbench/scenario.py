@@ -6,6 +6,9 @@ Every rule violation raises UserError with one line: ``<file>: <key>: <rule>, go
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,9 +16,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
+from epbench import options
 from epbench.errors import UserError
 
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "mxfp8")
 ROUTINGS = ("uniform", "zipf", "hot")
 # normal: throughput dispatch/combine (rows grouped per destination rank). low_latency: decode-sized
 # batches received straight into per-expert padded buffers (epbench/backends/base.py,
@@ -23,6 +27,55 @@ ROUTINGS = ("uniform", "zipf", "hot")
 MODES = ("normal", "low_latency")
 DEVICES = ("auto", "cuda", "cpu")
 FP8_BLOCK = 128  # elements per fp32 scale in fp8 dispatch
+MXFP8_BLOCK = 32  # elements per E8M0 scale in mxfp8 dispatch (epbench/mxfp8.py)
+# before: the caller hands quantized rows; fused: bf16 rows in, quantized rows out at the receiver
+QUANTIZE = ("before", "fused")
+# rank_major: received rows by (source rank, token); expert_major: grouped by local expert
+# (epbench/layout.py), each segment padded to a multiple of model.align rows
+LAYOUTS = ("rank_major", "expert_major")
+ALIGNS = (1, 16, 128)
+
+# What a scenario file may be. Real ones are a few hundred bytes, three levels deep and under a
+# hundred YAML nodes; the limits stop hostile or broken files (an 80 MB line, nesting 10,000 deep,
+# an anchor bomb whose aliases expand to billions of nodes) before they cost time or memory.
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_NODES = 10_000  # counted with every alias expanded
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # a plain file-name token: it names the run folder
+# Caps on counts and times: beyond them a run would not finish or its numbers would mean nothing.
+# Shapes (hidden, tokens) are bounded by memory instead: MAX_RANK_BYTES here, check_fits before a launch.
+MAX_ITERS = 100_000
+MAX_TIMEOUT_S = 3600.0  # the kernels turn it into nanoseconds (unsigned 64-bit)
+MAX_SMS = 1024
+MAX_LIST = 64  # SM counts, backends, tokens in one sweep
+MAX_NODES_PER_JOB = 1024
+MAX_GPUS_PER_NODE = 64
+MAX_GBPS = 1e5
+MAX_RANK_BYTES = 1 << 40  # 1 TiB: more than any one GPU or host holds
+# Shapes far beyond any model's (DeepSeek-V3: hidden 7168, 256 experts, top-8), still generous.
+MAX_SHAPE = {"hidden": 1 << 17, "tokens_per_rank": 1 << 20, "topk": 1024, "experts_per_rank": 4096}
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 4, 4, 60, 60
+_REPR.maxlong = 40
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A value as an error message echoes it: bounded in time and length whatever it is (a
+    shared-structure bomb, an 80 MB string, a 4000-digit integer)."""
+    try:
+        text = _REPR.repr(value)
+    except (ValueError, RecursionError):
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def cut(text: str, limit: int = 80) -> str:
+    """Message text (a parser's complaint, a key) on one printable line of at most ``limit``."""
+    text = text[:2 * limit]
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -33,6 +86,9 @@ class Model:
     experts_per_rank: int
     dispatch_dtype: str = "bf16"
     combine_dtype: str = "bf16"
+    quantize: str = "before"
+    layout: str = "rank_major"
+    align: int = 1
 
 
 @dataclass(frozen=True)
@@ -87,6 +143,8 @@ class Scenario:
     bench: Bench = field(default_factory=Bench)
     description: str = ""
     mode: str = "normal"
+    # backend -> option -> value (epbench/options.py); validated and typed by parse()
+    backend_options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     source: str = ""  # the file it came from
 
     @property
@@ -101,8 +159,8 @@ class Scenario:
         """The same shape on ``nproc`` ranks of one node (for ``--nproc``)."""
         if nproc == self.world:
             return self
-        if nproc < 1:
-            raise UserError(f"--nproc: must be at least 1, got {nproc}")
+        if not 1 <= nproc <= MAX_GPUS_PER_NODE:
+            raise UserError(f"--nproc: must be 1 to {MAX_GPUS_PER_NODE}, got {shown(nproc)}")
         if self.model.topk > nproc * self.model.experts_per_rank:
             raise UserError(
                 f"--nproc {nproc}: topk {self.model.topk} exceeds the "
@@ -130,12 +188,26 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, str(tp))
 
 
+def _known(key: str, fields: Any) -> str:
+    """The closest known key, else the list of them, in at most ~70 characters."""
+    import difflib
+
+    close = difflib.get_close_matches(key[:100], list(fields), n=1)
+    return f"did you mean {close[0]}?" if close else cut(f"known: {', '.join(fields)}", 70)
+
+
+def _key_text(key: str) -> str:
+    return cut(key, 16)
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is tuple:
         inner = typing.get_args(tp)[0]
         if not isinstance(value, list) or not value:
-            raise UserError(f"{where}: must be a non-empty list, got {value!r}")
+            raise UserError(f"{where}: must be a non-empty list, got {shown(value)}")
+        if len(value) > MAX_LIST:
+            raise UserError(f"{where}: must list at most {MAX_LIST} values, got {len(value)}")
         return tuple(_coerce(v, inner, where) for v in value)
     ok = {
         int: isinstance(value, int) and not isinstance(value, bool),
@@ -144,18 +216,23 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         bool: isinstance(value, bool),
     }[tp]
     if not ok:
-        raise UserError(f"{where}: must be {_type_name(tp)}, got {value!r}")
+        raise UserError(f"{where}: must be {_type_name(tp)}, got {shown(value)}")
+    if tp is float and not math.isfinite(value):
+        raise UserError(f"{where}: must be a finite number, got {shown(value)}")
     return float(value) if tp is float else value
 
 
 def _build(cls: Any, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
-        raise UserError(f"{where}: must be a mapping, got {data!r}")
+        raise UserError(f"{where}: must be a mapping, got {shown(data)}")
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:
+        raise UserError(f"{where}: keys must be names (strings), got {shown(odd[0])}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise UserError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(fields)})")
+        raise UserError(f"{where}.{_key_text(unknown[0])}: unknown key ({_known(unknown[0], fields)})")
     kwargs = {}
     for name, f in fields.items():
         key = f"{where}.{name}"
@@ -166,6 +243,8 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, data[name], key)
+        elif name == "backend_options":
+            kwargs[name] = options.validate(data[name], key)
         else:
             kwargs[name] = _coerce(data[name], tp, key)
     return cls(**kwargs)
@@ -177,10 +256,15 @@ def _check(s: Scenario) -> None:
 
     def need(cond: bool, key: str, rule: str, value: Any) -> None:
         if not cond:
-            raise UserError(f"{key}: {rule}, got {value!r}")
+            raise UserError(f"{key}: {rule}, got {shown(value)}")
 
-    for key in ("hidden", "tokens_per_rank", "topk", "experts_per_rank"):
-        need(getattr(m, key) > 0, f"model.{key}", "must be positive", getattr(m, key))
+    if NAME.fullmatch(s.name) is None:
+        raise UserError(f"name: must be a file-name token (A-Z a-z 0-9 . _ -, at most 100, no "
+                        f"leading '.'), got {shown(s.name, 40)}")
+
+    for key, top in MAX_SHAPE.items():
+        need(0 < getattr(m, key) <= top, f"model.{key}", f"must be positive and at most {top}",
+             getattr(m, key))
     need(m.hidden % 8 == 0, "model.hidden", "must be a multiple of 8 elements (16 bytes)", m.hidden)
     need(m.dispatch_dtype in DTYPES, "model.dispatch_dtype", f"must be one of {', '.join(DTYPES)}",
          m.dispatch_dtype)
@@ -188,36 +272,108 @@ def _check(s: Scenario) -> None:
     if m.dispatch_dtype == "fp8":
         need(m.hidden % FP8_BLOCK == 0, "model.hidden",
              f"must be a multiple of {FP8_BLOCK} for fp8 dispatch", m.hidden)
-    need(t.nodes > 0, "topology.nodes", "must be positive", t.nodes)
-    need(t.gpus_per_node > 0, "topology.gpus_per_node", "must be positive", t.gpus_per_node)
-    need(t.nvlink_gbps > 0, "topology.nvlink_gbps", "must be positive", t.nvlink_gbps)
-    need(t.nic_gbps >= 0, "topology.nic_gbps", "must be zero or positive", t.nic_gbps)
+    _check_payload(m, s.mode, need)
+    need(0 < t.nodes <= MAX_NODES_PER_JOB, "topology.nodes", f"must be positive and at most {MAX_NODES_PER_JOB}",
+         t.nodes)
+    need(0 < t.gpus_per_node <= MAX_GPUS_PER_NODE, "topology.gpus_per_node",
+         f"must be positive and at most {MAX_GPUS_PER_NODE}", t.gpus_per_node)
+    need(0 < t.nvlink_gbps <= MAX_GBPS, "topology.nvlink_gbps", f"must be positive and at most {MAX_GBPS:.0f}",
+         t.nvlink_gbps)
+    need(0 <= t.nic_gbps <= MAX_GBPS, "topology.nic_gbps", f"must be zero or positive and at most {MAX_GBPS:.0f}", t.nic_gbps)
     need(m.topk <= s.num_experts, "model.topk",
          f"must not exceed the total number of experts ({s.num_experts} = "
          f"{s.world} ranks x {m.experts_per_rank})", m.topk)
     need(r.kind in ROUTINGS, "routing.kind", f"must be one of {', '.join(ROUTINGS)}", r.kind)
-    need(r.zipf_exponent >= 0, "routing.zipf_exponent", "must be zero or positive", r.zipf_exponent)
+    need(0 <= r.zipf_exponent <= 100, "routing.zipf_exponent", "must be zero or positive and at most 100", r.zipf_exponent)
     need(0 < r.hot_fraction < 1, "routing.hot_fraction", "must lie strictly between 0 and 1",
          r.hot_fraction)
     need(r.hot_multiplier >= 1, "routing.hot_multiplier", "must be at least 1", r.hot_multiplier)
     need(r.hot_fraction * r.hot_multiplier < 1, "routing.hot_multiplier",
          "times hot_fraction must stay below 1 (the hot experts cannot take all the load)",
          r.hot_multiplier)
-    need(b.warmup >= 0, "bench.warmup", "must be zero or positive", b.warmup)
-    need(b.iters > 0, "bench.iters", "must be positive", b.iters)
-    need(all(n > 0 for n in b.sms), "bench.sms", "must all be positive", list(b.sms))
-    need(b.timeout_s > 0, "bench.timeout_s", "must be positive", b.timeout_s)
+    need(0 <= b.warmup <= MAX_ITERS, "bench.warmup", f"must be zero or positive and at most {MAX_ITERS}",
+         b.warmup)
+    need(0 < b.iters <= MAX_ITERS, "bench.iters", f"must be positive and at most {MAX_ITERS}", b.iters)
+    need(all(0 < n <= MAX_SMS for n in b.sms), "bench.sms", f"must all be positive and at most {MAX_SMS}",
+         list(b.sms))
+    need(0 < b.timeout_s <= MAX_TIMEOUT_S, "bench.timeout_s",
+         f"must be positive and at most {MAX_TIMEOUT_S:.0f} seconds", b.timeout_s)
     need(0 < b.control_timeout_s <= MAX_CONTROL_TIMEOUT_S, "bench.control_timeout_s",
-         f"must be positive and at most {MAX_CONTROL_TIMEOUT_S:g} s", b.control_timeout_s)
+         f"must be positive and at most {MAX_CONTROL_TIMEOUT_S:.0f} seconds", b.control_timeout_s)
     need(b.device in DEVICES, "bench.device", f"must be one of {', '.join(DEVICES)}", b.device)
+    check_backends(b.backends, "bench.backends")
     need(s.mode in MODES, "mode", f"must be one of {', '.join(MODES)}", s.mode)
+    draws = m.tokens_per_rank * s.num_experts * 4  # routing: one fp32 draw per (token, expert)
+    if draws > MAX_RANK_BYTES:
+        raise UserError(f"model.experts_per_rank: routing needs {draws / 2**30:.0f} GiB ({m.tokens_per_rank} "
+                        f"tokens x {s.num_experts} experts x 4 bytes); no host has that")
+    need_bytes = min_bytes_per_rank(s)
+    if need_bytes > MAX_RANK_BYTES:
+        raise UserError(f"model: needs at least {need_bytes / 2**30:.0f} GiB per rank (hidden {m.hidden} x "
+                        f"{m.tokens_per_rank} tokens x {s.world} ranks); no GPU or host has that")
+
+
+def _shape(m: Model) -> str:
+    return f"hidden {m.hidden}, tokens_per_rank {m.tokens_per_rank}, topk {m.topk}"
+
+
+def check_backends(names: Tuple[str, ...], key: str) -> None:
+    from epbench.backends import REGISTRY  # a name table only: no torch
+
+    for n in names:
+        if n not in REGISTRY:
+            raise UserError(f"{key}: unknown backend {shown(n, 40)} (known: {', '.join(REGISTRY)})")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UserError(f"{key}: {twice[0]} is listed twice")
+
+
+def min_bytes_per_rank(s: Scenario, tokens_per_rank: Optional[int] = None) -> int:
+    """A lower bound on the memory one rank needs for its buffers: its own tokens, the rows it may
+    receive (every rank's tokens in normal mode; the padded ``[experts_per_rank, world x tokens,
+    hidden]`` buffer in low-latency mode) and the combined output, in bf16. The real need is
+    higher (layouts, staging, the backends' own buffers); this bound only refuses what can
+    never fit."""
+    m = s.model
+    tokens = tokens_per_rank or m.tokens_per_rank
+    row = 2 * m.hidden
+    received = s.world * tokens * row
+    if s.mode == "low_latency":
+        received *= m.experts_per_rank
+    return tokens * row * 2 + received
+
+
+def _name_from_file(source: str) -> str:
+    """The file's stem as a run name, with characters a folder name should not carry replaced."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(source).stem).lstrip(".")[:100]
+    return name or "scenario"
+
+
+def _check_payload(m: Model, mode: str, need: Any) -> None:
+    """dtype, quantize, layout and align (issue 26)."""
+    if m.dispatch_dtype == "mxfp8":
+        need(m.hidden % MXFP8_BLOCK == 0, "model.hidden",
+             f"must be a multiple of {MXFP8_BLOCK} for mxfp8 dispatch", m.hidden)
+    need(m.quantize in QUANTIZE, "model.quantize", f"must be one of {', '.join(QUANTIZE)}", m.quantize)
+    need(m.quantize == "before" or m.dispatch_dtype != "bf16", "model.quantize",
+         "fused needs a quantized dispatch_dtype (fp8 or mxfp8)", m.quantize)
+    need(m.layout in LAYOUTS, "model.layout", f"must be one of {', '.join(LAYOUTS)}", m.layout)
+    need(m.align in ALIGNS, "model.align", f"must be one of {', '.join(map(str, ALIGNS))}", m.align)
+    need(m.align == 1 or m.layout == "expert_major", "model.align",
+         "only applies with layout: expert_major", m.align)
+    if mode == "low_latency":  # low latency already receives per expert (epbench/layout.py)
+        need(m.layout == "rank_major", "model.layout", "must be rank_major in low_latency mode", m.layout)
+        need(m.dispatch_dtype != "mxfp8", "model.dispatch_dtype",
+             "mxfp8 is not implemented in low_latency mode yet", m.dispatch_dtype)
+        need(m.quantize == "before", "model.quantize",
+             "fused is not implemented in low_latency mode yet", m.quantize)
 
 
 def parse(data: Any, source: str = "<scenario>") -> Scenario:
     """Validate a scenario mapping (as loaded from YAML)."""
     try:
         if isinstance(data, dict) and "name" not in data:
-            data = {**data, "name": Path(source).stem}
+            data = {**data, "name": _name_from_file(source)}
         s = _build(Scenario, data, "scenario")
         _check(s)
     except UserError as e:
@@ -227,36 +383,145 @@ def parse(data: Any, source: str = "<scenario>") -> Scenario:
     return dataclasses.replace(s, source=source)
 
 
+def short_path(path: "str | Path", limit: int = 120) -> str:
+    """A path as a message shows it: printable, and its tail when it is very long."""
+    text = str(path)
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if len(text) <= limit else "..." + text[-(limit - 3):]
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with a depth limit while composing (deep nesting would end in a
+    RecursionError) and a size limit on the composed tree with every alias expanded (anchors make
+    a small file describe an exponentially large one; PyYAML shares the objects, but any walk
+    or print of them would run for ever)."""
+
+    def compose_document(self):
+        self._depth = 0
+        node = super().compose_document()
+        _check_expanded(node)
+        return node
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise _TooBig(f"nested more than {MAX_DEPTH} levels deep at line {mark.line + 1}")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_expanded(root: Optional[yaml.Node]) -> None:
+    """Counts the nodes and depth of the tree with aliases expanded, without expanding them:
+    each distinct node is visited once (iteratively) and its totals are remembered."""
+    if root is None:
+        return
+    totals: Dict[int, Tuple[int, int]] = {}  # id(node) -> (nodes, depth) below and including it
+    open_ids = set()  # nodes whose children are being counted: meeting one again is a cycle
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            kids = [totals[id(k)] for k in _children(node)]
+            count = 1 + sum(c for c, _ in kids)
+            depth = 1 + max((d for _, d in kids), default=0)
+            open_ids.discard(key)
+            if count > MAX_NODES:
+                raise _TooBig(f"expands to more than {MAX_NODES} values (anchors and aliases "
+                              f"repeating each other)")
+            if depth > MAX_DEPTH:
+                raise _TooBig(f"nested more than {MAX_DEPTH} levels deep (through aliases)")
+            totals[key] = (count, depth)
+        elif key not in totals:
+            if key in open_ids:
+                raise _TooBig("an alias refers to a node that contains it")
+            open_ids.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in _children(node))
+
+
 def load(path: "str | Path") -> Scenario:
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such scenario file")
+    where = short_path(p)
     try:
-        data = yaml.safe_load(p.read_text())
+        if p.is_dir():
+            raise UserError(f"{where}: is a folder, not a scenario file")
+        with open(p, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such scenario file") from None
+    except OSError as e:
+        raise UserError(f"{where}: cannot read ({e.strerror or type(e).__name__})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise UserError(f"{where}: larger than {MAX_FILE_BYTES >> 20} MiB; not a scenario file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise UserError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line})") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{p}: malformed YAML{where}: {getattr(e, 'problem', None) or e}") from None
-    return parse(data, str(p))
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        why = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise UserError(f"{where}: malformed YAML{at}: {cut(why)}") from None
+    except _TooBig as e:
+        raise UserError(f"{where}: {e}; not a scenario file") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # e.g. an integer of 5000 digits
+        raise UserError(f"{where}: unreadable YAML value ({cut(str(e))})") from None
+    return parse(data, where)
 
 
-def check_fits(s: Scenario, available: int, what: str) -> None:
-    """A scenario needing more ranks than the host can give stops here."""
+def check_fits(s: Scenario, available: int, what: str, bytes_per_rank: Optional[int] = None,
+               tokens_per_rank: Optional[int] = None) -> None:
+    """A scenario needing more ranks than the host can give, or more memory per rank than each
+    rank has (``bytes_per_rank``: the device's memory, or the host's share for CPU ranks), stops
+    here, before anything is launched."""
     if s.world > available:
         raise UserError(
             f"{s.source}: topology: needs {s.world} ranks ({s.topology.nodes} nodes x "
             f"{s.topology.gpus_per_node}) but {what} has {available}; use --nproc to run the "
             f"shape on fewer ranks")
+    if bytes_per_rank is None:
+        return
+    need = min_bytes_per_rank(s, tokens_per_rank)
+    if need > bytes_per_rank:
+        shape = _shape(s.model) if tokens_per_rank is None else f"tokens_per_rank {tokens_per_rank}"
+        raise UserError(f"{s.source}: model: needs at least {need / 2**30:.3g} GiB per rank "
+                        f"({shape}, {s.world} ranks) but {what} has {bytes_per_rank / 2**30:.3g} GiB "
+                        f"per rank")
 
 
-def maybe_int_list(text: Optional[str], option: str) -> Optional[Tuple[int, ...]]:
+def maybe_int_list(text: Optional[str], option: str,
+                   upper: Optional[int] = None) -> Optional[Tuple[int, ...]]:
     """Parses '4,8,16' from the command line."""
     if text is None:
         return None
     try:
         vals = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise UserError(f"{option}: must be a comma-separated list of integers, got {text!r}") from None
+        raise UserError(f"{option}: must be a comma-separated list of integers, got {shown(text)}") from None
     if not vals or any(v <= 0 for v in vals):
-        raise UserError(f"{option}: must list positive integers, got {text!r}")
+        raise UserError(f"{option}: must list positive integers, got {shown(text)}")
+    if len(vals) > MAX_LIST:
+        raise UserError(f"{option}: must list at most {MAX_LIST} values, got {len(vals)}")
+    if upper is not None and max(vals) > upper:
+        raise UserError(f"{option}: must be at most {upper}, got {shown(max(vals))}")
     return vals

@@ -1,8 +1,11 @@
 """Checks a backend's outputs against what the routing says they must be.
 
-dispatch: bit-exact. Every received row, its scales (fp8), expert ids and weights must equal
-the source's, in (source rank, token index) order; the row count and the per-expert counts
-must match. combine: each returned token must be within COMBINE_RTOL of
+dispatch: bit-exact. Every received row, its scales (fp8, mxfp8), expert ids and weights must
+equal the source's, in (source rank, token index) order; the row count and the per-expert counts
+must match. A quantized payload is compared with the reference quantizer's output (also when the
+backend quantizes on the way, ``quantize: fused``) and, dequantized, must lie within the format's
+error of the bf16 source. Expert-major layout: each local expert's segment holds its rows in
+(source, token) order at an offset that is the padded running sum of the counts. combine: each returned token must be within COMBINE_RTOL of
 ``sum_d w(t, d) * y_d(t)`` (fp32 accumulation, one bf16 rounding at the end, so the only
 freedom is summation order plus that rounding: half a bf16 ulp is 2^-9 relative).
 
@@ -19,12 +22,14 @@ short description of the first problem.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from epbench.backends.base import DispatchInput, DispatchOutput, LowLatencyOutput, ll_slots
 from epbench.inputs import dequantize, expert_factor, expert_output
+from epbench.layout import ExpertMajor, expert_of_slot, segment_offsets
+from epbench.mxfp8 import error_bound
 from epbench.routing import copy_weights, dest_mask
 
 COMBINE_RTOL = 2.0**-7
@@ -55,15 +60,89 @@ def _bad_rows(got: torch.Tensor, want: torch.Tensor) -> int:
     return int(diff.reshape(diff.shape[0], -1).any(dim=1).sum())
 
 
+def quantization_error_rows(x: torch.Tensor, scales: torch.Tensor, source: torch.Tensor) -> int:
+    """Rows whose dequantized values stray from the bf16 source by more than the format allows:
+    ``max(2^-4 |x|, s * 2^-10)`` per element (half an e4m3 ulp where x / s is normal, half the
+    subnormal step below; s the element's scale), plus 2^-20 relative slack for fp8's fp32
+    division by a scale that is not a power of two. NaN (poison) counts as wrong."""
+    if source.shape[0] == 0:
+        return 0
+    got = dequantize(x, scales)
+    if scales.dtype == torch.uint8:
+        bound = error_bound(source, scales)
+    else:
+        per_elem = scales.repeat_interleave(x.shape[1] // scales.shape[1], dim=1)
+        bound = torch.maximum(source.float().abs() * 2.0**-4, per_elem * 2.0**-10)
+    bound = bound + source.float().abs() * 2.0**-20
+    ok = (got - source.float()).abs() <= bound
+    return int((~ok.all(dim=1)).sum())
+
+
+def _check_payload(res: CheckResult, got_x: torch.Tensor, got_scales: Optional[torch.Tensor],
+                   inp: DispatchInput, want: torch.Tensor, source: Optional[torch.Tensor], what: str) -> None:
+    """Rows ``want`` of ``inp`` against received rows: bit-exact payload and scales, and (where
+    ``source`` holds the bf16 rows a quantized payload came from) within the format's error."""
+    res.add(_bad_rows(got_x, inp.x[want]), f"{what}: payload differs")
+    if inp.x_scales is not None:
+        res.add(_bad_rows(got_scales, inp.x_scales[want]), f"{what}: scales differ")
+        if source is not None:
+            res.add(quantization_error_rows(got_x, got_scales, source[want]),
+                    f"{what}: dequantized rows beyond the format's error of the bf16 source")
+
+
+def check_segments(table: ExpertMajor, x: torch.Tensor, scales: Optional[torch.Tensor], rank: int,
+                   world: int, experts_per_rank: int, input_of: Callable[[int], DispatchInput],
+                   source_of: Optional[Callable[[int], torch.Tensor]] = None) -> CheckResult:
+    """Expert-major layout (epbench/layout.py): segment e holds, bit-exact, the rows of every
+    token whose top-k contains local expert e, by (source rank, token); offsets are the padded
+    running sums. Padding is not read."""
+    res = CheckResult()
+    lo = rank * experts_per_rank
+    inputs = [input_of(s) for s in range(world)]
+    sources = [source_of(s) if source_of is not None else None for s in range(world)]
+    dev = x.device
+    want_counts = torch.zeros(experts_per_rank, dtype=torch.int64, device=dev)
+    for s, inp in enumerate(inputs):
+        for e in range(experts_per_rank):
+            want_counts[e] += int((inp.topk_idx == lo + e).any(dim=1).sum()) if inp.num_tokens else 0
+    want_off, want_total = segment_offsets(want_counts, table.align)
+    got_counts = table.counts.to(device=dev, dtype=torch.int64)
+    got_off = table.offsets.to(device=dev, dtype=torch.int64)
+    res.add(int((got_counts != want_counts).sum()),
+            f"segment counts {got_counts.tolist()} != {want_counts.tolist()}")
+    res.add(int((got_off != want_off).sum()), f"segment offsets {got_off.tolist()} != {want_off.tolist()}")
+    res.add(int(int(table.num_slots) != int(want_total)),
+            f"{int(table.num_slots)} slots in use, expected {int(want_total)}")
+    for e in range(experts_per_rank):
+        start, n = int(want_off[e]), int(want_counts[e])
+        for s, inp in enumerate(inputs):
+            rows = (inp.topk_idx == lo + e).any(dim=1).nonzero().flatten() if inp.num_tokens else \
+                inp.topk_idx.new_zeros(0)
+            k = min(int(rows.numel()), max(x.shape[0] - start, 0), n)
+            if k:
+                sl = slice(start, start + k)
+                _check_payload(res, x[sl], scales[sl] if scales is not None else None, inp, rows[:k],
+                               sources[s], f"expert {e}, rows from rank {s}")
+            start, n = start + int(rows.numel()), n - int(rows.numel())
+    return res
+
+
 def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank: int,
                    input_of: Callable[[int], DispatchInput],
-                   local_expert_ids: bool = False) -> CheckResult:
-    """``input_of(s)`` rebuilds source rank s's dispatch input on this rank's device.
+                   local_expert_ids: bool = False,
+                   source_of: Optional[Callable[[int], torch.Tensor]] = None) -> CheckResult:
+    """``input_of(s)`` rebuilds source rank s's dispatch input on this rank's device, as the
+    receivers must get it (quantized where the dispatch quantizes).
 
     ``local_expert_ids`` (a backend's ``receives_local_expert_ids``): each received expert id
     must be the local index (id - rank * experts_per_rank) where the expert lives on this rank
-    and -1 elsewhere, and each weight the sent weight there and 0 elsewhere; still bit-exact."""
+    and -1 elsewhere, and each weight the sent weight there and 0 elsewhere; still bit-exact.
+    ``source_of(s)``: source s's bf16 rows before quantization; given, every quantized row
+    received is also checked to dequantize within the format's error of its source row.
+    ``out.expert_major`` set: payload and scales are checked per expert segment
+    (``check_segments``); ids, weights and counts as below, one row per (source, token)."""
     res = CheckResult()
+    em = out.expert_major
     got_n = int(out.num_recv)
     offset = 0
     expected_counts = torch.zeros(experts_per_rank, dtype=torch.int64, device=out.x.device)
@@ -79,10 +158,10 @@ def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank:
         k = max(end - offset, 0)
         if k:
             sl, want = slice(offset, end), rows[:k]
-            res.add(_bad_rows(out.x[sl], inp.x[want]), f"rows from rank {s}: payload differs")
-            if inp.x_scales is not None:
-                res.add(_bad_rows(out.x_scales[sl], inp.x_scales[want]),
-                        f"rows from rank {s}: fp8 scales differ")
+            if em is None:
+                _check_payload(res, out.x[sl], out.x_scales[sl] if out.x_scales is not None else None,
+                               inp, want, source_of(s) if source_of is not None else None,
+                               f"rows from rank {s}")
             want_idx, want_w = inp.topk_idx[want], inp.topk_weights[want]
             if local_expert_ids:
                 mine = hit[:k]
@@ -98,6 +177,9 @@ def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank:
     got_counts = out.expert_counts.to(device=expected_counts.device, dtype=torch.int64)
     res.add(int((got_counts != expected_counts).sum()),
             f"expert counts {got_counts.tolist()} != {expected_counts.tolist()}")
+    if em is not None:
+        seg = check_segments(em, out.x, out.x_scales, rank, world, experts_per_rank, input_of, source_of)
+        res.add(seg.wrong, seg.first_problem)
     return res
 
 
@@ -150,6 +232,16 @@ def ll_expert_output(x: torch.Tensor, scales: "torch.Tensor | None", first_exper
     flat = dequantize(x.reshape(e * c, h), scales.reshape(e * c, -1) if scales is not None else None)
     f = ll_expert_factors(first_expert, e, x.device)
     return (flat.view(e, c, h) * f.view(e, 1, 1)).to(torch.bfloat16)
+
+
+def em_expert_output(x: torch.Tensor, scales: "torch.Tensor | None", table: ExpertMajor,
+                     first_expert: int) -> torch.Tensor:
+    """bf16 [slots, hidden]: every slot of an expert-major buffer through the stand-in expert
+    of its segment (global expert ``first_expert + e``, factor ``expert_factor``), padding
+    included (reading the slot count would be a host synchronisation)."""
+    e = expert_of_slot(table, x.shape[0])
+    f = ll_expert_factors(first_expert, table.counts.shape[0], x.device)[e]
+    return (dequantize(x, scales) * f.unsqueeze(1)).to(torch.bfloat16)
 
 
 def check_ll_dispatch(out: LowLatencyOutput, rank: int, world: int, experts_per_rank: int,

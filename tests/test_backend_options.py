@@ -62,9 +62,36 @@ def test_library_error_is_raised_and_the_old_value_kept() -> None:
 
 
 def test_backend_knobs_map_to_the_c_option_keys() -> None:
-    keys = {name: EpbenchBackend.__dict__[name].key for name in
-            ("notify_impl", "combine_impl", "combine_stages", "combine_chunk", "exclusive_sms",
-             "split_own_warps")}
-    assert keys == {"notify_impl": cuda_lib.OPT_NOTIFY_IMPL, "combine_impl": cuda_lib.OPT_COMBINE_IMPL,
-                    "combine_stages": cuda_lib.OPT_COMBINE_STAGES, "combine_chunk": cuda_lib.OPT_COMBINE_CHUNK,
-                    "exclusive_sms": cuda_lib.OPT_EXCLUSIVE_SMS, "split_own_warps": cuda_lib.OPT_SPLIT_OWN_WARPS}
+    keys = {name: EpbenchBackend.__dict__[name].key for name in ("notify_impl", "combine_stages", "combine_chunk")}
+    assert keys == {"notify_impl": cuda_lib.OPT_NOTIFY_IMPL, "combine_stages": cuda_lib.OPT_COMBINE_STAGES,
+                    "combine_chunk": cuda_lib.OPT_COMBINE_CHUNK}
+    # direct runs only as the recorded fallback: it cannot be asked for
+    assert set(EpbenchBackend.__dict__["notify_impl"].allowed) == {"grid", "staged"}
+
+
+def test_effective_config_is_decoded_into_option_names() -> None:
+    """The struct the launcher fills (here by hand, as a fake library would) reads back as names; a fallback
+    shows as what ran."""
+    eff = cuda_lib.EpEffective(dispatch_impl=cuda_lib.DISPATCH_IMPLS["lean"], dispatch_warps=32, dispatch_sms=8,
+                               notify_impl=cuda_lib.NOTIFY_IMPLS["direct"], notify_blocks=1,
+                               combine_impl=cuda_lib.COMBINE_IMPLS["tma"], combine_warps=6, combine_sms=8,
+                               combine_stages=3, combine_chunk=4096)
+    assert cuda_lib.decode_effective(eff) == {
+        "dispatch_impl": "lean", "dispatch_warps": 32, "notify_impl": "direct", "notify_blocks": 1,
+        "combine_impl": "tma", "combine_warps": 6, "combine_stages": 3, "combine_chunk": 4096}
+    assert cuda_lib.decode_effective(cuda_lib.EpEffective(dispatch_impl=99))["dispatch_impl"] == 99
+
+
+def test_effective_config_reads_the_library_struct() -> None:
+    class Lib:
+        def ep_effective_config(self, ctx: object, out: object) -> int:
+            eff = out._obj  # ctypes.byref
+            eff.dispatch_impl, eff.dispatch_warps = cuda_lib.DISPATCH_IMPLS["lean_dyn"], 16
+            eff.notify_impl, eff.combine_impl, eff.combine_warps = cuda_lib.NOTIFY_IMPLS["grid"], 1, 12
+            eff.combine_stages, eff.combine_chunk = 2, 2048
+            return 0
+
+    be = object.__new__(EpbenchBackend)
+    be._lib, be._ctx = Lib(), "ctx"
+    got = be.effective_config()
+    assert got["dispatch_impl"] == "lean_dyn" and got["combine_warps"] == 12 and got["notify_impl"] == "grid"

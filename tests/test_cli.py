@@ -6,6 +6,7 @@ Real runs: 4 (or 2) CPU ranks over gloo under torchrun; the smoke run happens on
 results root, never into the repository's results/."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,7 +289,7 @@ def test_a_rank_error_names_the_rank_literally(monkeypatch, capsys):
     from epbench import cli
     from epbench.errors import StartupError
 
-    def boom() -> None:
+    def boom(**_click_options) -> None:
         raise StartupError("NVSHMEM could not start on rank 3: [uid] refused")
 
     monkeypatch.setattr(cli, "app", boom)
@@ -301,6 +302,100 @@ def test_a_rank_error_names_the_rank_literally(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "epbench: error: [rank 3] NVSHMEM could not start on rank 3: [uid] refused" in err
     assert len(err.strip().splitlines()) == 1
+
+
+# -- reading a results root that holds broken runs ---------------------------------------------
+
+def _measured_rows(backend="epbench", sms=8, scale=1.0):
+    """Rows as a 2-GPU CUDA run writes them, enough for report, plot, compare and predict."""
+    return [{"scenario": "s", "backend": backend, "op": op, "sms": sms, "rank": r, "world": 2,
+             "time_us": 500.0 * scale + r, "algbw_gbps": 300.0, "busbw_nvlink_gbps": 250.0 / scale,
+             "busbw_nic_gbps": None, "nvlink_bytes": 125_000_000, "wrong": 0, "problem": ""}
+            for op in ("dispatch", "combine") for r in range(2)]
+
+
+RUN_META = {"device": "cuda", "world": 2, "env": {},
+            "scenario": dict(scenario_dict(topology={"gpus_per_node": 2, "nvlink_gbps": 450.0}), name="s")}
+
+
+@pytest.fixture
+def broken_root(tmp_path):
+    """results/ with a good run, a good run three levels down, a corrupt meta.json and a
+    truncated results.csv."""
+    from epbench.results import RunWriter
+
+    root = tmp_path / "results"
+    made = {}
+    for name, where in (("good", root / "good"), ("nested", root / "x" / "y" / "nested"),
+                        ("corrupt", root / "corrupt"), ("truncated", root / "x" / "truncated")):
+        w = RunWriter(where, RUN_META)
+        w.add(_measured_rows(scale=2.0 if name == "nested" else 1.0), [])
+        w.finish("complete")
+        made[name] = where
+    (made["corrupt"] / "meta.json").write_text('{"device": "cu')
+    csv = made["truncated"] / "results.csv"
+    csv.write_text(csv.read_text()[:-20])
+    return root, made
+
+
+def _warned(err: str, made) -> None:
+    """Exactly one warning line for each broken run, naming it; nothing else on stderr."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    assert all(ln.startswith("epbench: warning: skipped: ") for ln in lines), err
+    assert str(made["corrupt"] / "meta.json") in lines[0] and "not valid JSON" in lines[0]
+    assert str(made["truncated"] / "results.csv") in lines[1] and "truncated" in lines[1]
+
+
+def test_report_skips_broken_runs_with_a_warning(broken_root):
+    root, made = broken_root
+    r = epbench("report", root)
+    assert r.code == 0 and "Traceback" not in r.both, r.both
+    _warned(r.err, made)
+    shown = [ln for ln in r.out.splitlines() if ln.startswith(str(root))]
+    assert shown == [str(made["good"]), str(made["nested"])]
+
+
+def test_plot_skips_broken_runs_and_never_overwrites(broken_root, tmp_path):
+    root, made = broken_root
+    r = epbench("plot", root)
+    assert r.code == 0 and "Traceback" not in r.both, r.both
+    _warned(r.err, made)
+    wrote = sorted(ln.split(" ", 1)[1] for ln in r.out.splitlines() if ln.startswith("wrote "))
+    want = sorted(str(made[n] / "plots" / f) for n in ("good", "nested")
+                  for f in ("bandwidth_vs_sms.png", "per_rank.png", "expert_load.png"))
+    assert wrote == want and all(Path(p).is_file() for p in wrote)
+    before = {p: Path(p).stat().st_mtime_ns for p in wrote}
+    again = epbench("plot", made["good"])  # the plots exist: kept, one warning, exit 0
+    assert again.code == 0 and "wrote" not in again.out
+    assert len(again.err.strip().splitlines()) == 1 and "--force" in again.err
+    assert {p: Path(p).stat().st_mtime_ns for p in wrote} == before
+    forced = epbench("plot", made["good"], "--force")
+    assert forced.code == 0 and forced.out.count("wrote ") == 3, forced.both
+
+
+def test_compare_reads_good_runs_and_refuses_broken_ones_in_one_line(broken_root, tmp_path):
+    root, made = broken_root
+    out = tmp_path / "ab"
+    r = epbench("compare", made["good"], made["nested"], "--plot", out)
+    assert r.code == 0, r.both
+    assert f"wrote {out}.png" in r.out and (tmp_path / "ab.png").is_file()  # the path written
+    assert r.out.count("0.500") == 2  # B/A busbw of the nested run (half), dispatch and combine
+    again = epbench("compare", made["good"], made["nested"], "--plot", f"{out}.png")
+    assert_one_line_error(again, f"{out}.png", "exists; --force overwrites it")
+    assert "wrote" not in again.out
+    assert epbench("compare", made["good"], made["nested"], "--plot", out, "--force").code == 0
+    for broken, needle in (("corrupt", "not valid JSON"), ("truncated", "truncated")):
+        assert_one_line_error(epbench("compare", made["good"], made[broken]), str(made[broken]), needle)
+    assert_one_line_error(epbench("compare", made["good"], root / "nope"), "no such results folder")
+
+
+def test_predict_calibrates_from_a_root_with_broken_runs(broken_root):
+    root, made = broken_root
+    r = epbench("predict", "scenarios/smoke.yaml", "--calibrate", root)
+    assert r.code == 0 and "Traceback" not in r.both, r.both
+    _warned(r.err, made)
+    assert "calibration:" in r.out and "MEASURED" in r.out
 
 
 # -- hosts of every size (issue 18) ----------------------------------------------------------

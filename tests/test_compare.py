@@ -132,3 +132,23 @@ def test_report_per_rank_option(runs):
     assert "per rank" in r.out and "1 *" in r.out
     r = epbench("report", a)
     assert "per rank" not in r.out
+
+
+def test_option_warnings_from_rows_and_meta():
+    import json
+
+    import pandas as pd
+
+    from epbench.compare import option_warnings
+
+    def rows(impl, warps):
+        return pd.DataFrame([{"backend": "epbench", "options": json.dumps({"dispatch_impl": impl, "combine_warps": w})}
+                             for w in warps] + [{"backend": "reference", "options": None}])
+
+    meta_a = {"scenario": {"backend_options": {"epbench-ll": {"warps": 8}}}}
+    meta_b = {"scenario": {"backend_options": {"epbench-ll": {"warps": 16}}}}
+    got = option_warnings(meta_a, rows("lean_dyn", [12]), meta_b, rows("lean", [12, 8]))
+    assert got == ["epbench option combine_warps differs: A 12 vs B 12, 8",
+                   "epbench option dispatch_impl differs: A lean_dyn vs B lean",
+                   "epbench-ll option warps differs: A 8 vs B 16"]
+    assert option_warnings(meta_a, rows("lean", [12]), meta_a, rows("lean", [12])) == []

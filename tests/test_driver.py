@@ -18,3 +18,19 @@ def test_a_normal_only_backend_runs_its_normal_path_in_a_low_latency_run():
     assert not runs_as_normal(Both, "low_latency")  # has its own low-latency path
     assert not runs_as_normal(LowLatencyOnly, "low_latency")
     assert not runs_as_normal(None, "low_latency")
+
+
+def test_backends_without_mxfp8_or_expert_major_are_skipped_with_a_reason():
+    from epbench import scenario as sc
+    from epbench.backends import backend_class
+    from epbench.driver import _payload_reason
+    from support import scenario_dict
+
+    m = sc.parse(scenario_dict(model={"dispatch_dtype": "mxfp8", "layout": "expert_major"})).model
+    assert _payload_reason(backend_class("reference"), m) is None
+    for name in ("epbench", "epbench-ll", "epbench-hier", "deepep"):
+        try:
+            cls = backend_class(name)
+        except ImportError:
+            continue
+        assert _payload_reason(cls, m) == "does not implement dispatch_dtype mxfp8 (it implements: bf16, fp8)"

@@ -57,7 +57,7 @@ def test_the_chunk_must_match_on_every_rank(monkeypatch):
     be = bare_backend(FakeLib())
     monkeypatch.setattr(hier.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(hier.dist, "all_gather_object", lambda out, v: out.__setitem__(slice(None), [4, 4, 8, 4]))
-    with pytest.raises(ValueError, match=r"EPBENCH_HIER_CHUNK differs between ranks \(\[4, 4, 8, 4\]\)"):
+    with pytest.raises(ValueError, match=r"option chunk \(EPBENCH_HIER_CHUNK\) differs between ranks \(\[4, 4, 8, 4\]\)"):
         be._check_same_chunk()
     monkeypatch.setattr(hier.dist, "all_gather_object", lambda out, v: out.__setitem__(slice(None), [4] * 4))
     be._check_same_chunk()

@@ -77,3 +77,21 @@ def test_plot_of_a_virtual_node_run_draws_the_nic_tier_labelled_virtual(tmp_path
     assert all(_is_png(p) for p in plot_run(run))
     one_node = summarize(df.assign(busbw_nic_gbps=None))
     assert [label for _, label, _ in bus_tiers(one_node)] == ["NVLink busbw"]
+
+
+def test_output_path_names_the_file_that_will_be_written(tmp_path):
+    from epbench.errors import UserError
+    from epbench.plot import output_path
+
+    assert output_path(tmp_path / "ab", False) == tmp_path / "ab.png"  # what matplotlib would write
+    assert output_path(tmp_path / "ab.svg", False) == tmp_path / "ab.svg"
+    (tmp_path / "old.png").write_bytes(b"kept")
+    with pytest.raises(UserError, match="exists; --force overwrites it"):
+        output_path(tmp_path / "old.png", False)
+    assert output_path(tmp_path / "old.png", True) == tmp_path / "old.png"
+    with pytest.raises(UserError, match="unknown image type 'txt'"):
+        output_path(tmp_path / "a.txt", False)
+    (tmp_path / "d.png").mkdir()
+    with pytest.raises(UserError, match="is a folder"):
+        output_path(tmp_path / "d.png", True)
+    assert (tmp_path / "old.png").read_bytes() == b"kept"

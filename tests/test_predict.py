@@ -181,10 +181,12 @@ def test_calibration_skips_unverified_cpu_and_other_dtype_runs(tmp_path):
             scenario_dict(model={"dispatch_dtype": "fp8", "hidden": 256}), "f.yaml"), "epbench")
     with pytest.raises(UserError, match="backend deepep"):
         predict.calibrate([root], tiny(), "deepep")
-    # the default place holding nothing usable: uncalibrated, and it says where it looked
-    c = predict.default_calibration(tiny(), "deepep", root=root)
+    # a table holding nothing usable: uncalibrated, and it says where it looked
+    table = tmp_path / "points.csv"
+    predict.write_points(predict.measured_points(root / "good")[0], table)
+    c = predict.default_calibration(tiny(), "deepep", table=table)
     assert c.source is None and c.nvlink_efficiency == {"dispatch": 1.0, "combine": 1.0}
-    assert "uncalibrated: 100% of nominal" in c.describe() and "runs" in c.describe()
+    assert "uncalibrated: 100% of nominal" in c.describe() and "points.csv" in c.describe()
 
 
 def test_calibration_prefers_newest_among_the_closest_shapes(tmp_path):
@@ -199,18 +201,83 @@ def test_calibration_prefers_newest_among_the_closest_shapes(tmp_path):
 
 
 def test_calibration_reproduces_the_measured_runs_it_came_from():
-    """docs/perf: predicting a measured intranode scenario from its own run gives back the
-    measured time, hot experts included (their receiving side is the busier direction)."""
-    from epbench.results import find_runs, load_run
-
-    runs = find_runs([predict.DEFAULT_CALIBRATION])
-    hot = next(r for r in runs if r.name.endswith("dsv3x4-hot"))
+    """The shipped table: predicting a measured intranode scenario from its own point gives back
+    the measured time, hot experts included (their receiving side is the busier direction:
+    the table's bytes and the model's bytes, rebuilt from the scenario, must agree)."""
     s = scenario.load(SCENARIOS / "dsv3x4-hot.yaml")
-    p = predict.predict(s, predict.calibrate([hot], s, "epbench", sms=16))
-    _, df = load_run(hot)
+    c = predict.default_calibration(s, "epbench", sms=16)
+    assert c.scenario == "dsv3x4-hot" and "20261121T153316Z_dsv3x4-hot" in c.source
+    p = predict.predict(s, c)
     for op in ("dispatch", "combine"):
-        measured = df[(df.backend == "epbench") & (df.op == op) & (df.sms == 16)].time_us.max()
+        measured = next(r["time_us"] for r in predict.read_points()
+                        if r["scenario"] == "dsv3x4-hot" and r["backend"] == "epbench"
+                        and r["sms"] == 16 and r["op"] == op)
         assert p.get("flat", op).time_us == pytest.approx(measured, rel=1e-9)
+
+
+def test_points_written_and_read_back_are_the_same(tmp_path):
+    run = write_run(tmp_path / "r1", {16: (10.14, 12.7), 8: (20.38, 25.5)},
+                    started="2026-01-01T00:00:00+00:00")
+    points, why = predict.measured_points(run)
+    assert why == "" and len(points) == 4
+    predict.write_points(points, tmp_path / "t.csv")
+    back = predict.read_points(tmp_path / "t.csv")
+    assert [{k: r[k] for k in predict.POINT_COLUMNS} for r in back] == \
+        [{k: p[k] for k in predict.POINT_COLUMNS} for p in points]
+    from_table = predict.default_calibration(tiny(), "epbench", table=tmp_path / "t.csv")
+    from_run = predict.calibrate([run], tiny(), "epbench")
+    assert from_table.nvlink_efficiency == from_run.nvlink_efficiency
+    assert from_table.measured_time_us == from_run.measured_time_us
+    assert "t.csv: r1" in from_table.source and from_run.source.endswith("r1")
+
+
+def test_the_shipped_table_names_where_each_point_came_from():
+    rows = predict.read_points()
+    assert rows, "epbench/data/calibration.csv is empty"
+    keys = [(r["run"], r["backend"], r["sms"], r["op"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    for r in rows:
+        assert r["hardware"].startswith("4 x NVIDIA H") and r["started_utc"][:4] == "2026"
+        assert r["time_us"] > 0 and r["nvlink_bytes"] > 0 and r["nvlink_gbps"] > 0
+    pairs = {(run, b, n) for run, b, n, _ in keys}  # both ops of every point
+    assert {(run, b, n, op) for run, b, n in pairs for op in predict.OPS} == set(keys)
+
+
+# Captured from `epbench predict` before its calibration moved from docs/perf/ (the raw runs)
+# to epbench/data/calibration.csv (2026-11-25, e8ed965): the table must predict the same.
+# (scenario, backend, sms, overhead us): (run, sms, efficiency dispatch, combine,
+#                                          hierarchical dispatch/combine us, flat dispatch/combine us)
+BEFORE_THE_TABLE = {
+    ("h100x32", "epbench", None, 0.0): (
+        "20261121T174232Z_h200x4", 32, 0.6849241064106089, 0.7120636242040584,
+        3702.45632, 3702.45632, 7719.81312, 7719.81312),
+    ("dsv3x4-fp8", "epbench", None, 0.0): (
+        "20261121T173640Z_dsv3x4-ll", 32, 0.21427152121984566, 0.4548883015861292,
+        851.9543130482946, 778.2910292702061, 851.9543130482946, 778.2910292702061),
+    ("dsv3x4-ll", "epbench-ll", None, 0.0): (
+        "20261121T174909Z_dsv3x4-ll", 132, 0.4470967856690896, 0.6283553977665296,
+        12.932740408798745, 17.846489132801892, 12.932740408798745, 17.846489132801892),
+    ("gb200nvl36", "epbench", 16, 3.0): (
+        "20261121T174232Z_h200x4", 16, 0.6608611495725644, 0.7003901677949244,
+        850.4145057651816, 802.5876444233872, 850.4145057651816, 802.5876444233872),
+    ("qwen3x8", "reference", None, 0.0): (
+        "20261121T174232Z_h200x4", None, 0.2888609230346758, 0.18845637990054614,
+        1213.9198518270857, 1860.6640384047446, 1213.9198518270857, 1860.6640384047446),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BEFORE_THE_TABLE, key=str))
+def test_the_shipped_table_predicts_what_the_raw_runs_did(case):
+    name, backend, sms, overhead = case
+    run, n, eff_d, eff_c, *times = BEFORE_THE_TABLE[case]
+    s = scenario.load(SCENARIOS / f"{name}.yaml")
+    c = predict.default_calibration(s, backend, sms, overhead)
+    assert run in c.source and c.sms == n
+    assert c.nvlink_efficiency["dispatch"] == pytest.approx(eff_d, rel=1e-9)
+    assert c.nvlink_efficiency["combine"] == pytest.approx(eff_c, rel=1e-9)
+    p = predict.predict(s, c)
+    got = [p.get(a, op).time_us for a in predict.ALGORITHMS for op in predict.OPS]
+    assert got == pytest.approx(times, rel=1e-9)
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -223,7 +290,8 @@ def test_cli_h100x32_prints_the_predicted_table_and_its_calibration():
     for algo in ("hierarchical", "flat"):
         for op in ("dispatch", "combine"):
             assert any(algo in ln and op in ln for ln in lines), (algo, op, r.out)
-    assert "calibration: docs/perf/" in r.out and "backend epbench" in r.out
+    assert "calibration: data/calibration.csv: 20261121T174232Z_h200x4 (4 x NVIDIA H200, " \
+        "2026-11-21)" in r.out and "backend epbench" in r.out
     assert "NVLink efficiency dispatch" in r.out
     assert "NIC efficiency: 100% of 50 GB/s" in r.out and "ASSUMED" in r.out
 
@@ -249,10 +317,15 @@ def test_cli_json_is_written_once_and_never_into_a_results_folder(tmp_path):
     (("--nic-efficiency", "0"), ("--nic-efficiency",)),
     (("--calibrate", "no/such/run"), ("--calibrate", "no/such/run")),
     (("--sms", "0"), ("--sms",)),
-    (("--calibrate", "docs/perf", "--backend", "nope"), ("--calibrate", "backend nope")),
 ])
 def test_cli_bad_options_exit_2_with_one_line(args, needles):
     assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", *args), *needles)
+
+
+def test_cli_calibrate_from_a_run_without_the_backend_exits_2(tmp_path):
+    run = write_run(tmp_path / "run", {16: (10.0, 10.0)})
+    assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", "--calibrate", run,
+                                  "--backend", "nope"), "--calibrate", "backend nope")
 
 
 def test_cli_bad_scenario_exits_2(write_scenario):

@@ -14,6 +14,82 @@ WORLD, EPR, TOPK, HIDDEN = 3, 2, 3, 128
 # (id, weight) slots are not naturally 8-byte aligned
 TOKENS = {"bf16": (6, 9, 0), "fp8": (0, 9, 5)}
 MAX_TOKENS = 9
+# issue 26: (dtype, quantize, layout, align, routing, tokens per rank)
+CASES = [("mxfp8", "before", "rank_major", 1, "uniform", (7, 0, 5)),
+         ("mxfp8", "fused", "rank_major", 1, "zipf", (3, 9, 1)),
+         ("fp8", "fused", "rank_major", 1, "hot", (5, 7, 0)),
+         ("bf16", "before", "expert_major", 1, "zipf", (9, 0, 3)),
+         ("fp8", "before", "expert_major", 128, "uniform", (0, 5, 9)),
+         ("mxfp8", "fused", "expert_major", 128, "hot", (7, 3, 0)),
+         ("mxfp8", "before", "expert_major", 1, "uniform", (1, 9, 5))]
+
+
+def _case_inputs(case, salt):
+    """(what each rank hands to dispatch, what its receivers must get, its bf16 rows)."""
+    from epbench.inputs import dispatch_input, make_tokens, wire_input
+    from epbench.routing import route_rank
+    from epbench.scenario import Routing
+
+    dtype, quantize, _, _, kind, tokens = case
+    out = []
+    for s, t in enumerate(tokens):
+        r = route_rank(Routing(kind=kind, seed=13, hot_fraction=0.2, hot_multiplier=3.0), t, TOPK,
+                       WORLD * EPR, s)
+        x = make_tokens(t, HIDDEN, 13, s, salt, torch.device("cpu"))
+        inp = dispatch_input(x, r, dtype, torch.device("cpu"), quantize)
+        out.append((inp, wire_input(inp, dtype), x))
+    return out
+
+
+def _run_case(rank, case):
+    """One issue-26 case on this rank: verify.py's checks plus an independent loop over the
+    expert segments; a corrupted segment row must be caught."""
+    from epbench.backends.base import RankSetup
+    from epbench.backends.reference import ReferenceBackend
+    from epbench.inputs import expert_output
+    from epbench.verify import check_combine, check_dispatch, check_ll_combine, em_expert_output
+
+    dtype, quantize, lay, align, _, _ = case
+    setup = RankSetup(rank=rank, world=WORLD, gpus_per_node=WORLD, device=torch.device("cpu"),
+                      hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS, topk=TOPK, experts_per_rank=EPR,
+                      dispatch_dtype=dtype, quantize=quantize, layout=lay, align=align)
+    be = ReferenceBackend(setup)
+    r = {}
+    for salt in (1, 2):
+        ins = _case_inputs(case, salt)
+        be.poison()
+        out = be.dispatch(ins[rank][0], 0)
+        d = check_dispatch(out, rank, WORLD, EPR, lambda s: ins[s][1], source_of=lambda s: ins[s][2])
+        em = out.expert_major
+        segs_ok = True
+        if em is not None:  # by loops: expert e's rows, (source, token) order, from its offset
+            for e in range(EPR):
+                want = [ins[s][1].x[t].view(torch.uint8) for s in range(WORLD)
+                        for t in range(ins[s][1].num_tokens) if rank * EPR + e in ins[s][1].topk_idx[t].tolist()]
+                off = int(em.offsets[e])
+                segs_ok &= off % align == 0 and int(em.counts[e]) == len(want) and all(
+                    torch.equal(out.x[off + i].view(torch.uint8), w) for i, w in enumerate(want))
+            y = be.combine_input(out)
+            y.copy_(em_expert_output(out.x[: y.shape[0]], out.x_scales[: y.shape[0]]
+                                     if out.x_scales is not None else None, em, rank * EPR))
+        else:
+            n = int(out.num_recv)
+            be.combine_input(out)[:n].copy_(expert_output(out.x[:n], out.x_scales[:n]
+                                                          if out.x_scales is not None else None, rank))
+        got = be.combine(out, 0)
+        wire = ins[rank][1]
+        c = check_ll_combine(got, wire) if em is not None else check_combine(got, wire, WORLD, EPR)
+        corrupt = 0
+        if em is not None and int(em.counts.sum()):
+            e = next(i for i in range(EPR) if int(em.counts[i]))
+            out.x[int(em.offsets[e])].view(torch.uint8).bitwise_xor_(0x11)
+            corrupt = check_dispatch(out, rank, WORLD, EPR, lambda s: ins[s][1]).wrong
+        r[f"salt{salt}"] = {"dispatch_wrong": d.wrong, "problem": d.first_problem, "segments_ok": bool(segs_ok),
+                            "combine_wrong": c.wrong, "combine_problem": c.first_problem,
+                            "combine_shape": list(got.shape), "corrupt_wrong": corrupt,
+                            "pairs": int(em.counts.sum()) if em is not None else None}
+    be.close()
+    return r
 
 
 def _inputs(dtype, salt):
@@ -79,6 +155,8 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
                     "combine_shape": list(got.shape), "combine_corrupted_wrong": cb.wrong}
             be.close()
             report[dtype] = r
+        for i, case in enumerate(CASES):
+            report[f"case{i}"] = _run_case(rank, case)
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
@@ -138,3 +216,22 @@ def test_a_wrong_expert_output_is_caught_at_its_source(reports):
         assert sum(wrong) == 1, wrong
     assert reports[2]["bf16"]["iter0"]["combine_corrupted_wrong"] == 0  # rank 2 sent nothing
     assert reports[0]["fp8"]["iter0"]["combine_corrupted_wrong"] == 0  # nor did rank 0 in fp8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(CASES)), ids=["-".join(map(str, c[:4])) + "-" + c[4] for c in CASES])
+def test_quantized_and_expert_major_cases(reports, i):
+    """mxfp8 / fused / expert-major (issue 26): bit-exact against the reference quantizer, within
+    the format's error of the bf16 rows, segments in order at aligned offsets, combine right."""
+    case = CASES[i]
+    for rank, rep in enumerate(reports):
+        for salt in ("salt1", "salt2"):
+            r = rep[f"case{i}"][salt]
+            assert r["dispatch_wrong"] == 0, r["problem"]
+            assert r["segments_ok"]
+            assert r["combine_wrong"] == 0, r["combine_problem"]
+            assert r["combine_shape"] == [case[5][rank], HIDDEN]
+            if r["pairs"]:
+                assert r["corrupt_wrong"] >= 1
+    if case[2] == "expert_major":
+        assert sum(rep[f"case{i}"]["salt1"]["pairs"] for rep in reports) > 0

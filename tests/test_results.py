@@ -130,7 +130,7 @@ def test_find_runs(tmp_path):
     (tmp_path / "stray").mkdir()
     assert results.find_runs([tmp_path]) == sorted([a, b])
     assert results.find_runs([a]) == [a]
-    with pytest.raises(UserError, match="no results folders"):
+    with pytest.raises(UserError, match="no readable results folders"):
         results.find_runs([tmp_path / "stray"])
     with pytest.raises(UserError, match="no such file or folder"):
         results.find_runs([tmp_path / "missing"])
@@ -140,3 +140,74 @@ def test_run_dir_names_differ_without_a_frozen_clock(tmp_path):
     names = {results.new_run_dir(tmp_path, "s").name for _ in range(5)}
     assert len(names) == 5
     assert len(os.listdir(tmp_path)) == 5
+
+
+# -- reading a results root that holds broken runs ----------------------------------------------
+
+def _run(path, rows=(ROW,)):
+    w = results.RunWriter(path, {"scenario": {"name": path.name}})
+    w.add([dict(r) for r in rows], [SAMPLE])
+    w.finish("complete")
+    return path
+
+
+def test_find_runs_searches_every_depth_and_not_inside_runs(tmp_path):
+    top = _run(tmp_path / "top")
+    deep = _run(tmp_path / "a" / "b" / "c" / "deep")
+    _run(top / "plots" / "not-searched")  # a run's own sub-folders are not searched
+    (tmp_path / "a" / "link").symlink_to(tmp_path, target_is_directory=True)  # no loop
+    assert results.find_runs([tmp_path]) == [deep, top]
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: (d / "meta.json").write_text('{"scenario": {"na'), "meta.json: not valid JSON"),
+    (lambda d: (d / "meta.json").write_text("[1, 2]"), "not a JSON object"),
+    (lambda d: (d / "meta.json").write_bytes(b"\xff\xfe{}"), "not UTF-8"),
+    (lambda d: (d / "meta.json").write_text("[" * 100_000 + "]" * 100_000), "meta.json: unreadable"),
+    (lambda d: (d / "results.csv").write_text((d / "results.csv").read_text()[:-9]), "truncated"),
+    (lambda d: (d / "results.csv").write_text("backend,op\nreference\n"), "line 2 has 1 fields"),
+    (lambda d: (d / "results.csv").write_text("backend,op\nreference,dispatch\n"), "lacks the column sms"),
+    (lambda d: (d / "results.csv").write_text('a,b\n"x,1\n'), "truncated or corrupt"),
+    (lambda d: (d / "results.csv").mkdir() if (d / "results.csv").unlink() is None else None,
+     "results.csv"),
+], ids=["meta-cut", "meta-list", "meta-binary", "meta-deep", "csv-cut", "csv-short-row",
+        "csv-no-column", "csv-open-quote", "csv-a-folder"])
+def test_a_broken_run_is_one_user_error_and_skipped_in_a_walk(tmp_path, damage, needle):
+    good = _run(tmp_path / "root" / "good")
+    bad = _run(tmp_path / "root" / "nested" / "bad")
+    damage(bad)
+    with pytest.raises(UserError, match=needle.replace("(", r"\(")) as e:
+        results.load_run(bad)
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    warnings = []
+    found = results.load_runs([tmp_path / "root"], warnings.append)
+    assert [d for d, _, _ in found] == [good]
+    assert len(warnings) == 1 and str(bad) in warnings[0] and needle.split(" (")[0] in warnings[0]
+    with pytest.raises(UserError):  # named directly, it is an error, not a warning
+        results.load_runs([bad], warnings.append)
+
+
+def test_load_runs_bad_paths(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(UserError, match="a file, not a folder"):
+        results.load_runs([f])
+    with pytest.raises(UserError, match="no such file or folder"):
+        results.load_runs([tmp_path / "missing"])
+
+
+def test_a_run_folder_is_claimed_once(tmp_path):
+    d = results.claim_run_dir(tmp_path / "deep" / "run")
+    assert d.is_dir() and not any(d.iterdir())
+    with pytest.raises(UserError, match="exists already"):
+        results.claim_run_dir(d)
+    with pytest.raises(UserError, match="exists already"):
+        results.check_new_run_dir(tmp_path, d)
+    results.RunWriter(d, {})  # the claimed, empty folder is the run's
+    with pytest.raises(UserError, match="already holds results"):  # a second writer is refused
+        results.RunWriter(d, {})
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="not a folder"):
+        results.check_new_run_dir(tmp_path / "f", None)
+    with pytest.raises(UserError, match="not a folder"):
+        results.new_run_dir(tmp_path / "f", "s")

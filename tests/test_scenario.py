@@ -186,3 +186,42 @@ def test_maybe_int_list():
     for bad in ("a,b", "0", "4,-8", "", ","):
         with pytest.raises(UserError, match="^--sms: "):
             scenario.maybe_int_list(bad, "--sms")
+
+
+def test_shown_is_bounded_for_any_value():
+    shared = ["lol"] * 9
+    for _ in range(8):
+        shared = [shared] * 9  # 9^9 leaves, all shared: a full repr would never finish
+    for value in (shared, "x" * 10_000_000, "a\nb\0c", 10**4000, {i: i for i in range(10**5)}):
+        text = scenario.shown(value)
+        assert len(text) <= 80 and text.isprintable()
+
+
+def test_check_fits_compares_memory_per_rank():
+    s = scenario.parse(scenario_dict(), "four.yaml")
+    need = scenario.min_bytes_per_rank(s)
+    assert need == 16 * 512 * 2 + 4 * 16 * 512  # own tokens in and out, every rank's tokens received
+    scenario.check_fits(s, 4, "this host", need)
+    with pytest.raises(UserError, match=r"^four.yaml: model: needs at least .* GiB per rank"):
+        scenario.check_fits(s, 4, "this host", need - 1)
+    with pytest.raises(UserError, match="tokens_per_rank 1024"):
+        scenario.check_fits(s, 4, "this host", need * 10, tokens_per_rank=1024)
+    ll = scenario.parse(scenario_dict(mode="low_latency"), "ll.yaml")
+    assert scenario.min_bytes_per_rank(ll) == 16 * 512 * 2 + 4 * 4 * 16 * 512  # padded per expert
+
+
+def test_a_name_from_an_odd_file_name_is_made_a_token():
+    s = scenario.parse(scenario_dict(), "/tmp/my scenario (v2).yaml")
+    assert s.name == "my_scenario__v2_"
+    assert scenario.parse(scenario_dict(), "/tmp/.hidden.yaml").name == "hidden"
+
+
+def test_load_limits_are_checked_on_the_composed_tree(tmp_path):
+    p = tmp_path / "aliases.yaml"
+    # a chain of anchors, each a list of the one before: deep only through aliases
+    p.write_text("".join(f"a{i}: &a{i} [*a{i - 1}]\n" if i else "a0: &a0 [1]\n" for i in range(40)))
+    with pytest.raises(UserError, match="nested more than 32 levels deep"):
+        scenario.load(p)
+    p.write_text("a: &a [1, 2]\nb: [*a, *a, *a]\n")  # shared, small: it is the unknown key that stops it
+    with pytest.raises(UserError, match="a: unknown key"):
+        scenario.load(p)

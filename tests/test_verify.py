@@ -188,3 +188,36 @@ def test_combine_wrong_shape(case):
     ins, _ = case
     got = hand_combine(ins[ME])[:-1]
     assert check_combine(got, ins[ME], WORLD, EPR).wrong >= 1
+
+
+# ---- issue 26: quantized payloads and the expert-major layout ----
+
+def test_quantization_error_rows_flags_rows_off_the_source():
+    from epbench.mxfp8 import quantize
+    from epbench.verify import quantization_error_rows
+
+    x = make_tokens(6, 64, 5, 0, 3, CPU)
+    q, s = quantize(x)
+    assert quantization_error_rows(q, s, x) == 0
+    q.view(torch.uint8)[2, 7] ^= 0x08  # one element off by a few ulps
+    assert quantization_error_rows(q, s, x) == 1
+    f8 = inputs_of("fp8")[0]
+    assert quantization_error_rows(f8.x, f8.x_scales, make_tokens(5, HIDDEN, 5, 0, 1, CPU)) == 0
+
+
+def test_expert_major_segments_are_checked():
+    from epbench.layout import expert_major
+    from epbench.verify import check_segments
+
+    ins = inputs_of("bf16")
+    out = hand_dispatch(ins)
+    n = int(out.num_recv)
+    table, sm = expert_major(out.topk_idx[:n], ME, EPR, 16)
+    x = torch.full((64, HIDDEN), float("nan")).to(torch.bfloat16)
+    x[sm.slot] = out.x[sm.row]
+    assert check_segments(table, x, None, ME, WORLD, EPR, lambda s: ins[s]).wrong == 0
+    bad = x.clone()
+    bad[int(sm.slot[-1])] += 1
+    assert check_segments(table, bad, None, ME, WORLD, EPR, lambda s: ins[s]).wrong == 1
+    table.offsets = table.offsets + 1  # unaligned
+    assert check_segments(table, x, None, ME, WORLD, EPR, lambda s: ins[s]).wrong >= 1

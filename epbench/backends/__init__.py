@@ -41,9 +41,3 @@ def load_backend(name: str) -> Tuple[Optional[Type["Backend"]], Optional[str]]:
         return backend_class(name), None
     except ImportError as e:
         return None, f"cannot import: {e}"
-
-
-def check_names(names) -> None:
-    for n in names:
-        if n not in REGISTRY:
-            raise UserError(f"backend {n!r}: unknown (known: {', '.join(REGISTRY)})")

@@ -8,7 +8,9 @@ Semantics shared by all backends (the verification in epbench/verify.py checks t
 
 dispatch
     Each rank holds ``x`` (``[T, hidden]``; bf16, or fp8 e4m3 with ``x_scales``
-    ``[T, hidden // 128]`` float32), ``topk_idx`` (``[T, topk]`` int64 global expert ids;
+    ``[T, hidden // 128]`` float32, or mxfp8: e4m3 with ``x_scales`` ``[T, hidden // 32]`` uint8
+    E8M0 bytes, epbench/mxfp8.py; with ``quantize: fused`` ``x`` is bf16 and the receivers get the
+    quantized rows), ``topk_idx`` (``[T, topk]`` int64 global expert ids;
     rank ``r`` owns experts ``[r * experts_per_rank, (r + 1) * experts_per_rank)``) and
     ``topk_weights`` (``[T, topk]`` float32). A token goes once to every rank that holds at
     least one of its experts. The receiver gets rows ``[0, num_recv)`` of a buffer ordered by
@@ -71,9 +73,12 @@ class RankSetup:
     max_tokens_per_rank: int  # the largest T any rank will pass to dispatch
     topk: int
     experts_per_rank: int
-    dispatch_dtype: str  # "bf16" | "fp8"
+    dispatch_dtype: str  # "bf16" | "fp8" | "mxfp8"
     timeout_s: float = 10.0  # a kernel waiting on a peer gives up after this long
     mode: str = "normal"  # "normal" | "low_latency": which buffers the backend allocates
+    quantize: str = "before"  # "fused": dispatch gets bf16 rows and delivers dispatch_dtype rows
+    layout: str = "rank_major"  # "expert_major": x / x_scales grouped by local expert (layout.py)
+    align: int = 1  # expert_major: rows per segment rounded up to a multiple of this
 
     def __post_init__(self) -> None:
         # The kernels turn this into integer nanoseconds: inf, nan or a huge value would not fit.
@@ -119,6 +124,9 @@ class DispatchOutput:
     expert_counts: torch.Tensor  # [experts_per_rank] integer
     num_recv: Union[int, torch.Tensor]
     handle: Any = None  # backend-private layout kept for combine
+    # layout expert_major: x / x_scales hold the segments of this epbench.layout.ExpertMajor
+    # table (topk_idx / topk_weights stay one row per (source, token) received, as above)
+    expert_major: Any = None
 
 
 @dataclass
@@ -165,6 +173,10 @@ class Backend(ABC):
     # True: the low-latency calls allocate nothing, never wait on the host and keep their
     # per-call state (epochs) on the device, so a captured CUDA graph of them can be replayed.
     supports_cuda_graphs: ClassVar[bool] = False
+    # payload features this backend implements (scenario model.dispatch_dtype / quantize / layout)
+    dtypes: ClassVar[Tuple[str, ...]] = ("bf16", "fp8")
+    quantize_modes: ClassVar[Tuple[str, ...]] = ("before",)
+    layouts: ClassVar[Tuple[str, ...]] = ("rank_major",)
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -176,6 +188,11 @@ class Backend(ABC):
 
     @abstractmethod
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput: ...
+
+    def effective_config(self) -> Dict[str, Any]:
+        """The options this backend ran with, after any clamp or fallback of its kernels (epbench/options.py
+        names them); read after the last call of a point and written into its rows. Empty: no options."""
+        return {}
 
     def prepare_input(self, inp: DispatchInput) -> DispatchInput:
         """The input to time ``dispatch`` with, prepared outside the timed region (once per point).

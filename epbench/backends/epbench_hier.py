@@ -1,4 +1,4 @@
-"""The ``epbench-hier`` backend: epbench's hierarchical dispatch/combine (csrc/nvshmem/hier.cu).
+"""The ``epbench-hier`` backend: epbench's hierarchical dispatch/combine (csrc/nvshmem/hier_*.cu).
 
 For ``nodes x gpus_per_node`` ranks: a token crosses the network at most once per destination
 node, to the GPU with its own local rank there (same rail), which forwards it over NVLink to the
@@ -10,12 +10,12 @@ on virtual nodes of one host, where NVSHMEM carries that tier over NVLink (label
 Semantics, buffers and no-host-sync rules as in base.py: every buffer is in NVSHMEM's symmetric
 heap or device memory allocated once in the constructor.
 
-Knobs (constructor arguments; the environment is the default; defaults chosen by measurement,
-notes/NVSHMEM.md):
-  EPBENCH_HIER_SEND_SHARE  share of the num_sms blocks that send rows (dispatch) or partials (combine)
+Backend options (epbench/options.py: scenario ``backend_options: {epbench-hier: {...}}``, ``--option``,
+constructor arguments, or the environment variable named; defaults chosen by measurement, notes/NVSHMEM.md):
+  send_share (EPBENCH_HIER_SEND_SHARE)  share of the num_sms blocks that send rows (dispatch) or partials (combine)
                            to other nodes; the rest forward over NVLink / finish tokens (default 0.5)
-  EPBENCH_HIER_CHUNK       rows per put and per signal (default 4)
-  EPBENCH_HIER_TRANSPORT   how rows (dispatch) and partials (combine) reach a rail peer that NVLink
+  chunk (EPBENCH_HIER_CHUNK)       rows per put and per signal (default 4)
+  transport (EPBENCH_HIER_TRANSPORT)   how rows (dispatch) and partials (combine) reach a rail peer that NVLink
                            reaches (virtual nodes, one NVLink domain): put = pack locally, then NVSHMEM
                            put-with-signal (the only way over a real network); direct = SM stores in place,
                            then an NVSHMEM signal; auto (default) = put for dispatch, direct for combine
@@ -25,14 +25,13 @@ notes/NVSHMEM.md):
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from epbench import cuda_lib, nvshmem_lib
+from epbench import cuda_lib, nvshmem_lib, options
 from epbench.launch import mps_active
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
@@ -105,21 +104,24 @@ class EpbenchHierBackend(Backend):
             return str(e)
         return None
 
+    def effective_config(self) -> Dict[str, Any]:
+        return {"send_share": self.send_share, "chunk": self.chunk, "transport": self.transport}
+
     def __init__(self, setup: RankSetup, *, send_share: Optional[float] = None,
                  chunk: Optional[int] = None, transport: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-hier backend unavailable: {reason}")
         self.s = setup
-        self.send_share = float(send_share if send_share is not None
-                                else os.environ.get("EPBENCH_HIER_SEND_SHARE", DEFAULT_SEND_SHARE))
-        self.chunk = int(chunk if chunk is not None else os.environ.get("EPBENCH_HIER_CHUNK", DEFAULT_CHUNK))
+        given = {k: v for k, v in (("send_share", send_share), ("chunk", chunk), ("transport", transport))
+                 if v is not None}
+        resolved = options.resolve(self.name, given)
+        self.send_share, self.chunk = float(resolved["send_share"]), int(resolved["chunk"])
+        self.transport = resolved["transport"]
         if not 0.0 < self.send_share < 1.0 or not 1 <= self.chunk <= 1024:
-            raise ValueError(f"EPBENCH_HIER_SEND_SHARE must be in (0, 1) and EPBENCH_HIER_CHUNK in 1..1024, "
-                             f"got {self.send_share} and {self.chunk}")
-        self.transport = transport or os.environ.get("EPBENCH_HIER_TRANSPORT", "auto")
+            raise ValueError(f"send_share must be in (0, 1) and chunk in 1..1024, got {self.send_share} and {self.chunk}")
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"EPBENCH_HIER_TRANSPORT must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         self._check_same_chunk()
         self.nodes = setup.world // setup.gpus_per_node
         self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
@@ -146,7 +148,7 @@ class EpbenchHierBackend(Backend):
             chunks: List[Any] = [None] * self.s.world
             dist.all_gather_object(chunks, self.chunk)
             if len(set(chunks)) > 1:
-                raise ValueError(f"EPBENCH_HIER_CHUNK differs between ranks ({chunks}): set it the same on every node")
+                raise ValueError(f"option chunk (EPBENCH_HIER_CHUNK) differs between ranks ({chunks}): set it the same on every node")
 
     def _region(self, which: int) -> torch.Tensor:
         return cuda_lib.region_tensor(self._lib.eph_region, self._ctx, which, self.device)

@@ -12,8 +12,9 @@ in the constructor. The kernels keep their epochs in device memory, so a capture
 either call can be replayed (``supports_cuda_graphs``).
 
 The grid is ``num_sms`` blocks (at most the GPU's SM count: the receive phases need every block
-resident) of ``warps`` warps (constructor argument, default from EPBENCH_LL_WARPS, else 16).
-EPBENCH_LL_COMBINE_CHUNK=2|4 picks combine's work-unit chunk (1 or 2 KiB of a row; default 4).
+resident) of ``warps`` warps; ``combine_chunk`` 2|4 picks combine's work-unit chunk (1 or 2 KiB of a
+row). Both are backend options (epbench/options.py: defaults 16 and 4, env EPBENCH_LL_WARPS /
+EPBENCH_LL_COMBINE_CHUNK).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
 figures in notes/KERNELS.md, "Low-latency mode".
@@ -22,18 +23,16 @@ figures in notes/KERNELS.md, "Low-latency mode".
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
-from epbench import cuda_lib
+from epbench import cuda_lib, options
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
 from epbench.backends.epbench_kernels import intranode_reason
 from epbench.backends.kernel_common import release_collective
 
-DEFAULT_WARPS = 16
 MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kernel stages (ll_buffers.cu)
 
 
@@ -60,12 +59,14 @@ class EpbenchLowLatencyBackend(Backend):
                 f"tokens_per_rank x topk > {MAX_STAGED_IDS} (low-latency batches only)"
         return intranode_reason(setup)
 
-    def __init__(self, setup: RankSetup, *, warps: Optional[int] = None) -> None:
+    def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-ll backend unavailable: {reason}")
         self.s = setup
-        self.warps = warps if warps is not None else int(os.environ.get("EPBENCH_LL_WARPS", DEFAULT_WARPS))
+        resolved = options.resolve(self.name, {k: v for k, v in (("warps", warps), ("combine_chunk", combine_chunk))
+                                               if v is not None})
+        self.warps, self.combine_chunk = resolved["warps"], resolved["combine_chunk"]
         self._lib = cuda_lib.load()
         self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
                                    else torch.cuda.current_device())
@@ -122,18 +123,32 @@ class EpbenchLowLatencyBackend(Backend):
         return LowLatencyOutput(self.x, self.x_scales, self.counts, self.src_counts, self.src_pair,
                                 self.s.max_tokens_per_rank, handle)
 
+    def effective_config(self) -> Dict[str, Any]:
+        return {"warps": self.warps, "combine_chunk": self.combine_chunk}
+
     def ll_combine_input(self, out: LowLatencyOutput) -> torch.Tensor:
         return self.combine_in
 
     def ll_combine(self, out: LowLatencyOutput, num_sms: int) -> torch.Tensor:
         h: _Handle = out.handle
         rc = self._lib.ep_ll_combine(self._ctx, h.topk_idx.data_ptr(), h.num_tokens, num_sms, self.warps,
-                                     self._stream())
+                                     self.combine_chunk, self._stream())
         if rc:
             cuda_lib.check(rc, "ll_combine")
         if self._timed_out.value:
             self._raise_if_timed_out()
         return h.out
+
+    def set_probe(self, stamps: Optional[torch.Tensor], variant: int = 0) -> None:
+        """Measuring aid (epbench/llprobe.py): later launches and captures store per-block phase
+        stamps into ``stamps`` (int64 [num_sms, 8] on this device; None: off) and run with the
+        LL_VARIANT_* bits ``variant`` (0: the default kernels)."""
+        ptr = stamps.data_ptr() if stamps is not None else None
+        cuda_lib.check(self._lib.ep_ll_set_probe(self._ctx, ptr, variant), "ep_ll_set_probe")
+
+    def probe_kernel(self, mode: int, num_sms: int) -> None:
+        """One launch of the fixed-cost probe kernel (csrc/api.h, ep_ll_probe) on the current stream."""
+        cuda_lib.check(self._lib.ep_ll_probe(self._ctx, mode, num_sms, self.warps, self._stream()), "ep_ll_probe")
 
     # ---- normal mode: not implemented by these kernels ----
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:

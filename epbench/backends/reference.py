@@ -5,6 +5,12 @@ on CPUs it runs over gloo. It is timed as a user would call it: the layout (whic
 where), the exchange of counts, a host synchronisation to learn the split sizes, the gathers
 and the ``all_to_all_single`` calls with uneven splits. Output buffers are allocated once.
 
+mxfp8 / ``quantize: fused``: the rows are cast by the torch reference quantizer inside the timed
+dispatch, on the sender (the link carries quantized rows). ``layout: expert_major``: after the
+exchange the received rows are gathered (index_select) into per-expert segments padded to
+``align`` rows; combine weighs and sums each token's expert outputs per received row straight
+from the segments, sends one bf16 row per (token, rank) back and the source adds them.
+
 Low-latency mode: the same user-level path, one row per (token, expert) pair. The source
 sorts its pairs by expert (which groups them by destination rank), sends them with one uneven
 ``all_to_all_single`` after a count exchange and a host synchronisation, and the receiver
@@ -22,6 +28,8 @@ import torch.distributed as dist
 
 from epbench.backends.base import (Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup,
                                    ll_slots)
+from epbench.inputs import quantize
+from epbench.layout import SlotMap, expert_major, slot_capacity
 from epbench.metrics import row_bytes
 from epbench.routing import copy_weights, dest_mask
 
@@ -35,6 +43,7 @@ class _Layout:
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     num_recv: int
+    slots: Optional[SlotMap] = None  # expert_major: where each (received row, expert) pair went
 
 
 @dataclass
@@ -47,10 +56,22 @@ class _LowLatencyLayout:
     num_tokens: int
 
 
+def _words(col: torch.Tensor) -> torch.Tensor:
+    """A byte-column slice of packed rows viewed as the widest integers its offset and width
+    allow: a byte-typed gather moves one byte per element."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if col.storage_offset() % size == 0 and col.shape[1] % size == 0:
+            return col.view(dtype)
+    return col
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     uses_sms = False
     modes = ("normal", "low_latency")
+    dtypes = ("bf16", "fp8", "mxfp8")
+    quantize_modes = ("before", "fused")
+    layouts = ("rank_major", "expert_major")
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -71,9 +92,9 @@ class ReferenceBackend(Backend):
         cap = setup.world * setup.max_tokens_per_rank
         h, k = setup.hidden, setup.topk
         # One packed row per token copy, so that one all_to_all moves everything:
-        # [expert ids int64 x k | weights f32 x k | fp8 scales f32 (fp8 only) | payload | pad]
+        # [expert ids int64 x k | weights f32 x k | scales (fp8: f32, mxfp8: E8M0 bytes) | payload | pad]
         self.meta_bytes = 12 * k
-        self.x_bytes = h if setup.dispatch_dtype == "fp8" else 2 * h
+        self.x_bytes = 2 * h if setup.dispatch_dtype == "bf16" else h
         self.scale_bytes = row_bytes(setup.dispatch_dtype, h) - self.x_bytes
         used = self.meta_bytes + self.scale_bytes + self.x_bytes
         self.row = (used + 15) // 16 * 16  # keeps every field's view aligned
@@ -81,11 +102,29 @@ class ReferenceBackend(Backend):
         self.send = torch.zeros(setup.max_tokens_per_rank, self.row, dtype=torch.uint8, device=dev)
         self.send_rows = torch.empty(cap, self.row, dtype=torch.uint8, device=dev)
         self.recv = torch.empty(cap, self.row, dtype=torch.uint8, device=dev)
-        self.combine_in = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
         self.combine_back = torch.empty(cap, 2 * h, dtype=torch.uint8, device=dev)
         self.acc = torch.empty(setup.max_tokens_per_rank, h, dtype=torch.float32, device=dev)
         self.out = torch.empty(setup.max_tokens_per_rank, h, dtype=torch.bfloat16, device=dev)
         self.recv_counts = torch.empty(setup.world, dtype=torch.int64, device=dev)
+        self.expert_major = setup.layout == "expert_major"
+        if self.expert_major:  # received rows permuted into per-expert segments (epbench/layout.py)
+            slots = slot_capacity(setup.world, setup.max_tokens_per_rank, k, setup.experts_per_rank,
+                                  setup.align)
+            self.em_x = torch.empty(slots, self.x_bytes, dtype=torch.uint8, device=dev)
+            self.em_scales = torch.empty(slots, self.scale_bytes, dtype=torch.uint8, device=dev)
+            self.em_stage = torch.empty(slots, self.x_bytes, dtype=torch.uint8, device=dev)
+            self.recv_acc = torch.empty(cap, h, dtype=torch.float32, device=dev)
+            self.recv_back = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
+            self.combine_in = torch.empty(slots, h, dtype=torch.bfloat16, device=dev)
+        else:
+            self.combine_in = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
+
+    def _typed(self, scales: torch.Tensor, x: torch.Tensor):
+        """Byte columns as the dispatch dtype's (scales, x) tensors."""
+        dtype = self.s.dispatch_dtype
+        if dtype == "bf16":
+            return None, x.view(torch.bfloat16)
+        return scales.view(torch.float32 if dtype == "fp8" else torch.uint8), x.view(torch.float8_e4m3fn)
 
     def _fields(self, rows: torch.Tensor):
         """Typed views (ids, weights, scales, x) of packed rows."""
@@ -93,13 +132,18 @@ class ReferenceBackend(Backend):
         m, sc = self.meta_bytes, self.scale_bytes
         ids = rows[:, : 8 * k].view(torch.int64)
         weights = rows[:, 8 * k: m].view(torch.float32)
-        scales = rows[:, m: m + sc].view(torch.float32) if sc else None
-        x = rows[:, m + sc: m + sc + self.x_bytes]
-        x = x.view(torch.float8_e4m3fn) if self.s.dispatch_dtype == "fp8" else x.view(torch.bfloat16)
-        return ids, weights, scales, x
+        return (ids, weights) + self._typed(rows[:, m: m + sc], rows[:, m + sc: m + sc + self.x_bytes])
+
+    def _quantized(self, inp: DispatchInput) -> DispatchInput:
+        """quantize: fused on the reference is the separate torch cast, inside the timed call,
+        on the sender: the link carries the quantized rows, as with a fused kernel."""
+        if self.s.quantize != "fused":
+            return inp
+        return DispatchInput(*quantize(inp.x, self.s.dispatch_dtype), inp.topk_idx, inp.topk_weights)
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         s = self.s
+        inp = self._quantized(inp)
         t = inp.num_tokens
         mask = dest_mask(inp.topk_idx, s.experts_per_rank, s.world)
         dest_of_copy, token_of_copy = mask.t().nonzero(as_tuple=True)  # sorted by (dest, token)
@@ -127,21 +171,64 @@ class ReferenceBackend(Backend):
         counts = torch.bincount(torch.where(hit, local, other).flatten(), minlength=other + 1)[:other]
         layout = _Layout(send_splits, recv_splits, token_of_copy, dest_of_copy,
                          inp.topk_idx, inp.topk_weights, n)
+        if self.expert_major:
+            return self._permute(recv, ids, weights, layout)
         return DispatchOutput(x, scales, ids, weights, counts, n, layout)
 
+    def _permute(self, recv: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 layout: "_Layout") -> DispatchOutput:
+        """Rank-major received rows -> expert segments: one gather per field (index_select),
+        plus a scatter to the padded slots where align > 1."""
+        s = self.s
+        table, slots = expert_major(ids, s.rank, s.experts_per_rank, s.align)
+        m, sc = self.meta_bytes, self.scale_bytes
+        pairs = slots.row.numel()
+        for col, buf in ((recv[:, m + sc: m + sc + self.x_bytes], self.em_x),
+                         (recv[:, m: m + sc], self.em_scales)):
+            if not col.shape[1]:
+                continue
+            src = _words(col)
+            dst = buf.view(src.dtype)
+            if s.align == 1:  # slots are 0 .. pairs - 1 in order
+                torch.index_select(src, 0, slots.row, out=dst[:pairs])
+            else:
+                stage = self.em_stage.view(-1)[: pairs * col.shape[1]].view(src.dtype).view(pairs, -1)
+                torch.index_select(src, 0, slots.row, out=stage)
+                dst.index_copy_(0, slots.slot, stage)
+        scales, x = self._typed(self.em_scales, self.em_x)
+        layout.slots = slots
+        return DispatchOutput(x, scales, ids, weights, table.counts, layout.num_recv, layout, table)
+
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        if self.expert_major:
+            return self.combine_in[: int(out.expert_major.num_slots)]
         return self.combine_in[: out.handle.num_recv]
+
+    def _reduce_local(self, out: DispatchOutput) -> torch.Tensor:
+        """Expert-major combine, receiver side: each valid slot's expert output times the token's
+        weight for that expert, summed per received row in fp32 straight from the segments,
+        rounded once to bf16 for the way back."""
+        lay, sl = out.handle, out.handle.slots
+        w = out.topk_weights[sl.row, sl.k]
+        acc = self.recv_acc[: lay.num_recv].zero_()
+        acc.index_add_(0, sl.row, self.combine_in.index_select(0, sl.slot).float().mul_(w.unsqueeze(1)))
+        back = self.recv_back[: lay.num_recv]
+        back.copy_(acc)
+        return back
 
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         s, lay = self.s, out.handle
         t = lay.topk_idx.shape[0]
         sent = self.combine_back[: lay.token_of_copy.numel()]
-        y = self.combine_in[: lay.num_recv].view(torch.uint8)
+        y = (self._reduce_local(out) if self.expert_major else self.combine_in[: lay.num_recv]).view(torch.uint8)
         dist.all_to_all_single(sent, y, lay.send_splits, lay.recv_splits)
-        w = copy_weights(lay.topk_idx, lay.topk_weights, s.experts_per_rank, s.world)
-        w_copy = w[lay.token_of_copy, lay.dest_of_copy]
         acc = self.acc[:t].zero_()
-        acc.index_add_(0, lay.token_of_copy, sent.view(torch.bfloat16).float().mul_(w_copy.unsqueeze(1)))
+        if self.expert_major:  # the weights were applied per expert on the receiver
+            acc.index_add_(0, lay.token_of_copy, sent.view(torch.bfloat16).float())
+        else:
+            w = copy_weights(lay.topk_idx, lay.topk_weights, s.experts_per_rank, s.world)
+            w_copy = w[lay.token_of_copy, lay.dest_of_copy]
+            acc.index_add_(0, lay.token_of_copy, sent.view(torch.bfloat16).float().mul_(w_copy.unsqueeze(1)))
         out_rows = self.out[:t]
         out_rows.copy_(acc)
         return out_rows
@@ -251,5 +338,10 @@ class ReferenceBackend(Backend):
             self.ll_out.fill_(float("nan"))
             return
         self.recv.fill_(0xFF)
+        if self.expert_major:
+            self.em_x.fill_(0xFF)
+            self.em_scales.fill_(0xFF)
+            self.recv_acc.fill_(float("nan"))
+            self.recv_back.fill_(float("nan"))
         self.combine_back.fill_(0xFF)
         self.out.fill_(float("nan"))

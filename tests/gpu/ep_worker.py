@@ -2,14 +2,12 @@
 
     torchrun --nproc_per_node 4 tests/gpu/ep_worker.py check [--quick]
     torchrun --nproc_per_node 4 tests/gpu/ep_worker.py bench [--sms 8,16,24,32] [--out DIR]
-    torchrun --nproc_per_node 4 tests/gpu/ep_worker.py linkbench [--sms 8,16] [--link-modes store,load,...]
 
 check: every edge case of the backend interface against epbench.verify (bit-exact dispatch,
 combine within its tolerance), fresh random inputs and poisoned outputs each time, both
 dispatch implementations, then a deliberate missing peer that must raise, not hang.
 bench: the h200x4 and DeepSeek-V3 shapes, bf16 and fp8, dispatch variants x SM counts;
 median of the per-call CUDA-event times, slowest rank; prints a table last.
-linkbench: NVLink micro-benchmark (csrc/bench.cu): store-only / load-only / mixed per-SM rates.
 Exit code 0 only if every check passed.
 """
 
@@ -18,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -128,18 +125,7 @@ QUICK = {"uniform bf16 h2048", "uniform fp8 h2048", "rank with 0 tokens", "T=1 b
 
 
 def set_impl(be: EpbenchBackend, name: str, warps: int) -> None:
-    """name = impl[+side|+side-in][blocks] (v9): the dispatch variant and who writes the own-rank rows,
-    e.g. spread+side-in4 = spread kernel on num_sms - 4 blocks, own rows by a 4-block side-stream kernel."""
-    impl, _, own = name.partition("+")
-    blocks = 2
-    if own:
-        m = re.fullmatch(r"(side|side-in)(\d*)", own)
-        if m is None:
-            raise ValueError(f"bad own-copy suffix in {name!r} (want +side, +side-in, optional block count)")
-        own, blocks = m.group(1), int(m.group(2) or 2)
-    be.dispatch_impl, be.dispatch_warps = impl, warps
-    be.own_blocks = blocks
-    be.own_copy = own or "off"
+    be.dispatch_impl, be.dispatch_warps = name, warps
 
 
 def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
@@ -151,7 +137,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
         be = EpbenchBackend(make_setup(case, rank, world, device))
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
-        for knob in ("combine_impl", "combine_warps", "combine_stages", "combine_chunk"):
+        for knob in ("combine_warps", "combine_stages", "combine_chunk"):
             if getattr(args, knob) is not None:
                 setattr(be, knob, getattr(args, knob))
         for impl, warps, sms in impls:
@@ -308,30 +294,22 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             for v, nimpl in [(v, n) for n in notify_impls for v in variants]:
                 if nimpl is not None:
                     be.notify_impl = nimpl
-                if dtype == "fp8" and v[0] == "tma":
-                    continue  # v1: tma was never better than reg for fp8 rows
-                name, excl = (v[0][:-2], 1) if v[0].endswith("@x") else (v[0], 0)  # @x: exclusive SMs
-                be.exclusive_sms = excl
-                impl, warps = name.partition("+")[0], int(v[1])
-                set_impl(be, name, warps)
-                if impl == "tma":
-                    be.tma_stages = int(v[2])
-                vinp = be.prepare_input(inp)  # pull: x in the registered dispatch_x, untimed (as in the driver)
+                impl, warps = v[0], int(v[1])
+                set_impl(be, impl, warps)
+                vinp = inp
                 for sms in sms_list:
                     # combine depends on neither dtype nor dispatch variant: time it with the first variant
                     do_combine = dtype == "bf16" and v is variants[0] and nimpl == notify_impls[0]
                     t = time_calls(be, vinp, sms, args.warmup, args.iters, one, False, args.presleep)
                     for cv in args.combine_variants.split(",") if do_combine else []:
-                        be.combine_impl, be.combine_warps = cv.split(":")[0], int(cv.split(":")[1])
-                        parts = cv.split(":")  # impl:warps[:stages[:chunk]]; warps 0: by SM count
-                        be.combine_stages = int(parts[2]) if len(parts) > 2 else 2
-                        be.combine_chunk = int(parts[3]) if len(parts) > 3 else 2048
+                        parts = cv.split(":")  # warps[:stages[:chunk]]; warps 0: by SM count
+                        be.combine_warps = int(parts[0])
+                        be.combine_stages = int(parts[1]) if len(parts) > 1 else 2
+                        be.combine_chunk = int(parts[2]) if len(parts) > 2 else 2048
                         tc = time_calls(be, vinp, sms, args.warmup, args.iters, one, True, args.presleep)
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
-                    stamped = ("reg", "lean", "lean-dyn", "ownbulk", "pull", "owntma", "dmaj", "dmaj-norot", "spread",
-                               "notify-only")
-                    if args.stamps and impl in stamped:
+                    if args.stamps:
                         line = stamp_phases(be, vinp, sms, args.stamps, one, device)
                         stamp_lines.append(f"{shape.name} {dtype} {label} sms={sms}: {line}")
                     for op in [o for o in t if o == "dispatch" or o.startswith("combine")]:
@@ -362,85 +340,21 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     return 0
 
 
-def run_link_bench(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
-    """NVLink micro-benchmark (csrc/bench.cu): every rank at once, per mode and block count, median
-    time of args.iters launches (each after an all-reduce that aligns the ranks), slowest rank.
-    Egress per GPU = (world - 1) * bytes_per_peer / time (own stores + what peers load from me)."""
-    from epbench import counters, cuda_lib
-    be = EpbenchBackend(make_setup(Case("link", 8192, [4096], 8, 2), rank, world, device))
-    cnt, _ = counters.open_counters(device.index)
-    per_peer = 64 << 20
-    one = torch.ones(1, device=device)
-    rows = []
-    for spec in args.link_modes.split(","):
-        name, warps = (spec.split(":") + ["16"])[:2]
-        for blocks in [int(b) for b in args.sms.split(",")]:
-            times = []
-            before: Dict[str, int] = {}
-            for i in range(args.warmup + args.iters):
-                if i == args.warmup and cnt is not None:
-                    torch.cuda.synchronize()
-                    before = cnt.read()
-                dist.all_reduce(one)
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                cuda_lib.check(be._lib.ep_bench_link(be._ctx, cuda_lib.LINK_BENCH_MODES[name], blocks, int(warps),
-                                                     per_peer, be._stream()), "ep_bench_link")
-                e1.record()
-                e1.synchronize()
-                if i >= args.warmup:
-                    times.append(e0.elapsed_time(e1) * 1e3)
-            st = torch.tensor([statistics.median(times), min(times)], dtype=torch.float64, device=device)
-            dist.all_reduce(st, op=dist.ReduceOp.MAX)
-            us = float(st[0])
-            # NVML over the timed launches (plus their 1-element all-reduces): payload / raw bytes out,
-            # and the raw rate while the kernels ran (summed over ranks, so a mean per GPU)
-            torch.cuda.synchronize()
-            got = counters.delta(before, cnt.read()) if cnt is not None else {}
-            c = torch.tensor([got.get("nvlink_tx", -1), got.get("nvlink_raw_tx", -1), sum(times)],
-                             dtype=torch.float64, device=device)
-            dist.all_reduce(c)
-            eff = float(c[0] / c[1]) if c[1] > 0 and c[0] > 0 else float("nan")
-            raw_gbps = float(c[1] / c[2] / 1e3) if c[1] > 0 else float("nan")
-            rows.append((f"{name}:{warps}", blocks, us, (world - 1) * per_peer / us / 1e3,
-                         (world - 1) * per_peer / us / 1e3 / blocks, eff, raw_gbps))
-    be.close()
-    if cnt is not None:
-        cnt.close()
-    if rank == 0:
-        print(f"{'mode':<20} {'blocks':>6} {'time_us':>9} {'egress_gbps':>11} {'per_sm':>7} "
-              f"{'link_eff':>8} {'raw_gbps':>8}")
-        for r in rows:
-            print(f"{r[0]:<20} {r[1]:>6} {r[2]:>9.1f} {r[3]:>11.1f} {r[4]:>7.1f} {r[5]:>8.3f} {r[6]:>8.1f}")
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"linkbench_world{world}.json").write_text(json.dumps(rows))
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "bench", "linkbench"])
+    ap.add_argument("mode", choices=["check", "bench"])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--link-modes", default="store,load,split,interleave,push,pull,split-real,interleave-real,"
-                    "split:32,split-real:32", help="linkbench modes (name[:warps])")
-    ap.add_argument("--impls", default="reg:16:3,tma:4:5,pipe:16:8,pipe:32:16,lean:16:8,lean:32:5,lean-dyn:16:8,"
-                    "lean-dyn:16:24,lean-dyn:32:3,dmaj:16:8,"
-                    "dmaj:32:5,dmaj-norot:16:3,spread:16:8,spread:32:5,spread:16:3,lean+side:16:8,"
-                    "spread+side:16:8,spread+side-in:16:8,spread+side-in1:32:3",
-                    help="check: dispatch variants as impl[+side|+side-in[blocks]]:warps:sms")
+    ap.add_argument("--impls", default="lean:16:8,lean:32:5,lean:16:3,lean_dyn:16:8,lean_dyn:16:24,lean_dyn:32:3,"
+                    "lean_dyn:16:1", help="check: dispatch implementations as impl:warps:sms")
     ap.add_argument("--sms", default="8,16,24,32")
-    ap.add_argument("--variants", default="reg:16,pipe:32,tma:2:6,notify-only:16",
-                    help="bench: dispatch variants impl:warps[:stages]; impl@x = with exclusive SMs")
-    ap.add_argument("--combine-variants", default="tma:0,pull:16",
-                    help="bench: combine variants as impl:warps[:stages[:chunk]] (tma:0 = by SM count, pull:16, "
-                    "tma:16:2:2048, ...)")
-    ap.add_argument("--combine-impl", default=None, help="check: combine variant (pull | tma; default: the backend's)")
+    ap.add_argument("--variants", default="lean_dyn:16,lean:16", help="bench: dispatch implementations impl:warps")
+    ap.add_argument("--combine-variants", default="0",
+                    help="bench: combine variants as warps[:stages[:chunk]] (0 = by SM count, 16:2:2048, ...)")
     ap.add_argument("--combine-warps", type=int, default=None, help="check: combine warps (0: by SM count)")
     ap.add_argument("--combine-stages", type=int, default=None, help="check: tma combine stages per warp")
     ap.add_argument("--combine-chunk", type=int, default=None, help="check: tma combine bytes per holder and stage")
     ap.add_argument("--notify", default=None,
-                    help="notify kernel variants to bench (grid,staged,direct), check: the first (default: the backend's)")
+                    help="notify kernel variants to bench (grid,staged), check: the first (default: the backend's)")
     ap.add_argument("--stamps", type=int, default=0, help="extra calls with per-phase debug stamps (0: none)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
     ap.add_argument("--warmup", type=int, default=5)
@@ -451,7 +365,7 @@ def main() -> int:
     # one GPU per rank where the host has enough, else ranks share them (gloo process group)
     device = init_distributed("cuda").device
     try:
-        run = {"check": run_check, "bench": run_bench, "linkbench": run_link_bench}[args.mode]
+        run = {"check": run_check, "bench": run_bench}[args.mode]
         failures = run(args, rank, world, device)
     finally:
         dist.destroy_process_group()

@@ -21,19 +21,10 @@ def test_kernels_match_verification(kernels_built: None, nproc: int) -> None:
     assert "PASS" in r.stdout
 
 
-def test_non_default_variants_match_verification(kernels_built: None) -> None:
-    """The defaults (grid notify, tma combine) run in the test above; the variants they replaced (v4 staged
-    notify, v1 pull combine) stay selectable and must stay correct."""
-    r = torchrun(WORKER, 4, "check", "--quick", "--notify", "staged", "--combine-impl", "pull",
-                 "--impls", "lean:16:8,lean:16:3")
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert "PASS" in r.stdout
-
-
-def test_v13_v14_variants_match_verification(kernels_built: None) -> None:
-    """v13-v14 knobs (kept selectable): ownbulk (own rows by bulk stores), pull (receivers bulk-copy their
-    rows from the sources' registered dispatch_x) and split (own rows by their own warps), at 1, 3 and 8 SMs."""
-    r = torchrun(WORKER, 4, "check", "--quick", "--impls",
-                 "ownbulk:16:8,pull:16:8,pull:16:3,pull:16:1,split:16:8,split:2:3,split:32:1")
+def test_non_default_options_match_verification(kernels_built: None) -> None:
+    """The defaults (lean_dyn, grid notify, 2 KiB x 2 combine) run in the test above; the options kept beside
+    them (lean at 8 / 3 SMs, staged notify, 3 stages of 4 KiB, 32 dispatch warps) must stay correct."""
+    r = torchrun(WORKER, 2, "check", "--quick", "--notify", "staged", "--combine-stages", "3",
+                 "--combine-chunk", "4096", "--impls", "lean:16:8,lean:16:3,lean:32:5,lean_dyn:32:3")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout

@@ -1,0 +1,93 @@
+"""Expert-major receive layout: what a grouped GEMM consumes.
+
+A receiving rank holds, for each of its local experts ``e = 0 .. E-1`` in order, one segment of
+rows: the tokens routed to that expert, by source rank, then token index (the rank-major order
+filtered to the expert). Segment ``e`` starts at ``offsets[e]`` and holds ``counts[e]`` rows,
+followed by padding up to a multiple of ``align`` rows; offsets are multiples of ``align``.
+Padding rows are not written (their content is unspecified) and no one reads them back.
+
+A token that picks several experts of one rank crosses the link once (one row per (token,
+destination rank), as in the rank-major layout); the receiver makes the further copies
+locally. Combine reads each expert's output rows straight from this layout, weighs them by
+the token's weight for that expert and reduces them into one row per (token, rank) that goes
+back: no separate unpermute pass.
+
+Low-latency mode is already per expert (each expert's buffer padded to T_max rows per source
+rank, one row per (token, expert) pair on the link): this layout is the normal-mode,
+dense counterpart, with the link still carrying one row per (token, rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple, Union
+
+import torch
+
+@dataclass
+class ExpertMajor:
+    """The segment table of one receiving rank (tensors on the receiver's device)."""
+
+    counts: torch.Tensor  # [E] int64: valid rows per local expert
+    offsets: torch.Tensor  # [E] int64: first slot of each expert's segment
+    num_slots: Union[int, torch.Tensor]  # slots in use, padding of the last segment included
+    align: int
+
+
+def round_up(n: torch.Tensor, align: int) -> torch.Tensor:
+    return (n + align - 1) // align * align
+
+
+def segment_offsets(counts: torch.Tensor, align: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(offsets [E], total slots) of segments of ``counts`` rows each, padded to ``align``."""
+    padded = round_up(counts.to(torch.int64), align)
+    ends = torch.cumsum(padded, 0)
+    return ends - padded, ends[-1] if ends.numel() else torch.zeros((), dtype=torch.int64)
+
+
+def padding_rows(counts: torch.Tensor, align: int) -> torch.Tensor:
+    """Padding rows a rank's segments need: sum of round_up(count, align) - count (int64)."""
+    c = counts.to(torch.int64)
+    return (round_up(c, align) - c).sum()
+
+
+def slot_capacity(world: int, max_tokens_per_rank: int, topk: int, experts_per_rank: int,
+                  align: int) -> int:
+    """Slots a receive buffer needs at most: every source's tokens once per local expert they
+    can pick (min(topk, E) each), plus the largest padding (align - 1 per expert)."""
+    return world * max_tokens_per_rank * min(topk, experts_per_rank) + experts_per_rank * (align - 1)
+
+
+@dataclass
+class SlotMap:
+    """Where each valid (received row, local expert) pair goes, in slot order."""
+
+    row: torch.Tensor  # [pairs] int64: rank-major received row
+    k: torch.Tensor  # [pairs] int64: position of the expert in that row's top-k
+    slot: torch.Tensor  # [pairs] int64: slot in the expert-major buffer
+
+
+def expert_major(topk_idx: torch.Tensor, rank: int, experts_per_rank: int,
+                 align: int) -> Tuple[ExpertMajor, SlotMap]:
+    """The segment table and slot map for rank-major received rows with global expert ids
+    ``topk_idx`` [rows, topk] (int64). Reads the pair count on the host (one synchronisation)."""
+    e_loc = experts_per_rank
+    rows, k = topk_idx.shape
+    local = (topk_idx - rank * e_loc).flatten()
+    hit = (local >= 0) & (local < e_loc)
+    key = torch.where(hit, local, torch.full_like(local, e_loc))  # other ranks' experts sort last
+    counts = torch.bincount(key, minlength=e_loc + 1)[:e_loc]
+    offsets, total = segment_offsets(counts, align)
+    pairs = int(counts.sum())
+    order = torch.argsort(key, stable=True)[:pairs]  # by local expert, then row (= source, token)
+    e = key[order]
+    starts = torch.cumsum(counts, 0) - counts
+    j = torch.arange(pairs, device=topk_idx.device) - starts[e]
+    table = ExpertMajor(counts, offsets, total, align)
+    return table, SlotMap(order // k, order % k, offsets[e] + j)
+
+
+def expert_of_slot(table: ExpertMajor, num_slots: int) -> torch.Tensor:
+    """int64 [num_slots]: the local expert whose segment (padding included) holds each slot."""
+    slots = torch.arange(num_slots, device=table.offsets.device)
+    return (torch.searchsorted(table.offsets, slots, right=True) - 1).clamp_(min=0)

@@ -1,0 +1,171 @@
+"""Backend options: every tuning knob of a backend, typed, validated with the scenario and recorded.
+
+A scenario sets them under ``backend_options`` (backend name -> key -> value); ``--option
+[backend.]key=value`` on run / sweep overrides one (a bare key names the one backend that has it).
+An environment variable may set an option too (``env`` below); what was asked for is resolved once
+per backend (given > environment > default) and handed to the backend's constructor, and what ran
+(after the kernels' clamps and fallbacks) goes into every results row (columns ``impl``, ``options``).
+Defaults are the measured winners (notes/KERNELS.md, notes/NVSHMEM.md). No torch here: the CLI
+validates before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+from epbench.errors import UserError
+
+
+@dataclass(frozen=True)
+class Option:
+    kind: type  # int, float or str
+    default: Any
+    doc: str
+    choices: Optional[Sequence[Any]] = None
+    low: Optional[float] = None  # inclusive bounds for numbers (open for float when open_range)
+    high: Optional[float] = None
+    open_range: bool = False
+    env: Optional[str] = None
+    aliases: Tuple[Tuple[str, str], ...] = ()  # old spellings accepted for a str value
+
+    def parse(self, value: Any, where: str) -> Any:
+        """``value`` (from YAML, or a string from the command line or environment) as this option's type."""
+        v = value
+        if isinstance(v, str) and self.kind is not str:
+            try:
+                v = self.kind(v.strip())
+            except ValueError:
+                raise UserError(f"{where}: must be {self._describe()}, got {value!r}") from None
+        if self.kind is str and isinstance(v, str):
+            v = dict(self.aliases).get(v, v)
+        ok = (isinstance(v, self.kind) or (self.kind is float and isinstance(v, int))) and not isinstance(v, bool)
+        if ok and self.choices is not None:
+            ok = v in self.choices
+        if ok and self.low is not None:
+            ok = v > self.low if self.open_range else v >= self.low
+        if ok and self.high is not None:
+            ok = v < self.high if self.open_range else v <= self.high
+        if not ok:
+            raise UserError(f"{where}: must be {self._describe()}, got {value!r}")
+        return float(v) if self.kind is float else v
+
+    def _describe(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(map(str, self.choices))
+        kind = {int: "an integer", float: "a number", str: "a string"}[self.kind]
+        if self.low is not None and self.high is not None:
+            return f"{kind} in {'(' if self.open_range else '['}{self.low:g}, {self.high:g}{')' if self.open_range else ']'}"
+        return kind
+
+
+# backend name -> option name -> Option. The backends' constructors take these as keyword arguments.
+SCHEMAS: Dict[str, Dict[str, Option]] = {
+    "epbench": {
+        "dispatch_impl": Option(str, "lean_dyn", "lean_dyn: tokens handed to warps by a counter (won at 16-24 SMs, "
+                                "v12d); lean: static stride (won at 32 SMs, v12d)", choices=("lean_dyn", "lean"),
+                                env="EPBENCH_DISPATCH_IMPL", aliases=(("lean-dyn", "lean_dyn"),)),
+        "dispatch_warps": Option(int, 16, "warps per dispatch block", low=1, high=32, env="EPBENCH_DISPATCH_WARPS"),
+        "notify_impl": Option(str, "grid", "layout kernel: grid (num_sms blocks, v12) or staged (one block, v4; "
+                              "won at 24 SMs in v12)", choices=("grid", "staged"), env="EPBENCH_NOTIFY_IMPL"),
+        "combine_warps": Option(int, 0, "warps per combine block, at most as many as the stages fit "
+                                "(0: clamp(128 / num_sms, 8, 16), v12)", low=0, high=16, env="EPBENCH_COMBINE_WARPS"),
+        "combine_stages": Option(int, 2, "stages per combine warp", low=2, high=4, env="EPBENCH_COMBINE_STAGES"),
+        "combine_chunk": Option(int, 2048, "bytes per holder and stage of the combine",
+                                choices=(1024, 2048, 4096), env="EPBENCH_COMBINE_CHUNK"),
+    },
+    "epbench-ll": {
+        "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,
+                        env="EPBENCH_LL_WARPS"),
+        "combine_chunk": Option(int, 4, "16-byte vectors per lane and combine work unit (4: 2 KiB of a row, "
+                                "2: 1 KiB; LL v3)", choices=(2, 4), env="EPBENCH_LL_COMBINE_CHUNK"),
+    },
+    "epbench-hier": {
+        "send_share": Option(float, 0.5, "share of the num_sms blocks that send", low=0.0, high=1.0,
+                             open_range=True, env="EPBENCH_HIER_SEND_SHARE"),
+        "chunk": Option(int, 4, "rows per put and per signal", low=1, high=1024, env="EPBENCH_HIER_CHUNK"),
+        "transport": Option(str, "auto", "how rows reach a rail peer NVLink cannot reach",
+                            choices=("auto", "put", "direct"), env="EPBENCH_HIER_TRANSPORT"),
+    },
+    "deepep": {
+        "max_sms": Option(int, None, "SMs the DeepEP buffer is sized for (unset: the GPU's, rounded down to even)",
+                          low=2, high=1024, env="EPBENCH_DEEPEP_MAX_SMS"),
+    },
+}
+
+
+def _schema(backend: str, where: str) -> Dict[str, Option]:
+    if backend not in SCHEMAS:
+        known = ", ".join(SCHEMAS)
+        raise UserError(f"{where}: backend {backend!r} takes no options (backends with options: {known})")
+    return SCHEMAS[backend]
+
+
+def validate(data: Any, where: str = "backend_options") -> Dict[str, Dict[str, Any]]:
+    """A scenario's ``backend_options`` mapping, checked and typed: {backend: {key: value}}."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise UserError(f"{where}: must be a mapping of backend -> options, got {data!r}")
+    out: Dict[str, Dict[str, Any]] = {}
+    for backend, opts in data.items():
+        schema = _schema(backend, f"{where}.{backend}")
+        if not isinstance(opts, Mapping):
+            raise UserError(f"{where}.{backend}: must be a mapping of option -> value, got {opts!r}")
+        out[backend] = {}
+        for key, value in opts.items():
+            if key not in schema:
+                raise UserError(f"{where}.{backend}.{key}: unknown option (known: {', '.join(schema)})")
+            out[backend][key] = schema[key].parse(value, f"{where}.{backend}.{key}")
+    return out
+
+
+def parse_cli(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``--option`` values, ``[backend.]key=value`` each, as a validated mapping."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise UserError(f"--option: must be [backend.]key=value, got {item!r}")
+        backend, dot, key = name.strip().rpartition(".")
+        if not dot:
+            owners = [b for b, schema in SCHEMAS.items() if key in schema]
+            if len(owners) != 1:
+                where = "no backend has it" if not owners else f"{', '.join(owners)} have it: write backend.{key}"
+                raise UserError(f"--option {item}: option {key!r} is ambiguous or unknown ({where})")
+            backend = owners[0]
+        out.setdefault(backend, {})[key] = value
+    return validate(out, "--option")
+
+
+def merge(base: Mapping[str, Mapping[str, Any]], over: Mapping[str, Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    merged = {b: dict(v) for b, v in base.items()}
+    for b, v in over.items():
+        merged.setdefault(b, {}).update(v)
+    return merged
+
+
+def resolve(backend: str, given: Optional[Mapping[str, Any]] = None,
+            environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """Every option of ``backend``: given, else its environment variable, else the default."""
+    environ = os.environ if environ is None else environ
+    given = given or {}
+    out: Dict[str, Any] = {}
+    for key, opt in SCHEMAS.get(backend, {}).items():
+        if key in given:
+            out[key] = given[key]
+        elif opt.env and environ.get(opt.env) is not None:
+            out[key] = opt.parse(environ[opt.env], opt.env)
+        else:
+            out[key] = opt.default
+    return out
+
+
+def to_cli(options: Mapping[str, Mapping[str, Any]]) -> Sequence[str]:
+    """The ``--option`` arguments that reproduce ``options`` (for the torchrun relaunch)."""
+    args = []
+    for backend, opts in options.items():
+        for key, value in opts.items():
+            args += ["--option", f"{backend}.{key}={value}"]
+    return args

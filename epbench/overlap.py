@@ -1,0 +1,773 @@
+"""``epbench overlap``: what dispatch/combine cost the computation running beside them, and back.
+
+Why: a backend's SM count matters because the other SMs run the expert GEMMs at the same time.
+For each backend and SM count k, one run measures on every rank:
+
+1. dispatch and combine alone (the driver's own timing loop, ``driver.time_point``);
+2. the GEMM alone on all SMs;
+3. the GEMM confined to the SMs left: a CUDA green context of ``total - k`` SMs (as many as the
+   driver grants: its count is read back with ``cuCtxGetDevResource`` and recorded), with cuBLAS
+   told its SM count (``torch._C._set_sm_carveout_experimental``: otherwise it plans persistent
+   kernels for every SM and the GEMM loses far more than its SMs);
+4. both at once: the GEMM loop on the green context's stream and the communication loop (the
+   same ``time_point``) on a side stream of the primary context, launched with k blocks; both
+   streams start at one event. The GEMM loop is sized to outlast the communication loop, so
+   every communication call runs beside a GEMM.
+
+Partitions. The GEMM's SMs are disjoint from nothing by construction: the communication runs in
+the primary context, which may place its k blocks anywhere (the issue's "give the communication
+the primary context and confine only the GEMM"). A GEMM kernel fills its SMs' shared memory, so
+the k blocks in practice run on the SMs the green context leaves free. Two green contexts are
+never made: torch builds each from the whole device, so a k-SM one and a (total-k)-SM one would
+overlap instead of splitting the GPU.
+
+Figures per point (``kept`` = 100 x alone time / time beside; 100 = no slowdown):
+
+- ``gemm_kept_pct``: the GEMM's time alone on all SMs over its time per GEMM beside the
+  communication loop (GEMMs wholly inside that loop); ``gemm_kept_of_confined_pct`` the same
+  against the GEMM alone in its partition (what interference costs beyond the SMs taken);
+  ``gemm_kept_in_calls_pct`` the kept % while a call ran, derived (``kept_in_calls_pct``).
+- ``dispatch_kept_pct`` / ``combine_kept_pct`` / ``comm_kept_pct`` (their sum): the driver's
+  median alone over the median beside.
+- ``comm_busy_pct``: the share of the loop's span in which a communication call ran (the timing
+  loop sleeps ``timing.HOST_LEAD_US`` before each call); the GEMM kept above is over that span.
+- the pair: the same work (``gemm_count`` GEMMs and the communication loop) ``sum_us`` = one after
+  the other alone, ``max_us`` = perfectly hidden, ``pair_us`` = as measured together (from the
+  start event to the end of both). ``exposed_us = pair_us - gemm_count x gemm_all_us``: how much
+  longer the GEMMs took to finish because the communication ran beside them.
+
+A calibration row (backend ``copy``) does the same with a plain copy kernel of k blocks
+(csrc/ceiling.cu's store kernel into a local buffer, the scenario's dispatch bytes), so the
+interference a communication kernel causes can be told apart from what any k-block copy causes.
+
+Checks: the communication keeps its normal verification (``driver.verify_point`` after the
+point); the GEMM's output from inside the concurrent window (its buffer poisoned before) is
+compared with the GEMM's output alone, so a broken concurrent schedule cannot pass.
+
+Pitfalls avoided here: a GEMM launched on an ordinary stream while a green context is current is
+not confined, so it goes to the context's own stream; epbench's kernels library changes the
+current CUDA context, so no backend call happens between ``set_context`` and ``pop_context``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from epbench.errors import UserError
+
+OPS = ("dispatch", "combine")
+SQUARE_DEFAULT = "8192,8192,8192"
+EXPERT_INTERMEDIATE = 2048  # DeepSeek-V3's moe_intermediate_size, unless --gemm experts:N
+CARVEOUT_API = "torch._C._set_sm_carveout_experimental"
+PARTITION = "GEMM: green context of the SMs left; communication: primary context, k blocks"
+SHARED_GPU_NOTE = ("ranks share a GPU: the interference measured is SMs and HBM only "
+                   "(no link is crossed)")
+GEMM_LOOP_MARGIN = 1.5  # the GEMM loop is sized to this many times the communication loop alone
+GEMM_LOOP_MAX = 4000
+GEMM_RTOL = 2e-2  # bf16 outputs of differently scheduled GEMMs differ by rounding only
+
+
+# -- arithmetic (no GPU) ------------------------------------------------------------------------
+
+def kept_pct(alone_us: Optional[float], beside_us: Optional[float]) -> Optional[float]:
+    """100 x alone / beside: the share of its own speed a kernel keeps; None if either is missing."""
+    if alone_us is None or beside_us is None or not alone_us > 0 or not beside_us > 0:
+        return None
+    return 100.0 * alone_us / beside_us
+
+
+def pair_figures(gemm_total_us: float, comm_total_us: float, pair_us: float) -> Dict[str, float]:
+    """The same work three ways: ``sum_us`` (one after the other, each alone on all the SMs it
+    had), ``max_us`` (perfectly overlapped), ``pair_us`` (as measured together). ``exposed_us``
+    = pair - GEMM alone: the communication's cost to the GEMMs' finishing time;
+    ``hidden_pct`` = the share of the communication that overlap hid (100 = pair equals max,
+    0 = pair equals sum)."""
+    s, m = gemm_total_us + comm_total_us, max(gemm_total_us, comm_total_us)
+    hidden = 100.0 * (s - pair_us) / (s - m) if s > m else None
+    return {"sum_us": s, "max_us": m, "pair_us": pair_us, "exposed_us": pair_us - gemm_total_us,
+            "hidden_pct": hidden}
+
+
+def kept_in_calls_pct(all_us: float, confined_us: float, beside_us: float,
+                      busy: Optional[float]) -> Optional[float]:
+    """The GEMM's kept % while a communication call ran, derived from its rate over the whole
+    loop (``beside_us`` per GEMM) on the assumption that between calls (``100 - busy`` % of the
+    loop, where the timing loop sleeps) it ran as fast as alone in its partition:
+    rate_loop = d x rate_calls + (1 - d) x rate_confined, d = busy / 100. None without a busy
+    share or when the figures contradict the assumption (a negative rate)."""
+    if busy is None or not busy > 0 or not (all_us > 0 and confined_us > 0 and beside_us > 0):
+        return None
+    d = busy / 100.0
+    rate = (1.0 / beside_us - (1.0 - d) / confined_us) / d
+    return 100.0 * rate * all_us if rate > 0 else None
+
+
+def inside(spans: Sequence[Tuple[float, float]], lo: float, hi: float) -> List[Tuple[float, float]]:
+    """The (start, end) spans that lie wholly within [lo, hi]."""
+    return [(a, b) for a, b in spans if a >= lo and b <= hi]
+
+
+def gemm_loop_count(comm_loop_us: float, gemm_us: float) -> int:
+    """GEMMs enough to outlast the communication loop (which slows down beside them)."""
+    if not gemm_us > 0:
+        raise ValueError("GEMM time must be positive")
+    return max(3, min(GEMM_LOOP_MAX, math.ceil(GEMM_LOOP_MARGIN * comm_loop_us / gemm_us) + 2))
+
+
+def busy_pct(op_us: Iterable[float], calls: int, span_us: float) -> Optional[float]:
+    """Share of a loop's span spent inside its calls (mean call time x calls / span)."""
+    op_us = list(op_us)
+    if not op_us or not span_us > 0:
+        return None
+    return min(100.0, 100.0 * sum(op_us) / len(op_us) * calls / span_us)
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """``square``: one M x N x K bf16 GEMM; ``experts``: the rank's local experts' GEMMs, each
+    routed-token-count x hidden x ``intermediate``."""
+
+    kind: str  # "square" | "experts"
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    intermediate: int = EXPERT_INTERMEDIATE
+
+    def describe(self) -> str:
+        if self.kind == "square":
+            return f"bf16 {self.m}x{self.n}x{self.k}"
+        return f"bf16 experts x hidden x {self.intermediate}"
+
+
+def parse_gemm(text: Optional[str]) -> GemmSpec:
+    """``M,N,K``, ``experts`` or ``experts:INTERMEDIATE``; UserError otherwise."""
+    text = (text or SQUARE_DEFAULT).strip()
+    if text == "experts" or text.startswith("experts:"):
+        inter = text.split(":", 1)[1] if ":" in text else str(EXPERT_INTERMEDIATE)
+        if not inter.isdigit() or int(inter) < 1:
+            raise UserError(f"--gemm: experts:N needs a positive intermediate size, got {text!r}")
+        return GemmSpec("experts", intermediate=int(inter))
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise UserError(f"--gemm: give M,N,K (three positive integers), experts or experts:N; "
+                        f"got {text!r}")
+    m, n, k = map(int, parts)
+    return GemmSpec("square", m, n, k)
+
+
+def check_sms(sms: Sequence[int], total: int, min_gemm: int = 1) -> None:
+    """The communication's k and the GEMM's total - k must both be at least one SM."""
+    for k in sms:
+        if k < 1 or total - k < min_gemm:
+            raise UserError(f"--sms: {k} leaves the GEMM {total - k} of {total} SMs; give "
+                            f"counts between 1 and {total - min_gemm}")
+
+
+# -- rows and table ----------------------------------------------------------------------------
+
+def point_row(base: Dict[str, Any], gemm: Dict[str, Any], alone: Dict[str, float],
+              beside: Dict[str, float]) -> Dict[str, Any]:
+    """One rank's figures for one (backend, SMs) point from its raw times. ``gemm`` holds
+    ``gemm_all_us``, ``gemm_confined_us``, ``gemm_beside_us``, ``gemm_count``, ``pair_us``;
+    ``alone``/``beside`` map each communication op (and ``loop``: the loop's span) to us."""
+    ops = [op for op in alone if op != "loop"]
+    comm_alone = sum(alone[op] for op in ops)
+    comm_beside = sum(beside[op] for op in ops)
+    row = dict(base, **gemm)
+    for op in ops:
+        row[f"{op}_alone_us"] = alone[op]
+        row[f"{op}_beside_us"] = beside[op]
+        row[f"{op}_kept_pct"] = kept_pct(alone[op], beside[op])
+    row.update(comm_alone_us=comm_alone, comm_beside_us=comm_beside,
+               comm_kept_pct=kept_pct(comm_alone, comm_beside),
+               gemm_kept_pct=kept_pct(gemm["gemm_all_us"], gemm["gemm_beside_us"]),
+               gemm_kept_of_confined_pct=kept_pct(gemm["gemm_confined_us"], gemm["gemm_beside_us"]),
+               gemm_kept_in_calls_pct=kept_in_calls_pct(gemm["gemm_all_us"], gemm["gemm_confined_us"],
+                                                        gemm["gemm_beside_us"],
+                                                        gemm.get("comm_busy_pct")),
+               comm_loop_alone_us=alone["loop"], comm_loop_beside_us=beside["loop"])
+    row.update(pair_figures(gemm["gemm_count"] * gemm["gemm_all_us"], alone["loop"], gemm["pair_us"]))
+    return row
+
+
+def summarize(df: Any) -> Any:
+    """One line per (backend, sms): the worst rank (lowest kept, longest pair), wrong summed."""
+    import pandas as pd
+
+    keys = ["backend", "sms"]
+    worst_low = [c for c in df.columns
+                 if c.endswith("_pct") and c != "comm_busy_pct" or c == "gemm_sms"]
+    worst_high = [c for c in ("pair_us", "sum_us", "max_us", "exposed_us", "comm_busy_pct") if c in df]
+    agg: Dict[str, Any] = {c: "min" for c in worst_low}
+    agg.update({c: "max" for c in worst_high})
+    for c in ("wrong", "gemm_wrong"):
+        if c in df:
+            agg[c] = "sum"
+    out = df.groupby(keys, sort=False, dropna=False).agg(agg).reset_index()
+    return out if isinstance(out, pd.DataFrame) else pd.DataFrame(out)
+
+
+TABLE_COLUMNS = (  # (header, column, scale)
+    ("SMs", "sms", 1), ("GEMM\nSMs", "gemm_sms", 1), ("GEMM\nkept %", "gemm_kept_pct", 1),
+    ("of\nconf. %", "gemm_kept_of_confined_pct", 1), ("disp.\nkept %", "dispatch_kept_pct", 1),
+    ("comb.\nkept %", "combine_kept_pct", 1), ("copy\nkept %", "copy_kept_pct", 1),
+    ("pair\nms", "pair_us", 1e-3), ("sum\nms", "sum_us", 1e-3), ("max\nms", "max_us", 1e-3),
+    ("exposed\nms", "exposed_us", 1e-3), ("wrong", "wrong", 1),
+)
+
+
+def overlap_table(df: Any, title: str):
+    """A rich table, worst rank per point, at most 100 columns wide."""
+    from rich import box
+    from rich.table import Table
+
+    from epbench.report import _num
+
+    summary = summarize(df)
+    cols = [c for c in TABLE_COLUMNS if c[1] in summary and summary[c[1]].notna().any()]
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
+              collapse_padding=True)
+    t.add_column("backend", justify="left", no_wrap=True)
+    for head, _, _ in cols:
+        t.add_column(head, justify="right", min_width=max(map(len, head.split("\n"))))
+    for _, r in summary.iterrows():
+        cells = []
+        for head, col, scale in cols:
+            v = r.get(col)
+            if col == "wrong":
+                v = int((r.get("wrong") or 0) + (r.get("gemm_wrong") or 0))
+                cells.append(f"[bold red]{v}[/]" if v else "0")
+            elif col in ("sms", "gemm_sms"):
+                cells.append("-" if v is None or v != v else str(int(v)) if v else "auto")
+            else:
+                cells.append(_num(v * scale if v is not None and v == v else None))
+        t.add_row(str(r["backend"]), *cells)
+    return t
+
+
+def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
+    o = meta.get("overlap", {})
+    title = (f"{meta.get('scenario', {}).get('name', '?')}: overlap, {o.get('gemm', '?')} beside "
+             f"the communication ({meta.get('world', '?')} ranks, {o.get('total_sms', '?')} SMs)")
+    console.print(overlap_table(df, title))
+    console.print("kept % = alone time / time beside (worst rank); GEMM kept of all SMs, 'of conf.' of "
+                  "its own partition alone (both over the communication loop, gaps included: results.csv's "
+                  "gemm_kept_in_calls_pct is the GEMM's kept % while a call ran); pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
+                  "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
+    for note in meta.get("notes", []):
+        console.print(f"note: {note}", highlight=False)
+
+
+# -- GPU pieces ---------------------------------------------------------------------------------
+
+CU_DEV_RESOURCE_TYPE_SM = 1
+CU_DEV_RESOURCE_BYTES = 256  # sizeof(CUdevResource) is 144 in CUDA 12.4-13.0; room to spare
+CU_DEV_RESOURCE_SM_OFFSET = 96  # type (4) + padding (92): then CUdevSmResource.smCount
+
+
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuCtxGetDevResource.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+def current_context_sms() -> int:
+    """The SM count of the current CUDA context as the driver reports it (a green context's
+    partition while it is current)."""
+    lib = _libcuda()
+    ctx = ctypes.c_void_p()
+    rc = lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    if rc != 0 or not ctx.value:
+        raise RuntimeError(f"cuCtxGetCurrent failed (CUresult {rc})")
+    buf = ctypes.create_string_buffer(CU_DEV_RESOURCE_BYTES)
+    rc = lib.cuCtxGetDevResource(ctx, buf, CU_DEV_RESOURCE_TYPE_SM)
+    if rc != 0:
+        raise RuntimeError(f"cuCtxGetDevResource failed (CUresult {rc})")
+    return ctypes.c_uint.from_buffer(buf, CU_DEV_RESOURCE_SM_OFFSET).value
+
+
+def set_carveout(n: Optional[int]) -> Optional[str]:
+    """Tells cuBLAS to leave ``n`` SMs out of its plans (None: none); returns the API used, or
+    None when this torch has none (recorded with the result)."""
+    import torch
+
+    fn = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if fn is None:
+        return None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn(n)
+    return CARVEOUT_API
+
+
+class Partition:
+    """A green context of ``want`` SMs for the GEMM, its stream and the driver's count."""
+
+    def __init__(self, want: int, device_index: int) -> None:
+        import torch
+        from torch.cuda import green_contexts as gc
+
+        if not getattr(gc, "SUPPORTED", False):
+            raise RuntimeError("this torch was built without CUDA green context support")
+        self.want = want
+        self.ctx = gc.GreenContext.create(num_sms=want, device_id=device_index)
+        s = self.ctx.Stream()  # torch 2.11 returns a torch.Stream; torch.cuda.stream() wants this
+        self.stream = s if isinstance(s, torch.cuda.Stream) else torch.cuda.Stream(
+            stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+        self.ctx.set_context()
+        try:
+            self.sms = current_context_sms()
+        finally:
+            self.ctx.pop_context()
+        self.device = torch.device("cuda", device_index)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """``fn`` with the green context current and its stream the current stream. Nothing of
+        epbench's kernels library may run here (it switches the current context)."""
+        import torch
+
+        self.ctx.set_context()
+        try:
+            with torch.cuda.stream(self.stream):
+                return fn()
+        finally:
+            self.ctx.pop_context()
+
+
+def disjoint_partition(free: int, device_index: int) -> Partition:
+    """The largest green context the driver grants within ``free`` SMs. The driver rounds a
+    request up to its SM-group size (H100: 124 asked, 128 given), which would let the GEMM's
+    partition overlap the communication's SMs; asking again for less keeps them disjoint."""
+    want = free
+    while True:
+        p = Partition(want, device_index)
+        if p.sms <= free or want <= 1:
+            return p
+        want -= p.sms - free
+
+
+class Gemm:
+    """The computation beside the communication, writing into one preallocated output that
+    the check poisons first (a launch that never ran cannot leave a correct result behind)."""
+
+    def __init__(self, spec: GemmSpec, device: Any, hidden: int,
+                 expert_tokens: Optional[Sequence[int]] = None) -> None:
+        import torch
+
+        g = torch.Generator(device=device).manual_seed(1234)
+        bf = torch.bfloat16
+        self.spec = spec
+        if spec.kind == "square":
+            self.a = torch.randn(spec.m, spec.k, device=device, dtype=bf, generator=g)
+            self.b = torch.randn(spec.k, spec.n, device=device, dtype=bf, generator=g)
+            self.out = torch.empty(spec.m, spec.n, device=device, dtype=bf)
+            self.flops = 2.0 * spec.m * spec.n * spec.k
+            self.groups: List[Tuple[int, int, int]] = []  # (expert, first row, end row)
+        else:
+            counts = [int(c) for c in (expert_tokens or [])]
+            rows = sum(counts)
+            if rows == 0:
+                raise UserError("--gemm experts: no token is routed to this rank's experts")
+            self.a = torch.randn(rows, hidden, device=device, dtype=bf, generator=g)
+            self.b = torch.randn(max(len(counts), 1), hidden, spec.intermediate, device=device,
+                                 dtype=bf, generator=g) / math.sqrt(hidden)
+            self.out = torch.empty(rows, spec.intermediate, device=device, dtype=bf)
+            offs = [0]
+            for c in counts:
+                offs.append(offs[-1] + c)
+            self.groups = [(e, offs[e], offs[e + 1]) for e in range(len(counts)) if counts[e]]
+            self.flops = 2.0 * sum(counts) * hidden * spec.intermediate
+
+    def __call__(self) -> None:
+        import torch
+
+        if self.spec.kind == "square":
+            torch.mm(self.a, self.b, out=self.out)
+            return
+        for e, lo, hi in self.groups:
+            torch.mm(self.a[lo:hi], self.b[e], out=self.out[lo:hi])
+
+    def poison(self) -> None:
+        self.out.fill_(float("nan"))
+
+    def wrong(self, reference: Any) -> int:
+        """Elements beyond rounding of the reference (NaN counts as wrong)."""
+        ref = reference.float()
+        tol = GEMM_RTOL * (ref.abs() + ref.abs().max().clamp(min=1e-6) * 1e-2)
+        bad = ~((self.out.float() - ref).abs() <= tol)  # NaN (a poisoned element) is bad too
+        return int(bad.sum().item())
+
+
+def expert_tokens(routings: Sequence[Any], rank: int, experts_per_rank: int) -> List[int]:
+    """Routed token count of each of ``rank``'s experts, every source rank included."""
+    import torch
+
+    n = len(routings) * experts_per_rank
+    ids = torch.cat([r.topk_idx.flatten() for r in routings])
+    counts = torch.bincount(ids, minlength=n)
+    return [int(c) for c in counts[rank * experts_per_rank:(rank + 1) * experts_per_rank]]
+
+
+LAUNCH_US = 10.0  # host time to queue one GEMM kernel, generously
+
+
+def lead(gemm: Gemm, n: int) -> None:
+    """Device sleep on the current stream long enough for the host to queue ``n`` GEMMs, so
+    that the loop's start and its per-GEMM times are the device's, not the host's."""
+    from epbench import timing
+
+    sleeps = math.ceil(n * max(1, len(gemm.groups)) * LAUNCH_US / timing.HOST_LEAD_US)
+    for _ in range(max(2, min(2000, sleeps))):
+        timing.host_lead()
+
+
+def gemm_loop(gemm: Gemm, n: int, part: Optional[Partition], go: Any) -> List[Any]:
+    """Queues ``n`` GEMMs back to back (in ``part``'s green context when given, else on a fresh
+    stream of the primary context), starting once ``go`` fires. Returns n + 1 timing events of
+    the primary context: the loop's start and the end of each GEMM.
+
+    The events are recorded by an otherwise idle primary-context stream that waits for a marker
+    after each GEMM: an event may only be recorded on a stream of its own context, while waiting
+    on another context's event is allowed, so every timestamp can be compared with the
+    communication's."""
+    import torch
+
+    marks: List[Any] = []
+
+    def queue() -> None:
+        torch.cuda.current_stream().wait_event(go)
+        for i in range(n + 1):
+            if i:
+                gemm()
+            marks.append(torch.cuda.Event())
+            marks[-1].record()
+
+    if part is not None:
+        part.run(queue)
+    else:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            queue()
+    observer = torch.cuda.Stream()
+    stamps = [torch.cuda.Event(enable_timing=True) for _ in marks]
+    with torch.cuda.stream(observer):
+        for mark, stamp in zip(marks, stamps):
+            observer.wait_event(mark)
+            stamp.record()
+    return stamps
+
+
+def spans_us(stamps: Sequence[Any], origin: Any) -> List[Tuple[float, float]]:
+    """(start, end) of each call in microseconds since ``origin``, from consecutive events."""
+    t = [origin.elapsed_time(e) * 1e3 for e in stamps]
+    return list(zip(t[:-1], t[1:]))
+
+
+def time_gemm(gemm: Gemm, n: int, part: Optional[Partition]) -> float:
+    """Median microseconds per GEMM, alone (on all SMs, or in ``part``)."""
+    import torch
+
+    from epbench import metrics
+
+    go = torch.cuda.Event(enable_timing=True)
+    lead(gemm, n)
+    go.record()
+    stamps = gemm_loop(gemm, n, part, go)
+    torch.cuda.synchronize()
+    return metrics.median([b - a for a, b in spans_us(stamps, go)])
+
+
+@dataclass
+class Window:
+    """What one concurrent run measured on this rank (times since the common start)."""
+
+    gemm_spans: List[Tuple[float, float]]
+    comm_start: float
+    comm_end: float
+    comm_samples: Dict[str, List[float]]
+
+    @property
+    def gemm_end(self) -> float:
+        return self.gemm_spans[-1][1]
+
+    def gemm_beside_us(self) -> Tuple[float, bool]:
+        """Median GEMM inside the communication loop (all GEMMs if none fits), and whether the
+        GEMM loop covered the whole communication loop."""
+        from epbench import metrics
+
+        spans = inside(self.gemm_spans, self.comm_start, self.comm_end) or self.gemm_spans
+        return metrics.median([b - a for a, b in spans]), self.gemm_end >= self.comm_end
+
+    @property
+    def pair_us(self) -> float:
+        return max(self.gemm_end, self.comm_end)
+
+
+def concurrent(gemm: Gemm, n: int, part: Optional[Partition],
+               comm_loop: Callable[[], Dict[str, List[float]]]) -> Window:
+    """The GEMM loop (in ``part``) and the communication loop (primary context, side stream)
+    from one start event; the GEMM's output is poisoned first."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    go = torch.cuda.Event(enable_timing=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        gemm.poison()
+        lead(gemm, n)
+        go.record()
+    stamps = gemm_loop(gemm, n, part, go)
+    with torch.cuda.stream(side):
+        start.record()
+        samples = comm_loop()
+        end.record()
+    torch.cuda.synchronize()
+    return Window(spans_us(stamps, go), go.elapsed_time(start) * 1e3, go.elapsed_time(end) * 1e3,
+                  samples)
+
+
+def comm_loop_alone(comm_loop: Callable[[], Dict[str, List[float]]]) -> Tuple[Dict[str, List[float]], float]:
+    """The communication loop on its own: its samples and its span in microseconds."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    samples = comm_loop()
+    end.record()
+    torch.cuda.synchronize()
+    return samples, start.elapsed_time(end) * 1e3
+
+
+# -- one rank under torchrun -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OverlapOptions:
+    backends: Tuple[str, ...]
+    sms: Tuple[int, ...]
+    warmup: int
+    iters: int
+    gemm: GemmSpec
+    gemm_iters: int = 20  # GEMMs per alone measurement
+
+
+def gpu_shared(comm: Any) -> bool:
+    """True when another rank of this job runs on the same GPU."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    props = torch.cuda.get_device_properties(comm.device)
+    me = (socket.gethostname(), str(getattr(props, "uuid", comm.device.index)))
+    everyone: List[Any] = [None] * comm.world
+    dist.all_gather_object(everyone, me)
+    return len(set(everyone)) < len(everyone)
+
+
+def _samples(backend: str, sms: int, rank: int, phase: str,
+             samples: Dict[str, List[float]]) -> List[Dict[str, Any]]:
+    return [{"backend": backend, "sms": sms, "rank": rank, "phase": phase, "op": op, "iter": i,
+             "time_us": t} for op, ts in samples.items() for i, t in enumerate(ts)]
+
+
+class _Point:
+    """Measures one (backend or copy, SMs) point on this rank; ``loop`` is the communication
+    loop (the driver's timing loop, or the copy kernel's)."""
+
+    def __init__(self, gemm: Gemm, gemm_all_us: float, part: Optional[Partition], total: int,
+                 opts: OverlapOptions) -> None:
+        self.gemm, self.gemm_all_us, self.part, self.total, self.opts = gemm, gemm_all_us, part, total, opts
+
+    def measure(self, loop: Callable[[], Dict[str, List[float]]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        from epbench import metrics
+
+        alone_samples, alone_span = comm_loop_alone(loop)
+        carveout = self.total - self.part.sms if self.part is not None else None
+        api = set_carveout(carveout)
+        try:
+            confined = (time_gemm(self.gemm, self.opts.gemm_iters, self.part)
+                        if self.part is not None else self.gemm_all_us)
+            n = gemm_loop_count(alone_span, confined)
+            win = concurrent(self.gemm, n, self.part, loop)
+        finally:
+            set_carveout(None)
+        beside_us, covered = win.gemm_beside_us()
+        ops = list(alone_samples)
+        calls = self.opts.warmup + self.opts.iters
+        per_iter = [sum(v) for v in zip(*(win.comm_samples[op] for op in ops))]
+        gemm = {"gemm_all_us": self.gemm_all_us, "gemm_confined_us": confined,
+                "gemm_beside_us": beside_us, "gemm_count": n, "pair_us": win.pair_us,
+                "gemm_covered": covered,
+                "gemm_all_tflops": self.gemm.flops / self.gemm_all_us / 1e6,
+                "gemm_beside_tflops": self.gemm.flops / beside_us / 1e6,
+                "comm_busy_pct": busy_pct(per_iter, calls, win.comm_end - win.comm_start),
+                "gemm_sms": self.part.sms if self.part is not None else self.total,
+                "gemm_sms_wanted": self.part.want if self.part is not None else self.total,
+                "sm_carveout": carveout, "carveout_api": api if carveout is not None else None}
+        alone = {op: metrics.median(alone_samples[op]) for op in ops}
+        alone["loop"] = alone_span
+        beside = {op: metrics.median(win.comm_samples[op]) for op in ops}
+        beside["loop"] = win.comm_end - win.comm_start
+        raw = {"alone": alone_samples, "beside": win.comm_samples}
+        return point_row({}, gemm, alone, beside), raw
+
+
+def copy_loop(comm: Any, sms: int, nbytes: int, opts: OverlapOptions):
+    """The calibration: csrc/ceiling.cu's store kernel copying ``nbytes`` into a local buffer
+    with ``sms`` blocks, through the ceilings' timing; None when the kernels are not built.
+    Returns (loop, check) where check() counts wrong bytes of the last copy."""
+    import torch
+
+    from epbench import ceiling
+
+    provider = ceiling.kernel_store_provider()
+    if provider is None:
+        return None, None
+    nbytes = max(16, nbytes // 16 * 16)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=comm.device)
+    dst = torch.empty_like(src)
+
+    def loop() -> Dict[str, List[float]]:
+        dst.fill_(0)
+        return {"copy": provider({0: dst.data_ptr()}, {0: nbytes}, src, sms, comm, opts.warmup,
+                                 opts.iters)}
+
+    def check() -> int:
+        return int((dst != src).sum().item())
+
+    return loop, check
+
+
+def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
+               argv: List[str]) -> int:
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from epbench import driver, launch, metrics, provenance
+    from epbench.backends import load_backend
+    from epbench.console import wide_console
+    from epbench.inputs import dispatch_input, make_tokens
+    from epbench.results import RunWriter, new_run_dir
+    from epbench.routing import route_all, traffic
+
+    comm = launch.init_distributed("cuda")
+    if comm.world != s.world:
+        s = s.with_world(comm.world)
+    if s.mode != "normal":
+        raise UserError(f"{s.source}: mode: overlap measures normal mode only (not {s.mode})")
+    total = torch.cuda.get_device_properties(comm.device).multi_processor_count
+    check_sms(opts.sms, total)
+    m = s.model
+    notes: List[str] = []
+    shared = gpu_shared(comm)
+    if shared:
+        notes.append(SHARED_GPU_NOTE)
+    elif comm.world == 1:
+        notes.append("one rank: dispatch and combine copy within the GPU, so the interference "
+                     "measured is SMs and HBM only (no link is crossed)")
+    routings = route_all(s)
+    x = make_tokens(m.tokens_per_rank, m.hidden, s.routing.seed, comm.rank, driver.TIMING_SALT, comm.device)
+    inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device)
+    gemm = Gemm(opts.gemm, comm.device, m.hidden,
+                expert_tokens(routings, comm.rank, m.experts_per_rank)
+                if opts.gemm.kind == "experts" else None)
+    set_carveout(None)
+    gemm()
+    gemm_all = time_gemm(gemm, opts.gemm_iters, None)
+    reference = gemm.out.clone()
+    parts = {k: disjoint_partition(total - k, comm.device.index) for k in opts.sms}
+    for k, p in parts.items():
+        if p.sms > total - k:
+            notes.append(f"{k} SMs: the driver gave the GEMM's green context {p.sms} SMs "
+                         f"(asked {total - k}): the partitions overlap by {p.sms - (total - k)}")
+    writer: Optional[RunWriter] = None
+    if comm.rank == 0:
+        meta = provenance.collect(argv, "cuda")
+        meta.update(verb="overlap", scenario=dataclasses.asdict(s), world=comm.world,
+                    options=dataclasses.asdict(opts),
+                    overlap={"gemm": opts.gemm.describe(), "gemm_flops": gemm.flops,
+                             "total_sms": total, "partition": PARTITION,
+                             "carveout_api": CARVEOUT_API, "shared_gpu": shared,
+                             "green_context_sms": {k: p.sms for k, p in parts.items()}})
+        writer = RunWriter(run_dir or new_run_dir(results_root, s.name), meta)
+    base = {"scenario": s.name, "rank": comm.rank, "world": comm.world,
+            "device": torch.cuda.get_device_name(comm.device), "gemm": opts.gemm.describe(),
+            "gemm_flops": gemm.flops, "total_sms": total, "shared_gpu": shared,
+            "tokens_per_rank": m.tokens_per_rank, "hidden": m.hidden}
+    setup = driver.rank_setup(s, comm)
+    wrong_total, salt = 0, 1
+
+    def record(backend: str, sms: int, row: Dict[str, Any], raw: Dict[str, Dict[str, List[float]]]) -> int:
+        row = dict(base, backend=backend, sms=sms, **row)
+        gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
+        dist.gather_object((row, raw), gathered, dst=0)
+        if comm.rank != 0:
+            return 0
+        rows = [r for r, _ in gathered]
+        samples = [x for r, raw_r in gathered for phase, smp in raw_r.items()
+                   for x in _samples(backend, sms, r["rank"], phase, smp)]
+        writer.add(rows, samples)
+        return sum(int(r.get("wrong") or 0) + int(r.get("gemm_wrong") or 0) for r in rows)
+
+    try:
+        for name in opts.backends:
+            be_cls, reason = load_backend(name)
+            reason = driver._first_reason(reason or driver._mode_reason(be_cls, s.mode)
+                                          or be_cls.unavailable_reason(setup))
+            if reason:
+                notes.append(f"backend {name} skipped: {reason}")
+                continue
+            be = be_cls(setup)
+            try:
+                for sms in (opts.sms if be_cls.uses_sms else (0,)):
+                    point = _Point(gemm, gemm_all, parts.get(sms), total, opts)
+                    row, raw = point.measure(lambda: driver.time_point(be, inp, sms, comm,
+                                                                       opts.warmup, opts.iters))
+                    row["gemm_wrong"] = gemm.wrong(reference)
+                    rec = driver.PointRecord(comm.rank)
+                    driver.verify_point(be, s, routings, sms, comm, salt, None, rec)
+                    salt += 1
+                    row.update(wrong=sum(rec.wrong.values()),
+                               problem="; ".join(p for p in rec.problem.values() if p) or None)
+                    wrong_total += record(name, sms, row, raw)
+            finally:
+                be.close()
+        tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, False)
+        row_b = metrics.row_bytes(m.dispatch_dtype, m.hidden)
+        copy_bytes = int(metrics.rank_bytes(tr, "dispatch", row_b)["algo"][comm.rank])
+        for sms in opts.sms:
+            loop, check = copy_loop(comm, sms, copy_bytes, opts)
+            if loop is None:
+                notes.append("copy calibration: absent (the kernels library is not built: make build)")
+                break
+            row, raw = _Point(gemm, gemm_all, parts[sms], total, opts).measure(loop)
+            row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes)
+            wrong_total += record("copy", sms, row, raw)
+    except BaseException as e:
+        if writer is not None:
+            writer.finish(f"failed: {type(e).__name__}: {e}", notes=notes)
+        raise
+    if writer is not None:
+        writer.finish("complete", notes=notes, wrong=wrong_total)
+        import pandas as pd
+
+        console = wide_console()
+        print_overlap(pd.DataFrame(writer.rows), writer.meta, console)
+        from epbench.plot import overlap_plot
+
+        console.print(f"plot: {overlap_plot(writer.dir)}")
+        console.print(f"results: {writer.dir}")
+    flag = torch.tensor([wrong_total], dtype=torch.int64, device=comm.device)
+    dist.broadcast(flag, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if int(flag.item()) else 0

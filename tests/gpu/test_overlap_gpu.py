@@ -1,0 +1,50 @@
+"""`epbench overlap` at world 1 on one GPU, small sizes: every point verified (communication rows
+and the GEMM's output from the concurrent window), the green context's SM count as the driver
+reports it, and the table and plot written (marker gpu; skipped without a CUDA GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")]
+
+SCENARIO = """
+model: {hidden: 2048, tokens_per_rank: 1024, topk: 4, experts_per_rank: 8, dispatch_dtype: bf16}
+topology: {nodes: 1, gpus_per_node: 1}
+routing: {kind: uniform, seed: 3}
+bench: {warmup: 2, iters: 6, backends: [reference, epbench], sms: [8], device: cuda}
+"""
+
+
+@pytest.mark.parametrize("gemm", ["2048,2048,2048", "experts:512"])
+def test_overlap_world_1(tmp_path: Path, gemm: str) -> None:
+    path = tmp_path / "overlap.yaml"
+    path.write_text(SCENARIO)
+    r = subprocess.run([sys.executable, "-m", "epbench", "overlap", str(path), "--sms", "8,16",
+                        "--gemm", gemm, "--results", str(tmp_path / "r")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    (run,) = list((tmp_path / "r").iterdir())
+    df = pd.read_csv(run / "results.csv")
+    meta = json.loads((run / "meta.json").read_text())
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    assert meta["status"] == "complete" and meta["verb"] == "overlap"
+    assert set(df["backend"]) >= {"reference", "copy"}
+    assert int(df["wrong"].sum()) == 0 and int(df["gemm_wrong"].sum()) == 0
+    part = df[df["sms"] > 0]
+    assert (part["gemm_sms"] <= total - part["sms"] + 8).all()  # the driver's partition granularity
+    assert (part["gemm_sms"] < total).all()
+    assert (df["gemm_kept_pct"] > 0).all() and (df["comm_kept_pct"] > 0).all()
+    assert "SMs and HBM only" in r.stdout
+    assert (run / "plots" / "overlap_vs_sms.png").is_file()

@@ -1,0 +1,92 @@
+"""Expert-major layout arithmetic (epbench/layout.py), its byte columns (epbench/metrics.py) and
+the scenario rules for layout and align."""
+
+import pytest
+import torch
+
+from epbench import layout, metrics, scenario
+from epbench.errors import UserError
+from epbench.routing import RankRouting
+from support import scenario_dict
+
+# received rows of rank 1 (experts 3, 4, 5 of a world with 3 experts per rank), by (source, token)
+IDS = torch.tensor([[3, 0], [5, 4], [1, 5], [4, 3], [5, 8]])
+
+
+def test_segments_counts_offsets_and_slots():
+    table, sm = layout.expert_major(IDS, rank=1, experts_per_rank=3, align=1)
+    assert table.counts.tolist() == [2, 2, 3] and table.offsets.tolist() == [0, 2, 4]
+    assert int(table.num_slots) == 7
+    # expert 3: rows 0, 3; expert 4: rows 1, 3; expert 5: rows 1, 2, 4 (row order within each)
+    assert sm.row.tolist() == [0, 3, 1, 3, 1, 2, 4]
+    assert sm.k.tolist() == [0, 1, 1, 0, 0, 1, 0]
+    assert sm.slot.tolist() == list(range(7))
+
+
+def test_padding_to_align():
+    table, sm = layout.expert_major(IDS, rank=1, experts_per_rank=3, align=16)
+    assert table.offsets.tolist() == [0, 16, 32] and int(table.num_slots) == 48
+    assert sm.slot.tolist() == [0, 1, 16, 17, 32, 33, 34]
+    assert int(layout.padding_rows(table.counts, 16)) == 48 - 7
+    assert layout.expert_of_slot(table, 48).tolist() == [0] * 16 + [1] * 16 + [2] * 16
+
+
+def test_empty_segments_and_no_rows():
+    table, sm = layout.expert_major(IDS, rank=2, experts_per_rank=3, align=128)
+    assert table.counts.tolist() == [0, 0, 1] and table.offsets.tolist() == [0, 0, 0]
+    assert int(table.num_slots) == 128 and sm.slot.tolist() == [0] and sm.row.tolist() == [4]
+    assert layout.expert_of_slot(table, 3).tolist() == [2, 2, 2]  # the empty ones own no slot
+    table, sm = layout.expert_major(torch.zeros(0, 2, dtype=torch.int64), 0, 3, 128)
+    assert table.counts.tolist() == [0, 0, 0] and int(table.num_slots) == 0 and sm.row.numel() == 0
+
+
+def test_segment_offsets_are_aligned_running_sums():
+    counts = torch.tensor([5, 0, 17, 128, 1])
+    for align in (1, 16, 128):
+        off, total = layout.segment_offsets(counts, align)
+        padded = [(c + align - 1) // align * align for c in counts.tolist()]
+        assert off.tolist() == [sum(padded[:i]) for i in range(5)] and int(total) == sum(padded)
+        assert all(o % align == 0 for o in off.tolist())
+
+
+def test_slot_capacity_covers_the_worst_case():
+    # every token of 2 sources on both local experts, each segment one row short of a multiple
+    assert layout.slot_capacity(2, 10, 8, 2, 128) == 2 * 10 * 2 + 2 * 127
+
+
+def test_mxfp8_row_bytes():
+    assert metrics.mxfp8_row_bytes(7168) == 7168 + 224 == metrics.row_bytes("mxfp8", 7168)
+    assert metrics.row_bytes("mxfp8", 64) == 66
+
+
+def test_expert_major_rows_count_local_copies_and_padding():
+    # world 2, 2 experts per rank; rank 0 sends token 0 to experts 0, 1 (rank 0 twice), 2;
+    # token 1 to 2, 3 (rank 1 twice); rank 1 sends token 0 to 1, 3
+    rs = [RankRouting(torch.tensor([[0, 1, 2], [2, 3, 0]]), torch.ones(2, 3) / 3),
+          RankRouting(torch.tensor([[1, 3, 0]]), torch.ones(1, 3) / 3)]
+    got = metrics.expert_major_rows(rs, 2, 16)
+    # rank 0: pairs 0:{r0t0, r0t1, r1t0} 1:{r0t0, r1t0} = 5, rows (token, rank) = 3 -> 2 copies
+    # rank 1: pairs 2:{r0t0, r0t1} 3:{r0t1, r1t0} = 4, rows 3 -> 1 copy
+    assert got["local_copy"].tolist() == [2, 1]
+    assert got["padding"].tolist() == [(16 - 3) + (16 - 2), (16 - 2) + (16 - 2)]
+    cols = metrics.expert_major_columns(got, 1, metrics.row_bytes("mxfp8", 64))
+    assert cols == {"local_copy_bytes": 66, "padding_rows": 28}
+    assert metrics.expert_major_columns(None, 0, 10) == {"local_copy_bytes": None, "padding_rows": None}
+
+
+def test_scenario_layout_fields():
+    s = scenario.parse(scenario_dict(model={"layout": "expert_major", "align": 128}))
+    assert (s.model.layout, s.model.align) == ("expert_major", 128)
+    d = scenario.parse(scenario_dict()).model
+    assert (d.quantize, d.layout, d.align) == ("before", "rank_major", 1)
+
+
+@pytest.mark.parametrize("model,mode,needle", [
+    ({"layout": "by_expert"}, "normal", "model.layout: must be one of rank_major, expert_major"),
+    ({"layout": "expert_major", "align": 64}, "normal", "model.align: must be one of 1, 16, 128"),
+    ({"align": 16}, "normal", "model.align: only applies with layout: expert_major"),
+    ({"layout": "expert_major"}, "low_latency", "model.layout: must be rank_major in low_latency"),
+])
+def test_scenario_layout_rules(model, mode, needle):
+    with pytest.raises(UserError, match=needle):
+        scenario.parse(scenario_dict(model=model, mode=mode))

@@ -1,0 +1,90 @@
+"""epbench/options.py: backend options parsed, validated (one line each) and resolved."""
+
+from __future__ import annotations
+
+import pytest
+
+from epbench import options, scenario
+from epbench.errors import UserError
+
+
+def test_scenario_mapping_is_typed_and_aliases_normalised() -> None:
+    got = options.validate({"epbench": {"dispatch_impl": "lean-dyn", "combine_warps": 12},
+                            "epbench-hier": {"send_share": 0.25}})
+    assert got == {"epbench": {"dispatch_impl": "lean_dyn", "combine_warps": 12},
+                   "epbench-hier": {"send_share": 0.25}}
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"epbench": {"nope": 1}}, r"backend_options\.epbench\.nope: unknown option \(known: dispatch_impl"),
+    ({"epbench": {"dispatch_impl": "spread"}}, r"dispatch_impl: must be one of lean_dyn, lean, got 'spread'"),
+    ({"epbench": {"dispatch_warps": 33}}, r"dispatch_warps: must be an integer in \[1, 32\], got 33"),
+    ({"epbench": {"dispatch_warps": True}}, r"must be an integer"),
+    ({"epbench-hier": {"send_share": 1.0}}, r"send_share: must be a number in \(0, 1\)"),
+    ({"reference": {"x": 1}}, r"backend 'reference' takes no options"),
+    ({"epbench": [1]}, r"must be a mapping of option -> value"),
+    ([1], r"must be a mapping of backend -> options"),
+])
+def test_bad_options_are_one_line_user_errors(data, match) -> None:
+    with pytest.raises(UserError, match=match) as e:
+        options.validate(data)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_items_bare_and_qualified() -> None:
+    got = options.parse_cli(["dispatch_impl=lean", "epbench.combine_warps=8", "epbench-ll.combine_chunk=2"])
+    assert got == {"epbench": {"dispatch_impl": "lean", "combine_warps": 8}, "epbench-ll": {"combine_chunk": 2}}
+    assert options.parse_cli(options.to_cli(got)[1::2]) == got  # what the relaunch passes reads back the same
+
+
+@pytest.mark.parametrize("item,match", [
+    ("dispatch_impl", r"must be \[backend\.\]key=value"),
+    ("combine_chunk=2", r"'combine_chunk' is ambiguous or unknown \(epbench, epbench-ll have it"),
+    ("nothing=1", r"no backend has it"),
+    ("epbench.dispatch_warps=x", r"--option\.epbench\.dispatch_warps: must be an integer"),
+])
+def test_bad_cli_items(item, match) -> None:
+    with pytest.raises(UserError, match=match):
+        options.parse_cli([item])
+
+
+def test_resolve_given_then_environment_then_default() -> None:
+    env = {"EPBENCH_DISPATCH_WARPS": "8", "EPBENCH_DISPATCH_IMPL": "lean"}
+    got = options.resolve("epbench", {"dispatch_impl": "lean_dyn"}, env)
+    assert got["dispatch_impl"] == "lean_dyn" and got["dispatch_warps"] == 8 and got["combine_chunk"] == 2048
+    with pytest.raises(UserError, match="EPBENCH_COMBINE_CHUNK: must be one of 1024, 2048, 4096"):
+        options.resolve("epbench", {}, {"EPBENCH_COMBINE_CHUNK": "3000"})
+    assert options.resolve("reference", {}) == {}
+
+
+def test_scenario_key_is_validated_with_the_file() -> None:
+    base = {"model": {"hidden": 64, "tokens_per_rank": 8, "topk": 2, "experts_per_rank": 2},
+            "topology": {"nodes": 1, "gpus_per_node": 2}}
+    s = scenario.parse({**base, "backend_options": {"epbench": {"dispatch_impl": "lean"}}}, "x.yaml")
+    assert s.backend_options == {"epbench": {"dispatch_impl": "lean"}}
+    assert scenario.parse(base, "x.yaml").backend_options == {}
+    with pytest.raises(UserError, match=r"^x\.yaml: backend_options\.epbench\.warps: unknown option"):
+        scenario.parse({**base, "backend_options": {"epbench": {"warps": 1}}}, "x.yaml")
+
+
+def test_a_cpu_run_records_the_options_it_was_given(tmp_path) -> None:
+    """epbench's kernels skip on CPU; the requested options still land in meta.json, and every row has the
+    impl / options columns (empty for the reference backend, which has none)."""
+    from support import SCENARIOS, run_cli
+
+    run = run_cli(tmp_path, "run", str(SCENARIOS / "smoke.yaml"), "--nproc", "2", "--iters", "2", "--warmup", "0",
+                  "--device", "cpu", "--backends", "reference,epbench", "--option", "dispatch_impl=lean",
+                  "--option", "epbench.combine_warps=12")
+    assert run.result.code == 0, run.result.both
+    assert run.meta()["scenario"]["backend_options"] == {"epbench": {"dispatch_impl": "lean", "combine_warps": 12}}
+    rows = run.rows()
+    assert {"impl", "options"} <= set(rows.columns) and rows["options"].isna().all()
+
+
+def test_a_bad_option_is_one_line_and_exit_2(tmp_path) -> None:
+    from support import SCENARIOS, assert_one_line_error, epbench
+
+    r = epbench("run", str(SCENARIOS / "smoke.yaml"), "--device", "cpu", "--option", "epbench.dispatch_impl=spread",
+                "--results", str(tmp_path))
+    assert r.code == 2
+    assert_one_line_error(r, "dispatch_impl: must be one of lean_dyn, lean")

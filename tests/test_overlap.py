@@ -1,0 +1,173 @@
+"""epbench overlap without a GPU: the arithmetic of kept % and exposed time, the option parsing,
+the table, the plot of a results folder, and the one-line refusal on a CPU machine."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from rich.console import Console
+
+from epbench import overlap as ov
+from epbench.errors import UserError
+from epbench.plot import plot_run
+from support import SCENARIOS, epbench
+
+
+def test_kept_pct_is_alone_over_beside():
+    assert ov.kept_pct(100.0, 125.0) == pytest.approx(80.0)
+    assert ov.kept_pct(100.0, 100.0) == pytest.approx(100.0)
+    assert ov.kept_pct(None, 5.0) is None and ov.kept_pct(5.0, 0.0) is None
+
+
+def test_pair_figures_sum_max_and_exposed():
+    p = ov.pair_figures(gemm_total_us=1000.0, comm_total_us=400.0, pair_us=1100.0)
+    assert p["sum_us"] == 1400.0 and p["max_us"] == 1000.0
+    assert p["exposed_us"] == pytest.approx(100.0)  # the GEMMs finished 100 us later
+    assert p["hidden_pct"] == pytest.approx(75.0)  # 300 of the 400 us were hidden
+    assert ov.pair_figures(1000.0, 400.0, 1400.0)["hidden_pct"] == pytest.approx(0.0)
+    assert ov.pair_figures(1000.0, 0.0, 1000.0)["hidden_pct"] is None
+
+
+def test_kept_in_calls_takes_out_the_gaps_between_calls():
+    # alone 100 us, confined 110 us; busy half the loop at a rate that keeps 50 %:
+    # per-GEMM time over the loop = 1 / (0.5 / 200 + 0.5 / 110)
+    beside = 1.0 / (0.5 / 200.0 + 0.5 / 110.0)
+    assert ov.kept_in_calls_pct(100.0, 110.0, beside, 50.0) == pytest.approx(50.0)
+    assert ov.kept_in_calls_pct(100.0, 110.0, 110.0, 100.0) == pytest.approx(100 * 100 / 110)
+    assert ov.kept_in_calls_pct(100.0, 110.0, beside, None) is None
+    assert ov.kept_in_calls_pct(100.0, 110.0, 300.0, 50.0) is None  # slower than the gaps allow
+
+
+def test_spans_inside_a_window_and_loop_sizing():
+    spans = [(0.0, 10.0), (10.0, 20.0), (20.0, 30.0), (30.0, 40.0)]
+    assert ov.inside(spans, 5.0, 35.0) == [(10.0, 20.0), (20.0, 30.0)]
+    assert ov.gemm_loop_count(1000.0, 100.0) == 17  # 1.5 x 1000 / 100 + 2
+    assert ov.gemm_loop_count(1.0, 100.0) == 3
+    with pytest.raises(ValueError):
+        ov.gemm_loop_count(10.0, 0.0)
+    assert ov.busy_pct([50.0, 50.0], 4, 400.0) == pytest.approx(50.0)
+
+
+def test_window_gemm_beside_and_coverage():
+    w = ov.Window(gemm_spans=[(0, 10), (10, 30), (30, 50), (50, 60)], comm_start=5.0, comm_end=55.0,
+                  comm_samples={})
+    beside, covered = w.gemm_beside_us()
+    assert beside == pytest.approx(20.0) and covered  # the two GEMMs wholly inside the loop
+    assert w.pair_us == 60
+    short = ov.Window(gemm_spans=[(0, 10)], comm_start=2.0, comm_end=30.0, comm_samples={})
+    assert short.gemm_beside_us() == (10, False)
+
+
+def test_parse_gemm_and_sm_counts():
+    assert ov.parse_gemm(None) == ov.GemmSpec("square", 8192, 8192, 8192)
+    assert ov.parse_gemm("64,128,256") == ov.GemmSpec("square", 64, 128, 256)
+    assert ov.parse_gemm("experts") == ov.GemmSpec("experts", intermediate=2048)
+    assert ov.parse_gemm("experts:4096").intermediate == 4096
+    for bad in ("1,2", "a,b,c", "0,1,1", "experts:x"):
+        with pytest.raises(UserError):
+            ov.parse_gemm(bad)
+    ov.check_sms([4, 8], 132)
+    with pytest.raises(UserError, match="leaves the GEMM 0 of 132"):
+        ov.check_sms([132], 132)
+
+
+def _rows():
+    """Two ranks at two SM counts and a copy row, built by point_row from raw times."""
+    rows = []
+    for sms, disp in ((8, 250.0), (16, 150.0)):
+        for rank in (0, 1):
+            gemm = {"gemm_all_us": 1400.0, "gemm_confined_us": 1500.0,
+                    "gemm_beside_us": 1800.0 + 100 * rank, "gemm_count": 10, "pair_us": 15000.0,
+                    "comm_busy_pct": 60.0, "gemm_sms": 132 - sms}
+            alone = {"dispatch": 180.0, "combine": 290.0, "loop": 20000.0}
+            beside = {"dispatch": disp, "combine": 400.0, "loop": 26000.0}
+            row = ov.point_row({"backend": "epbench", "sms": sms, "rank": rank}, gemm, alone, beside)
+            rows.append(dict(row, wrong=0, gemm_wrong=0))
+    gemm = {"gemm_all_us": 1400.0, "gemm_confined_us": 1500.0, "gemm_beside_us": 1750.0,
+            "gemm_count": 10, "pair_us": 14500.0, "gemm_sms": 124}
+    rows.append(dict(ov.point_row({"backend": "copy", "sms": 8, "rank": 0}, gemm,
+                                  {"copy": 100.0, "loop": 9000.0}, {"copy": 150.0, "loop": 9500.0}),
+                     wrong=0, gemm_wrong=0))
+    return rows
+
+
+def test_point_row_figures():
+    r = _rows()[0]
+    assert r["dispatch_kept_pct"] == pytest.approx(72.0)  # 180 / 250
+    assert r["comm_kept_pct"] == pytest.approx(100 * 470 / 650)
+    assert r["gemm_kept_pct"] == pytest.approx(100 * 1400 / 1800)
+    assert r["gemm_kept_of_confined_pct"] == pytest.approx(100 * 1500 / 1800)
+    assert r["sum_us"] == 34000.0 and r["max_us"] == 20000.0 and r["exposed_us"] == 1000.0
+
+
+def test_table_takes_the_worst_rank_and_fits_100_columns():
+    df = pd.DataFrame(_rows())
+    s = ov.summarize(df)
+    ep8 = s[(s["backend"] == "epbench") & (s["sms"] == 8)].iloc[0]
+    assert ep8["gemm_kept_pct"] == pytest.approx(100 * 1400 / 1900)  # rank 1, the slower
+    console = Console(width=100, record=True)
+    meta = {"scenario": {"name": "t"}, "world": 2, "overlap": {"gemm": "bf16 8192x8192x8192",
+                                                                "total_sms": 132},
+            "notes": [ov.SHARED_GPU_NOTE]}
+    ov.print_overlap(df, meta, console)
+    text = console.export_text()
+    table_lines = [ln for ln in text.splitlines() if ln.strip().startswith(("epbench", "copy"))]
+    assert len(table_lines) == 3
+    assert all(len(ln) <= 100 for ln in text.splitlines())
+    assert "73.7" in text  # the worst rank's GEMM kept %
+    assert "SMs and HBM only" in text
+
+
+def test_plot_of_an_overlap_folder(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "meta.json").write_text(json.dumps({"verb": "overlap", "world": 2,
+                                               "overlap": {"gemm": "bf16 8192x8192x8192"}}))
+    pd.DataFrame(_rows()).to_csv(run / "results.csv", index=False)
+    (png,) = plot_run(run)
+    assert png.name == "overlap_vs_sms.png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_refuses_without_a_gpu():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    r = epbench("overlap", str(SCENARIOS / "dsv3x4.yaml"), "--nproc", "1", "--sms", "8")
+    assert r.code == 2
+    assert "needs a CUDA GPU" in r.both and len(r.both.strip().splitlines()) == 1
+
+
+def test_gemm_check_passes_a_rerun_and_fails_a_poisoned_or_wrong_output():
+    torch = pytest.importorskip("torch")
+    for spec, tokens in ((ov.parse_gemm("32,48,64"), None), (ov.parse_gemm("experts:16"), [5, 0, 7])):
+        g = ov.Gemm(spec, torch.device("cpu"), 64, tokens)
+        g()
+        reference = g.out.clone()
+        g.poison()
+        assert g.wrong(reference) == reference.numel()  # a GEMM that did not run cannot pass
+        g()
+        assert g.wrong(reference) == 0
+        g.out[0, 0] += 10 * (reference.abs().max() + 1)
+        assert g.wrong(reference) == 1
+    assert g.groups == [(0, 0, 5), (2, 5, 12)]  # the expert without tokens launches nothing
+    assert torch.equal(g.out[5:], g.a[5:] @ g.b[2])
+    assert g.flops == 2.0 * 12 * 64 * 16
+    with pytest.raises(UserError, match="no token"):
+        ov.Gemm(ov.parse_gemm("experts"), torch.device("cpu"), 64, [0, 0])
+
+
+def test_partition_request_is_lowered_until_it_fits_beside_the_communication(monkeypatch):
+    """The driver rounds a green context up to its SM-group size (8 on H100): asking for the
+    free SMs must not hand the GEMM SMs that the communication uses."""
+    from epbench import overlap as ov
+
+    class Rounding:
+        def __init__(self, want: int, device_index: int) -> None:
+            self.want, self.sms = want, -(-want // 8) * 8
+
+    monkeypatch.setattr(ov, "Partition", Rounding)
+    for k in (4, 8, 16, 32):
+        p = ov.disjoint_partition(132 - k, 0)
+        assert p.sms <= 132 - k and p.sms > 132 - k - 8
