@@ -468,11 +468,10 @@ RANK_ERRORS = "EPBENCH_RANK_ERRORS"  # set by the launcher: the folder ranks lea
 def _fail(e: BaseException, status: str, code: int) -> None:
     """One line for an error (a traceback too with --debug). A rank started by the launcher
     leaves the line for it instead, which prints one line for the whole job."""
-    from epbench.session import first_line
+    from epbench.errors import ControlTimeout, KernelTimeout, first_line
 
     if os.environ.get("EPBENCH_DEBUG"):
         traceback.print_exc()
-    from epbench.errors import ControlTimeout, KernelTimeout
 
     known = isinstance(e, (UserError, VerificationFailed, StartupError, ControlTimeout, KernelTimeout))
     line = " ".join(str(e).splitlines()) if known else first_line(e)  # one line, whatever it held

@@ -30,3 +30,9 @@ class ControlTimeout(RuntimeError):
     """Ranks did not meet at a barrier or gather within the control-plane timeout."""
 
     exit_code = 1
+
+
+def first_line(e: BaseException) -> str:
+    """An unexpected error as one line: its type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else 'no detail'}"

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from epbench import launch, metrics, provenance
 from epbench.driver import RunOptions, measure
+from epbench.errors import first_line
 from epbench.console import wide_console
 from epbench.report import print_run
 from epbench.results import RunWriter, new_run_dir
@@ -214,11 +215,6 @@ def _run(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path], re
     dist.barrier()
     dist.destroy_process_group()
     return 1 if wrong else 0
-
-
-def first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else 'no detail'}"
 
 
 def show_run(run_dir: Path, console: Any) -> None:
