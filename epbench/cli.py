@@ -43,6 +43,7 @@ NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="This no
 RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (passed to torchrun).")]
 RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="Seconds to wait for every node to join (multi-node; torchrun's default otherwise).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
+ControlTimeoutOpt = Annotated[Optional[float], typer.Option("--control-timeout", help="Seconds the ranks wait for each other at a barrier, gather or start-up before stopping with one line naming the missing ranks (default: the scenario's bench.control_timeout_s, 300).")]
 MpsOpt = Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 OptionOpt = Annotated[Optional[List[str]], typer.Option(
@@ -174,7 +175,7 @@ def _host_memory() -> int:
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
             tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False,
-            option: Optional[List[str]] = None) -> None:
+            option: Optional[List[str]] = None, control_timeout: Optional[float] = None) -> None:
     import contextlib
     import dataclasses
 
@@ -193,11 +194,17 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     if fault not in (None, "dispatch", "combine"):
         raise UserError(f"--inject-fault: must be dispatch or combine, got {scenario.shown(fault)}")
     opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings, tokens=token_list)
+    if control_timeout is None:
+        control_timeout = s.bench.control_timeout_s
+    if not 0 < control_timeout <= scenario.MAX_CONTROL_TIMEOUT_S:
+        raise UserError(f"--control-timeout: must be positive and at most "
+                        f"{scenario.MAX_CONTROL_TIMEOUT_S:g} s, got {control_timeout:g}")
     if launch.under_torchrun():
         from epbench.session import run_worker
 
         code = run_worker(s, opts, device or s.bench.device, run_dir, results,
-                          [command] + sys.argv[2:])
+                          [command] + sys.argv[2:], control_timeout,
+                          launched=bool(os.environ.get(RANK_ERRORS)))
         raise typer.Exit(code)
     dev = resolve_device(s, device)
     check_memory(s, dev, opts.tokens)
@@ -213,11 +220,13 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
                         f"start it on every node with --nnodes {s.topology.nodes} --node-rank N "
                         f"--rdzv-endpoint HOST:PORT, or use --nproc to run its shape on one node")
     from epbench.results import claim_run_dir, new_run_dir
+    from epbench.session import launch_run
 
     run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s.name)
     args = [command, str(path), "--run-dir", str(run_dir), "--device", dev,
-            "--backends", ",".join(opts.backends), "--sms", ",".join(map(str, opts.sms)),
-            "--iters", str(opts.iters), "--warmup", str(opts.warmup), "--results", str(results)]
+            "--sms", ",".join(map(str, opts.sms)), "--iters", str(opts.iters),
+            "--warmup", str(opts.warmup), "--results", str(results),
+            "--control-timeout", repr(float(control_timeout))]
     # --nproc stays here: torchrun's parser would take it for its own --nproc-per-node, and
     # the ranks learn their number from torchrun anyway.
     if fault:
@@ -226,12 +235,22 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         args.append("--no-ceilings")
     if opts.tokens:
         args += ["--tokens", ",".join(map(str, opts.tokens))]
+    # One job per backend: a backend that kills its processes costs only its own points. Across
+    # nodes one job for all backends keeps the nodes in step (one rendezvous).
+    jobs = [",".join(opts.backends)] if nodes > 1 else list(opts.backends)
+
     args += options.to_cli(options.parse_cli(option or []))
-    cmd = launch.torchrun_args(args, s.topology.ranks_per_host, nodes, node_rank, rdzv, rdzv_timeout)
-    with launch.private_mps() if mps and dev == "cuda" else contextlib.nullcontext():
-        code = launch.relaunch(cmd, dev)
-    if run_dir.is_dir() and not any(run_dir.iterdir()):
-        run_dir.rmdir()  # the job died before it measured anything
+
+    def job_command(backends: str) -> List[str]:
+        return launch.torchrun_args(args + ["--backends", backends], s.topology.ranks_per_host,
+                                    nodes, node_rank, rdzv, rdzv_timeout)
+
+    os.environ[RANK_ERRORS] = str(run_dir)
+    try:
+        with launch.private_mps() if mps and dev == "cuda" else contextlib.nullcontext():
+            code = launch_run(s, opts, jobs, run_dir, job_command, dev)
+    finally:
+        os.environ.pop(RANK_ERRORS, None)
     raise typer.Exit(code)
 
 
@@ -242,7 +261,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
         inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
         rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False,
-        option: OptionOpt = None) -> None:
+        option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None) -> None:
     """Run a scenario across ranks (re-executing under torchrun) and print its table. Without a
     path: each shipped scenario that fits this host."""
     paths = [path] if path is not None or launch.under_torchrun() else default_scenarios()
@@ -250,7 +269,8 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
     for p in paths:
         try:
             _launch("run", p, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option)
+                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
+                    control_timeout)
         except typer.Exit as e:
             worst = worst or e.exit_code
     raise typer.Exit(worst)
@@ -266,12 +286,14 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
           no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None,
-          mps: MpsOpt = False, option: OptionOpt = None) -> None:
+          mps: MpsOpt = False, option: OptionOpt = None,
+          control_timeout: ControlTimeoutOpt = None) -> None:
     """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option)
+            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
+            control_timeout)
 
 
 @app.command()
@@ -440,7 +462,31 @@ def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topolo
         console.print(f"wrote {json_out}")
 
 
+RANK_ERRORS = "EPBENCH_RANK_ERRORS"  # set by the launcher: the folder ranks leave their error in
+
+
+def _fail(e: BaseException, status: str, code: int) -> None:
+    """One line for an error (a traceback too with --debug). A rank started by the launcher
+    leaves the line for it instead, which prints one line for the whole job."""
+    from epbench.errors import ControlTimeout, KernelTimeout, first_line
+
+    if os.environ.get("EPBENCH_DEBUG"):
+        traceback.print_exc()
+
+    known = isinstance(e, (UserError, VerificationFailed, StartupError, ControlTimeout, KernelTimeout))
+    line = " ".join(str(e).splitlines()) if known else first_line(e)  # one line, whatever it held
+    if launch.under_torchrun() and os.environ.get(RANK_ERRORS):
+        launch.write_rank_error(Path(os.environ[RANK_ERRORS]), int(os.environ["RANK"]), status,
+                                f"[rank {os.environ['RANK']}] {line}")
+    else:
+        where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
+        err.print(f"epbench: error: {where}{line}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(code)
+
+
 def main() -> None:
+    from epbench.errors import ControlTimeout, KernelTimeout
+
     launch.apply_safe_env()
     try:
         sys.exit(app(standalone_mode=False))
@@ -456,9 +502,10 @@ def main() -> None:
         err.print("epbench: interrupted", markup=False, highlight=False)
         sys.exit(130)
     except (UserError, VerificationFailed, StartupError) as e:
-        if os.environ.get("EPBENCH_DEBUG"):
-            traceback.print_exc()
-        where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
-        text = " ".join(str(e).splitlines())  # one line, whatever the message held
-        err.print(f"epbench: error: {where}{text}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(e.exit_code)
+        _fail(e, "failed", e.exit_code)
+    except (ControlTimeout, KernelTimeout) as e:
+        _fail(e, "timeout", 1)
+    except Exception as e:
+        if not launch.under_torchrun():
+            raise  # the launcher's own bugs keep their traceback
+        _fail(e, "failed", 1)

@@ -185,7 +185,9 @@ def raise_if_timed_out(lib: ctypes.CDLL, ctx: ctypes.c_void_p, timeout_s: float,
     rank, peer, phase = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     if (poll or lib.ep_poll_error)(ctx, ctypes.byref(rank), ctypes.byref(peer), ctypes.byref(phase)):
         what = (phases or PHASES).get(phase.value, f"phase {phase.value}")
-        raise RuntimeError(f"epbench kernels: rank {rank.value} gave up after {timeout_s:g} s "
+        from epbench.errors import KernelTimeout
+
+        raise KernelTimeout(f"epbench kernels: rank {rank.value} gave up after {timeout_s:g} s "
                            f"waiting for rank {peer.value} in {what}")
 
 

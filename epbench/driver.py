@@ -28,6 +28,7 @@ from epbench.backends import load_backend
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
 from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input
 from epbench.launch import Comm
+from epbench.results import unmeasured_rows
 from epbench.timing import Timer
 from epbench.routing import RankRouting, route_all, traffic
 from epbench.scenario import Scenario
@@ -376,6 +377,7 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
                                      salt, functional)
     if cnt is not None:
         cnt.close()
+    comm.arrive("end of measurement")
     flag = torch.tensor([total_wrong], dtype=torch.int64, device=comm.collective_device)
     dist.broadcast(flag, src=0)
     return int(flag.item())
@@ -402,11 +404,15 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
         be_cls, reason = load_backend(name)
         as_normal = runs_as_normal(be_cls, s.mode)
         be_setup = replace(setup, mode="normal") if as_normal else setup
+        comm.arrive(f"{name}: availability check")
         reason = _first_reason(reason or (None if as_normal else _mode_reason(be_cls, s.mode))
                                or _payload_reason(be_cls, m) or be_cls.unavailable_reason(be_setup))
         sms_list = opts.sms if be_cls is not None and be_cls.uses_sms else (0,)
         if reason:
             on_note(f"backend {name} skipped: {reason}")
+            if comm.rank == 0:
+                on_point(unmeasured_rows(s.name, name, [(n, m.tokens_per_rank) for n in sms_list],
+                                         f"skipped: {reason}"), [])
             for _ in sms_list:
                 advance(f"{name}: skipped")
             continue
@@ -422,6 +428,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
         try:
             for sms in sms_list:
                 for timing in timings:
+                    comm.arrive(f"{name} sms={sms or 'auto'}: timed calls")
                     rec = PointRecord(comm.rank, timing=timing)
                     if ll_path:
                         calls = (graph_calls if timing == "graph" else launch_calls)(be, inp, sms)
@@ -434,6 +441,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                         verify_point(be, s, routings, sms, comm, salt[0], opts.inject_fault, rec)
                     rec.config = be.effective_config()
                     salt[0] += 1
+                    comm.arrive(f"{name} sms={sms or 'auto'}: gather of results")
                     gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
                     dist.gather_object(rec, gathered, dst=0)
                     if comm.rank == 0:

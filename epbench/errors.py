@@ -1,4 +1,5 @@
-"""Errors the CLI prints as one line: user mistakes (exit 2), failed verification and failed start-up (exit 1)."""
+"""Errors the CLI prints as one line: user mistakes (exit 2); failed verification, failed start-up
+and timeouts (exit 1)."""
 
 
 class UserError(Exception):
@@ -17,3 +18,21 @@ class StartupError(RuntimeError):
     """The machinery between ranks could not start (e.g. NVSHMEM's bootstrap); the run exits 1."""
 
     exit_code = 1
+
+
+class KernelTimeout(RuntimeError):
+    """A kernel gave up waiting on a peer after the scenario's ``bench.timeout_s``."""
+
+    exit_code = 1
+
+
+class ControlTimeout(RuntimeError):
+    """Ranks did not meet at a barrier or gather within the control-plane timeout."""
+
+    exit_code = 1
+
+
+def first_line(e: BaseException) -> str:
+    """An unexpected error as one line: its type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else 'no detail'}"

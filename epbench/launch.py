@@ -10,7 +10,8 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
 
 # NVLink multicast can take a shared NVSwitch host down; it stays off in every process we start.
 SAFE_ENV = {
@@ -44,12 +45,75 @@ def torchrun_args(args: List[str], nproc_per_node: int, nnodes: int = 1,
     return cmd + ["-m", "epbench", *args]
 
 
-def relaunch(torchrun: List[str], device: str) -> int:
-    """Runs torchrun in this process; returns the first failed rank's exit code (0 if none).
-    torchrun's own failure report is replaced by one line: the ranks already said why."""
+SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # the shell's convention: 128 + signal number
+ERROR_FILE = ".error-rank{}"  # a rank's one error line, for the launcher to report
+
+
+@dataclass
+class Outcome:
+    """How one torchrun job ended: status is complete, failed, timeout or interrupted; ``line``
+    says why (None when complete); ``code`` is the exit code the launcher passes on."""
+
+    status: str
+    code: int = 0
+    line: Optional[str] = None
+
+
+def _signal_name(code: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def write_rank_error(folder: Path, rank: int, status: str, line: str) -> None:
+    """A rank's fatal error, kept for the launcher (which prints one line for the whole job)."""
+    import json
+    import time
+
+    path = folder / ERROR_FILE.format(rank)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"status": status, "line": line, "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def first_rank_error(folder: Path) -> Optional[Dict[str, object]]:
+    """The earliest error a rank wrote into ``folder`` (the files are removed)."""
+    import json
+
+    found = []
+    for path in folder.glob(ERROR_FILE.format("*")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            pass
+        path.unlink(missing_ok=True)
+    return min(found, key=lambda e: e["time"]) if found else None
+
+
+def raise_on_signals() -> None:
+    """SIGINT and SIGTERM raise torchrun's SignalException in the launcher, also between jobs
+    (torchrun installs the same while its workers run, and stops them before it raises)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def handler(signum: int, _frame: object) -> None:
+        raise SignalException(f"received {signal.Signals(signum).name}", signal.Signals(signum))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) -> Outcome:
+    """Runs torchrun in this process and says how the job ended. torchrun's own failure report
+    is replaced by one line: the ranks' own (from ``error_dir``), or which rank died and how."""
     import logging
 
     from torch.distributed import run as trun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
@@ -57,14 +121,30 @@ def relaunch(torchrun: List[str], device: str) -> int:
     if device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # several ranks share a few cores
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):  # the modules set their own levels
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    raise_on_signals()
     try:
         trun.run(trun.parse_args(torchrun))
     except ChildFailedError as e:
+        said = first_rank_error(error_dir) if error_dir is not None else None
+        # A rank killed by a signal (an abort, a segfault, SIGKILL) is the cause: the others
+        # only saw their connections to it close. SIGTERM is how torchrun stops the rest.
+        killed = sorted((f.timestamp, r, f.exitcode) for r, f in e.failures.items()
+                        if f.exitcode < 0 and f.exitcode != -15)
+        if killed:
+            _, rank, code = killed[0]
+            return Outcome("failed", 1, f"rank {rank} was killed by {_signal_name(code)}")
+        if said:
+            return Outcome(str(said["status"]), 1, str(said["line"]))
         rank, failure = e.get_first_failure()
-        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        print(f"epbench: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
-        return code
+        code = failure.exitcode
+        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+        return Outcome("failed", code if code > 0 else 1, f"rank {rank} {how}")
+    except SignalException as e:
+        name = e.sigval.name
+        return Outcome("interrupted", SIGNAL_EXIT.get(name, 128 + int(e.sigval)), f"interrupted ({name})")
     except RendezvousError as e:
         # the other nodes never came (wrong endpoint, a node not started, a firewall)
         from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
@@ -73,12 +153,20 @@ def relaunch(torchrun: List[str], device: str) -> int:
         why = ("not every node joined in time (start the same command on every node; "
                "--rdzv-timeout waits longer)" if isinstance(e, RendezvousTimeoutError)
                else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}")
-        print(f"epbench: error: the nodes could not meet at the rendezvous {where}: {why}",
-              file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        return Outcome("failed", 1, f"the nodes could not meet at the rendezvous {where}: {why}")
+    finally:
+        raise_on_signals()
+    if error_dir is not None:
+        first_rank_error(error_dir)  # a rank that failed after the others finished cleanly
+    return Outcome("complete")
+
+
+def relaunch(torchrun: List[str], device: str) -> int:
+    """Runs torchrun in this process; returns its exit code after one line for a failure."""
+    out = run_job(torchrun, device)
+    if out.line:
+        print(f"epbench: error: {out.line}", file=sys.stderr)
+    return out.code
 
 
 def device_index(local_rank: int, device_count: int) -> int:
@@ -159,6 +247,9 @@ class Comm:
     local_rank: int
     device: "object"  # torch.device
     ranks_per_gpu: int = 1  # >1: ranks share GPUs (the process group then runs over gloo)
+    control_timeout_s: float = 300.0  # barriers and gathers give up after this long
+    _arrived: int = 0  # how many control-plane waits this rank has reached
+    _phase: str = "start"
 
     @property
     def shared(self) -> bool:
@@ -186,6 +277,48 @@ class Comm:
             torch.cuda.synchronize(self.device)
         dist.barrier()
 
+    def arrive(self, phase: str) -> None:
+        """Marks this rank as having reached the wait named ``phase`` (in the job's store), so
+        that a timeout can name the ranks that never came. Cheap: once per point, never inside
+        the timed loop."""
+        self._arrived += 1
+        self._phase = phase
+        store = _store()
+        if store is not None:
+            store.set(f"epbench/arrived/{self.rank}", str(self._arrived))
+
+    def timeout_error(self, cause: BaseException) -> "Exception":
+        """The error for a control-plane wait that gave up: names the ranks that never reached
+        this rank's last wait. Ranks that reached it and timed out too say so in the store; the
+        others are given a moment to do so, then named."""
+        import time
+
+        from epbench.errors import ControlTimeout
+
+        store = _store()
+        missing: List[int] = []
+        if store is not None:
+            try:
+                store.set(f"epbench/gave-up/{self.rank}", str(self._arrived))
+                deadline = time.monotonic() + GAVE_UP_GRACE_S
+                while True:
+                    missing = [r for r in range(self.world) if not self._reached(store, r)]
+                    if not missing or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+            except Exception:  # the store went away with its host: say what we know
+                missing = []
+        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing
+               else "a rank")
+        return ControlTimeout(f"{who} did not reach the others in '{self._phase}' within "
+                              f"{self.control_timeout_s:g} s (--control-timeout)")
+
+    def _reached(self, store: "object", rank: int) -> bool:
+        """True when ``rank`` waits where this rank does (it gave up there too) or got further."""
+        gave_up, arrived = f"epbench/gave-up/{rank}", f"epbench/arrived/{rank}"
+        return ((store.check([gave_up]) and int(store.get(gave_up)) >= self._arrived)
+                or (store.check([arrived]) and int(store.get(arrived)) > self._arrived))
+
     def init_sync(self) -> None:
         import torch
 
@@ -193,7 +326,28 @@ class Comm:
             self._one = torch.ones(1, device=self.device)
 
 
-def init_distributed(device: str, timeout_s: float = 600.0) -> Comm:
+GAVE_UP_GRACE_S = 2.0  # how long a rank that timed out waits to hear which others did too
+
+
+def _store() -> Optional["object"]:
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def is_timeout(e: BaseException) -> bool:
+    """A torch.distributed wait that gave up (gloo and the store raise RuntimeError subclasses
+    whose text says so)."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def init_distributed(device: str, timeout_s: float = 300.0) -> Comm:
+    """Joins the process group; every barrier and gather (and the bootstrap) gives up after
+    ``timeout_s``."""
     import torch
     import torch.distributed as dist
 
@@ -211,7 +365,15 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> Comm:
     backend = process_group_backend(device, per_gpu > 1)
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    comm = Comm(rank, world, local_rank, dev, per_gpu)
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        except RuntimeError as e:
+            if not is_timeout(e):
+                raise
+            from epbench.errors import ControlTimeout
+
+            raise ControlTimeout(f"not every rank joined the process group within {timeout_s:g} s "
+                                 f"(--control-timeout)") from e
+    comm = Comm(rank, world, local_rank, dev, per_gpu, timeout_s)
     comm.init_sync()
     return comm

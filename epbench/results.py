@@ -95,33 +95,102 @@ def new_run_dir(root: Path, scenario_name: str) -> Path:
     raise UserError(f"{root}: could not create a new run folder for {scenario_name}")
 
 
+MEASURED = "ok"  # the status column of a measured row; others say "skipped: ..." / "failed: ..."
+
+
+def unmeasured_rows(scenario: str, backend: str, points: List[Tuple[int, int]],
+                    status: str) -> List[Dict[str, Any]]:
+    """Rows for points that were not measured, one per (op, SM count, tokens per rank): the
+    table and results.csv say why (``status``: "skipped: <reason>" or "failed: <reason>")."""
+    return [{"scenario": scenario, "backend": backend, "op": op, "sms": sms, "rank": None,
+             "tokens_per_rank": tokens, "time_us": None, "status": status}
+            for sms, tokens in points for op in ("dispatch", "combine")]
+
+
+def _read_csv_rows(path: Path) -> List[Dict[str, Any]]:
+    if not path.is_file() or not path.stat().st_size:
+        return []
+    return pd.read_csv(path).to_dict("records")
+
+
 class RunWriter:
-    def __init__(self, run_dir: Path, meta: Dict[str, Any]) -> None:
+    """Rank 0's writer. The tables are rewritten whole (to a temporary file, renamed into
+    place) after each point, so a reader or a killed run never sees half a line. ``append``:
+    the launcher runs one job per backend into the same folder; each continues the tables and
+    notes of the jobs before it, and the launcher writes the final status (finish_run)."""
+
+    def __init__(self, run_dir: Path, meta: Dict[str, Any], append: bool = False) -> None:
         self.dir = run_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        try:  # the claim: whoever creates meta.json owns the folder
-            with open(self.dir / META, "x"):
-                pass
-        except FileExistsError:
-            raise UserError(f"{run_dir}: already holds results; refusing to overwrite them") from None
-        self.meta = dict(meta, status="running")
         self.rows: List[Dict[str, Any]] = []
         self.samples: List[Dict[str, Any]] = []
+        earlier: Dict[str, Any] = {}
+        if append and (self.dir / META).is_file():
+            earlier = json.loads((self.dir / META).read_text())
+            self.rows = _read_csv_rows(self.dir / RESULTS)
+            self.samples = _read_csv_rows(self.dir / SAMPLES)
+        else:
+            claim_run(self.dir)
+        self.meta = dict(meta, status="running")
+        self.meta["notes"] = list(earlier.get("notes", []))
+        self.meta["wrong"] = int(earlier.get("wrong", 0))
         self._write_meta()
 
     def _write_meta(self) -> None:
         _atomic_write(self.dir / META, json.dumps(self.meta, indent=2, default=str) + "\n")
 
     def add(self, rows: List[Dict[str, Any]], samples: List[Dict[str, Any]]) -> None:
-        self.rows += rows
+        self.rows += [dict(r, status=r.get("status", MEASURED)) for r in rows]
         self.samples += samples
         _atomic_write(self.dir / RESULTS, pd.DataFrame(self.rows).to_csv(index=False))
-        _atomic_write(self.dir / SAMPLES, pd.DataFrame(self.samples).to_csv(index=False))
+        if samples:
+            _atomic_write(self.dir / SAMPLES, pd.DataFrame(self.samples).to_csv(index=False))
+
+    def note(self, notes: List[str], wrong: int = 0) -> None:
+        """This job's notes and wrong rows, added to the earlier jobs'; the status stays."""
+        self.meta["notes"] += [n for n in notes if n not in self.meta["notes"]]
+        self.meta["wrong"] += wrong
+        self._write_meta()
 
     def finish(self, status: str, **extra: Any) -> None:
         self.meta.update(extra, status=status,
                          finished_utc=datetime.datetime.now(datetime.timezone.utc).isoformat())
         self._write_meta()
+
+
+def claim_run(run_dir: Path, meta: Optional[Dict[str, Any]] = None) -> None:
+    """Makes ``run_dir`` this run's: whoever creates meta.json owns the folder (a second run
+    into it is refused). ``meta``: what to write there now (the launcher's claim)."""
+    try:  # the claim: whoever creates meta.json owns the folder
+        with open(run_dir / META, "x") as f:
+            if meta is not None:
+                f.write(json.dumps(meta, indent=2, default=str) + "\n")
+    except FileExistsError:
+        raise UserError(f"{run_dir}: already holds results; refusing to overwrite them") from None
+
+
+def finish_run(run_dir: Path, status: str, error: Optional[str] = None, **extra: Any) -> Dict[str, Any]:
+    """The launcher's last word on a run: status complete, failed, timeout or interrupted, with
+    the first error line. Returns the meta written."""
+    path = run_dir / META
+    meta = json.loads(path.read_text()) if path.is_file() else {}
+    meta.update(extra, status=status,
+                finished_utc=datetime.datetime.now(datetime.timezone.utc).isoformat())
+    if error:
+        meta["error"] = error
+    _atomic_write(path, json.dumps(meta, indent=2, default=str) + "\n")
+    return meta
+
+
+def measured_points(run_dir: Path, backend: str) -> set:
+    """(sms, tokens per rank) of the points of ``backend`` already in results.csv."""
+    return {(int(r["sms"]), int(r["tokens_per_rank"])) for r in _read_csv_rows(run_dir / RESULTS)
+            if r.get("backend") == backend}
+
+
+def add_rows(run_dir: Path, rows: List[Dict[str, Any]]) -> None:
+    """Appends rows to results.csv (the launcher's rows for points a failed job left out)."""
+    RunWriter(run_dir, json.loads((run_dir / META).read_text()), append=True).add(rows, [])
 
 
 def is_run_dir(path: Path) -> bool:
@@ -236,7 +305,19 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     if not isinstance(meta, dict):
         raise UserError(f"{_shown(path / META)}: not a JSON object")
     need = OVERLAP_COLUMNS if meta.get("verb") == "overlap" else RESULT_COLUMNS
-    return meta, read_table(path / RESULTS, need)
+    df = read_table(path / RESULTS, need)
+    if "status" in df:  # rows of points not measured (skipped, failed) carry no figures
+        df = df[df["status"].fillna(MEASURED) == MEASURED].drop(columns="status").reset_index(drop=True)
+        for col in df.columns:  # integer columns read as float where unmeasured rows left gaps
+            if df[col].dtype == float and df[col].notna().all() and (df[col] % 1 == 0).all():
+                df[col] = df[col].astype("int64")
+    return meta, df
+
+
+def load_unmeasured(path: Path) -> pd.DataFrame:
+    """The rows of points that were not measured, with the reason in ``status``."""
+    df = read_table(path / RESULTS)
+    return df[df["status"].fillna(MEASURED) != MEASURED] if "status" in df else pd.DataFrame()
 
 
 def load_samples(path: Path) -> pd.DataFrame:

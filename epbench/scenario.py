@@ -120,6 +120,9 @@ class Routing:
     hot_multiplier: float = 4.0  # ... is picked this many times as often as the average
 
 
+MAX_CONTROL_TIMEOUT_S = 86400.0
+
+
 @dataclass(frozen=True)
 class Bench:
     warmup: int = 5
@@ -128,6 +131,7 @@ class Bench:
     sms: Tuple[int, ...] = (16,)
     timeout_s: float = 10.0
     device: str = "auto"
+    control_timeout_s: float = 300.0  # barriers, gathers and the bootstrap between ranks
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,8 @@ def _check(s: Scenario) -> None:
          list(b.sms))
     need(0 < b.timeout_s <= MAX_TIMEOUT_S, "bench.timeout_s",
          f"must be positive and at most {MAX_TIMEOUT_S:.0f} seconds", b.timeout_s)
+    need(0 < b.control_timeout_s <= MAX_CONTROL_TIMEOUT_S, "bench.control_timeout_s",
+         f"must be positive and at most {MAX_CONTROL_TIMEOUT_S:.0f} seconds", b.control_timeout_s)
     need(b.device in DEVICES, "bench.device", f"must be one of {', '.join(DEVICES)}", b.device)
     check_backends(b.backends, "bench.backends")
     need(s.mode in MODES, "mode", f"must be one of {', '.join(MODES)}", s.mode)

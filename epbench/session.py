@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -11,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from epbench import launch, metrics, provenance
 from epbench.driver import RunOptions, measure
+from epbench.errors import first_line
 from epbench.console import wide_console
 from epbench.report import print_run
 from epbench.results import RunWriter, new_run_dir
@@ -121,15 +123,48 @@ def sharing_notes(comm: Any) -> List[str]:
     return notes
 
 
+CEILINGS_CACHE = ".ceilings.pkl"  # measured by the first job of a run, read by the others
+
+
+def _ceilings(s: Scenario, opts: RunOptions, comm: Any, on_note: Any,
+              run_dir: Optional[Path]) -> Optional[Dict[str, Any]]:
+    """The run's ceilings: measured once per run folder. Later jobs of the same run (one per
+    backend, on the same host) read what the first measured; only rank 0 uses them."""
+    import pickle
+
+    cache = run_dir / CEILINGS_CACHE if run_dir is not None else None
+    if cache is not None and cache.is_file():
+        return pickle.loads(cache.read_bytes()) if comm.rank == 0 else None
+    found = measure_ceilings(s, opts, comm, on_note)
+    if cache is not None and comm.rank == 0:
+        cache.write_bytes(pickle.dumps(found))
+    return found
+
+
 def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path],
-               results_root: Path, argv: List[str]) -> int:
+               results_root: Path, argv: List[str], control_timeout_s: float,
+               launched: bool = False) -> int:
+    """One job on this rank. ``launched``: started by epbench's launcher, which runs one job per
+    backend into ``run_dir``, writes the final status and prints the table; otherwise (torchrun
+    started by hand) this job does all of that itself."""
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    comm = launch.init_distributed(device)
+    comm = launch.init_distributed(device, control_timeout_s)
+    try:
+        return _run(s, opts, device, run_dir, results_root, argv, comm, launched)
+    except Exception as e:
+        if launch.is_timeout(e):
+            raise comm.timeout_error(e) from e
+        raise
+
+
+def _run(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path], results_root: Path,
+         argv: List[str], comm: Any, launched: bool) -> int:
     if comm.world != s.world:
         s = s.with_world(comm.world)  # started by hand under torchrun with another size
+    comm.arrive("scenario check")
     check_same_scenario(s, opts)
     console = wide_console()
     rank0 = comm.rank == 0
@@ -138,8 +173,9 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
     if rank0:
         meta: Dict[str, Any] = provenance.collect(argv, device)
         meta.update(scenario=dataclasses.asdict(s), world=comm.world,
-                    options=dataclasses.asdict(opts), **sharing(comm))
-        writer = RunWriter(run_dir or new_run_dir(results_root, s.name), meta)
+                    options=dataclasses.asdict(opts), control_timeout_s=comm.control_timeout_s,
+                    **sharing(comm))
+        writer = RunWriter(run_dir or new_run_dir(results_root, s.name), meta, append=launched)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True,
                         disable=not (rank0 and opts.progress))
@@ -158,20 +194,92 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
 
     for note in sharing_notes(comm):
         on_note(note)
-    ceilings = measure_ceilings(s, opts, comm, on_note)
+    comm.arrive("ceilings")
+    ceilings = _ceilings(s, opts, comm, on_note, run_dir if launched else None)
     try:
         with progress:
             wrong = measure(s, opts, comm, on_point, on_note, advance, ceilings)
     except BaseException as e:
-        if writer is not None:
-            writer.finish(f"failed: {type(e).__name__}: {e}", notes=notes)
+        if writer is not None and launched:
+            writer.note(notes)
+        elif writer is not None:
+            writer.finish("timeout" if launch.is_timeout(e) else "failed", notes=notes,
+                          error=first_line(e))
         raise
-    if writer is not None:
+    if writer is not None and launched:
+        writer.note(notes, wrong)
+    elif writer is not None:
         writer.finish("complete", notes=notes, wrong=wrong)
-        import pandas as pd
-
-        print_run(pd.DataFrame(writer.rows), writer.meta, console)
-        console.print(f"results: {writer.dir}")
+        show_run(writer.dir, console)
+    comm.arrive("final barrier")
     dist.barrier()
     dist.destroy_process_group()
     return 1 if wrong else 0
+
+
+def show_run(run_dir: Path, console: Any) -> None:
+    """The run's table, a line per backend whose points were not measured, and the folder."""
+    from epbench.results import load_run, load_unmeasured
+
+    meta, df = load_run(run_dir)
+    print_run(df, meta, console)
+    left = load_unmeasured(run_dir)
+    for (backend, status), g in (left.groupby(["backend", "status"], sort=False) if not left.empty else ()):
+        console.print(f"{backend}: {status} ({len(g) // 2} point{'s' if len(g) > 2 else ''} not measured)",
+                      highlight=False, markup=False)
+    console.print(f"results: {run_dir}")
+
+
+def job_points(opts: RunOptions, backend: str, tokens_per_rank: int) -> List[tuple]:
+    """(SM count, tokens per rank) of every point a job of ``backend`` would measure."""
+    from epbench.backends import load_backend
+
+    cls = load_backend(backend)[0]
+    sms = opts.sms if cls is not None and cls.uses_sms else (0,)
+    return [(n, t) for t in (opts.tokens or (tokens_per_rank,)) for n in sms]
+
+
+def launch_run(s: Scenario, opts: RunOptions, jobs: List[str], run_dir: Path, job_command: Any,
+               device: str) -> int:
+    """The launcher: one torchrun job per entry of ``jobs`` (a --backends value; one backend
+    each on one node) into ``run_dir`` (a backend that aborts its
+    processes loses only its own points, which get ``failed: <reason>`` rows), then the final
+    status in meta.json, one line for the first failure and the table. Returns the exit code:
+    130 / 143 after SIGINT / SIGTERM (the rows measured so far are kept)."""
+    from epbench import results
+
+    first: Optional[launch.Outcome] = None
+    for job in jobs:
+        out = launch.run_job(job_command(job), device, run_dir)
+        if out.status == "interrupted":
+            first = out
+            break
+        if out.status == "complete":
+            continue
+        first = first or launch.Outcome(out.status, out.code, f"{job}: {out.line}")
+        if not (run_dir / results.META).is_file():
+            continue
+        for backend in job.split(","):
+            done = results.measured_points(run_dir, backend)
+            left = [p for p in job_points(opts, backend, s.model.tokens_per_rank) if p not in done]
+            results.add_rows(run_dir, results.unmeasured_rows(s.name, backend, left,
+                                                              f"{out.status}: {out.line}"))
+    (run_dir / CEILINGS_CACHE).unlink(missing_ok=True)
+    if not (run_dir / results.META).is_file():  # no job got as far as writing anything
+        if first is not None:
+            print(f"epbench: error: {first.line}", file=sys.stderr)
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        return first.code if first is not None else 1
+    options = dict(dataclasses.asdict(opts), backends=list(opts.backends))
+    meta = results.finish_run(run_dir, first.status if first else "complete",
+                              first.line if first else None, options=options)
+    if first is not None and first.status == "interrupted":
+        kept = len(results.load_run(run_dir)[1])
+        print(f"epbench: {first.line}: {kept} measured rows kept in {run_dir}", file=sys.stderr)
+        return first.code
+    show_run(run_dir, wide_console())
+    if first is not None:
+        print(f"epbench: error: {first.line}", file=sys.stderr)
+        return first.code or 1
+    return 1 if meta.get("wrong") else 0

@@ -86,6 +86,13 @@ class Run:
         return json.loads((self.dir / "meta.json").read_text())
 
     def rows(self):
+        """The measured rows (as results.load_run gives them to every reader)."""
+        from epbench.results import load_run
+
+        return load_run(self.dir)[1]
+
+    def all_rows(self):
+        """results.csv as written: with the skipped and failed points' rows."""
         import pandas as pd
 
         return pd.read_csv(self.dir / "results.csv")

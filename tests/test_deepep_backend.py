@@ -440,3 +440,6 @@ def test_cli_skips_deepep_with_a_note(tmp_path):
     assert "deep_ep is not installed" in notes[0] or "needs CUDA GPUs" in notes[0], notes[0]
     assert any("backend deepep skipped" in ln for ln in r.out.splitlines())
     assert set(run.rows()["backend"]) == {"reference"}
+    rows = run.all_rows()
+    skipped = rows[rows["backend"] == "deepep"]["status"]  # one row per op: skipped, and why
+    assert len(skipped) == 2 and skipped.str.startswith("skipped: ").all()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Dict, Optional, Tuple, Type
 
 from epbench.errors import UserError
@@ -21,6 +22,10 @@ REGISTRY: Dict[str, str] = {
     "hybrid-ep": "epbench.backends.hybrid_ep:HybridEPBackend",
     "symm-mem": "epbench.backends.symm_mem:SymmMemBackend",
 }
+# Tests only: backends that hang or abort on purpose (tests/fault_backends.py), as
+# "name=module:Class,..."; never set in normal use.
+REGISTRY.update(dict(item.split("=", 1) for item in
+                     os.environ.get("EPBENCH_TEST_BACKENDS", "").split(",") if "=" in item))
 
 
 def backend_class(name: str) -> Type["Backend"]:

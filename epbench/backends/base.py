@@ -58,6 +58,9 @@ from typing import Any, ClassVar, Optional, Tuple, Union
 import torch
 
 
+MAX_KERNEL_TIMEOUT_S = 86400.0  # one day: far below what fits in 64-bit nanoseconds
+
+
 @dataclass(frozen=True)
 class RankSetup:
     """What a backend needs to size and place its buffers on one rank."""
@@ -76,6 +79,12 @@ class RankSetup:
     quantize: str = "before"  # "fused": dispatch gets bf16 rows and delivers dispatch_dtype rows
     layout: str = "rank_major"  # "expert_major": x / x_scales grouped by local expert (layout.py)
     align: int = 1  # expert_major: rows per segment rounded up to a multiple of this
+
+    def __post_init__(self) -> None:
+        # The kernels turn this into integer nanoseconds: inf, nan or a huge value would not fit.
+        if not 0 < self.timeout_s <= MAX_KERNEL_TIMEOUT_S:
+            raise ValueError(f"timeout_s must be positive and at most {MAX_KERNEL_TIMEOUT_S:g} s, "
+                             f"got {self.timeout_s!r}")
 
     @property
     def local_rank(self) -> int:

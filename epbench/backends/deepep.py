@@ -46,6 +46,26 @@ from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSe
 from epbench.scenario import FP8_BLOCK
 
 MAX_INTRANODE_RANKS = 8  # DeepEP's NUM_MAX_NVL_PEERS
+# DeepEP V1's intranode dispatch copies each received row in two halves through one warp's
+# 8 KiB TMA staging buffer, followed by an 8-byte mbarrier, and asserts on the device that the
+# row is a whole, even number of 16-byte units that fits (csrc/kernels/legacy/intranode.cu,
+# kNumTMABytesPerWarp): a bf16 row of hidden 8192 (16 KiB) does not.
+TMA_BYTES_PER_WARP = 8192
+MBARRIER_BYTES = 8
+
+
+def hidden_reason(hidden: int, dtype: str) -> Optional[str]:
+    """Why DeepEP V1's intranode dispatch cannot take rows of ``hidden`` elements (None: it can)."""
+    row = hidden * (1 if dtype == "fp8" else 2)
+    if row % 32:
+        return f"hidden {hidden} ({dtype}): a row of {row} bytes is not an even number of 16-byte units"
+    if row // 2 + MBARRIER_BYTES > TMA_BYTES_PER_WARP:
+        elem = 1 if dtype == "fp8" else 2
+        limit = 2 * (TMA_BYTES_PER_WARP - MBARRIER_BYTES) // elem
+        limit -= limit % (32 // elem)
+        return (f"hidden {hidden} ({dtype}): DeepEP's intranode dispatch stages half a row in "
+                f"{TMA_BYTES_PER_WARP} bytes per warp and asserts on the device above hidden {limit}")
+    return None
 
 
 def _import_deep_ep() -> Any:
@@ -83,14 +103,15 @@ class DeepEPBackend(Backend):
         if setup.hidden % 8:
             # DeepEP copies rows in 16-byte units: hidden * 2 bytes (bf16) must divide by 16.
             return f"hidden {setup.hidden} must be a multiple of 8 (rows move in 16-byte units)"
+        shape = hidden_reason(setup.hidden, setup.dispatch_dtype)
+        if shape is not None:
+            return shape
         try:
             deep_ep.Buffer.get_dispatch_config(setup.world)
             deep_ep.Buffer.get_combine_config(setup.world)
         except (AssertionError, KeyError) as e:
             detail = " ".join(str(e).split())
             return f"DeepEP has no config for {setup.world} ranks" + (f" ({detail})" if detail else "")
-        # Hidden sizes: DeepEP's intranode kernels take any hidden that passes the checks above
-        # as far as we know; anything else it rejects surfaces as an error from the first call.
         return None
 
     def __init__(self, setup: RankSetup, *, max_sms: Optional[int] = None,

@@ -1,0 +1,74 @@
+"""Backends that misbehave on purpose, for the fault tests (registered in the ranks through
+EPBENCH_TEST_BACKENDS; never part of epbench itself). Rank FAULT_RANK misbehaves at its first
+dispatch; it first writes its pid to EPBENCH_TEST_MARK (when set), so a test knows when and whom."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from epbench.backends.epbench_kernels import EpbenchBackend
+from epbench.backends.reference import ReferenceBackend
+
+FAULT_RANK = 1
+
+
+def _mark(rank: int) -> bool:
+    if rank != FAULT_RANK:
+        return False
+    mark = os.environ.get("EPBENCH_TEST_MARK")
+    if mark:
+        with open(mark, "w") as f:
+            f.write(f"{os.getpid()} {time.time()}\n")
+    return True
+
+
+class HangingBackend(ReferenceBackend):
+    """Rank 1 stops answering at its first dispatch (sleeps for ever)."""
+
+    name = "test-hang"
+
+    def dispatch(self, inp, num_sms):
+        if _mark(self.s.rank):
+            while True:
+                time.sleep(60)
+        return super().dispatch(inp, num_sms)
+
+
+class AbortingBackend(ReferenceBackend):
+    """Rank 1 aborts its process at its first dispatch (as a device assert or a segfault in a
+    third-party library would)."""
+
+    name = "test-abort"
+
+    def dispatch(self, inp, num_sms):
+        if _mark(self.s.rank):
+            os.abort()
+        return super().dispatch(inp, num_sms)
+
+
+class LateSenderBackend(EpbenchBackend):
+    """epbench's kernels, with rank 1 sending late at its first dispatch: it sleeps past the
+    kernel timeout first, so its peers' kernels give up waiting for it (GPU test)."""
+
+    name = "test-late-sender"
+    _late = True
+
+    def dispatch(self, inp, num_sms):
+        if LateSenderBackend._late and _mark(self.s.rank):
+            LateSenderBackend._late = False
+            time.sleep(self.s.timeout_s + 2.0)
+        return super().dispatch(inp, num_sms)
+
+
+REGISTRY = {"test-hang": "fault_backends:HangingBackend",
+            "test-abort": "fault_backends:AbortingBackend",
+            "test-late-sender": "fault_backends:LateSenderBackend"}
+
+
+def env(mark: str) -> dict:
+    """The environment that registers these backends in a run's processes."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return {"EPBENCH_TEST_BACKENDS": ",".join(f"{k}={v}" for k, v in REGISTRY.items()),
+            "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
+            "EPBENCH_TEST_MARK": mark}

@@ -1,0 +1,176 @@
+"""Faults end in one line and a truthful record: a rank that stops answering, Ctrl-C / SIGTERM to
+the launcher, a rank killed outright, a backend that aborts its processes. Real 2-rank CPU runs
+with backends that misbehave on purpose (tests/fault_backends.py); small control timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import fault_backends
+from support import REPO
+
+CONTROL_TIMEOUT = 5
+
+
+def start(tmp_path: Path, backends: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EPBENCH_DEBUG")}
+    env.update(fault_backends.env(str(tmp_path / "mark")))
+    return subprocess.Popen(
+        [sys.executable, "-m", "epbench", "run", "scenarios/smoke.yaml", "--nproc", "2",
+         "--backends", backends, "--control-timeout", str(CONTROL_TIMEOUT),
+         "--results", str(tmp_path / "r")],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_mark(tmp_path: Path, p: subprocess.Popen) -> tuple:
+    """(pid, time) of the rank that misbehaves, once it does."""
+    mark = tmp_path / "mark"
+    deadline = time.monotonic() + 120
+    while not (mark.is_file() and mark.read_text().endswith("\n")):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.1)
+    pid, at = mark.read_text().split()
+    return int(pid), float(at)
+
+
+def run_folder(tmp_path: Path) -> Path:
+    (d,) = list((tmp_path / "r").iterdir())
+    return d
+
+
+def processes_of(folder: Path) -> list:
+    """Processes whose command line names the run folder (the ranks get it as --run-dir)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(folder) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
+    p = start(tmp_path, "test-hang")
+    _, hung_at = wait_for_mark(tmp_path, p)
+    out, err = p.communicate(timeout=CONTROL_TIMEOUT + 60)
+    assert time.time() - hung_at < CONTROL_TIMEOUT + 10
+    assert p.returncode == 1
+    line = one_error_line(err)
+    assert line.startswith("epbench: error: test-hang: ") and "rank 1 did not reach" in line
+    assert f"within {CONTROL_TIMEOUT} s" in line and "timed calls" in line
+    d = run_folder(tmp_path)
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["status"] == "timeout" and "rank 1 did not reach" in meta["error"]
+    rows = pd.read_csv(d / "results.csv")
+    assert set(rows["status"]) == {"timeout: " + line.split("test-hang: ", 1)[1]}
+    assert not processes_of(d)
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_stops_every_rank_and_keeps_the_rows(tmp_path, sig, code):
+    p = start(tmp_path, "reference,test-hang")
+    wait_for_mark(tmp_path, p)  # the reference rows are written; the second job hangs
+    d = run_folder(tmp_path)
+    p.send_signal(sig)
+    sent = time.monotonic()
+    out, err = p.communicate(timeout=30)
+    assert time.monotonic() - sent < 10
+    assert p.returncode == code
+    line = one_error_line(err)
+    assert f"interrupted ({sig.name})" in line and "4 measured rows kept" in line
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["status"] == "interrupted"
+    from epbench.results import load_run
+
+    _, df = load_run(d)
+    assert list(df["backend"].unique()) == ["reference"] and len(df) == 4 and df["time_us"].notna().all()
+    assert not processes_of(d)
+
+
+def test_a_rank_killed_outright_fails_its_backend_only(tmp_path):
+    p = start(tmp_path, "test-hang,reference")
+    pid, _ = wait_for_mark(tmp_path, p)
+    os.kill(pid, signal.SIGKILL)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1
+    line = one_error_line(err)
+    assert line == "epbench: error: test-hang: rank 1 was killed by SIGKILL"
+    d = run_folder(tmp_path)
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["status"] == "failed" and meta["error"] == "test-hang: rank 1 was killed by SIGKILL"
+    rows = pd.read_csv(d / "results.csv")
+    assert (rows[rows["backend"] == "reference"]["status"] == "ok").sum() == 4
+    assert set(rows[rows["backend"] == "test-hang"]["status"]) == {
+        "failed: rank 1 was killed by SIGKILL"}
+    assert "test-hang: failed: rank 1 was killed by SIGKILL" in out  # the table says it too
+    assert not processes_of(d)
+
+
+def test_a_backend_that_aborts_loses_only_its_own_points(tmp_path):
+    p = start(tmp_path, "reference,test-abort")
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 1
+    assert one_error_line(err) == "epbench: error: test-abort: rank 1 was killed by SIGABRT"
+    d = run_folder(tmp_path)
+    from epbench.results import load_run, load_unmeasured
+
+    meta, df = load_run(d)
+    assert meta["status"] == "failed" and meta["options"]["backends"] == ["reference", "test-abort"]
+    assert list(df["backend"].unique()) == ["reference"] and len(df) == 4 and df["wrong"].sum() == 0
+    left = load_unmeasured(d)
+    assert list(left["op"]) == ["dispatch", "combine"]
+    assert set(left["status"]) == {"failed: rank 1 was killed by SIGABRT"}
+    assert not processes_of(d)
+
+
+def test_deepep_v1_hidden_limits_are_checked_before_launch():
+    """DeepEP V1's intranode dispatch asserts on the device for rows that do not fit its TMA
+    staging (hidden 8192 bf16 killed a whole run on 2 x H200): the pre-check skips them."""
+    from epbench.backends.deepep import hidden_reason
+
+    for hidden, dtype in ((7168, "bf16"), (4096, "bf16"), (8176, "bf16"), (8192, "fp8"), (16352, "fp8")):
+        assert hidden_reason(hidden, dtype) is None
+    assert "above hidden 8176" in hidden_reason(8192, "bf16")
+    assert "above hidden 16352" in hidden_reason(16384, "fp8")
+    assert "16-byte units" in hidden_reason(8184, "bf16")
+
+
+def test_kernel_timeout_must_be_finite_and_bounded_before_the_kernels():
+    import torch
+
+    from epbench.backends.base import RankSetup
+
+    def setup(t):
+        return RankSetup(rank=0, world=2, gpus_per_node=2, device=torch.device("cpu"), hidden=256,
+                         max_tokens_per_rank=8, topk=2, experts_per_rank=2, dispatch_dtype="bf16",
+                         timeout_s=t)
+
+    assert setup(10.0).timeout_s == 10.0
+    for bad in (float("inf"), float("nan"), 0.0, -1.0, 1e12):
+        with pytest.raises(ValueError, match="timeout_s"):
+            setup(bad)
+
+
+def test_control_timeout_is_checked_like_any_option(tmp_path):
+    from support import assert_one_line_error, epbench
+
+    assert_one_line_error(epbench("run", "scenarios/smoke.yaml", "--control-timeout", "0",
+                                  "--results", str(tmp_path)), "--control-timeout")
