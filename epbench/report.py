@@ -128,8 +128,8 @@ def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> Tuple[List[st
 
 
 CAPTION = ("time = slowest rank's median (us); algbw / busbw in GB/s, the slowest-bandwidth rank "
-           "(--wide: min / median / max over ranks); busbw = NVLink bus bandwidth, '-' where nothing "
-           "crossed a link; link % = the busiest rank's NVLink traffic (NVML, protocol included) over "
+           "(--wide: min / median / max over ranks); busbw = bus bandwidth over the transport in the "
+           "title, '-' where nothing crossed a link; link % = the busiest rank's NVLink traffic (NVML, protocol included) over "
            "the links' capacity; full data: results.csv")
 WIDE_CAPTION = (" NVML busbw: from the GPUs' counters ('!' = >10% off the computed). % ceil: this "
                 "run's ideal copy of the same bytes by copy engines (CE) / plain SM stores (SM), "
@@ -183,7 +183,7 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
     scenario = meta.get("scenario", {})
     functional = ", no link figures" if meta.get("functional") else ""
     title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "
-             f"({meta.get('device', '?')}: {transport(meta)}{functional})")
+             f"({meta.get('device', '?')}) - {transport(meta)}{functional}")
     if df.empty:
         console.print(f"{title}: no measured points")
     else:

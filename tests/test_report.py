@@ -42,7 +42,7 @@ def line_with(text, *needles):
 
 def test_table_shows_slowest_rank_time_and_spread():
     text = table_lines(rows(times=(100.0, 200.0), algbw=(10.0, 20.0)))
-    assert "smoke on 2 ranks (cpu: gloo (CPU))" in text
+    assert "smoke on 2 ranks (cpu) - gloo (CPU)" in text
     for header in ("op", "backend", "SMs", "time us", "algbw", "busbw", "link %", "#wrong"):
         assert header in text
     line = line_with(text, "dispatch", "reference")
@@ -108,7 +108,7 @@ def test_functional_run_prints_dashes_for_link_figures():
     meta = dict(META, device="cuda", functional="4 ranks share each GPU",
                 notes=["functional run (4 ranks share each GPU): ... not given"])
     text = table_lines(df, meta)
-    assert "cuda: shared GPU - functional, no link figures" in text
+    assert "(cuda) - shared GPU - functional, no link figures" in text
     line = line_with(text, "dispatch", "reference")
     cells = [c.strip() for c in line.split("│") if c.strip()]
     # op, backend, SMs, time, algbw, then busbw and link %: "-"
@@ -139,7 +139,7 @@ def test_default_table_fits_100_columns_without_cutting_anything():
     c = Console(record=True, width=100, color_system=None)
     report.print_run(pd.DataFrame(df), meta, c)
     text = c.export_text()
-    assert "h100x8 on 8 ranks (cuda: NVLink)" in text
+    assert "h100x8 on 8 ranks (cuda) - NVLink" in text
     header = line_with(text, "op", "backend", "SMs")
     for h in ("op", "backend", "SMs", "time us", "algbw", "busbw", "link %", "#wrong"):
         assert f" {h} " in header, header  # whole, not folded or cut with an ellipsis
