@@ -261,7 +261,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
                         f"--rdzv-endpoint HOST:PORT, or use --nproc to run its shape on one node")
     from epbench.results import claim_run_dir, new_run_dir
 
-    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s.name)
+    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens)
     args = [command, str(path), "--run-dir", str(run_dir), "--device", dev,
             "--backends", ",".join(opts.backends), "--sms", ",".join(map(str, opts.sms)),
             "--iters", str(opts.iters), "--warmup", str(opts.warmup), "--results", str(results)]
@@ -367,7 +367,7 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     if not torch.cuda.is_available():
         raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
     resolve_device(s, "cuda")
-    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s.name)
+    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens)
     args = ["overlap", str(path), "--run-dir", str(run_dir), "--backends", ",".join(o.backends),
             "--sms", ",".join(map(str, o.sms)), "--iters", str(o.iters), "--warmup", str(o.warmup),
             "--gemm", gemm or ov.SQUARE_DEFAULT, "--results", str(results)]

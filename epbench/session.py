@@ -139,7 +139,7 @@ def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Pat
         meta: Dict[str, Any] = provenance.collect(argv, device)
         meta.update(scenario=dataclasses.asdict(s), world=comm.world,
                     options=dataclasses.asdict(opts), **sharing(comm))
-        writer = RunWriter(run_dir or new_run_dir(results_root, s.name), meta)
+        writer = RunWriter(run_dir or new_run_dir(results_root, s, opts.tokens), meta)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True,
                         disable=not (rank0 and opts.progress))
