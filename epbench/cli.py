@@ -285,6 +285,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
 def _table_choice(wide: bool, columns: Optional[str]) -> None:
     """--wide / --columns of run and sweep: checked here, carried to the ranks that print the
     table in EPBENCH_COLUMNS (it changes what is printed, never what is measured)."""
+    if not wide and columns is None:
+        return  # the default table; epbench.report (pandas, torch) is not imported before input is checked
     from epbench.report import parse_columns
 
     chosen = parse_columns(columns, wide)

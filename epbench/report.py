@@ -122,6 +122,9 @@ def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> Tuple[List[st
     keys = list(columns or (LOW_LATENCY if _low_latency(df) else DEFAULT))
     if not _low_latency(df):
         keys = [k for k in keys if k not in ("timing", "p99")]
+    nic = "busbw_nic_gbps" in df and pd.to_numeric(df["busbw_nic_gbps"], errors="coerce").notna().any()
+    if columns is None and nic and "busbw" in keys:  # a run with a NIC tier: its busbw is a first column too
+        keys.insert(keys.index("busbw") + 1, "nic")
     if (_swept_tokens(df) or _low_latency(df)) and "tokens" not in keys:
         keys.insert(0, "tokens")
     return keys, wide

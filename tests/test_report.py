@@ -165,3 +165,11 @@ def test_run_table_obeys_the_columns_carried_in_the_environment(monkeypatch):
     monkeypatch.setenv("EPBENCH_COLUMNS", "op,time")
     header = line_with(table_lines(rows()), "op", "time us")
     assert "algbw" not in header
+
+
+def test_a_run_with_a_nic_tier_shows_its_busbw_by_default():
+    df = [dict(r, busbw_nic_gbps=5.0, nic_virtual=True) for r in rows()]
+    c = Console(record=True, width=100, color_system=None)
+    report.print_run(pd.DataFrame(df), META, c)
+    header = line_with(c.export_text(), "op", "backend")
+    assert " NIC busbw (virtual) " in header and " link % " in header
