@@ -24,15 +24,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	@touch $@
 
-# Compiles csrc/ into epbench/_lib/ when nvcc exists; says so and carries on when it does not.
+# A GPU host: nvidia-smi or /dev/nvidia0. Elsewhere `make build` installs no CUDA-only extras (the
+# NVSHMEM wheel) and compiles no kernels, nothing would load them; GPU=1 builds them anyway (a build
+# host without a GPU), GPU=0 skips them on a GPU host.
+GPU ?= $(shell { command -v nvidia-smi || ls /dev/nvidia0; } >/dev/null 2>&1 && echo 1 || echo 0)
+
+# Compiles csrc/ into epbench/_lib/ on a GPU host with nvcc; says so and carries on elsewhere.
 # First stamps epbench's commit into the package (epbench/_build_info.json) for copies without .git.
 build: setup
 	@$(PY) -m epbench.provenance --stamp
-	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) -C csrc && { $(MAKE) --no-print-directory nvshmem || \
+	@if [ "$(GPU)" != 1 ]; then echo "no GPU on this host: skipping the CUDA kernels and the NVSHMEM wheel (the reference backend runs on CPU; GPU=1 builds them anyway)"; \
+	elif command -v nvcc >/dev/null 2>&1; then $(MAKE) -C csrc && { $(MAKE) --no-print-directory nvshmem || \
 	  echo "csrc/nvshmem did not build: the NVSHMEM groundwork is skipped, everything else is unaffected"; }; \
 	else echo "nvcc not found: skipping the CUDA kernels (the reference backend still runs)"; fi
 
-# NVSHMEM (groundwork for multi-node, issue #5): headers and libraries come from a pip wheel, installed
+# NVSHMEM (groundwork for multi-node): headers and libraries come from a pip wheel, installed
 # into the venv unless already there. Where pip cannot get it (no network), a one-line note: csrc/nvshmem
 # is then built against an NVSHMEM already installed (torch's CUDA builds bring one), else skipped, and
 # the rest builds as before. NVSHMEM_HOME=<folder with include/ and lib/> skips pip altogether.

@@ -21,8 +21,29 @@ from epbench import launch, scenario
 from epbench.console import wide_console
 from epbench.errors import StartupError, UserError, VerificationFailed
 
+
+def _flag_without_placeholder() -> None:
+    """typer's rich help prints a type placeholder (``<bool>``) after every flag, --help included;
+    a flag takes no value, so it gets none."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "epbench_quiet", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.epbench_quiet = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flag_without_placeholder()
+
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="Benchmark MoE expert-parallel dispatch/combine and characterise its bandwidth.")
+                  help="Benchmark MoE expert-parallel dispatch/combine and characterise its bandwidth.\n\n"
+                       "Start with `epbench run` (the scenarios that fit this host) or "
+                       "`epbench run scenarios/smoke.yaml` (CPU, seconds).")
 console = wide_console()
 err = wide_console(stderr=True)
 
@@ -44,16 +65,42 @@ RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PO
 RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="Seconds to wait for every node to join (multi-node; torchrun's default otherwise).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
 ControlTimeoutOpt = Annotated[Optional[float], typer.Option("--control-timeout", help="Seconds the ranks wait for each other at a barrier, gather or start-up before stopping with one line naming the missing ranks (default: the scenario's bench.control_timeout_s, 300).")]
-MpsOpt = Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
+MpsOpt = Annotated[bool, typer.Option("--mps/--no-mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 OptionOpt = Annotated[Optional[List[str]], typer.Option(
-    "--option", help="A backend option, [backend.]key=value (repeatable; README: Backend options).")]
+    "--option", help="A backend option, [backend.]key=value (repeatable; docs/options.md).")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="Table with every column (spread over ranks, NVML, NIC, ceilings, slowest rank).")]
+ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, sms, timing, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
 
 
+def version_text() -> str:
+    """epbench's version, commit and the kernel build this copy finds (one line each)."""
+    from epbench import __version__, cuda_lib, nvshmem_lib, provenance
+
+    commit = provenance.git_commit()
+
+    def built(path: Path) -> str:
+        return f"built ({short(path)})" if path.exists() else "not built (`make build` on a GPU host)"
+
+    def short(path: Path) -> str:
+        return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+    return (f"epbench {__version__}\ncommit: {commit['git_commit']} ({commit['git_commit_from']})\n"
+            f"kernels: {built(cuda_lib.LIB_PATH)}\nNVSHMEM groundwork: {built(nvshmem_lib.LIB_PATH)}")
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(version_text(), markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")] = False) -> None:
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")] = False,
+          version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_version,
+                                                help="Print version, commit and the kernel build found, and exit.")] = False) -> None:
     if debug:
         os.environ["EPBENCH_DEBUG"] = "1"
 
@@ -222,7 +269,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     from epbench.results import claim_run_dir, new_run_dir
     from epbench.session import launch_run
 
-    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s.name)
+    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens)
     args = [command, str(path), "--run-dir", str(run_dir), "--device", dev,
             "--sms", ",".join(map(str, opts.sms)), "--iters", str(opts.iters),
             "--warmup", str(opts.warmup), "--results", str(results),
@@ -254,6 +301,18 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     raise typer.Exit(code)
 
 
+def _table_choice(wide: bool, columns: Optional[str]) -> None:
+    """--wide / --columns of run and sweep: checked here, carried to the ranks that print the
+    table in EPBENCH_COLUMNS (it changes what is printed, never what is measured)."""
+    if not wide and columns is None:
+        return  # the default table; epbench.report (pandas, torch) is not imported before input is checked
+    from epbench.report import parse_columns
+
+    chosen = parse_columns(columns, wide)
+    if chosen is not None:
+        os.environ["EPBENCH_COLUMNS"] = ",".join(chosen)
+
+
 @app.command()
 def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt = None,
         sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None,
@@ -261,9 +320,17 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None, run_dir: RunDirOpt = None,
         inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
         rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False,
-        option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None) -> None:
-    """Run a scenario across ranks (re-executing under torchrun) and print its table. Without a
-    path: each shipped scenario that fits this host."""
+        option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None, wide: WideOpt = False,
+        columns: ColumnsOpt = None) -> None:
+    """Measure a scenario once at its own settings (or a few --sms / --tokens values) and print
+    one table. Without a path: each shipped scenario that fits this host.
+
+    run or sweep: both measure the same points and write one results folder; sweep requires
+    --sms and/or --tokens, shows a progress bar and is meant for long series (plot them with
+    `epbench plot`). Use run for a first look or a check, sweep to chart a curve.
+
+    Example: epbench run scenarios/smoke.yaml --device cpu"""
+    _table_choice(wide, columns)
     paths = [path] if path is not None or launch.under_torchrun() else default_scenarios()
     worst = 0
     for p in paths:
@@ -286,9 +353,14 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           node_rank: NodeRankOpt = None, rdzv_endpoint: RdzvOpt = None,
           run_dir: RunDirOpt = None, inject_fault: FaultOpt = None,
           no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None,
-          mps: MpsOpt = False, option: OptionOpt = None,
-          control_timeout: ControlTimeoutOpt = None) -> None:
-    """Run a scenario at each SM count and/or batch size, with a progress bar; one results folder for all."""
+          mps: MpsOpt = False, option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None,
+          wide: WideOpt = False,
+          columns: ColumnsOpt = None) -> None:
+    """Measure a series: the scenario at each SM count and/or tokens per rank (one of them is
+    required), with a progress bar; one results folder for all, ready for `epbench plot`.
+
+    Example: epbench sweep scenarios/dsv3x4-1gpu.yaml --sms 8,16,24,32"""
+    _table_choice(wide, columns)
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
@@ -303,7 +375,9 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
             gemm: Annotated[Optional[str], typer.Option("--gemm", help="M,N,K (default 8192,8192,8192), or experts[:INTERMEDIATE] for the rank's expert GEMMs.")] = None,
             iters: ItersOpt = None, warmup: WarmupOpt = None,
             results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
-    """What dispatch/combine cost a GEMM running beside them on the other SMs, and back (CUDA)."""
+    """What dispatch/combine cost a GEMM running beside them on the other SMs, and back (CUDA).
+
+    Example: epbench overlap scenarios/dsv3x4.yaml --nproc 1 --sms 8,16,32"""
     import torch
 
     from epbench import overlap as ov
@@ -318,7 +392,7 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     if not torch.cuda.is_available():
         raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
     resolve_device(s, "cuda")
-    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s.name)
+    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens)
     args = ["overlap", str(path), "--run-dir", str(run_dir), "--backends", ",".join(o.backends),
             "--sms", ",".join(map(str, o.sms)), "--iters", str(o.iters), "--warmup", str(o.warmup),
             "--gemm", gemm or ov.SQUARE_DEFAULT, "--results", str(results)]
@@ -330,7 +404,9 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
 
 @app.command()
 def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML files.")]) -> None:
-    """Check scenario files; one line per file (every file is checked, bad ones on stderr)."""
+    """Check scenario files; one line per file (every file is checked, bad ones on stderr).
+
+    Example: epbench validate scenarios/*.yaml"""
     bad = 0
     for p in paths:
         try:
@@ -358,14 +434,18 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite output files 
 
 @app.command()
 def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
-           per_rank: Annotated[bool, typer.Option("--per-rank", help="Also list every rank's time and bandwidths.")] = False) -> None:
-    """Print the table of one or more results folders."""
-    from epbench.report import print_per_rank, print_run
+           per_rank: Annotated[bool, typer.Option("--per-rank", help="Also list every rank's time and bandwidths.")] = False,
+           wide: WideOpt = False, columns: ColumnsOpt = None) -> None:
+    """Print the table of one or more results folders.
+
+    Example: epbench report results --wide"""
+    from epbench.report import parse_columns, print_per_rank, print_run
     from epbench.results import load_runs
 
+    chosen = parse_columns(columns, wide)
     for d, meta, df in load_runs(run_dirs, _warn):
         console.print(f"[bold]{escape(str(d))}[/]")
-        print_run(df, meta, console)
+        print_run(df, meta, console, chosen)
         if per_rank:
             print_per_rank(df, console)
 
@@ -374,7 +454,10 @@ def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders 
 def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
          out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the PNGs (default: <run>/plots).")] = None,
          force: ForceOpt = False) -> None:
-    """Draw bandwidth-vs-SMs and per-rank plots from results folders."""
+    """Draw bandwidth-vs-SMs (with the link limit and ceiling), per-rank, latency and expert-load
+    PNGs from results folders.
+
+    Example: epbench plot results/20261125T013216Z_dsv3x4_w1"""
     from epbench.plot import plot_run
     from epbench.results import load_runs
 
@@ -393,8 +476,11 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
 def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
             iters: ItersOpt = None, warmup: WarmupOpt = None, device: DeviceOpt = None) -> None:
     """Ceilings for the scenario's own bytes: copy-engine peer copies measured on the GPUs,
-    nominal NVLink / NIC limits from the hardware. Without GPUs it prints the byte counts and
-    nominal part and exits 0."""
+    nominal NVLink / NIC limits from the hardware. Measuring needs as many CUDA GPUs as the
+    scenario has ranks per node (or --nproc N); on a host without GPUs, --device cpu prints
+    only the byte counts and nominal limits (exit 0).
+
+    Example: epbench ceiling scenarios/smoke.yaml --device cpu"""
     from epbench import ceiling as ce
 
     launch.apply_safe_env()
@@ -422,16 +508,18 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
 def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseline).")],
             b: Annotated[Path, typer.Argument(help="Results folder B.")],
             plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG.")] = None,
-            force: ForceOpt = False) -> None:
+            force: ForceOpt = False, wide: WideOpt = False) -> None:
     """Two results folders side by side: matching (scenario, backend, op, SMs) rows, ratios
-    B/A, and a warning for each hardware or software difference."""
+    B/A, and a warning for each hardware or software difference.
+
+    Example: epbench compare results/RUN_A results/RUN_B"""
     from epbench.compare import print_compare
 
     if plot_out is not None:  # a file that exists stops the command before anything is printed
         from epbench.plot import compare_plot, output_path
 
         plot_out = output_path(plot_out, force)
-    print_compare(a, b, console)
+    print_compare(a, b, console, wide)
     if plot_out is not None:
         console.print(f"wrote {escape(str(compare_plot(a, b, plot_out, force)))}", highlight=False)
 
@@ -439,15 +527,21 @@ def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseli
 @app.command()
 def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topology; nothing runs).")],
             calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Intranode results folder (or a folder of them) that sets the NVLink efficiency. Default: the best matching point in epbench/data/calibration.csv, else none.")] = None,
-            backend: Annotated[str, typer.Option("--backend", help="Backend whose measured efficiency calibrates the model.")] = "epbench",
+            backends: Annotated[Optional[str], typer.Option("--backends", help="Backend whose measured efficiency calibrates the model (one name; default epbench).")] = None,
+            old_backend: Annotated[Optional[str], typer.Option("--backend", hidden=True)] = None,
             sms: Annotated[Optional[int], typer.Option("--sms", help="Calibrate from this SM count (default: the run's fastest).")] = None,
             nic_efficiency: Annotated[float, typer.Option("--nic-efficiency", help="Fraction of the nominal NIC rate reached (assumed; nothing here measures a NIC).")] = 1.0,
             overhead_us: Annotated[float, typer.Option("--overhead-us", help="Fixed per-call cost taken out of the calibration time and added to each prediction.")] = 0.0,
             json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the numbers to this new file (never overwritten).")] = None) -> None:
     """PREDICTED dispatch/combine time and bandwidths for a topology from its routing bytes and
-    link rates, calibrated by a measured intranode run (epbench/predict.py). CPU only."""
+    link rates, calibrated by a measured intranode run (epbench/predict.py). CPU only.
+
+    Example: epbench predict scenarios/h100x32.yaml"""
     from epbench import predict as model
 
+    if old_backend is not None:
+        _warn("predict: --backend is now --backends (the old spelling still works)")
+    backend = _one_backend(backends if backends is not None else old_backend)
     s = scenario.load(path)
     if sms is not None and sms < 1:
         raise UserError(f"--sms: must be positive, got {sms}")
@@ -482,6 +576,16 @@ def _fail(e: BaseException, status: str, code: int) -> None:
         where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
         err.print(f"epbench: error: {where}{line}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(code)
+
+
+def _one_backend(names: Optional[str]) -> str:
+    """predict calibrates from one backend's measurement: --backends takes exactly one name."""
+    if names is None:
+        return "epbench"
+    picked = [b.strip() for b in names.split(",") if b.strip()]
+    if len(picked) != 1:
+        raise UserError(f"--backends: predict calibrates from one backend, got {scenario.shown(names)}")
+    return picked[0]
 
 
 def main() -> None:

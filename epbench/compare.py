@@ -97,16 +97,22 @@ def option_warnings(meta_a: Dict[str, Any], df_a: pd.DataFrame,
     return out
 
 
-def compare_table(both: pd.DataFrame, title: str):
+def compare_table(both: pd.DataFrame, title: str, wide: bool = False):
+    """The rows side by side; the scenario column only where the runs hold several scenarios
+    (or ``wide``): one scenario is in the title, and the table fits 100 columns."""
     from rich.table import Table
 
     from epbench.report import _num
 
-    t = Table(title=title, caption="time = slowest rank's median (us); NVLink busbw = slowest-"
+    scenarios = list(dict.fromkeys(str(x) for x in both["scenario"]))
+    with_scenario = wide or len(scenarios) > 1
+    t = Table(title=title + ("" if with_scenario else f" ({scenarios[0]})"),
+              caption="time = slowest rank's median (us); NVLink busbw = slowest-"
               "bandwidth rank (GB/s); ratio = B / A ('-' where a run lacks the row)")
-    for col, just in (("scenario", "left"), ("op", "left"), ("backend", "left"), ("SMs", "right"),
-                      ("time A", "right"), ("time B", "right"), ("time B/A", "right"),
-                      ("busbw A", "right"), ("busbw B", "right"), ("busbw B/A", "right")):
+    for col, just in ((("scenario", "left"),) if with_scenario else ()) + (
+            ("op", "left"), ("backend", "left"), ("SMs", "right"),
+            ("time A", "right"), ("time B", "right"), ("time B/A", "right"),
+            ("busbw A", "right"), ("busbw B", "right"), ("busbw B/A", "right")):
         t.add_column(col, justify=just)
 
     def r3(v: Any) -> str:
@@ -123,21 +129,21 @@ def compare_table(both: pd.DataFrame, title: str):
         return " ".join(parts)
 
     for _, r in both.iterrows():
-        t.add_row(str(r["scenario"]), str(r["op"]), str(r["backend"]), point(r),
+        t.add_row(*([str(r["scenario"])] if with_scenario else []), str(r["op"]), str(r["backend"]), point(r),
                   _num(r["time_us_a"]), _num(r["time_us_b"]), r3(r["time_us_ratio"]),
                   _num(r["busbw_nvlink_gbps_min_a"]), _num(r["busbw_nvlink_gbps_min_b"]),
                   r3(r["busbw_nvlink_gbps_min_ratio"]))
     return t
 
 
-def print_compare(a: Path, b: Path, console) -> pd.DataFrame:
+def print_compare(a: Path, b: Path, console, wide: bool = False) -> pd.DataFrame:
     meta_a, df_a = load(a)
     meta_b, df_b = load(b)
     both = side_by_side(df_a, df_b)
     if both.empty:
         console.print(f"A {a} and B {b}: no measured points in either")
     else:
-        console.print(compare_table(both, f"A = {a}  vs  B = {b}"))
+        console.print(compare_table(both, f"A = {a}  vs  B = {b}", wide))
         matched = both["time_us_a"].notna() & both["time_us_b"].notna()
         if not matched.any():
             console.print("[yellow]warning:[/] no point was measured in both runs (scenario, backend, "

@@ -698,7 +698,7 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
                              "total_sms": total, "partition": PARTITION,
                              "carveout_api": CARVEOUT_API, "shared_gpu": shared,
                              "green_context_sms": {k: p.sms for k, p in parts.items()}})
-        writer = RunWriter(run_dir or new_run_dir(results_root, s.name), meta)
+        writer = RunWriter(run_dir or new_run_dir(results_root, s), meta)
     base = {"scenario": s.name, "rank": comm.rank, "world": comm.world,
             "device": torch.cuda.get_device_name(comm.device), "gemm": opts.gemm.describe(),
             "gemm_flops": gemm.flops, "total_sms": total, "shared_gpu": shared,

@@ -13,8 +13,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
+from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
+
 from epbench.errors import UserError  # noqa: E402
 from epbench.metrics import summarize  # noqa: E402
+from epbench.report import transport  # noqa: E402
 from epbench.results import load_run  # noqa: E402
 from epbench.scenario import cut, short_path  # noqa: E402
 
@@ -83,24 +86,56 @@ def _save(fig, title: str, path: Path, force: bool = False) -> Path:
     return _save_figure(fig, path, force)
 
 
-def bus_tiers(summary: pd.DataFrame, virtual: bool = False) -> List[Tuple[str, str, str]]:
-    """(column, label, line style) of each bus tier with numbers: NVLink always, the NIC tier
-    where the run had one (labelled virtual when the nodes were virtual: it crossed NVLink)."""
-    tiers = [("busbw_nvlink_gbps_min", "NVLink busbw", "-")]
+def _has(frame: pd.DataFrame, col: str) -> bool:
+    return col in frame and pd.to_numeric(frame[col], errors="coerce").notna().any()
+
+
+def bus_tiers(summary: pd.DataFrame, virtual: bool = False,
+              link: str = "NVLink") -> List[Tuple[str, str, str]]:
+    """(column, label, line style) of each bus tier with numbers: the intranode tier (named by
+    the transport that carried it) where bytes crossed a link, the NIC tier where the run had one
+    (labelled virtual when the nodes were virtual: it crossed NVLink)."""
+    tiers = [("busbw_nvlink_gbps_min", f"{link} busbw", "-")] if _has(summary, "busbw_nvlink_gbps_min") else []
     col = "busbw_nic_gbps_min"
-    if col in summary and pd.to_numeric(summary[col], errors="coerce").notna().any():
+    if _has(summary, col):
         tiers.append((col, "NIC busbw (virtual)" if virtual else "NIC busbw", ":"))
     return tiers
 
 
+def link_limit(meta: Dict[str, Any], df: pd.DataFrame) -> Optional[Tuple[float, str]]:
+    """(GB/s per direction, where it comes from) of the links a run crossed: the GPUs' NVLink
+    capacity read from NVML, else the scenario's nominal topology.nvlink_gbps; None for runs
+    whose bytes crossed no NVLink (CPU, functional, PCIe)."""
+    if _has(df, "nvlink_capacity_gbps"):
+        return float(pd.to_numeric(df["nvlink_capacity_gbps"], errors="coerce").max()), "NVML"
+    nominal = ((meta.get("scenario") or {}).get("topology") or {}).get("nvlink_gbps")
+    return (float(nominal), "scenario, nominal") if nominal else None
+
+
+def ceiling_gbps(df: pd.DataFrame, op: str) -> Optional[float]:
+    """The copy-engine ceiling of ``op`` as a bus bandwidth: the slowest-bandwidth rank's NVLink
+    bytes over the ideal copy's time measured in this run (None where not measured)."""
+    from epbench.metrics import bandwidth_gbps
+
+    part = df[(df["op"] == op)] if "op" in df else df.iloc[0:0]
+    if not _has(part, "ceiling_copy_engine_us") or not _has(part, "nvlink_bytes"):
+        return None
+    part = part[pd.to_numeric(part["ceiling_copy_engine_us"], errors="coerce") > 0]
+    return min(bandwidth_gbps(float(b), float(t)) for b, t in
+               zip(part["nvlink_bytes"], part["ceiling_copy_engine_us"]))
+
+
 def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: bool = False,
-                     force: bool = False) -> Path:
-    """Slowest rank's bus bandwidth per tier (NVLink solid, NIC dotted where there is one) and
+                     force: bool = False, transport: str = "NVLink",
+                     limit: Optional[Tuple[float, str]] = None,
+                     ceilings: Optional[Dict[str, float]] = None) -> Path:
+    """Slowest rank's bus bandwidth per tier (solid; NIC dotted where there is one) and
     algorithm bandwidth (dashed) against the SM count; a backend whose SM count epbench does not
-    control is a horizontal line."""
+    control is a horizontal line. Grey lines: the link's limit and this run's copy-engine
+    ceiling, labelled with their values. A functional run has no bus figures: algbw only."""
     fig, axes = plt.subplots(1, len(OPS), figsize=(15, 4.5), sharey=True)
     swept = sorted({int(s) for s in summary["sms"] if s})
-    series = bus_tiers(summary, virtual) + [("algbw_gbps_min", "algbw", "--")]
+    series = bus_tiers(summary, virtual, transport) + [("algbw_gbps_min", "algbw", "--")]
     markers = {"-": "o", ":": "^", "--": "s"}
     for ax, op in zip(axes, OPS):
         part = summary[summary["op"] == op]
@@ -114,13 +149,20 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: boo
                 else:
                     ax.plot(g["sms"], g[col], markers[style] + style, color=color,
                             alpha=0.7 if style == "--" else 1.0, label=f"{name} {what}")
+        for value, style, label in (((limit or (None,))[0], "-.", f"link limit ({(limit or ('', ''))[1]})"),
+                                    ((ceilings or {}).get(op), (0, (1, 1)), "copy-engine ceiling (measured)")):
+            if value:
+                ax.axhline(value, color="0.35", linestyle=style, linewidth=1.3, label=label)
+                ax.annotate(f"{value:.0f}", (1.0, value), xycoords=("axes fraction", "data"),
+                            xytext=(-4, 3), textcoords="offset points", ha="right", fontsize=8)
         ax.set_title(op)
         ax.set_xlabel("SMs")
         if swept:
             ax.set_xticks(swept)
         ax.grid(alpha=0.3)
     axes[0].set_ylim(bottom=0)  # bandwidth axes start at zero: no exaggerated gaps
-    axes[0].set_ylabel("GB/s (slowest rank)")
+    axes[0].set_ylabel(f"GB/s over {transport} (slowest rank)" if series[:-1] else
+                       f"algbw GB/s, {transport} (slowest rank)")
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the data, never on it
     return _save(fig, title, path, force)
 
@@ -144,6 +186,9 @@ def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path, force: bool
         ax.set_yscale("log")
         ticks = sorted(int(t) for t in part["tokens_per_rank"].unique())
         ax.set_xticks(ticks, [str(t) for t in ticks])
+        # plain microseconds at 1-2-5 steps: no 10^x labels, no unlabelled minor ticks
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
         ax.minorticks_off()
         ax.set_title(op)
         ax.set_xlabel("tokens per rank")
@@ -153,8 +198,12 @@ def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path, force: bool
     return _save(fig, title, path, force)
 
 
-def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False) -> Path:
-    """Each rank's NVLink bus bandwidth at every backend's largest SM count: imbalance shows."""
+def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False,
+             transport: str = "NVLink") -> Path:
+    """Each rank's bus bandwidth over ``transport`` at every backend's largest SM count:
+    imbalance shows. A functional run has none: its algbw instead."""
+    col, what = (("busbw_nvlink_gbps", f"{transport} busbw") if _has(df, "busbw_nvlink_gbps")
+                 else ("algbw_gbps", f"algbw ({transport})"))
     fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
     for ax, op in zip(axes, OPS):
         part = df[df["op"] == op]
@@ -163,7 +212,7 @@ def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False) -> P
         for i, (backend, g) in enumerate(groups):
             g = g.sort_values("rank")
             sms = int(g["sms"].iloc[0])
-            ax.bar(g["rank"] + (i - (len(groups) - 1) / 2) * width, g["busbw_nvlink_gbps"],
+            ax.bar(g["rank"] + (i - (len(groups) - 1) / 2) * width, g[col],
                    width=width, color=f"C{i}",
                    label=f"{_label(backend)} ({sms} SMs)" if sms else _label(backend))
         ax.set_title(op)
@@ -171,7 +220,7 @@ def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False) -> P
         ax.set_xlabel("rank")
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylim(bottom=0)
-    axes[0].set_ylabel("NVLink busbw GB/s")
+    axes[0].set_ylabel(f"{what}, GB/s")
     axes[-1].legend(fontsize=8)
     return _save(fig, title, path, force)
 
@@ -224,7 +273,12 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
             meta = {k: v for k, v in meta.items() if k != "scenario"}
     out_dir = out_dir or run_dir / "plots"
     summary = summarize(df) if not df.empty else df
-    names = (["bandwidth_vs_sms.png", "per_rank.png"] if not df.empty else [])
+    # against SMs only where some SM count was set (a CPU run's backends all choose their own)
+    by_sms = not df.empty and bool((pd.to_numeric(df["sms"], errors="coerce").fillna(0) > 0).any())
+    if not df.empty and not by_sms:
+        (warn or (lambda _text: None))(f"{short_path(run_dir)}: no bandwidth_vs_sms.png (no SM count "
+                                       f"was set: every backend chose its own)")
+    names = (["bandwidth_vs_sms.png"] if by_sms else []) + (["per_rank.png"] if not df.empty else [])
     tokens_sweep = (not df.empty and "timing" in summary and summary["timing"].notna().any()
                     and summary["tokens_per_rank"].nunique() > 1)
     names += ["latency_vs_tokens.png"] if tokens_sweep else []
@@ -232,14 +286,20 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
     there = [n for n in names if (out_dir / n).exists()]
     if there and not force:
         raise UserError(f"{short_path(out_dir)}: holds {', '.join(there)} already; --force redraws them")
-    title = f"{run_dir.name} ({meta.get('world', '?')} ranks, {meta.get('device', '?')})"
+    how = transport(meta)
+    note = ": times, not link speed" if "functional" in how else ""
+    title = f"{run_dir.name} ({meta.get('world', '?')} ranks, {how}{note})"
     written: List[Path] = []
     try:
         if not df.empty:
             virtual = "nic_virtual" in df and bool(df["nic_virtual"].fillna(False).astype(bool).any())
-            written.append(bandwidth_vs_sms(summary, title, out_dir / "bandwidth_vs_sms.png", virtual,
-                                            force))
-            written.append(per_rank(df, title, out_dir / "per_rank.png", force))
+            crossed = how in ("NVLink", "PCIe")
+            limit = link_limit(meta, df) if how == "NVLink" else None
+            ceilings = {op: ceiling_gbps(df, op) for op in OPS} if crossed else None
+            if by_sms:
+                written.append(bandwidth_vs_sms(summary, title, out_dir / "bandwidth_vs_sms.png",
+                                                virtual, force, how, limit, ceilings))
+            written.append(per_rank(df, title, out_dir / "per_rank.png", force, how))
             if tokens_sweep:
                 written.append(latency_vs_tokens(summary, title, out_dir / "latency_vs_tokens.png", force))
         load_png = expert_load(meta, out_dir / "expert_load.png", force)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 from rich.console import Console
 
-from epbench.console import wide_console
 from rich.table import Table
 
+from epbench.console import wide_console
+from epbench.errors import UserError
 from epbench.metrics import summarize
 
 
@@ -58,67 +60,137 @@ def _swept_tokens(df: pd.DataFrame) -> bool:
     return "tokens_per_rank" in df and df["tokens_per_rank"].nunique() > 1
 
 
-def low_latency_table(df: pd.DataFrame, title: str = "") -> Table:
-    """Latency first: p50 and p99 over iterations (each the slowest rank's), then bandwidth."""
+# Columns of the results table: key -> (header, justify, cell(summary row, wide)). The default
+# set fits 100 terminal columns; --wide shows every column, --columns picks by key. The full
+# data is always in results.csv.
+Cell = Callable[[pd.Series, bool], str]
+
+
+def _bw(col: str) -> Cell:
+    """Default: the slowest-bandwidth rank (what compare and plot use); wide: min / median / max."""
+    return lambda r, wide: _spread(r, col) if wide else _num(r.get(f"{col}_min"))
+
+
+def _wrong(r: pd.Series, wide: bool) -> str:
+    wrong = int(r["wrong"])
+    return f"[bold red]{wrong}[/]" if wrong else "0"
+
+
+def _link_pct(r: pd.Series, wide: bool) -> str:
+    return _spread(r, "nvlink_link_use_pct") if wide else _num(r.get("nvlink_link_use_pct_max"))
+
+
+COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
+    "tokens": ("tokens", "right", lambda r, w: str(int(r["tokens_per_rank"]))),
+    "op": ("op", "left", lambda r, w: str(r["op"])),
+    "backend": ("backend", "left", lambda r, w: str(r["backend"])),
+    "sms": ("SMs", "right", lambda r, w: str(int(r["sms"])) if r["sms"] else "auto"),
+    "timing": ("timing", "left", lambda r, w: str(r.get("timing"))),
+    "time": ("time us", "right", lambda r, w: _num(r["time_us"])),
+    "p99": ("p99 us", "right", lambda r, w: _num(r.get("time_us_p99"))),
+    "algbw": ("algbw", "right", _bw("algbw_gbps")),
+    "busbw": ("busbw", "right", _bw("busbw_nvlink_gbps")),
+    "link": ("link %", "right", _link_pct),
+    "nvml": ("NVML busbw", "right", lambda r, w: _counted(r, "nvlink")),
+    "nic": ("NIC busbw", "right", _bw("busbw_nic_gbps")),
+    "ceiling": ("% ceil CE / SM", "right", lambda r, w: _ceiling_pct(r)),
+    "slow_rank": ("slow rank", "right", lambda r, w: str(int(r["slowest_rank"]))),
+    "wrong": ("#wrong", "right", _wrong),
+}
+DEFAULT = ("op", "backend", "sms", "time", "algbw", "busbw", "link", "wrong")
+LOW_LATENCY = ("op", "backend", "sms", "timing", "time", "p99", "busbw", "wrong")
+WIDE = ("op", "backend", "sms", "timing", "time", "p99", "algbw", "busbw", "nvml", "link", "nic",
+        "ceiling", "slow_rank", "wrong")
+
+
+def parse_columns(text: Optional[str], wide: bool = False) -> Optional[Tuple[str, ...]]:
+    """``--columns a,b`` (keys of COLUMNS) or ``--wide`` as a column choice; None = the default."""
+    if text is None:
+        return WIDE if wide else None
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in keys if k not in COLUMNS]
+    if bad or not keys:
+        raise UserError(f"--columns: unknown column {', '.join(bad) or '(none given)'}; "
+                        f"choose from {', '.join(COLUMNS)}")
+    return keys
+
+
+def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> Tuple[List[str], bool]:
+    """The columns shown and whether bandwidths show their spread over ranks. A token sweep adds
+    the tokens column; the timing and p99 columns appear only for low-latency rows."""
+    wide = columns is not None and tuple(columns) == WIDE
+    keys = list(columns or (LOW_LATENCY if _low_latency(df) else DEFAULT))
+    if not _low_latency(df):
+        keys = [k for k in keys if k not in ("timing", "p99")]
+    nic = "busbw_nic_gbps" in df and pd.to_numeric(df["busbw_nic_gbps"], errors="coerce").notna().any()
+    if columns is None and nic and "busbw" in keys:  # a run with a NIC tier: its busbw is a first column too
+        keys.insert(keys.index("busbw") + 1, "nic")
+    if (_swept_tokens(df) or _low_latency(df)) and "tokens" not in keys:
+        keys.insert(0, "tokens")
+    return keys, wide
+
+
+CAPTION = ("time = slowest rank's median (us); algbw / busbw in GB/s, the slowest-bandwidth rank "
+           "(--wide: min / median / max over ranks); busbw = bus bandwidth over the transport in the "
+           "title, '-' where nothing crossed a link; link % = the busiest rank's NVLink traffic (NVML, protocol included) over "
+           "the links' capacity; full data: results.csv")
+WIDE_CAPTION = (" NVML busbw: from the GPUs' counters ('!' = >10% off the computed). % ceil: this "
+                "run's ideal copy of the same bytes by copy engines (CE) / plain SM stores (SM), "
+                "time over the op's time")
+LL_CAPTION = (" p50 / p99: percentiles of the per-iteration times, slowest rank; timing: plain "
+              "launches, CUDA-graph replays, or 'normal' (a normal-mode backend on the same batch)")
+
+
+def results_table(df: pd.DataFrame, title: str = "",
+                  columns: Optional[Sequence[str]] = None) -> Table:
+    """One row per (backend, SMs, op[, tokens, timing]) with the ``columns`` keys (default: the
+    set that fits 100 terminal columns)."""
     summary = summarize(df)
-    table = Table(title=title or None, caption="p50 / p99 = percentiles of the per-iteration times, "
-                  "slowest rank; timing: plain launches or CUDA-graph replays of the low-latency path "
-                  "(bytes: one row per (token, expert) pair), or 'normal': a normal-mode backend on the "
-                  "same batch (one row per (token, rank)); GB/s, 'a / b / c' = min / median / max over ranks")
-    for col, just in (("tokens", "right"), ("op", "left"), ("backend", "left"), ("SMs", "right"),
-                      ("timing", "left"), ("p50 us", "right"), ("p99 us", "right"), ("algbw", "right"),
-                      ("NVLink busbw", "right"), ("slow rank", "right"), ("#wrong", "right")):
-        table.add_column(col, justify=just)
+    keys, wide = _chosen(df, columns)
+    caption = CAPTION + (WIDE_CAPTION if wide else "") + (LL_CAPTION if _low_latency(df) else "")
+    table = Table(title=title or None, caption=caption)
+    for k in keys:
+        header, just, _ = COLUMNS[k]
+        if k == "time" and _low_latency(df):
+            header = "p50 us"
+        if k == "nic" and _virtual(df):
+            header = "NIC busbw (virtual)"
+        table.add_column(header, justify=just)
     for _, r in summary.iterrows():
-        wrong = int(r["wrong"])
-        table.add_row(str(int(r["tokens_per_rank"])), r["op"], r["backend"],
-                      str(int(r["sms"])) if r["sms"] else "auto", str(r["timing"]),
-                      _num(r["time_us"]), _num(r.get("time_us_p99")), _spread(r, "algbw_gbps"),
-                      _spread(r, "busbw_nvlink_gbps"), str(int(r["slowest_rank"])),
-                      f"[bold red]{wrong}[/]" if wrong else "0")
+        table.add_row(*(COLUMNS[k][2](r, wide) for k in keys))
     return table
 
 
-def results_table(df: pd.DataFrame, title: str = "") -> Table:
-    if _low_latency(df):
-        return low_latency_table(df, title)
-    summary = summarize(df)
-    tokens = _swept_tokens(df)
-    table = Table(title=title or None, caption="GB/s; 'a / b / c' = min / median / max over ranks; time = slowest "
-                  "rank's median. NVML: NVLink busbw from the GPUs' own counters ('!' = >10% off the "
-                  "computed). links %: the busier direction's NVLink traffic, protocol included "
-                  "(NVML raw counters), over the links' raw capacity for the op's time. % ceil: this "
-                  "run's ideal copy of the same bytes by copy engines (CE) / by plain SM stores at the "
-                  "same SMs (SM), time over the op's time")
-    if tokens:
-        table.add_column("tokens", justify="right")
-    for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("time us", "right"),
-                      ("algbw", "right"), ("NVLink busbw", "right"), ("NVML", "right"), ("links %", "right"),
-                      ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("% ceil CE / SM", "right"),
-                      ("slow rank", "right"), ("#wrong", "right")):
-        table.add_column(col, justify=just)
-    for _, r in summary.iterrows():
-        wrong = int(r["wrong"])
-        table.add_row(*([str(int(r["tokens_per_rank"]))] if tokens else []),
-                      r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
-                      _num(r["time_us"]), _spread(r, "algbw_gbps"),
-                      _spread(r, "busbw_nvlink_gbps"), _counted(r, "nvlink"),
-                      _spread(r, "nvlink_link_use_pct"), _spread(r, "busbw_nic_gbps"), _ceiling_pct(r),
-                      str(int(r["slowest_rank"])),
-                      f"[bold red]{wrong}[/]" if wrong else "0")
-    return table
+def transport(meta: Dict[str, Any]) -> str:
+    """What carried a run's bytes, in a reader's words: "gloo (CPU)", "NVLink", "PCIe", or, where
+    nothing crossed a link, "one rank - functional" / "shared GPU - functional"."""
+    import re
+
+    if meta.get("device") == "cpu":
+        return "gloo (CPU)"
+    why = str(meta.get("functional") or "")
+    if why:
+        return "one rank - functional" if "one rank" in why else "shared GPU - functional"
+    matrix = str(meta.get("topology") or "").split("Legend")[0]
+    if re.search(r"\bNV\d+\b", matrix):
+        return "NVLink"
+    return "PCIe" if matrix.strip() else "NVLink"  # no matrix recorded: the scenario's NVLink
 
 
-def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None) -> None:
+def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None,
+              columns: Optional[Sequence[str]] = None) -> None:
+    """The run's table; ``columns`` None: the choice EPBENCH_COLUMNS carries from run / sweep's
+    --wide / --columns into the ranks (it only changes what is printed), else the default."""
     console = console or wide_console()
+    columns = columns or parse_columns(os.environ.get("EPBENCH_COLUMNS") or None)
     scenario = meta.get("scenario", {})
-    functional = " - functional, no link figures" if meta.get("functional") else ""
+    functional = ", no link figures" if meta.get("functional") else ""
     title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "
-             f"({meta.get('device', '?')}{functional})")
+             f"({meta.get('device', '?')}) - {transport(meta)}{functional}")
     if df.empty:
         console.print(f"{title}: no measured points")
     else:
-        console.print(results_table(df, title))
+        console.print(results_table(df, title, columns))
     for note in meta.get("notes", []):
         console.print(f"note: {note}")
     wrong = int(df["wrong"].sum()) if not df.empty else 0

@@ -21,9 +21,10 @@ import datetime
 import io
 import json
 import os
+import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pandas as pd
 
@@ -80,10 +81,32 @@ def claim_run_dir(path: Path) -> Path:
     return path
 
 
-def new_run_dir(root: Path, scenario_name: str) -> Path:
-    """Creates and returns a fresh folder; never reuses an existing name."""
+def run_name(scenario: Any, tokens: Optional[Sequence[int]] = None) -> str:
+    """The part of a run folder's name after the time: the scenario's name, its world size, and
+    what changes the measurement beyond the name: a dispatch dtype other than bf16, the
+    expert-major layout, and --tokens (one count, or first-last of a sweep). A plain string is
+    taken as the name alone. Only [A-Za-z0-9._-], at most 80 characters: safe on any file system.
+    e.g. dsv3x4_w4_fp8_t128."""
+    if isinstance(scenario, str):
+        parts = [scenario]
+    else:
+        name, m = scenario.name, scenario.model
+        parts = [name, f"w{scenario.world}"]
+        if m.dispatch_dtype != "bf16" and m.dispatch_dtype not in name:
+            parts.append(m.dispatch_dtype)
+        if m.layout == "expert_major" and "expert" not in name:
+            parts.append("expert")
+        if tokens:
+            parts.append(f"t{tokens[0]}" if len(tokens) == 1 else f"t{min(tokens)}-{max(tokens)}")
+    return re.sub(r"[^A-Za-z0-9._-]", "-", "_".join(parts))[:80]
+
+
+def new_run_dir(root: Path, scenario: Any, tokens: Optional[Sequence[int]] = None) -> Path:
+    """Creates and returns a fresh folder named by the time and run_name(); never reuses an
+    existing name."""
     _make_root(root)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    scenario_name = run_name(scenario, tokens)
     base = f"{stamp}_{scenario_name}"
     for i in range(1000):
         path = root / (base if i == 0 else f"{base}-{i}")

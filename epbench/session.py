@@ -175,7 +175,7 @@ def _run(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path], re
         meta.update(scenario=dataclasses.asdict(s), world=comm.world,
                     options=dataclasses.asdict(opts), control_timeout_s=comm.control_timeout_s,
                     **sharing(comm))
-        writer = RunWriter(run_dir or new_run_dir(results_root, s.name), meta, append=launched)
+        writer = RunWriter(run_dir or new_run_dir(results_root, s, opts.tokens), meta, append=launched)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True,
                         disable=not (rank0 and opts.progress))

@@ -24,7 +24,9 @@ def test_plot_command_writes_every_png_of_a_cpu_run(smoke_run, tmp_path):
     r = epbench("plot", str(smoke_run.dir), "--out", str(out))
     assert r.code == 0, r.both
     written = sorted(p.name for p in (out / smoke_run.dir.name).iterdir())
-    assert written == ["bandwidth_vs_sms.png", "expert_load.png", "per_rank.png"]
+    # every backend of a CPU run chose its own SM count: no plot against SMs, one line saying so
+    assert written == ["expert_load.png", "per_rank.png"]
+    assert "no bandwidth_vs_sms.png (no SM count was set" in r.err
     assert all(_is_png(out / smoke_run.dir.name / name) for name in written)
     assert not (smoke_run.dir / "plots").exists()  # --out keeps the run folder as it was
 
@@ -95,3 +97,99 @@ def test_output_path_names_the_file_that_will_be_written(tmp_path):
     with pytest.raises(UserError, match="is a folder"):
         output_path(tmp_path / "d.png", True)
     assert (tmp_path / "old.png").read_bytes() == b"kept"
+
+
+def drawn_figures(monkeypatch, run_dir, meta_edit=None):
+    """plot_run's figures as matplotlib objects (labels and lines, not pixels)."""
+    import epbench.plot as plot
+    from epbench.results import load_run
+
+    figs = {}
+
+    def keep(fig, path, force=False):
+        figs[Path(path).name] = fig
+        return Path(path)
+
+    monkeypatch.setattr(plot, "_save_figure", keep)
+    meta, df = load_run(run_dir)
+    plot.plot_run(run_dir, Path("/nonexistent-out"), loaded=((meta_edit or (lambda m: m))(meta), df))
+    return figs
+
+
+def legend_and_lines(ax):
+    return [t.get_text() for t in ax.get_legend_handles_labels()[1]], ax.get_lines()
+
+
+NVML_RUN = sorted((REPO / "docs" / "perf").glob("*/results/*_h200x4"))
+
+
+@pytest.mark.skipif(not NVML_RUN or not GPU_RUN, reason="no GPU runs kept in docs/perf")
+def test_multi_rank_nvlink_plot_has_link_limit_and_ceiling_lines(monkeypatch):
+    from epbench import plot
+    from epbench.metrics import bandwidth_gbps
+    from epbench.results import load_run
+
+    run = NVML_RUN[-1]  # NVML read the links' capacity in this run
+    figs = drawn_figures(monkeypatch, run)
+    ax = figs["bandwidth_vs_sms.png"].axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert ax.get_ylabel() == "GB/s over NVLink (slowest rank)"
+    assert "epbench NVLink busbw" in labels and "link limit (NVML)" in labels
+    assert "copy-engine ceiling (measured)" in labels
+    _, df = load_run(run)
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    cap = df["nvlink_capacity_gbps"].max()
+    assert list(lines["link limit (NVML)"].get_ydata()) == [cap, cap]
+    d = df[df["op"] == "dispatch"]
+    ceil = min(bandwidth_gbps(b, t) for b, t in zip(d["nvlink_bytes"], d["ceiling_copy_engine_us"]))
+    assert lines["copy-engine ceiling (measured)"].get_ydata()[0] == pytest.approx(ceil)
+    assert [t.get_text() for t in ax.texts] == [f"{cap:.0f}", f"{ceil:.0f}"]
+    # an older run without NVML's capacity: the scenario's nominal rate, said so
+    meta, df = load_run(GPU_RUN[-1])
+    assert df.get("nvlink_capacity_gbps") is None or df["nvlink_capacity_gbps"].isna().all()
+    assert plot.link_limit(meta, df) == (meta["scenario"]["topology"]["nvlink_gbps"], "scenario, nominal")
+    labels = drawn_figures(monkeypatch, GPU_RUN[-1])["bandwidth_vs_sms.png"].axes[0].get_legend_handles_labels()[1]
+    assert "link limit (scenario, nominal)" in labels
+
+
+@pytest.mark.parametrize("meta_edit, how", [
+    (lambda m: dict(m, world=1, functional="one rank: nothing crosses a link"), "one rank - functional"),
+    (lambda m: dict(m, functional="4 ranks share each GPU: their traffic stays"), "shared GPU - functional"),
+])
+@pytest.mark.skipif(not GPU_RUN, reason="no GPU run kept in docs/perf")
+def test_functional_plots_say_so_and_draw_no_link_lines(monkeypatch, meta_edit, how):
+    from epbench.results import load_run
+
+    meta, df = load_run(GPU_RUN[-1])
+    functional = df.assign(busbw_nvlink_gbps=None, nvlink_capacity_gbps=None, ceiling_copy_engine_us=None)
+    import epbench.plot as plot
+
+    figs = {}
+    monkeypatch.setattr(plot, "_save_figure", lambda fig, path, force=False: figs.setdefault(Path(path).name, fig) and Path(path))
+    plot.plot_run(GPU_RUN[-1], Path("/nonexistent-out"), loaded=(meta_edit(meta), functional))
+    fig = figs["bandwidth_vs_sms.png"]
+    assert how in fig._suptitle.get_text() and "not link speed" in fig._suptitle.get_text()
+    labels = fig.axes[0].get_legend_handles_labels()[1] + fig.axes[1].get_legend_handles_labels()[1]
+    assert not any("busbw" in x or "link limit" in x or "ceiling" in x for x in labels)
+    assert fig.axes[0].get_ylabel() == f"algbw GB/s, {how} (slowest rank)"
+    assert figs["per_rank.png"].axes[0].get_ylabel() == f"algbw ({how}), GB/s"
+
+
+def test_cpu_run_labels_name_gloo(smoke_run, monkeypatch):
+    figs = drawn_figures(monkeypatch, smoke_run.dir)
+    assert "bandwidth_vs_sms.png" not in figs
+    ax = figs["per_rank.png"].axes[0]
+    assert ax.get_ylabel() == "gloo (CPU) busbw, GB/s"
+    assert "NVLink" not in figs["per_rank.png"]._suptitle.get_text()
+
+
+LATENCY_RUN = sorted((REPO / "docs" / "perf").glob("*_dsv3x4-ll"))
+
+
+@pytest.mark.skipif(not LATENCY_RUN, reason="no low-latency GPU run kept in docs/perf")
+def test_latency_ticks_are_plain_microseconds(monkeypatch):
+    figs = drawn_figures(monkeypatch, LATENCY_RUN[0])
+    ax = figs["latency_vs_tokens.png"].axes[0]
+    figs["latency_vs_tokens.png"].canvas.draw()
+    ticks = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert ticks and all(t.replace(".", "").isdigit() for t in ticks), ticks  # no 10^x mathtext

@@ -325,7 +325,7 @@ def test_cli_bad_options_exit_2_with_one_line(args, needles):
 def test_cli_calibrate_from_a_run_without_the_backend_exits_2(tmp_path):
     run = write_run(tmp_path / "run", {16: (10.0, 10.0)})
     assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", "--calibrate", run,
-                                  "--backend", "nope"), "--calibrate", "backend nope")
+                                  "--backends", "nope"), "--calibrate", "backend nope")
 
 
 def test_cli_bad_scenario_exits_2(write_scenario):

@@ -28,9 +28,9 @@ def test_num(value, text):
     assert report._num(value) == text
 
 
-def table_lines(df, meta=META):
+def table_lines(df, meta=META, columns=None):
     c = console()
-    report.print_run(pd.DataFrame(df), meta, c)
+    report.print_run(pd.DataFrame(df), meta, c, columns)
     return c.export_text()
 
 
@@ -42,19 +42,23 @@ def line_with(text, *needles):
 
 def test_table_shows_slowest_rank_time_and_spread():
     text = table_lines(rows(times=(100.0, 200.0), algbw=(10.0, 20.0)))
-    assert "smoke on 2 ranks (cpu)" in text
-    for header in ("op", "backend", "SMs", "time us", "algbw", "NVLink busbw", "NIC busbw",
-                   "#wrong"):
+    assert "smoke on 2 ranks (cpu) - gloo (CPU)" in text
+    for header in ("op", "backend", "SMs", "time us", "algbw", "busbw", "link %", "#wrong"):
         assert header in text
     line = line_with(text, "dispatch", "reference")
     assert "200" in line and "auto" in line  # time = the slowest rank's median; sms 0 = auto
+    assert " 10.0 " in line and " 7.5 " in line  # the slowest-bandwidth rank by default
+    assert "VERIFICATION FAILED" not in text
+    wide = table_lines(rows(times=(100.0, 200.0), algbw=(10.0, 20.0)), columns=report.WIDE)
+    for header in ("NVML busbw", "NIC busbw", "% ceil CE / SM", "slow rank"):
+        assert header in wide
+    line = line_with(wide, "dispatch", "reference")
     assert "10.0 / 15.0 / 20.0" in line  # algbw min / median / max over ranks
     assert "7.5 / 11.2 / 15.0" in line
-    assert "VERIFICATION FAILED" not in text
 
 
 def test_table_collapses_an_even_spread_and_shows_sms():
-    text = table_lines(rows(algbw=(30.0, 30.5), sms=24))
+    text = table_lines(rows(algbw=(30.0, 30.5), sms=24), columns=report.WIDE)
     line = line_with(text, "dispatch")
     assert " 30.2 " in line and "/" not in line
     assert " 24 " in line
@@ -91,8 +95,8 @@ def test_results_table_rows_match_summary():
 def test_link_use_column_from_the_raw_counters():
     df = rows(times=(100.0, 100.0))
     df[0]["nvlink_link_use_pct"], df[1]["nvlink_link_use_pct"] = 91.0, 93.0
-    text = table_lines(df)
-    assert "links %" in text
+    text = table_lines(df, columns=report.WIDE)
+    assert "link %" in text
     assert "92.0" in line_with(text, "dispatch", "reference")  # collapsed: min/max within 5%
     # no raw counter read (CPU runs): a dash, never 0
     text = table_lines(rows())
@@ -104,9 +108,68 @@ def test_functional_run_prints_dashes_for_link_figures():
     meta = dict(META, device="cuda", functional="4 ranks share each GPU",
                 notes=["functional run (4 ranks share each GPU): ... not given"])
     text = table_lines(df, meta)
-    assert "functional, no link figures" in text
+    assert "(cuda) - shared GPU - functional, no link figures" in text
     line = line_with(text, "dispatch", "reference")
     cells = [c.strip() for c in line.split("│") if c.strip()]
-    # op, backend, SMs, time, algbw, then NVLink busbw, NVML, links %, NIC busbw, % ceil: all "-"
+    # op, backend, SMs, time, algbw, then busbw and link %: "-"
+    assert cells[5:7] == ["-"] * 2, cells
+    text = table_lines(df, meta, report.WIDE)
+    cells = [c.strip() for c in line_with(text, "dispatch", "reference").split("│") if c.strip()]
+    # ..., algbw, then busbw, NVML, link %, NIC busbw, % ceil: all "-"
     assert cells[5:10] == ["-"] * 5, cells
     assert "note: functional run" in text
+
+
+def gpu_rows(backend, op, sms, world=8, tokens=4096):
+    """A multi-rank NVLink run's rows as the driver writes them, counters and ceilings included."""
+    return [{"scenario": "h100x8", "backend": backend, "op": op, "sms": sms, "rank": r,
+             "world": world, "tokens_per_rank": tokens, "time_us": 1234.5 + 17.0 * r,
+             "algbw_gbps": 321.4 + r, "busbw_nvlink_gbps": 281.2 + r,
+             "busbw_nvlink_measured_gbps": 290.7 + r, "nvlink_counter_mismatch": False,
+             "nvlink_link_use_pct": 71.25 + r, "busbw_nic_gbps": None,
+             "ceiling_copy_engine_us": 900.0, "ceiling_sm_store_us": 1000.0 if sms else None,
+             "wrong": 0, "problem": ""} for r in range(world)]
+
+
+def test_default_table_fits_100_columns_without_cutting_anything():
+    df = [r for b in ("reference", "epbench", "deepep_v2", "epbench_hier") for op in ("dispatch", "combine")
+          for sms in ((0,) if b == "reference" else (8, 24, 132)) for r in gpu_rows(b, op, sms)]
+    meta = dict(META, scenario={"name": "h100x8"}, world=8, device="cuda",
+                topology="GPU0\tGPU1\nGPU0\t X \tNV18\n\nLegend: ...")
+    c = Console(record=True, width=100, color_system=None)
+    report.print_run(pd.DataFrame(df), meta, c)
+    text = c.export_text()
+    assert "h100x8 on 8 ranks (cuda) - NVLink" in text
+    header = line_with(text, "op", "backend", "SMs")
+    for h in ("op", "backend", "SMs", "time us", "algbw", "busbw", "link %", "#wrong"):
+        assert f" {h} " in header, header  # whole, not folded or cut with an ellipsis
+    assert "…" not in text
+    assert max(len(ln) for ln in text.splitlines()) <= 100
+    line = line_with(text, "combine", "epbench_hier", " 132 ")
+    cells = [x.strip() for x in line.split("│") if x.strip()]
+    # time = slowest rank (rank 7), bandwidths of the slowest-bandwidth rank, busiest link %
+    assert cells == ["combine", "epbench_hier", "132", "1354", "321", "281", "78.2", "0"], cells
+
+
+def test_columns_option_picks_and_rejects():
+    assert report.parse_columns("op,busbw") == ("op", "busbw")
+    assert report.parse_columns(None, wide=True) == report.WIDE
+    assert report.parse_columns(None) is None
+    with pytest.raises(report.UserError, match="unknown column nope"):
+        report.parse_columns("op,nope")
+    text = table_lines(rows(), columns=("backend", "busbw"))
+    assert "time us" not in text and " 7.5 " in line_with(text, "reference")
+
+
+def test_run_table_obeys_the_columns_carried_in_the_environment(monkeypatch):
+    monkeypatch.setenv("EPBENCH_COLUMNS", "op,time")
+    header = line_with(table_lines(rows()), "op", "time us")
+    assert "algbw" not in header
+
+
+def test_a_run_with_a_nic_tier_shows_its_busbw_by_default():
+    df = [dict(r, busbw_nic_gbps=5.0, nic_virtual=True) for r in rows()]
+    c = Console(record=True, width=100, color_system=None)
+    report.print_run(pd.DataFrame(df), META, c)
+    header = line_with(c.export_text(), "op", "backend")
+    assert " NIC busbw (virtual) " in header and " link % " in header

@@ -211,3 +211,20 @@ def test_a_run_folder_is_claimed_once(tmp_path):
         results.check_new_run_dir(tmp_path / "f", None)
     with pytest.raises(UserError, match="not a folder"):
         results.new_run_dir(tmp_path / "f", "s")
+
+
+def test_run_folder_names_world_and_what_changes_the_measurement(tmp_path):
+    import dataclasses
+    from pathlib import Path
+
+    from epbench import scenario
+
+    s = scenario.load(Path("scenarios/dsv3x4.yaml"))
+    assert results.run_name(s) == "dsv3x4_w4"
+    fp8 = dataclasses.replace(s, model=dataclasses.replace(s.model, dispatch_dtype="fp8"))
+    assert results.run_name(fp8, (128,)) == "dsv3x4_w4_fp8_t128"
+    assert results.run_name(s.with_world(2), (1, 8, 256)) == "dsv3x4_w2_t1-256"
+    assert results.run_name(scenario.load(Path("scenarios/dsv3x4-fp8.yaml"))) == "dsv3x4-fp8_w4"
+    assert results.run_name("a b/c") == "a-b-c"  # only file-system-safe characters
+    d = results.new_run_dir(tmp_path, fp8, (128,))
+    assert d.is_dir() and d.name.endswith("Z_dsv3x4_w4_fp8_t128")
