@@ -17,12 +17,14 @@ typedef struct ep_config {
   int experts_per_rank;
   int fp8;  // 1: x is fp8 e4m3 with float32 scales per 128 elements
   double timeout_s;
+  int mxfp8;  // 1 (fp8 0): x is e4m3 with one E8M0 scale byte per 32 elements (epbench/mxfp8.py); normal mode only
+  int quantize_fused;  // 1 (mxfp8 only): ep_dispatch takes bf16 rows and the receivers get mxfp8 rows and scales
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).
 enum ep_region_id {
   EP_RECV_X = 0,
-  EP_RECV_SCALES = 1,
+  EP_RECV_SCALES = 1,  // [capacity, scale_stride] bytes: fp8 f32 [hidden / 128]; mxfp8 u8 [hidden / 32], stride 16-aligned
   EP_RECV_IDX = 2,
   EP_RECV_W = 3,
   EP_COMBINE_IN = 4,
@@ -75,6 +77,8 @@ typedef struct ep_effective {
   int combine_sms;     // combine blocks
   int combine_stages;  // stages per combine warp
   int combine_chunk;   // bytes per holder and stage
+  int dispatch_scale_block;  // elements per scale of the dispatched rows: 0 bf16, 128 fp8, 32 mxfp8
+  int dispatch_fused;        // 1: the dispatch kernel quantized bf16 rows on the way (quantize: fused)
 } ep_effective;
 
 const char* ep_last_error(void);
@@ -84,6 +88,8 @@ int ep_open_peers(void* ctx, const void* handles /* world * 64 bytes, rank order
 int ep_region(void* ctx, int which, unsigned long long* ptr, unsigned long long* bytes);
 int ep_set_option(void* ctx, int key, int value);
 // impl: ep_dispatch_impl; warps 1..32. An impl or warp count that cannot run is an error before any launch.
+// x: [T, hidden] as configured (bf16 when quantize_fused); x_scales: [T, hidden / 128] f32 (fp8) or
+// [T, hidden / 32] u8 (mxfp8 not fused), contiguous; null otherwise.
 int ep_dispatch(void* ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
                 int num_tokens, int num_sms, int impl, int warps, int epoch, void* stream);
 int ep_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,

@@ -41,8 +41,18 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
     ep_set_error("topk must be 1..%d (got %d)", EP_MAX_TOPK, cfg->topk);
     return -1;
   }
-  if (cfg->hidden % (cfg->fp8 ? 128 : 8) != 0) {
-    ep_set_error("hidden %d must be a multiple of %d", cfg->hidden, cfg->fp8 ? 128 : 8);
+  if (cfg->fp8 && cfg->mxfp8) {
+    ep_set_error("fp8 and mxfp8 exclude each other");
+    return -1;
+  }
+  if (cfg->quantize_fused && !cfg->mxfp8) {
+    ep_set_error("quantize_fused is implemented for mxfp8 only");
+    return -1;
+  }
+  // fp8: whole scale blocks; mxfp8: whole 32-element blocks (4 lanes x 8 bf16 in the fused cast); bf16: 16-byte rows
+  const int multiple = cfg->fp8 ? 128 : cfg->mxfp8 ? 32 : 8;
+  if (cfg->hidden % multiple != 0) {
+    ep_set_error("hidden %d must be a multiple of %d", cfg->hidden, multiple);
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(cfg->device));
@@ -59,8 +69,12 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.experts_per_rank = cfg->experts_per_rank;
   p.topk = cfg->topk;
   p.hidden = cfg->hidden;
-  p.num_scales = cfg->fp8 ? cfg->hidden / 128 : 0;
-  p.row_bytes = cfg->fp8 ? cfg->hidden : cfg->hidden * 2;
+  p.num_scales = cfg->fp8 ? cfg->hidden / 128 : cfg->mxfp8 ? cfg->hidden / 32 : 0;
+  p.row_bytes = cfg->fp8 || cfg->mxfp8 ? cfg->hidden : cfg->hidden * 2;
+  p.scale_bytes = cfg->fp8 ? p.num_scales * (int)sizeof(float) : p.num_scales;
+  // the fused cast stores 8 scale bytes at a time at multiples of 8 within the row (dispatch.cu)
+  p.scale_stride = cfg->mxfp8 ? (int)align_up((size_t)p.num_scales, 16) : p.scale_bytes;
+  p.fused = cfg->quantize_fused;
   p.max_tokens = cfg->max_tokens;
   p.capacity = cfg->world * cfg->max_tokens;
   p.timeout_ns = (unsigned long long)(cfg->timeout_s * 1e9);
@@ -77,7 +91,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   const size_t cap = (size_t)p.capacity;
   Carver c;
   p.off_recv_x = c.take(cap * p.row_bytes);
-  p.off_recv_scales = c.take(cap * p.num_scales * sizeof(float));
+  p.off_recv_scales = c.take(cap * p.scale_stride);
   p.off_recv_idx = c.take(cap * p.topk * sizeof(long long));
   p.off_recv_w = c.take(cap * p.topk * sizeof(float));
   p.off_combine_in = c.take(cap * p.hidden * 2);
@@ -167,7 +181,7 @@ extern "C" int ep_region(void* vctx, int which, unsigned long long* ptr, unsigne
   size_t off = 0, n = 0;
   switch (which) {
     case EP_RECV_X: off = p.off_recv_x; n = cap * p.row_bytes; break;
-    case EP_RECV_SCALES: off = p.off_recv_scales; n = cap * p.num_scales * sizeof(float); break;
+    case EP_RECV_SCALES: off = p.off_recv_scales; n = cap * p.scale_stride; break;
     case EP_RECV_IDX: off = p.off_recv_idx; n = cap * p.topk * sizeof(long long); break;
     case EP_RECV_W: off = p.off_recv_w; n = cap * p.topk * sizeof(float); break;
     case EP_COMBINE_IN: off = p.off_combine_in; n = cap * p.hidden * 2; break;

@@ -5,7 +5,8 @@
 // computes the same offsets, so a peer's buffer = peer_base[peer] + offset):
 //   shared part (peers write or read it over NVLink)
 //     recv_x        [capacity, row_bytes]        dispatch destination, rows (source, token) order
-//     recv_scales   [capacity, num_scales] f32   fp8 only
+//     recv_scales   [capacity, scale_stride] B   fp8: num_scales f32; mxfp8: num_scales E8M0 bytes, the
+//                                                  stride rounded up to 16 (padding never read)
 //     recv_idx      [capacity, topk] i64
 //     recv_w        [capacity, topk] f32
 //     combine_in    [capacity, hidden] bf16      filled by the caller, pulled by sources in combine
@@ -77,7 +78,10 @@ struct EpSignals {
 
 struct EpParams {
   int rank, world, experts_per_rank, topk, hidden, num_scales;
-  int row_bytes;  // bytes of one x row as dispatched (hidden * 2 for bf16, hidden for fp8)
+  int row_bytes;  // bytes of one x row as received (hidden * 2 for bf16, hidden for fp8 and mxfp8)
+  int scale_bytes;   // scale bytes of one row as the caller hands them (fp8: 4 * num_scales, mxfp8: num_scales)
+  int scale_stride;  // bytes per row of recv_scales (>= scale_bytes; mxfp8: a multiple of 16)
+  int fused;         // 1: ep_dispatch gets bf16 rows and quantizes them to mxfp8 on the way (dispatch.cu)
   int max_tokens, capacity;
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
@@ -219,6 +223,10 @@ __device__ __forceinline__ void st_v4(int4* p, const int4& v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
+}
+
+__device__ __forceinline__ void st_v2(uint2* p, uint32_t x, uint32_t y) {
+  asm volatile("st.global.L1::no_allocate.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(x), "r"(y) : "memory");
 }
 
 __device__ __forceinline__ int* signal_ptr(const EpParams& p, int rank, int index) {

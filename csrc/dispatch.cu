@@ -8,30 +8,98 @@
 //   lean_dyn (EP_DISPATCH_LEAN_DYN, default): lane 0 of each warp takes its next token from a counter,
 //     one token ahead, so blocks on faster SMs take more tokens.
 // Per token every lane issues its loads first (kU 16-byte vectors of the row, the slot_map row, topk ids,
-// weights, the first 64 fp8 scales), then stores the same registers to every destination row and the
-// metadata after it. 16 warps: kU = 8; 17..32 warps: kU = 4 (the same bytes in flight per SM).
+// weights, the first 64 scale words or bytes), then stores the same registers to every destination row and
+// the metadata after it. 16 warps: kU = 8; 17..32 warps: kU = 4 (the same bytes in flight per SM).
+// Scales (fp8: f32 per 128 elements, mxfp8: one E8M0 byte per 32) move as 32-bit words when the caller's
+// scale rows allow it, else byte by byte.
 //
+// quantize fused (kFused, mxfp8 only): the source rows are bf16 and each lane casts its 16-byte vector
+// (8 elements) in registers before the stores (mxfp8_cast): lanes 4b .. 4b + 3 of a vector group hold
+// one 32-element block, the block's amax comes from two xor-shuffles; the link carries 8 e4m3 bytes per
+// lane and, from lane 0, the 8 scale bytes of the warp's 8 blocks in one 8-byte store.
 // Completion (grid_release_and_wait in common.cuh): every thread fences at system scope; the
 // last block to finish stores done[me] = epoch into every rank's signals with st.release.sys,
 // then waits until done[s] == epoch for every source s in my signals, so the kernel ends only
 // when every row addressed to this rank has landed.
+#include <cuda_fp8.h>
+
 #include "common.cuh"
 
 namespace {
 
 struct DispatchArgs {
-  const uint8_t* x;
-  const float* x_scales;
+  const uint8_t* x;         // [T, hidden * 2] bf16 when fused, else [T, row_bytes]
+  const uint8_t* x_scales;  // [T, scale_bytes] (fp8, mxfp8 before); null otherwise
   const int64_t* topk_idx;
   const float* topk_w;
   int num_tokens;
+  int scale_unit;  // 4: scales move as 32-bit words; 1: as bytes (a row of scales not a whole number of words)
 };
 
-template <int kU, bool kDyn>
+__device__ __forceinline__ uint32_t ld_scale(const uint8_t* row, int j, int unit) {
+  return unit == 4 ? reinterpret_cast<const uint32_t*>(row)[j] : row[j];
+}
+
+__device__ __forceinline__ void st_scale(uint8_t* row, int j, int unit, uint32_t v) {
+  if (unit == 4) {
+    reinterpret_cast<uint32_t*>(row)[j] = v;
+  } else {
+    row[j] = (uint8_t)v;
+  }
+}
+
+// 8 bf16 (one lane's 16-byte vector) -> 8 e4m3 bytes in v.x (elements 0..3), v.y (4..7); returns the E8M0
+// byte of the lane's 32-element block, which lanes 4b .. 4b + 3 share. Every lane of the warp must call
+// it (shuffles). The rule is epbench/mxfp8.py's, in integers, so the bytes match it exactly
+// (tests/test_mxfp8_kernel_math.py replays these steps):
+//   amax bits m = max of (bits & 0x7FFF) over the block (monotonic in |x|; NaN and inf sort above finite)
+//   e = ((m >> 7) & 0xFF) - 135 + ((m & 0x7F) > 0x60), clamped to [-127, 127]; byte = e + 127
+//   q = e4m3_rne(float(x) * 2^-e): 2^-e in [2^-126, 2^127] is a normal float built from its bits, the
+//       product is exact (or far below e4m3's subnormals), cvt.rn.satfinite never saturates (|q| <= 448)
+//   exponent field 0xFF (NaN or inf in the block): byte 0xFF, every element 0x7F
+__device__ __forceinline__ uint32_t mxfp8_cast(int4& v) {
+  const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+  const uint32_t m2 = __vmaxu2(__vmaxu2(w[0] & 0x7FFF7FFFu, w[1] & 0x7FFF7FFFu),
+                               __vmaxu2(w[2] & 0x7FFF7FFFu, w[3] & 0x7FFF7FFFu));
+  uint32_t m = max(m2 & 0xFFFFu, m2 >> 16);
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  const int field = (int)((m >> 7) & 0xFFu);
+  const int e = min(max(field - 135 + ((m & 0x7Fu) > 0x60u ? 1 : 0), -127), 127);
+  const float inv = __int_as_float((127 - e) << 23);  // e <= 121 for any bf16, so 127 - e >= 6
+  uint32_t q[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t a = w[2 * h], b = w[2 * h + 1];
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(__uint_as_float(a << 16) * inv, __uint_as_float(a & 0xFFFF0000u) * inv), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__uint_as_float(b << 16) * inv, __uint_as_float(b & 0xFFFF0000u) * inv), __NV_SATFINITE, __NV_E4M3);
+    q[h] = (uint32_t)lo | ((uint32_t)hi << 16);
+  }
+  const bool nan = field == 0xFF;
+  v.x = (int)(nan ? 0x7F7F7F7Fu : q[0]);
+  v.y = (int)(nan ? 0x7F7F7F7Fu : q[1]);
+  return nan ? 0xFFu : (uint32_t)(e + 127);
+}
+
+// The scale bytes of the warp's 8 blocks (lanes 0, 4, .., 28 hold blocks 0..7) gathered into lane 0's
+// v.z (blocks 0..3) and v.w (4..7), little-endian, for one 8-byte store.
+__device__ __forceinline__ void gather_scales(int4& v, uint32_t s) {
+  s |= __shfl_down_sync(0xffffffffu, s, 4) << 8;   // lanes 8k: blocks 2k, 2k + 1
+  s |= __shfl_down_sync(0xffffffffu, s, 8) << 16;  // lanes 16k: blocks 4k .. 4k + 3
+  v.z = (int)s;
+  v.w = (int)__shfl_sync(0xffffffffu, s, 16);
+}
+
+template <int kU, bool kDyn, bool kFused>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
-  const int world = p.world, topk = p.topk, ns = p.num_scales;
+  const int world = p.world, topk = p.topk;
+  const int unit = a.scale_unit, ns = kFused ? 0 : p.scale_bytes / unit;  // scale units copied per row
   const int my_base = lane < world ? p.base[lane] : 0;
-  const int V = p.row_bytes >> 4;
+  // 16-byte source vectors per row; fused: hidden / 8 (a multiple of 4: whole blocks per 4 lanes)
+  const int V = kFused ? p.hidden >> 3 : p.row_bytes >> 4;
+  const size_t src_row = kFused ? (size_t)p.hidden * 2 : (size_t)p.row_bytes;
   const bool aborted = ld_volatile(p.dev_error) != 0;
   unsigned* work = p.counters + kCounterDispatchWork;
   int t = first;
@@ -43,7 +111,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
   for (; !aborted && t < a.num_tokens;) {
     unsigned next = 0;
     if (kDyn && lane == 0) next = atomicAdd(work, 1u);
-    const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+    const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * src_row);
     int4 buf[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -52,14 +120,15 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     }
     const int slot = lane < world ? p.slot_map[(size_t)t * world + lane] : -1;
     long long idx = 0;
-    float w = 0.f, sc0 = 0.f, sc1 = 0.f;
+    float w = 0.f;
+    uint32_t sc0 = 0, sc1 = 0;
     if (lane < topk) {
       idx = a.topk_idx[(size_t)t * topk + lane];
       w = a.topk_w[(size_t)t * topk + lane];
     }
-    const float* scales = a.x_scales + (size_t)t * ns;
-    if (lane < ns) sc0 = scales[lane];
-    if (lane + 32 < ns) sc1 = scales[lane + 32];
+    const uint8_t* scales = a.x_scales + (size_t)t * p.scale_bytes;
+    if (lane < ns) sc0 = ld_scale(scales, lane, unit);
+    if (lane + 32 < ns) sc1 = ld_scale(scales, lane + 32, unit);
     const int my_row = slot >= 0 ? my_base + slot : -1;
     int rows[EP_MAX_WORLD];
 #pragma unroll
@@ -72,14 +141,31 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
           if (i < V) buf[u] = ld_nc_v4(src + i);
         }
       }
+      if (kFused) {
+        // whole warp (V % 4 == 0: a block's 4 lanes are all in range or all out; out-of-range lanes cast
+        // garbage that is never stored)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) gather_scales(buf[u], mxfp8_cast(buf[u]));
+      }
 #pragma unroll
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
         if (rows[d] < 0) continue;
-        int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes);
+        uint8_t* row = p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes;
+        if (kFused) {
+          uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)rows[d] * p.scale_stride;
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int i = v0 + u * 32 + lane;
-          if (i < V) st_v4(dst + i, buf[u]);
+          for (int u = 0; u < kU; ++u) {
+            const int i0 = v0 + u * 32, i = i0 + lane;
+            if (i < V) st_v2(reinterpret_cast<uint2*>(row) + i, (uint32_t)buf[u].x, (uint32_t)buf[u].y);
+            // blocks i0 / 4 .. + 7 (a multiple of 8; the stride holds any bytes past num_scales)
+            if (lane == 0 && i0 < V) st_v2(reinterpret_cast<uint2*>(srow + (i0 >> 2)), (uint32_t)buf[u].z, (uint32_t)buf[u].w);
+          }
+        } else {
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const int i = v0 + u * 32 + lane;
+            if (i < V) st_v4(reinterpret_cast<int4*>(row) + i, buf[u]);
+          }
         }
       }
     }
@@ -91,25 +177,36 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
         reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)rows[d] * topk + lane] = idx;
         reinterpret_cast<float*>(pb + p.off_recv_w)[(size_t)rows[d] * topk + lane] = w;
       }
-      float* dst_scales = reinterpret_cast<float*>(pb + p.off_recv_scales) + (size_t)rows[d] * ns;
-      if (lane < ns) dst_scales[lane] = sc0;
-      if (lane + 32 < ns) dst_scales[lane + 32] = sc1;
-      for (int j = lane + 64; j < ns; j += 32) dst_scales[j] = scales[j];
+      if (kFused) continue;
+      uint8_t* dst_scales = pb + p.off_recv_scales + (size_t)rows[d] * p.scale_stride;
+      if (lane < ns) st_scale(dst_scales, lane, unit, sc0);
+      if (lane + 32 < ns) st_scale(dst_scales, lane + 32, unit, sc1);
+      for (int j = lane + 64; j < ns; j += 32) st_scale(dst_scales, j, unit, ld_scale(scales, j, unit));
     }
     t = kDyn ? (int)__shfl_sync(0xffffffffu, next, 0) : t + step;
   }
 }
 
-template <int kU, int kThreads, bool kDyn>
+template <int kU, int kThreads, bool kDyn, bool kFused>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
   stamp_sm(p);
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
-  lean_rows<kU, kDyn>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
+  lean_rows<kU, kDyn, kFused>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch, kDyn ? kCounterDispatchWork : -1);
 }
+
+using DispatchKernel = void (*)(EpParams, DispatchArgs, int);
+
+// [warps > 16][lean_dyn][fused]
+const DispatchKernel kDispatchKernels[2][2][2] = {
+    {{dispatch_lean_kernel<8, 512, false, false>, dispatch_lean_kernel<8, 512, false, true>},
+     {dispatch_lean_kernel<8, 512, true, false>, dispatch_lean_kernel<8, 512, true, true>}},
+    {{dispatch_lean_kernel<4, 1024, false, false>, dispatch_lean_kernel<4, 1024, false, true>},
+     {dispatch_lean_kernel<4, 1024, true, false>, dispatch_lean_kernel<4, 1024, true, true>}},
+};
 
 }  // namespace
 
@@ -135,8 +232,9 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     ep_set_error("num_sms must be >= 1 and warps 1..32 (got %d, %d)", num_sms, warps);
     return -1;
   }
-  if (p.num_scales > 0 && x_scales == nullptr && num_tokens > 0) {
-    ep_set_error("fp8 dispatch needs x_scales");
+  const bool needs_scales = p.scale_bytes > 0 && !p.fused;
+  if (needs_scales && x_scales == nullptr && num_tokens > 0) {
+    ep_set_error("%s dispatch needs x_scales", p.scale_bytes == p.num_scales ? "mxfp8" : "fp8");
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(ctx->device));
@@ -144,17 +242,19 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
 
   DispatchArgs a;
   a.x = (const uint8_t*)x;
-  a.x_scales = (const float*)x_scales;
+  a.x_scales = needs_scales ? (const uint8_t*)x_scales : nullptr;
   a.topk_idx = (const int64_t*)topk_idx;
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
+  a.scale_unit = p.scale_bytes % 4 == 0 && (uintptr_t)x_scales % 4 == 0 ? 4 : 1;
   const bool dyn = impl == EP_DISPATCH_LEAN_DYN;
-  auto kernel = warps <= 16 ? (dyn ? dispatch_lean_kernel<8, 512, true> : dispatch_lean_kernel<8, 512, false>)
-                            : (dyn ? dispatch_lean_kernel<4, 1024, true> : dispatch_lean_kernel<4, 1024, false>);
+  const DispatchKernel kernel = kDispatchKernels[warps > 16][dyn][p.fused != 0];
   CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
   ep_effective& eff = ctx->effective;
   eff.dispatch_impl = impl;
   eff.dispatch_warps = warps;
   eff.dispatch_sms = num_sms;
+  eff.dispatch_scale_block = p.num_scales > 0 ? p.hidden / p.num_scales : 0;
+  eff.dispatch_fused = p.fused;
   return 0;
 }

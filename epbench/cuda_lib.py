@@ -32,7 +32,11 @@ class EpEffective(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int) for name in (
         "dispatch_impl", "dispatch_warps", "dispatch_sms", "notify_impl", "notify_blocks", "combine_impl",
-        "combine_warps", "combine_sms", "combine_stages", "combine_chunk")]
+        "combine_warps", "combine_sms", "combine_stages", "combine_chunk", "dispatch_scale_block",
+        "dispatch_fused")]
+
+# ep_effective.dispatch_scale_block -> the scenario's dispatch_dtype
+SCALE_BLOCK_DTYPES = {0: "bf16", 128: "fp8", 32: "mxfp8"}
 
 
 def decode_effective(eff: EpEffective) -> Dict[str, Any]:
@@ -43,7 +47,9 @@ def decode_effective(eff: EpEffective) -> Dict[str, Any]:
     return {"dispatch_impl": name(DISPATCH_IMPLS, eff.dispatch_impl), "dispatch_warps": eff.dispatch_warps,
             "notify_impl": name(NOTIFY_IMPLS, eff.notify_impl), "notify_blocks": eff.notify_blocks,
             "combine_impl": name(COMBINE_IMPLS, eff.combine_impl), "combine_warps": eff.combine_warps,
-            "combine_stages": eff.combine_stages, "combine_chunk": eff.combine_chunk}
+            "combine_stages": eff.combine_stages, "combine_chunk": eff.combine_chunk,
+            "dispatch_dtype": SCALE_BLOCK_DTYPES.get(eff.dispatch_scale_block, eff.dispatch_scale_block),
+            "quantize": "fused" if eff.dispatch_fused else "before"}
 
 
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).
@@ -66,6 +72,8 @@ class EpConfig(ctypes.Structure):
         ("experts_per_rank", ctypes.c_int),
         ("fp8", ctypes.c_int),
         ("timeout_s", ctypes.c_double),
+        ("mxfp8", ctypes.c_int),
+        ("quantize_fused", ctypes.c_int),
     ]
 
 
@@ -191,9 +199,10 @@ def raise_if_timed_out(lib: ctypes.CDLL, ctx: ctypes.c_void_p, timeout_s: float,
                            f"waiting for rank {peer.value} in {what}")
 
 
-def check_dispatch_input(inp: Any, setup: Any, x_dtype: Any, fp8: bool) -> None:
+def check_dispatch_input(inp: Any, setup: Any, x_dtype: Any, fp8: bool, mxfp8: bool = False) -> None:
     """What the kernels need of a dispatch input (shapes, dtypes, contiguity, 16-byte alignment);
-    ValueError naming the first thing wrong."""
+    ValueError naming the first thing wrong. ``fp8`` / ``mxfp8``: x_scales must come with x (float32
+    per 128 elements / E8M0 bytes per 32); neither for bf16 rows, also those of a fused cast."""
     import torch
 
     s, x = setup, inp.x
@@ -210,3 +219,7 @@ def check_dispatch_input(inp: Any, setup: Any, x_dtype: Any, fp8: bool) -> None:
     if fp8 and (inp.x_scales is None or inp.x_scales.dtype != torch.float32
                 or not inp.x_scales.is_contiguous()):
         raise ValueError("fp8 dispatch needs contiguous float32 x_scales [T, hidden / 128]")
+    want = (x.shape[0], s.hidden // 32)
+    if mxfp8 and (inp.x_scales is None or inp.x_scales.dtype != torch.uint8
+                  or tuple(inp.x_scales.shape) != want or not inp.x_scales.is_contiguous()):
+        raise ValueError(f"mxfp8 dispatch needs contiguous uint8 x_scales {list(want)}")

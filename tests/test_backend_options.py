@@ -75,10 +75,11 @@ def test_effective_config_is_decoded_into_option_names() -> None:
     eff = cuda_lib.EpEffective(dispatch_impl=cuda_lib.DISPATCH_IMPLS["lean"], dispatch_warps=32, dispatch_sms=8,
                                notify_impl=cuda_lib.NOTIFY_IMPLS["direct"], notify_blocks=1,
                                combine_impl=cuda_lib.COMBINE_IMPLS["tma"], combine_warps=6, combine_sms=8,
-                               combine_stages=3, combine_chunk=4096)
+                               combine_stages=3, combine_chunk=4096, dispatch_scale_block=32, dispatch_fused=1)
     assert cuda_lib.decode_effective(eff) == {
         "dispatch_impl": "lean", "dispatch_warps": 32, "notify_impl": "direct", "notify_blocks": 1,
-        "combine_impl": "tma", "combine_warps": 6, "combine_stages": 3, "combine_chunk": 4096}
+        "combine_impl": "tma", "combine_warps": 6, "combine_stages": 3, "combine_chunk": 4096,
+        "dispatch_dtype": "mxfp8", "quantize": "fused"}
     assert cuda_lib.decode_effective(cuda_lib.EpEffective(dispatch_impl=99))["dispatch_impl"] == 99
 
 

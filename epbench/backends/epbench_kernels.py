@@ -13,6 +13,11 @@ dispatch_impl lean_dyn | lean, dispatch_warps, notify_impl grid | staged, combin
 combine_chunk), given to the constructor; the driver resolves them from the scenario, ``--option`` and
 the environment. ``effective_config()`` reads back what the library launched (csrc/api.h ep_effective),
 after the combine's clamp of its warps to the stages that fit and the notify's fallback to ``direct``.
+Payloads: bf16, fp8 (f32 scale per 128 elements) and mxfp8 (E8M0 byte per 32, epbench/mxfp8.py), the
+quantized ones handed in by the caller (``quantize: before``); mxfp8 also ``quantize: fused``: the caller
+hands bf16 rows and the dispatch kernel casts them in registers on the way (csrc/dispatch.cu, mxfp8_cast),
+so the link carries mxfp8 rows and the receivers get e4m3 ``x`` and uint8 ``x_scales`` [rows, hidden / 32]
+(a view of a buffer whose rows are padded to 16 bytes).
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
 """
@@ -82,7 +87,7 @@ def intranode_reason(setup: RankSetup) -> Optional[str]:
         return "needs compute capability 9.0 or newer (kernels are built for sm_90)"
     if setup.topk > MAX_TOPK:
         return f"topk {setup.topk} > {MAX_TOPK}"
-    multiple = 128 if setup.dispatch_dtype == "fp8" else 8
+    multiple = {"fp8": 128, "mxfp8": 32}.get(setup.dispatch_dtype, 8)
     if setup.hidden % multiple:
         return f"hidden {setup.hidden} must be a multiple of {multiple}"
     try:
@@ -95,9 +100,13 @@ def intranode_reason(setup: RankSetup) -> Optional[str]:
 class EpbenchBackend(Backend):
     name = "epbench"
     uses_sms = True
+    dtypes = ("bf16", "fp8", "mxfp8")
+    quantize_modes = ("before", "fused")  # fused: mxfp8 only (unavailable_reason)
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
+        if setup.quantize == "fused" and setup.dispatch_dtype != "mxfp8":
+            return f"quantize fused is implemented for mxfp8 only (dispatch_dtype {setup.dispatch_dtype})"
         if setup.num_experts * 4 > NOTIFY_SMEM_BYTES:
             return intranode_reason(setup) or \
                 f"{setup.num_experts} experts exceed the notify kernel's shared memory"
@@ -125,9 +134,11 @@ class EpbenchBackend(Backend):
         self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
                                    else torch.cuda.current_device())
         self.fp8 = setup.dispatch_dtype == "fp8"
+        self.mxfp8 = setup.dispatch_dtype == "mxfp8"
+        self.fused = setup.quantize == "fused"
         cfg = cuda_lib.EpConfig(setup.rank, setup.world, self.device.index, setup.hidden,
                                 setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
-                                int(self.fp8), float(setup.timeout_s))
+                                int(self.fp8), float(setup.timeout_s), int(self.mxfp8), int(self.fused))
         self._ctx = ctypes.c_void_p()
         cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
         self._open_peers()
@@ -138,7 +149,8 @@ class EpbenchBackend(Backend):
         # The timeout record's flag word, read without a function call on every dispatch/combine.
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ctx))
         self._stream = raw_stream_getter(self.device)
-        self._x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        self._x_dtype = torch.float8_e4m3fn if (self.fp8 or self.mxfp8) and not self.fused else torch.bfloat16
+        self._scales_in = (self.fp8 or self.mxfp8) and not self.fused  # the caller hands x_scales
         self._dispatch_epoch = 0
         self._combine_epoch = 0
         self._checked: Optional[tuple] = None  # tensors of the last input that passed _check_input
@@ -155,10 +167,13 @@ class EpbenchBackend(Backend):
     def _views(self) -> None:
         s = self.s
         cap, h, k = s.world * s.max_tokens_per_rank, s.hidden, s.topk
-        x_dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        x_dtype = torch.float8_e4m3fn if self.fp8 or self.mxfp8 else torch.bfloat16
         self.recv_x = self._region(cuda_lib.RECV_X).view(x_dtype).view(cap, h)
-        self.recv_scales = (self._region(cuda_lib.RECV_SCALES).view(torch.float32).view(cap, h // 128)
-                            if self.fp8 else None)
+        self.recv_scales = None
+        if self.fp8:
+            self.recv_scales = self._region(cuda_lib.RECV_SCALES).view(torch.float32).view(cap, h // 128)
+        elif self.mxfp8:  # rows padded to 16 bytes by the library (csrc/buffers.cu scale_stride)
+            self.recv_scales = self._region(cuda_lib.RECV_SCALES).view(cap, -1)[:, :h // 32]
         self.recv_idx = self._region(cuda_lib.RECV_IDX).view(torch.int64).view(cap, k)
         self.recv_w = self._region(cuda_lib.RECV_W).view(torch.float32).view(cap, k)
         self.combine_in = self._region(cuda_lib.COMBINE_IN).view(torch.bfloat16).view(cap, h)
@@ -194,7 +209,8 @@ class EpbenchBackend(Backend):
         if eff.dispatch_warps == 0 and eff.combine_warps == 0:
             return {"dispatch_impl": self._impl, "dispatch_warps": self.dispatch_warps,
                     "notify_impl": self.notify_impl, "combine_warps": self.combine_warps,
-                    "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk}
+                    "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk,
+                    "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize}
         return cuda_lib.decode_effective(eff)
 
     def set_debug_stamps(self, on: bool) -> None:
@@ -207,7 +223,8 @@ class EpbenchBackend(Backend):
         return dict(zip(cuda_lib.STAMPS, raw))
 
     def _check_input(self, inp: DispatchInput) -> None:
-        cuda_lib.check_dispatch_input(inp, self.s, self._x_dtype, self.fp8)
+        cuda_lib.check_dispatch_input(inp, self.s, self._x_dtype, self.fp8 and self._scales_in,
+                                      self.mxfp8 and self._scales_in)
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         x, idx, w = inp.x, inp.topk_idx, inp.topk_weights
@@ -221,7 +238,7 @@ class EpbenchBackend(Backend):
         x_ptr = x.data_ptr()
         self._dispatch_epoch += 1
         rc = self._lib.ep_dispatch(
-            self._ctx, x_ptr, inp.x_scales.data_ptr() if self.fp8 else None, idx.data_ptr(),
+            self._ctx, x_ptr, inp.x_scales.data_ptr() if self._scales_in else None, idx.data_ptr(),
             w.data_ptr(), t, num_sms, self._impl_code, self.dispatch_warps, self._dispatch_epoch, self._stream())
         if rc:
             cuda_lib.check(rc, "dispatch")

@@ -33,7 +33,7 @@ def poison_dispatch_outputs(be: Any) -> None:
     """Fills a normal-mode backend's receive buffers, counts and combine output with garbage."""
     be.recv_x.view(torch.uint8).fill_(0xFF)
     if be.recv_scales is not None:
-        be.recv_scales.fill_(float("nan"))
+        be.recv_scales.view(torch.uint8).fill_(0xFF)  # f32: NaN; mxfp8: the NaN scale byte
     be.recv_idx.fill_(-1)
     be.recv_w.fill_(float("nan"))
     be.expert_counts.fill_(-1)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from epbench.launch import init_distributed  # noqa: E402
 from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_kernels import EpbenchBackend  # noqa: E402
-from epbench.inputs import dispatch_input, expert_output, make_tokens  # noqa: E402
+from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input  # noqa: E402
 from epbench.metrics import row_bytes  # noqa: E402
 from epbench.routing import RankRouting, dest_mask, route_rank  # noqa: E402
 from epbench.scenario import Routing  # noqa: E402
@@ -48,6 +48,8 @@ class Case:
     experts_per_rank: int
     dtype: str = "bf16"
     routing: str = "uniform"  # uniform | zipf | hot | own | one
+    quantize: str = "before"  # fused (mxfp8): bf16 rows in, the kernel casts them on the way
+    spread: bool = False  # every 32-element block scaled by its own 2^k, k in [-140, 100): bf16 subnormals to huge
 
 
 def rank_routing(case: Case, rank: int, world: int, seed: int) -> RankRouting:
@@ -67,7 +69,8 @@ def rank_routing(case: Case, rank: int, world: int, seed: int) -> RankRouting:
 def make_setup(case: Case, rank: int, world: int, device: torch.device, timeout_s: float = 10.0) -> RankSetup:
     return RankSetup(rank=rank, world=world, gpus_per_node=world, device=device, hidden=case.hidden,
                      max_tokens_per_rank=max(max(case.tokens), 1), topk=case.topk,
-                     experts_per_rank=case.experts_per_rank, dispatch_dtype=case.dtype, timeout_s=timeout_s)
+                     experts_per_rank=case.experts_per_rank, dispatch_dtype=case.dtype, timeout_s=timeout_s,
+                     quantize=case.quantize)
 
 
 def all_sum(v: int, device: torch.device) -> int:
@@ -81,17 +84,29 @@ def check_case(be: EpbenchBackend, case: Case, rank: int, world: int, device: to
                sms: int) -> Dict[str, object]:
     routings = [rank_routing(case, r, world, seed=salt) for r in range(world)]
 
-    def input_of(r: int) -> DispatchInput:
+    def source_of(r: int) -> torch.Tensor:
         x = make_tokens(routings[r].num_tokens, case.hidden, 7, r, salt, device)
-        return dispatch_input(x, routings[r], case.dtype, device)
+        if not case.spread:
+            return x
+        t, blocks = x.shape[0], case.hidden // 32
+        k = torch.randint(-140, 100, (t, blocks, 1), generator=torch.Generator().manual_seed(salt * 8 + r))
+        scaled = x.double().view(t, blocks, 32) * torch.pow(2.0, k.double()).to(device)
+        return scaled.view(t, case.hidden).to(torch.bfloat16)
 
-    own = input_of(rank)
+    def sent_by(r: int) -> DispatchInput:  # what rank r hands to dispatch
+        return dispatch_input(source_of(r), routings[r], case.dtype, device, case.quantize)
+
+    def input_of(r: int) -> DispatchInput:  # what the receivers must get from rank r (bit-exact)
+        return wire_input(sent_by(r), case.dtype)
+
+    own = sent_by(rank)
     be.poison()
     be.combine_input(None).fill_(float("nan"))
     dist.barrier()
     out = be.dispatch(own, sms)
     be.check_errors()
-    d = check_dispatch(out, rank, world, case.experts_per_rank, input_of)
+    d = check_dispatch(out, rank, world, case.experts_per_rank, input_of,
+                       source_of=source_of if case.dtype != "bf16" else None)
     n = int(out.num_recv)
     y = be.combine_input(out)
     scales = out.x_scales[:n] if out.x_scales is not None else None
@@ -99,7 +114,7 @@ def check_case(be: EpbenchBackend, case: Case, rank: int, world: int, device: to
     dist.barrier()
     got = be.combine(out, sms).clone()
     be.check_errors()
-    c = check_combine(got, own, world, case.experts_per_rank)
+    c = check_combine(got, wire_input(own, case.dtype), world, case.experts_per_rank)
     return {"dispatch_wrong": d.wrong, "combine_wrong": c.wrong,
             "problem": d.first_problem or c.first_problem, "num_recv": n}
 
@@ -119,9 +134,27 @@ CHECK_CASES: List[Case] = [
     Case("h200x4 bf16 h8192", 8192, [4096], 8, 2),
     Case("h200x4 fp8 h8192", 8192, [4096], 8, 2, "fp8"),
     Case("fp8 h7168 e64", 7168, [4096, 1000], 8, 64, "fp8"),
+    # mxfp8 (issue 26): scales of one E8M0 byte per 32 elements, handed in (before) or cast in the kernel
+    # (fused); h2080: 65 scale bytes per row (byte copies, the scale rows padded to 80)
+    Case("mxfp8 uniform h2048", 2048, [512, 300, 1, 777], 8, 4, "mxfp8"),
+    Case("mxfp8 fused uniform h2048", 2048, [512, 300, 1, 777], 8, 4, "mxfp8", quantize="fused"),
+    Case("mxfp8 zipf h4096", 4096, [1000], 8, 16, "mxfp8", "zipf"),
+    Case("mxfp8 fused zipf h4096", 4096, [1000], 8, 16, "mxfp8", "zipf", "fused"),
+    Case("mxfp8 fused hot h8192", 8192, [1000], 8, 16, "mxfp8", "hot", "fused"),
+    Case("mxfp8 hot h2080", 2080, [600], 8, 16, "mxfp8", "hot"),
+    Case("mxfp8 fused h2080", 2080, [600, 5], 8, 16, "mxfp8", "uniform", "fused"),
+    Case("mxfp8 fused 0 tokens", 2048, [64, 0, 100, 0], 6, 4, "mxfp8", "uniform", "fused"),
+    Case("mxfp8 0 tokens", 2048, [64, 0, 100, 0], 6, 4, "mxfp8"),
+    Case("mxfp8 fused T=4095 h7168", 7168, [4095], 8, 64, "mxfp8", "uniform", "fused"),
+    Case("mxfp8 T=4095 h7168", 7168, [4095, 17], 8, 64, "mxfp8"),
+    Case("mxfp8 fused to rank 0 h3072", 3072, [257], 8, 8, "mxfp8", "one", "fused"),
+    Case("mxfp8 fused spread scales", 4096, [300, 0, 41], 8, 16, "mxfp8", "zipf", "fused", spread=True),
+    Case("mxfp8 spread scales", 4096, [300, 0, 41], 8, 16, "mxfp8", "zipf", spread=True),
 ]
 QUICK = {"uniform bf16 h2048", "uniform fp8 h2048", "rank with 0 tokens", "T=1 bf16", "every token to rank 0",
-         "own rank only", "fp8 h7168 e64"}
+         "own rank only", "fp8 h7168 e64", "mxfp8 uniform h2048", "mxfp8 fused uniform h2048",
+         "mxfp8 fused h2080", "mxfp8 fused 0 tokens", "mxfp8 fused spread scales"}
+MXFP8 = {c.name for c in CHECK_CASES if c.dtype == "mxfp8"}
 
 
 def set_impl(be: EpbenchBackend, name: str, warps: int) -> None:
@@ -131,7 +164,7 @@ def set_impl(be: EpbenchBackend, name: str, warps: int) -> None:
 def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     failures = 0
     lines = []
-    cases = [c for c in CHECK_CASES if not args.quick or c.name in QUICK]
+    cases = [c for c in CHECK_CASES if (not args.quick or c.name in QUICK) and (not args.mxfp8 or c.name in MXFP8)]
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device))
@@ -344,6 +377,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["check", "bench"])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--mxfp8", action="store_true", help="check: the mxfp8 cases only (with --quick: the quick ones)")
     ap.add_argument("--impls", default="lean:16:8,lean:32:5,lean:16:3,lean_dyn:16:8,lean_dyn:16:24,lean_dyn:32:3,"
                     "lean_dyn:16:1", help="check: dispatch implementations as impl:warps:sms")
     ap.add_argument("--sms", default="8,16,24,32")

@@ -28,3 +28,14 @@ def test_non_default_options_match_verification(kernels_built: None) -> None:
                  "--combine-chunk", "4096", "--impls", "lean:16:8,lean:16:3,lean:32:5,lean_dyn:32:3")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_mxfp8_before_and_fused_match_verification(kernels_built: None, nproc: int) -> None:
+    """mxfp8 (issue 26): E8M0 scales handed in and the cast fused into both dispatch kernels, bit-exact against
+    epbench/mxfp8.py over uniform / zipf / hot routing, ranks with 0 tokens, 4095 tokens, hidden 2048 .. 8192,
+    65 scale bytes per row (h2080) and blocks at every scale; 3 ranks share the GPUs of a smaller host."""
+    impls = "lean_dyn:16:8,lean:16:3" if shared(nproc) else "lean_dyn:16:8,lean:16:3,lean:32:5,lean_dyn:32:16"
+    r = torchrun(WORKER, nproc, "check", "--mxfp8", "--impls", impls)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert "PASS" in r.stdout and "mxfp8 fused" in r.stdout
