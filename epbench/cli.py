@@ -27,9 +27,9 @@ def _flag_without_placeholder() -> None:
     a flag takes no value, so it gets none."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
-    if getattr(shown, "epbench_quiet", False):
-        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "epbench_quiet", False):
+        return  # typer before 0.28 has no such hook (and prints no placeholder there)
 
     def display_type_rich(self, ctx):
         return None if self.is_flag else shown(self, ctx)
