@@ -118,8 +118,8 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     os.environ.update(SAFE_ENV)
-    if device == "cpu":
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # several ranks share a few cores
+    # several ranks share the cores; torchrun would set 1 itself, with a warning per launch
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
         if name.startswith("torch.distributed.elastic"):  # the modules set their own levels

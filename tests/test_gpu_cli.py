@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
+from epbench.results import load_run
 
 torch = pytest.importorskip("torch")
 
@@ -41,7 +41,7 @@ def test_run_verifies_both_backends(tmp_path: Path, dtype: str, routing: str, hi
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     (run,) = list((tmp_path / "r").iterdir())
-    df = pd.read_csv(run / "results.csv")
+    df = load_run(run)[1]  # measured rows (skipped / failed ones aside)
     assert set(df["backend"]) == {"epbench"} | (set() if SHARED else {"reference"})
     assert sorted(set(df[df["backend"] == "epbench"]["sms"])) == [4, 12]
     assert len(df) == 2 * world * ((0 if SHARED else 1) + 2)  # ops x ranks x (reference + 2 SM counts)

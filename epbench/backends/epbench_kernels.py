@@ -99,6 +99,7 @@ def intranode_reason(setup: RankSetup) -> Optional[str]:
 
 class EpbenchBackend(Backend):
     name = "epbench"
+    options_key = "epbench"  # the option schema (options.SCHEMAS), kept by subclasses of other names
     uses_sms = True
     dtypes = ("bf16", "fp8", "mxfp8")
     quantize_modes = ("before", "fused")  # fused: mxfp8 only (unavailable_reason)
@@ -124,9 +125,9 @@ class EpbenchBackend(Backend):
                                    ("notify_impl", notify_impl), ("combine_warps", combine_warps),
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk))
                  if v is not None}
-        schema = options.SCHEMAS[self.name]
+        schema = options.SCHEMAS[self.options_key]
         resolved = {k: schema[k].parse(v, k) if k in given else v
-                    for k, v in options.resolve(self.name, given).items()}  # a bad value: UserError
+                    for k, v in options.resolve(self.options_key, given).items()}  # a bad value: UserError
         self.dispatch_impl = resolved["dispatch_impl"]
         self.dispatch_warps = resolved["dispatch_warps"]
         self.combine_warps = resolved["combine_warps"]
@@ -190,7 +191,7 @@ class EpbenchBackend(Backend):
 
     @dispatch_impl.setter
     def dispatch_impl(self, value: str) -> None:
-        value = dict(options.SCHEMAS[self.name]["dispatch_impl"].aliases).get(value, value)
+        value = dict(options.SCHEMAS[self.options_key]["dispatch_impl"].aliases).get(value, value)
         if value not in cuda_lib.DISPATCH_IMPLS:
             raise ValueError(f"dispatch_impl must be one of {list(cuda_lib.DISPATCH_IMPLS)}, got {value!r}")
         self._impl = value

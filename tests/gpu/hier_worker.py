@@ -47,7 +47,8 @@ def hier_setup(case: Case, rank: int, world: int, g: int, device: torch.device, 
 def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     g = args.gpus_per_node
     failures = 0
-    cases = [c for c in CHECK_CASES if not args.quick or c.name in QUICK]
+    cases = [c for c in CHECK_CASES if (not args.quick or c.name in QUICK)
+             and c.dtype in EpbenchHierBackend.dtypes and c.quantize in EpbenchHierBackend.quantize_modes]
     for case in cases:
         be = EpbenchHierBackend(hier_setup(case, rank, world, g, device), transport=args.transport)
         lines = []

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from epbench.results import load_run
 from gpu_launch import ROOT, safe_env, shared, shares_gpus, torchrun, world
 
 torch = pytest.importorskip("torch")
@@ -57,7 +58,7 @@ def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: 
     import pandas as pd
 
     (run,) = list((tmp_path / "r").iterdir())
-    df = pd.read_csv(run / "results.csv")
+    df = load_run(run)[1]  # measured rows (skipped / failed ones aside)
     # the NCCL reference needs a GPU per rank; where ranks share one it is skipped with a note
     assert set(df["backend"]) == {"epbench-ll"} | (set() if shared(ranks) else {"reference"})
     assert shared(ranks) == ("backend reference skipped" in r.stdout)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from epbench.results import load_run
 from gpu_launch import ROOT, safe_env, shares_gpus
 
 pd = pytest.importorskip("pandas")
@@ -28,7 +29,7 @@ def one_gpu_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def only_run(tmp_path: Path):
     (run,) = list((tmp_path / "r").iterdir())
-    return pd.read_csv(run / "results.csv"), json.loads((run / "meta.json").read_text())
+    return load_run(run)[1], json.loads((run / "meta.json").read_text())  # measured rows only
 
 
 def assert_functional(r: subprocess.CompletedProcess, df, meta, why: str, backends: List[str]) -> None:
