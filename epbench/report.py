@@ -177,6 +177,24 @@ def transport(meta: Dict[str, Any]) -> str:
     return "PCIe" if matrix.strip() else "NVLink"  # no matrix recorded: the scenario's NVLink
 
 
+def floor_notes(df: pd.DataFrame) -> List[str]:
+    """Low-latency runs: the fixed cost of each backend's op, i.e. the slowest rank's p50 at the
+    fewest tokens the run measured (its best SM count and timing), one line each. A decode step
+    pays it whatever its batch; bytes only add to it."""
+    if df.empty or "mode" not in df or not (df["mode"] == "low_latency").any() or "tokens_per_rank" not in df:
+        return []
+    ll = df[df["mode"] == "low_latency"]
+    fewest = ll["tokens_per_rank"].min()
+    keys = [k for k in ("backend", "op", "sms", "timing") if k in ll]
+    worst = ll[ll["tokens_per_rank"] == fewest].groupby(keys, dropna=False)["time_us"].max().reset_index()
+    out = []
+    for (backend, op), g in worst.groupby(["backend", "op"], sort=False):
+        best = g.loc[g["time_us"].idxmin()]
+        how = f"{int(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
+        out.append(f"floor: {backend} {op} {_num(best['time_us'])} us at {int(fewest)} token(s) per rank ({how})")
+    return out
+
+
 def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None,
               columns: Optional[Sequence[str]] = None) -> None:
     """The run's table; ``columns`` None: the choice EPBENCH_COLUMNS carries from run / sweep's
@@ -193,6 +211,8 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
         console.print(results_table(df, title, columns))
     for note in meta.get("notes", []):
         console.print(f"note: {note}")
+    for line in floor_notes(df):
+        console.print(line)
     wrong = int(df["wrong"].sum()) if not df.empty else 0
     if wrong:
         bad = df[df["wrong"] > 0].iloc[0]

@@ -173,3 +173,21 @@ def test_a_run_with_a_nic_tier_shows_its_busbw_by_default():
     report.print_run(pd.DataFrame(df), META, c)
     header = line_with(c.export_text(), "op", "backend")
     assert " NIC busbw (virtual) " in header and " link % " in header
+
+
+def test_low_latency_runs_name_the_floor_per_backend_and_op():
+    """The fewest tokens' p50 (slowest rank), at the best SM count and timing: the fixed cost."""
+    import pandas as pd
+
+    from epbench.report import floor_notes
+
+    rows = []
+    for sms, timing, t1, t128 in ((32, "graph", 13.9, 20.7), (32, "launch", 15.0, 22.0), (132, "graph", 14.7, 22.3)):
+        for rank, extra in ((0, 0.0), (1, 0.5)):
+            rows += [dict(mode="low_latency", backend="epbench-ll", op="dispatch", sms=sms, timing=timing,
+                          rank=rank, tokens_per_rank=1, time_us=t1 + extra),
+                     dict(mode="low_latency", backend="epbench-ll", op="dispatch", sms=sms, timing=timing,
+                          rank=rank, tokens_per_rank=128, time_us=t128 + extra)]
+    notes = floor_notes(pd.DataFrame(rows))
+    assert notes == ["floor: epbench-ll dispatch 14.4 us at 1 token(s) per rank (32 SMs, graph)"]
+    assert floor_notes(pd.DataFrame([dict(backend="epbench", op="dispatch", sms=8, time_us=1.0)])) == []
