@@ -276,6 +276,12 @@ class Comm:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dist.barrier()
+        if self.device.type == "cuda":
+            # the synchronize drained the host lead the timer queued before this call: queue it
+            # again, so that the timed call still starts after the host has queued it (timing.py)
+            from epbench.timing import host_lead
+
+            host_lead()
 
     def arrive(self, phase: str) -> None:
         """Marks this rank as having reached the wait named ``phase`` (in the job's store), so
