@@ -29,6 +29,7 @@ from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLat
 from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input
 from epbench.launch import Comm
 from epbench.results import unmeasured_rows
+from epbench import timing
 from epbench.timing import Timer
 from epbench.routing import RankRouting, route_all, traffic
 from epbench.scenario import Scenario
@@ -368,6 +369,8 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
         on_note("hardware counters: not read in low_latency mode (the NVML column stays empty)")
     else:
         on_note("hardware counters: not read on CPU runs (the NVML column stays empty)")
+    if comm.device.type == "cuda":
+        on_note(timing.method())
     total_wrong = 0
     salt = [1]
     for tokens in opts.tokens or (s.model.tokens_per_rank,):

@@ -9,10 +9,18 @@ shorter than its own Python/launch overhead (the low-latency kernels at a few to
 GPU idle time waiting for the host. The alignment comes after the sleep because a sleep counts
 clock cycles, and idle GPUs run at different clocks: aligning first and sleeping second let
 ranks start up to ~40 us apart (measured, 2026-11-21), which a call that waits for its peers
-then shows as its own time."""
+then shows as its own time.
+
+The sleep covers the host's usual cost; a host that is occasionally slower (a garbage collection, a
+page fault, another process) would still leave the GPU idle inside the timed region, which shows
+as a rare 100 us-1 ms sample. So after the sleep the stream also waits on a host gate
+(``HostGate``: ``cuStreamWaitValue32`` on a flag in pinned host memory) that the host opens only
+once the end event is queued: the timed region then never contains host time, however late the
+host is. Where the driver call is not available the gate is off, and the run says so in a note."""
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any, Callable, List, Optional
 
@@ -42,6 +50,69 @@ def host_lead() -> None:
     torch.cuda._sleep(int(HOST_LEAD_US * _sleep_cycles_per_us()))
 
 
+WAIT_VALUE_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-safe
+
+
+class HostGate:
+    """A stream wait on a 32-bit flag in pinned host memory: ``close()`` queues "wait until the
+    flag reaches n + 1" on the current stream, ``open()`` (after the host has queued the timed
+    work) stores n + 1. ``driver``: libcuda (tests pass a fake); ``status`` says whether the gate
+    is on, or why not (then close/open do nothing)."""
+
+    def __init__(self, driver: Any = None, alloc: Optional[Callable[[], torch.Tensor]] = None,
+                 stream: Optional[Callable[[], Any]] = None) -> None:
+        self.n = 0
+        self.flag: Optional[torch.Tensor] = None
+        self.status = "off"
+        self.stream = stream or torch.cuda.current_stream
+        try:
+            self.driver = driver if driver is not None else ctypes.CDLL("libcuda.so.1")
+            self.wait = getattr(self.driver, "cuStreamWaitValue32_v2", None) or self.driver.cuStreamWaitValue32
+            self.wait.restype = ctypes.c_int
+            self.wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            # pinned host memory is mapped at the same address on the device (unified addressing)
+            self.flag = (alloc or (lambda: torch.zeros(1, dtype=torch.int32, pin_memory=True)))()
+            self._close(self.stream())  # a first round trip proves the wait works here
+            self.open()
+            self.stream().synchronize()
+            self.status = "on"
+        except Exception as e:  # no driver symbol, an old driver, no pinned memory: sleep only
+            self.flag = None
+            self.status = f"off ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
+
+    def _close(self, stream: Any) -> None:
+        rc = self.wait(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(self.flag.data_ptr()),
+                       ctypes.c_uint32((self.n + 1) & 0xFFFFFFFF), WAIT_VALUE_GEQ)
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 returned CUresult {rc}")
+
+    def close(self) -> None:
+        if self.flag is not None:
+            self._close(self.stream())
+
+    def open(self) -> None:
+        if self.flag is not None:
+            self.n = (self.n + 1) & 0xFFFFFFFF
+            self.flag[0] = self.n - (1 << 32) if self.n >= 1 << 31 else self.n  # the same 32 bits
+
+
+_gate: Optional[HostGate] = None
+
+
+def host_gate() -> HostGate:
+    """The process's one gate (GPUs only), created on first use."""
+    global _gate
+    if _gate is None:
+        _gate = HostGate()
+    return _gate
+
+
+def method() -> str:
+    """How timed calls are isolated from the host on this process's GPU, for a run's notes."""
+    return (f"timing: per-call device events after a {HOST_LEAD_US:.0f} us device sleep; host gate "
+            f"{host_gate().status}")
+
+
 class Timer:
     """Per-iteration device events on GPUs, the wall clock on CPUs (gloo calls are blocking)."""
 
@@ -57,12 +128,17 @@ class Timer:
         """Times ``fn``; ``align`` (the cross-rank sync) runs just before, outside the timed region."""
         if self.cuda:
             start, end = self.events[i]
+            gate = host_gate()
             host_lead()
-            if align is not None:
-                align()
-            start.record()
-            out = fn()
-            end.record()
+            gate.close()
+            try:
+                if align is not None:
+                    align()
+                start.record()
+                out = fn()
+                end.record()
+            finally:  # never leave the stream waiting on a flag nobody will set
+                gate.open()
             return out
         if align is not None:
             align()

@@ -22,3 +22,70 @@ def test_align_runs_before_the_call_and_outside_the_timed_interval():
         t.time(i, lambda: order.append("call"), align=lambda: (order.append("align"), time.sleep(0.05)))
     assert order == ["align", "call", "align", "call"]
     assert all(s < 40_000 for s in t.samples_us(skip=0))  # the 50 ms alignment is not in the samples
+
+
+# ---- the host gate (a stream wait on a pinned host flag), against a fake driver ----
+
+class _FakeWait:
+    def __init__(self, rc=0):
+        self.calls, self.rc = [], rc
+        self.restype = self.argtypes = None
+
+    def __call__(self, stream, addr, value, flags):
+        self.calls.append((stream.value, addr.value, value.value, flags))
+        return self.rc
+
+
+class _FakeDriver:
+    def __init__(self, rc=0):
+        self.cuStreamWaitValue32_v2 = _FakeWait(rc)
+
+
+class _FakeStream:
+    cuda_stream = 1234
+    syncs = 0
+
+    def synchronize(self):
+        _FakeStream.syncs += 1
+
+
+def _gate(rc=0):
+    from epbench.timing import HostGate
+    flag = torch.zeros(1, dtype=torch.int32)
+    stream = _FakeStream()
+    return HostGate(driver=_FakeDriver(rc), alloc=lambda: flag, stream=lambda: stream), flag
+
+
+def test_host_gate_waits_for_the_value_the_next_open_stores():
+    gate, flag = _gate()
+    assert gate.status == "on"
+    wait = gate.driver.cuStreamWaitValue32_v2
+    for _ in range(3):
+        gate.close()
+        waited = wait.calls[-1][2]
+        assert flag.item() == waited - 1  # closed: the flag is one short of the waited value
+        gate.open()
+        assert flag.item() == waited  # opened: the wait is satisfied
+    assert all(c[0] == 1234 and c[1] == flag.data_ptr() and c[3] == 0 for c in wait.calls)
+
+
+def test_host_gate_values_wrap_as_the_same_32_bits():
+    gate, flag = _gate()
+    gate.n = (1 << 31) - 1
+    gate.close()
+    waited = gate.driver.cuStreamWaitValue32_v2.calls[-1][2]
+    gate.open()
+    assert waited == 1 << 31 and flag.item() & 0xFFFFFFFF == waited
+    gate.n = (1 << 32) - 1
+    gate.close()
+    gate.open()
+    assert gate.driver.cuStreamWaitValue32_v2.calls[-1][2] == 0 and flag.item() == 0
+
+
+def test_host_gate_that_fails_is_off_with_the_reason_and_does_nothing():
+    gate, flag = _gate(rc=1)
+    assert gate.status.startswith("off (cuStreamWaitValue32 returned CUresult 1")
+    n = len(gate.driver.cuStreamWaitValue32_v2.calls)
+    gate.close()
+    gate.open()
+    assert len(gate.driver.cuStreamWaitValue32_v2.calls) == n
