@@ -11,16 +11,19 @@ clock cycles, and idle GPUs run at different clocks: aligning first and sleeping
 ranks start up to ~40 us apart (measured, 2026-11-21), which a call that waits for its peers
 then shows as its own time.
 
-The sleep covers the host's usual cost; a host that is occasionally slower (a garbage collection, a
-page fault, another process) would still leave the GPU idle inside the timed region, which shows
-as a rare 100 us-1 ms sample. So after the sleep the stream also waits on a host gate
-(``HostGate``: ``cuStreamWaitValue32`` on a flag in pinned host memory) that the host opens only
-once the end event is queued: the timed region then never contains host time, however late the
-host is. Where the driver call is not available the gate is off, and the run says so in a note."""
+The sleep covers the host's usual cost; a host that is occasionally slower (a garbage
+collection, a page fault, another process) would still leave the GPU idle inside the timed region,
+which shows as a rare 100 us-1 ms sample. So for calls that never wait for the device on the host
+(graph replays) the stream also waits, after the alignment, on a host gate (``HostGate``:
+``cuStreamWaitValue32`` on a flag in pinned host memory) that the host opens only once the end
+event is queued: the timed region then never contains host time, however late the host is. A
+watchdog opens a gate left closed for 2 s (a call that did wait for the device) and says so. Where
+the driver call is not available the gate is off, and the run says so in a note."""
 
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from typing import Any, Callable, List, Optional
 
@@ -64,6 +67,10 @@ class HostGate:
         self.n = 0
         self.flag: Optional[torch.Tensor] = None
         self.status = "off"
+        self.lock = threading.Lock()
+        self.closed_at: Optional[float] = None
+        self.forced = 0
+        self.watchdog: Optional[threading.Thread] = None
         self.stream = stream or torch.cuda.current_stream
         try:
             self.driver = driver if driver is not None else ctypes.CDLL("libcuda.so.1")
@@ -73,12 +80,31 @@ class HostGate:
             # pinned host memory is mapped at the same address on the device (unified addressing)
             self.flag = (alloc or (lambda: torch.zeros(1, dtype=torch.int32, pin_memory=True)))()
             self._close(self.stream())  # a first round trip proves the wait works here
-            self.open()
+            self._store()
             self.stream().synchronize()
             self.status = "on"
         except Exception as e:  # no driver symbol, an old driver, no pinned memory: sleep only
             self.flag = None
             self.status = f"off ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
+
+    WATCHDOG_S = 2.0  # a gate closed this long is opened by the watchdog (the call synchronised)
+
+    def _watch(self) -> None:
+        """Opens a gate left closed for WATCHDOG_S: a timed call that waits for the device on the
+        host would otherwise wait for a gate that only its own return opens. Counted in ``forced``."""
+        while True:
+            time.sleep(self.WATCHDOG_S / 4)
+            closed_at = self.closed_at
+            if closed_at is not None and time.monotonic() - closed_at > self.WATCHDOG_S:
+                with self.lock:
+                    if self.closed_at is closed_at:
+                        self.forced += 1
+                        self._store()
+
+    def _store(self) -> None:
+        self.n = (self.n + 1) & 0xFFFFFFFF
+        self.flag[0] = self.n - (1 << 32) if self.n >= 1 << 31 else self.n  # the same 32 bits
+        self.closed_at = None
 
     def _close(self, stream: Any) -> None:
         rc = self.wait(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(self.flag.data_ptr()),
@@ -88,12 +114,23 @@ class HostGate:
 
     def close(self) -> None:
         if self.flag is not None:
-            self._close(self.stream())
+            with self.lock:
+                self._close(self.stream())
+                self.closed_at = time.monotonic()
+            if self.watchdog is None:
+                self.watchdog = threading.Thread(target=self._watch, name="epbench-gate", daemon=True)
+                self.watchdog.start()
 
     def open(self) -> None:
         if self.flag is not None:
-            self.n = (self.n + 1) & 0xFFFFFFFF
-            self.flag[0] = self.n - (1 << 32) if self.n >= 1 << 31 else self.n  # the same 32 bits
+            with self.lock:
+                if self.closed_at is not None:
+                    self._store()
+
+    def describe(self) -> str:
+        forced = f"; opened by its watchdog {self.forced} time(s): a timed call waited for the device" \
+            if self.forced else ""
+        return self.status + forced
 
 
 _gate: Optional[HostGate] = None
@@ -110,7 +147,7 @@ def host_gate() -> HostGate:
 def method() -> str:
     """How timed calls are isolated from the host on this process's GPU, for a run's notes."""
     return (f"timing: per-call device events after a {HOST_LEAD_US:.0f} us device sleep; host gate "
-            f"{host_gate().status}")
+            f"(graph replays and calls that never wait for the device) {host_gate().describe()}")
 
 
 class Timer:
@@ -124,21 +161,26 @@ class Timer:
                            for _ in range(n)]
         self.wall: List[float] = []
 
-    def time(self, i: int, fn: Callable[[], Any], align: Optional[Callable[[], None]] = None) -> Any:
-        """Times ``fn``; ``align`` (the cross-rank sync) runs just before, outside the timed region."""
+    def time(self, i: int, fn: Callable[[], Any], align: Optional[Callable[[], None]] = None,
+             gated: bool = False) -> Any:
+        """Times ``fn``; ``align`` (the cross-rank sync) runs just before, outside the timed region.
+        ``gated``: ``fn`` never waits for the device on the host (a graph replay), so the stream
+        may also wait on the host gate (closed after ``align``, which may synchronise)."""
         if self.cuda:
             start, end = self.events[i]
-            gate = host_gate()
             host_lead()
-            gate.close()
+            if align is not None:
+                align()
+            gate = host_gate() if gated else None
+            if gate is not None:
+                gate.close()
             try:
-                if align is not None:
-                    align()
                 start.record()
                 out = fn()
                 end.record()
             finally:  # never leave the stream waiting on a flag nobody will set
-                gate.open()
+                if gate is not None:
+                    gate.open()
             return out
         if align is not None:
             align()

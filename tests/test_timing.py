@@ -89,3 +89,18 @@ def test_host_gate_that_fails_is_off_with_the_reason_and_does_nothing():
     gate.close()
     gate.open()
     assert len(gate.driver.cuStreamWaitValue32_v2.calls) == n
+
+
+def test_host_gate_watchdog_opens_a_gate_whose_call_waits_for_the_device():
+    import time as _t
+    gate, flag = _gate()
+    gate.WATCHDOG_S = 0.2
+    gate.close()
+    waited = gate.driver.cuStreamWaitValue32_v2.calls[-1][2]
+    deadline = _t.monotonic() + 5
+    while flag.item() != waited and _t.monotonic() < deadline:
+        _t.sleep(0.05)
+    assert flag.item() == waited and gate.forced == 1
+    assert "watchdog 1 time" in gate.describe()
+    gate.open()  # the late open of the same call stores nothing more
+    assert flag.item() == waited
