@@ -54,6 +54,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.reference import typed_payload
 from epbench.layout import ExpertMajor, round_up
 from epbench.metrics import row_bytes
 from epbench.routing import copy_weights, dest_mask
@@ -181,9 +182,11 @@ class SymmMemBackend(Backend):
         pairs = tm * k
         slots = w * pairs + e * max(setup.align, 1)  # every pair of every source, plus each expert's padding
         dev, u8, i64 = setup.device, torch.uint8, torch.int64
-        sizes = [(tm * w, self.row), (cap, self.row), (cap, 2 * h), (tm * w, 2 * h)]
+        sizes = [(tm * w, self.row), (cap, self.row)]
         if self.expert_major:
             sizes += [(pairs, self.pair_row), (slots, self.pair_row), (slots, 2 * h), (pairs, 2 * h)]
+        else:
+            sizes += [(cap, 2 * h), (tm * w, 2 * h)]
         self._symm = symm if symm is not None else TorchSymm(dev, sum(a * b for a, b in sizes))
         m = self._symm
         self.tokens = torch.zeros(tm, self.row, dtype=u8, device=dev)  # staging, not symmetric
@@ -191,11 +194,12 @@ class SymmMemBackend(Backend):
         self.recv = m.empty((cap, self.row), u8, dev)
         self.splits = m.empty((w,), i64, dev)
         self.recv_so = m.empty((2, w), i64, dev)
-        self.combine_in = m.empty((cap, h), torch.bfloat16, dev)
-        self.back = m.empty((tm * w, h), torch.bfloat16, dev)
-        self.back_splits = m.empty((w,), i64, dev)
-        self.back_so = m.empty((2, w), i64, dev)
-        if self.expert_major:
+        if not self.expert_major:
+            self.combine_in = m.empty((cap, h), torch.bfloat16, dev)
+            self.back = m.empty((tm * w, h), torch.bfloat16, dev)
+            self.back_splits = m.empty((w,), i64, dev)
+            self.back_so = m.empty((2, w), i64, dev)
+        else:
             self.pair_tokens = torch.zeros(tm, self.pair_row, dtype=u8, device=dev)
             self.send2d = m.empty((pairs, self.pair_row), u8, dev)
             self.recv2d = m.empty((slots, self.pair_row), u8, dev)
@@ -211,13 +215,6 @@ class SymmMemBackend(Backend):
         m.barrier()  # every rank's buffers exist before the first exchange
 
     # ---- packed rows ----
-    def _typed(self, scales: torch.Tensor, x: torch.Tensor):
-        """Byte columns as the dispatch dtype's (scales, x) tensors."""
-        dtype = self.s.dispatch_dtype
-        if dtype == "bf16":
-            return None, x.view(torch.bfloat16)
-        return scales.view(torch.float32 if dtype == "fp8" else torch.uint8), x.view(torch.float8_e4m3fn)
-
     def _meta(self, rows: torch.Tensor):
         k = self.s.topk
         return rows[:, : 8 * k].view(torch.int64), rows[:, 8 * k: self.meta_bytes].view(torch.float32)
@@ -225,7 +222,8 @@ class SymmMemBackend(Backend):
     def _payload(self, rows: torch.Tensor, start: int):
         """(scales, x) views of the payload columns that begin at byte ``start``."""
         sc = self.scale_bytes
-        return self._typed(rows[:, start: start + sc], rows[:, start + sc: start + sc + self.x_bytes])
+        return typed_payload(self.s.dispatch_dtype, rows[:, start: start + sc],
+                             rows[:, start + sc: start + sc + self.x_bytes])
 
     def _pack(self, rows: torch.Tensor, start: int, inp: DispatchInput) -> None:
         scales, x = self._payload(rows, start)
@@ -312,10 +310,11 @@ class SymmMemBackend(Backend):
 
     def poison(self) -> None:
         self.recv.fill_(0xFF)
-        self.back.fill_(float("nan"))
         if self.expert_major:
             self.recv2d.fill_(0xFF)
             self.back2d.fill_(float("nan"))
+        else:
+            self.back.fill_(float("nan"))
         self.out.fill_(float("nan"))
 
     def close(self) -> None:
