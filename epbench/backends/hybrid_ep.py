@@ -14,11 +14,27 @@ from typing import Optional
 
 import torch
 
-from epbench.backends.base import RankSetup
-from epbench.backends.symm_mem import PrecheckOnly
+from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 
 FP8_HIDDEN_MULTIPLE = 512  # Hybrid-EP's FP8 path
 BF16_HIDDEN_MULTIPLE = 16
+
+
+class PrecheckOnly(Backend):
+    """A baseline whose launch pre-checks exist but whose data path does not: its
+    ``unavailable_reason`` always names a reason, so the driver never constructs it."""
+
+    def __init__(self, setup: RankSetup) -> None:
+        raise NotImplementedError(f"{self.name}: data path not written yet")
+
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+        raise NotImplementedError
+
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
+        raise NotImplementedError
 
 
 def limits_reason(hidden: int, dtype: str, device_type: str) -> Optional[str]:

@@ -65,6 +65,13 @@ def _words(col: torch.Tensor) -> torch.Tensor:
     return col
 
 
+def typed_payload(dtype: str, scales: torch.Tensor, x: torch.Tensor):
+    """Byte columns of packed rows as the dispatch dtype's (scales, x) tensors (bf16: no scales)."""
+    if dtype == "bf16":
+        return None, x.view(torch.bfloat16)
+    return scales.view(torch.float32 if dtype == "fp8" else torch.uint8), x.view(torch.float8_e4m3fn)
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     uses_sms = False
@@ -120,11 +127,7 @@ class ReferenceBackend(Backend):
             self.combine_in = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
 
     def _typed(self, scales: torch.Tensor, x: torch.Tensor):
-        """Byte columns as the dispatch dtype's (scales, x) tensors."""
-        dtype = self.s.dispatch_dtype
-        if dtype == "bf16":
-            return None, x.view(torch.bfloat16)
-        return scales.view(torch.float32 if dtype == "fp8" else torch.uint8), x.view(torch.float8_e4m3fn)
+        return typed_payload(self.s.dispatch_dtype, scales, x)
 
     def _fields(self, rows: torch.Tensor):
         """Typed views (ids, weights, scales, x) of packed rows."""
