@@ -157,10 +157,9 @@ __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
           if (v0 + u * 32 + lane < V) st_v4(to + v0 + u * 32 + lane, buf[u]);
       }
     }
-    for (int j = lane; j < W; j += 32) {
-      const int v = ld_volatile(reinterpret_cast<const int*>(sc + (size_t)src * p.scale_stride) + j);
-      for (unsigned m = rest; m; m &= m - 1)
-        reinterpret_cast<int*>(sc + (size_t)__shfl_sync(__activemask(), slot, __ffs(m) - 1) * p.scale_stride)[j] = v;
+    for (unsigned m = rest; m && W > 0; m &= m - 1) {  // warp-uniform: the shuffle has every lane
+      int* to = reinterpret_cast<int*>(sc + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(m) - 1) * p.scale_stride);
+      for (int j = lane; j < W; j += 32) to[j] = ld_volatile(reinterpret_cast<const int*>(sc + (size_t)src * p.scale_stride) + j);
     }
   }
 }
