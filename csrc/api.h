@@ -19,6 +19,8 @@ typedef struct ep_config {
   double timeout_s;
   int mxfp8;  // 1 (fp8 0): x is e4m3 with one E8M0 scale byte per 32 elements (epbench/mxfp8.py); normal mode only
   int quantize_fused;  // 1 (mxfp8 only): ep_dispatch takes bf16 rows and the receivers get mxfp8 rows and scales
+  int align;  // 0: rank-major receive layout; >= 1: expert-major, segments padded to a multiple of align rows
+              // (epbench/layout.py; normal mode only, the low-latency region ignores it)
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).
@@ -32,6 +34,10 @@ enum ep_region_id {
   EP_NUM_RECV = 6,
   EP_EXPERT_COUNTS = 7,
   EP_DEBUG_STAMPS = 8,  // u64 [16] %globaltimer per phase, written only while EP_OPT_DEBUG_STAMPS is on
+  // expert-major layout (align >= 1): EP_RECV_X, EP_RECV_SCALES and EP_COMBINE_IN then hold slots, not rows:
+  // [world * max_tokens * min(topk, E) + E * (align - 1)] (epbench/layout.py slot_capacity)
+  EP_EM_OFFSETS = 9,    // i64 [E]: first slot of each local expert's segment
+  EP_EM_NUM_SLOTS = 10,  // i64: slots in use, the last segment's padding included
 };
 
 // ep_set_option keys. Every value is checked here; what actually ran is read back with ep_effective_config.

@@ -2,6 +2,8 @@
 // single IPC handle and mapped on every peer with cudaIpcOpenMemHandle. All sizes are the worst
 // case (every token of every rank routed to one rank), so nothing is allocated after ep_create.
 #include <stdarg.h>
+
+#include <algorithm>
 #include <stdlib.h>
 #include <string.h>
 
@@ -55,6 +57,10 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
     ep_set_error("hidden %d must be a multiple of %d", cfg->hidden, multiple);
     return -1;
   }
+  if (cfg->align < 0) {
+    ep_set_error("align must be 0 (rank-major) or >= 1 (expert-major), got %d", cfg->align);
+    return -1;
+  }
   CUDA_CHECK(cudaSetDevice(cfg->device));
   EpContext* ctx = new EpContext();
   memset(ctx, 0, sizeof(*ctx));
@@ -77,10 +83,16 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.fused = cfg->quantize_fused;
   p.max_tokens = cfg->max_tokens;
   p.capacity = cfg->world * cfg->max_tokens;
+  p.align = cfg->align;
+  // expert-major: every source's tokens once per local expert they can pick, plus the largest padding
+  // (epbench/layout.py slot_capacity)
+  const int em = cfg->align > 0, E = cfg->experts_per_rank;
+  p.slots = em ? p.capacity * std::min(cfg->topk, E) + E * (cfg->align - 1) : p.capacity;
   p.timeout_ns = (unsigned long long)(cfg->timeout_s * 1e9);
 
   EpSignals& s = p.sig;
-  s.notify_stride = (int)align_up(2 + cfg->world + cfg->experts_per_rank, 32);  // + num_tokens
+  // + num_tokens; expert-major: + the counts for every global expert
+  s.notify_stride = (int)align_up(2 + cfg->world + E + (em ? cfg->world * E : 0), 32);
   s.notify_off = 0;
   s.done_off = s.notify_off + s.notify_stride * cfg->world;
   s.ready_off = s.done_off + 32;
@@ -88,13 +100,15 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   s.dsp_ready_off = s.pulled_off + 32;
   s.total_ints = s.dsp_ready_off + 32;
 
-  const size_t cap = (size_t)p.capacity;
+  const size_t cap = (size_t)p.capacity, slots = (size_t)p.slots;
   Carver c;
-  p.off_recv_x = c.take(cap * p.row_bytes);
-  p.off_recv_scales = c.take(cap * p.scale_stride);
+  p.off_recv_x = c.take(slots * p.row_bytes);
+  p.off_recv_scales = c.take(slots * p.scale_stride);
   p.off_recv_idx = c.take(cap * p.topk * sizeof(long long));
   p.off_recv_w = c.take(cap * p.topk * sizeof(float));
-  p.off_combine_in = c.take(cap * p.hidden * 2);
+  p.off_combine_in = c.take(slots * p.hidden * 2);
+  p.off_em_slot = c.take(em ? cap * p.topk * sizeof(int) : 0);
+  p.off_combine_red = c.take(em ? cap * p.hidden * 2 : 0);
   p.off_signals = c.take((size_t)s.total_ints * sizeof(int));
   ctx->shared_bytes = c.next;
   ctx->off_out = c.take((size_t)p.max_tokens * p.hidden * 2);
@@ -107,6 +121,11 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   ctx->off_notify_scratch = c.take(ctx->notify_scratch_bytes);
   ctx->off_dev_error = c.take(sizeof(int));
   ctx->off_stamps = c.take(kNumStamps * sizeof(unsigned long long));
+  ctx->off_em_ord = c.take(em ? (size_t)p.max_tokens * p.topk * sizeof(int) : 0);
+  ctx->off_em_base = c.take(em ? (size_t)cfg->world * E * sizeof(int) : 0);
+  ctx->off_em_offsets = c.take((size_t)E * sizeof(long long));
+  ctx->off_em_num_slots = c.take(sizeof(long long));
+  ctx->off_em_go = c.take(sizeof(int));
   ctx->region_bytes = align_up(c.next, 1 << 21);
 
   cudaError_t err = cudaMalloc(&ctx->region, ctx->region_bytes);
@@ -120,6 +139,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaMemset(ctx->region + ctx->off_counters, 0, kNumCounters * sizeof(unsigned)));
   CUDA_CHECK(cudaMemset(ctx->region + ctx->off_notify_scratch, 0, ctx->notify_scratch_bytes));
   CUDA_CHECK(cudaMemset(ctx->region + ctx->off_dev_error, 0, sizeof(int)));
+  CUDA_CHECK(cudaMemset(ctx->region + ctx->off_em_go, 0, sizeof(int)));
 
   void* host_err = nullptr;
   CUDA_CHECK(cudaHostAlloc(&host_err, sizeof(EpErrorInfo), cudaHostAllocMapped));
@@ -136,6 +156,11 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.counters = (unsigned*)(ctx->region + ctx->off_counters);
   p.notify_scratch = (int*)(ctx->region + ctx->off_notify_scratch);
   p.dev_error = (int*)(ctx->region + ctx->off_dev_error);
+  p.em_ord = em ? (int*)(ctx->region + ctx->off_em_ord) : nullptr;
+  p.em_base = em ? (int*)(ctx->region + ctx->off_em_base) : nullptr;
+  p.em_offsets = (long long*)(ctx->region + ctx->off_em_offsets);
+  p.em_num_slots = (long long*)(ctx->region + ctx->off_em_num_slots);
+  p.em_go = (int*)(ctx->region + ctx->off_em_go);
   for (int r = 0; r < EP_MAX_WORLD; ++r) p.peer_base[r] = nullptr;
   p.peer_base[p.rank] = ctx->region;
 
@@ -177,18 +202,20 @@ extern "C" int ep_open_peers(void* vctx, const void* handles) {
 extern "C" int ep_region(void* vctx, int which, unsigned long long* ptr, unsigned long long* bytes) {
   EpContext* ctx = (EpContext*)vctx;
   const EpParams& p = ctx->p;
-  const size_t cap = (size_t)p.capacity;
+  const size_t cap = (size_t)p.capacity, slots = (size_t)p.slots;
   size_t off = 0, n = 0;
   switch (which) {
-    case EP_RECV_X: off = p.off_recv_x; n = cap * p.row_bytes; break;
-    case EP_RECV_SCALES: off = p.off_recv_scales; n = cap * p.scale_stride; break;
+    case EP_RECV_X: off = p.off_recv_x; n = slots * p.row_bytes; break;
+    case EP_RECV_SCALES: off = p.off_recv_scales; n = slots * p.scale_stride; break;
     case EP_RECV_IDX: off = p.off_recv_idx; n = cap * p.topk * sizeof(long long); break;
     case EP_RECV_W: off = p.off_recv_w; n = cap * p.topk * sizeof(float); break;
-    case EP_COMBINE_IN: off = p.off_combine_in; n = cap * p.hidden * 2; break;
+    case EP_COMBINE_IN: off = p.off_combine_in; n = slots * p.hidden * 2; break;
     case EP_OUT: off = ctx->off_out; n = (size_t)p.max_tokens * p.hidden * 2; break;
     case EP_NUM_RECV: off = ctx->off_num_recv; n = sizeof(long long); break;
     case EP_EXPERT_COUNTS: off = ctx->off_expert_counts; n = (size_t)p.experts_per_rank * sizeof(long long); break;
     case EP_DEBUG_STAMPS: off = ctx->off_stamps; n = kNumStamps * sizeof(unsigned long long); break;
+    case EP_EM_OFFSETS: off = ctx->off_em_offsets; n = (size_t)p.experts_per_rank * sizeof(long long); break;
+    case EP_EM_NUM_SLOTS: off = ctx->off_em_num_slots; n = sizeof(long long); break;
     default: ep_set_error("unknown region %d", which); return -1;
   }
   *ptr = (unsigned long long)(ctx->region + off);

@@ -14,6 +14,13 @@
 //    the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t] and issues the
 //    loads of unit j + S into the freed stage. Rows and weights of the warp's tokens are computed 32
 //    tokens at a time (one lane per token) into a double-buffered per-warp table, one batch ahead.
+// Expert-major (align >= 1): combine_in holds one row per slot (the caller's expert outputs). Phase R runs
+// before step 1 in the same kernel: warp g takes received rows g, g + G, ... and sums each row's slots
+// (em_slot, written by the dispatch) times the row's weight for that expert (recv_w) in fp32 into one bf16
+// row of combine_red, rank-major; the last block to finish R releases ready[me] (step 1), and step 3 pulls
+// combine_red with weight 1 per holder instead of combine_in with w(t, d). So a row still crosses the link
+// once per (token, rank) and nothing unpermutes the buffer apart from this read. R needs every block
+// resident at once (they wait for each other's ready), as the dispatch's local copies do.
 // 4. grid_release_and_wait on pulled[]: the last block stores pulled[me] = epoch into every
 //    rank and waits for every rank's pulled[] flag, so the call ends only when no peer still
 //    reads my combine_in (the caller may overwrite it right after).
@@ -32,9 +39,60 @@ struct CombineArgs {
   int num_tokens;
 };
 
-// Steps 1 and 2: tell every peer my combine_in is filled, wait until every peer's is.
+// Expert-major phase R (above): combine_red[r] = sum over r's slots of w * combine_in[slot], 16-byte
+// vectors in pieces of 4 per lane (fp32 accumulators for 32 elements).
+__device__ void em_reduce_rows(const EpParams& p) {
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5, topk = p.topk;
+  const int V = p.hidden >> 3;  // 16-byte vectors per bf16 row
+  const long long n = *reinterpret_cast<volatile long long*>(p.num_recv);
+  const int* em_slot = reinterpret_cast<const int*>(p.peer_base[p.rank] + p.off_em_slot);
+  const float* recv_w = reinterpret_cast<const float*>(p.peer_base[p.rank] + p.off_recv_w);
+  const int4* y = reinterpret_cast<const int4*>(p.peer_base[p.rank] + p.off_combine_in);
+  int4* red = reinterpret_cast<int4*>(p.peer_base[p.rank] + p.off_combine_red);
+  for (long long r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < n; r += (long long)gridDim.x * nwarps) {
+    const int slot = lane < topk ? em_slot[r * topk + lane] : -1;
+    const float w = lane < topk ? recv_w[r * topk + lane] : 0.f;
+    const unsigned mine = __ballot_sync(0xffffffffu, slot >= 0);
+    for (int v0 = 0; v0 < V; v0 += 32 * 4) {
+      float acc[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+      for (unsigned m = mine; m; m &= m - 1) {
+        const int k = __ffs(m) - 1;
+        const int s = __shfl_sync(0xffffffffu, slot, k);
+        const float wk = __shfl_sync(0xffffffffu, w, k);
+        const int4* src = y + (size_t)s * V;
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (v0 + u * 32 + lane < V) fma_bf16x8(acc[u], ld_nc_v4(src + v0 + u * 32 + lane), wk);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (v0 + u * 32 + lane < V) red[(size_t)r * V + v0 + u * 32 + lane] = pack_bf16x8(acc[u]);
+    }
+  }
+}
+
+// Steps 1 and 2: tell every peer my combine_in (expert-major: combine_red, after phase R) is filled, wait
+// until every peer's is.
 __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
-  if (blockIdx.x == 0 && threadIdx.x < p.world) {
+  if (p.align > 0) {
+    em_reduce_rows(p);
+    __shared__ int last;
+    fence_acq_rel_sys();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      last = atomicAdd(p.counters + kCounterCombineLocal, 1u) == gridDim.x - 1;
+      if (last) atomicExch(p.counters + kCounterCombineLocal, 0u);
+    }
+    __syncthreads();
+    if (last && threadIdx.x < p.world) {
+      fence_acq_rel_sys();
+      st_release_sys(signal_ptr(p, threadIdx.x, p.sig.ready_off + p.rank), epoch);
+    }
+  } else if (blockIdx.x == 0 && threadIdx.x < p.world) {
     fence_acq_rel_sys();
     st_release_sys(signal_ptr(p, threadIdx.x, p.sig.ready_off + p.rank), epoch);
   }
@@ -70,6 +128,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
   const bool aborted = ld_volatile(p.dev_error) != 0;
   const int ntok = (!aborted && g < T) ? (T - g + G - 1) / G : 0;  // my tokens g + k * G, k < ntok
   const long long nunits = (long long)ntok * nch;
+  const size_t pull_off = p.align > 0 ? p.off_combine_red : p.off_combine_in;
 
   // rows of my tokens 32b .. 32b + 31 on every rank (-1: not there) and w(t, d), one lane per token
   auto fill_table = [&](int b) {
@@ -93,7 +152,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
       if (d >= world) break;
       const int slot = p.slot_map[(size_t)t * world + d];
       rr[d] = slot >= 0 ? p.base[d] + slot : -1;
-      ww[d] = wd[d];
+      ww[d] = p.align > 0 ? 1.f : wd[d];  // expert-major: the holder applied the weights (phase R)
     }
   };
   // unit j's chunk from every holder into stage j % S; lane d < world loads holder d's (v12: in parallel;
@@ -112,7 +171,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
     if (lane == 0) mbar_expect_tx(bars + s, (uint32_t)__popc(holders) * bytes);
     if (my_row >= 0)
       bulk_load(stages + ((size_t)s * world + lane) * kCtChunk,
-                p.peer_base[lane] + p.off_combine_in + (size_t)my_row * row_bytes + (size_t)c * kCtChunk, bytes,
+                p.peer_base[lane] + pull_off + (size_t)my_row * row_bytes + (size_t)c * kCtChunk, bytes,
                 bars + s);
   };
 

@@ -10,7 +10,13 @@
 //     recv_idx      [capacity, topk] i64
 //     recv_w        [capacity, topk] f32
 //     combine_in    [capacity, hidden] bf16      filled by the caller, pulled by sources in combine
+//     em_slot       [capacity, topk] i32         expert-major only: slot of (received row, k) on this rank, -1
+//                                                  where expert k is not mine (written by the source)
+//     combine_red   [capacity, hidden] bf16      expert-major only: each received row's experts summed with
+//                                                  their weights (combine phase R), pulled by the sources
 //     signals       int32 flags, see Signals below
+//   expert-major (align >= 1): recv_x, recv_scales and combine_in hold `slots` rows (per local expert
+//   segments, epbench/layout.py), not `capacity`
 //   local part (only this rank touches it)
 //     out           [max_tokens, hidden] bf16    combine result
 //     slot_map      [max_tokens, world] i32      token t's row on rank d relative to my base there, -1: not sent
@@ -22,6 +28,9 @@
 //     notify_scratch i32 [kMaxNotifyBlocks x (1 + EP_MAX_WORLD) + world * E]: v12 grid notify's
 //                                                  per-block flags and counts, expert count accumulator
 //     dev_error     i32                          nonzero once any wait timed out: every spin loop bails
+//     expert-major only: em_ord [max_tokens, topk] i32 (ordinal of token t among my tokens routed to expert
+//     topk_idx[t][k]), em_base [world * E] i32 (my first slot for global expert g on its owner), em_offsets [E]
+//     i64, em_num_slots i64 (my segment table), em_go i32 (dispatch: every row of this epoch has landed)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -65,7 +74,8 @@ struct EpErrorInfo {
 //   ready[s]     : rank s entered combine, so its combine_in is filled and may be pulled
 //   pulled[s]    : rank s finished pulling from my combine_in (my buffer may be reused)
 //   dsp_ready[s] : (pull dispatch, v13) rank s's slot_map and dispatch_x of this call are complete
-// The notify row also carries the source's num_tokens at [1 + world + E].
+// The notify row also carries the source's num_tokens at [1 + world + E] and, in the expert-major layout,
+// the source's counts for every global expert at [2 + world + E + g] (each rank then knows every segment).
 struct EpSignals {
   int notify_stride;
   int notify_off;
@@ -83,9 +93,12 @@ struct EpParams {
   int scale_stride;  // bytes per row of recv_scales (>= scale_bytes; mxfp8: a multiple of 16)
   int fused;         // 1: ep_dispatch gets bf16 rows and quantizes them to mxfp8 on the way (dispatch.cu)
   int max_tokens, capacity;
+  int align;  // 0: rank-major; >= 1: expert-major receive layout, segments padded to align rows
+  int slots;  // rows of recv_x / recv_scales / combine_in (capacity when rank-major)
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
-  size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_signals;
+  size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_em_slot, off_combine_red,
+      off_signals;
   EpSignals sig;
   int* slot_map;
   int* base;
@@ -94,6 +107,11 @@ struct EpParams {
   unsigned* counters;
   int* notify_scratch;  // v12 grid notify (layout.cu); the accumulator part is zero between calls
   int* dev_error;
+  int* em_ord;              // expert-major only (null otherwise), see the region comment above
+  int* em_base;
+  long long* em_offsets;
+  long long* em_num_slots;
+  int* em_go;
   EpErrorInfo* host_error;  // device alias of the host-mapped struct
   // Debug only (ep_set_option EP_OPT_DEBUG_STAMPS): when non-null, kernels store %globaltimer per
   // phase at the kStamp* indices. Null by default: the stores are skipped.
@@ -125,6 +143,8 @@ enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
 enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
 // v12 lean-dyn (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
 enum { kCounterDispatchWork = 5 };
+// expert-major combine (combine.cu): [6] counts blocks done with phase R; the last one resets it.
+enum { kCounterCombineLocal = 6 };
 constexpr int kMaxNotifyBlocks = 128;
 
 struct EpContext {
@@ -133,7 +153,7 @@ struct EpContext {
   uint8_t* region;
   size_t region_bytes, shared_bytes;
   size_t off_out, off_slot_map, off_base, off_num_recv, off_expert_counts, off_counters, off_notify_scratch,
-      off_dev_error, off_stamps;
+      off_dev_error, off_stamps, off_em_ord, off_em_base, off_em_offsets, off_em_num_slots, off_em_go;
   size_t notify_scratch_bytes;
   EpErrorInfo* host_error;  // host view
   bool peers_open;
@@ -147,6 +167,8 @@ struct EpContext {
 // num_sms: the data kernel's blocks; the v12 grid notify uses up to that many.
 int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, int epoch,
                      cudaStream_t stream);
+// Expert-major only: em_ord of this call's tokens (layout.cu), launched before the notify kernel.
+int ep_launch_em_ordinal(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, cudaStream_t stream);
 
 // Launches a kernel that may start while the previous kernel on the stream (the notify kernel)
 // is still running: programmatic dependent launch. The kernel must execute
@@ -265,7 +287,8 @@ __device__ __forceinline__ bool wait_flag(const EpParams& p, const int* flag, in
 // released its own flag to me (flag_base + peer). Returns after the wait (or a timeout).
 // reset_counter / reset_counter2 >= 0: work counters of the kernel, zeroed by the last block (every block is
 // past its last use).
-__device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int counter, int flag_base, int epoch,
+// Returns true in the last block (block-uniform).
+__device__ __forceinline__ bool grid_release_and_wait(const EpParams& p, int counter, int flag_base, int epoch,
                                                       int phase, int reset_counter = -1, int reset_counter2 = -1) {
   __shared__ int is_last;
   fence_acq_rel_sys();
@@ -279,7 +302,7 @@ __device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int cou
     if (prev == 0 && counter == kCounterDispatch) stamp(p, kStampDataFirst);
   }
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last) return false;
   if (threadIdx.x == 0 && counter == kCounterDispatch) stamp(p, kStampDataLast);
   fence_acq_rel_sys();
   const int peer = threadIdx.x;
@@ -291,6 +314,7 @@ __device__ __forceinline__ void grid_release_and_wait(const EpParams& p, int cou
     __syncthreads();  // block-uniform: every thread of the last block is here
     if (threadIdx.x == 0) stamp(p, kStampDataEnd);
   }
+  return true;
 }
 
 __device__ __forceinline__ int warp_sum_int(int v) {

@@ -17,6 +17,14 @@
 // (8 elements) in registers before the stores (mxfp8_cast): lanes 4b .. 4b + 3 of a vector group hold
 // one 32-element block, the block's amax comes from two xor-shuffles; the link carries 8 e4m3 bytes per
 // lane and, from lane 0, the 8 scale bytes of the warp's 8 blocks in one 8-byte store.
+// expert-major (kEm, align >= 1): the notify kernel left em_base[g] (my first slot for global expert g on its
+// owner) and em_ord[t][k] (t's ordinal among my tokens routed to topk_idx[t][k]), so lane k knows the slot
+// of (t, k) on the owner. A row still crosses to each destination once, into the slot of its first expert
+// there; the rank-major metadata (ids, weights) goes to its rank-major row as before, with em_slot (the
+// slot of each k on that rank, -1 elsewhere) beside it. After the completion wait below, every block of the
+// receiver copies each received row with several of its experts from its first slot into the others
+// (em_local_copies): rows land once on the link, the extra copies are local loads and stores in this kernel.
+// The blocks wait for the last one (em_go) before copying, so all num_sms blocks must be resident at once.
 // Completion (grid_release_and_wait in common.cuh): every thread fences at system scope; the
 // last block to finish stores done[me] = epoch into every rank's signals with st.release.sys,
 // then waits until done[s] == epoch for every source s in my signals, so the kernel ends only
@@ -92,7 +100,71 @@ __device__ __forceinline__ void gather_scales(int4& v, uint32_t s) {
   v.w = (int)__shfl_sync(0xffffffffu, s, 16);
 }
 
-template <int kU, bool kDyn, bool kFused>
+// 16-byte load cached in L2 only: rows a peer wrote during this kernel (never the non-coherent path).
+__device__ __forceinline__ int4 ld_cg_v4(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// Expert-major: lane k's slot for (t, k) on its owner rank (owner: -1 where topk_idx[t][k] is not a valid
+// expert, or repeats an earlier k of the token). Every lane of the warp calls it.
+__device__ __forceinline__ int em_slot_of(const EpParams& p, long long idx, int t, int lane, int& owner) {
+  const int E = p.experts_per_rank, topk = p.topk;
+  bool valid = lane < topk && idx >= 0 && idx < (long long)p.world * E;
+  for (int j = 0; j < topk; ++j) {
+    const long long o = __shfl_sync(0xffffffffu, idx, j);
+    valid = valid && !(j < lane && o == idx);
+  }
+  owner = valid ? (int)(idx / E) : -1;
+  return valid ? p.em_base[idx] + p.em_ord[(size_t)t * topk + lane] : -1;
+}
+
+// Expert-major, receiver side, after every row of this epoch has landed (the last block's wait, passed on
+// through em_go): warp g of the grid takes received rows g, g + G, ...; a row with n > 1 of my experts is
+// copied from its first slot (where the source wrote it) into the n - 1 others, scales included.
+__device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
+  __syncthreads();  // the last block: its threads' waits on every source's done flag are over
+  if (last && threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    st_release_gpu(p.em_go, epoch);
+  }
+  if (threadIdx.x == 0) wait_flag(p, p.em_go, epoch, p.rank, kPhaseDispatch);
+  __syncthreads();
+  if (ld_volatile(p.dev_error) != 0) return;
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5, topk = p.topk;
+  const int V = p.row_bytes >> 4, W = p.scale_stride >> 2;
+  const long long n = *reinterpret_cast<volatile long long*>(p.num_recv);
+  const int* em_slot = reinterpret_cast<const int*>(p.peer_base[p.rank] + p.off_em_slot);
+  uint8_t* x = p.peer_base[p.rank] + p.off_recv_x;
+  uint8_t* sc = p.peer_base[p.rank] + p.off_recv_scales;
+  for (long long r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < n; r += (long long)gridDim.x * nwarps) {
+    const int slot = lane < topk ? ld_volatile(em_slot + r * topk + lane) : -1;
+    unsigned rest = __ballot_sync(0xffffffffu, slot >= 0);
+    if (__popc(rest) < 2) continue;  // warp-uniform
+    const int src = __shfl_sync(0xffffffffu, slot, __ffs(rest) - 1);
+    rest &= rest - 1;
+    const int4* from = reinterpret_cast<const int4*>(x + (size_t)src * p.row_bytes);
+    for (int v0 = 0; v0 < V; v0 += 32 * 4) {
+      int4 buf[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (v0 + u * 32 + lane < V) buf[u] = ld_cg_v4(from + v0 + u * 32 + lane);
+      for (unsigned m = rest; m; m &= m - 1) {
+        int4* to = reinterpret_cast<int4*>(x + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(m) - 1) * p.row_bytes);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (v0 + u * 32 + lane < V) st_v4(to + v0 + u * 32 + lane, buf[u]);
+      }
+    }
+    for (unsigned m = rest; m && W > 0; m &= m - 1) {  // warp-uniform: the shuffle has every lane
+      int* to = reinterpret_cast<int*>(sc + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(m) - 1) * p.scale_stride);
+      for (int j = lane; j < W; j += 32) to[j] = ld_volatile(reinterpret_cast<const int*>(sc + (size_t)src * p.scale_stride) + j);
+    }
+  }
+}
+
+template <int kU, bool kDyn, bool kFused, bool kEm>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
   const int world = p.world, topk = p.topk;
   const int unit = a.scale_unit, ns = kFused ? 0 : p.scale_bytes / unit;  // scale units copied per row
@@ -133,6 +205,18 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     int rows[EP_MAX_WORLD];
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
+    // xr[d]: where the payload goes on d (rank-major: the row; expert-major: the slot of t's first expert there)
+    int owner = -1, em_slot = -1, xr[EP_MAX_WORLD];
+    if (kEm) em_slot = em_slot_of(p, idx, t, lane, owner);
+#pragma unroll
+    for (int d = 0; d < EP_MAX_WORLD; ++d) {
+      if (kEm) {
+        const unsigned m = __ballot_sync(0xffffffffu, owner == d);
+        xr[d] = m ? __shfl_sync(0xffffffffu, em_slot, __ffs(m) - 1) : -1;
+      } else {
+        xr[d] = rows[d];
+      }
+    }
     for (int v0 = 0; v0 < V; v0 += 32 * kU) {
       if (v0 > 0) {
 #pragma unroll
@@ -150,9 +234,9 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
 #pragma unroll
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
         if (rows[d] < 0) continue;
-        uint8_t* row = p.peer_base[d] + p.off_recv_x + (size_t)rows[d] * p.row_bytes;
+        uint8_t* row = p.peer_base[d] + p.off_recv_x + (size_t)xr[d] * p.row_bytes;
         if (kFused) {
-          uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)rows[d] * p.scale_stride;
+          uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)xr[d] * p.scale_stride;
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             const int i0 = v0 + u * 32, i = i0 + lane;
@@ -176,9 +260,10 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       if (lane < topk) {
         reinterpret_cast<long long*>(pb + p.off_recv_idx)[(size_t)rows[d] * topk + lane] = idx;
         reinterpret_cast<float*>(pb + p.off_recv_w)[(size_t)rows[d] * topk + lane] = w;
+        if (kEm) reinterpret_cast<int*>(pb + p.off_em_slot)[(size_t)rows[d] * topk + lane] = owner == d ? em_slot : -1;
       }
       if (kFused) continue;
-      uint8_t* dst_scales = pb + p.off_recv_scales + (size_t)rows[d] * p.scale_stride;
+      uint8_t* dst_scales = pb + p.off_recv_scales + (size_t)xr[d] * p.scale_stride;
       if (lane < ns) st_scale(dst_scales, lane, unit, sc0);
       if (lane + 32 < ns) st_scale(dst_scales, lane + 32, unit, sc1);
       for (int j = lane + 64; j < ns; j += 32) st_scale(dst_scales, j, unit, ld_scale(scales, j, unit));
@@ -187,25 +272,28 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
   }
 }
 
-template <int kU, int kThreads, bool kDyn, bool kFused>
+template <int kU, int kThreads, bool kDyn, bool kFused, bool kEm>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
   stamp_sm(p);
   if (blockIdx.x == 0 && threadIdx.x == 0) stamp(p, kStampDataStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int total_warps = gridDim.x * nwarps;
-  lean_rows<kU, kDyn, kFused>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
-  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch, kDyn ? kCounterDispatchWork : -1);
+  lean_rows<kU, kDyn, kFused, kEm>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
+  const bool last = grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch,
+                                          kDyn ? kCounterDispatchWork : -1);
+  if (kEm) em_local_copies(p, last, epoch);
 }
 
 using DispatchKernel = void (*)(EpParams, DispatchArgs, int);
 
-// [warps > 16][lean_dyn][fused]
-const DispatchKernel kDispatchKernels[2][2][2] = {
-    {{dispatch_lean_kernel<8, 512, false, false>, dispatch_lean_kernel<8, 512, false, true>},
-     {dispatch_lean_kernel<8, 512, true, false>, dispatch_lean_kernel<8, 512, true, true>}},
-    {{dispatch_lean_kernel<4, 1024, false, false>, dispatch_lean_kernel<4, 1024, false, true>},
-     {dispatch_lean_kernel<4, 1024, true, false>, dispatch_lean_kernel<4, 1024, true, true>}},
+// [expert-major]<[warps > 16][lean_dyn][fused]>
+template <bool kEm>
+constexpr DispatchKernel kDispatchKernels[2][2][2] = {
+    {{dispatch_lean_kernel<8, 512, false, false, kEm>, dispatch_lean_kernel<8, 512, false, true, kEm>},
+     {dispatch_lean_kernel<8, 512, true, false, kEm>, dispatch_lean_kernel<8, 512, true, true, kEm>}},
+    {{dispatch_lean_kernel<4, 1024, false, false, kEm>, dispatch_lean_kernel<4, 1024, false, true, kEm>},
+     {dispatch_lean_kernel<4, 1024, true, false, kEm>, dispatch_lean_kernel<4, 1024, true, true, kEm>}},
 };
 
 }  // namespace
@@ -238,6 +326,7 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(ctx->device));
+  if (p.align > 0 && ep_launch_em_ordinal(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, stream) != 0) return -1;
   if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, epoch, stream) != 0) return -1;
 
   DispatchArgs a;
@@ -248,7 +337,8 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   a.num_tokens = num_tokens;
   a.scale_unit = p.scale_bytes % 4 == 0 && (uintptr_t)x_scales % 4 == 0 ? 4 : 1;
   const bool dyn = impl == EP_DISPATCH_LEAN_DYN;
-  const DispatchKernel kernel = kDispatchKernels[warps > 16][dyn][p.fused != 0];
+  const int w16 = warps > 16, fused = p.fused != 0;
+  const DispatchKernel kernel = p.align > 0 ? kDispatchKernels<true>[w16][dyn][fused] : kDispatchKernels<false>[w16][dyn][fused];
   CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
   ep_effective& eff = ctx->effective;
   eff.dispatch_impl = impl;

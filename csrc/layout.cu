@@ -13,6 +13,11 @@
 //    with the buffers of the previous one: this is the barrier that makes buffer reuse safe.
 // 4. From the world x world count matrix: base[d] = rows that ranks < me send to d (my first
 //    row on d), num_recv = rows sent to me, expert_counts[e] = sum over sources.
+// Expert-major layout (align >= 1): each row also carries the source's counts for every global expert,
+// so in step 4 warp d lays out rank d's segments (counts padded to align, a warp scan over its experts)
+// and stores em_base[g] = segment start of g on d + the rows that sources before me send to g: with the
+// ordinal of each token among my tokens routed to g (em_ordinal_kernel, launched before this kernel) the
+// dispatch knows every slot without another exchange. Warp `me` also stores my own segment table.
 #include <algorithm>
 
 #include "common.cuh"
@@ -89,9 +94,41 @@ __device__ __forceinline__ void publish_row(const EpParams& p, int d, int lane, 
   for (int j = lane; j < world; j += 32) row[1 + j] = counts[j];
   for (int e = lane; e < E; e += 32) row[1 + world + e] = expert_cnt[d * E + e];
   if (lane == 0) row[1 + world + E] = num_tokens;  // the pull dispatch's token range of this source
+  if (p.align > 0)
+    for (int g = lane; g < world * E; g += 32) row[2 + world + E + g] = expert_cnt[g];
   fence_acq_rel_sys();
   __syncwarp();
   if (lane == 0) st_release_sys(row, epoch);
+}
+
+// Warp d: the segments of rank d's experts from every source's full counts (rows = my notify rows), and
+// em_base of d's experts for my tokens; for d == me also my segment table (em_offsets, em_num_slots).
+__device__ __forceinline__ void em_segments(const EpParams& p, const int* rows, int d, int lane) {
+  const int world = p.world, E = p.experts_per_rank, stride = p.sig.notify_stride, align = p.align;
+  long long carry = 0;
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane, g = d * E + e;
+    int c = 0, before = 0;
+    for (int s = 0; s < world && e < E; ++s) {
+      const int v = ld_volatile(rows + s * stride + 2 + world + E + g);
+      c += v;
+      before += s < p.rank ? v : 0;
+    }
+    const int padded = (c + align - 1) / align * align;
+    int incl = padded;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int x = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += x;
+    }
+    const long long start = carry + incl - padded;
+    if (e < E) {
+      p.em_base[g] = (int)start + before;
+      if (d == p.rank) p.em_offsets[e] = start;
+    }
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (d == p.rank && lane == 0) *p.em_num_slots = carry;
 }
 
 // The whole block: wait for every rank's row, then my offsets on every destination (base), the rows I
@@ -120,6 +157,7 @@ __device__ __forceinline__ void wait_rows_and_offsets(const EpParams& p, int epo
     for (int s = 0; s < world; ++s) c += ld_volatile(rows + s * stride + 1 + world + e);
     p.expert_counts[e] = c;
   }
+  if (p.align > 0 && (tid >> 5) < world) em_segments(p, rows, tid >> 5, tid & 31);
   if (tid == 0) stamp(p, kStampNotifyEnd);
 }
 
@@ -468,7 +506,42 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   wait_rows_and_offsets(p, epoch);
 }
 
+// Expert-major: em_ord[t][k] = tokens t' < t of mine whose top-k holds topk_idx[t][k], for the first
+// position k of each valid expert id of t (a repeated id is skipped by the dispatch, its entry unused).
+// Warp w of the grid takes global experts w, w + W, ... and walks my tokens 32 at a time, one token per
+// lane: a ballot says which of the 32 picked the expert, its popcount below the lane is the ordinal within
+// the group. Cost: experts x tokens / 32 warp steps of topk loads (notes/KERNELS.md, expert-major).
+__global__ void __launch_bounds__(512) em_ordinal_kernel(EpParams p, const int64_t* __restrict__ topk_idx,
+                                                         int num_tokens) {
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const int topk = p.topk, num_experts = p.world * p.experts_per_rank;
+  if (ld_volatile(p.dev_error) != 0) return;
+  for (int g = blockIdx.x * nwarps + (threadIdx.x >> 5); g < num_experts; g += gridDim.x * nwarps) {
+    int before = 0;
+    for (int t0 = 0; t0 < num_tokens; t0 += 32) {
+      const int t = t0 + lane;
+      int first = -1;
+      if (t < num_tokens) {
+        const int64_t* row = topk_idx + (size_t)t * topk;
+        for (int k = topk - 1; k >= 0; --k) first = row[k] == g ? k : first;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, first >= 0);
+      if (first >= 0) p.em_ord[(size_t)t * topk + first] = before + __popc(hit & ((1u << lane) - 1u));
+      before += __popc(hit);
+    }
+  }
+}
+
 }  // namespace
+
+int ep_launch_em_ordinal(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, cudaStream_t stream) {
+  const int num_experts = ctx->p.world * ctx->p.experts_per_rank;
+  const int blocks = std::max(1, std::min(num_sms, (num_experts + 15) / 16));
+  if (num_tokens == 0) return 0;
+  em_ordinal_kernel<<<blocks, 512, 0, stream>>>(ctx->p, topk_idx, num_tokens);
+  CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
 
 int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, int epoch,
                      cudaStream_t stream) {

@@ -14,7 +14,8 @@ LIB_PATH = Path(__file__).resolve().parent / "_lib" / "libepbench_ep.so"
 NOT_BUILT = "kernels not built: run `make build`"
 
 # Region ids (enum ep_region_id in csrc/api.h).
-RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS = range(9)
+(RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS, EM_OFFSETS,
+ EM_NUM_SLOTS) = range(11)
 # ep_set_option keys (enum ep_option).
 OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 3, 4
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
@@ -74,6 +75,7 @@ class EpConfig(ctypes.Structure):
         ("timeout_s", ctypes.c_double),
         ("mxfp8", ctypes.c_int),
         ("quantize_fused", ctypes.c_int),
+        ("align", ctypes.c_int),  # 0: rank-major; >= 1: expert-major segments padded to this many rows
     ]
 
 

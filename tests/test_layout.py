@@ -90,3 +90,38 @@ def test_scenario_layout_fields():
 def test_scenario_layout_rules(model, mode, needle):
     with pytest.raises(UserError, match=needle):
         scenario.parse(scenario_dict(model=model, mode=mode))
+
+
+def test_kernel_slot_rule_matches_the_layout():
+    """csrc's expert-major placement, replayed in Python: slot(t, k) on the owner of g = topk_idx[t, k] is
+    em_base[g] (segment start + rows of g from earlier sources, layout.cu em_segments) + t's ordinal among the
+    source's tokens routed to g (em_ordinal_kernel). Every (received row, local expert) pair must land where
+    epbench.layout.expert_major puts it, and the slots fit slot_capacity (csrc/buffers.cu)."""
+    from epbench.layout import expert_major, segment_offsets, slot_capacity
+
+    world, e_loc, topk, align = 3, 4, 3, 16
+    g = torch.Generator().manual_seed(5)
+    tokens = [7, 0, 40]
+    idx = [torch.stack([torch.randperm(world * e_loc, generator=g)[:topk] for _ in range(t)]) if t
+           else torch.empty(0, topk, dtype=torch.int64) for t in tokens]
+    counts = torch.stack([torch.bincount(i.flatten(), minlength=world * e_loc) for i in idx])  # [source, g]
+    for d in range(world):
+        experts = slice(d * e_loc, (d + 1) * e_loc)
+        offsets, _ = segment_offsets(counts[:, experts].sum(0), align)
+        got = {}
+        for s in range(world):
+            em_base = offsets + counts[:s, experts].sum(0)
+            seen = torch.zeros(world * e_loc, dtype=torch.int64)
+            for t in range(tokens[s]):
+                for k in range(topk):
+                    e = int(idx[s][t, k])
+                    if e // e_loc == d:
+                        got[(s, t, e - d * e_loc)] = int(em_base[e - d * e_loc] + seen[e])
+                seen[idx[s][t]] += 1
+        received = [(s, t) for s in range(world) for t in range(tokens[s]) if bool((idx[s][t] // e_loc == d).any())]
+        ids = torch.stack([idx[s][t] for s, t in received]) if received else torch.empty(0, topk, dtype=torch.int64)
+        _, sm = expert_major(ids, d, e_loc, align)
+        want = {(*received[int(r)], int(ids[r, k]) - d * e_loc): int(slot)
+                for r, k, slot in zip(sm.row, sm.k, sm.slot)}
+        assert got == want
+        assert max(want.values(), default=0) < slot_capacity(world, max(tokens), topk, e_loc, align)

@@ -18,6 +18,11 @@ quantized ones handed in by the caller (``quantize: before``); mxfp8 also ``quan
 hands bf16 rows and the dispatch kernel casts them in registers on the way (csrc/dispatch.cu, mxfp8_cast),
 so the link carries mxfp8 rows and the receivers get e4m3 ``x`` and uint8 ``x_scales`` [rows, hidden / 32]
 (a view of a buffer whose rows are padded to 16 bytes).
+``layout: expert_major`` (``align``): ``x`` / ``x_scales`` / ``combine_input`` hold per-expert segments
+(epbench/layout.py), filled by the dispatch kernel itself (one row per (token, rank) on the link, the extra
+copies made by the receiver in the same kernel); combine sums each row's experts on the receiver inside the
+combine kernel (csrc/dispatch.cu, combine.cu; notes/KERNELS.md, expert-major). The segment table stays on
+the device (``DispatchOutput.expert_major``).
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
 """
@@ -33,6 +38,7 @@ import torch
 from epbench import cuda_lib, options
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
+from epbench.layout import ExpertMajor, slot_capacity
 
 MAX_WORLD = 8
 MAX_TOPK = 32
@@ -103,6 +109,7 @@ class EpbenchBackend(Backend):
     uses_sms = True
     dtypes = ("bf16", "fp8", "mxfp8")
     quantize_modes = ("before", "fused")  # fused: mxfp8 only (unavailable_reason)
+    layouts = ("rank_major", "expert_major")
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -137,9 +144,11 @@ class EpbenchBackend(Backend):
         self.fp8 = setup.dispatch_dtype == "fp8"
         self.mxfp8 = setup.dispatch_dtype == "mxfp8"
         self.fused = setup.quantize == "fused"
+        self.em_align = setup.align if setup.layout == "expert_major" else 0  # 0: rank-major
         cfg = cuda_lib.EpConfig(setup.rank, setup.world, self.device.index, setup.hidden,
                                 setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
-                                int(self.fp8), float(setup.timeout_s), int(self.mxfp8), int(self.fused))
+                                int(self.fp8), float(setup.timeout_s), int(self.mxfp8), int(self.fused),
+                                self.em_align)
         self._ctx = ctypes.c_void_p()
         cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
         self._open_peers()
@@ -168,19 +177,28 @@ class EpbenchBackend(Backend):
     def _views(self) -> None:
         s = self.s
         cap, h, k = s.world * s.max_tokens_per_rank, s.hidden, s.topk
+        # rows of x, scales and combine_in: slots of the expert segments in the expert-major layout
+        rows = slot_capacity(s.world, s.max_tokens_per_rank, k, s.experts_per_rank, self.em_align) \
+            if self.em_align else cap
         x_dtype = torch.float8_e4m3fn if self.fp8 or self.mxfp8 else torch.bfloat16
-        self.recv_x = self._region(cuda_lib.RECV_X).view(x_dtype).view(cap, h)
+        self.recv_x = self._region(cuda_lib.RECV_X).view(x_dtype).view(rows, h)
         self.recv_scales = None
         if self.fp8:
-            self.recv_scales = self._region(cuda_lib.RECV_SCALES).view(torch.float32).view(cap, h // 128)
+            self.recv_scales = self._region(cuda_lib.RECV_SCALES).view(torch.float32).view(rows, h // 128)
         elif self.mxfp8:  # rows padded to 16 bytes by the library (csrc/buffers.cu scale_stride)
-            self.recv_scales = self._region(cuda_lib.RECV_SCALES).view(cap, -1)[:, :h // 32]
+            self.recv_scales = self._region(cuda_lib.RECV_SCALES).view(rows, -1)[:, :h // 32]
         self.recv_idx = self._region(cuda_lib.RECV_IDX).view(torch.int64).view(cap, k)
         self.recv_w = self._region(cuda_lib.RECV_W).view(torch.float32).view(cap, k)
-        self.combine_in = self._region(cuda_lib.COMBINE_IN).view(torch.bfloat16).view(cap, h)
+        self.combine_in = self._region(cuda_lib.COMBINE_IN).view(torch.bfloat16).view(rows, h)
+
         self.out = self._region(cuda_lib.OUT).view(torch.bfloat16).view(s.max_tokens_per_rank, h)
         self.num_recv = self._region(cuda_lib.NUM_RECV).view(torch.int64).view(())
         self.expert_counts = self._region(cuda_lib.EXPERT_COUNTS).view(torch.int64)
+        self.em_table: Optional[ExpertMajor] = None  # the segment table, on the device
+        if self.em_align:
+            self.em_table = ExpertMajor(self.expert_counts, self._region(cuda_lib.EM_OFFSETS).view(torch.int64),
+                                        self._region(cuda_lib.EM_NUM_SLOTS).view(torch.int64).view(()),
+                                        self.em_align)
 
     # ---- the two operations ----
     # Both run on the host while the GPU may already wait for them (the timed region starts at
@@ -247,7 +265,7 @@ class EpbenchBackend(Backend):
             self._raise_if_timed_out()
         handle = _Handle(t, idx, w, self._dispatch_epoch, self._out_view)
         return DispatchOutput(self.recv_x, self.recv_scales, self.recv_idx, self.recv_w,
-                              self.expert_counts, self.num_recv, handle)
+                              self.expert_counts, self.num_recv, handle, self.em_table)
 
     def _combine_warps_for(self, num_sms: int) -> int:
         """combine_warps, or with 0 the measured rule (notes/KERNELS.md v12): the combine is bound by
@@ -285,6 +303,9 @@ class EpbenchBackend(Backend):
 
     def poison(self) -> None:
         poison_dispatch_outputs(self)
+        if self.em_table is not None:
+            self.em_table.offsets.fill_(-1)
+            self.em_table.num_slots.fill_(-1)
 
     def close(self) -> None:
         """Collective: every rank must call it (peers may still write into this rank's region)."""

@@ -36,7 +36,7 @@ from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_inpu
 from epbench.metrics import row_bytes  # noqa: E402
 from epbench.routing import RankRouting, dest_mask, route_rank  # noqa: E402
 from epbench.scenario import Routing  # noqa: E402
-from epbench.verify import check_combine, check_dispatch  # noqa: E402
+from epbench.verify import check_combine, check_dispatch, check_ll_combine, em_expert_output  # noqa: E402
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Case:
     routing: str = "uniform"  # uniform | zipf | hot | own | one
     quantize: str = "before"  # fused (mxfp8): bf16 rows in, the kernel casts them on the way
     spread: bool = False  # every 32-element block scaled by its own 2^k, k in [-140, 100): bf16 subnormals to huge
+    align: int = 0  # >= 1: expert-major receive layout with segments padded to align rows (epbench/layout.py)
 
 
 def rank_routing(case: Case, rank: int, world: int, seed: int) -> RankRouting:
@@ -70,7 +71,8 @@ def make_setup(case: Case, rank: int, world: int, device: torch.device, timeout_
     return RankSetup(rank=rank, world=world, gpus_per_node=world, device=device, hidden=case.hidden,
                      max_tokens_per_rank=max(max(case.tokens), 1), topk=case.topk,
                      experts_per_rank=case.experts_per_rank, dispatch_dtype=case.dtype, timeout_s=timeout_s,
-                     quantize=case.quantize)
+                     quantize=case.quantize, layout="expert_major" if case.align else "rank_major",
+                     align=case.align or 1)
 
 
 def all_sum(v: int, device: torch.device) -> int:
@@ -109,12 +111,19 @@ def check_case(be: EpbenchBackend, case: Case, rank: int, world: int, device: to
                        source_of=source_of if case.dtype != "bf16" else None)
     n = int(out.num_recv)
     y = be.combine_input(out)
-    scales = out.x_scales[:n] if out.x_scales is not None else None
-    y[:n].copy_(expert_output(out.x[:n], scales, rank))
+    em = out.expert_major
+    if em is not None:  # one stand-in expert per local expert, every valid slot filled (padding stays NaN)
+        used = int(em.num_slots)
+        scales = out.x_scales[:used] if out.x_scales is not None else None
+        y[:used].copy_(em_expert_output(out.x[:used], scales, em, rank * case.experts_per_rank))
+    else:
+        scales = out.x_scales[:n] if out.x_scales is not None else None
+        y[:n].copy_(expert_output(out.x[:n], scales, rank))
     dist.barrier()
     got = be.combine(out, sms).clone()
     be.check_errors()
-    c = check_combine(got, wire_input(own, case.dtype), world, case.experts_per_rank)
+    c = (check_ll_combine(got, wire_input(own, case.dtype)) if em is not None
+         else check_combine(got, wire_input(own, case.dtype), world, case.experts_per_rank))
     return {"dispatch_wrong": d.wrong, "combine_wrong": c.wrong,
             "problem": d.first_problem or c.first_problem, "num_recv": n}
 
@@ -151,10 +160,27 @@ CHECK_CASES: List[Case] = [
     Case("mxfp8 fused spread scales", 4096, [300, 0, 41], 8, 16, "mxfp8", "zipf", "fused", spread=True),
     Case("mxfp8 spread scales", 4096, [300, 0, 41], 8, 16, "mxfp8", "zipf", spread=True),
 ]
+# expert-major layout (issue 26): align 1 and 128 x bf16 / fp8 / mxfp8 before and fused, uniform / zipf / hot
+# routing, a rank with 0 tokens, 4095 tokens, hidden 2048 and 8192; every expert on one rank (own), every token to
+# rank 0 (one)
+EXPERT_MAJOR: List[Case] = [
+    Case(f"em{a} {d}{' fused' if q == 'fused' else ''} {r} h{h}", h, tok, 8, e, d, r, q, align=a)
+    for a in (1, 128)
+    for d, q in (("bf16", "before"), ("fp8", "before"), ("mxfp8", "before"), ("mxfp8", "fused"))
+    for r, h, tok, e in (("uniform", 2048, [512, 0, 300, 1], 4), ("zipf", 8192, [1000, 77], 16),
+                         ("hot", 2048, [4095, 3], 16))
+] + [
+    Case("em16 bf16 own rank", 2048, [333], 4, 8, "bf16", "own", align=16),
+    Case("em1 fp8 every token to rank 0", 3072, [257], 8, 8, "fp8", "one", align=1),
+    Case("em128 bf16 all ranks 0 tokens", 2048, [0], 4, 4, align=128),
+    Case("em1 bf16 T=4095 h7168 e64", 7168, [4095], 8, 64, align=1),
+]
+CHECK_CASES += EXPERT_MAJOR
 QUICK = {"uniform bf16 h2048", "uniform fp8 h2048", "rank with 0 tokens", "T=1 bf16", "every token to rank 0",
          "own rank only", "fp8 h7168 e64", "mxfp8 uniform h2048", "mxfp8 fused uniform h2048",
          "mxfp8 fused h2080", "mxfp8 fused 0 tokens", "mxfp8 fused spread scales"}
-MXFP8 = {c.name for c in CHECK_CASES if c.dtype == "mxfp8"}
+MXFP8 = {c.name for c in CHECK_CASES if c.dtype == "mxfp8" and not c.align}
+EM = {c.name for c in EXPERT_MAJOR}
 
 
 def set_impl(be: EpbenchBackend, name: str, warps: int) -> None:
@@ -164,7 +190,8 @@ def set_impl(be: EpbenchBackend, name: str, warps: int) -> None:
 def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     failures = 0
     lines = []
-    cases = [c for c in CHECK_CASES if (not args.quick or c.name in QUICK) and (not args.mxfp8 or c.name in MXFP8)]
+    cases = [c for c in CHECK_CASES if (not args.quick or c.name in QUICK) and (not args.mxfp8 or c.name in MXFP8)
+             and (c.name in EM) == bool(args.expert_major)]
     # a case routes each token to topk distinct experts: a world too small for that has no such routing
     cases = [c for c in cases if c.topk <= world * c.experts_per_rank]
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
@@ -380,6 +407,7 @@ def main() -> int:
     ap.add_argument("mode", choices=["check", "bench"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--mxfp8", action="store_true", help="check: the mxfp8 cases only (with --quick: the quick ones)")
+    ap.add_argument("--expert-major", action="store_true", help="check: the expert-major layout cases (only those)")
     ap.add_argument("--impls", default="lean:16:8,lean:32:5,lean:16:3,lean_dyn:16:8,lean_dyn:16:24,lean_dyn:32:3,"
                     "lean_dyn:16:1", help="check: dispatch implementations as impl:warps:sms")
     ap.add_argument("--sms", default="8,16,24,32")

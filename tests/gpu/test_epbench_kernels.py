@@ -39,3 +39,14 @@ def test_mxfp8_before_and_fused_match_verification(kernels_built: None, nproc: i
     r = torchrun(WORKER, nproc, "check", "--mxfp8", "--impls", impls)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout and "mxfp8 fused" in r.stdout
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_expert_major_matches_verification(kernels_built: None, nproc: int) -> None:
+    """Expert-major layout (issue 26): align 1 / 16 / 128 x bf16, fp8, mxfp8 before and fused; uniform, zipf and hot
+    routing, ranks with 0 tokens, 4095 tokens, hidden 2048 .. 8192: segments bit-exact, counts and offsets as
+    epbench/layout.py, and the per-expert weighted combine; both dispatch kernels, outputs poisoned before each."""
+    impls = "lean_dyn:16:8,lean:16:3" if shared(nproc) else "lean_dyn:16:8,lean:16:3,lean_dyn:32:16"
+    r = torchrun(WORKER, nproc, "check", "--expert-major", "--impls", impls)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert "PASS" in r.stdout and "em128 mxfp8 fused" in r.stdout
