@@ -26,6 +26,19 @@
 // dispatch n, which started after my combine n - 1 had finished reading crows. A source rewrites
 // my tmap / tw in its dispatch n + 1 only after its combine n saw my cflags, which I release
 // after my push phase n (the only reader of tmap / tw) is done.
+//
+// Token sync (ll_sync = token, ll_combine_token_kernel): no grid-wide step. Epoch from eslots[1][b]
+// + 1, the dispatch's from eslots[0][b]; stored back into slots b, b + G, ... at the end.
+// Push: unit (peer s, token t < T_s, chunk c) as above (push_partial_chunk), then __syncwarp and lane
+// 0 stores tcflags[t, me, c] on s = epoch << 32 with st.release.sys (cumulative, as in dispatch). A
+// token with no expert here stores nothing: s waits only for the ranks t's topk_idx names.
+// Reduce: unit (my token t, chunk c): lane k < topk names t's expert e_k; for e_k on my rank the
+// warp reads y[slot] straight from tmap / tw (my own dispatch wrote them; no crows, no flag); for
+// each peer d that t names, the first such lane acquires tcflags[t, d, c] (bounded) and stands for
+// d's partial (weight 1); a __syncwarp then orders every lane's loads after those acquires. The
+// own experts are summed in fp32 with the partials (one bf16 rounding less than the grid path).
+// A peer cannot be at a later combine epoch for my token: its combine n + 1 pushes t only after
+// its dispatch n + 1 received t from me, which I send after this combine.
 #include <cuda_bf16.h>
 #include <stdlib.h>
 

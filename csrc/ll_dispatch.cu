@@ -30,6 +30,35 @@
 // Buffer reuse is safe without another barrier: a source writes my stage / tmap / tw / cnt for
 // call n + 1 only after its combine n, which waited for my combine n's flag, which I release after
 // my dispatch n (the only reader of stage / cnt) and my combine n push phase (of tmap / tw).
+//
+// Token sync (ll_sync = token, ll_dispatch_token_kernel; LlContext::sync): no grid-wide step.
+//   epoch: block b reads eslots[0][b] + 1 and at its end stores it into slots b, b + G, ... (G = grid
+//      size), so every slot agrees after a launch whatever grid the next launch has.
+//   stage: every block stages topk_idx in shared memory and builds, redundantly and identically, the
+//      per-(chunk of 32 tokens, global expert) counts (shared atomics) and their prefix over chunks
+//      (+ a totals row): token t's slot j for expert e = tokens of earlier chunks routed to e + one
+//      ballot over t's chunk (token_rank_for). Slots are the contract's (base.py ll_slots).
+//      Block 0 stores dwords[me][E] = (epoch << 32) | T on every peer first, then dwords[me][le] =
+//      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
+//   send: per token nx own-chunk units (chunk of kS x 32 vectors straight into my experts' slots,
+//      scales and pair; tmap / tw of my own experts with the first chunk; no stage, no flag: kernel
+//      completion orders them for the caller and for combine) and one unit per peer d: if t has an
+//      expert on d, its row into stage[me, t] on d, tmap / tw for those experts; then __syncwarp and
+//      lane 0 stores tflags[me, t] on d = (epoch << 32) | hit with st.release.sys (hit 0: relaxed,
+//      nothing behind it), so d can wait for every token of every source.
+//   receive: threads s < world of every block wait (bounded) for dwords[s][E] of this epoch (T_s);
+//      block 0 waits for the count words and writes counts / src_counts / src_tokens; unit (source
+//      s, token t < T_s, chunk c): every lane acquires tflags[s, t] itself (its later loads of tmap
+//      and the row follow its own acquire), then copies chunk c as the grid path does.
+//   Memory model: a unit's lanes store, then bar.warp.sync (which orders the participating threads'
+//   memory accesses), then lane 0's st.release.sys; release is cumulative over what precedes it in
+//   causality order, so the receiver's ld.acquire.sys that reads the flag sees every lane's stores.
+//   A flag, T word or count word of a LATER epoch than mine (32-bit wrap-safe compare) means the
+//   source already began dispatch n + 1, so it finished combine n; had any of its tokens hit me in n,
+//   that combine would have waited for my partial, which I push only after this dispatch n ends.
+//   So nothing of it is mine in n: treat as no hit / 0 tokens / 0 rows. The same argument makes reuse
+//   safe: a source overwrites my stage / tmap / tw / tflags for n + 1 only after its combine n, which
+//   (for every token that hit me) waited for my combine n's flag, released after my reads of them.
 #include "ll_common.cuh"
 
 namespace {
