@@ -136,6 +136,11 @@ int ep_ll_dispatch(void* ll_ctx, const void* x, const void* x_scales, const void
 int ep_ll_combine(void* ll_ctx, const void* topk_idx, int num_tokens, int num_sms, int warps, int chunk,
                   void* stream);
 int ep_ll_destroy(void* ll_ctx);
+// Which synchronisation both kernels use (backend option ll_sync): 0 grid-wide handshakes (release
+// through a last-block counter and a wait, finish through a counter), 1 per-token flags and per-block
+// epochs (no grid-wide step; protocol at the top of ll_dispatch.cu / ll_combine.cu). Call it before the
+// first ep_ll_dispatch; changing it afterwards is refused (the two keep different flags and epochs).
+int ep_ll_set_sync(void* ll_ctx, int sync);
 // Measuring aids (epbench/llprobe.py, notes/LATENCY.md); they change what later launches and captures
 // do, so set them before capturing. stamps: null (off, the default) or a device buffer of u64
 // [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase

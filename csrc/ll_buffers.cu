@@ -83,6 +83,13 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.off_tw = c.take((size_t)p.world * lp.t_max * p.topk * sizeof(float));
   lp.off_crows = c.take((size_t)lp.t_max * p.world * p.hidden * 2);
   lp.off_cflags = c.take(EP_MAX_WORLD * sizeof(int));
+  lp.cflag_chunks = (p.hidden / 8 + 63) / 64;  // combine chunks at the smaller chunk (2 vectors per lane)
+  const size_t tflag_bytes = (size_t)p.world * lp.t_max * sizeof(unsigned long long);
+  const size_t dword_bytes = (size_t)p.world * (lp.experts + 1) * sizeof(unsigned long long);
+  const size_t tcflag_bytes = (size_t)lp.t_max * p.world * lp.cflag_chunks * sizeof(unsigned long long);
+  lp.off_tflags = c.take(tflag_bytes);
+  lp.off_dwords = c.take(dword_bytes);
+  lp.off_tcflags = c.take(tcflag_bytes);
   ep->shared_bytes = c.next;
   ctx->off_y = c.take(slots * p.hidden * 2);
   ctx->off_out = c.take((size_t)lp.t_max * p.hidden * 2);
@@ -93,6 +100,10 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   ctx->off_counters = c.take(4 * sizeof(unsigned));
   ctx->off_dev_error = c.take(sizeof(int));
   ctx->off_probe = c.take(kLlProbeBytes);
+  CUDA_CHECK(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, cfg->device));
+  lp.eslot_count = ctx->sm_count;
+  ctx->off_eslots = c.take(2 * (size_t)lp.eslot_count * sizeof(int));
+  ctx->token_smem = ll_token_smem_bytes(lp.t_max, p.topk, lp.num_experts);
   ep->region_bytes = align_up(c.next, 1 << 21);
 
   cudaError_t err = cudaMalloc(&ep->region, ep->region_bytes);
@@ -112,6 +123,10 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaMemset(r + ctx->off_counters, 0, 4 * sizeof(unsigned)));
   CUDA_CHECK(cudaMemset(r + ctx->off_dev_error, 0, sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_probe, 0, kLlProbeBytes));
+  CUDA_CHECK(cudaMemset(r + lp.off_tflags, 0, tflag_bytes));
+  CUDA_CHECK(cudaMemset(r + lp.off_dwords, 0, dword_bytes));
+  CUDA_CHECK(cudaMemset(r + lp.off_tcflags, 0, tcflag_bytes));
+  CUDA_CHECK(cudaMemset(r + ctx->off_eslots, 0, 2 * (size_t)lp.eslot_count * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counts, 0, (size_t)lp.experts * sizeof(long long)));
   CUDA_CHECK(cudaMemset(r + ctx->off_src_counts, 0, (size_t)lp.experts * p.world * sizeof(int)));
 
@@ -130,10 +145,10 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.src_tokens = (int*)(r + ctx->off_src_tokens);
   lp.epochs = (int*)(r + ctx->off_epochs);
   lp.counters = (unsigned*)(r + ctx->off_counters);
+  lp.eslots = (int*)(r + ctx->off_eslots);
   p.dev_error = (int*)(r + ctx->off_dev_error);
   for (int i = 0; i < EP_MAX_WORLD; ++i) p.peer_base[i] = nullptr;
   p.peer_base[p.rank] = r;
-  CUDA_CHECK(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, cfg->device));
   CUDA_CHECK(cudaDeviceSynchronize());
   *out = ctx;
   return 0;
@@ -193,6 +208,31 @@ extern "C" int ep_ll_destroy(void* vctx) {
   const int rc = ep_destroy(ctx->ep);  // synchronises, unmaps peers, frees the region and the record
   delete ctx;
   return rc;
+}
+
+extern "C" int ep_ll_set_sync(void* vctx, int sync) {
+  LlContext* ctx = (LlContext*)vctx;
+  if (sync != kLlSyncGrid && sync != kLlSyncToken) {
+    ep_set_error("low-latency sync must be 0 (grid) or 1 (token), got %d", sync);
+    return -1;
+  }
+  if (ctx->launched && sync != ctx->sync) {
+    ep_set_error("low-latency sync is fixed once a kernel ran (the two keep different flags and epochs)");
+    return -1;
+  }
+  if (sync == kLlSyncToken) {
+    // the ids and prefix counts at max_tokens, in shared memory; one 512-thread block per SM
+    const size_t limit = 200 * 1024;
+    if (ctx->token_smem > limit) {
+      ep_set_error("ll_sync token: max_tokens x topk ids and per-32-token expert counts need %zu bytes of shared "
+                   "memory, more than %zu (use ll_sync grid or fewer tokens / experts)", ctx->token_smem, limit);
+      return -1;
+    }
+    CUDA_CHECK(cudaSetDevice(ctx->ep->device));
+    if (ll_dispatch_token_smem_attr((int)ctx->token_smem) != 0) return -1;
+  }
+  ctx->sync = sync;
+  return 0;
 }
 
 // ---- measuring aids (ep_ll_set_probe, ep_ll_probe; notes/LATENCY.md) ----

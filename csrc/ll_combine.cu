@@ -26,6 +26,19 @@
 // dispatch n, which started after my combine n - 1 had finished reading crows. A source rewrites
 // my tmap / tw in its dispatch n + 1 only after its combine n saw my cflags, which I release
 // after my push phase n (the only reader of tmap / tw) is done.
+//
+// Token sync (ll_sync = token, ll_combine_token_kernel): no grid-wide step. Epoch from eslots[1][b]
+// + 1, the dispatch's from eslots[0][b]; stored back into slots b, b + G, ... at the end.
+// Push: unit (peer s, token t < T_s, chunk c) as above (push_partial_chunk), then __syncwarp and lane
+// 0 stores tcflags[t, me, c] on s = epoch << 32 with st.release.sys (cumulative, as in dispatch). A
+// token with no expert here stores nothing: s waits only for the ranks t's topk_idx names.
+// Reduce: unit (my token t, chunk c): lane k < topk names t's expert e_k; for e_k on my rank the
+// warp reads y[slot] straight from tmap / tw (my own dispatch wrote them; no crows, no flag); for
+// each peer d that t names, the first such lane acquires tcflags[t, d, c] (bounded) and stands for
+// d's partial (weight 1); a __syncwarp then orders every lane's loads after those acquires. The
+// own experts are summed in fp32 with the partials (one bf16 rounding less than the grid path).
+// A peer cannot be at a later combine epoch for my token: its combine n + 1 pushes t only after
+// its dispatch n + 1 received t from me, which I send after this combine.
 #include <cuda_bf16.h>
 #include <stdlib.h>
 
@@ -99,6 +112,37 @@ __device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int
   }
 }
 
+// Expert-side unit (source s, token t, chunk c): lane k < topk reads tmap[s, t, k] and tw[s, t, k]
+// (an entry of another epoch than `depoch`: expert k of t is not on this rank); the warp sums chunk c
+// of w_k * y[slot_k] over the valid k in fp32 and stores the bf16 partial into crows[t * world + me]
+// of rank s. Returns false (warp-uniform) when no expert of t is here: nothing was stored. Both syncs.
+template <int kV>
+__device__ __forceinline__ bool push_partial_chunk(const EpParams& p, const LlParams& lp, int s, int t, int c,
+                                                   int depoch, int lane) {
+  const int topk = p.topk, V = p.hidden >> 3;
+  const size_t row = (size_t)p.hidden * 2;
+  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(p.peer_base[p.rank] + lp.off_tmap);
+  const float* tw = reinterpret_cast<const float*>(p.peer_base[p.rank] + lp.off_tw);
+  const uint8_t* y = reinterpret_cast<const uint8_t*>(lp.y);
+  unsigned long long ent = 0;
+  float w = 0.f;
+  if (lane < topk) {
+    const size_t tk = ((size_t)s * lp.t_max + t) * topk + lane;
+    ent = tmap[tk];
+    w = tw[tk];
+  }
+  const bool valid = lane < topk && (int)(ent >> 32) == depoch;
+  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  if (mask == 0) return false;  // no expert of this token here (warp-uniform)
+  const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
+  int4* dst = reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * p.world + p.rank) * row);
+  sum_chunk<kV>(dst, mask, w, c * 32 * kV, V, lane, [&](int b) {
+    const int sl = __shfl_sync(0xffffffffu, slot, b);
+    return reinterpret_cast<const int4*>(y + (size_t)sl * row);
+  });
+  return true;
+}
+
 template <int kThreads, int kV>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
@@ -123,9 +167,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
   const size_t row = (size_t)p.hidden * 2;
   const int V = p.hidden >> 3;           // 16-byte vectors per bf16 row
   const int nch = (V + 32 * kV - 1) / (32 * kV);  // chunks per row
-  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(p.peer_base[p.rank] + lp.off_tmap);
-  const float* tw = reinterpret_cast<const float*>(p.peer_base[p.rank] + lp.off_tw);
-  const uint8_t* y = reinterpret_cast<const uint8_t*>(lp.y);
 
   bool aborted = ld_volatile(p.dev_error) != 0;
   const long long push_units = (long long)s_tokens[world] * nch;
@@ -134,22 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     int s = 0;
     while (st >= s_tokens[s + 1]) ++s;
     const int t = st - s_tokens[s];
-    unsigned long long ent = 0;
-    float w = 0.f;
-    if (lane < topk) {
-      const size_t tk = ((size_t)s * lp.t_max + t) * topk + lane;
-      ent = tmap[tk];
-      w = tw[tk];
-    }
-    const bool valid = lane < topk && (int)(ent >> 32) == depoch;
-    const unsigned mask = __ballot_sync(0xffffffffu, valid);
-    if (mask == 0) continue;  // no expert of this token here (warp-uniform)
-    const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
-    int4* dst = reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * world + p.rank) * row);
-    sum_chunk<kV>(dst, mask, w, c * 32 * kV, V, lane, [&](int b) {
-      const int sl = __shfl_sync(0xffffffffu, slot, b);
-      return reinterpret_cast<const int4*>(y + (size_t)sl * row);
-    });
+    push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane);
   }
 
   if (ll_last_block(lp, lp.counters + 1) && threadIdx.x < world)
@@ -180,6 +206,92 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
   ll_finish_launch(lp, lp.counters + 2, lp.epochs + 1, epoch);
 }
 
+// ---- ll_sync = token (protocol: "Token sync" at the top of the file) ----
+template <int kThreads, int kV>
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
+  __shared__ int s_epoch, s_depoch;
+  __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix over peers of their tokens (mine: 0)
+  ll_stamp(lp, kLlStart);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int world = p.world, topk = p.topk, E = lp.experts, me = p.rank, cch = lp.cflag_chunks;
+  if (threadIdx.x == 0) {
+    s_epoch = ld_volatile(lp.eslots + lp.eslot_count + blockIdx.x) + 1;
+    s_depoch = ld_volatile(lp.eslots + blockIdx.x);  // the matching dispatch's epoch (stream order)
+    int acc = 0;
+    for (int s = 0; s < world; ++s) {
+      s_tokens[s] = acc;
+      acc += s == me ? 0 : lp.src_tokens[s];
+    }
+    s_tokens[world] = acc;
+  }
+  __syncthreads();
+  ll_stamp(lp, kLlStaged);
+  const int epoch = s_epoch, depoch = s_depoch;
+  const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
+  const long long G = (long long)gridDim.x * nwarps, gw = (long long)blockIdx.x * nwarps + warp;
+  const size_t row = (size_t)p.hidden * 2;
+  const int V = p.hidden >> 3;
+  const int nch = (V + 32 * kV - 1) / (32 * kV);
+  const int fstep = kV / 2;  // flag chunks (of 64 vectors) per work chunk: flag index c * fstep
+
+  bool aborted = ld_volatile(p.dev_error) != 0;
+  // push: peers' tokens only (my own experts' share of my tokens is summed in the reduce below)
+  for (long long u = gw; !aborted && u < (long long)s_tokens[world] * nch; u += G) {
+    const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
+    int s = 0;
+    while (st >= s_tokens[s + 1]) ++s;
+    const int t = st - s_tokens[s];
+    if (!push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane)) continue;
+    __syncwarp();  // every lane's stores of the chunk before lane 0's flag
+    if (lane == 0)
+      st_release_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[s] + lp.off_tcflags) +
+                             ((size_t)t * world + me) * cch + c * fstep,
+                         tag);
+  }
+  ll_stamp(lp, kLlSent);
+  ll_stamp(lp, kLlReleased);
+  ll_stamp(lp, kLlWaited);
+
+  // reduce: token t's experts on my rank straight from y, plus one partial per peer t names
+  const uint8_t* mybase = p.peer_base[me];
+  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tmap);
+  const float* tw = reinterpret_cast<const float*>(mybase + lp.off_tw);
+  const unsigned long long* tcflags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tcflags);
+  const uint8_t* crows = mybase + lp.off_crows;
+  const uint8_t* y = reinterpret_cast<const uint8_t*>(lp.y);
+  for (long long u = gw; !aborted && u < (long long)a.num_tokens * nch; u += G) {
+    const int t = (int)(u / nch), c = (int)(u - (long long)t * nch);
+    int d = -1;
+    const int4* src = nullptr;  // lane k's row: y[slot] for an expert of mine, rank d's partial once per d
+    float w = 0.f;
+    if (lane < topk) {
+      const long long e = a.topk_idx[(size_t)t * topk + lane];
+      if (e >= 0 && e < lp.num_experts) d = (int)(e / E);
+    }
+    const unsigned same = __match_any_sync(0xffffffffu, d);
+    if (d == me) {
+      const size_t tk = ((size_t)me * lp.t_max + t) * topk + lane;
+      const unsigned long long ent = tmap[tk];
+      if ((int)(ent >> 32) == depoch) {
+        src = reinterpret_cast<const int4*>(y + (size_t)(ent & 0xffffffffu) * row);
+        w = tw[tk];
+      }
+    } else if (d >= 0 && (same & ((1u << lane) - 1u)) == 0) {  // the first of t's experts on rank d
+      // this lane waits for rank d's chunk; the warp barrier below orders every lane's loads after it
+      ll_wait_epoch_u64(p, lp, tcflags + ((size_t)t * world + d) * cch + c * fstep, epoch, d, kPhaseLlCombine);
+      src = reinterpret_cast<const int4*>(crows + ((size_t)t * world + d) * row);
+      w = 1.f;
+    }
+    __syncwarp();
+    const unsigned mask = __ballot_sync(0xffffffffu, src != nullptr);
+    sum_chunk<kV>(reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden), mask, w, c * 32 * kV, V, lane,
+                  [&](int b) { return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, (unsigned long long)src, b)); });
+  }
+  ll_stamp(lp, kLlReceived);
+  ll_store_epoch_slots(lp, lp.eslots + lp.eslot_count, lp.epochs + 1, epoch);
+  ll_stamp(lp, kLlEnd);
+}
+
 }  // namespace
 
 extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, int num_sms, int warps, int chunk,
@@ -194,10 +306,16 @@ extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, i
   LlCombineArgs a;
   a.topk_idx = (const int64_t*)topk_idx;
   a.num_tokens = num_tokens;
-  if (chunk == 4)
-    ll_combine_kernel<512, 4><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);
+  ctx->launched = true;
+  cudaStream_t stream = (cudaStream_t)vstream;
+  if (ctx->sync == kLlSyncToken && chunk == 4)
+    ll_combine_token_kernel<512, 4><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+  else if (ctx->sync == kLlSyncToken)
+    ll_combine_token_kernel<512, 2><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+  else if (chunk == 4)
+    ll_combine_kernel<512, 4><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   else
-    ll_combine_kernel<512, 2><<<num_sms, warps * 32, 0, (cudaStream_t)vstream>>>(ctx->ep->p, ctx->lp, a);
+    ll_combine_kernel<512, 2><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }

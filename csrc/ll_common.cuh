@@ -24,6 +24,14 @@
 //                                        (sum over t's experts on d of w * y) lands in row t * world + d
 //     cflags     [world] i32             combine: epoch, stored by rank d into [d] with
 //                                        st.release.sys once all of d's pushes to me landed
+//     (ll_sync = token only, LlSync; the kernels' header comments give the protocol)
+//     tflags     [world, T_max] u64      dispatch: (epoch << 32) | hit, stored by source s into
+//                                        [s, t] once its row t (if hit) and tmap / tw are here
+//     dwords     [world, E + 1] u64      dispatch: (epoch << 32) | rows source s has for my
+//                                        expert le at [s, le], (epoch << 32) | T_s at [s, E]
+//     tcflags    [T_max, world, cch] u64 combine: epoch << 32, stored by rank d into [t, d, c]
+//                                        once chunk c of its partial for my token t landed
+//                                        (cch = chunks of a bf16 row at 1 KiB per chunk)
 //   local part
 //     y          [E, C, hidden] bf16     combine input, filled by the caller
 //     out        [T_max, hidden] bf16    combine result
@@ -35,6 +43,9 @@
 //     counters   u32 [4]                 blocks finished: 0 dispatch end, 1 combine pushes, 2 combine
 //                                        end, 3 dispatch sends
 //                                        (each reset by the last block)
+//     eslots     i32 [2, sm_count]       ll_sync = token: calls done (dispatch, combine); block b of
+//                                        a launch of G blocks reads slot b and stores its epoch
+//                                        into slots b, b + G, b + 2G, ... (all agree afterwards)
 //     dev_error  i32                     nonzero once any wait timed out: every spin loop bails
 //     probe      64 bytes                ep_ll_probe's own flag, block counter, epoch (measuring aid)
 #pragma once
@@ -46,6 +57,10 @@ enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6 };  // continue EpPhase
 struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank
   size_t off_x, off_scales, off_pair, off_stage, off_sscales, off_cnt, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
+  size_t off_tflags, off_dwords, off_tcflags;  // ll_sync = token only
+  int cflag_chunks;                            // cch: combine flags per (token, rank), hidden / 512 rounded up
+  int* eslots;                                 // [2, eslot_count]: token-sync epochs (dispatch, combine)
+  int eslot_count;                             // = the GPU's SM count (the largest grid)
   uint16_t* y;
   uint16_t* out;
   long long* counts;
@@ -81,11 +96,20 @@ __device__ __forceinline__ void ll_stamp(const LlParams& lp, int which) {
   if (lp.stamps != nullptr && threadIdx.x == 0) lp.stamps[blockIdx.x * kLlStamps + which] = globaltimer();
 }
 
+// Which synchronisation both kernels use (ep_ll_set_sync, backend option ll_sync): kLlSyncGrid, the
+// grid-wide handshakes (release through a last-block counter, then a wait; finish through a
+// counter); kLlSyncToken, per-token flags and per-block epoch slots, no grid-wide step.
+enum LlSync { kLlSyncGrid = 0, kLlSyncToken = 1 };
+
 struct LlContext {
   EpContext* ep;  // region, device, peers and the timeout record, as in normal mode
   LlParams lp;
   int sm_count;  // read once here: launches may be captured into a CUDA graph
+  int sync;      // LlSync; fixed before the first launch (the two keep different flags and epochs)
+  bool launched;
+  size_t token_smem;  // dynamic shared memory the token dispatch needs at max_tokens (ll_token_smem_bytes)
   size_t off_y, off_out, off_counts, off_src_counts, off_src_tokens, off_epochs, off_counters, off_dev_error;
+  size_t off_eslots;
   size_t off_probe;  // ep_ll_probe's scratch (kLlProbeBytes, zeroed): flag, counter, epoch, chase words
 };
 
@@ -97,6 +121,11 @@ __device__ __forceinline__ unsigned long long ld_acquire_sys_u64(const unsigned 
 
 __device__ __forceinline__ void st_release_sys_u64(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// A word that carries its own epoch (no data behind it to order): strong, no fence.
+__device__ __forceinline__ void st_relaxed_sys_u64(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // LlParams::variant bits: each brings back one piece of the synchronisation as it was before issue
@@ -193,4 +222,21 @@ __device__ __forceinline__ void ll_finish_launch(const LlParams& lp, unsigned* c
   ll_stamp(lp, kLlEnd);
 }
 
+// Token sync: every block of a launch of gridDim.x blocks stores its epoch into its slots b, b + G, ...
+// of `slots` ([eslot_count]), so any later grid size reads the same value from its own slot; block 0
+// also mirrors it into `epochs_slot` (the EP_LL_EPOCHS view). Stream order hands it to the next launch.
+__device__ __forceinline__ void ll_store_epoch_slots(const LlParams& lp, int* slots, int* epochs_slot, int epoch) {
+  if (threadIdx.x != 0) return;
+  for (int i = blockIdx.x; i < lp.eslot_count; i += gridDim.x) slots[i] = epoch;
+  if (blockIdx.x == 0) *epochs_slot = epoch;
+}
+
+// Dynamic shared memory of the token dispatch at `tokens` tokens: the staged ids (T x topk int32)
+// and the per-(chunk of 32 tokens, global expert) prefix counts plus a totals row
+// ((ceil(T / 32) + 1) x num_experts int32). Mirrored in epbench/backends/epbench_ll.py.
+inline size_t ll_token_smem_bytes(int tokens, int topk, int num_experts) {
+  return ((size_t)tokens * topk + (size_t)((tokens + 31) / 32 + 1) * num_experts) * sizeof(int);
+}
+
 int ll_check_launch(const LlContext* ctx, int num_tokens, int num_sms, int warps);
+int ll_dispatch_token_smem_attr(int bytes);  // ll_dispatch.cu: allows `bytes` of dynamic shared memory

@@ -30,6 +30,35 @@
 // Buffer reuse is safe without another barrier: a source writes my stage / tmap / tw / cnt for
 // call n + 1 only after its combine n, which waited for my combine n's flag, which I release after
 // my dispatch n (the only reader of stage / cnt) and my combine n push phase (of tmap / tw).
+//
+// Token sync (ll_sync = token, ll_dispatch_token_kernel; LlContext::sync): no grid-wide step.
+//   epoch: block b reads eslots[0][b] + 1 and at its end stores it into slots b, b + G, ... (G = grid
+//      size), so every slot agrees after a launch whatever grid the next launch has.
+//   stage: every block stages topk_idx in shared memory and builds, redundantly and identically, the
+//      per-(chunk of 32 tokens, global expert) counts (shared atomics) and their prefix over chunks
+//      (+ a totals row): token t's slot j for expert e = tokens of earlier chunks routed to e + one
+//      ballot over t's chunk (token_rank_for). Slots are the contract's (base.py ll_slots).
+//      Block 0 stores dwords[me][E] = (epoch << 32) | T on every peer first, then dwords[me][le] =
+//      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
+//   send: per token nx own-chunk units (chunk of kS x 32 vectors straight into my experts' slots,
+//      scales and pair; tmap / tw of my own experts with the first chunk; no stage, no flag: kernel
+//      completion orders them for the caller and for combine) and one unit per peer d: if t has an
+//      expert on d, its row into stage[me, t] on d, tmap / tw for those experts; then __syncwarp and
+//      lane 0 stores tflags[me, t] on d = (epoch << 32) | hit with st.release.sys (hit 0: relaxed,
+//      nothing behind it), so d can wait for every token of every source.
+//   receive: threads s < world of every block wait (bounded) for dwords[s][E] of this epoch (T_s);
+//      block 0 waits for the count words and writes counts / src_counts / src_tokens; unit (source
+//      s, token t < T_s, chunk c): every lane acquires tflags[s, t] itself (its later loads of tmap
+//      and the row follow its own acquire), then copies chunk c as the grid path does.
+//   Memory model: a unit's lanes store, then bar.warp.sync (which orders the participating threads'
+//   memory accesses), then lane 0's st.release.sys; release is cumulative over what precedes it in
+//   causality order, so the receiver's ld.acquire.sys that reads the flag sees every lane's stores.
+//   A flag, T word or count word of a LATER epoch than mine (32-bit wrap-safe compare) means the
+//   source already began dispatch n + 1, so it finished combine n; had any of its tokens hit me in n,
+//   that combine would have waited for my partial, which I push only after this dispatch n ends.
+//   So nothing of it is mine in n: treat as no hit / 0 tokens / 0 rows. The same argument makes reuse
+//   safe: a source overwrites my stage / tmap / tw / tflags for n + 1 only after its combine n, which
+//   (for every token that hit me) waited for my combine n's flag, released after my reads of them.
 #include "ll_common.cuh"
 
 namespace {
@@ -57,6 +86,48 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors
     for (int u = 0; u < kU; ++u) {
       const int i = v0 + u * 32 + lane;
       if (i < vectors) st_v4(dst + i, buf[u]);
+    }
+  }
+}
+
+// Receive unit (source s, token t, chunk c of kS x 32 vectors): lane k < topk reads tmap[s, t, k]
+// (another epoch: that expert is not mine) and the warp copies chunk c of stage[s, t] into x at
+// each valid slot (for c = 0 also the scales and pair = t * topk + k). Both syncs.
+__device__ __forceinline__ void place_staged_chunk(const EpParams& p, const LlParams& lp, int s, int t, int c,
+                                                   int epoch, int lane) {
+  const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4;
+  const uint8_t* mybase = p.peer_base[p.rank];
+  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tmap);
+  uint8_t* xr = p.peer_base[p.rank] + lp.off_x;
+  float* xs = reinterpret_cast<float*>(p.peer_base[p.rank] + lp.off_scales);
+  int* pair = reinterpret_cast<int*>(p.peer_base[p.rank] + lp.off_pair);
+  const size_t srow = (size_t)s * lp.t_max + t;
+  unsigned long long ent = 0;
+  if (lane < topk) ent = tmap[srow * topk + lane];
+  const bool valid = lane < topk && (int)(ent >> 32) == epoch;
+  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  if (mask == 0) return;  // no expert of this token here (warp-uniform)
+  const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
+  const int4* src = reinterpret_cast<const int4*>(mybase + lp.off_stage + srow * p.row_bytes);
+  int4 buf[kS];
+#pragma unroll
+  for (int q = 0; q < kS; ++q) {
+    const int i = c * 32 * kS + q * 32 + lane;
+    if (i < V) buf[q] = src[i];  // written by a peer during this kernel: no .nc
+  }
+  for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+    const int b = __ffs(todo) - 1;
+    const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
+    int4* dst = reinterpret_cast<int4*>(xr + sl * p.row_bytes);
+#pragma unroll
+    for (int q = 0; q < kS; ++q) {
+      const int i = c * 32 * kS + q * 32 + lane;
+      if (i < V) dst[i] = buf[q];
+    }
+    if (c == 0) {
+      const float* ssrc = reinterpret_cast<const float*>(mybase + lp.off_sscales) + srow * ns;
+      for (int i = lane; i < ns; i += 32) xs[sl * ns + i] = ssrc[i];
+      if (lane == 0) pair[sl] = t * topk + b;
     }
   }
 }
@@ -166,47 +237,206 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
     }
     if (threadIdx.x < world) lp.src_tokens[threadIdx.x] = s_pre[threadIdx.x + 1] - s_pre[threadIdx.x];
   }
-  const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tmap);
   const int nch = (V + 32 * kS - 1) / (32 * kS);
-  uint8_t* xr = p.peer_base[me] + lp.off_x;
-  float* xs = reinterpret_cast<float*>(p.peer_base[me] + lp.off_scales);
-  int* pair = reinterpret_cast<int*>(p.peer_base[me] + lp.off_pair);
   for (long long u = gw; !aborted && u < (long long)s_pre[world] * nch; u += G) {
     const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
     int s = 0;
     while (st >= s_pre[s + 1]) ++s;
     const int t = st - s_pre[s];
-    const size_t srow = (size_t)s * Tm + t;
-    unsigned long long ent = 0;
-    if (lane < topk) ent = tmap[srow * topk + lane];
-    const bool valid = lane < topk && (int)(ent >> 32) == epoch;
-    const unsigned mask = __ballot_sync(0xffffffffu, valid);
-    if (mask == 0) continue;  // no expert of this token here (warp-uniform)
-    const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
-    const int4* src = reinterpret_cast<const int4*>(mybase + lp.off_stage + srow * p.row_bytes);
-    int4 buf[kS];
-#pragma unroll
-    for (int q = 0; q < kS; ++q) {
-      const int i = c * 32 * kS + q * 32 + lane;
-      if (i < V) buf[q] = src[i];  // written by a peer during this kernel: no .nc
+    place_staged_chunk(p, lp, s, t, c, epoch, lane);
+  }
+  ll_finish_launch(lp, lp.counters + 0, lp.epochs + 0, epoch);
+}
+
+// ---- ll_sync = token (header comment of this part: see "Token sync" at the top of the file) ----
+
+// Rank of token t (warp-uniform) among this source's tokens routed to expert e, in token order: the
+// tokens of earlier chunks (s_pre[c, e]) plus those earlier in t's own chunk (one ballot).
+__device__ __forceinline__ int token_rank_for(const int* s_idx, const int* s_pre, int T, int topk, int NE, int t,
+                                              int e, int lane) {
+  const int c = t >> 5, tok = (c << 5) + lane;
+  bool has = false;
+  if (tok < T)
+    for (int k = 0; k < topk; ++k) has |= s_idx[tok * topk + k] == e;
+  const unsigned m = __ballot_sync(0xffffffffu, has);
+  return s_pre[c * NE + e] + __popc(m & ((1u << (t & 31)) - 1u));
+}
+
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
+  extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_pre [(chunks + 1) * NE] (last row: totals)
+  __shared__ int s_epoch;
+  __shared__ int s_tok[EP_MAX_WORLD + 1];  // prefix over sources of the tokens to receive (mine: 0)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int T = a.num_tokens, topk = p.topk, world = p.world, E = lp.experts, NE = lp.num_experts;
+  const int me = p.rank, Tm = lp.t_max, ns = p.num_scales, V = p.row_bytes >> 4;
+  const int chunks = (T + 31) / 32;
+  int* s_idx = s_dyn;
+  int* s_pre = s_dyn + T * topk;
+  ll_stamp(lp, kLlStart);
+  if (threadIdx.x == 0) s_epoch = ld_volatile(lp.eslots + blockIdx.x) + 1;
+  for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
+  for (int i = threadIdx.x; i < (chunks + 1) * NE; i += blockDim.x) s_pre[i] = 0;
+  __syncthreads();
+  const int epoch = s_epoch;
+  const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
+  bool aborted = ld_volatile(p.dev_error) != 0;
+  unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
+  if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
+    dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
+    st_relaxed_sys_u64(dwords_of_me + E, tag | (unsigned)T);  // first: the receivers' blocks wait for it
+  }
+  for (int i = threadIdx.x; i < T * topk; i += blockDim.x) {
+    const int e = s_idx[i];
+    if (e >= 0 && e < NE) atomicAdd(&s_pre[(i / topk >> 5) * NE + e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < NE; e += blockDim.x) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) {
+      const int n = s_pre[c * NE + e];
+      s_pre[c * NE + e] = run;
+      run += n;
     }
+    s_pre[chunks * NE + e] = run;
+  }
+  __syncthreads();
+  ll_stamp(lp, kLlStaged);
+  const int* totals = s_pre + chunks * NE;
+  if (blockIdx.x == 0 && !aborted) {  // counts for each peer's experts, epoch-tagged
+    for (int i = threadIdx.x; i < NE; i += blockDim.x) {
+      const int d = i / E;
+      if (d != me)
+        st_relaxed_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[d] + lp.off_dwords) +
+                               (size_t)me * (E + 1) + (i - d * E),
+                           tag | (unsigned)totals[i]);
+    }
+  }
+
+  // send: per token, nx own-chunk units (rows straight into my experts' slots), then one unit per peer
+  const int nx = (V + 32 * kS - 1) / (32 * kS);
+  const int per_token = nx + world - 1;
+  const long long G = (long long)gridDim.x * nwarps, gw = (long long)blockIdx.x * nwarps + warp;
+  uint8_t* mybase = p.peer_base[me];
+  for (long long u = gw; !aborted && u < (long long)T * per_token; u += G) {
+    const int t = (int)(u / per_token), r = (int)(u - (long long)t * per_token);
+    const int d = r < nx ? me : (me + 1 + (r - nx)) % world;
+    int e = -1;
+    if (lane < topk) e = s_idx[t * topk + lane];
+    const bool hit = lane < topk && e >= d * E && e < (d + 1) * E;
+    const unsigned mask = __ballot_sync(0xffffffffu, hit);
+    int slot = 0;  // lane k's: le * C + me * T_max + j
     for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
       const int b = __ffs(todo) - 1;
-      const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
-      int4* dst = reinterpret_cast<int4*>(xr + sl * p.row_bytes);
+      const int eb = __shfl_sync(0xffffffffu, e, b);
+      const int j = token_rank_for(s_idx, s_pre, T, topk, NE, t, eb, lane);
+      if (lane == b) slot = (eb - d * E) * lp.capacity + me * Tm + j;
+    }
+    uint8_t* pb = p.peer_base[d];
+    if (d == me) {
+      if (mask == 0) continue;
+      // chunk r of row t into each of my experts' slots (no stage, no flag: kernel completion orders them)
+      int4 buf[kS];
+      const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
 #pragma unroll
       for (int q = 0; q < kS; ++q) {
-        const int i = c * 32 * kS + q * 32 + lane;
-        if (i < V) dst[i] = buf[q];
+        const int i = r * 32 * kS + q * 32 + lane;
+        if (i < V) buf[q] = ld_nc_v4(src + i);
       }
-      if (c == 0) {
-        const float* ssrc = reinterpret_cast<const float*>(mybase + lp.off_sscales) + srow * ns;
-        for (int i = lane; i < ns; i += 32) xs[sl * ns + i] = ssrc[i];
-        if (lane == 0) pair[sl] = t * topk + b;
+      float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
+      int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
+      for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+        const int b = __ffs(todo) - 1;
+        const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
+        int4* dst = reinterpret_cast<int4*>(mybase + lp.off_x + sl * p.row_bytes);
+#pragma unroll
+        for (int q = 0; q < kS; ++q) {
+          const int i = r * 32 * kS + q * 32 + lane;
+          if (i < V) st_v4(dst + i, buf[q]);
+        }
+        if (r == 0) {
+          for (int i = lane; i < ns; i += 32) xs[sl * ns + i] = a.x_scales[(size_t)t * ns + i];
+          if (lane == 0) pair[sl] = t * topk + b;
+        }
+      }
+    } else if (mask != 0) {
+      const size_t srow = (size_t)me * Tm + t;
+      copy_row(reinterpret_cast<int4*>(pb + lp.off_stage + srow * p.row_bytes),
+               reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes), V, lane);
+      if (ns) {
+        float* dst = reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
+        for (int i = lane; i < ns; i += 32) dst[i] = a.x_scales[(size_t)t * ns + i];
+      }
+    }
+    // the pair's slot and weight, where combine's expert side (or, for my own tokens, its reduce) reads them
+    if (hit && (d != me || r == 0)) {
+      const size_t tk = ((size_t)me * Tm + t) * topk + lane;
+      reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
+      reinterpret_cast<float*>(pb + lp.off_tw)[tk] = a.topk_w[(size_t)t * topk + lane];
+    }
+    if (d != me) {
+      __syncwarp();  // every lane's stores of this unit before lane 0's flag (bar.warp.sync orders memory)
+      unsigned long long* flag = reinterpret_cast<unsigned long long*>(pb + lp.off_tflags) + (size_t)me * Tm + t;
+      if (lane == 0) {
+        if (mask != 0) st_release_sys_u64(flag, tag | 1u);
+        else st_relaxed_sys_u64(flag, tag);  // nothing behind it: no fence
       }
     }
   }
-  ll_finish_launch(lp, lp.counters + 0, lp.epochs + 0, epoch);
+  ll_stamp(lp, kLlSent);
+  ll_stamp(lp, kLlReleased);
+
+  // receive: how many tokens each peer sends this epoch, then each staged row chunk by chunk
+  const unsigned long long* dwords = reinterpret_cast<const unsigned long long*>(mybase + lp.off_dwords);
+  if (threadIdx.x < world) {
+    int n = 0;
+    if (threadIdx.x != me && !aborted) {
+      const unsigned long long v = ll_wait_epoch_u64(p, lp, dwords + (size_t)threadIdx.x * (E + 1) + E, epoch,
+                                                     threadIdx.x, kPhaseLlDispatch);
+      n = (int)(v >> 32) == epoch ? (int)(v & 0xffffffffu) : 0;  // later epoch: nothing of it is mine (header)
+    }
+    s_tok[threadIdx.x + 1] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_tok[0] = 0;
+    for (int s = 0; s < world; ++s) s_tok[s + 1] += s_tok[s];
+  }
+  __syncthreads();
+  ll_stamp(lp, kLlWaited);
+  aborted = ld_volatile(p.dev_error) != 0;
+  if (blockIdx.x == 0 && !aborted) {
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+      long long sum = 0;
+      for (int s = 0; s < world; ++s) {
+        int n = totals[me * E + i];
+        if (s != me) {
+          const unsigned long long v = ll_wait_epoch_u64(p, lp, dwords + (size_t)s * (E + 1) + i, epoch, s,
+                                                         kPhaseLlDispatch);
+          n = (int)(v >> 32) == epoch ? (int)(v & 0xffffffffu) : 0;
+        }
+        lp.src_counts[i * world + s] = n;
+        sum += n;
+      }
+      lp.counts[i] = sum;
+    }
+    if (threadIdx.x < world)
+      lp.src_tokens[threadIdx.x] = threadIdx.x == me ? T : s_tok[threadIdx.x + 1] - s_tok[threadIdx.x];
+  }
+  const unsigned long long* tflags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tflags);
+  for (long long u = gw; !aborted && u < (long long)s_tok[world] * nx; u += G) {
+    const int st = (int)(u / nx), c = (int)(u - (long long)st * nx);
+    int s = 0;
+    while (st >= s_tok[s + 1]) ++s;
+    const int t = st - s_tok[s];
+    // every lane acquires the flag itself, so its own later loads of tmap and the row follow it
+    const unsigned long long v = ll_wait_epoch_u64(p, lp, tflags + (size_t)s * Tm + t, epoch, s, kPhaseLlDispatch);
+    if ((int)(v >> 32) != epoch || (v & 1u) == 0) continue;  // not for me (or a later epoch, or given up)
+    place_staged_chunk(p, lp, s, t, c, epoch, lane);
+  }
+  ll_stamp(lp, kLlReceived);
+  ll_store_epoch_slots(lp, lp.eslots, lp.epochs + 0, epoch);
+  ll_stamp(lp, kLlEnd);
 }
 
 }  // namespace
@@ -227,8 +457,19 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   a.topk_idx = (const int64_t*)topk_idx;
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
-  const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
-  ll_dispatch_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
+  ctx->launched = true;
+  if (ctx->sync == kLlSyncToken) {
+    const size_t smem = ll_token_smem_bytes(num_tokens, p.topk, ctx->lp.num_experts);  // <= ctx->token_smem
+    ll_dispatch_token_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
+  } else {
+    const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
+    ll_dispatch_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
+  }
   CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+int ll_dispatch_token_smem_attr(int bytes) {
+  CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_token_kernel<512>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   return 0;
 }

@@ -17,9 +17,11 @@ Rows:
   `chase` (16 dependent global loads by one thread per block: span / 16 ~ one memory round trip),
   `fence` (16 x store + fence.acq_rel.sys), `timer` (the smallest step of %globaltimer, ns);
 - dispatch and combine per tokens x variant, each verified once (#wrong) before it is timed:
-  `default`; `old` (every pre-issue-24 sync piece back, LL_VARIANT_* = 7); `fence-all` (only the
-  per-thread fences back); `warps4` / `warps8` (the default kernels with 4 / 8 warps per block;
-  warps8 only when asked for).
+  `grid` (ll_sync grid, the grid-wide handshakes); `token` (ll_sync token: per-token flags, no
+  grid-wide step; its stamps mark warp 0's progress, there being no block barrier to stamp);
+  `old` (grid with every pre-issue-24 sync piece back, LL_VARIANT_* = 7); `fence-all` (grid with
+  only the per-thread fences back); `warps4` / `warps8` (grid with 4 / 8 warps per block);
+  `token-warps4` (token with 4). fence-all, warps8 and token-warps4 only when asked for.
 
 Prints one table, a line per row as it is measured (us; p50 unless marked), and writes every number to $OUT/ll_probe.csv when OUT is
 set (or --csv).
@@ -37,9 +39,11 @@ from typing import Dict, List, Optional, Sequence
 PARTS = ["stage", "send", "release", "wait", "receive", "finish"]  # LlStamp 1..6 (after kLlStart)
 PROBE_MODES = {"empty": (0, 0), "sync": (1, 0), "sync-old": (1, 7), "chase": (2, 0), "fence": (3, 0),
                "timer": (4, 0)}
-# name -> (LL_VARIANT_* bits, warps per block or None for the backend's default)
-VARIANTS = {"default": (0, None), "old": (7, None), "fence-all": (1, None), "warps4": (0, 4), "warps8": (0, 8)}
-DEFAULT_VARIANTS = "default,old,fence-all,warps4"
+# name -> (LL_VARIANT_* bits, warps per block or None for the backend's default, option ll_sync)
+VARIANTS = {"grid": (0, None, "grid"), "token": (0, None, "token"), "old": (7, None, "grid"),
+            "fence-all": (1, None, "grid"), "warps4": (0, 4, "grid"), "warps8": (0, 8, "grid"),
+            "token-warps4": (0, 4, "token")}
+DEFAULT_VARIANTS = "grid,token,old,warps4"
 STAMPS_PER_BLOCK = 8
 
 
@@ -166,7 +170,10 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argpa
     setup = RankSetup(rank=0, world=1, gpus_per_node=1, device=dev, hidden=args.hidden,
                       max_tokens_per_rank=max(tokens), topk=args.topk, experts_per_rank=args.experts_per_rank,
                       dispatch_dtype=args.dtype, timeout_s=5.0, mode="low_latency")
-    be = EpbenchLowLatencyBackend(setup)
+    # one backend per ll_sync (the two keep different flags and epochs; the sync is fixed per backend)
+    backends = {sync: EpbenchLowLatencyBackend(setup, ll_sync=sync)
+                for sync in dict.fromkeys(VARIANTS[v][2] for v in ["grid"] + variants)}
+    be = backends["grid"]
     default_warps = be.warps
     n = args.warmup + args.iters
     rows: List[Dict[str, object]] = []
@@ -210,7 +217,8 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argpa
         for t in tokens:
             routing = route_rank(Routing(kind="uniform", seed=0), t, args.topk, args.experts_per_rank, 0)
             for vname in variants:
-                bits, warps = VARIANTS[vname]
+                bits, warps, sync = VARIANTS[vname]
+                be = backends[sync]
                 be.warps = warps or default_warps
                 be.set_probe(stamps, bits)
                 x = make_tokens(t, args.hidden, 0, 0, sms * 1000 + t, dev)
@@ -234,9 +242,12 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argpa
                     row.update(res)
                     rows.append(row)
                     print(format_table([row]).splitlines()[-1], flush=True)
-        be.set_probe(None, 0)
-    be.warps = default_warps
-    be.close()
+        for b in backends.values():
+            b.set_probe(None, 0)
+            b.warps = default_warps
+        be = backends["grid"]
+    for b in backends.values():
+        b.close()
     return rows
 
 

@@ -13,6 +13,7 @@ import torch
 from support import assert_one_line_error, epbench, run_cli, scenario_dict
 
 from epbench.backends.base import DispatchInput, LowLatencyOutput, ll_slots
+from epbench.errors import UserError
 from epbench.inputs import expert_factor
 from epbench.scenario import parse
 from epbench.verify import check_ll_combine, check_ll_dispatch, ll_expert_output
@@ -329,3 +330,34 @@ def test_low_latency_table_and_unchanged_normal_table():
               for r in (0, 1)]
     headers = [c.header for c in results_table(pd.DataFrame(normal)).columns]
     assert headers[0] == "op" and "tokens" not in headers and "p99 us" not in headers
+
+
+# -- epbench-ll option ll_sync and the token dispatch's shared memory ------------------------------
+
+def test_ll_sync_option_parses_and_defaults():
+    from epbench import options
+
+    assert options.validate({"epbench-ll": {"ll_sync": "token"}}) == {"epbench-ll": {"ll_sync": "token"}}
+    assert options.parse_cli(["ll_sync=token"]) == {"epbench-ll": {"ll_sync": "token"}}
+    assert options.resolve("epbench-ll", {}, environ={})["ll_sync"] == "grid"
+    assert options.resolve("epbench-ll", {}, environ={"EPBENCH_LL_SYNC": "token"})["ll_sync"] == "token"
+    with pytest.raises(UserError, match="ll_sync: must be one of grid, token, got 'fast'"):
+        options.validate({"epbench-ll": {"ll_sync": "fast"}})
+
+
+def test_token_smem_bytes_by_hand_and_as_the_kernels_limit_it():
+    from pathlib import Path
+
+    ll = pytest.importorskip("epbench.backends.epbench_ll")
+    # ids (T x topk) + (ceil(T / 32) + 1) x num_experts prefix / totals words, 4 bytes each
+    assert ll.token_smem_bytes(128, 8, 256) == 4 * (128 * 8 + 5 * 256)
+    assert ll.token_smem_bytes(33, 6, 32) == 4 * (33 * 6 + 3 * 32)
+    assert ll.token_smem_bytes(0, 8, 64) == 4 * 64  # the totals row alone
+    assert ll.token_smem_bytes(1536, 8, 2048) > ll.TOKEN_SMEM_LIMIT  # refused: ll_sync grid serves it
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    assert "const size_t limit = 200 * 1024;" in (csrc / "ll_buffers.cu").read_text()
+    assert ll.TOKEN_SMEM_LIMIT == 200 * 1024
+    assert ("((size_t)tokens * topk + (size_t)((tokens + 31) / 32 + 1) * num_experts) * sizeof(int)"
+            in (csrc / "ll_common.cuh").read_text())
+    assert ll.SYNCS == {"grid": 0, "token": 1}  # enum LlSync
+    assert "enum LlSync { kLlSyncGrid = 0, kLlSyncToken = 1 };" in (csrc / "ll_common.cuh").read_text()

@@ -13,8 +13,9 @@ either call can be replayed (``supports_cuda_graphs``).
 
 The grid is ``num_sms`` blocks (at most the GPU's SM count: the receive phases need every block
 resident) of ``warps`` warps; ``combine_chunk`` 2|4 picks combine's work-unit chunk (1 or 2 KiB of a
-row). Both are backend options (epbench/options.py: defaults 16 and 4, env EPBENCH_LL_WARPS /
-EPBENCH_LL_COMBINE_CHUNK).
+row); ``ll_sync`` grid|token picks how both kernels synchronise (grid-wide handshakes, or per-token
+flags and per-block epochs: notes/LATENCY.md, round 3). All are backend options (epbench/options.py:
+defaults 16, 4 and grid; env EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
 figures in notes/KERNELS.md, "Low-latency mode".
@@ -34,6 +35,16 @@ from epbench.backends.epbench_kernels import intranode_reason
 from epbench.backends.kernel_common import release_collective
 
 MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kernel stages (ll_buffers.cu)
+SYNCS = {"grid": 0, "token": 1}  # option ll_sync -> enum LlSync (csrc/ll_common.cuh)
+TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's shared memory
+
+
+def token_smem_bytes(tokens: int, topk: int, num_experts: int) -> int:
+    """Shared memory of the token-sync dispatch at ``tokens`` tokens (ll_token_smem_bytes in
+    csrc/ll_common.cuh): the staged ids (tokens x topk int32) and, per chunk of 32 tokens and global
+    expert, the tokens of earlier chunks routed to it, plus a totals row ((ceil(tokens / 32) + 1) x
+    num_experts int32)."""
+    return 4 * (tokens * topk + ((tokens + 31) // 32 + 1) * num_experts)
 
 
 @dataclass
@@ -59,14 +70,20 @@ class EpbenchLowLatencyBackend(Backend):
                 f"tokens_per_rank x topk > {MAX_STAGED_IDS} (low-latency batches only)"
         return intranode_reason(setup)
 
-    def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None) -> None:
+    def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None,
+                 ll_sync: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-ll backend unavailable: {reason}")
         self.s = setup
-        resolved = options.resolve(self.name, {k: v for k, v in (("warps", warps), ("combine_chunk", combine_chunk))
-                                               if v is not None})
-        self.warps, self.combine_chunk = resolved["warps"], resolved["combine_chunk"]
+        given = (("warps", warps), ("combine_chunk", combine_chunk), ("ll_sync", ll_sync))
+        resolved = options.resolve(self.name, {k: v for k, v in given if v is not None})
+        self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
+        if self.ll_sync == "token":
+            need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
+            if need > TOKEN_SMEM_LIMIT:
+                raise RuntimeError(f"epbench-ll ll_sync token: {need} bytes of shared memory for the ids and "
+                                   f"per-32-token expert counts, more than {TOKEN_SMEM_LIMIT} (use ll_sync grid)")
         self._lib = cuda_lib.load()
         self.device = torch.device("cuda", setup.device.index if setup.device.index is not None
                                    else torch.cuda.current_device())
@@ -77,6 +94,7 @@ class EpbenchLowLatencyBackend(Backend):
         self._ctx = ctypes.c_void_p()
         cuda_lib.check(self._lib.ep_ll_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_ll_create")
         self._ep = ctypes.c_void_p(self._lib.ep_ll_base(self._ctx))  # IPC, peers, timeout record
+        cuda_lib.check(self._lib.ep_ll_set_sync(self._ctx, SYNCS[self.ll_sync]), "ep_ll_set_sync")
         self._open_peers()
         self._views()
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ep))
@@ -124,7 +142,7 @@ class EpbenchLowLatencyBackend(Backend):
                                 self.s.max_tokens_per_rank, handle)
 
     def effective_config(self) -> Dict[str, Any]:
-        return {"warps": self.warps, "combine_chunk": self.combine_chunk}
+        return {"warps": self.warps, "combine_chunk": self.combine_chunk, "ll_sync": self.ll_sync}
 
     def ll_combine_input(self, out: LowLatencyOutput) -> torch.Tensor:
         return self.combine_in

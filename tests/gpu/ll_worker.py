@@ -1,6 +1,6 @@
 """Multi-rank worker for the low-latency kernels (backend epbench-ll), started by torchrun.
 
-    torchrun --nproc_per_node 4 tests/gpu/ll_worker.py check [--quick]
+    torchrun --nproc_per_node 4 tests/gpu/ll_worker.py check [--quick] [--sync grid|token]
 
 Each case runs the kernels and the NCCL reference's low-latency path on the same inputs: both
 must pass epbench.verify's low-latency checks (bit-exact dispatch per (expert, slot), combine
@@ -115,10 +115,10 @@ def one_call(be, calls: LowLatencyCalls, own: DispatchInput, rank: int, world: i
     return d, check_ll_combine(got, own), got
 
 
-def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int) -> List[str]:
+def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
     """Problems found on this rank (empty: all good)."""
     problems: List[str] = []
-    kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device))
+    kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync=sync)
     reference = ReferenceBackend(setup_of(case, rank, world, device))
     for rep in range(2):
         salt = zlib.crc32(f"{case.name}/{rep}".encode()) % 10000
@@ -154,10 +154,10 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int) 
     return problems
 
 
-def check_timeout(rank: int, world: int, device: torch.device) -> int:
+def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Rank world-1 skips a dispatch: every other rank must raise naming it, within the timeout."""
     case = Case("timeout", 2048, [16], 4, 4)
-    be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=1.0))
+    be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=1.0), ll_sync=sync)
     routing = rank_routing(case, rank, world, seed=1)
     inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
     return expect_missing_peer(be, lambda: be.ll_dispatch(inp, 4), rank, world, device)
@@ -170,7 +170,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             continue
         for sms in [int(s) for s in args.sms.split(",")]:
             try:
-                problems = run_case(case, rank, world, device, sms)
+                problems = run_case(case, rank, world, device, sms, args.sync)
             except RuntimeError as e:
                 problems = [f"raised: {e}"]
             bad = all_sum(int(bool(problems)), device)
@@ -178,9 +178,9 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             if rank == 0 or problems:
                 print(f"{'FAIL' if bad else 'ok  '} [rank {rank}] {case.name:<30} sms={sms:<3} "
                       f"{'; '.join(problems)}", flush=True)
-    failures += check_timeout(rank, world, device)
+    failures += check_timeout(rank, world, device, args.sync)
     if rank == 0:
-        print(f"check world={world}: {'PASS' if failures == 0 else f'{failures} FAILURES'}", flush=True)
+        print(f"check world={world} ll_sync={args.sync}: {'PASS' if failures == 0 else f'{failures} FAILURES'}", flush=True)
     return failures
 
 
@@ -188,6 +188,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["check"])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sync", choices=["grid", "token"], default="grid", help="backend option ll_sync")
     ap.add_argument("--sms", default="4,32", help="grid sizes to check (blocks; <= the GPU's SM count)")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -5,6 +5,7 @@ whole pipeline through `epbench sweep --tokens` with both backends, both timings
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,10 @@ def built() -> None:
         pytest.skip(f"low-latency kernels not built: {e}")
 
 
+@pytest.mark.parametrize("sync", ["grid", "token"])
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_ll_kernels_match_verification(built: None, nproc: int) -> None:
-    r = torchrun(WORKER, nproc, "check", *(["--quick"] if nproc == 2 or shared(nproc) else []))
+def test_ll_kernels_match_verification(built: None, nproc: int, sync: str) -> None:
+    r = torchrun(WORKER, nproc, "check", "--sync", sync, *(["--quick"] if nproc == 2 or shared(nproc) else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
 
@@ -46,13 +48,14 @@ bench: {{warmup: 3, iters: 10, backends: [reference, epbench-ll], sms: [8, 32], 
 """
 
 
+@pytest.mark.parametrize("sync", ["grid", "token"])
 @pytest.mark.parametrize("dtype,routing", [("fp8", "uniform"), ("bf16", "hot")])
-def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: str, routing: str) -> None:
+def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: str, routing: str, sync: str) -> None:
     ranks = world()
     path = tmp_path / f"ll-{dtype}.yaml"
     path.write_text(SCENARIO.format(epr=256 // ranks, dtype=dtype, routing=routing, world=ranks))
     r = subprocess.run([sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,32,128",
-                        "--results", str(tmp_path / "r")], cwd=ROOT, env=safe_env(),
+                        "--option", f"epbench-ll.ll_sync={sync}", "--results", str(tmp_path / "r")], cwd=ROOT, env=safe_env(),
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     import pandas as pd
@@ -64,6 +67,7 @@ def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: 
     assert shared(ranks) == ("backend reference skipped" in r.stdout)
     ll = df[df["backend"] == "epbench-ll"]
     assert set(ll["timing"]) == {"launch", "graph"}
+    assert all(json.loads(o)["ll_sync"] == sync for o in ll["options"])  # what ran is recorded
     assert sorted(set(ll["tokens_per_rank"])) == [1, 32, 128]
     assert len(ll) == 3 * 2 * 2 * 2 * ranks  # tokens x SM counts x timings x ops x ranks
     assert int(df["wrong"].sum()) == 0
