@@ -197,6 +197,7 @@ def unpack_nccl(carry: Path, prefix: Path) -> "Dict[str, str] | str":
     try:
         if prefix.exists():
             shutil.rmtree(prefix)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="epbench-nccl-", dir=prefix.parent) as tmp:
             with tarfile.open(carry, "r:*") as tar:
                 tar.extractall(tmp, filter="data")
