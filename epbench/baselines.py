@@ -252,11 +252,9 @@ def job_environment(backends: Sequence[str]) -> Iterator[Dict[str, str]]:
     try:
         yield extra
     finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        from epbench.launch import restore_env
+
+        restore_env(before)
 
 
 def v2_nccl_status() -> str:
