@@ -75,23 +75,30 @@ nvshmem-carry: setup
 # External baselines (DeepEP V1 / V2 / Hybrid-EP, one flavor per venv: all install as deep_ep) at
 # pinned commits, from DEEPEP_SRC=<checkout> or a clone; a failure is one line, never an error.
 # DEEPEP_FLAVOR=v1|v2|hybrid-ep (default v1). torch's symm-mem backend needs no build.
+# v2 needs NCCL >= 2.30.4: NCCL_CARRY=.whl/nccl.tar.xz (from baselines-carry) is unpacked into the
+# venv, V2 is built against it, and epbench preloads it into deepep-v2's jobs only.
 DEEPEP_FLAVOR ?= v1
+NCCL_CARRY ?=
 baselines: setup
-	@$(PY) -m epbench.baselines build --flavor $(DEEPEP_FLAVOR)
+	@$(PY) -m epbench.baselines build --flavor $(DEEPEP_FLAVOR) $(if $(NCCL_CARRY),--nccl "$(NCCL_CARRY)")
 
 baselines-status: setup
 	@$(PY) -m epbench.baselines status
 
-# For the GPU host (no network): the pinned flavor's source as .whl/deepep-src.tar.gz (git-ignored),
-# made from a local checkout; there: mkdir -p /tmp/deepep && tar -xzf .whl/deepep-src.tar.gz -C /tmp/deepep
-# && make baselines DEEPEP_SRC=/tmp/deepep.
+# For the GPU host (no network): the pinned flavor's source, submodules included, as
+# .whl/deepep-<flavor>-src.tar.gz (git-ignored), from a git repository (a checkout or a bare clone;
+# SUBMODULE_SRC="third-party/fmt=<fmt repo>" where the submodule is not checked out inside it).
+# NCCL_WHEEL=<nvidia-nccl-cu13 wheel> (v2) adds .whl/nccl.tar.xz: the library pruned to
+# NCCL_ARCH (90: H100/H200) and the headers, ~45 MB. There: mkdir -p /tmp/deepep && tar -xzf
+# .whl/deepep-v2-src.tar.gz -C /tmp/deepep && make baselines DEEPEP_FLAVOR=v2 DEEPEP_SRC=/tmp/deepep
+# NCCL_CARRY=.whl/nccl.tar.xz
+NCCL_WHEEL ?=
+NCCL_ARCH ?= 90
+SUBMODULE_SRC ?=
 baselines-carry:
 	@test -n "$(DEEPEP_SRC)" || { echo "baselines-carry needs DEEPEP_SRC=<a DeepEP git checkout>"; exit 2; }
-	@commit=$$($(PYTHON) -c "import sys; sys.path.insert(0, '.'); from epbench.baselines import FLAVORS; print(FLAVORS['$(DEEPEP_FLAVOR)'].commit)") && \
-	mkdir -p .whl && tmp=$$(mktemp -d) && \
-	git -C "$(DEEPEP_SRC)" archive --format=tar "$$commit" | tar -x -C "$$tmp" && echo "$$commit" > "$$tmp/.epbench-commit" && \
-	tar -czf .whl/deepep-src.tar.gz -C "$$tmp" . && rm -rf "$$tmp" && \
-	echo "wrote .whl/deepep-src.tar.gz ($(DEEPEP_FLAVOR) at $$commit, $$(du -h .whl/deepep-src.tar.gz | cut -f1))"
+	@$(PYTHON) -m epbench.baselines carry --flavor $(DEEPEP_FLAVOR) --src "$(DEEPEP_SRC)" \
+	  $(foreach m,$(SUBMODULE_SRC),--submodule "$(m)") $(if $(NCCL_WHEEL),--nccl-wheel "$(NCCL_WHEEL)" --arch $(NCCL_ARCH))
 
 run: build
 	$(EPB) run

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 REPO_URL = "https://github.com/deepseek-ai/DeepEP.git"
 STAMP = "epbench-baselines.json"
@@ -109,8 +111,6 @@ def nvshmem_link_home(home: Path, shadow: Path) -> str:
 
 def cccl_include(env: Dict[str, str]) -> Optional[str]:
     """The CUDA toolkit's include/cccl folder (CUDA 13 and later), or None."""
-    import shutil
-
     roots = [env.get("CUDA_HOME"), env.get("CUDA_PATH")]
     nvcc = shutil.which("nvcc", path=env.get("PATH"))
     if nvcc:
@@ -120,6 +120,159 @@ def cccl_include(env: Dict[str, str]) -> Optional[str]:
         if (folder / "cuda" / "std").is_dir():
             return str(folder)
     return None
+
+
+# --- V2's NCCL: DeepEP main needs NCCL >= 2.30.4 (its Gin device API) at build and run time, where
+# torch may bring an older one (2.28.9 with torch 2.11). ``carry_nccl`` packs the NCCL wheel's
+# library, pruned to one GPU architecture (epbench/nccl_prune.py), and headers (V2's JIT kernels
+# include nccl_device.h at run time) into one tarball; ``build --nccl`` unpacks it into the venv,
+# builds V2 against it, and records it in the stamp; epbench's launcher then preloads that library
+# into the deepep-v2 jobs only (``job_env``), so every other backend keeps torch's own NCCL.
+# Preloading, not replacing torch's file: the host's torch install stays untouched, and the NCCL
+# behind the reference rows does not change with a baseline's build.
+
+MIN_NCCL = (2, 30, 4)
+NCCL_PREFIX = "epbench-nccl"  # in the venv: lib/libnccl.so.2, include/, epbench-nccl.json
+NCCL_STAMP = "epbench-nccl.json"
+NCCL_CARRY = "nccl.tar.xz"
+V2_BACKEND = "deepep-v2"
+
+
+def version_tuple(text: str) -> "tuple[int, ...]":
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def carry_nccl(wheel: Path, out: Path, arch: int) -> str:
+    """Writes ``out`` (a .tar.xz): ``nccl/lib/libnccl.so.2`` pruned for sm_``arch``,
+    ``nccl/include/``, and ``nccl/epbench-nccl.json`` (version, arch). Returns one line."""
+    import tarfile
+    import zipfile
+
+    from epbench import nccl_prune
+
+    try:
+        with zipfile.ZipFile(wheel) as z, tempfile.TemporaryDirectory(prefix="epbench-nccl-") as tmp:
+            root = Path(tmp) / "nccl"
+            names = z.namelist()
+            meta = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
+            lib = "nvidia/nccl/lib/libnccl.so.2"
+            if meta is None or lib not in names:
+                return f"{wheel}: not an NCCL wheel (no {lib})"
+            version = next((ln.split(":", 1)[1].strip() for ln in z.read(meta).decode().splitlines()
+                            if ln.startswith("Version:")), "unknown")
+            for n in names:
+                if n.startswith("nvidia/nccl/include/") and not n.endswith("/"):
+                    dest = root / n[len("nvidia/nccl/"):]
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(z.read(n))
+            (root / "lib").mkdir(parents=True)
+            whole = Path(tmp) / "libnccl.so.2.whole"
+            with z.open(lib) as f_in, open(whole, "wb") as f_out:
+                shutil.copyfileobj(f_in, f_out, 1 << 24)
+            stats = nccl_prune.prune_file(whole, root / "lib" / "libnccl.so.2", arch)
+            whole.unlink()
+            (root / NCCL_STAMP).write_text(json.dumps(
+                {"version": version, "arch": arch, "wheel": wheel.name, "pruned": stats.line(arch)}) + "\n")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(out, "w:xz") as tar:
+                tar.add(root, arcname="nccl")
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"{wheel}: cannot make the NCCL carry: {e}"
+    return f"wrote {out} (NCCL {version} for sm_{arch}, {out.stat().st_size / 2**20:.1f} MiB; {stats.line(arch)})"
+
+
+def unpack_nccl(carry: Path, prefix: Path) -> "Dict[str, str] | str":
+    """Unpacks a ``carry_nccl`` tarball into ``prefix`` (replacing what was there); returns
+    {root, version, preload} or one line naming what is wrong."""
+    import tarfile
+
+    if not carry.is_file():
+        return f"NCCL carry {carry} does not exist (make baselines-carry NCCL_WHEEL=... writes it)"
+    try:
+        if prefix.exists():
+            shutil.rmtree(prefix)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="epbench-nccl-", dir=prefix.parent) as tmp:
+            with tarfile.open(carry, "r:*") as tar:
+                tar.extractall(tmp, filter="data")
+            shutil.move(str(Path(tmp) / "nccl"), str(prefix))
+        info = json.loads((prefix / NCCL_STAMP).read_text())
+    except (OSError, ValueError, tarfile.TarError) as e:
+        return f"unpacking the NCCL carry {carry} failed: {e}"
+    version = str(info.get("version"))
+    if version_tuple(version) < MIN_NCCL:
+        return f"the NCCL carry holds {version}; V2 needs >= {'.'.join(map(str, MIN_NCCL))}"
+    return {"root": str(prefix), "version": version, "preload": str(prefix / "lib" / "libnccl.so.2")}
+
+
+def nccl_build_env(root: str, env: Dict[str, str]) -> Dict[str, str]:
+    """What V2's setup.py needs to build against the NCCL in ``root``: EP_NCCL_ROOT_DIR (its
+    find_nccl_root; setup.py also writes it into deep_ep/envs.py, so the JIT finds the headers at
+    run time) and the linker's search path (setup.py links ``-l:libnccl.so.2`` without ``-L``)."""
+    lib = str(Path(root) / "lib")
+    return {"EP_NCCL_ROOT_DIR": root,
+            "LIBRARY_PATH": os.pathsep.join(p for p in (lib, env.get("LIBRARY_PATH")) if p)}
+
+
+def preload_env(library: str, env: Dict[str, str]) -> Dict[str, str]:
+    return {"LD_PRELOAD": " ".join(p for p in (library, env.get("LD_PRELOAD")) if p)}
+
+
+def v2_nccl() -> Optional[Dict[str, str]]:
+    """The NCCL the installed V2 was built against (from the stamp), where it is a private one
+    that still exists."""
+    try:
+        stamp = json.loads(stamp_path().read_text())
+    except (OSError, ValueError):
+        return None
+    nccl = stamp.get("nccl") if stamp.get("flavor") == "v2" else None
+    return nccl if isinstance(nccl, dict) and Path(str(nccl.get("preload"))).is_file() else None
+
+
+def job_env(backends: Sequence[str]) -> Dict[str, str]:
+    """Environment for the torchrun job that runs ``backends``: V2's private NCCL preloaded
+    where deepep-v2 is among them and was built against one; nothing otherwise."""
+    nccl = v2_nccl() if V2_BACKEND in backends else None
+    return preload_env(nccl["preload"], dict(os.environ)) if nccl else {}
+
+
+@contextmanager
+def job_environment(backends: Sequence[str]) -> Iterator[Dict[str, str]]:
+    """``job_env(backends)`` set in os.environ (which torchrun's workers inherit) while the job
+    runs; the launcher's own environment is restored after it."""
+    extra = job_env(backends)
+    before = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield extra
+    finally:
+        from epbench.launch import restore_env
+
+        restore_env(before)
+
+
+def v2_nccl_status() -> str:
+    """Which NCCL V2 would load in an epbench run, and whether it is new enough."""
+    need = ".".join(map(str, MIN_NCCL))
+    nccl = v2_nccl()
+    if nccl:
+        have, where = str(nccl.get("version")), f"{nccl['preload']}, preloaded into deepep-v2 jobs"
+    else:
+        try:
+            import torch
+
+            have, where = ".".join(map(str, torch.cuda.nccl.version())), "torch's own"
+        except Exception as e:
+            return f"  v2 NCCL at run time: unknown (torch reports none: {' '.join(str(e).split())[:80]})"
+    ok = version_tuple(have) >= MIN_NCCL
+    return (f"  v2 NCCL at run time: {have} ({where}): {'>=' if ok else '<'} {need}, "
+            f"{'enough' if ok else 'too old (make baselines-carry NCCL_WHEEL=..., then make baselines NCCL_CARRY=...)'}")
 
 
 def source_checkout(fl: Flavor, src: Optional[str], workdir: Path, run: Runner,
@@ -165,6 +318,42 @@ def source_checkout(fl: Flavor, src: Optional[str], workdir: Path, run: Runner,
     return dest, ""
 
 
+def carry_source(fl: Flavor, src: str, out: Path, submodule_srcs: Dict[str, str],
+                 run: Runner = _run) -> str:
+    """Writes ``out`` (a .tar.gz): the flavor's pinned commit from the git repository ``src``
+    (a checkout or a bare clone), its submodules at the commits it pins (each from
+    ``submodule_srcs[path]``, else ``src/path``), and ``.epbench-commit``. Returns one line."""
+    env = dict(os.environ)
+    p = run(["git", "-C", src, "ls-tree", "-r", fl.commit], None, env)
+    if p.returncode:
+        return f"{fl.name}: {src} lacks the pinned commit {fl.commit} ({_tail(p)})"
+    # a submodule is a tree entry of mode 160000: "<mode> commit <sha>\t<path>"
+    subs = [(ln.split("\t", 1)[1], ln.split()[2]) for ln in (p.stdout or "").splitlines()
+            if ln.startswith("160000 ")]
+    with tempfile.TemporaryDirectory(prefix="epbench-carry-") as tmp:
+        tar = Path(tmp) / "src.tar"
+        parts = [(src, fl.commit, "")] + [
+            (submodule_srcs.get(path, os.path.join(src, path)), commit, f"{path}/") for path, commit in subs]
+        for repo, commit, prefix in parts:
+            cmd = ["git", "-C", repo, "archive", "--format=tar", f"--output={tar}.part"]
+            p = run(cmd + ([f"--prefix={prefix}"] if prefix else []) + [commit], None, env)
+            if p.returncode:
+                what = f"submodule {prefix[:-1]} at {commit[:12]} from {repo}" if prefix else f"{src}"
+                return (f"{fl.name}: git archive of {what} failed ({_tail(p)})"
+                        + ("; give its checkout: SUBMODULE_SRC=<path>=<git repo>" if prefix else ""))
+            p = run(["tar", "-xf", f"{tar}.part", "-C", tmp], None, env)
+            if p.returncode:
+                return f"{fl.name}: unpacking the archive of {prefix or src} failed ({_tail(p)})"
+            os.unlink(f"{tar}.part")
+        Path(tmp, ".epbench-commit").write_text(fl.commit + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        p = run(["tar", "-czf", str(out.absolute()), "-C", tmp, "."], None, env)
+        if p.returncode:
+            return f"{fl.name}: writing {out} failed ({_tail(p)})"
+    extra = f" with {', '.join(path for path, _ in subs)}" if subs else ""
+    return f"wrote {out} ({fl.name} at {fl.commit[:12]}{extra}, {out.stat().st_size / 2**20:.1f} MiB)"
+
+
 def _folder(venv_python: str, stamp_dir: Optional[Path]) -> Path:
     """Where the build stamp and logs go: the venv of ``venv_python`` (not resolved: a venv's
     python is a link to the base interpreter, and versions() reads sys.prefix)."""
@@ -185,10 +374,20 @@ def _keep_log(p: Any, venv_python: str, name: str, stamp_dir: Optional[Path]) ->
 
 def build(name: str, src: Optional[str], venv_python: str = sys.executable,
           run: Runner = _run, env: Optional[Dict[str, str]] = None,
-          stamp_dir: Optional[Path] = None) -> str:
-    """Builds one flavor; returns one line (what was installed, or the step that failed)."""
+          stamp_dir: Optional[Path] = None, nccl_carry: Optional[str] = None) -> str:
+    """Builds one flavor; returns one line (what was installed, or the step that failed).
+    ``nccl_carry`` (v2): a tarball from ``carry_nccl``, unpacked into the venv and built against."""
     fl = flavor(name)
     env = build_env(dict(os.environ) if env is None else env)
+    nccl: Dict[str, str] = {}
+    if nccl_carry:
+        if fl.name != "v2":
+            return f"{fl.name}: NCCL_CARRY is for the v2 flavor only"
+        got = unpack_nccl(Path(nccl_carry), _folder(venv_python, stamp_dir) / NCCL_PREFIX)
+        if isinstance(got, str):
+            return f"{fl.name}: {got}"
+        nccl = got
+        env.update(nccl_build_env(nccl["root"], env))
     with tempfile.TemporaryDirectory(prefix="epbench-baseline-") as tmp:
         path, note = source_checkout(fl, src, Path(tmp), run, env)
         if path is None:
@@ -200,7 +399,8 @@ def build(name: str, src: Optional[str], venv_python: str = sys.executable,
             return f"{fl.name}: pip install (the CUDA build) failed: {_tail(p)}" + (f" (full log: {log})" if log else "")
     check = (f"import deep_ep, importlib.metadata as m; deep_ep.{fl.provides}; "
              f"print(getattr(deep_ep, '__version__', None) or m.version('deep_ep'))")
-    p = run([venv_python, "-c", check], None, env)
+    check_env = dict(env, **preload_env(nccl["preload"], env)) if nccl else env
+    p = run([venv_python, "-c", check], None, check_env)
     if p.returncode:
         return f"{fl.name}: built, but import deep_ep.{fl.provides} failed: {_tail(p)}"
     stale = _folder(venv_python, stamp_dir) / f"epbench-baselines-{fl.name}.log"
@@ -210,6 +410,8 @@ def build(name: str, src: Optional[str], venv_python: str = sys.executable,
              "version": (p.stdout or "").strip(), "source": src or REPO_URL,
              "torch_cuda_arch_list": env.get("TORCH_CUDA_ARCH_LIST"),
              "nvshmem_dir": env.get("NVSHMEM_DIR")}
+    if nccl:
+        stamp["nccl"] = nccl  # root, version, preload: what deepep-v2 jobs load (job_env)
     folder = _folder(venv_python, stamp_dir)
     try:
         (folder / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
@@ -253,6 +455,7 @@ def status() -> List[str]:
         lines.append("deep_ep: not installed (make baselines [DEEPEP_SRC=/path/to/DeepEP])")
     for fl in FLAVORS.values():
         lines.append(f"  {fl.name}: pinned {fl.commit} ({fl.branch}); needs {fl.needs}")
+    lines.append(v2_nccl_status())
     return lines
 
 
@@ -265,6 +468,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("--flavor", default=os.environ.get("DEEPEP_FLAVOR", "v1"))
     b.add_argument("--src", default=None, help="a DeepEP checkout (default: $HYBRID_EP_SRC for "
                    "hybrid-ep, else $DEEPEP_SRC; neither: clone)")
+    b.add_argument("--nccl", default=os.environ.get("NCCL_CARRY") or None,
+                   help="v2: an NCCL carry (.tar.xz from `carry --nccl-wheel`) to build and run with")
+    c = sub.add_parser("carry", help="write the source (and NCCL) tarballs for a host without network")
+    c.add_argument("--flavor", default=os.environ.get("DEEPEP_FLAVOR", "v1"))
+    c.add_argument("--src", required=True, help="a DeepEP git repository holding the pinned commit")
+    c.add_argument("--out", default=".whl", help="folder for the tarballs (default .whl)")
+    c.add_argument("--submodule", action="append", default=[], metavar="PATH=REPO",
+                   help="a git repository for a submodule (default: SRC/PATH)")
+    c.add_argument("--nccl-wheel", default=None, help="v2: an nvidia-nccl-cu13 wheel to prune and pack")
+    c.add_argument("--arch", type=int, default=90, help="the GPU architecture the NCCL carry keeps (90: H100/H200)")
     sub.add_parser("status")
     args = ap.parse_args(argv)
     if args.cmd == "status":
@@ -272,14 +485,42 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     from epbench.errors import UserError
 
+    if args.cmd == "carry":
+        try:
+            return carry(args)
+        except UserError as e:
+            print(e)
+            return 2
     try:
         src = args.src or (args.flavor == "hybrid-ep" and os.environ.get("HYBRID_EP_SRC")) \
             or os.environ.get("DEEPEP_SRC") or None
-        print(build(args.flavor, src))
+        print(build(args.flavor, src, nccl_carry=args.nccl))
     except UserError as e:
         print(e)
         return 2
     return 0
+
+
+def carry(args: Any) -> int:
+    """``carry``: the flavor's source tarball, and for v2 with a wheel the NCCL tarball. Unlike
+    ``build`` this runs where the user prepares a carry, so a failure is exit code 1."""
+    from epbench.errors import UserError
+
+    fl = flavor(args.flavor)
+    subs = {}
+    for item in args.submodule:
+        if "=" not in item:
+            raise UserError(f"--submodule {item!r}: expected PATH=REPO")
+        path, repo = item.split("=", 1)
+        subs[path.strip("/")] = repo
+    out = Path(args.out)
+    lines = [carry_source(fl, args.src, out / f"deepep-{fl.name}-src.tar.gz", subs)]
+    if args.nccl_wheel:
+        if fl.name != "v2":
+            raise UserError("--nccl-wheel: only the v2 flavor needs its own NCCL")
+        lines.append(carry_nccl(Path(args.nccl_wheel), out / NCCL_CARRY, args.arch))
+    print("\n".join(lines))
+    return 0 if all(ln.startswith("wrote ") for ln in lines) else 1
 
 
 if __name__ == "__main__":

@@ -202,6 +202,15 @@ def mps_active() -> bool:
 MPS_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 
 
+def restore_env(before: Dict[str, Optional[str]]) -> None:
+    """Puts os.environ's variables back to ``before`` (None: unset)."""
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextmanager
 def private_mps() -> Iterator[str]:
     """An MPS control daemon of this run's own (private pipe and log folders, which the ranks
@@ -229,11 +238,7 @@ def private_mps() -> Iterator[str]:
         finally:
             subprocess.run([exe], input="quit\n", capture_output=True, text=True, timeout=60)
     finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(before)
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
 

@@ -157,6 +157,7 @@ class RunWriter:
         self.meta = dict(meta, status="running")
         self.meta["notes"] = list(earlier.get("notes", []))
         self.meta["wrong"] = int(earlier.get("wrong", 0))
+        self.meta["backend_runtime"] = {**earlier.get("backend_runtime", {}), **meta.get("backend_runtime", {})}
         self._write_meta()
 
     def _write_meta(self) -> None:

@@ -1,8 +1,10 @@
 """make baselines' logic, with git, pip and the import check replaced by a recording runner."""
 
-import os
 import json
+import os
 import subprocess
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -126,9 +128,122 @@ def test_versions_reads_the_stamp(tmp_path, monkeypatch):
     assert any("flavor v1 at abc" in ln for ln in baselines.status())
 
 
-def test_makefile_carry_target_exists():
+def test_makefile_targets_call_the_module():
     text = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
-    assert "baselines-carry:" in text and "git -C \"$(DEEPEP_SRC)\" archive" in text
+    assert "baselines-carry:" in text and "-m epbench.baselines carry" in text
+    assert '--nccl "$(NCCL_CARRY)"' in text
+
+
+def git(*args, cwd):
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+def test_carry_source_adds_the_pinned_submodule(tmp_path, monkeypatch):
+    sub = tmp_path / "fmt"
+    sub.mkdir()
+    (sub / "fmt.h").write_text("fmt at the pinned commit")
+    git("init", "-q", cwd=sub)
+    git("add", ".", cwd=sub)
+    git("commit", "-qm", "fmt", cwd=sub)
+    sub_commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=sub, capture_output=True,
+                                text=True).stdout.strip()
+    src = tmp_path / "DeepEP"
+    src.mkdir()
+    (src / "setup.py").write_text("v2")
+    git("init", "-q", cwd=src)
+    git("add", ".", cwd=src)
+    git("update-index", "--add", "--cacheinfo", f"160000,{sub_commit},third-party/fmt", cwd=src)
+    git("commit", "-qm", "v2", cwd=src)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True).stdout.strip()
+    monkeypatch.setitem(baselines.FLAVORS, "v2", baselines.Flavor("v2", commit, "main", "ElasticBuffer", "", True))
+    out = tmp_path / "out" / "src.tar.gz"
+    fl = baselines.FLAVORS["v2"]
+    note = baselines.carry_source(fl, str(src), out, {})
+    assert "submodule third-party/fmt" in note and "SUBMODULE_SRC" in note  # not checked out in src
+    note = baselines.carry_source(fl, str(src), out, {"third-party/fmt": str(sub)})
+    assert note.startswith(f"wrote {out}") and "with third-party/fmt" in note
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        assert tar.extractfile("./.epbench-commit").read().decode().strip() == commit
+        assert tar.extractfile("./third-party/fmt/fmt.h").read() == b"fmt at the pinned commit"
+    assert "./setup.py" in names
+
+
+def fake_nccl_wheel(path, version="2.32.3"):
+    from tests.test_nccl_prune import entry, fatbin
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"nvidia_nccl_cu13-{version}.dist-info/METADATA", f"Name: nvidia-nccl-cu13\nVersion: {version}\n")
+        z.writestr("nvidia/nccl/include/nccl.h", "nccl.h")
+        z.writestr("nvidia/nccl/include/nccl_device/gin.h", "gin.h")
+        z.writestr("nvidia/nccl/lib/libnccl.so.2",
+                   b"\x7fELF" + fatbin(entry(2, 90, b"N" * 64), entry(2, 100, b"B" * 4096)))
+    return path
+
+
+def test_nccl_carry_round_trip(tmp_path):
+    out = tmp_path / ".whl" / baselines.NCCL_CARRY
+    note = baselines.carry_nccl(fake_nccl_wheel(tmp_path / "nccl.whl"), out, 90)
+    assert note.startswith(f"wrote {out} (NCCL 2.32.3 for sm_90") and "zeroed" in note
+    got = baselines.unpack_nccl(out, tmp_path / "venv" / baselines.NCCL_PREFIX)
+    root = tmp_path / "venv" / baselines.NCCL_PREFIX
+    assert got == {"root": str(root), "version": "2.32.3", "preload": str(root / "lib" / "libnccl.so.2")}
+    lib = (root / "lib" / "libnccl.so.2").read_bytes()
+    assert b"N" * 64 in lib and b"B" * 4096 not in lib
+    assert (root / "include" / "nccl_device" / "gin.h").read_text() == "gin.h"
+    old = baselines.carry_nccl(fake_nccl_wheel(tmp_path / "old.whl", "2.28.9"), tmp_path / "old.tar.xz", 90)
+    assert old.startswith("wrote")
+    assert "needs >= 2.30.4" in baselines.unpack_nccl(tmp_path / "old.tar.xz", tmp_path / "p2")
+    assert "does not exist" in baselines.unpack_nccl(tmp_path / "none.tar.xz", tmp_path / "p3")
+    assert "cannot make the NCCL carry" in baselines.carry_nccl(tmp_path / "old.tar.xz", out, 90)  # not a zip
+    with zipfile.ZipFile(tmp_path / "other.whl", "w") as z:
+        z.writestr("other-1.0.dist-info/METADATA", "Version: 1.0\n")
+    assert "not an NCCL wheel" in baselines.carry_nccl(tmp_path / "other.whl", out, 90)
+
+
+def test_v2_build_with_an_nccl_carry_links_it_and_imports_under_preload(tmp_path, monkeypatch):
+    carry = tmp_path / "nccl.tar.xz"
+    baselines.carry_nccl(fake_nccl_wheel(tmp_path / "nccl.whl"), carry, 90)
+    envs = []
+
+    class EnvRecorder(Recorder):
+        def __call__(self, cmd, cwd, env):
+            envs.append((" ".join(cmd), dict(env)))
+            return super().__call__(cmd, cwd, env)
+
+    note = baselines.build("v2", str(git_checkout(tmp_path)), run=EnvRecorder(), env={"LIBRARY_PATH": "/x"},
+                           stamp_dir=tmp_path, nccl_carry=str(carry))
+    root = tmp_path / baselines.NCCL_PREFIX
+    assert note.startswith("v2: installed deep_ep")
+    pip_env = next(e for c, e in envs if "pip install" in c)
+    assert pip_env["EP_NCCL_ROOT_DIR"] == str(root)
+    assert pip_env["LIBRARY_PATH"] == os.pathsep.join([str(root / "lib"), "/x"])
+    assert "LD_PRELOAD" not in pip_env
+    check_env = next(e for c, e in envs if "import deep_ep" in c)
+    assert check_env["LD_PRELOAD"] == str(root / "lib" / "libnccl.so.2")
+    stamp = json.loads((tmp_path / baselines.STAMP).read_text())
+    assert stamp["nccl"]["version"] == "2.32.3"
+    # the launcher preloads it into deepep-v2's job only, and puts the environment back after
+    monkeypatch.setattr(baselines, "stamp_path", lambda: tmp_path / baselines.STAMP)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert baselines.job_env(["reference"]) == {}
+    with baselines.job_environment(["deepep-v2"]) as extra:
+        assert os.environ["LD_PRELOAD"] == extra["LD_PRELOAD"] == stamp["nccl"]["preload"]
+    assert "LD_PRELOAD" not in os.environ
+    assert "2.32.3" in baselines.v2_nccl_status() and ">= 2.30.4, enough" in baselines.v2_nccl_status()
+    v1 = baselines.build("v1", str(tmp_path / "DeepEP"), run=Recorder(), env={}, stamp_dir=tmp_path,
+                         nccl_carry=str(carry))
+    assert "NCCL_CARRY is for the v2 flavor" in v1
+
+
+def test_v2_status_reports_torchs_nccl_without_a_carry(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(baselines, "stamp_path", lambda: tmp_path / baselines.STAMP)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    line = baselines.v2_nccl_status()
+    assert "2.28.9 (torch's own): < 2.30.4, too old" in line
 
 
 def test_cuda_13_cccl_headers_reach_the_host_compiler(tmp_path):

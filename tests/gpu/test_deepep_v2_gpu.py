@@ -1,0 +1,51 @@
+"""DeepEP V2 (deepep-v2) through `epbench run` on one GPU, after `make baselines DEEPEP_FLAVOR=v2
+NCCL_CARRY=...`: at world 1 it runs verified with the NCCL it was built against preloaded into its
+job only; ranks sharing the GPU get a skipped row saying it needs one GPU per rank."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from epbench import baselines
+from epbench.results import load_run
+from gpu_launch import ROOT, safe_env, shares_gpus
+
+pytestmark = shares_gpus()
+
+QUICK = ["--sms", "16", "--iters", "5", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def v2_built() -> None:
+    build = baselines.versions().get("deep_ep_build")
+    if not isinstance(build, dict) or build.get("flavor") != "v2":
+        pytest.skip("DeepEP V2 is not built here (make baselines DEEPEP_FLAVOR=v2 NCCL_CARRY=...)")
+
+
+def run_v2(tmp_path: Path, nproc: int):
+    env = dict(safe_env(), CUDA_VISIBLE_DEVICES="0")
+    r = subprocess.run([sys.executable, "-m", "epbench", "run", "scenarios/dsv3x2.yaml", "--nproc", str(nproc),
+                        "--backends", "deepep-v2,reference", *QUICK, "--results", str(tmp_path / "r")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    (run,) = list((tmp_path / "r").iterdir())
+    return r, load_run(run)[1], json.loads((run / "meta.json").read_text())
+
+
+def test_world_1_runs_verified_with_its_own_nccl(v2_built: None, tmp_path: Path) -> None:
+    r, df, meta = run_v2(tmp_path, 1)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    v2 = df[df["backend"] == "deepep-v2"]
+    assert set(v2["op"]) == {"dispatch", "combine"} and int(v2["wrong"].sum()) == 0
+    runtime = meta["backend_runtime"]
+    assert baselines.version_tuple(runtime["deepep-v2"]["nccl"]) >= baselines.MIN_NCCL
+    if baselines.v2_nccl():  # built against a carry: preloaded into its job, not the reference's
+        assert runtime["deepep-v2"]["ld_preload"] and not runtime["reference"]["ld_preload"]
+
+
+def test_ranks_sharing_the_gpu_get_a_skipped_row(v2_built: None, tmp_path: Path) -> None:
+    r, _, _ = run_v2(tmp_path, 2)
+    assert "backend deepep-v2 skipped: needs 2 GPUs, one per rank" in r.stdout, r.stdout[-4000:]
