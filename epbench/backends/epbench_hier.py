@@ -44,10 +44,13 @@ DEFAULT_CHUNK = 4
 TRANSPORTS = ("auto", "put", "direct")  # EphConfig.transport 0, 1, 2
 
 
-def shares_gpus_without_mps() -> bool:
+def shares_gpus() -> bool:
     """The process group is gloo on GPUs only where ranks share one (epbench.launch)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl" \
-        and not mps_active()
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl"
+
+
+def shares_gpus_without_mps() -> bool:
+    return shares_gpus() and not mps_active()
 
 
 @dataclass

@@ -160,11 +160,10 @@ class SymmMemBackend(Backend):
             return f"torch.distributed._symmetric_memory not importable ({e})"
         reason = limits_reason(setup.world, available, setup.device.type if torch.cuda.is_available() else "cpu",
                                setup.layout, setup.experts_per_rank)
-        if reason is None:
-            from epbench.backends.epbench_hier import shares_gpus_without_mps
-            if shares_gpus_without_mps():
-                reason = ("ranks share a GPU and no MPS daemon serves them (torch's NVSHMEM failed so on "
-                          "one H100; start nvidia-cuda-mps-control -d or run with --mps)")
+        from epbench.backends.epbench_hier import shares_gpus
+        if reason is None and shares_gpus():
+            reason = ("needs one GPU per rank: torch's NVSHMEM refuses ranks sharing a GPU, with or without "
+                      "MPS ('NVSHMEM API not supported with limited MPG runs', one H100, 2026-11-25)")
         return reason
 
     def __init__(self, setup: RankSetup, *, symm: Any = None) -> None:

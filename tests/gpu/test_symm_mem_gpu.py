@@ -1,6 +1,6 @@
 """The symm-mem backend (torch's NVSHMEM all-to-all) through `epbench run`, every point verified:
-2 ranks sharing GPU 0 under a private MPS daemon (`--mps`; torch's NVSHMEM failed on one GPU
-without MPS), and 2 ranks on separate GPUs where the host has them. rank_major on the shipped
+2 ranks on separate GPUs where the host has them; 2 ranks sharing GPU 0 under MPS only check the
+one-line skip (torch's NVSHMEM refuses several processes per GPU, measured on one H100). rank_major on the shipped
 DeepSeek-V3 shape (all_to_all_vdev); expert_major with 4 experts per rank (all_to_all_vdev_2d
 takes at most 16), bf16 and fp8."""
 
@@ -52,6 +52,9 @@ def run(tmp_path: Path, scenario: str, shared: bool) -> None:
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     (folder,) = list(results.iterdir())
+    if shared:  # torch's NVSHMEM refuses ranks sharing a GPU (measured): a skipped row, nothing run
+        assert "needs one GPU per rank" in r.stdout, r.stdout[-4000:]
+        return
     df = load_run(folder)[1]  # measured rows: a skipped backend leaves none
     assert set(df["backend"]) == {"symm-mem"}, r.stdout[-4000:]
     assert int(df["wrong"].sum()) == 0, r.stdout[-4000:]
