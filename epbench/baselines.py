@@ -208,6 +208,10 @@ def unpack_nccl(carry: Path, prefix: Path) -> "Dict[str, str] | str":
     version = str(info.get("version"))
     if version_tuple(version) < MIN_NCCL:
         return f"the NCCL carry holds {version}; V2 needs >= {'.'.join(map(str, MIN_NCCL))}"
+    try:
+        make_torch_shim(prefix)
+    except OSError as e:
+        return f"linking the NCCL carry for torch's preload failed: {e}"
     return {"root": str(prefix), "version": version, "preload": str(prefix / "lib" / "libnccl.so.2")}
 
 
@@ -220,8 +224,29 @@ def nccl_build_env(root: str, env: Dict[str, str]) -> Dict[str, str]:
             "LIBRARY_PATH": os.pathsep.join(p for p in (lib, env.get("LIBRARY_PATH")) if p)}
 
 
+TORCH_SHIM = "torch-shim"  # <prefix>/torch-shim/nvidia/nccl/lib/libnccl.so.2 -> <prefix>/lib/libnccl.so.2
+
+
+def make_torch_shim(prefix: Path) -> None:
+    """torch's import preloads ``nvidia/nccl/lib/libnccl.so.*`` from the first sys.path entry
+    that has one, by full path: with only LD_PRELOAD, torch's own copy is then loaded beside the
+    private one (V2's import refuses two NCCL runtimes; seen on one H100, 2026-11-25). A folder
+    that holds that path as a link to the private library, put first on PYTHONPATH, makes torch's
+    preload name the same file (loaded once)."""
+    lib = prefix / TORCH_SHIM / "nvidia" / "nccl" / "lib"
+    lib.mkdir(parents=True, exist_ok=True)
+    link = lib / "libnccl.so.2"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(prefix / "lib" / "libnccl.so.2")
+
+
 def preload_env(library: str, env: Dict[str, str]) -> Dict[str, str]:
-    return {"LD_PRELOAD": " ".join(p for p in (library, env.get("LD_PRELOAD")) if p)}
+    out = {"LD_PRELOAD": " ".join(p for p in (library, env.get("LD_PRELOAD")) if p)}
+    shim = Path(library).parents[1] / TORCH_SHIM
+    if shim.is_dir():
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), env.get("PYTHONPATH")) if p)
+    return out
 
 
 def v2_nccl() -> Optional[Dict[str, str]]:

@@ -192,6 +192,11 @@ def test_nccl_carry_round_trip(tmp_path):
     lib = (root / "lib" / "libnccl.so.2").read_bytes()
     assert b"N" * 64 in lib and b"B" * 4096 not in lib
     assert (root / "include" / "nccl_device" / "gin.h").read_text() == "gin.h"
+    # torch's own preload (nvidia/nccl/lib on sys.path) is pointed at the same file
+    shim = root / baselines.TORCH_SHIM
+    assert (shim / "nvidia" / "nccl" / "lib" / "libnccl.so.2").resolve() == (root / "lib" / "libnccl.so.2").resolve()
+    env = baselines.preload_env(got["preload"], {"PYTHONPATH": "/x", "LD_PRELOAD": "/y.so"})
+    assert env == {"LD_PRELOAD": f"{got['preload']} /y.so", "PYTHONPATH": f"{shim}{os.pathsep}/x"}
     old = baselines.carry_nccl(fake_nccl_wheel(tmp_path / "old.whl", "2.28.9"), tmp_path / "old.tar.xz", 90)
     assert old.startswith("wrote")
     assert "needs >= 2.30.4" in baselines.unpack_nccl(tmp_path / "old.tar.xz", tmp_path / "p2")
