@@ -264,17 +264,22 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
     int d = -1;
     const int4* src = nullptr;  // lane k's row: y[slot] for an expert of mine, rank d's partial once per d
     float w = 0.f;
+    // lane k's expert id, slot entry and weight loaded together (none depends on another's value:
+    // issued back to back, one round trip instead of three)
+    unsigned long long ent = 0;
+    float wk = 0.f;
     if (lane < topk) {
+      const size_t tk = ((size_t)me * lp.t_max + t) * topk + lane;
       const long long e = a.topk_idx[(size_t)t * topk + lane];
+      ent = tmap[tk];
+      wk = tw[tk];
       if (e >= 0 && e < lp.num_experts) d = (int)(e / E);
     }
     const unsigned same = __match_any_sync(0xffffffffu, d);
     if (d == me) {
-      const size_t tk = ((size_t)me * lp.t_max + t) * topk + lane;
-      const unsigned long long ent = tmap[tk];
       if ((int)(ent >> 32) == depoch) {
         src = reinterpret_cast<const int4*>(y + (size_t)(ent & 0xffffffffu) * row);
-        w = tw[tk];
+        w = wk;
       }
     } else if (d >= 0 && (same & ((1u << lane) - 1u)) == 0) {  // the first of t's experts on rank d
       // this lane waits for rank d's chunk; the warp barrier below orders every lane's loads after it

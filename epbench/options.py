@@ -80,9 +80,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                         env="EPBENCH_LL_WARPS"),
         "combine_chunk": Option(int, 4, "16-byte vectors per lane and combine work unit (4: 2 KiB of a row, "
                                 "2: 1 KiB; LL v3)", choices=(2, 4), env="EPBENCH_LL_COMBINE_CHUNK"),
-        "ll_sync": Option(str, "grid", "how both kernels synchronise: grid (a grid-wide release / wait / finish "
-                          "through block counters, LL v3) or token (per-token flags, per-block epochs; "
-                          "notes/LATENCY.md round 3)", choices=("grid", "token"), env="EPBENCH_LL_SYNC"),
+        "ll_sync": Option(str, "auto", "how both kernels synchronise: token (per-token flags, per-block epochs; "
+                          "notes/LATENCY.md round 3), grid (a grid-wide release / wait / finish through block "
+                          "counters, LL v3), auto (token where its shared memory fits, else grid; rows record "
+                          "the one used)", choices=("auto", "grid", "token"), env="EPBENCH_LL_SYNC"),
     },
     "epbench-hier": {
         "send_share": Option(float, 0.5, "share of the num_sms blocks that send", low=0.0, high=1.0,

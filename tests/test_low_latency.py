@@ -339,9 +339,9 @@ def test_ll_sync_option_parses_and_defaults():
 
     assert options.validate({"epbench-ll": {"ll_sync": "token"}}) == {"epbench-ll": {"ll_sync": "token"}}
     assert options.parse_cli(["ll_sync=token"]) == {"epbench-ll": {"ll_sync": "token"}}
-    assert options.resolve("epbench-ll", {}, environ={})["ll_sync"] == "grid"
+    assert options.resolve("epbench-ll", {}, environ={})["ll_sync"] == "auto"
     assert options.resolve("epbench-ll", {}, environ={"EPBENCH_LL_SYNC": "token"})["ll_sync"] == "token"
-    with pytest.raises(UserError, match="ll_sync: must be one of grid, token, got 'fast'"):
+    with pytest.raises(UserError, match="ll_sync: must be one of auto, grid, token, got 'fast'"):
         options.validate({"epbench-ll": {"ll_sync": "fast"}})
 
 

@@ -79,8 +79,10 @@ class EpbenchLowLatencyBackend(Backend):
         given = (("warps", warps), ("combine_chunk", combine_chunk), ("ll_sync", ll_sync))
         resolved = options.resolve(self.name, {k: v for k, v in given if v is not None})
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
+        need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
+        if self.ll_sync == "auto":  # the one recorded in the rows (effective_config)
+            self.ll_sync = "token" if need <= TOKEN_SMEM_LIMIT else "grid"
         if self.ll_sync == "token":
-            need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
             if need > TOKEN_SMEM_LIMIT:
                 raise RuntimeError(f"epbench-ll ll_sync token: {need} bytes of shared memory for the ids and "
                                    f"per-32-token expert counts, more than {TOKEN_SMEM_LIMIT} (use ll_sync grid)")
