@@ -138,6 +138,46 @@ NCCL_CARRY = "nccl.tar.xz"
 V2_BACKEND = "deepep-v2"
 
 
+def loaded_nccl(maps: str = "/proc/self/maps") -> "tuple[List[str], Optional[tuple[int, ...]]]":
+    """The NCCL libraries mapped into this process and the version the first one reports at run
+    time (ncclGetVersion). torch.cuda.nccl.version() is the version torch was compiled against,
+    which stays 2.28.9 when another libnccl is preloaded (seen on one H100, 2026-11-25)."""
+    import ctypes
+
+    paths: List[str] = []
+    try:
+        with open(maps) as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if "/libnccl.so" in path and path not in paths:
+                    paths.append(path)
+    except OSError:
+        return [], None
+    if not paths:
+        return [], None
+    try:
+        code = ctypes.c_int()
+        if ctypes.CDLL(paths[0]).ncclGetVersion(ctypes.byref(code)) != 0:
+            return paths, None
+    except (OSError, AttributeError):
+        return paths, None
+    v = code.value  # >= 2.9: major * 10000 + minor * 100 + patch
+    return paths, (v // 10000, v // 100 % 100, v % 100)
+
+
+def runtime_nccl_version() -> Optional["tuple[int, ...]"]:
+    """The NCCL version this process runs (the loaded library's own answer), else torch's."""
+    version = loaded_nccl()[1]
+    if version is not None:
+        return version
+    try:
+        import torch
+
+        return tuple(torch.cuda.nccl.version())
+    except Exception:
+        return None
+
+
 def version_tuple(text: str) -> "tuple[int, ...]":
     parts = []
     for piece in text.split("+")[0].split("."):

@@ -129,10 +129,8 @@ def collect(argv: List[str], device: str) -> Dict[str, Any]:
     }
     if device == "cuda":
         info["cuda"] = torch.version.cuda
-        try:
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception as e:
-            info["nccl"] = f"unknown ({e})"
+        nccl = baselines.runtime_nccl_version()  # what runs (a job may preload its own), not torch's build
+        info["nccl"] = ".".join(map(str, nccl)) if nccl else "unknown"
         info.update(nvml_info())
         topo = _run(["nvidia-smi", "topo", "-m"])
         info["topology"] = re.sub(r"\x1b\[[0-9;]*m", "", topo) if topo else "skipped: nvidia-smi unavailable"

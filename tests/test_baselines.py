@@ -272,3 +272,15 @@ def test_nvshmem_wheel_without_the_unversioned_library_gets_a_folder_of_links(tm
     assert not (home / "lib" / "libnvshmem_host.so").exists()  # the wheel itself is left alone
     (home / "lib" / "libnvshmem_host.so").write_text("host")
     assert baselines.nvshmem_link_home(home, tmp_path / "shadow2") == str(home)
+
+
+def test_loaded_nccl_lists_every_mapped_copy_and_never_raises(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /venv/epbench-nccl/lib/libnccl.so.2\n"
+                    "7f01-7f02 r--p 0 08:01 1 /venv/epbench-nccl/lib/libnccl.so.2\n"
+                    "7f02-7f03 r-xp 0 08:01 2 /site/nvidia/nccl/lib/libnccl.so.2\n"
+                    "7f03-7f04 rw-p 0 00:00 0\n")
+    paths, version = baselines.loaded_nccl(str(maps))
+    assert paths == ["/venv/epbench-nccl/lib/libnccl.so.2", "/site/nvidia/nccl/lib/libnccl.so.2"]
+    assert version is None  # the first path is not a loadable library here
+    assert baselines.loaded_nccl(str(tmp_path / "none")) == ([], None)

@@ -103,10 +103,9 @@ class DeepEPV2Backend(Backend):
             return f"deep_ep.ElasticBuffer not importable ({detail}); build: make baselines DEEPEP_FLAVOR=v2"
         if setup.device.type != "cuda" or not torch.cuda.is_available():
             return "needs CUDA GPUs"
-        try:
-            nccl = tuple(torch.cuda.nccl.version())
-        except Exception:
-            nccl = None
+        from epbench.baselines import runtime_nccl_version
+
+        nccl = runtime_nccl_version()  # the loaded library's, not torch's compile-time version
         per_gpu = -(-setup.gpus_per_node // max(1, torch.cuda.device_count()))
         return limits_reason(setup.world, setup.hidden, setup.dispatch_dtype, torch.__version__, nccl, per_gpu)
 
