@@ -232,7 +232,7 @@ __device__ __forceinline__ void ll_store_epoch_slots(const LlParams& lp, int* sl
 }
 
 // Dynamic shared memory of the token dispatch at `tokens` tokens: the staged ids (T x topk int32)
-// and the per-(chunk of 32 tokens, global expert) prefix counts plus a totals row
+// and the per-(chunk of 32 tokens, global expert) 32-bit token masks plus a totals row
 // ((ceil(T / 32) + 1) x num_experts int32). Mirrored in epbench/backends/epbench_ll.py.
 inline size_t ll_token_smem_bytes(int tokens, int topk, int num_experts) {
   return ((size_t)tokens * topk + (size_t)((tokens + 31) / 32 + 1) * num_experts) * sizeof(int);

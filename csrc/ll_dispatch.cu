@@ -35,14 +35,17 @@
 //   epoch: block b reads eslots[0][b] + 1 and at its end stores it into slots b, b + G, ... (G = grid
 //      size), so every slot agrees after a launch whatever grid the next launch has.
 //   stage: every block stages topk_idx in shared memory and builds, redundantly and identically, the
-//      per-(chunk of 32 tokens, global expert) counts (shared atomics) and their prefix over chunks
-//      (+ a totals row): token t's slot j for expert e = tokens of earlier chunks routed to e + one
-//      ballot over t's chunk (token_rank_for). Slots are the contract's (base.py ll_slots).
+//      per-(chunk of 32 tokens, global expert) token masks (shared atomicOr, bit = token in its chunk)
+//      and a totals row: token t's slot j for expert e = popcounts of e's masks of earlier chunks +
+//      those of t's own chunk below t (token_rank: per lane, no ballot, no loop over topk). Slots are
+//      the contract's (base.py ll_slots).
 //      Block 0 stores dwords[me][E] = (epoch << 32) | T on every peer first, then dwords[me][le] =
 //      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
-//   send: per token nx own-chunk units (chunk of kS x 32 vectors straight into my experts' slots,
-//      scales and pair; tmap / tw of my own experts with the first chunk; no stage, no flag: kernel
-//      completion orders them for the caller and for combine) and one unit per peer d: if t has an
+//   send: per token nx x ng own-chunk units (chunk of kS x 32 vectors straight into the slots of my
+//      experts k with k % ng == g, ng = how many times the units fit the warps, 1..topk, so a small
+//      batch's stores spread over many SMs; scales and pair; tmap / tw of those experts with the first
+//      chunk; no stage, no flag: kernel completion orders them for the caller and for combine) and
+//      one unit per peer d: if t has an
 //      expert on d, its row into stage[me, t] on d, tmap / tw for those experts; then __syncwarp and
 //      lane 0 stores tflags[me, t] on d = (epoch << 32) | hit with st.release.sys (hit 0: relaxed,
 //      nothing behind it), so d can wait for every token of every source.
@@ -50,6 +53,8 @@
 //      block 0 waits for the count words and writes counts / src_counts / src_tokens; unit (source
 //      s, token t < T_s, chunk c): every lane acquires tflags[s, t] itself (its later loads of tmap
 //      and the row follow its own acquire), then copies chunk c as the grid path does.
+//   Units are dealt block-major (unit u -> block u % blocks), so a few units land on as many SMs:
+//   a warp's send is bound by what its SM stores (notes/LATENCY.md, round 4).
 //   Memory model: a unit's lanes store, then bar.warp.sync (which orders the participating threads'
 //   memory accesses), then lane 0's st.release.sys; release is cumulative over what precedes it in
 //   causality order, so the receiver's ld.acquire.sys that reads the flag sees every lane's stores.
@@ -272,21 +277,19 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
 
 // ---- ll_sync = token (header comment of this part: see "Token sync" at the top of the file) ----
 
-// Rank of token t (warp-uniform) among this source's tokens routed to expert e, in token order: the
-// tokens of earlier chunks (s_pre[c, e]) plus those earlier in t's own chunk (one ballot).
-__device__ __forceinline__ int token_rank_for(const int* s_idx, const int* s_pre, int T, int topk, int NE, int t,
-                                              int e, int lane) {
-  const int c = t >> 5, tok = (c << 5) + lane;
-  bool has = false;
-  if (tok < T)
-    for (int k = 0; k < topk; ++k) has |= s_idx[tok * topk + k] == e;
-  const unsigned m = __ballot_sync(0xffffffffu, has);
-  return s_pre[c * NE + e] + __popc(m & ((1u << (t & 31)) - 1u));
+// Rank of token t among this source's tokens routed to expert e, in token order, from the stage's
+// per-(chunk, expert) token masks: the tokens of e in earlier chunks plus those below t in its own.
+// Per lane (no warp collective), so every hit lane of a unit gets its slot at once.
+__device__ __forceinline__ int token_rank(const int* s_mask, int NE, int t, int e) {
+  const int c = t >> 5;
+  int j = __popc((unsigned)s_mask[c * NE + e] & ((1u << (t & 31)) - 1u));
+  for (int cc = 0; cc < c; ++cc) j += __popc((unsigned)s_mask[cc * NE + e]);
+  return j;
 }
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
-  extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_pre [(chunks + 1) * NE] (last row: totals)
+  extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
   __shared__ int s_epoch;
   __shared__ int s_tok[EP_MAX_WORLD + 1];  // prefix over sources of the tokens to receive (mine: 0)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -294,37 +297,34 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   const int me = p.rank, Tm = lp.t_max, ns = p.num_scales, V = p.row_bytes >> 4;
   const int chunks = (T + 31) / 32;
   int* s_idx = s_dyn;
-  int* s_pre = s_dyn + T * topk;
+  int* s_mask = s_dyn + T * topk;
   ll_stamp(lp, kLlStart);
+  // every global load of the stage issued before the first wait on any of them
+  bool aborted = ld_volatile(p.dev_error) != 0;
   if (threadIdx.x == 0) s_epoch = ld_volatile(lp.eslots + blockIdx.x) + 1;
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
-  for (int i = threadIdx.x; i < (chunks + 1) * NE; i += blockDim.x) s_pre[i] = 0;
+  for (int i = threadIdx.x; i < (chunks + 1) * NE; i += blockDim.x) s_mask[i] = 0;
   __syncthreads();
   const int epoch = s_epoch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
-  bool aborted = ld_volatile(p.dev_error) != 0;
   unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
   if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
     dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
     st_relaxed_sys_u64(dwords_of_me + E, tag | (unsigned)T);  // first: the receivers' blocks wait for it
   }
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) {
-    const int e = s_idx[i];
-    if (e >= 0 && e < NE) atomicAdd(&s_pre[(i / topk >> 5) * NE + e], 1);
+    const int e = s_idx[i], t = i / topk;
+    if (e >= 0 && e < NE) atomicOr(reinterpret_cast<unsigned*>(&s_mask[(t >> 5) * NE + e]), 1u << (t & 31));
   }
   __syncthreads();
+  int* totals = s_mask + chunks * NE;
   for (int e = threadIdx.x; e < NE; e += blockDim.x) {
     int run = 0;
-    for (int c = 0; c < chunks; ++c) {
-      const int n = s_pre[c * NE + e];
-      s_pre[c * NE + e] = run;
-      run += n;
-    }
-    s_pre[chunks * NE + e] = run;
+    for (int c = 0; c < chunks; ++c) run += __popc((unsigned)s_mask[c * NE + e]);
+    totals[e] = run;
   }
   __syncthreads();
   ll_stamp(lp, kLlStaged);
-  const int* totals = s_pre + chunks * NE;
   if (blockIdx.x == 0 && !aborted) {  // counts for each peer's experts, epoch-tagged
     for (int i = threadIdx.x; i < NE; i += blockDim.x) {
       const int d = i / E;
@@ -335,56 +335,65 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     }
   }
 
-  // send: per token, nx own-chunk units (rows straight into my experts' slots), then one unit per peer
+  // send: per token nx x ng own-chunk units (rows straight into my experts' slots), then one unit per peer
   const int nx = (V + 32 * kS - 1) / (32 * kS);
-  const int per_token = nx + world - 1;
-  const long long G = (long long)gridDim.x * nwarps, gw = (long long)blockIdx.x * nwarps + warp;
+  const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
+  const long long base_units = (long long)T * (nx + world - 1);
+  const int ng = base_units > 0 ? (int)max(1LL, min((long long)topk, G / base_units)) : 1;
+  const int own_units = nx * ng;
+  const int per_token = own_units + world - 1;
   uint8_t* mybase = p.peer_base[me];
   for (long long u = gw; !aborted && u < (long long)T * per_token; u += G) {
     const int t = (int)(u / per_token), r = (int)(u - (long long)t * per_token);
-    const int d = r < nx ? me : (me + 1 + (r - nx)) % world;
+    const bool own = r < own_units;
+    const int d = own ? me : (me + 1 + (r - own_units)) % world;
+    const int rc = own ? r / ng : 0;  // own: chunk of the row, and group g = r % ng of t's experts
     int e = -1;
     if (lane < topk) e = s_idx[t * topk + lane];
-    const bool hit = lane < topk && e >= d * E && e < (d + 1) * E;
+    const bool hit = lane < topk && e >= d * E && e < (d + 1) * E && (!own || lane % ng == r - rc * ng);
     const unsigned mask = __ballot_sync(0xffffffffu, hit);
-    int slot = 0;  // lane k's: le * C + me * T_max + j
-    for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
-      const int b = __ffs(todo) - 1;
-      const int eb = __shfl_sync(0xffffffffu, e, b);
-      const int j = token_rank_for(s_idx, s_pre, T, topk, NE, t, eb, lane);
-      if (lane == b) slot = (eb - d * E) * lp.capacity + me * Tm + j;
-    }
+    if (own && mask == 0) continue;
+    const bool pair_entry = hit && rc == 0;  // this unit stores lane k's tmap / tw entry
+    float w = 0.f;
+    if (pair_entry) w = a.topk_w[(size_t)t * topk + lane];  // loaded before any store of the unit
     uint8_t* pb = p.peer_base[d];
-    if (d == me) {
-      if (mask == 0) continue;
-      // chunk r of row t into each of my experts' slots (no stage, no flag: kernel completion orders them)
+    if (own) {
+      // chunk rc of row t into the slots of this unit's experts
       int4 buf[kS];
       const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
 #pragma unroll
       for (int q = 0; q < kS; ++q) {
-        const int i = r * 32 * kS + q * 32 + lane;
+        const int i = rc * 32 * kS + q * 32 + lane;
         if (i < V) buf[q] = ld_nc_v4(src + i);
       }
-      float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
-      int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
       const float* ssrc = a.x_scales + (size_t)t * ns;
       RowScales sc;
-      if (r == 0) sc.load(ssrc, ns, lane);
+      if (rc == 0) sc.load(ssrc, ns, lane);
+      const int slot = hit ? (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e) : 0;
+      float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
+      int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
       for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
         const int b = __ffs(todo) - 1;
         const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
         int4* dst = reinterpret_cast<int4*>(mybase + lp.off_x + sl * p.row_bytes);
 #pragma unroll
         for (int q = 0; q < kS; ++q) {
-          const int i = r * 32 * kS + q * 32 + lane;
+          const int i = rc * 32 * kS + q * 32 + lane;
           if (i < V) st_v4(dst + i, buf[q]);
         }
-        if (r == 0) {
+        if (rc == 0) {
           sc.store(xs + sl * ns, ssrc, ns, lane);
           if (lane == 0) pair[sl] = t * topk + b;
         }
       }
-    } else if (mask != 0) {
+      if (pair_entry) {  // where my combine's reduce finds the pair's slot and weight
+        const size_t tk = ((size_t)me * Tm + t) * topk + lane;
+        reinterpret_cast<unsigned long long*>(mybase + lp.off_tmap)[tk] = tag | (unsigned)slot;
+        reinterpret_cast<float*>(mybase + lp.off_tw)[tk] = w;
+      }
+      continue;
+    }
+    if (mask != 0) {
       const size_t srow = (size_t)me * Tm + t;
       copy_row(reinterpret_cast<int4*>(pb + lp.off_stage + srow * p.row_bytes),
                reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes), V, lane);
@@ -393,19 +402,17 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
         for (int i = lane; i < ns; i += 32) dst[i] = a.x_scales[(size_t)t * ns + i];
       }
     }
-    // the pair's slot and weight, where combine's expert side (or, for my own tokens, its reduce) reads them
-    if (hit && (d != me || r == 0)) {
+    if (hit) {  // the pair's slot and weight, where d's combine expert side reads them
       const size_t tk = ((size_t)me * Tm + t) * topk + lane;
+      const int slot = (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e);
       reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
-      reinterpret_cast<float*>(pb + lp.off_tw)[tk] = a.topk_w[(size_t)t * topk + lane];
+      reinterpret_cast<float*>(pb + lp.off_tw)[tk] = w;
     }
-    if (d != me) {
-      __syncwarp();  // every lane's stores of this unit before lane 0's flag (bar.warp.sync orders memory)
-      unsigned long long* flag = reinterpret_cast<unsigned long long*>(pb + lp.off_tflags) + (size_t)me * Tm + t;
-      if (lane == 0) {
-        if (mask != 0) st_release_sys_u64(flag, tag | 1u);
-        else st_relaxed_sys_u64(flag, tag);  // nothing behind it: no fence
-      }
+    __syncwarp();  // every lane's stores of this unit before lane 0's flag (bar.warp.sync orders memory)
+    unsigned long long* flag = reinterpret_cast<unsigned long long*>(pb + lp.off_tflags) + (size_t)me * Tm + t;
+    if (lane == 0) {
+      if (mask != 0) st_release_sys_u64(flag, tag | 1u);
+      else st_relaxed_sys_u64(flag, tag);  // nothing behind it: no fence
     }
   }
   ll_stamp(lp, kLlSent);
@@ -429,7 +436,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   }
   __syncthreads();
   ll_stamp(lp, kLlWaited);
-  aborted = ld_volatile(p.dev_error) != 0;
+  // a wait above (world > 1 only) may have given up: look again; at world 1 nothing waited
+  if (world > 1) aborted = aborted || ld_volatile(p.dev_error) != 0;
   if (blockIdx.x == 0 && !aborted) {
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
       long long sum = 0;

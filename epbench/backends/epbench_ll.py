@@ -42,7 +42,7 @@ TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's 
 def token_smem_bytes(tokens: int, topk: int, num_experts: int) -> int:
     """Shared memory of the token-sync dispatch at ``tokens`` tokens (ll_token_smem_bytes in
     csrc/ll_common.cuh): the staged ids (tokens x topk int32) and, per chunk of 32 tokens and global
-    expert, the tokens of earlier chunks routed to it, plus a totals row ((ceil(tokens / 32) + 1) x
+    expert, the mask of the chunk's tokens routed to it, plus a totals row ((ceil(tokens / 32) + 1) x
     num_experts int32)."""
     return 4 * (tokens * topk + ((tokens + 31) // 32 + 1) * num_experts)
 
