@@ -214,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   ll_stamp(lp, kLlStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = lp.experts, me = p.rank, cch = lp.cflag_chunks;
+  const bool aborted = ld_volatile(p.dev_error) != 0;  // issued with the epochs: one round trip for both
   if (threadIdx.x == 0) {
     s_epoch = ld_volatile(lp.eslots + lp.eslot_count + blockIdx.x) + 1;
     s_depoch = ld_volatile(lp.eslots + blockIdx.x);  // the matching dispatch's epoch (stream order)
@@ -228,13 +229,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   ll_stamp(lp, kLlStaged);
   const int epoch = s_epoch, depoch = s_depoch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
-  const long long G = (long long)gridDim.x * nwarps, gw = (long long)blockIdx.x * nwarps + warp;
+  // units dealt block-major (u -> block u % blocks): a small batch's loads spread over many SMs
+  const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
   const size_t row = (size_t)p.hidden * 2;
   const int V = p.hidden >> 3;
   const int nch = (V + 32 * kV - 1) / (32 * kV);
   const int fstep = kV / 2;  // flag chunks (of 64 vectors) per work chunk: flag index c * fstep
 
-  bool aborted = ld_volatile(p.dev_error) != 0;
   // push: peers' tokens only (my own experts' share of my tokens is summed in the reduce below)
   for (long long u = gw; !aborted && u < (long long)s_tokens[world] * nch; u += G) {
     const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
