@@ -14,13 +14,13 @@
 //    the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t] and issues the
 //    loads of unit j + S into the freed stage. Rows and weights of the warp's tokens are computed 32
 //    tokens at a time (one lane per token) into a double-buffered per-warp table, one batch ahead.
-// Expert-major (align >= 1): combine_in holds one row per slot (the caller's expert outputs). Phase R runs
-// before step 1 in the same kernel: warp g takes received rows g, g + G, ... and sums each row's slots
-// (em_slot, written by the dispatch) times the row's weight for that expert (recv_w) in fp32 into one bf16
-// row of combine_red, rank-major; the last block to finish R releases ready[me] (step 1), and step 3 pulls
-// combine_red with weight 1 per holder instead of combine_in with w(t, d). So a row still crosses the link
-// once per (token, rank) and nothing unpermutes the buffer apart from this read. R needs every block
-// resident at once (they wait for each other's ready), as the dispatch's local copies do.
+// Expert-major (align >= 1): combine_in holds one row per slot (the caller's expert outputs). Phase R
+// (em_reduce_kernel, launched on the same grid right before the combine kernel) runs before step 1: warp g
+// takes received rows g, g + G, ... and sums each row's slots (em_slot, written by the dispatch) times the
+// row's weight for that expert (recv_w) in fp32 into one bf16 row of combine_red, rank-major; step 1 then
+// releases ready[me] as in rank-major, and step 3 pulls combine_red with weight 1 per holder instead of
+// combine_in with w(t, d). So a row still crosses the link once per (token, rank) and nothing unpermutes the
+// buffer apart from this read.
 // 4. grid_release_and_wait on pulled[]: the last block stores pulled[me] = epoch into every
 //    rank and waits for every rank's pulled[] flag, so the call ends only when no peer still
 //    reads my combine_in (the caller may overwrite it right after).
@@ -39,9 +39,55 @@ struct CombineArgs {
   int num_tokens;
 };
 
-// Expert-major phase R (above): combine_red[r] = sum over r's slots of w * combine_in[slot], 16-byte
-// vectors in pieces of 4 per lane (fp32 accumulators for 32 elements).
-__device__ void em_reduce_rows(const EpParams& p) {
+// Expert-major phase R (above): combine_red[r] = sum over r's slots of w * combine_in[slot], in pieces of kU
+// 16-byte vectors per lane (fp32 accumulators for 8 kU elements). The loads of a batch of up to kS slots are
+// all issued before the first FMA: kS x kU = 8 vectors in flight per lane, 4 KiB per warp (16 spilled).
+// Before, each vector's load sat in one `if` with its FMAs, so a warp waited one round trip per vector
+// (notes/KERNELS.md, expert-major at world 1, H1). The FMAs run in the slots' k order, batch after batch:
+// the same fmaf chain per element as one slot at a time.
+template <int kS, int kU>
+__device__ __forceinline__ void em_reduce_row(const int4* __restrict__ y, int4* red_row, int V, int slot, float w,
+                                              unsigned mine, int lane) {
+  for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+    for (unsigned m = mine; m;) {  // warp-uniform
+      int s[kS];
+      float wk[kS];
+#pragma unroll
+      for (int j = 0; j < kS; ++j) {  // the batch's slots: the next kS set bits of m, -1 past the last
+        const int k = __ffs(m) - 1;
+        s[j] = __shfl_sync(0xffffffffu, slot, k & 31);
+        wk[j] = __shfl_sync(0xffffffffu, w, k & 31);
+        if (k < 0) s[j] = -1;
+        m &= m - 1;
+      }
+      int4 x[kS][kU];
+#pragma unroll
+      for (int j = 0; j < kS; ++j)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int i = v0 + u * 32 + lane;
+          if (s[j] >= 0 && i < V) x[j][u] = ld_nc_v4(y + (size_t)s[j] * V + i);
+        }
+#pragma unroll
+      for (int j = 0; j < kS; ++j)
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (s[j] >= 0 && v0 + u * 32 + lane < V) fma_bf16x8(acc[u], x[j][u], wk[j]);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (v0 + u * 32 + lane < V) red_row[v0 + u * 32 + lane] = pack_bf16x8(acc[u]);
+  }
+}
+
+// Warp g of the grid takes received rows g, g + G, ...: rows with up to 4 of my experts in batches of 4 slots
+// x 2 vectors, more in batches of 8 x 1.
+__device__ __forceinline__ void em_reduce_rows(const EpParams& p) {
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5, topk = p.topk;
   const int V = p.hidden >> 3;  // 16-byte vectors per bf16 row
   const long long n = *reinterpret_cast<volatile long long*>(p.num_recv);
@@ -53,46 +99,18 @@ __device__ void em_reduce_rows(const EpParams& p) {
     const int slot = lane < topk ? em_slot[r * topk + lane] : -1;
     const float w = lane < topk ? recv_w[r * topk + lane] : 0.f;
     const unsigned mine = __ballot_sync(0xffffffffu, slot >= 0);
-    for (int v0 = 0; v0 < V; v0 += 32 * 4) {
-      float acc[4][8];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
-      for (unsigned m = mine; m; m &= m - 1) {
-        const int k = __ffs(m) - 1;
-        const int s = __shfl_sync(0xffffffffu, slot, k);
-        const float wk = __shfl_sync(0xffffffffu, w, k);
-        const int4* src = y + (size_t)s * V;
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (v0 + u * 32 + lane < V) fma_bf16x8(acc[u], ld_nc_v4(src + v0 + u * 32 + lane), wk);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (v0 + u * 32 + lane < V) red[(size_t)r * V + v0 + u * 32 + lane] = pack_bf16x8(acc[u]);
+    if (__popc(mine) <= 4) {
+      em_reduce_row<4, 2>(y, red + (size_t)r * V, V, slot, w, mine, lane);
+    } else {
+      em_reduce_row<8, 1>(y, red + (size_t)r * V, V, slot, w, mine, lane);
     }
   }
 }
 
-// Steps 1 and 2: tell every peer my combine_in (expert-major: combine_red, after phase R) is filled, wait
-// until every peer's is.
+// Steps 1 and 2: tell every peer my combine_in (expert-major: combine_red, filled by em_reduce_kernel before this
+// kernel) is filled, wait until every peer's is.
 __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
-  if (p.align > 0) {
-    em_reduce_rows(p);
-    __shared__ int last;
-    fence_acq_rel_sys();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      last = atomicAdd(p.counters + kCounterCombineLocal, 1u) == gridDim.x - 1;
-      if (last) atomicExch(p.counters + kCounterCombineLocal, 0u);
-    }
-    __syncthreads();
-    if (last && threadIdx.x < p.world) {
-      fence_acq_rel_sys();
-      st_release_sys(signal_ptr(p, threadIdx.x, p.sig.ready_off + p.rank), epoch);
-    }
-  } else if (blockIdx.x == 0 && threadIdx.x < p.world) {
+  if (blockIdx.x == 0 && threadIdx.x < p.world) {
     fence_acq_rel_sys();
     st_release_sys(signal_ptr(p, threadIdx.x, p.sig.ready_off + p.rank), epoch);
   }
@@ -100,6 +118,14 @@ __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
     wait_flag(p, signal_ptr(p, p.rank, p.sig.ready_off + threadIdx.x), epoch, threadIdx.x, kPhaseCombineReady);
   }
   __syncthreads();
+}
+
+// Expert-major phase R as its own kernel, launched on the combine's grid right before it: its registers are
+// not the pull's (inlined into combine_tma_kernel, the batched loads spilled), and the kernel boundary is
+// what orders R before the ready release, so no block waits for another.
+__global__ void __launch_bounds__(512, 1) em_reduce_kernel(EpParams p) {
+  if (ld_volatile(p.dev_error) != 0) return;
+  em_reduce_rows(p);
 }
 
 // Per-warp shared memory of combine_tma_kernel: S mbarriers (128 B), the token table (2 batches x 32
@@ -288,6 +314,10 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   if (C == 2048) kernel = pick_combine_tma<2048>(p.world, S);
   if (C == 1024) kernel = pick_combine_tma<1024>(p.world, S);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  if (p.align > 0 && num_sms > 0) {  // phase R (expert-major), stream-ordered before the pull
+    em_reduce_kernel<<<num_sms, w * 32, 0, stream>>>(p);
+    CUDA_CHECK(cudaGetLastError());
+  }
   kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
   CUDA_CHECK(cudaGetLastError());
   ep_effective& eff = ctx->effective;

@@ -143,8 +143,6 @@ enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
 enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
 // v12 lean-dyn (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
 enum { kCounterDispatchWork = 5 };
-// expert-major combine (combine.cu): [6] counts blocks done with phase R; the last one resets it.
-enum { kCounterCombineLocal = 6 };
 constexpr int kMaxNotifyBlocks = 128;
 
 struct EpContext {

@@ -508,9 +508,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 
 // Expert-major: em_ord[t][k] = tokens t' < t of mine whose top-k holds topk_idx[t][k], for the first
 // position k of each valid expert id of t (a repeated id is skipped by the dispatch, its entry unused).
-// Warp w of the grid takes global experts w, w + W, ... and walks my tokens 32 at a time, one token per
-// lane: a ballot says which of the 32 picked the expert, its popcount below the lane is the ordinal within
-// the group. Cost: experts x tokens / 32 warp steps of topk loads (notes/KERNELS.md, expert-major).
+// Warp w of the grid takes global experts w, w + W, ... and walks my tokens kOrdTok x 32 at a time, one token
+// per lane and sub-step: all the sub-steps' ids are loaded first (one round trip per step, not per 32 tokens:
+// notes/KERNELS.md, expert-major at world 1, H3), then per sub-step in token order a ballot says which of the
+// 32 picked the expert and its popcount below the lane is the ordinal within the group. Cost: experts x
+// tokens / 32 warp steps of topk loads, kOrdTok of them in flight.
+constexpr int kOrdTok = 4;
 __global__ void __launch_bounds__(512) em_ordinal_kernel(EpParams p, const int64_t* __restrict__ topk_idx,
                                                          int num_tokens) {
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -518,16 +521,25 @@ __global__ void __launch_bounds__(512) em_ordinal_kernel(EpParams p, const int64
   if (ld_volatile(p.dev_error) != 0) return;
   for (int g = blockIdx.x * nwarps + (threadIdx.x >> 5); g < num_experts; g += gridDim.x * nwarps) {
     int before = 0;
-    for (int t0 = 0; t0 < num_tokens; t0 += 32) {
-      const int t = t0 + lane;
-      int first = -1;
-      if (t < num_tokens) {
-        const int64_t* row = topk_idx + (size_t)t * topk;
-        for (int k = topk - 1; k >= 0; --k) first = row[k] == g ? k : first;
+    for (int t0 = 0; t0 < num_tokens; t0 += 32 * kOrdTok) {
+      int first[kOrdTok];
+#pragma unroll
+      for (int u = 0; u < kOrdTok; ++u) first[u] = -1;
+      for (int k = topk - 1; k >= 0; --k) {
+#pragma unroll
+        for (int u = 0; u < kOrdTok; ++u) {  // a token past the end reads the last one's ids, never picks
+          const int t = t0 + u * 32 + lane;
+          const int64_t e = topk_idx[(size_t)min(t, num_tokens - 1) * topk + k];
+          first[u] = (t < num_tokens && e == g) ? k : first[u];
+        }
       }
-      const unsigned hit = __ballot_sync(0xffffffffu, first >= 0);
-      if (first >= 0) p.em_ord[(size_t)t * topk + first] = before + __popc(hit & ((1u << lane) - 1u));
-      before += __popc(hit);
+#pragma unroll
+      for (int u = 0; u < kOrdTok; ++u) {
+        const int t = t0 + u * 32 + lane;
+        const unsigned hit = __ballot_sync(0xffffffffu, first[u] >= 0);
+        if (first[u] >= 0) p.em_ord[(size_t)t * topk + first[u]] = before + __popc(hit & ((1u << lane) - 1u));
+        before += __popc(hit);
+      }
     }
   }
 }

@@ -195,8 +195,21 @@ def mps_pipe_dir() -> str:
 
 def mps_active() -> bool:
     """True when an MPS control daemon serves this process's pipe folder (its ``control``
-    socket exists): the ranks' kernels then run side by side instead of time-slicing."""
-    return os.path.exists(os.path.join(mps_pipe_dir(), "control"))
+    socket accepts a connection: a daemon that was just told to quit can leave the file behind,
+    seen on one H100 where such a run was recorded as MPS on): the ranks' kernels then run side
+    by side instead of time-slicing."""
+    import socket
+
+    path = os.path.join(mps_pipe_dir(), "control")
+    if not os.path.exists(path):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            s.connect(path)
+        return True
+    except OSError:
+        return False
 
 
 MPS_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")

@@ -96,3 +96,13 @@ def test_effective_config_reads_the_library_struct() -> None:
     be._lib, be._ctx = Lib(), "ctx"
     got = be.effective_config()
     assert got["dispatch_impl"] == "lean_dyn" and got["combine_warps"] == 12 and got["notify_impl"] == "grid"
+
+
+def test_auto_combine_warps_rule_keeps_rank_major_and_gives_expert_major_16() -> None:
+    be = object.__new__(EpbenchBackend)
+    be.combine_warps, be.em_align = 0, 0
+    assert [be._combine_warps_for(n) for n in (8, 16, 32)] == [16, 8, 8]  # rank-major: the measured rule
+    be.em_align = 128
+    assert [be._combine_warps_for(n) for n in (8, 16, 32)] == [16, 16, 16]
+    be.combine_warps = 12  # an explicit value wins in both layouts
+    assert be._combine_warps_for(32) == 12

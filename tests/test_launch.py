@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 
 from epbench.launch import torchrun_args
 from support import epbench
@@ -82,10 +83,17 @@ def test_shared_comm_puts_collectives_on_the_host():
 def test_mps_is_on_only_where_its_control_socket_is(monkeypatch, tmp_path):
     from epbench.launch import mps_active
 
+    import socket
+
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert not mps_active()
     (tmp_path / "control").touch()
-    assert mps_active()
+    assert not mps_active()  # a file left behind by a daemon that quit: nobody answers
+    (tmp_path / "control").unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(tmp_path / "control"))
+        listener.listen(1)
+        assert mps_active()
 
 
 def test_private_mps_daemon_starts_serves_the_ranks_and_stops(monkeypatch, tmp_path):
@@ -100,8 +108,13 @@ def test_private_mps_daemon_starts_serves_the_ranks_and_stops(monkeypatch, tmp_p
     log = tmp_path / "calls"
     exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
     exe.parent.mkdir()
-    exe.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; '
-                   f'echo start >> {log}; else cat >> {log}; fi\n')
+    listen = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
+              "s.listen(4); time.sleep(60)")
+    pid = tmp_path / "pid"
+    exe.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then "{sys.executable}" -c "{listen}" '
+                   f'"$CUDA_MPS_PIPE_DIRECTORY/control" > /dev/null 2>&1 & echo $! > {pid}; '
+                   f'while [ ! -S "$CUDA_MPS_PIPE_DIRECTORY/control" ]; do sleep 0.05; done; '
+                   f'echo start >> {log}; else cat >> {log}; kill $(cat {pid}); fi\n')
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "none"))

@@ -273,6 +273,8 @@ class EpbenchBackend(Backend):
         more than ~128 warps in the grid only adds load traffic (16 warps at 32 SMs: +3%)."""
         if self.combine_warps:
             return self.combine_warps
+        if self.em_align:  # expert-major: phase R's loads are bound by the warps in flight (KERNELS.md H2)
+            return 16
         return max(8, min(16, 128 // max(1, num_sms)))
 
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
