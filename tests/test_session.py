@@ -108,10 +108,14 @@ def test_sharing_is_recorded_with_mps_and_the_reason(monkeypatch, tmp_path):
     notes = session.sharing_notes(_comm(4, 2))
     assert len(notes) == 2 and "MPS off: without it the ranks take turns" in notes[0]
     assert notes[1].startswith("functional run (2 ranks share each GPU")
-    (tmp_path / "control").touch()  # the MPS control daemon's socket
-    assert session.sharing(_comm(4, 2))["mps"] == "on"
-    assert "MPS on" in session.sharing_notes(_comm(4, 2))[0]
-    # separate GPUs: nothing to note, nothing functional; CPU runs say nothing about MPS
-    assert session.sharing(_comm(4, 1)) == {"functional": None, "ranks_per_gpu": 1, "mps": "on"}
-    assert session.sharing_notes(_comm(4, 1)) == []
-    assert "mps" not in session.sharing(_comm(4, 1, "cpu"))
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as daemon:  # the MPS control daemon's socket
+        daemon.bind(str(tmp_path / "control"))
+        daemon.listen(4)
+        assert session.sharing(_comm(4, 2))["mps"] == "on"
+        assert "MPS on" in session.sharing_notes(_comm(4, 2))[0]
+        # separate GPUs: nothing to note, nothing functional; CPU runs say nothing about MPS
+        assert session.sharing(_comm(4, 1)) == {"functional": None, "ranks_per_gpu": 1, "mps": "on"}
+        assert session.sharing_notes(_comm(4, 1)) == []
+        assert "mps" not in session.sharing(_comm(4, 1, "cpu"))
