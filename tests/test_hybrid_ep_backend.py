@@ -9,14 +9,12 @@ one process; the backend is checked through the driver's own time / verify funct
 from __future__ import annotations
 
 import sys
-import threading
 from typing import Any, Callable, List, Optional
 
 import pytest
 import torch
 
 from epbench.backends import REGISTRY
-from epbench.backends.base import RankSetup
 from epbench.backends.hybrid_ep import HybridEPBackend, limits_reason
 from epbench.driver import PointRecord, time_point, verify_point
 from epbench.inputs import dispatch_input, make_tokens
@@ -24,6 +22,7 @@ from epbench.routing import route_all
 from epbench.scenario import parse
 from support import scenario_dict
 from test_symm_mem_backend import CPU, FakeWorld, ThreadComm
+from test_symm_mem_backend import run_ranks as symm_run_ranks, setup_of
 
 DEFAULT_BLOCKS = 24  # the library's dispatch / combine block count within one NVLink domain
 
@@ -127,25 +126,8 @@ def fake_buffer_class(world_state: FakeWorld, calls: List[str]) -> type:
 
 
 def run_ranks(world: int, fn: Callable[[int, FakeWorld], Any]) -> List[Any]:
-    state = FakeWorld(world)
-    results: List[Any] = [None] * world
-    errors: List[BaseException] = []
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(rank, state)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-            state.barrier.abort()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return results
+    """``fn(rank, world_state)`` on one thread per rank (symm-mem's runner; its fake is unused)."""
+    return symm_run_ranks(world, lambda rank, symm: fn(rank, symm.world_state))
 
 
 def scenario(world: int, dtype: str = "bf16", hidden: int = 256, topk: int = 4, experts: int = 4,
@@ -154,13 +136,6 @@ def scenario(world: int, dtype: str = "bf16", hidden: int = 256, topk: int = 4, 
              "dispatch_dtype": dtype}
     return parse(scenario_dict(model=model, topology={"name": "fake", "nodes": 1, "gpus_per_node": world},
                                bench={"backends": ["hybrid-ep"], "sms": [4]}), "<test>")
-
-
-def setup_of(s, rank: int) -> RankSetup:
-    m = s.model
-    return RankSetup(rank=rank, world=s.world, gpus_per_node=s.topology.gpus_per_node, device=CPU,
-                     hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank, topk=m.topk,
-                     experts_per_rank=m.experts_per_rank, dispatch_dtype=m.dispatch_dtype)
 
 
 def run_points(s, inject: Optional[str] = None) -> List[PointRecord]:

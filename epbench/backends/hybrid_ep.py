@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.deepep import WeightedCombineRows
 
 FP8_HIDDEN_MULTIPLE = 512  # Hybrid-EP's FP8 path
 BF16_HIDDEN_MULTIPLE = 16
@@ -82,7 +83,7 @@ class _Handle:
     weights: torch.Tensor  # [num_recv, experts_per_rank] float32, this rank's received weights
 
 
-class HybridEPBackend(Backend):
+class HybridEPBackend(WeightedCombineRows, Backend):
     name = "hybrid-ep"
     routing_as_map = True
     dtypes = ("bf16", "fp8")
@@ -113,9 +114,7 @@ class HybridEPBackend(Backend):
         # this rank's block of the per-domain probabilities the dispatch returns
         first = self.buffer.local_rank * setup.experts_per_rank
         self._mine = slice(first, first + setup.experts_per_rank)
-        cap = setup.world * setup.max_tokens_per_rank  # every token of every rank lands here
-        self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
-        self.combine_scaled = torch.empty_like(self.combine_in)
+        self._allocate_combine_rows(setup)
 
     def effective_config(self) -> Dict[str, Any]:
         cfg = self.buffer.configurer.buffer_config
@@ -138,22 +137,13 @@ class HybridEPBackend(Backend):
         return DispatchOutput(recv_x, recv_scales, routing, weights, counts, n,
                               _Handle(handle, n, weights))
 
-    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
-        return self.combine_in[: out.handle.num_recv]
-
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         h: _Handle = out.handle
-        n = h.num_recv
         # Hybrid-EP sums the copies without weights: scale row r by w(t, d), the sum of its
-        # received weights (one more bf16 rounding per row, as for deepep: within COMBINE_RTOL).
-        y = self.combine_scaled[:n]
-        torch.mul(self.combine_in[:n], h.weights.sum(dim=1, keepdim=True), out=y)
+        # received weights
+        y = self.scaled_rows(h.num_recv, h.weights)
         combined, _ = self.buffer.combine(hidden=y, probs=None, handle=h.library_handle)
         return combined
-
-    def poison(self) -> None:
-        self.combine_in.fill_(float("nan"))
-        self.combine_scaled.fill_(float("nan"))
 
     def close(self) -> None:
         # the library frees its buffers when the object goes away; every rank closes together
