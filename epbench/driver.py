@@ -163,7 +163,7 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
     if row0 is not None:
         out.x[row0].view(torch.uint8).bitwise_xor_(0x5A)
     d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, wire_of,
-                       local_expert_ids=be.receives_local_expert_ids,
+                       local_expert_ids=be.receives_local_expert_ids, routing_map=be.routing_as_map,
                        source_of=source_of if m.dispatch_dtype != "bf16" else None)
     if row0 is not None:  # restore the row so that combine is checked on its own
         out.x[row0].view(torch.uint8).bitwise_xor_(0x5A)

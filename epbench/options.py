@@ -96,6 +96,11 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         "max_sms": Option(int, None, "SMs the DeepEP buffer is sized for (unset: the GPU's, rounded down to even)",
                           low=2, high=1024, env="EPBENCH_DEEPEP_MAX_SMS"),
     },
+    "hybrid-ep": {
+        "sms": Option(int, None, "blocks of Hybrid-EP's dispatch and of its combine kernel, fixed when the buffer "
+                      "is built (unset: the library's default, 24 in one NVLink domain)", low=1, high=1024,
+                      env="EPBENCH_HYBRID_EP_SMS"),
+    },
 }
 
 

@@ -2,7 +2,8 @@
 
 dispatch: bit-exact. Every received row, its scales (fp8, mxfp8), expert ids and weights must
 equal the source's, in (source rank, token index) order; the row count and the per-expert counts
-must match. A quantized payload is compared with the reference quantizer's output (also when the
+must match (a backend that delivers a per-expert routing map instead of top-k positions is
+compared per row as the set of its local experts and their weights). A quantized payload is compared with the reference quantizer's output (also when the
 backend quantizes on the way, ``quantize: fused``) and, dequantized, must lie within the format's
 error of the bf16 source. Expert-major layout: each local expert's segment holds its rows in
 (source, token) order at an offset that is the padded running sum of the counts. combine: each returned token must be within COMBINE_RTOL of
@@ -22,7 +23,7 @@ short description of the first problem.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -127,16 +128,48 @@ def check_segments(table: ExpertMajor, x: torch.Tensor, scales: Optional[torch.T
     return res
 
 
+def local_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int,
+                      experts_per_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rows' routing restricted to this rank, order-free: bool ``[T, experts_per_rank]`` (True
+    where the row's top-k holds local expert e) and float32 ``[T, experts_per_rank]`` (that
+    expert's weight as sent, 0 elsewhere). Expert ids are distinct within a row."""
+    t = topk_idx.shape[0]
+    local = topk_idx - rank * experts_per_rank
+    col = torch.where((local >= 0) & (local < experts_per_rank), local,
+                      torch.full_like(local, experts_per_rank))  # other ranks' experts: a spare column
+    hit = torch.zeros(t, experts_per_rank + 1, dtype=torch.bool, device=topk_idx.device)
+    hit.scatter_(1, col, True)
+    w = torch.zeros(t, experts_per_rank + 1, dtype=torch.float32, device=topk_idx.device)
+    w.scatter_(1, col, topk_weights.float())
+    return hit[:, :experts_per_rank], w[:, :experts_per_rank]
+
+
+def _check_routing(res: CheckResult, got_idx: torch.Tensor, got_w: torch.Tensor, want_idx: torch.Tensor,
+                   want_w: torch.Tensor, what: str) -> None:
+    """Received ids (or map) and weights against the wanted ones, row by row; a received tensor of
+    another shape makes every compared row wrong."""
+    for got, want, name in ((got_idx, want_idx, "expert ids"), (got_w, want_w, "weights")):
+        if got.shape != want.shape:
+            res.add(int(want.shape[0]), f"{what}: {name} of shape {tuple(got.shape)} {got.dtype}, "
+                                        f"expected {tuple(want.shape)} {want.dtype}")
+        else:
+            res.add(_bad_rows(got, want), f"{what}: {name} differ")
+
+
 def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank: int,
                    input_of: Callable[[int], DispatchInput],
                    local_expert_ids: bool = False,
-                   source_of: Optional[Callable[[int], torch.Tensor]] = None) -> CheckResult:
+                   source_of: Optional[Callable[[int], torch.Tensor]] = None,
+                   routing_map: bool = False) -> CheckResult:
     """``input_of(s)`` rebuilds source rank s's dispatch input on this rank's device, as the
     receivers must get it (quantized where the dispatch quantizes).
 
     ``local_expert_ids`` (a backend's ``receives_local_expert_ids``): each received expert id
     must be the local index (id - rank * experts_per_rank) where the expert lives on this rank
     and -1 elsewhere, and each weight the sent weight there and 0 elsewhere; still bit-exact.
+    ``routing_map`` (a backend's ``routing_as_map``): ``out.topk_idx`` / ``out.topk_weights``
+    are per local expert (``local_routing_map``): each row's set of this rank's experts and their
+    weights must equal the source's, bit-exact, in any top-k order.
     ``source_of(s)``: source s's bf16 rows before quantization; given, every quantized row
     received is also checked to dequantize within the format's error of its source row.
     ``out.expert_major`` set: payload and scales are checked per expert segment
@@ -163,14 +196,14 @@ def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank:
                                inp, want, source_of(s) if source_of is not None else None,
                                f"rows from rank {s}")
             want_idx, want_w = inp.topk_idx[want], inp.topk_weights[want]
-            if local_expert_ids:
+            if routing_map:
+                want_idx, want_w = local_routing_map(want_idx, want_w, rank, experts_per_rank)
+            elif local_expert_ids:
                 mine = hit[:k]
                 want_idx = torch.where(mine, local[:k], torch.full_like(want_idx, -1))
                 want_w = torch.where(mine, want_w, torch.zeros_like(want_w))
-            res.add(_bad_rows(out.topk_idx[sl], want_idx),
-                    f"rows from rank {s}: expert ids differ")
-            res.add(_bad_rows(out.topk_weights[sl], want_w),
-                    f"rows from rank {s}: weights differ")
+            _check_routing(res, out.topk_idx[sl], out.topk_weights[sl], want_idx, want_w,
+                           f"rows from rank {s}")
         offset += n
     res.add(abs(got_n - offset), f"received {got_n} rows, expected {offset}")
     # a backend may report the counts from the host (DeepEP returns them as a Python list)

@@ -221,3 +221,85 @@ def test_expert_major_segments_are_checked():
     assert check_segments(table, bad, None, ME, WORLD, EPR, lambda s: ins[s]).wrong == 1
     table.offsets = table.offsets + 1  # unaligned
     assert check_segments(table, x, None, ME, WORLD, EPR, lambda s: ins[s]).wrong >= 1
+
+
+# ---- the per-expert (map) form: routing delivered as a map over local experts ----
+
+def hand_map_dispatch(ins) -> DispatchOutput:
+    """The same rows as ``hand_dispatch``, with the routing as Hybrid-EP delivers it, built with
+    loops: per row a bool over rank ME's experts and the weight of each (0 elsewhere)."""
+    out = hand_dispatch(ins)
+    n = out.num_recv
+    hit = torch.zeros(32, EPR, dtype=torch.bool)
+    w = torch.full((32, EPR), float("nan"))
+    w[:n] = 0.0
+    picked = [(s, t) for s, inp in enumerate(ins) for t in range(inp.num_tokens)
+              if any(int(e) // EPR == ME for e in inp.topk_idx[t])]
+    for row, (s, t) in enumerate(picked):
+        for k, e in enumerate(ins[s].topk_idx[t].tolist()):
+            if e // EPR == ME:
+                hit[row, e % EPR] = True
+                w[row, e % EPR] = ins[s].topk_weights[t, k]
+    return DispatchOutput(out.x, out.x_scales, hit, w, out.expert_counts, n)
+
+
+def map_wrong(out, ins):
+    return check_dispatch(out, ME, WORLD, EPR, lambda s: ins[s], routing_map=True)
+
+
+@pytest.fixture(params=["bf16", "fp8"])
+def map_case(request):
+    ins = inputs_of(request.param)
+    return ins, hand_map_dispatch(ins)
+
+
+def test_map_form_passes_whatever_the_top_k_order(map_case):
+    ins, out = map_case
+    assert map_wrong(out, ins).wrong == 0
+    flipped = [DispatchInput(i.x, i.x_scales, i.topk_idx.flip(1), i.topk_weights.flip(1)) for i in ins]
+    res = map_wrong(out, flipped)  # the same sets in another top-k order
+    assert res.wrong == 0, res.first_problem
+
+
+def _local_row(out) -> int:
+    """A received row with exactly one of rank ME's experts (so a move to the other is wrong)."""
+    rows = (out.topk_idx[: out.num_recv].sum(dim=1) == 1).nonzero().flatten()
+    assert rows.numel() > 0
+    return int(rows[0])
+
+
+def test_map_form_catches_a_wrong_expert(map_case):
+    ins, out = map_case
+    r = _local_row(out)
+    e = int(out.topk_idx[r].nonzero()[0])
+    out.topk_idx[r, e], out.topk_idx[r, 1 - e] = False, True
+    out.topk_weights[r, [e, 1 - e]] = out.topk_weights[r, [1 - e, e]]  # the weight moves along
+    res = map_wrong(out, ins)
+    assert res.wrong == 2 and "expert ids differ" in res.first_problem  # its ids and its weights
+
+
+def test_map_form_catches_a_wrong_weight(map_case):
+    ins, out = map_case
+    r = _local_row(out)
+    e = int(out.topk_idx[r].nonzero()[0])
+    out.topk_weights[r, e] = torch.nextafter(out.topk_weights[r, e], torch.tensor(2.0))
+    res = map_wrong(out, ins)
+    assert res.wrong == 1 and "weights differ" in res.first_problem
+
+
+def test_map_form_catches_a_wrong_or_missing_row(map_case):
+    ins, out = map_case
+    n = out.num_recv
+    out.x[[0, 1]] = out.x[[1, 0]]  # two rows swapped (routing left in place)
+    assert map_wrong(out, ins).wrong >= 2
+    out.x[[0, 1]] = out.x[[1, 0]]
+    out.num_recv = n - 1  # the last row missing
+    res = map_wrong(out, ins)
+    assert res.wrong == 1 and res.first_problem == f"received {n - 1} rows, expected {n}"
+
+
+def test_map_form_rejects_top_k_positions_and_vice_versa(case, map_case):
+    ins, out = case
+    assert map_wrong(out, ins).wrong == out.num_recv * 2  # positions where a map is expected
+    ins, mout = map_case
+    assert dispatch_wrong(mout, ins) == mout.num_recv * 2  # a map where positions are expected

@@ -169,6 +169,12 @@ class Backend(ABC):
     # 0 (DeepEP's layout). Verification then compares against that masked form; False: the
     # full global ids and weights, as sent (the contract above).
     receives_local_expert_ids: ClassVar[bool] = False
+    # True: the received routing is a per-expert map, not top-k positions: ``topk_idx`` is bool
+    # ``[capacity, experts_per_rank]`` (True where the row's top-k holds that local expert) and
+    # ``topk_weights`` float32 ``[capacity, experts_per_rank]`` (that expert's weight, 0 elsewhere),
+    # Hybrid-EP's layout. Verification then compares, per row, the set of local experts and their
+    # weights (order-free), still bit-exact.
+    routing_as_map: ClassVar[bool] = False
     modes: ClassVar[Tuple[str, ...]] = ("normal",)  # scenario modes this backend implements
     # True: the low-latency calls allocate nothing, never wait on the host and keep their
     # per-call state (epochs) on the device, so a captured CUDA graph of them can be replayed.

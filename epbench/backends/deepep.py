@@ -72,6 +72,36 @@ def _import_deep_ep() -> Any:
     return importlib.import_module("deep_ep")
 
 
+class WeightedCombineRows:
+    """For a library whose combine adds the returned copies without weights (DeepEP V1, Hybrid-EP):
+    ``combine_in`` is what the caller fills, ``combine_scaled`` those rows scaled by ``w(t, d)``, the
+    sum of each row's received weights. The handle of a dispatch output carries ``num_recv``."""
+
+    combine_in: torch.Tensor
+    combine_scaled: torch.Tensor
+
+    def _allocate_combine_rows(self, setup: RankSetup) -> None:
+        cap = setup.world * setup.max_tokens_per_rank  # every token of every rank lands here
+        self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
+        self.combine_scaled = torch.empty_like(self.combine_in)
+
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        return self.combine_in[: out.handle.num_recv]
+
+    def scaled_rows(self, n: int, weights: torch.Tensor) -> torch.Tensor:
+        """Rows [0, n) of ``combine_in``, each times the sum of its row of ``weights`` [n, *] (one more
+        bf16 rounding, <= 2^-9 relative, before the library's fp32 sum and final bf16 rounding; every
+        copy of a token has the token's sign in the verification, so the total stays within about
+        2^-8 relative, inside verify.COMBINE_RTOL, 2^-7)."""
+        y = self.combine_scaled[:n]
+        torch.mul(self.combine_in[:n], weights.sum(dim=1, keepdim=True), out=y)
+        return y
+
+    def poison(self) -> None:
+        self.combine_in.fill_(float("nan"))
+        self.combine_scaled.fill_(float("nan"))
+
+
 @dataclass
 class _Handle:
     """What combine needs from the matching dispatch."""
@@ -81,7 +111,7 @@ class _Handle:
     recv_topk_weights: torch.Tensor  # [num_recv, topk] float32, 0 for other ranks' experts
 
 
-class DeepEPBackend(Backend):
+class DeepEPBackend(WeightedCombineRows, Backend):
     name = "deepep"
     uses_sms = True
     receives_local_expert_ids = True
@@ -135,10 +165,7 @@ class DeepEPBackend(Backend):
         num_nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, setup.world)
                             for cfg in (dispatch_cfg, combine_cfg))
         self.buffer = self.deep_ep.Buffer(self.group, num_nvl_bytes, 0)
-        cap = setup.world * setup.max_tokens_per_rank  # every token of every rank lands here
-        dev = setup.device
-        self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=dev)
-        self.combine_scaled = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=dev)
+        self._allocate_combine_rows(setup)
 
     def _configs_for(self, num_sms: int) -> Tuple[Any, Any]:
         """(dispatch config, combine config) for this SM count; sets DeepEP's class-wide count
@@ -178,27 +205,14 @@ class DeepEPBackend(Backend):
         return DispatchOutput(recv_x, recv_scales, recv_idx, recv_w, expert_counts, num_recv,
                               _Handle(handle, num_recv, recv_w))
 
-    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
-        return self.combine_in[: out.handle.num_recv]
-
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         _, config = self._configs_for(num_sms)
         h: _Handle = out.handle
-        n = h.num_recv
         # DeepEP sums the copies without weights: scale row r by w(t, d), the sum of its masked
-        # received weights. This rounds each scaled row to bf16 once more (<= 2^-9 relative)
-        # before DeepEP's fp32 sum and final bf16 rounding. In the verification every copy of a
-        # token has the token's sign (the stand-in experts scale by positive factors), so the
-        # total stays within about 2^-8 relative, inside verify.COMBINE_RTOL (2^-7).
-        w = h.recv_topk_weights.sum(dim=1, keepdim=True)
-        y = self.combine_scaled[:n]
-        torch.mul(self.combine_in[:n], w, out=y)
+        # received weights
+        y = self.scaled_rows(h.num_recv, h.recv_topk_weights)
         combined, _, _ = self.buffer.combine(y, h.deep_ep_handle, config=config)
         return combined
-
-    def poison(self) -> None:
-        self.combine_in.fill_(float("nan"))
-        self.combine_scaled.fill_(float("nan"))
 
     def close(self) -> None:
         # DeepEP frees its NVL buffer (and syncs peers) when the Buffer object goes away; every
