@@ -68,7 +68,7 @@ ControlTimeoutOpt = Annotated[Optional[float], typer.Option("--control-timeout",
 MpsOpt = Annotated[bool, typer.Option("--mps/--no-mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 OptionOpt = Annotated[Optional[List[str]], typer.Option(
-    "--option", help="A backend option, [backend.]key=value (repeatable; docs/options.md).")]
+    "--option", help="A backend option, [backend.]key=value (repeatable; docs/backends.md).")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table with every column (spread over ranks, NVML, NIC, ceilings, slowest rank).")]
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, sms, timing, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,

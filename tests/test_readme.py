@@ -51,3 +51,12 @@ def test_epbench_command_in_readme(args):
 def test_make_target_in_readme(args):
     targets = re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M)
     assert args[0] in targets
+
+
+def test_every_backend_option_is_in_the_backends_doc():
+    from epbench import options
+
+    doc = (REPO / "docs" / "backends.md").read_text()
+    for backend, schema in options.SCHEMAS.items():
+        for key, opt in schema.items():
+            assert f"| {backend} | `{key}` ({opt.env})" in doc, (backend, key)
