@@ -458,4 +458,6 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                 advance(f"{name} sms={sms or 'auto'}" + (f" tokens={m.tokens_per_rank}" if opts.tokens else ""))
         finally:
             be.close()
+    if comm.device.type == "cuda" and timing.host_gate().forced:  # rank 0's gate; the start note said 0
+        on_note(timing.method())
     return total_wrong

@@ -212,6 +212,13 @@ def mps_active() -> bool:
         return False
 
 
+def shares_gpus() -> bool:
+    """True in a rank whose GPU other ranks share: the process group is gloo on GPUs only then."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl"
+
+
 MPS_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 
 

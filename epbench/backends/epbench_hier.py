@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from epbench import cuda_lib, nvshmem_lib, options
-from epbench.launch import mps_active
+from epbench.launch import mps_active, shares_gpus
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
 
@@ -42,11 +42,6 @@ MAX_TOPK = 32
 DEFAULT_SEND_SHARE = 0.5
 DEFAULT_CHUNK = 4
 TRANSPORTS = ("auto", "put", "direct")  # EphConfig.transport 0, 1, 2
-
-
-def shares_gpus() -> bool:
-    """The process group is gloo on GPUs only where ranks share one (epbench.launch)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "nccl"
 
 
 def shares_gpus_without_mps() -> bool:

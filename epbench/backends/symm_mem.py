@@ -160,7 +160,7 @@ class SymmMemBackend(Backend):
             return f"torch.distributed._symmetric_memory not importable ({e})"
         reason = limits_reason(setup.world, available, setup.device.type if torch.cuda.is_available() else "cpu",
                                setup.layout, setup.experts_per_rank)
-        from epbench.backends.epbench_hier import shares_gpus
+        from epbench.launch import shares_gpus
         if reason is None and shares_gpus():
             reason = ("needs one GPU per rank: torch's NVSHMEM refuses ranks sharing a GPU, with or without "
                       "MPS ('NVSHMEM API not supported with limited MPG runs', one H100, 2026-11-25)")
