@@ -35,7 +35,7 @@ class Flavor:
     branch: str
     provides: str  # the class the flavor's own backend needs from deep_ep
     needs: str  # what the build and run need, for the README and the notes
-    submodules: bool = False  # main vendors fmt as a git submodule
+    submodules: bool = False  # main vendors fmt as a git submodule; hybrid-ep's nccl one is multinode-only
 
 
 FLAVORS: Dict[str, Flavor] = {f.name: f for f in (
@@ -395,6 +395,10 @@ def carry_source(fl: Flavor, src: str, out: Path, submodule_srcs: Dict[str, str]
     # a submodule is a tree entry of mode 160000: "<mode> commit <sha>\t<path>"
     subs = [(ln.split("\t", 1)[1], ln.split()[2]) for ln in (p.stdout or "").splitlines()
             if ln.startswith("160000 ")]
+    # a flavor whose intranode build needs none of its submodules carries none (hybrid-ep's
+    # third-party/nccl is read only by its multinode build)
+    left_out = [] if fl.submodules else [path for path, _ in subs]
+    subs = subs if fl.submodules else []
     with tempfile.TemporaryDirectory(prefix="epbench-carry-") as tmp:
         tar = Path(tmp) / "src.tar"
         parts = [(src, fl.commit, "")] + [
@@ -416,6 +420,7 @@ def carry_source(fl: Flavor, src: str, out: Path, submodule_srcs: Dict[str, str]
         if p.returncode:
             return f"{fl.name}: writing {out} failed ({_tail(p)})"
     extra = f" with {', '.join(path for path, _ in subs)}" if subs else ""
+    extra += f"; left out {', '.join(left_out)} (not read by the intranode build)" if left_out else ""
     return f"wrote {out} ({fl.name} at {fl.commit[:12]}{extra}, {out.stat().st_size / 2**20:.1f} MiB)"
 
 

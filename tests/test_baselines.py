@@ -168,6 +168,13 @@ def test_carry_source_adds_the_pinned_submodule(tmp_path, monkeypatch):
         assert tar.extractfile("./.epbench-commit").read().decode().strip() == commit
         assert tar.extractfile("./third-party/fmt/fmt.h").read() == b"fmt at the pinned commit"
     assert "./setup.py" in names
+    # a flavor that needs no submodule (hybrid-ep: nccl is multinode-only) carries without it
+    monkeypatch.setitem(baselines.FLAVORS, "hybrid-ep",
+                        baselines.Flavor("hybrid-ep", commit, "hybrid-ep", "HybridEPBuffer", ""))
+    note = baselines.carry_source(baselines.FLAVORS["hybrid-ep"], str(src), out, {})
+    assert note.startswith(f"wrote {out}") and "left out third-party/fmt" in note
+    with tarfile.open(out) as tar:
+        assert "./third-party/fmt/fmt.h" not in tar.getnames()
 
 
 def fake_nccl_wheel(path, version="2.32.3"):
