@@ -79,6 +79,11 @@ def build_env(base: Dict[str, str]) -> Dict[str, str]:
     home = find_home()
     if home and "NVSHMEM_DIR" not in env:
         env["NVSHMEM_DIR"] = nvshmem_link_home(Path(home), Path(sys.prefix) / "epbench-nvshmem")
+    shim = libstdcxx_link_dir(env, Path(sys.prefix) / "epbench-libstdcxx")
+    if shim:
+        # -L before the compiler's own folders: the extension then needs libstdc++.so.6
+        env["LDFLAGS"] = " ".join(p for p in (f"-L{shim}", env.get("LDFLAGS")) if p)
+        env[LIBSTDCXX_SHIM_ENV] = shim  # recorded in the build stamp
     cccl = cccl_include(env)
     if cccl:
         # CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl, which nvcc adds by itself but
@@ -106,6 +111,44 @@ def nvshmem_link_home(home: Path, shadow: Path) -> str:
             link.symlink_to(target)
     except OSError:
         return str(home)
+    return str(shadow)
+
+
+LIBSTDCXX_SHIM_ENV = "EPBENCH_LIBSTDCXX_SHIM"
+LIBSTDCXX_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "/usr/lib64/libstdc++.so.6",
+                        "/lib/x86_64-linux-gnu/libstdc++.so.6")
+
+
+def libstdcxx_link_dir(env: Dict[str, str], shadow: Path, run: Runner = None) -> Optional[str]:
+    """A folder whose ``libstdc++.so`` links to the host's ``libstdc++.so.6``, made only where the
+    C++ compiler finds no ``libstdc++.so`` of its own (a GCC whose -dev package left out the
+    unversioned link): it then links ``libstdc++.a`` into the extension, and a second, static C++
+    runtime in a process that already has torch's shared one breaks the locale machinery (seen on
+    the GPU host, 2026-11-25: Hybrid-EP died with SIGSEGV inside std::ostream::_M_insert<long>,
+    formatting an int in HybridEPBuffer's constructor; its own test crashed the same way). None
+    where nothing is missing, or no compiler or shared library is found."""
+    run = run or _run
+    cxx = env.get("CXX") or "c++"
+    try:
+        p = run([cxx, "-print-file-name=libstdc++.so"], None, env)
+    except OSError:
+        return None
+    if p.returncode or os.path.isabs((p.stdout or "").strip()):
+        return None  # no compiler, or it links the shared runtime already
+    p = run([cxx, "-print-file-name=libstdc++.so.6"], None, env)
+    found = (p.stdout or "").strip()
+    targets = ([found] if os.path.isabs(found) else []) + list(LIBSTDCXX_CANDIDATES)
+    target = next((t for t in targets if Path(t).exists()), None)
+    if target is None:
+        return None
+    try:
+        shadow.mkdir(parents=True, exist_ok=True)
+        link = shadow / "libstdc++.so"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(Path(target).resolve())
+    except OSError:
+        return None
     return str(shadow)
 
 
@@ -479,15 +522,43 @@ def build(name: str, src: Optional[str], venv_python: str = sys.executable,
     stamp = {"flavor": fl.name, "commit": fl.commit, "branch": fl.branch,
              "version": (p.stdout or "").strip(), "source": src or REPO_URL,
              "torch_cuda_arch_list": env.get("TORCH_CUDA_ARCH_LIST"),
-             "nvshmem_dir": env.get("NVSHMEM_DIR")}
+             "nvshmem_dir": env.get("NVSHMEM_DIR"),
+             "libstdcxx_shim": env.get(LIBSTDCXX_SHIM_ENV)}
     if nccl:
         stamp["nccl"] = nccl  # root, version, preload: what deepep-v2 jobs load (job_env)
+    static = static_cxx_runtime(venv_python, run, env)
+    if static:
+        stamp["static_cxx_runtime"] = static  # libstdcxx_link_dir's warning, not a failure
     folder = _folder(venv_python, stamp_dir)
     try:
         (folder / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
     except OSError as e:
         return f"{fl.name}: installed deep_ep {stamp['version']}, but cannot record it: {e}"
-    return f"{fl.name}: installed deep_ep {stamp['version']} at {fl.commit[:12]}"
+    warn = (f"; warning: {', '.join(static)} carry a static C++ runtime (libstdc++.a), which "
+            f"crashed Hybrid-EP beside torch's shared one") if static else ""
+    return f"{fl.name}: installed deep_ep {stamp['version']} at {fl.commit[:12]}{warn}"
+
+
+EXTENSIONS = ("deep_ep_cpp", "hybrid_ep_cpp")  # the compiled modules the flavors install
+
+
+def static_cxx_runtime(venv_python: str, run: Runner, env: Dict[str, str]) -> List[str]:
+    """The installed extension modules that do not load libstdc++.so.6 (no DT_NEEDED entry:
+    ``readelf -d``), i.e. that had libstdc++.a linked in; [] where all do or readelf is missing."""
+    find = ("import importlib.util as u\n"
+            f"for m in {EXTENSIONS!r}:\n"
+            "    s = u.find_spec(m)\n"
+            "    print(s.origin) if s and s.origin else None")
+    p = run([venv_python, "-c", find], None, env)
+    out = []
+    for path in (p.stdout or "").split():
+        try:
+            d = run(["readelf", "-d", path], None, env)
+        except OSError:
+            return []
+        if d.returncode == 0 and "libstdc++.so" not in (d.stdout or ""):
+            out.append(Path(path).name)
+    return out
 
 
 def stamp_path() -> Path:

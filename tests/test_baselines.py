@@ -291,3 +291,52 @@ def test_loaded_nccl_lists_every_mapped_copy_and_never_raises(tmp_path):
     assert paths == ["/venv/epbench-nccl/lib/libnccl.so.2", "/site/nvidia/nccl/lib/libnccl.so.2"]
     assert version is None  # the first path is not a loadable library here
     assert baselines.loaded_nccl(str(tmp_path / "none")) == ([], None)
+
+
+def _cxx_runner(answers):
+    """A fake compiler: -print-file-name=<name> prints answers[name] (GCC prints the bare name
+    when it finds no such file)."""
+    def run(cmd, cwd, env):
+        name = cmd[-1].split("=", 1)[1]
+        return subprocess.CompletedProcess(cmd, 0, answers.get(name, name) + "\n", "")
+    return run
+
+
+def test_libstdcxx_shim_only_where_the_compiler_would_link_the_static_runtime(tmp_path):
+    so6 = tmp_path / "sys" / "libstdc++.so.6.0.33"
+    so6.parent.mkdir()
+    so6.write_text("elf")
+    # the compiler has its libstdc++.so: nothing to do
+    found = _cxx_runner({"libstdc++.so": "/usr/lib/gcc/x/13/libstdc++.so", "libstdc++.so.6": str(so6)})
+    assert baselines.libstdcxx_link_dir({}, tmp_path / "a", found) is None
+    assert not (tmp_path / "a").exists()
+    # it has none (it would take libstdc++.a): a folder whose libstdc++.so is the shared runtime
+    missing = _cxx_runner({"libstdc++.so.6": str(so6)})
+    shim = baselines.libstdcxx_link_dir({}, tmp_path / "b", missing)
+    assert shim == str(tmp_path / "b")
+    assert (tmp_path / "b" / "libstdc++.so").resolve() == so6.resolve()
+    # no compiler at all
+    def absent(cmd, cwd, env):
+        raise FileNotFoundError(cmd[0])
+    assert baselines.libstdcxx_link_dir({}, tmp_path / "c", absent) is None
+
+
+def test_build_env_puts_the_shim_first_on_the_link_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(baselines, "libstdcxx_link_dir", lambda env, shadow, run=None: "/shim")
+    env = baselines.build_env({"PATH": "", "LDFLAGS": "-L/other"})
+    assert env["LDFLAGS"] == "-L/shim -L/other" and env[baselines.LIBSTDCXX_SHIM_ENV] == "/shim"
+    monkeypatch.setattr(baselines, "libstdcxx_link_dir", lambda env, shadow, run=None: None)
+    assert "LDFLAGS" not in baselines.build_env({"PATH": ""})
+
+
+def test_static_cxx_runtime_names_the_modules_without_libstdcxx(tmp_path):
+    needed = {"/site/deep_ep_cpp.so": " (NEEDED) Shared library: [libstdc++.so.6]\n",
+              "/site/hybrid_ep_cpp.so": " (NEEDED) Shared library: [libc.so.6]\n"}
+
+    def run(cmd, cwd, env):
+        if cmd[0] == "readelf":
+            return subprocess.CompletedProcess(cmd, 0, needed[cmd[-1]], "")
+        return subprocess.CompletedProcess(cmd, 0, "\n".join(needed) + "\n", "")
+    assert baselines.static_cxx_runtime("/venv/bin/python", run, {}) == ["hybrid_ep_cpp.so"]
+    needed["/site/hybrid_ep_cpp.so"] += " (NEEDED) Shared library: [libstdc++.so.6]\n"
+    assert baselines.static_cxx_runtime("/venv/bin/python", run, {}) == []
