@@ -9,7 +9,7 @@ export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry run test gpu-check clean
+.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry baselines-wheels baselines-install run test gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -99,6 +99,31 @@ baselines-carry:
 	@test -n "$(DEEPEP_SRC)" || { echo "baselines-carry needs DEEPEP_SRC=<a DeepEP git checkout>"; exit 2; }
 	@$(PYTHON) -m epbench.baselines carry --flavor $(DEEPEP_FLAVOR) --src "$(DEEPEP_SRC)" \
 	  $(foreach m,$(SUBMODULE_SRC),--submodule "$(m)") $(if $(NCCL_WHEEL),--nccl-wheel "$(NCCL_WHEEL)" --arch $(NCCL_ARCH))
+
+# FlashInfer's MoE all-to-all (backend flashinfer), for a GPU host without network. On a machine with
+# network: `make baselines-wheels` downloads flashinfer-python (pure Python, 59 MiB; its kernels are
+# compiled by nvcc on first use) into .whl/flashinfer and the few packages its all-to-all imports
+# (apache-tvm-ffi, cuda-python 13.0, nvidia-ml-py, ninja, ...; 17 MiB) into
+# .whl/flashinfer-deps, both git-ignored, for the host's Python (FI_PYTHON, default 3.12). Each folder
+# fits one 64 MiB carry; on the GPU host, in either order: make baselines-install WHEELS=.whl/flashinfer-deps
+# and make baselines-install WHEELS=.whl/flashinfer. The rest of flashinfer's requirements (CUTLASS DSL,
+# cuDNN frontend, nccl4py: 250 MiB) serve other kernels and are not installed (--no-deps).
+FI_VERSION ?= 0.7.2.post1
+FI_PYTHON ?= 3.12
+FI_DEPS ?= apache-tvm-ffi "cuda-python>=13,<13.1" nvidia-ml-py ninja einops tabulate click tqdm requests
+FI_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+WHEELS ?=
+baselines-wheels:
+	@mkdir -p .whl/flashinfer .whl/flashinfer-deps
+	$(PYTHON) -m pip download -q --no-deps -d .whl/flashinfer flashinfer-python==$(FI_VERSION)
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(FI_PYTHON) $(FI_PLATFORMS) \
+	  -d .whl/flashinfer-deps $(FI_DEPS)
+	@du -sh .whl/flashinfer .whl/flashinfer-deps
+
+baselines-install: setup
+	@test -n "$(WHEELS)" || { echo "baselines-install needs WHEELS=<a folder of wheels, e.g. .whl/flashinfer>"; exit 2; }
+	@case "$(WHEELS)" in *flashinfer-deps*) $(PY) -m pip install -q --no-index --find-links "$(WHEELS)" $(FI_DEPS);; \
+	  *) $(PY) -m pip install -q --no-index --no-deps "$(WHEELS)"/*.whl;; esac && echo "installed from $(WHEELS)"
 
 run: build
 	$(EPB) run

@@ -575,7 +575,7 @@ def versions() -> Dict[str, object]:
         out["deep_ep_build"] = json.loads(stamp_path().read_text())
     except (OSError, ValueError):
         pass
-    for dist in ("deep_ep", "nvidia-nvshmem-cu13", "nvidia-nccl-cu13"):
+    for dist in ("deep_ep", "nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "flashinfer-python", "apache-tvm-ffi", "uccl"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:

@@ -21,6 +21,7 @@ REGISTRY: Dict[str, str] = {
     "deepep-v2": "epbench.backends.deepep_v2:DeepEPV2Backend",
     "hybrid-ep": "epbench.backends.hybrid_ep:HybridEPBackend",
     "symm-mem": "epbench.backends.symm_mem:SymmMemBackend",
+    "flashinfer": "epbench.backends.flashinfer_a2a:FlashInferBackend",
 }
 # Tests only: backends that hang or abort on purpose (tests/fault_backends.py), as
 # "name=module:Class,..."; never set in normal use.

@@ -1,0 +1,211 @@
+"""The ``flashinfer`` backend: TensorRT-LLM's MoE all-to-all as FlashInfer ships it
+(``flashinfer.comm.trtllm_moe_alltoall.MoeAlltoAll``, flashinfer-python 0.7.2.post1; optional:
+skipped with a note where ``import flashinfer`` fails). Its kernels are compiled on first use
+(FlashInfer's JIT: nvcc on the GPU host, cached under ~/.cache/flashinfer).
+
+The library's contract (its docstrings and kernels, csrc/.../moeAlltoAllKernels.cu):
+
+dispatch
+    ``MoeAlltoAll.dispatch(ids, payloads, T_max, invalid_token_expert_id=-1,
+    expert_id_payload_index=i)``: ``ids`` int32 ``[T, topk]`` global expert ids, rank ``r`` owning
+    experts ``[r * E, (r + 1) * E)``; every payload (any dtype, ``[T, *]``) of a token is written
+    once to each rank holding one of its experts, into that rank's workspace block of its source:
+    the receiver gets ``[world, T_max, *]`` views, source ``s``'s rows at ``[s, 0:count_s]`` in the
+    order the senders' atomics gave them (not token order). ``invalid_token_expert_id`` rewrites
+    the ids of the slots past each source's count to -1 (its sanitize kernel), which is how a
+    caller tells the rows apart from padding. One block per token; no SM count to set.
+
+    The payloads sent here: the row (bf16, or fp8 / mxfp8 as bytes), its scales (float32 per 128,
+    or UE8M0 bytes per 32), the top-k ids (int32), the weights (float32), and the source token's
+    index (int32, 4 bytes a row: without it a receiver cannot put rows in epbench's order, which
+    the verification needs; sent on every call so that the timed calls are the verified ones).
+
+combine
+    The caller writes each received row's output into the workspace view
+    (``get_combine_payload_tensor_in_workspace``, ``[world, T_max, hidden]``, same slots) and calls
+    ``combine(view, T_max, payload_in_workspace=True)``: each source reads back, per token, the
+    rows of the ranks it sent it to and sums them in fp32, without weights. epbench's combine
+    returns ``sum_d w(t, d) * y_d``, so the rows are scaled by ``w(t, d)`` (the received weights
+    whose experts are on this rank) on their way into the workspace, inside the timed call, as a
+    user would (or inside the expert).
+
+What the timed calls return: the library's padded layout as it is, ``num_recv`` = every slot
+(``world * T_max``; the stand-in expert writes all of them outside the timed region, padding
+included, which combine never reads). The verified call (the one after ``poison``) returns the
+valid rows only, sorted by (source rank, source token), and combine puts the expert output back
+into the library's slots, so the check sees exactly what the library delivered, relabelled.
+
+Workspace: one per rank, sized by the library's formula for T_max tokens of the payloads above
+(``moe_a2a_get_workspace_size_per_rank``), mapped into every rank with cuMem handles: FABRIC
+handles where the GPU is in an NVLink fabric, else POSIX file descriptors passed over a Unix
+socket (one host), through a torch.distributed group (``TorchDistBackend``). Limits from its
+kernels: top-k in {1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 22}, at most 64 ranks, sm_90 or newer."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+
+TOPK_COMPILED = (1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 22)  # SWITCH_TOP_K in its kernels
+MAX_RANKS = 64  # kMaxRanks
+INVALID_EXPERT = -1
+MIN_CAPABILITY = (9, 0)  # its dispatch / combine synchronise with sm_90 instructions
+
+
+def limits_reason(world: int, topk: int, capability: Optional[tuple]) -> Optional[str]:
+    """What the library cannot run, known before launch (None: nothing known)."""
+    if capability is None:
+        return "needs CUDA GPUs"
+    if tuple(capability) < MIN_CAPABILITY:
+        return f"needs sm_90 or newer (this GPU is sm_{capability[0]}{capability[1]})"
+    if topk not in TOPK_COMPILED:
+        return f"top-k {topk}: its kernels are compiled for top-k in {', '.join(map(str, TOPK_COMPILED))}"
+    if world > MAX_RANKS:
+        return f"at most {MAX_RANKS} ranks (world {world})"
+    return None
+
+
+def _import_library() -> Any:
+    """The four names the backend uses, from the installed package."""
+    a2a = importlib.import_module("flashinfer.comm.trtllm_moe_alltoall")
+    mnnvl = importlib.import_module("flashinfer.comm.mnnvl")
+    mapping = importlib.import_module("flashinfer.comm.mapping")
+    return SimpleNamespace(MoeAlltoAll=a2a.MoeAlltoAll, workspace_size=a2a.moe_a2a_get_workspace_size_per_rank,
+                           Mapping=mapping.Mapping, MnnvlConfig=mnnvl.MnnvlConfig,
+                           TorchDistBackend=mnnvl.TorchDistBackend)
+
+
+def payload_bytes(setup: RankSetup) -> int:
+    """Bytes per token of the dispatch payloads listed in the module docstring."""
+    row = setup.hidden * (2 if setup.dispatch_dtype == "bf16" else 1)
+    scales = {"bf16": 0, "fp8": setup.hidden // 128 * 4, "mxfp8": setup.hidden // 32}[setup.dispatch_dtype]
+    return row + scales + setup.topk * 4 + setup.topk * 4 + 4
+
+
+@dataclass
+class _Handle:
+    num_recv: int
+    ids: torch.Tensor  # [world * T_max, topk] int32, the library's slots (-1 on padding)
+    weights: torch.Tensor  # [world * T_max, topk] float32, the library's slots
+    slots: Optional[torch.Tensor]  # verified call: epbench row i is library slot slots[i]
+
+
+class FlashInferBackend(Backend):
+    name = "flashinfer"
+    dtypes = ("bf16", "fp8", "mxfp8")
+
+    @classmethod
+    def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
+        try:
+            _import_library()
+        except Exception as e:  # ImportError, or a dependency failing to load
+            detail = " ".join(str(e).split()) or type(e).__name__
+            return f"flashinfer not importable ({detail}); install: make baselines-wheels, then baselines-install"
+        cuda = setup.device.type == "cuda" and torch.cuda.is_available()
+        return limits_reason(setup.world, setup.topk,
+                             torch.cuda.get_device_capability(setup.device) if cuda else None)
+
+    def __init__(self, setup: RankSetup, *, library: Any = None, group: Any = None) -> None:
+        self.s = setup
+        lib = library if library is not None else _import_library()
+        group = group if group is not None else dist.group.WORLD
+        mapping = lib.Mapping(world_size=setup.world, rank=setup.rank, gpus_per_node=setup.gpus_per_node,
+                              tp_size=setup.world, moe_ep_size=setup.world)
+        size = lib.workspace_size(setup.world, setup.max_tokens_per_rank, payload_bytes(setup), setup.hidden * 2)
+        with warnings.catch_warnings():  # 0.7.1 deprecated the class for moe_ep's, which wraps it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.a2a = lib.MoeAlltoAll(mapping, setup.max_tokens_per_rank, setup.topk, setup.num_experts,
+                                       workspace_size_per_rank=size,
+                                       mnnvl_config=lib.MnnvlConfig(comm_backend=lib.TorchDistBackend(group)))
+        self.t_max = setup.max_tokens_per_rank
+        cap = setup.world * self.t_max
+        self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
+        self._no_counts = torch.zeros(setup.experts_per_rank, dtype=torch.int64, device=setup.device)
+        self._ordered_next = False
+
+    def prepare_input(self, inp: DispatchInput) -> DispatchInput:
+        """The router's output as the library takes it (int32 ids), made once per point, and the
+        source token indices that travel as the last payload."""
+        t = inp.num_tokens
+        self._token_index = torch.arange(t, dtype=torch.int32, device=inp.x.device).view(t, 1)
+        return DispatchInput(inp.x, inp.x_scales, inp.topk_idx.to(torch.int32), inp.topk_weights)
+
+    def _payloads(self, inp: DispatchInput) -> List[torch.Tensor]:
+        if self.s.dispatch_dtype == "bf16":
+            rows = [inp.x]
+        else:  # bytes both ways: the library copies them as they are
+            rows = [inp.x.view(torch.uint8), inp.x_scales.view(torch.uint8) if self.s.dispatch_dtype == "mxfp8"
+                    else inp.x_scales]
+        return rows + [inp.topk_idx, inp.topk_weights, self._token_index]
+
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+        if inp.topk_idx.dtype != torch.int32:  # called without prepare_input (the verified call)
+            inp = self.prepare_input(inp)
+        payloads = self._payloads(inp)
+        ids_at = len(payloads) - 3
+        recv = self.a2a.dispatch(inp.topk_idx, payloads, self.t_max, invalid_token_expert_id=INVALID_EXPERT,
+                                 expert_id_payload_index=ids_at)
+        cap = self.s.world * self.t_max
+        flat = [r.reshape(cap, -1) for r in recv]
+        x = flat[0] if self.s.dispatch_dtype == "bf16" else flat[0].view(torch.float8_e4m3fn)
+        scales = None if self.s.dispatch_dtype == "bf16" else flat[1]
+        ids, weights, token = flat[ids_at], flat[ids_at + 1], flat[ids_at + 2]
+        if not self._ordered_next:
+            # timed calls: counts are not computed (only the verified call's are read)
+            return DispatchOutput(x, scales, ids, weights, self._no_counts, cap, _Handle(cap, ids, weights, None))
+        self._ordered_next = False
+        slots = self._ordered_slots(ids, token.flatten())
+        n = int(slots.numel())
+        local = ids[slots].to(torch.int64) - self.s.rank * self.s.experts_per_rank
+        hit = (local >= 0) & (local < self.s.experts_per_rank)
+        counts = torch.bincount(local[hit], minlength=self.s.experts_per_rank)
+        return DispatchOutput(x[slots], scales[slots] if scales is not None else None, ids[slots],
+                              weights[slots], counts, n, _Handle(n, ids, weights, slots))
+
+    def _ordered_slots(self, ids: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The valid slots (id not -1) sorted by (source rank, source token): slot // T_max is the
+        source rank, the token index payload the source token."""
+        valid = (ids[:, 0] != INVALID_EXPERT).nonzero().flatten()
+        source = valid // self.t_max
+        key = source * self.t_max + token[valid].to(torch.int64)
+        return valid[torch.argsort(key, stable=True)]
+
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        return self.combine_in[: out.handle.num_recv]
+
+    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
+        h: _Handle = out.handle
+        e = self.s.experts_per_rank
+        mine = torch.div(h.ids, e, rounding_mode="floor") == self.s.rank  # padding (-1): never mine
+        w = torch.where(mine, h.weights, torch.zeros_like(h.weights)).sum(dim=1, keepdim=True)
+        ws = self.a2a.get_combine_payload_tensor_in_workspace(self.t_max, self.s.hidden, torch.bfloat16)
+        slots_view = ws.view(-1, self.s.hidden)
+        if h.slots is None:
+            torch.mul(self.combine_in, w, out=slots_view)
+        else:  # back into the library's slots: epbench row i is slot slots[i]
+            slots_view[h.slots] = (self.combine_in[: h.num_recv] * w[h.slots]).to(torch.bfloat16)
+        return self.a2a.combine(ws, self.t_max, payload_in_workspace=True)
+
+    def effective_config(self) -> Dict[str, Any]:
+        return {"runtime_max_tokens_per_rank": self.t_max}
+
+    def poison(self) -> None:
+        self.combine_in.fill_(float("nan"))
+        self._ordered_next = True
+
+    def close(self) -> None:
+        if self.a2a is not None:
+            if self.s.device.type == "cuda":
+                torch.cuda.synchronize(self.s.device)
+            # drops the library's class-wide workspace cache entry, so the mapped memory goes with
+            # this object and a later backend builds its own over its own group
+            self.a2a._reset_workspace()
+        self.a2a = None
