@@ -68,9 +68,15 @@ def git_commit(package: Path = PACKAGE) -> Dict[str, str]:
     """epbench's own commit and where it came from: the checkout the package runs from, else the
     stamp written at build time, else unknown."""
     commit = checkout_commit(package)
+    stamped = stamped_commit(package / BUILD_INFO)
     if commit:
-        return {"git_commit": commit, "git_commit_from": "checkout"}
-    commit = stamped_commit(package / BUILD_INFO)
+        out = {"git_commit": commit, "git_commit_from": "checkout"}
+        if commit.endswith("+dirty") and stamped and stamped != commit:
+            # a dirty tree with another commit stamped: a copy of that commit laid over an older
+            # checkout (how the GPU host gets it), so both are named
+            out["git_commit_stamped"] = stamped
+        return out
+    commit = stamped
     if commit:
         return {"git_commit": commit, "git_commit_from": f"build stamp {BUILD_INFO}"}
     return {"git_commit": "unknown", "git_commit_from": "no epbench checkout and no build stamp"}

@@ -65,6 +65,11 @@ def test_a_changed_tracked_file_marks_the_commit_dirty(tmp_path, clone):
     with open(work / "pyproject.toml", "a") as f:
         f.write("\n# local change\n")
     assert provenance.git_commit(work / "epbench")["git_commit"] == head + "+dirty"
+    assert "git_commit_stamped" not in provenance.git_commit(work / "epbench")
+    # a newer commit's copy laid over this checkout (the GPU host): its stamp is named beside
+    (work / "epbench" / provenance.BUILD_INFO).write_text(json.dumps({"git_commit": "f" * 40}))
+    assert provenance.git_commit(work / "epbench")["git_commit_stamped"] == "f" * 40
+    (work / "epbench" / provenance.BUILD_INFO).unlink()
     (work / "untracked.txt").write_text("not part of the tree")  # untracked files do not count
     git(work, "checkout", "--", "pyproject.toml")
     assert provenance.git_commit(work / "epbench")["git_commit"] == head
