@@ -433,11 +433,11 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             timings = ("launch", "graph")
         try:
             for sms in sms_list:
-                for timing in timings:
+                for how in timings:
                     comm.arrive(f"{name} sms={sms or 'auto'}: timed calls")
-                    rec = PointRecord(comm.rank, timing=timing)
+                    rec = PointRecord(comm.rank, timing=how)
                     if ll_path:
-                        calls = (graph_calls if timing == "graph" else launch_calls)(be, inp, sms)
+                        calls = (graph_calls if how == "graph" else launch_calls)(be, inp, sms)
                         rec.samples_us = time_ll_point(be, calls, comm, opts.warmup, opts.iters)
                         verify_ll_point(be, calls, s, routings, comm, salt[0], opts.inject_fault, rec)
                     else:

@@ -38,3 +38,11 @@ def test_backends_without_mxfp8_or_expert_major_are_skipped_with_a_reason():
     bf16_em = sc.parse(scenario_dict(model={"layout": "expert_major"})).model
     assert _payload_reason(backend_class("epbench-hier"), bf16_em) == \
         "does not implement layout expert_major (it implements: rank_major)"
+
+
+def test_measure_size_keeps_the_timing_module_in_reach():
+    """_measure_size ends with ``timing.host_gate()`` (the module) on GPUs: a local variable of that
+    name (a loop over timing modes) made it a string there, and every GPU run failed at its end."""
+    from epbench import driver
+
+    assert "timing" not in driver._measure_size.__code__.co_varnames
