@@ -66,6 +66,7 @@ RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="S
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
 ControlTimeoutOpt = Annotated[Optional[float], typer.Option("--control-timeout", help="Seconds the ranks wait for each other at a barrier, gather or start-up before stopping with one line naming the missing ranks (default: the scenario's bench.control_timeout_s, 300).")]
 MpsOpt = Annotated[bool, typer.Option("--mps/--no-mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
+GraphChainOpt = Annotated[Optional[int], typer.Option("--graph-chain", help=f"Low-latency runs on a GPU: also time K back-to-back calls per op captured in one CUDA graph (rows 'graph xK': the per-call cost inside a graph, as in a decode step's), 0 = off; default {scenario.GRAPH_CHAIN}.", show_default=False)]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 OptionOpt = Annotated[Optional[List[str]], typer.Option(
     "--option", help="A backend option, [backend.]key=value (repeatable; docs/backends.md).")]
@@ -219,10 +220,22 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def check_graph_chain(k: Optional[int]) -> int:
+    """--graph-chain K: 0 (no chain rows) or 2..MAX_GRAPH_CHAIN calls per graph (1 would repeat the
+    graph rows); None: the default."""
+    if k is None:
+        return scenario.GRAPH_CHAIN
+    if k != 0 and not 2 <= k <= scenario.MAX_GRAPH_CHAIN:
+        raise UserError(f"--graph-chain: must be 0 (off) or 2 to {scenario.MAX_GRAPH_CHAIN} calls per graph "
+                        f"(1 is the graph rows), got {k}")
+    return k
+
+
 def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
             tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False,
-            option: Optional[List[str]] = None, control_timeout: Optional[float] = None) -> None:
+            option: Optional[List[str]] = None, control_timeout: Optional[float] = None,
+            graph_chain: Optional[int] = None) -> None:
     import contextlib
     import dataclasses
 
@@ -232,6 +245,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     if path is None and launch.under_torchrun():
         raise UserError("a scenario file is required under torchrun")
     token_list = scenario.maybe_int_list(tokens, "--tokens", scenario.MAX_SHAPE["tokens_per_rank"])
+    chain = check_graph_chain(graph_chain)
     if not launch.under_torchrun():  # cheap checks of the output folders before torch comes in
         from epbench.results import check_new_run_dir
 
@@ -240,7 +254,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option)
     if fault not in (None, "dispatch", "combine"):
         raise UserError(f"--inject-fault: must be dispatch or combine, got {scenario.shown(fault)}")
-    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings, tokens=token_list)
+    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings, tokens=token_list,
+                               graph_chain=chain)
     if control_timeout is None:
         control_timeout = s.bench.control_timeout_s
     if not 0 < control_timeout <= scenario.MAX_CONTROL_TIMEOUT_S:
@@ -273,7 +288,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
     args = [command, str(path), "--run-dir", str(run_dir), "--device", dev,
             "--sms", ",".join(map(str, opts.sms)), "--iters", str(opts.iters),
             "--warmup", str(opts.warmup), "--results", str(results),
-            "--control-timeout", repr(float(control_timeout))]
+            "--control-timeout", repr(float(control_timeout)), "--graph-chain", str(opts.graph_chain)]
     # --nproc stays here: torchrun's parser would take it for its own --nproc-per-node, and
     # the ranks learn their number from torchrun anyway.
     if fault:
@@ -321,7 +336,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         inject_fault: FaultOpt = None, no_ceilings: NoCeilOpt = False, tokens: TokensOpt = None,
         rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False,
         option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None, wide: WideOpt = False,
-        columns: ColumnsOpt = None) -> None:
+        columns: ColumnsOpt = None, graph_chain: GraphChainOpt = None) -> None:
     """Measure a scenario once at its own settings (or a few --sms / --tokens values) and print
     one table. Without a path: each shipped scenario that fits this host.
 
@@ -337,7 +352,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         try:
             _launch("run", p, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
                     rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
-                    control_timeout)
+                    control_timeout, graph_chain)
         except typer.Exit as e:
             worst = worst or e.exit_code
     raise typer.Exit(worst)
@@ -355,7 +370,7 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           no_ceilings: NoCeilOpt = False, rdzv_timeout: RdzvTimeoutOpt = None,
           mps: MpsOpt = False, option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None,
           wide: WideOpt = False,
-          columns: ColumnsOpt = None) -> None:
+          columns: ColumnsOpt = None, graph_chain: GraphChainOpt = None) -> None:
     """Measure a series: the scenario at each SM count and/or tokens per rank (one of them is
     required), with a progress bar; one results folder for all, ready for `epbench plot`.
 
@@ -365,7 +380,7 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
             node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
-            control_timeout)
+            control_timeout, graph_chain)
 
 
 @app.command()

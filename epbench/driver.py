@@ -8,9 +8,12 @@ on fresh random inputs with poisoned outputs. Rank 0 gathers the samples, turns 
 rows (epbench/metrics.py) and writes them before the next point starts.
 
 ``--tokens`` repeats everything per batch size (one backend object per size: the padding of
-low-latency buffers is the batch size). In low-latency mode each point is timed twice for a
-backend that supports CUDA graphs: plain launches, then replays of one captured graph per op
-(rows say which in ``timing``); each way is verified on its own.
+low-latency buffers is the batch size). In low-latency mode each point is timed up to three
+times for a backend that supports CUDA graphs: plain launches, replays of one captured graph per
+op holding one call (``graph``: what a standalone call costs, graph launch included), and replays
+of one graph per op holding ``graph_chain`` back-to-back calls (``chain``: the per-call cost inside
+a bigger graph, as in a decode step's); rows say which in ``timing`` (and K in ``chain``), and
+each way is verified on its own.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from epbench import timing
 from epbench.timing import Timer
 from epbench.timing import host_gate, method as timing_method
 from epbench.routing import RankRouting, route_all, traffic
-from epbench.scenario import Scenario
+from epbench.scenario import GRAPH_CHAIN, Scenario
 from epbench.verify import (check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
                             em_expert_output, ll_expert_output)
 
@@ -51,6 +54,7 @@ class RunOptions:
     progress: bool = True
     ceilings: bool = True  # measure copy-engine / SM-store ceilings before the backends (GPU)
     tokens: Optional[Tuple[int, ...]] = None  # batch sizes to sweep (None: the scenario's)
+    graph_chain: int = GRAPH_CHAIN  # low-latency calls per op captured in one graph for the chain rows (0: none)
 
 
 def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
@@ -205,6 +209,7 @@ class LowLatencyCalls:
     combine: Callable[[LowLatencyOutput], torch.Tensor]
     load: Callable[[DispatchInput], None]
     gated: bool = False  # graph replays never wait for the device: the timer may gate them
+    per_replay: int = 1  # calls of each op one dispatch() / combine() runs (a graph chain: K)
 
 
 def launch_calls(be: Backend, inp: DispatchInput, sms: int) -> LowLatencyCalls:
@@ -217,18 +222,22 @@ def launch_calls(be: Backend, inp: DispatchInput, sms: int) -> LowLatencyCalls:
                            lambda out: be.ll_combine(out, sms), load)
 
 
-def graph_calls(be: Backend, inp: DispatchInput, sms: int) -> LowLatencyCalls:
-    """Captures one ll_dispatch and one ll_combine into a CUDA graph each (nothing runs while
-    capturing); every call replays them on the current stream. The inputs are copied into
-    tensors the graphs own, so ``load`` only copies."""
+def graph_calls(be: Backend, inp: DispatchInput, sms: int, chain: int = 1) -> LowLatencyCalls:
+    """Captures ``chain`` back-to-back ll_dispatch calls into one CUDA graph and as many
+    ll_combine calls into another (nothing runs while capturing); every call replays one of them on
+    the current stream. Each captured call does its full work on the same inputs and outputs, so
+    what a replay leaves is the last call's output. The inputs are copied into tensors the graphs
+    own, so ``load`` only copies."""
     static = DispatchInput(inp.x.clone(), inp.x_scales.clone() if inp.x_scales is not None else None,
                            inp.topk_idx.clone(), inp.topk_weights.clone())
     torch.cuda.synchronize()
     g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_dispatch):
-        out = be.ll_dispatch(static, sms)
+        for _ in range(chain):
+            out = be.ll_dispatch(static, sms)
     with torch.cuda.graph(g_combine):
-        got = be.ll_combine(out, sms)
+        for _ in range(chain):
+            got = be.ll_combine(out, sms)
     torch.cuda.synchronize()
 
     def dispatch() -> LowLatencyOutput:
@@ -246,7 +255,7 @@ def graph_calls(be: Backend, inp: DispatchInput, sms: int) -> LowLatencyCalls:
         static.topk_idx.copy_(new.topk_idx)
         static.topk_weights.copy_(new.topk_weights)
 
-    return LowLatencyCalls(dispatch, combine, load, gated=True)
+    return LowLatencyCalls(dispatch, combine, load, gated=True, per_replay=chain)
 
 
 def _fill_ll_expert_output(be: Backend, out: LowLatencyOutput, rank: int) -> None:
@@ -258,11 +267,37 @@ def _fill_ll_expert_output(be: Backend, out: LowLatencyOutput, rank: int) -> Non
 
 def time_ll_point(be: Backend, calls: LowLatencyCalls, comm: Comm, warmup: int,
                   iters: int) -> Dict[str, List[float]]:
+    """One sample per replay; a replay of a K-call chain gives the mean of its K calls:
+    per-call time = (end event - start event) / K, so percentiles are of those means."""
     samples = _time_pair(comm, warmup, iters, calls.dispatch,
                          lambda out: _fill_ll_expert_output(be, out, comm.rank), calls.combine,
                          gated=calls.gated)
     _check_backend_errors(be)
-    return samples
+    return {op: [t / calls.per_replay for t in ts] for op, ts in samples.items()}
+
+
+def ll_calls(be: Backend, inp: DispatchInput, sms: int, timing: str, chain: int) -> LowLatencyCalls:
+    """The calls one low-latency timing mode times and verifies."""
+    if timing == "launch":
+        return launch_calls(be, inp, sms)
+    return graph_calls(be, inp, sms, chain if timing == "chain" else 1)
+
+
+def timings_of(be_cls: type, setup: RankSetup, device: str, as_normal: bool,
+               chain: int) -> Tuple[Tuple[str, ...], Optional[str]]:
+    """How a backend's points are timed, and why it has no chain rows where it could have had
+    them (None otherwise): "normal" for a normal-mode backend on a low-latency batch; plain
+    "launch" (every backend, every mode); and, for a low-latency backend whose calls a CUDA graph
+    can capture on a GPU, "graph" (one call per replay) and "chain" (``chain`` calls per replay,
+    0: none) where the backend's chain_reason allows it."""
+    if as_normal:
+        return ("normal",), None
+    if setup.mode != "low_latency" or device != "cuda" or not be_cls.supports_cuda_graphs:
+        return ("launch",), None
+    if chain == 0:
+        return ("launch", "graph"), None
+    reason = be_cls.chain_reason(setup)
+    return (("launch", "graph"), reason) if reason else (("launch", "graph", "chain"), None)
 
 
 def _first_valid_slot(out: LowLatencyOutput) -> Optional[Tuple[int, int]]:
@@ -429,16 +464,17 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             tr = metrics.pair_traffic(routings, m.experts_per_rank, s.topology.gpus_per_node)
         else:
             tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, be_cls.hierarchical)
-        timings = ("normal",) if as_normal else ("launch",)
-        if ll_path and be_cls.supports_cuda_graphs and device == "cuda":
-            timings = ("launch", "graph")
+        timings, no_chain = timings_of(be_cls, be_setup, device, as_normal, opts.graph_chain)
+        if no_chain:
+            on_note(f"backend {name}: no chain rows ({no_chain})")
         try:
             for sms in sms_list:
-                for timing in timings:
+                for how in timings:
                     comm.arrive(f"{name} sms={sms or 'auto'}: timed calls")
-                    rec = PointRecord(comm.rank, timing=timing)
+                    rec = PointRecord(comm.rank, timing=how)
                     if ll_path:
-                        calls = (graph_calls if timing == "graph" else launch_calls)(be, inp, sms)
+                        calls = ll_calls(be, inp, sms, how, opts.graph_chain)
+                        rec.chain = calls.per_replay
                         rec.samples_us = time_ll_point(be, calls, comm, opts.warmup, opts.iters)
                         verify_ll_point(be, calls, s, routings, comm, salt[0], opts.inject_fault, rec)
                     else:

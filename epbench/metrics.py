@@ -26,7 +26,10 @@ Low-latency mode
     with three experts on rank d crosses the link three times (the receiver gets it straight
     in each expert's buffer). ``pair_traffic`` counts pairs; the formulas above are unchanged.
     The headline is latency: p50 and p99 of the per-iteration times (``time_us``,
-    ``time_us_p99``), each the max over ranks.
+    ``time_us_p99``), each the max over ranks. Chain rows (``timing`` "chain", ``chain`` = K):
+    one iteration replays a graph of K back-to-back calls, and its sample is the replay's time
+    / K, so their p50 and p99 are of per-replay means, and a row's time is the per-call cost
+    inside a graph, without the graph launch and timing events a standalone call pays.
 
 Functional runs
     With one rank, or several ranks on one GPU, no byte crosses a link: the kernels, buffers,
@@ -132,6 +135,9 @@ def summarize(df):
                    slowest_rank=int(slow["rank"]), wrong=int(g["wrong"].sum()))
         if "time_us_p99" in g:
             row["time_us_p99"] = float(pd.to_numeric(g["time_us_p99"], errors="coerce").max())
+        if "chain" in g:  # one K per (point, timing): calls per sample, shown with chain rows
+            k = pd.to_numeric(g["chain"], errors="coerce").max()
+            row["chain"] = int(k) if k == k else None
         for flag in ("nvlink_counter_mismatch", "nic_counter_mismatch"):
             vals = g[flag].dropna() if flag in g else []
             row[flag] = bool(pd.Series(vals, dtype=object).astype(bool).any()) if len(vals) else None
@@ -163,7 +169,8 @@ class PointRecord:
     counted: Dict[str, Dict[str, int]] = field(default_factory=dict)  # op -> counter -> bytes
     counted_iters: int = 0
     link_capacity_gbps: Optional[float] = None  # the GPU's raw NVLink rate per direction
-    timing: str = "launch"  # low-latency mode: "launch" | "graph"
+    timing: str = "launch"  # low-latency mode: "launch" | "graph" | "chain" (| "normal")
+    chain: int = 1  # calls of each op per timed sample (a chain row's K)
 
 
 def functional_reason(world: int, ranks_per_gpu: int) -> Optional[str]:
@@ -281,8 +288,9 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 "options": json.dumps(rec.config, sort_keys=True) if rec.config else None,
             })
             if s.mode == "low_latency":  # latency first: the tail matters for decode
-                rows[-1].update(mode=s.mode, timing=rec.timing, time_us_p99=percentile(ts, 99))
-            extra = {"timing": rec.timing} if s.mode == "low_latency" else {}
+                rows[-1].update(mode=s.mode, timing=rec.timing, chain=rec.chain,
+                                time_us_p99=percentile(ts, 99))
+            extra = {"timing": rec.timing, "chain": rec.chain} if s.mode == "low_latency" else {}
             samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
                          "time_us": t, "tokens_per_rank": m.tokens_per_rank, **extra}
                         for i, t in enumerate(ts)]

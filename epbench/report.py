@@ -76,6 +76,14 @@ def _wrong(r: pd.Series, wide: bool) -> str:
     return f"[bold red]{wrong}[/]" if wrong else "0"
 
 
+def timing_label(timing: Any, chain: Any = None) -> str:
+    """A row's timing mode as the tables show it: a chain row is "graph xK" (K calls chained in
+    one graph, time per call), never a bare "graph" a reader would take for a standalone call."""
+    if timing == "chain":
+        return f"graph x{int(chain)}" if chain is not None and chain == chain else "graph xK"
+    return str(timing)
+
+
 def _link_pct(r: pd.Series, wide: bool) -> str:
     return _spread(r, "nvlink_link_use_pct") if wide else _num(r.get("nvlink_link_use_pct_max"))
 
@@ -85,7 +93,7 @@ COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
     "op": ("op", "left", lambda r, w: str(r["op"])),
     "backend": ("backend", "left", lambda r, w: str(r["backend"])),
     "sms": ("SMs", "right", lambda r, w: str(int(r["sms"])) if r["sms"] else "auto"),
-    "timing": ("timing", "left", lambda r, w: str(r.get("timing"))),
+    "timing": ("timing", "left", lambda r, w: timing_label(r.get("timing"), r.get("chain"))),
     "time": ("time us", "right", lambda r, w: _num(r["time_us"])),
     "p99": ("p99 us", "right", lambda r, w: _num(r.get("time_us_p99"))),
     "algbw": ("algbw", "right", _bw("algbw_gbps")),
@@ -138,7 +146,10 @@ WIDE_CAPTION = (" NVML busbw: from the GPUs' counters ('!' = >10% off the comput
                 "run's ideal copy of the same bytes by copy engines (CE) / plain SM stores (SM), "
                 "time over the op's time")
 LL_CAPTION = (" p50 / p99: percentiles of the per-iteration times, slowest rank; timing: plain "
-              "launches, CUDA-graph replays, or 'normal' (a normal-mode backend on the same batch)")
+              "launches, CUDA-graph replays of one call (graph: a standalone call, graph launch "
+              "included), 'graph xK' (in-graph: per call of K chained in one graph, as inside a "
+              "decode step's graph; each sample is one replay / K, so its p99 is that of per-replay "
+              "averages), or 'normal' (a normal-mode backend on the same batch)")
 
 
 def results_table(df: pd.DataFrame, title: str = "",
@@ -179,19 +190,27 @@ def transport(meta: Dict[str, Any]) -> str:
 
 def floor_notes(df: pd.DataFrame) -> List[str]:
     """Low-latency runs: the fixed cost of each backend's op, i.e. the slowest rank's p50 at the
-    fewest tokens the run measured (its best SM count and timing), one line each. A decode step
-    pays it whatever its batch; bytes only add to it."""
+    fewest tokens the run measured (its best SM count and standalone timing), one line each; where
+    the run has chain rows, the line adds the in-graph figure (best SM count of the chain rows). A
+    decode step pays it whatever its batch; bytes only add to it."""
     if df.empty or "mode" not in df or not (df["mode"] == "low_latency").any() or "tokens_per_rank" not in df:
         return []
     ll = df[df["mode"] == "low_latency"]
     fewest = ll["tokens_per_rank"].min()
-    keys = [k for k in ("backend", "op", "sms", "timing") if k in ll]
+    keys = [k for k in ("backend", "op", "sms", "timing", "chain") if k in ll]
     worst = ll[ll["tokens_per_rank"] == fewest].groupby(keys, dropna=False)["time_us"].max().reset_index()
+    chained = worst["timing"] == "chain" if "timing" in worst else pd.Series(False, index=worst.index)
     out = []
-    for (backend, op), g in worst.groupby(["backend", "op"], sort=False):
+    for (backend, op), g in worst[~chained].groupby(["backend", "op"], sort=False):
         best = g.loc[g["time_us"].idxmin()]
         how = f"{int(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
-        out.append(f"floor: {backend} {op} {_num(best['time_us'])} us at {int(fewest)} token(s) per rank ({how})")
+        line = f"floor: {backend} {op} {_num(best['time_us'])} us at {int(fewest)} token(s) per rank ({how})"
+        chain = worst[chained & (worst["backend"] == backend) & (worst["op"] == op)]
+        if not chain.empty:
+            c = chain.loc[chain["time_us"].idxmin()]
+            line += (f"; in-graph {_num(c['time_us'])} us ({int(c['sms'])} SMs, "
+                     f"{timing_label('chain', c.get('chain'))}: per call of a chain in one graph)")
+        out.append(line)
     return out
 
 

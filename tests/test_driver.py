@@ -38,3 +38,82 @@ def test_backends_without_mxfp8_or_expert_major_are_skipped_with_a_reason():
     bf16_em = sc.parse(scenario_dict(model={"layout": "expert_major"})).model
     assert _payload_reason(backend_class("epbench-hier"), bf16_em) == \
         "does not implement layout expert_major (it implements: rank_major)"
+
+
+def test_measure_size_keeps_the_timing_module_in_reach():
+    """_measure_size ends with ``timing.host_gate()`` (the module) on GPUs: a local variable of that
+    name (a loop over timing modes) made it a string there, and every GPU run failed at its end."""
+    from epbench import driver
+
+    assert "timing" not in driver._measure_size.__code__.co_varnames
+
+
+def _setup(mode="low_latency", world=1):
+    import torch
+
+    from epbench.backends.base import RankSetup
+
+    return RankSetup(rank=0, world=world, gpus_per_node=world, device=torch.device("cpu"), hidden=128,
+                     max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16", mode=mode)
+
+
+def _backend(graphs: bool, reason=None):
+    from epbench.backends.base import Backend
+
+    class Fake(Backend):  # never instantiated: timings_of reads class attributes only
+        modes = ("low_latency",)
+        supports_cuda_graphs = graphs
+
+        @classmethod
+        def chain_reason(cls, setup):
+            return reason if reason is not None else super().chain_reason(setup)
+
+    return Fake
+
+
+def test_graph_and_chain_timings_only_for_cuda_graph_backends_on_gpus():
+    from epbench.driver import timings_of
+
+    graphs, plain = _backend(True), _backend(False)
+    assert timings_of(graphs, _setup(), "cuda", False, 8) == (("launch", "graph", "chain"), None)
+    assert timings_of(graphs, _setup(), "cuda", False, 0) == (("launch", "graph"), None)  # --graph-chain 0
+    assert timings_of(graphs, _setup(), "cpu", False, 8) == (("launch",), None)
+    assert timings_of(plain, _setup(), "cuda", False, 8) == (("launch",), None)
+    assert timings_of(graphs, _setup(mode="normal"), "cuda", False, 8) == (("launch",), None)
+    assert timings_of(plain, _setup(mode="normal"), "cuda", True, 8) == (("normal",), None)
+    assert timings_of(_backend(True, "no chains here"), _setup(), "cuda", False, 8) == \
+        (("launch", "graph"), "no chains here")
+    assert plain.chain_reason(_setup()) == "its calls cannot be captured in a CUDA graph"
+
+
+def test_epbench_ll_chains_at_world_1_only():
+    import pytest
+
+    ll = pytest.importorskip("epbench.backends.epbench_ll").EpbenchLowLatencyBackend
+    from epbench.driver import timings_of
+
+    assert ll.chain_reason(_setup(world=1)) is None
+    why = ll.chain_reason(_setup(world=2))
+    assert why and "world 1" in why
+    assert timings_of(ll, _setup(world=2), "cuda", False, 8) == (("launch", "graph"), why)
+
+
+def test_a_chain_sample_is_one_replay_over_k(monkeypatch):
+    from types import SimpleNamespace
+
+    from epbench import driver
+
+    seen = {}
+
+    def fake_pair(comm, warmup, iters, dispatch, fill, combine, gated=False):
+        seen["gated"] = gated
+        return {"dispatch": [8.0, 16.0], "combine": [4.0]}
+
+    monkeypatch.setattr(driver, "_time_pair", fake_pair)
+    comm = SimpleNamespace(rank=0)
+    chain = driver.LowLatencyCalls(lambda: None, lambda out: None, lambda new: None, gated=True, per_replay=4)
+    assert driver.time_ll_point(SimpleNamespace(), chain, comm, 0, 2) == {"dispatch": [2.0, 4.0], "combine": [1.0]}
+    assert seen["gated"] is True
+    one = driver.LowLatencyCalls(lambda: None, lambda out: None, lambda new: None)
+    assert driver.time_ll_point(SimpleNamespace(), one, comm, 0, 2)["dispatch"] == [8.0, 16.0]
+    assert driver.ll_calls(SimpleNamespace(), None, 8, "launch", 4).per_replay == 1

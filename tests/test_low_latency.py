@@ -45,6 +45,38 @@ def test_bad_tokens_options(args, needles, tmp_path):
     assert not (tmp_path / "res").exists()
 
 
+@pytest.mark.parametrize("value", ["1", "-1", "1025", "x"])
+@pytest.mark.parametrize("verb", ["run", "sweep"])
+def test_bad_graph_chain_is_one_line(verb, value, tmp_path):
+    r = epbench(verb, SMOKE_LL, "--tokens", "1", "--graph-chain", value, "--results", tmp_path / "res")
+    assert_one_line_error(r, "--graph-chain", *(["0 (off) or 2 to 1024"] if value != "x" else []))
+    assert not (tmp_path / "res").exists()
+
+
+def test_graph_chain_reaches_the_ranks_and_the_options(monkeypatch, tmp_path):
+    """The launcher passes --graph-chain K on to the ranks' command line and into RunOptions
+    (the meta.json options are RunOptions); no value: the default, 0: off."""
+    import typer
+
+    from epbench import cli, scenario, session
+
+    seen = {}
+
+    def fake_launch_run(s, opts, jobs, run_dir, job_command, dev):
+        seen["opts"], seen["argv"] = opts, job_command(jobs[0])
+        return 0
+
+    monkeypatch.setattr(session, "launch_run", fake_launch_run)
+    for given, want in ((None, scenario.GRAPH_CHAIN), (0, 0), (16, 16)):
+        with pytest.raises(typer.Exit):
+            cli._launch("sweep", Path(SMOKE_LL), None, "reference", None, None, None, "cpu",
+                        tmp_path / f"r{want}", None, None, None, None, None, True, "1", graph_chain=given)
+        assert seen["opts"].graph_chain == want
+        argv = seen["argv"]
+        assert argv[argv.index("--graph-chain") + 1] == str(want)
+    assert scenario.GRAPH_CHAIN == 8
+
+
 # -- the placement ------------------------------------------------------------------------------
 
 def test_ll_slots_by_hand():
@@ -253,7 +285,7 @@ def test_reference_low_latency_matches_the_contract(reference_ll, dtype):
 
 @pytest.fixture(scope="module")
 def ll_sweep(tmp_path_factory):
-    return run_cli(tmp_path_factory.mktemp("ll"), "sweep", SMOKE_LL, "--tokens", "1,4")
+    return run_cli(tmp_path_factory.mktemp("ll"), "sweep", SMOKE_LL, "--tokens", "1,4", "--graph-chain", "4")
 
 
 @pytest.mark.slow
@@ -264,6 +296,7 @@ def test_smoke_ll_sweep(ll_sweep):
     assert sorted(df["tokens_per_rank"].unique()) == [1, 4]
     assert set(df["backend"]) == {"reference"}
     assert set(df["mode"]) == {"low_latency"} and set(df["timing"]) == {"launch"}
+    assert set(df["chain"]) == {1}  # no graphs on CPUs: every sample is one call
     assert len(df) == 2 * 2 * 4  # token counts x ops x ranks
     assert (df["wrong"] == 0).all()
     assert (df["time_us_p99"] >= df["time_us"]).all()
@@ -271,6 +304,7 @@ def test_smoke_ll_sweep(ll_sweep):
     assert len(samples) == 2 * 2 * 4 * 5 and set(samples["tokens_per_rank"]) == {1, 4}
     meta = ll_sweep.meta()
     assert meta["status"] == "complete" and meta["scenario"]["mode"] == "low_latency"
+    assert meta["options"]["graph_chain"] == 4
     assert any(n.startswith("backend epbench-ll skipped") for n in meta["notes"]), meta["notes"]
     for line in ("p50 us", "p99 us", "timing"):
         assert line in r.out

@@ -225,3 +225,28 @@ def test_functional_rows_carry_the_reason_and_no_link_figure():
     summary = summarize(pd.DataFrame(rows))
     assert summary["pct_of_copy_engine_ceiling"].isna().all()
     assert summary["busbw_nvlink_gbps_max"].isna().all()
+
+
+def test_low_latency_rows_and_samples_carry_the_chain_length():
+    """A chain row says K (calls per sample) in every row and sample; other low-latency rows say 1;
+    summarize keeps K beside the timing, normal-mode rows have no chain column."""
+    from types import SimpleNamespace
+
+    s = parse(scenario_dict(mode="low_latency", topology={"nodes": 1, "gpus_per_node": 2}))
+    tr = metrics.pair_traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node)
+    be = SimpleNamespace(name="epbench-ll")
+
+    def rows_of(timing, chain):
+        recs = [PointRecord(rank=r, samples_us={"dispatch": [1.0, 2.0], "combine": [3.0]}, timing=timing,
+                            chain=chain, wrong={"dispatch": 0, "combine": 0},
+                            problem={"dispatch": "", "combine": ""}) for r in range(2)]
+        return metrics.point_rows(s, be, 8, recs, tr, "cuda", None, "one rank")
+
+    rows, samples = rows_of("chain", 8)
+    assert {(r["timing"], r["chain"]) for r in rows} == {("chain", 8)}
+    assert {(x["timing"], x["chain"]) for x in samples} == {("chain", 8)}
+    graph, _ = rows_of("graph", 1)
+    assert {r["chain"] for r in graph} == {1}
+    summary = summarize(pd.DataFrame(rows + graph))
+    assert sorted(zip(summary["timing"], summary["chain"])) == [("chain", 8)] * 2 + [("graph", 1)] * 2
+    assert "chain" not in _point(None)[0]

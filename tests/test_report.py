@@ -191,3 +191,47 @@ def test_low_latency_runs_name_the_floor_per_backend_and_op():
     notes = floor_notes(pd.DataFrame(rows))
     assert notes == ["floor: epbench-ll dispatch 14.4 us at 1 token(s) per rank (32 SMs, graph)"]
     assert floor_notes(pd.DataFrame([dict(backend="epbench", op="dispatch", sms=8, time_us=1.0)])) == []
+
+
+def _ll_rows(points):
+    """Low-latency rows of epbench-ll dispatch at 1 and 128 tokens, 2 ranks (rank 1 0.5 us slower):
+    points = (sms, timing, chain, time at 1 token, time at 128)."""
+    rows = []
+    for sms, timing, chain, t1, t128 in points:
+        for rank, extra in ((0, 0.0), (1, 0.5)):
+            for tokens, t in ((1, t1), (128, t128)):
+                rows.append(dict(mode="low_latency", scenario="x", backend="epbench-ll", op="dispatch",
+                                 sms=sms, timing=timing, chain=chain, rank=rank, world=2, wrong=0,
+                                 problem="", tokens_per_rank=tokens, time_us=t + extra,
+                                 time_us_p99=t + extra + 1.0))
+    return rows
+
+
+def test_the_floor_names_the_standalone_and_the_in_graph_figure():
+    import pandas as pd
+
+    from epbench.report import floor_notes
+
+    rows = _ll_rows([(32, "graph", 1, 7.4, 13.6), (32, "launch", 1, 8.0, 14.0), (32, "chain", 8, 3.1, 9.9),
+                     (132, "graph", 1, 7.9, 12.0), (132, "chain", 8, 2.9, 8.0)])
+    assert floor_notes(pd.DataFrame(rows)) == [
+        "floor: epbench-ll dispatch 7.9 us at 1 token(s) per rank (32 SMs, graph); "
+        "in-graph 3.4 us (132 SMs, graph x8: per call of a chain in one graph)"]
+    # the chain rows never stand for the standalone figure, however fast they are
+    no_chain = [r for r in rows if r["timing"] != "chain"]
+    assert floor_notes(pd.DataFrame(no_chain)) == [
+        "floor: epbench-ll dispatch 7.9 us at 1 token(s) per rank (32 SMs, graph)"]
+
+
+def test_chain_rows_are_labelled_graph_x_k_and_the_caption_says_what_their_p99_is():
+    import pandas as pd
+
+    from epbench.report import results_table, timing_label
+
+    table = results_table(pd.DataFrame(_ll_rows([(32, "graph", 1, 7.4, 13.6), (32, "chain", 8, 3.1, 9.9)])))
+    headers = [c.header for c in table.columns]
+    assert table.columns[headers.index("timing")]._cells == ["graph", "graph", "graph x8", "graph x8"]
+    caption = " ".join(table.caption.split())
+    assert "'graph xK' (in-graph: per call of K chained in one graph" in caption
+    assert "its p99 is that of per-replay averages" in caption
+    assert timing_label("chain", None) == "graph xK" and timing_label("launch", 1) == "launch"

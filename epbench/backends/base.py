@@ -189,6 +189,13 @@ class Backend(ABC):
         """None when this backend can run here, else one line saying why not."""
         return None
 
+    @classmethod
+    def chain_reason(cls, setup: RankSetup) -> Optional[str]:
+        """None when K back-to-back calls of one op (K dispatches, then K combines, with no other
+        call between) may be captured into one CUDA graph and replayed here, each call doing its
+        full work; else one line saying why not (the driver then times no ``chain`` rows)."""
+        return None if cls.supports_cuda_graphs else "its calls cannot be captured in a CUDA graph"
+
     @abstractmethod
     def __init__(self, setup: RankSetup) -> None: ...
 

@@ -70,6 +70,17 @@ class EpbenchLowLatencyBackend(Backend):
                 f"tokens_per_rank x topk > {MAX_STAGED_IDS} (low-latency batches only)"
         return intranode_reason(setup)
 
+    @classmethod
+    def chain_reason(cls, setup: RankSetup) -> Optional[str]:
+        """A chain of dispatches is sound at world 1 only: with peers, a source rewrites a receiver's
+        stage / tmap for call n + 1 only after its combine n (csrc/ll_dispatch.cu, buffer reuse), and a
+        receiver that sees a later epoch treats it as "nothing for me in n", so back-to-back
+        dispatches would race, and a rank that fell behind would skip work."""
+        if setup.world > 1:
+            return ("back-to-back calls without a combine between are only sound at world 1 "
+                    "(the kernels reuse their peers' buffers after each combine)")
+        return super().chain_reason(setup)
+
     def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None,
                  ll_sync: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)

@@ -1,7 +1,8 @@
 """GPU checks of the low-latency kernels (backend epbench-ll): torchrun starts
 tests/gpu/ll_worker.py, which checks every edge case against epbench.verify and the NCCL
 reference (launches and CUDA-graph replays) and a missing peer against the timeout; then the
-whole pipeline through `epbench sweep --tokens` with both backends, both timings verified."""
+whole pipeline through `epbench sweep --tokens` with both backends, every timing verified, and
+at world 1 the chain rows (K calls per op in one graph)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: 
     assert set(df["backend"]) == {"epbench-ll"} | (set() if shared(ranks) else {"reference"})
     assert shared(ranks) == ("backend reference skipped" in r.stdout)
     ll = df[df["backend"] == "epbench-ll"]
-    assert set(ll["timing"]) == {"launch", "graph"}
+    assert set(ll["timing"]) == {"launch", "graph"}  # ranks > 1: no chain rows, and a note says why
+    assert "backend epbench-ll: no chain rows" in r.stdout
     assert all(json.loads(o)["ll_sync"] == sync for o in ll["options"])  # what ran is recorded
     assert sorted(set(ll["tokens_per_rank"])) == [1, 32, 128]
     assert len(ll) == 3 * 2 * 2 * 2 * ranks  # tokens x SM counts x timings x ops x ranks
@@ -83,3 +85,24 @@ def test_corrupted_ll_output_fails(built: None, tmp_path: Path) -> None:
                        cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "VERIFICATION FAILED" in r.stdout
+
+
+@pytest.mark.parametrize("sync", ["grid", "token"])
+def test_world_1_chain_rows_are_verified_and_labelled(built: None, tmp_path: Path, sync: str) -> None:
+    """At world 1 a third timing: 4 back-to-back calls per op in one graph, the last call's output
+    verified; rows say chain 4 and the table 'graph x4'; the floor line names both figures."""
+    path = tmp_path / "ll-chain.yaml"
+    path.write_text(SCENARIO.format(epr=64, dtype="fp8", routing="uniform", world=1))
+    r = subprocess.run([sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,128",
+                        "--backends", "epbench-ll", "--graph-chain", "4", "--no-ceilings",
+                        "--option", f"epbench-ll.ll_sync={sync}", "--results", str(tmp_path / "r")],
+                       cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    (run,) = list((tmp_path / "r").iterdir())
+    meta, df = load_run(run)
+    assert meta["options"]["graph_chain"] == 4
+    assert set(df["timing"]) == {"launch", "graph", "chain"}
+    assert set(df[df["timing"] == "chain"]["chain"]) == {4} and set(df[df["timing"] != "chain"]["chain"]) == {1}
+    assert len(df) == 2 * 2 * 3 * 2  # tokens x SM counts x timings x ops (one rank)
+    assert int(df["wrong"].sum()) == 0
+    assert "graph x4" in r.stdout and "in-graph" in r.stdout
