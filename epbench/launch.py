@@ -31,8 +31,8 @@ def under_torchrun() -> bool:
 
 def torchrun_args(args: List[str], nproc_per_node: int, nnodes: int = 1,
                   node_rank: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
-                  rdzv_timeout_s: Optional[int] = None) -> List[str]:
-    """torchrun's own arguments for re-running ``epbench <args>`` on every rank."""
+                  rdzv_timeout_s: Optional[int] = None, module: str = "epbench") -> List[str]:
+    """torchrun's own arguments for re-running ``python -m <module> <args>`` on every rank."""
     cmd = [f"--nproc-per-node={nproc_per_node}"]
     if nnodes > 1 or rdzv_endpoint:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
@@ -42,7 +42,7 @@ def torchrun_args(args: List[str], nproc_per_node: int, nnodes: int = 1,
             cmd.append(f"--rdzv-conf=join_timeout={rdzv_timeout_s}")
     else:
         cmd.append("--standalone")
-    return cmd + ["-m", "epbench", *args]
+    return cmd + ["-m", module, *args]
 
 
 SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # the shell's convention: 128 + signal number

@@ -25,6 +25,35 @@ Rows:
 
 Prints one table, a line per row as it is measured (us; p50 unless marked), and writes every number to $OUT/ll_probe.csv when OUT is
 set (or --csv).
+
+`--chain K` (a comma list, default 1): each graph holds K back-to-back calls of its op (probe
+kernels too), and `call` is the event pair over one replay divided by K, so the ~4 us that the
+event pair costs by itself is spread over K calls. Every call of a chain overwrites the stamp
+buffer, so the parts are those of the LAST call of the chain; `outside` (call - span) is then what
+one call costs beyond its stamps inside a graph (the gap to the previous kernel and the drain),
+the event pair mostly excluded. Verification replays the chained graph once: every call of it
+writes the same outputs from the same inputs. A chain is refused with --nproc > 1: a source
+writes a peer's stage for dispatch n + 1 only after its combine n (the buffer-reuse argument in
+csrc/ll_dispatch.cu), so back-to-back dispatches of several ranks would overwrite rows a peer is
+still reading.
+
+`--nproc N` (default 1): N ranks share this process's first visible GPU, started under torchrun
+by epbench.launch (gloo control plane, as `epbench run --nproc N` on one GPU); `--mps` starts a
+private MPS daemon for them as `epbench run --mps` does, and the header says whether MPS was on
+(epbench.launch.mps_active). Each rank dispatches its own T tokens routed over all N x
+experts-per-rank experts (epbench.routing.route_rank per rank, as the driver routes a real world
+size) and verifies what it received and combined (`wrong`: summed over ranks). Each timed call is
+preceded by the driver's alignment (Comm.sync through Timer: each rank empties its stream, meets
+the others at a barrier, then queues the device sleep again), so rank i's call n meets the other
+ranks' call n. Rank 0 prints the row: `call` (p50, p99, max) are the samples of the slowest rank
+(highest p50; column `slow`); the parts come from every rank's blocks together. %globaltimer is one
+clock per GPU, so the stamps of different processes on one GPU compare directly: boundary 0 is the
+first block of any rank, each later boundary the last block of any rank to pass it. Skew between
+ranks therefore shows in three places: `rskew` (the last rank's first block start minus the first
+rank's: how far the barrier and the device sleep left the ranks apart), `skew` (every block's
+spread, rskew included), and `wait`/`span`, since a rank that starts early waits there for its
+peers' counts and flags. The extra columns (chain; ranks, slow, rskew) are printed only when a
+chain > 1 or several ranks are asked for; the CSV always has chain and ranks.
 """
 
 from __future__ import annotations
@@ -91,12 +120,60 @@ def summarize(per_call: Sequence[Dict[str, float]], call_us: Sequence[float]) ->
     return row
 
 
-def format_table(rows: List[Dict[str, object]]) -> str:
-    """The compact table the probe prints: one line per row, us, p50 unless marked."""
+def per_call_us(samples_us: Sequence[float], chain: int) -> List[float]:
+    """One call's time from the event pair around a replay of a chain of ``chain`` calls."""
+    return [t / chain for t in samples_us]
+
+
+def merge_ranks(rank_hist: Sequence[Sequence[Sequence[Sequence[int]]]]) -> List[List[Sequence[int]]]:
+    """Per call, every rank's blocks in one grid ([rank][call][block][LlStamp] -> [call][block]):
+    on one GPU the stamps of all ranks are read from one clock."""
+    calls = len(rank_hist[0]) if rank_hist else 0
+    if any(len(h) != calls for h in rank_hist):
+        raise ValueError("every rank must have stamps for the same number of calls")
+    return [[b for h in rank_hist for b in h[i]] for i in range(calls)]
+
+
+def rank_skew_us(rank_blocks: Sequence[Sequence[Sequence[int]]]) -> float:
+    """One call's skew between ranks ([rank][block][LlStamp]), in us: the last rank's first block
+    start minus the first rank's."""
+    firsts = [min(b[0] for b in blocks) for blocks in rank_blocks]
+    return (max(firsts) - min(firsts)) / 1e3
+
+
+def summarize_ranks(rank_hist: Sequence[Sequence[Sequence[Sequence[int]]]],
+                    rank_us: Sequence[Sequence[float]], parts) -> Dict[str, float]:
+    """summarize() of a row measured on every rank: the parts of every rank's blocks together,
+    the call times of the slowest rank (highest p50: ``slow_rank``), each rank's p50 and, with
+    several ranks, the p50 and p99 of the skew between ranks. ``outside`` is then the slowest
+    rank's call minus the span of all ranks together: it can be negative when the ranks start
+    further apart than the slowest rank's own call lasts beyond its stamps."""
+    p50s = [percentile(us, 50) for us in rank_us]
+    slow = max(range(len(p50s)), key=lambda r: p50s[r])
+    row = summarize([parts(blocks) for blocks in merge_ranks(rank_hist)], rank_us[slow])
+    row["ranks"] = len(rank_us)
+    if len(rank_us) > 1:
+        skews = [rank_skew_us([h[i] for h in rank_hist]) for i in range(len(rank_hist[0]))]
+        row.update({"slow_rank": slow, "rank_skew_p50": percentile(skews, 50),
+                    "rank_skew_p99": percentile(skews, 99)})
+        row.update({f"call_p50_rank{r}": v for r, v in enumerate(p50s)})
+    return row
+
+
+def extra_columns(chains: Sequence[int], world: int) -> List[str]:
+    """The columns appended to the table: chain when a chain > 1 is asked for, the ranks' with
+    several ranks (the default table keeps its columns)."""
+    return (["chain"] if any(c != 1 for c in chains) else []) + \
+        (["ranks", "slow_rank", "rank_skew_p50"] if world > 1 else [])
+
+
+def format_table(rows: List[Dict[str, object]], extra: Sequence[str] = ()) -> str:
+    """The compact table the probe prints: one line per row, us, p50 unless marked; ``extra``
+    columns (extra_columns) at the end."""
     cols = ["sms", "op", "tokens", "variant", "wrong", "call_p50", "call_p99", "call_max", "outside_p50",
-            "span_p50"] + [f"{p}_p50" for p in ["skew"] + PARTS] + ["a_p50"]
+            "span_p50"] + [f"{p}_p50" for p in ["skew"] + PARTS] + ["a_p50"] + list(extra)
     head = {"call_p50": "call", "call_p99": "p99", "call_max": "max", "outside_p50": "outside",
-            "span_p50": "span", "a_p50": "partA"}
+            "span_p50": "span", "a_p50": "partA", "slow_rank": "slow", "rank_skew_p50": "rskew"}
     names = [head.get(c, c.replace("_p50", "")) for c in cols]
 
     def cell(v: object) -> str:
@@ -112,10 +189,16 @@ def format_table(rows: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def appended(key: str) -> bool:
+    """A CSV column added after round 4 (chain, several ranks): written after the older ones."""
+    return key in ("chain", "ranks", "slow_rank") or key.startswith(("rank_skew_", "call_p50_rank"))
+
+
 def write_csv(rows: List[Dict[str, object]], path: str) -> None:
     keys: List[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
+    keys = [k for k in keys if not appended(k)] + [k for k in keys if appended(k)]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
@@ -126,8 +209,9 @@ def _int_list(s: str) -> List[int]:
     return [int(v) for v in s.split(",") if v.strip()]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m epbench.llprobe", description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m epbench.llprobe", description=__doc__.split("\n")[0],
+                                 allow_abbrev=False)
     ap.add_argument("--tokens", default="1,32,128", help="tokens per call (comma list)")
     ap.add_argument("--sms", default="32,132", help="blocks per kernel (comma list)")
     ap.add_argument("--hidden", type=int, default=7168)
@@ -139,36 +223,158 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--iters", type=int, default=500)
     ap.add_argument("--csv", default=None, help="default: $OUT/ll_probe.csv when OUT is set")
-    args = ap.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS]
+    ap.add_argument("--chain", default="1", help="calls per graph replay (comma list); call = replay / K")
+    ap.add_argument("--nproc", type=int, default=1, help="ranks sharing this process's first visible GPU")
+    ap.add_argument("--mps", action="store_true", help="start a private MPS daemon (as `epbench run --mps`)")
+    return ap
+
+
+LAUNCHER_ONLY = ("nproc", "mps", "help")  # options the launcher consumes; the ranks never see them
+
+
+def rank_argv(args: argparse.Namespace) -> List[str]:
+    """The command line of every rank: each option of ``args`` spelled out, less the launcher's."""
+    out: List[str] = []
+    for action in parser()._actions:
+        if action.dest in LAUNCHER_ONLY or getattr(args, action.dest, None) is None:
+            continue
+        out += [action.option_strings[0], str(getattr(args, action.dest))]
+    return out
+
+
+def one_gpu(visible: Optional[str]) -> str:
+    """CUDA_VISIBLE_DEVICES for ranks that share one GPU: the first of those visible now."""
+    return (visible or "0").split(",")[0].strip() or "0"
+
+
+def check_args(args: argparse.Namespace) -> Optional[str]:
+    """Why ``args`` cannot run (one line), or None."""
+    bad = [v for v in args.variants.split(",") if v and v not in VARIANTS]
     if bad:
-        print(f"--variants: unknown {bad}; choose from {list(VARIANTS)}", file=sys.stderr)
+        return f"--variants: unknown {bad}; choose from {list(VARIANTS)}"
+    try:
+        chains = _int_list(args.chain)
+    except ValueError:
+        return f"--chain: a comma list of integers, got {args.chain!r}"
+    if not chains or min(chains) < 1:
+        return f"--chain: every value must be at least 1, got {args.chain!r}"
+    if args.nproc < 1:
+        return f"--nproc: must be at least 1, got {args.nproc}"
+    if args.nproc > 1 and max(chains) > 1:
+        return ("--chain > 1 needs --nproc 1: with several ranks a dispatch may overwrite a peer's "
+                "rows only after a combine (csrc/ll_dispatch.cu, buffer reuse)")
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
-    rows = run(_int_list(args.tokens), _int_list(args.sms), variants, args)
+    import contextlib
+
+    from epbench import launch
+    from epbench.errors import UserError
+
+    try:
+        with launch.private_mps() if args.mps else contextlib.nullcontext():
+            if args.nproc > 1 and not launch.under_torchrun():
+                return launch_ranks(args)
+            rows = run(_int_list(args.tokens), _int_list(args.sms), [v for v in args.variants.split(",") if v],
+                       _int_list(args.chain), args)
+    except UserError as e:
+        print(e, file=sys.stderr)
+        return 2
     path = args.csv or (os.path.join(os.environ["OUT"], "ll_probe.csv") if os.environ.get("OUT") else None)
-    if path:
+    if path and rows:
         write_csv(rows, path)
         print(f"wrote {path}")
     return 0 if all(not r.get("wrong") for r in rows) else 1
 
 
-def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argparse.Namespace) -> List[Dict[str, object]]:
+def launch_ranks(args: argparse.Namespace) -> int:
+    """Runs the probe on ``args.nproc`` ranks sharing one GPU, under torchrun (epbench.launch)."""
+    from epbench import launch
+
+    before = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    os.environ["CUDA_VISIBLE_DEVICES"] = one_gpu(before["CUDA_VISIBLE_DEVICES"])
+    try:
+        return launch.relaunch(launch.torchrun_args(rank_argv(args), args.nproc, module="epbench.llprobe"),
+                               "cuda")
+    finally:
+        launch.restore_env(before)
+
+
+class _Ranks:
+    """This process's place among the ranks sharing the GPU (world 1 without a process group)."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.rank, self.world = (comm.rank, comm.world) if comm is not None else (0, 1)
+
+    @property
+    def align(self):
+        """The driver's cross-rank alignment before a timed call (None at world 1)."""
+        return self.comm.sync if self.world > 1 else None
+
+    def sync(self) -> None:
+        if self.world > 1:
+            self.comm.sync()
+
+    def gather(self, obj: object) -> Optional[List[object]]:
+        """Every rank's ``obj`` on rank 0 (rank order); None on the other ranks."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        got: Optional[List[object]] = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, got, dst=0)
+        return got
+
+
+def capture(fn, chain: int):
+    """A CUDA graph of ``chain`` back-to-back calls of ``fn`` (nothing runs while capturing), and
+    what the last call returned."""
     import torch
 
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    out = None
+    with torch.cuda.graph(g):
+        for _ in range(chain):
+            out = fn()
+    torch.cuda.synchronize()
+    return g, out
+
+
+def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: List[int],
+        args: argparse.Namespace) -> List[Dict[str, object]]:
+    """Every row on this rank; rank 0 returns them (the other ranks an empty list)."""
+    import torch
+
+    from epbench import launch
     from epbench.backends.base import RankSetup
     from epbench.backends.epbench_ll import EpbenchLowLatencyBackend
-    from epbench.driver import graph_calls
+    from epbench.errors import UserError
     from epbench.inputs import dispatch_input, make_tokens
     from epbench.routing import route_rank
     from epbench.scenario import Routing
     from epbench.timing import Timer
     from epbench.verify import check_ll_combine, check_ll_dispatch, ll_expert_output
 
-    dev = torch.device("cuda", 0)
+    comm = None
+    if launch.under_torchrun():
+        if torch.cuda.device_count() != 1:
+            raise UserError("llprobe ranks must share one GPU: start them with --nproc N "
+                            "(or make one GPU visible to torchrun's ranks)")
+        comm = launch.init_distributed("cuda")
+    ranks = _Ranks(comm)
+    dev = comm.device if comm is not None else torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    setup = RankSetup(rank=0, world=1, gpus_per_node=1, device=dev, hidden=args.hidden,
-                      max_tokens_per_rank=max(tokens), topk=args.topk, experts_per_rank=args.experts_per_rank,
+    epr = args.experts_per_rank
+    setup = RankSetup(rank=ranks.rank, world=ranks.world, gpus_per_node=ranks.world, device=dev,
+                      hidden=args.hidden, max_tokens_per_rank=max(tokens), topk=args.topk, experts_per_rank=epr,
                       dispatch_dtype=args.dtype, timeout_s=5.0, mode="low_latency")
     # one backend per ll_sync (the two keep different flags and epochs; the sync is fixed per backend)
     backends = {sync: EpbenchLowLatencyBackend(setup, ll_sync=sync)
@@ -177,77 +383,102 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], args: argpa
     default_warps = be.warps
     n = args.warmup + args.iters
     rows: List[Dict[str, object]] = []
-    print(f"# {torch.cuda.get_device_name(dev)}, world 1, hidden {args.hidden}, top-{args.topk} of "
-          f"{args.experts_per_rank} experts, {args.dtype} dispatch, {args.iters} graph replays after "
-          f"{args.warmup}, {default_warps} warps unless named", flush=True)
-    print(format_table([]), flush=True)
+    extra = extra_columns(chains, ranks.world)
+    lead = ranks.rank == 0
 
-    def timed(calls: List, stamps: torch.Tensor, parts) -> List[Dict[str, float]]:
-        """Times each callable of `calls` n times in turn; per callable: (event us, parts per call)."""
-        timers = [Timer(dev, n) for _ in calls]
-        hist = [torch.empty((n,) + tuple(stamps.shape), dtype=torch.int64, device=dev) for _ in calls]
+    def show(row: Dict[str, object]) -> None:
+        rows.append(row)
+        print(format_table([row], extra).splitlines()[-1], flush=True)
+
+    if lead:
+        where = "world 1" if ranks.world == 1 else f"world {ranks.world}: {ranks.world} ranks share this GPU"
+        if ranks.world > 1 or args.mps:
+            where += f", MPS {'on' if launch.mps_active() else 'off'}"
+        chained = "" if chains == [1] else \
+            f", chains {','.join(map(str, chains))} (call = replay / chain; stamps of the chain's last call)"
+        print(f"# {torch.cuda.get_device_name(dev)}, {where}, hidden {args.hidden}, top-{args.topk} of "
+              f"{epr * ranks.world} experts, {args.dtype} dispatch, {args.iters} graph replays after "
+              f"{args.warmup}, {default_warps} warps unless named{chained}", flush=True)
+        print(format_table([], extra), flush=True)
+
+    def timed(graphs: List, stamps: torch.Tensor, parts, chain: int) -> List[Dict[str, float]]:
+        """Replays each graph of ``graphs`` n times in turn, each replay aligned across ranks; per
+        graph on rank 0: the row's figures from every rank (summarize_ranks); [] elsewhere."""
+        timers = [Timer(dev, n) for _ in graphs]
+        hist = [torch.empty((n,) + tuple(stamps.shape), dtype=torch.int64, device=dev) for _ in graphs]
         for i in range(n):
-            for j, fn in enumerate(calls):
-                timers[j].time(i, fn)
+            for j, g in enumerate(graphs):
+                timers[j].time(i, g.replay, align=ranks.align)
                 hist[j][i].copy_(stamps)  # queued after the end event: not timed
         out = []
-        for j in range(len(calls)):
-            us = timers[j].samples_us(args.warmup)
-            h = hist[j][args.warmup:].cpu().tolist()
-            out.append(summarize([parts(b) for b in h], us))
+        for j in range(len(graphs)):
+            got = ranks.gather((per_call_us(timers[j].samples_us(args.warmup), chain), hist[j][args.warmup:].cpu()))
+            if got is not None:
+                out.append(summarize_ranks([h.tolist() for _, h in got], [us for us, _ in got], parts))
         return out
+
+    def base(sms: int, op: str, t: object, variant: str, wrong: object, chain: int,
+             res: Dict[str, float]) -> Dict[str, object]:
+        """A row: its point, its figures, then chain (the CSV's earlier columns keep their places)."""
+        return {"sms": sms, "op": op, "tokens": t, "variant": variant, "wrong": wrong, **res, "chain": chain}
+
+    def input_of(t: int, salt: int, rank: int):
+        """Rank ``rank``'s dispatch input: its own tokens, routed over every rank's experts."""
+        routing = route_rank(Routing(kind="uniform", seed=0), t, args.topk, epr * ranks.world, rank)
+        return dispatch_input(make_tokens(t, args.hidden, 0, rank, salt, dev), routing, args.dtype, dev)
 
     for sms in sms_list:
         stamps = torch.zeros(sms, STAMPS_PER_BLOCK, dtype=torch.int64, device=dev)
-        for name, (mode, variant) in PROBE_MODES.items():
-            be.warps = default_warps
-            be.set_probe(stamps, variant)
-            g = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                be.probe_kernel(mode, sms)
-            (res,) = timed([g.replay], stamps, probe_parts)
-            row: Dict[str, object] = {"sms": sms, "op": "probe", "tokens": "", "variant": name, "wrong": ""}
-            row.update(res)
-            if name == "timer":
-                row["timer_step_ns"] = int(stamps[0, 7])
-                row["a_p50"] = float(row["timer_step_ns"])  # shown in the partA column (ns)
-            rows.append(row)
-            print(format_table([row]).splitlines()[-1], flush=True)
+        for chain in chains:
+            for name, (mode, variant) in PROBE_MODES.items():
+                be.warps = default_warps
+                be.set_probe(stamps, variant)
+                g, _ = capture(lambda: be.probe_kernel(mode, sms), chain)
+                for res in timed([g], stamps, probe_parts, chain):
+                    row = base(sms, "probe", "", name, "", chain, res)
+                    if name == "timer":
+                        row["timer_step_ns"] = int(stamps[0, 7])
+                        row["a_p50"] = float(row["timer_step_ns"])  # shown in the partA column (ns)
+                    show(row)
         for t in tokens:
-            routing = route_rank(Routing(kind="uniform", seed=0), t, args.topk, args.experts_per_rank, 0)
             for vname in variants:
                 bits, warps, sync = VARIANTS[vname]
                 be = backends[sync]
                 be.warps = warps or default_warps
                 be.set_probe(stamps, bits)
-                x = make_tokens(t, args.hidden, 0, 0, sms * 1000 + t, dev)
-                inp = dispatch_input(x, routing, args.dtype, dev)
-                calls = graph_calls(be, inp, sms)
-                be.poison()
-                out = calls.dispatch()
-                torch.cuda.synchronize()
-                be.check_errors()
-                d = check_ll_dispatch(out, 0, 1, args.experts_per_rank, lambda s: inp)
-                be.ll_combine_input(out).copy_(ll_expert_output(out.x, out.x_scales, 0))
-                got = calls.combine(out)
-                torch.cuda.synchronize()
-                be.check_errors()
-                c = check_ll_combine(got, inp)
-                # y stays as filled: the timed combines read real expert outputs, never zeros
-                res_d, res_c = timed([calls.dispatch, lambda: calls.combine(out)], stamps, call_parts)
-                be.check_errors()
-                for op, res, wrong in (("dispatch", res_d, d.wrong), ("combine", res_c, c.wrong)):
-                    row = {"sms": sms, "op": op, "tokens": t, "variant": vname, "wrong": wrong}
-                    row.update(res)
-                    rows.append(row)
-                    print(format_table([row]).splitlines()[-1], flush=True)
+                salt = sms * 1000 + t
+                inp = input_of(t, salt, ranks.rank)
+                for chain in chains:
+                    g_d, out = capture(lambda: be.ll_dispatch(inp, sms), chain)
+                    g_c, got = capture(lambda: be.ll_combine(out, sms), chain)
+                    be.poison()
+                    ranks.sync()
+                    g_d.replay()
+                    torch.cuda.synchronize()
+                    be.check_errors()
+                    d = check_ll_dispatch(out, ranks.rank, ranks.world, epr, lambda s: input_of(t, salt, s))
+                    be.ll_combine_input(out).copy_(ll_expert_output(out.x, out.x_scales, ranks.rank * epr))
+                    ranks.sync()
+                    g_c.replay()
+                    torch.cuda.synchronize()
+                    be.check_errors()
+                    c = check_ll_combine(got, inp)
+                    wrong = ranks.gather((d.wrong, c.wrong))
+                    # y stays as filled: the timed combines read real expert outputs, never zeros
+                    res = timed([g_d, g_c], stamps, call_parts, chain)
+                    be.check_errors()
+                    for k, (op, r) in enumerate(zip(("dispatch", "combine"), res)):
+                        show(base(sms, op, t, vname, sum(w[k] for w in wrong), chain, r))
         for b in backends.values():
             b.set_probe(None, 0)
             b.warps = default_warps
         be = backends["grid"]
     for b in backends.values():
         b.close()
+    if comm is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return rows
 
 

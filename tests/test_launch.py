@@ -17,6 +17,8 @@ def test_single_node_is_standalone_and_multi_node_uses_c10d():
     assert {"--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "--node-rank=2",
             "--rdzv-conf=join_timeout=30"} <= set(many)
     assert "--standalone" not in many
+    probe = torchrun_args(["--tokens", "1"], 2, module="epbench.llprobe")
+    assert probe[-4:] == ["-m", "epbench.llprobe", "--tokens", "1"] and "--nproc-per-node=2" in probe
 
 
 TWO_NODES = """

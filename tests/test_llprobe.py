@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 
@@ -61,3 +62,127 @@ def test_table_and_csv(tmp_path) -> None:
 def test_unknown_variant_is_one_line_and_exit_2(capsys) -> None:
     assert llprobe.main(["--variants", "default,nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_a_chain_divides_the_event_pair_by_its_calls() -> None:
+    assert llprobe.per_call_us([8.0, 20.0], 8) == [1.0, 2.5]
+    assert llprobe.per_call_us([3.0], 1) == [3.0]
+
+
+def _two_ranks() -> tuple:
+    """Two ranks, two calls each, two blocks per rank; rank 1 starts 2 us after rank 0."""
+    r0 = [[_block(1000, 1500, 3000, 3200, 5000, 6000, 7000), _block(1200, 1600, 2500, 4000, 5100, 6500, 6800)],
+          [_block(0, 100, 200, 300, 400, 500, 600), _block(50, 150, 250, 350, 450, 550, 650)]]
+    r1 = [[_block(3000, 3100, 3300, 3500, 5200, 5900, 9000), _block(3500, 3600, 3700, 3800, 5300, 6000, 8500)],
+          [_block(100, 200, 300, 400, 500, 600, 1700), _block(400, 500, 600, 700, 800, 900, 1000)]]
+    return r0, r1
+
+
+def test_several_ranks_parts_cover_every_rank_and_call_is_the_slowest_rank() -> None:
+    r0, r1 = _two_ranks()
+    merged = llprobe.merge_ranks([r0, r1])
+    assert len(merged) == 2 and len(merged[0]) == 4 and merged[0][2] == r1[0][0]
+    p = llprobe.call_parts(merged[0])
+    # first start of any rank 1000; last past each boundary over both ranks: 3600 3700 4000 5300 6500 9000
+    assert p["stage"] == pytest.approx(2.6) and p["finish"] == pytest.approx(2.5)
+    assert p["span"] == pytest.approx(8.0) and p["skew"] == pytest.approx(2.5)
+    assert llprobe.rank_skew_us([r0[0], r1[0]]) == pytest.approx(2.0)  # 3000 - 1000
+    row = llprobe.summarize_ranks([r0, r1], [[10.0, 12.0], [11.0, 30.0]], llprobe.call_parts)
+    assert row["ranks"] == 2 and row["slow_rank"] == 1
+    assert row["call_p50_rank0"] == pytest.approx(11.0) and row["call_p50_rank1"] == pytest.approx(20.5)
+    assert row["call_p50"] == pytest.approx(20.5) and row["call_max"] == 30.0  # rank 1's samples
+    assert row["span_p50"] == pytest.approx((8.0 + 1.7) / 2)
+    assert row["rank_skew_p50"] == pytest.approx((2.0 + 0.1) / 2)
+    assert row["outside_p50"] == pytest.approx(((11.0 - 8.0) + (30.0 - 1.7)) / 2)
+
+
+def test_one_rank_is_the_old_summary() -> None:
+    r0, _ = _two_ranks()
+    row = llprobe.summarize_ranks([r0], [[10.0, 12.0]], llprobe.call_parts)
+    old = llprobe.summarize([llprobe.call_parts(b) for b in r0], [10.0, 12.0])
+    assert row == {**old, "ranks": 1}
+
+
+def test_ranks_must_have_the_same_calls() -> None:
+    r0, r1 = _two_ranks()
+    with pytest.raises(ValueError):
+        llprobe.merge_ranks([r0, r1[:1]])
+
+
+def test_default_table_keeps_its_columns_and_extras_come_last() -> None:
+    old = ["sms", "op", "tokens", "variant", "wrong", "call", "p99", "max", "outside", "span", "skew",
+           *llprobe.PARTS, "partA"]
+    assert llprobe.extra_columns([1], 1) == []
+    assert llprobe.format_table([], llprobe.extra_columns([1], 1)).split() == old
+    assert llprobe.format_table([], llprobe.extra_columns([1, 8], 1)).split() == old + ["chain"]
+    extra = llprobe.extra_columns([1], 4)
+    row = {"sms": 32, "op": "dispatch", "tokens": 1, "variant": "grid", "wrong": 0, "call_p50": 9.0,
+           "ranks": 4, "slow_rank": 3, "rank_skew_p50": 1.25}
+    head, line = llprobe.format_table([row], extra).splitlines()
+    assert head.split()[-3:] == ["ranks", "slow", "rskew"] and line.split()[-3:] == ["4", "3", "1.25"]
+
+
+def test_csv_puts_the_new_columns_after_the_old(tmp_path) -> None:
+    rows = [{"sms": 32, "op": "probe", "wrong": "", "call_p50": 1.0, "ranks": 1, "chain": 8},
+            {"sms": 32, "op": "probe", "wrong": "", "call_p50": 1.0, "ranks": 2, "rank_skew_p50": 0.5,
+             "call_p50_rank1": 1.0, "timer_step_ns": 32, "chain": 1}]
+    path = tmp_path / "p.csv"
+    llprobe.write_csv(rows, str(path))
+    head = path.read_text().splitlines()[0].split(",")
+    assert head == ["sms", "op", "wrong", "call_p50", "timer_step_ns", "ranks", "chain", "rank_skew_p50",
+                    "call_p50_rank1"]
+
+
+def test_ranks_get_every_option_but_the_launchers() -> None:
+    argv = ["--tokens", "1,32", "--sms", "32", "--chain", "1", "--nproc", "4", "--mps", "--csv", "x.csv",
+            "--variants", "token", "--iters", "7"]
+    args = llprobe.parser().parse_args(argv)
+    ranks = llprobe.rank_argv(args)
+    assert "--nproc" not in ranks and "--mps" not in ranks
+    again = llprobe.parser().parse_args(ranks)
+    assert vars(again) == {**vars(args), "nproc": 1, "mps": False}
+    assert llprobe.rank_argv(llprobe.parser().parse_args([]))[-2:] == ["--chain", "1"]  # no --csv None
+
+
+def test_ranks_share_the_first_visible_gpu() -> None:
+    assert llprobe.one_gpu(None) == "0"
+    assert llprobe.one_gpu("3,5") == "3"
+    assert llprobe.one_gpu("GPU-ab12, GPU-cd34") == "GPU-ab12"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--chain", "0"], "--chain"),
+    (["--chain", "1,x"], "--chain"),
+    (["--nproc", "0"], "--nproc"),
+    (["--nproc", "2", "--chain", "1,8"], "buffer reuse"),
+])
+def test_bad_chain_or_nproc_is_one_line_and_exit_2(capsys, argv, says) -> None:
+    assert llprobe.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_chain_of_one_rank_and_one_chain_with_ranks_are_accepted() -> None:
+    ok = llprobe.parser().parse_args
+    assert llprobe.check_args(ok(["--chain", "1,8"])) is None
+    assert llprobe.check_args(ok(["--nproc", "4"])) is None
+
+
+def test_nproc_relaunches_the_probe_on_one_gpu(monkeypatch) -> None:
+    from epbench import launch
+
+    seen = {}
+
+    def fake_relaunch(torchrun, device):
+        seen.update(torchrun=torchrun, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return 0
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setattr(launch, "relaunch", fake_relaunch)
+    assert llprobe.main(["--nproc", "3", "--tokens", "1", "--sms", "32"]) == 0
+    assert seen["visible"] == "2" and os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    t = seen["torchrun"]
+    assert "--nproc-per-node=3" in t and t[t.index("-m") + 1] == "epbench.llprobe"
+    assert "--nproc" not in t[t.index("-m"):] and t[t.index("--tokens") + 1] == "1"
