@@ -54,13 +54,17 @@ struct LlCombineArgs {
 // kV: 16-byte vectors per lane in a unit's chunk (4: 128 vectors = 2 KiB of bf16, the default; 2: 1 KiB),
 // a template parameter measured both ways (the `chunk` argument of ep_ll_combine, 2|4; 2026-11-21, 128 tokens, 4 x H200:
 // 4 took 39.2 / 40.3 us at 132 / 64 SMs against 40.3 / 44.0 for 2, notes/KERNELS.md).
-constexpr int kG = 4;  // rows whose chunk is loaded at once (kG x kV loads in flight per lane)
+// rows whose chunk is loaded at once: kG x kV = 16 loads of 16 bytes in flight per lane (kV 4: 4 rows a
+// batch, two dependent batches for a top-8 token; kV 2: all 8 rows in one batch)
+template <int kV>
+__host__ __device__ constexpr int rows_in_flight() { return 16 / kV; }
 
 // acc += sum over the rows selected by `mask` (bit b = lane b's row) of w_b * rows_b[v0 + 32 u + lane].
 // `row_of(b)` gives lane b's row base (already shuffled), `w` lane b's weight (shuffled inside).
 template <int kV, typename RowOf>
 __device__ __forceinline__ void accumulate(float (&acc)[kV][8], unsigned mask, float w, int v0, int V, int lane,
                                            RowOf row_of) {
+  constexpr int kG = rows_in_flight<kV>();
   while (mask != 0) {
     int lanes[kG];
     int n = 0;
