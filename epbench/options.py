@@ -78,8 +78,9 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
     "epbench-ll": {
         "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,
                         env="EPBENCH_LL_WARPS"),
-        "combine_chunk": Option(int, 4, "16-byte vectors per lane and combine work unit (4: 2 KiB of a row, "
-                                "2: 1 KiB; LL v3)", choices=(2, 4), env="EPBENCH_LL_COMBINE_CHUNK"),
+        "combine_chunk": Option(int, 0, "16-byte vectors per lane and combine work unit (4: 2 KiB of a row, "
+                                "2: 1 KiB; 0: auto, 2 up to 64 tokens per rank, else 4; rows record the one "
+                                "used)", choices=(0, 2, 4), env="EPBENCH_LL_COMBINE_CHUNK"),
         "ll_sync": Option(str, "auto", "how both kernels synchronise: token (per-token flags, per-block epochs; "
                           "notes/LATENCY.md round 3), grid (a grid-wide release / wait / finish through block "
                           "counters, LL v3), auto (token where its shared memory fits, else grid; rows record "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import socket
 import sys
 
@@ -91,6 +93,12 @@ def test_mps_is_on_only_where_its_control_socket_is(monkeypatch, tmp_path):
     assert not mps_active()
     (tmp_path / "control").touch()
     assert not mps_active()  # a file left behind by a daemon that quit: nobody answers
+    pid_file = tmp_path / "nvidia-cuda-mps-control.pid"
+    pid_file.write_text("999999999\n")  # its pid file too, naming no live process
+    assert not mps_active()
+    pid_file.write_text(f"{os.getpid()}\n")  # a live daemon's pid (this process stands in)
+    assert mps_active()
+    pid_file.unlink()
     (tmp_path / "control").unlink()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(str(tmp_path / "control"))

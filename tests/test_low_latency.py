@@ -395,3 +395,12 @@ def test_token_smem_bytes_by_hand_and_as_the_kernels_limit_it():
             in (csrc / "ll_common.cuh").read_text())
     assert ll.SYNCS == {"grid": 0, "token": 1}  # enum LlSync
     assert "enum LlSync { kLlSyncGrid = 0, kLlSyncToken = 1 };" in (csrc / "ll_common.cuh").read_text()
+
+
+def test_combine_chunk_auto_picks_by_tokens_per_rank():
+    ll = pytest.importorskip("epbench.backends.epbench_ll")
+    from epbench import options
+
+    assert options.resolve("epbench-ll", {})["combine_chunk"] == 0  # auto unless asked
+    assert [ll.combine_chunk_for(0, t) for t in (1, 32, 64, 65, 128)] == [2, 2, 2, 4, 4]
+    assert ll.combine_chunk_for(4, 1) == 4 and ll.combine_chunk_for(2, 128) == 2  # asked: kept

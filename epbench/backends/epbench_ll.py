@@ -57,6 +57,20 @@ class _Handle:
     out: torch.Tensor  # rows [0, T) of the combine output buffer
 
 
+AUTO_CHUNK_MAX_TOKENS = 64
+
+
+def combine_chunk_for(chunk: int, max_tokens: int) -> int:
+    """The combine chunk actually used (the one recorded in the rows): ``chunk`` 0 (auto) picks 2
+    (1 KiB units; all 8 rows of a top-8 token loaded in one batch) up to AUTO_CHUNK_MAX_TOKENS tokens
+    per rank, else 4 (2 KiB). Measured (1 x H100, world 1, in-graph per call, 2026-11-25,
+    notes/LATENCY.md round 5): at 1 / 32 tokens 2 took 3.83 / 5.16 us against 4.98 / 5.68 for 4
+    (32 SMs); at 128 tokens 4 was faster (11.0 / 7.65 us against 12.0 / 7.82 at 32 / 132 SMs)."""
+    if chunk:
+        return chunk
+    return 2 if max_tokens <= AUTO_CHUNK_MAX_TOKENS else 4
+
+
 class EpbenchLowLatencyBackend(Backend):
     name = "epbench-ll"
     uses_sms = True
@@ -90,6 +104,7 @@ class EpbenchLowLatencyBackend(Backend):
         given = (("warps", warps), ("combine_chunk", combine_chunk), ("ll_sync", ll_sync))
         resolved = options.resolve(self.name, {k: v for k, v in given if v is not None})
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
+        self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank)
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
         if self.ll_sync == "auto":  # the one recorded in the rows (effective_config)
             self.ll_sync = "token" if need <= TOKEN_SMEM_LIMIT else "grid"
