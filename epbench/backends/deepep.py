@@ -80,8 +80,9 @@ class WeightedCombineRows:
     combine_in: torch.Tensor
     combine_scaled: torch.Tensor
 
-    def _allocate_combine_rows(self, setup: RankSetup) -> None:
-        cap = setup.world * setup.max_tokens_per_rank  # every token of every rank lands here
+    def _allocate_combine_rows(self, setup: RankSetup, rows: Optional[int] = None) -> None:
+        """``rows``: the most rows combine takes (default: every token of every rank, once)."""
+        cap = rows if rows is not None else setup.world * setup.max_tokens_per_rank
         self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
         self.combine_scaled = torch.empty_like(self.combine_in)
 

@@ -26,6 +26,25 @@ combine
     scaled by the sum of its received weights, ``w(t, d)``; a user of the library does the same
     (or scales inside the expert), so it is inside the timed call, as for ``deepep``.
 
+expert_major (``dispatch_with_permute`` / ``combine_with_unpermute``, ``pad_multiple = align``)
+    The same exchange, then the library's permute: one row per (received row, local expert), each
+    expert's rows in received (source rank, token) order, each expert's segment padded with zero
+    rows up to a multiple of ``pad_multiple`` (an expert with no rows gets none), as its
+    TorchRef (tests/utils.py, ``permute`` and the padding after it) checks bit for bit. In its
+    default blocking mode the metadata pass waits for the stream and sums the padded counts on the
+    host, so the permuted row count is exact. Translated for epbench: the segments' counts are its
+    ``tokens_per_expert`` (handle), their offsets the running sum of the padded counts it returns,
+    the slots in use the permuted row count; the per-row map is ``local_expert_routing_map`` as
+    above, and the per-row weights are read back from the permuted probabilities (one per slot)
+    through its ``dense_to_expert_map`` (the slot of each (row, local expert), -1 where the row
+    does not pick that expert): a gather over ``[rows, experts_per_rank]``, inside the timed call.
+    Combine: the library's unpermute adds each received row's expert rows without weights (fp32,
+    one bf16 rounding), then combine adds the ranks' rows; so each slot is first scaled by its own
+    probability (the permuted probabilities), giving ``sum_k w[t, k] * y_{e_k}(t)``. That is three
+    bf16 roundings (the weighting, the unpermute's output, combine's result), one more than
+    verify.COMBINE_RTOL budgets: a token may be counted wrong by about one bf16 ulp (up to 2.2 x
+    2^-8 relative on the CPU fake, tests/test_hybrid_ep_backend.py).
+
 SM counts: Hybrid-EP fixes its dispatch and combine block counts when the buffer is built
 (``num_sms_dispatch_api`` / ``num_sms_combine_api``, default 24 each within one NVLink domain);
 the backend builds one buffer with the library's defaults, or with the backend option ``sms``
@@ -54,6 +73,7 @@ import torch.distributed as dist
 
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.deepep import WeightedCombineRows
+from epbench.layout import ExpertMajor, slot_capacity
 
 FP8_HIDDEN_MULTIPLE = 512  # Hybrid-EP's FP8 path
 BF16_HIDDEN_MULTIPLE = 16
@@ -79,14 +99,17 @@ class _Handle:
     """What combine needs from the matching dispatch."""
 
     library_handle: Any  # Hybrid-EP's handle tuple
-    num_recv: int
-    weights: torch.Tensor  # [num_recv, experts_per_rank] float32, this rank's received weights
+    rows: int  # rows combine takes: received rows (rank_major) or permuted slots (expert_major)
+    # float32 [rows, *]: each row going back is scaled by the sum of its row here; rank_major: the
+    # received weights [rows, experts_per_rank]; expert_major: each slot's probability [rows, 1]
+    weights: torch.Tensor
 
 
 class HybridEPBackend(WeightedCombineRows, Backend):
     name = "hybrid-ep"
     routing_as_map = True
     dtypes = ("bf16", "fp8")
+    layouts = ("rank_major", "expert_major")
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -103,6 +126,7 @@ class HybridEPBackend(WeightedCombineRows, Backend):
                  group: Any = None) -> None:
         self.s = setup
         self.fp8 = setup.dispatch_dtype == "fp8"
+        self.expert_major = setup.layout == "expert_major"
         buffer_class = buffer_class if buffer_class is not None else _import_buffer_class()
         if sms is None and os.environ.get(SMS_ENV):
             sms = int(os.environ[SMS_ENV])
@@ -114,7 +138,9 @@ class HybridEPBackend(WeightedCombineRows, Backend):
         # this rank's block of the per-domain probabilities the dispatch returns
         first = self.buffer.local_rank * setup.experts_per_rank
         self._mine = slice(first, first + setup.experts_per_rank)
-        self._allocate_combine_rows(setup)
+        self._allocate_combine_rows(setup, slot_capacity(
+            setup.world, setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank, setup.align)
+            if self.expert_major else None)
 
     def effective_config(self) -> Dict[str, Any]:
         cfg = self.buffer.configurer.buffer_config
@@ -123,26 +149,54 @@ class HybridEPBackend(WeightedCombineRows, Backend):
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         x = inp.x.view(torch.uint8) if self.fp8 else inp.x
+        scales = inp.x_scales if self.fp8 else None
+        if self.expert_major:
+            return self._dispatch_permuted(x, scales, inp)
         recv_x, probs, recv_scales, handle = self.buffer.dispatch(
-            hidden=x, scaling_factor=inp.x_scales if self.fp8 else None, topk_idx=inp.topk_idx,
+            hidden=x, scaling_factor=scales, topk_idx=inp.topk_idx,
             topk_weights=inp.topk_weights, num_of_experts=self.s.num_experts)
-        if self.fp8:
-            recv_x = recv_x.view(torch.float8_e4m3fn)
-        else:
-            recv_scales = None
         n = int(recv_x.shape[0])  # the library already waited for the count on the host
         routing = handle[4][:n]  # local_expert_routing_map
         weights = probs[:n, self._mine]
         counts = routing.sum(dim=0)
-        return DispatchOutput(recv_x, recv_scales, routing, weights, counts, n,
-                              _Handle(handle, n, weights))
+        return DispatchOutput(self._received(recv_x), recv_scales if self.fp8 else None, routing,
+                              weights, counts, n, _Handle(handle, n, weights))
+
+    def _dispatch_permuted(self, x: torch.Tensor, scales: Optional[torch.Tensor],
+                           inp: DispatchInput) -> DispatchOutput:
+        s = self.s
+        recv_x, slot_probs, recv_scales, padded, handle = self.buffer.dispatch_with_permute(
+            hidden=x, scaling_factor=scales, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights,
+            num_of_experts=s.num_experts, num_of_experts_per_rank=s.experts_per_rank,
+            pad_multiple=s.align)
+        n = int(handle[3])  # num_dispatched_tokens_tensor, pinned: the metadata pass waited for it
+        routing = handle[4][:n]  # local_expert_routing_map
+        slot_of = handle[6][:n]  # dense_to_expert_map: slot of (row, local expert), -1: not picked
+        weights = torch.where(slot_of >= 0, slot_probs[slot_of.clamp(min=0).long()], 0.0)
+        counts = handle[7]  # tokens_per_expert: rows per local expert, before padding
+        slots = int(recv_x.shape[0])  # the permuted row count, padding included
+        padded = padded.to(s.device, non_blocking=True)  # padded rows per expert, pinned
+        table = ExpertMajor(counts, torch.cumsum(padded, 0) - padded, slots, s.align)
+        return DispatchOutput(self._received(recv_x), recv_scales if self.fp8 else None, routing,
+                              weights, counts, n, _Handle(handle, slots, slot_probs.unsqueeze(1)), table)
+
+    def _received(self, recv_x: torch.Tensor) -> torch.Tensor:
+        """FP8 rows travel as bytes; read them as e4m3 again."""
+        return recv_x.view(torch.float8_e4m3fn) if self.fp8 else recv_x
+
+    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
+        return self.combine_in[: out.handle.rows]
 
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         h: _Handle = out.handle
-        # Hybrid-EP sums the copies without weights: scale row r by w(t, d), the sum of its
-        # received weights
-        y = self.scaled_rows(h.num_recv, h.weights)
-        combined, _ = self.buffer.combine(hidden=y, probs=None, handle=h.library_handle)
+        # Hybrid-EP sums the copies without weights: scale each row by its weight (rank_major:
+        # w(t, d), the sum of its received weights; expert_major: its slot's probability)
+        y = self.scaled_rows(h.rows, h.weights)
+        if self.expert_major:
+            combined, _ = self.buffer.combine_with_unpermute(hidden=y, probs=None, handle=h.library_handle,
+                                                             pad_multiple=self.s.align)
+        else:
+            combined, _ = self.buffer.combine(hidden=y, probs=None, handle=h.library_handle)
         return combined
 
     def close(self) -> None:
