@@ -25,29 +25,11 @@ def built() -> None:
         pytest.skip("Hybrid-EP is not built here (make baselines DEEPEP_FLAVOR=hybrid-ep)")
 
 
-@pytest.mark.parametrize("scenario_file, nproc", [("dsv3x2.yaml", 1), ("dsv3x4-fp8.yaml", 1),
-                                                  ("dsv3x2.yaml", 2)])
-def test_runs_verified(built: None, tmp_path: Path, scenario_file: str, nproc: int) -> None:
+def _run(tmp_path: Path, scenario_file: str, nproc: int, backends: str):
+    """`epbench run` on GPU 0; the hybrid-ep rows of its results (it must not have been skipped)."""
     env = dict(safe_env(), CUDA_VISIBLE_DEVICES="0")
     r = subprocess.run([sys.executable, "-m", "epbench", "run", f"scenarios/{scenario_file}", "--nproc",
-                        str(nproc), "--backends", "hybrid-ep,reference", *QUICK, "--results", str(tmp_path / "r")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "backend hybrid-ep skipped" not in r.stdout, r.stdout[-4000:]
-    (run,) = list((tmp_path / "r").iterdir())
-    df = load_run(run)[1]
-    rows = df[df["backend"] == "hybrid-ep"]
-    assert set(rows["op"]) == {"dispatch", "combine"} and int(rows["wrong"].sum()) == 0, r.stdout[-4000:]
-
-
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_expert_major_dispatch_verified(built: None, tmp_path: Path, nproc: int) -> None:
-    """layout expert_major (dispatch_with_permute / combine_with_unpermute, align 128, fp8): the
-    segments bit-exact. Combine is only run here: its three bf16 roundings may exceed
-    verify.COMBINE_RTOL (tests/test_hybrid_ep_backend.py, LIBRARY_ROUNDINGS_RTOL)."""
-    env = dict(safe_env(), CUDA_VISIBLE_DEVICES="0")
-    r = subprocess.run([sys.executable, "-m", "epbench", "run", "scenarios/em-2gpu.yaml", "--nproc", str(nproc),
-                        "--backends", "hybrid-ep", *QUICK, "--results", str(tmp_path / "r")],
+                        str(nproc), "--backends", backends, *QUICK, "--results", str(tmp_path / "r")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "backend hybrid-ep skipped" not in r.stdout, r.stdout[-4000:]
@@ -55,4 +37,20 @@ def test_expert_major_dispatch_verified(built: None, tmp_path: Path, nproc: int)
     df = load_run(run)[1]
     rows = df[df["backend"] == "hybrid-ep"]
     assert set(rows["op"]) == {"dispatch", "combine"}, r.stdout[-4000:]
-    assert int(rows[rows["op"] == "dispatch"]["wrong"].sum()) == 0, r.stdout[-4000:]
+    return rows, r.stdout[-4000:]
+
+
+@pytest.mark.parametrize("scenario_file, nproc", [("dsv3x2.yaml", 1), ("dsv3x4-fp8.yaml", 1),
+                                                  ("dsv3x2.yaml", 2)])
+def test_runs_verified(built: None, tmp_path: Path, scenario_file: str, nproc: int) -> None:
+    rows, log = _run(tmp_path, scenario_file, nproc, "hybrid-ep,reference")
+    assert int(rows["wrong"].sum()) == 0, log
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_expert_major_dispatch_verified(built: None, tmp_path: Path, nproc: int) -> None:
+    """layout expert_major (dispatch_with_permute / combine_with_unpermute, align 128, fp8): the
+    segments bit-exact. Combine is only run here: its three bf16 roundings may exceed
+    verify.COMBINE_RTOL (tests/test_hybrid_ep_backend.py, LIBRARY_ROUNDINGS_RTOL)."""
+    rows, log = _run(tmp_path, "em-2gpu.yaml", nproc, "hybrid-ep")
+    assert int(rows[rows["op"] == "dispatch"]["wrong"].sum()) == 0, log
