@@ -182,8 +182,9 @@ def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int
         got[0].fill_(1234.0)
     wire = wire_of(comm.rank)
     # expert-major: one stand-in expert per expert (as in low-latency mode), so the sum is per expert
-    c = (check_ll_combine(got, wire) if out.expert_major is not None
-         else check_combine(got, wire, comm.world, m.experts_per_rank))
+    roundings = be.combine_roundings()  # bf16 roundings the backend's combine path makes
+    c = (check_ll_combine(got, wire, roundings) if out.expert_major is not None
+         else check_combine(got, wire, comm.world, m.experts_per_rank, roundings))
     rec.wrong = {"dispatch": d.wrong, "combine": c.wrong}
     rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 

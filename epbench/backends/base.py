@@ -196,6 +196,14 @@ class Backend(ABC):
         full work; else one line saying why not (the driver then times no ``chain`` rows)."""
         return None if cls.supports_cuda_graphs else "its calls cannot be captured in a CUDA graph"
 
+    def combine_roundings(self) -> int:
+        """How many times this backend's combine path rounds to bf16 between the expert outputs and
+        the result: verification allows that many roundings (epbench.verify.BF16_ROUNDING each).
+        Two by default: the weighted rows the caller or backend makes, and the result."""
+        from epbench.verify import COMBINE_ROUNDINGS
+
+        return COMBINE_ROUNDINGS
+
     @abstractmethod
     def __init__(self, setup: RankSetup) -> None: ...
 
