@@ -168,8 +168,11 @@ def fake_buffer_class(world_state: FakeWorld, calls: List[str]) -> type:
                 if scales is not None:
                     scales[dest] = out["scales"][rows]
                 slot_of[rows, e] = dest.to(torch.int32)
+            # its local_expert_routing_map is not filled on this path: on 1 x H100 (2026-11-25) an
+            # adapter that read it saw every row's experts differ; the map lives in dense_to_expert_map
+            unfilled = torch.zeros_like(out["map"])
             handle = ("sparse_to_dense", "rdma_to_attn", "attn_to_rdma", torch.tensor([n], dtype=torch.int32),
-                      out["map"], "dense_chunk_layout", slot_of, per_expert, hidden.shape[0],
+                      unfilled, "dense_chunk_layout", slot_of, per_expert, hidden.shape[0],
                       {"origin": out["origin"], "pad_multiple": pad_multiple, "slots": slots},
                       torch.zeros(1, dtype=torch.int32))
             return x, probs, scales, padded, handle

@@ -174,8 +174,10 @@ class HybridEPBackend(WeightedCombineRows, Backend):
             num_of_experts=s.num_experts, num_of_experts_per_rank=s.experts_per_rank,
             pad_multiple=s.align)
         n = int(handle[3])  # num_dispatched_tokens_tensor, pinned: the metadata pass waited for it
-        routing = handle[4][:n]  # local_expert_routing_map
         slot_of = handle[6][:n]  # dense_to_expert_map: slot of (row, local expert), -1: not picked
+        # the per-row routing from the same map: this path leaves local_expert_routing_map (handle[4])
+        # unfilled (1 x H100, 2026-11-25: reading it, every row's experts differed)
+        routing = slot_of >= 0
         weights = torch.where(slot_of >= 0, slot_probs[slot_of.clamp(min=0).long()], 0.0)
         counts = handle[7]  # tokens_per_expert: rows per local expert, before padding
         slots = int(recv_x.shape[0])  # the permuted row count, padding included
