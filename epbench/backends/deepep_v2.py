@@ -22,13 +22,21 @@ Row order: V2 does not promise epbench's (source rank, source token) order; its 
 each row came from (``recv_src_metadata[:, 0]`` = ``source rank * num_max_tokens_per_rank + token``).
 The timed calls return V2's own order. The verified call (the one after ``poison``) returns the
 rows sorted by that key, and combine puts the expert output back into V2's order before calling
-V2, so the check sees exactly what V2 delivered, relabelled.
+V2, so the check sees exactly what V2 delivered, relabelled. In expert_major V2 fills each segment
+in arrival order (an atomic counter per expert): the verified call sorts the slots within each
+segment by the same key (a slot never leaves its segment; padding stays behind the rows) and
+spells out each received token's routing from the slots its top-k positions name (the local
+expert is the segment the slot lies in, the weight that slot's); the timed calls return V2's own
+per-row form, ``topk_idx`` = the slots and ``topk_weights`` = the 1-D per-slot weights.
 
 combine
     ``ElasticBuffer.combine(y, handle, num_sms=)`` sums the copies of a token without weights
     (``topk_weights``, when given, are only carried back), so each
     received row is first scaled by ``w(t, d)``, the sum of its received weights on this rank, as
     a V2 user would (inside the timed call), exactly as for V1 (epbench/backends/deepep.py).
+    expert_major: V2 takes the expanded slots back (``x`` of ``num_expanded_tokens`` rows, as its
+    tests/elastic/test_ep.py does) and sums each token's slots; each slot is first scaled by its own
+    weight, so a token comes back as ``sum_k w[t, k] * y_{e_k}(t)``, one term per expert.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import torch.distributed as dist
 
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
 from epbench.baselines import MIN_NCCL, version_tuple
+from epbench.layout import ExpertMajor, expert_of_slot, slot_capacity
 from epbench.scenario import FP8_BLOCK
 
 MIN_TORCH = (2, 10)
@@ -79,12 +88,45 @@ def sort_key_order(src_key: torch.Tensor) -> torch.Tensor:
     return torch.argsort(src_key.to(torch.int64), stable=True)
 
 
+def segment_order(slots: torch.Tensor, src_key: torch.Tensor, table: ExpertMajor,
+                  num_slots: int) -> torch.Tensor:
+    """The permutation that sorts each segment's slots by (source rank, source token): epbench
+    slot i = V2 slot ``order[i]``. ``slots`` [rows, topk]: the slot of each received row's top-k
+    positions (-1: not here), ``src_key`` [rows] that row's key. Slots no row names (padding) sort
+    behind the named ones of their segment; no slot changes segment."""
+    key = torch.full((num_slots,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=slots.device)
+    named = slots >= 0
+    key[slots[named].to(torch.int64)] = src_key.to(torch.int64).unsqueeze(1).expand_as(slots)[named]
+    by_key = torch.argsort(key, stable=True)
+    segment = expert_of_slot(table, num_slots)
+    return by_key[torch.argsort(segment[by_key], stable=True)]
+
+
+def expanded_routing(slots: torch.Tensor, slot_weights: torch.Tensor, table: ExpertMajor,
+                     num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each received row's routing as the expanded layout holds it: per top-k position the local
+    expert whose segment holds its slot (int64, -1 where the expert lives elsewhere) and the
+    weight stored with that slot (float32, 0 there)."""
+    named = slots >= 0
+    safe = slots.clamp(min=0).to(torch.int64)
+    expert = expert_of_slot(table, num_slots)
+    ids = torch.where(named, expert[safe], torch.full_like(safe, -1))
+    w = torch.where(named, slot_weights[safe], torch.zeros((), dtype=slot_weights.dtype, device=slots.device))
+    return ids, w
+
+
 @dataclass
 class _Handle:
     v2_handle: Any
-    num_recv: int
-    recv_topk_weights: torch.Tensor  # [num_recv, topk], V2's order
+    rows: int  # rows combine hands to V2: received tokens, or in expert_major the slots in use
+    # V2's order: [num_recv, topk] received weights, or in expert_major [slots] one per slot
+    recv_topk_weights: torch.Tensor
     order: Optional[torch.Tensor]  # set on the verified call: epbench row i = V2 row order[i]
+
+    def row_weights(self) -> torch.Tensor:
+        """[rows, 1] in V2's order: the factor each row's expert output is scaled by."""
+        w = self.recv_topk_weights
+        return w[: self.rows].unsqueeze(1) if w.dim() == 1 else w[: self.rows].sum(dim=1, keepdim=True)
 
 
 class DeepEPV2Backend(Backend):
@@ -92,6 +134,7 @@ class DeepEPV2Backend(Backend):
     uses_sms = True
     receives_local_expert_ids = True
     dtypes = ("bf16", "fp8", "mxfp8")
+    layouts = ("rank_major", "expert_major")
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -121,7 +164,10 @@ class DeepEPV2Backend(Backend):
         self.buffer = self.deep_ep.ElasticBuffer(
             self.group, num_max_tokens_per_rank=setup.max_tokens_per_rank, hidden=setup.hidden,
             num_topk=setup.topk, use_fp8_dispatch=self.fp8, explicitly_destroy=True)
-        cap = setup.world * setup.max_tokens_per_rank
+        self.expert_major = setup.layout == "expert_major"
+        self.align = setup.align if self.expert_major else 1
+        cap = (slot_capacity(setup.world, setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
+                             setup.align) if self.expert_major else setup.world * setup.max_tokens_per_rank)
         self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
         self.combine_scaled = torch.empty_like(self.combine_in)
         self._ordered_next = False
@@ -135,34 +181,53 @@ class DeepEPV2Backend(Backend):
         recv_x, recv_idx, recv_w, handle, _ = self.buffer.dispatch(
             x, topk_idx=idx, topk_weights=inp.topk_weights,
             num_experts=self.s.num_experts, num_max_tokens_per_rank=self.s.max_tokens_per_rank,
-            expert_alignment=1, num_sms=num_sms, do_cpu_sync=True)
+            expert_alignment=self.align, num_sms=num_sms, do_cpu_sync=True, do_expand=self.expert_major)
         recv_scales = None
         if self.fp8:
             recv_x, recv_scales = recv_x
             recv_scales = recv_scales.view(torch.uint8) if self.mx else recv_scales
+        if self.expert_major:
+            return self._expanded_output(recv_x, recv_scales, recv_w, handle)
         n = int(handle.num_recv_tokens)
         counts = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
-        order = None
+        order, h = None, _Handle(handle, n, recv_w, None)
         if self._ordered_next:  # the verified call: relabel rows into epbench's order
             self._ordered_next = False
-            order = sort_key_order(handle.recv_src_metadata[:n, 0])
+            order = h.order = sort_key_order(handle.recv_src_metadata[:n, 0])
             recv_x, recv_idx, recv_w = recv_x[:n][order], recv_idx[:n][order], recv_w[:n][order]
             recv_scales = recv_scales[:n][order] if recv_scales is not None else None
-        return DispatchOutput(recv_x, recv_scales, recv_idx, recv_w, counts, n,
-                              _Handle(handle, n, recv_w, order))
+        return DispatchOutput(recv_x, recv_scales, recv_idx, recv_w, counts, n, h)
+
+    def _expanded_output(self, recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
+                         slot_w: torch.Tensor, handle: Any) -> DispatchOutput:
+        n, num_slots = int(handle.num_recv_tokens), int(handle.num_expanded_tokens)
+        counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
+        offsets = handle.psum_num_recv_tokens_per_expert.to(torch.int64) - counts
+        table = ExpertMajor(counts, offsets, num_slots, self.align)
+        meta = handle.recv_src_metadata[:n]
+        slots, ids, w, order = meta[:, 2:], meta[:, 2:], slot_w, None
+        if self._ordered_next:  # the verified call: segments in epbench's order, routing per row
+            self._ordered_next = False
+            order = segment_order(slots, meta[:, 0], table, num_slots)
+            recv_x = recv_x[:num_slots][order]
+            recv_scales = recv_scales[:num_slots][order] if recv_scales is not None else None
+            ids, w = expanded_routing(slots, slot_w, table, num_slots)
+            by_source = sort_key_order(meta[:, 0])
+            ids, w = ids[by_source], w[by_source]
+        return DispatchOutput(recv_x, recv_scales, ids, w, counts, n,
+                              _Handle(handle, num_slots, slot_w, order), table)
 
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
-        return self.combine_in[: out.handle.num_recv]
+        return self.combine_in[: out.handle.rows]
 
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         h: _Handle = out.handle
-        n = h.num_recv
+        n = h.rows
         y = self.combine_scaled[:n]
         if h.order is None:
-            torch.mul(self.combine_in[:n], h.recv_topk_weights.sum(dim=1, keepdim=True), out=y)
+            torch.mul(self.combine_in[:n], h.row_weights(), out=y)
         else:  # back into V2's order: V2 row order[i] is epbench row i
-            w = out.topk_weights[:n].sum(dim=1, keepdim=True)
-            y[h.order] = (self.combine_in[:n] * w).to(y.dtype)
+            y[h.order] = (self.combine_in[:n] * h.row_weights()[h.order]).to(y.dtype)
         combined, _, _ = self.buffer.combine(y, h.v2_handle, num_sms=num_sms)
         return combined
 

@@ -1,6 +1,7 @@
 """DeepEP V2 (deepep-v2) through `epbench run` on one GPU, after `make baselines DEEPEP_FLAVOR=v2
 NCCL_CARRY=...`: at world 1 it runs verified with the NCCL it was built against preloaded into its
-job only; ranks sharing the GPU get a skipped row saying it needs one GPU per rank."""
+job only, in both layouts (expert_major through V2's expanding dispatch); ranks sharing the GPU get a
+skipped row saying it needs one GPU per rank."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def v2_built() -> None:
         pytest.skip("DeepEP V2 is not built here (make baselines DEEPEP_FLAVOR=v2 NCCL_CARRY=...)")
 
 
-def run_v2(tmp_path: Path, nproc: int):
+def run_v2(tmp_path: Path, nproc: int, scenario: str = "scenarios/dsv3x2.yaml"):
     env = dict(safe_env(), CUDA_VISIBLE_DEVICES="0")
-    r = subprocess.run([sys.executable, "-m", "epbench", "run", "scenarios/dsv3x2.yaml", "--nproc", str(nproc),
+    r = subprocess.run([sys.executable, "-m", "epbench", "run", scenario, "--nproc", str(nproc),
                         "--backends", "deepep-v2,reference", *QUICK, "--results", str(tmp_path / "r")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     (run,) = list((tmp_path / "r").iterdir())
@@ -44,6 +45,15 @@ def test_world_1_runs_verified_with_its_own_nccl(v2_built: None, tmp_path: Path)
     assert baselines.version_tuple(runtime["deepep-v2"]["nccl"]) >= baselines.MIN_NCCL
     if baselines.v2_nccl():  # built against a carry: preloaded into its job, not the reference's
         assert runtime["deepep-v2"]["ld_preload"] and not runtime["reference"]["ld_preload"]
+
+
+@pytest.mark.parametrize("scenario", ["scenarios/em-2gpu.yaml", "scenarios/dsv3x4-expert.yaml"])
+def test_expert_major_world_1_runs_verified(v2_built: None, tmp_path: Path, scenario: str) -> None:
+    """fp8 and mxfp8 segments aligned to 128 rows, checked as epbench's own expert-major layout."""
+    r, df, _ = run_v2(tmp_path, 1, scenario)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    v2 = df[df["backend"] == "deepep-v2"]
+    assert set(v2["op"]) == {"dispatch", "combine"} and int(v2["wrong"].sum()) == 0, r.stdout[-4000:]
 
 
 def test_ranks_sharing_the_gpu_get_a_skipped_row(v2_built: None, tmp_path: Path) -> None:
