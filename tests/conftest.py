@@ -1,6 +1,7 @@
 """Fixtures: scenario files in tmp_path, and the real 4-process smoke run, started once per
 session and reused by every test that reads it."""
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -8,6 +9,12 @@ import pytest
 import yaml
 
 from support import Run, run_cli
+
+# The commands these tests start size their tables from COLUMNS when it is set (epbench/console.py);
+# a parallel runner's workers set it to 80, which folds lines the tests read whole. The tests that
+# want a width pass it themselves.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 @pytest.fixture
