@@ -34,7 +34,6 @@ from epbench.launch import Comm
 from epbench.results import unmeasured_rows
 from epbench import timing
 from epbench.timing import Timer
-from epbench.timing import host_gate, method as timing_method
 from epbench.routing import RankRouting, route_all, traffic
 from epbench.scenario import GRAPH_CHAIN, Scenario
 from epbench.verify import (check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
@@ -496,7 +495,6 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                 advance(f"{name} sms={sms or 'auto'}" + (f" tokens={m.tokens_per_rank}" if opts.tokens else ""))
         finally:
             be.close()
-    # imported by name: the loop variable `timing` above shadows the module in this function
-    if comm.device.type == "cuda" and host_gate().forced:  # rank 0's gate; the start note said 0
-        on_note(timing_method())
+    if comm.device.type == "cuda" and timing.host_gate().forced:  # rank 0's gate; the start note said 0
+        on_note(timing.method())
     return total_wrong
