@@ -3,9 +3,14 @@
 scenario -> routing -> backend -> timed samples + verification -> metrics rows -> results folder.
 
 Each (backend, SM count) point is timed (dispatch and combine alternate, as in a model: the
-stand-in expert's output is written between them, outside the timed region), then verified
-on fresh random inputs with poisoned outputs. Rank 0 gathers the samples, turns them into
-rows (epbench/metrics.py) and writes them before the next point starts.
+stand-in expert's output is written between them, outside the timed region). The timed calls
+rotate through ``input_sets`` sets of inputs (different token values, and the same routes handed
+to other tokens, so no byte count changes; loaded outside the timed region), so that no cache
+of a previous identical call can make a call look fast. What is timed is what is checked: the
+last timed iteration's outputs are checked against its own input set, and then one more run of
+the very same calls (same closure, same graph, same input tensors, now holding fresh token
+values) is checked with poisoned outputs. Rank 0 gathers the samples, turns them into rows
+(epbench/metrics.py) and writes them before the next point starts.
 
 ``--tokens`` repeats everything per batch size (one backend object per size: the padding of
 low-latency buffers is the batch size). In low-latency mode each point is timed up to three
@@ -18,6 +23,7 @@ each way is verified on its own.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -29,14 +35,15 @@ from epbench import metrics
 from epbench.metrics import OPS, PointRecord, point_rows
 from epbench.backends import load_backend
 from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
-from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input
+from epbench.inputs import (dispatch_input, expert_output, fill_in_place, make_tokens, rotated_routing,
+                            wire_input)
 from epbench.launch import Comm
 from epbench.results import unmeasured_rows
 from epbench import timing
 from epbench.timing import Timer
 from epbench.routing import RankRouting, route_all, traffic
 from epbench.scenario import GRAPH_CHAIN, Scenario
-from epbench.verify import (check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
+from epbench.verify import (CheckResult, check_combine, check_dispatch, check_ll_combine, check_ll_dispatch,
                             em_expert_output, ll_expert_output)
 
 TIMING_SALT = 0  # token values used while timing; verification draws fresh ones per point
@@ -54,6 +61,9 @@ class RunOptions:
     ceilings: bool = True  # measure copy-engine / SM-store ceilings before the backends (GPU)
     tokens: Optional[Tuple[int, ...]] = None  # batch sizes to sweep (None: the scenario's)
     graph_chain: int = GRAPH_CHAIN  # low-latency calls per op captured in one graph for the chain rows (0: none)
+    # each point is timed once per entry: its timed calls rotate through that many input sets
+    # (1: the same tensors with the same values every call); None: the scenario's bench.input_sets
+    input_sets: Optional[Tuple[int, ...]] = None
 
 
 def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
@@ -78,158 +88,110 @@ def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
     y[:n].copy_(expert_output(out.x[:n], scales, rank))
 
 
+def _fill_ll_expert_output(be: Backend, out: LowLatencyOutput, rank: int) -> None:
+    """Every slot through the stand-in experts (padding too: reading the counts would be a host
+    synchronisation before each timed call)."""
+    e = out.x.shape[0]
+    be.ll_combine_input(out).copy_(ll_expert_output(out.x, out.x_scales, rank * e))
+
+
 def _check_backend_errors(be: Backend) -> None:
     check = getattr(be, "check_errors", None)
     if check is not None:
         check()
 
 
-def _time_pair(comm: Comm, warmup: int, iters: int, dispatch: Callable[[], Any],
-               fill: Callable[[Any], None], combine: Callable[[Any], Any],
-               gated: bool = False) -> Dict[str, List[float]]:
-    """The timing loop of both modes: dispatch and combine alternate as in a model, each call
-    preceded by the cross-rank sync; the stand-in expert's output is written between them,
-    outside the timed region. ``gated``: the calls never wait for the device (Timer.time)."""
-    n = warmup + iters
-    timers = {op: Timer(comm.device, n) for op in OPS}
-    for i in range(n):
-        out = timers["dispatch"].time(i, dispatch, align=comm.sync, gated=gated)
-        fill(out)
-        timers["combine"].time(i, lambda: combine(out), align=comm.sync, gated=gated)
-    return {op: t.samples_us(warmup) for op, t in timers.items()}
-
-
-def time_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, warmup: int,
-               iters: int) -> Dict[str, List[float]]:
-    inp = be.prepare_input(inp)
-    samples = _time_pair(comm, warmup, iters, lambda: be.dispatch(inp, sms),
-                         lambda out: _fill_expert_output(be, out, comm.rank),
-                         lambda out: be.combine(out, sms))
-    _check_backend_errors(be)
-    return samples
-
-
-def count_point(be: Backend, inp: DispatchInput, sms: int, comm: Comm, cnt: hw.Counters,
-                n: int, rec: PointRecord) -> None:
-    """Untimed pass: the bytes the hardware saw leave this GPU during each op, summed over n
-    calls. Each call is fenced by device synchronisations so that the readings bracket it; the
-    cross-rank sync happens before a reading, so its own few bytes are not counted."""
-    inp = be.prepare_input(inp)
-    totals: Dict[str, Dict[str, int]] = {op: {} for op in OPS}
-
-    def fence() -> None:
-        if comm.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def add(op: str, before: Dict[str, int]) -> None:
-        fence()
-        for k, v in hw.delta(before, cnt.read()).items():
-            totals[op][k] = totals[op].get(k, 0) + v
-
-    for _ in range(n):
-        comm.sync()
-        fence()
-        before = cnt.read()
-        out = be.dispatch(inp, sms)
-        add("dispatch", before)
-        _fill_expert_output(be, out, comm.rank)
-        comm.sync()
-        fence()
-        before = cnt.read()
-        be.combine(out, sms)
-        add("combine", before)
-    _check_backend_errors(be)
-    rec.counted, rec.counted_iters = totals, n
-    rec.link_capacity_gbps = cnt.link_capacity_gbps
-
-
-def verify_point(be: Backend, s: Scenario, routings: List[RankRouting], sms: int, comm: Comm,
-                 salt: int, inject_fault: Optional[str], rec: PointRecord) -> None:
-    m = s.model
-
-    def source_of(rank: int) -> torch.Tensor:
-        return make_tokens(routings[rank].num_tokens, m.hidden, s.routing.seed, rank, salt, comm.device)
-
-    def input_of(rank: int) -> DispatchInput:  # what the caller hands to dispatch
-        return dispatch_input(source_of(rank), routings[rank], m.dispatch_dtype, comm.device, m.quantize)
-
-    def wire_of(rank: int) -> DispatchInput:  # what the receivers must get
-        return wire_input(input_of(rank), m.dispatch_dtype)
-
-    own = input_of(comm.rank)
-    be.poison()
-    comm.sync()
-    out = be.dispatch(own, sms)
+def _synchronize(comm: Comm) -> None:
     if comm.device.type == "cuda":
         torch.cuda.synchronize()
-    _check_backend_errors(be)
-    row0 = _first_received_row(out) if inject_fault == "dispatch" else None
-    if row0 is not None:
-        out.x[row0].view(torch.uint8).bitwise_xor_(0x5A)
-    d = check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, wire_of,
-                       local_expert_ids=be.receives_local_expert_ids, routing_map=be.routing_as_map,
-                       source_of=source_of if m.dispatch_dtype != "bf16" else None)
-    if row0 is not None:  # restore the row so that combine is checked on its own
-        out.x[row0].view(torch.uint8).bitwise_xor_(0x5A)
-    _fill_expert_output(be, out, comm.rank)
-    comm.sync()
-    got = be.combine(out, sms)
-    if comm.device.type == "cuda":
-        torch.cuda.synchronize()
-    _check_backend_errors(be)
-    if inject_fault == "combine" and got.shape[0] > 0:
-        got[0].fill_(1234.0)
-    wire = wire_of(comm.rank)
-    # expert-major: one stand-in expert per expert (as in low-latency mode), so the sum is per expert
-    roundings = be.combine_roundings()  # bf16 roundings the backend's combine path makes
-    c = (check_ll_combine(got, wire, roundings) if out.expert_major is not None
-         else check_combine(got, wire, comm.world, m.experts_per_rank, roundings))
-    rec.wrong = {"dispatch": d.wrong, "combine": c.wrong}
-    rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
-def _first_received_row(out: DispatchOutput) -> Optional[int]:
-    """A valid row of the dispatch output (a host read: only used by --inject-fault): row 0, or in
-    the expert-major layout the first row of the first non-empty segment."""
-    if out.expert_major is None:
-        return 0 if int(out.num_recv) > 0 else None
-    counts = out.expert_major.counts.tolist()
-    e = next((i for i, c in enumerate(counts) if c > 0), None)
-    return int(out.expert_major.offsets[e]) if e is not None else None
+# ---- the inputs of a point ----
+
+@dataclass(frozen=True)
+class Draw:
+    """One set of dispatch inputs, rebuilt identically on any rank: token values drawn from
+    ``salt``; the scenario's routing (``rotation`` 0) or its tokens permuted
+    (inputs.rotated_routing), which leaves every byte count unchanged."""
+
+    salt: int
+    rotation: int = 0
 
 
-# ---- low-latency mode ----
+def timing_draws(input_sets: int, reuses_layout: bool) -> List[Draw]:
+    """The sets the timed calls rotate through (iteration i uses set i mod n). Timing salts are 0,
+    -1, -2, ...: never a verification's (1, 2, ...). A backend that reuses a layout keeps the routing."""
+    return [Draw(TIMING_SALT - k, 0 if reuses_layout else k) for k in range(input_sets)]
+
+
+class Inputs:
+    """Every rank's inputs for any draw, rebuilt locally from (seed, rank, salt, rotation)."""
+
+    def __init__(self, s: Scenario, routings: List[RankRouting], device: torch.device) -> None:
+        self.s, self.routings, self.device = s, routings, device
+
+    def routing(self, rank: int, d: Draw) -> RankRouting:
+        return rotated_routing(self.routings[rank], self.s.routing.seed, rank, d.rotation)
+
+    def source(self, rank: int, d: Draw) -> torch.Tensor:
+        """bf16 rows before any quantization."""
+        m = self.s.model
+        return make_tokens(self.routings[rank].num_tokens, m.hidden, self.s.routing.seed, rank, d.salt, self.device)
+
+    def caller(self, rank: int, d: Draw) -> DispatchInput:
+        """What the caller hands to dispatch."""
+        m = self.s.model
+        return dispatch_input(self.source(rank, d), self.routing(rank, d), m.dispatch_dtype, self.device, m.quantize)
+
+    def wire(self, rank: int, d: Draw) -> DispatchInput:
+        """What the receivers must get."""
+        return wire_input(self.caller(rank, d), self.s.model.dispatch_dtype)
+
+
+# ---- the calls of a point and their checks ----
 
 @dataclass
-class LowLatencyCalls:
-    """The two calls of one low-latency point, as timed: plain launches or graph replays.
-    ``load`` puts new token values in front of the next dispatch (same routing, same shapes)."""
+class PointCalls:
+    """The two calls of one point as timed: plain calls or graph replays. ``load(inp)`` puts an
+    input set in front of the next dispatch: a plain call is then made on ``inp``'s own tensors, a
+    graph copies them into the tensors it was captured with. ``fill`` is the stand-in expert."""
 
-    dispatch: Callable[[], LowLatencyOutput]
-    combine: Callable[[LowLatencyOutput], torch.Tensor]
+    dispatch: Callable[[], Any]
+    combine: Callable[[Any], Any]
     load: Callable[[DispatchInput], None]
+    fill: Callable[[Any], None]
     gated: bool = False  # graph replays never wait for the device: the timer may gate them
     per_replay: int = 1  # calls of each op one dispatch() / combine() runs (a graph chain: K)
 
 
-def launch_calls(be: Backend, inp: DispatchInput, sms: int) -> LowLatencyCalls:
-    state = {"inp": inp}
+def normal_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
+    state = {"inp": first}
 
-    def load(new: DispatchInput) -> None:
-        state["inp"] = new
+    def load(inp: DispatchInput) -> None:
+        state["inp"] = inp
 
-    return LowLatencyCalls(lambda: be.ll_dispatch(state["inp"], sms),
-                           lambda out: be.ll_combine(out, sms), load)
+    return PointCalls(lambda: be.dispatch(state["inp"], sms), lambda out: be.combine(out, sms), load,
+                      lambda out: _fill_expert_output(be, out, rank))
 
 
-def graph_calls(be: Backend, inp: DispatchInput, sms: int, chain: int = 1) -> LowLatencyCalls:
+def launch_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
+    state = {"inp": first}
+
+    def load(inp: DispatchInput) -> None:
+        state["inp"] = inp
+
+    return PointCalls(lambda: be.ll_dispatch(state["inp"], sms), lambda out: be.ll_combine(out, sms), load,
+                      lambda out: _fill_ll_expert_output(be, out, rank))
+
+
+def graph_calls(be: Backend, first: DispatchInput, sms: int, rank: int, chain: int = 1) -> PointCalls:
     """Captures ``chain`` back-to-back ll_dispatch calls into one CUDA graph and as many
     ll_combine calls into another (nothing runs while capturing); every call replays one of them on
     the current stream. Each captured call does its full work on the same inputs and outputs, so
-    what a replay leaves is the last call's output. The inputs are copied into tensors the graphs
-    own, so ``load`` only copies."""
-    static = DispatchInput(inp.x.clone(), inp.x_scales.clone() if inp.x_scales is not None else None,
-                           inp.topk_idx.clone(), inp.topk_weights.clone())
+    what a replay leaves is the last call's output. The graphs own their input tensors: ``load``
+    copies an input set into them."""
+    static = DispatchInput(first.x.clone(), first.x_scales.clone() if first.x_scales is not None else None,
+                           first.topk_idx.clone(), first.topk_weights.clone())
     torch.cuda.synchronize()
     g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_dispatch):
@@ -248,39 +210,234 @@ def graph_calls(be: Backend, inp: DispatchInput, sms: int, chain: int = 1) -> Lo
         g_combine.replay()
         return got
 
-    def load(new: DispatchInput) -> None:
-        static.x.copy_(new.x)
-        if static.x_scales is not None:
-            static.x_scales.copy_(new.x_scales)
-        static.topk_idx.copy_(new.topk_idx)
-        static.topk_weights.copy_(new.topk_weights)
-
-    return LowLatencyCalls(dispatch, combine, load, gated=True, per_replay=chain)
+    return PointCalls(dispatch, combine, lambda inp: fill_in_place(static, inp),
+                      lambda o: _fill_ll_expert_output(be, o, rank), gated=True, per_replay=chain)
 
 
-def _fill_ll_expert_output(be: Backend, out: LowLatencyOutput, rank: int) -> None:
-    """Every slot through the stand-in experts (padding too: reading the counts would be a host
-    synchronisation before each timed call)."""
-    e = out.x.shape[0]
-    be.ll_combine_input(out).copy_(ll_expert_output(out.x, out.x_scales, rank * e))
-
-
-def time_ll_point(be: Backend, calls: LowLatencyCalls, comm: Comm, warmup: int,
-                  iters: int) -> Dict[str, List[float]]:
-    """One sample per replay; a replay of a K-call chain gives the mean of its K calls:
-    per-call time = (end event - start event) / K, so percentiles are of those means."""
-    samples = _time_pair(comm, warmup, iters, calls.dispatch,
-                         lambda out: _fill_ll_expert_output(be, out, comm.rank), calls.combine,
-                         gated=calls.gated)
-    _check_backend_errors(be)
-    return {op: [t / calls.per_replay for t in ts] for op, ts in samples.items()}
-
-
-def ll_calls(be: Backend, inp: DispatchInput, sms: int, timing: str, chain: int) -> LowLatencyCalls:
+def ll_calls(be: Backend, first: DispatchInput, sms: int, rank: int, how: str, chain: int) -> PointCalls:
     """The calls one low-latency timing mode times and verifies."""
-    if timing == "launch":
-        return launch_calls(be, inp, sms)
-    return graph_calls(be, inp, sms, chain if timing == "chain" else 1)
+    if how == "launch":
+        return launch_calls(be, first, sms, rank)
+    return graph_calls(be, first, sms, rank, chain if how == "chain" else 1)
+
+
+@dataclass
+class Checks:
+    """How one mode's outputs are checked against a draw."""
+
+    dispatch: Callable[[Any, Draw], CheckResult]
+    combine: Callable[[torch.Tensor, Any, Draw], CheckResult]
+    first_row: Callable[[Any], Any]  # where --inject-fault flips a received row (None: no row)
+
+
+def normal_checks(be: Backend, s: Scenario, inputs: Inputs, comm: Comm) -> Checks:
+    m = s.model
+
+    def dispatch(out: DispatchOutput, d: Draw) -> CheckResult:
+        return check_dispatch(out, comm.rank, comm.world, m.experts_per_rank, lambda r: inputs.wire(r, d),
+                              local_expert_ids=be.receives_local_expert_ids, routing_map=be.routing_as_map,
+                              source_of=(lambda r: inputs.source(r, d)) if m.dispatch_dtype != "bf16" else None)
+
+    def combine(got: torch.Tensor, out: DispatchOutput, d: Draw) -> CheckResult:
+        wire = inputs.wire(comm.rank, d)
+        # expert-major: one stand-in expert per expert (as in low-latency mode), so the sum is per expert
+        roundings = be.combine_roundings()  # bf16 roundings the backend's combine path makes
+        if out.expert_major is not None:
+            return check_ll_combine(got, wire, roundings)
+        return check_combine(got, wire, comm.world, m.experts_per_rank, roundings)
+
+    return Checks(dispatch, combine, _first_received_row)
+
+
+def ll_checks(s: Scenario, inputs: Inputs, comm: Comm) -> Checks:
+    m = s.model
+    return Checks(lambda out, d: check_ll_dispatch(out, comm.rank, comm.world, m.experts_per_rank,
+                                                   lambda r: inputs.caller(r, d)),
+                  lambda got, out, d: check_ll_combine(got, inputs.caller(comm.rank, d)),
+                  _first_valid_slot)
+
+
+def snapshot(out: Any) -> Any:
+    """A copy of a dispatch output's tensors (device copies only, no host wait): the backend's
+    buffers are overwritten by its next calls, and the timed output is checked after the loop."""
+    if not dataclasses.is_dataclass(out):
+        return out.clone() if isinstance(out, torch.Tensor) else out
+    kept = {}
+    for f in dataclasses.fields(out):
+        if f.name == "handle":
+            continue
+        v = getattr(out, f.name)
+        kept[f.name] = v.clone() if isinstance(v, torch.Tensor) else snapshot(v) if dataclasses.is_dataclass(v) else v
+    return replace(out, **kept)
+
+
+@dataclass
+class LastTimed:
+    """The last timed iteration: its input set, its dispatch output (a copy) and combine output."""
+
+    draw_index: int
+    out: Any
+    got: torch.Tensor
+
+
+def _time_pair(comm: Comm, warmup: int, iters: int, calls: PointCalls,
+               sets: List[DispatchInput]) -> Tuple[Dict[str, List[float]], LastTimed]:
+    """The timing loop of both modes: dispatch and combine alternate as in a model, each call
+    preceded by the cross-rank sync; iteration i runs on input set i mod len(sets), loaded before
+    the sync, and the stand-in expert's output is written between the calls: all outside the
+    timed region. The last iteration's outputs are kept for checking."""
+    n = warmup + iters
+    timers = {op: Timer(comm.device, n) for op in OPS}
+    last: Optional[LastTimed] = None
+    for i in range(n):
+        calls.load(sets[i % len(sets)])
+        out = timers["dispatch"].time(i, calls.dispatch, align=comm.sync, gated=calls.gated)
+        kept = snapshot(out) if i == n - 1 else None
+        calls.fill(out)
+        got = timers["combine"].time(i, lambda: calls.combine(out), align=comm.sync, gated=calls.gated)
+        if kept is not None:
+            last = LastTimed((n - 1) % len(sets), kept, got)
+    samples = {op: [t / calls.per_replay for t in timer.samples_us(warmup)] for op, timer in timers.items()}
+    return samples, last
+
+
+class Point:
+    """One (backend, SM count, timing mode) point: its input sets, its calls and their checks.
+    ``time`` runs the timed loop; ``verify`` checks the last timed iteration, then loads a fresh
+    draw into input set 0's own tensors and checks one more run of the very same calls."""
+
+    def __init__(self, be: Backend, s: Scenario, routings: List[RankRouting], sms: int, comm: Comm,
+                 input_sets: int, how: str = "normal", chain: int = 1) -> None:
+        self.be, self.comm = be, comm
+        self.inputs = Inputs(s, routings, comm.device)
+        self.draws = timing_draws(input_sets, be.reuses_layout)
+        low_latency = how in ("launch", "graph", "chain")
+        raw = [self.inputs.caller(comm.rank, d) for d in self.draws]
+        if low_latency:
+            self.sets = raw
+            self.calls = ll_calls(be, raw[0], sms, comm.rank, how, chain)
+            self.checks = ll_checks(s, self.inputs, comm)
+        else:  # prepared outside the timed region, once per set
+            self.sets = [be.prepare_input(inp) for inp in raw]
+            self.calls = normal_calls(be, self.sets[0], sms, comm.rank)
+            self.checks = normal_checks(be, s, self.inputs, comm)
+        self.low_latency = low_latency
+        self.last: Optional[LastTimed] = None
+
+    def time(self, warmup: int, iters: int) -> Dict[str, List[float]]:
+        samples, self.last = _time_pair(self.comm, warmup, iters, self.calls, self.sets)
+        _check_backend_errors(self.be)
+        return samples
+
+    def count(self, cnt: hw.Counters, n: int, rec: PointRecord) -> None:
+        """Untimed pass: the bytes the hardware saw leave this GPU during each op, summed over n
+        calls on input set 0. Each call is fenced by device synchronisations so that the readings
+        bracket it; the cross-rank sync happens before a reading, so its own few bytes are not
+        counted."""
+        totals: Dict[str, Dict[str, int]] = {op: {} for op in OPS}
+
+        def add(op: str, before: Dict[str, int]) -> None:
+            _synchronize(self.comm)
+            for k, v in hw.delta(before, cnt.read()).items():
+                totals[op][k] = totals[op].get(k, 0) + v
+
+        self.calls.load(self.sets[0])
+        for _ in range(n):
+            self.comm.sync()
+            _synchronize(self.comm)
+            before = cnt.read()
+            out = self.calls.dispatch()
+            add("dispatch", before)
+            self.calls.fill(out)
+            self.comm.sync()
+            _synchronize(self.comm)
+            before = cnt.read()
+            self.calls.combine(out)
+            add("combine", before)
+        _check_backend_errors(self.be)
+        rec.counted, rec.counted_iters = totals, n
+        rec.link_capacity_gbps = cnt.link_capacity_gbps
+
+    def check_last(self) -> Tuple[CheckResult, CheckResult]:
+        """The last timed iteration's outputs against its own input set."""
+        last = self.last
+        if last is None:
+            return CheckResult(), CheckResult()
+        d = self.draws[last.draw_index]
+        return self.checks.dispatch(last.out, d), self.checks.combine(last.got, last.out, d)
+
+    def _verification_run(self, fresh: Draw, inject_fault: Optional[str]) -> Tuple[CheckResult, CheckResult]:
+        be, comm, calls = self.be, self.comm, self.calls
+        new = self.inputs.caller(comm.rank, fresh)
+        fill_in_place(self.sets[0], new if self.low_latency else be.prepare_input(new))
+        calls.load(self.sets[0])
+        be.poison()
+        comm.sync()
+        out = calls.dispatch()
+        _synchronize(comm)
+        _check_backend_errors(be)
+        where = self.checks.first_row(out) if inject_fault == "dispatch" else None
+        if where is not None:
+            out.x[where].view(torch.uint8).bitwise_xor_(0x5A)
+        d = self.checks.dispatch(out, fresh)
+        if where is not None:  # restore the row so that combine is checked on its own
+            out.x[where].view(torch.uint8).bitwise_xor_(0x5A)
+        calls.fill(out)
+        comm.sync()
+        got = calls.combine(out)
+        _synchronize(comm)
+        _check_backend_errors(be)
+        if inject_fault == "combine" and got.shape[0] > 0:
+            got[0].fill_(1234.0)
+        return d, self.checks.combine(got, out, fresh)
+
+
+def _first_received_row(out: DispatchOutput) -> Optional[int]:
+    """A valid row of the dispatch output (a host read: only used by --inject-fault): the first
+    row that holds one, or in the expert-major layout the first row of the first non-empty segment."""
+    if out.expert_major is None:
+        if out.row_key is not None:
+            held = (out.row_key[: int(out.num_recv)] >= 0).nonzero().flatten()
+            return int(held[0]) if held.numel() else None
+        return 0 if int(out.num_recv) > 0 else None
+    counts = out.expert_major.counts.tolist()
+    e = next((i for i, c in enumerate(counts) if c > 0), None)
+    return int(out.expert_major.offsets[e]) if e is not None else None
+
+
+def _first_valid_slot(out: LowLatencyOutput) -> Optional[Tuple[int, int]]:
+    """(expert, slot) of one received row, or None when nothing arrived (a host read: only
+    used by --inject-fault)."""
+    src = out.src_counts.cpu()
+    for e in range(src.shape[0]):
+        for s in range(src.shape[1]):
+            if int(src[e, s]) > 0:
+                return e, s * out.max_tokens_per_rank
+    return None
+
+
+def measure_point(point: Point, warmup: int, iters: int, salt: int, inject_fault: Optional[str],
+                  rec: PointRecord, cnt: Optional[hw.Counters] = None, counted_iters: int = 0) -> None:
+    """Times the point, checks its last timed iteration, reads the counters (where given), then
+    checks a verification run of the same calls on the same tensors. rec.wrong counts the wrong
+    rows of both checks; rec.problem names the first problem of each, and which run had it."""
+    rec.samples_us = point.time(warmup, iters)
+    finish_point(point, salt, inject_fault, rec, cnt, counted_iters)
+
+
+def finish_point(point: Point, salt: int, inject_fault: Optional[str], rec: PointRecord,
+                 cnt: Optional[hw.Counters] = None, counted_iters: int = 0) -> None:
+    """Everything after the timed loop (see measure_point)."""
+    timed = point.check_last()
+    if cnt is not None:
+        point.count(cnt, counted_iters, rec)
+    fresh = Draw(salt)
+    verified = point._verification_run(fresh, inject_fault)
+    rec.wrong, rec.problem = {}, {}
+    for op, t, v in zip(OPS, timed, verified):
+        rec.wrong[op] = t.wrong + v.wrong
+        rec.problem[op] = "; ".join(f"{what}: {r.first_problem}" for what, r in
+                                    (("last timed call", t), ("verification run", v)) if r.first_problem)
 
 
 def timings_of(be_cls: type, setup: RankSetup, device: str, as_normal: bool,
@@ -298,52 +455,6 @@ def timings_of(be_cls: type, setup: RankSetup, device: str, as_normal: bool,
         return ("launch", "graph"), None
     reason = be_cls.chain_reason(setup)
     return (("launch", "graph"), reason) if reason else (("launch", "graph", "chain"), None)
-
-
-def _first_valid_slot(out: LowLatencyOutput) -> Optional[Tuple[int, int]]:
-    """(expert, slot) of one received row, or None when nothing arrived (a host read: only
-    used by --inject-fault)."""
-    src = out.src_counts.cpu()
-    for e in range(src.shape[0]):
-        for s in range(src.shape[1]):
-            if int(src[e, s]) > 0:
-                return e, s * out.max_tokens_per_rank
-    return None
-
-
-def verify_ll_point(be: Backend, calls: LowLatencyCalls, s: Scenario, routings: List[RankRouting],
-                    comm: Comm, salt: int, inject_fault: Optional[str], rec: PointRecord) -> None:
-    m = s.model
-
-    def input_of(rank: int) -> DispatchInput:
-        x = make_tokens(routings[rank].num_tokens, m.hidden, s.routing.seed, rank, salt, comm.device)
-        return dispatch_input(x, routings[rank], m.dispatch_dtype, comm.device)
-
-    own = input_of(comm.rank)
-    calls.load(own)
-    be.poison()
-    comm.sync()
-    out = calls.dispatch()
-    if comm.device.type == "cuda":
-        torch.cuda.synchronize()
-    _check_backend_errors(be)
-    where = _first_valid_slot(out) if inject_fault == "dispatch" else None
-    if where is not None:
-        out.x[where].view(torch.uint8).bitwise_xor_(0x5A)
-    d = check_ll_dispatch(out, comm.rank, comm.world, m.experts_per_rank, input_of)
-    if where is not None:  # restore the row so that combine is checked on its own
-        out.x[where].view(torch.uint8).bitwise_xor_(0x5A)
-    _fill_ll_expert_output(be, out, comm.rank)
-    comm.sync()
-    got = calls.combine(out)
-    if comm.device.type == "cuda":
-        torch.cuda.synchronize()
-    _check_backend_errors(be)
-    if inject_fault == "combine" and got.shape[0] > 0:
-        got[0].fill_(1234.0)
-    c = check_ll_combine(got, own)
-    rec.wrong = {"dispatch": d.wrong, "combine": c.wrong}
-    rec.problem = {"dispatch": d.first_problem, "combine": c.first_problem}
 
 
 def rank_setup(s: Scenario, comm: Comm) -> RankSetup:
@@ -415,7 +526,7 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
     for tokens in opts.tokens or (s.model.tokens_per_rank,):
         sized = s.with_tokens(tokens)
         own_ceilings = ceilings if tokens == s.model.tokens_per_rank else None
-        total_wrong += _measure_size(sized, opts, comm, on_point, on_note, advance, own_ceilings, cnt,
+        total_wrong += _measure_size(sized, replace(opts, input_sets=opts.input_sets or s.bench.input_sets), comm, on_point, on_note, advance, own_ceilings, cnt,
                                      salt, functional)
     if cnt is not None:
         cnt.close()
@@ -436,8 +547,6 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
     low_latency = s.mode == "low_latency"
     routings = route_all(s)
     device = comm.device.type
-    x = make_tokens(m.tokens_per_rank, m.hidden, s.routing.seed, comm.rank, TIMING_SALT, comm.device)
-    inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device, m.quantize)
     setup = rank_setup(s, comm)
     em_rows = (metrics.expert_major_rows(routings, m.experts_per_rank, m.align)
                if m.layout == "expert_major" else None)
@@ -469,19 +578,16 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             on_note(f"backend {name}: no chain rows ({no_chain})")
         try:
             for sms in sms_list:
-                for how in timings:
+                for how, sets in ((h, n) for h in timings for n in opts.input_sets):
                     comm.arrive(f"{name} sms={sms or 'auto'}: timed calls")
-                    rec = PointRecord(comm.rank, timing=how)
-                    if ll_path:
-                        calls = ll_calls(be, inp, sms, how, opts.graph_chain)
-                        rec.chain = calls.per_replay
-                        rec.samples_us = time_ll_point(be, calls, comm, opts.warmup, opts.iters)
-                        verify_ll_point(be, calls, s, routings, comm, salt[0], opts.inject_fault, rec)
-                    else:
-                        rec.samples_us = time_point(be, inp, sms, comm, opts.warmup, opts.iters)
-                        if cnt is not None and not low_latency:
-                            count_point(be, inp, sms, comm, cnt, min(COUNTED_ITERS, opts.iters), rec)
-                        verify_point(be, s, routings, sms, comm, salt[0], opts.inject_fault, rec)
+                    rec = PointRecord(comm.rank, timing=how, input_sets=sets)
+                    point = Point(be, s, routings, sms, comm, sets, how if ll_path else "normal",
+                                  opts.graph_chain)
+                    rec.chain = point.calls.per_replay
+                    counting = cnt is not None and not low_latency
+                    measure_point(point, opts.warmup, opts.iters, salt[0], opts.inject_fault, rec,
+                                  cnt if counting else None, min(COUNTED_ITERS, opts.iters))
+                    del point  # its input sets and graphs go before the next point's are made
                     rec.config = be.effective_config()
                     salt[0] += 1
                     comm.arrive(f"{name} sms={sms or 'auto'}: gather of results")

@@ -82,3 +82,25 @@ def expert_factor(rank: int) -> float:
 def expert_output(received: torch.Tensor, scales: Optional[torch.Tensor], rank: int) -> torch.Tensor:
     """bf16 rows the stand-in expert on ``rank`` returns for received rows."""
     return (dequantize(received, scales) * expert_factor(rank)).to(torch.bfloat16)
+
+
+def rotated_routing(routing: RankRouting, seed: int, rank: int, rotation: int) -> RankRouting:
+    """Input set ``rotation``'s routing on ``rank``: 0 is the scenario's; any other hands the same
+    routes to other tokens (a permutation of the tokens drawn from (seed, rank, rotation)). Every
+    count per rank, node and expert, and so every byte the formulas of epbench/metrics.py count,
+    stays the same, while each token's destinations, and so every row's place, change."""
+    if rotation == 0 or routing.num_tokens < 2:
+        return routing
+    perm = torch.randperm(routing.num_tokens, generator=_generator(seed, 4, rank, rotation))
+    return RankRouting(routing.topk_idx[perm], routing.topk_weights[perm])
+
+
+def fill_in_place(dst: DispatchInput, src: DispatchInput) -> None:
+    """Copies ``src``'s values into ``dst``'s own tensors (same shapes and kinds), so that a call
+    bound to ``dst``'s tensors sees the new values through the very objects it was timed with."""
+    for name in ("x", "x_scales", "topk_idx", "topk_weights"):
+        d, s = getattr(dst, name), getattr(src, name)
+        if (d is None) != (s is None):
+            raise ValueError(f"fill_in_place: {name} present on one side only")
+        if d is not None:
+            d.copy_(s)

@@ -91,3 +91,15 @@ def expert_of_slot(table: ExpertMajor, num_slots: int) -> torch.Tensor:
     """int64 [num_slots]: the local expert whose segment (padding included) holds each slot."""
     slots = torch.arange(num_slots, device=table.offsets.device)
     return (torch.searchsorted(table.offsets, slots, right=True) - 1).clamp_(min=0)
+
+
+def segment_sort(slot_key: torch.Tensor, table: ExpertMajor) -> torch.Tensor:
+    """The permutation that puts each segment's slots in the order of their keys: slot i of the
+    result is slot ``order[i]`` of the buffer. Keyless slots (-1: padding) go behind the keyed ones
+    of their segment; no slot changes segment."""
+    n = int(slot_key.shape[0])
+    key = slot_key.to(torch.int64)
+    key = torch.where(key < 0, torch.full_like(key, torch.iinfo(torch.int64).max), key)
+    by_key = torch.argsort(key, stable=True)
+    segment = expert_of_slot(table, n).to(key.device)
+    return by_key[torch.argsort(segment[by_key], stable=True)]

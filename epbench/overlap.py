@@ -3,14 +3,14 @@
 Why: a backend's SM count matters because the other SMs run the expert GEMMs at the same time.
 For each backend and SM count k, one run measures on every rank:
 
-1. dispatch and combine alone (the driver's own timing loop, ``driver.time_point``);
+1. dispatch and combine alone (the driver's own timing loop, ``driver.Point.time``);
 2. the GEMM alone on all SMs;
 3. the GEMM confined to the SMs left: a CUDA green context of ``total - k`` SMs (as many as the
    driver grants: its count is read back with ``cuCtxGetDevResource`` and recorded), with cuBLAS
    told its SM count (``torch._C._set_sm_carveout_experimental``: otherwise it plans persistent
    kernels for every SM and the GEMM loses far more than its SMs);
 4. both at once: the GEMM loop on the green context's stream and the communication loop (the
-   same ``time_point``) on a side stream of the primary context, launched with k blocks; both
+   same ``Point.time``) on a side stream of the primary context, launched with k blocks; both
    streams start at one event. The GEMM loop is sized to outlast the communication loop, so
    every communication call runs beside a GEMM.
 
@@ -40,8 +40,8 @@ A calibration row (backend ``copy``) does the same with a plain copy kernel of k
 (csrc/ceiling.cu's store kernel into a local buffer, the scenario's dispatch bytes), so the
 interference a communication kernel causes can be told apart from what any k-block copy causes.
 
-Checks: the communication keeps its normal verification (``driver.verify_point`` after the
-point); the GEMM's output from inside the concurrent window (its buffer poisoned before) is
+Checks: the communication keeps its normal verification (``driver.finish_point`` after the
+point: the last timed call's outputs, and a verification run of the same calls); the GEMM's output from inside the concurrent window (its buffer poisoned before) is
 compared with the GEMM's output alone, so a broken concurrent schedule cannot pass.
 
 Pitfalls avoided here: a GEMM launched on an ordinary stream while a green context is current is
@@ -655,7 +655,6 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
     from epbench import driver, launch, metrics, provenance
     from epbench.backends import load_backend
     from epbench.console import wide_console
-    from epbench.inputs import dispatch_input, make_tokens
     from epbench.results import RunWriter, new_run_dir
     from epbench.routing import route_all, traffic
 
@@ -675,8 +674,6 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
         notes.append("one rank: dispatch and combine copy within the GPU, so the interference "
                      "measured is SMs and HBM only (no link is crossed)")
     routings = route_all(s)
-    x = make_tokens(m.tokens_per_rank, m.hidden, s.routing.seed, comm.rank, driver.TIMING_SALT, comm.device)
-    inp = dispatch_input(x, routings[comm.rank], m.dispatch_dtype, comm.device)
     gemm = Gemm(opts.gemm, comm.device, m.hidden,
                 expert_tokens(routings, comm.rank, m.experts_per_rank)
                 if opts.gemm.kind == "experts" else None)
@@ -730,11 +727,11 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
             try:
                 for sms in (opts.sms if be_cls.uses_sms else (0,)):
                     point = _Point(gemm, gemm_all, parts.get(sms), total, opts)
-                    row, raw = point.measure(lambda: driver.time_point(be, inp, sms, comm,
-                                                                       opts.warmup, opts.iters))
+                    calls = driver.Point(be, s, routings, sms, comm, s.bench.input_sets[0])
+                    row, raw = point.measure(lambda: calls.time(opts.warmup, opts.iters))
                     row["gemm_wrong"] = gemm.wrong(reference)
-                    rec = driver.PointRecord(comm.rank)
-                    driver.verify_point(be, s, routings, sms, comm, salt, None, rec)
+                    rec = driver.PointRecord(comm.rank, input_sets=s.bench.input_sets[0])
+                    driver.finish_point(calls, salt, None, rec)
                     salt += 1
                     row.update(wrong=sum(rec.wrong.values()),
                                problem="; ".join(p for p in rec.problem.values() if p) or None)

@@ -84,6 +84,13 @@ def timing_label(timing: Any, chain: Any = None) -> str:
     return str(timing)
 
 
+def _input_sets(n: Any) -> str:
+    """How the timed calls' inputs were chosen: "same" (one set, repeated) or "rot N"."""
+    if n is None or pd.isna(n):
+        return "-"
+    return "same" if int(n) == 1 else f"rot {int(n)}"
+
+
 def _link_pct(r: pd.Series, wide: bool) -> str:
     return _spread(r, "nvlink_link_use_pct") if wide else _num(r.get("nvlink_link_use_pct_max"))
 
@@ -94,6 +101,7 @@ COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
     "backend": ("backend", "left", lambda r, w: str(r["backend"])),
     "sms": ("SMs", "right", lambda r, w: str(int(r["sms"])) if r["sms"] else "auto"),
     "timing": ("timing", "left", lambda r, w: timing_label(r.get("timing"), r.get("chain"))),
+    "inputs": ("inputs", "right", lambda r, w: _input_sets(r.get("input_sets"))),
     "time": ("time us", "right", lambda r, w: _num(r["time_us"])),
     "p99": ("p99 us", "right", lambda r, w: _num(r.get("time_us_p99"))),
     "algbw": ("algbw", "right", _bw("algbw_gbps")),
@@ -133,6 +141,8 @@ def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> Tuple[List[st
     nic = "busbw_nic_gbps" in df and pd.to_numeric(df["busbw_nic_gbps"], errors="coerce").notna().any()
     if columns is None and nic and "busbw" in keys:  # a run with a NIC tier: its busbw is a first column too
         keys.insert(keys.index("busbw") + 1, "nic")
+    if columns is None and "input_sets" in df and df["input_sets"].nunique() > 1:  # rotated and repeated side by side
+        keys.insert(keys.index("time") if "time" in keys else len(keys), "inputs")
     if (_swept_tokens(df) or _low_latency(df)) and "tokens" not in keys:
         keys.insert(0, "tokens")
     return keys, wide
@@ -150,6 +160,9 @@ LL_CAPTION = (" p50 / p99: percentiles of the per-iteration times, slowest rank;
               "included), 'graph xK' (in-graph: per call of K chained in one graph, as inside a "
               "decode step's graph; each sample is one replay / K, so its p99 is that of per-replay "
               "averages), or 'normal' (a normal-mode backend on the same batch)")
+INPUTS_CAPTION = (" inputs: 'rot N' = the timed calls rotated through N input sets (other values, the "
+                  "same routes on other tokens); 'same' = the same tensors and values every call (small "
+                  "inputs may then sit in L2)")
 
 
 def results_table(df: pd.DataFrame, title: str = "",
@@ -158,7 +171,8 @@ def results_table(df: pd.DataFrame, title: str = "",
     set that fits 100 terminal columns)."""
     summary = summarize(df)
     keys, wide = _chosen(df, columns)
-    caption = CAPTION + (WIDE_CAPTION if wide else "") + (LL_CAPTION if _low_latency(df) else "")
+    caption = (CAPTION + (WIDE_CAPTION if wide else "") + (LL_CAPTION if _low_latency(df) else "")
+               + (INPUTS_CAPTION if "inputs" in keys else ""))
     table = Table(title=title or None, caption=caption)
     for k in keys:
         header, just, _ = COLUMNS[k]
@@ -250,7 +264,7 @@ def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
                       ("time us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
                       ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("#wrong", "right")):
         table.add_column(col, justify=just)
-    keys = ["backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing") if k in df]
+    keys = ["backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing", "input_sets") if k in df]
     for _, g in df.groupby(keys, sort=False, dropna=False):
         slowest = g["time_us"].idxmax()
         for i, r in g.sort_values("rank").iterrows():

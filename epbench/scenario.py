@@ -48,6 +48,8 @@ MAX_ITERS = 100_000
 MAX_TIMEOUT_S = 3600.0  # the kernels turn it into nanoseconds (unsigned 64-bit)
 MAX_SMS = 1024
 MAX_LIST = 64  # SM counts, backends, tokens in one sweep
+INPUT_SETS = 4  # bench.input_sets default: input sets the timed calls rotate through
+MAX_INPUT_SETS = 16
 GRAPH_CHAIN = 8  # run / sweep --graph-chain default: low-latency calls per op chained in one graph
 MAX_GRAPH_CHAIN = 1024
 MAX_NODES_PER_JOB = 1024
@@ -134,6 +136,9 @@ class Bench:
     timeout_s: float = 10.0
     device: str = "auto"
     control_timeout_s: float = 300.0  # barriers, gathers and the bootstrap between ranks
+    # each point is timed once per entry, its timed calls rotating through that many input sets
+    # (other token values, the same routes on other tokens); 1: the same inputs every call
+    input_sets: Tuple[int, ...] = (INPUT_SETS,)
 
 
 @dataclass(frozen=True)
@@ -298,6 +303,10 @@ def _check(s: Scenario) -> None:
     need(0 < b.iters <= MAX_ITERS, "bench.iters", f"must be positive and at most {MAX_ITERS}", b.iters)
     need(all(0 < n <= MAX_SMS for n in b.sms), "bench.sms", f"must all be positive and at most {MAX_SMS}",
          list(b.sms))
+    need(len(b.input_sets) > 0 and all(0 < n <= MAX_INPUT_SETS for n in b.input_sets), "bench.input_sets",
+         f"must list positive counts of at most {MAX_INPUT_SETS}", list(b.input_sets))
+    need(len(set(b.input_sets)) == len(b.input_sets), "bench.input_sets", "must not list a count twice",
+         list(b.input_sets))
     need(0 < b.timeout_s <= MAX_TIMEOUT_S, "bench.timeout_s",
          f"must be positive and at most {MAX_TIMEOUT_S:.0f} seconds", b.timeout_s)
     need(0 < b.control_timeout_s <= MAX_CONTROL_TIMEOUT_S, "bench.control_timeout_s",

@@ -22,14 +22,14 @@ short description of the first problem.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Tuple
 
 import torch
 
 from epbench.backends.base import DispatchInput, DispatchOutput, LowLatencyOutput, ll_slots
 from epbench.inputs import dequantize, expert_factor, expert_output
-from epbench.layout import ExpertMajor, expert_of_slot, segment_offsets
+from epbench.layout import ExpertMajor, expert_of_slot, segment_offsets, segment_sort
 from epbench.mxfp8 import error_bound
 from epbench.routing import copy_weights, dest_mask
 
@@ -158,6 +158,28 @@ def _check_routing(res: CheckResult, got_idx: torch.Tensor, got_w: torch.Tensor,
             res.add(_bad_rows(got, want), f"{what}: {name} differ")
 
 
+def in_source_order(out: DispatchOutput) -> DispatchOutput:
+    """``out`` in the contract's order, from the rows' own keys (``row_key`` / ``slot_key``, see
+    DispatchOutput); a backend that delivers the contract's order sets none and comes back as is.
+    Rank-major: the rows [0, num_recv) that hold a row (key >= 0), sorted by key. Expert-major:
+    each segment's slots sorted by ``slot_key`` (padding behind), the per-row routing by
+    ``row_key``. Only the comparison sees this order; the backend's calls never make it."""
+    if out.row_key is None:
+        return out
+    n = int(out.num_recv)
+    key = out.row_key[:n].to(torch.int64)
+    held = (key >= 0).nonzero().flatten()
+    rows = held[torch.argsort(key[held], stable=True)]
+    x, scales = out.x, out.x_scales
+    if out.expert_major is None:
+        x, scales = x[rows], scales[rows] if scales is not None else None
+    elif out.slot_key is not None:
+        slots = segment_sort(out.slot_key, out.expert_major)
+        x, scales = x[slots], scales[slots] if scales is not None else None
+    return replace(out, x=x, x_scales=scales, topk_idx=out.topk_idx[rows], topk_weights=out.topk_weights[rows],
+                   num_recv=int(rows.numel()), row_key=None, slot_key=None)
+
+
 def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank: int,
                    input_of: Callable[[int], DispatchInput],
                    local_expert_ids: bool = False,
@@ -175,8 +197,10 @@ def check_dispatch(out: DispatchOutput, rank: int, world: int, experts_per_rank:
     ``source_of(s)``: source s's bf16 rows before quantization; given, every quantized row
     received is also checked to dequantize within the format's error of its source row.
     ``out.expert_major`` set: payload and scales are checked per expert segment
-    (``check_segments``); ids, weights and counts as below, one row per (source, token)."""
+    (``check_segments``); ids, weights and counts as below, one row per (source, token).
+    Rows in a backend's own order are first put in the contract's (``in_source_order``)."""
     res = CheckResult()
+    out = in_source_order(out)
     em = out.expert_major
     got_n = int(out.num_recv)
     offset = 0

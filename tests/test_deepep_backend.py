@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from epbench.backends import REGISTRY, backend_class
 from epbench.backends.base import DispatchOutput, RankSetup
-from epbench.driver import PointRecord, time_point, verify_point
+from epbench.driver import Point, PointRecord, measure_point
 from epbench.inputs import dispatch_input, make_tokens
 from epbench.launch import Comm
 from epbench.routing import route_all, route_rank
@@ -212,12 +212,8 @@ def run_point(s, comm: Comm, sms: int = 4, inject: Optional[str] = None) -> Poin
 
     be = DeepEPBackend(setup_of(s, comm.rank), max_sms=8)
     try:
-        routings = route_all(s)
-        x = make_tokens(s.model.tokens_per_rank, s.model.hidden, s.routing.seed, comm.rank, 0, CPU)
-        inp = dispatch_input(x, routings[comm.rank], s.model.dispatch_dtype, CPU)
         rec = PointRecord(comm.rank)
-        rec.samples_us = time_point(be, inp, sms, comm, warmup=1, iters=2)
-        verify_point(be, s, routings, sms, comm, salt=7, inject_fault=inject, rec=rec)
+        measure_point(Point(be, s, route_all(s), sms, comm, input_sets=2), 1, 2, 7, inject, rec)
         return rec
     finally:
         be.close()

@@ -1,16 +1,21 @@
-"""deepep-v2 against a fake ``deep_ep.ElasticBuffer`` at world 1 (one process, no group needed):
-the fake follows V2's documented semantics (deep_ep/buffers/elastic.py, tests/elastic/test_ep.py):
-received rows in an order of its own (here reversed) with ``recv_src_metadata[:, 0]`` = source
-rank * num_max_tokens_per_rank + token, local expert ids, per-expert counts (padded to
-``expert_alignment``) as a host list, and a combine that sums copies without weights. With
-``do_expand`` (expert_major) the fake builds V2's expanding layout as dispatch_copy_epilogue.cuh does:
-a slot per (token, local expert) from one counter per expert starting at the expert's padded offset,
-so rows land in arrival order (here the reversed one); the slots in ``recv_src_metadata[:, 2:]``, one
-weight per slot, ``psum_num_recv_tokens_per_expert`` = start + rows, the unpadded rows in
-``num_unaligned_recv_tokens_per_expert``, padding left as garbage (NaN bytes); its combine sums each
-token's slots. Also the launch pre-checks."""
+"""deepep-v2 against a fake ``deep_ep.ElasticBuffer`` at worlds 1-4 (ranks are threads of one
+process, as in tests/test_symm_mem_backend.py): the fake follows V2's documented semantics
+(deep_ep/buffers/elastic.py, tests/elastic/test_ep.py): each rank receives the tokens of every
+source that picked one of its experts, in an order of its own (here the reverse of (source,
+token)) with ``recv_src_metadata[:, 0]`` = source rank * num_max_tokens_per_rank + token, local
+expert ids (-1 and weight 0 for other ranks' experts), per-expert counts (padded to
+``expert_alignment``) as a host list, and a combine that sums a token's copies without weights.
+With ``do_expand`` (expert_major) the fake builds V2's expanding layout as
+dispatch_copy_epilogue.cuh does: a slot per (received token, local expert) from one counter per
+expert starting at the expert's padded offset, so rows land in arrival order; the slots in
+``recv_src_metadata[:, 2:]`` (-1 where the expert is elsewhere), one weight per slot,
+``psum_num_recv_tokens_per_expert`` = start + rows, the unpadded rows in
+``num_unaligned_recv_tokens_per_expert``, padding left as garbage (NaN bytes); its combine sums
+each token's slots. Every output is a fresh NaN-filled buffer, so nothing stale can pass. Also the
+launch pre-checks."""
 
 import types
+from typing import Any, List, Optional
 
 import pytest
 
@@ -19,41 +24,56 @@ import torch
 from epbench.backends import REGISTRY
 from epbench.backends import deepep_v2
 from epbench.backends.base import DispatchInput, RankSetup
+from epbench.driver import Point, PointRecord, measure_point
 from epbench.inputs import expert_output, quantize
-from epbench.layout import ExpertMajor
+from epbench.layout import ExpertMajor, segment_sort
+from epbench.routing import route_all
+from epbench.scenario import parse
 from epbench.verify import check_combine, check_dispatch, check_ll_combine, em_expert_output
+from support import scenario_dict
+from test_symm_mem_backend import FakeWorld, ThreadComm, run_ranks
 
 
 class FakeHandle:
     pass
 
 
+class FakeGroup:
+    """What the fake buffer gets instead of a process group: the threads' shared world."""
+
+    def __init__(self, state: Optional[FakeWorld], rank: int) -> None:
+        self.state, self.rank = state, rank
+
+
 def garbage(rows, like):
-    """NaN bytes of ``like``'s dtype and row shape: what V2 leaves in padding it does not zero."""
+    """NaN bytes of ``like``'s dtype and row shape: what V2 leaves in buffers it does not write."""
     shape = (rows,) + tuple(like.shape[1:])
     n = torch.Size(shape).numel() * like.element_size()
     return torch.full((n,), 0xFF, dtype=torch.uint8).view(like.dtype).view(shape)
 
 
-def expand(h, x, sf, topk_idx, topk_weights, num_experts, align, perm):
-    """V2's expanding layout at world 1 (every expert local): received row r is token perm[r]."""
-    t, k = topk_idx.shape
-    counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+def expand(h, rows, x, sf, local_idx, weights, experts, align):
+    """V2's expanding layout: received row r (source row ``rows[r]``) gets a slot per local expert
+    of its top-k, from one counter per expert starting at the expert's padded offset."""
+    k = local_idx.shape[1]
+    counts = torch.bincount(local_idx[local_idx >= 0].flatten(), minlength=experts)
     padded = (counts + align - 1) // align * align
-    nxt = torch.cumsum(padded, 0) - padded  # the per-expert counters, from each segment's start
+    nxt = torch.cumsum(padded, 0) - padded
     total = int(padded.sum())
-    slots = torch.full((t, k), -1, dtype=torch.int32)
-    rx, rw = garbage(total, x), garbage(total, topk_weights[:, :1]).flatten()
+    slots = torch.full((len(rows), k), -1, dtype=torch.int32)
+    rx, rw = garbage(total, x), garbage(total, weights[:, :1]).flatten()
     rsf = garbage(total, sf) if sf is not None else None
-    for r, tok in enumerate(perm.tolist()):
+    for r in range(len(rows)):
         for j in range(k):
-            e = int(topk_idx[tok, j])
+            e = int(local_idx[r, j])
+            if e < 0:
+                continue
             slot = int(nxt[e])
             nxt[e] += 1
             slots[r, j] = slot
-            rx[slot], rw[slot] = x[tok], topk_weights[tok, j]
+            rx[slot], rw[slot] = x[r], weights[r, j]
             if sf is not None:
-                rsf[slot] = sf[tok]
+                rsf[slot] = sf[r]
     h.recv_src_metadata[:, 2:] = slots
     h.psum_num_recv_tokens_per_expert = nxt.to(torch.int32)  # after the counters: start + rows
     h.num_unaligned_recv_tokens_per_expert = counts.to(torch.int32)
@@ -73,6 +93,15 @@ class FakeElasticBuffer:
                  num_allocated_qps=0, num_cpu_timeout_secs=300, num_gpu_timeout_secs=100,
                  explicitly_destroy=False):
         self.tmax, self.explicitly_destroy = num_max_tokens_per_rank, explicitly_destroy
+        fake = group if isinstance(group, FakeGroup) else FakeGroup(None, 0)
+        self.state, self.rank = fake.state, fake.rank
+        self.world = fake.state.world if fake.state is not None else 1
+
+    def _collective(self, args: Any, compute) -> None:
+        if self.state is None:
+            compute([args])
+        else:
+            self.state.collective(self.rank, args, compute)
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None,
                  num_experts=None, num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0,
@@ -88,35 +117,59 @@ class FakeElasticBuffer:
         assert topk_idx.dtype == FAKE_TOPK_IDX_T and topk_weights.dtype == torch.float32
         if sf is not None:
             assert sf.element_size() == 4 and sf.shape[0] == t  # FP32 or packed UE8M0 x 4
-        perm = torch.arange(t - 1, -1, -1)  # V2 promises no order
+        e = num_experts // self.world
+        got: List[Any] = []
+
+        def compute(posted):  # this rank's rows: every source's tokens that picked one of its experts
+            rows = [(src, tok) for src, (_, _, idx, _) in enumerate(posted)
+                    for tok in range(idx.shape[0]) if bool((idx[tok] // e == self.rank).any())]
+            rows.reverse()  # V2 promises no order
+            got.extend([rows, [p[0] for p in posted], [p[1] for p in posted], [p[2] for p in posted],
+                        [p[3] for p in posted]])
+
+        self._collective((x, sf, topk_idx, topk_weights), compute)
+        rows, xs, sfs, idxs, ws = got
+        n = len(rows)
+        pick = lambda ts: torch.stack([ts[s_][t_] for s_, t_ in rows]) if rows else ts[0][:0]  # noqa: E731
+        rx, ridx, rw = pick(xs), pick(idxs), pick(ws)
+        rsf = pick(sfs) if sf is not None else None
+        mine = ridx // e == self.rank
+        local = torch.where(mine, ridx - self.rank * e, torch.full_like(ridx, -1))
+        rw = torch.where(mine, rw, torch.zeros_like(rw))
         h = FakeHandle()
-        h.num_recv_tokens = t
-        key = perm.to(torch.int32)  # rank 0: source rank * num_max_tokens_per_rank + token
-        h.recv_src_metadata = torch.cat([key[:, None], key[:, None], topk_idx[perm].to(torch.int32)], dim=1)
-        counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+        h.num_recv_tokens = n
+        key = torch.tensor([s_ * self.tmax + t_ for s_, t_ in rows], dtype=torch.int32)
+        h.recv_src_metadata = torch.cat([key[:, None], key[:, None], local.to(torch.int32)], dim=1)
+        counts = torch.bincount(local[local >= 0].flatten(), minlength=e)
         h.num_recv_tokens_per_expert_list = ((counts + expert_alignment - 1) // expert_alignment
                                              * expert_alignment).tolist()
-        h.perm, h.do_expand = perm, do_expand
+        h.rows, h.do_expand, h.tokens = rows, do_expand, t
         if do_expand:
-            recv_x, recv_idx, recv_w = expand(h, x, sf, topk_idx, topk_weights, num_experts,
-                                              expert_alignment, perm)
+            recv_x, recv_idx, recv_w = expand(h, rows, rx, rsf, local, rw, e, expert_alignment)
             return recv_x, recv_idx, recv_w, h, None
-        recv_x = (x[perm], sf[perm]) if sf is not None else x[perm]
-        return recv_x, topk_idx[perm], topk_weights[perm], h, None
+        out_x = garbage(n, x)
+        out_x.copy_(rx)
+        return ((out_x, rsf) if sf is not None else out_x), local, rw, h, None
 
     def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0,
                 previous_event=None, previous_event_before_epilogue=None,
                 async_with_compute_stream=False, allocate_on_comm_stream=False):
         assert x.dtype == torch.bfloat16 and x.is_contiguous()
-        if handle.do_expand:  # each token's slots summed, no weights applied
+        if handle.do_expand:  # each received token's slots summed first, no weights applied
             slots = handle.recv_src_metadata[:, 2:].to(torch.int64)
-            out = torch.zeros(handle.perm.numel(), x.shape[1], dtype=torch.float32)
-            for r, tok in enumerate(handle.perm.tolist()):
-                for slot in slots[r][slots[r] >= 0].tolist():
-                    out[tok] += x[slot].float()
-            return out.to(torch.bfloat16), None, None
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        out[handle.perm] = x.float()  # the copies summed, no weights applied
+            per_row = torch.stack([x[sl[sl >= 0]].float().sum(dim=0) for sl in slots]) if len(slots) else \
+                torch.zeros(0, x.shape[1])
+        else:
+            per_row = x[: len(handle.rows)].float()
+        out = torch.zeros(handle.tokens, x.shape[1], dtype=torch.float32)
+
+        def compute(posted):  # the copies of each of this rank's tokens, summed, no weights applied
+            for rows, y in posted:
+                for r, (src, tok) in enumerate(rows):
+                    if src == self.rank:
+                        out[tok] += y[r]
+
+        self._collective((handle.rows, per_row), compute)
         return out.to(torch.bfloat16), None, None
 
     def destroy(self):
@@ -148,27 +201,31 @@ def test_registered():
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8", "mxfp8"])
-def test_verified_call_is_reordered_and_passes_the_checks(monkeypatch, dtype):
+def test_every_call_passes_the_checks_in_v2_order(monkeypatch, dtype):
+    """No poison, no switch: the call returns V2's own (reversed) order with each row's key, and
+    the verification sorts by the key; the same call poisoned first gives the same."""
     be, inp = make_backend(monkeypatch, dtype=dtype)
-    be.poison()  # the driver poisons before the verified call
-    out = be.dispatch(inp, 8)
-    if dtype == "mxfp8":  # the packs come back as epbench's one byte per 32 values
-        assert out.x_scales.dtype == torch.uint8 and out.x_scales.shape == inp.x_scales.shape
-    assert check_dispatch(out, 0, 1, 4, lambda s: inp, local_expert_ids=True).wrong == 0
-    be.combine_input(out).copy_(expert_output(out.x[: out.num_recv], out.x_scales, 0))
-    assert check_combine(be.combine(out, 8), inp, 1, 4).wrong == 0
+    for poisoned in (False, True):
+        if poisoned:
+            be.poison()
+        out = be.dispatch(inp, 8)
+        assert torch.equal(out.x[0].view(torch.uint8), inp.x[-1].view(torch.uint8))  # V2's order kept
+        if dtype == "mxfp8":  # the packs come back as epbench's one byte per 32 values
+            assert out.x_scales.dtype == torch.uint8 and out.x_scales.shape == inp.x_scales.shape
+        assert check_dispatch(out, 0, 1, 4, lambda s: inp, local_expert_ids=True).wrong == 0
+        be.combine_input(out).copy_(expert_output(out.x[: out.num_recv], out.x_scales, 0))
+        assert check_combine(be.combine(out, 8), inp, 1, 4).wrong == 0
     before = FakeElasticBuffer.destroyed
     be.close()
     assert FakeElasticBuffer.destroyed == before + 1
 
 
-def test_timed_calls_keep_v2_order_and_still_combine_right(monkeypatch):
+def test_without_the_keys_the_rows_are_out_of_order(monkeypatch):
+    from dataclasses import replace
+
     be, inp = make_backend(monkeypatch)
-    out = be.dispatch(inp, 8)  # no poison: V2's own (reversed) order
-    assert torch.equal(out.x[0], inp.x[-1])
-    assert check_dispatch(out, 0, 1, 4, lambda s: inp, local_expert_ids=True).wrong > 0
-    be.combine_input(out).copy_(expert_output(out.x[: out.num_recv], None, 0))
-    assert check_combine(be.combine(out, 8), inp, 1, 4).wrong == 0
+    out = be.dispatch(inp, 8)
+    assert check_dispatch(replace(out, row_key=None), 0, 1, 4, lambda s: inp, local_expert_ids=True).wrong > 0
 
 
 def test_limits():
@@ -180,10 +237,6 @@ def test_limits():
     assert "hidden % 128" in deepep_v2.limits_reason(2, 7072, "mxfp8", "2.11.0", (2, 31, 0))
     shared = deepep_v2.limits_reason(2, 7168, "bf16", "2.11.0", (2, 32, 3), ranks_per_gpu=2)
     assert shared.startswith("needs 2 GPUs, one per rank") and "\n" not in shared
-
-
-def test_order_key():
-    assert deepep_v2.sort_key_order(torch.tensor([7, 0, 3])).tolist() == [1, 2, 0]
 
 
 # expert 2 gets no token (an empty segment takes no slot); expert 0 gets four (two segments' worth at align 2)
@@ -203,50 +256,89 @@ def em_combine(be, out):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8", "mxfp8"])
 @pytest.mark.parametrize("align", [1, 2, 4])
-def test_expert_major_verified_call_passes_the_checks(monkeypatch, dtype, align):
+def test_expert_major_call_passes_the_checks(monkeypatch, dtype, align):
     be, inp = em_backend(monkeypatch, dtype, align)
-    be.poison()
-    out = be.dispatch(inp, 8)
+    out = be.dispatch(inp, 8)  # no poison: V2's arrival order within segments, keys beside
     table = out.expert_major
     assert table.counts.tolist() == [4, 2, 0, 3, 3]
     assert table.offsets.tolist() == [0, 4, 4 + -(-2 // align) * align, 4 + -(-2 // align) * align,
                                       4 + -(-2 // align) * align + -(-3 // align) * align]
     assert int(table.num_slots) == out.x.shape[0]
+    assert torch.equal(out.x[0].view(torch.uint8), inp.x[3].view(torch.uint8))  # expert 0's last token arrived first
+    assert out.topk_weights.shape == inp.topk_weights.shape  # the routing spelled out per row
     assert check_dispatch(out, 0, 1, 5, lambda s: inp, local_expert_ids=True).wrong == 0
     assert check_ll_combine(em_combine(be, out), inp).wrong == 0
 
 
-def test_expert_major_timed_call_keeps_v2_order_and_still_combines_right(monkeypatch):
-    be, inp = em_backend(monkeypatch)
-    out = be.dispatch(inp, 8)  # no poison: V2's arrival order within segments, V2's per-slot form
-    assert torch.equal(out.x[0], inp.x[3])  # expert 0's last token arrived first
-    assert out.topk_weights.dim() == 1  # one weight per slot, as V2 returns it
-    assert check_dispatch(out, 0, 1, 5, lambda s: inp, local_expert_ids=True).wrong > 0
-    assert check_ll_combine(em_combine(be, out), inp).wrong == 0
-
-
 def test_expert_major_misplaced_row_is_caught(monkeypatch):
-    """The relabelling follows V2's slots: a row V2 put in the wrong segment stays wrong."""
+    """The keys follow V2's slots: a row V2 put in the wrong segment stays wrong."""
     be, inp = em_backend(monkeypatch)
     real = FakeElasticBuffer.dispatch
 
     def swapped(self, x, **kw):
         recv_x, idx, w, h, ev = real(self, x, **kw)
         s = h.recv_src_metadata[:, 2:]
-        a, b = s[0, 0].item(), s[0, 1].item()  # one token's two slots, two segments: swap the names
-        s[0, 0], s[0, 1] = b, a
+        r = int((s >= 0).sum(dim=1).argmax())  # a token with two slots, two segments: swap the names
+        a, b = [int(v) for v in s[r][s[r] >= 0][:2]]
+        cols = (s[r] >= 0).nonzero().flatten()[:2]
+        s[r, cols[0]], s[r, cols[1]] = b, a
         return recv_x, idx, w, h, ev
 
     monkeypatch.setattr(FakeElasticBuffer, "dispatch", swapped)
-    be.poison()
     out = be.dispatch(inp, 8)
     assert check_dispatch(out, 0, 1, 5, lambda s: inp, local_expert_ids=True).wrong > 0
 
 
-def test_segment_order_sorts_within_segments_only():
+def test_slot_keys_and_segment_sort():
     table = ExpertMajor(torch.tensor([2, 1]), torch.tensor([0, 4]), 8, 4)
-    slots = torch.tensor([[1, 4], [0, -1]])  # row 0 (key 9): slots 1 and 4; row 1 (key 3): slot 0
-    order = deepep_v2.segment_order(slots, torch.tensor([9, 3]), table, 8)
-    assert order.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # already sorted: nothing moves
-    order = deepep_v2.segment_order(slots, torch.tensor([3, 9]), table, 8)
-    assert order.tolist() == [1, 0, 2, 3, 4, 5, 6, 7]  # segment 0 swapped, padding and segment 1 stay
+    slots = torch.tensor([[1, 4], [0, -1]])  # row 0: slots 1 and 4; row 1: slot 0
+    key = deepep_v2.slot_keys(slots, torch.tensor([9, 3]), 8)
+    assert key.tolist() == [3, 9, -1, -1, 9, -1, -1, -1]
+    assert segment_sort(key, table).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # already sorted: nothing moves
+    key = deepep_v2.slot_keys(slots, torch.tensor([3, 9]), 8)
+    assert segment_sort(key, table).tolist() == [1, 0, 2, 3, 4, 5, 6, 7]  # segment 0 swapped, padding and segment 1 stay
+
+
+# -- worlds 2-4 through the driver's own point: timed calls, their check, the verification run --
+
+def v2_scenario(world: int, dtype: str = "bf16", layout: str = "rank_major", align: int = 1):
+    model = {"hidden": 256, "tokens_per_rank": 12, "topk": 4, "experts_per_rank": 3, "dispatch_dtype": dtype}
+    if layout != "rank_major":
+        model.update(layout=layout, align=align)
+    return parse(scenario_dict(model=model, topology={"name": "fake", "nodes": 1, "gpus_per_node": world},
+                               bench={"backends": ["deepep-v2"], "sms": [4]}), "<test>")
+
+
+def run_v2_points(monkeypatch, s, inject: Optional[str] = None) -> List[PointRecord]:
+    fake = types.SimpleNamespace(ElasticBuffer=FakeElasticBuffer, topk_idx_t=FAKE_TOPK_IDX_T)
+    monkeypatch.setattr(deepep_v2, "_import_deep_ep", lambda: fake)
+    routings = route_all(s)
+
+    def fn(rank: int, symm) -> PointRecord:
+        state = symm.world_state
+        m = s.model
+        setup = RankSetup(rank=rank, world=s.world, gpus_per_node=s.world, device=torch.device("cpu"),
+                          hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank, topk=m.topk,
+                          experts_per_rank=m.experts_per_rank, dispatch_dtype=m.dispatch_dtype,
+                          layout=m.layout, align=m.align)
+        be = deepep_v2.DeepEPV2Backend(setup, group=FakeGroup(state, rank))
+        rec = PointRecord(rank)
+        measure_point(Point(be, s, routings, 4, ThreadComm(rank, s.world, state.barrier), input_sets=2),
+                      1, 2, 3, inject, rec)
+        be.close()
+        return rec
+
+    return run_ranks(s.world, fn)
+
+
+@pytest.mark.parametrize("world, dtype, layout, align", [(2, "bf16", "rank_major", 1), (3, "fp8", "rank_major", 1),
+                                                         (4, "mxfp8", "rank_major", 1), (2, "bf16", "expert_major", 16),
+                                                         (4, "fp8", "expert_major", 1)])
+def test_worlds_2_to_4_verify_clean(monkeypatch, world, dtype, layout, align):
+    for rec in run_v2_points(monkeypatch, v2_scenario(world, dtype, layout, align)):
+        assert rec.wrong == {"dispatch": 0, "combine": 0}, rec.problem
+
+
+def test_worlds_above_1_catch_an_injected_fault(monkeypatch):
+    recs = run_v2_points(monkeypatch, v2_scenario(3), inject="dispatch")
+    assert all(r.wrong["dispatch"] == 1 and "verification run" in r.problem["dispatch"] for r in recs)

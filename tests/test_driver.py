@@ -101,19 +101,33 @@ def test_epbench_ll_chains_at_world_1_only():
 def test_a_chain_sample_is_one_replay_over_k(monkeypatch):
     from types import SimpleNamespace
 
+    import torch
+
     from epbench import driver
 
-    seen = {}
+    seen = []
 
-    def fake_pair(comm, warmup, iters, dispatch, fill, combine, gated=False):
-        seen["gated"] = gated
-        return {"dispatch": [8.0, 16.0], "combine": [4.0]}
+    class FakeTimer:
+        def __init__(self, device, n):
+            self.n = n
 
-    monkeypatch.setattr(driver, "_time_pair", fake_pair)
-    comm = SimpleNamespace(rank=0)
-    chain = driver.LowLatencyCalls(lambda: None, lambda out: None, lambda new: None, gated=True, per_replay=4)
-    assert driver.time_ll_point(SimpleNamespace(), chain, comm, 0, 2) == {"dispatch": [2.0, 4.0], "combine": [1.0]}
-    assert seen["gated"] is True
-    one = driver.LowLatencyCalls(lambda: None, lambda out: None, lambda new: None)
-    assert driver.time_ll_point(SimpleNamespace(), one, comm, 0, 2)["dispatch"] == [8.0, 16.0]
-    assert driver.ll_calls(SimpleNamespace(), None, 8, "launch", 4).per_replay == 1
+        def time(self, i, fn, align=None, gated=False):
+            seen.append(gated)
+            return fn()
+
+        def samples_us(self, skip):
+            return [8.0, 16.0][: self.n - skip]
+
+    monkeypatch.setattr(driver, "Timer", FakeTimer)
+    comm = SimpleNamespace(rank=0, device=torch.device("cpu"), sync=lambda: None)
+    loaded = []
+
+    def calls(per_replay, gated):
+        return driver.PointCalls(lambda: torch.zeros(1), lambda out: torch.ones(1), loaded.append, lambda out: None,
+                                 gated=gated, per_replay=per_replay)
+
+    samples, last = driver._time_pair(comm, 0, 2, calls(4, True), ["set0", "set1"])
+    assert samples == {"dispatch": [2.0, 4.0], "combine": [2.0, 4.0]} and all(seen)
+    assert loaded == ["set0", "set1"] and last.draw_index == 1 and float(last.got) == 1.0
+    samples, _ = driver._time_pair(comm, 0, 2, calls(1, False), ["set0"])
+    assert samples["dispatch"] == [8.0, 16.0] and not seen[-1]

@@ -16,12 +16,11 @@ import torch
 
 from epbench.backends import REGISTRY, backend_class
 from epbench.backends.flashinfer_a2a import FlashInferBackend, limits_reason, payload_bytes
-from epbench.driver import PointRecord, time_point, verify_point
-from epbench.inputs import dispatch_input, make_tokens
+from epbench.driver import Point, PointRecord, measure_point
 from epbench.routing import route_all
 from epbench.scenario import parse
 from support import scenario_dict
-from test_symm_mem_backend import CPU, FakeWorld, ThreadComm
+from test_symm_mem_backend import FakeWorld, ThreadComm
 from test_symm_mem_backend import run_ranks as symm_run_ranks, setup_of
 
 GARBAGE = 77  # what the fake leaves in padding slots (the backend must not deliver them)
@@ -122,11 +121,8 @@ def run_points(s, inject: Optional[str] = None, corrupt: Optional[str] = None) -
         calls: List[str] = []
         comm = ThreadComm(rank, s.world, state.barrier)
         be = FlashInferBackend(setup_of(s, rank), library=fake_library(state, calls, corrupt), group=object())
-        x = make_tokens(routings[rank].num_tokens, s.model.hidden, s.routing.seed, rank, 0, CPU)
-        inp = dispatch_input(x, routings[rank], s.model.dispatch_dtype, CPU)
         rec = PointRecord(rank)
-        rec.samples_us = time_point(be, inp, 0, comm, warmup=1, iters=2)
-        verify_point(be, s, routings, 0, comm, salt=3, inject_fault=inject, rec=rec)
+        measure_point(Point(be, s, routings, 0, comm, input_sets=2), 1, 2, 3, inject, rec)
         be.close()
         rec.calls = calls
         return rec
@@ -154,12 +150,46 @@ def test_a_wrong_weight_from_the_library_is_caught():
     assert r0.wrong["dispatch"] >= 1 and "weights differ" in r0.problem["dispatch"]
 
 
-def test_without_the_sort_the_shuffled_rows_would_fail(monkeypatch):
-    """The fake really shuffles: skipping the relabelling must be seen by the verification."""
-    monkeypatch.setattr(FlashInferBackend, "_ordered_slots",
-                        lambda self, ids, token: (ids[:, 0] != -1).nonzero().flatten())
+def test_without_the_keys_the_shuffled_rows_would_fail(monkeypatch):
+    """The fake really shuffles: rows compared in the library's own order (keys that only drop the
+    padding) must be seen by the verification."""
+    from dataclasses import replace
+
+    plain = FlashInferBackend.dispatch
+
+    def library_order(self, inp, num_sms):
+        out = plain(self, inp, num_sms)
+        slot = torch.arange(out.row_key.shape[0])
+        return replace(out, row_key=torch.where(out.row_key >= 0, slot, torch.full_like(slot, -1)))
+
+    monkeypatch.setattr(FlashInferBackend, "dispatch", library_order)
     recs = run_points(scenario(2, tokens=24))
     assert any(r.wrong["dispatch"] > 0 for r in recs)
+
+
+def test_every_call_returns_keys_and_counts_without_poison():
+    """The timed path is the verified path: two plain calls in a row, never poisoned, each check
+    clean (counts included), and the calls leave no switch behind."""
+    from epbench.verify import check_dispatch
+    from epbench.driver import Draw, Inputs
+
+    s = scenario(3, "fp8", 512)
+    routings = route_all(s)
+
+    def fn(rank: int, state: FakeWorld):
+        be = FlashInferBackend(setup_of(s, rank), library=fake_library(state, []), group=object())
+        inputs = Inputs(s, routings, torch.device("cpu"))
+        wrong = []
+        for salt in (5, 6):
+            out = be.dispatch(be.prepare_input(inputs.caller(rank, Draw(salt))), 0)
+            assert out.row_key is not None and int(out.expert_counts.sum()) > 0
+            wrong.append(check_dispatch(out, rank, s.world, s.model.experts_per_rank,
+                                        lambda r: inputs.wire(r, Draw(salt)),
+                                        source_of=lambda r: inputs.source(r, Draw(salt))).wrong)
+        be.close()
+        return wrong
+
+    assert symm_run_ranks(s.world, lambda rank, symm: fn(rank, symm.world_state)) == [[0, 0]] * 3
 
 
 def test_registered_limits_and_sizes():

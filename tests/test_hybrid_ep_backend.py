@@ -17,7 +17,7 @@ import torch
 from epbench import verify
 from epbench.backends import REGISTRY
 from epbench.backends.hybrid_ep import HybridEPBackend, limits_reason
-from epbench.driver import PointRecord, time_point, verify_point
+from epbench.driver import Point, PointRecord, measure_point
 from epbench.inputs import dispatch_input, make_tokens
 from epbench.routing import route_all
 from epbench.scenario import parse
@@ -219,11 +219,8 @@ def run_points(s, inject: Optional[str] = None) -> List[PointRecord]:
         comm = ThreadComm(rank, s.world, state.barrier)
         be = HybridEPBackend(setup_of(s, rank), buffer_class=fake_buffer_class(state, calls),
                              group=FakeGroup(rank, s.world))
-        x = make_tokens(routings[rank].num_tokens, s.model.hidden, s.routing.seed, rank, 0, CPU)
-        inp = dispatch_input(x, routings[rank], s.model.dispatch_dtype, CPU)
         rec = PointRecord(rank)
-        rec.samples_us = time_point(be, inp, 0, comm, warmup=1, iters=2)
-        verify_point(be, s, routings, 0, comm, salt=3, inject_fault=inject, rec=rec)
+        measure_point(Point(be, s, routings, 0, comm, input_sets=2), 1, 2, 3, inject, rec)
         rec.config = be.effective_config()
         be.close()
         rec.calls = calls

@@ -250,3 +250,41 @@ def test_low_latency_rows_and_samples_carry_the_chain_length():
     summary = summarize(pd.DataFrame(rows + graph))
     assert sorted(zip(summary["timing"], summary["chain"])) == [("chain", 8)] * 2 + [("graph", 1)] * 2
     assert "chain" not in _point(None)[0]
+
+
+def test_printed_bandwidths_equal_hand_counted_bytes_over_the_median_time():
+    """Rows built from a routing written out by hand; every expected byte is counted here, not by
+    the functions under test. World 2, experts 0-1 on rank 0 and 2-3 on rank 1, bf16 rows of
+    hidden 64 = 128 bytes.
+    rank 0: t0 -> {0, 1} (rank 0), t1 -> {0, 2} (ranks 0, 1), t2 -> {2, 3} (rank 1)
+    rank 1: t0 -> {0, 3} (ranks 0, 1), t1 -> {1, 0} (rank 0), t2 -> {0, 2} (ranks 0, 1)
+    dispatch, bytes leaving over NVLink: rank 0 sends t1, t2 = 2 rows = 256; rank 1 sends t0, t1,
+    t2 = 3 rows = 384. Combine sends the received rows back: rank 0 returns rank 1's 3 rows (384),
+    rank 1 returns rank 0's 2 (256). Rows each rank handles (algbw): rank 0 gets its t0, t1 and
+    rank 1's three = 5 rows = 640; rank 1 gets rank 0's t1, t2 and its own t0, t2 = 4 rows = 512."""
+    from epbench.routing import RankRouting
+
+    s = parse(scenario_dict(model={"hidden": 64, "tokens_per_rank": 3, "topk": 2, "experts_per_rank": 2},
+                            topology={"name": "two", "nodes": 1, "gpus_per_node": 2}))
+    w = torch.full((3, 2), 0.5)
+    routings = [RankRouting(torch.tensor([[0, 1], [0, 2], [2, 3]]), w),
+                RankRouting(torch.tensor([[0, 3], [1, 0], [0, 2]]), w)]
+    samples = [{"dispatch": [10.0, 40.0, 20.0], "combine": [8.0, 8.0, 8.0]},    # medians 20, 8 us
+               {"dispatch": [60.0, 60.0, 10.0], "combine": [16.0, 4.0, 16.0]}]  # medians 60, 16 us
+    recs = [metrics.PointRecord(r, samples_us=samples[r], wrong={"dispatch": 0, "combine": 0},
+                                problem={"dispatch": "", "combine": ""}) for r in range(2)]
+
+    class Named:
+        name = "hand"
+
+    rows, _ = metrics.point_rows(s, Named, 8, recs, traffic(routings, 2, 2, False), "cuda")
+    got = {(r["op"], r["rank"]): r for r in rows}
+    want = {("dispatch", 0): (20.0, 640, 256), ("dispatch", 1): (60.0, 512, 384),
+            ("combine", 0): (8.0, 640, 384), ("combine", 1): (16.0, 512, 256)}
+    for key, (t_us, algo, nvlink) in want.items():
+        r = got[key]
+        assert r["time_us"] == t_us and r["algo_bytes"] == algo and r["nvlink_bytes"] == nvlink
+        assert math.isclose(r["busbw_nvlink_gbps"], nvlink / (t_us * 1e-6) / 1e9), key
+        assert math.isclose(r["algbw_gbps"], algo / (t_us * 1e-6) / 1e9), key
+    assert math.isclose(got[("dispatch", 0)]["busbw_nvlink_gbps"], 0.0128)  # 256 B in 20 us
+    assert math.isclose(got[("combine", 0)]["busbw_nvlink_gbps"], 0.048)  # 384 B in 8 us

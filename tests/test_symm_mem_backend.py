@@ -18,7 +18,7 @@ import torch
 from epbench.backends import REGISTRY
 from epbench.backends.base import RankSetup
 from epbench.backends.symm_mem import SymmMemBackend, limits_reason, row_unit
-from epbench.driver import PointRecord, time_point, verify_point
+from epbench.driver import Point, PointRecord, measure_point
 from epbench.inputs import dispatch_input, make_tokens
 from epbench.launch import Comm
 from epbench.routing import route_all
@@ -226,11 +226,8 @@ def run_points(s, inject: str = None) -> List[PointRecord]:
     def fn(rank: int, m: FakeSymm) -> PointRecord:
         comm = ThreadComm(rank, s.world, m.world_state.barrier)
         be = SymmMemBackend(setup_of(s, rank), symm=m)
-        x = make_tokens(routings[rank].num_tokens, s.model.hidden, s.routing.seed, rank, 0, CPU)
-        inp = dispatch_input(x, routings[rank], s.model.dispatch_dtype, CPU)
         rec = PointRecord(rank)
-        rec.samples_us = time_point(be, inp, 4, comm, warmup=1, iters=2)
-        verify_point(be, s, routings, 4, comm, salt=3, inject_fault=inject, rec=rec)
+        measure_point(Point(be, s, routings, 4, comm, input_sets=2), 1, 2, 3, inject, rec)
         be.close()
         rec.calls = m.calls
         return rec

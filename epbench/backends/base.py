@@ -127,6 +127,14 @@ class DispatchOutput:
     # layout expert_major: x / x_scales hold the segments of this epbench.layout.ExpertMajor
     # table (topk_idx / topk_weights stay one row per (source, token) received, as above)
     expert_major: Any = None
+    # A backend whose library delivers rows in an order of its own says where each came from,
+    # and verify.in_source_order puts them in the contract's order for comparison (every call
+    # returns the same form: the timed calls are the verified ones). row_key [num_recv] int64:
+    # ``source rank * K + source token`` for any K above every token index, -1 for a slot that
+    # holds no row (padding, which is then left out). expert_major: slot_key [slots] int64, the
+    # key of the row each slot holds (-1: padding); each segment is compared sorted by it.
+    row_key: Optional[torch.Tensor] = None
+    slot_key: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -175,6 +183,9 @@ class Backend(ABC):
     # Hybrid-EP's layout. Verification then compares, per row, the set of local experts and their
     # weights (order-free), still bit-exact.
     routing_as_map: ClassVar[bool] = False
+    # True: the backend keeps a layout made from the routing across calls (a cached handle), so
+    # the driver's rotating input sets keep the routing and change only the token values.
+    reuses_layout: ClassVar[bool] = False
     modes: ClassVar[Tuple[str, ...]] = ("normal",)  # scenario modes this backend implements
     # True: the low-latency calls allocate nothing, never wait on the host and keep their
     # per-call state (epochs) on the device, so a captured CUDA graph of them can be replayed.
@@ -242,7 +253,8 @@ class Backend(ABC):
         raise NotImplementedError(f"{self.name}: no low_latency mode")
 
     def poison(self) -> None:
-        """Fill every output buffer the backend owns with garbage (NaN / 0xFF)."""
+        """Fill every output buffer the backend owns with garbage (NaN / 0xFF). Nothing else: the
+        call after it must be the same call the timed loop makes (no switch to another path)."""
 
     def close(self) -> None:
         """Release buffers and peer mappings."""

@@ -19,15 +19,14 @@ NCCL Gin (``num_ranks > 1`` only) and its kernels copy within the GPU; above 1 r
 Gin is available (``EP_DISABLE_GIN=1`` lifts that where every peer is on NVLink).
 
 Row order: V2 does not promise epbench's (source rank, source token) order; its handle says where
-each row came from (``recv_src_metadata[:, 0]`` = ``source rank * num_max_tokens_per_rank + token``).
-The timed calls return V2's own order. The verified call (the one after ``poison``) returns the
-rows sorted by that key, and combine puts the expert output back into V2's order before calling
-V2, so the check sees exactly what V2 delivered, relabelled. In expert_major V2 fills each segment
-in arrival order (an atomic counter per expert): the verified call sorts the slots within each
-segment by the same key (a slot never leaves its segment; padding stays behind the rows) and
-spells out each received token's routing from the slots its top-k positions name (the local
-expert is the segment the slot lies in, the weight that slot's); the timed calls return V2's own
-per-row form, ``topk_idx`` = the slots and ``topk_weights`` = the 1-D per-slot weights.
+each row came from (``recv_src_metadata[:, 0]`` = ``source rank * num_max_tokens_per_rank + token``),
+and every call (timed and verified alike) returns V2's own order with that column as the rows'
+``row_key``; the verification sorts by it (verify.in_source_order). In expert_major V2 fills each
+segment in arrival order (an atomic counter per expert) and names, per received row, the slot of
+each of its top-k positions (``recv_src_metadata[:, 2:]``, -1 where the expert lives elsewhere):
+every call spells out each row's routing from those slots (the local expert is the segment the
+slot lies in, the weight that slot's) and gives each slot its row's key (``slot_key``, -1 on
+padding), a few small device ops a user feeding a grouped GEMM needs as well.
 
 combine
     ``ElasticBuffer.combine(y, handle, num_sms=)`` sums the copies of a token without weights
@@ -82,24 +81,14 @@ def limits_reason(world: int, hidden: int, dtype: str, torch_version: str,
     return None
 
 
-def sort_key_order(src_key: torch.Tensor) -> torch.Tensor:
-    """The permutation that sorts received rows by (source rank, source token): V2's key is
-    ``rank * num_max_tokens_per_rank + token``, unique per received row."""
-    return torch.argsort(src_key.to(torch.int64), stable=True)
-
-
-def segment_order(slots: torch.Tensor, src_key: torch.Tensor, table: ExpertMajor,
-                  num_slots: int) -> torch.Tensor:
-    """The permutation that sorts each segment's slots by (source rank, source token): epbench
-    slot i = V2 slot ``order[i]``. ``slots`` [rows, topk]: the slot of each received row's top-k
-    positions (-1: not here), ``src_key`` [rows] that row's key. Slots no row names (padding) sort
-    behind the named ones of their segment; no slot changes segment."""
-    key = torch.full((num_slots,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=slots.device)
+def slot_keys(slots: torch.Tensor, src_key: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """int64 [num_slots]: the key of the row each slot holds, -1 where no row names the slot
+    (padding). ``slots`` [rows, topk]: the slot of each received row's top-k positions (-1: not
+    here), ``src_key`` [rows] that row's key."""
+    key = torch.full((num_slots,), -1, dtype=torch.int64, device=slots.device)
     named = slots >= 0
     key[slots[named].to(torch.int64)] = src_key.to(torch.int64).unsqueeze(1).expand_as(slots)[named]
-    by_key = torch.argsort(key, stable=True)
-    segment = expert_of_slot(table, num_slots)
-    return by_key[torch.argsort(segment[by_key], stable=True)]
+    return key
 
 
 def expanded_routing(slots: torch.Tensor, slot_weights: torch.Tensor, table: ExpertMajor,
@@ -121,7 +110,6 @@ class _Handle:
     rows: int  # rows combine hands to V2: received tokens, or in expert_major the slots in use
     # V2's order: [num_recv, topk] received weights, or in expert_major [slots] one per slot
     recv_topk_weights: torch.Tensor
-    order: Optional[torch.Tensor]  # set on the verified call: epbench row i = V2 row order[i]
 
     def row_weights(self) -> torch.Tensor:
         """[rows, 1] in V2's order: the factor each row's expert output is scaled by."""
@@ -170,7 +158,6 @@ class DeepEPV2Backend(Backend):
                              setup.align) if self.expert_major else setup.world * setup.max_tokens_per_rank)
         self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
         self.combine_scaled = torch.empty_like(self.combine_in)
-        self._ordered_next = False
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         if self.fp8:  # mxfp8: four one-byte UE8M0 scales per int32 pack
@@ -190,13 +177,8 @@ class DeepEPV2Backend(Backend):
             return self._expanded_output(recv_x, recv_scales, recv_w, handle)
         n = int(handle.num_recv_tokens)
         counts = torch.tensor(handle.num_recv_tokens_per_expert_list, dtype=torch.int64)
-        order, h = None, _Handle(handle, n, recv_w, None)
-        if self._ordered_next:  # the verified call: relabel rows into epbench's order
-            self._ordered_next = False
-            order = h.order = sort_key_order(handle.recv_src_metadata[:n, 0])
-            recv_x, recv_idx, recv_w = recv_x[:n][order], recv_idx[:n][order], recv_w[:n][order]
-            recv_scales = recv_scales[:n][order] if recv_scales is not None else None
-        return DispatchOutput(recv_x, recv_scales, recv_idx, recv_w, counts, n, h)
+        return DispatchOutput(recv_x, recv_scales, recv_idx, recv_w, counts, n, _Handle(handle, n, recv_w),
+                              row_key=handle.recv_src_metadata[:n, 0])
 
     def _expanded_output(self, recv_x: torch.Tensor, recv_scales: Optional[torch.Tensor],
                          slot_w: torch.Tensor, handle: Any) -> DispatchOutput:
@@ -205,17 +187,10 @@ class DeepEPV2Backend(Backend):
         offsets = handle.psum_num_recv_tokens_per_expert.to(torch.int64) - counts
         table = ExpertMajor(counts, offsets, num_slots, self.align)
         meta = handle.recv_src_metadata[:n]
-        slots, ids, w, order = meta[:, 2:], meta[:, 2:], slot_w, None
-        if self._ordered_next:  # the verified call: segments in epbench's order, routing per row
-            self._ordered_next = False
-            order = segment_order(slots, meta[:, 0], table, num_slots)
-            recv_x = recv_x[:num_slots][order]
-            recv_scales = recv_scales[:num_slots][order] if recv_scales is not None else None
-            ids, w = expanded_routing(slots, slot_w, table, num_slots)
-            by_source = sort_key_order(meta[:, 0])
-            ids, w = ids[by_source], w[by_source]
-        return DispatchOutput(recv_x, recv_scales, ids, w, counts, n,
-                              _Handle(handle, num_slots, slot_w, order), table)
+        slots = meta[:, 2:]
+        ids, w = expanded_routing(slots, slot_w, table, num_slots)
+        return DispatchOutput(recv_x, recv_scales, ids, w, counts, n, _Handle(handle, num_slots, slot_w), table,
+                              row_key=meta[:, 0], slot_key=slot_keys(slots, meta[:, 0], num_slots))
 
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
         return self.combine_in[: out.handle.rows]
@@ -224,17 +199,13 @@ class DeepEPV2Backend(Backend):
         h: _Handle = out.handle
         n = h.rows
         y = self.combine_scaled[:n]
-        if h.order is None:
-            torch.mul(self.combine_in[:n], h.row_weights(), out=y)
-        else:  # back into V2's order: V2 row order[i] is epbench row i
-            y[h.order] = (self.combine_in[:n] * h.row_weights()[h.order]).to(y.dtype)
+        torch.mul(self.combine_in[:n], h.row_weights(), out=y)
         combined, _, _ = self.buffer.combine(y, h.v2_handle, num_sms=num_sms)
         return combined
 
     def poison(self) -> None:
         self.combine_in.fill_(float("nan"))
         self.combine_scaled.fill_(float("nan"))
-        self._ordered_next = True
 
     def close(self) -> None:
         if self.buffer is not None:

@@ -29,11 +29,12 @@ combine
     whose experts are on this rank) on their way into the workspace, inside the timed call, as a
     user would (or inside the expert).
 
-What the timed calls return: the library's padded layout as it is, ``num_recv`` = every slot
-(``world * T_max``; the stand-in expert writes all of them outside the timed region, padding
-included, which combine never reads). The verified call (the one after ``poison``) returns the
-valid rows only, sorted by (source rank, source token), and combine puts the expert output back
-into the library's slots, so the check sees exactly what the library delivered, relabelled.
+What every call returns (timed and verified alike): the library's padded layout as it is,
+``num_recv`` = every slot (``world * T_max``; the stand-in expert writes all of them outside the
+timed region, padding included, which combine never reads), each slot's ``row_key`` (source rank
+* T_max + source token, from the slot's block and the token-index payload; -1 on padding) and the
+per-expert counts (device scatter-adds, no host wait), as a caller that feeds a grouped GEMM needs
+them. The verification sorts the rows by their keys itself (verify.in_source_order).
 
 Workspace: one per rank, sized by the library's formula for T_max tokens of the payloads above
 (``moe_a2a_get_workspace_size_per_rank``), mapped into every rank with cuMem handles: FABRIC
@@ -95,7 +96,6 @@ class _Handle:
     num_recv: int
     ids: torch.Tensor  # [world * T_max, topk] int32, the library's slots (-1 on padding)
     weights: torch.Tensor  # [world * T_max, topk] float32, the library's slots
-    slots: Optional[torch.Tensor]  # verified call: epbench row i is library slot slots[i]
 
 
 class FlashInferBackend(Backend):
@@ -128,8 +128,7 @@ class FlashInferBackend(Backend):
         self.t_max = setup.max_tokens_per_rank
         cap = setup.world * self.t_max
         self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
-        self._no_counts = torch.zeros(setup.experts_per_rank, dtype=torch.int64, device=setup.device)
-        self._ordered_next = False
+        self._source_of_slot = torch.arange(cap, device=setup.device) // self.t_max
 
     def prepare_input(self, inp: DispatchInput) -> DispatchInput:
         """The router's output as the library takes it (int32 ids), made once per point, and the
@@ -147,8 +146,6 @@ class FlashInferBackend(Backend):
         return rows + [inp.topk_idx, inp.topk_weights, self._token_index]
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
-        if inp.topk_idx.dtype != torch.int32:  # called without prepare_input (the verified call)
-            inp = self.prepare_input(inp)
         payloads = self._payloads(inp)
         ids_at = len(payloads) - 3
         recv = self.a2a.dispatch(inp.topk_idx, payloads, self.t_max, invalid_token_expert_id=INVALID_EXPERT,
@@ -158,25 +155,20 @@ class FlashInferBackend(Backend):
         x = flat[0] if self.s.dispatch_dtype == "bf16" else flat[0].view(torch.float8_e4m3fn)
         scales = None if self.s.dispatch_dtype == "bf16" else flat[1]
         ids, weights, token = flat[ids_at], flat[ids_at + 1], flat[ids_at + 2]
-        if not self._ordered_next:
-            # timed calls: counts are not computed (only the verified call's are read)
-            return DispatchOutput(x, scales, ids, weights, self._no_counts, cap, _Handle(cap, ids, weights, None))
-        self._ordered_next = False
-        slots = self._ordered_slots(ids, token.flatten())
-        n = int(slots.numel())
-        local = ids[slots].to(torch.int64) - self.s.rank * self.s.experts_per_rank
-        hit = (local >= 0) & (local < self.s.experts_per_rank)
-        counts = torch.bincount(local[hit], minlength=self.s.experts_per_rank)
-        return DispatchOutput(x[slots], scales[slots] if scales is not None else None, ids[slots],
-                              weights[slots], counts, n, _Handle(n, ids, weights, slots))
+        held = ids[:, 0] != INVALID_EXPERT
+        key = torch.where(held, self._source_of_slot * self.t_max + token.flatten().to(torch.int64),
+                          torch.full_like(self._source_of_slot, -1))
+        return DispatchOutput(x, scales, ids, weights, self._expert_counts(ids), cap, _Handle(cap, ids, weights),
+                              row_key=key)
 
-    def _ordered_slots(self, ids: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """The valid slots (id not -1) sorted by (source rank, source token): slot // T_max is the
-        source rank, the token index payload the source token."""
-        valid = (ids[:, 0] != INVALID_EXPERT).nonzero().flatten()
-        source = valid // self.t_max
-        key = source * self.t_max + token[valid].to(torch.int64)
-        return valid[torch.argsort(key, stable=True)]
+    def _expert_counts(self, ids: torch.Tensor) -> torch.Tensor:
+        """Received rows per local expert (int64 [E]): scatter-adds on the device, no host wait;
+        padding (-1) and other ranks' experts land in a spare bucket E."""
+        e = self.s.experts_per_rank
+        local = ids.to(torch.int64) - self.s.rank * e
+        bucket = torch.where((local >= 0) & (local < e), local, torch.full_like(local, e))
+        counts = torch.zeros(e + 1, dtype=torch.int64, device=ids.device)
+        return counts.scatter_add_(0, bucket.flatten(), torch.ones_like(bucket.flatten()))[:e]
 
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
         return self.combine_in[: out.handle.num_recv]
@@ -187,11 +179,7 @@ class FlashInferBackend(Backend):
         mine = torch.div(h.ids, e, rounding_mode="floor") == self.s.rank  # padding (-1): never mine
         w = torch.where(mine, h.weights, torch.zeros_like(h.weights)).sum(dim=1, keepdim=True)
         ws = self.a2a.get_combine_payload_tensor_in_workspace(self.t_max, self.s.hidden, torch.bfloat16)
-        slots_view = ws.view(-1, self.s.hidden)
-        if h.slots is None:
-            torch.mul(self.combine_in, w, out=slots_view)
-        else:  # back into the library's slots: epbench row i is slot slots[i]
-            slots_view[h.slots] = (self.combine_in[: h.num_recv] * w[h.slots]).to(torch.bfloat16)
+        torch.mul(self.combine_in, w, out=ws.view(-1, self.s.hidden))
         return self.a2a.combine(ws, self.t_max, payload_in_workspace=True)
 
     def effective_config(self) -> Dict[str, Any]:
@@ -199,7 +187,6 @@ class FlashInferBackend(Backend):
 
     def poison(self) -> None:
         self.combine_in.fill_(float("nan"))
-        self._ordered_next = True
 
     def close(self) -> None:
         if self.a2a is not None:

@@ -31,7 +31,7 @@ from epbench.launch import init_distributed  # noqa: E402
 from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_ll import EpbenchLowLatencyBackend  # noqa: E402
 from epbench.backends.reference import ReferenceBackend  # noqa: E402
-from epbench.driver import LowLatencyCalls, graph_calls, launch_calls  # noqa: E402
+from epbench.driver import PointCalls, graph_calls, launch_calls  # noqa: E402
 from epbench.inputs import dispatch_input, make_tokens  # noqa: E402
 from epbench.routing import RankRouting, route_rank  # noqa: E402
 from epbench.scenario import Routing  # noqa: E402
@@ -94,7 +94,7 @@ def all_sum(v: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def one_call(be, calls: LowLatencyCalls, own: DispatchInput, rank: int, world: int, e: int,
+def one_call(be, calls: PointCalls, own: DispatchInput, rank: int, world: int, e: int,
              input_of: Callable[[int], DispatchInput]):
     """Poison, dispatch, check, stand-in experts, combine, check; returns (dispatch, combine, result)."""
     calls.load(own)
@@ -131,7 +131,7 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
         own = input_of(rank)
         results = {}
         for label, be in (("kernels", kernels), ("reference", reference)):
-            d, c, got = one_call(be, launch_calls(be, own, sms), own, rank, world, case.experts_per_rank, input_of)
+            d, c, got = one_call(be, launch_calls(be, own, sms, rank), own, rank, world, case.experts_per_rank, input_of)
             results[label] = got
             for what, r in (("dispatch", d), ("combine", c)):
                 if r.wrong:
@@ -140,7 +140,7 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
                               atol=1e-6):
             problems.append(f"rep {rep}: kernels' combine differs from the reference's")
         if rep == 1:  # the same call through CUDA-graph replays, twice with new token values
-            calls = graph_calls(kernels, own, sms)
+            calls = graph_calls(kernels, own, sms, rank)
             for g in range(2):
                 gsalt = salt + 1 + g
                 fresh = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, gsalt, device),
