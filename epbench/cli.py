@@ -625,6 +625,10 @@ def main() -> None:
     except (ControlTimeout, KernelTimeout) as e:
         _fail(e, "timeout", 1)
     except Exception as e:
+        sig = launch.signal_of(e)
+        if sig is not None:  # Ctrl-C / SIGTERM while the launcher wrote the last status or table
+            err.print(f"epbench: interrupted ({sig})", markup=False, highlight=False)
+            sys.exit(launch.SIGNAL_EXIT[sig])
         if not launch.under_torchrun():
             raise  # the launcher's own bugs keep their traceback
         _fail(e, "failed", 1)

@@ -222,6 +222,12 @@ def raise_on_signals() -> None:
         signal.signal(sig, handler)
 
 
+def signal_of(e: BaseException) -> Optional[str]:
+    """The signal's name where ``e`` is raise_on_signals' exception, else None."""
+    sig = getattr(e, "received", None)
+    return sig.name if sig is not None else None
+
+
 def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) -> Outcome:
     """Runs torchrun in this process and says how the job ended. torchrun's own failure report
     is replaced by one line: the ranks' own (from ``error_dir``), or which rank died and how."""
