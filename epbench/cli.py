@@ -604,6 +604,15 @@ def _one_backend(names: Optional[str]) -> str:
 
 
 def main() -> None:
+    try:
+        _main()
+    except SystemExit as e:
+        if launch.under_torchrun() or launch.started_ranks():
+            launch.leave(e.code)
+        raise
+
+
+def _main() -> None:
     from epbench.errors import ControlTimeout, KernelTimeout
 
     launch.apply_safe_env()
