@@ -613,6 +613,15 @@ def _one_backend(names: Optional[str]) -> str:
 
 
 def main() -> None:
+    try:
+        _main()
+    except SystemExit as e:
+        if launch.under_torchrun() or launch.started_ranks():
+            launch.leave(e.code)
+        raise
+
+
+def _main() -> None:
     from epbench.errors import ControlTimeout, KernelTimeout
 
     launch.apply_safe_env()
@@ -634,6 +643,10 @@ def main() -> None:
     except (ControlTimeout, KernelTimeout) as e:
         _fail(e, "timeout", 1)
     except Exception as e:
+        sig = launch.signal_of(e)
+        if sig is not None:  # Ctrl-C / SIGTERM while the launcher wrote the last status or table
+            err.print(f"epbench: interrupted ({sig})", markup=False, highlight=False)
+            sys.exit(launch.SIGNAL_EXIT[sig])
         if not launch.under_torchrun():
             raise  # the launcher's own bugs keep their traceback
         _fail(e, "failed", 1)

@@ -46,6 +46,118 @@ def torchrun_args(args: List[str], nproc_per_node: int, nnodes: int = 1,
 
 
 SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}  # the shell's convention: 128 + signal number
+LAUNCHER_ENV = "EPBENCH_LAUNCHER"  # "<pid>:<start>" of the epbench process that started the ranks
+SHUTDOWN_GRACE_S = 2  # how long torchrun waits for a rank it stopped before it kills the rank
+
+
+def process_start(pid: int) -> Optional[str]:
+    """When ``pid`` started (clock ticks since boot, as /proc says); None: no such process, or a
+    zombie (it has exited). With the pid, it names one process: pids are reused, start times not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name before ")" may hold spaces
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _boot_id() -> Optional[str]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def launcher_record() -> Dict[str, object]:
+    """What meta.json keeps of the process that launched this rank (epbench's launcher; torchrun
+    where it was started by hand; this process outside torchrun), so that a reader can tell a
+    run still going from one whose launcher vanished (see launcher_gone)."""
+    import socket
+
+    pid, _, start = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    if not pid:
+        pid = str(os.getppid() if under_torchrun() else os.getpid())
+        start = process_start(int(pid)) or ""
+    return {"pid": int(pid), "start": start, "host": socket.gethostname(), "boot_id": _boot_id()}
+
+
+def launcher_gone(record: object) -> Optional[bool]:
+    """True when the launcher ``record`` names has exited (read on its host: no such process, a
+    zombie, another process under its pid, or the host rebooted since); False while it runs;
+    None where this cannot be told (another host, or no record)."""
+    import socket
+
+    if not isinstance(record, dict) or record.get("host") != socket.gethostname():
+        return None
+    try:
+        pid = int(record["pid"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if record.get("boot_id") and _boot_id() and record["boot_id"] != _boot_id():
+        return True
+    start = process_start(pid)
+    return start is None or (bool(record.get("start")) and start != str(record["start"]))
+
+
+def guard_rank() -> None:
+    """The first thing a rank does, before its heavy imports: it dies with its launcher, at once
+    and without a word. PR_SET_PDEATHSIG kills it when the thread that started it ends; a thread
+    waits on the launcher named in LAUNCHER_ENV too (the parent may be another process, or the
+    launcher may have died before the death signal was set). SIGINT gets its default action back
+    (the launcher stops ranks with SIGTERM; a Ctrl-C reaching a rank some other way ends it
+    quietly too, instead of a KeyboardInterrupt traceback from wherever its imports were)."""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the thread below still watches
+    pid, _, start = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    if pid.isdigit():
+        threading.Thread(target=_exit_with, args=(int(pid), start), daemon=True,
+                         name="epbench-launcher-watch").start()
+
+
+def _exit_with(pid: int, start: str) -> None:
+    """Blocks until process ``pid`` (started at ``start``) exits, then ends this process."""
+    import select
+    import time
+
+    try:
+        fd: Optional[int] = os.pidfd_open(pid)  # readable once the process has exited
+    except ProcessLookupError:
+        os._exit(1)
+    except (OSError, AttributeError):  # before Linux 5.3 / Python 3.9: look twice a second
+        fd = None
+    if start and process_start(pid) != start:
+        os._exit(1)  # it was gone already, and its pid reused
+    if fd is not None:
+        select.select([fd], [], [])
+    while process_start(pid) is not None:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def leave(code: object) -> None:
+    """Ends a rank or a launcher with ``code`` (a SystemExit's) without Python's and C++'s
+    teardown. In a rank, the destructors of threads that torch.distributed and gloo leave
+    running can abort the process on the way out ("terminate called without an active
+    exception"), turning a clean exit or a one-line error into a crash report; in the launcher,
+    tearing torch down took 2-5 s after the last line on a loaded 2-core host."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code or 0)
 ERROR_FILE = ".error-rank{}"  # a rank's one error line, for the launcher to report
 
 
@@ -95,16 +207,33 @@ def first_rank_error(folder: Path) -> Optional[Dict[str, object]]:
 
 def raise_on_signals() -> None:
     """SIGINT and SIGTERM raise torchrun's SignalException in the launcher, also between jobs
-    (torchrun installs the same while its workers run, and stops them before it raises)."""
+    and while torchrun's workers run (run_job keeps torchrun from installing its own). The
+    exception asks torchrun to stop the ranks with SIGTERM whichever signal came: a rank ends at
+    once on SIGTERM, even inside its imports or a C++ wait; ``received`` keeps the real one."""
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def handler(signum: int, _frame: object) -> None:
-        raise SignalException(f"received {signal.Signals(signum).name}", signal.Signals(signum))
+        e = SignalException(f"received {signal.Signals(signum).name}", signal.SIGTERM)
+        e.received = signal.Signals(signum)
+        raise e
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+
+
+_started_ranks = False  # run_job ran in this process: it is a launcher
+
+
+def started_ranks() -> bool:
+    return _started_ranks
+
+
+def signal_of(e: BaseException) -> Optional[str]:
+    """The signal's name where ``e`` is raise_on_signals' exception, else None."""
+    sig = getattr(e, "received", None)
+    return sig.name if sig is not None else None
 
 
 def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) -> Outcome:
@@ -121,12 +250,17 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
     # several ranks share the cores; torchrun would set 1 itself, with a warning per launch
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    global _started_ranks
+    _started_ranks = True
+    os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{process_start(os.getpid()) or ''}"
+    # torchrun handles these two itself otherwise, and passes SIGINT on to the ranks
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
         if name.startswith("torch.distributed.elastic"):  # the modules set their own levels
             logging.getLogger(name).setLevel(logging.CRITICAL)
     raise_on_signals()
     try:
-        trun.run(trun.parse_args(torchrun))
+        trun.run(trun.parse_args([f"--shutdown-timeout={SHUTDOWN_GRACE_S}", *torchrun]))
     except ChildFailedError as e:
         said = first_rank_error(error_dir) if error_dir is not None else None
         # A rank killed by a signal (an abort, a segfault, SIGKILL) is the cause: the others
@@ -143,8 +277,8 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
         how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
         return Outcome("failed", code if code > 0 else 1, f"rank {rank} {how}")
     except SignalException as e:
-        name = e.sigval.name
-        return Outcome("interrupted", SIGNAL_EXIT.get(name, 128 + int(e.sigval)), f"interrupted ({name})")
+        sig = getattr(e, "received", e.sigval)
+        return Outcome("interrupted", SIGNAL_EXIT.get(sig.name, 128 + int(sig)), f"interrupted ({sig.name})")
     except RendezvousError as e:
         # the other nodes never came (wrong endpoint, a node not started, a firewall)
         from torch.distributed.elastic.rendezvous import RendezvousTimeoutError

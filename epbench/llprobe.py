@@ -483,4 +483,8 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
 
 
 if __name__ == "__main__":
+    from epbench import launch
+
+    if launch.under_torchrun():
+        launch.guard_rank()
     sys.exit(main())

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from epbench import baselines
+from epbench import baselines, launch
 
 PACKAGE = Path(__file__).resolve().parent
 BUILD_INFO = "_build_info.json"  # in the package, written by `make build` (git-ignored)
@@ -126,6 +126,7 @@ def collect(argv: List[str], device: str) -> Dict[str, Any]:
         "argv": argv,
         **git_commit(),
         "host": socket.gethostname(),
+        "launcher": launch.launcher_record(),  # whether a run left "running" is still going
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,

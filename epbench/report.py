@@ -14,6 +14,7 @@ from rich.table import Table
 from epbench.console import wide_console
 from epbench.errors import UserError
 from epbench.metrics import summarize
+from epbench.results import run_status
 
 
 def _num(v: Any) -> str:
@@ -251,8 +252,9 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
         bad = df[df["wrong"] > 0].iloc[0]
         console.print(f"[bold red]VERIFICATION FAILED: {wrong} wrong rows[/] (first: {bad['backend']} "
                       f"{bad['op']} sms={bad['sms']} rank {bad['rank']}: {bad['problem']})")
-    if meta.get("status") not in (None, "complete"):
-        console.print(f"[yellow]run status: {meta.get('status')}[/]")
+    status = run_status(meta)
+    if status not in (None, "complete"):
+        console.print(f"[yellow]run status: {status}[/]")
 
 
 def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:

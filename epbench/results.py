@@ -206,6 +206,15 @@ def finish_run(run_dir: Path, status: str, error: Optional[str] = None, **extra:
     return meta
 
 
+def run_status(meta: Dict[str, Any]) -> Any:
+    """meta.json's status, except that a run left "running" by a launcher that has exited since
+    (as seen on its host) is "abandoned": nothing is left to finish it."""
+    from epbench.launch import launcher_gone
+
+    status = meta.get("status")
+    return "abandoned" if status == "running" and launcher_gone(meta.get("launcher")) else status
+
+
 def measured_points(run_dir: Path, backend: str) -> set:
     """(sms, tokens per rank) of the points of ``backend`` already in results.csv."""
     return {(int(r["sms"]), int(r["tokens_per_rank"])) for r in _read_csv_rows(run_dir / RESULTS)

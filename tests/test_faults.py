@@ -1,5 +1,6 @@
 """Faults end in one line and a truthful record: a rank that stops answering, Ctrl-C / SIGTERM to
-the launcher, a rank killed outright, a backend that aborts its processes. Real 2-rank CPU runs
+the launcher (also while the ranks start), the launcher killed outright (its ranks die with it),
+a rank killed outright, a backend that aborts its processes. Real 2-rank CPU runs
 with backends that misbehave on purpose (tests/fault_backends.py); small control timeouts."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pandas as pd
 import pytest
 
 import fault_backends
+from epbench import launch
 from support import REPO
 
 CONTROL_TIMEOUT = 5
@@ -60,6 +62,27 @@ def processes_of(folder: Path) -> list:
     return found
 
 
+def ranks_of(tmp_path: Path, p: subprocess.Popen) -> list:
+    """The run's processes other than the launcher ``p`` (their command lines name the results
+    folder), zombies left out."""
+    return [pid for pid in processes_of(tmp_path / "r") if pid != p.pid
+            and launch.process_start(pid) is not None]
+
+
+def wait_for_ranks(tmp_path: Path, p: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while not ranks_of(tmp_path, p):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.01)
+
+
+def seconds_until_gone(tmp_path: Path, p: subprocess.Popen, limit: float = 10) -> float:
+    start = time.monotonic()
+    while ranks_of(tmp_path, p) and time.monotonic() - start < limit:
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
 def one_error_line(err: str) -> str:
     assert "Traceback" not in err, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -92,7 +115,7 @@ def test_interrupt_stops_every_rank_and_keeps_the_rows(tmp_path, sig, code):
     p.send_signal(sig)
     sent = time.monotonic()
     out, err = p.communicate(timeout=30)
-    assert time.monotonic() - sent < 10
+    assert time.monotonic() - sent < 5  # torchrun alone gives its ranks 30 s
     assert p.returncode == code
     line = one_error_line(err)
     assert f"interrupted ({sig.name})" in line and "4 measured rows kept" in line
@@ -103,6 +126,51 @@ def test_interrupt_stops_every_rank_and_keeps_the_rows(tmp_path, sig, code):
     _, df = load_run(d)
     assert list(df["backend"].unique()) == ["reference"] and len(df) == 4 and df["time_us"].notna().all()
     assert not processes_of(d)
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.3])
+def test_interrupt_while_the_ranks_start_is_one_line(tmp_path, delay):
+    """Ctrl-C while the ranks import torch or meet: no KeyboardInterrupt tracebacks from them,
+    no C++ abort on their way out."""
+    p = start(tmp_path, "reference")
+    wait_for_ranks(tmp_path, p)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    out, err = p.communicate(timeout=30)
+    assert time.monotonic() - sent < 5 and p.returncode == 130
+    assert "interrupted (SIGINT)" in one_error_line(err)
+    assert seconds_until_gone(tmp_path, p) < 1
+
+
+def test_ranks_die_quietly_with_a_launcher_killed_in_their_start_up(tmp_path):
+    p = start(tmp_path, "reference")
+    wait_for_ranks(tmp_path, p)
+    time.sleep(0.2)
+    p.kill()
+    assert seconds_until_gone(tmp_path, p) < 5
+    out, err = p.communicate(timeout=30)  # the ranks shared these pipes: they closed with them
+    assert not err.strip() and "Traceback" not in out
+
+
+def test_ranks_die_quietly_with_a_launcher_killed_mid_run_which_reads_abandoned(tmp_path):
+    from rich.console import Console
+
+    from epbench.report import print_run
+    from epbench.results import load_run
+
+    p = start(tmp_path, "test-hang")
+    wait_for_mark(tmp_path, p)
+    d = run_folder(tmp_path)
+    p.kill()
+    assert seconds_until_gone(tmp_path, p) < 5
+    out, err = p.communicate(timeout=30)
+    assert not err.strip() and "Traceback" not in out
+    meta, df = load_run(d)
+    assert meta["status"] == "running" and meta["launcher"]["pid"] == p.pid
+    console = Console(record=True, width=200)
+    print_run(df, meta, console)
+    assert "run status: abandoned" in console.export_text()
 
 
 def test_a_rank_killed_outright_fails_its_backend_only(tmp_path):

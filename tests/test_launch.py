@@ -148,3 +148,35 @@ def test_private_mps_without_the_control_program_is_one_clear_error(monkeypatch,
     with pytest.raises(UserError, match="nvidia-cuda-mps-control not found"):
         with launch.private_mps():
             pass
+
+
+# ---- ranks die with their launcher ----
+
+def test_launcher_gone_tells_a_live_process_from_a_dead_or_reused_pid_on_its_own_host():
+    from epbench.launch import launcher_gone, launcher_record
+
+    me = launcher_record()
+    assert me["pid"] == os.getpid() and launcher_gone(me) is False
+    assert launcher_gone(dict(me, start="1")) is True  # the pid now names another process
+    assert launcher_gone(dict(me, boot_id="rebooted-since")) is True
+    assert launcher_gone(dict(me, host=me["host"] + "-elsewhere")) is None
+    assert launcher_gone(None) is None
+
+
+def test_a_rank_dies_with_its_launcher_even_when_that_is_not_its_parent():
+    import subprocess
+    import time
+
+    from epbench.launch import LAUNCHER_ENV, process_start
+
+    launcher = subprocess.Popen(["sleep", "60"])
+    env = dict(os.environ, **{LAUNCHER_ENV: f"{launcher.pid}:{process_start(launcher.pid)}"})
+    rank = subprocess.Popen([sys.executable, "-c", "import time; from epbench import launch; "
+                             "launch.guard_rank(); print('guarded', flush=True); time.sleep(60)"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert rank.stdout.readline() == "guarded\n"
+    launcher.kill()
+    launcher.wait()
+    start = time.monotonic()
+    out, err = rank.communicate(timeout=10)
+    assert time.monotonic() - start < 2 and rank.returncode == 1 and not err

@@ -228,3 +228,15 @@ def test_run_folder_names_world_and_what_changes_the_measurement(tmp_path):
     assert results.run_name("a b/c") == "a-b-c"  # only file-system-safe characters
     d = results.new_run_dir(tmp_path, fp8, (128,))
     assert d.is_dir() and d.name.endswith("Z_dsv3x4_w4_fp8_t128")
+
+
+def test_a_running_run_whose_launcher_is_gone_reads_abandoned():
+    from epbench.launch import launcher_record
+    from epbench.results import run_status
+
+    me = launcher_record()
+    assert run_status({"status": "running", "launcher": me}) == "running"
+    assert run_status({"status": "running", "launcher": dict(me, start="1")}) == "abandoned"
+    assert run_status({"status": "running", "launcher": dict(me, host="elsewhere")}) == "running"
+    assert run_status({"status": "running"}) == "running"  # written before launchers were recorded
+    assert run_status({"status": "failed", "launcher": dict(me, start="1")}) == "failed"
