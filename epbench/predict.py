@@ -671,7 +671,8 @@ def to_dict(pred: Prediction) -> Dict[str, Any]:
 
 
 def write_json(pred: Prediction, path: Path) -> None:
-    """Never overwrites a file and never writes into a results folder."""
+    """Never overwrites a file and never writes into a results folder; a file it could not
+    finish is removed, and what stopped it is one line (UserError)."""
     from epbench.results import is_run_dir
 
     if path.exists():
@@ -679,11 +680,16 @@ def write_json(pred: Prediction, path: Path) -> None:
     if path.parent.is_dir() and is_run_dir(path.parent):
         raise UserError(f"--json {path}: {path.parent} is a results folder; predictions stay "
                         f"out of measured results")
-    if not path.parent.is_dir():
-        raise UserError(f"--json {path}: no such folder {path.parent}")
     text = json.dumps(to_dict(pred), indent=2, default=str) + "\n"
     try:
-        with open(path, "x") as f:  # exclusive: a file that appeared meanwhile is not clobbered
-            f.write(text)
+        f = open(path, "x")  # exclusive: a file that appeared meanwhile is not clobbered
     except FileExistsError:
         raise UserError(f"--json {path}: already exists; refusing to overwrite it") from None
+    except OSError as e:
+        raise UserError(f"--json {path}: {e.strerror or e}") from None
+    try:
+        with f:
+            f.write(text)
+    except OSError as e:  # a full disk, a quota: leave no half-written file
+        path.unlink(missing_ok=True)
+        raise UserError(f"--json {path}: {e.strerror or e}") from None

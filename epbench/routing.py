@@ -204,7 +204,7 @@ def _first_arrivals(p: torch.Tensor, n: int, longest: int,
     cost far less than an arrival for every expert. Rows whose marks hold too few distinct
     experts (a few heavy experts repeating) draw every expert's arrival instead."""
     num = p.numel()
-    marks_per_row = min(4 * longest, num) if longest < num else 0
+    marks_per_row = min(2 * longest, num) if longest < num else 0
     times = torch.empty(n, longest, dtype=torch.float64)
     experts = torch.empty(n, longest, dtype=torch.int64)
     short = torch.ones(n, dtype=torch.bool)
@@ -229,7 +229,7 @@ def _first_arrivals(p: torch.Tensor, n: int, longest: int,
 
 
 def reach_stats(routing: Routing, num_experts: int, topk: int, experts_per_rank: int,
-                gpus_per_node: int, samples: int = 4096, chunk: int = 256) -> ReachStats:
+                gpus_per_node: int, samples: int = 4096, chunk: int = 512) -> ReachStats:
     """Reach probabilities and count variances from ``samples`` tokens drawn as route_rank draws
     them (the exponential race: expert e arrives at Exp(1) / p_e, the first topk arrivals are
     the token's experts; the same law as Gumbel-top-k).
@@ -263,13 +263,15 @@ def reach_stats(routing: Routing, num_experts: int, topk: int, experts_per_rank:
         ranks = rank_of[experts]
         tau = vals[:, topk - 1:topk]
         tau_k.append(tau[:, 0])
-        for owner, mass, miss in ((ranks, rank_mass, miss_rank), (node_of[ranks], node_mass, miss_node)):
-            reached, first, tau_a = _reached_sets(vals, owner, topk)
+        by_rank = _reached_sets(vals[:, :topk + experts_per_rank],
+                                ranks[:, :topk + experts_per_rank], topk)
+        by_node = _reached_sets(vals, node_of[ranks], topk)
+        for (reached, first, tau_a), mass, miss in ((by_rank, rank_mass, miss_rank),
+                                                   (by_node, node_mass, miss_node)):
             term = torch.exp(-mass[reached] * tau_a) - torch.exp(-mass[reached] * tau)
             miss.index_add_(0, reached.flatten(), torch.where(first, term, 0.0).flatten())
-        h = torch.zeros(n, world, dtype=torch.float64)
-        h.scatter_(1, ranks[:, :topk], 1.0)  # the ranks each sampled token reaches
-        c = h.view(n, nodes, gpus_per_node).sum(dim=2)  # [n, nodes]
+        reached, hit = by_rank[0], by_rank[1].double()  # hit: once per distinct rank reached
+        c = torch.zeros(n, nodes, dtype=torch.float64).scatter_add_(1, node_of[reached], hit)
         reach_nodes = (c > 0).double()
         r_all, n_all = c.sum(dim=1, keepdim=True), reach_nodes.sum(dim=1, keepdim=True)
         for key, v in (("off", r_all - c), ("oth", n_all - reach_nodes)):
@@ -277,8 +279,8 @@ def reach_stats(routing: Routing, num_experts: int, topk: int, experts_per_rank:
             sums[key + "2"] += v.pow(2).sum(dim=0)
         sum_c += c.sum(dim=0)
         sum_c2 += c.pow(2).sum(dim=0)
-        sum_c_h += (c[:, node_of] * h).sum(dim=0)
-        sum_h += h.sum(dim=0)
+        sum_c_h.index_add_(0, reached.flatten(), (c.gather(1, node_of[reached]) * hit).flatten())
+        sum_h.index_add_(0, reached.flatten(), hit.flatten())
         sum_n += float(n_all.sum())
         sum_n2 += float(n_all.pow(2).sum())
     tau_k = torch.cat(tau_k)
