@@ -7,7 +7,8 @@ The model
 
 Bytes per rank and tier
     The scenario's routing (routing.route_all, deterministic per seed) gives the copy matrices
-    of routing.traffic for two algorithms:
+    of routing.traffic for two algorithms (above EXACT_MAX_RANKS ranks the per-rank counts are
+    drawn from the routing distribution instead: sampled_copies):
 
     - hierarchical (what epbench's internode kernels are built to do, as in DeepEP and
       Hybrid-EP): a token crosses the network once per destination node, to the GPU with the

@@ -31,7 +31,7 @@ GPUS_PER_NODE = 64
 def scenario_file(folder: Path, ranks: int, routing: str) -> Path:
     base = yaml.safe_load((REPO / "scenarios" / "h100x32.yaml").read_text())
     base["topology"].update(nodes=ranks // GPUS_PER_NODE, gpus_per_node=GPUS_PER_NODE)
-    base["model"]["hidden"] = 7168  # 16384 x 4096 tokens x 8192 exceeds what a scenario may ask of one rank
+    base["model"]["hidden"] = 7168  # 8192 at 16384 ranks: more than a scenario may ask
     base["routing"]["kind"] = routing
     path = folder / f"bench{ranks}-{routing}.yaml"
     path.write_text(yaml.safe_dump(base))
