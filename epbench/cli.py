@@ -556,7 +556,8 @@ def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topolo
             sms: Annotated[Optional[int], typer.Option("--sms", help="Calibrate from this SM count (default: the run's fastest).")] = None,
             nic_efficiency: Annotated[float, typer.Option("--nic-efficiency", help="Fraction of the nominal NIC rate reached (assumed; nothing here measures a NIC).")] = 1.0,
             overhead_us: Annotated[float, typer.Option("--overhead-us", help="Fixed per-call cost taken out of the calibration time and added to each prediction.")] = 0.0,
-            json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the numbers to this new file (never overwritten).")] = None) -> None:
+            json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the numbers to this new file (never overwritten).")] = None,
+            method: Annotated[str, typer.Option("--method", help="Per-rank copies: exact (route every rank), sampled (from the routing distribution), auto (exact up to 64 ranks).")] = "auto") -> None:
     """PREDICTED dispatch/combine time and bandwidths for a topology from its routing bytes and
     link rates, calibrated by a measured intranode run (epbench/predict.py). CPU only.
 
@@ -573,7 +574,7 @@ def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topolo
         calib = model.calibrate([calibrate], s, backend, sms, overhead_us)
     else:
         calib = model.default_calibration(s, backend, sms, overhead_us)
-    pred = model.predict(s, calib, nic_efficiency)
+    pred = model.predict(s, calib, nic_efficiency, method)
     model.print_prediction(pred, console)
     if json_out is not None:
         model.write_json(pred, json_out)

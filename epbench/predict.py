@@ -7,7 +7,8 @@ The model
 
 Bytes per rank and tier
     The scenario's routing (routing.route_all, deterministic per seed) gives the copy matrices
-    of routing.traffic for two algorithms:
+    of routing.traffic for two algorithms (above EXACT_MAX_RANKS ranks the per-rank counts are
+    drawn from the routing distribution instead: sampled_copies):
 
     - hierarchical (what epbench's internode kernels are built to do, as in DeepEP and
       Hybrid-EP): a token crosses the network once per destination node, to the GPU with the
@@ -95,13 +96,22 @@ import torch
 
 from epbench import metrics
 from epbench.errors import UserError
-from epbench.routing import RankRouting, Traffic, dest_mask, route_all, traffic
+from epbench.routing import (RankRouting, ReachStats, Traffic, dest_mask, reach_stats,
+                             route_all, traffic)
 from epbench.scenario import Scenario
 
 OPS = ("dispatch", "combine")
 ALGORITHMS = ("hierarchical", "flat")
 DEFAULT_NIC_EFFICIENCY = 1.0
 # the measured points shipped with epbench (reviewed; notes/PREDICT.md says how to regenerate)
+# Per-rank copies: counted from every rank's routing up to this many ranks (fast there),
+# drawn from the routing distribution above it (docs/predict.md: time, memory, error)
+EXACT_MAX_RANKS = 64
+METHODS = ("auto", "exact", "sampled")
+REACH_SAMPLES = 4096  # tokens sampled for the reach probabilities and variances
+# measured against the exact method on 8 to 64 ranks (docs/predict.md)
+SAMPLED_ERROR = ("against the exact count on 8-64 ranks (uniform, zipf, hot): op time within 1%, "
+                 "mean copies per rank within 1.5%")
 CALIBRATION_TABLE = Path(__file__).resolve().parent / "data" / "calibration.csv"
 
 
@@ -411,21 +421,36 @@ class Prediction:
     nic_efficiency: float
     calibration: Calibration
     ops: List[OpPrediction]
+    method: str = "exact"  # how the per-rank copies were found: exact | sampled
+    method_note: str = ""  # with its expected error against the exact method
 
     def get(self, algorithm: str, op: str) -> OpPrediction:
         return next(p for p in self.ops if p.algorithm == algorithm and p.op == op)
 
 
-def tier_bytes(tr: Traffic, op: str, row: int) -> Dict[str, torch.Tensor]:
+Copies = Dict[str, torch.Tensor]  # per rank, dispatch direction: see rank_copies
+
+
+def rank_copies(tr: Traffic, pairs: torch.Tensor) -> Copies:
+    """[world] copies per rank for dispatch: leaving (tx) and arriving (rx) over each tier,
+    received in all (``algo``, own included) and (token, destination node) pairs (``pairs``)."""
+    return {"nvlink_tx": tr.nvlink.sum(dim=1), "nvlink_rx": tr.nvlink.sum(dim=0),
+            "nic_tx": tr.nic.sum(dim=1), "nic_rx": tr.nic.sum(dim=0),
+            "algo": tr.total.sum(dim=0), "pairs": pairs}
+
+
+def op_bytes(copies: Copies, op: str, row: int) -> Dict[str, torch.Tensor]:
     """Per rank: bytes leaving (tx) and arriving (rx) over each tier, and algorithm bytes.
-    Combine moves the dispatch copies backwards, so its matrices are the transposes."""
-    out = {}
-    for tier in ("nvlink", "nic"):
-        m = getattr(tr, tier)
-        rows_, cols = m.sum(dim=1) * row, m.sum(dim=0) * row  # sent by i / received by j
-        out[f"{tier}_tx"], out[f"{tier}_rx"] = (rows_, cols) if op == "dispatch" else (cols, rows_)
-    out["algo"] = tr.total.sum(dim=0) * row
+    Combine moves the dispatch copies backwards: its tx is dispatch's rx and the other way."""
+    swap = {"tx": "rx", "rx": "tx"} if op == "combine" else {"tx": "tx", "rx": "rx"}
+    out = {f"{tier}_{d}": copies[f"{tier}_{swap[d]}"] * row
+           for tier in ("nvlink", "nic") for d in ("tx", "rx")}
+    out["algo"] = copies["algo"] * row
     return out
+
+
+def tier_bytes(tr: Traffic, op: str, row: int) -> Dict[str, torch.Tensor]:
+    return op_bytes(rank_copies(tr, torch.zeros(0)), op, row)
 
 
 def node_copies(routings: Sequence[RankRouting], experts_per_rank: int,
@@ -438,22 +463,72 @@ def node_copies(routings: Sequence[RankRouting], experts_per_rank: int,
                          for r in routings], dtype=torch.int64)
 
 
+def sampled_copies(s: Scenario, reach: ReachStats, hierarchical: bool,
+                   gen: torch.Generator) -> Copies:
+    """Copies per rank drawn from their distribution instead of routing every rank.
+
+    Each count is a sum over independent tokens (n of them) of a per-token count of mean mu and
+    variance v (ReachStats), so it is drawn as round(n mu + sqrt(n v) Z), Z standard normal, one
+    Z per rank and count. For rank s of node m (local index l), dispatch direction, with
+    q_d = P(a token reaches rank d), Q_m = P(it reaches node m), c_m = ranks of m it reaches:
+
+    - NVLink tx: its own tokens to the other ranks of m (T tokens, c_m - h_s); hierarchical adds
+      the tokens it forwards for the same-rail ranks of the other nodes: T * nodes tokens;
+    - NVLink rx: copies of d from ranks of m (flat: T (g - 1) tokens, Bernoulli q_d),
+      hierarchical also those forwarded to it: every rank of another local index,
+      T (world - nodes) tokens;
+    - NIC tx: flat: ranks outside m (T tokens); hierarchical: nodes other than m (T tokens);
+    - NIC rx: flat: T (world - g) tokens, Bernoulli q_d; hierarchical: one copy per token of
+      the same-rail ranks of the other nodes that reaches m: T (nodes - 1) tokens, Bernoulli Q_m;
+    - algo: T world tokens, Bernoulli q_d; pairs: T tokens, nodes reached.
+
+    The counts of one rank are drawn independently of each other (the exact counts are weakly
+    correlated): docs/predict.md gives the error this leaves against the exact method."""
+    t, tokens = s.topology, s.model.tokens_per_rank
+    world, gpus, nodes = s.world, t.gpus_per_node, t.nodes
+    node_of = torch.arange(world) // gpus
+    q, big_q = reach.rank_reach, reach.node_reach
+    in_node = q.view(nodes, gpus).sum(dim=1)
+    bern_q, bern_big_q = q * (1 - q), big_q * (1 - big_q)
+
+    def draw(n: float, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        z = torch.randn(world, dtype=torch.float64, generator=gen)
+        return (n * mean + (n * var).sqrt() * z).round().clamp(min=0).to(torch.int64)
+
+    own = (in_node[node_of] - q, reach.in_node_var)  # other ranks of my node, per token
+    if hierarchical:
+        nvlink_tx = draw(tokens * nodes, *own)
+        nvlink_rx = draw(tokens * (world - nodes), q, bern_q)
+        nic_tx = draw(tokens, (big_q.sum() - big_q)[node_of], reach.other_nodes_var[node_of])
+        nic_rx = draw(tokens * (nodes - 1), big_q[node_of], bern_big_q[node_of])
+    else:
+        nvlink_tx = draw(tokens, *own)
+        nvlink_rx = draw(tokens * (gpus - 1), q, bern_q)
+        nic_tx = draw(tokens, (q.sum() - in_node)[node_of], reach.off_node_var[node_of])
+        nic_rx = draw(tokens * (world - gpus), q, bern_q)
+    pairs_mean = torch.full((world,), float(big_q.sum()), dtype=torch.float64)
+    return {"nvlink_tx": nvlink_tx, "nvlink_rx": nvlink_rx, "nic_tx": nic_tx, "nic_rx": nic_rx,
+            "algo": draw(tokens * world, q, bern_q),
+            "pairs": draw(tokens, pairs_mean, torch.full_like(pairs_mean, reach.nodes_var))}
+
+
 def _gbps(nbytes: float, time_us: float) -> float:
     return metrics.bandwidth_gbps(nbytes, time_us) or 0.0
 
 
-def predict_op(s: Scenario, tr: Traffic, pairs: torch.Tensor, algorithm: str, op: str,
-               calib: Calibration, nic_efficiency: float) -> OpPrediction:
+def predict_op(s: Scenario, copies: Copies, algorithm: str, op: str, calib: Calibration,
+               nic_efficiency: float) -> OpPrediction:
     t = s.topology
     dtype = s.model.dispatch_dtype if op == "dispatch" else s.model.combine_dtype
     row = metrics.row_bytes(dtype, s.model.hidden)
-    b = tier_bytes(tr, op, row)
+    b = op_bytes(copies, op, row)
     nvl_rate = calib.nvlink_efficiency[op] * t.nvlink_gbps * metrics.GB  # bytes/s reached
     nic_rate = nic_efficiency * t.nic_gbps * metrics.GB
     per_rank, serial, limits = [], [], []
+    ints = {k: [int(v) for v in b[k]] for k in b}
     for r in range(s.world):
-        nvl = max(int(b["nvlink_tx"][r]), int(b["nvlink_rx"][r]))  # the busier direction
-        nic = max(int(b["nic_tx"][r]), int(b["nic_rx"][r]))
+        nvl = max(ints["nvlink_tx"][r], ints["nvlink_rx"][r])  # the busier direction
+        nic = max(ints["nic_tx"][r], ints["nic_rx"][r])
         t_nvl = nvl / nvl_rate * 1e6  # us = bytes / (eff * rate)
         if t.virtual_nodes:  # both tiers on the same NVLink ports
             t_nic, t_nvl = 0.0, (nvl + nic) / nvl_rate * 1e6
@@ -468,8 +543,7 @@ def predict_op(s: Scenario, tr: Traffic, pairs: torch.Tensor, algorithm: str, op
         serial.append(t_nvl + t_nic + calib.overhead_us)  # tiers one after the other
         limits.append("nic" if t_nic > t_nvl else "nvlink")
     slow = max(range(s.world), key=lambda r: per_rank[r])  # op time = the slowest rank's
-    ints = {k: [int(v) for v in b[k]] for k in b}
-    pair_bytes = [int(p) * row for p in pairs]
+    pair_bytes = [int(p) * row for p in copies["pairs"]]
     return OpPrediction(
         algorithm, op, per_rank[slow], max(serial), slow, limits[slow], per_rank, serial,
         ints["algo"], ints["nvlink_tx"], ints["nvlink_rx"], ints["nic_tx"], ints["nic_rx"],
@@ -480,8 +554,26 @@ def predict_op(s: Scenario, tr: Traffic, pairs: torch.Tensor, algorithm: str, op
         [_gbps(pair_bytes[r], per_rank[r]) for r in range(s.world)])
 
 
-def predict(s: Scenario, calib: Calibration,
-            nic_efficiency: float = DEFAULT_NIC_EFFICIENCY) -> Prediction:
+def choose_method(s: Scenario, method: str = "auto") -> str:
+    if method not in METHODS:
+        raise UserError(f"--method: must be one of {', '.join(METHODS)}, got {method!r}")
+    if method != "auto":
+        return method
+    return "exact" if s.world <= EXACT_MAX_RANKS else "sampled"
+
+
+def method_note(method: str, samples: int = REACH_SAMPLES) -> str:
+    if method == "exact":
+        return "exact: every rank's routing drawn, copies counted"
+    return (f"sampled: per-rank copies drawn from the routing distribution ({samples} sampled "
+            f"tokens); {SAMPLED_ERROR}")
+
+
+def predict(s: Scenario, calib: Calibration, nic_efficiency: float = DEFAULT_NIC_EFFICIENCY,
+            method: str = "auto") -> Prediction:
+    """``method``: exact (route every rank, count), sampled (draw per-rank counts from the
+    routing distribution: time and memory independent of the per-rank routing) or auto (exact
+    up to EXACT_MAX_RANKS ranks)."""
     if not 0 < nic_efficiency <= 1:
         raise UserError(f"--nic-efficiency: must lie in (0, 1], got {nic_efficiency:g}")
     if calib.overhead_us < 0:
@@ -490,15 +582,24 @@ def predict(s: Scenario, calib: Calibration,
     if t.nodes > 1 and not t.virtual_nodes and not t.nic_gbps > 0:
         raise UserError(f"{s.source}: topology.nic_gbps: must be positive to predict "
                         f"{t.nodes} nodes, got {t.nic_gbps:g}")
-    routings = route_all(s)
-    pairs = node_copies(routings, s.model.experts_per_rank, t.gpus_per_node)
-    ops = []
-    for algorithm in ALGORITHMS:
-        tr = traffic(routings, s.model.experts_per_rank, t.gpus_per_node,
-                     hierarchical=algorithm == "hierarchical")
-        ops += [predict_op(s, tr, pairs, algorithm, op, calib, nic_efficiency) for op in OPS]
+    method = choose_method(s, method)
+    m = s.model
+    if method == "exact":
+        routings = route_all(s)
+        pairs = node_copies(routings, m.experts_per_rank, t.gpus_per_node)
+        copies = {a: rank_copies(traffic(routings, m.experts_per_rank, t.gpus_per_node,
+                                         hierarchical=a == "hierarchical"), pairs)
+                  for a in ALGORITHMS}
+    else:
+        reach = reach_stats(s.routing, s.num_experts, m.topk, m.experts_per_rank,
+                            t.gpus_per_node, REACH_SAMPLES)
+        gen = torch.Generator().manual_seed(s.routing.seed)
+        copies = {a: sampled_copies(s, reach, a == "hierarchical", gen) for a in ALGORITHMS}
+    ops = [predict_op(s, copies[a], a, op, calib, nic_efficiency)
+           for a in ALGORITHMS for op in OPS]
     return Prediction(s.name, s.source, s.world, t.nodes, t.gpus_per_node, t.virtual_nodes,
-                      t.nvlink_gbps, t.nic_gbps, nic_efficiency, calib, ops)
+                      t.nvlink_gbps, t.nic_gbps, nic_efficiency, calib, ops, method,
+                      method_note(method))
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -556,6 +657,7 @@ def print_prediction(pred: Prediction, console) -> None:
     console.print(table)
     console.print(pred.calibration.describe(), highlight=False, soft_wrap=True)
     console.print(nic_line(pred), highlight=False, soft_wrap=True)
+    console.print(f"per-rank copies: {pred.method_note}", highlight=False, soft_wrap=True)
 
 
 def to_dict(pred: Prediction) -> Dict[str, Any]:
@@ -572,7 +674,8 @@ def to_dict(pred: Prediction) -> Dict[str, Any]:
 
 
 def write_json(pred: Prediction, path: Path) -> None:
-    """Never overwrites a file and never writes into a results folder."""
+    """Never overwrites a file and never writes into a results folder; a file it could not
+    finish is removed, and what stopped it is one line (UserError)."""
     from epbench.results import is_run_dir
 
     if path.exists():
@@ -580,11 +683,16 @@ def write_json(pred: Prediction, path: Path) -> None:
     if path.parent.is_dir() and is_run_dir(path.parent):
         raise UserError(f"--json {path}: {path.parent} is a results folder; predictions stay "
                         f"out of measured results")
-    if not path.parent.is_dir():
-        raise UserError(f"--json {path}: no such folder {path.parent}")
     text = json.dumps(to_dict(pred), indent=2, default=str) + "\n"
     try:
-        with open(path, "x") as f:  # exclusive: a file that appeared meanwhile is not clobbered
-            f.write(text)
+        f = open(path, "x")  # exclusive: a file that appeared meanwhile is not clobbered
     except FileExistsError:
         raise UserError(f"--json {path}: already exists; refusing to overwrite it") from None
+    except OSError as e:
+        raise UserError(f"--json {path}: {e.strerror or e}") from None
+    try:
+        with f:
+            f.write(text)
+    except OSError as e:  # a full disk, a quota: leave no half-written file
+        path.unlink(missing_ok=True)
+        raise UserError(f"--json {path}: {e.strerror or e}") from None
