@@ -585,8 +585,12 @@ def _fail(e: BaseException, status: str, code: int) -> None:
     known = isinstance(e, (UserError, VerificationFailed, StartupError, ControlTimeout, KernelTimeout))
     line = " ".join(str(e).splitlines()) if known else first_line(e)  # one line, whatever it held
     if launch.under_torchrun() and os.environ.get(RANK_ERRORS):
-        launch.write_rank_error(Path(os.environ[RANK_ERRORS]), int(os.environ["RANK"]), status,
-                                f"[rank {os.environ['RANK']}] {line}")
+        try:
+            launch.write_rank_error(Path(os.environ[RANK_ERRORS]), int(os.environ["RANK"]), status,
+                                    f"[rank {os.environ['RANK']}] {line}")
+        except OSError:  # the folder takes no more (a full disk): the line goes straight out
+            err.print(f"epbench: error: [rank {os.environ['RANK']}] {line}", markup=False,
+                      highlight=False, soft_wrap=True)
     else:
         where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
         err.print(f"epbench: error: {where}{line}", markup=False, highlight=False, soft_wrap=True)
