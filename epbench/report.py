@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 from rich.console import Console
-
+from rich.markup import escape
 from rich.table import Table
 
 from epbench.console import wide_console
@@ -214,6 +214,27 @@ def floor_notes(df: pd.DataFrame) -> List[str]:
     return out
 
 
+def wrong_rows(df: pd.DataFrame, listed: int = 3) -> Optional[str]:
+    """Where verification failed, in one line: how many wrong rows, at which points (backend,
+    op, SM count; the first ``listed``), and the first one's rank and problem. None: all verified."""
+    if df.empty or "wrong" not in df:
+        return None
+    bad = df[pd.to_numeric(df["wrong"], errors="coerce").fillna(0) > 0]
+    if bad.empty:
+        return None
+    keys = ["backend", "op", "sms"] + (["tokens_per_rank"] if _swept_tokens(df) else [])
+    points = bad.groupby(keys, sort=False, dropna=False)["wrong"].sum()
+    where = [f"{k[0]} {k[1]} at {int(k[2]) if k[2] else 'auto'} SMs"
+             + (f", {int(k[3])} tokens" if len(k) > 3 else "") + f": {int(n)}"
+             for k, n in list(points.items())[:listed]]
+    if len(points) > listed:
+        where.append(f"{len(points) - listed} more point(s)")
+    first = bad.iloc[0]
+    problem = f": {first['problem']}" if "problem" in first and first["problem"] == first["problem"] else ""
+    return (f"{int(bad['wrong'].sum())} wrong rows ({'; '.join(where)}; first: rank "
+            f"{int(first['rank'])}{problem})")
+
+
 def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None,
               columns: Optional[Sequence[str]] = None) -> None:
     """The run's table; ``columns`` None: the choice EPBENCH_COLUMNS carries from run / sweep's
@@ -232,11 +253,9 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
         console.print(f"note: {note}")
     for line in floor_notes(df):
         console.print(line)
-    wrong = int(df["wrong"].sum()) if not df.empty else 0
+    wrong = wrong_rows(df)
     if wrong:
-        bad = df[df["wrong"] > 0].iloc[0]
-        console.print(f"[bold red]VERIFICATION FAILED: {wrong} wrong rows[/] (first: {bad['backend']} "
-                      f"{bad['op']} sms={bad['sms']} rank {bad['rank']}: {bad['problem']})")
+        console.print(f"[bold red]VERIFICATION FAILED:[/] {escape(wrong)}", highlight=False)
     if meta.get("status") not in (None, "complete"):
         console.print(f"[yellow]run status: {meta.get('status')}[/]")
 

@@ -235,3 +235,30 @@ def test_chain_rows_are_labelled_graph_x_k_and_the_caption_says_what_their_p99_i
     assert "'graph xK' (in-graph: per call of K chained in one graph" in caption
     assert "its p99 is that of per-replay averages" in caption
     assert timing_label("chain", None) == "graph xK" and timing_label("launch", 1) == "launch"
+
+
+def test_wrong_rows_say_where_in_one_line():
+    df = pd.DataFrame(rows("combine", wrong=(0, 3), problem="token 0: got 1234.0", sms=8)
+                      + rows("dispatch", wrong=(1, 0), problem="row 2 missing"))
+    assert report.wrong_rows(df) == ("4 wrong rows (reference combine at 8 SMs: 3; reference dispatch "
+                                     "at auto SMs: 1; first: rank 1: token 0: got 1234.0)")
+    assert report.wrong_rows(pd.DataFrame(rows())) is None and report.wrong_rows(pd.DataFrame()) is None
+    many = pd.DataFrame([r for n in (2, 4, 6, 8) for r in rows(wrong=(1, 1), sms=n, problem="x")])
+    assert "8 wrong rows" in report.wrong_rows(many) and "1 more point(s)" in report.wrong_rows(many)
+
+
+def test_the_launcher_says_verification_failed_and_where(tmp_path):
+    """Not "rank 0 exited with code 1": the failing backend, op and SM count, the count and the folder."""
+    from epbench.results import RunWriter
+    from epbench.session import verification_failure
+
+    d = tmp_path / "run"
+    w = RunWriter(d, META)
+    w.add(rows("dispatch", wrong=(2, 0), problem="rows from rank 0: payload differs"), [])
+    out = verification_failure(d)
+    assert out.status == "failed" and out.code == 1
+    assert out.line == (f"verification failed: 2 wrong rows (reference dispatch at auto SMs: 2; first: "
+                        f"rank 0: rows from rank 0: payload differs); results: {d}")
+    clean = tmp_path / "clean"
+    RunWriter(clean, META).add(rows(), [])
+    assert verification_failure(clean) is None
