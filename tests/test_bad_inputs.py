@@ -94,6 +94,12 @@ FILES: Dict[str, Tuple[object, str]] = {
     "empty-file": ("", "must be a mapping"),
     "malformed": ("model:\n  hidden: [256,\n", "malformed YAML"),
     "tab-indent": ("model:\n\thidden: 256\n", "malformed YAML"),
+    "key-twice": (_yaml().replace("  topk: 4\n", "  topk: 4\n  topk: 2\n"),
+                  "key topk appears twice in one mapping (lines 5 and 6)"),
+    "key-twice-flow": (_base_with("routing: {seed: 1, seed: 2}\n"), "key seed appears twice"),
+    "sms-twice": (_yaml(bench={"sms": [8, 16, 8]}), "bench.sms: 8 is listed twice"),
+    "timeout-1e308": (_yaml().replace("iters: 2", "iters: 2\n  timeout_s: 1.0e308"),
+                      "bench.timeout_s: must be positive and at most 3600 seconds, got 1e+308"),
 }
 
 
@@ -218,6 +224,7 @@ BAD_OPTIONS = {
     "backends-empty": (("--backends", ","), "--backends: must name at least one"),
     "backends-unknown": (("--backends", "reference,nccl"), "unknown backend 'nccl'"),
     "nproc-huge": (("--nproc", "100000"), "--nproc: must be 1 to 64"),
+    "sms-twice": (("--sms", "8,8"), "--sms: 8 is listed twice"),
     "no-such-option": (("--bogus",), "No such option: --bogus"),
 }
 

@@ -262,3 +262,18 @@ def test_the_launcher_says_verification_failed_and_where(tmp_path):
     clean = tmp_path / "clean"
     RunWriter(clean, META).add(rows(), [])
     assert verification_failure(clean) is None
+
+
+def test_control_characters_from_a_results_folder_never_reach_the_terminal():
+    """A hand-edited meta.json or results.csv: no escape sequence, bell or bidi override is printed."""
+    from epbench.console import SafeConsole, printable
+
+    assert printable("a\x1b]0;title\x07b\x1b[2Jc\u202ed\x9be\tf\ng") == "a]0;titleb[2Jcde\tf\ng"
+    meta = dict(META, scenario={"name": "evil\x1b[2J"}, notes=["note \x1b]0;pwned\x07"], status="odd\x07")
+    c = SafeConsole(record=True, width=200, color_system=None)
+    df = pd.DataFrame(rows(wrong=(1, 0), problem="bad \x1b[31mrow"))
+    df["backend"] = "ref\x1b[5m"
+    report.print_run(df, meta, c)
+    text = c.export_text()
+    assert "evil[2J on 2 ranks" in text and "note ]0;pwned" in text and "ref[5m" in text
+    assert not any(ch in text for ch in "\x1b\x07\x9b\u202e"), repr(text)
