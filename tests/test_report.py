@@ -277,3 +277,22 @@ def test_control_characters_from_a_results_folder_never_reach_the_terminal():
     text = c.export_text()
     assert "evil[2J on 2 ranks" in text and "note ]0;pwned" in text and "ref[5m" in text
     assert not any(ch in text for ch in "\x1b\x07\x9b\u202e"), repr(text)
+
+
+@pytest.mark.parametrize("width", [100, 80, 60])
+def test_wide_table_never_cuts_a_number(width):
+    """--wide on a narrow terminal: spreads wrap at their spaces, columns that cannot fit are left
+    out and named; no number is cut or ellipsised."""
+    spread = [dict(r, algbw_gbps=0.00801 + 0.003 * r["rank"], busbw_nvlink_gbps=0.00588 + 0.003 * r["rank"])
+              for r in gpu_rows("reference", "dispatch", 0, world=4) + gpu_rows("epbench", "combine", 24, world=4)]
+    c = Console(record=True, width=width, color_system=None)
+    report.print_run(pd.DataFrame(spread), dict(META, device="cuda", world=4), c, report.WIDE)
+    text = c.export_text()
+    assert "…" not in text and max(len(ln) for ln in text.splitlines()) <= width
+    table = text.split(" time = ")[0]
+    words = set(table.replace("│", " ").split())
+    assert {"0.00588", "0.0104", "0.0149", "1286"} <= words, table  # busbw min / median / max, whole
+    if width >= 80:
+        assert {"0.00801", "0.0125", "0.017"} <= words, table  # algbw too
+    caption = " ".join(text.split())
+    assert ("Left out to fit" in caption) == (width < 110), caption

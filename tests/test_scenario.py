@@ -278,3 +278,22 @@ def test_a_value_listed_twice_is_refused():
         scenario.maybe_int_list("8,16,8", "--sms")
     with pytest.raises(UserError, match="bench.sms: 4 is listed twice"):
         scenario.parse(scenario_dict(bench={"sms": [4, 4]}))
+
+
+def test_every_nproc_in_readme_fits_its_scenario():
+    """A README command must work on some host: `run X --nproc N` needs top-k <= N x experts_per_rank."""
+    import re
+    import shlex
+
+    from support import REPO
+
+    readme = (REPO / "README.md").read_text()
+    found = 0
+    for line in readme.splitlines():
+        args = shlex.split(line.split("#")[0]) if line.startswith("epbench ") else []
+        if "--nproc" in args and any(a.startswith("scenarios/") for a in args):
+            path = next(a for a in args if a.startswith("scenarios/"))
+            scenario.load(REPO / path).with_world(int(args[args.index("--nproc") + 1]))
+            found += 1
+    assert found, "README shows --nproc nowhere"
+    assert not re.search(r"h200x4\.yaml --nproc 2", readme)
