@@ -282,7 +282,7 @@ def wrong_rows(df: pd.DataFrame, listed: int = 3) -> Optional[str]:
     if len(points) > listed:
         where.append(f"{len(points) - listed} more point(s)")
     first = bad.iloc[0]
-    problem = f": {first['problem']}" if "problem" in first and first["problem"] == first["problem"] else ""
+    problem = f": {first['problem']}" if isinstance(first.get("problem"), str) and first["problem"] else ""
     return (f"{int(bad['wrong'].sum())} wrong rows ({'; '.join(where)}; first: rank "
             f"{int(first['rank'])}{problem})")
 
