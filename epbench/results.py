@@ -98,7 +98,7 @@ def check_writable(folder: Path) -> None:
             os.close(fd)
             probe.unlink()
     except OSError as e:
-        raise UserError(f"{_shown(folder)}: cannot write results there ({_why(e)})") from None
+        raise UserError(f"{_shown(folder)}: cannot write there ({_why(e)})") from None
 
 
 def claim_run_dir(path: Path) -> Path:
@@ -456,10 +456,14 @@ def _check_types(data: Dict[str, Any], types: Dict[str, Tuple[type, ...]], where
 
 
 def _check_meta(meta: Dict[str, Any], path: Path) -> None:
-    """The fields of meta.json that readers use have the types the writer gives them."""
+    """The fields of meta.json that readers use have the types the writer gives them; an object
+    or list field that is null is taken as absent (readers fall back to their defaults)."""
     from epbench.scenario import shown
 
     where = _shown(path)
+    for key, allowed in META_TYPES.items():
+        if key in meta and meta[key] is None and set(allowed) & {dict, list}:
+            del meta[key]
     _check_types(meta, META_TYPES, where)
     _check_types(meta.get("scenario") or {}, SCENARIO_TYPES, where, "scenario.")
     odd = [n for n in meta.get("notes") or [] if not isinstance(n, str)]

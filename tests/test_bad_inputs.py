@@ -343,7 +343,7 @@ def test_a_read_only_results_folder_stops_the_run_before_it_starts(tmp_path, mon
     monkeypatch.setattr(results.os, "open", read_only)
     r = epbench_here(monkeypatch, capsys, "run", SMOKE, "--device", "cpu", "--results", tmp_path / "ro")
     assert r.code == 2 and r.out == "", r.both
-    assert r.err.strip() == f"epbench: error: {tmp_path / 'ro'}: cannot write results there (Read-only file system)"
+    assert r.err.strip() == f"epbench: error: {tmp_path / 'ro'}: cannot write there (Read-only file system)"
 
 
 def test_a_rank_whose_error_file_cannot_be_written_says_its_line_itself(tmp_path, monkeypatch, capsys):

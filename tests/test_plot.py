@@ -223,7 +223,7 @@ def test_plot_into_a_folder_that_takes_nothing_fails_in_one_line(tmp_path, monke
     monkeypatch.setattr(results.os, "open", read_only)
     r = epbench_here(monkeypatch, capsys, "plot", run, "--out", tmp_path / "ro" / "p")
     assert r.code == 2 and r.out == "", r.both
-    assert r.err == f"epbench: error: {tmp_path / 'ro' / 'p'}: cannot write results there (Read-only file system)\n"
+    assert r.err == f"epbench: error: {tmp_path / 'ro' / 'p'}: cannot write there (Read-only file system)\n"
 
 
 def test_plot_that_could_write_no_png_fails_instead_of_warning(tmp_path, monkeypatch, capsys):

@@ -243,9 +243,9 @@ def test_a_results_folder_that_cannot_be_written_is_refused_before_the_run(tmp_p
     results.check_new_run_dir(tmp_path / "new" / "deeper", None)  # the nearest parent is probed
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(results.os, "open", _fail_with(errno.EROFS))
-    with pytest.raises(UserError, match=r"ro: cannot write results there \(Read-only file system\)"):
+    with pytest.raises(UserError, match=r"ro: cannot write there \(Read-only file system\)"):
         results.check_new_run_dir(tmp_path / "ro", None)
-    with pytest.raises(UserError, match=rf"{tmp_path}: cannot write results there"):  # --run-dir's parent
+    with pytest.raises(UserError, match=rf"{tmp_path}: cannot write there"):  # --run-dir's parent
         results.check_new_run_dir(tmp_path / "elsewhere", tmp_path / "run")
 
 
@@ -318,6 +318,13 @@ def _edit_meta(d, **fields):
     meta = json.loads((d / "meta.json").read_text())
     meta.update(fields)
     (d / "meta.json").write_text(json.dumps(meta))
+
+
+def test_null_objects_and_lists_in_meta_read_as_absent(tmp_path):
+    d = _run(tmp_path / "r")
+    _edit_meta(d, scenario=None, notes=None, functional=None)
+    meta, _ = results.load_run(d)
+    assert "scenario" not in meta and "notes" not in meta and meta["functional"] is None
 
 
 def test_numbers_read_as_numbers_and_keys_as_text(tmp_path):
