@@ -482,18 +482,31 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
     PNGs from results folders.
 
     Example: epbench plot results/20261125T013216Z_dsv3x4_w1"""
-    from epbench.plot import plot_run
-    from epbench.results import load_runs
+    from epbench.plot import PlotsKept, plot_run
+    from epbench.results import check_writable, load_runs
 
+    if out is not None:  # a folder that takes no file stops the command before anything is drawn
+        check_writable(out)
+    failed: List[UserError] = []
+    wrote = 0
     for d, meta, df in load_runs(paths, _warn):
         try:
             written = plot_run(d, (out / d.name) if out else None, force=force, loaded=(meta, df),
                                warn=_warn)
-        except UserError as e:  # one run's plots exist or cannot be written: say so, go on
+        except PlotsKept as e:  # kept as they are: news, not a failure
             _warn(str(e))
             continue
+        except UserError as e:  # said below: a warning beside plots written, else the error
+            failed.append(e)
+            continue
+        wrote += len(written)
         for png in written:
             console.print(f"wrote {escape(str(png))}", highlight=False)
+    if failed and not wrote:
+        more = f" ({len(failed) - 1} more run(s) could not be plotted either)" if len(failed) > 1 else ""
+        raise UserError(f"{failed[0]}{more}; nothing was written")
+    for e in failed:
+        _warn(str(e))
 
 
 @app.command()
@@ -531,7 +544,7 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
 @app.command()
 def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseline).")],
             b: Annotated[Path, typer.Argument(help="Results folder B.")],
-            plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG.")] = None,
+            plot_out: Annotated[Optional[str], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG (a folder: a file named after both runs in it).")] = None,
             force: ForceOpt = False, wide: WideOpt = False) -> None:
     """Two results folders side by side: matching (scenario, backend, op, SMs) rows, ratios
     B/A, and a warning for each hardware or software difference.
@@ -539,13 +552,18 @@ def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseli
     Example: epbench compare results/RUN_A results/RUN_B"""
     from epbench.compare import print_compare
 
+    png = None
     if plot_out is not None:  # a file that exists stops the command before anything is printed
-        from epbench.plot import compare_plot, output_path
+        from epbench.plot import compare_output, compare_plot, output_path, why_no_compare_plot
 
-        plot_out = output_path(plot_out, force)
+        png = output_path(compare_output(plot_out, a, b), force)
     print_compare(a, b, console, wide)
-    if plot_out is not None:
-        console.print(f"wrote {escape(str(compare_plot(a, b, plot_out, force)))}", highlight=False)
+    if png is not None:
+        why = why_no_compare_plot(a, b)
+        if why:
+            _warn(f"--plot: nothing drawn: {why}")
+        else:
+            console.print(f"wrote {escape(str(compare_plot(a, b, png, force)))}", highlight=False)
 
 
 @app.command()
@@ -595,8 +613,12 @@ def _fail(e: BaseException, status: str, code: int) -> None:
     known = isinstance(e, (UserError, VerificationFailed, StartupError, ControlTimeout, KernelTimeout))
     line = " ".join(str(e).splitlines()) if known else first_line(e)  # one line, whatever it held
     if launch.under_torchrun() and os.environ.get(RANK_ERRORS):
-        launch.write_rank_error(Path(os.environ[RANK_ERRORS]), int(os.environ["RANK"]), status,
-                                f"[rank {os.environ['RANK']}] {line}")
+        try:
+            launch.write_rank_error(Path(os.environ[RANK_ERRORS]), int(os.environ["RANK"]), status,
+                                    f"[rank {os.environ['RANK']}] {line}")
+        except OSError:  # the folder takes no more (a full disk): the line goes straight out
+            err.print(f"epbench: error: [rank {os.environ['RANK']}] {line}", markup=False,
+                      highlight=False, soft_wrap=True)
     else:
         where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
         err.print(f"epbench: error: {where}{line}", markup=False, highlight=False, soft_wrap=True)

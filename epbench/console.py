@@ -1,13 +1,35 @@
 """Rich consoles: rich assumes 80 columns when output is not a terminal (logs, CI), which
-folds the results table; give such output room unless COLUMNS says how wide it is."""
+folds the results table; give such output room unless COLUMNS says how wide it is.
+
+Every string they print passes through ``printable``: text from a scenario, a results folder's
+files or a folder's name (a hand-edited meta.json, a CSV cell) reaches the terminal without the
+control characters that would move its cursor, retitle it or recolour what follows."""
 
 import os
+import re
 
 from rich.console import Console
 
+# C0 and C1 controls (ESC and CSI included) except newline and tab, and the bidirectional overrides
+# that make text read in another order than it is stored
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` without control characters (newlines and tabs kept)."""
+    return _CONTROL.sub("", text)
+
+
+class SafeConsole(Console):
+    """A rich Console that strips control characters from every string before rendering it:
+    printed text, table cells, titles and captions all go through render_str."""
+
+    def render_str(self, text: str, **kwargs):
+        return super().render_str(printable(text), **kwargs)
+
 
 def wide_console(stderr: bool = False) -> Console:
-    c = Console(stderr=stderr)
+    c = SafeConsole(stderr=stderr)
     if c.is_terminal or os.environ.get("COLUMNS", "").isdigit():
         return c
-    return Console(stderr=stderr, width=200)
+    return SafeConsole(stderr=stderr, width=200)

@@ -38,6 +38,20 @@ def _series(summary: pd.DataFrame):
         yield i, key[0], _label(key[0]) + (f" [{', '.join(tags)}]" if tags else ""), g
 
 
+class PlotsKept(UserError):
+    """A run's plots exist and --force was not given: they are kept (news, not a failure)."""
+
+
+def compare_output(text: str, a_dir: Path, b_dir: Path) -> Path:
+    """The file ``compare --plot TEXT`` writes: TEXT itself, or a file named after both runs
+    inside TEXT where TEXT is a folder or is written as one (a trailing slash)."""
+    path = Path(text)
+    if text.endswith(("/", os.sep)) or path.is_dir():
+        names = [d.resolve().name or "run" for d in (a_dir, b_dir)]
+        path = path / f"compare_{names[0]}_vs_{names[1]}.png"
+    return path
+
+
 def output_path(path: Path, force: bool) -> Path:
     """The file a plot will be written to: ``.png`` added where the name has no suffix (what
     matplotlib would do silently), an existing file refused unless ``force``."""
@@ -49,7 +63,7 @@ def output_path(path: Path, force: bool) -> Path:
     if path.is_dir():
         raise UserError(f"{short_path(path)}: is a folder; give a file name")
     if path.exists() and not force:
-        raise UserError(f"{short_path(path)}: exists; --force overwrites it")
+        raise PlotsKept(f"{short_path(path)}: exists; --force overwrites it")
     return path
 
 
@@ -72,7 +86,7 @@ def _save_figure(fig, path: Path, force: bool) -> Path:
         else:
             os.link(tmp, path)
     except FileExistsError:
-        raise UserError(f"{short_path(path)}: exists; --force overwrites it") from None
+        raise PlotsKept(f"{short_path(path)}: exists; --force overwrites it") from None
     except OSError as e:
         raise UserError(f"{short_path(path)}: cannot write ({e.strerror or type(e).__name__})") from None
     finally:
@@ -285,7 +299,7 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
     names += ["expert_load.png"] if meta.get("scenario") else []
     there = [n for n in names if (out_dir / n).exists()]
     if there and not force:
-        raise UserError(f"{short_path(out_dir)}: holds {', '.join(there)} already; --force redraws them")
+        raise PlotsKept(f"{short_path(out_dir)}: holds {', '.join(there)} already; --force redraws them")
     how = transport(meta)
     note = ": times, not link speed" if "functional" in how else ""
     title = f"{run_dir.name} ({meta.get('world', '?')} ranks, {how}{note})"
@@ -312,15 +326,36 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
     return written
 
 
+def _compare_links(metas: List[Dict[str, Any]]) -> str:
+    """What carried the compared runs' bytes, for the axis: one transport, or A's and B's."""
+    links = [transport(m) for m in metas]
+    return links[0] if links[0] == links[1] else f"A {links[0]} / B {links[1]}"
+
+
+def why_no_compare_plot(a_dir: Path, b_dir: Path) -> Optional[str]:
+    """Why ``compare --plot`` would draw empty axes (None: it has curves to draw): neither run
+    set an SM count, or neither has a bus bandwidth (nothing crossed a link)."""
+    from epbench.compare import load
+
+    frames = [load(d)[1] for d in (a_dir, b_dir)]
+    if not any(not df.empty and (pd.to_numeric(df["sms"], errors="coerce").fillna(0) > 0).any()
+               for df in frames):
+        return "neither run set an SM count (every backend chose its own): no bandwidth-vs-SMs curve"
+    if not any(_has(df, "busbw_nvlink_gbps") for df in frames):
+        return "neither run has a bus bandwidth (nothing crossed a link)"
+    return None
+
+
 def compare_plot(a_dir: Path, b_dir: Path, out: Path, force: bool = False) -> Path:
-    """Both runs' slowest-rank NVLink bus bandwidth against the SM count, per op and backend:
-    A solid, B dashed, one colour per backend."""
+    """Both runs' slowest-rank bus bandwidth against the SM count, per op and backend: A
+    solid, B dashed, one colour per backend; the axis names the transport that carried it."""
     from epbench.compare import load
 
     runs = [(a_dir, "A", "o-"), (b_dir, "B", "s--")]
-    frames = []
+    frames, metas = [], []
     for d, tag, style in runs:
-        _, df = load(d)
+        meta, df = load(d)
+        metas.append(meta)
         frames.append((tag, style, summarize(df) if not df.empty else df))
     backends = list(dict.fromkeys(b for _, _, s in frames if not s.empty for b in s["backend"]))
     fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
@@ -340,7 +375,7 @@ def compare_plot(a_dir: Path, b_dir: Path, out: Path, force: bool = False) -> Pa
         ax.set_title(op)
         ax.set_xlabel("SMs")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("NVLink busbw GB/s (slowest rank)")
+    axes[0].set_ylabel(f"busbw GB/s over {_compare_links(metas)} (slowest rank)")
     if axes[-1].get_legend_handles_labels()[0]:
         axes[-1].legend(fontsize=8, loc="lower right")
     return _save(fig, f"A = {a_dir.name}  vs  B = {b_dir.name}", out, force)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 from rich.console import Console
-
+from rich.markup import escape
 from rich.table import Table
 
 from epbench.console import wide_console
@@ -166,24 +166,76 @@ INPUTS_CAPTION = (" inputs: 'rot N' = the timed calls rotated through N input se
                   "inputs may then sit in L2)")
 
 
+# The columns given up first where a table cannot fit the terminal without cutting a number.
+DROP_FIRST = ("ceiling", "slow_rank", "nvml", "nic", "link", "p99", "algbw", "timing", "busbw", "tokens")
+
+
+def _plain_cells(text: str) -> List[int]:
+    """The cell widths of a table cell's lines and of its words (markup taken out)."""
+    from rich.cells import cell_len
+    from rich.text import Text
+
+    plain = Text.from_markup(text).plain
+    return [max((cell_len(ln) for ln in plain.splitlines()), default=1),
+            max((cell_len(w) for w in plain.split()), default=1)]
+
+
+def _table_width(widths: Sequence[int]) -> int:
+    return sum(w + 2 for w in widths) + len(widths) + 1  # one space each side, a rule between
+
+
+def _fitted(keys: List[str], texts: Dict[str, List[str]], width: Optional[int]
+            ) -> Tuple[List[str], Dict[str, Optional[int]]]:
+    """The keys shown in ``width`` terminal columns and each one's width (None: as rich likes).
+    No number is ever cut: a column is at least as wide as its longest word (rich then wraps at
+    spaces, "0.0080 / 0.0081 / 0.0090" over three lines); where even that does not fit,
+    DROP_FIRST's columns are left out in turn. The room above those widths goes to the columns
+    that need the least of it first, so that most columns keep one line."""
+    sizes = {k: [_plain_cells(t) for t in texts[k]] for k in keys}
+    natural = {k: max(line for line, _ in sizes[k]) for k in keys}
+    least = {k: max(word for _, word in sizes[k]) for k in keys}
+    if width is None or _table_width([natural[k] for k in keys]) <= width:
+        return list(keys), {k: None for k in keys}
+    keys = list(keys)
+    for k in DROP_FIRST:
+        if _table_width([least[x] for x in keys]) <= width:
+            break
+        if k in keys:
+            keys.remove(k)
+    given = {k: least[k] for k in keys}
+    room = width - _table_width(list(given.values()))
+    for k in sorted(keys, key=lambda x: natural[x] - least[x]):
+        more = max(0, min(natural[k] - least[k], room))
+        given[k] += more
+        room -= more
+    return keys, given
+
+
 def results_table(df: pd.DataFrame, title: str = "",
-                  columns: Optional[Sequence[str]] = None) -> Table:
+                  columns: Optional[Sequence[str]] = None, width: Optional[int] = None) -> Table:
     """One row per (backend, SMs, op[, tokens, timing]) with the ``columns`` keys (default: the
-    set that fits 100 terminal columns)."""
+    set that fits 100 terminal columns). ``width``: the terminal's columns; a table that cannot
+    fit them without cutting a number leaves out DROP_FIRST's columns in turn, and says so."""
     summary = summarize(df)
     keys, wide = _chosen(df, columns)
+    headers = {k: COLUMNS[k][0] for k in keys}
+    if "time" in headers and _low_latency(df):
+        headers["time"] = "p50 us"
+    if "nic" in headers and _virtual(df):
+        headers["nic"] = "NIC busbw (virtual)"
+    cells = {k: [COLUMNS[k][2](r, wide) for _, r in summary.iterrows()] for k in keys}
+    shown, widths = _fitted(keys, {k: [headers[k]] + cells[k] for k in keys}, width)
     caption = (CAPTION + (WIDE_CAPTION if wide else "") + (LL_CAPTION if _low_latency(df) else "")
-               + (INPUTS_CAPTION if "inputs" in keys else ""))
+               + (INPUTS_CAPTION if "inputs" in shown else ""))
+    left_out = [headers[k] for k in keys if k not in shown]
+    if left_out:
+        caption += (f". Left out to fit {width} columns: {', '.join(left_out)} (--columns picks, "
+                    f"a wider terminal shows all)")
     table = Table(title=title or None, caption=caption)
-    for k in keys:
-        header, just, _ = COLUMNS[k]
-        if k == "time" and _low_latency(df):
-            header = "p50 us"
-        if k == "nic" and _virtual(df):
-            header = "NIC busbw (virtual)"
-        table.add_column(header, justify=just)
-    for _, r in summary.iterrows():
-        table.add_row(*(COLUMNS[k][2](r, wide) for k in keys))
+    for k in shown:
+        table.add_column(headers[k], justify=COLUMNS[k][1], width=widths[k], overflow="fold")
+    for i in range(len(summary)):
+        table.add_row(*(cells[k][i] for k in shown))
     return table
 
 
@@ -229,6 +281,27 @@ def floor_notes(df: pd.DataFrame) -> List[str]:
     return out
 
 
+def wrong_rows(df: pd.DataFrame, listed: int = 3) -> Optional[str]:
+    """Where verification failed, in one line: how many wrong rows, at which points (backend,
+    op, SM count; the first ``listed``), and the first one's rank and problem. None: all verified."""
+    if df.empty or "wrong" not in df:
+        return None
+    bad = df[pd.to_numeric(df["wrong"], errors="coerce").fillna(0) > 0]
+    if bad.empty:
+        return None
+    keys = ["backend", "op", "sms"] + (["tokens_per_rank"] if _swept_tokens(df) else [])
+    points = bad.groupby(keys, sort=False, dropna=False)["wrong"].sum()
+    where = [f"{k[0]} {k[1]} at {int(k[2]) if k[2] else 'auto'} SMs"
+             + (f", {int(k[3])} tokens" if len(k) > 3 else "") + f": {int(n)}"
+             for k, n in list(points.items())[:listed]]
+    if len(points) > listed:
+        where.append(f"{len(points) - listed} more point(s)")
+    first = bad.iloc[0]
+    problem = f": {first['problem']}" if isinstance(first.get("problem"), str) and first["problem"] else ""
+    return (f"{int(bad['wrong'].sum())} wrong rows ({'; '.join(where)}; first: rank "
+            f"{int(first['rank'])}{problem})")
+
+
 def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None,
               columns: Optional[Sequence[str]] = None) -> None:
     """The run's table; ``columns`` None: the choice EPBENCH_COLUMNS carries from run / sweep's
@@ -242,16 +315,14 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
     if df.empty:
         console.print(f"{title}: no measured points")
     else:
-        console.print(results_table(df, title, columns))
+        console.print(results_table(df, title, columns, console.width))
     for note in meta.get("notes", []):
         console.print(f"note: {note}")
     for line in floor_notes(df):
         console.print(line)
-    wrong = int(df["wrong"].sum()) if not df.empty else 0
+    wrong = wrong_rows(df)
     if wrong:
-        bad = df[df["wrong"] > 0].iloc[0]
-        console.print(f"[bold red]VERIFICATION FAILED: {wrong} wrong rows[/] (first: {bad['backend']} "
-                      f"{bad['op']} sms={bad['sms']} rank {bad['rank']}: {bad['problem']})")
+        console.print(f"[bold red]VERIFICATION FAILED:[/] {escape(wrong)}", highlight=False)
     status = run_status(meta)
     if status not in (None, "complete"):
         console.print(f"[yellow]run status: {status}[/]")

@@ -35,10 +35,23 @@ SAMPLES = "samples.csv"
 META = "meta.json"
 
 
+def _why(e: OSError) -> str:
+    return e.strerror or type(e).__name__
+
+
 def _atomic_write(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or keeps what it held: a write that fails (a full disk, a
+    read-only file system) leaves no temporary file and is a UserError naming ``path``."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise UserError(f"{_shown(path)}: cannot write ({_why(e)})") from None
 
 
 def _shown(path: Path) -> str:
@@ -53,18 +66,39 @@ def _make_root(root: Path) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"{_shown(root)}: cannot hold results ({e.strerror or type(e).__name__})") from None
+        raise UserError(f"{_shown(root)}: cannot hold results ({_why(e)})") from None
 
 
 def check_new_run_dir(root: Path, run_dir: Optional[Path]) -> None:
-    """Refuses, before anything starts, a results root that is not a folder or a --run-dir that
-    exists (claim_run_dir / new_run_dir still claim the folder atomically later)."""
+    """Refuses, before anything starts, a results root that is not a folder or cannot be written
+    (a read-only file system, no permission, a full disk), or a --run-dir that exists
+    (claim_run_dir / new_run_dir still claim the folder atomically later)."""
     for p in (root,) + ((run_dir.parent,) if run_dir else ()):
         if p.exists() and not p.is_dir():
             raise UserError(f"{_shown(p)}: not a folder; results need a folder")
     if run_dir is not None and (run_dir.exists() or run_dir.is_symlink()):
         raise UserError(f"{_shown(run_dir)}: exists already; a run never writes into an existing "
                         f"folder (give a new --run-dir)")
+    check_writable(run_dir.parent if run_dir is not None else root)
+
+
+def check_writable(folder: Path) -> None:
+    """Creates and removes a small file in ``folder`` (or in its nearest existing parent, where
+    the folder is still to be made): the run would otherwise measure for minutes and then fail
+    to record anything."""
+    here = folder
+    while not here.exists() and here.parent != here:
+        here = here.parent
+    probe = here / f".epbench-write-check-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"epbench\n")
+        finally:
+            os.close(fd)
+            probe.unlink()
+    except OSError as e:
+        raise UserError(f"{_shown(folder)}: cannot write there ({_why(e)})") from None
 
 
 def claim_run_dir(path: Path) -> Path:
@@ -77,7 +111,7 @@ def claim_run_dir(path: Path) -> Path:
         raise UserError(f"{_shown(path)}: exists already; a run never writes into an existing "
                         f"folder (give a new --run-dir)") from None
     except OSError as e:
-        raise UserError(f"{_shown(path)}: cannot create ({e.strerror or type(e).__name__})") from None
+        raise UserError(f"{_shown(path)}: cannot create ({_why(e)})") from None
     return path
 
 
@@ -115,6 +149,8 @@ def new_run_dir(root: Path, scenario: Any, tokens: Optional[Sequence[int]] = Non
             return path
         except FileExistsError:
             continue
+        except OSError as e:
+            raise UserError(f"{_shown(path)}: cannot create ({_why(e)})") from None
     raise UserError(f"{root}: could not create a new run folder for {scenario_name}")
 
 
@@ -144,7 +180,13 @@ class RunWriter:
 
     def __init__(self, run_dir: Path, meta: Dict[str, Any], append: bool = False) -> None:
         self.dir = run_dir
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"{_shown(run_dir)}: cannot create ({_why(e)})") from None
+        # the first write that failed: it is the error the run ends with, and a later write that
+        # fails the same way (the notes written on the way out) does not replace it
+        self.failed: Optional[UserError] = None
         self.rows: List[Dict[str, Any]] = []
         self.samples: List[Dict[str, Any]] = []
         earlier: Dict[str, Any] = {}
@@ -160,15 +202,25 @@ class RunWriter:
         self.meta["backend_runtime"] = {**earlier.get("backend_runtime", {}), **meta.get("backend_runtime", {})}
         self._write_meta()
 
+    def _write(self, path: Path, text: str) -> None:
+        try:
+            _atomic_write(path, text)
+        except UserError as e:
+            if self.failed is None:
+                self.failed = e
+                raise
+            if path.name != META:
+                raise
+
     def _write_meta(self) -> None:
-        _atomic_write(self.dir / META, json.dumps(self.meta, indent=2, default=str) + "\n")
+        self._write(self.dir / META, json.dumps(self.meta, indent=2, default=str) + "\n")
 
     def add(self, rows: List[Dict[str, Any]], samples: List[Dict[str, Any]]) -> None:
         self.rows += [dict(r, status=r.get("status", MEASURED)) for r in rows]
         self.samples += samples
-        _atomic_write(self.dir / RESULTS, pd.DataFrame(self.rows).to_csv(index=False))
+        self._write(self.dir / RESULTS, pd.DataFrame(self.rows).to_csv(index=False))
         if samples:
-            _atomic_write(self.dir / SAMPLES, pd.DataFrame(self.samples).to_csv(index=False))
+            self._write(self.dir / SAMPLES, pd.DataFrame(self.samples).to_csv(index=False))
 
     def note(self, notes: List[str], wrong: int = 0) -> None:
         """This job's notes and wrong rows, added to the earlier jobs'; the status stays."""
@@ -191,6 +243,12 @@ def claim_run(run_dir: Path, meta: Optional[Dict[str, Any]] = None) -> None:
                 f.write(json.dumps(meta, indent=2, default=str) + "\n")
     except FileExistsError:
         raise UserError(f"{run_dir}: already holds results; refusing to overwrite them") from None
+    except OSError as e:
+        try:  # a claim left empty by a full disk: no other run made it
+            (run_dir / META).unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise UserError(f"{_shown(run_dir / META)}: cannot write ({_why(e)})") from None
 
 
 def finish_run(run_dir: Path, status: str, error: Optional[str] = None, **extra: Any) -> Dict[str, Any]:
@@ -202,7 +260,13 @@ def finish_run(run_dir: Path, status: str, error: Optional[str] = None, **extra:
                 finished_utc=datetime.datetime.now(datetime.timezone.utc).isoformat())
     if error:
         meta["error"] = error
-    _atomic_write(path, json.dumps(meta, indent=2, default=str) + "\n")
+    try:
+        _atomic_write(path, json.dumps(meta, indent=2, default=str) + "\n")
+    except UserError as e:
+        if not error:
+            raise
+        # the run's own error stays the news; the line adds that meta.json does not record it
+        raise UserError(f"{error} (and {e}: its status was not recorded)") from None
     return meta
 
 
@@ -222,8 +286,14 @@ def measured_points(run_dir: Path, backend: str) -> set:
 
 
 def add_rows(run_dir: Path, rows: List[Dict[str, Any]]) -> None:
-    """Appends rows to results.csv (the launcher's rows for points a failed job left out)."""
-    RunWriter(run_dir, json.loads((run_dir / META).read_text()), append=True).add(rows, [])
+    """Appends rows to results.csv (the launcher's rows for points a failed job left out). Where
+    they cannot be written (a full disk), meta.json records the run as failed before the
+    UserError naming the file goes up."""
+    try:
+        RunWriter(run_dir, json.loads((run_dir / META).read_text()), append=True).add(rows, [])
+    except UserError as e:
+        finish_run(run_dir, "failed", str(e))
+        raise
 
 
 def is_run_dir(path: Path) -> bool:
@@ -243,11 +313,17 @@ def _walk(root: Path, warn: Warn) -> Iterator[Path]:
     def complain(e: OSError) -> None:
         warn(f"{_shown(Path(e.filename or root))}: skipped, cannot list ({e.strerror or type(e).__name__})")
 
-    for here, dirs, _files in os.walk(root, onerror=complain):
+    for here, dirs, files in os.walk(root, onerror=complain):
         dirs.sort()
         if is_run_dir(Path(here)):
             dirs.clear()
             yield Path(here)
+        elif META in files:  # a link to nothing, a link loop
+            warn(f"skipped: {_shown(Path(here) / META)}: not a readable file")
+        elif RESULTS in files or SAMPLES in files:  # tables whose run record is gone
+            table = RESULTS if RESULTS in files else SAMPLES
+            warn(f"skipped: {_shown(Path(here))}: holds {table} but no {META} (not a complete "
+                 f"results folder)")
 
 
 def find_runs(paths: List[Path], warn: Optional[Warn] = None) -> List[Path]:
@@ -292,8 +368,14 @@ def _read_text(path: Path) -> str:
 def read_table(path: Path, need: Tuple[str, ...] = ()) -> pd.DataFrame:
     """A CSV this module wrote: empty when absent or empty; a UserError when it was cut short
     (no final newline, a row with fewer fields than the header) or lacks a ``need`` column."""
-    if not path.exists():
+    try:
+        path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():  # a link to nothing: the table was there once
+            raise UserError(f"{_shown(path)}: a symbolic link to nothing (corrupt run)") from None
         return pd.DataFrame()
+    except OSError as e:  # a link loop (ELOOP), a folder without search permission
+        raise UserError(f"{_shown(path)}: cannot read ({_why(e)})") from None
     if not path.is_file():
         raise UserError(f"{_shown(path)}: not a file (corrupt run)")
     text = _read_text(path)
@@ -322,6 +404,24 @@ def read_table(path: Path, need: Tuple[str, ...] = ()) -> pd.DataFrame:
 RESULT_COLUMNS = ("backend", "op", "sms", "rank", "time_us")
 OVERLAP_COLUMNS = ("backend", "sms", "rank")  # `epbench overlap` rows: kept %, per (backend, SMs)
 
+# What the readers (report, plot, compare, predict) take from a run, by type: a run whose files
+# hold something else (a number where text belongs, two tables appended into one) is skipped with
+# one line rather than ending a command that shows many runs in a traceback.
+META_TYPES: Dict[str, Tuple[type, ...]] = {
+    "scenario": (dict,), "notes": (list,), "world": (int,), "wrong": (int,), "device": (str,),
+    "status": (str,), "verb": (str,), "functional": (str,), "topology": (str,), "env": (dict,),
+    "gpus": (list,), "overlap": (dict,), "options": (dict,), "started_utc": (str,),
+}
+SCENARIO_TYPES: Dict[str, Tuple[type, ...]] = {
+    "name": (str,), "model": (dict,), "topology": (dict,), "routing": (dict,), "bench": (dict,),
+    "backend_options": (dict,), "mode": (str,),
+}
+WHOLE_COLUMNS = ("sms", "rank", "node", "world", "nodes", "hidden", "tokens_per_rank", "topk",
+                 "experts_per_rank", "iters", "wrong", "chain", "align", "padding_rows")
+NUMBER_SUFFIXES = ("_us", "_gbps", "_bytes", "_pct", "_ratio", "_efficiency", "_measured",
+                   "_tflops", "_flops", "_p99")
+TEXT_COLUMNS = ("scenario", "backend", "op", "timing")
+
 
 def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     if not is_run_dir(path):
@@ -337,14 +437,75 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
         raise UserError(f"{_shown(path / META)}: unreadable ({cut(str(e) or type(e).__name__)})") from None
     if not isinstance(meta, dict):
         raise UserError(f"{_shown(path / META)}: not a JSON object")
+    _check_meta(meta, path / META)
     need = OVERLAP_COLUMNS if meta.get("verb") == "overlap" else RESULT_COLUMNS
-    df = read_table(path / RESULTS, need)
+    df = _typed(read_table(path / RESULTS, need), path / RESULTS)
     if "status" in df:  # rows of points not measured (skipped, failed) carry no figures
         df = df[df["status"].fillna(MEASURED) == MEASURED].drop(columns="status").reset_index(drop=True)
         for col in df.columns:  # integer columns read as float where unmeasured rows left gaps
             if df[col].dtype == float and df[col].notna().all() and (df[col] % 1 == 0).all():
                 df[col] = df[col].astype("int64")
     return meta, df
+
+
+TYPE_WORDS = {dict: "an object", list: "a list", int: "a whole number", str: "text"}
+
+
+def _check_types(data: Dict[str, Any], types: Dict[str, Tuple[type, ...]], where: str,
+                 prefix: str = "") -> None:
+    from epbench.scenario import shown
+
+    for key, allowed in types.items():
+        value = data.get(key)
+        wrong_bool = isinstance(value, bool) and bool not in allowed
+        if value is not None and (wrong_bool or not isinstance(value, allowed)):
+            want = " or ".join(TYPE_WORDS[t] for t in allowed)
+            raise UserError(f"{where}: {prefix}{key} must be {want}, got {shown(value, 40)} "
+                            f"(corrupt or hand-edited)")
+
+
+def _check_meta(meta: Dict[str, Any], path: Path) -> None:
+    """The fields of meta.json that readers use have the types the writer gives them; an object
+    or list field that is null is taken as absent (readers fall back to their defaults)."""
+    from epbench.scenario import shown
+
+    where = _shown(path)
+    for key, allowed in META_TYPES.items():
+        if key in meta and meta[key] is None and set(allowed) & {dict, list}:
+            del meta[key]
+    _check_types(meta, META_TYPES, where)
+    _check_types(meta.get("scenario") or {}, SCENARIO_TYPES, where, "scenario.")
+    odd = [n for n in meta.get("notes") or [] if not isinstance(n, str)]
+    if odd:
+        raise UserError(f"{where}: notes must be a list of text, got {shown(odd[0], 40)} in it "
+                        f"(corrupt or hand-edited)")
+
+
+def _number_column(name: str) -> bool:
+    return name in WHOLE_COLUMNS or name.endswith(NUMBER_SUFFIXES)
+
+
+def _typed(df: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """results.csv with its number columns as numbers and its key columns as text; text in a
+    number column (a second header line where two tables were appended, a hand edit) is a
+    UserError naming the column and the row."""
+    df = df.copy()
+    for col in df.columns:
+        if _number_column(col) and not pd.api.types.is_numeric_dtype(df[col]):
+            values = pd.to_numeric(df[col], errors="coerce")
+            bad = values.isna() & df[col].notna()
+            if bad.any():
+                from epbench.scenario import cut
+
+                row = int(bad.to_numpy().nonzero()[0][0])
+                raise UserError(f"{_shown(path)}: column {col} holds text where a number belongs "
+                                f"({cut(repr(df[col].iloc[row]), 30)} in data row {row + 1}; two "
+                                f"tables appended, or a hand edit?)")
+            df[col] = values
+    for col in TEXT_COLUMNS:
+        if col in df and pd.api.types.is_numeric_dtype(df[col]):  # a backend named 5: keys compare as text
+            df[col] = df[col].astype(object).where(df[col].isna(), df[col].astype(str))
+    return df
 
 
 def load_unmeasured(path: Path) -> pd.DataFrame:

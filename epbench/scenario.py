@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import stat
 import reprlib
 import typing
 from dataclasses import dataclass, field
@@ -307,6 +309,7 @@ def _check(s: Scenario) -> None:
          f"must list positive counts of at most {MAX_INPUT_SETS}", list(b.input_sets))
     need(len(set(b.input_sets)) == len(b.input_sets), "bench.input_sets", "must not list a count twice",
          list(b.input_sets))
+    _once_each(b.sms, "bench.sms")
     need(0 < b.timeout_s <= MAX_TIMEOUT_S, "bench.timeout_s",
          f"must be positive and at most {MAX_TIMEOUT_S:.0f} seconds", b.timeout_s)
     need(0 < b.control_timeout_s <= MAX_CONTROL_TIMEOUT_S, "bench.control_timeout_s",
@@ -404,9 +407,15 @@ def short_path(path: "str | Path", limit: int = 120) -> str:
 
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader with a depth limit while composing (deep nesting would end in a
-    RecursionError) and a size limit on the composed tree with every alias expanded (anchors make
+    RecursionError), a size limit on the composed tree with every alias expanded (anchors make
     a small file describe an exponentially large one; PyYAML shares the objects, but any walk
-    or print of them would run for ever)."""
+    or print of them would run for ever), no key written twice in one mapping (PyYAML keeps the
+    last silently), and YAML 1.2 floats (``1e3``, ``1.0e308``: strings to YAML 1.1)."""
+
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
+        _check_duplicate_keys(node)
+        return node
 
     def compose_document(self):
         self._depth = 0
@@ -427,6 +436,34 @@ class _Loader(yaml.SafeLoader):
 
 class _TooBig(Exception):
     pass
+
+
+# Floats with an exponent as YAML 1.2 writes them (no dot needed, the exponent's sign optional);
+# YAML 1.1's own float rule (PyYAML's) still takes every other spelling.
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _check_duplicate_keys(node: yaml.MappingNode) -> None:
+    """A key written twice in one mapping (a merge ``<<`` may still be overridden)."""
+    seen: Dict[Tuple[str, str], int] = {}
+    for key, _value in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == MERGE_TAG:
+            continue
+        line = key.start_mark.line + 1
+        if (key.tag, key.value) in seen:
+            raise _DuplicateKey(f"key {cut(key.value, 40)} appears twice in one mapping (lines "
+                                f"{seen[(key.tag, key.value)]} and {line}); the second would "
+                                f"silently replace the first")
+        seen[(key.tag, key.value)] = line
 
 
 def _children(node: yaml.Node) -> list:
@@ -467,13 +504,27 @@ def _check_expanded(root: Optional[yaml.Node]) -> None:
             stack.extend((k, False) for k in _children(node))
 
 
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
 def load(path: "str | Path") -> Scenario:
     p = Path(path)
     where = short_path(p)
     try:
         if p.is_dir():
             raise UserError(f"{where}: is a folder, not a scenario file")
-        with open(p, "rb") as f:
+        # without O_NONBLOCK, opening a FIFO waits for a writer for ever
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            kind = os.fstat(fd).st_mode
+            if not stat.S_ISREG(kind):
+                raise UserError(f"{where}: not a regular file ({_file_kind(kind)}); a scenario is a "
+                                f"YAML file")
             raw = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise UserError(f"{where}: no such scenario file") from None
@@ -495,6 +546,8 @@ def load(path: "str | Path") -> Scenario:
         raise UserError(f"{where}: malformed YAML{at}: {cut(why)}") from None
     except _TooBig as e:
         raise UserError(f"{where}: {e}; not a scenario file") from None
+    except _DuplicateKey as e:
+        raise UserError(f"{where}: {e}") from None
     except (ValueError, RecursionError, MemoryError) as e:  # e.g. an integer of 5000 digits
         raise UserError(f"{where}: unreadable YAML value ({cut(str(e))})") from None
     return parse(data, where)
@@ -535,4 +588,12 @@ def maybe_int_list(text: Optional[str], option: str,
         raise UserError(f"{option}: must list at most {MAX_LIST} values, got {len(vals)}")
     if upper is not None and max(vals) > upper:
         raise UserError(f"{option}: must be at most {upper}, got {shown(max(vals))}")
+    _once_each(vals, option)
     return vals
+
+
+def _once_each(values: Tuple[Any, ...], key: str) -> None:
+    """A value listed twice would measure the same point twice, into duplicate rows."""
+    twice = [v for i, v in enumerate(values) if v in values[:i]]
+    if twice:
+        raise UserError(f"{key}: {shown(twice[0])} is listed twice")

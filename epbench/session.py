@@ -218,7 +218,7 @@ def _run(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path], re
     comm.arrive("final barrier")
     dist.barrier()
     dist.destroy_process_group()
-    return 1 if wrong else 0
+    return 1 if wrong and not launched else 0  # launched: the launcher says where (verification_failure)
 
 
 def show_run(run_dir: Path, console: Any) -> None:
@@ -241,6 +241,16 @@ def job_points(opts: RunOptions, backend: str, tokens_per_rank: int) -> List[tup
     cls = load_backend(backend)[0]
     sms = opts.sms if cls is not None and cls.uses_sms else (0,)
     return [(n, t) for t in (opts.tokens or (tokens_per_rank,)) for n in sms]
+
+
+def verification_failure(run_dir: Path) -> Optional[launch.Outcome]:
+    """The run's outcome where rows failed verification: which backend, op and SM count, how
+    many rows, and the folder (None: every row verified)."""
+    from epbench.report import wrong_rows
+    from epbench.results import load_run
+
+    where = wrong_rows(load_run(run_dir)[1])
+    return launch.Outcome("failed", 1, f"verification failed: {where}; results: {run_dir}") if where else None
 
 
 def launch_run(s: Scenario, opts: RunOptions, jobs: List[str], run_dir: Path, job_command: Any,
@@ -270,6 +280,8 @@ def launch_run(s: Scenario, opts: RunOptions, jobs: List[str], run_dir: Path, jo
             results.add_rows(run_dir, results.unmeasured_rows(s.name, backend, left,
                                                               f"{out.status}: {out.line}"))
     (run_dir / CEILINGS_CACHE).unlink(missing_ok=True)
+    if first is None and (run_dir / results.META).is_file():
+        first = verification_failure(run_dir)
     if not (run_dir / results.META).is_file():  # no job got as far as writing anything
         if first is not None:
             print(f"epbench: error: {first.line}", file=sys.stderr)

@@ -94,6 +94,12 @@ FILES: Dict[str, Tuple[object, str]] = {
     "empty-file": ("", "must be a mapping"),
     "malformed": ("model:\n  hidden: [256,\n", "malformed YAML"),
     "tab-indent": ("model:\n\thidden: 256\n", "malformed YAML"),
+    "key-twice": (_yaml().replace("  topk: 4\n", "  topk: 4\n  topk: 2\n"),
+                  "key topk appears twice in one mapping (lines 5 and 6)"),
+    "key-twice-flow": (_base_with("routing: {seed: 1, seed: 2}\n"), "key seed appears twice"),
+    "sms-twice": (_yaml(bench={"sms": [8, 16, 8]}), "bench.sms: 8 is listed twice"),
+    "timeout-1e308": (_yaml().replace("iters: 2", "iters: 2\n  timeout_s: 1.0e308"),
+                      "bench.timeout_s: must be positive and at most 3600 seconds, got 1e+308"),
 }
 
 
@@ -218,6 +224,7 @@ BAD_OPTIONS = {
     "backends-empty": (("--backends", ","), "--backends: must name at least one"),
     "backends-unknown": (("--backends", "reference,nccl"), "unknown backend 'nccl'"),
     "nproc-huge": (("--nproc", "100000"), "--nproc: must be 1 to 64"),
+    "sms-twice": (("--sms", "8,8"), "--sms: 8 is listed twice"),
     "no-such-option": (("--bogus",), "No such option: --bogus"),
 }
 
@@ -252,3 +259,112 @@ def test_a_shape_larger_than_host_memory_stops_before_launch(write_scenario, tmp
     line = c.err.strip()
     assert "GiB per rank" in line and "this host's memory" in line and len(line.splitlines()) == 1
     assert not (tmp_path / "res").exists()
+
+
+# -- results folders with bad content, write errors (issue 35): in-process, no subprocess --------
+
+def _rows(scale=1.0):
+    return [{"scenario": "s", "backend": "epbench", "op": op, "sms": 8, "rank": r, "world": 2,
+             "time_us": 500.0 * scale + r, "algbw_gbps": 300.0, "busbw_nvlink_gbps": 250.0 / scale,
+             "nvlink_bytes": 125_000_000, "wrong": 0, "problem": ""}
+            for op in ("dispatch", "combine") for r in range(2)]
+
+
+@pytest.fixture
+def mixed_root(tmp_path):
+    """results/ with two good runs and three bad ones: two tables appended into one results.csv,
+    a meta.json whose scenario is a number, and tables without a meta.json."""
+    import json
+
+    from epbench.results import RunWriter
+
+    root = tmp_path / "results"
+    made = {}
+    for name in ("a_good", "b_appended", "c_scenario5", "d_nometa", "e_good"):
+        w = RunWriter(root / name, {"device": "cuda", "world": 2, "scenario": dict(
+            scenario_dict(topology={"gpus_per_node": 2}), name="s")})
+        w.add(_rows(2.0 if name == "e_good" else 1.0), [])
+        w.finish("complete")
+        made[name] = root / name
+    csv = made["b_appended"] / "results.csv"
+    csv.write_text(csv.read_text() * 2)
+    meta = json.loads((made["c_scenario5"] / "meta.json").read_text())
+    (made["c_scenario5"] / "meta.json").write_text(json.dumps(dict(meta, scenario=5)))
+    (made["d_nometa"] / "meta.json").unlink()
+    return root, made
+
+
+def _three_warnings(err, made):
+    lines = err.strip().splitlines()
+    assert len(lines) == 3 and all(ln.startswith("epbench: warning: skipped: ") for ln in lines), err
+    for line, name, needle in zip(lines, ("b_appended", "c_scenario5", "d_nometa"),
+                                  ("holds text where a number belongs", "scenario must be an object",
+                                   "no meta.json")):
+        assert str(made[name]) in line and needle in line, line
+
+
+@pytest.mark.parametrize("command", ["report", "plot"])
+def test_one_bad_run_never_hides_the_others(mixed_root, command, monkeypatch, capsys):
+    from inproc import epbench_here
+
+    root, made = mixed_root
+    r = epbench_here(monkeypatch, capsys, command, root)
+    assert r.code == 0 and "Traceback" not in r.both, r.both
+    _three_warnings(r.err, made)
+    if command == "report":
+        assert [ln for ln in r.out.splitlines() if ln.startswith(str(root))] == [
+            str(made["a_good"]), str(made["e_good"])]
+    else:
+        assert r.out.count("wrote ") == 6  # bandwidth_vs_sms, per_rank and expert_load of both good runs
+
+
+def test_compare_names_the_bad_run_in_one_line(mixed_root, monkeypatch, capsys):
+    from inproc import epbench_here
+
+    _, made = mixed_root
+    for bad, needle in (("b_appended", "column sms holds text"), ("c_scenario5", "scenario must be an object")):
+        r = epbench_here(monkeypatch, capsys, "compare", made["a_good"], made[bad])
+        assert r.code == 2 and len(r.err.strip().splitlines()) == 1, r.both
+        assert str(made[bad]) in r.err and needle in r.err
+    r = epbench_here(monkeypatch, capsys, "compare", made["a_good"], made["e_good"])
+    assert r.code == 0 and "0.500" in r.out, r.both
+
+
+def test_a_read_only_results_folder_stops_the_run_before_it_starts(tmp_path, monkeypatch, capsys):
+    """What a read-only file system does to the write probe (chmod would stop no root in CI)."""
+    import errno
+
+    from epbench import results
+    from inproc import epbench_here
+
+    def read_only(*_args, **_kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(results.os, "open", read_only)
+    r = epbench_here(monkeypatch, capsys, "run", SMOKE, "--device", "cpu", "--results", tmp_path / "ro")
+    assert r.code == 2 and r.out == "", r.both
+    assert r.err.strip() == f"epbench: error: {tmp_path / 'ro'}: cannot write there (Read-only file system)"
+
+
+def test_a_rank_whose_error_file_cannot_be_written_says_its_line_itself(tmp_path, monkeypatch, capsys):
+    """A full disk takes the rank's error file too: the line goes to stderr instead of a traceback."""
+    import errno
+
+    from epbench import cli, launch
+    from epbench.errors import UserError
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def boom(**_click_options):
+        raise UserError("/r/samples.csv: cannot write (No space left on device)")
+
+    monkeypatch.setattr(launch, "write_rank_error", full)
+    monkeypatch.setattr(cli, "app", boom)
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), (cli.RANK_ERRORS, str(tmp_path))):
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("epbench: error: [rank 0] /r/samples.csv: cannot write "
+                                       "(No space left on device)\n")

@@ -6,6 +6,7 @@ Real runs: 4 (or 2) CPU ranks over gloo under torchrun; the smoke run happens on
 results root, never into the repository's results/."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest

@@ -152,3 +152,48 @@ def test_option_warnings_from_rows_and_meta():
                    "epbench option dispatch_impl differs: A lean_dyn vs B lean",
                    "epbench-ll option warps differs: A 8 vs B 16"]
     assert option_warnings(meta_a, rows("lean", [12]), meta_a, rows("lean", [12])) == []
+
+
+# -- --plot into a folder, and nothing drawn where there is nothing to draw (issue 35, items 5, 8) --
+
+@pytest.mark.parametrize("given", ["existing", "slash"])
+def test_compare_plot_into_a_folder_writes_inside_it(runs, tmp_path, given, monkeypatch, capsys):
+    from inproc import epbench_here
+
+    a, b = runs
+    folder = tmp_path / "pngs"
+    if given == "existing":
+        folder.mkdir()
+    arg = str(folder) if given == "existing" else f"{folder}/"
+    r = epbench_here(monkeypatch, capsys, "compare", a, b, "--plot", arg)
+    assert r.code == 0, r.both
+    png = folder / "compare_a_vs_b.png"
+    assert f"wrote {png}" in r.out and png.is_file()
+    assert not (tmp_path / "pngs.png").exists()
+
+
+def test_compare_plot_of_runs_without_sm_counts_draws_nothing_and_says_why(tmp_path, monkeypatch, capsys):
+    from inproc import epbench_here
+
+    gloo = dict(META, device="cpu")
+    a = write_run(tmp_path / "a", gloo, [rows("reference", "dispatch", 0, (800.0, 820.0), (0.1, 0.1))])
+    b = write_run(tmp_path / "b", gloo, [rows("reference", "dispatch", 0, (700.0, 720.0), (0.1, 0.1))])
+    r = epbench_here(monkeypatch, capsys, "compare", a, b, "--plot", tmp_path / "c.png")
+    assert r.code == 0 and "time B/A" in r.out, r.both
+    assert r.err.strip().splitlines()[-1] == ("epbench: warning: --plot: nothing drawn: neither run set an "
+                                              "SM count (every backend chose its own): no bandwidth-vs-SMs curve")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_compare_plot_names_the_transport_of_the_runs(runs, tmp_path, monkeypatch):
+    from epbench import plot
+
+    a, b = runs
+    labels = []
+    monkeypatch.setattr(plot, "_save", lambda fig, title, path, force=False: labels.append(
+        fig.axes[0].get_ylabel()) or path)
+    plot.compare_plot(a, b, tmp_path / "x.png")
+    gloo = write_run(tmp_path / "g", dict(META, device="cpu"), [rows("reference", "dispatch", 8, (1.0, 1.0), (1.0, 1.0))])
+    plot.compare_plot(a, gloo, tmp_path / "y.png")
+    assert labels == ["busbw GB/s over NVLink (slowest rank)",
+                      "busbw GB/s over A NVLink / B gloo (CPU) (slowest rank)"]

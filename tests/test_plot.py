@@ -193,3 +193,56 @@ def test_latency_ticks_are_plain_microseconds(monkeypatch):
     figs["latency_vs_tokens.png"].canvas.draw()
     ticks = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
     assert ticks and all(t.replace(".", "").isdigit() for t in ticks), ticks  # no 10^x mathtext
+
+
+# -- a plot command that writes nothing fails (issue 35, item 5) ---------------------------------
+
+def _cuda_run(path):
+    from epbench.results import RunWriter
+
+    w = RunWriter(path, {"device": "cuda", "world": 2})
+    w.add([{"scenario": "s", "backend": "epbench", "op": op, "sms": 8, "rank": r, "world": 2,
+            "time_us": 500.0, "algbw_gbps": 300.0, "busbw_nvlink_gbps": 250.0, "wrong": 0}
+           for op in ("dispatch", "combine") for r in range(2)], [])
+    w.finish("complete")
+    return path
+
+
+def test_plot_into_a_folder_that_takes_nothing_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    from epbench import results
+    from inproc import epbench_here
+
+    run = _cuda_run(tmp_path / "run")
+
+    def read_only(*_args, **_kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(results.os, "open", read_only)
+    r = epbench_here(monkeypatch, capsys, "plot", run, "--out", tmp_path / "ro" / "p")
+    assert r.code == 2 and r.out == "", r.both
+    assert r.err == f"epbench: error: {tmp_path / 'ro' / 'p'}: cannot write there (Read-only file system)\n"
+
+
+def test_plot_that_could_write_no_png_fails_instead_of_warning(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    from matplotlib.figure import Figure
+
+    from inproc import epbench_here
+
+    runs = [_cuda_run(tmp_path / "root" / n) for n in ("a", "b")]
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    r = epbench_here(monkeypatch, capsys, "plot", tmp_path / "root")
+    assert r.code == 2 and "wrote" not in r.out, r.both
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and str(runs[0] / "plots") in lines[0], r.err
+    assert "cannot write (No space left on device)" in lines[0] and "1 more run(s)" in lines[0]
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]

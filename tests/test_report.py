@@ -235,3 +235,64 @@ def test_chain_rows_are_labelled_graph_x_k_and_the_caption_says_what_their_p99_i
     assert "'graph xK' (in-graph: per call of K chained in one graph" in caption
     assert "its p99 is that of per-replay averages" in caption
     assert timing_label("chain", None) == "graph xK" and timing_label("launch", 1) == "launch"
+
+
+def test_wrong_rows_say_where_in_one_line():
+    df = pd.DataFrame(rows("combine", wrong=(0, 3), problem="token 0: got 1234.0", sms=8)
+                      + rows("dispatch", wrong=(1, 0), problem="row 2 missing"))
+    assert report.wrong_rows(df) == ("4 wrong rows (reference combine at 8 SMs: 3; reference dispatch "
+                                     "at auto SMs: 1; first: rank 1: token 0: got 1234.0)")
+    assert report.wrong_rows(pd.DataFrame(rows())) is None and report.wrong_rows(pd.DataFrame()) is None
+    many = pd.DataFrame([r for n in (2, 4, 6, 8) for r in rows(wrong=(1, 1), sms=n, problem="x")])
+    assert "8 wrong rows" in report.wrong_rows(many) and "1 more point(s)" in report.wrong_rows(many)
+
+
+def test_the_launcher_says_verification_failed_and_where(tmp_path):
+    """Not "rank 0 exited with code 1": the failing backend, op and SM count, the count and the folder."""
+    from epbench.results import RunWriter
+    from epbench.session import verification_failure
+
+    d = tmp_path / "run"
+    w = RunWriter(d, META)
+    w.add(rows("dispatch", wrong=(2, 0), problem="rows from rank 0: payload differs"), [])
+    out = verification_failure(d)
+    assert out.status == "failed" and out.code == 1
+    assert out.line == (f"verification failed: 2 wrong rows (reference dispatch at auto SMs: 2; first: "
+                        f"rank 0: rows from rank 0: payload differs); results: {d}")
+    clean = tmp_path / "clean"
+    RunWriter(clean, META).add(rows(), [])
+    assert verification_failure(clean) is None
+
+
+def test_control_characters_from_a_results_folder_never_reach_the_terminal():
+    """A hand-edited meta.json or results.csv: no escape sequence, bell or bidi override is printed."""
+    from epbench.console import SafeConsole, printable
+
+    assert printable("a\x1b]0;title\x07b\x1b[2Jc\u202ed\x9be\tf\ng") == "a]0;titleb[2Jcde\tf\ng"
+    meta = dict(META, scenario={"name": "evil\x1b[2J"}, notes=["note \x1b]0;pwned\x07"], status="odd\x07")
+    c = SafeConsole(record=True, width=200, color_system=None)
+    df = pd.DataFrame(rows(wrong=(1, 0), problem="bad \x1b[31mrow"))
+    df["backend"] = "ref\x1b[5m"
+    report.print_run(df, meta, c)
+    text = c.export_text()
+    assert "evil[2J on 2 ranks" in text and "note ]0;pwned" in text and "ref[5m" in text
+    assert not any(ch in text for ch in "\x1b\x07\x9b\u202e"), repr(text)
+
+
+@pytest.mark.parametrize("width", [100, 80, 60])
+def test_wide_table_never_cuts_a_number(width):
+    """--wide on a narrow terminal: spreads wrap at their spaces, columns that cannot fit are left
+    out and named; no number is cut or ellipsised."""
+    spread = [dict(r, algbw_gbps=0.00801 + 0.003 * r["rank"], busbw_nvlink_gbps=0.00588 + 0.003 * r["rank"])
+              for r in gpu_rows("reference", "dispatch", 0, world=4) + gpu_rows("epbench", "combine", 24, world=4)]
+    c = Console(record=True, width=width, color_system=None)
+    report.print_run(pd.DataFrame(spread), dict(META, device="cuda", world=4), c, report.WIDE)
+    text = c.export_text()
+    assert "…" not in text and max(len(ln) for ln in text.splitlines()) <= width
+    table = text.split(" time = ")[0]
+    words = set(table.replace("│", " ").split())
+    assert {"0.00588", "0.0104", "0.0149", "1286"} <= words, table  # busbw min / median / max, whole
+    if width >= 80:
+        assert {"0.00801", "0.0125", "0.017"} <= words, table  # algbw too
+    caption = " ".join(text.split())
+    assert ("Left out to fit" in caption) == (width < 110), caption

@@ -1,6 +1,8 @@
 import datetime as real_datetime
+import errno
 import json
 import os
+import re
 
 import pandas as pd
 import pytest
@@ -21,17 +23,21 @@ def test_atomic_write_leaves_no_temporary_file(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["a.json"]
 
 
-def test_atomic_write_that_fails_keeps_the_old_file(tmp_path, monkeypatch):
+def _fail_with(code):
+    def boom(*_args, **_kwargs):
+        raise OSError(code, os.strerror(code))
+
+    return boom
+
+
+def test_atomic_write_that_fails_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch):
     p = tmp_path / "results.csv"
     results._atomic_write(p, "old\n")
-
-    def boom(src, dst):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(results.os, "replace", boom)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(results.os, "replace", _fail_with(errno.ENOSPC))
+    with pytest.raises(UserError, match=r"results.csv: cannot write \(No space left on device\)"):
         results._atomic_write(p, "new, half written\n")
     assert p.read_text() == "old\n"
+    assert [f.name for f in tmp_path.iterdir()] == ["results.csv"]
 
 
 class _FrozenClock:
@@ -240,3 +246,131 @@ def test_a_running_run_whose_launcher_is_gone_reads_abandoned():
     assert run_status({"status": "running", "launcher": dict(me, host="elsewhere")}) == "running"
     assert run_status({"status": "running"}) == "running"  # written before launchers were recorded
     assert run_status({"status": "failed", "launcher": dict(me, start="1")}) == "failed"
+
+
+# -- write errors: a read-only folder, a disk that fills up mid-run (issue 35, item 2) -----------
+
+def test_a_results_folder_that_cannot_be_written_is_refused_before_the_run(tmp_path, monkeypatch):
+    """The probe file is what fails on a read-only file system (chmod stops no root)."""
+    results.check_new_run_dir(tmp_path / "new" / "deeper", None)  # the nearest parent is probed
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(results.os, "open", _fail_with(errno.EROFS))
+    with pytest.raises(UserError, match=r"ro: cannot write there \(Read-only file system\)"):
+        results.check_new_run_dir(tmp_path / "ro", None)
+    with pytest.raises(UserError, match=rf"{tmp_path}: cannot write there"):  # --run-dir's parent
+        results.check_new_run_dir(tmp_path / "elsewhere", tmp_path / "run")
+
+
+def test_creating_a_run_folder_on_a_read_only_file_system_is_one_user_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(results.os, "mkdir", _fail_with(errno.EROFS))
+    with pytest.raises(UserError, match=r"cannot create \(Read-only file system\)"):
+        results.new_run_dir(tmp_path, "s")
+    with pytest.raises(UserError, match=r"cannot (create|hold results)"):
+        results.RunWriter(tmp_path / "r", {})
+
+
+def test_a_disk_that_fills_up_mid_run_ends_in_one_error_and_a_failed_record(tmp_path, monkeypatch):
+    d = tmp_path / "run"
+    w = results.RunWriter(d, {"scenario": {"name": "s"}}, append=False)
+    w.add([ROW], [SAMPLE])
+    real_replace = os.replace
+    monkeypatch.setattr(results.os, "replace", lambda a, b: (_fail_with(errno.ENOSPC)() if
+                                                             "samples" in str(b) else real_replace(a, b)))
+    with pytest.raises(UserError, match=r"samples.csv: cannot write \(No space left on device\)") as first:
+        w.add([dict(ROW, op="combine")], [dict(SAMPLE, op="combine")])
+    assert w.failed is first.value
+    monkeypatch.setattr(results.os, "replace", _fail_with(errno.ENOSPC))
+    w.note(["on the way out"])  # the notes written while the error goes up do not replace it
+    assert sorted(f.name for f in d.iterdir()) == ["meta.json", "results.csv", "samples.csv"]
+    # the launcher's rows for the points left out cannot be written either: meta.json records the
+    # failure where it can, and the line says so where it cannot
+    monkeypatch.setattr(results.os, "replace", lambda a, b: (_fail_with(errno.ENOSPC)() if
+                                                             "results" in str(b) else real_replace(a, b)))
+    with pytest.raises(UserError, match="results.csv: cannot write"):
+        results.add_rows(d, results.unmeasured_rows("s", "epbench", [(8, 16)], "failed: x"))
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["status"] == "failed" and "results.csv: cannot write" in meta["error"]
+    monkeypatch.setattr(results.os, "replace", _fail_with(errno.ENOSPC))
+    with pytest.raises(UserError) as e:
+        results.finish_run(d, "failed", "reference: [rank 0] samples.csv: cannot write (No space left on device)")
+    assert str(e.value).startswith("reference: [rank 0] samples.csv: cannot write")
+    assert "meta.json: cannot write (No space left on device): its status was not recorded" in str(e.value)
+    assert not [f for f in d.iterdir() if ".tmp" in f.name]
+
+
+# -- readers: one bad run never hides the others (issue 35, item 1) ------------------------------
+
+def _append_table(d):
+    text = (d / "results.csv").read_text()
+    (d / "results.csv").write_text(text + text)  # two tables appended: a header among the rows
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (_append_table, "column sms holds text where a number belongs ('sms' in data row 2"),
+    (lambda d: _edit_meta(d, scenario=5), "scenario must be an object, got 5"),
+    (lambda d: _edit_meta(d, scenario={"name": ["x"]}), "scenario.name must be text"),
+    (lambda d: _edit_meta(d, notes=[1]), "notes must be a list of text"),
+    (lambda d: _edit_meta(d, world="4"), "world must be a whole number, got '4'"),
+    (lambda d: _edit_meta(d, world=True), "world must be a whole number, got True"),
+    (lambda d: (d / "results.csv").write_text((d / "results.csv").read_text().replace(",12.5,", ",fast,")),
+     "column time_us holds text"),
+], ids=["appended", "scenario-5", "name-list", "notes-numbers", "world-text", "world-bool", "time-text"])
+def test_fields_of_the_wrong_type_make_the_run_one_user_error(tmp_path, damage, needle):
+    good = _run(tmp_path / "root" / "good")
+    bad = _run(tmp_path / "root" / "bad")
+    damage(bad)
+    with pytest.raises(UserError, match=re.escape(needle)):
+        results.load_run(bad)
+    warnings = []
+    assert [d for d, _, _ in results.load_runs([tmp_path / "root"], warnings.append)] == [good]
+    assert len(warnings) == 1 and needle in warnings[0]
+
+
+def _edit_meta(d, **fields):
+    meta = json.loads((d / "meta.json").read_text())
+    meta.update(fields)
+    (d / "meta.json").write_text(json.dumps(meta))
+
+
+def test_null_objects_and_lists_in_meta_read_as_absent(tmp_path):
+    d = _run(tmp_path / "r")
+    _edit_meta(d, scenario=None, notes=None, functional=None)
+    meta, _ = results.load_run(d)
+    assert "scenario" not in meta and "notes" not in meta and meta["functional"] is None
+
+
+def test_numbers_read_as_numbers_and_keys_as_text(tmp_path):
+    d = _run(tmp_path / "r", rows=(dict(ROW, backend=5), dict(ROW, op="combine", backend=5)))
+    _, df = results.load_run(d)
+    assert list(df["backend"]) == ["5", "5"] and df["sms"].dtype == "int64"
+
+
+def test_a_folder_with_tables_but_no_meta_is_skipped_with_a_warning(tmp_path):
+    good = _run(tmp_path / "good")
+    orphan = _run(tmp_path / "orphan")
+    (orphan / "meta.json").unlink()
+    looped = _run(tmp_path / "looped")
+    (looped / "meta.json").unlink()
+    (looped / "meta.json").symlink_to("meta.json")
+    warnings = []
+    assert results.find_runs([tmp_path], warnings.append) == [good]
+    assert warnings == [f"skipped: {looped / 'meta.json'}: not a readable file",
+                        f"skipped: {orphan}: holds results.csv but no meta.json (not a complete results folder)"]
+    (tmp_path / "empty").mkdir()  # an empty folder (a run still starting) is no news
+    warnings.clear()
+    results.find_runs([tmp_path], warnings.append)
+    assert len(warnings) == 2
+
+
+@pytest.mark.parametrize("link, needle", [("results.csv", "Too many levels of symbolic links"),
+                                          ("gone.csv", "a symbolic link to nothing")])
+def test_a_results_table_that_is_a_bad_link_is_no_silent_empty_run(tmp_path, link, needle):
+    d = _run(tmp_path / "root" / "r")
+    (d / "results.csv").unlink()
+    (d / "results.csv").symlink_to(link)
+    with pytest.raises(UserError, match=needle):
+        results.load_run(d)
+    warnings = []
+    with pytest.raises(UserError, match="no readable results folders"):
+        results.load_runs([tmp_path / "root"], warnings.append)
+    assert len(warnings) == 1 and needle in warnings[0]

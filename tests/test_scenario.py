@@ -225,3 +225,75 @@ def test_load_limits_are_checked_on_the_composed_tree(tmp_path):
     p.write_text("a: &a [1, 2]\nb: [*a, *a, *a]\n")  # shared, small: it is the unknown key that stops it
     with pytest.raises(UserError, match="a: unknown key"):
         scenario.load(p)
+
+
+# -- input holes (issue 35, item 6) ------------------------------------------------------------
+
+def test_a_key_written_twice_is_refused_with_both_lines(tmp_path):
+    p = tmp_path / "twice.yaml"
+    p.write_text("model:\n  hidden: 256\n  tokens_per_rank: 16\n  topk: 4\n  experts_per_rank: 4\n"
+                 "  topk: 2\ntopology: {nodes: 1, gpus_per_node: 4}\n")
+    with pytest.raises(UserError, match=r"twice.yaml: key topk appears twice in one mapping \(lines 4 and 6\)"):
+        scenario.load(p)
+
+
+def test_a_merge_key_may_still_be_overridden():
+    import yaml
+
+    data = yaml.load("a: &a {x: 1, y: 2}\nb: {<<: *a, x: 3}\n", Loader=scenario._Loader)
+    assert data["b"] == {"x": 3, "y": 2}
+
+
+@pytest.mark.parametrize("text, value", [("1e3", 1000.0), ("1.0e308", 1e308), ("-2E-3", -0.002),
+                                         ("4.5e+2", 450.0), (".5e1", 5.0), ("1.5", 1.5)])
+def test_yaml_1_2_floats_are_floats(text, value):
+    import yaml
+
+    assert yaml.load(f"v: {text}", Loader=scenario._Loader) == {"v": value}
+    assert yaml.safe_load("v: 1e3") == {"v": "1e3"}  # PyYAML's own loader is left as it was
+
+
+def test_a_float_with_an_exponent_is_a_number_where_a_number_belongs(write_scenario):
+    text = ("model: {hidden: 256, tokens_per_rank: 16, topk: 4, experts_per_rank: 4}\n"
+            "topology: {nodes: 1, gpus_per_node: 4, nvlink_gbps: 4.5e2}\nbench: {timeout_s: 1e1}\n")
+    s = scenario.load(write_scenario("exp", text))
+    assert s.topology.nvlink_gbps == 450.0 and s.bench.timeout_s == 10.0
+    with pytest.raises(UserError, match="bench.timeout_s: must be positive and at most 3600 seconds, got 1e"):
+        scenario.load(write_scenario("huge", text.replace("1e1", "1.0e308")))
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    import os
+
+    fifo = tmp_path / "s.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match=r"s.yaml: not a regular file \(a FIFO\)"):
+        scenario.load(fifo)
+    with pytest.raises(UserError, match=r"not a regular file \(a character device\)"):
+        scenario.load("/dev/null")
+
+
+def test_a_value_listed_twice_is_refused():
+    with pytest.raises(UserError, match="--sms: 8 is listed twice"):
+        scenario.maybe_int_list("8,16,8", "--sms")
+    with pytest.raises(UserError, match="bench.sms: 4 is listed twice"):
+        scenario.parse(scenario_dict(bench={"sms": [4, 4]}))
+
+
+def test_every_nproc_in_readme_fits_its_scenario():
+    """A README command must work on some host: `run X --nproc N` needs top-k <= N x experts_per_rank."""
+    import re
+    import shlex
+
+    from support import REPO
+
+    readme = (REPO / "README.md").read_text()
+    found = 0
+    for line in readme.splitlines():
+        args = shlex.split(line.split("#")[0]) if line.startswith("epbench ") else []
+        if "--nproc" in args and any(a.startswith("scenarios/") for a in args):
+            path = next(a for a in args if a.startswith("scenarios/"))
+            scenario.load(REPO / path).with_world(int(args[args.index("--nproc") + 1]))
+            found += 1
+    assert found, "README shows --nproc nowhere"
+    assert not re.search(r"h200x4\.yaml --nproc 2", readme)
