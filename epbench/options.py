@@ -97,6 +97,12 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         "max_sms": Option(int, None, "SMs the DeepEP buffer is sized for (unset: the GPU's, rounded down to even)",
                           low=2, high=1024, env="EPBENCH_DEEPEP_MAX_SMS"),
     },
+    "deepep-v2": {
+        "gin": Option(str, "auto", "V2's NCCL Gin (GPU-initiated RDMA) backend: auto = off where the whole world is "
+                      "one node (every peer on NVLink; V2 refuses to start without RDMA NICs otherwise), on "
+                      "across nodes; off sets V2's EP_DISABLE_GIN=1, on leaves Gin required",
+                      choices=("auto", "on", "off"), env="EPBENCH_DEEPEP_V2_GIN"),
+    },
     "hybrid-ep": {
         "sms": Option(int, None, "blocks of Hybrid-EP's dispatch and of its combine kernel, fixed when the buffer "
                       "is built (unset: the library's default, 24 in one NVLink domain)", low=1, high=1024,

@@ -342,3 +342,24 @@ def test_worlds_2_to_4_verify_clean(monkeypatch, world, dtype, layout, align):
 def test_worlds_above_1_catch_an_injected_fault(monkeypatch):
     recs = run_v2_points(monkeypatch, v2_scenario(3), inject="dispatch")
     assert all(r.wrong["dispatch"] == 1 and "verification run" in r.problem["dispatch"] for r in recs)
+
+
+def test_gin_is_off_within_one_node_and_the_rows_say_so(monkeypatch):
+    seen = []
+
+    class Watching(FakeElasticBuffer):
+        def __init__(self, group, **kw):
+            seen.append(__import__("os").environ.get("EP_DISABLE_GIN"))
+            super().__init__(group, **kw)
+
+    fake = types.SimpleNamespace(ElasticBuffer=Watching, topk_idx_t=FAKE_TOPK_IDX_T)
+    monkeypatch.setattr(deepep_v2, "_import_deep_ep", lambda: fake)
+    monkeypatch.delenv("EP_DISABLE_GIN", raising=False)
+    setup = RankSetup(rank=0, world=4, gpus_per_node=4, device=torch.device("cpu"), hidden=256,
+                      max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16")
+    be = deepep_v2.DeepEPV2Backend(setup, group=object())
+    assert seen == ["1"] and be.effective_config() == {"gin": "off"}
+    assert "EP_DISABLE_GIN" not in __import__("os").environ  # set for the buffer's construction only
+    deepep_v2.DeepEPV2Backend(setup, group=object(), gin="on")
+    assert seen[-1] is None
+    assert deepep_v2.gin_setting("auto", 16, 8) == "on" and deepep_v2.gin_setting("on", 1, 1) == "off"

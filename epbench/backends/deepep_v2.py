@@ -16,7 +16,10 @@ dispatch
 World and GPUs: V2 talks through an NCCL communicator (torch's, or its own built over the group),
 and NCCL refuses two ranks on one GPU, so ranks sharing a GPU cannot run it. At world 1 V2 skips
 NCCL Gin (``num_ranks > 1`` only) and its kernels copy within the GPU; above 1 rank it asserts that
-Gin is available (``EP_DISABLE_GIN=1`` lifts that where every peer is on NVLink).
+Gin (GPU-initiated RDMA) is available unless ``EP_DISABLE_GIN=1`` (its README's switch, read when
+the buffer is built, csrc/kernels/backend/nccl.cu). The option ``gin`` (auto: off where the whole
+world is one node, every peer on NVLink; on across nodes) sets it for the buffer's construction and
+every row records what ran (``gin`` in the options column).
 
 Row order: V2 does not promise epbench's (source rank, source token) order; its handle says where
 each row came from (``recv_src_metadata[:, 0]`` = ``source rank * num_max_tokens_per_rank + token``),
@@ -40,9 +43,11 @@ combine
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,6 +109,32 @@ def expanded_routing(slots: torch.Tensor, slot_weights: torch.Tensor, table: Exp
     return ids, w
 
 
+def gin_setting(asked: str, world: int, gpus_per_node: int) -> str:
+    """"on" or "off": what V2's Gin backend is set to. auto: off where the whole world is one node
+    (every peer is reached over NVLink), on across nodes; at world 1 V2 never uses it (off)."""
+    if world == 1:
+        return "off"
+    if asked == "auto":
+        return "off" if world <= gpus_per_node else "on"
+    return asked
+
+
+@contextlib.contextmanager
+def _env(name: str, value: Optional[str]):
+    """``name`` set to ``value`` (None: left as it is) while the block runs, then restored."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 @dataclass
 class _Handle:
     v2_handle: Any
@@ -140,8 +171,9 @@ class DeepEPV2Backend(Backend):
         per_gpu = -(-setup.gpus_per_node // max(1, torch.cuda.device_count()))
         return limits_reason(setup.world, setup.hidden, setup.dispatch_dtype, torch.__version__, nccl, per_gpu)
 
-    def __init__(self, setup: RankSetup, *, group: Optional[Any] = None) -> None:
+    def __init__(self, setup: RankSetup, *, group: Optional[Any] = None, gin: str = "auto") -> None:
         self.s = setup
+        self.gin = gin_setting(gin, setup.world, setup.gpus_per_node)
         self.deep_ep = _import_deep_ep()
         self.fp8 = setup.dispatch_dtype in ("fp8", "mxfp8")
         self.mx = setup.dispatch_dtype == "mxfp8"
@@ -149,9 +181,10 @@ class DeepEPV2Backend(Backend):
         self.group = group if group is not None else dist.group.WORLD
         # explicitly_destroy: the buffer (and its NCCL window) goes in close(), while the process
         # group still exists, not whenever the garbage collector gets to it
-        self.buffer = self.deep_ep.ElasticBuffer(
-            self.group, num_max_tokens_per_rank=setup.max_tokens_per_rank, hidden=setup.hidden,
-            num_topk=setup.topk, use_fp8_dispatch=self.fp8, explicitly_destroy=True)
+        with _env("EP_DISABLE_GIN", "1" if self.gin == "off" else None):
+            self.buffer = self.deep_ep.ElasticBuffer(
+                self.group, num_max_tokens_per_rank=setup.max_tokens_per_rank, hidden=setup.hidden,
+                num_topk=setup.topk, use_fp8_dispatch=self.fp8, explicitly_destroy=True)
         self.expert_major = setup.layout == "expert_major"
         self.align = setup.align if self.expert_major else 1
         cap = (slot_capacity(setup.world, setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
@@ -202,6 +235,9 @@ class DeepEPV2Backend(Backend):
         torch.mul(self.combine_in[:n], h.row_weights(), out=y)
         combined, _, _ = self.buffer.combine(y, h.v2_handle, num_sms=num_sms)
         return combined
+
+    def effective_config(self) -> Dict[str, Any]:
+        return {"gin": self.gin}
 
     def poison(self) -> None:
         self.combine_in.fill_(float("nan"))
