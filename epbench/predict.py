@@ -573,6 +573,18 @@ def to_dict(pred: Prediction) -> Dict[str, Any]:
 
 def write_json(pred: Prediction, path: Path) -> None:
     """Never overwrites a file and never writes into a results folder."""
+    check_json_path(path)
+    text = json.dumps(to_dict(pred), indent=2, default=str) + "\n"
+    try:
+        with open(path, "x") as f:  # exclusive: a file that appeared meanwhile is not clobbered
+            f.write(text)
+    except FileExistsError:
+        raise UserError(f"--json {path}: already exists; refusing to overwrite it") from None
+
+
+def check_json_path(path: Path) -> None:
+    """Refuses a --json file that exists, sits in a results folder or has no folder (before
+    anything is computed, and again when it is written)."""
     from epbench.results import is_run_dir
 
     if path.exists():
@@ -582,9 +594,3 @@ def write_json(pred: Prediction, path: Path) -> None:
                         f"out of measured results")
     if not path.parent.is_dir():
         raise UserError(f"--json {path}: no such folder {path.parent}")
-    text = json.dumps(to_dict(pred), indent=2, default=str) + "\n"
-    try:
-        with open(path, "x") as f:  # exclusive: a file that appeared meanwhile is not clobbered
-            f.write(text)
-    except FileExistsError:
-        raise UserError(f"--json {path}: already exists; refusing to overwrite it") from None
