@@ -129,10 +129,13 @@ run: build
 	$(EPB) run
 
 # The CPU suite on two workers where pytest-xdist is there or pip can get it (CI: 6 min instead of 10
-# on 2 cores); a host without network (the GPU machine) runs it on one.
+# on 2 cores); a host without network (the GPU machine) runs it on one. --dist loadgroup keeps the
+# tests of one xdist_group on one worker: those reading the session's smoke run (conftest.py), and
+# the kernel compiles that `make check` then finds done (tests/test_csrc_build.py).
 test: build
 	@$(PY) -c "import xdist" 2>/dev/null || $(PY) -m pip install -q pytest-xdist >/dev/null 2>&1 || true
-	@if $(PY) -c "import xdist" 2>/dev/null; then echo "$(PY) -m pytest -q -n 2"; $(PY) -m pytest -q -n 2; \
+	@if $(PY) -c "import xdist" 2>/dev/null; then echo "$(PY) -m pytest -q -n 2 --dist loadgroup"; \
+	  $(PY) -m pytest -q -n 2 --dist loadgroup; \
 	else echo "$(PY) -m pytest -q (no pytest-xdist: one worker)"; $(PY) -m pytest -q; fi
 
 # On the GPU host: build, GPU tests, then the benchmark sweeps behind README's Performance table.

@@ -588,6 +588,8 @@ def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topolo
     s = scenario.load(path)
     if sms is not None and sms < 1:
         raise UserError(f"--sms: must be positive, got {sms}")
+    if json_out is not None:
+        model.check_json_path(json_out)  # a refused file costs no prediction
     if calibrate is not None:
         calib = model.calibrate([calibrate], s, backend, sms, overhead_us)
     else:

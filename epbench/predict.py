@@ -676,13 +676,7 @@ def to_dict(pred: Prediction) -> Dict[str, Any]:
 def write_json(pred: Prediction, path: Path) -> None:
     """Never overwrites a file and never writes into a results folder; a file it could not
     finish is removed, and what stopped it is one line (UserError)."""
-    from epbench.results import is_run_dir
-
-    if path.exists():
-        raise UserError(f"--json {path}: already exists; refusing to overwrite it")
-    if path.parent.is_dir() and is_run_dir(path.parent):
-        raise UserError(f"--json {path}: {path.parent} is a results folder; predictions stay "
-                        f"out of measured results")
+    check_json_path(path)
     text = json.dumps(to_dict(pred), indent=2, default=str) + "\n"
     try:
         f = open(path, "x")  # exclusive: a file that appeared meanwhile is not clobbered
@@ -696,3 +690,15 @@ def write_json(pred: Prediction, path: Path) -> None:
     except OSError as e:  # a full disk, a quota: leave no half-written file
         path.unlink(missing_ok=True)
         raise UserError(f"--json {path}: {e.strerror or e}") from None
+
+
+def check_json_path(path: Path) -> None:
+    """Refuses a --json file that exists or sits in a results folder (before anything is
+    computed, and again when it is written; a path that cannot be written fails on opening)."""
+    from epbench.results import is_run_dir
+
+    if path.exists():
+        raise UserError(f"--json {path}: already exists; refusing to overwrite it")
+    if path.parent.is_dir() and is_run_dir(path.parent):
+        raise UserError(f"--json {path}: {path.parent} is a results folder; predictions stay "
+                        f"out of measured results")

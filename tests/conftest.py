@@ -15,6 +15,25 @@ from support import Run, run_cli
 # want a width pass it themselves.
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+# Two workers share two cores (CI): torch's CPU ops in a worker, and in the commands the tests
+# start, take one thread each, as the launcher already gives every rank it starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# Fixtures that make something costly once per worker (real runs, spawned gloo groups, kernel
+# objects, a clone) and the tests that read it.
+SHARED = ("smoke_run", "reports", "reference_ll", "build_dir", "nvshmem_build", "clone")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """The tests that read one of the SHARED fixtures go to one worker under ``--dist loadgroup``
+    (make test), so that it is made once, not once on each worker that runs one of them."""
+    for item in items:
+        used = getattr(item, "fixturenames", ())
+        shared = next((name for name in SHARED if name in used), None)
+        if shared is not None:
+            item.add_marker(pytest.mark.xdist_group(shared))
 
 
 @pytest.fixture

@@ -64,6 +64,86 @@ def epbench(*args: str, timeout: float = 240, env: Optional[Dict[str, str]] = No
     return Result(p.returncode, p.stdout, p.stderr)
 
 
+class StartedRanks(BaseException):
+    """An in-process command tried to start ranks (see epbench_here); not an Exception, so that
+    epbench's own error handling cannot turn it into an error line."""
+
+
+def epbench_here(*args: str, env: Optional[Dict[str, str]] = None) -> Result:
+    """``epbench ARGS`` in this process, for commands that start no ranks (bad input, validate,
+    report, plot, compare, predict): what ``python -m epbench`` runs (cli.main), from the
+    repository root, with the same environment as epbench(), and stdout, stderr and exit code
+    caught as a child's would be; a traceback that would end a child goes to ``err``. It saves
+    the start-up of a process that imports torch. Consoles, environment, working folder, signal
+    handlers and warning filters are put back afterwards; warnings and log records reach ``err``
+    as they would a child's stderr. A command that gets as far as starting ranks raises
+    StartedRanks: such a command needs epbench()."""
+    import contextlib
+    import io
+    import logging
+    import signal
+    import traceback
+    import warnings
+
+    from epbench import cli, console, launch
+
+    def no_ranks(*_args: Any, **_kwargs: Any) -> None:
+        raise StartedRanks(f"epbench {' '.join(map(str, args))} started ranks: use epbench()")
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_consoles = cli.console, cli.err
+    saved_run_job = launch.run_job
+    root = logging.getLogger()
+    saved_handlers = root.handlers[:]
+    code = 0
+    try:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EPBENCH_DEBUG"):
+            os.environ.pop(k, None)
+        os.environ.update(env or {})
+        os.chdir(REPO)
+        sys.argv = ["epbench", *map(str, args)]
+        launch.run_job = no_ranks
+        root.handlers = []  # records then reach logging's last resort: this stderr
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings():
+            warnings.resetwarnings()  # a fresh interpreter's filters
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.showwarning = _warning_to_stderr
+            # made now, as a child makes them at import: its output is a pipe, not this terminal
+            cli.console, cli.err = console.wide_console(), console.wide_console(stderr=True)
+            try:
+                cli.main()
+            except SystemExit as e:
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:  # sys.exit(text): the interpreter prints the text and exits 1
+                    print(e.code, file=sys.stderr)
+                    code = 1
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        cli.console, cli.err = saved_consoles
+        launch.run_job = saved_run_job
+        root.handlers = saved_handlers
+        for s, handler in saved_signals.items():
+            signal.signal(s, handler)
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def _warning_to_stderr(message, category, filename, lineno, file=None, line=None) -> None:
+    import warnings
+
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 def assert_one_line_error(r: Result, *needles: str) -> str:
     """Exit 2, stderr is exactly one line that contains every needle, no traceback."""
     assert r.code == 2, f"exit {r.code}\nstdout:\n{r.out}\nstderr:\n{r.err}"

@@ -10,7 +10,7 @@ import torch
 from epbench import ceiling
 from epbench.routing import Traffic, route_all, traffic
 from epbench.scenario import parse
-from support import assert_one_line_error, epbench, scenario_dict
+from support import assert_one_line_error, epbench_here, scenario_dict
 
 
 def test_ideal_time_and_percent_of_ceiling():
@@ -132,7 +132,7 @@ def render(table):
 
 @pytest.mark.slow
 def test_ceiling_command_on_cpu_prints_bytes_and_says_what_needs_gpus():
-    r = epbench("ceiling", "scenarios/smoke.yaml")
+    r = epbench_here("ceiling", "scenarios/smoke.yaml")
     assert r.code == 0, r.both
     assert "dispatch" in r.out and "combine" in r.out
     assert "copy-engine ceilings need CUDA GPUs" in r.out
@@ -140,9 +140,9 @@ def test_ceiling_command_on_cpu_prints_bytes_and_says_what_needs_gpus():
 
 
 def test_ceiling_command_bad_input_is_one_line(tmp_path):
-    r = epbench("ceiling", tmp_path / "nope.yaml")
+    r = epbench_here("ceiling", tmp_path / "nope.yaml")
     assert_one_line_error(r, "nope.yaml")
-    r = epbench("ceiling", "scenarios/smoke.yaml", "--iters", "0")
+    r = epbench_here("ceiling", "scenarios/smoke.yaml", "--iters", "0")
     assert_one_line_error(r, "--iters")
 
 

@@ -1,4 +1,6 @@
-"""The command line as users type it: ``python -m epbench ...`` in a subprocess.
+"""The command line as users type it: bad input and the commands that start no ranks run
+in-process through cli.main (support.epbench_here: what ``python -m epbench ...`` runs, without
+a process start that imports torch); real runs are ``python -m epbench ...`` in a subprocess.
 
 Bad input: exit 2, one line on stderr naming the file (or option) and the key, no traceback.
 Real runs: 4 (or 2) CPU ranks over gloo under torchrun; the smoke run happens once per session
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import (SCENARIOS, DROP, assert_one_line_error, epbench, run_cli, scenario_dict)
+from support import (SCENARIOS, DROP, assert_one_line_error, epbench_here, run_cli, scenario_dict)
 
 SHIPPED = sorted(SCENARIOS.glob("*.yaml"))
 SMOKE = "scenarios/smoke.yaml"
@@ -40,7 +42,7 @@ BAD_FILES = {
 def test_bad_scenario_file(case, write_scenario, tmp_path):
     data, needle = BAD_FILES[case]
     path = write_scenario(case, data)
-    r = epbench("run", path, "--results", tmp_path / "res")
+    r = epbench_here("run", path, "--results", tmp_path / "res")
     line = assert_one_line_error(r, str(path), needle)
     assert line.startswith("epbench: error: ")
     assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
@@ -49,7 +51,7 @@ def test_bad_scenario_file(case, write_scenario, tmp_path):
 @pytest.mark.skipif(not NO_GPU, reason="the host has GPUs")
 def test_shipped_gpu_scenario_on_a_cpu_host(tmp_path):
     path = "scenarios/h200x4.yaml"
-    r = epbench("run", path, "--results", tmp_path / "res")
+    r = epbench_here("run", path, "--results", tmp_path / "res")
     assert_one_line_error(r, path, "topology.gpus_per_node", "needs 4 GPUs")
     assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
 
@@ -58,15 +60,15 @@ def test_shipped_gpu_scenario_on_a_cpu_host(tmp_path):
 def test_more_gpus_than_the_host_has(write_scenario, tmp_path):
     path = write_scenario("eight", scenario_dict(topology={"gpus_per_node": 8},
                                                  bench={"device": "cuda"}))
-    assert_one_line_error(epbench("run", path, "--results", tmp_path), str(path),
+    assert_one_line_error(epbench_here("run", path, "--results", tmp_path), str(path),
                           "topology.gpus_per_node", "needs 8 GPUs")
-    assert_one_line_error(epbench("run", SMOKE, "--device", "cuda", "--results", tmp_path),
+    assert_one_line_error(epbench_here("run", SMOKE, "--device", "cuda", "--results", tmp_path),
                           SMOKE, "topology.gpus_per_node")
 
 
 def test_several_nodes_need_the_multi_node_flags(write_scenario, tmp_path):
     path = write_scenario("two-nodes", scenario_dict(topology={"nodes": 2, "gpus_per_node": 2}))
-    assert_one_line_error(epbench("run", path, "--results", tmp_path), str(path),
+    assert_one_line_error(epbench_here("run", path, "--results", tmp_path), str(path),
                           "topology.nodes", "--nnodes 2")
 
 
@@ -83,19 +85,19 @@ def test_several_nodes_need_the_multi_node_flags(write_scenario, tmp_path):
 ], ids=["sms-zero", "sweep-sms-text", "backend", "nproc", "iters", "device", "fault",
         "no-file"])
 def test_bad_options(args, needles, tmp_path):
-    assert_one_line_error(epbench(*args, "--results", tmp_path / "res"), *needles)
+    assert_one_line_error(epbench_here(*args, "--results", tmp_path / "res"), *needles)
     assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
 
 
 def test_nproc_too_small_for_topk(write_scenario, tmp_path):
     path = write_scenario("topk8", scenario_dict(model={"topk": 8, "experts_per_rank": 2}))
-    assert_one_line_error(epbench("run", path, "--nproc", "3", "--results", tmp_path),
+    assert_one_line_error(epbench_here("run", path, "--nproc", "3", "--results", tmp_path),
                           "--nproc 3", "topk 8")
 
 
 def test_debug_shows_the_traceback(write_scenario, tmp_path):
     path = write_scenario("bad", scenario_dict(model={"hidden": 260}))
-    r = epbench("--debug", "run", path, "--results", tmp_path)
+    r = epbench_here("--debug", "run", path, "--results", tmp_path)
     assert r.code == 2
     assert "Traceback (most recent call last)" in r.err
     assert "UserError" in r.err
@@ -106,7 +108,7 @@ def test_debug_shows_the_traceback(write_scenario, tmp_path):
 
 def test_validate_every_shipped_scenario():
     names = [f"scenarios/{p.name}" for p in SHIPPED]
-    r = epbench("validate", *names)
+    r = epbench_here("validate", *names)
     assert r.code == 0, r.both
     assert r.err == ""
     for n in names:
@@ -116,7 +118,7 @@ def test_validate_every_shipped_scenario():
 def test_validate_reports_each_bad_file_on_one_line(write_scenario):
     bad = write_scenario("unknown", scenario_dict(model={"hiden": 256}))
     bad2 = write_scenario("fp8", scenario_dict(model={"hidden": 264, "dispatch_dtype": "fp8"}))
-    r = epbench("validate", SMOKE, bad, bad2)
+    r = epbench_here("validate", SMOKE, bad, bad2)
     assert r.code == 2
     assert "Traceback" not in r.both
     assert f"ok {SMOKE}:" in r.out
@@ -205,7 +207,7 @@ def test_smoke_meta_json(smoke_run):
 
 @pytest.mark.slow
 def test_report_reprints_the_table(smoke_run):
-    r = epbench("report", smoke_run.dir)
+    r = epbench_here("report", smoke_run.dir)
     assert r.code == 0, r.both
     assert str(smoke_run.dir.name) in r.out
     assert "smoke on 4 ranks (cpu)" in r.out and "#wrong" in r.out
@@ -218,15 +220,16 @@ def test_report_reprints_the_table(smoke_run):
 
 def test_report_of_a_folder_that_is_not_a_run(tmp_path):
     (tmp_path / "x").mkdir()
-    assert_one_line_error(epbench("report", tmp_path / "x"), str(tmp_path / "x"))
+    assert_one_line_error(epbench_here("report", tmp_path / "x"), str(tmp_path / "x"))
 
 
 @pytest.fixture(scope="module")
 def fault_runs(results_root, smoke_run):
     """Verification must fail when one output row is corrupted on every rank (2 ranks: cheaper,
-    and it exercises --nproc)."""
+    and it exercises --nproc; the reference backend alone: the scenario's other one, epbench, is
+    skipped on CPU, test_smoke_meta_json, and would only cost a second job)."""
     return {op: run_cli(results_root, "run", SMOKE, "--inject-fault", op, "--nproc", "2",
-                        "--iters", "2", "--warmup", "0")
+                        "--iters", "2", "--warmup", "0", "--backends", "reference")
             for op in ("dispatch", "combine")}
 
 
@@ -352,7 +355,7 @@ def _warned(err: str, made) -> None:
 
 def test_report_skips_broken_runs_with_a_warning(broken_root):
     root, made = broken_root
-    r = epbench("report", root)
+    r = epbench_here("report", root)
     assert r.code == 0 and "Traceback" not in r.both, r.both
     _warned(r.err, made)
     shown = [ln for ln in r.out.splitlines() if ln.startswith(str(root))]
@@ -361,7 +364,7 @@ def test_report_skips_broken_runs_with_a_warning(broken_root):
 
 def test_plot_skips_broken_runs_and_never_overwrites(broken_root, tmp_path):
     root, made = broken_root
-    r = epbench("plot", root)
+    r = epbench_here("plot", root)
     assert r.code == 0 and "Traceback" not in r.both, r.both
     _warned(r.err, made)
     wrote = sorted(ln.split(" ", 1)[1] for ln in r.out.splitlines() if ln.startswith("wrote "))
@@ -369,33 +372,33 @@ def test_plot_skips_broken_runs_and_never_overwrites(broken_root, tmp_path):
                   for f in ("bandwidth_vs_sms.png", "per_rank.png", "expert_load.png"))
     assert wrote == want and all(Path(p).is_file() for p in wrote)
     before = {p: Path(p).stat().st_mtime_ns for p in wrote}
-    again = epbench("plot", made["good"])  # the plots exist: kept, one warning, exit 0
+    again = epbench_here("plot", made["good"])  # the plots exist: kept, one warning, exit 0
     assert again.code == 0 and "wrote" not in again.out
     assert len(again.err.strip().splitlines()) == 1 and "--force" in again.err
     assert {p: Path(p).stat().st_mtime_ns for p in wrote} == before
-    forced = epbench("plot", made["good"], "--force")
+    forced = epbench_here("plot", made["good"], "--force")
     assert forced.code == 0 and forced.out.count("wrote ") == 3, forced.both
 
 
 def test_compare_reads_good_runs_and_refuses_broken_ones_in_one_line(broken_root, tmp_path):
     root, made = broken_root
     out = tmp_path / "ab"
-    r = epbench("compare", made["good"], made["nested"], "--plot", out)
+    r = epbench_here("compare", made["good"], made["nested"], "--plot", out)
     assert r.code == 0, r.both
     assert f"wrote {out}.png" in r.out and (tmp_path / "ab.png").is_file()  # the path written
     assert r.out.count("0.500") == 2  # B/A busbw of the nested run (half), dispatch and combine
-    again = epbench("compare", made["good"], made["nested"], "--plot", f"{out}.png")
+    again = epbench_here("compare", made["good"], made["nested"], "--plot", f"{out}.png")
     assert_one_line_error(again, f"{out}.png", "exists; --force overwrites it")
     assert "wrote" not in again.out
-    assert epbench("compare", made["good"], made["nested"], "--plot", out, "--force").code == 0
+    assert epbench_here("compare", made["good"], made["nested"], "--plot", out, "--force").code == 0
     for broken, needle in (("corrupt", "not valid JSON"), ("truncated", "truncated")):
-        assert_one_line_error(epbench("compare", made["good"], made[broken]), str(made[broken]), needle)
-    assert_one_line_error(epbench("compare", made["good"], root / "nope"), "no such results folder")
+        assert_one_line_error(epbench_here("compare", made["good"], made[broken]), str(made[broken]), needle)
+    assert_one_line_error(epbench_here("compare", made["good"], root / "nope"), "no such results folder")
 
 
 def test_predict_calibrates_from_a_root_with_broken_runs(broken_root):
     root, made = broken_root
-    r = epbench("predict", "scenarios/smoke.yaml", "--calibrate", root)
+    r = epbench_here("predict", "scenarios/smoke.yaml", "--calibrate", root)
     assert r.code == 0 and "Traceback" not in r.both, r.both
     _warned(r.err, made)
     assert "calibration:" in r.out and "MEASURED" in r.out

@@ -9,7 +9,7 @@ from rich.console import Console
 from epbench import compare, report
 from epbench.plot import compare_plot
 from epbench.results import RunWriter
-from support import assert_one_line_error, epbench
+from support import assert_one_line_error, epbench_here
 
 META = {"scenario": {"name": "s"}, "world": 2, "device": "cuda", "gpus": ["NVIDIA H200"] * 2,
         "driver": "580.159.04", "cuda": "13.0", "torch": "2.11.0+cu130", "nccl": "2.28.9",
@@ -88,14 +88,14 @@ def test_compare_missing_folders_are_user_errors(tmp_path, runs):
     (tmp_path / "empty").mkdir()
     with pytest.raises(compare.UserError, match="not a results folder"):
         compare.load(tmp_path / "empty")
-    r = epbench("compare", a, tmp_path / "nope")
+    r = epbench_here("compare", a, tmp_path / "nope")
     assert_one_line_error(r, "nope", "no such results folder")
 
 
 def test_compare_command_and_plot(runs, tmp_path):
     a, b = runs
     png = tmp_path / "cmp" / "compare.png"
-    r = epbench("compare", a, b, "--plot", png)
+    r = epbench_here("compare", a, b, "--plot", png)
     assert r.code == 0, r.both
     assert "time B/A" in r.out and "driver differs" in r.out
     assert png.is_file() and png.stat().st_size > 10_000
@@ -127,10 +127,10 @@ def test_per_rank_table_lists_every_rank_and_marks_the_slowest(runs):
 
 def test_report_per_rank_option(runs):
     a, _ = runs
-    r = epbench("report", a, "--per-rank")
+    r = epbench_here("report", a, "--per-rank")
     assert r.code == 0, r.both
     assert "per rank" in r.out and "1 *" in r.out
-    r = epbench("report", a)
+    r = epbench_here("report", a)
     assert "per rank" not in r.out
 
 

@@ -28,24 +28,35 @@ def test_every_role_has_its_file() -> None:
         assert (CSRC / name).exists(), name
 
 
+# One build folder for the module: each kernel is compiled once, by the Makefile's own rule (its flags
+# are the release build's: sm_90 code and compute_90 PTX, -O3, -Wall, ptxas spill warnings), and
+# `make check` then finds those objects up to date instead of compiling every kernel a second time.
+# The tests that use it share a worker (conftest.SHARED), so that the folder is there for all of them.
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("csrc-build")
+
+
+def _make(build: Path, *targets: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "-C", str(CSRC), f"BUILD={build}", "NVSHMEM_HOME=", *targets],
+                          capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("source", KERNELS)
-def test_kernel_compiles_for_sm90(source: str, tmp_path: Path) -> None:
-    nvcc = _nvcc()
-    obj = tmp_path / (Path(source).stem + ".o")
-    cmd = [nvcc, "-gencode", "arch=compute_90,code=sm_90", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-           "-c", str(CSRC / source), "-o", str(obj)]
-    r = subprocess.run(cmd, cwd=CSRC, capture_output=True, text=True)
+def test_kernel_compiles_for_sm90(source: str, build_dir: Path) -> None:
+    _nvcc()
+    obj = build_dir / (Path(source).stem + ".o")
+    r = _make(build_dir, str(obj))
     assert r.returncode == 0, f"{source} does not compile:\n{r.stderr[-4000:]}"
     assert obj.stat().st_size > 0
 
 
-def test_makefile_check_target() -> None:
+def test_makefile_check_target(build_dir: Path) -> None:
     """`make check` without NVSHMEM (NVSHMEM_HOME empty): the kernels, and one line saying csrc/nvshmem
-    was skipped. In csrc's own build folder: objects `make build` just compiled are up to date (each
-    file's own compile is checked by test_kernel_compiles_for_sm90; the NVSHMEM half by
-    tests/test_nvshmem_build.py)."""
+    was skipped. In this module's build folder: the objects test_kernel_compiles_for_sm90 just
+    compiled are up to date (a kernel it has not compiled is compiled here; the NVSHMEM half is
+    tests/test_nvshmem_build.py's)."""
     _nvcc()
-    r = subprocess.run(["make", "-s", "-C", str(CSRC), "check", "NVSHMEM_HOME="],
-                       capture_output=True, text=True)
+    r = _make(build_dir, "check")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "skipping csrc/nvshmem" in r.stdout

@@ -238,7 +238,7 @@ def test_kernel_timeout_must_be_finite_and_bounded_before_the_kernels():
 
 
 def test_control_timeout_is_checked_like_any_option(tmp_path):
-    from support import assert_one_line_error, epbench
+    from support import assert_one_line_error, epbench_here
 
-    assert_one_line_error(epbench("run", "scenarios/smoke.yaml", "--control-timeout", "0",
-                                  "--results", str(tmp_path)), "--control-timeout")
+    assert_one_line_error(epbench_here("run", "scenarios/smoke.yaml", "--control-timeout", "0",
+                                       "--results", str(tmp_path)), "--control-timeout")

@@ -8,7 +8,7 @@ import socket
 import sys
 
 from epbench.launch import torchrun_args
-from support import epbench
+from support import epbench, epbench_here
 
 
 def test_single_node_is_standalone_and_multi_node_uses_c10d():
@@ -49,7 +49,7 @@ def test_multi_node_flags_are_checked_before_anything_starts(write_scenario):
                          (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "describes 2 node(s)"),
                          (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"],
                           "--rdzv-timeout")):
-        r = epbench("run", path, *args)
+        r = epbench_here("run", path, *args)
         assert r.code == 2 and needle in r.err and len(r.err.strip().splitlines()) == 1
 
 

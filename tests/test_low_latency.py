@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from support import assert_one_line_error, epbench, run_cli, scenario_dict
+from support import assert_one_line_error, epbench_here, run_cli, scenario_dict
 
 from epbench.backends.base import DispatchInput, LowLatencyOutput, ll_slots
 from epbench.errors import UserError
@@ -32,7 +32,7 @@ def test_mode_low_latency_parses():
 
 def test_unknown_mode_names_both(write_scenario, tmp_path):
     path = write_scenario("mode", scenario_dict(mode="fast"))
-    assert_one_line_error(epbench("run", path, "--results", tmp_path), "mode", "normal, low_latency")
+    assert_one_line_error(epbench_here("run", path, "--results", tmp_path), "mode", "normal, low_latency")
 
 
 @pytest.mark.parametrize("args, needles", [
@@ -41,14 +41,14 @@ def test_unknown_mode_names_both(write_scenario, tmp_path):
     (("sweep", SMOKE_LL), ("--sms", "--tokens")),
 ], ids=["tokens-zero", "tokens-text", "sweep-needs-an-axis"])
 def test_bad_tokens_options(args, needles, tmp_path):
-    assert_one_line_error(epbench(*args, "--results", tmp_path / "res"), *needles)
+    assert_one_line_error(epbench_here(*args, "--results", tmp_path / "res"), *needles)
     assert not (tmp_path / "res").exists()
 
 
 @pytest.mark.parametrize("value", ["1", "-1", "1025", "x"])
 @pytest.mark.parametrize("verb", ["run", "sweep"])
 def test_bad_graph_chain_is_one_line(verb, value, tmp_path):
-    r = epbench(verb, SMOKE_LL, "--tokens", "1", "--graph-chain", value, "--results", tmp_path / "res")
+    r = epbench_here(verb, SMOKE_LL, "--tokens", "1", "--graph-chain", value, "--results", tmp_path / "res")
     assert_one_line_error(r, "--graph-chain", *(["0 (off) or 2 to 1024"] if value != "x" else []))
     assert not (tmp_path / "res").exists()
 
@@ -326,7 +326,7 @@ def test_smoke_ll_sweep(ll_sweep):
 def test_smoke_ll_corruption_is_caught(fault, write_scenario, tmp_path):
     data = scenario_dict(mode="low_latency", model={"dispatch_dtype": "fp8", "tokens_per_rank": 4})
     path = write_scenario("ll-fp8", data)
-    run = run_cli(tmp_path / "r", "run", str(path), "--inject-fault", fault)
+    run = run_cli(tmp_path / "r", "run", str(path), "--inject-fault", fault, "--nproc", "2")  # 2 ranks: cheaper
     assert run.result.code == 1, run.result.both
     assert "VERIFICATION FAILED" in run.result.out
     df = run.rows()

@@ -82,9 +82,9 @@ def test_a_cpu_run_records_the_options_it_was_given(tmp_path) -> None:
 
 
 def test_a_bad_option_is_one_line_and_exit_2(tmp_path) -> None:
-    from support import SCENARIOS, assert_one_line_error, epbench
+    from support import SCENARIOS, assert_one_line_error, epbench_here
 
-    r = epbench("run", str(SCENARIOS / "smoke.yaml"), "--device", "cpu", "--option", "epbench.dispatch_impl=spread",
-                "--results", str(tmp_path))
+    r = epbench_here("run", str(SCENARIOS / "smoke.yaml"), "--device", "cpu", "--option", "epbench.dispatch_impl=spread",
+                     "--results", str(tmp_path))
     assert r.code == 2
     assert_one_line_error(r, "dispatch_impl: must be one of lean_dyn, lean")

@@ -12,7 +12,7 @@ from rich.console import Console
 from epbench import overlap as ov
 from epbench.errors import UserError
 from epbench.plot import plot_run
-from support import SCENARIOS, epbench
+from support import SCENARIOS, epbench_here
 
 
 def test_kept_pct_is_alone_over_beside():
@@ -134,7 +134,7 @@ def test_cli_refuses_without_a_gpu():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present")
-    r = epbench("overlap", str(SCENARIOS / "dsv3x4.yaml"), "--nproc", "1", "--sms", "8")
+    r = epbench_here("overlap", str(SCENARIOS / "dsv3x4.yaml"), "--nproc", "1", "--sms", "8")
     assert r.code == 2
     assert "needs a CUDA GPU" in r.both and len(r.both.strip().splitlines()) == 1
 

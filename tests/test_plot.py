@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from epbench.plot import plot_run
-from support import REPO, epbench
+from support import REPO, epbench_here
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 GPU_RUN = sorted((REPO / "docs" / "perf").glob("*_h200x4"))
@@ -21,7 +21,7 @@ def _is_png(path: Path) -> bool:
 
 def test_plot_command_writes_every_png_of_a_cpu_run(smoke_run, tmp_path):
     out = tmp_path / "pngs"
-    r = epbench("plot", str(smoke_run.dir), "--out", str(out))
+    r = epbench_here("plot", str(smoke_run.dir), "--out", str(out))
     assert r.code == 0, r.both
     written = sorted(p.name for p in (out / smoke_run.dir.name).iterdir())
     # every backend of a CPU run chose its own SM count: no plot against SMs, one line saying so
@@ -44,7 +44,7 @@ def test_plot_of_a_gpu_sweep_with_several_sm_counts(tmp_path):
 
 
 def test_plot_of_something_that_is_not_a_results_folder(tmp_path):
-    r = epbench("plot", str(tmp_path))
+    r = epbench_here("plot", str(tmp_path))
     assert r.code == 2
     assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
 

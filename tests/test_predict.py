@@ -21,7 +21,7 @@ import pytest
 from epbench import predict, scenario
 from epbench.errors import UserError
 from epbench.results import RunWriter
-from support import SCENARIOS, assert_one_line_error, epbench, scenario_dict
+from support import SCENARIOS, assert_one_line_error, epbench_here, scenario_dict
 
 T, R = 1000, 512
 TR = T * R
@@ -283,7 +283,7 @@ def test_the_shipped_table_predicts_what_the_raw_runs_did(case):
 # -- the command line ------------------------------------------------------------------------
 
 def test_cli_h100x32_prints_the_predicted_table_and_its_calibration():
-    r = epbench("predict", "scenarios/h100x32.yaml")
+    r = epbench_here("predict", "scenarios/h100x32.yaml")
     assert r.code == 0, r.both
     assert "PREDICTED: h100x32 on 32 ranks (4 nodes x 8)" in r.out
     lines = r.out.splitlines()
@@ -298,18 +298,18 @@ def test_cli_h100x32_prints_the_predicted_table_and_its_calibration():
 
 def test_cli_json_is_written_once_and_never_into_a_results_folder(tmp_path):
     out = tmp_path / "p.json"
-    r = epbench("predict", "scenarios/h100x32.yaml", "--nic-efficiency", "0.8", "--json", out)
+    r = epbench_here("predict", "scenarios/h100x32.yaml", "--nic-efficiency", "0.8", "--json", out)
     assert r.code == 0, r.both
     data = json.loads(out.read_text())
     assert data["predicted"] is True and data["nic_efficiency"] == 0.8
     h = next(x for x in data["summary"] if x["algorithm"] == "hierarchical"
              and x["op"] == "dispatch")
     assert h["limiting_tier"] == "nic" and h["time_us"] > 0
-    assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", "--json", out),
+    assert_one_line_error(epbench_here("predict", "scenarios/h100x32.yaml", "--json", out),
                           "--json", "already exists")
     run = write_run(tmp_path / "run", {16: (10.0, 10.0)})
-    assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", "--json",
-                                  run / "pred.json"), "results folder")
+    assert_one_line_error(epbench_here("predict", "scenarios/h100x32.yaml", "--json",
+                                       run / "pred.json"), "results folder")
     assert not (run / "pred.json").exists()
 
 
@@ -319,19 +319,19 @@ def test_cli_json_is_written_once_and_never_into_a_results_folder(tmp_path):
     (("--sms", "0"), ("--sms",)),
 ])
 def test_cli_bad_options_exit_2_with_one_line(args, needles):
-    assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", *args), *needles)
+    assert_one_line_error(epbench_here("predict", "scenarios/h100x32.yaml", *args), *needles)
 
 
 def test_cli_calibrate_from_a_run_without_the_backend_exits_2(tmp_path):
     run = write_run(tmp_path / "run", {16: (10.0, 10.0)})
-    assert_one_line_error(epbench("predict", "scenarios/h100x32.yaml", "--calibrate", run,
-                                  "--backends", "nope"), "--calibrate", "backend nope")
+    assert_one_line_error(epbench_here("predict", "scenarios/h100x32.yaml", "--calibrate", run,
+                                       "--backends", "nope"), "--calibrate", "backend nope")
 
 
 def test_cli_bad_scenario_exits_2(write_scenario):
-    assert_one_line_error(epbench("predict", "scenarios/none.yaml"), "no such scenario file")
+    assert_one_line_error(epbench_here("predict", "scenarios/none.yaml"), "no such scenario file")
     path = write_scenario("nonic", scenario_dict(topology={"nodes": 2, "gpus_per_node": 2}))
-    assert_one_line_error(epbench("predict", path), str(path), "topology.nic_gbps")
+    assert_one_line_error(epbench_here("predict", path), str(path), "topology.nic_gbps")
 
 
 # -- large worlds: copies drawn from the routing distribution ---------------------------------
@@ -420,6 +420,6 @@ def test_json_into_an_unwritable_path_is_one_line_and_leaves_nothing(tmp_path, m
 
 
 def test_cli_json_into_a_path_under_a_file_exits_2():
-    assert_one_line_error(epbench("predict", "scenarios/h100x8.yaml", "--json",
+    assert_one_line_error(epbench_here("predict", "scenarios/h100x8.yaml", "--json",
                                   "/etc/passwd/p.json"), "--json /etc/passwd/p.json",
                           "Not a directory")
