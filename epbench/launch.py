@@ -11,7 +11,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 # NVLink multicast can take a shared NVSwitch host down; it stays off in every process we start.
 SAFE_ENV = {
@@ -236,6 +236,15 @@ def signal_of(e: BaseException) -> Optional[str]:
     return sig.name if sig is not None else None
 
 
+def grace_flags(parser: Any) -> List[str]:
+    """torchrun's --shutdown-timeout (its grace between SIGTERM and SIGKILL for the ranks, 30 s by
+    default) where this torch's torchrun has it (2.13 does, 2.11 does not: it stops with a usage
+    error on an unknown flag); elsewhere nothing, and the ranks' own SIGTERM handling keeps the
+    shutdown short."""
+    known = {o for action in getattr(parser, "_actions", ()) for o in action.option_strings}
+    return [f"--shutdown-timeout={SHUTDOWN_GRACE_S}"] if "--shutdown-timeout" in known else []
+
+
 def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) -> Outcome:
     """Runs torchrun in this process and says how the job ended. torchrun's own failure report
     is replaced by one line: the ranks' own (from ``error_dir``), or which rank died and how."""
@@ -260,7 +269,7 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
             logging.getLogger(name).setLevel(logging.CRITICAL)
     raise_on_signals()
     try:
-        trun.run(trun.parse_args([f"--shutdown-timeout={SHUTDOWN_GRACE_S}", *torchrun]))
+        trun.run(trun.parse_args([*grace_flags(trun.get_args_parser()), *torchrun]))
     except ChildFailedError as e:
         said = first_rank_error(error_dir) if error_dir is not None else None
         # A rank killed by a signal (an abort, a segfault, SIGKILL) is the cause: the others

@@ -180,3 +180,21 @@ def test_a_rank_dies_with_its_launcher_even_when_that_is_not_its_parent():
     start = time.monotonic()
     out, err = rank.communicate(timeout=10)
     assert time.monotonic() - start < 2 and rank.returncode == 1 and not err
+
+
+def test_the_shutdown_grace_flag_only_where_torchrun_takes_it():
+    """torch 2.11's torchrun has no --shutdown-timeout and stops with a usage error on it (seen on
+    the GPU hosts): the flag goes only to a torchrun whose parser lists it."""
+    import argparse
+
+    from torch.distributed import run as trun
+
+    from epbench.launch import SHUTDOWN_GRACE_S, grace_flags
+
+    old = argparse.ArgumentParser()
+    old.add_argument("--nproc-per-node")
+    assert grace_flags(old) == []
+    new = argparse.ArgumentParser()
+    new.add_argument("--shutdown-timeout", type=int)
+    assert grace_flags(new) == [f"--shutdown-timeout={SHUTDOWN_GRACE_S}"]
+    trun.parse_args([*grace_flags(trun.get_args_parser()), "--standalone", "-m", "epbench"])  # this torch takes it
