@@ -3,7 +3,7 @@ process, as in tests/test_symm_mem_backend.py): the fake follows V2's documented
 (deep_ep/buffers/elastic.py, tests/elastic/test_ep.py): each rank receives the tokens of every
 source that picked one of its experts, in an order of its own (here the reverse of (source,
 token)) with ``recv_src_metadata[:, 0]`` = source rank * num_max_tokens_per_rank + token, local
-expert ids (-1 and weight 0 for other ranks' experts), per-expert counts (padded to
+expert ids (-1 for other ranks' experts, whose weights stay as sent: V2's own test masks them), per-expert counts (padded to
 ``expert_alignment``) as a host list, and a combine that sums a token's copies without weights.
 With ``do_expand`` (expert_major) the fake builds V2's expanding layout as
 dispatch_copy_epilogue.cuh does: a slot per (received token, local expert) from one counter per
@@ -135,7 +135,8 @@ class FakeElasticBuffer:
         rsf = pick(sfs) if sf is not None else None
         mine = ridx // e == self.rank
         local = torch.where(mine, ridx - self.rank * e, torch.full_like(ridx, -1))
-        rw = torch.where(mine, rw, torch.zeros_like(rw))
+        # the weights of other ranks' experts stay as sent (V2's tests/elastic/test_ep.py masks
+        # them out before comparing): only the ids say which positions are this rank's
         h = FakeHandle()
         h.num_recv_tokens = n
         key = torch.tensor([s_ * self.tmax + t_ for s_, t_ in rows], dtype=torch.int32)
@@ -363,3 +364,9 @@ def test_gin_is_off_within_one_node_and_the_rows_say_so(monkeypatch):
     deepep_v2.DeepEPV2Backend(setup, group=object(), gin="on")
     assert seen[-1] is None
     assert deepep_v2.gin_setting("auto", 16, 8) == "on" and deepep_v2.gin_setting("on", 1, 1) == "off"
+
+
+def test_expert_major_combine_is_allowed_its_extra_rounding(monkeypatch):
+    rank_major, _ = make_backend(monkeypatch)
+    em, _ = em_backend(monkeypatch)
+    assert rank_major.combine_roundings() == 2 and em.combine_roundings() == 3
