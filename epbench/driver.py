@@ -164,24 +164,25 @@ class PointCalls:
     per_replay: int = 1  # calls of each op one dispatch() / combine() runs (a graph chain: K)
 
 
-def normal_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
+def _plain_calls(first: DispatchInput, dispatch: Callable[[DispatchInput], Any], combine: Callable[[Any], Any],
+                 fill: Callable[[Any], None]) -> PointCalls:
+    """Plain calls: each dispatch runs on the input set loaded last, through its own tensors."""
     state = {"inp": first}
 
     def load(inp: DispatchInput) -> None:
         state["inp"] = inp
 
-    return PointCalls(lambda: be.dispatch(state["inp"], sms), lambda out: be.combine(out, sms), load,
-                      lambda out: _fill_expert_output(be, out, rank))
+    return PointCalls(lambda: dispatch(state["inp"]), combine, load, fill)
+
+
+def normal_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
+    return _plain_calls(first, lambda inp: be.dispatch(inp, sms), lambda out: be.combine(out, sms),
+                        lambda out: _fill_expert_output(be, out, rank))
 
 
 def launch_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
-    state = {"inp": first}
-
-    def load(inp: DispatchInput) -> None:
-        state["inp"] = inp
-
-    return PointCalls(lambda: be.ll_dispatch(state["inp"], sms), lambda out: be.ll_combine(out, sms), load,
-                      lambda out: _fill_ll_expert_output(be, out, rank))
+    return _plain_calls(first, lambda inp: be.ll_dispatch(inp, sms), lambda out: be.ll_combine(out, sms),
+                        lambda out: _fill_ll_expert_output(be, out, rank))
 
 
 def graph_calls(be: Backend, first: DispatchInput, sms: int, rank: int, chain: int = 1) -> PointCalls:
