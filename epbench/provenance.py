@@ -82,15 +82,25 @@ def git_commit(package: Path = PACKAGE) -> Dict[str, str]:
     return {"git_commit": "unknown", "git_commit_from": "no epbench checkout and no build stamp"}
 
 
+def _unknown_here(commit: str, package: Path) -> bool:
+    """True when the checkout holding ``package`` has no commit ``commit`` (a +dirty suffix aside)."""
+    sha = commit.split("+", 1)[0]
+    return _run(["git", "cat-file", "-e", f"{sha}^{{commit}}"], cwd=package) is None
+
+
 def stamp(package: Path = PACKAGE) -> str:
     """Writes the checkout's commit into the package for copies that travel without .git; outside
     a checkout an existing stamp is kept (it names the checkout the copy came from)."""
     path = package / BUILD_INFO
     commit = checkout_commit(package)
+    old = stamped_commit(path)
     if commit is None:
-        old = stamped_commit(path)
         return (f"not in epbench's git checkout: kept the build stamp {old}" if old else
                 "not in epbench's git checkout and no build stamp: meta.json will say unknown")
+    if commit.endswith("+dirty") and old and _unknown_here(old, package):
+        # a stamp made in a newer checkout and carried over an older one (the GPU hosts' copies
+        # keep a stale .git): the stale HEAD would be a wrong name, so the stamp stays
+        return f"kept the build stamp {old}: a commit this checkout ({commit}) does not hold"
     path.write_text(json.dumps({"git_commit": commit,
                                 "stamped_utc": datetime.datetime.now(
                                     datetime.timezone.utc).isoformat()}) + "\n")

@@ -69,6 +69,12 @@ def test_a_changed_tracked_file_marks_the_commit_dirty(tmp_path, clone):
     # a newer commit's copy laid over this checkout (the GPU host): its stamp is named beside
     (work / "epbench" / provenance.BUILD_INFO).write_text(json.dumps({"git_commit": "f" * 40}))
     assert provenance.git_commit(work / "epbench")["git_commit_stamped"] == "f" * 40
+    # make build there keeps that stamp (this checkout lacks its commit: a stale .git) ...
+    assert "kept the build stamp" in provenance.stamp(work / "epbench")
+    assert provenance.stamped_commit(work / "epbench" / provenance.BUILD_INFO) == "f" * 40
+    # ... but re-stamps over one naming a commit it holds
+    (work / "epbench" / provenance.BUILD_INFO).write_text(json.dumps({"git_commit": head}))
+    assert provenance.stamp(work / "epbench").startswith(f"stamped {head}+dirty")
     (work / "epbench" / provenance.BUILD_INFO).unlink()
     (work / "untracked.txt").write_text("not part of the tree")  # untracked files do not count
     git(work, "checkout", "--", "pyproject.toml")
