@@ -67,12 +67,13 @@ RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
 ControlTimeoutOpt = Annotated[Optional[float], typer.Option("--control-timeout", help="Seconds the ranks wait for each other at a barrier, gather or start-up before stopping with one line naming the missing ranks (default: the scenario's bench.control_timeout_s, 300).")]
 MpsOpt = Annotated[bool, typer.Option("--mps/--no-mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 InputSetsOpt = Annotated[Optional[str], typer.Option("--input-sets", help=f"Input sets the timed calls rotate through (other token values, the same routes on other tokens), e.g. 4; 1 = the same inputs every call; a list (1,4) times each point once per entry, side by side. Default: the scenario's bench.input_sets ({scenario.INPUT_SETS}).", show_default=False)]
+CallModesOpt = Annotated[Optional[str], typer.Option("--call-modes", help="How baselines are called, each timed on its own rows (column call_mode): call (as a model's forward pass calls it: layout, count exchange, host waits, the weighting a user adds) and/or kernel (the library's fastest path as its own benchmark times it, e.g. DeepEP's cached handle); a backend with one way runs call only. Default: the scenario's bench.call_modes (call,kernel).", show_default=False)]
 GraphChainOpt = Annotated[Optional[int], typer.Option("--graph-chain", help=f"Low-latency runs on a GPU: also time K back-to-back calls per op captured in one CUDA graph (rows 'graph xK': the per-call cost inside a graph, as in a decode step's), 0 = off; default {scenario.GRAPH_CHAIN}.", show_default=False)]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 OptionOpt = Annotated[Optional[List[str]], typer.Option(
     "--option", help="A backend option, [backend.]key=value (repeatable; docs/backends.md).")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table with every column (spread over ranks, NVML, NIC, ceilings, slowest rank).")]
-ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, sms, timing, inputs, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong).")]
+ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, sms, call, timing, inputs, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
 
@@ -164,7 +165,8 @@ def resolve_device(s: scenario.Scenario, device: Optional[str], share: bool = Tr
 
 def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str],
              sms: Optional[str], iters: Optional[int], warmup: Optional[int],
-             option: Optional[List[str]] = None, input_sets: Optional[str] = None):
+             option: Optional[List[str]] = None, input_sets: Optional[str] = None,
+             call_modes: Optional[str] = None):
     import dataclasses
 
     from epbench import options
@@ -172,9 +174,10 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
     s = scenario.load(path or default_scenario())
     sets = scenario.maybe_int_list(input_sets, "--input-sets", scenario.MAX_INPUT_SETS)
     if sets:
-        if len(set(sets)) != len(sets):
-            raise UserError(f"--input-sets: must not list a count twice, got {scenario.shown(input_sets)}")
         s = dataclasses.replace(s, bench=dataclasses.replace(s.bench, input_sets=sets))
+    modes = scenario.call_mode_list(call_modes, "--call-modes")
+    if modes:
+        s = dataclasses.replace(s, bench=dataclasses.replace(s.bench, call_modes=modes))
     if option:
         s = dataclasses.replace(s, backend_options=options.merge(s.backend_options, options.parse_cli(option)))
     if nproc is not None:
@@ -241,7 +244,8 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
             results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
             tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False,
             option: Optional[List[str]] = None, control_timeout: Optional[float] = None,
-            graph_chain: Optional[int] = None, input_sets: Optional[str] = None) -> None:
+            graph_chain: Optional[int] = None, input_sets: Optional[str] = None,
+            call_modes: Optional[str] = None) -> None:
     import contextlib
     import dataclasses
 
@@ -257,7 +261,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
 
         check_new_run_dir(results, run_dir)
     path = path or default_scenario()
-    s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option, input_sets)
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option, input_sets, call_modes)
     if fault not in (None, "dispatch", "combine"):
         raise UserError(f"--inject-fault: must be dispatch or combine, got {scenario.shown(fault)}")
     opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings, tokens=token_list,
@@ -295,7 +299,7 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
             "--sms", ",".join(map(str, opts.sms)), "--iters", str(opts.iters),
             "--warmup", str(opts.warmup), "--results", str(results),
             "--control-timeout", repr(float(control_timeout)), "--graph-chain", str(opts.graph_chain),
-            "--input-sets", ",".join(map(str, s.bench.input_sets))]
+            "--input-sets", ",".join(map(str, s.bench.input_sets)), "--call-modes", ",".join(s.bench.call_modes)]
     # --nproc stays here: torchrun's parser would take it for its own --nproc-per-node, and
     # the ranks learn their number from torchrun anyway.
     if fault:
@@ -344,7 +348,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         rdzv_timeout: RdzvTimeoutOpt = None, mps: MpsOpt = False,
         option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None, wide: WideOpt = False,
         columns: ColumnsOpt = None, graph_chain: GraphChainOpt = None,
-        input_sets: InputSetsOpt = None) -> None:
+        input_sets: InputSetsOpt = None, call_modes: CallModesOpt = None) -> None:
     """Measure a scenario once at its own settings (or a few --sms / --tokens values) and print
     one table. Without a path: each shipped scenario that fits this host.
 
@@ -360,7 +364,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
         try:
             _launch("run", p, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
                     rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
-                    control_timeout, graph_chain, input_sets)
+                    control_timeout, graph_chain, input_sets, call_modes)
         except typer.Exit as e:
             worst = worst or e.exit_code
     raise typer.Exit(worst)
@@ -379,7 +383,7 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
           mps: MpsOpt = False, option: OptionOpt = None, control_timeout: ControlTimeoutOpt = None,
           wide: WideOpt = False,
           columns: ColumnsOpt = None, graph_chain: GraphChainOpt = None,
-          input_sets: InputSetsOpt = None) -> None:
+          input_sets: InputSetsOpt = None, call_modes: CallModesOpt = None) -> None:
     """Measure a series: the scenario at each SM count and/or tokens per rank (one of them is
     required), with a progress bar; one results folder for all, ready for `epbench plot`.
 
@@ -389,7 +393,7 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
     _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
             node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
-            control_timeout, graph_chain, input_sets)
+            control_timeout, graph_chain, input_sets, call_modes)
 
 
 @app.command()

@@ -37,7 +37,7 @@ def side_by_side(df_a: pd.DataFrame, df_b: pd.DataFrame) -> pd.DataFrame:
     """One row per (scenario, backend, op, sms) found in either run: each run's time and
     NVLink busbw (None where that run lacks the row) and the ratios B/A."""
     # token-count and timing-mode sweeps (low-latency runs) add to the matching key
-    keys = KEYS + [k for k in ("tokens_per_rank", "timing", "input_sets") if k in df_a and k in df_b]
+    keys = KEYS + [k for k in ("tokens_per_rank", "timing", "input_sets", "call_mode") if k in df_a and k in df_b]
     cols = keys + list(VALUES)
     sa = summarize(df_a)[cols] if not df_a.empty else pd.DataFrame(columns=cols)
     sb = summarize(df_b)[cols] if not df_b.empty else pd.DataFrame(columns=cols)
@@ -118,7 +118,7 @@ def compare_table(both: pd.DataFrame, title: str, wide: bool = False):
     def r3(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}"
 
-    vary = [c for c in ("tokens_per_rank", "timing", "input_sets") if c in both and both[c].nunique() > 1]
+    vary = [c for c in ("tokens_per_rank", "timing", "input_sets", "call_mode") if c in both and both[c].nunique() > 1]
 
     def point(r: pd.Series) -> str:
         """SMs, plus the token count / timing mode where the runs swept them."""

@@ -64,6 +64,7 @@ class RunOptions:
     # each point is timed once per entry: its timed calls rotate through that many input sets
     # (1: the same tensors with the same values every call); None: the scenario's bench.input_sets
     input_sets: Optional[Tuple[int, ...]] = None
+    call_modes: Optional[Tuple[str, ...]] = None  # None: the scenario's bench.call_modes
 
 
 def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
@@ -176,8 +177,11 @@ def _plain_calls(first: DispatchInput, dispatch: Callable[[DispatchInput], Any],
 
 
 def normal_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
-    return _plain_calls(first, lambda inp: be.dispatch(inp, sms), lambda out: be.combine(out, sms),
-                        lambda out: _fill_expert_output(be, out, rank))
+    def fill(out: DispatchOutput) -> None:
+        _fill_expert_output(be, out, rank)
+        be.prepare_combine(out)
+
+    return _plain_calls(first, lambda inp: be.dispatch(inp, sms), lambda out: be.combine(out, sms), fill)
 
 
 def launch_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
@@ -309,7 +313,7 @@ class Point:
 
     def __init__(self, be: Backend, s: Scenario, routings: List[RankRouting], sms: int, comm: Comm,
                  input_sets: int, how: str = "normal", chain: int = 1) -> None:
-        self.be, self.comm = be, comm
+        self.be, self.comm, self.sms = be, comm, sms
         self.inputs = Inputs(s, routings, comm.device)
         self.draws = timing_draws(input_sets, be.reuses_layout)
         low_latency = how in ("launch", "graph", "chain")
@@ -319,7 +323,7 @@ class Point:
             self.calls = ll_calls(be, raw[0], sms, comm.rank, how, chain)
             self.checks = ll_checks(s, self.inputs, comm)
         else:  # prepared outside the timed region, once per set
-            self.sets = [be.prepare_input(inp) for inp in raw]
+            self.sets = [be.prepare_input(inp, sms) for inp in raw]
             self.calls = normal_calls(be, self.sets[0], sms, comm.rank)
             self.checks = normal_checks(be, s, self.inputs, comm)
         self.low_latency = low_latency
@@ -370,7 +374,7 @@ class Point:
     def _verification_run(self, fresh: Draw, inject_fault: Optional[str]) -> Tuple[CheckResult, CheckResult]:
         be, comm, calls = self.be, self.comm, self.calls
         new = self.inputs.caller(comm.rank, fresh)
-        fill_in_place(self.sets[0], new if self.low_latency else be.prepare_input(new))
+        fill_in_place(self.sets[0], new if self.low_latency else be.prepare_input(new, self.sms))
         calls.load(self.sets[0])
         be.poison()
         comm.sync()
@@ -473,6 +477,13 @@ def _first_reason(reason: Optional[str]) -> Optional[str]:
     reasons: List[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, reason)
     return next((f"rank {i}: {r}" for i, r in enumerate(reasons) if r), None)
+
+
+def call_modes_of(be_cls: type, asked: Tuple[str, ...]) -> Tuple[str, ...]:
+    """The call modes a backend's points are timed in: the asked ones it has, and "call" for a
+    backend that has only that way (its one way is how a model calls it)."""
+    have = tuple(m for m in asked if m in be_cls.call_modes)
+    return have or ("call",)
 
 
 def runs_as_normal(be_cls: Optional[type], mode: str) -> bool:
@@ -579,9 +590,11 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             on_note(f"backend {name}: no chain rows ({no_chain})")
         try:
             for sms in sms_list:
-                for how, sets in ((h, n) for h in timings for n in opts.input_sets):
+                for mode, how, sets in ((c, h, n) for c in call_modes_of(be_cls, opts.call_modes or s.bench.call_modes)
+                                        for h in timings for n in opts.input_sets):
                     comm.arrive(f"{name} sms={sms or 'auto'}: timed calls")
-                    rec = PointRecord(comm.rank, timing=how, input_sets=sets)
+                    be.use_call_mode(mode)
+                    rec = PointRecord(comm.rank, timing=how, input_sets=sets, call_mode=mode)
                     point = Point(be, s, routings, sms, comm, sets, how if ll_path else "normal",
                                   opts.graph_chain)
                     rec.chain = point.calls.per_replay

@@ -126,8 +126,8 @@ def summarize(df):
     if df.empty:
         return df
     # a --tokens sweep and low-latency timing kinds are further keys where the rows carry them
-    keys = ["scenario", "backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing", "input_sets")
-                                                   if k in df]
+    keys = ["scenario", "backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing", "input_sets",
+                                                              "call_mode") if k in df]
     out = []
     for key, g in df.groupby(keys, sort=False, dropna=False):
         slow = g.loc[g["time_us"].idxmax()]
@@ -173,6 +173,7 @@ class PointRecord:
     timing: str = "launch"  # low-latency mode: "launch" | "graph" | "chain" (| "normal")
     chain: int = 1  # calls of each op per timed sample (a chain row's K)
     input_sets: int = 1  # input sets the timed calls rotated through (1: the same inputs each call)
+    call_mode: str = "call"  # "call" | "kernel" (scenario bench.call_modes)
 
 
 def functional_reason(world: int, ranks_per_gpu: int) -> Optional[str]:
@@ -271,7 +272,7 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 "device": device, "dtype": dtype, "hidden": m.hidden,
                 "tokens_per_rank": m.tokens_per_rank, "topk": m.topk,
                 "experts_per_rank": m.experts_per_rank, "routing": s.routing.kind,
-                "iters": len(ts), "input_sets": rec.input_sets, "time_us": t_med, "time_us_min": min(ts),
+                "iters": len(ts), "input_sets": rec.input_sets, "call_mode": rec.call_mode, "time_us": t_med, "time_us_min": min(ts),
                 "time_us_max": max(ts), "time_us_mean": sum(ts) / len(ts),
                 "algo_bytes": int(nbytes["algo"][r]), "nvlink_bytes": int(nbytes["nvlink"][r]),
                 "nic_bytes": int(nbytes["nic"][r]) if has_nic else None,
@@ -293,7 +294,7 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 rows[-1].update(mode=s.mode, timing=rec.timing, chain=rec.chain,
                                 time_us_p99=percentile(ts, 99))
             extra = {"timing": rec.timing, "chain": rec.chain} if s.mode == "low_latency" else {}
-            extra["input_sets"] = rec.input_sets
+            extra.update(input_sets=rec.input_sets, call_mode=rec.call_mode)
             samples += [{"backend": be_cls.name, "op": op, "sms": sms, "rank": r, "iter": i,
                          "time_us": t, "tokens_per_rank": m.tokens_per_rank, **extra}
                         for i, t in enumerate(ts)]

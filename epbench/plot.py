@@ -31,7 +31,7 @@ def _label(backend: str) -> str:
 def _series(summary: pd.DataFrame):
     """Lines to draw: one per backend, split further by token count and timing mode when a run
     swept them (low-latency sweeps), so that points of different sweeps never join."""
-    extra = [c for c in ("tokens_per_rank", "timing", "input_sets") if c in summary and summary[c].nunique() > 1]
+    extra = [c for c in ("tokens_per_rank", "timing", "input_sets", "call_mode") if c in summary and summary[c].nunique() > 1]
     for i, (key, g) in enumerate(summary.groupby(["backend"] + extra, sort=False)):
         key = key if isinstance(key, tuple) else (key,)
         tags = [f"{v} tok" if c == "tokens_per_rank" else str(v) for c, v in zip(extra, key[1:])]

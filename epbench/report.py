@@ -102,6 +102,7 @@ COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
     "backend": ("backend", "left", lambda r, w: str(r["backend"])),
     "sms": ("SMs", "right", lambda r, w: str(int(r["sms"])) if r["sms"] else "auto"),
     "timing": ("timing", "left", lambda r, w: timing_label(r.get("timing"), r.get("chain"))),
+    "call": ("call", "left", lambda r, w: str(r.get("call_mode") or "call")),
     "inputs": ("inputs", "right", lambda r, w: _input_sets(r.get("input_sets"))),
     "time": ("time us", "right", lambda r, w: _num(r["time_us"])),
     "p99": ("p99 us", "right", lambda r, w: _num(r.get("time_us_p99"))),
@@ -144,6 +145,8 @@ def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> Tuple[List[st
         keys.insert(keys.index("busbw") + 1, "nic")
     if columns is None and "input_sets" in df and df["input_sets"].nunique() > 1:  # rotated and repeated side by side
         keys.insert(keys.index("time") if "time" in keys else len(keys), "inputs")
+    if columns is None and "call_mode" in df and df["call_mode"].nunique() > 1:  # both ways of calling a baseline
+        keys.insert(keys.index("sms") + 1 if "sms" in keys else len(keys), "call")
     if (_swept_tokens(df) or _low_latency(df)) and "tokens" not in keys:
         keys.insert(0, "tokens")
     return keys, wide
@@ -161,13 +164,17 @@ LL_CAPTION = (" p50 / p99: percentiles of the per-iteration times, slowest rank;
               "included), 'graph xK' (in-graph: per call of K chained in one graph, as inside a "
               "decode step's graph; each sample is one replay / K, so its p99 is that of per-replay "
               "averages), or 'normal' (a normal-mode backend on the same batch)")
+CALL_CAPTION = (" call: 'call' = as a model's forward pass calls the library (layout, count exchange, "
+                "host waits, the weighting a user adds); 'kernel' = its fastest path as its own benchmark "
+                "times it (cached layout; the weights folded into the expert output, untimed); "
+                "docs/baselines.md")
 INPUTS_CAPTION = (" inputs: 'rot N' = the timed calls rotated through N input sets (other values, the "
                   "same routes on other tokens); 'same' = the same tensors and values every call (small "
                   "inputs may then sit in L2)")
 
 
 # The columns given up first where a table cannot fit the terminal without cutting a number.
-DROP_FIRST = ("ceiling", "slow_rank", "nvml", "nic", "link", "p99", "algbw", "timing", "busbw", "tokens")
+DROP_FIRST = ("ceiling", "slow_rank", "nvml", "nic", "link", "p99", "algbw", "inputs", "timing", "busbw", "tokens")
 
 
 def _plain_cells(text: str) -> List[int]:
@@ -226,7 +233,7 @@ def results_table(df: pd.DataFrame, title: str = "",
     cells = {k: [COLUMNS[k][2](r, wide) for _, r in summary.iterrows()] for k in keys}
     shown, widths = _fitted(keys, {k: [headers[k]] + cells[k] for k in keys}, width)
     caption = (CAPTION + (WIDE_CAPTION if wide else "") + (LL_CAPTION if _low_latency(df) else "")
-               + (INPUTS_CAPTION if "inputs" in shown else ""))
+               + (INPUTS_CAPTION if "inputs" in shown else "") + (CALL_CAPTION if "call" in shown else ""))
     left_out = [headers[k] for k in keys if k not in shown]
     if left_out:
         caption += (f". Left out to fit {width} columns: {', '.join(left_out)} (--columns picks, "
@@ -337,7 +344,7 @@ def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
                       ("time us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
                       ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("#wrong", "right")):
         table.add_column(col, justify=just)
-    keys = ["backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing", "input_sets") if k in df]
+    keys = ["backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing", "input_sets", "call_mode") if k in df]
     for _, g in df.groupby(keys, sort=False, dropna=False):
         slowest = g["time_us"].idxmax()
         for i, r in g.sort_values("rank").iterrows():

@@ -50,6 +50,7 @@ MAX_ITERS = 100_000
 MAX_TIMEOUT_S = 3600.0  # the kernels turn it into nanoseconds (unsigned 64-bit)
 MAX_SMS = 1024
 MAX_LIST = 64  # SM counts, backends, tokens in one sweep
+CALL_MODES = ("call", "kernel")  # bench.call_modes default and the modes there are
 INPUT_SETS = 4  # bench.input_sets default: input sets the timed calls rotate through
 MAX_INPUT_SETS = 16
 GRAPH_CHAIN = 8  # run / sweep --graph-chain default: low-latency calls per op chained in one graph
@@ -141,6 +142,9 @@ class Bench:
     # each point is timed once per entry, its timed calls rotating through that many input sets
     # (other token values, the same routes on other tokens); 1: the same inputs every call
     input_sets: Tuple[int, ...] = (INPUT_SETS,)
+    # how each baseline is called (rows' call_mode): "call" as a model's forward pass calls it,
+    # "kernel" its fastest path as its own benchmark times it; a backend with one way gets "call"
+    call_modes: Tuple[str, ...] = CALL_MODES
 
 
 @dataclass(frozen=True)
@@ -307,9 +311,11 @@ def _check(s: Scenario) -> None:
          list(b.sms))
     need(len(b.input_sets) > 0 and all(0 < n <= MAX_INPUT_SETS for n in b.input_sets), "bench.input_sets",
          f"must list positive counts of at most {MAX_INPUT_SETS}", list(b.input_sets))
-    need(len(set(b.input_sets)) == len(b.input_sets), "bench.input_sets", "must not list a count twice",
-         list(b.input_sets))
+    _once_each(b.input_sets, "bench.input_sets")
     _once_each(b.sms, "bench.sms")
+    need(len(b.call_modes) > 0 and all(c in CALL_MODES for c in b.call_modes), "bench.call_modes",
+         f"must list some of {', '.join(CALL_MODES)}", list(b.call_modes))
+    _once_each(b.call_modes, "bench.call_modes")
     need(0 < b.timeout_s <= MAX_TIMEOUT_S, "bench.timeout_s",
          f"must be positive and at most {MAX_TIMEOUT_S:.0f} seconds", b.timeout_s)
     need(0 < b.control_timeout_s <= MAX_CONTROL_TIMEOUT_S, "bench.control_timeout_s",
@@ -588,6 +594,18 @@ def maybe_int_list(text: Optional[str], option: str,
         raise UserError(f"{option}: must list at most {MAX_LIST} values, got {len(vals)}")
     if upper is not None and max(vals) > upper:
         raise UserError(f"{option}: must be at most {upper}, got {shown(max(vals))}")
+    _once_each(vals, option)
+    return vals
+
+
+def call_mode_list(text: Optional[str], option: str) -> Optional[Tuple[str, ...]]:
+    """Parses 'call,kernel' from the command line (None: not given)."""
+    if text is None:
+        return None
+    vals = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in vals if v not in CALL_MODES]
+    if not vals or bad:
+        raise UserError(f"{option}: must list some of {', '.join(CALL_MODES)}, got {shown(text)}")
     _once_each(vals, option)
     return vals
 

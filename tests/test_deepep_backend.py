@@ -38,7 +38,7 @@ def make_fake_deep_ep(fault: Optional[str] = None) -> types.ModuleType:
     1 change places; "global_ids": received ids stay global; "weighted_combine": combine applies
     the weights itself (so a backend that also does ends up applying them twice)."""
     mod = types.ModuleType("deep_ep")
-    mod.calls = {"set_num_sms": [], "buffers": [], "dispatch_sms": [], "combine_sms": []}
+    mod.calls = {"set_num_sms": [], "buffers": [], "dispatch_sms": [], "combine_sms": [], "cached": 0}
 
     class Config:
         def __init__(self, num_sms: int, nvl_send: int, nvl_recv: int, rdma_send: int,
@@ -94,11 +94,22 @@ def make_fake_deep_ep(fault: Optional[str] = None) -> types.ModuleType:
                      is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                      topk_weights=None, expert_alignment=1, config=None, previous_event=None,
                      async_finish=False, allocate_on_comm_stream=False):
-            assert handle is None and config is not None
-            assert config.num_sms == Buffer.num_sms
+            assert config is not None and config.num_sms == Buffer.num_sms
             mod.calls["dispatch_sms"].append(config.num_sms)
             x, scales = x if isinstance(x, tuple) else (x, None)
             assert x.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+            if handle is not None:  # cached mode: the layout's rows again, payload only (deep_ep/buffer.py)
+                assert topk_idx is None and topk_weights is None and num_tokens_per_rank is None
+                mod.calls["cached"] += 1
+                src_rank, src_tok, num_tokens, in_rank, channels = handle
+                assert channels == config.num_sms // 2, "a handle is made for one channel count"
+                every = self._gather((x.view(torch.uint8), scales, in_rank))
+                xs = [sx[sin[:, self.rank].nonzero().flatten()] for sx, _, sin in every]
+                recv_x = torch.cat(xs).view(x.dtype)
+                if scales is not None:
+                    recv_s = torch.cat([ssc[sin[:, self.rank].nonzero().flatten()] for _, ssc, sin in every])
+                    return (recv_x, recv_s), None, None, None, None, None
+                return recv_x, None, None, None, None, None
             num_experts = int(num_tokens_per_expert.numel())
             epr, me = num_experts // self.size, self.rank
             # fp8 tensors do not survive all_gather_object's pickling: move their bytes
@@ -129,7 +140,7 @@ def make_fake_deep_ep(fault: Optional[str] = None) -> types.ModuleType:
             elif fault == "global_ids":
                 recv_idx = torch.where(recv_idx >= 0, recv_idx + me * epr, recv_idx)
             counts = [int((recv_idx == e).sum()) for e in range(epr)]
-            handle = (src_rank, src_tok, int(x.shape[0]))
+            handle = (src_rank, src_tok, int(x.shape[0]), is_token_in_rank, config.num_sms // 2)
             out_x = (recv_x, recv_s) if scales is not None else recv_x
             return out_x, recv_idx, recv_w, counts, handle, None
 
@@ -138,7 +149,7 @@ def make_fake_deep_ep(fault: Optional[str] = None) -> types.ModuleType:
             assert config is not None and config.num_sms == Buffer.num_sms
             assert x.dtype == torch.bfloat16 and x.is_contiguous()
             mod.calls["combine_sms"].append(config.num_sms)
-            src_rank, src_tok, num_tokens = handle
+            src_rank, src_tok, num_tokens = handle[:3]
             assert x.shape[0] == src_rank.shape[0]
             extra = None
             if fault == "weighted_combine":
@@ -206,11 +217,12 @@ def setup_of(s, rank: int, device=CPU) -> RankSetup:
                      dispatch_dtype=m.dispatch_dtype)
 
 
-def run_point(s, comm: Comm, sms: int = 4, inject: Optional[str] = None) -> PointRecord:
+def run_point(s, comm: Comm, sms: int = 4, inject: Optional[str] = None, mode: str = "call") -> PointRecord:
     """Times a few iterations, then verifies one point, as epbench.driver.measure does."""
     from epbench.backends.deepep import DeepEPBackend
 
     be = DeepEPBackend(setup_of(s, comm.rank), max_sms=8)
+    be.use_call_mode(mode)
     try:
         rec = PointRecord(comm.rank)
         measure_point(Point(be, s, route_all(s), sms, comm, input_sets=2), 1, 2, 7, inject, rec)
@@ -227,23 +239,49 @@ def test_registered():
     assert cls.name == "deepep" and cls.uses_sms and cls.receives_local_expert_ids
 
 
+@pytest.mark.parametrize("mode", ["call", "kernel"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_correct_fake_verifies_clean(monkeypatch, gloo_world1, dtype):
+def test_correct_fake_verifies_clean(monkeypatch, gloo_world1, dtype, mode):
     fake = install_fake(monkeypatch)
-    rec = run_point(scenario(1, dtype), gloo_world1)
+    rec = run_point(scenario(1, dtype), gloo_world1, mode=mode)
     assert rec.wrong == {"dispatch": 0, "combine": 0}, rec.problem
     assert len(rec.samples_us["dispatch"]) == 2
     # every call went through DeepEP with the point's SM count in its config
     assert set(fake.calls["dispatch_sms"]) == {4} and set(fake.calls["combine_sms"]) == {4}
 
 
+@pytest.mark.parametrize("mode", ["call", "kernel"])
 @pytest.mark.parametrize("fault, op", [("drop_weight", "dispatch"), ("drop_weight", "combine"),
                                        ("swap_rows", "dispatch"), ("swap_rows", "combine")])
-def test_faulty_fake_is_caught(monkeypatch, gloo_world1, fault, op):
+def test_faulty_fake_is_caught(monkeypatch, gloo_world1, fault, op, mode):
+    if (fault, op, mode) == ("swap_rows", "combine", "kernel"):
+        pytest.skip("the fake swaps rows in its full dispatch only; kernel mode's cached rows stay in "
+                    "place and every weight sum is 1 at world 1, so combine is right there (dispatch "
+                    "is still caught: the ids no longer match the rows)")
     install_fake(monkeypatch, fault)
-    rec = run_point(scenario(1), gloo_world1)
+    rec = run_point(scenario(1), gloo_world1, mode=mode)
     assert rec.wrong[op] > 0, (fault, rec.problem)
     assert rec.problem[op]
+
+
+def test_kernel_mode_times_cached_dispatches_and_an_unweighted_combine(monkeypatch, gloo_world1):
+    """Kernel mode: one full dispatch per input set before the timed loop (and one for the
+    verification run's values), every other dispatch cached; combine gets rows already weighted."""
+    from epbench.backends.deepep import DeepEPBackend
+
+    fake = install_fake(monkeypatch)
+    be = DeepEPBackend(setup_of(scenario(1), 0), max_sms=8)
+    assert DeepEPBackend.call_modes == ("call", "kernel") and not be.reuses_layout
+    be.use_call_mode("kernel")
+    assert be.reuses_layout  # the driver's input sets then keep the routing
+    rec = PointRecord(0)
+    measure_point(Point(be, scenario(1), route_all(scenario(1)), 4, gloo_world1, input_sets=2), 1, 2, 7, None, rec)
+    assert rec.wrong == {"dispatch": 0, "combine": 0}, rec.problem
+    full = len(fake.calls["dispatch_sms"]) - fake.calls["cached"]
+    assert full == 3 and fake.calls["cached"] == 3 + 1  # 2 sets + verification; 3 timed + verification
+    with pytest.raises(ValueError, match="no call mode"):
+        be.use_call_mode("fastest")
+    be.close()
 
 
 def test_driver_fault_injection_is_caught(monkeypatch, gloo_world1):

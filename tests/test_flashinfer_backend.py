@@ -181,7 +181,7 @@ def test_every_call_returns_keys_and_counts_without_poison():
         inputs = Inputs(s, routings, torch.device("cpu"))
         wrong = []
         for salt in (5, 6):
-            out = be.dispatch(be.prepare_input(inputs.caller(rank, Draw(salt))), 0)
+            out = be.dispatch(be.prepare_input(inputs.caller(rank, Draw(salt)), 0), 0)
             assert out.row_key is not None and int(out.expert_counts.sum()) > 0
             wrong.append(check_dispatch(out, rank, s.world, s.model.experts_per_rank,
                                         lambda r: inputs.wire(r, Draw(salt)),

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Tuple, Union
+from typing import Any, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -186,6 +186,10 @@ class Backend(ABC):
     # True: the backend keeps a layout made from the routing across calls (a cached handle), so
     # the driver's rotating input sets keep the routing and change only the token values.
     reuses_layout: ClassVar[bool] = False
+    # the ways this backend can be called (bench.call_modes): "call" as a model's forward pass
+    # calls it; "kernel" its library's fastest path as the library's own benchmark times it
+    # (e.g. a cached layout); the driver picks one with use_call_mode before a point
+    call_modes: ClassVar[Tuple[str, ...]] = ("call",)
     modes: ClassVar[Tuple[str, ...]] = ("normal",)  # scenario modes this backend implements
     # True: the low-latency calls allocate nothing, never wait on the host and keep their
     # per-call state (epochs) on the device, so a captured CUDA graph of them can be replayed.
@@ -226,8 +230,20 @@ class Backend(ABC):
         names them); read after the last call of a point and written into its rows. Empty: no options."""
         return {}
 
-    def prepare_input(self, inp: DispatchInput) -> DispatchInput:
-        """The input to time ``dispatch`` with, prepared outside the timed region (once per point).
+    def use_call_mode(self, mode: str) -> None:
+        """Switches how the next points are called (one of ``call_modes``); before a point's inputs
+        are prepared, never inside one."""
+        if mode not in self.call_modes:
+            raise ValueError(f"{self.name}: no call mode {mode!r} (it has {', '.join(self.call_modes)})")
+
+    def prepare_combine(self, out: DispatchOutput) -> None:
+        """Runs after the caller filled ``combine_input(out)``, outside the timed region: work a model
+        does elsewhere (e.g. the routing weights folded into the expert's output) in a call mode
+        that leaves it out of combine. Nothing by default."""
+
+    def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
+        """The input to time ``dispatch`` with at ``num_sms``, prepared outside the timed region (once
+        per input set of a point; a kernel mode may make its cached layout here).
         A backend whose kernel reads the tokens from its own registered buffer copies them there
         (as the caller fills ``combine_input`` for combine); the default is ``inp`` itself."""
         return inp

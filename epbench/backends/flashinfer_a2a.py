@@ -130,7 +130,7 @@ class FlashInferBackend(Backend):
         self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
         self._source_of_slot = torch.arange(cap, device=setup.device) // self.t_max
 
-    def prepare_input(self, inp: DispatchInput) -> DispatchInput:
+    def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
         """The router's output as the library takes it (int32 ids), made once per point, and the
         source token indices that travel as the last payload."""
         t = inp.num_tokens
