@@ -371,7 +371,7 @@ class Point:
         d = self.draws[last.draw_index]
         return self.checks.dispatch(last.out, d), self.checks.combine(last.got, last.out, d)
 
-    def _verification_run(self, fresh: Draw, inject_fault: Optional[str]) -> Tuple[CheckResult, CheckResult]:
+    def verification_run(self, fresh: Draw, inject_fault: Optional[str]) -> Tuple[CheckResult, CheckResult]:
         be, comm, calls = self.be, self.comm, self.calls
         new = self.inputs.caller(comm.rank, fresh)
         fill_in_place(self.sets[0], new if self.low_latency else be.prepare_input(new, self.sms))
@@ -437,7 +437,7 @@ def finish_point(point: Point, salt: int, inject_fault: Optional[str], rec: Poin
     if cnt is not None:
         point.count(cnt, counted_iters, rec)
     fresh = Draw(salt)
-    verified = point._verification_run(fresh, inject_fault)
+    verified = point.verification_run(fresh, inject_fault)
     rec.wrong, rec.problem = {}, {}
     for op, t, v in zip(OPS, timed, verified):
         rec.wrong[op] = t.wrong + v.wrong
