@@ -146,7 +146,7 @@ GPU_SWEEP ?= h200x4 dsv3x4 h200x4-fp8 dsv3x4-fp8 h200x2x2-virtual dsv3x2x2-virtu
 # The sweeps run even when a GPU test fails (their own verification still guards each point);
 # the target fails at the end if anything did.
 gpu-check: build
-	@status=0; $(PY) -m pytest -q -m gpu tests || status=1; \
+	@status=0; $(PY) -m pytest -v -rs --durations=0 -m gpu tests || status=1; \
 	if [ "$(GPU_COUNT)" -ge 4 ] 2>/dev/null; then \
 	  for s in $(GPU_SWEEP); do $(EPB) sweep scenarios/$$s.yaml --sms 8,16,24,32 || status=1; done; \
 	else \
