@@ -479,10 +479,10 @@ def _first_reason(reason: Optional[str]) -> Optional[str]:
     return next((f"rank {i}: {r}" for i, r in enumerate(reasons) if r), None)
 
 
-def call_modes_of(be_cls: type, asked: Tuple[str, ...]) -> Tuple[str, ...]:
-    """The call modes a backend's points are timed in: the asked ones it has, and "call" for a
-    backend that has only that way (its one way is how a model calls it)."""
-    have = tuple(m for m in asked if m in be_cls.call_modes)
+def call_modes_of(be: Backend, asked: Tuple[str, ...]) -> Tuple[str, ...]:
+    """The call modes a backend's points are timed in: the asked ones it has (in the mode it was
+    built for), and "call" for a backend that has only that way (how a model calls it)."""
+    have = tuple(m for m in asked if m in be.call_modes)
     return have or ("call",)
 
 
@@ -590,7 +590,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             on_note(f"backend {name}: no chain rows ({no_chain})")
         try:
             for sms in sms_list:
-                for mode, how, sets in ((c, h, n) for c in call_modes_of(be_cls, opts.call_modes or s.bench.call_modes)
+                for mode, how, sets in ((c, h, n) for c in call_modes_of(be, opts.call_modes or s.bench.call_modes)
                                         for h in timings for n in opts.input_sets):
                     comm.arrive(f"{name} sms={sms or 'auto'}: timed calls")
                     be.use_call_mode(mode)

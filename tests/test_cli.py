@@ -150,10 +150,11 @@ def test_smoke_run_succeeds_and_prints_the_table(smoke_run):
 @pytest.mark.slow
 def test_smoke_results_csv(smoke_run):
     df = smoke_run.rows()
-    # one row per backend x op x SMs x rank: the reference backend (no SM knob), 2 ops, 4 ranks
-    assert len(df) == 8
+    # one row per backend x call mode x op x SMs x rank: the reference backend (no SM knob) in its
+    # two call modes, 2 ops, 4 ranks
+    assert len(df) == 16 and sorted(set(df["call_mode"])) == ["call", "kernel"]
     assert set(df["backend"]) == {"reference"}
-    assert sorted(df.groupby("op")["rank"].apply(sorted).tolist()) == [[0, 1, 2, 3]] * 2
+    assert sorted(df.groupby(["op", "call_mode"])["rank"].apply(sorted).tolist()) == [[0, 1, 2, 3]] * 4
     assert set(df["world"]) == {4}
     assert (df["wrong"] == 0).all()
     assert (df["time_us"] > 0).all() and (df["algbw_gbps"] > 0).all()
@@ -169,7 +170,7 @@ def test_smoke_results_csv(smoke_run):
     s = load(SCENARIOS / "smoke.yaml")
     t = traffic(route_all(s), s.model.experts_per_rank, 4, hierarchical=False)
     want = metrics.rank_bytes(t, "dispatch", metrics.row_bytes("bf16", s.model.hidden))
-    got = df[df["op"] == "dispatch"].sort_values("rank")
+    got = df[(df["op"] == "dispatch") & (df["call_mode"] == "call")].sort_values("rank")
     assert got["algo_bytes"].tolist() == want["algo"].tolist()
     assert got["nvlink_bytes"].tolist() == want["nvlink"].tolist()
     row = got.iloc[0]
@@ -179,11 +180,11 @@ def test_smoke_results_csv(smoke_run):
 @pytest.mark.slow
 def test_smoke_samples_csv(smoke_run):
     samples = smoke_run.samples()
-    assert len(samples) == 5 * 2 * 4  # iters x ops x ranks
+    assert len(samples) == 5 * 2 * 4 * 2  # iters x ops x ranks x call modes
     assert sorted(samples["iter"].unique()) == list(range(5))
     df = smoke_run.rows()
-    for (op, rank), g in samples.groupby(["op", "rank"]):
-        row = df[(df["op"] == op) & (df["rank"] == rank)].iloc[0]
+    for (op, rank, mode), g in samples.groupby(["op", "rank", "call_mode"]):
+        row = df[(df["op"] == op) & (df["rank"] == rank) & (df["call_mode"] == mode)].iloc[0]
         assert row["time_us"] == pytest.approx(g["time_us"].median())
         assert row["time_us_max"] == pytest.approx(g["time_us"].max())
 
@@ -212,7 +213,7 @@ def test_report_reprints_the_table(smoke_run):
     assert str(smoke_run.dir.name) in r.out
     assert "smoke on 4 ranks (cpu)" in r.out and "#wrong" in r.out
     table = [ln for ln in r.out.splitlines() if "reference" in ln]
-    assert len(table) == 2
+    assert len(table) == 2 * 2  # ops x call modes
     # the same numbers the run printed
     printed = [ln for ln in smoke_run.result.out.splitlines() if "reference" in ln]
     assert table == printed
@@ -229,7 +230,7 @@ def fault_runs(results_root, smoke_run):
     and it exercises --nproc; the reference backend alone: the scenario's other one, epbench, is
     skipped on CPU, test_smoke_meta_json, and would only cost a second job)."""
     return {op: run_cli(results_root, "run", SMOKE, "--inject-fault", op, "--nproc", "2",
-                        "--iters", "2", "--warmup", "0", "--backends", "reference")
+                        "--iters", "2", "--warmup", "0", "--backends", "reference", "--call-modes", "call")
             for op in ("dispatch", "combine")}
 
 
@@ -269,9 +270,9 @@ def test_sweep_on_two_ranks(sweep_run):
     assert meta["options"]["sms"] == [2, 4]
     df = sweep_run.rows()
     assert set(df["world"]) == {2} and sorted(set(df["rank"])) == [0, 1]
-    # the reference backend has no SM knob: one point; the epbench backend is skipped on CPU
-    assert len(df) == 2 * 2
-    assert len(sweep_run.samples()) == 3 * 2 * 2
+    # the reference backend has no SM knob: one point per call mode; epbench is skipped on CPU
+    assert len(df) == 2 * 2 * 2
+    assert len(sweep_run.samples()) == 3 * 2 * 2 * 2
 
 
 @pytest.mark.slow

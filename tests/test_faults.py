@@ -30,6 +30,7 @@ def start(tmp_path: Path, backends: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "epbench", "run", "scenarios/smoke.yaml", "--nproc", "2",
          "--backends", backends, "--control-timeout", str(CONTROL_TIMEOUT),
+         "--call-modes", "call",  # one point per backend: the faults are the point here
          "--results", str(tmp_path / "r")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -44,7 +44,8 @@ def test_run_verifies_both_backends(tmp_path: Path, dtype: str, routing: str, hi
     df = load_run(run)[1]  # measured rows (skipped / failed ones aside)
     assert set(df["backend"]) == {"epbench"} | (set() if SHARED else {"reference"})
     assert sorted(set(df[df["backend"] == "epbench"]["sms"])) == [4, 12]
-    assert len(df) == 2 * world * ((0 if SHARED else 1) + 2)  # ops x ranks x (reference + 2 SM counts)
+    # ops x ranks x (reference in its two call modes + epbench at 2 SM counts)
+    assert len(df) == 2 * world * ((0 if SHARED else 2) + 2)
     assert int(df["wrong"].sum()) == 0
     if SHARED:  # functional: no bus bandwidth for traffic that stayed in one GPU
         assert df["busbw_nvlink_gbps"].isna().all() and df["functional"].notna().all()

@@ -235,3 +235,37 @@ def test_quantized_and_expert_major_cases(reports, i):
                 assert r["corrupt_wrong"] >= 1
     if case[2] == "expert_major":
         assert sum(rep[f"case{i}"]["salt1"]["pairs"] for rep in reports) > 0
+
+
+def test_kernel_mode_knows_its_splits_and_verifies(tmp_path):
+    """Kernel mode (NCCL with the splits known): the splits are found once per input set in
+    prepare_input, the timed dispatches exchange no counts, and both checks pass; call mode finds
+    them in every dispatch. One gloo rank in this process."""
+    import torch.distributed as dist
+
+    from epbench.backends.reference import ReferenceBackend
+    from epbench.driver import Point, PointRecord, measure_point, rank_setup
+    from epbench.launch import Comm
+    from epbench.routing import route_all
+    from epbench.scenario import parse
+    from support import scenario_dict
+
+    s = parse(scenario_dict(topology={"name": "one", "nodes": 1, "gpus_per_node": 1}), "<t>")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        comm = Comm(0, 1, 0, torch.device("cpu"))
+        for mode, splits_found in (("call", 3 + 1), ("kernel", 2 + 1)):
+            be = ReferenceBackend(rank_setup(s, comm))
+            be.use_call_mode(mode)
+            found = []
+            real = be._split
+            be._split = lambda inp: found.append(1) or real(inp)
+            rec = PointRecord(0)
+            measure_point(Point(be, s, route_all(s), 0, comm, input_sets=2), 1, 2, 5, None, rec)
+            assert rec.wrong == {"dispatch": 0, "combine": 0}, (mode, rec.problem)
+            # call: one per dispatch (3 timed + the verification run); kernel: one per input set
+            # (2) + the verification run's values, none in a timed call
+            assert len(found) == splits_found, mode
+            assert be.reuses_layout == (mode == "kernel")
+    finally:
+        dist.destroy_process_group()

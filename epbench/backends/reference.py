@@ -11,6 +11,11 @@ exchange the received rows are gathered (index_select) into per-expert segments 
 ``align`` rows; combine weighs and sums each token's expert outputs per received row straight
 from the segments, sends one bf16 row per (token, rank) back and the source adds them.
 
+Call modes (rows' ``call_mode``): ``call`` is the above; ``kernel`` is NCCL with the splits known:
+the copies and splits of each input set are found once, outside the timed region (counts
+exchanged, host wait), and the timed dispatch is the packing, the gather and one uneven
+``all_to_all_single``; combine is the same in both.
+
 Low-latency mode: the same user-level path, one row per (token, expert) pair. The source
 sorts its pairs by expert (which groups them by destination rank), sends them with one uneven
 ``all_to_all_single`` after a count exchange and a host synchronisation, and the receiver
@@ -21,7 +26,7 @@ Combine sends the expert outputs back in the same order and the source reduces t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +49,14 @@ class _Layout:
     topk_weights: torch.Tensor
     num_recv: int
     slots: Optional[SlotMap] = None  # expert_major: where each (received row, expert) pair went
+
+
+@dataclass
+class _Split:
+    send_splits: List[int]
+    recv_splits: List[int]
+    token_of_copy: torch.Tensor  # [copies sent] source token index, ordered by (dest, token)
+    dest_of_copy: torch.Tensor  # [copies sent] destination rank
 
 
 @dataclass
@@ -79,6 +92,7 @@ class ReferenceBackend(Backend):
     dtypes = ("bf16", "fp8", "mxfp8")
     quantize_modes = ("before", "fused")
     layouts = ("rank_major", "expert_major")
+    call_modes = ("call", "kernel")
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -93,7 +107,10 @@ class ReferenceBackend(Backend):
 
     def __init__(self, setup: RankSetup) -> None:
         self.s = setup
+        self.kernel = False
+        self._splits: Dict[int, _Split] = {}  # id of a prepared input -> its splits (kernel mode)
         if setup.mode == "low_latency":
+            self.call_modes = ("call",)  # the per-pair path has no cached form
             self._init_low_latency(setup)
             return
         cap = setup.world * setup.max_tokens_per_rank
@@ -144,16 +161,37 @@ class ReferenceBackend(Backend):
             return inp
         return DispatchInput(*quantize(inp.x, self.s.dispatch_dtype), inp.topk_idx, inp.topk_weights)
 
-    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+    def use_call_mode(self, mode: str) -> None:
+        super().use_call_mode(mode)
+        self.kernel = self.reuses_layout = mode == "kernel"
+        self._splits.clear()
+
+    def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
+        """Kernel mode: this input set's copies and splits, counts exchanged once, untimed."""
+        if self.kernel:
+            self._splits[id(inp)] = self._split(inp)
+        return inp
+
+    def _split(self, inp: DispatchInput) -> "_Split":
+        """Which token goes where: the copies by (destination, token), and the send / receive
+        splits, for which the ranks exchange their counts and the host waits for them."""
         s = self.s
-        inp = self._quantized(inp)
-        t = inp.num_tokens
         mask = dest_mask(inp.topk_idx, s.experts_per_rank, s.world)
         dest_of_copy, token_of_copy = mask.t().nonzero(as_tuple=True)  # sorted by (dest, token)
         send_counts = mask.sum(dim=0)
         dist.all_to_all_single(self.recv_counts, send_counts)
-        send_splits = send_counts.tolist()
-        recv_splits = self.recv_counts.tolist()  # the host synchronisation every user pays
+        return _Split(send_counts.tolist(), self.recv_counts.tolist(), token_of_copy, dest_of_copy)
+
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
+        s = self.s
+        # kernel mode: the splits of this input set are known (NCCL with splits known, as an
+        # all-to-all token dispatcher with a fixed routing has them); call mode: found here, the
+        # host synchronisation every user pays included
+        split = self._splits[id(inp)] if self.kernel else self._split(inp)
+        inp = self._quantized(inp)
+        t = inp.num_tokens
+        send_splits, recv_splits = split.send_splits, split.recv_splits
+        token_of_copy, dest_of_copy = split.token_of_copy, split.dest_of_copy
         n = sum(recv_splits)
         packed = self.send[:t]
         ids, weights, scales, x = self._fields(packed)
