@@ -40,23 +40,22 @@ from epbench.routing import copy_weights, dest_mask
 
 
 @dataclass
-class _Layout:
+class _Split:
+    """Which token goes where, and how many rows each rank sends and receives."""
+
     send_splits: List[int]
     recv_splits: List[int]
     token_of_copy: torch.Tensor  # [copies sent] source token index, ordered by (dest, token)
     dest_of_copy: torch.Tensor  # [copies sent] destination rank
+
+
+@dataclass
+class _Layout:
+    split: _Split
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     num_recv: int
     slots: Optional[SlotMap] = None  # expert_major: where each (received row, expert) pair went
-
-
-@dataclass
-class _Split:
-    send_splits: List[int]
-    recv_splits: List[int]
-    token_of_copy: torch.Tensor  # [copies sent] source token index, ordered by (dest, token)
-    dest_of_copy: torch.Tensor  # [copies sent] destination rank
 
 
 @dataclass
@@ -191,7 +190,7 @@ class ReferenceBackend(Backend):
         inp = self._quantized(inp)
         t = inp.num_tokens
         send_splits, recv_splits = split.send_splits, split.recv_splits
-        token_of_copy, dest_of_copy = split.token_of_copy, split.dest_of_copy
+        token_of_copy = split.token_of_copy
         n = sum(recv_splits)
         packed = self.send[:t]
         ids, weights, scales, x = self._fields(packed)
@@ -210,8 +209,7 @@ class ReferenceBackend(Backend):
         hit = (local >= 0) & (local < s.experts_per_rank)
         other = s.experts_per_rank  # one extra bin for experts of other ranks (no boolean gather)
         counts = torch.bincount(torch.where(hit, local, other).flatten(), minlength=other + 1)[:other]
-        layout = _Layout(send_splits, recv_splits, token_of_copy, dest_of_copy,
-                         inp.topk_idx, inp.topk_weights, n)
+        layout = _Layout(split, inp.topk_idx, inp.topk_weights, n)
         if self.expert_major:
             return self._permute(recv, ids, weights, layout)
         return DispatchOutput(x, scales, ids, weights, counts, n, layout)
@@ -260,16 +258,17 @@ class ReferenceBackend(Backend):
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         s, lay = self.s, out.handle
         t = lay.topk_idx.shape[0]
-        sent = self.combine_back[: lay.token_of_copy.numel()]
+        sp = lay.split
+        sent = self.combine_back[: sp.token_of_copy.numel()]
         y = (self._reduce_local(out) if self.expert_major else self.combine_in[: lay.num_recv]).view(torch.uint8)
-        dist.all_to_all_single(sent, y, lay.send_splits, lay.recv_splits)
+        dist.all_to_all_single(sent, y, sp.send_splits, sp.recv_splits)
         acc = self.acc[:t].zero_()
         if self.expert_major:  # the weights were applied per expert on the receiver
-            acc.index_add_(0, lay.token_of_copy, sent.view(torch.bfloat16).float())
+            acc.index_add_(0, sp.token_of_copy, sent.view(torch.bfloat16).float())
         else:
             w = copy_weights(lay.topk_idx, lay.topk_weights, s.experts_per_rank, s.world)
-            w_copy = w[lay.token_of_copy, lay.dest_of_copy]
-            acc.index_add_(0, lay.token_of_copy, sent.view(torch.bfloat16).float().mul_(w_copy.unsqueeze(1)))
+            w_copy = w[sp.token_of_copy, sp.dest_of_copy]
+            acc.index_add_(0, sp.token_of_copy, sent.view(torch.bfloat16).float().mul_(w_copy.unsqueeze(1)))
         out_rows = self.out[:t]
         out_rows.copy_(acc)
         return out_rows
