@@ -34,7 +34,8 @@ from epbench import counters as hw
 from epbench import metrics
 from epbench.metrics import OPS, PointRecord, point_rows
 from epbench.backends import load_backend
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
 from epbench.inputs import (dispatch_input, expert_output, fill_in_place, make_tokens, rotated_routing,
                             wire_input)
 from epbench.launch import Comm

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from epbench import mxfp8
-from epbench.backends.base import DispatchInput
+from epbench.contract import DispatchInput
 from epbench.routing import RankRouting, _generator
 from epbench.scenario import FP8_BLOCK
 

@@ -354,7 +354,7 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
     import torch
 
     from epbench import launch
-    from epbench.backends.base import RankSetup
+    from epbench.contract import RankSetup
     from epbench.backends.epbench_ll import EpbenchLowLatencyBackend
     from epbench.errors import UserError
     from epbench.inputs import dispatch_input, make_tokens

@@ -347,3 +347,20 @@ def expert_major_columns(extra: Optional[Dict[str, torch.Tensor]], rank: int,
         return {"local_copy_bytes": None, "padding_rows": None}
     return {"local_copy_bytes": int(extra["local_copy"][rank]) * row,
             "padding_rows": int(extra["padding"][rank])}
+
+
+def summarize_overlap(df: Any) -> Any:
+    """An overlap run's rows: one line per (backend, sms): the worst rank (lowest kept, longest pair), wrong summed."""
+    import pandas as pd
+
+    keys = ["backend", "sms"]
+    worst_low = [c for c in df.columns
+                 if c.endswith("_pct") and c != "comm_busy_pct" or c == "gemm_sms"]
+    worst_high = [c for c in ("pair_us", "sum_us", "max_us", "exposed_us", "comm_busy_pct") if c in df]
+    agg: Dict[str, Any] = {c: "min" for c in worst_low}
+    agg.update({c: "max" for c in worst_high})
+    for c in ("wrong", "gemm_wrong"):
+        if c in df:
+            agg[c] = "sum"
+    out = df.groupby(keys, sort=False, dropna=False).agg(agg).reset_index()
+    return out if isinstance(out, pd.DataFrame) else pd.DataFrame(out)

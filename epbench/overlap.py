@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from epbench.errors import UserError
+from epbench.metrics import summarize_overlap
 
 OPS = ("dispatch", "combine")
 SQUARE_DEFAULT = "8192,8192,8192"
@@ -193,23 +194,6 @@ def point_row(base: Dict[str, Any], gemm: Dict[str, Any], alone: Dict[str, float
     return row
 
 
-def summarize(df: Any) -> Any:
-    """One line per (backend, sms): the worst rank (lowest kept, longest pair), wrong summed."""
-    import pandas as pd
-
-    keys = ["backend", "sms"]
-    worst_low = [c for c in df.columns
-                 if c.endswith("_pct") and c != "comm_busy_pct" or c == "gemm_sms"]
-    worst_high = [c for c in ("pair_us", "sum_us", "max_us", "exposed_us", "comm_busy_pct") if c in df]
-    agg: Dict[str, Any] = {c: "min" for c in worst_low}
-    agg.update({c: "max" for c in worst_high})
-    for c in ("wrong", "gemm_wrong"):
-        if c in df:
-            agg[c] = "sum"
-    out = df.groupby(keys, sort=False, dropna=False).agg(agg).reset_index()
-    return out if isinstance(out, pd.DataFrame) else pd.DataFrame(out)
-
-
 TABLE_COLUMNS = (  # (header, column, scale)
     ("SMs", "sms", 1), ("GEMM\nSMs", "gemm_sms", 1), ("GEMM\nkept %", "gemm_kept_pct", 1),
     ("of\nconf. %", "gemm_kept_of_confined_pct", 1), ("disp.\nkept %", "dispatch_kept_pct", 1),
@@ -226,7 +210,7 @@ def overlap_table(df: Any, title: str):
 
     from epbench.report import _num
 
-    summary = summarize(df)
+    summary = summarize_overlap(df)
     cols = [c for c in TABLE_COLUMNS if c[1] in summary and summary[c[1]].notna().any()]
     t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
               collapse_padding=True)

@@ -386,7 +386,7 @@ def overlap_plot(run_dir: Path, out_dir: Optional[Path] = None, force: bool = Fa
     """An ``epbench overlap`` folder: the GEMM's kept % (left) and the communication's kept %
     (right, dispatch + combine, or the calibration copy) against the communication's SMs, one
     line per backend, the worst rank of each point."""
-    from epbench.overlap import summarize as overlap_summary
+    from epbench.metrics import summarize_overlap as overlap_summary
 
     meta, df = loaded or load_run(run_dir)
     out_dir = out_dir or run_dir / "plots"

@@ -338,7 +338,7 @@ def _shape(m: Model) -> str:
 
 
 def check_backends(names: Tuple[str, ...], key: str) -> None:
-    from epbench.backends import REGISTRY  # a name table only: no torch
+    from epbench.backend_names import REGISTRY  # a name table only: no torch
 
     for n in names:
         if n not in REGISTRY:

@@ -27,14 +27,13 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from epbench.backends.base import DispatchInput, DispatchOutput, LowLatencyOutput, ll_slots
+from epbench.contract import (BF16_ROUNDING, COMBINE_ROUNDINGS, DispatchInput, DispatchOutput,
+                              LowLatencyOutput, ll_slots)
 from epbench.inputs import dequantize, expert_factor, expert_output
 from epbench.layout import ExpertMajor, expert_of_slot, segment_offsets, segment_sort
 from epbench.mxfp8 import error_bound
 from epbench.routing import copy_weights, dest_mask
 
-BF16_ROUNDING = 2.0**-8  # relative error of one bf16 rounding (half an ulp of 8 significant bits)
-COMBINE_ROUNDINGS = 2  # the backend's bf16 rows (weighted) and its bf16 result
 COMBINE_RTOL = COMBINE_ROUNDINGS * BF16_ROUNDING  # 2^-7; a backend that rounds more says so
 COMBINE_ATOL = 1e-6
 

@@ -74,7 +74,7 @@ def test_no_timeout_raises_nothing():
 def test_dispatch_input_check_accepts_good_input_and_names_bad():
     import torch
 
-    from epbench.backends.base import DispatchInput, RankSetup
+    from epbench.contract import DispatchInput, RankSetup
 
     setup = RankSetup(rank=0, world=2, gpus_per_node=2, device=torch.device("cpu"), hidden=256,
                       max_tokens_per_rank=8, topk=2, experts_per_rank=2, dispatch_dtype="bf16")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from epbench.backends import REGISTRY, backend_class
-from epbench.backends.base import DispatchOutput, RankSetup
+from epbench.contract import DispatchOutput, RankSetup
 from epbench.driver import Point, PointRecord, measure_point
 from epbench.inputs import dispatch_input, make_tokens
 from epbench.launch import Comm

@@ -23,7 +23,7 @@ import torch
 
 from epbench.backends import REGISTRY
 from epbench.backends import deepep_v2
-from epbench.backends.base import DispatchInput, RankSetup
+from epbench.contract import DispatchInput, RankSetup
 from epbench.driver import Point, PointRecord, measure_point
 from epbench.inputs import expert_output, quantize
 from epbench.layout import ExpertMajor, segment_sort

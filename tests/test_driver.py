@@ -51,7 +51,7 @@ def test_measure_size_keeps_the_timing_module_in_reach():
 def _setup(mode="low_latency", world=1):
     import torch
 
-    from epbench.backends.base import RankSetup
+    from epbench.contract import RankSetup
 
     return RankSetup(rank=0, world=world, gpus_per_node=world, device=torch.device("cpu"), hidden=128,
                      max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16", mode=mode)

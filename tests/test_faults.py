@@ -225,7 +225,7 @@ def test_deepep_v1_hidden_limits_are_checked_before_launch():
 def test_kernel_timeout_must_be_finite_and_bounded_before_the_kernels():
     import torch
 
-    from epbench.backends.base import RankSetup
+    from epbench.contract import RankSetup
 
     def setup(t):
         return RankSetup(rank=0, world=2, gpus_per_node=2, device=torch.device("cpu"), hidden=256,

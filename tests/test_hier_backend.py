@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from epbench.backends import epbench_hier as hier
-from epbench.backends.base import DispatchOutput
+from epbench.contract import DispatchOutput
 
 
 class FakeLib:

@@ -12,7 +12,7 @@ import torch
 
 from support import assert_one_line_error, epbench_here, run_cli, scenario_dict
 
-from epbench.backends.base import DispatchInput, LowLatencyOutput, ll_slots
+from epbench.contract import DispatchInput, LowLatencyOutput, ll_slots
 from epbench.errors import UserError
 from epbench.inputs import expert_factor
 from epbench.scenario import parse
@@ -232,7 +232,7 @@ def _r_inputs(dtype, salt):
 def _worker(rank: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from epbench.backends.base import RankSetup
+    from epbench.contract import RankSetup
     from epbench.backends.reference import ReferenceBackend
 
     torch.set_num_threads(1)

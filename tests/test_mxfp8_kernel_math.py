@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from epbench import mxfp8
-from epbench.backends.base import RankSetup
+from epbench.contract import RankSetup
 from epbench.backends.epbench_kernels import EpbenchBackend
-from epbench.backends.base import DispatchInput
+from epbench.contract import DispatchInput
 from epbench import cuda_lib
 
 import pytest

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from epbench import overlap as ov
 from epbench.errors import UserError
+from epbench.metrics import summarize_overlap
 from epbench.plot import plot_run
 from support import SCENARIOS, epbench_here
 
@@ -104,7 +105,7 @@ def test_point_row_figures():
 
 def test_table_takes_the_worst_rank_and_fits_100_columns():
     df = pd.DataFrame(_rows())
-    s = ov.summarize(df)
+    s = summarize_overlap(df)
     ep8 = s[(s["backend"] == "epbench") & (s["sms"] == 8)].iloc[0]
     assert ep8["gemm_kept_pct"] == pytest.approx(100 * 1400 / 1900)  # rank 1, the slower
     console = Console(width=100, record=True)

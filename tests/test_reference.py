@@ -44,7 +44,7 @@ def _case_inputs(case, salt):
 def _run_case(rank, case):
     """One issue-26 case on this rank: verify.py's checks plus an independent loop over the
     expert segments; a corrupted segment row must be caught."""
-    from epbench.backends.base import RankSetup
+    from epbench.contract import RankSetup
     from epbench.backends.reference import ReferenceBackend
     from epbench.inputs import expert_output
     from epbench.verify import check_combine, check_dispatch, check_ll_combine, em_expert_output
@@ -108,7 +108,7 @@ def _inputs(dtype, salt):
 def _worker(rank: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from epbench.backends.base import RankSetup
+    from epbench.contract import RankSetup
     from epbench.backends.reference import ReferenceBackend
     from epbench.inputs import expert_output
     from epbench.verify import check_combine, check_dispatch

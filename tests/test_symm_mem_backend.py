@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from epbench.backends import REGISTRY
-from epbench.backends.base import RankSetup
+from epbench.contract import RankSetup
 from epbench.backends.symm_mem import SymmMemBackend, limits_reason, row_unit
 from epbench.driver import Point, PointRecord, measure_point
 from epbench.inputs import dispatch_input, make_tokens
@@ -266,7 +266,7 @@ def test_an_empty_expert_keeps_torchs_padding_and_is_reported():
         be = SymmMemBackend(setup_of(s, rank), symm=m)
         idx = torch.tensor([[0], [0], [2], [2]])  # local expert 1 of each rank gets nothing
         x = make_tokens(4, s.model.hidden, 0, rank, 0, CPU)
-        from epbench.backends.base import DispatchInput
+        from epbench.contract import DispatchInput
         out = be.dispatch(DispatchInput(x, None, idx, torch.ones(4, 1)), 4)
         return out.expert_major.counts.tolist(), out.expert_major.offsets.tolist(), int(out.expert_major.num_slots)
 

@@ -14,7 +14,8 @@ from typing import Dict
 import pytest
 import torch
 
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.driver import Draw, Inputs, Point, PointRecord, measure_point, timing_draws
 from epbench.inputs import fill_in_place, rotated_routing
 from epbench.metrics import pair_traffic

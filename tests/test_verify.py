@@ -4,7 +4,7 @@ a world of 3 ranks, 2 experts each, seen from rank 1; no process group needed.""
 import pytest
 import torch
 
-from epbench.backends.base import DispatchInput, DispatchOutput
+from epbench.contract import DispatchInput, DispatchOutput
 from epbench.inputs import dispatch_input, expert_factor, make_tokens
 from epbench.routing import route_rank
 from epbench.scenario import Routing

@@ -4,29 +4,14 @@
 from __future__ import annotations
 
 import importlib
-import os
-from typing import TYPE_CHECKING, Dict, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Optional, Tuple, Type
 
 from epbench.errors import UserError
 
 if TYPE_CHECKING:  # importing base pulls in torch; name checks must stay cheap
     from epbench.backends.base import Backend
 
-REGISTRY: Dict[str, str] = {
-    "reference": "epbench.backends.reference:ReferenceBackend",
-    "epbench": "epbench.backends.epbench_kernels:EpbenchBackend",
-    "deepep": "epbench.backends.deepep:DeepEPBackend",
-    "epbench-ll": "epbench.backends.epbench_ll:EpbenchLowLatencyBackend",
-    "epbench-hier": "epbench.backends.epbench_hier:EpbenchHierBackend",
-    "deepep-v2": "epbench.backends.deepep_v2:DeepEPV2Backend",
-    "hybrid-ep": "epbench.backends.hybrid_ep:HybridEPBackend",
-    "symm-mem": "epbench.backends.symm_mem:SymmMemBackend",
-    "flashinfer": "epbench.backends.flashinfer_a2a:FlashInferBackend",
-}
-# Tests only: backends that hang or abort on purpose (tests/fault_backends.py), as
-# "name=module:Class,..."; never set in normal use.
-REGISTRY.update(dict(item.split("=", 1) for item in
-                     os.environ.get("EPBENCH_TEST_BACKENDS", "").split(",") if "=" in item))
+from epbench.backend_names import REGISTRY  # noqa: F401 (the registry is looked up here too)
 
 
 def backend_class(name: str) -> Type["Backend"]:

@@ -56,7 +56,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.scenario import FP8_BLOCK
 
 MAX_INTRANODE_RANKS = 8  # DeepEP's NUM_MAX_NVL_PEERS

@@ -53,7 +53,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.baselines import MIN_NCCL, version_tuple
 from epbench.layout import ExpertMajor, expert_of_slot, slot_capacity
 from epbench.scenario import FP8_BLOCK

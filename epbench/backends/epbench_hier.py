@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from epbench import cuda_lib, nvshmem_lib, options
 from epbench.launch import mps_active, shares_gpus
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
 
 MAX_GPUS_PER_NODE = 8

@@ -36,7 +36,8 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 
 from epbench import cuda_lib, options
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
 from epbench.layout import ExpertMajor, slot_capacity
 

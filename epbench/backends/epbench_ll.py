@@ -30,7 +30,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from epbench import cuda_lib, options
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
 from epbench.backends.epbench_kernels import intranode_reason
 from epbench.backends.kernel_common import release_collective
 

@@ -53,7 +53,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 
 TOPK_COMPILED = (1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 22)  # SWITCH_TOP_K in its kernels
 MAX_RANKS = 64  # kMaxRanks

@@ -71,7 +71,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.deepep import WeightedCombineRows
 from epbench.layout import ExpertMajor, slot_capacity
 

@@ -31,8 +31,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import (Backend, DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup,
-                                   ll_slots)
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup, ll_slots
 from epbench.inputs import quantize
 from epbench.layout import SlotMap, expert_major, slot_capacity
 from epbench.metrics import row_bytes

@@ -53,7 +53,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from epbench.backends.base import Backend, DispatchInput, DispatchOutput, RankSetup
+from epbench.backends.base import Backend
+from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.reference import typed_payload
 from epbench.layout import ExpertMajor, round_up
 from epbench.metrics import row_bytes

@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from epbench.launch import init_distributed  # noqa: E402
-from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
+from epbench.contract import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_kernels import EpbenchBackend  # noqa: E402
 from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input  # noqa: E402
 from epbench.metrics import row_bytes  # noqa: E402

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ep_worker import expect_missing_peer  # noqa: E402
 
 from epbench.launch import init_distributed  # noqa: E402
-from epbench.backends.base import DispatchInput, RankSetup  # noqa: E402
+from epbench.contract import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_ll import EpbenchLowLatencyBackend  # noqa: E402
 from epbench.backends.reference import ReferenceBackend  # noqa: E402
 from epbench.driver import PointCalls, graph_calls, launch_calls  # noqa: E402
