@@ -415,7 +415,7 @@ def byte_ceilings(s: Any, tr: Traffic, rates: Sequence[Optional[float]]) -> List
 def ceiling_table(ceilings: List[OpCeiling], title: str):
     from rich.table import Table
 
-    from epbench.report import _num
+    from epbench.console import number
 
     t = Table(title=title, caption="bytes = NVLink bytes a rank sends (max over ranks); times in us "
               "(max over ranks of the median); GB/s = bytes / time; NVML TX / computed = NVLink "
@@ -425,12 +425,12 @@ def ceiling_table(ceilings: List[OpCeiling], title: str):
                 "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed"):
         t.add_column(col, justify="left" if col == "op" else "right")
     for c in ceilings:
-        sm = [f"{k}: {_num(v)}" for k, v in c.sm_store_us.items() if v is not None]
-        t.add_row(c.op, _num(c.max_bytes / 1e6), _num(c.copy_engine_us), _num(c.copy_engine_gbps),
+        sm = [f"{k}: {number(v)}" for k, v in c.sm_store_us.items() if v is not None]
+        t.add_row(c.op, number(c.max_bytes / 1e6), number(c.copy_engine_us), number(c.copy_engine_gbps),
                   ", ".join(sm) if sm else "absent",
-                  _num(c.ideal_us),
-                  _num(metrics.bandwidth_gbps(c.max_bytes, c.ideal_us) if c.ideal_us else None),
-                  _num(c.scenario_ideal_us), _ratio(c.counted_vs_computed()))
+                  number(c.ideal_us),
+                  number(metrics.bandwidth_gbps(c.max_bytes, c.ideal_us) if c.ideal_us else None),
+                  number(c.scenario_ideal_us), _ratio(c.counted_vs_computed()))
     return t
 
 

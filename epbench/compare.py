@@ -102,7 +102,7 @@ def compare_table(both: pd.DataFrame, title: str, wide: bool = False):
     (or ``wide``): one scenario is in the title, and the table fits 100 columns."""
     from rich.table import Table
 
-    from epbench.report import _num
+    from epbench.console import number
 
     scenarios = list(dict.fromkeys(str(x) for x in both["scenario"]))
     with_scenario = wide or len(scenarios) > 1
@@ -130,8 +130,8 @@ def compare_table(both: pd.DataFrame, title: str, wide: bool = False):
 
     for _, r in both.iterrows():
         t.add_row(*([str(r["scenario"])] if with_scenario else []), str(r["op"]), str(r["backend"]), point(r),
-                  _num(r["time_us_a"]), _num(r["time_us_b"]), r3(r["time_us_ratio"]),
-                  _num(r["busbw_nvlink_gbps_min_a"]), _num(r["busbw_nvlink_gbps_min_b"]),
+                  number(r["time_us_a"]), number(r["time_us_b"]), r3(r["time_us_ratio"]),
+                  number(r["busbw_nvlink_gbps_min_a"]), number(r["busbw_nvlink_gbps_min_b"]),
                   r3(r["busbw_nvlink_gbps_min_ratio"]))
     return t
 

@@ -5,6 +5,7 @@ Every string they print passes through ``printable``: text from a scenario, a re
 files or a folder's name (a hand-edited meta.json, a CSV cell) reaches the terminal without the
 control characters that would move its cursor, retitle it or recolour what follows."""
 
+import math
 import os
 import re
 
@@ -33,3 +34,14 @@ def wide_console(stderr: bool = False) -> Console:
     if c.is_terminal or os.environ.get("COLUMNS", "").isdigit():
         return c
     return SafeConsole(stderr=stderr, width=200)
+
+
+def number(v: object) -> str:
+    """A figure as the tables show it: three significant figures at most, none wasted on big
+    numbers (327, 41.2, 0.0123); "-" where there is none."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    v = float(v)  # type: ignore[arg-type]
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"

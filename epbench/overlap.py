@@ -208,7 +208,7 @@ def overlap_table(df: Any, title: str):
     from rich import box
     from rich.table import Table
 
-    from epbench.report import _num
+    from epbench.console import number
 
     summary = summarize_overlap(df)
     cols = [c for c in TABLE_COLUMNS if c[1] in summary and summary[c[1]].notna().any()]
@@ -227,7 +227,7 @@ def overlap_table(df: Any, title: str):
             elif col in ("sms", "gemm_sms"):
                 cells.append("-" if v is None or v != v else str(int(v)) if v else "auto")
             else:
-                cells.append(_num(v * scale if v is not None and v == v else None))
+                cells.append(number(v * scale if v is not None and v == v else None))
         t.add_row(str(r["backend"]), *cells)
     return t
 

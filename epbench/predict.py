@@ -95,6 +95,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from epbench import metrics
+from epbench.console import number
 from epbench.errors import UserError
 from epbench.routing import (RankRouting, ReachStats, Traffic, dest_mask, reach_stats,
                              route_all, traffic)
@@ -604,20 +605,14 @@ def predict(s: Scenario, calib: Calibration, nic_efficiency: float = DEFAULT_NIC
 
 # -- output ----------------------------------------------------------------------------------
 
-def _num(v: Optional[float]) -> str:
-    from epbench.report import _num as fmt
-
-    return fmt(v)
-
-
 def _spread(p: OpPrediction, key: str) -> str:
     """slowest rank's value, then min / median / max over ranks where they differ by 5%+."""
     st = p.stats(key)
     if st["max"] == 0:
         return "-"
-    text = _num(st["slowest"])
+    text = number(st["slowest"])
     if st["max"] - st["min"] >= 0.05 * max(st["median"], 1e-9):
-        text += f" ({_num(st['min'])} / {_num(st['median'])} / {_num(st['max'])})"
+        text += f" ({number(st['min'])} / {number(st['median'])} / {number(st['max'])})"
     return text
 
 
@@ -649,7 +644,7 @@ def print_prediction(pred: Prediction, console) -> None:
                       ("slow rank", "right")):
         table.add_column(col, justify=just)
     for p in pred.ops:
-        table.add_row(p.algorithm, p.op, _num(p.time_us), _num(p.serial_time_us),
+        table.add_row(p.algorithm, p.op, number(p.time_us), number(p.serial_time_us),
                       _spread(p, "algbw_gbps"), _spread(p, "busbw_nvlink_gbps"),
                       _spread(p, "busbw_nic_gbps"),
                       _spread(p, "rdma_deepep_gbps") if pred.nodes > 1 else "-",

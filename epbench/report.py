@@ -12,19 +12,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from epbench.console import wide_console
+from epbench.console import number
 from epbench.errors import UserError
 from epbench.metrics import summarize
 from epbench.results import run_status
-
-
-def _num(v: Any) -> str:
-    """Three significant figures at most, none wasted on big numbers (327, 41.2, 0.0123)."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    v = float(v)
-    if abs(v) >= 100:
-        return f"{v:.0f}"
-    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
 
 
 def _spread(row: pd.Series, col: str) -> str:
@@ -32,15 +23,15 @@ def _spread(row: pd.Series, col: str) -> str:
     if lo is None or (isinstance(lo, float) and math.isnan(lo)):
         return "-"
     if abs(hi - lo) < 0.05 * max(abs(med), 1e-9):
-        return _num(med)
-    return f"{_num(lo)} / {_num(med)} / {_num(hi)}"
+        return number(med)
+    return f"{number(lo)} / {number(med)} / {number(hi)}"
 
 
 def _ceiling_pct(row: pd.Series) -> str:
     vals = [row.get(f"pct_of_{k}_ceiling") for k in ("copy_engine", "sm_store")]
     if all(v is None or v != v for v in vals):
         return "-"
-    return " / ".join(_num(v) for v in vals)
+    return " / ".join(number(v) for v in vals)
 
 
 def _counted(row: pd.Series, tier: str) -> str:
@@ -69,7 +60,7 @@ Cell = Callable[[pd.Series, bool], str]
 
 def _bw(col: str) -> Cell:
     """Default: the slowest-bandwidth rank (what compare and plot use); wide: min / median / max."""
-    return lambda r, wide: _spread(r, col) if wide else _num(r.get(f"{col}_min"))
+    return lambda r, wide: _spread(r, col) if wide else number(r.get(f"{col}_min"))
 
 
 def _wrong(r: pd.Series, wide: bool) -> str:
@@ -93,7 +84,7 @@ def _input_sets(n: Any) -> str:
 
 
 def _link_pct(r: pd.Series, wide: bool) -> str:
-    return _spread(r, "nvlink_link_use_pct") if wide else _num(r.get("nvlink_link_use_pct_max"))
+    return _spread(r, "nvlink_link_use_pct") if wide else number(r.get("nvlink_link_use_pct_max"))
 
 
 COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
@@ -104,8 +95,8 @@ COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
     "timing": ("timing", "left", lambda r, w: timing_label(r.get("timing"), r.get("chain"))),
     "call": ("call", "left", lambda r, w: str(r.get("call_mode") or "call")),
     "inputs": ("inputs", "right", lambda r, w: _input_sets(r.get("input_sets"))),
-    "time": ("time us", "right", lambda r, w: _num(r["time_us"])),
-    "p99": ("p99 us", "right", lambda r, w: _num(r.get("time_us_p99"))),
+    "time": ("time us", "right", lambda r, w: number(r["time_us"])),
+    "p99": ("p99 us", "right", lambda r, w: number(r.get("time_us_p99"))),
     "algbw": ("algbw", "right", _bw("algbw_gbps")),
     "busbw": ("busbw", "right", _bw("busbw_nvlink_gbps")),
     "link": ("link %", "right", _link_pct),
@@ -278,11 +269,11 @@ def floor_notes(df: pd.DataFrame) -> List[str]:
     for (backend, op), g in worst[~chained].groupby(["backend", "op"], sort=False):
         best = g.loc[g["time_us"].idxmin()]
         how = f"{int(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
-        line = f"floor: {backend} {op} {_num(best['time_us'])} us at {int(fewest)} token(s) per rank ({how})"
+        line = f"floor: {backend} {op} {number(best['time_us'])} us at {int(fewest)} token(s) per rank ({how})"
         chain = worst[chained & (worst["backend"] == backend) & (worst["op"] == op)]
         if not chain.empty:
             c = chain.loc[chain["time_us"].idxmin()]
-            line += (f"; in-graph {_num(c['time_us'])} us ({int(c['sms'])} SMs, "
+            line += (f"; in-graph {number(c['time_us'])} us ({int(c['sms'])} SMs, "
                      f"{timing_label('chain', c.get('chain'))}: per call of a chain in one graph)")
         out.append(line)
     return out
@@ -350,12 +341,12 @@ def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
         for i, r in g.sort_values("rank").iterrows():
             spread = ""
             if "time_us_min" in r and "time_us_max" in r:
-                spread = f" ({_num(r['time_us_min'])} - {_num(r['time_us_max'])})"
+                spread = f" ({number(r['time_us_min'])} - {number(r['time_us_max'])})"
             wrong = int(r["wrong"]) if "wrong" in r else 0
             table.add_row(r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
                           f"{int(r['rank'])}{' *' if i == slowest else ''}",
-                          _num(r["time_us"]) + spread, _num(r.get("algbw_gbps")),
-                          _num(r.get("busbw_nvlink_gbps")), _num(r.get("busbw_nic_gbps")),
+                          number(r["time_us"]) + spread, number(r.get("algbw_gbps")),
+                          number(r.get("busbw_nvlink_gbps")), number(r.get("busbw_nic_gbps")),
                           f"[bold red]{wrong}[/]" if wrong else "0")
     return table
 

@@ -24,8 +24,10 @@ META = {"scenario": {"name": "smoke"}, "world": 2, "device": "cpu", "status": "c
     (327.4, "327"), (1234.5, "1234"), (41.23, "41.2"), (10.0, "10.0"), (9.876, "9.88"),
     (0.012345, "0.0123"), (None, "-"), (float("nan"), "-"), (-150.2, "-150"),
 ])
-def test_num(value, text):
-    assert report._num(value) == text
+def test_number(value, text):
+    from epbench.console import number
+
+    assert number(value) == text
 
 
 def table_lines(df, meta=META, columns=None):
