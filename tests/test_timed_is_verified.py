@@ -14,7 +14,7 @@ from typing import Dict
 import pytest
 import torch
 
-from epbench.backends.base import Backend
+from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.driver import Draw, Inputs, Point, PointRecord, measure_point, timing_draws
 from epbench.inputs import fill_in_place, rotated_routing
@@ -26,7 +26,7 @@ from support import scenario_dict
 CPU = torch.device("cpu")
 
 
-class Loopback(Backend):
+class Loopback(NormalMode):
     """An honest world-1 backend: the received rows are the sent rows, in order."""
 
     name = "loopback"
@@ -127,7 +127,7 @@ def setup_of(s) -> RankSetup:
                      dispatch_dtype=m.dispatch_dtype)
 
 
-def measure(be: Backend, input_sets: int, iters: int = 3) -> PointRecord:
+def measure(be: NormalMode, input_sets: int, iters: int = 3) -> PointRecord:
     s = scenario()
     rec = PointRecord(0)
     measure_point(Point(be, s, route_all(s), 0, comm(), input_sets), 1, iters, 7, None, rec)

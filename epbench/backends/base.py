@@ -68,9 +68,6 @@ class Backend(ABC):
     @abstractmethod
     def __init__(self, setup: RankSetup) -> None: ...
 
-    @abstractmethod
-    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput: ...
-
     def effective_config(self) -> Dict[str, Any]:
         """The options this backend ran with, after any clamp or fallback of its kernels (epbench/options.py
         names them); read after the last call of a point and written into its rows. Empty: no options."""
@@ -81,6 +78,23 @@ class Backend(ABC):
         are prepared, never inside one."""
         if mode not in self.call_modes:
             raise ValueError(f"{self.name}: no call mode {mode!r} (it has {', '.join(self.call_modes)})")
+
+    def poison(self) -> None:
+        """Fill every output buffer the backend owns with garbage (NaN / 0xFF). Nothing else: the
+        call after it must be the same call the timed loop makes (no switch to another path)."""
+
+    def close(self) -> None:
+        """Release buffers and peer mappings."""
+
+
+class NormalMode(Backend):
+    """A backend of the scenario mode ``normal``: dispatch and combine (epbench/contract.py)."""
+
+    modes: ClassVar[Tuple[str, ...]] = ("normal",)
+
+    @abstractmethod
+    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput: ...
+
 
     def prepare_combine(self, out: DispatchOutput) -> None:
         """Runs after the caller filled ``combine_input(out)``, outside the timed region: work a model
@@ -102,21 +116,21 @@ class Backend(ABC):
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         """Returns bf16 [T, hidden] for the T tokens of the matching dispatch."""
 
-    def ll_dispatch(self, inp: DispatchInput, num_sms: int) -> LowLatencyOutput:
-        """Low-latency dispatch (contract above); only where ``"low_latency" in modes``."""
-        raise NotImplementedError(f"{self.name}: no low_latency mode")
 
+class LowLatencyMode(Backend):
+    """A backend of the scenario mode ``low_latency``: ll_dispatch and ll_combine (epbench/contract.py).
+    A backend with both modes derives from both classes and lists both in ``modes``."""
+
+    modes: ClassVar[Tuple[str, ...]] = ("low_latency",)
+
+    @abstractmethod
+    def ll_dispatch(self, inp: DispatchInput, num_sms: int) -> LowLatencyOutput:
+        """Low-latency dispatch (epbench/contract.py)."""
+
+    @abstractmethod
     def ll_combine_input(self, out: LowLatencyOutput) -> torch.Tensor:
         """A writable bf16 [E, C, hidden] tensor the caller fills before ll_combine."""
-        raise NotImplementedError(f"{self.name}: no low_latency mode")
 
+    @abstractmethod
     def ll_combine(self, out: LowLatencyOutput, num_sms: int) -> torch.Tensor:
         """Returns bf16 [T, hidden] for the T tokens of the matching ll_dispatch."""
-        raise NotImplementedError(f"{self.name}: no low_latency mode")
-
-    def poison(self) -> None:
-        """Fill every output buffer the backend owns with garbage (NaN / 0xFF). Nothing else: the
-        call after it must be the same call the timed loop makes (no switch to another path)."""
-
-    def close(self) -> None:
-        """Release buffers and peer mappings."""

@@ -56,7 +56,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend
+from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.scenario import FP8_BLOCK
 
@@ -138,7 +138,7 @@ class _Layout:
     num_recv: int
 
 
-class DeepEPBackend(WeightedCombineRows, Backend):
+class DeepEPBackend(WeightedCombineRows, NormalMode):
     name = "deepep"
     uses_sms = True
     receives_local_expert_ids = True

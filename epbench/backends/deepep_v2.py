@@ -53,7 +53,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend
+from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.baselines import MIN_NCCL, version_tuple
 from epbench.layout import ExpertMajor, expert_of_slot, slot_capacity
@@ -150,7 +150,7 @@ class _Handle:
         return w[: self.rows].unsqueeze(1) if w.dim() == 1 else w[: self.rows].sum(dim=1, keepdim=True)
 
 
-class DeepEPV2Backend(Backend):
+class DeepEPV2Backend(NormalMode):
     name = "deepep-v2"
     uses_sms = True
     receives_local_expert_ids = True

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from epbench import cuda_lib, nvshmem_lib, options
 from epbench.launch import mps_active, shares_gpus
-from epbench.backends.base import Backend
+from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
 
@@ -74,7 +74,7 @@ def _config(setup: RankSetup, device: int, transport: str) -> nvshmem_lib.EphCon
                                  TRANSPORTS.index(transport))
 
 
-class EpbenchHierBackend(Backend):
+class EpbenchHierBackend(NormalMode):
     name = "epbench-hier"
     uses_sms = True
     hierarchical = True

@@ -36,7 +36,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import torch
 
 from epbench import cuda_lib, options
-from epbench.backends.base import Backend
+from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
 from epbench.layout import ExpertMajor, slot_capacity
@@ -104,7 +104,7 @@ def intranode_reason(setup: RankSetup) -> Optional[str]:
     return None
 
 
-class EpbenchBackend(Backend):
+class EpbenchBackend(NormalMode):
     name = "epbench"
     options_key = "epbench"  # the option schema (options.SCHEMAS), kept by subclasses of other names
     uses_sms = True

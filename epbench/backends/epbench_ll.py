@@ -30,8 +30,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from epbench import cuda_lib, options
-from epbench.backends.base import Backend
-from epbench.contract import DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup
+from epbench.backends.base import LowLatencyMode
+from epbench.contract import DispatchInput, LowLatencyOutput, RankSetup
 from epbench.backends.epbench_kernels import intranode_reason
 from epbench.backends.kernel_common import release_collective
 
@@ -72,7 +72,7 @@ def combine_chunk_for(chunk: int, max_tokens: int) -> int:
     return 2 if max_tokens <= AUTO_CHUNK_MAX_TOKENS else 4
 
 
-class EpbenchLowLatencyBackend(Backend):
+class EpbenchLowLatencyBackend(LowLatencyMode):
     name = "epbench-ll"
     uses_sms = True
     modes = ("low_latency",)
@@ -198,14 +198,6 @@ class EpbenchLowLatencyBackend(Backend):
         cuda_lib.check(self._lib.ep_ll_probe(self._ctx, mode, num_sms, self.warps, self._stream()), "ep_ll_probe")
 
     # ---- normal mode: not implemented by these kernels ----
-    def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
-        raise NotImplementedError("epbench-ll implements low_latency mode only (use backend epbench)")
-
-    def combine_input(self, out: DispatchOutput) -> torch.Tensor:
-        raise NotImplementedError("epbench-ll implements low_latency mode only (use backend epbench)")
-
-    def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
-        raise NotImplementedError("epbench-ll implements low_latency mode only (use backend epbench)")
 
     # ---- errors, poison, release ----
     def _raise_if_timed_out(self) -> None:

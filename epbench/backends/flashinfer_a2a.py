@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend
+from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 
 TOPK_COMPILED = (1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 22)  # SWITCH_TOP_K in its kernels
@@ -99,7 +99,7 @@ class _Handle:
     weights: torch.Tensor  # [world * T_max, topk] float32, the library's slots
 
 
-class FlashInferBackend(Backend):
+class FlashInferBackend(NormalMode):
     name = "flashinfer"
     dtypes = ("bf16", "fp8", "mxfp8")
 

@@ -71,7 +71,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend
+from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.deepep import WeightedCombineRows
 from epbench.layout import ExpertMajor, slot_capacity
@@ -106,7 +106,7 @@ class _Handle:
     weights: torch.Tensor
 
 
-class HybridEPBackend(WeightedCombineRows, Backend):
+class HybridEPBackend(WeightedCombineRows, NormalMode):
     name = "hybrid-ep"
     routing_as_map = True
     dtypes = ("bf16", "fp8")

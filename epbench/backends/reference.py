@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import Backend
+from epbench.backends.base import LowLatencyMode, NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup, ll_slots
 from epbench.inputs import quantize
 from epbench.layout import SlotMap, expert_major, slot_capacity
@@ -84,7 +84,7 @@ def typed_payload(dtype: str, scales: torch.Tensor, x: torch.Tensor):
     return scales.view(torch.float32 if dtype == "fp8" else torch.uint8), x.view(torch.float8_e4m3fn)
 
 
-class ReferenceBackend(Backend):
+class ReferenceBackend(NormalMode, LowLatencyMode):
     name = "reference"
     uses_sms = False
     modes = ("normal", "low_latency")

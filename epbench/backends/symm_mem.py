@@ -53,7 +53,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from epbench.backends.base import Backend
+from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.reference import typed_payload
 from epbench.layout import ExpertMajor, round_up
@@ -147,7 +147,7 @@ class _Handle:
     pair_order: Optional[torch.Tensor] = None  # expert_major: t * topk + k of each sent pair row
 
 
-class SymmMemBackend(Backend):
+class SymmMemBackend(NormalMode):
     name = "symm-mem"
     dtypes = ("bf16", "fp8", "mxfp8")
     layouts = ("rank_major", "expert_major")
