@@ -48,24 +48,24 @@ enum ep_option {
   EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of the combine (1024, 2048, 4096; default 2048)
 };
 
-// Notify (layout) kernel variants; notes/KERNELS.md v4 and v12.
+// Notify (layout) kernel variants; measurements in notes/KERNELS.md.
 enum ep_notify_impl {
-  EP_NOTIFY_DIRECT = 0,  // v1-v3: one block, ids read straight from global memory. Not selectable: it runs
+  EP_NOTIFY_DIRECT = 0,  // one block, ids read straight from global memory. Not selectable: it runs
                          // only as the recorded fallback of the other two when the experts do not fit their
                          // u16 id stage or shared memory
-  EP_NOTIFY_STAGED = 1,  // v4: one block, coalesced id loads staged through shared memory (won at 24 SMs, v12)
-  EP_NOTIFY_GRID = 2,    // v12 (default): the staged kernel on up to num_sms blocks
+  EP_NOTIFY_STAGED = 1,  // one block, coalesced id loads staged through shared memory (won at 24 SMs)
+  EP_NOTIFY_GRID = 2,    // default: the staged kernel on up to num_sms blocks
 };
 
 // Combine: one kernel, bulk-copy (TMA) loads from every holder into per-warp shared-memory stages, fp32 sum,
-// bf16 store (v11-v12). The register pull of v1 lost or tied at every measured point from v12 on.
+// bf16 store. A register-pull combine lost or tied at every measured point, so it was deleted.
 enum ep_combine_impl {
   EP_COMBINE_TMA = 1,
 };
 
-// Dispatch: the lean copy (every per-token load issued before the first store, v6) with tokens handed to
-// warps either by a counter (lean_dyn, default: v12 won at 16 and 24 SMs) or by a static stride (lean: won
-// at 32 SMs in v12d, both shapes). Every other variant of v1-v14 lost (notes/KERNELS.md "Lessons").
+// Dispatch: the lean copy (every per-token load issued before the first store) with tokens handed to
+// warps either by a counter (lean_dyn, default: won at 16 and 24 SMs) or by a static stride (lean: won
+// at 32 SMs, both shapes). Every other dispatch variant measured lost (notes/KERNELS.md "Lessons").
 enum ep_dispatch_impl {
   EP_DISPATCH_LEAN = 3,
   EP_DISPATCH_LEAN_DYN = 10,
@@ -132,7 +132,8 @@ int ep_ll_region(void* ll_ctx, int which, unsigned long long* ptr, unsigned long
 // token's experts on this rank with them and sends one partial row per (token, rank).
 int ep_ll_dispatch(void* ll_ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
                    int num_tokens, int num_sms, int warps, void* stream);
-// chunk: 16-byte vectors per lane and work unit, 2 or 4 (1 or 2 KiB of a row; notes/KERNELS.md LL v3).
+// chunk: 16-byte vectors per lane and work unit, 2 or 4 (1 or 2 KiB of a row; 2 KiB measured faster,
+// the units being latency-bound: notes/KERNELS.md).
 int ep_ll_combine(void* ll_ctx, const void* topk_idx, int num_tokens, int num_sms, int warps, int chunk,
                   void* stream);
 int ep_ll_destroy(void* ll_ctx);
@@ -145,7 +146,8 @@ int ep_ll_set_sync(void* ll_ctx, int sync);
 // do, so set them before capturing. stamps: null (off, the default) or a device buffer of u64
 // [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase
 // boundaries (LlStamp in ll_common.cuh). variant: 0 (default kernels) or LL_VARIANT_* bits
-// (ll_common.cuh) that bring back pieces of the pre-issue-24 synchronisation.
+// (ll_common.cuh) that bring back pieces of the synchronisation the default kernels
+// replaced (notes/LATENCY.md).
 int ep_ll_set_probe(void* ll_ctx, void* stamps, int variant);
 // A kernel of the ll kernels' grid (num_sms blocks of warps x 32 threads) that does only one fixed
 // cost, stamped like them (start, end of part A at slot 2, end): mode 0 nothing (the launch floor),

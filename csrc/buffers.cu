@@ -66,7 +66,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   memset(ctx, 0, sizeof(*ctx));
   EpParams& p = ctx->p;
   ctx->device = cfg->device;
-  // the measured defaults (notes/KERNELS.md v12); the Python backend sets every option explicitly anyway
+  // the measured defaults (notes/KERNELS.md); the Python backend sets every option explicitly anyway
   ctx->combine_stages = 2;
   ctx->combine_chunk = 2048;
   p.notify_impl = EP_NOTIFY_GRID;

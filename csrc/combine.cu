@@ -5,8 +5,8 @@
 // 1. Block 0, threads d < world: store ready[me] = epoch into rank d's signals
 //    (st.release.sys): my caller has filled my combine_in, peers may pull from it.
 // 2. Every block, threads s < world: wait until ready[s] == epoch in my signals.
-// 3. combine_tma_kernel (v11-v12): pulls with the SM's bulk-copy unit (v11 linkbench: at 8 blocks bulk
-//    pulls from peers reach ~323 GB/s of egress, register pulls ~276; the v1 register-pull kernel lost at
+// 3. combine_tma_kernel: pulls with the SM's bulk-copy unit (linkbench: at 8 blocks bulk
+//    pulls from peers reach ~323 GB/s of egress, register pulls ~276; a register-pull kernel lost at
 //    8 SMs and tied from 16 on, so it was deleted). Work unit = (token, chunk of its row; 1 / 2 / 4 KiB);
 //    warp g takes its tokens g, g + G, ... chunk by chunk. Each warp owns S stages of world x chunk in
 //    shared memory; lane d loads unit j's chunk from holder d's combine_in into stage j % S (cp.async.bulk,
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(512, 1) em_reduce_kernel(EpParams p) {
 }
 
 // Per-warp shared memory of combine_tma_kernel: S mbarriers (128 B), the token table (2 batches x 32
-// tokens x world rows, then as many weights), S stages of world x kCtChunk bytes (v12: kCtChunk 1, 2 or
+// tokens x world rows, then as many weights), S stages of world x kCtChunk bytes (kCtChunk 1, 2 or
 // 4 KiB, EP_OPT_COMBINE_CHUNK; smaller chunks fit more warps, so more warps share the reduction).
 __host__ __device__ __forceinline__ size_t ct_table_bytes(int world) { return (size_t)2 * 32 * world * 8; }
 __host__ __device__ __forceinline__ size_t ct_warp_bytes(int world, int stages, int chunk) {
@@ -181,8 +181,8 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
       ww[d] = p.align > 0 ? 1.f : wd[d];  // expert-major: the holder applied the weights (phase R)
     }
   };
-  // unit j's chunk from every holder into stage j % S; lane d < world loads holder d's (v12: in parallel;
-  // v11 had lane 0 issue them one after another), lane 0 arms the stage's barrier with the total (a
+  // unit j's chunk from every holder into stage j % S; lane d < world loads holder d's (in parallel:
+  // 3-7% faster at 8 SMs than lane 0 issuing them one after another), lane 0 arms the stage's barrier with the total (a
   // copy that lands before the arming only takes the transaction count below zero for a moment: the
   // phase cannot complete without lane 0's arrival).
   auto issue = [&](long long j) {
@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
     const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
     const uint32_t bytes = (uint32_t)min(kCtChunk, row_bytes - c * kCtChunk);
     // No proxy fence before reusing the stage: the warp's reads of it have completed (their values were
-    // consumed before the __syncwarp that precedes this call). v11 first fenced here
-    // (fence.proxy.async.shared::cta) and every unit then waited for the previous one's loads.
+    // consumed before the __syncwarp that precedes this call). A fence here
+    // (fence.proxy.async.shared::cta) made every unit wait for the previous one's loads.
     const int my_row = lane < world ? rr[lane] : -1;
     const unsigned holders = __ballot_sync(0xffffffffu, my_row >= 0);
     if (lane == 0) mbar_expect_tx(bars + s, (uint32_t)__popc(holders) * bytes);
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
     __syncwarp();
     for (long long j = 0; j < S && j < nunits; ++j) issue(j);
     // Reconverge before every wait: lanes 1-31 suspended in mbarrier.try_wait while lane 0 still has to
-    // issue would delay the issue until the wait gives up (v11 first run: ~3.4 us per unit and warp,
+    // issue would delay the issue until the wait gives up (measured without it: ~3.4 us per unit and warp,
     // whatever S, as if one unit at a time were in flight).
     __syncwarp();
     for (long long j = 0; j < nunits; ++j) {
@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
       }
       mbar_wait(bars + s, (uint32_t)((j / S) & 1));
       // The sum, with the holders unrolled (kMaxWorld) and held in registers: two vectors' loads from
-      // every holder's chunk in flight before their FMAs. (v11 first looped over world at run time,
-      // reading rows and weights from shared memory inside the loop: ~3.4 us per unit and warp.)
+      // every holder's chunk in flight before their FMAs. (A loop over world at run time,
+      // reading rows and weights from shared memory inside the loop, measured ~3.4 us per unit and warp.)
       const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
       const float* ww = tw + (((k >> 5) & 1) * 32 + (k & 31)) * world;
       bool have[kMaxWorld];

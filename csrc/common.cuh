@@ -23,9 +23,10 @@
 //     base          [world] i32                  first row of my tokens in rank d's recv buffer
 //     num_recv      i64, expert_counts [experts_per_rank] i64
 //     counters      u32 [8]                      blocks finished per launch (reset by the last block)
-//                                                  [2]: v9 own-copy go flag (epoch; dispatch.cu)
-//                                                  [3], [4]: v12 grid notify range index / tickets
-//     notify_scratch i32 [kMaxNotifyBlocks x (1 + EP_MAX_WORLD) + world * E]: v12 grid notify's
+//                                                  [2]: unused (no kernel reads or writes it)
+//                                                  [3], [4]: grid notify range index / tickets;
+//                                                  [5]: lean_dyn token counter (dispatch.cu)
+//     notify_scratch i32 [kMaxNotifyBlocks x (1 + EP_MAX_WORLD) + world * E]: grid notify's
 //                                                  per-block flags and counts, expert count accumulator
 //     dev_error     i32                          nonzero once any wait timed out: every spin loop bails
 //     expert-major only: em_ord [max_tokens, topk] i32 (ordinal of token t among my tokens routed to expert
@@ -73,7 +74,7 @@ struct EpErrorInfo {
 //   done[s]      : source s finished writing its dispatch rows into my buffers
 //   ready[s]     : rank s entered combine, so its combine_in is filled and may be pulled
 //   pulled[s]    : rank s finished pulling from my combine_in (my buffer may be reused)
-//   dsp_ready[s] : (pull dispatch, v13) rank s's slot_map and dispatch_x of this call are complete
+//   dsp_ready[s] : unused (allocated; no kernel reads or writes it)
 // The notify row also carries the source's num_tokens at [1 + world + E] and, in the expert-major layout,
 // the source's counts for every global expert at [2 + world + E + g] (each rank then knows every segment).
 struct EpSignals {
@@ -105,7 +106,7 @@ struct EpParams {
   long long* num_recv;
   long long* expert_counts;
   unsigned* counters;
-  int* notify_scratch;  // v12 grid notify (layout.cu); the accumulator part is zero between calls
+  int* notify_scratch;  // grid notify (layout.cu); the accumulator part is zero between calls
   int* dev_error;
   int* em_ord;              // expert-major only (null otherwise), see the region comment above
   int* em_base;
@@ -138,10 +139,10 @@ enum EpStamp {
 
 
 enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
-// v12 grid notify (layout.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;
+// grid notify (layout.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;
 // the last block resets both.
 enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
-// v12 lean-dyn (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
+// lean_dyn dispatch (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
 enum { kCounterDispatchWork = 5 };
 constexpr int kMaxNotifyBlocks = 128;
 
@@ -162,7 +163,7 @@ struct EpContext {
 };
 
 // ---- launchers (each next to its kernel) ----
-// num_sms: the data kernel's blocks; the v12 grid notify uses up to that many.
+// num_sms: the data kernel's blocks; the grid notify uses up to that many.
 int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, int epoch,
                      cudaStream_t stream);
 // Expert-major only: em_ord of this call's tokens (layout.cu), launched before the notify kernel.

@@ -2,7 +2,7 @@
 // push every token row once to every rank that holds one of its experts, straight into that
 // rank's recv buffers (row base[d] + slot_map[t][d]), then signal completion.
 //
-// One kernel, dispatch_lean_kernel, in the two forms measured to win (notes/KERNELS.md v6, v12d):
+// One kernel, dispatch_lean_kernel, in the two forms measured to win (notes/KERNELS.md):
 //   lean (EP_DISPATCH_LEAN): warp w of block b is global warp g = b * warps + w and copies tokens
 //     g, g + G, g + 2G, ... (G = all warps of the grid): blocks never wait on each other.
 //   lean_dyn (EP_DISPATCH_LEAN_DYN, default): lane 0 of each warp takes its next token from a counter,

@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   wait_rows_and_offsets(p, epoch);
 }
 
-// ---- v4: staged notify ----
+// ---- staged notify ----
 // Same results as notify_kernel, in three passes:
 //   A. Per round of 4 * blockDim tokens, warp w owns tokens [128 w, 128 w + 128) of the round and
 //      lane l tokens 4 l .. 4 l + 3 of those (the same assignment as notify_kernel). The ids are
@@ -272,14 +272,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 //      stores (4 tokens x world ints per thread are contiguous).
 // Then the wait and the offsets exactly as notify_kernel steps 3-4.
 //
-// v12 (EP_NOTIFY_GRID): the same kernel on nb > 1 blocks (nb ~ the data kernel's SM count; block-uniform
+// EP_NOTIFY_GRID: the same kernel on nb > 1 blocks (nb ~ the data kernel's SM count; block-uniform
 // ranges of `chunk` tokens, a multiple of 128, so every int4 slot store stays aligned). A block takes its
 // range index from a counter in arrival order (so it only ever waits for blocks that are running). After
 // A it stores its per-destination counts, adds its expert counts into a global accumulator, releases its
 // flag and takes a ticket; the block with the last ticket sums every block's counts (and zeroes the
 // accumulator and both counters for the next call) and does B, the peers' wait and the offsets. In C,
 // block b starts its running slots at the counts of the blocks before it (waiting for their flags).
-// One block (nb = 1) is the v4 kernel: no scratch, no tickets.
+// One block (nb = 1) is EP_NOTIFY_STAGED: no scratch, no tickets.
 // ids of one k group staged per warp: 32 * kTPT tokens x 8
 __host__ __device__ constexpr int stage_ids_per_warp(int tpt) { return 32 * tpt * 8; }
 constexpr uint16_t kNoExpert = 0xffff;
@@ -288,7 +288,7 @@ __host__ __device__ __forceinline__ size_t staged_cnt_bytes(int num_experts) {
   return ((size_t)num_experts * sizeof(int) + 15) / 16 * 16;
 }
 
-// kTPT tokens per thread: 4 (v4, one block) or 1 (v12 grid: a warp's A is 4x shorter; 32 tokens per warp)
+// kTPT tokens per thread: 4 (staged, one block) or 1 (grid: a warp's A is 4x shorter; 32 tokens per warp)
 template <int kTPT>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
     notify_staged_kernel(EpParams p, const int64_t* __restrict__ topk_idx, int num_tokens, int chunk, int epoch) {
@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
   __syncthreads();
   if (tid == 0) stamp(p, kStampBlockCounted);  // every block: the last one to finish A stays
 
-  // ---- v12: hand-off between blocks (nb > 1) ----
+  // ---- grid: hand-off between blocks (nb > 1) ----
   if (nb > 1) {
     if (tid < world) blk_cnt[b * EP_MAX_WORLD + tid] = total[tid];
     for (int e = tid; e < num_experts; e += blockDim.x)

@@ -70,7 +70,7 @@ struct LlParams {
   unsigned* counters;
   // Measuring aids (ep_ll_set_probe, notes/LATENCY.md). stamps: null (default) or u64
   // [gridDim.x, kLlStamps]: thread 0 of each block stores %globaltimer at each LlStamp point.
-  // variant: LL_VARIANT_* bits (0 = the default kernels) bringing back the pre-issue-24 sync code.
+  // variant: LL_VARIANT_* bits (0 = the default kernels) bringing back the sync code they replaced.
   unsigned long long* stamps;
   int variant;
 };
@@ -128,8 +128,8 @@ __device__ __forceinline__ void st_relaxed_sys_u64(unsigned long long* p, unsign
   asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// LlParams::variant bits: each brings back one piece of the synchronisation as it was before issue
-// 24, so that one probe run (epbench/llprobe.py) compares them; 0 = the default kernels.
+// LlParams::variant bits: each brings back one piece of the synchronisation the default kernels replaced
+// (notes/LATENCY.md), so that one probe run (epbench/llprobe.py) compares them; 0 = the default kernels.
 enum LlVariant {
   LL_VARIANT_THREAD_FENCE = 1,  // every thread of every block fences at system scope in ll_last_block
   LL_VARIANT_SPIN_CHECKS = 2,   // every spin iteration also loads dev_error and reads the clock

@@ -1,4 +1,4 @@
-// Low-latency dispatch (v2, staged): one kernel, a send phase then a receive phase; no layout
+// Low-latency dispatch (staged): one kernel, a send phase then a receive phase; no layout
 // pass, no host synchronisation, the epoch read from device memory (CUDA-graph capturable).
 // Layout and flags: ll_common.cuh; the placement contract: epbench/backends/base.py (ll_slots).
 //
@@ -54,7 +54,7 @@
 //      s, token t < T_s, chunk c): every lane acquires tflags[s, t] itself (its later loads of tmap
 //      and the row follow its own acquire), then copies chunk c as the grid path does.
 //   Units are dealt block-major (unit u -> block u % blocks), so a few units land on as many SMs:
-//   a warp's send is bound by what its SM stores (notes/LATENCY.md, round 4).
+//   a warp's send is bound by what its SM stores (measured: notes/LATENCY.md).
 //   Memory model: a unit's lanes store, then bar.warp.sync (which orders the participating threads'
 //   memory accesses), then lane 0's st.release.sys; release is cumulative over what precedes it in
 //   causality order, so the receiver's ld.acquire.sys that reads the flag sees every lane's stores.

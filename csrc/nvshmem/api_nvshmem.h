@@ -1,5 +1,5 @@
 // extern "C" API of libepbench_nvshmem.so (csrc/nvshmem/nvshmem_boot.cu), called from
-// epbench/nvshmem_lib.py through ctypes. Groundwork for multi-node dispatch/combine (issue #5):
+// epbench/nvshmem_lib.py through ctypes. Groundwork for multi-node dispatch/combine:
 // NVSHMEM bootstrap over a unique id, symmetric buffers, and an all-to-all put+signal ping that
 // checks the transport end to end. Every int function returns 0 on success (epn_get_uniqueid:
 // the id's size) and -1 on failure; epn_last_error() then says why.

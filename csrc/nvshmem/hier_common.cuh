@@ -1,4 +1,4 @@
-// Hierarchical dispatch/combine for N nodes x G GPUs (issue #5): NVLink inside a node, NVSHMEM
+// Hierarchical dispatch/combine for N nodes x G GPUs: NVLink inside a node, NVSHMEM
 // puts between nodes. Rank r = node n * G + local l. A token crosses the network at most once per
 // destination node m != n, always to rank (m, l) (same rail: its "relay"), which forwards it over
 // NVLink to the GPUs of node m that hold its experts. Combine is the mirror image: the relay sums

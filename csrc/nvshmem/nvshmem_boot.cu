@@ -1,4 +1,4 @@
-// NVSHMEM groundwork for multi-node dispatch/combine (issue #5): bootstrap over a unique id
+// NVSHMEM groundwork for multi-node dispatch/combine: bootstrap over a unique id
 // that torch.distributed carries from rank 0 to every rank, the symmetric buffers, and a ping
 // in which every PE puts a 4 KiB block into every other PE with put-with-signal, waits for
 // every peer's signal and checks the bytes. API: api_nvshmem.h. Build: ../Makefile (relocatable
