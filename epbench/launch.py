@@ -236,13 +236,21 @@ def signal_of(e: BaseException) -> Optional[str]:
     return sig.name if sig is not None else None
 
 
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"  # the signals torchrun itself handles; SIGINT and SIGTERM are ours
+
+
 def grace_flags(parser: Any) -> List[str]:
-    """torchrun's --shutdown-timeout (its grace between SIGTERM and SIGKILL for the ranks, 30 s by
-    default) where this torch's torchrun has it (2.13 does, 2.11 does not: it stops with a usage
-    error on an unknown flag); elsewhere nothing, and the ranks' own SIGTERM handling keeps the
-    shutdown short."""
+    """torchrun flags this torch's torchrun takes (an unknown one stops it with a usage error; 2.11
+    lacks --shutdown-timeout): --shutdown-timeout, its grace between SIGTERM and SIGKILL for the
+    ranks (30 s by default); --signals-to-handle without SIGINT and SIGTERM, since torchrun's launcher
+    writes that flag's value over TORCHELASTIC_SIGNALS_TO_HANDLE and its own handler would then stop
+    the ranks with the SIGINT received, a KeyboardInterrupt traceback in a rank still importing
+    (raise_on_signals stops them with SIGTERM instead)."""
     known = {o for action in getattr(parser, "_actions", ()) for o in action.option_strings}
-    return [f"--shutdown-timeout={SHUTDOWN_GRACE_S}"] if "--shutdown-timeout" in known else []
+    flags = [f"--shutdown-timeout={SHUTDOWN_GRACE_S}"] if "--shutdown-timeout" in known else []
+    if "--signals-to-handle" in known:
+        flags.append(f"--signals-to-handle={TORCHRUN_SIGNALS}")
+    return flags
 
 
 def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) -> Outcome:
@@ -263,7 +271,7 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
     _started_ranks = True
     os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{process_start(os.getpid()) or ''}"
     # torchrun handles these two itself otherwise, and passes SIGINT on to the ranks
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = TORCHRUN_SIGNALS
     for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
         if name.startswith("torch.distributed.elastic"):  # the modules set their own levels
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -30,7 +30,7 @@ def alive(results: str) -> list:
     return out.stdout.split()
 
 
-def one_try(scenario: str, results: str, rng: random.Random) -> dict:
+def one_try(scenario: str, results: str, rng: random.Random, max_delay: float) -> dict:
     p = subprocess.Popen([sys.executable, "-m", "epbench", "run", scenario, "--device", "cpu", "--results", results],
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 60
@@ -38,7 +38,7 @@ def one_try(scenario: str, results: str, rng: random.Random) -> dict:
         if subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split():
             break
         time.sleep(0.02)
-    delay = rng.uniform(0.05, 1.5)
+    delay = rng.uniform(0.05, max_delay)
     time.sleep(delay)
     sig = rng.choice([signal.SIGINT, signal.SIGTERM])
     sent = time.time()
@@ -53,7 +53,8 @@ def one_try(scenario: str, results: str, rng: random.Random) -> dict:
     ok = (len(lines) == 1 and p.returncode == EXIT[sig] and gone < 5 and not left
           and "Traceback" not in err and "terminate called" not in err)
     return {"delay_s": round(delay, 2), "signal": sig.name, "code": p.returncode, "stderr_lines": len(lines),
-            "exit_s": round(gone, 2), "ranks_left": len(left), "ok": ok, "first": lines[0] if lines else ""}
+            "exit_s": round(gone, 2), "ranks_left": len(left), "ok": ok, "first": lines[0] if lines else "",
+            "stderr": err}
 
 
 def main() -> int:
@@ -61,16 +62,20 @@ def main() -> int:
     ap.add_argument("--tries", type=int, default=50)
     ap.add_argument("--scenario", default="scenarios/smoke.yaml")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--show", action="store_true", help="print the whole stderr of a try that missed")
+    ap.add_argument("--max-delay", type=float, default=1.5, help="latest signal after the ranks appear, s")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     results = tempfile.mkdtemp(prefix="epbench-interrupt-")
     tries = []
     for i in range(a.tries):
-        t = one_try(a.scenario, results, rng)
+        t = one_try(a.scenario, results, rng, a.max_delay)
         tries.append(t)
         print(f"{i + 1:3d} {t['signal']:7s} after {t['delay_s']:.2f} s: exit {t['code']} in {t['exit_s']} s, "
               f"{t['stderr_lines']} stderr line(s), {t['ranks_left']} rank(s) left {'ok' if t['ok'] else 'MISS'}"
               f"  | {t['first']}", flush=True)
+        if not t["ok"] and a.show:
+            print(t["stderr"], flush=True)
     good = sum(t["ok"] for t in tries)
     print(f"{good}/{len(tries)} tries: one line, exit 130/143, launcher gone within 5 s, no rank left; "
           f"slowest exit {max(t['exit_s'] for t in tries)} s")
