@@ -14,6 +14,7 @@ expert starting at the expert's padded offset, so rows land in arrival order; th
 each token's slots. Every output is a fresh NaN-filled buffer, so nothing stale can pass. Also the
 launch pre-checks."""
 
+import os
 import types
 from typing import Any, List, Optional
 
@@ -350,7 +351,7 @@ def test_gin_is_off_within_one_node_and_the_rows_say_so(monkeypatch):
 
     class Watching(FakeElasticBuffer):
         def __init__(self, group, **kw):
-            seen.append(__import__("os").environ.get("EP_DISABLE_GIN"))
+            seen.append(os.environ.get("EP_DISABLE_GIN"))
             super().__init__(group, **kw)
 
     fake = types.SimpleNamespace(ElasticBuffer=Watching, topk_idx_t=FAKE_TOPK_IDX_T)
@@ -360,7 +361,7 @@ def test_gin_is_off_within_one_node_and_the_rows_say_so(monkeypatch):
                       max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16")
     be = deepep_v2.DeepEPV2Backend(setup, group=object())
     assert seen == ["1"] and be.effective_config() == {"gin": "off"}
-    assert "EP_DISABLE_GIN" not in __import__("os").environ  # set for the buffer's construction only
+    assert "EP_DISABLE_GIN" not in os.environ  # set for the buffer's construction only
     deepep_v2.DeepEPV2Backend(setup, group=object(), gin="on")
     assert seen[-1] is None
     assert deepep_v2.gin_setting("auto", 16, 8) == "on" and deepep_v2.gin_setting("on", 1, 1) == "off"

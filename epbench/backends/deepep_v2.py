@@ -124,17 +124,15 @@ def gin_setting(asked: str, world: int, gpus_per_node: int) -> str:
 @contextlib.contextmanager
 def _env(name: str, value: Optional[str]):
     """``name`` set to ``value`` (None: left as it is) while the block runs, then restored."""
-    old = os.environ.get(name)
+    from epbench.launch import restore_env
+
+    before = {name: os.environ.get(name)}
     if value is not None:
         os.environ[name] = value
     try:
         yield
     finally:
-        if value is not None:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+        restore_env(before)
 
 
 @dataclass
