@@ -96,6 +96,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
     "deepep": {
         "max_sms": Option(int, None, "SMs the DeepEP buffer is sized for (unset: the GPU's, rounded down to even)",
                           low=2, high=1024, env="EPBENCH_DEEPEP_MAX_SMS"),
+        "chunks": Option(str, "search", "NVL chunk sizes: search (as DeepEP's test_intranode does, per SM count: "
+                         "dispatch 4..32 step 2, combine 1..16, fastest on the slowest rank; rows record the "
+                         "winners) or default (DeepEP's get_dispatch_config / get_combine_config tables)",
+                         choices=("search", "default"), env="EPBENCH_DEEPEP_CHUNKS"),
     },
     "deepep-v2": {
         "gin": Option(str, "auto", "V2's NCCL Gin (GPU-initiated RDMA) backend: auto = off where the whole world is "

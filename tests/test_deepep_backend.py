@@ -96,6 +96,7 @@ def make_fake_deep_ep(fault: Optional[str] = None) -> types.ModuleType:
                      async_finish=False, allocate_on_comm_stream=False):
             assert config is not None and config.num_sms == Buffer.num_sms
             mod.calls["dispatch_sms"].append(config.num_sms)
+            mod.calls.setdefault("dispatch_chunk", []).append(config.num_max_nvl_chunked_send_tokens)
             x, scales = x if isinstance(x, tuple) else (x, None)
             assert x.dtype in (torch.bfloat16, torch.float8_e4m3fn)
             if handle is not None:  # cached mode: the layout's rows again, payload only (deep_ep/buffer.py)
@@ -149,6 +150,7 @@ def make_fake_deep_ep(fault: Optional[str] = None) -> types.ModuleType:
             assert config is not None and config.num_sms == Buffer.num_sms
             assert x.dtype == torch.bfloat16 and x.is_contiguous()
             mod.calls["combine_sms"].append(config.num_sms)
+            mod.calls.setdefault("combine_chunk", []).append(config.num_max_nvl_chunked_send_tokens)
             src_rank, src_tok, num_tokens = handle[:3]
             assert x.shape[0] == src_rank.shape[0]
             extra = None
@@ -221,7 +223,7 @@ def run_point(s, comm: Comm, sms: int = 4, inject: Optional[str] = None, mode: s
     """Times a few iterations, then verifies one point, as epbench.driver.measure does."""
     from epbench.backends.deepep import DeepEPBackend
 
-    be = DeepEPBackend(setup_of(s, comm.rank), max_sms=8)
+    be = DeepEPBackend(setup_of(s, comm.rank), max_sms=8, chunks="default")
     be.use_call_mode(mode)
     try:
         rec = PointRecord(comm.rank)
@@ -271,7 +273,7 @@ def test_kernel_mode_times_cached_dispatches_and_an_unweighted_combine(monkeypat
     from epbench.backends.deepep import DeepEPBackend
 
     fake = install_fake(monkeypatch)
-    be = DeepEPBackend(setup_of(scenario(1), 0), max_sms=8)
+    be = DeepEPBackend(setup_of(scenario(1), 0), max_sms=8, chunks="default")
     assert DeepEPBackend.call_modes == ("call", "kernel") and not be.reuses_layout
     be.use_call_mode("kernel")
     assert be.reuses_layout  # the driver's input sets then keep the routing
@@ -282,6 +284,39 @@ def test_kernel_mode_times_cached_dispatches_and_an_unweighted_combine(monkeypat
     assert full == 2 and fake.calls["cached"] == 3 + 1  # 2 sets; 3 timed + the verification run
     with pytest.raises(ValueError, match="no call mode"):
         be.use_call_mode("fastest")
+    be.close()
+
+
+@pytest.mark.parametrize("mode", ["call", "kernel"])
+def test_chunk_search_as_deepeps_test_and_the_winner_used_and_recorded(monkeypatch, gloo_world1, mode):
+    """chunks: search times every chunk size of DeepEP's test_intranode search once per SM count,
+    before the point's timed calls; the timed calls and the verification run use the fastest and
+    the row's config names it with every candidate's time."""
+    from epbench.backends import deepep as mod_
+
+    fake = install_fake(monkeypatch)
+    s = scenario(1)
+    be = mod_.DeepEPBackend(setup_of(s, 0), max_sms=8)
+    assert be.chunks == "search"
+    be.use_call_mode(mode)
+    rec = PointRecord(0)
+    measure_point(Point(be, s, route_all(s), 4, gloo_world1, input_sets=2), 1, 2, 7, None, rec)
+    assert rec.wrong == {"dispatch": 0, "combine": 0}, rec.problem
+    cfg = be.effective_config()
+    assert cfg["num_sms"] == 4 and cfg["chunks"] == "search"
+    d, c = cfg["search_dispatch_us"], cfg["search_combine_us"]
+    assert tuple(d) == mod_.DISPATCH_CHUNKS == tuple(range(4, 33, 2))
+    assert tuple(c) == mod_.COMBINE_CHUNKS == tuple(range(1, 17))
+    assert cfg["nvl_chunk_dispatch"] == min(d, key=d.get) and cfg["nvl_chunk_combine"] == min(c, key=c.get)
+    tries = len(mod_.DISPATCH_CHUNKS) * (mod_.TUNE_WARMUP + mod_.TUNE_ITERS)
+    # after the search, every dispatch (layouts, timed, verification) and combine used the winners
+    assert set(fake.calls["dispatch_chunk"][1 + tries:]) == {cfg["nvl_chunk_dispatch"]}
+    ctries = len(mod_.COMBINE_CHUNKS) * (mod_.TUNE_WARMUP + mod_.TUNE_ITERS)
+    assert set(fake.calls["combine_chunk"][ctries:]) == {cfg["nvl_chunk_combine"]}
+    # a second point at the same SM count does not search again
+    n = len(fake.calls["dispatch_chunk"])
+    measure_point(Point(be, s, route_all(s), 4, gloo_world1, input_sets=1), 1, 1, 7, None, PointRecord(0))
+    assert len(fake.calls["dispatch_chunk"]) - n < 6
     be.close()
 
 
@@ -297,7 +332,7 @@ def test_buffers_sized_once_and_sms_set_only_on_change(monkeypatch, gloo_world1)
 
     fake = install_fake(monkeypatch)
     s = scenario(1)
-    be = DeepEPBackend(setup_of(s, 0), max_sms=9)  # rounded down to an even count
+    be = DeepEPBackend(setup_of(s, 0), max_sms=9, chunks="default")  # rounded down to an even count
     assert be.max_sms == 8
     hint = max(cfg.get_nvl_buffer_size_hint(2 * s.model.hidden, 1)
                for cfg in (fake.Config(8, 6, 256, 6, 128), fake.Config(8, 4, 256, 6, 128)))
@@ -323,7 +358,7 @@ def test_combine_input_is_a_slice_of_one_buffer(monkeypatch, gloo_world1):
 
     install_fake(monkeypatch)
     s = scenario(1)
-    be = DeepEPBackend(setup_of(s, 0), max_sms=4)
+    be = DeepEPBackend(setup_of(s, 0), max_sms=4, chunks="default")
     x = make_tokens(s.model.tokens_per_rank, s.model.hidden, 1, 0, 0, CPU)
     out = be.dispatch(dispatch_input(x, route_all(s)[0], "bf16", CPU), 4)
     y = be.combine_input(out)

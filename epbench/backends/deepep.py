@@ -34,6 +34,15 @@ Semantic difference kept as DeepEP has it: the received ``topk_idx`` holds local
 (-1 for experts of other ranks, whose weights are 0); ``receives_local_expert_ids`` tells the
 verification to expect that form (epbench/verify.py).
 
+Chunk sizes (option ``chunks``): DeepEP's own benchmark (tests/test_intranode.py) searches, per SM
+count, how many tokens a channel sends per step through the NVL ring: 4..32 step 2 for dispatch,
+1..16 for combine, ring of 256 tokens, and keeps the fastest; its ``get_*_config`` tables hold one
+such winner per rank count. With ``chunks: search`` (the default) the backend does the same search
+at the first point of each SM count, outside any timed region, on that point's first input set:
+each candidate timed over back-to-back cached calls with device events, the slowest rank's time
+decides (all ranks pick the same), in both call modes. The winners go into every row's ``config``;
+``chunks: default`` keeps DeepEP's table.
+
 SM count: DeepEP runs ``num_sms / 2`` channels (2 SMs per channel: one sends, one receives), so
 the count must be even. It is a class-wide setting (``Buffer.set_num_sms``) and a field of the
 ``Config`` passed to each call; both are host-side, set only when the point's count changes.
@@ -50,6 +59,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -61,6 +71,13 @@ from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.scenario import FP8_BLOCK
 
 MAX_INTRANODE_RANKS = 8  # DeepEP's NUM_MAX_NVL_PEERS
+# The chunk-size search of DeepEP's tests/test_intranode.py: tokens a channel sends per step, with
+# a ring of NVL_RING_TOKENS tokens per channel (the buffer size hint does not depend on the chunk).
+DISPATCH_CHUNKS = tuple(range(4, 33, 2))
+COMBINE_CHUNKS = tuple(range(1, 17))
+NVL_RING_TOKENS = 256
+RDMA_CHUNK, RDMA_RING = 6, 128  # unused within one node; DeepEP's tables' values
+TUNE_WARMUP, TUNE_ITERS = 3, 10
 # DeepEP V1's intranode dispatch copies each received row in two halves through one warp's
 # 8 KiB TMA staging buffer, followed by an 8-byte mbarrier, and asserts on the device that the
 # row is a whole, even number of 16-byte units that fits (csrc/kernels/legacy/intranode.cu,
@@ -172,9 +189,14 @@ class DeepEPBackend(WeightedCombineRows, NormalMode):
             return f"DeepEP has no config for {setup.world} ranks" + (f" ({detail})" if detail else "")
         return None
 
-    def __init__(self, setup: RankSetup, *, max_sms: Optional[int] = None,
+    def __init__(self, setup: RankSetup, *, max_sms: Optional[int] = None, chunks: str = "search",
                  group: Optional[Any] = None) -> None:
+        if chunks not in ("search", "default"):
+            raise ValueError(f"deepep: chunks must be search or default, got {chunks!r}")
         self.s = setup
+        self.chunks = chunks
+        self._tuned: Dict[int, Dict[str, Any]] = {}  # SM count -> the search's record
+        self._point_sms: Optional[int] = None
         self.deep_ep = _import_deep_ep()
         self.fp8 = setup.dispatch_dtype == "fp8"
         self.group = group if group is not None else dist.group.WORLD
@@ -204,8 +226,12 @@ class DeepEPBackend(WeightedCombineRows, NormalMode):
         self._layouts.clear()
 
     def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
-        """Kernel mode: one full dispatch of this input set, outside the timed region, whose handle
-        the timed (cached) calls reuse."""
+        """The chunk search at the first point of an SM count (``chunks: search``); kernel mode: one
+        full dispatch of this input set, outside the timed region, whose handle the timed (cached)
+        calls reuse."""
+        self._point_sms = num_sms
+        if self.chunks == "search" and num_sms not in self._tuned:
+            self._search_chunks(inp, num_sms)
         if self.kernel:
             out = self._full_dispatch(inp, num_sms)  # DeepEP's handle holds per-channel prefixes
             self._layouts[id(inp)] = _Layout(out.handle.deep_ep_handle, out.topk_idx, out.topk_weights,
@@ -229,6 +255,67 @@ class DeepEPBackend(WeightedCombineRows, NormalMode):
             cfgs = (Buffer.get_dispatch_config(self.s.world), Buffer.get_combine_config(self.s.world))
             self._configs[num_sms] = cfgs
         return cfgs
+
+    def _config(self, num_sms: int, chunk: int) -> Any:
+        return self.deep_ep.Config(num_sms, chunk, NVL_RING_TOKENS, RDMA_CHUNK, RDMA_RING)
+
+    def _time_candidates(self, fn: Any, configs: Tuple[Any, ...]) -> torch.Tensor:
+        """Mean time of ``fn(config)`` per candidate over back-to-back calls (as DeepEP's bench
+        does), the slowest rank's: every rank gets the same tensor, so all pick the same winner."""
+        dev = self.s.device
+        times = torch.zeros(len(configs), dtype=torch.float64, device=dev)
+        for i, cfg in enumerate(configs):
+            for _ in range(TUNE_WARMUP):
+                fn(cfg)
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(TUNE_ITERS):
+                    fn(cfg)
+                end.record()
+                end.synchronize()
+                times[i] = start.elapsed_time(end) * 1e3 / TUNE_ITERS
+            else:
+                t0 = time.perf_counter()
+                for _ in range(TUNE_ITERS):
+                    fn(cfg)
+                times[i] = (time.perf_counter() - t0) * 1e6 / TUNE_ITERS
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
+        return times.cpu()
+
+    def _search_chunks(self, inp: DispatchInput, num_sms: int) -> None:
+        """DeepEP's chunk search for this SM count on ``inp`` (untimed): cached dispatches over
+        DISPATCH_CHUNKS, then combines of the received rows over COMBINE_CHUNKS; the winners
+        replace the table's configs for this count."""
+        out = self._full_dispatch(inp, num_sms)
+        handle = out.handle.deep_ep_handle
+        x = (inp.x, inp.x_scales) if self.fp8 else inp.x
+        d_cfgs = tuple(self._config(num_sms, c) for c in DISPATCH_CHUNKS)
+        d_times = self._time_candidates(lambda cfg: self.buffer.dispatch(x, handle=handle, config=cfg), d_cfgs)
+        rows = self.combine_in[: out.handle.num_recv]
+        rows.copy_(out.x if not self.fp8 else out.x.to(torch.bfloat16))
+        c_cfgs = tuple(self._config(num_sms, c) for c in COMBINE_CHUNKS)
+        c_times = self._time_candidates(lambda cfg: self.buffer.combine(rows, handle, config=cfg), c_cfgs)
+        d_best, c_best = int(torch.argmin(d_times)), int(torch.argmin(c_times))
+        self._configs[num_sms] = (d_cfgs[d_best], c_cfgs[c_best])
+        self._tuned[num_sms] = {
+            "nvl_chunk_dispatch": DISPATCH_CHUNKS[d_best], "nvl_chunk_combine": COMBINE_CHUNKS[c_best],
+            "search_dispatch_us": {c: round(float(t), 2) for c, t in zip(DISPATCH_CHUNKS, d_times)},
+            "search_combine_us": {c: round(float(t), 2) for c, t in zip(COMBINE_CHUNKS, c_times)}}
+
+    def effective_config(self) -> Dict[str, Any]:
+        """The chunk sizes the last point ran with and how they were chosen."""
+        n = self._point_sms
+        if n is None:
+            return {}
+        rec: Dict[str, Any] = {"num_sms": n, "chunks": self.chunks}
+        if n in self._tuned:
+            rec.update(self._tuned[n])
+        elif n in self._configs:
+            d, c = self._configs[n]
+            rec.update(nvl_chunk_dispatch=int(d.num_max_nvl_chunked_send_tokens),
+                       nvl_chunk_combine=int(c.num_max_nvl_chunked_send_tokens))
+        return rec
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         if not self.kernel:
@@ -286,4 +373,5 @@ class DeepEPBackend(WeightedCombineRows, NormalMode):
         # rank closes at the same point of the driver.
         self.buffer = None
         self._configs.clear()
+        self._tuned.clear()
         self._layouts.clear()
