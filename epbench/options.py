@@ -106,6 +106,11 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                       "one node (every peer on NVLink; V2 refuses to start without RDMA NICs otherwise), on "
                       "across nodes; off sets V2's EP_DISABLE_GIN=1, on leaves Gin required",
                       choices=("auto", "on", "off"), env="EPBENCH_DEEPEP_V2_GIN"),
+        "prefer_overlap": Option(str, "off", "V2's prefer_overlap_with_compute, set when its buffer is built: off as "
+                                 "its tests/elastic/test_ep.py benchmarks (the library's default is on); changes the "
+                                 "channels per SM across nodes and the SM count V2 would pick itself, nothing within "
+                                 "one node at the swept SM counts", choices=("off", "on"),
+                                 env="EPBENCH_DEEPEP_V2_PREFER_OVERLAP"),
     },
     "hybrid-ep": {
         "sms": Option(int, None, "blocks of Hybrid-EP's dispatch and of its combine kernel, fixed when the buffer "

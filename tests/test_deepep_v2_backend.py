@@ -11,10 +11,15 @@ expert starting at the expert's padded offset, so rows land in arrival order; th
 ``recv_src_metadata[:, 2:]`` (-1 where the expert is elsewhere), one weight per slot,
 ``psum_num_recv_tokens_per_expert`` = start + rows, the unpadded rows in
 ``num_unaligned_recv_tokens_per_expert``, padding left as garbage (NaN bytes); its combine sums
-each token's slots. Every output is a fresh NaN-filled buffer, so nothing stale can pass. Also the
-launch pre-checks."""
+each token's slots. A dispatch with ``handle=`` (the cached path, deep_ep/buffers/elastic.py and
+csrc/elastic/buffer.hpp) takes no ``topk_idx`` and no host sync, routes by the handle's own copy of
+the top-k ids, puts the rows in the slots the handle recorded (same order, same expanded slots; the
+handle's metadata is not rewritten), returns the received local ids unless expanding, weights only
+when given, and the handle itself. Every output is a fresh NaN-filled buffer, so nothing stale can
+pass. Also the launch pre-checks."""
 
 import os
+import sys
 import types
 from typing import Any, List, Optional
 
@@ -22,6 +27,7 @@ import pytest
 
 import torch
 
+from epbench import options
 from epbench.backends import REGISTRY
 from epbench.backends import deepep_v2
 from epbench.contract import DispatchInput, RankSetup
@@ -84,9 +90,13 @@ def expand(h, rows, x, sf, local_idx, weights, experts, align):
 
 class FakeElasticBuffer:
     """V2's signatures at the pinned commit (deep_ep/buffers/elastic.py) and the checks its C++
-    side makes on the arguments (csrc/elastic/buffer.hpp)."""
+    side makes on the arguments (csrc/elastic/buffer.hpp). ``cached_fault`` makes the cached path
+    misbehave: "stale" returns the rows its handle's full dispatch received (the values of then),
+    "reorder" puts the rows in an order of its own instead of the handle's slots."""
 
     destroyed = 0
+    cached_fault: Optional[str] = None
+    calls = {"full": 0, "cached": 0}
 
     def __init__(self, group, num_bytes=None, num_cpu_bytes=0, num_max_tokens_per_rank=0, hidden=0,
                  num_topk=0, use_fp8_dispatch=False, deterministic=False, allow_hybrid_mode=True,
@@ -94,6 +104,7 @@ class FakeElasticBuffer:
                  num_allocated_qps=0, num_cpu_timeout_secs=300, num_gpu_timeout_secs=100,
                  explicitly_destroy=False):
         self.tmax, self.explicitly_destroy = num_max_tokens_per_rank, explicitly_destroy
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
         fake = group if isinstance(group, FakeGroup) else FakeGroup(None, 0)
         self.state, self.rank = fake.state, fake.rank
         self.world = fake.state.world if fake.state is not None else 1
@@ -111,10 +122,15 @@ class FakeElasticBuffer:
                  do_handle_copy=True, do_cpu_sync=None, do_expand=False, do_zero_padding=False,
                  use_tma_aligned_col_major_sf=False):
         x, sf = x if isinstance(x, tuple) else (x, None)
-        t = topk_idx.shape[0]
-        assert num_sms > 0 and t <= num_max_tokens_per_rank and x.is_contiguous()
+        assert num_sms > 0 and x.is_contiguous()
         assert not do_zero_padding or do_expand
         assert not use_tma_aligned_col_major_sf  # the adapter reads row-major scales
+        if handle is not None:
+            return self._cached(x, sf, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment,
+                                handle, do_cpu_sync, do_expand, do_zero_padding)
+        FakeElasticBuffer.calls["full"] += 1
+        t = topk_idx.shape[0]
+        assert t <= num_max_tokens_per_rank
         assert topk_idx.dtype == FAKE_TOPK_IDX_T and topk_weights.dtype == torch.float32
         if sf is not None:
             assert sf.element_size() == 4 and sf.shape[0] == t  # FP32 or packed UE8M0 x 4
@@ -134,8 +150,7 @@ class FakeElasticBuffer:
         pick = lambda ts: torch.stack([ts[s_][t_] for s_, t_ in rows]) if rows else ts[0][:0]  # noqa: E731
         rx, ridx, rw = pick(xs), pick(idxs), pick(ws)
         rsf = pick(sfs) if sf is not None else None
-        mine = ridx // e == self.rank
-        local = torch.where(mine, ridx - self.rank * e, torch.full_like(ridx, -1))
+        local = self._local(ridx, e)
         # the weights of other ranks' experts stay as sent (V2's tests/elastic/test_ep.py masks
         # them out before comparing): only the ids say which positions are this rank's
         h = FakeHandle()
@@ -146,10 +161,72 @@ class FakeElasticBuffer:
         h.num_recv_tokens_per_expert_list = ((counts + expert_alignment - 1) // expert_alignment
                                              * expert_alignment).tolist()
         h.rows, h.do_expand, h.tokens = rows, do_expand, t
+        h.topk_idx = topk_idx.clone() if do_handle_copy else topk_idx
+        h.num_experts, h.expert_alignment, h.num_max_tokens_per_rank = num_experts, expert_alignment, \
+            num_max_tokens_per_rank
+        h.num_sms = num_sms
+        h.first_rows = (rx.clone(), rsf.clone() if rsf is not None else None)  # what "stale" hands back
         if do_expand:
             recv_x, recv_idx, recv_w = expand(h, rows, rx, rsf, local, rw, e, expert_alignment)
             return recv_x, recv_idx, recv_w, h, None
         out_x = garbage(n, x)
+        out_x.copy_(rx)
+        return ((out_x, rsf) if sf is not None else out_x), local, rw, h, None
+
+    def _local(self, ids, e):
+        mine = ids // e == self.rank
+        return torch.where(mine, ids - self.rank * e, torch.full_like(ids, -1))
+
+    def _cached(self, x, sf, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment, h, do_cpu_sync,
+                do_expand, do_zero_padding):
+        """The cached path: the handle's routing and slots, this call's payload; no ids given, no
+        host sync; the handle comes back as it was."""
+        FakeElasticBuffer.calls["cached"] += 1
+        assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
+        given = (num_experts or h.num_experts, expert_alignment or h.expert_alignment,
+                 num_max_tokens_per_rank or h.num_max_tokens_per_rank)
+        assert given == (h.num_experts, h.expert_alignment, h.num_max_tokens_per_rank)
+        assert do_expand == h.do_expand  # V2 reads do_expand from the call, not the handle
+        assert x.shape[0] == h.tokens and (sf is None or sf.shape[0] == h.tokens)
+        e = h.num_experts // self.world
+        got: List[Any] = []
+
+        def compute(posted):  # each source's payload and its handle's ids, picked by this handle's rows
+            got.extend([[p[0] for p in posted], [p[1] for p in posted], [p[2] for p in posted],
+                        [p[3] for p in posted]])
+
+        self._collective((x, sf, h.topk_idx, topk_weights), compute)
+        xs, sfs, idxs, ws = got
+        rows = list(h.rows)
+        if FakeElasticBuffer.cached_fault == "reorder":
+            rows.reverse()
+        pick = lambda ts: torch.stack([ts[s_][t_] for s_, t_ in rows]) if rows else ts[0][:0]  # noqa: E731
+        rx, rsf = pick(xs), pick(sfs) if sf is not None else None
+        if FakeElasticBuffer.cached_fault == "stale":
+            rx, rsf = h.first_rows
+        local = self._local(pick(idxs), e)
+        rw = pick(ws) if topk_weights is not None else None
+        if do_expand:
+            slots = h.recv_src_metadata[:, 2:].to(torch.int64)
+            out_x = garbage(h.num_expanded_tokens, x)
+            out_sf = garbage(h.num_expanded_tokens, sf) if sf is not None else None
+            out_w = garbage(h.num_expanded_tokens, topk_weights[:, :1]).flatten() if rw is not None else None
+            for r in range(len(rows)):
+                for j in range(slots.shape[1]):
+                    slot = int(slots[r, j])
+                    if slot < 0:
+                        continue
+                    out_x[slot] = rx[r]
+                    if out_sf is not None:
+                        out_sf[slot] = rsf[r]
+                    if out_w is not None:
+                        out_w[slot] = rw[r, j]
+            if do_zero_padding:
+                named = torch.zeros(h.num_expanded_tokens, dtype=torch.bool)
+                named[slots[slots >= 0]] = True
+                out_x.view(torch.uint8).view(h.num_expanded_tokens, -1)[~named] = 0
+            return ((out_x, out_sf) if sf is not None else out_x), None, out_w, h, None
+        out_x = garbage(len(rows), x)
         out_x.copy_(rx)
         return ((out_x, rsf) if sf is not None else out_x), local, rw, h, None
 
@@ -304,14 +381,19 @@ def test_slot_keys_and_segment_sort():
 # -- worlds 2-4 through the driver's own point: timed calls, their check, the verification run --
 
 def v2_scenario(world: int, dtype: str = "bf16", layout: str = "rank_major", align: int = 1):
-    model = {"hidden": 256, "tokens_per_rank": 12, "topk": 4, "experts_per_rank": 3, "dispatch_dtype": dtype}
+    model = {"hidden": 256, "tokens_per_rank": 12, "topk": min(4, 3 * world), "experts_per_rank": 3,
+             "dispatch_dtype": dtype}
     if layout != "rank_major":
         model.update(layout=layout, align=align)
     return parse(scenario_dict(model=model, topology={"name": "fake", "nodes": 1, "gpus_per_node": world},
                                bench={"backends": ["deepep-v2"], "sms": [4]}), "<test>")
 
 
-def run_v2_points(monkeypatch, s, inject: Optional[str] = None) -> List[PointRecord]:
+def run_v2_points(monkeypatch, s, inject: Optional[str] = None, mode: str = "call",
+                  input_sets: int = 2) -> List[PointRecord]:
+    """One point of the driver (warmup 1, 2 timed iterations, then the verification run) on
+    every rank; each record's ``config`` is the backend's effective_config() after it, as in
+    epbench.driver.measure."""
     fake = types.SimpleNamespace(ElasticBuffer=FakeElasticBuffer, topk_idx_t=FAKE_TOPK_IDX_T)
     monkeypatch.setattr(deepep_v2, "_import_deep_ep", lambda: fake)
     routings = route_all(s)
@@ -323,10 +405,12 @@ def run_v2_points(monkeypatch, s, inject: Optional[str] = None) -> List[PointRec
                           hidden=m.hidden, max_tokens_per_rank=m.tokens_per_rank, topk=m.topk,
                           experts_per_rank=m.experts_per_rank, dispatch_dtype=m.dispatch_dtype,
                           layout=m.layout, align=m.align)
-        be = deepep_v2.DeepEPV2Backend(setup, group=FakeGroup(state, rank))
-        rec = PointRecord(rank)
-        measure_point(Point(be, s, routings, 4, ThreadComm(rank, s.world, state.barrier), input_sets=2),
+        be = deepep_v2.DeepEPV2Backend(setup, group=FakeGroup(state, rank), **s.backend_options.get("deepep-v2", {}))
+        be.use_call_mode(mode)
+        rec = PointRecord(rank, call_mode=mode)
+        measure_point(Point(be, s, routings, 4, ThreadComm(rank, s.world, state.barrier), input_sets=input_sets),
                       1, 2, 3, inject, rec)
+        rec.config = be.effective_config()
         be.close()
         return rec
 
@@ -360,7 +444,7 @@ def test_gin_is_off_within_one_node_and_the_rows_say_so(monkeypatch):
     setup = RankSetup(rank=0, world=4, gpus_per_node=4, device=torch.device("cpu"), hidden=256,
                       max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16")
     be = deepep_v2.DeepEPV2Backend(setup, group=object())
-    assert seen == ["1"] and be.effective_config() == {"gin": "off"}
+    assert seen == ["1"] and be.effective_config()["gin"] == "off"
     assert "EP_DISABLE_GIN" not in os.environ  # set for the buffer's construction only
     deepep_v2.DeepEPV2Backend(setup, group=object(), gin="on")
     assert seen[-1] is None
@@ -371,3 +455,101 @@ def test_expert_major_combine_is_allowed_its_extra_rounding(monkeypatch):
     rank_major, _ = make_backend(monkeypatch)
     em, _ = em_backend(monkeypatch)
     assert rank_major.combine_roundings() == 2 and em.combine_roundings() == 3
+
+
+# -- kernel mode: V2's cached handle, timed as its tests/elastic/test_ep.py times it -----------
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    monkeypatch.setattr(FakeElasticBuffer, "calls", {"full": 0, "cached": 0})
+    return FakeElasticBuffer.calls
+
+
+def test_call_modes_and_the_switch(monkeypatch):
+    be, inp = make_backend(monkeypatch)
+    assert deepep_v2.DeepEPV2Backend.call_modes == ("call", "kernel")
+    assert not be.kernel and not be.reuses_layout
+    be.use_call_mode("kernel")
+    assert be.kernel and be.reuses_layout  # the driver's input sets then keep the routing
+    with pytest.raises(RuntimeError, match="prepare_input never saw"):
+        be.dispatch(inp, 8)
+    be.use_call_mode("call")
+    assert not be.kernel and not be.reuses_layout
+    with pytest.raises(ValueError, match="no call mode"):
+        be.use_call_mode("fastest")
+
+
+@pytest.mark.parametrize("world, dtype, layout, align", [
+    (1, "bf16", "rank_major", 1), (2, "fp8", "rank_major", 1), (3, "mxfp8", "rank_major", 1),
+    (4, "bf16", "rank_major", 1), (1, "fp8", "expert_major", 128), (2, "mxfp8", "expert_major", 16),
+    (3, "bf16", "expert_major", 1), (4, "fp8", "expert_major", 16)])
+def test_kernel_mode_verifies_clean_through_the_driver(monkeypatch, count_calls, world, dtype, layout, align):
+    """One full dispatch per input set before the timed loop; every timed dispatch and the
+    verification run's (fresh values in set 0's tensors, same routing) are cached calls."""
+    recs = run_v2_points(monkeypatch, v2_scenario(world, dtype, layout, align), mode="kernel")
+    for rec in recs:
+        assert rec.wrong == {"dispatch": 0, "combine": 0}, rec.problem
+    assert count_calls == {"full": 2 * world, "cached": (1 + 2 + 1) * world}
+
+
+@pytest.mark.parametrize("fault", ["stale", "reorder"])
+@pytest.mark.parametrize("layout, align", [("rank_major", 1), ("expert_major", 16)])
+def test_kernel_mode_catches_a_mishandled_handle(monkeypatch, fault, layout, align):
+    """"stale": the cached call hands back the rows of the full dispatch its handle came from (right
+    for the timed calls, whose layout was made from their own values: the verification run's fresh
+    values catch it); "reorder": rows in other slots than the handle's (both checks catch it)."""
+    monkeypatch.setattr(FakeElasticBuffer, "cached_fault", fault)
+    recs = run_v2_points(monkeypatch, v2_scenario(2, "fp8", layout, align), mode="kernel")
+    for rec in recs:
+        assert rec.wrong["dispatch"] > 0 and "verification run" in rec.problem["dispatch"], (fault, rec.problem)
+        if fault == "reorder":
+            assert "last timed call" in rec.problem["dispatch"]
+
+
+def test_kernel_mode_catches_an_injected_fault(monkeypatch):
+    recs = run_v2_points(monkeypatch, v2_scenario(3), inject="combine", mode="kernel")
+    assert all(r.wrong == {"dispatch": 0, "combine": 1} for r in recs), [r.problem for r in recs]
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_kernel_mode_weighs_outside_the_timed_combine(monkeypatch, layout):
+    """prepare_combine (untimed) scales the rows; combine then reads only the scaled rows, so the
+    expert output can be overwritten after it without changing the result. In call mode the
+    scaling is combine's own, and the overwrite shows."""
+    make = em_backend if layout == "expert_major" else make_backend
+    for mode in ("call", "kernel"):
+        be, inp = make(monkeypatch)
+        be.use_call_mode(mode)
+        inp = be.prepare_input(inp, 8)
+        out = be.dispatch(inp, 8)
+        rows = out.x.shape[0] if layout == "expert_major" else out.num_recv
+        y = (em_expert_output(out.x[:rows], out.x_scales, out.expert_major, 0) if layout == "expert_major"
+             else expert_output(out.x[:rows], out.x_scales, 0))
+        be.combine_input(out)[:rows].copy_(y)
+        be.prepare_combine(out)
+        be.combine_input(out).fill_(float("nan"))
+        got = be.combine(out, 8)
+        check = check_ll_combine(got, inp) if layout == "expert_major" else check_combine(got, inp, 1, 4)
+        assert (check.wrong == 0) == (mode == "kernel"), (mode, check.first_problem)
+
+
+def test_kernel_mode_rows_record_the_options(monkeypatch):
+    data = scenario_dict(model={"hidden": 256, "tokens_per_rank": 12, "topk": 4, "experts_per_rank": 3},
+                         topology={"name": "fake", "nodes": 1, "gpus_per_node": 2},
+                         bench={"backends": ["deepep-v2"], "sms": [4]})
+    data["backend_options"] = {"deepep-v2": {"prefer_overlap": "on"}}
+    s = parse(data, "<test>")
+    built = []
+
+    class Watching(FakeElasticBuffer):
+        def __init__(self, group, **kw):
+            built.append(kw["prefer_overlap_with_compute"])
+            super().__init__(group, **kw)
+
+    monkeypatch.setattr(sys.modules[__name__], "FakeElasticBuffer", Watching)
+    recs = run_v2_points(monkeypatch, s, mode="kernel")
+    assert built == [True, True]
+    assert all(r.config == {"gin": "off", "prefer_overlap": "on"} and r.call_mode == "kernel" for r in recs)
+    assert options.resolve("deepep-v2", {}, {})["prefer_overlap"] == "off"  # as V2's own test runs
+    be, _ = make_backend(monkeypatch)
+    assert be.buffer.prefer_overlap_with_compute is False
