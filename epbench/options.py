@@ -103,11 +103,6 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                       "across nodes; off sets V2's EP_DISABLE_GIN=1, on leaves Gin required",
                       choices=("auto", "on", "off"), env="EPBENCH_DEEPEP_V2_GIN"),
     },
-    "hybrid-ep": {
-        "sms": Option(int, None, "blocks of Hybrid-EP's dispatch and of its combine kernel, fixed when the buffer "
-                      "is built (unset: the library's default, 24 in one NVLink domain)", low=1, high=1024,
-                      env="EPBENCH_HYBRID_EP_SMS"),
-    },
 }
 
 
