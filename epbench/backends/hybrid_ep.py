@@ -247,8 +247,9 @@ class HybridEPBackend(WeightedCombineRows, NormalMode):
         if num_sms == self._sms:
             return
         if num_sms <= 0 or (self.max_sms is not None and num_sms > self.max_sms):
-            raise ValueError(f"hybrid-ep: {num_sms} blocks per kernel; the GPU has {self.max_sms} SMs "
-                             f"and the count must be positive")
+            most = f" (the GPU's SM count)" if self.max_sms is not None else ""
+            raise ValueError(f"hybrid-ep: {num_sms} blocks per kernel; the count must be 1 to "
+                             f"{self.max_sms if self.max_sms is not None else 'any'}{most}")
         cfg = self.buffer.configurer.buffer_config
         cfg.num_of_blocks_dispatch_api = num_sms
         cfg.num_of_blocks_combine_api = num_sms
