@@ -112,11 +112,6 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "one node at the swept SM counts", choices=("off", "on"),
                                  env="EPBENCH_DEEPEP_V2_PREFER_OVERLAP"),
     },
-    "hybrid-ep": {
-        "sms": Option(int, None, "blocks of Hybrid-EP's dispatch and of its combine kernel, fixed when the buffer "
-                      "is built (unset: the library's default, 24 in one NVLink domain)", low=1, high=1024,
-                      env="EPBENCH_HYBRID_EP_SMS"),
-    },
 }
 
 
