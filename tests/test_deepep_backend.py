@@ -514,3 +514,21 @@ def test_cli_skips_deepep_with_a_note(tmp_path):
     rows = run.all_rows()
     skipped = rows[rows["backend"] == "deepep"]["status"]  # one row per op: skipped, and why
     assert len(skipped) == 2 and skipped.str.startswith("skipped: ").all()
+
+
+def test_weighting_forms():
+    """The one-pass form rounds the factor to bf16 first (one rounding more, within the extra
+    rounding the call mode declares); the exact form is the fp32 product rounded once."""
+    from epbench.backends.weighting import EXTRA_ROUNDINGS, weigh_rows
+    from epbench.contract import BF16_ROUNDING
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    factor = torch.rand(64, 1, generator=g, dtype=torch.float32) * 3 + 0.01
+    want = rows.float() * factor
+    exact = weigh_rows(rows, factor, torch.empty_like(rows), exact=True)
+    fast = weigh_rows(rows, factor, torch.empty_like(rows), exact=False)
+    assert torch.equal(exact, want.to(torch.bfloat16))
+    rel = ((fast.float() - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+    assert rel <= (1 + EXTRA_ROUNDINGS[False]) * BF16_ROUNDING
+    assert not torch.equal(fast, exact)  # the forms differ somewhere: the extra rounding is real

@@ -548,8 +548,12 @@ def test_expert_major_combine_needs_its_third_rounding(monkeypatch):
     assert sum(r.wrong["combine"] for r in recs) > 0
     monkeypatch.undo()
     be = HybridEPBackend.__new__(HybridEPBackend)
-    be.expert_major = False
+    be.expert_major, be.kernel = False, True
     assert be.combine_roundings() == 2
+    be.kernel = False  # call mode weighs in one bf16 pass: one rounding more
+    assert be.combine_roundings() == 3
+    be.expert_major = True
+    assert be.combine_roundings() == 4
 
 
 def test_expert_major_segments_are_the_librarys_padded_ones():

@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from epbench.backends.base import NormalMode
+from epbench.backends.weighting import EXTRA_ROUNDINGS, weigh_rows
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.scenario import FP8_BLOCK
 
@@ -121,14 +122,12 @@ class WeightedCombineRows:
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
         return self.combine_in[: out.handle.num_recv]
 
-    def scaled_rows(self, n: int, weights: torch.Tensor) -> torch.Tensor:
-        """Rows [0, n) of ``combine_in``, each times the sum of its row of ``weights`` [n, *] (one more
-        bf16 rounding, <= 2^-9 relative, before the library's fp32 sum and final bf16 rounding; every
-        copy of a token has the token's sign in the verification, so the total stays within about
-        2^-8 relative, inside verify.COMBINE_RTOL, 2^-7)."""
-        y = self.combine_scaled[:n]
-        torch.mul(self.combine_in[:n], weights.sum(dim=1, keepdim=True), out=y)
-        return y
+    def scaled_rows(self, n: int, weights: torch.Tensor, exact: bool) -> torch.Tensor:
+        """Rows [0, n) of ``combine_in``, each times the sum of its row of ``weights`` [n, *]
+        (epbench/backends/weighting.py: ``exact`` for untimed use, else the one-pass form a user
+        writes, one bf16 rounding more: ``weighting_roundings``)."""
+        return weigh_rows(self.combine_in[:n], weights.sum(dim=1, keepdim=True), self.combine_scaled[:n], exact)
+
 
     def poison(self) -> None:
         self.combine_in.fill_(float("nan"))
@@ -356,7 +355,11 @@ class DeepEPBackend(WeightedCombineRows, NormalMode):
         """Kernel mode: the weights folded into the expert output, outside the timed region."""
         if self.kernel:
             h: _Handle = out.handle
-            self.scaled_rows(h.num_recv, h.recv_topk_weights)
+            self.scaled_rows(h.num_recv, h.recv_topk_weights, exact=True)
+
+    def combine_roundings(self) -> int:
+        # call mode weighs the rows in one bf16 pass (epbench/backends/weighting.py)
+        return super().combine_roundings() + EXTRA_ROUNDINGS[self.kernel]
 
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         _, config = self._configs_for(num_sms)
@@ -364,7 +367,7 @@ class DeepEPBackend(WeightedCombineRows, NormalMode):
         # DeepEP sums the copies without weights: scale row r by w(t, d), the sum of its masked
         # received weights (kernel mode: done by prepare_combine, untimed)
         y = (self.combine_scaled[: h.num_recv] if self.kernel
-             else self.scaled_rows(h.num_recv, h.recv_topk_weights))
+             else self.scaled_rows(h.num_recv, h.recv_topk_weights, exact=False))
         combined, _, _ = self.buffer.combine(y, h.deep_ep_handle, config=config)
         return combined
 

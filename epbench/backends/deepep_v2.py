@@ -85,6 +85,7 @@ import torch
 import torch.distributed as dist
 
 from epbench.backends.base import NormalMode
+from epbench.backends.weighting import EXTRA_ROUNDINGS, weigh_rows
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.baselines import MIN_NCCL, version_tuple
 from epbench.layout import ExpertMajor, expert_of_slot, slot_capacity
@@ -305,23 +306,21 @@ class DeepEPV2Backend(NormalMode):
     def combine_input(self, out: DispatchOutput) -> torch.Tensor:
         return self.combine_in[: out.handle.rows]
 
-    def _scaled_rows(self, h: _Handle) -> torch.Tensor:
+    def _scaled_rows(self, h: _Handle, exact: bool) -> torch.Tensor:
         """Rows [0, h.rows) of ``combine_in``, each times its weight (the sum of a received row's
-        weights, or one slot's own), into ``combine_scaled``."""
-        y = self.combine_scaled[: h.rows]
-        torch.mul(self.combine_in[: h.rows], h.row_weights(), out=y)
-        return y
+        weights, or one slot's own), into ``combine_scaled`` (epbench/backends/weighting.py)."""
+        return weigh_rows(self.combine_in[: h.rows], h.row_weights(), self.combine_scaled[: h.rows], exact)
 
     def prepare_combine(self, out: DispatchOutput) -> None:
         """Kernel mode: the weights folded into the expert output, outside the timed region."""
         if self.kernel:
-            self._scaled_rows(out.handle)
+            self._scaled_rows(out.handle, exact=True)
 
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         h: _Handle = out.handle
         # V2 sums the copies without weights: scale each row first (kernel mode: done by
         # prepare_combine, untimed)
-        y = self.combine_scaled[: h.rows] if self.kernel else self._scaled_rows(h)
+        y = self.combine_scaled[: h.rows] if self.kernel else self._scaled_rows(h, exact=False)
         combined, _, _ = self.buffer.combine(y, h.v2_handle, num_sms=num_sms)
         return combined
 
@@ -331,7 +330,8 @@ class DeepEPV2Backend(NormalMode):
         will be done ... for best precision", deep_ep/buffers/elastic.py), one bf16 rounding more
         than the two of the contract: three (2 ranks, em-2gpu fp8: 22 of ~8,200 tokens off by
         up to 0.80 % against the two-rounding limit of 0.78 %)."""
-        return 3 if self.expert_major else super().combine_roundings()
+        # call mode: one more, the one-pass weighting (epbench/backends/weighting.py)
+        return (3 if self.expert_major else super().combine_roundings()) + EXTRA_ROUNDINGS[self.kernel]
 
     def effective_config(self) -> Dict[str, Any]:
         return {"gin": self.gin, "prefer_overlap": self.prefer_overlap}

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from epbench.backends.base import NormalMode
+from epbench.backends.weighting import EXTRA_ROUNDINGS, weigh_rows
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 
 TOPK_COMPILED = (1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 22)  # SWITCH_TOP_K in its kernels
@@ -180,8 +181,12 @@ class FlashInferBackend(NormalMode):
         mine = torch.div(h.ids, e, rounding_mode="floor") == self.s.rank  # padding (-1): never mine
         w = torch.where(mine, h.weights, torch.zeros_like(h.weights)).sum(dim=1, keepdim=True)
         ws = self.a2a.get_combine_payload_tensor_in_workspace(self.t_max, self.s.hidden, torch.bfloat16)
-        torch.mul(self.combine_in, w, out=ws.view(-1, self.s.hidden))
+        weigh_rows(self.combine_in, w, ws.view(-1, self.s.hidden), exact=False)
         return self.a2a.combine(ws, self.t_max, payload_in_workspace=True)
+
+    def combine_roundings(self) -> int:
+        # its one call mode weighs the rows in one bf16 pass (epbench/backends/weighting.py)
+        return super().combine_roundings() + EXTRA_ROUNDINGS[False]
 
     def effective_config(self) -> Dict[str, Any]:
         return {"runtime_max_tokens_per_rank": self.t_max}

@@ -137,6 +137,7 @@ import torch
 import torch.distributed as dist
 
 from epbench.backends.base import NormalMode
+from epbench.backends.weighting import EXTRA_ROUNDINGS
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.deepep import WeightedCombineRows
 from epbench.layout import ExpertMajor, slot_capacity
@@ -233,7 +234,8 @@ class HybridEPBackend(WeightedCombineRows, NormalMode):
 
     def combine_roundings(self) -> int:
         # expert_major: the library's unpermute returns bf16 rows between the weighting and combine
-        return 3 if self.expert_major else super().combine_roundings()
+        # call mode: one more, the one-pass weighting (epbench/backends/weighting.py)
+        return (3 if self.expert_major else super().combine_roundings()) + EXTRA_ROUNDINGS[self.kernel]
 
     def use_call_mode(self, mode: str) -> None:
         super().use_call_mode(mode)
@@ -360,14 +362,14 @@ class HybridEPBackend(WeightedCombineRows, NormalMode):
         """Kernel mode: the weights folded into the expert output, outside the timed region."""
         if self.kernel:
             h: _Handle = out.handle
-            self.scaled_rows(h.rows, h.weights)
+            self.scaled_rows(h.rows, h.weights, exact=True)
 
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
         h: _Handle = out.handle
         # Hybrid-EP sums the copies without weights: scale each row by its weight (rank_major:
         # w(t, d), the sum of its received weights; expert_major: its slot's probability); kernel
         # mode: done by prepare_combine, untimed. The block count is the handle config's.
-        y = self.combine_scaled[: h.rows] if self.kernel else self.scaled_rows(h.rows, h.weights)
+        y = self.combine_scaled[: h.rows] if self.kernel else self.scaled_rows(h.rows, h.weights, exact=False)
         if self.expert_major:
             combined, _ = self.buffer.combine_with_unpermute(hidden=y, probs=None, handle=h.library_handle,
                                                              pad_multiple=self.s.align)
