@@ -218,6 +218,25 @@ def test_v1_runner_builds_the_buffer_as_their_loop_and_calls_test_main_per_sms(t
     assert calls[1:] == [("test_main", 8, "GROUP"), ("test_main", 24, "GROUP"), ("destroy",), ("barrier",), ("destroyed",)]
 
 
+def test_runner_main_hands_their_parsed_arguments_to_the_spawned_ranks(tmp_path, monkeypatch):
+    spawned = []
+    mp = types.SimpleNamespace(spawn=lambda fn, args, nprocs: spawned.append((fn, args, nprocs)))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(multiprocessing=mp))
+    monkeypatch.setitem(sys.modules, "torch.multiprocessing", mp)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "test_intranode.py").write_text(
+        "if __name__ == '__main__':\n    import argparse\n    parser = argparse.ArgumentParser()\n"
+        "    parser.add_argument('--num-processes', type=int, default=8)\n"
+        "    parser.add_argument('--num-tokens', type=int, default=4096)\n    args = parser.parse_args()\n")
+    assert own.main(["v1", "--tests", str(tmp_path), "--sms", "8,24", "--", "--num-processes", "2"]) == 0
+    ((fn, (nprocs_arg, tests, args, sms), nprocs),) = spawned
+    assert (fn, nprocs, nprocs_arg, tests, sms) == (own._v1_rank, 2, 2, str(tmp_path), [8, 24])
+    assert (args.num_processes, args.num_tokens) == (2, 4096)
+    (tmp_path / "test_ep.py").write_text((tmp_path / "test_intranode.py").read_text())
+    with pytest.raises(SystemExit, match="give at least one --mode"):
+        own.main(["v2", "--tests", str(tmp_path), "--", "--num-processes", "2"])
+
+
 # ---- inputs, venvs and sources ----------------------------------------------------------------
 
 def make_venv(root, flavor=None, source=None, nccl=None):
@@ -269,17 +288,18 @@ def test_resolve_venvs_and_sources(tmp_path, monkeypatch):
     # nothing given: not run, with the option to give
     assert "none given; --venv v1=PATH" in fid.resolve(v1, {}, {}, False, never_git).not_run
     assert "none given; --src v1=PATH" in fid.resolve(v1, {"v1": str(venv)}, {}, False, never_git).not_run
-    # present but wrong: always bad input
-    with pytest.raises(UserError, match="holds flavor v2"):
-        fid.resolve(v1, {"v1": str(make_venv(tmp_path / "v2venv", "v2"))}, {}, True, never_git)
-    with pytest.raises(UserError, match="has no epbench-baselines.json"):
-        fid.resolve(v1, {"v1": str(make_venv(tmp_path / "bare"))}, {}, True, never_git)
-    with pytest.raises(UserError, match="holds commit 0000000000"):
-        fid.resolve(v1, {"v1": str(venv)}, {"v1": str(make_src(tmp_path / "old", "v1", "0" * 40))}, True, never_git)
+    # there but not the library's: not run, one line (the other libraries still run)
+    assert "holds flavor v2: make baselines" in fid.resolve(v1, {"v1": str(make_venv(tmp_path / "v2venv", "v2"))}, {}, False, never_git).not_run
+    assert "has no DeepEP build" in fid.resolve(v1, {"v1": str(make_venv(tmp_path / "bare"))}, {}, False, never_git).not_run
+    old = fid.resolve(v1, {"v1": str(venv)}, {"v1": str(make_src(tmp_path / "old", "v1", "0" * 40))}, False, never_git)
+    assert "holds commit 000000000000, v1 is pinned at 567632dd5981" in old.not_run
     (tmp_path / "repo").mkdir()
     assert fid.resolve(v1, {"v1": str(venv)}, {"v1": str(tmp_path / "repo")}, False, lambda cmd: 0).src_kind == "git"
-    with pytest.raises(UserError, match="nor a git repository"):
-        fid.resolve(v1, {"v1": str(venv)}, {"v1": str(tmp_path / "repo")}, False, lambda cmd: 128)
+    assert "nor a git repository" in fid.resolve(v1, {"v1": str(venv)}, {"v1": str(tmp_path / "repo")}, False, lambda cmd: 128).not_run
+    # not a venv at all: bad input
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="not a virtual environment"):
+        fid.resolve(v1, {"v1": str(tmp_path / "empty")}, {}, True, never_git)
     # the source the venv was built from, and this tool's own venv where its stamp names the flavor
     built = make_venv(tmp_path / "built", "v1", source=str(src))
     assert fid.resolve(v1, {"v1": str(built)}, {}, False, never_git).src == str(src)
@@ -289,6 +309,26 @@ def test_resolve_venvs_and_sources(tmp_path, monkeypatch):
     # under --if-present a venv that is not there leaves the default: this tool's, built with v1
     assert fid.resolve(v1, {"v1": str(tmp_path / "nope")}, {}, True, never_git).python == sys.executable
     assert fid.resolve(fid.LIBRARIES["reference"], {}, {}, False, never_git).venv == str(tmp_path / "own")
+
+
+def test_tests_of_a_git_source_are_taken_at_the_pin(tmp_path, monkeypatch):
+    import subprocess
+
+    repo = tmp_path / "DeepEP"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_intranode.py").write_text("# at the pin\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "pin"], check=True)
+    pin = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (repo / "tests" / "test_intranode.py").write_text("# a later edit, not committed\n")
+    monkeypatch.setitem(baselines.FLAVORS, "v1", baselines.Flavor("v1", pin, "main", "Buffer", ""))
+    t = fid.resolve(fid.LIBRARIES["v1"], {"v1": str(make_venv(tmp_path / "venv", "v1"))}, {"v1": str(repo)},
+                    False, fid._git_rc)
+    assert t.src_kind == "git"
+    root, why = fid.tests_folder(t, tmp_path / "out", lambda step, timeout: fid.run_step(step, timeout, tmp_path / "logs"), 30)
+    assert why == "" and (root / "tests" / "test_intranode.py").read_text() == "# at the pin\n"
 
 
 def ns(**kw):

@@ -212,10 +212,10 @@ def venv_python(venv: Path) -> Optional[Path]:
 
 def resolve(lib: Library, venvs: Dict[str, str], srcs: Dict[str, str], if_present: bool,
             run_git: Callable[[List[str]], int]) -> Target:
-    """Where ``lib`` runs from, or why it does not. A path given but absent is bad input (a
-    UserError), unless ``if_present``: then it counts as not given (the defaults below apply, and a
-    library left without a venv or source is not run, the line naming the missing path). A venv or
-    source that is there but wrong (another flavor, another commit) is always bad input."""
+    """Where ``lib`` runs from, or why it does not (``not_run``, one line). A path given but absent,
+    or a venv without a python, is bad input (a UserError), unless ``if_present``: then an absent
+    path counts as not given (the defaults below apply). A venv that holds no build of the library's
+    flavor, or a source at another commit, leaves the library not run: the others still run."""
     t = Target(lib)
     own_prefix = Path(sys.prefix)
     given, missing = venvs.get(lib.name), ""
@@ -242,9 +242,9 @@ def resolve(lib: Library, venvs: Dict[str, str], srcs: Dict[str, str], if_presen
     t.stamp = read_stamp(venv)
     got = t.stamp.get("flavor")
     if got != lib.flavor:
-        held = f"holds flavor {got}" if got else f"has no {baselines.STAMP} (not built by make baselines)"
-        raise UserError(f"--venv {lib.name}={venv}: {held}; {lib.name} needs one built with "
-                        f"make baselines VENV={venv} DEEPEP_FLAVOR={lib.flavor}")
+        held = f"holds flavor {got}" if got else f"has no DeepEP build ({baselines.STAMP})"
+        t.not_run = f"venv {venv} {held}: make baselines VENV={venv} DEEPEP_FLAVOR={lib.flavor}"
+        return t
     src, missing = srcs.get(lib.name), ""
     if src is not None and not Path(src).expanduser().is_dir():
         if not if_present:
@@ -263,15 +263,18 @@ def resolve(lib: Library, venvs: Dict[str, str], srcs: Dict[str, str], if_presen
     if stamp_file.is_file():
         got = stamp_file.read_text().strip()
         if got != pin:
-            raise UserError(f"--src {lib.name}={src}: holds commit {got[:12]}, {lib.name} is pinned at {pin[:12]}")
+            t.not_run = f"source {src} holds commit {got[:12]}, {lib.name} is pinned at {pin[:12]}"
+            return t
         if not (path / lib.script).is_file():
-            raise UserError(f"--src {lib.name}={src}: has no {lib.script}")
+            t.not_run = f"source {src} has no {lib.script}"
+            return t
         t.src_kind = "tarball"
     elif run_git(["git", "-C", str(path), "cat-file", "-e", f"{pin}^{{commit}}"]) == 0:
         t.src_kind = "git"
     else:
-        raise UserError(f"--src {lib.name}={src}: neither an unpacked make baselines-carry tarball "
-                        f"(.epbench-commit) nor a git repository holding {pin[:12]}")
+        t.not_run = (f"source {src} is neither an unpacked make baselines-carry tarball (.epbench-commit) "
+                     f"nor a git repository holding {pin[:12]}")
+        return t
     t.src = str(path.absolute())
     return t
 
