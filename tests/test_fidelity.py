@@ -582,6 +582,23 @@ def test_an_epbench_run_that_skips_its_backend_fails_the_library(tmp_path, monke
     assert [r["call_p50_us"] for r in rec["table"]] == [None, None]
 
 
+def test_report_joins_earlier_checks_into_one_table(tmp_path, monkeypatch, capsys):
+    venv, src = make_venv(tmp_path / "venv", "v1"), make_src(tmp_path / "src", "v1")
+    scen = ["--scenario", str(REPO / "scenarios" / "smoke.yaml"), "--results", str(tmp_path / "res")]
+    run_check(tmp_path, monkeypatch, scen + ["--libraries", "reference"])
+    run_check(tmp_path, monkeypatch, scen + ["--libraries", "v1", "--venv", f"v1={venv}", "--src", f"v1={src}"])
+    folders = sorted(str(p) for p in (tmp_path / "res").iterdir())
+    assert len(folders) == 2
+    monkeypatch.setenv("COLUMNS", "250")
+    assert fid.main(["--report"] + folders) == 1  # v1's own script failed in the second check
+    out = capsys.readouterr().out
+    assert "│ reference │" in out and "│ v1        │" in out
+    assert sum(ln.startswith("from ") for ln in out.splitlines()) == 2
+    assert "v1: own benchmark (v1: tests/test_intranode.py's test_main per SM count) failed" in out
+    assert fid.main(["--report", str(tmp_path)]) == 2
+    assert "not a fidelity check's folder" in capsys.readouterr().err
+
+
 def test_check_without_gpus_runs_nothing_and_says_why(tmp_path, monkeypatch):
     code, text = run_check(tmp_path, monkeypatch, ["--scenario", str(REPO / "scenarios" / "smoke.yaml"),
                                                    "--libraries", "reference", "--results", str(tmp_path / "res")], gpus=0)
@@ -594,6 +611,8 @@ def test_check_without_gpus_runs_nothing_and_says_why(tmp_path, monkeypatch):
     (["--dtypes", "mxfp8"], "--dtypes mxfp8"),
     (["--sms", "7", "--libraries", "v1"], "SM counts must be even"),
     (["--scenario", "scenarios/nonexistent.yaml"], "no such scenario file"),
+    (["--world", "two"], "argument --world: invalid int value: 'two'"),
+    (["--input-sets", "0"], "--input-sets: must be 1 to 16"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, line, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(fid, "gpu_count", lambda: 4)

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = Path(__file__).resolve().parent
@@ -687,7 +687,8 @@ def table_rows(outcomes: List[Outcome], ctx: Ctx) -> List[Dict[str, Any]]:
     return rows
 
 
-def print_table(rows: List[Dict[str, Any]], outcomes: List[Outcome], notes: List[str], console: Any) -> None:
+def print_table(rows: List[Dict[str, Any]], lines: List[str], console: Any) -> None:
+    """The side-by-side table, then ``lines`` (notes, and what did not run or failed)."""
     from rich.table import Table
 
     from epbench.console import number
@@ -719,18 +720,52 @@ def print_table(rows: List[Dict[str, Any]], outcomes: List[Outcome], notes: List
                  f"kernel / call: the slowest rank's median / mean over epbench's timed calls. "
                  f"How each figure is measured: docs/fidelity.md")
     console.print(t)
-    for line in notes:
-        console.print(f"note: {line}", highlight=False, markup=False)
-    for o in outcomes:
-        for line in o.lines:
-            console.print(f"{o.target.lib.name}: {line}", highlight=False, markup=False)
+    for line in lines:
+        console.print(line, highlight=False, markup=False)
+
+
+def outcome_lines(notes: List[str], libraries: Dict[str, Dict[str, Any]]) -> List[str]:
+    return [f"note: {n}" for n in notes] + [f"{name}: {ln}" for name, rec in libraries.items() for ln in rec["lines"]]
+
+
+def verdict(rows: List[Dict[str, Any]], libraries: Dict[str, Dict[str, Any]]) -> int:
+    """1 where a run failed, a row was wrong or a ratio is flagged; else 0."""
+    bad = any(rec["status"] == "failed" for rec in libraries.values()) or any(r["flagged"] for r in rows) \
+        or any(r["kernel_wrong"] or r["call_wrong"] for r in rows)
+    return 1 if bad else 0
+
+
+def report(paths: List[str], console: Any) -> int:
+    """``--report``: one table from the fidelity.json of earlier checks (one library per check, say,
+    where a command may only run so long), read only from those files."""
+    rows: List[Dict[str, Any]] = []
+    lines: List[str] = []
+    libraries: Dict[str, Dict[str, Any]] = {}
+    for p in paths:
+        path = Path(p) / "fidelity.json" if Path(p).is_dir() else Path(p)
+        try:
+            rec = json.loads(path.read_text())
+            rows += rec["table"]
+            lines += outcome_lines(rec["notes"], rec["libraries"])
+            libraries.update({f"{path}:{k}": v for k, v in rec["libraries"].items()})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--report {p}: not a fidelity check's folder or fidelity.json ({type(e).__name__}: {e})") from None
+        lines.append(f"from {path}: {rec.get('scenario')}, shape {rec.get('shape')}, {rec.get('started_utc')}")
+    print_table(rows, lines, console)
+    return verdict(rows, libraries)
 
 
 # ---- main ---------------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> "NoReturn":  # one line, exit 2, as every other bad input
+        print(f"fidelity: error: {' '.join(message.split())}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python tools/fidelity.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog="python tools/fidelity.py", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="scenarios/dsv3x4.yaml", help="scenario whose shape is checked (default %(default)s)")
     ap.add_argument("--libraries", default="reference,v1,v2,hybrid-ep",
                     help="comma-separated: reference, v1, v2, hybrid-ep (default %(default)s)")
@@ -757,6 +792,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--results", default="results", help="folder that receives the check's folder")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: the reference over gloo only (a check of this tool)")
+    ap.add_argument("--report", nargs="+", metavar="FOLDER", default=None,
+                    help="run nothing: one table from earlier checks' folders (or their fidelity.json)")
     return ap.parse_args(argv)
 
 
@@ -790,6 +827,8 @@ def prepare(args: argparse.Namespace, gpus: int, run_git: Callable[[List[str]], 
     iters = s.bench.iters if args.iters is None else args.iters
     if warmup < 0 or iters < 1 or args.timeout <= 0:
         raise UserError("--warmup must be >= 0, --iters >= 1, --timeout > 0")
+    if args.input_sets is not None and not 1 <= args.input_sets <= scenario.MAX_INPUT_SETS:
+        raise UserError(f"--input-sets: must be 1 to {scenario.MAX_INPUT_SETS}, got {args.input_sets}")
     data = {dt: scenario_data(s, sh, dt, sms, warmup, iters, args.device) for dt in dtypes}
     for dt, d in data.items():  # the shape as epbench validates it: bad input stops here
         scenario.parse(d, f"{args.scenario} with the checked shape ({dt})")
@@ -850,18 +889,22 @@ def check(args: argparse.Namespace, gpus: int, run: Optional[Runner] = None,
         "table": rows,
     }
     (out / "fidelity.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    print_table(rows, outcomes, notes, console)
+    print_table(rows, outcome_lines(notes, record["libraries"]), console)
     say(f"raw: {out / 'fidelity.json'}")
-    bad = any(o.status == "failed" for o in outcomes) or any(r["flagged"] for r in rows) \
-        or any(r["kernel_wrong"] or r["call_wrong"] for r in rows)
-    return 1 if bad else 0
+    return verdict(rows, record["libraries"])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    gpus = gpu_count() if args.device == "cuda" else 0
     try:
-        return check(args, gpus)
+        args = parse_args(argv)
+    except SystemExit as e:  # --help (0), or a malformed option (2, its line already printed)
+        return int(e.code or 0)
+    try:
+        if args.report:
+            from epbench.console import wide_console
+
+            return report(args.report, wide_console())
+        return check(args, gpu_count() if args.device == "cuda" else 0)
     except UserError as e:
         print(f"fidelity: error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code
