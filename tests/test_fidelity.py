@@ -621,3 +621,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, line, tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert err.startswith("fidelity: error: ") and line in err and err.count("\n") == 1
     assert not (tmp_path / "res").exists()  # nothing was started
+
+
+def test_gpu_count_is_what_nvidia_smi_lists_and_cuda_may_see(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert fid.gpu_count() == 4
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert fid.gpu_count() == 2
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert fid.gpu_count() == 0

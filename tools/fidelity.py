@@ -7,7 +7,8 @@ adapter for it through the normal CLI (``python -m epbench run``) in the same ve
 shape and SM counts, its rows read back with epbench's own reader (epbench/results.py); (3) one
 table side by side, the ratio epbench / own taken on the same statistic, flagged above 1.10.
 Everything raw (commands, logs, parsed figures, the epbench results folders) goes into
-``<results>/<time>_fidelity_<scenario>/``, fidelity.json first.
+``<results>/<time>_fidelity_<scenario>_w<world>/``, fidelity.json first; ``--report FOLDER...``
+prints one table from earlier checks.
 
     python tools/fidelity.py --scenario scenarios/dsv3x4.yaml --sms 8,16,24,32 \\
         --venv v1=/tmp/venv-v1 --src v1=/tmp/deepep-v1 --venv v2=/tmp/venv-v2 --src v2=/tmp/deepep-v2 \\
@@ -123,7 +124,8 @@ class Shape:
 
 
 def gpu_count(timeout: float = 30.0) -> int:
-    """GPUs that nvidia-smi lists (0 where it is missing or fails)."""
+    """GPUs that nvidia-smi lists, no more than CUDA_VISIBLE_DEVICES names (0 where nvidia-smi is
+    missing or fails)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return 0
@@ -131,7 +133,11 @@ def gpu_count(timeout: float = 30.0) -> int:
         p = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return 0
-    return sum(1 for ln in p.stdout.splitlines() if ln.startswith("GPU ")) if p.returncode == 0 else 0
+    listed = sum(1 for ln in p.stdout.splitlines() if ln.startswith("GPU ")) if p.returncode == 0 else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        listed = min(listed, len([d for d in visible.split(",") if d.strip()]))
+    return listed
 
 
 def shape_of(s: scenario.Scenario, args: argparse.Namespace, gpus: int) -> Tuple[Shape, List[str]]:
@@ -366,9 +372,7 @@ def own_steps(t: Target, tests_root: Optional[Path], ctx: Ctx) -> List[Step]:
                      [t.python, str(TOOLS / "fidelity_nccl.py"), "--scenario", ctx.scenario_files[dt],
                       "--warmup", str(ctx.warmup), "--iters", str(ctx.iters), "--device", ctx.device,
                       "--out", str(ctx.out / "own" / f"reference-{dt}.json")],
-                     env=dict(rendezvous, MASTER_PORT=str(ctx.port()),
-                              PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)),
-                     cwd=str(REPO), dtype=dt, out_json=str(ctx.out / "own" / f"reference-{dt}.json"))
+                     env=dict(rendezvous, MASTER_PORT=str(ctx.port())), cwd=str(REPO), dtype=dt, out_json=str(ctx.out / "own" / f"reference-{dt}.json"))
                 for dt in ctx.dtypes]
     assert tests_root is not None
     if lib.name == "v1":
@@ -766,7 +770,8 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap = _Parser(prog="python tools/fidelity.py", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", default="scenarios/dsv3x4.yaml", help="scenario whose shape is checked (default %(default)s)")
+    ap.add_argument("--scenario", default=str(REPO / "scenarios" / "dsv3x4.yaml"),
+                    help="scenario whose shape is checked (default scenarios/dsv3x4.yaml)")
     ap.add_argument("--libraries", default="reference,v1,v2,hybrid-ep",
                     help="comma-separated: reference, v1, v2, hybrid-ep (default %(default)s)")
     ap.add_argument("--venv", action="append", default=[], metavar="LIB=PATH",
