@@ -9,7 +9,7 @@ export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry baselines-wheels baselines-install run test gpu-check clean
+.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry baselines-wheels baselines-install baselines-check run test gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -124,6 +124,24 @@ baselines-install: setup
 	@test -n "$(WHEELS)" || { echo "baselines-install needs WHEELS=<a folder of wheels, e.g. .whl/flashinfer>"; exit 2; }
 	@case "$(WHEELS)" in *flashinfer-deps*) $(PY) -m pip install -q --no-index --find-links "$(WHEELS)" $(FI_DEPS);; \
 	  *) $(PY) -m pip install -q --no-index --no-deps "$(WHEELS)"/*.whl;; esac && echo "installed from $(WHEELS)"
+
+# The fidelity check (docs/fidelity.md): each library's own benchmark and epbench's adapter for it on
+# the same shape and SM counts, side by side, flagged where epbench is over 10 % slower. Each DeepEP
+# flavor runs from its own venv (make setup VENV=... then make baselines VENV=... DEEPEP_FLAVOR=...)
+# and its own unpacked source (the .whl/deepep-<flavor>-src.tar.gz of make baselines-carry). A venv or
+# source below that does not exist leaves that library not run (a line says so), never an error;
+# the reference (NCCL) runs from $(VENV). Exit 1 when a run failed, a row was wrong or a ratio is flagged.
+FIDELITY_SCENARIO ?= scenarios/dsv3x4.yaml
+FIDELITY_SMS      ?= 8,16,24,32
+FIDELITY_LIBS     ?= reference,v1,v2,hybrid-ep
+FIDELITY_VENVS    ?= v1=/tmp/venv-v1 v2=/tmp/venv-v2 hybrid-ep=/tmp/venv-hep
+FIDELITY_SRCS     ?= v1=/tmp/deepep-v1 v2=/tmp/deepep-v2 hybrid-ep=/tmp/deepep-hep
+FIDELITY_TIMEOUT  ?= 1800
+FIDELITY_ARGS     ?=
+baselines-check: setup
+	$(PY) tools/fidelity.py --scenario $(FIDELITY_SCENARIO) --sms $(FIDELITY_SMS) --libraries $(FIDELITY_LIBS) \
+	  $(foreach v,$(FIDELITY_VENVS),--venv $(v)) $(foreach s,$(FIDELITY_SRCS),--src $(s)) \
+	  --if-present --timeout $(FIDELITY_TIMEOUT) $(FIDELITY_ARGS)
 
 run: build
 	$(EPB) run
