@@ -63,14 +63,14 @@ class Library:
     backend: str  # epbench's backend for it
     flavor: Optional[str]  # epbench/baselines.py flavor whose venv and source it needs (None: none)
     script: Optional[str]  # its own benchmark, relative to the source tree
-    sms: str  # how SM counts reach it: "sweep" (--sms), "option" (one run per count), "none"
+    sms: str  # how SM counts reach it: "sweep" (--sms) or "none"
 
 
 LIBRARIES: Dict[str, Library] = {lib.name: lib for lib in (
     Library("reference", "reference", None, None, "none"),
     Library("v1", "deepep", "v1", "tests/test_intranode.py", "sweep"),
     Library("v2", "deepep-v2", "v2", "tests/elastic/test_ep.py", "sweep"),
-    Library("hybrid-ep", "hybrid-ep", "hybrid-ep", "tests/test_hybrid_ep.py", "option"),
+    Library("hybrid-ep", "hybrid-ep", "hybrid-ep", "tests/test_hybrid_ep.py", "sweep"),
 )}
 ALIASES = {"deepep": "v1", "deepep-v2": "v2", "nccl": "reference", "hep": "hybrid-ep"}
 
@@ -415,12 +415,6 @@ def epbench_steps(t: Target, ctx: Ctx) -> List[Step]:
             steps.append(Step(f"{lib.name}: epbench {lib.backend} ({dt})",
                               base + ["--sms", ",".join(map(str, ctx.sms)), "--results", str(folder)],
                               cwd=str(REPO), dtype=dt, results=str(folder)))
-        elif lib.sms == "option":
-            for n in ctx.sms:
-                sub = folder / f"sms{n}"
-                steps.append(Step(f"{lib.name}: epbench {lib.backend} ({dt}, {n} SMs)",
-                                  base + ["--option", f"{lib.backend}.sms={n}", "--results", str(sub)],
-                                  cwd=str(REPO), dtype=dt, sms=n, results=str(sub)))
         else:
             steps.append(Step(f"{lib.name}: epbench {lib.backend} ({dt})", base + ["--results", str(folder)],
                               cwd=str(REPO), dtype=dt, results=str(folder)))
