@@ -73,17 +73,18 @@ nvshmem-carry: setup
 	echo "copied $$home to .whl/nvshmem ($$(du -sh .whl/nvshmem | cut -f1))"
 
 # External baselines (DeepEP V1 / V2 / Hybrid-EP, one flavor per venv: all install as deep_ep) at
-# pinned commits, from DEEPEP_SRC=<checkout> or a clone; a failure is one line, never an error.
+# pinned commits (tools/baselines.py), from DEEPEP_SRC=<checkout> or a clone; a failure is one line,
+# never an error.
 # DEEPEP_FLAVOR=v1|v2|hybrid-ep (default v1). torch's symm-mem backend needs no build.
 # v2 needs NCCL >= 2.30.4: NCCL_CARRY=.whl/nccl.tar.xz (from baselines-carry) is unpacked into the
 # venv, V2 is built against it, and epbench preloads it into deepep-v2's jobs only.
 DEEPEP_FLAVOR ?= v1
 NCCL_CARRY ?=
 baselines: setup
-	@$(PY) -m epbench.baselines build --flavor $(DEEPEP_FLAVOR) $(if $(NCCL_CARRY),--nccl "$(NCCL_CARRY)")
+	@$(PY) tools/baselines.py build --flavor $(DEEPEP_FLAVOR) $(if $(NCCL_CARRY),--nccl "$(NCCL_CARRY)")
 
 baselines-status: setup
-	@$(PY) -m epbench.baselines status
+	@$(PY) tools/baselines.py status
 
 # For the GPU host (no network): the pinned flavor's source, submodules included, as
 # .whl/deepep-<flavor>-src.tar.gz (git-ignored), from a git repository (a checkout or a bare clone;
@@ -97,7 +98,7 @@ NCCL_ARCH ?= 90
 SUBMODULE_SRC ?=
 baselines-carry:
 	@test -n "$(DEEPEP_SRC)" || { echo "baselines-carry needs DEEPEP_SRC=<a DeepEP git checkout>"; exit 2; }
-	@$(PYTHON) -m epbench.baselines carry --flavor $(DEEPEP_FLAVOR) --src "$(DEEPEP_SRC)" \
+	@$(PYTHON) tools/baselines.py carry --flavor $(DEEPEP_FLAVOR) --src "$(DEEPEP_SRC)" \
 	  $(foreach m,$(SUBMODULE_SRC),--submodule "$(m)") $(if $(NCCL_WHEEL),--nccl-wheel "$(NCCL_WHEEL)" --arch $(NCCL_ARCH))
 
 # FlashInfer's MoE all-to-all (backend flashinfer), for a GPU host without network. On a machine with

@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from epbench import baselines, launch
+from epbench import launch
 
 PACKAGE = Path(__file__).resolve().parent
 BUILD_INFO = "_build_info.json"  # in the package, written by `make build` (git-ignored)
+BASELINES_STAMP = "epbench-baselines.json"  # in the venv, written by `make baselines` (tools/baselines.py)
 ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM", "CUDA_VISIBLE_DEVICES", "EPBENCH_",
                 "OMP_NUM_THREADS")
 
@@ -128,6 +129,78 @@ def nvml_info() -> Dict[str, Any]:
         pynvml.nvmlShutdown()
 
 
+def baselines_stamp_path() -> Path:
+    return Path(sys.prefix) / BASELINES_STAMP
+
+
+def baselines_build() -> Dict[str, Any]:
+    """The build stamp of the DeepEP flavor `make baselines` installed in this environment
+    (flavor, commit, its private NCCL where it has one); {} where none was built."""
+    try:
+        stamp = json.loads(baselines_stamp_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def baseline_versions() -> Dict[str, object]:
+    """What the baselines in this environment are, for meta.json: the build stamp (flavor,
+    commit) and the versions the packages report. Never raises."""
+    import importlib.metadata as md
+
+    out: Dict[str, object] = {}
+    build = baselines_build()
+    if build:
+        out["deep_ep_build"] = build
+    for dist in ("deep_ep", "nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "flashinfer-python", "apache-tvm-ffi", "uccl"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def loaded_nccl(maps: str = "/proc/self/maps") -> "tuple[List[str], Optional[tuple[int, ...]]]":
+    """The NCCL libraries mapped into this process and the version the first one reports at run
+    time (ncclGetVersion). torch.cuda.nccl.version() is the version torch was compiled against,
+    which stays 2.28.9 when another libnccl is preloaded (seen on one H100, 2026-11-25)."""
+    import ctypes
+
+    paths: List[str] = []
+    try:
+        with open(maps) as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if "/libnccl.so" in path and path not in paths:
+                    paths.append(path)
+    except OSError:
+        return [], None
+    if not paths:
+        return [], None
+    try:
+        code = ctypes.c_int()
+        if ctypes.CDLL(paths[0]).ncclGetVersion(ctypes.byref(code)) != 0:
+            return paths, None
+    except (OSError, AttributeError):
+        return paths, None
+    v = code.value  # >= 2.9: major * 10000 + minor * 100 + patch
+    return paths, (v // 10000, v // 100 % 100, v % 100)
+
+
+def runtime_nccl_version() -> Optional["tuple[int, ...]"]:
+    """The NCCL version this process runs (the loaded library's own answer; a job may preload
+    its own, epbench/backends/deepep_v2_env.py), else torch's."""
+    version = loaded_nccl()[1]
+    if version is not None:
+        return version
+    try:
+        import torch
+
+        return tuple(torch.cuda.nccl.version())
+    except Exception:
+        return None
+
+
 def collect(argv: List[str], device: str) -> Dict[str, Any]:
     import torch
 
@@ -142,11 +215,11 @@ def collect(argv: List[str], device: str) -> Dict[str, Any]:
         "torch": torch.__version__,
         "device": device,
         "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
-        "baselines": baselines.versions(),  # external libraries' versions and pinned commits
+        "baselines": baseline_versions(),  # external libraries' versions and pinned commits
     }
     if device == "cuda":
         info["cuda"] = torch.version.cuda
-        nccl = baselines.runtime_nccl_version()  # what runs (a job may preload its own), not torch's build
+        nccl = runtime_nccl_version()  # what runs (a job may preload its own), not torch's build
         info["nccl"] = ".".join(map(str, nccl)) if nccl else "unknown"
         info.update(nvml_info())
         topo = _run(["nvidia-smi", "topo", "-m"])

@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from epbench import baselines, launch, metrics, provenance
+from epbench import launch, metrics, provenance
+from epbench.backends import deepep_v2_env
 from epbench.driver import RunOptions, measure
 from epbench.errors import first_line
 from epbench.console import wide_console
@@ -176,7 +177,7 @@ def _run(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path], re
         meta.update(scenario=dataclasses.asdict(s), world=comm.world,
                     options=dataclasses.asdict(opts), control_timeout_s=comm.control_timeout_s,
                     **sharing(comm))
-        # what each backend's job loaded: one job may preload another NCCL (baselines.job_env)
+        # what each backend's job loaded: one job may preload another NCCL (backends/deepep_v2_env.py)
         meta["backend_runtime"] = {b: {"nccl": meta.get("nccl"), "ld_preload": os.environ.get("LD_PRELOAD")}
                                    for b in opts.backends}
         writer = RunWriter(run_dir or new_run_dir(results_root, s, opts.tokens), meta, append=launched)
@@ -264,7 +265,7 @@ def launch_run(s: Scenario, opts: RunOptions, jobs: List[str], run_dir: Path, jo
 
     first: Optional[launch.Outcome] = None
     for job in jobs:
-        with baselines.job_environment(job.split(",")):  # V2's own NCCL, for its job only
+        with deepep_v2_env.job_environment(job.split(",")):  # V2's own NCCL, for its job only
             out = launch.run_job(job_command(job), device, run_dir)
         if out.status == "interrupted":
             first = out

@@ -1,16 +1,23 @@
-"""make baselines' logic, with git, pip and the import check replaced by a recording runner."""
+"""make baselines' logic (tools/baselines.py), with git, pip and the import check replaced by a
+recording runner."""
 
 import json
 import os
 import subprocess
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from epbench import baselines
-from epbench.errors import UserError
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+import baselines  # noqa: E402
+from epbench import provenance  # noqa: E402
+from epbench.backends import deepep_v2_env  # noqa: E402
+from epbench.errors import UserError  # noqa: E402
 
 
 class Recorder:
@@ -117,20 +124,30 @@ def test_cli_exits_0_on_a_failed_build(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DEEPEP_SRC", str(tmp_path / "absent"))
     assert baselines.main(["build"]) == 0
     assert "does not exist" in capsys.readouterr().out
-    assert baselines.main(["build", "--flavor", "nope"]) == 2
 
 
-def test_versions_reads_the_stamp(tmp_path, monkeypatch):
-    monkeypatch.setattr(baselines, "stamp_path", lambda: tmp_path / baselines.STAMP)
-    assert "deep_ep_build" not in baselines.versions()
+@pytest.mark.parametrize("argv, line", [
+    (["build", "--flavor", "nope"], "baselines: error: baseline flavor 'nope': unknown"),
+    (["carry", "--src", "/x", "--submodule", "fmt"], "baselines: error: --submodule 'fmt': expected PATH=REPO"),
+    (["build", "--bogus"], "baselines: error: unrecognized arguments: --bogus"),
+    (["rebuild"], "baselines: error: argument cmd: invalid choice: 'rebuild'"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, line, capsys):
+    assert baselines.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(line) and err.count("\n") == 1
+
+
+def test_status_names_the_stamped_flavor(tmp_path, monkeypatch):
+    monkeypatch.setattr(provenance, "baselines_stamp_path", lambda: tmp_path / baselines.STAMP)
     (tmp_path / baselines.STAMP).write_text(json.dumps({"flavor": "v1", "commit": "abc"}))
-    assert baselines.versions()["deep_ep_build"]["commit"] == "abc"
     assert any("flavor v1 at abc" in ln for ln in baselines.status())
 
 
-def test_makefile_targets_call_the_module():
-    text = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
-    assert "baselines-carry:" in text and "-m epbench.baselines carry" in text
+def test_makefile_targets_call_the_tool():
+    text = (REPO / "Makefile").read_text()
+    assert "baselines-carry:" in text and "tools/baselines.py carry" in text
+    assert "tools/baselines.py build" in text and "tools/baselines.py status" in text
     assert '--nccl "$(NCCL_CARRY)"' in text
 
 
@@ -200,9 +217,9 @@ def test_nccl_carry_round_trip(tmp_path):
     assert b"N" * 64 in lib and b"B" * 4096 not in lib
     assert (root / "include" / "nccl_device" / "gin.h").read_text() == "gin.h"
     # torch's own preload (nvidia/nccl/lib on sys.path) is pointed at the same file
-    shim = root / baselines.TORCH_SHIM
+    shim = root / deepep_v2_env.TORCH_SHIM
     assert (shim / "nvidia" / "nccl" / "lib" / "libnccl.so.2").resolve() == (root / "lib" / "libnccl.so.2").resolve()
-    env = baselines.preload_env(got["preload"], {"PYTHONPATH": "/x", "LD_PRELOAD": "/y.so"})
+    env = deepep_v2_env.preload_env(got["preload"], {"PYTHONPATH": "/x", "LD_PRELOAD": "/y.so"})
     assert env == {"LD_PRELOAD": f"{got['preload']} /y.so", "PYTHONPATH": f"{shim}{os.pathsep}/x"}
     old = baselines.carry_nccl(fake_nccl_wheel(tmp_path / "old.whl", "2.28.9"), tmp_path / "old.tar.xz", 90)
     assert old.startswith("wrote")
@@ -237,10 +254,10 @@ def test_v2_build_with_an_nccl_carry_links_it_and_imports_under_preload(tmp_path
     stamp = json.loads((tmp_path / baselines.STAMP).read_text())
     assert stamp["nccl"]["version"] == "2.32.3"
     # the launcher preloads it into deepep-v2's job only, and puts the environment back after
-    monkeypatch.setattr(baselines, "stamp_path", lambda: tmp_path / baselines.STAMP)
+    monkeypatch.setattr(provenance, "baselines_stamp_path", lambda: tmp_path / baselines.STAMP)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    assert baselines.job_env(["reference"]) == {}
-    with baselines.job_environment(["deepep-v2"]) as extra:
+    assert deepep_v2_env.job_env(["reference"]) == {}
+    with deepep_v2_env.job_environment(["deepep-v2"]) as extra:
         assert os.environ["LD_PRELOAD"] == extra["LD_PRELOAD"] == stamp["nccl"]["preload"]
     assert "LD_PRELOAD" not in os.environ
     assert "2.32.3" in baselines.v2_nccl_status() and ">= 2.30.4, enough" in baselines.v2_nccl_status()
@@ -252,7 +269,7 @@ def test_v2_build_with_an_nccl_carry_links_it_and_imports_under_preload(tmp_path
 def test_v2_status_reports_torchs_nccl_without_a_carry(tmp_path, monkeypatch):
     import torch
 
-    monkeypatch.setattr(baselines, "stamp_path", lambda: tmp_path / baselines.STAMP)
+    monkeypatch.setattr(provenance, "baselines_stamp_path", lambda: tmp_path / baselines.STAMP)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
     line = baselines.v2_nccl_status()
     assert "2.28.9 (torch's own): < 2.30.4, too old" in line
@@ -279,18 +296,6 @@ def test_nvshmem_wheel_without_the_unversioned_library_gets_a_folder_of_links(tm
     assert not (home / "lib" / "libnvshmem_host.so").exists()  # the wheel itself is left alone
     (home / "lib" / "libnvshmem_host.so").write_text("host")
     assert baselines.nvshmem_link_home(home, tmp_path / "shadow2") == str(home)
-
-
-def test_loaded_nccl_lists_every_mapped_copy_and_never_raises(tmp_path):
-    maps = tmp_path / "maps"
-    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /venv/epbench-nccl/lib/libnccl.so.2\n"
-                    "7f01-7f02 r--p 0 08:01 1 /venv/epbench-nccl/lib/libnccl.so.2\n"
-                    "7f02-7f03 r-xp 0 08:01 2 /site/nvidia/nccl/lib/libnccl.so.2\n"
-                    "7f03-7f04 rw-p 0 00:00 0\n")
-    paths, version = baselines.loaded_nccl(str(maps))
-    assert paths == ["/venv/epbench-nccl/lib/libnccl.so.2", "/site/nvidia/nccl/lib/libnccl.so.2"]
-    assert version is None  # the first path is not a loadable library here
-    assert baselines.loaded_nccl(str(tmp_path / "none")) == ([], None)
 
 
 def _cxx_runner(answers):

@@ -16,10 +16,11 @@ from rich.console import Console
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
+import baselines  # noqa: E402
 import fidelity as fid  # noqa: E402
 import fidelity_own as own  # noqa: E402
 import fidelity_parse as fp  # noqa: E402
-from epbench import baselines, results  # noqa: E402
+from epbench import results  # noqa: E402
 from epbench.errors import UserError  # noqa: E402
 
 

@@ -1,5 +1,6 @@
 """The import graph of epbench/ (every import, function-level ones included, read with ast): no
-cycle, and the lower layers of docs/layout.md never import the upper ones."""
+cycle, the lower layers of docs/layout.md never import the upper ones, and the package imports
+nothing from tools/ or tests/ (they import it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 from typing import Dict, List, Set
 
 PKG = Path(__file__).resolve().parent.parent / "epbench"
+TOOLS = PKG.parent / "tools"
+TESTS = PKG.parent / "tests"
 
 # Modules that only describe data and rules: none of them may import a backend, the driver, the
 # launcher or a presentation module (the one-way flow of STYLE.md: scenario -> routing -> backend
@@ -85,6 +88,24 @@ def test_lower_layers_never_import_upper_ones():
     assert bad == []
 
 
+def top_level_imports(path: Path) -> Set[str]:
+    """The first name of every absolute import in ``path``."""
+    out: Set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_package_imports_no_tool_and_no_test_module():
+    theirs = {p.stem for folder in (TOOLS, TESTS) for p in folder.glob("*.py")} | {"tools", "tests"}
+    bad = [(module_name(p), n) for p in PKG.rglob("*.py") for n in top_level_imports(p) & theirs]
+    assert bad == []
+
+
 def test_the_checks_can_fail():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert "epbench.backends.base" in imports_of(PKG / "driver.py")
+    assert "nccl_prune" in top_level_imports(TOOLS / "baselines.py")

@@ -1,8 +1,12 @@
-"""The fatbin pruner on small synthetic blobs laid out as CUDA's fatbin format."""
+"""The fatbin pruner (tools/nccl_prune.py) on small synthetic blobs laid out as CUDA's fatbin format."""
 
 import struct
+import sys
+from pathlib import Path
 
-from epbench import nccl_prune as npr
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import nccl_prune as npr  # noqa: E402
 
 
 def entry(kind, arch, payload, header_size=64):

@@ -1,4 +1,5 @@
-"""provenance: the commit in meta.json is epbench's own, whatever repository a copy sits in."""
+"""provenance: the commit in meta.json is epbench's own, whatever repository a copy sits in; the
+baselines' build stamp and the NCCL this process loaded are read back, never raising."""
 
 from __future__ import annotations
 
@@ -121,3 +122,25 @@ def test_stamp_that_is_not_json_is_ignored(tmp_path):
     bad.write_text('["a list"]')
     assert provenance.stamped_commit(bad) is None
     assert provenance.stamped_commit(tmp_path / "missing.json") is None
+
+
+def test_baseline_versions_read_the_build_stamp(tmp_path, monkeypatch):
+    stamp = tmp_path / provenance.BASELINES_STAMP
+    monkeypatch.setattr(provenance, "baselines_stamp_path", lambda: stamp)
+    assert provenance.baselines_build() == {} and "deep_ep_build" not in provenance.baseline_versions()
+    stamp.write_text("not json")
+    assert provenance.baselines_build() == {}
+    stamp.write_text(json.dumps({"flavor": "v1", "commit": "abc"}))
+    assert provenance.baseline_versions()["deep_ep_build"] == {"flavor": "v1", "commit": "abc"}
+
+
+def test_loaded_nccl_lists_every_mapped_copy_and_never_raises(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /venv/epbench-nccl/lib/libnccl.so.2\n"
+                    "7f01-7f02 r--p 0 08:01 1 /venv/epbench-nccl/lib/libnccl.so.2\n"
+                    "7f02-7f03 r-xp 0 08:01 2 /site/nvidia/nccl/lib/libnccl.so.2\n"
+                    "7f03-7f04 rw-p 0 00:00 0\n")
+    paths, version = provenance.loaded_nccl(str(maps))
+    assert paths == ["/venv/epbench-nccl/lib/libnccl.so.2", "/site/nvidia/nccl/lib/libnccl.so.2"]
+    assert version is None  # the first path is not a loadable library here
+    assert provenance.loaded_nccl(str(tmp_path / "none")) == ([], None)

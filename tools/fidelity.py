@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = Path(__file__).resolve().parent
@@ -44,8 +44,11 @@ for _p in (str(REPO), str(TOOLS)):
 
 import yaml  # noqa: E402
 
+import baselines  # noqa: E402
 import fidelity_parse as fp  # noqa: E402
-from epbench import baselines, scenario  # noqa: E402
+import toolcli  # noqa: E402
+from epbench import scenario  # noqa: E402
+from epbench.backends.deepep_v2_env import preload_env  # noqa: E402
 from epbench.errors import UserError  # noqa: E402
 
 FLAG_RATIO = 1.10  # STYLE.md: a difference over 10 % is found and said
@@ -61,7 +64,7 @@ SCRUB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK
 class Library:
     name: str
     backend: str  # epbench's backend for it
-    flavor: Optional[str]  # epbench/baselines.py flavor whose venv and source it needs (None: none)
+    flavor: Optional[str]  # tools/baselines.py flavor whose venv and source it needs (None: none)
     script: Optional[str]  # its own benchmark, relative to the source tree
     sms: str  # how SM counts reach it: "sweep" (--sms) or "none"
 
@@ -354,11 +357,11 @@ def _their_shape_args(sh: Shape) -> List[str]:
 
 def v2_env(stamp: Dict[str, Any]) -> Dict[str, str]:
     """V2 within one node without RDMA NICs needs Gin off (its EP_DISABLE_GIN=1), and the NCCL it
-    was built against where that is a private one (the venv's stamp; epbench/baselines.py)."""
+    was built against where that is a private one (the venv's stamp; tools/baselines.py)."""
     env = {"EP_DISABLE_GIN": "1"}
     nccl = stamp.get("nccl") if isinstance(stamp.get("nccl"), dict) else None
     if nccl and Path(str(nccl.get("preload"))).is_file():
-        env.update(baselines.preload_env(str(nccl["preload"]), dict(os.environ)))
+        env.update(preload_env(str(nccl["preload"]), dict(os.environ)))
     return env
 
 
@@ -755,14 +758,8 @@ def report(paths: List[str], console: Any) -> int:
 
 # ---- main ---------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> "NoReturn":  # one line, exit 2, as every other bad input
-        print(f"fidelity: error: {' '.join(message.split())}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    ap = _Parser(prog="python tools/fidelity.py", description=__doc__.split("\n\n")[0],
+    ap = toolcli.Parser("fidelity", prog="python tools/fidelity.py", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default=str(REPO / "scenarios" / "dsv3x4.yaml"),
                     help="scenario whose shape is checked (default scenarios/dsv3x4.yaml)")
@@ -894,19 +891,15 @@ def check(args: argparse.Namespace, gpus: int, run: Optional[Runner] = None,
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    try:
-        args = parse_args(argv)
-    except SystemExit as e:  # --help (0), or a malformed option (2, its line already printed)
-        return int(e.code or 0)
-    try:
-        if args.report:
-            from epbench.console import wide_console
+    return toolcli.run("fidelity", parse_args, command, argv)
 
-            return report(args.report, wide_console())
-        return check(args, gpu_count() if args.device == "cuda" else 0)
-    except UserError as e:
-        print(f"fidelity: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return e.exit_code
+
+def command(args: argparse.Namespace) -> int:
+    if args.report:
+        from epbench.console import wide_console
+
+        return report(args.report, wide_console())
+    return check(args, gpu_count() if args.device == "cuda" else 0)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Every parser takes the text a script wrote to stdout and returns ``Figure`` records; none of them
 raises on a line it does not know (the scripts print much else: their correctness checks,
-warnings, the NCCL banner). The formats are those of the pinned commits (epbench/baselines.py):
+warnings, the NCCL banner). The formats are those of the pinned commits (tools/baselines.py):
 
 - DeepEP V1, tests/test_intranode.py (567632d): rank 0 prints one ``[tuning]`` line per NVL chunk
   size it tries (``chunk default`` = the library's own config for that SM count), then a ``Best``

@@ -1,5 +1,5 @@
 """The ``deepep-v2`` backend: DeepEP V2's ``ElasticBuffer`` (DeepEP main, pinned in
-epbench/baselines.py), called as its tests/elastic/test_ep.py calls it. Optional: skipped with a
+tools/baselines.py), called as its tests/elastic/test_ep.py calls it. Optional: skipped with a
 note when ``deep_ep.ElasticBuffer`` cannot be imported (``make baselines DEEPEP_FLAVOR=v2``).
 
 dispatch
@@ -85,9 +85,9 @@ import torch
 import torch.distributed as dist
 
 from epbench.backends.base import NormalMode
+from epbench.backends.deepep_v2_env import MIN_NCCL, version_tuple
 from epbench.backends.weighting import EXTRA_ROUNDINGS, weigh_rows
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
-from epbench.baselines import MIN_NCCL, version_tuple
 from epbench.layout import ExpertMajor, expert_of_slot, slot_capacity
 from epbench.scenario import FP8_BLOCK
 
@@ -201,7 +201,7 @@ class DeepEPV2Backend(NormalMode):
             return f"deep_ep.ElasticBuffer not importable ({detail}); build: make baselines DEEPEP_FLAVOR=v2"
         if setup.device.type != "cuda" or not torch.cuda.is_available():
             return "needs CUDA GPUs"
-        from epbench.baselines import runtime_nccl_version
+        from epbench.provenance import runtime_nccl_version
 
         nccl = runtime_nccl_version()  # the loaded library's, not torch's compile-time version
         per_gpu = -(-setup.gpus_per_node // max(1, torch.cuda.device_count()))

@@ -1,5 +1,5 @@
 """The ``hybrid-ep`` backend: NVIDIA's Hybrid-EP (DeepEP's hybrid-ep branch, pinned in
-epbench/baselines.py; ``deep_ep.HybridEPBuffer``, deep_ep/hybrid_ep_buffer.py there), driven the
+tools/baselines.py; ``deep_ep.HybridEPBuffer``, deep_ep/hybrid_ep_buffer.py there), driven the
 way its own tests drive it (tests/test_hybrid_ep.py): one buffer per rank, index-based routing.
 File:line references below are to the pinned commit (94a9f8f).
 

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from epbench import baselines
+from epbench import provenance
+from epbench.backends import deepep_v2_env
 from epbench.results import load_run
 from gpu_launch import ROOT, needs_gpus, safe_env, shares_gpus
 
@@ -23,8 +24,8 @@ QUICK = ["--sms", "16", "--iters", "5", "--warmup", "1"]
 
 @pytest.fixture(scope="module")
 def v2_built() -> None:
-    build = baselines.versions().get("deep_ep_build")
-    if not isinstance(build, dict) or build.get("flavor") != "v2":
+    build = provenance.baselines_build()
+    if build.get("flavor") != "v2":
         pytest.skip("DeepEP V2 is not built here (make baselines DEEPEP_FLAVOR=v2 NCCL_CARRY=...)")
 
 
@@ -44,8 +45,8 @@ def test_world_1_runs_verified_with_its_own_nccl(v2_built: None, tmp_path: Path)
     v2 = df[df["backend"] == "deepep-v2"]
     assert set(v2["op"]) == {"dispatch", "combine"} and int(v2["wrong"].sum()) == 0
     runtime = meta["backend_runtime"]
-    assert baselines.version_tuple(runtime["deepep-v2"]["nccl"]) >= baselines.MIN_NCCL
-    if baselines.v2_nccl():  # built against a carry: preloaded into its job, not the reference's
+    assert deepep_v2_env.version_tuple(runtime["deepep-v2"]["nccl"]) >= deepep_v2_env.MIN_NCCL
+    if deepep_v2_env.v2_nccl():  # built against a carry: preloaded into its job, not the reference's
         assert runtime["deepep-v2"]["ld_preload"] and not runtime["reference"]["ld_preload"]
 
 

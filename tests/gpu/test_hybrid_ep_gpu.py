@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 import pytest
-from epbench import baselines
+from epbench import provenance
 from epbench.results import load_run
 from gpu_launch import GPUS, ROOT, safe_env, shares_gpus
 
@@ -25,8 +25,8 @@ QUICK = ["--iters", "5", "--warmup", "1", "--no-ceilings", "--call-modes", "call
 
 @pytest.fixture(scope="module")
 def built() -> None:
-    build = baselines.versions().get("deep_ep_build")
-    if not isinstance(build, dict) or build.get("flavor") != "hybrid-ep":
+    build = provenance.baselines_build()
+    if build.get("flavor") != "hybrid-ep":
         pytest.skip("Hybrid-EP is not built here (make baselines DEEPEP_FLAVOR=hybrid-ep)")
 
 

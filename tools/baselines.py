@@ -8,24 +8,43 @@ given by path (``DEEPEP_SRC``) or cloned when the hosting site can be reached.
 
 Every failure is a one-line note naming the step; ``build`` returns 0 all the same, so that
 ``make run`` and ``make test`` never depend on a baseline building. What was built is written to
-``<venv>/epbench-baselines.json`` and recorded in every result's meta.json (``versions``).
+``<venv>/epbench-baselines.json`` and recorded in every result's meta.json (``baselines``; read at
+run time by epbench/provenance.py).
+
+    python tools/baselines.py build --flavor v2 --src /tmp/deepep --nccl .whl/nccl.tar.xz
+    python tools/baselines.py carry --flavor v2 --src ~/DeepEP --nccl-wheel nvidia_nccl_cu13-*.whl
+    python tools/baselines.py status
+
+Run by ``make baselines``, ``make baselines-carry`` and ``make baselines-status``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = Path(__file__).resolve().parent
+for _p in (str(REPO), str(TOOLS)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import nccl_prune  # noqa: E402
+import toolcli  # noqa: E402
+from epbench import provenance  # noqa: E402
+from epbench.backends.deepep_v2_env import MIN_NCCL, TORCH_SHIM, preload_env, v2_nccl, version_tuple  # noqa: E402
+from epbench.errors import UserError  # noqa: E402
 
 REPO_URL = "https://github.com/deepseek-ai/DeepEP.git"
-STAMP = "epbench-baselines.json"
+STAMP = provenance.BASELINES_STAMP
 
 
 @dataclass(frozen=True)
@@ -52,8 +71,6 @@ FLAVORS: Dict[str, Flavor] = {f.name: f for f in (
 
 
 def flavor(name: str) -> Flavor:
-    from epbench.errors import UserError
-
     if name not in FLAVORS:
         raise UserError(f"baseline flavor {name!r}: unknown (known: {', '.join(FLAVORS)})")
     return FLAVORS[name]
@@ -166,69 +183,15 @@ def cccl_include(env: Dict[str, str]) -> Optional[str]:
 
 
 # --- V2's NCCL: DeepEP main needs NCCL >= 2.30.4 (its Gin device API) at build and run time, where
-# torch may bring an older one (2.28.9 with torch 2.11). ``carry_nccl`` packs the NCCL wheel's
-# library, pruned to one GPU architecture (epbench/nccl_prune.py), and headers (V2's JIT kernels
-# include nccl_device.h at run time) into one tarball; ``build --nccl`` unpacks it into the venv,
-# builds V2 against it, and records it in the stamp; epbench's launcher then preloads that library
-# into the deepep-v2 jobs only (``job_env``), so every other backend keeps torch's own NCCL.
-# Preloading, not replacing torch's file: the host's torch install stays untouched, and the NCCL
-# behind the reference rows does not change with a baseline's build.
+# torch may bring an older one (epbench/backends/deepep_v2_env.py, which preloads it at run time).
+# ``carry_nccl`` packs the NCCL wheel's library, pruned to one GPU architecture (tools/nccl_prune.py),
+# and headers (V2's JIT kernels include nccl_device.h at run time) into one tarball; ``build --nccl``
+# unpacks it into the venv, builds V2 against it, and records it in the stamp, which the launcher
+# reads to preload that library into the deepep-v2 jobs only.
 
-MIN_NCCL = (2, 30, 4)
 NCCL_PREFIX = "epbench-nccl"  # in the venv: lib/libnccl.so.2, include/, epbench-nccl.json
 NCCL_STAMP = "epbench-nccl.json"
 NCCL_CARRY = "nccl.tar.xz"
-V2_BACKEND = "deepep-v2"
-
-
-def loaded_nccl(maps: str = "/proc/self/maps") -> "tuple[List[str], Optional[tuple[int, ...]]]":
-    """The NCCL libraries mapped into this process and the version the first one reports at run
-    time (ncclGetVersion). torch.cuda.nccl.version() is the version torch was compiled against,
-    which stays 2.28.9 when another libnccl is preloaded (seen on one H100, 2026-11-25)."""
-    import ctypes
-
-    paths: List[str] = []
-    try:
-        with open(maps) as f:
-            for line in f:
-                path = line.split()[-1] if line.strip() else ""
-                if "/libnccl.so" in path and path not in paths:
-                    paths.append(path)
-    except OSError:
-        return [], None
-    if not paths:
-        return [], None
-    try:
-        code = ctypes.c_int()
-        if ctypes.CDLL(paths[0]).ncclGetVersion(ctypes.byref(code)) != 0:
-            return paths, None
-    except (OSError, AttributeError):
-        return paths, None
-    v = code.value  # >= 2.9: major * 10000 + minor * 100 + patch
-    return paths, (v // 10000, v // 100 % 100, v % 100)
-
-
-def runtime_nccl_version() -> Optional["tuple[int, ...]"]:
-    """The NCCL version this process runs (the loaded library's own answer), else torch's."""
-    version = loaded_nccl()[1]
-    if version is not None:
-        return version
-    try:
-        import torch
-
-        return tuple(torch.cuda.nccl.version())
-    except Exception:
-        return None
-
-
-def version_tuple(text: str) -> "tuple[int, ...]":
-    parts = []
-    for piece in text.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 def carry_nccl(wheel: Path, out: Path, arch: int) -> str:
@@ -236,8 +199,6 @@ def carry_nccl(wheel: Path, out: Path, arch: int) -> str:
     ``nccl/include/``, and ``nccl/epbench-nccl.json`` (version, arch). Returns one line."""
     import tarfile
     import zipfile
-
-    from epbench import nccl_prune
 
     try:
         with zipfile.ZipFile(wheel) as z, tempfile.TemporaryDirectory(prefix="epbench-nccl-") as tmp:
@@ -307,9 +268,6 @@ def nccl_build_env(root: str, env: Dict[str, str]) -> Dict[str, str]:
             "LIBRARY_PATH": os.pathsep.join(p for p in (lib, env.get("LIBRARY_PATH")) if p)}
 
 
-TORCH_SHIM = "torch-shim"  # <prefix>/torch-shim/nvidia/nccl/lib/libnccl.so.2 -> <prefix>/lib/libnccl.so.2
-
-
 def make_torch_shim(prefix: Path) -> None:
     """torch's import preloads ``nvidia/nccl/lib/libnccl.so.*`` from the first sys.path entry
     that has one, by full path: with only LD_PRELOAD, torch's own copy is then loaded beside the
@@ -322,47 +280,6 @@ def make_torch_shim(prefix: Path) -> None:
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(prefix / "lib" / "libnccl.so.2")
-
-
-def preload_env(library: str, env: Dict[str, str]) -> Dict[str, str]:
-    out = {"LD_PRELOAD": " ".join(p for p in (library, env.get("LD_PRELOAD")) if p)}
-    shim = Path(library).parents[1] / TORCH_SHIM
-    if shim.is_dir():
-        out["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), env.get("PYTHONPATH")) if p)
-    return out
-
-
-def v2_nccl() -> Optional[Dict[str, str]]:
-    """The NCCL the installed V2 was built against (from the stamp), where it is a private one
-    that still exists."""
-    try:
-        stamp = json.loads(stamp_path().read_text())
-    except (OSError, ValueError):
-        return None
-    nccl = stamp.get("nccl") if stamp.get("flavor") == "v2" else None
-    return nccl if isinstance(nccl, dict) and Path(str(nccl.get("preload"))).is_file() else None
-
-
-def job_env(backends: Sequence[str]) -> Dict[str, str]:
-    """Environment for the torchrun job that runs ``backends``: V2's private NCCL preloaded
-    where deepep-v2 is among them and was built against one; nothing otherwise."""
-    nccl = v2_nccl() if V2_BACKEND in backends else None
-    return preload_env(nccl["preload"], dict(os.environ)) if nccl else {}
-
-
-@contextmanager
-def job_environment(backends: Sequence[str]) -> Iterator[Dict[str, str]]:
-    """``job_env(backends)`` set in os.environ (which torchrun's workers inherit) while the job
-    runs; the launcher's own environment is restored after it."""
-    extra = job_env(backends)
-    before = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield extra
-    finally:
-        from epbench.launch import restore_env
-
-        restore_env(before)
 
 
 def v2_nccl_status() -> str:
@@ -525,7 +442,7 @@ def build(name: str, src: Optional[str], venv_python: str = sys.executable,
              "nvshmem_dir": env.get("NVSHMEM_DIR"),
              "libstdcxx_shim": env.get(LIBSTDCXX_SHIM_ENV)}
     if nccl:
-        stamp["nccl"] = nccl  # root, version, preload: what deepep-v2 jobs load (job_env)
+        stamp["nccl"] = nccl  # root, version, preload: what deepep-v2 jobs load (deepep_v2_env.job_env)
     static = static_cxx_runtime(venv_python, run, env)
     if static:
         stamp["static_cxx_runtime"] = static  # libstdcxx_link_dir's warning, not a failure
@@ -561,31 +478,9 @@ def static_cxx_runtime(venv_python: str, run: Runner, env: Dict[str, str]) -> Li
     return out
 
 
-def stamp_path() -> Path:
-    return Path(sys.prefix) / STAMP
-
-
-def versions() -> Dict[str, object]:
-    """What the baselines in this environment are, for meta.json: the build stamp (flavor,
-    commit) and the versions the packages report. Never raises."""
-    import importlib.metadata as md
-
-    out: Dict[str, object] = {}
-    try:
-        out["deep_ep_build"] = json.loads(stamp_path().read_text())
-    except (OSError, ValueError):
-        pass
-    for dist in ("deep_ep", "nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "flashinfer-python", "apache-tvm-ffi", "uccl"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
 def status() -> List[str]:
     lines = []
-    v = versions()
+    v = provenance.baseline_versions()
     build_info = v.get("deep_ep_build")
     if isinstance(build_info, dict):
         lines.append(f"deep_ep: flavor {build_info.get('flavor')} at {build_info.get('commit')} "
@@ -600,10 +495,8 @@ def status() -> List[str]:
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m epbench.baselines")
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    ap = toolcli.Parser("baselines", prog="python tools/baselines.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("--flavor", default=os.environ.get("DEEPEP_FLAVOR", "v1"))
@@ -620,33 +513,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--nccl-wheel", default=None, help="v2: an nvidia-nccl-cu13 wheel to prune and pack")
     c.add_argument("--arch", type=int, default=90, help="the GPU architecture the NCCL carry keeps (90: H100/H200)")
     sub.add_parser("status")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return toolcli.run("baselines", parse_args, command, argv)
+
+
+def command(args: argparse.Namespace) -> int:
     if args.cmd == "status":
         print("\n".join(status()))
         return 0
-    from epbench.errors import UserError
-
     if args.cmd == "carry":
-        try:
-            return carry(args)
-        except UserError as e:
-            print(e)
-            return 2
-    try:
-        src = args.src or (args.flavor == "hybrid-ep" and os.environ.get("HYBRID_EP_SRC")) \
-            or os.environ.get("DEEPEP_SRC") or None
-        print(build(args.flavor, src, nccl_carry=args.nccl))
-    except UserError as e:
-        print(e)
-        return 2
+        return carry(args)
+    src = args.src or (args.flavor == "hybrid-ep" and os.environ.get("HYBRID_EP_SRC")) \
+        or os.environ.get("DEEPEP_SRC") or None
+    print(build(args.flavor, src, nccl_carry=args.nccl))
     return 0
 
 
 def carry(args: Any) -> int:
     """``carry``: the flavor's source tarball, and for v2 with a wheel the NCCL tarball. Unlike
     ``build`` this runs where the user prepares a carry, so a failure is exit code 1."""
-    from epbench.errors import UserError
-
     fl = flavor(args.flavor)
     subs = {}
     for item in args.submodule:

@@ -1,5 +1,5 @@
 """Shrinks a CUDA library for one GPU architecture, so that it fits a carry to a host without a
-package registry (epbench/baselines.py brings NCCL >= 2.30.4 to DeepEP V2 that way).
+package registry (tools/baselines.py brings NCCL >= 2.30.4 to DeepEP V2 that way).
 
 A CUDA shared library keeps its device code in *fatbins*: a 16-byte header (magic 0xBA55ED50,
 u16 version 1, u16 header size 16, u64 size of what follows) and then entries, each a header
