@@ -4,7 +4,6 @@ it is asked for."""
 
 from __future__ import annotations
 
-import os
 from typing import Dict
 
 REGISTRY: Dict[str, str] = {
@@ -18,7 +17,3 @@ REGISTRY: Dict[str, str] = {
     "symm-mem": "epbench.backends.symm_mem:SymmMemBackend",
     "flashinfer": "epbench.backends.flashinfer_a2a:FlashInferBackend",
 }
-# Tests only: backends that hang or abort on purpose (tests/fault_backends.py), as
-# "name=module:Class,..."; never set in normal use.
-REGISTRY.update(dict(item.split("=", 1) for item in
-                     os.environ.get("EPBENCH_TEST_BACKENDS", "").split(",") if "=" in item))

@@ -1,5 +1,5 @@
-"""Backends that misbehave on purpose, for the fault tests (registered in the ranks through
-EPBENCH_TEST_BACKENDS; never part of epbench itself). Rank FAULT_RANK misbehaves at its first
+"""Backends that misbehave on purpose, for the fault tests (registered by tests/fault_epbench.py, in
+the run's processes only; never part of epbench itself). Rank FAULT_RANK misbehaves at its first
 dispatch; it first writes its pid to EPBENCH_TEST_MARK (when set), so a test knows when and whom."""
 
 from __future__ import annotations
@@ -59,16 +59,3 @@ class LateSenderBackend(EpbenchBackend):
             LateSenderBackend._late = False
             time.sleep(self.s.timeout_s + 2.0)
         return super().dispatch(inp, num_sms)
-
-
-REGISTRY = {"test-hang": "fault_backends:HangingBackend",
-            "test-abort": "fault_backends:AbortingBackend",
-            "test-late-sender": "fault_backends:LateSenderBackend"}
-
-
-def env(mark: str) -> dict:
-    """The environment that registers these backends in a run's processes."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return {"EPBENCH_TEST_BACKENDS": ",".join(f"{k}={v}" for k, v in REGISTRY.items()),
-            "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
-            "EPBENCH_TEST_MARK": mark}

@@ -1,7 +1,8 @@
 """Faults end in one line and a truthful record: a rank that stops answering, Ctrl-C / SIGTERM to
 the launcher (also while the ranks start), the launcher killed outright (its ranks die with it),
 a rank killed outright, a backend that aborts its processes. Real 2-rank CPU runs
-with backends that misbehave on purpose (tests/fault_backends.py); small control timeouts."""
+with backends that misbehave on purpose (tests/fault_backends.py, registered by
+tests/fault_epbench.py); small control timeouts."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-import fault_backends
+import fault_epbench
 from epbench import launch
 from support import REPO
 
@@ -26,9 +26,9 @@ CONTROL_TIMEOUT = 5
 def start(tmp_path: Path, backends: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EPBENCH_DEBUG")}
-    env.update(fault_backends.env(str(tmp_path / "mark")))
+    env.update(fault_epbench.env(str(tmp_path / "mark")))
     return subprocess.Popen(
-        [sys.executable, "-m", "epbench", "run", "scenarios/smoke.yaml", "--nproc", "2",
+        fault_epbench.command() + ["run", "scenarios/smoke.yaml", "--nproc", "2",
          "--backends", backends, "--control-timeout", str(CONTROL_TIMEOUT),
          "--call-modes", "call",  # one point per backend: the faults are the point here
          "--results", str(tmp_path / "r")],

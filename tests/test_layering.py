@@ -105,6 +105,15 @@ def test_the_package_imports_no_tool_and_no_test_module():
     assert bad == []
 
 
+def test_the_registry_names_only_the_package_backends():
+    from epbench.backend_names import REGISTRY
+
+    for name, where in REGISTRY.items():
+        module = where.split(":")[0]
+        assert module.startswith("epbench.backends."), (name, where)
+        assert (PKG.parent / Path(*module.split("."))).with_suffix(".py").is_file(), (name, where)
+
+
 def test_the_checks_can_fail():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert "epbench.backends.base" in imports_of(PKG / "driver.py")

@@ -1,6 +1,7 @@
 """A kernel timeout on the GPU (issue 19): rank 1 sends late at its first dispatch (it sleeps past
-``bench.timeout_s``; tests/fault_backends.py), so its peer's kernel gives up waiting for it. The run
-ends with one line and meta.json says ``timeout``. Two ranks share GPU 0, so any GPU host runs it."""
+``bench.timeout_s``; tests/fault_backends.py, run through tests/fault_epbench.py), so its peer's
+kernel gives up waiting for it. The run ends with one line and meta.json says ``timeout``. Two ranks
+share GPU 0, so any GPU host runs it."""
 
 from __future__ import annotations
 
@@ -26,15 +27,15 @@ SCENARIO = {
 
 def test_a_peer_that_never_sends_in_time_ends_with_a_kernel_timeout(kernels_built, tmp_path: Path):
     sys.path.insert(0, str(ROOT / "tests"))
-    import fault_backends
+    import fault_epbench
 
     path = tmp_path / "late.yaml"
     path.write_text(yaml.safe_dump(SCENARIO))
-    env = dict(safe_env(), CUDA_VISIBLE_DEVICES="0", **fault_backends.env(str(tmp_path / "mark")))
+    env = dict(safe_env(), CUDA_VISIBLE_DEVICES="0", **fault_epbench.env(str(tmp_path / "mark")))
     env["PYTHONPATH"] = env["PYTHONPATH"] + ":" + str(ROOT)
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "epbench", "run", str(path), "--no-ceilings",
-                        "--results", str(tmp_path / "r")],
+    r = subprocess.run(fault_epbench.command() + ["run", str(path), "--no-ceilings",
+                                                  "--results", str(tmp_path / "r")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert time.monotonic() - start < 120
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
