@@ -386,7 +386,7 @@ def carry_source(fl: Flavor, src: str, out: Path, submodule_srcs: Dict[str, str]
 
 def _folder(venv_python: str, stamp_dir: Optional[Path]) -> Path:
     """Where the build stamp and logs go: the venv of ``venv_python`` (not resolved: a venv's
-    python is a link to the base interpreter, and versions() reads sys.prefix)."""
+    python is a link to the base interpreter, and epbench/provenance.py reads the stamp from sys.prefix)."""
     return stamp_dir if stamp_dir is not None else Path(venv_python).absolute().parent.parent
 
 
