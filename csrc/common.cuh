@@ -106,7 +106,7 @@ struct EpParams {
   long long* num_recv;
   long long* expert_counts;
   unsigned* counters;
-  int* notify_scratch;  // grid notify (layout.cu); the accumulator part is zero between calls
+  int* notify_scratch;  // grid notify (notify.cu); the accumulator part is zero between calls
   int* dev_error;
   int* em_ord;              // expert-major only (null otherwise), see the region comment above
   int* em_base;
@@ -139,7 +139,7 @@ enum EpStamp {
 
 
 enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
-// grid notify (layout.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;
+// grid notify (notify.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;
 // the last block resets both.
 enum { kCounterNotifyTile = 3, kCounterNotifyDone = 4, kNumCounters = 8 };
 // lean_dyn dispatch (dispatch.cu): [5] hands out tokens to warps; the last block of the grid resets it.
@@ -166,7 +166,7 @@ struct EpContext {
 // num_sms: the data kernel's blocks; the grid notify uses up to that many.
 int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, int epoch,
                      cudaStream_t stream);
-// Expert-major only: em_ord of this call's tokens (layout.cu), launched before the notify kernel.
+// Expert-major only: em_ord of this call's tokens (notify.cu), launched before the notify kernel.
 int ep_launch_em_ordinal(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, cudaStream_t stream);
 
 // Launches a kernel that may start while the previous kernel on the stream (the notify kernel)

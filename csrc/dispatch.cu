@@ -1,4 +1,4 @@
-// Dispatch: after the notify kernel (layout.cu) has produced slot_map and base, num_sms blocks
+// Dispatch: after the notify kernel (notify.cu) has produced slot_map and base, num_sms blocks
 // push every token row once to every rank that holds one of its experts, straight into that
 // rank's recv buffers (row base[d] + slot_map[t][d]), then signal completion.
 //

@@ -24,7 +24,7 @@ def _nvcc() -> str:
 
 
 def test_every_role_has_its_file() -> None:
-    for name in ("common.cuh", "api.h", "buffers.cu", "layout.cu", "dispatch.cu", "combine.cu", "Makefile"):
+    for name in ("common.cuh", "api.h", "buffers.cu", "notify.cu", "dispatch.cu", "combine.cu", "Makefile"):
         assert (CSRC / name).exists(), name
 
 

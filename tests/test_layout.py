@@ -94,7 +94,7 @@ def test_scenario_layout_rules(model, mode, needle):
 
 def test_kernel_slot_rule_matches_the_layout():
     """csrc's expert-major placement, replayed in Python: slot(t, k) on the owner of g = topk_idx[t, k] is
-    em_base[g] (segment start + rows of g from earlier sources, layout.cu em_segments) + t's ordinal among the
+    em_base[g] (segment start + rows of g from earlier sources, notify.cu em_segments) + t's ordinal among the
     source's tokens routed to g (em_ordinal_kernel). Every (received row, local expert) pair must land where
     epbench.layout.expert_major puts it, and the slots fit slot_capacity (csrc/buffers.cu)."""
     from epbench.layout import expert_major, segment_offsets, slot_capacity

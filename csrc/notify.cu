@@ -1,4 +1,5 @@
-// Notify / layout kernel: one block of 1024 threads, launched first in every dispatch.
+// Notify kernel (the routing's per-rank and per-expert counts and every row's place): one block
+// of 1024 threads, launched first in every dispatch.
 //
 // 1. Every thread takes 4 consecutive tokens per round (rounds of 4 * blockDim tokens), loads
 //    all their expert ids at once and builds each token's destination-rank bitmask; duplicate
