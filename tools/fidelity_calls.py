@@ -248,14 +248,16 @@ def _rank(local_rank: int, world: int, args: argparse.Namespace) -> None:
     calls = build(comm, s, total)
     samples = time_calls(comm, calls, args.warmup, args.iters)
     calls.close()
+    variant = calls.variant
     mine: Dict[str, Any] = {"rank": comm.rank, "samples": samples, "bytes": calls.sent_bytes, "info": calls.info}
+    del calls  # its buffers (symmetric memory, a mapped workspace) go while the process group is there
     sets = args.input_sets or s.bench.input_sets[0]
     if args.library == "reference":
         mine["phases"] = fidelity_phases.measure(comm, s, args.warmup, args.iters, sets)
     everyone: List[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if comm.rank == 0:
-        data = {"library": args.library, "variant": calls.variant, "scenario": s.name, "world": world,
+        data = {"library": args.library, "variant": variant, "scenario": s.name, "world": world,
                 "dtype": m.dispatch_dtype, "hidden": m.hidden, "warmup": args.warmup, "iters": args.iters,
                 "device": args.device, "torch": torch.__version__,
                 "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
@@ -268,7 +270,7 @@ def _rank(local_rank: int, world: int, args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
         for op in OPS:
             worst = max(median(v) for v in data["samples_us"][op].values())
-            print(f"[{args.library}] {op} ({calls.variant[op]}): slowest rank's median {worst:.1f} us "
+            print(f"[{args.library}] {op} ({variant[op]}): slowest rank's median {worst:.1f} us "
                   f"over {args.iters} calls", flush=True)
     dist.barrier()
     dist.destroy_process_group()
