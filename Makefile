@@ -131,10 +131,12 @@ baselines-install: setup
 # flavor runs from its own venv (make setup VENV=... then make baselines VENV=... DEEPEP_FLAVOR=...)
 # and its own unpacked source (the .whl/deepep-<flavor>-src.tar.gz of make baselines-carry). A venv or
 # source below that does not exist leaves that library not run (a line says so), never an error;
-# the reference (NCCL) runs from $(VENV). Exit 1 when a run failed, a row was wrong or a ratio is flagged.
+# the reference (NCCL), symm-mem and flashinfer run from $(VENV), each not run (one line) where it
+# cannot: symm-mem without torch's NVSHMEM or with one GPU, flashinfer where make baselines-install
+# has not put it there. Exit 1 when a run failed, a row was wrong or a ratio is flagged.
 FIDELITY_SCENARIO ?= scenarios/dsv3x4.yaml
 FIDELITY_SMS      ?= 8,16,24,32
-FIDELITY_LIBS     ?= reference,v1,v2,hybrid-ep
+FIDELITY_LIBS     ?= reference,v1,v2,hybrid-ep,symm-mem,flashinfer
 FIDELITY_VENVS    ?= v1=/tmp/venv-v1 v2=/tmp/venv-v2 hybrid-ep=/tmp/venv-hep
 FIDELITY_SRCS     ?= v1=/tmp/deepep-v1 v2=/tmp/deepep-v2 hybrid-ep=/tmp/deepep-hep
 FIDELITY_TIMEOUT  ?= 1800

@@ -15,7 +15,9 @@ prints one table from earlier checks.
         --venv hybrid-ep=/tmp/venv-hep --src hybrid-ep=/tmp/deepep-hep
 
 Libraries: ``v1`` (DeepEP V1, backend deepep), ``v2`` (DeepEP V2, backend deepep-v2),
-``hybrid-ep`` and ``reference`` (NCCL, timed by tools/fidelity_nccl.py). Exit code 0: every
+``hybrid-ep``, and three without an MoE benchmark of their own, whose plainest call
+tools/fidelity_calls.py times alone: ``reference`` (NCCL; with the reference backend's phases),
+``symm-mem`` (torch's all_to_all_vdev) and ``flashinfer`` (MoeAlltoAll). Exit code 0: every
 library that could run ran, verified, within 10 %; 1: a run failed, a row was wrong or a ratio is
 flagged; 2: bad input (one line).
 """
@@ -67,14 +69,28 @@ class Library:
     flavor: Optional[str]  # tools/baselines.py flavor whose venv and source it needs (None: none)
     script: Optional[str]  # its own benchmark, relative to the source tree
     sms: str  # how SM counts reach it: "sweep" (--sms) or "none"
+    min_world: int = 1  # ranks it needs
+    # python code that exits 0 where the venv can run the library (None: nothing to check), and
+    # what the not-run line says otherwise ({venv}: the venv)
+    probe: Optional[str] = None
+    missing: str = ""
 
 
+PROBE_SYMM = ("import sys, torch.distributed._symmetric_memory as m; "
+              "sys.exit(0 if m.is_nvshmem_available() else 1)")
+PROBE_FLASHINFER = "import importlib.util, sys; sys.exit(importlib.util.find_spec('flashinfer') is None)"
 LIBRARIES: Dict[str, Library] = {lib.name: lib for lib in (
     Library("reference", "reference", None, None, "none"),
     Library("v1", "deepep", "v1", "tests/test_intranode.py", "sweep"),
     Library("v2", "deepep-v2", "v2", "tests/elastic/test_ep.py", "sweep"),
     Library("hybrid-ep", "hybrid-ep", "hybrid-ep", "tests/test_hybrid_ep.py", "sweep"),
+    Library("symm-mem", "symm-mem", None, None, "none", min_world=2, probe=PROBE_SYMM,
+            missing="torch's NVSHMEM is not usable in {venv} (symm_mem.is_nvshmem_available() is False)"),
+    Library("flashinfer", "flashinfer", None, None, "none", probe=PROBE_FLASHINFER,
+            missing="flashinfer is not installed in {venv}: make baselines-wheels, then make baselines-install "
+                    "WHEELS=.whl/flashinfer-deps and WHEELS=.whl/flashinfer"),
 )}
+CALLS_TIMED = ("reference", "symm-mem", "flashinfer")  # their figure: tools/fidelity_calls.py
 ALIASES = {"deepep": "v1", "deepep-v2": "v2", "nccl": "reference", "hep": "hybrid-ep"}
 
 
@@ -367,16 +383,23 @@ def v2_env(stamp: Dict[str, Any]) -> Dict[str, str]:
 
 def own_steps(t: Target, tests_root: Optional[Path], ctx: Ctx) -> List[Step]:
     """The library's own benchmark, as commands: one for all SM counts (v1), one per SM count
-    (v2, hybrid-ep), one per dtype (reference)."""
+    (v2, hybrid-ep), one per dtype (reference, symm-mem, flashinfer: tools/fidelity_calls.py)."""
     sh, lib = ctx.shape, t.lib
     rendezvous = {"MASTER_ADDR": "127.0.0.1"}
-    if lib.name == "reference":
-        return [Step(f"reference: NCCL all_to_all_single ({dt})",
-                     [t.python, str(TOOLS / "fidelity_nccl.py"), "--scenario", ctx.scenario_files[dt],
-                      "--warmup", str(ctx.warmup), "--iters", str(ctx.iters), "--device", ctx.device,
-                      "--out", str(ctx.out / "own" / f"reference-{dt}.json")],
-                     env=dict(rendezvous, MASTER_PORT=str(ctx.port())), cwd=str(REPO), dtype=dt, out_json=str(ctx.out / "own" / f"reference-{dt}.json"))
-                for dt in ctx.dtypes]
+    if lib.name in CALLS_TIMED:
+        what = {"reference": "NCCL all_to_all_single and the reference's phases",
+                "symm-mem": "torch all_to_all_vdev", "flashinfer": "MoeAlltoAll dispatch / combine"}[lib.name]
+        steps = []
+        for dt in ctx.dtypes:
+            out = str(ctx.out / "own" / f"{lib.name}-{dt}.json")
+            cmd = [t.python, str(TOOLS / "fidelity_calls.py"), "--library", lib.name, "--scenario",
+                   ctx.scenario_files[dt], "--warmup", str(ctx.warmup), "--iters", str(ctx.iters),
+                   "--device", ctx.device, "--out", out]
+            if ctx.input_sets is not None and lib.name == "reference":
+                cmd += ["--input-sets", str(ctx.input_sets)]
+            steps.append(Step(f"{lib.name}: {what} ({dt})", cmd, env=dict(rendezvous, MASTER_PORT=str(ctx.port())),
+                              cwd=str(REPO), dtype=dt, out_json=out))
+        return steps
     assert tests_root is not None
     if lib.name == "v1":
         return [Step("v1: tests/test_intranode.py's test_main per SM count",
@@ -513,9 +536,9 @@ class Outcome:
 
 
 def parse_step(lib: Library, step: Step, done: Done) -> List[fp.Figure]:
-    if lib.name == "reference":
+    if lib.name in CALLS_TIMED:
         try:
-            return fp.parse_nccl(Path(step.out_json).read_text())
+            return fp.parse_calls(Path(step.out_json).read_text())
         except OSError:
             return []
     if lib.name == "v1":
@@ -688,6 +711,60 @@ def table_rows(outcomes: List[Outcome], ctx: Ctx) -> List[Dict[str, Any]]:
     return rows
 
 
+def phase_rows(outcomes: List[Outcome]) -> List[Dict[str, Any]]:
+    """The reference backend's calls phase by phase (tools/fidelity_phases.py), per dtype, call mode
+    and op: each phase's median on the rank whose unmarked whole call is slowest, and its share of
+    that call; then the sum of those phases, the whole call unmarked, this check's epbench run in
+    that mode (the slowest rank's median) and the bare all-to-all of the same bytes."""
+    rows: List[Dict[str, Any]] = []
+    for o in outcomes:
+        lib = o.target.lib.name
+        for whole in (f for f in o.figures if f.role == "whole"):
+            mode, dt, op = whole.detail["mode"], whole.dtype, whole.op
+            base = {"library": lib, "dtype": dt, "mode": mode, "op": op, "rank": whole.detail["rank"]}
+
+            def row(kind: str, what: str, us: Optional[float], **more: Any) -> Dict[str, Any]:
+                share = us / whole.us if us is not None and whole.us > 0 else None
+                return dict(base, kind=kind, what=what, us=us, share_of_whole=share, **more)
+
+            phases = sorted((f for f in o.figures if f.role == "phase" and f.dtype == dt and f.op == op
+                             and f.detail["mode"] == mode), key=lambda f: f.detail["order"])
+            rows += [row("phase", f.detail["phase"], f.us, max_over_ranks_us=f.detail["max_over_ranks_us"])
+                     for f in phases]
+            rows.append(row("sum", "sum of the phases", whole.detail["sum_of_phases_us"]))
+            rows.append(row("whole", "whole call, unmarked", whole.us, wrong=whole.detail.get("wrong")))
+            ran = epbench_value(rows_of(o.frames.get((dt, None)), op, mode), "p50", "slowest")
+            rows.append(row("epbench", f"epbench run, {mode} rows", ran))
+            bare = _pick(o.figures, lib, dt, op, None, "primary")
+            if bare is not None:
+                rows.append(row("bare", f"bare {bare.variant}", bare.us))
+    return rows
+
+
+def print_phases(rows: List[Dict[str, Any]], console: Any) -> None:
+    from rich.table import Table
+
+    from epbench.console import number
+
+    if not rows:
+        return
+    t = Table(title="reference (NCCL): where its calls' time goes, phase by phase")
+    for name, justify in (("dtype", "left"), ("mode", "left"), ("op", "left"), ("phase", "left"),
+                          ("us", "right"), ("of whole", "right"), ("max over ranks", "right")):
+        t.add_column(name, justify=justify)
+    for r in rows:
+        share = "-" if r["share_of_whole"] is None else f"{100 * r['share_of_whole']:.0f} %"
+        what = r["what"] if r["kind"] == "phase" else f"[italic]{r['what']}[/]"
+        wrong = f" [bold red]#wrong {r['wrong']}[/]" if r.get("wrong") else ""
+        t.add_row(r["dtype"], r["mode"], r["op"], what + wrong, number(r["us"]), share,
+                  number(r.get("max_over_ranks_us")) if r["kind"] == "phase" else "")
+    t.caption = ("phases: medians on the rank whose unmarked whole call is slowest (rank in fidelity.json), "
+                 "each step's end marked by a device event (tools/fidelity_phases.py); whole call: the same "
+                 "calls unmarked, timed and checked as epbench does; epbench run: this check's rows of that "
+                 "call mode; bare: one call of the same bytes alone")
+    console.print(t)
+
+
 def print_table(rows: List[Dict[str, Any]], lines: List[str], console: Any) -> None:
     """The side-by-side table, then ``lines`` (notes, and what did not run or failed)."""
     from rich.table import Table
@@ -729,10 +806,12 @@ def outcome_lines(notes: List[str], libraries: Dict[str, Dict[str, Any]]) -> Lis
     return [f"note: {n}" for n in notes] + [f"{name}: {ln}" for name, rec in libraries.items() for ln in rec["lines"]]
 
 
-def verdict(rows: List[Dict[str, Any]], libraries: Dict[str, Dict[str, Any]]) -> int:
-    """1 where a run failed, a row was wrong or a ratio is flagged; else 0."""
+def verdict(rows: List[Dict[str, Any]], libraries: Dict[str, Dict[str, Any]],
+            phases: Sequence[Dict[str, Any]] = ()) -> int:
+    """1 where a run failed, a row was wrong (the reference's phase timer checks its calls too)
+    or a ratio is flagged; else 0."""
     bad = any(rec["status"] == "failed" for rec in libraries.values()) or any(r["flagged"] for r in rows) \
-        or any(r["kernel_wrong"] or r["call_wrong"] for r in rows)
+        or any(r["kernel_wrong"] or r["call_wrong"] for r in rows) or any(r.get("wrong") for r in phases)
     return 1 if bad else 0
 
 
@@ -740,6 +819,7 @@ def report(paths: List[str], console: Any) -> int:
     """``--report``: one table from the fidelity.json of earlier checks (one library per check, say,
     where a command may only run so long), read only from those files."""
     rows: List[Dict[str, Any]] = []
+    phases: List[Dict[str, Any]] = []
     lines: List[str] = []
     libraries: Dict[str, Dict[str, Any]] = {}
     for p in paths:
@@ -747,13 +827,15 @@ def report(paths: List[str], console: Any) -> int:
         try:
             rec = json.loads(path.read_text())
             rows += rec["table"]
+            phases += rec.get("phases") or []
             lines += outcome_lines(rec["notes"], rec["libraries"])
             libraries.update({f"{path}:{k}": v for k, v in rec["libraries"].items()})
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"--report {p}: not a fidelity check's folder or fidelity.json ({type(e).__name__}: {e})") from None
         lines.append(f"from {path}: {rec.get('scenario')}, shape {rec.get('shape')}, {rec.get('started_utc')}")
+    print_phases(phases, console)
     print_table(rows, lines, console)
-    return verdict(rows, libraries)
+    return verdict(rows, libraries, phases)
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -763,8 +845,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default=str(REPO / "scenarios" / "dsv3x4.yaml"),
                     help="scenario whose shape is checked (default scenarios/dsv3x4.yaml)")
-    ap.add_argument("--libraries", default="reference,v1,v2,hybrid-ep",
-                    help="comma-separated: reference, v1, v2, hybrid-ep (default %(default)s)")
+    ap.add_argument("--libraries", default=",".join(LIBRARIES),
+                    help="comma-separated, of: %(default)s (the default: all)")
     ap.add_argument("--venv", action="append", default=[], metavar="LIB=PATH",
                     help="the venv a library runs from (repeatable); default: this tool's venv where its "
                          "build stamp names the library's flavor (the reference: always)")
@@ -801,7 +883,8 @@ def _int_list(text: str, option: str) -> Tuple[int, ...]:
 
 def prepare(args: argparse.Namespace, gpus: int, run_git: Callable[[List[str]], int]):
     """Everything checked before anything runs: (scenario, shape, notes, targets, sms, dtypes,
-    warmup, iters, the scenario data per dtype). Bad input is a UserError."""
+    warmup, iters, the scenario data per dtype). Bad input is a UserError. ``run_git`` runs a
+    command and returns its exit code: git, and the libraries' probes in their venvs."""
     s = scenario.load(args.scenario)
     if s.mode != "normal":
         raise UserError(f"{args.scenario}: the fidelity check times the normal (throughput) mode only")
@@ -834,6 +917,10 @@ def prepare(args: argparse.Namespace, gpus: int, run_git: Callable[[List[str]], 
             t.not_run = "needs CUDA GPUs (--device cpu runs the reference only)"
         elif t.not_run is None and args.device == "cuda" and gpus == 0:
             t.not_run = "no GPU on this host (nvidia-smi -L lists none)"
+        elif t.not_run is None and sh.world < t.lib.min_world:
+            t.not_run = f"needs {t.lib.min_world} ranks or more (world {sh.world}: one rank per GPU)"
+        elif t.not_run is None and t.lib.probe and run_git([t.python, "-c", t.lib.probe]) != 0:
+            t.not_run = t.lib.missing.format(venv=t.venv)
     return s, sh, notes, targets, sms, dtypes, warmup, iters, data
 
 
@@ -883,11 +970,13 @@ def check(args: argparse.Namespace, gpus: int, run: Optional[Runner] = None,
             "steps": o.steps, "figures": [f.to_dict() for f in o.figures], "epbench_runs": o.runs,
         } for o in outcomes},
         "table": rows,
+        "phases": phase_rows(outcomes),
     }
     (out / "fidelity.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print_phases(record["phases"], console)
     print_table(rows, outcome_lines(notes, record["libraries"]), console)
     say(f"raw: {out / 'fidelity.json'}")
-    return verdict(rows, record["libraries"])
+    return verdict(rows, record["libraries"], record["phases"])
 
 
 def main(argv: Optional[List[str]] = None) -> int:

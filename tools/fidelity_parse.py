@@ -17,7 +17,8 @@ warnings, the NCCL banner). The formats are those of the pinned commits (tools/b
 - Hybrid-EP, tests/test_hybrid_ep.py (94a9f8f): rank 0 prints, per dtype, the API times
   (``bench()``: per-rank mean of 49 back-to-back calls with the cached handle) as average, min and
   max over ranks, then the kernel times from the profiler (30 back-to-back calls) the same way.
-- NCCL: tools/fidelity_nccl.py writes its per-rank samples as JSON.
+- NCCL, torch symm-mem, FlashInfer: tools/fidelity_calls.py writes its per-rank samples of each
+  library's plainest call as JSON, and for NCCL also those of the `reference` backend's phases.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from statistics import mean, median
 from typing import Any, Dict, List, Optional, Tuple
 
 # how the epbench figure that a library's figure is compared with is taken (tools/fidelity.py)
@@ -34,7 +36,7 @@ RANKS = ("rank 0", "slowest", "rank avg")
 
 @dataclass
 class Figure:
-    library: str  # v1 | v2 | hybrid-ep | reference
+    library: str  # v1 | v2 | hybrid-ep | reference | symm-mem | flashinfer
     dtype: str  # the dispatch dtype of the block it came from: bf16 | fp8
     op: str  # dispatch | combine
     sms: Optional[int]  # None: the library picks its own SM use (NCCL)
@@ -42,7 +44,9 @@ class Figure:
     stat: str  # mean | p50 (of one rank's timed calls)
     ranks: str  # rank 0 | slowest | rank avg: which rank's (or ranks') statistic
     variant: str  # what was timed, in words
-    role: str = "extra"  # primary (the ratio's denominator) | alt (shown beside it) | extra
+    # primary (the ratio's denominator) | alt (shown beside it) | extra; the reference's phases
+    # (tools/fidelity_phases.py): whole (its unmarked call) | phase (one step of it)
+    role: str = "extra"
     detail: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -211,34 +215,63 @@ def parse_hybrid_ep(text: str, sms: int) -> List[Figure]:
     return out
 
 
-# ---- NCCL (tools/fidelity_nccl.py) -------------------------------------------------------------
+# ---- NCCL, symm-mem, FlashInfer (tools/fidelity_calls.py) --------------------------------------
 
-def parse_nccl(text: str) -> List[Figure]:
-    """The timer's JSON: per op, every rank's samples. Primary: the slowest rank's median (as
-    epbench's time column); alt: the slowest rank's mean."""
-    from statistics import mean, median
-
+def parse_calls(text: str) -> List[Figure]:
+    """The timer's JSON: per op, every rank's samples of the library's plainest call. Primary: the
+    slowest rank's median (as epbench's time column); alt: the slowest rank's mean. The reference's
+    phases follow (``parse_phases``)."""
     try:
         data = json.loads(text)
     except ValueError:
         return []
+    if not isinstance(data, dict):
+        return []
+    library = data.get("library", "reference")
+    dtype = data.get("dtype", "bf16")
     out: List[Figure] = []
     for op in ("dispatch", "combine"):
         ranks = (data.get("samples_us") or {}).get(op) or {}
         per = {int(r): s for r, s in ranks.items() if s}
         if not per:
             continue
-        dtype = data.get("dtype", "bf16")
+        variant = (data.get("variant") or {}).get(op, "all_to_all_single")
         p50 = {r: median(s) for r, s in per.items()}
         avg = {r: mean(s) for r, s in per.items()}
         detail = {"bytes_per_rank": (data.get("bytes") or {}).get(op), "iters": data.get("iters"),
                   "warmup": data.get("warmup")}
         slow = max(p50, key=p50.get)
-        out.append(Figure("reference", dtype, op, None, p50[slow], "p50", "slowest",
-                          variant="all_to_all_single", role="primary",
+        out.append(Figure(library, dtype, op, None, p50[slow], "p50", "slowest", variant=variant, role="primary",
                           detail=dict(detail, slowest_rank=slow, p50_us={str(r): v for r, v in sorted(p50.items())})))
         slow = max(avg, key=avg.get)
-        out.append(Figure("reference", dtype, op, None, avg[slow], "mean", "slowest",
-                          variant="all_to_all_single", role="alt",
+        out.append(Figure(library, dtype, op, None, avg[slow], "mean", "slowest", variant=variant, role="alt",
                           detail=dict(detail, slowest_rank=slow, mean_us={str(r): v for r, v in sorted(avg.items())})))
+    return out + parse_phases(data.get("phases") or {}, library, dtype)
+
+
+def parse_phases(phases: Dict[str, Any], library: str, dtype: str) -> List[Figure]:
+    """Per call mode and op: the rank whose unmarked call is slowest (by median), its whole call
+    (role ``whole``; the sum of its phases' medians in ``detail``) and the median of each phase
+    on that rank (role ``phase``, in the order they ran; the largest over the ranks in ``detail``)."""
+    out: List[Figure] = []
+    for mode, rec in phases.items():
+        for op in ("dispatch", "combine"):
+            whole = {int(r): median(s) for r, s in ((rec.get("whole_us") or {}).get(op) or {}).items() if s}
+            if not whole:
+                continue
+            slow = max(whole, key=whole.get)
+            per_phase = (rec.get("phases_us") or {}).get(op) or {}
+            order = [ph for ph in (rec.get("order") or {}).get(op, []) if per_phase.get(ph, {}).get(str(slow))]
+            mine = {ph: median(per_phase[ph][str(slow)]) for ph in order}
+            wrong = (rec.get("wrong") or {}).get(op) or {}
+            out.append(Figure(library, dtype, op, None, whole[slow], "p50", "slowest",
+                              variant=f"{mode} mode: whole call", role="whole",
+                              detail={"mode": mode, "rank": slow, "sum_of_phases_us": sum(mine.values()),
+                                      "p50_us": {str(r): v for r, v in sorted(whole.items())},
+                                      "wrong": sum(int(v) for v in wrong.values())}))
+            for i, ph in enumerate(order):
+                out.append(Figure(library, dtype, op, None, mine[ph], "p50", "slowest",
+                                  variant=f"{mode} mode: {ph}", role="phase",
+                                  detail={"mode": mode, "phase": ph, "order": i, "rank": slow,
+                                          "max_over_ranks_us": max(median(s) for s in per_phase[ph].values() if s)}))
     return out

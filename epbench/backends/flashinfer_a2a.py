@@ -76,7 +76,7 @@ def limits_reason(world: int, topk: int, capability: Optional[tuple]) -> Optiona
     return None
 
 
-def _import_library() -> Any:
+def import_library() -> Any:
     """The four names the backend uses, from the installed package."""
     a2a = importlib.import_module("flashinfer.comm.trtllm_moe_alltoall")
     mnnvl = importlib.import_module("flashinfer.comm.mnnvl")
@@ -107,7 +107,7 @@ class FlashInferBackend(NormalMode):
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
         try:
-            _import_library()
+            import_library()
         except Exception as e:  # ImportError, or a dependency failing to load
             detail = " ".join(str(e).split()) or type(e).__name__
             return f"flashinfer not importable ({detail}); install: make baselines-wheels, then baselines-install"
@@ -117,7 +117,7 @@ class FlashInferBackend(NormalMode):
 
     def __init__(self, setup: RankSetup, *, library: Any = None, group: Any = None) -> None:
         self.s = setup
-        lib = library if library is not None else _import_library()
+        lib = library if library is not None else import_library()
         group = group if group is not None else dist.group.WORLD
         mapping = lib.Mapping(world_size=setup.world, rank=setup.rank, gpus_per_node=setup.gpus_per_node,
                               tp_size=setup.world, moe_ep_size=setup.world)

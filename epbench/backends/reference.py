@@ -93,6 +93,16 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
     quantize_modes = ("before", "fused")
     layouts = ("rank_major", "expert_major")
     call_modes = ("call", "kernel")
+    # dispatch and combine (normal mode) as named steps, one method each, in the order they run: a
+    # caller may wrap the methods to time each step (tools/fidelity_phases.py). A step that the
+    # call mode or layout does not take is not called (layout: call mode only; quantize: fused;
+    # permute and reduce: expert_major).
+    PHASES = {
+        "dispatch": (("layout", "_split"), ("quantize", "_quantize"), ("pack", "_pack"), ("gather", "_gather"),
+                     ("all_to_all", "_exchange"), ("counts", "_counts"), ("permute", "_permute")),
+        "combine": (("reduce", "_reduce_local"), ("all_to_all", "_send_back"), ("scatter", "_scatter"),
+                    ("weights", "_copy_weights"), ("weighted_sum", "_weighted_sum")),
+    }
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -155,11 +165,9 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         weights = rows[:, 8 * k: m].view(torch.float32)
         return (ids, weights) + self._typed(rows[:, m: m + sc], rows[:, m + sc: m + sc + self.x_bytes])
 
-    def _quantized(self, inp: DispatchInput) -> DispatchInput:
+    def _quantize(self, inp: DispatchInput) -> DispatchInput:
         """quantize: fused on the reference is the separate torch cast, inside the timed call,
         on the sender: the link carries the quantized rows, as with a fused kernel."""
-        if self.s.quantize != "fused":
-            return inp
         return DispatchInput(*quantize(inp.x, self.s.dispatch_dtype), inp.topk_idx, inp.topk_weights)
 
     def use_call_mode(self, mode: str) -> None:
@@ -185,37 +193,51 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
                       token_of_copy * s.world + dest_of_copy)
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
-        s = self.s
         # kernel mode: the splits of this input set are known (NCCL with splits known, as an
         # all-to-all token dispatcher with a fixed routing has them); call mode: found here, the
         # host synchronisation every user pays included
         split = self._splits[id(inp)] if self.kernel else self._split(inp)
-        inp = self._quantized(inp)
-        t = inp.num_tokens
-        send_splits, recv_splits = split.send_splits, split.recv_splits
-        token_of_copy = split.token_of_copy
-        n = sum(recv_splits)
-        packed = self.send[:t]
+        if self.s.quantize == "fused":
+            inp = self._quantize(inp)
+        rows = self._gather(self._pack(inp), split)
+        recv = self._exchange(rows, split)
+        ids, weights, scales, x = self._fields(recv)
+        counts = self._counts(ids)
+        layout = _Layout(split, inp.topk_idx, inp.topk_weights, recv.shape[0])
+        if self.expert_major:
+            return self._permute(recv, ids, weights, layout)
+        return DispatchOutput(x, scales, ids, weights, counts, layout.num_recv, layout)
+
+    def _pack(self, inp: DispatchInput) -> torch.Tensor:
+        """One packed row per token: its ids, weights, scales and payload copied in."""
+        packed = self.send[: inp.num_tokens]
         ids, weights, scales, x = self._fields(packed)
         ids.copy_(inp.topk_idx)
         weights.copy_(inp.topk_weights)
         if scales is not None:
             scales.copy_(inp.x_scales)
         x.copy_(inp.x)
-        rows = self.send_rows[: token_of_copy.numel()]
-        # Gather whole rows as 8-byte words: a byte-typed gather moves one byte per element.
-        torch.index_select(packed.view(torch.int64), 0, token_of_copy, out=rows.view(torch.int64))
-        recv = self.recv[:n]
-        dist.all_to_all_single(recv, rows, recv_splits, send_splits)
-        ids, weights, scales, x = self._fields(recv)
+        return packed
+
+    def _gather(self, packed: torch.Tensor, split: _Split) -> torch.Tensor:
+        """One row per (token, destination), by destination: whole rows gathered as 8-byte words
+        (a byte-typed gather moves one byte per element)."""
+        rows = self.send_rows[: split.token_of_copy.numel()]
+        torch.index_select(packed.view(torch.int64), 0, split.token_of_copy, out=rows.view(torch.int64))
+        return rows
+
+    def _exchange(self, rows: torch.Tensor, split: _Split) -> torch.Tensor:
+        recv = self.recv[: sum(split.recv_splits)]
+        dist.all_to_all_single(recv, rows, split.recv_splits, split.send_splits)
+        return recv
+
+    def _counts(self, ids: torch.Tensor) -> torch.Tensor:
+        """Received rows per local expert, on the device."""
+        s = self.s
         local = ids - s.rank * s.experts_per_rank
         hit = (local >= 0) & (local < s.experts_per_rank)
         other = s.experts_per_rank  # one extra bin for experts of other ranks (no boolean gather)
-        counts = torch.bincount(torch.where(hit, local, other).flatten(), minlength=other + 1)[:other]
-        layout = _Layout(split, inp.topk_idx, inp.topk_weights, n)
-        if self.expert_major:
-            return self._permute(recv, ids, weights, layout)
-        return DispatchOutput(x, scales, ids, weights, counts, n, layout)
+        return torch.bincount(torch.where(hit, local, other).flatten(), minlength=other + 1)[:other]
 
     def _permute(self, recv: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  layout: "_Layout") -> DispatchOutput:
@@ -259,29 +281,43 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         return back
 
     def combine(self, out: DispatchOutput, num_sms: int) -> torch.Tensor:
-        s, lay = self.s, out.handle
+        """The copies come back into a dense [T, world, H] (zero where a token sent no copy), then
+        one batched [1, world] x [world, H] product per token: out[t] = sum_d w(t, d) y_d(t), the
+        products and their sum in fp32, one bf16 rounding at the end; w(t, d) is rounded to bf16
+        (<= 2^-8 relative per term): two roundings, as the contract allows. Expert-major: the
+        weights were applied per expert on the receiver, so w = 1 (exact). Two passes over the
+        copies (scatter, product) instead of an fp32 copy of them weighted in place and atomically
+        added (that form took 1945 us beside 889 us for dispatch on 4 x H200, DeepSeek-V3 shape,
+        2026-11-26)."""
+        lay = out.handle
         t = lay.topk_idx.shape[0]
-        sp = lay.split
-        sent = self.combine_back[: sp.token_of_copy.numel()]
-        y = (self._reduce_local(out) if self.expert_major else self.combine_in[: lay.num_recv]).view(torch.uint8)
-        dist.all_to_all_single(sent, y, sp.send_splits, sp.recv_splits)
-        # The copies back into a dense [T, world, H] (zero where a token sent no copy), then one
-        # batched [1, world] x [world, H] product per token: out[t] = sum_d w(t, d) y_d(t), the
-        # products and their sum in fp32, one bf16 rounding at the end; w(t, d) is rounded to
-        # bf16 (<= 2^-8 relative per term): two roundings, as the contract allows. Expert-major:
-        # the weights were applied per expert on the receiver, so w = 1 (exact). Two passes over
-        # the copies (scatter, product) instead of an fp32 copy of them weighted in place and
-        # atomically added (that form took 1945 us beside 889 us for dispatch on 4 x H200,
-        # DeepSeek-V3 shape, 2026-11-26).
-        dense = self.dense[: t * s.world].zero_()
-        dense.index_copy_(0, sp.dense_row, sent.view(torch.bfloat16))
+        y = self._reduce_local(out) if self.expert_major else self.combine_in[: lay.num_recv]
+        sent = self._send_back(y, lay.split)
+        dense = self._scatter(sent, lay.split, t)
+        return self._weighted_sum(self._copy_weights(lay), dense)
+
+    def _send_back(self, y: torch.Tensor, split: _Split) -> torch.Tensor:
+        sent = self.combine_back[: split.token_of_copy.numel()]
+        dist.all_to_all_single(sent, y.view(torch.uint8), split.send_splits, split.recv_splits)
+        return sent
+
+    def _scatter(self, sent: torch.Tensor, split: _Split, t: int) -> torch.Tensor:
+        dense = self.dense[: t * self.s.world].zero_()
+        dense.index_copy_(0, split.dense_row, sent.view(torch.bfloat16))
+        return dense
+
+    def _copy_weights(self, lay: _Layout) -> torch.Tensor:
+        """[T, 1, world] bf16: w(t, d), each token's weights summed per destination rank."""
+        s, t = self.s, lay.topk_idx.shape[0]
         if self.expert_major:
-            w = torch.ones(t, 1, s.world, dtype=torch.bfloat16, device=dense.device)
-        else:
-            w = copy_weights(lay.topk_idx, lay.topk_weights, s.experts_per_rank, s.world)
-            w = w.to(torch.bfloat16).unsqueeze(1)
+            return torch.ones(t, 1, s.world, dtype=torch.bfloat16, device=self.dense.device)
+        w = copy_weights(lay.topk_idx, lay.topk_weights, s.experts_per_rank, s.world)
+        return w.to(torch.bfloat16).unsqueeze(1)
+
+    def _weighted_sum(self, w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        t = w.shape[0]
         out_rows = self.out[:t]
-        torch.bmm(w, dense.view(t, s.world, s.hidden), out=out_rows.unsqueeze(1))
+        torch.bmm(w, dense.view(t, self.s.world, self.s.hidden), out=out_rows.unsqueeze(1))
         return out_rows
 
     # ---- low-latency mode ----
