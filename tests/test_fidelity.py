@@ -834,8 +834,8 @@ def test_flashinfer_calls_dispatch_the_routed_tokens_and_combine_from_the_worksp
 
 def test_reference_phases_cover_its_calls(tmp_path):
     """The reference's own calls, marked, in a one-rank gloo group: every step of each mode is
-    there, in order, the calls verify, and the phases add up to the unmarked call (within what a
-    shared CPU lets wall clocks agree on, in one of a few tries)."""
+    there, in order, the calls verify, and nothing but a sliver of each call runs after its last
+    phase."""
     from statistics import median
 
     import torch
@@ -858,21 +858,17 @@ def test_reference_phases_cover_its_calls(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         comm = Comm(0, 1, 0, torch.device("cpu"))
-        ratios = []
-        for _ in range(4):  # a shared CPU stalls now and then for longer than one loop
-            got = ph.measure(comm, s, 2, 9, 2)
-            for mode, first in (("kernel", []), ("call", ["layout"])):
-                rec = got[mode]
-                assert rec["order"] == {"dispatch": first + ["pack", "gather", "all_to_all", "counts"],
-                                        "combine": combine}
-                assert rec["wrong"] == {"dispatch": 0, "combine": 0}
-                assert all(len(v) == 9 for op in ph.OPS for v in rec["phases_us"][op].values())
-            ratios = [sum(median(v) for v in got[m]["phases_us"][op].values()) / median(got[m]["whole_us"][op])
-                      for m in ph.MODES for op in ph.OPS]
-            if all(0.6 < r < 1.6 for r in ratios):
-                break
-        else:
-            pytest.fail(f"the phases' sum / the whole call: {ratios}")
+        got = ph.measure(comm, s, 2, 9, 2)
+        for mode, first in (("kernel", []), ("call", ["layout"])):
+            rec = got[mode]
+            assert rec["order"] == {"dispatch": first + ["pack", "gather", "all_to_all", "counts"],
+                                    "combine": combine}
+            assert rec["wrong"] == {"dispatch": 0, "combine": 0}
+            assert all(len(v) == 9 for op in ph.OPS for v in rec["phases_us"][op].values())
+            # the phases hold the call: what runs after the last phase is a sliver of each call
+            # (compared within the same calls, so a shared CPU's stalls move both sides)
+            for op in ph.OPS:
+                assert median(rec["unmarked_share"][op]) < 0.2, (mode, op, rec["unmarked_share"][op])
         got = ph.measure(comm, em, 1, 2, 1, modes=("kernel",))["kernel"]
         assert got["order"] == {"dispatch": ["quantize", "pack", "gather", "all_to_all", "counts", "permute"],
                                 "combine": ["reduce"] + combine}
@@ -889,10 +885,12 @@ def test_phases_of_every_rank_gather_into_what_the_parser_reads():
         return {"kernel": {"order": order, "wrong": {"dispatch": 0, "combine": 1},
                            "whole_us": {"dispatch": [scale * 3.0], "combine": [scale * 1.0]},
                            "phases_us": {"dispatch": {"pack": [scale], "all_to_all": [scale * 2.0]},
-                                         "combine": {"all_to_all": [scale]}}}}
+                                         "combine": {"all_to_all": [scale]}},
+                           "unmarked_share": {"dispatch": [0.01], "combine": [0.02]}}}
 
     data = ph.gather([mine(1.0), mine(2.0)])
     assert data["kernel"]["phases_us"]["dispatch"]["pack"] == {"0": [1.0], "1": [2.0]}
+    assert data["kernel"]["unmarked_share"]["combine"] == {"0": [0.02], "1": [0.02]}
     figs = fp.parse_calls(json.dumps({"samples_us": {}, "phases": data}))
     whole = one(figs, role="whole", op="dispatch")
     assert (whole.us, whole.detail["rank"], whole.detail["sum_of_phases_us"]) == (6.0, 1, 6.0)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 OPS = ("dispatch", "combine")
 MODES = ("kernel", "call")
+END = "end of call"  # the mark taken when the call returns (not a phase)
 
 
 class PhaseClock:
@@ -59,6 +60,7 @@ class PhaseClock:
         try:
             return fn()
         finally:
+            self._open.append((END, self._now()))
             self.calls.append((op, self._open))
             self._open = None
 
@@ -72,9 +74,25 @@ class PhaseClock:
         for marks in [m for o, m in self.calls if o == op][skip:]:
             got: Dict[str, float] = {}
             for (_, a), (phase, b) in zip(marks, marks[1:]):
-                us = a.elapsed_time(b) * 1e3 if self.cuda else (b - a) * 1e6
-                got[phase] = got.get(phase, 0.0) + us
+                if phase != END:
+                    got[phase] = got.get(phase, 0.0) + self._us(a, b)
             out.append(got)
+        return out
+
+    def _us(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) * 1e3 if self.cuda else (b - a) * 1e6
+
+    def unmarked_share(self, op: str, skip: int) -> List[float]:
+        """Per call of ``op`` after the first ``skip``: the share of the call after its last phase
+        (work no phase holds; ~0 where the phases cover the call)."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        out = []
+        for marks in [m for o, m in self.calls if o == op][skip:]:
+            whole = self._us(marks[0][1], marks[-1][1])
+            out.append(self._us(marks[-2][1], marks[-1][1]) / whole if whole > 0 else 0.0)
         return out
 
 
@@ -108,8 +126,9 @@ def _marked_loop(point: Any, comm: Any, clock: PhaseClock, warmup: int, iters: i
 def measure(comm: Any, s: Any, warmup: int, iters: int, input_sets: int,
             modes: Tuple[str, ...] = MODES) -> Dict[str, Any]:
     """This rank's figures per call mode: ``whole_us`` {op: samples} of the unmarked calls,
-    ``wrong`` {op: rows} of their check, ``order`` {op: phases} and ``phases_us`` {op: {phase:
-    samples}} of the marked calls."""
+    ``wrong`` {op: rows} of their check, ``order`` {op: phases}, ``phases_us`` {op: {phase:
+    samples}} and ``unmarked_share`` {op: per call, the share after the last phase} of the marked
+    calls."""
     from epbench.backends.reference import ReferenceBackend
     from epbench.driver import Point, rank_setup
     from epbench.routing import route_all
@@ -134,6 +153,7 @@ def measure(comm: Any, s: Any, warmup: int, iters: int, input_sets: int,
                 order = list(calls[0]) if calls else []
                 rec["order"][op] = order
                 rec["phases_us"][op] = {ph: [c.get(ph, 0.0) for c in calls] for ph in order}
+            rec["unmarked_share"] = {op: clock.unmarked_share(op, warmup) for op in OPS}
             out[mode] = rec
     finally:
         be.close()
@@ -142,14 +162,16 @@ def measure(comm: Any, s: Any, warmup: int, iters: int, input_sets: int,
 
 def gather(everyone: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Every rank's ``measure`` -> per mode: ``order`` (rank 0's), and ``whole_us``, ``wrong``,
-    ``phases_us`` keyed by rank (as strings, as JSON keeps them)."""
+    ``phases_us``, ``unmarked_share`` keyed by rank (as strings, as JSON keeps them)."""
     out: Dict[str, Any] = {}
     for rank, mine in enumerate(everyone):
         for mode, rec in mine.items():
             m = out.setdefault(mode, {"order": rec["order"], "whole_us": {op: {} for op in OPS},
-                                      "wrong": {op: {} for op in OPS}, "phases_us": {op: {} for op in OPS}})
+                                      "wrong": {op: {} for op in OPS}, "phases_us": {op: {} for op in OPS},
+                                      "unmarked_share": {op: {} for op in OPS}})
             for op in OPS:
                 m["whole_us"][op][str(rank)] = rec["whole_us"][op]
+                m["unmarked_share"][op][str(rank)] = rec["unmarked_share"][op]
                 m["wrong"][op][str(rank)] = rec["wrong"][op]
                 for ph, samples in rec["phases_us"][op].items():
                     m["phases_us"][op].setdefault(ph, {})[str(rank)] = samples
