@@ -413,17 +413,14 @@ def byte_ceilings(s: Any, tr: Traffic, rates: Sequence[Optional[float]]) -> List
 # -- output --------------------------------------------------------------------------------
 
 def ceiling_table(ceilings: List[OpCeiling], title: str):
-    from rich.table import Table
+    from epbench.console import number, table
 
-    from epbench.console import number
-
-    t = Table(title=title, caption="bytes = NVLink bytes a rank sends (max over ranks); times in us "
+    cols = ("op", "MB per rank", "copy engine us", "copy engine GB/s", "SM stores us",
+            "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed")
+    t = table(title, "bytes = NVLink bytes a rank sends (max over ranks); times in us "
               "(max over ranks of the median); GB/s = bytes / time; NVML TX / computed = NVLink "
               "bytes NVML counted per copy-engine iteration over the bytes asked for (the rank "
-              "furthest from 1)")
-    for col in ("op", "MB per rank", "copy engine us", "copy engine GB/s", "SM stores us",
-                "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed"):
-        t.add_column(col, justify="left" if col == "op" else "right")
+              "furthest from 1)", [(c, "left" if c == "op" else "right") for c in cols])
     for c in ceilings:
         sm = [f"{k}: {number(v)}" for k, v in c.sm_store_us.items() if v is not None]
         t.add_row(c.op, number(c.max_bytes / 1e6), number(c.copy_engine_us), number(c.copy_engine_gbps),

@@ -100,20 +100,17 @@ def option_warnings(meta_a: Dict[str, Any], df_a: pd.DataFrame,
 def compare_table(both: pd.DataFrame, title: str, wide: bool = False):
     """The rows side by side; the scenario column only where the runs hold several scenarios
     (or ``wide``): one scenario is in the title, and the table fits 100 columns."""
-    from rich.table import Table
-
-    from epbench.console import number
+    from epbench.console import number, table
 
     scenarios = list(dict.fromkeys(str(x) for x in both["scenario"]))
     with_scenario = wide or len(scenarios) > 1
-    t = Table(title=title + ("" if with_scenario else f" ({scenarios[0]})"),
-              caption="time = slowest rank's median (us); NVLink busbw = slowest-"
-              "bandwidth rank (GB/s); ratio = B / A ('-' where a run lacks the row)")
-    for col, just in ((("scenario", "left"),) if with_scenario else ()) + (
-            ("op", "left"), ("backend", "left"), ("SMs", "right"),
-            ("time A", "right"), ("time B", "right"), ("time B/A", "right"),
-            ("busbw A", "right"), ("busbw B", "right"), ("busbw B/A", "right")):
-        t.add_column(col, justify=just)
+    t = table(title + ("" if with_scenario else f" ({scenarios[0]})"),
+              "time = slowest rank's median (us); NVLink busbw = slowest-"
+              "bandwidth rank (GB/s); ratio = B / A ('-' where a run lacks the row)",
+              ((("scenario", "left"),) if with_scenario else ()) + (
+                  ("op", "left"), ("backend", "left"), ("SMs", "right"),
+                  ("time A", "right"), ("time B", "right"), ("time B/A", "right"),
+                  ("busbw A", "right"), ("busbw B", "right"), ("busbw B/A", "right")))
 
     def r3(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}"

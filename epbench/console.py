@@ -8,8 +8,10 @@ control characters that would move its cursor, retitle it or recolour what follo
 import math
 import os
 import re
+from typing import Any, Optional, Sequence, Tuple
 
 from rich.console import Console
+from rich.table import Table
 
 # C0 and C1 controls (ESC and CSI included) except newline and tab, and the bidirectional overrides
 # that make text read in another order than it is stored
@@ -45,3 +47,12 @@ def number(v: object) -> str:
     if abs(v) >= 100:
         return f"{v:.0f}"
     return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+
+
+def table(title: Optional[str], caption: Optional[str], columns: Sequence[Tuple[str, str]], **style: Any) -> Table:
+    """Every table the tool prints starts here: a title, a caption saying what the figures are, and
+    its columns as (header, justification); ``style`` passes rich's layout options (box, padding)."""
+    t = Table(title=title or None, caption=caption or None, **style)
+    for header, justify in columns:
+        t.add_column(header, justify=justify)  # type: ignore[arg-type]
+    return t

@@ -206,14 +206,12 @@ TABLE_COLUMNS = (  # (header, column, scale)
 def overlap_table(df: Any, title: str):
     """A rich table, worst rank per point, at most 100 columns wide."""
     from rich import box
-    from rich.table import Table
 
-    from epbench.console import number
+    from epbench.console import number, table
 
     summary = summarize_overlap(df)
     cols = [c for c in TABLE_COLUMNS if c[1] in summary and summary[c[1]].notna().any()]
-    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1),
-              collapse_padding=True)
+    t = table(title, None, [], box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
     t.add_column("backend", justify="left", no_wrap=True)
     for head, _, _ in cols:
         t.add_column(head, justify="right", min_width=max(map(len, head.split("\n"))))

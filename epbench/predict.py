@@ -627,22 +627,20 @@ def nic_line(pred: Prediction) -> str:
 
 
 def print_prediction(pred: Prediction, console) -> None:
-    from rich.table import Table
+    from epbench.console import table as new_table
 
     title = (f"PREDICTED: {pred.scenario} on {pred.world} ranks ({pred.nodes} "
              f"{'virtual ' if pred.virtual_nodes else ''}nodes x {pred.gpus_per_node}), "
              f"NVLink {pred.nvlink_gbps:g} GB/s, NIC {pred.nic_gbps:g} GB/s per GPU")
-    table = Table(title=title, caption=(
-        "PREDICTED, not measured. GB/s; value of the slowest rank, (min / median / max over "
-        "ranks) where they differ. time: tiers overlapped (the prediction); serial: tiers one "
-        "after the other (upper bound). RDMA (DeepEP conv.): per destination node, own node "
-        "included, as DeepEP and Hybrid-EP count it"))
-    for col, just in (("algorithm", "left"), ("op", "left"), ("time us", "right"),
-                      ("serial us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
-                      ("NIC busbw (virtual)" if pred.virtual_nodes else "NIC busbw", "right"),
-                      ("RDMA (DeepEP conv.)", "right"), ("limit", "left"),
-                      ("slow rank", "right")):
-        table.add_column(col, justify=just)
+    caption = ("PREDICTED, not measured. GB/s; value of the slowest rank, (min / median / max over "
+               "ranks) where they differ. time: tiers overlapped (the prediction); serial: tiers one "
+               "after the other (upper bound). RDMA (DeepEP conv.): per destination node, own node "
+               "included, as DeepEP and Hybrid-EP count it")
+    table = new_table(title, caption, (
+        ("algorithm", "left"), ("op", "left"), ("time us", "right"), ("serial us", "right"),
+        ("algbw", "right"), ("NVLink busbw", "right"),
+        ("NIC busbw (virtual)" if pred.virtual_nodes else "NIC busbw", "right"),
+        ("RDMA (DeepEP conv.)", "right"), ("limit", "left"), ("slow rank", "right")))
     for p in pred.ops:
         table.add_row(p.algorithm, p.op, number(p.time_us), number(p.serial_time_us),
                       _spread(p, "algbw_gbps"), _spread(p, "busbw_nvlink_gbps"),

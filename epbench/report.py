@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from epbench.console import wide_console
-from epbench.console import number
+from epbench.console import number, wide_console
+from epbench.console import table as console_table
 from epbench.errors import UserError
 from epbench.metrics import summarize
 from epbench.results import run_status
@@ -229,7 +229,7 @@ def results_table(df: pd.DataFrame, title: str = "",
     if left_out:
         caption += (f". Left out to fit {width} columns: {', '.join(left_out)} (--columns picks, "
                     f"a wider terminal shows all)")
-    table = Table(title=title or None, caption=caption)
+    table = console_table(title, caption, [])
     for k in shown:
         table.add_column(headers[k], justify=COLUMNS[k][1], width=widths[k], overflow="fold")
     for i in range(len(summary)):
@@ -329,12 +329,12 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
 def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
     """One row per (backend, op, SMs, rank): that rank's median time and bandwidths, the spread
     of its iterations, and a mark on the slowest rank of each point."""
-    table = Table(title=title or None, caption="time = the rank's median over iterations "
-                  "(min - max in brackets); bandwidths in GB/s; * = slowest rank of the point")
-    for col, just in (("op", "left"), ("backend", "left"), ("SMs", "right"), ("rank", "right"),
-                      ("time us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
-                      ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"), ("#wrong", "right")):
-        table.add_column(col, justify=just)
+    table = console_table(title, "time = the rank's median over iterations (min - max in brackets); "
+                          "bandwidths in GB/s; * = slowest rank of the point",
+                          (("op", "left"), ("backend", "left"), ("SMs", "right"), ("rank", "right"),
+                           ("time us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
+                           ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"),
+                           ("#wrong", "right")))
     keys = ["backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing", "input_sets", "call_mode") if k in df]
     for _, g in df.groupby(keys, sort=False, dropna=False):
         slowest = g["time_us"].idxmax()
