@@ -235,6 +235,17 @@ def venv_python(venv: Path) -> Optional[Path]:
     return None
 
 
+def _given_path(option: str, name: str, path: Optional[str], if_present: bool,
+                there: Callable[[Path], bool]) -> Tuple[Optional[str], str]:
+    """(path, "") where it was given and is there, (None, "") where none was given; a given path
+    that is not there is bad input, unless ``if_present``: then (None, why) and the defaults apply."""
+    if path is None or there(Path(path).expanduser()):
+        return path, ""
+    if not if_present:
+        raise UserError(f"{option} {name}={path}: no such folder")
+    return None, f"{path} does not exist"
+
+
 def resolve(lib: Library, venvs: Dict[str, str], srcs: Dict[str, str], if_present: bool,
             run_git: Callable[[List[str]], int]) -> Target:
     """Where ``lib`` runs from, or why it does not (``not_run``, one line). A path given but absent,
@@ -243,11 +254,7 @@ def resolve(lib: Library, venvs: Dict[str, str], srcs: Dict[str, str], if_presen
     flavor, or a source at another commit, leaves the library not run: the others still run."""
     t = Target(lib)
     own_prefix = Path(sys.prefix)
-    given, missing = venvs.get(lib.name), ""
-    if given is not None and not Path(given).expanduser().exists():
-        if not if_present:
-            raise UserError(f"--venv {lib.name}={given}: no such folder")
-        given, missing = None, f"{given} does not exist"
+    given, missing = _given_path("--venv", lib.name, venvs.get(lib.name), if_present, Path.exists)
     if given is None:
         if lib.flavor is not None and read_stamp(own_prefix).get("flavor") != lib.flavor:
             t.not_run = (f"no venv ({missing or 'none given'}; --venv {lib.name}=PATH: a venv built by "
@@ -270,11 +277,7 @@ def resolve(lib: Library, venvs: Dict[str, str], srcs: Dict[str, str], if_presen
         held = f"holds flavor {got}" if got else f"has no DeepEP build ({baselines.STAMP})"
         t.not_run = f"venv {venv} {held}: make baselines VENV={venv} DEEPEP_FLAVOR={lib.flavor}"
         return t
-    src, missing = srcs.get(lib.name), ""
-    if src is not None and not Path(src).expanduser().is_dir():
-        if not if_present:
-            raise UserError(f"--src {lib.name}={src}: no such folder")
-        src, missing = None, f"{src} does not exist"
+    src, missing = _given_path("--src", lib.name, srcs.get(lib.name), if_present, Path.is_dir)
     if src is None:
         built_from = str(t.stamp.get("source") or "")
         if not (built_from and Path(built_from).is_dir()):
