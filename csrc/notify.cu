@@ -162,6 +162,36 @@ __device__ __forceinline__ void wait_rows_and_offsets(const EpParams& p, int epo
   if (tid == 0) stamp(p, kStampNotifyEnd);
 }
 
+// One group of (up to) 8 expert ids per token, for each of a thread's kTokens tokens [t0, t0 + kTokens):
+// every distinct valid id counts once (against the group's earlier ids and the token's ids of
+// earlier groups, read back from topk_idx), into the token's destination-rank mask and the shared
+// per-expert counts (one atomic per distinct id in the warp where `aggregate`: few experts, many
+// lanes on one counter). Tokens at or past t_end hold only -1 ids. Shared by both notify kernels.
+template <int kTokens>
+__device__ __forceinline__ void count_id_group(const int (&ids)[kTokens][8], unsigned (&masks)[kTokens],
+                                               const int64_t* __restrict__ topk_idx, int t0, int t_end,
+                                               int topk, int k0, int E, bool aggregate, int lane,
+                                               int* expert_cnt) {
+#pragma unroll
+  for (int u = 0; u < kTokens; ++u) {
+    const int64_t* row = topk_idx + (size_t)(t0 + u < t_end ? t0 + u : 0) * topk;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      int e = ids[u][v];
+#pragma unroll
+      for (int w = 0; w < v; ++w) e = (ids[u][w] == e) ? -1 : e;  // duplicates count once
+      for (int j = 0; j < k0 && e >= 0; ++j) e = (row[j] == e) ? -1 : e;
+      if (e >= 0) masks[u] |= 1u << (e / E);
+      if (aggregate) {
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0 && lane == __ffs(same) - 1) atomicAdd(&expert_cnt[e], __popc(same));
+      } else if (e >= 0) {
+        atomicAdd(&expert_cnt[e], 1);
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kNotifyThreads, 1)
     notify_kernel(EpParams p, const int64_t* __restrict__ topk_idx, int num_tokens, int epoch) {
   extern __shared__ int expert_cnt[];  // [world * E]: my tokens per global expert
@@ -206,24 +236,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
           ids[u][v] = (e < 0 || e >= num_experts) ? -1 : (int)e;
         }
       }
-#pragma unroll
-      for (int u = 0; u < kTokensPerThread; ++u) {
-        const int64_t* row = topk_idx + (size_t)(t0 + u < num_tokens ? t0 + u : 0) * topk;
-#pragma unroll
-        for (int v = 0; v < 8; ++v) {
-          int e = ids[u][v];
-#pragma unroll
-          for (int w = 0; w < v; ++w) e = (ids[u][w] == e) ? -1 : e;  // duplicates count once
-          for (int j = 0; j < k0 && e >= 0; ++j) e = (row[j] == e) ? -1 : e;
-          if (e >= 0) masks[u] |= 1u << (e / E);
-          if (aggregate) {
-            const unsigned same = __match_any_sync(0xffffffffu, e);
-            if (e >= 0 && lane == __ffs(same) - 1) atomicAdd(&expert_cnt[e], __popc(same));
-          } else if (e >= 0) {
-            atomicAdd(&expert_cnt[e], 1);
-          }
-        }
-      }
+      count_id_group<kTokensPerThread>(ids, masks, topk_idx, t0, num_tokens, topk, k0, E, aggregate, lane,
+                                       expert_cnt);
     }
     unsigned long long lo = 0, hi = 0;
 #pragma unroll
@@ -368,24 +382,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         }
       }
       __syncwarp();  // the stage is refilled by the next k group
-#pragma unroll
-      for (int u = 0; u < kTPT; ++u) {
-        const int64_t* row = topk_idx + (size_t)(t0 + u < t_end ? t0 + u : 0) * topk;
-#pragma unroll
-        for (int v = 0; v < 8; ++v) {
-          int e = ids[u][v];
-#pragma unroll
-          for (int w = 0; w < v; ++w) e = (ids[u][w] == e) ? -1 : e;  // duplicates count once
-          for (int j = 0; j < k0 && e >= 0; ++j) e = (row[j] == e) ? -1 : e;
-          if (e >= 0) masks[u] |= 1u << (e / E);
-          if (aggregate) {
-            const unsigned same = __match_any_sync(0xffffffffu, e);
-            if (e >= 0 && lane == __ffs(same) - 1) atomicAdd(&expert_cnt[e], __popc(same));
-          } else if (e >= 0) {
-            atomicAdd(&expert_cnt[e], 1);
-          }
-        }
-      }
+      count_id_group<kTPT>(ids, masks, topk_idx, t0, t_end, topk, k0, E, aggregate, lane, expert_cnt);
     }
     unsigned long long lo = 0, hi = 0;
 #pragma unroll
