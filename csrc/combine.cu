@@ -282,18 +282,7 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   EpContext* ctx = (EpContext*)vctx;
   const EpParams& p = ctx->p;
   cudaStream_t stream = (cudaStream_t)vstream;
-  if (!ctx->peers_open) {
-    ep_set_error("peers not opened: call ep_open_peers first");
-    return -1;
-  }
-  if (num_tokens < 0 || num_tokens > p.max_tokens) {
-    ep_set_error("num_tokens %d outside 0..max_tokens %d", num_tokens, p.max_tokens);
-    return -1;
-  }
-  if (num_sms < 1 || warps < 1 || warps > 16) {
-    ep_set_error("num_sms must be >= 1 and warps 1..16 (got %d, %d)", num_sms, warps);
-    return -1;
-  }
+  if (ep_check_call(ctx, num_tokens, num_sms, warps, 16) != 0) return -1;
   CUDA_CHECK(cudaSetDevice(ctx->device));
   CombineArgs a;
   a.out = (uint4*)out;

@@ -162,6 +162,24 @@ struct EpContext {
   ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
 };
 
+// The checks ep_dispatch and ep_combine both make before launching: peers open, the token count
+// within the buffers, an SM count and 1..max_warps warps. 0, or -1 with the error set.
+inline int ep_check_call(const EpContext* ctx, int num_tokens, int num_sms, int warps, int max_warps) {
+  if (!ctx->peers_open) {
+    ep_set_error("peers not opened: call ep_open_peers first");
+    return -1;
+  }
+  if (num_tokens < 0 || num_tokens > ctx->p.max_tokens) {
+    ep_set_error("num_tokens %d outside 0..max_tokens %d", num_tokens, ctx->p.max_tokens);
+    return -1;
+  }
+  if (num_sms < 1 || warps < 1 || warps > max_warps) {
+    ep_set_error("num_sms must be >= 1 and warps 1..%d (got %d, %d)", max_warps, num_sms, warps);
+    return -1;
+  }
+  return 0;
+}
+
 // ---- launchers (each next to its kernel) ----
 // num_sms: the data kernel's blocks; the grid notify uses up to that many.
 int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, int num_sms, int epoch,

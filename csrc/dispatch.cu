@@ -303,21 +303,10 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   EpContext* ctx = (EpContext*)vctx;
   const EpParams& p = ctx->p;
   cudaStream_t stream = (cudaStream_t)vstream;
-  if (!ctx->peers_open) {
-    ep_set_error("peers not opened: call ep_open_peers first");
-    return -1;
-  }
-  if (num_tokens < 0 || num_tokens > p.max_tokens) {
-    ep_set_error("num_tokens %d outside 0..max_tokens %d", num_tokens, p.max_tokens);
-    return -1;
-  }
+  if (ep_check_call(ctx, num_tokens, num_sms, warps, 32) != 0) return -1;
   if (impl != EP_DISPATCH_LEAN && impl != EP_DISPATCH_LEAN_DYN) {
     ep_set_error("dispatch impl %d unknown (EP_DISPATCH_LEAN %d, EP_DISPATCH_LEAN_DYN %d)", impl, EP_DISPATCH_LEAN,
                  EP_DISPATCH_LEAN_DYN);
-    return -1;
-  }
-  if (num_sms < 1 || warps < 1 || warps > 32) {
-    ep_set_error("num_sms must be >= 1 and warps 1..32 (got %d, %d)", num_sms, warps);
     return -1;
   }
   const bool needs_scales = p.scale_bytes > 0 && !p.fused;
