@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -94,3 +95,33 @@ def test_torchrun_started_by_hand_runs_epbench_run(tmp_path):
     assert not (d / plan.PLAN).exists()  # no launcher: nothing was planned for other processes
     header = next(ln for ln in p.stdout.splitlines() if "op" in ln and "backend" in ln)
     assert "time us" in header and "algbw" not in header
+
+
+TWO_NODES = """
+model: {hidden: 256, tokens_per_rank: 16, topk: 4, experts_per_rank: 4}
+topology: {nodes: 2, gpus_per_node: 2}
+bench: {warmup: 1, iters: 2, backends: [reference], device: cpu, call_modes: [call]}
+"""
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_host_each_read_their_own_plan(tmp_path, write_scenario):
+    """Every node's launcher plans into its own results folder (not shared); its ranks read that
+    plan. The node that holds rank 0 records the run; the other says so and exits 0 as well."""
+    path = write_scenario("two-nodes", TWO_NODES)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EPBENCH_DEBUG")}
+    nodes = [subprocess.Popen([sys.executable, "-m", "epbench", "run", str(path), "--nnodes", "2",
+                               "--node-rank", str(n), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                               "--rdzv-timeout", "60", "--results", str(tmp_path / f"node{n}")],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1)]
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    runs = [d for n in (0, 1) for d in (tmp_path / f"node{n}").iterdir()]
+    assert len(runs) == 1, runs  # one node recorded the run, the other left no folder behind
+    meta = json.loads((runs[0] / "meta.json").read_text())
+    assert meta["status"] == "complete" and meta["world"] == 4 and meta["options"]["backends"] == ["reference"]
+    assert plan.read(runs[0] / plan.PLAN).nnodes == 2
