@@ -313,6 +313,14 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
                 mps=mps, **common)
 
 
+def _plan_options(params: dict) -> dict:
+    """run / sweep's own parameters as _plan's keywords (the names are the same), --wide and
+    --columns made one column choice."""
+    given = {k: v for k, v in params.items() if k not in ("path", "wide", "columns")}
+    given["columns"] = _table_choice(params["wide"], params["columns"])
+    return given
+
+
 def _table_choice(wide: bool, columns: Optional[str]) -> Optional[Tuple[str, ...]]:
     """--wide / --columns of run and sweep, checked (they change what is printed, never what is
     measured); None: the default table."""
@@ -341,17 +349,12 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
     `epbench plot`). Use run for a first look or a check, sweep to chart a curve.
 
     Example: epbench run scenarios/smoke.yaml --device cpu"""
-    chosen = _table_choice(wide, columns)
+    given = _plan_options(locals())
     paths = [path] if path is not None or launch.under_torchrun() else default_scenarios()
     worst = 0
     for p in paths:
         try:
-            _launch("run", p, nproc=nproc, backends=backends, sms=sms, iters=iters, warmup=warmup,
-                    device=device, results=results, nnodes=nnodes, node_rank=node_rank,
-                    rdzv_endpoint=rdzv_endpoint, run_dir=run_dir, inject_fault=inject_fault,
-                    no_ceilings=no_ceilings, tokens=tokens, rdzv_timeout=rdzv_timeout, mps=mps,
-                    option=option, control_timeout=control_timeout, graph_chain=graph_chain,
-                    input_sets=input_sets, call_modes=call_modes, columns=chosen)
+            _launch("run", p, **given)
         except typer.Exit as e:
             worst = worst or e.exit_code
     raise typer.Exit(worst)
@@ -375,15 +378,10 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
     required), with a progress bar; one results folder for all, ready for `epbench plot`.
 
     Example: epbench sweep scenarios/dsv3x4-1gpu.yaml --sms 8,16,24,32"""
-    chosen = _table_choice(wide, columns)
+    given = _plan_options(locals())
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
-    _launch("sweep", path, nproc=nproc, backends=backends, sms=sms, iters=iters, warmup=warmup,
-            device=device, results=results, nnodes=nnodes, node_rank=node_rank,
-            rdzv_endpoint=rdzv_endpoint, run_dir=run_dir, inject_fault=inject_fault,
-            no_ceilings=no_ceilings, tokens=tokens, rdzv_timeout=rdzv_timeout, mps=mps,
-            option=option, control_timeout=control_timeout, graph_chain=graph_chain,
-            input_sets=input_sets, call_modes=call_modes, columns=chosen)
+    _launch("sweep", path, **given)
 
 
 @app.command()
