@@ -240,48 +240,61 @@ def check_graph_chain(k: Optional[int]) -> int:
     return k
 
 
-def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, warmup, device,
-            results: Path, nnodes, node_rank, rdzv, run_dir, fault, no_ceilings: bool = False,
-            tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False,
-            option: Optional[List[str]] = None, control_timeout: Optional[float] = None,
-            graph_chain: Optional[int] = None, input_sets: Optional[str] = None,
-            call_modes: Optional[str] = None) -> None:
-    import contextlib
+def _launch(command: str, path: Optional[Path], **given) -> None:
+    """run and sweep: the plan of the launch, then its jobs (or, in a process that torchrun
+    started by hand, this rank's part of it)."""
+    p = _plan(command, path, **given)
+    if launch.under_torchrun():  # torchrun started by hand: this process is one of the ranks
+        from epbench.rank import run_plan
+
+        raise typer.Exit(run_plan(p, 0, launched=False))
+    from epbench.launcher import start
+
+    raise typer.Exit(start(p))
+
+
+def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=None, iters=None,
+          warmup=None, device=None, results: Path = Path("results"), nnodes=None, node_rank=None,
+          rdzv_endpoint=None, run_dir=None, inject_fault=None, no_ceilings: bool = False,
+          tokens: Optional[str] = None, rdzv_timeout: Optional[int] = None, mps: bool = False,
+          option: Optional[List[str]] = None, control_timeout: Optional[float] = None,
+          graph_chain: Optional[int] = None, input_sets: Optional[str] = None,
+          call_modes: Optional[str] = None, columns: Optional[Tuple[str, ...]] = None):
+    """The checked options of run / sweep as a plan (epbench/plan.py); its run folder is claimed
+    here (torchrun started by hand: rank 0 makes one). UserError for anything wrong."""
     import dataclasses
 
-    from epbench import options
+    from epbench.plan import Plan
 
     launch.apply_safe_env()
-    if path is None and launch.under_torchrun():
+    by_hand = launch.under_torchrun()
+    if path is None and by_hand:
         raise UserError("a scenario file is required under torchrun")
     token_list = scenario.maybe_int_list(tokens, "--tokens", scenario.MAX_SHAPE["tokens_per_rank"])
     chain = check_graph_chain(graph_chain)
-    if not launch.under_torchrun():  # cheap checks of the output folders before torch comes in
+    if not by_hand:  # cheap checks of the output folders before torch comes in
         from epbench.results import check_new_run_dir
 
         check_new_run_dir(results, run_dir)
     path = path or default_scenario()
     s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option, input_sets, call_modes)
-    if fault not in (None, "dispatch", "combine"):
-        raise UserError(f"--inject-fault: must be dispatch or combine, got {scenario.shown(fault)}")
-    opts = dataclasses.replace(opts, inject_fault=fault, ceilings=not no_ceilings, tokens=token_list,
-                               graph_chain=chain)
+    if inject_fault not in (None, "dispatch", "combine"):
+        raise UserError(f"--inject-fault: must be dispatch or combine, got {scenario.shown(inject_fault)}")
+    opts = dataclasses.replace(opts, inject_fault=inject_fault, ceilings=not no_ceilings,
+                               tokens=token_list, graph_chain=chain)
     if control_timeout is None:
         control_timeout = s.bench.control_timeout_s
     if not 0 < control_timeout <= scenario.MAX_CONTROL_TIMEOUT_S:
         raise UserError(f"--control-timeout: must be positive and at most "
                         f"{scenario.MAX_CONTROL_TIMEOUT_S:g} s, got {control_timeout:g}")
-    if launch.under_torchrun():
-        from epbench.session import run_worker
-
-        code = run_worker(s, opts, device or s.bench.device, run_dir, results,
-                          [command] + sys.argv[2:], control_timeout,
-                          launched=bool(os.environ.get(RANK_ERRORS)))
-        raise typer.Exit(code)
+    common = dict(verb=command, scenario=s, options=opts, results=results,
+                  control_timeout_s=float(control_timeout), argv=tuple(sys.argv[1:]), columns=columns)
+    if by_hand:
+        return Plan(device=device or s.bench.device, run_dir=run_dir, jobs=(opts.backends,), **common)
     dev = resolve_device(s, device)
     check_memory(s, dev, opts.tokens)
     nodes = nnodes or 1
-    if nodes > 1 and not rdzv:
+    if nodes > 1 and not rdzv_endpoint:
         raise UserError("--nnodes: a multi-node run needs --rdzv-endpoint HOST:PORT (the same on every node)")
     if nodes > 1 and nodes != s.topology.nodes:
         raise UserError(f"--nnodes {nodes}: {s.source} describes {s.topology.nodes} node(s)")
@@ -291,52 +304,31 @@ def _launch(command: str, path: Optional[Path], nproc, backends, sms, iters, war
         raise UserError(f"{s.source}: topology.nodes: this scenario spans {s.topology.nodes} nodes; "
                         f"start it on every node with --nnodes {s.topology.nodes} --node-rank N "
                         f"--rdzv-endpoint HOST:PORT, or use --nproc to run its shape on one node")
+    from epbench.launcher import jobs_of
     from epbench.results import claim_run_dir, new_run_dir
-    from epbench.session import launch_run
 
     run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens)
-    args = [command, str(path), "--run-dir", str(run_dir), "--device", dev,
-            "--sms", ",".join(map(str, opts.sms)), "--iters", str(opts.iters),
-            "--warmup", str(opts.warmup), "--results", str(results),
-            "--control-timeout", repr(float(control_timeout)), "--graph-chain", str(opts.graph_chain),
-            "--input-sets", ",".join(map(str, s.bench.input_sets)), "--call-modes", ",".join(s.bench.call_modes)]
-    # --nproc stays here: torchrun's parser would take it for its own --nproc-per-node, and
-    # the ranks learn their number from torchrun anyway.
-    if fault:
-        args += ["--inject-fault", fault]
-    if no_ceilings:
-        args.append("--no-ceilings")
-    if opts.tokens:
-        args += ["--tokens", ",".join(map(str, opts.tokens))]
-    # One job per backend: a backend that kills its processes costs only its own points. Across
-    # nodes one job for all backends keeps the nodes in step (one rendezvous).
-    jobs = [",".join(opts.backends)] if nodes > 1 else list(opts.backends)
-
-    args += options.to_cli(options.parse_cli(option or []))
-
-    def job_command(backends: str) -> List[str]:
-        return launch.torchrun_args(args + ["--backends", backends], s.topology.ranks_per_host,
-                                    nodes, node_rank, rdzv, rdzv_timeout)
-
-    os.environ[RANK_ERRORS] = str(run_dir)
-    try:
-        with launch.private_mps() if mps and dev == "cuda" else contextlib.nullcontext():
-            code = launch_run(s, opts, jobs, run_dir, job_command, dev)
-    finally:
-        os.environ.pop(RANK_ERRORS, None)
-    raise typer.Exit(code)
+    return Plan(device=dev, run_dir=run_dir, jobs=jobs_of(opts.backends, nodes), nnodes=nodes,
+                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
+                mps=mps, **common)
 
 
-def _table_choice(wide: bool, columns: Optional[str]) -> None:
-    """--wide / --columns of run and sweep: checked here, carried to the ranks that print the
-    table in EPBENCH_COLUMNS (it changes what is printed, never what is measured)."""
+def _plan_options(params: dict) -> dict:
+    """run / sweep's own parameters as _plan's keywords (the names are the same), --wide and
+    --columns made one column choice."""
+    given = {k: v for k, v in params.items() if k not in ("path", "wide", "columns")}
+    given["columns"] = _table_choice(params["wide"], params["columns"])
+    return given
+
+
+def _table_choice(wide: bool, columns: Optional[str]) -> Optional[Tuple[str, ...]]:
+    """--wide / --columns of run and sweep, checked (they change what is printed, never what is
+    measured); None: the default table."""
     if not wide and columns is None:
-        return  # the default table; epbench.report (pandas, torch) is not imported before input is checked
+        return None  # epbench.report (pandas, torch) is not imported before input is checked
     from epbench.report import parse_columns
 
-    chosen = parse_columns(columns, wide)
-    if chosen is not None:
-        os.environ["EPBENCH_COLUMNS"] = ",".join(chosen)
+    return parse_columns(columns, wide)
 
 
 @app.command()
@@ -357,14 +349,12 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
     `epbench plot`). Use run for a first look or a check, sweep to chart a curve.
 
     Example: epbench run scenarios/smoke.yaml --device cpu"""
-    _table_choice(wide, columns)
+    given = _plan_options(locals())
     paths = [path] if path is not None or launch.under_torchrun() else default_scenarios()
     worst = 0
     for p in paths:
         try:
-            _launch("run", p, nproc, backends, sms, iters, warmup, device, results, nnodes, node_rank,
-                    rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
-                    control_timeout, graph_chain, input_sets, call_modes)
+            _launch("run", p, **given)
         except typer.Exit as e:
             worst = worst or e.exit_code
     raise typer.Exit(worst)
@@ -388,12 +378,10 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
     required), with a progress bar; one results folder for all, ready for `epbench plot`.
 
     Example: epbench sweep scenarios/dsv3x4-1gpu.yaml --sms 8,16,24,32"""
-    _table_choice(wide, columns)
+    given = _plan_options(locals())
     if sms is None and tokens is None:
         raise UserError("sweep: give --sms (SM counts) and/or --tokens (tokens per rank)")
-    _launch("sweep", path, nproc, backends, sms, iters, warmup, device, results, nnodes,
-            node_rank, rdzv_endpoint, run_dir, inject_fault, no_ceilings, tokens, rdzv_timeout, mps, option,
-            control_timeout, graph_chain, input_sets, call_modes)
+    _launch("sweep", path, **given)
 
 
 @app.command()
@@ -406,28 +394,38 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     """What dispatch/combine cost a GEMM running beside them on the other SMs, and back (CUDA).
 
     Example: epbench overlap scenarios/dsv3x4.yaml --nproc 1 --sms 8,16,32"""
+    import dataclasses
+
     import torch
 
     from epbench import overlap as ov
+    from epbench.plan import Plan
     from epbench.results import claim_run_dir, new_run_dir
 
     launch.apply_safe_env()
     spec = ov.parse_gemm(gemm)
     s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
     o = ov.OverlapOptions(opts.backends, opts.sms, opts.warmup, opts.iters, spec)
-    if launch.under_torchrun():
-        raise typer.Exit(ov.run_worker(s, o, run_dir, results, ["overlap"] + sys.argv[2:]))
-    if not torch.cuda.is_available():
-        raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
-    resolve_device(s, "cuda")
-    run_dir = claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens)
-    args = ["overlap", str(path), "--run-dir", str(run_dir), "--backends", ",".join(o.backends),
-            "--sms", ",".join(map(str, o.sms)), "--iters", str(o.iters), "--warmup", str(o.warmup),
-            "--gemm", gemm or ov.SQUARE_DEFAULT, "--results", str(results)]
-    code = launch.relaunch(launch.torchrun_args(args, s.topology.ranks_per_host), "cuda")
-    if run_dir.is_dir() and not any(run_dir.iterdir()):
-        run_dir.rmdir()
-    raise typer.Exit(code)
+    p = Plan(verb="overlap", scenario=s, options=o, device="cuda", argv=tuple(sys.argv[1:]),
+             results=results, run_dir=run_dir, jobs=(o.backends,))
+    if not launch.under_torchrun():
+        if not torch.cuda.is_available():
+            raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
+        resolve_device(s, "cuda")
+        p = dataclasses.replace(p, run_dir=claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens))
+    _start_one(p)
+
+
+def _start_one(p) -> None:
+    """overlap and ceiling: the plan's one job (in a process that torchrun started by hand, this
+    rank's part of it)."""
+    if launch.under_torchrun():  # torchrun started by hand: this process is one of the ranks
+        from epbench.rank import run_plan
+
+        raise typer.Exit(run_plan(p, 0, launched=False))
+    from epbench.launcher import start_one
+
+    raise typer.Exit(start_one(p))
 
 
 @app.command()
@@ -533,16 +531,18 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
             raise UserError(f"{opt}: must be at least {low}, got {v}")
     n_iters = s.bench.iters if iters is None else iters
     n_warmup = s.bench.warmup if warmup is None else warmup
-    if launch.under_torchrun():
-        raise typer.Exit(ce.run_worker(s, n_warmup, n_iters, console))
-    if s.topology.nodes > 1:
-        raise UserError(f"{s.source}: topology.nodes: ceilings are measured inside one node; "
-                        f"use --nproc N to run the shape on N GPUs of this node")
-    if resolve_device(s, device, share=False) != "cuda":
-        raise typer.Exit(ce.run_local(s, console))
-    args = ["ceiling", str(path), "--device", "cuda", "--iters", str(n_iters),
-            "--warmup", str(n_warmup)]
-    raise typer.Exit(launch.relaunch(launch.torchrun_args(args, s.topology.gpus_per_node), "cuda"))
+    from epbench.driver import RunOptions
+    from epbench.plan import Plan
+
+    p = Plan(verb="ceiling", scenario=s, options=RunOptions((), s.bench.sms, n_warmup, n_iters),
+             device="cuda", argv=tuple(sys.argv[1:]), ranks_per_node=s.topology.gpus_per_node)
+    if not launch.under_torchrun():
+        if s.topology.nodes > 1:
+            raise UserError(f"{s.source}: topology.nodes: ceilings are measured inside one node; "
+                            f"use --nproc N to run the shape on N GPUs of this node")
+        if resolve_device(s, device, share=False) != "cuda":
+            raise typer.Exit(ce.run_local(s, console))
+    _start_one(p)
 
 
 @app.command()
@@ -605,29 +605,15 @@ def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topolo
         console.print(f"wrote {json_out}")
 
 
-RANK_ERRORS = "EPBENCH_RANK_ERRORS"  # set by the launcher: the folder ranks leave their error in
-
-
-def _fail(e: BaseException, status: str, code: int) -> None:
-    """One line for an error (a traceback too with --debug). A rank started by the launcher
-    leaves the line for it instead, which prints one line for the whole job."""
-    from epbench.errors import ControlTimeout, KernelTimeout, first_line
+def _fail(e: BaseException, code: int) -> None:
+    """One line for an error (a traceback too with --debug); in a rank of torchrun started by
+    hand it names the rank."""
+    from epbench.errors import one_line
 
     if os.environ.get("EPBENCH_DEBUG"):
         traceback.print_exc()
-
-    known = isinstance(e, (UserError, VerificationFailed, StartupError, ControlTimeout, KernelTimeout))
-    line = " ".join(str(e).splitlines()) if known else first_line(e)  # one line, whatever it held
-    if launch.under_torchrun() and os.environ.get(RANK_ERRORS):
-        try:
-            launch.write_rank_error(Path(os.environ[RANK_ERRORS]), int(os.environ["RANK"]), status,
-                                    f"[rank {os.environ['RANK']}] {line}")
-        except OSError:  # the folder takes no more (a full disk): the line goes straight out
-            err.print(f"epbench: error: [rank {os.environ['RANK']}] {line}", markup=False,
-                      highlight=False, soft_wrap=True)
-    else:
-        where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
-        err.print(f"epbench: error: {where}{line}", markup=False, highlight=False, soft_wrap=True)
+    where = f"[rank {os.environ['RANK']}] " if launch.under_torchrun() else ""
+    err.print(f"epbench: error: {where}{one_line(e)}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -668,9 +654,9 @@ def _main() -> None:
         err.print("epbench: interrupted", markup=False, highlight=False)
         sys.exit(130)
     except (UserError, VerificationFailed, StartupError) as e:
-        _fail(e, "failed", e.exit_code)
+        _fail(e, e.exit_code)
     except (ControlTimeout, KernelTimeout) as e:
-        _fail(e, "timeout", 1)
+        _fail(e, 1)
     except Exception as e:
         sig = launch.signal_of(e)
         if sig is not None:  # Ctrl-C / SIGTERM while the launcher wrote the last status or table
@@ -678,4 +664,4 @@ def _main() -> None:
             sys.exit(launch.SIGNAL_EXIT[sig])
         if not launch.under_torchrun():
             raise  # the launcher's own bugs keep their traceback
-        _fail(e, "failed", 1)
+        _fail(e, 1)

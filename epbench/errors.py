@@ -36,3 +36,10 @@ def first_line(e: BaseException) -> str:
     """An unexpected error as one line: its type and the first line of its message."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else 'no detail'}"
+
+
+def one_line(e: BaseException) -> str:
+    """What the user reads of ``e``: one of the errors above says its whole message on one line;
+    anything else its type and first line."""
+    known = (UserError, VerificationFailed, StartupError, ControlTimeout, KernelTimeout)
+    return " ".join(str(e).splitlines()) if isinstance(e, known) else first_line(e)

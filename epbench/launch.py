@@ -1,4 +1,5 @@
-"""Process launch: re-executing under torchrun, and joining the process group inside it."""
+"""Process launch: torchrun started in this process for the ranks, and joining the process group
+inside it."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def under_torchrun() -> bool:
 
 def torchrun_args(args: List[str], nproc_per_node: int, nnodes: int = 1,
                   node_rank: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
-                  rdzv_timeout_s: Optional[int] = None, module: str = "epbench") -> List[str]:
-    """torchrun's own arguments for re-running ``python -m <module> <args>`` on every rank."""
+                  rdzv_timeout_s: Optional[int] = None, module: str = "epbench.rank") -> List[str]:
+    """torchrun's arguments for running ``python -m <module> <args>`` on every rank (epbench.rank:
+    the ranks' entry point, whose arguments name a plan and a job)."""
     cmd = [f"--nproc-per-node={nproc_per_node}"]
     if nnodes > 1 or rdzv_endpoint:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]

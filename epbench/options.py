@@ -180,12 +180,3 @@ def resolve(backend: str, given: Optional[Mapping[str, Any]] = None,
         else:
             out[key] = opt.default
     return out
-
-
-def to_cli(options: Mapping[str, Mapping[str, Any]]) -> Sequence[str]:
-    """The ``--option`` arguments that reproduce ``options`` (for the torchrun relaunch)."""
-    args = []
-    for backend, opts in options.items():
-        for key, value in opts.items():
-            args += ["--option", f"{backend}.{key}={value}"]
-    return args

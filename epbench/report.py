@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
@@ -302,10 +301,8 @@ def wrong_rows(df: pd.DataFrame, listed: int = 3) -> Optional[str]:
 
 def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None,
               columns: Optional[Sequence[str]] = None) -> None:
-    """The run's table; ``columns`` None: the choice EPBENCH_COLUMNS carries from run / sweep's
-    --wide / --columns into the ranks (it only changes what is printed), else the default."""
+    """The run's table; ``columns``: its columns by key (None: the default ones)."""
     console = console or wide_console()
-    columns = columns or parse_columns(os.environ.get("EPBENCH_COLUMNS") or None)
     scenario = meta.get("scenario", {})
     functional = ", no link figures" if meta.get("functional") else ""
     title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "

@@ -1,23 +1,23 @@
-"""One job inside torchrun: join the group, measure, and (rank 0) record and print."""
+"""The rank side of run and sweep: one job of a plan inside torchrun: join the group, measure, and
+(rank 0) record; print too where no launcher waits (torchrun started by hand)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from epbench import launch, metrics, provenance
-from epbench.backends import deepep_v2_env
 from epbench.driver import RunOptions, measure
 from epbench.errors import first_line
 from epbench.console import wide_console
 from epbench.report import print_run
 from epbench.results import RunWriter, new_run_dir
+from epbench.plan import Plan
 from epbench.scenario import Scenario
 
 
@@ -143,27 +143,27 @@ def _ceilings(s: Scenario, opts: RunOptions, comm: Any, on_note: Any,
     return found
 
 
-def run_worker(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path],
-               results_root: Path, argv: List[str], control_timeout_s: float,
-               launched: bool = False) -> int:
-    """One job on this rank. ``launched``: started by epbench's launcher, which runs one job per
-    backend into ``run_dir``, writes the final status and prints the table; otherwise (torchrun
-    started by hand) this job does all of that itself."""
+def run_worker(p: Plan, opts: RunOptions, launched: bool = True) -> int:
+    """One job of plan ``p`` on this rank, measuring ``opts`` (its backends: the job's).
+    ``launched``: started by epbench's launcher, which runs one job per backend into the run
+    folder, writes the final status and prints the table; otherwise (torchrun started by hand)
+    this job does all of that itself."""
+    device = p.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    comm = launch.init_distributed(device, control_timeout_s)
+    comm = launch.init_distributed(device, p.control_timeout_s)
     try:
-        return _run(s, opts, device, run_dir, results_root, argv, comm, launched)
+        return _run(p, opts, device, comm, launched)
     except Exception as e:
         if launch.is_timeout(e):
             raise comm.timeout_error(e) from e
         raise
 
 
-def _run(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path], results_root: Path,
-         argv: List[str], comm: Any, launched: bool) -> int:
+def _run(p: Plan, opts: RunOptions, device: str, comm: Any, launched: bool) -> int:
+    s, run_dir = p.scenario, p.run_dir
     if comm.world != s.world:
         s = s.with_world(comm.world)  # started by hand under torchrun with another size
     comm.arrive("scenario check")
@@ -173,14 +173,14 @@ def _run(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path], re
     writer: Optional[RunWriter] = None
     notes: List[str] = []
     if rank0:
-        meta: Dict[str, Any] = provenance.collect(argv, device)
+        meta: Dict[str, Any] = provenance.collect(list(p.argv), device)
         meta.update(scenario=dataclasses.asdict(s), world=comm.world,
                     options=dataclasses.asdict(opts), control_timeout_s=comm.control_timeout_s,
                     **sharing(comm))
         # what each backend's job loaded: one job may preload another NCCL (backends/deepep_v2_env.py)
         meta["backend_runtime"] = {b: {"nccl": meta.get("nccl"), "ld_preload": os.environ.get("LD_PRELOAD")}
                                    for b in opts.backends}
-        writer = RunWriter(run_dir or new_run_dir(results_root, s, opts.tokens), meta, append=launched)
+        writer = RunWriter(run_dir or new_run_dir(p.results, s, opts.tokens), meta, append=launched)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True,
                         disable=not (rank0 and opts.progress))
@@ -215,89 +215,22 @@ def _run(s: Scenario, opts: RunOptions, device: str, run_dir: Optional[Path], re
         writer.note(notes, wrong)
     elif writer is not None:
         writer.finish("complete", notes=notes, wrong=wrong)
-        show_run(writer.dir, console)
+        show_run(writer.dir, console, p.columns)
     comm.arrive("final barrier")
     dist.barrier()
     dist.destroy_process_group()
     return 1 if wrong and not launched else 0  # launched: the launcher says where (verification_failure)
 
 
-def show_run(run_dir: Path, console: Any) -> None:
-    """The run's table, a line per backend whose points were not measured, and the folder."""
+def show_run(run_dir: Path, console: Any, columns: Optional[Sequence[str]] = None) -> None:
+    """The run's table (``columns``: its columns, None: the default ones), a line per backend
+    whose points were not measured, and the folder."""
     from epbench.results import load_run, load_unmeasured
 
     meta, df = load_run(run_dir)
-    print_run(df, meta, console)
+    print_run(df, meta, console, columns)
     left = load_unmeasured(run_dir)
     for (backend, status), g in (left.groupby(["backend", "status"], sort=False) if not left.empty else ()):
         console.print(f"{backend}: {status} ({len(g) // 2} point{'s' if len(g) > 2 else ''} not measured)",
                       highlight=False, markup=False)
     console.print(f"results: {run_dir}")
-
-
-def job_points(opts: RunOptions, backend: str, tokens_per_rank: int) -> List[tuple]:
-    """(SM count, tokens per rank) of every point a job of ``backend`` would measure."""
-    from epbench.backends import load_backend
-
-    cls = load_backend(backend)[0]
-    sms = opts.sms if cls is not None and cls.uses_sms else (0,)
-    return [(n, t) for t in (opts.tokens or (tokens_per_rank,)) for n in sms]
-
-
-def verification_failure(run_dir: Path) -> Optional[launch.Outcome]:
-    """The run's outcome where rows failed verification: which backend, op and SM count, how
-    many rows, and the folder (None: every row verified)."""
-    from epbench.report import wrong_rows
-    from epbench.results import load_run
-
-    where = wrong_rows(load_run(run_dir)[1])
-    return launch.Outcome("failed", 1, f"verification failed: {where}; results: {run_dir}") if where else None
-
-
-def launch_run(s: Scenario, opts: RunOptions, jobs: List[str], run_dir: Path, job_command: Any,
-               device: str) -> int:
-    """The launcher: one torchrun job per entry of ``jobs`` (a --backends value; one backend
-    each on one node) into ``run_dir`` (a backend that aborts its
-    processes loses only its own points, which get ``failed: <reason>`` rows), then the final
-    status in meta.json, one line for the first failure and the table. Returns the exit code:
-    130 / 143 after SIGINT / SIGTERM (the rows measured so far are kept)."""
-    from epbench import results
-
-    first: Optional[launch.Outcome] = None
-    for job in jobs:
-        with deepep_v2_env.job_environment(job.split(",")):  # V2's own NCCL, for its job only
-            out = launch.run_job(job_command(job), device, run_dir)
-        if out.status == "interrupted":
-            first = out
-            break
-        if out.status == "complete":
-            continue
-        first = first or launch.Outcome(out.status, out.code, f"{job}: {out.line}")
-        if not (run_dir / results.META).is_file():
-            continue
-        for backend in job.split(","):
-            done = results.measured_points(run_dir, backend)
-            left = [p for p in job_points(opts, backend, s.model.tokens_per_rank) if p not in done]
-            results.add_rows(run_dir, results.unmeasured_rows(s.name, backend, left,
-                                                              f"{out.status}: {out.line}"))
-    (run_dir / CEILINGS_CACHE).unlink(missing_ok=True)
-    if first is None and (run_dir / results.META).is_file():
-        first = verification_failure(run_dir)
-    if not (run_dir / results.META).is_file():  # no job got as far as writing anything
-        if first is not None:
-            print(f"epbench: error: {first.line}", file=sys.stderr)
-        if run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-        return first.code if first is not None else 1
-    options = dict(dataclasses.asdict(opts), backends=list(opts.backends))
-    meta = results.finish_run(run_dir, first.status if first else "complete",
-                              first.line if first else None, options=options)
-    if first is not None and first.status == "interrupted":
-        kept = len(results.load_run(run_dir)[1])
-        print(f"epbench: {first.line}: {kept} measured rows kept in {run_dir}", file=sys.stderr)
-        return first.code
-    show_run(run_dir, wide_console())
-    if first is not None:
-        print(f"epbench: error: {first.line}", file=sys.stderr)
-        return first.code or 1
-    return 1 if meta.get("wrong") else 0

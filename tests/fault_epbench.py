@@ -1,7 +1,7 @@
 """`python -m fault_epbench ARGS` is `python -m epbench ARGS` with the backends of
 tests/fault_backends.py registered, in the launcher and in every rank it starts: this module adds
-them to epbench's registry and has torchrun start the ranks with this module instead of epbench's
-own, so epbench itself knows no test backend. ``env()``: what the command's environment needs (this
+them to epbench's registry and has torchrun start the ranks with this module, which then runs
+epbench's rank entry (epbench.rank) with the same registry, so epbench itself knows no test backend. ``env()``: what the command's environment needs (this
 folder on PYTHONPATH, and where the misbehaving rank leaves its mark)."""
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def main() -> None:
     from epbench import backend_names, launch  # light, as epbench's own __main__ imports first
 
     backend_names.REGISTRY.update(REGISTRY)
+    if launch.under_torchrun():  # a rank the launcher below started: PLAN JOB
+        runpy.run_module("epbench.rank", run_name="__main__", alter_sys=True)
+        return
     launch.torchrun_args = functools.partial(launch.torchrun_args, module="fault_epbench")
     runpy.run_module("epbench", run_name="__main__", alter_sys=True)
 

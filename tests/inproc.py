@@ -12,7 +12,7 @@ def epbench_here(monkeypatch, capsys, *args: object) -> Result:
     """Exit code, stdout and stderr of ``epbench ARGS`` as main() leaves them."""
     from epbench import cli
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EPBENCH_DEBUG", "EPBENCH_COLUMNS"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EPBENCH_DEBUG"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", ["epbench", *map(str, args)])
     capsys.readouterr()

@@ -350,22 +350,20 @@ def test_a_rank_whose_error_file_cannot_be_written_says_its_line_itself(tmp_path
     """A full disk takes the rank's error file too: the line goes to stderr instead of a traceback."""
     import errno
 
-    from epbench import cli, launch
+    from epbench import launch, plan, rank
     from epbench.errors import UserError
 
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def boom(**_click_options):
+    def boom(*_args, **_kwargs):
         raise UserError("/r/samples.csv: cannot write (No space left on device)")
 
     monkeypatch.setattr(launch, "write_rank_error", full)
-    monkeypatch.setattr(launch, "leave", lambda code: sys.exit(code))  # a rank's os._exit would end pytest
-    monkeypatch.setattr(cli, "app", boom)
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), (cli.RANK_ERRORS, str(tmp_path))):
+    monkeypatch.setattr(plan, "read", lambda path: None)
+    monkeypatch.setattr(rank, "run_plan", boom)
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), (launch.LAUNCHER_ENV, "1:1")):
         monkeypatch.setenv(k, v)
-    with pytest.raises(SystemExit) as e:
-        cli.main()
-    assert e.value.code == 2
+    assert rank.run([str(tmp_path / "plan.json"), "0"]) == 2
     assert capsys.readouterr().err == ("epbench: error: [rank 0] /r/samples.csv: cannot write "
                                        "(No space left on device)\n")

@@ -52,7 +52,7 @@ def run_folder(tmp_path: Path) -> Path:
 
 
 def processes_of(folder: Path) -> list:
-    """Processes whose command line names the run folder (the ranks get it as --run-dir)."""
+    """Processes whose command line names the run folder (the ranks get its plan.json)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:

@@ -12,9 +12,9 @@ from support import epbench, epbench_here
 
 
 def test_single_node_is_standalone_and_multi_node_uses_c10d():
-    one = torchrun_args(["run", "x.yaml"], 4)
-    assert "--standalone" in one and one[-3:] == ["epbench", "run", "x.yaml"]
-    many = torchrun_args(["run", "x.yaml"], 8, nnodes=4, node_rank=2, rdzv_endpoint="h:1",
+    one = torchrun_args(["r/plan.json", "0"], 4)
+    assert "--standalone" in one and one[-4:] == ["-m", "epbench.rank", "r/plan.json", "0"]
+    many = torchrun_args(["r/plan.json", "0"], 8, nnodes=4, node_rank=2, rdzv_endpoint="h:1",
                          rdzv_timeout_s=30)
     assert {"--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "--node-rank=2",
             "--rdzv-conf=join_timeout=30"} <= set(many)

@@ -18,7 +18,8 @@ TESTS = PKG.parent / "tests"
 LOWER = ("epbench.errors", "epbench.contract", "epbench.scenario", "epbench.routing", "epbench.inputs",
          "epbench.verify", "epbench.metrics", "epbench.layout", "epbench.mxfp8", "epbench.options",
          "epbench.backend_names")
-UPPER = ("epbench.backends", "epbench.driver", "epbench.session", "epbench.launch", "epbench.cli",
+UPPER = ("epbench.backends", "epbench.driver", "epbench.plan", "epbench.session", "epbench.launch",
+         "epbench.launcher", "epbench.rank", "epbench.cli",
          "epbench.report", "epbench.plot", "epbench.compare", "epbench.overlap")
 
 

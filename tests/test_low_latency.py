@@ -54,26 +54,26 @@ def test_bad_graph_chain_is_one_line(verb, value, tmp_path):
 
 
 def test_graph_chain_reaches_the_ranks_and_the_options(monkeypatch, tmp_path):
-    """The launcher passes --graph-chain K on to the ranks' command line and into RunOptions
-    (the meta.json options are RunOptions); no value: the default, 0: off."""
+    """--graph-chain K goes into RunOptions (the meta.json options are RunOptions) in the plan
+    the ranks read; no value: the default, 0: off."""
     import typer
 
-    from epbench import cli, scenario, session
+    from epbench import cli, launcher, plan, scenario
 
     seen = {}
 
-    def fake_launch_run(s, opts, jobs, run_dir, job_command, dev):
-        seen["opts"], seen["argv"] = opts, job_command(jobs[0])
+    def fake_start(p):
+        seen["plan"] = p
         return 0
 
-    monkeypatch.setattr(session, "launch_run", fake_launch_run)
+    monkeypatch.setattr(launcher, "start", fake_start)
     for given, want in ((None, scenario.GRAPH_CHAIN), (0, 0), (16, 16)):
         with pytest.raises(typer.Exit):
-            cli._launch("sweep", Path(SMOKE_LL), None, "reference", None, None, None, "cpu",
-                        tmp_path / f"r{want}", None, None, None, None, None, True, "1", graph_chain=given)
-        assert seen["opts"].graph_chain == want
-        argv = seen["argv"]
-        assert argv[argv.index("--graph-chain") + 1] == str(want)
+            cli._launch("sweep", Path(SMOKE_LL), backends="reference", device="cpu",
+                        results=tmp_path / f"r{want}", no_ceilings=True, tokens="1", graph_chain=given)
+        p = seen["plan"]
+        assert p.options.graph_chain == want
+        assert plan.read(plan.write(p, p.run_dir)).job_options(0).graph_chain == want
     assert scenario.GRAPH_CHAIN == 8
 
 

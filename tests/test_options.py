@@ -34,7 +34,6 @@ def test_bad_options_are_one_line_user_errors(data, match) -> None:
 def test_cli_items_bare_and_qualified() -> None:
     got = options.parse_cli(["dispatch_impl=lean", "epbench.combine_warps=8", "epbench-ll.combine_chunk=2"])
     assert got == {"epbench": {"dispatch_impl": "lean", "combine_warps": 8}, "epbench-ll": {"combine_chunk": 2}}
-    assert options.parse_cli(options.to_cli(got)[1::2]) == got  # what the relaunch passes reads back the same
 
 
 @pytest.mark.parametrize("item,match", [

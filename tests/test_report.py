@@ -163,9 +163,16 @@ def test_columns_option_picks_and_rejects():
     assert "time us" not in text and " 7.5 " in line_with(text, "reference")
 
 
-def test_run_table_obeys_the_columns_carried_in_the_environment(monkeypatch):
-    monkeypatch.setenv("EPBENCH_COLUMNS", "op,time")
-    header = line_with(table_lines(rows()), "op", "time us")
+def test_the_run_table_shows_the_columns_the_plan_carries(tmp_path):
+    """run / sweep's --wide / --columns travel in the plan to whoever prints the table."""
+    from epbench.results import RunWriter
+    from epbench.session import show_run
+
+    d = tmp_path / "run"
+    RunWriter(d, META).add(rows(), [])
+    c = console()
+    show_run(d, c, ("op", "time"))
+    header = line_with(c.export_text(), "op", "time us")
     assert "algbw" not in header
 
 
@@ -252,7 +259,7 @@ def test_wrong_rows_say_where_in_one_line():
 def test_the_launcher_says_verification_failed_and_where(tmp_path):
     """Not "rank 0 exited with code 1": the failing backend, op and SM count, the count and the folder."""
     from epbench.results import RunWriter
-    from epbench.session import verification_failure
+    from epbench.launcher import verification_failure
 
     d = tmp_path / "run"
     w = RunWriter(d, META)

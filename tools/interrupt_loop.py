@@ -25,8 +25,9 @@ EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 def alive(results: str) -> list:
-    """pids of processes of this run (the ranks carry the results folder on their command line)."""
-    out = subprocess.run(["pgrep", "-f", "--", f"--results {results}"], capture_output=True, text=True)
+    """pids of processes of this run (the launcher's command line names the results folder, the
+    ranks' the plan.json inside it)."""
+    out = subprocess.run(["pgrep", "-f", "--", results], capture_output=True, text=True)
     return out.stdout.split()
 
 

@@ -1,0 +1,135 @@
+"""The launcher side of a run: the plan written into the run folder, one torchrun job per entry of
+``plan.jobs`` (each rank runs ``python -m epbench.rank PLAN JOB``), then the final status in
+meta.json, one line for the first failure and the table. The ranks' side: rank.py, session.py."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from epbench import launch
+from epbench import plan as plans
+from epbench.backends import deepep_v2_env
+from epbench.console import wide_console
+from epbench.driver import RunOptions
+from epbench.plan import Plan
+from epbench.session import CEILINGS_CACHE, show_run
+
+
+def jobs_of(backends: Tuple[str, ...], nnodes: int) -> Tuple[Tuple[str, ...], ...]:
+    """One job per backend: a backend that kills its processes costs only its own points. Across
+    nodes one job for all backends keeps the nodes in step (one rendezvous)."""
+    return (tuple(backends),) if nnodes > 1 else tuple((b,) for b in backends)
+
+
+def job_command(p: Plan, plan_path: Path, job: int) -> List[str]:
+    """torchrun's arguments for job ``job`` of the plan in ``plan_path``."""
+    return launch.torchrun_args([str(plan_path), str(job)],
+                                p.ranks_per_node or p.scenario.topology.ranks_per_host,
+                                p.nnodes, p.node_rank, p.rdzv_endpoint, p.rdzv_timeout_s)
+
+
+def start(p: Plan) -> int:
+    """run and sweep: the plan into its run folder, the jobs (beside a private MPS daemon where
+    the plan asks for one); returns the exit code."""
+    path = plans.write(p, p.run_dir)
+    with launch.private_mps() if p.mps and p.device == "cuda" else contextlib.nullcontext():
+        return launch_run(p, path)
+
+
+def start_one(p: Plan) -> int:
+    """overlap and ceiling: the plan's one job, one line for a failure; returns the exit code.
+    The plan goes into the run folder (overlap) or a temporary one (ceiling writes no results);
+    a run folder that holds nothing else afterwards is removed."""
+    folder = p.run_dir or Path(tempfile.mkdtemp(prefix=f"epbench-{p.verb}-"))
+    try:
+        out = launch.run_job(job_command(p, plans.write(p, folder), 0), p.device, folder)
+    finally:
+        if p.run_dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            _drop_if_empty(folder)
+    if out.line:
+        print(f"epbench: error: {out.line}", file=sys.stderr)
+    return out.code
+
+
+def _drop_if_empty(run_dir: Path) -> None:
+    """Removes a run folder in which no job wrote anything: its plan alone records no run."""
+    if run_dir.is_dir() and all(f.name == plans.PLAN for f in run_dir.iterdir()):
+        (run_dir / plans.PLAN).unlink(missing_ok=True)
+        run_dir.rmdir()
+
+
+def job_points(opts: RunOptions, backend: str, tokens_per_rank: int) -> List[tuple]:
+    """(SM count, tokens per rank) of every point a job of ``backend`` would measure."""
+    from epbench.backends import load_backend
+
+    cls = load_backend(backend)[0]
+    sms = opts.sms if cls is not None and cls.uses_sms else (0,)
+    return [(n, t) for t in (opts.tokens or (tokens_per_rank,)) for n in sms]
+
+
+def verification_failure(run_dir: Path) -> Optional[launch.Outcome]:
+    """The run's outcome where rows failed verification: which backend, op and SM count, how
+    many rows, and the folder (None: every row verified)."""
+    from epbench.report import wrong_rows
+    from epbench.results import load_run
+
+    where = wrong_rows(load_run(run_dir)[1])
+    return launch.Outcome("failed", 1, f"verification failed: {where}; results: {run_dir}") if where else None
+
+
+def launch_run(p: Plan, plan_path: Path) -> int:
+    """The plan's jobs into its run folder (a backend that aborts its processes loses only its
+    own points, which get ``failed: <reason>`` rows), then the final status in meta.json, one
+    line for the first failure and the table. Returns the exit code: 130 / 143 after SIGINT /
+    SIGTERM (the rows measured so far are kept)."""
+    from epbench import results
+
+    s, opts, run_dir = p.scenario, p.options, p.run_dir
+    first: Optional[launch.Outcome] = None
+    for i, job in enumerate(p.jobs):
+        with deepep_v2_env.job_environment(job):  # V2's own NCCL, for its job only
+            out = launch.run_job(job_command(p, plan_path, i), p.device, run_dir)
+        if out.status == "interrupted":
+            first = out
+            break
+        if out.status == "complete":
+            continue
+        first = first or launch.Outcome(out.status, out.code, f"{','.join(job)}: {out.line}")
+        if not (run_dir / results.META).is_file():
+            continue
+        for backend in job:
+            done = results.measured_points(run_dir, backend)
+            left = [pt for pt in job_points(opts, backend, s.model.tokens_per_rank) if pt not in done]
+            results.add_rows(run_dir, results.unmeasured_rows(s.name, backend, left,
+                                                              f"{out.status}: {out.line}"))
+    (run_dir / CEILINGS_CACHE).unlink(missing_ok=True)
+    if first is None and (run_dir / results.META).is_file():
+        first = verification_failure(run_dir)
+    if not (run_dir / results.META).is_file():  # no job got as far as writing anything
+        _drop_if_empty(run_dir)
+        if first is None and p.nnodes > 1:  # rank 0 is on another node: that node records the run
+            print("this node's ranks finished; the node that holds rank 0 writes the results")
+            return 0
+        if first is not None:
+            print(f"epbench: error: {first.line}", file=sys.stderr)
+        return first.code if first is not None else 1
+    options = dict(dataclasses.asdict(opts), backends=list(opts.backends))
+    meta = results.finish_run(run_dir, first.status if first else "complete",
+                              first.line if first else None, options=options)
+    if first is not None and first.status == "interrupted":
+        kept = len(results.load_run(run_dir)[1])
+        print(f"epbench: {first.line}: {kept} measured rows kept in {run_dir}", file=sys.stderr)
+        return first.code
+    show_run(run_dir, wide_console(), p.columns)
+    if first is not None:
+        print(f"epbench: error: {first.line}", file=sys.stderr)
+        return first.code or 1
+    return 1 if meta.get("wrong") else 0

@@ -1,0 +1,84 @@
+"""launcher.py: the plan written where the ranks read it, the jobs that name it, what is left of a
+folder no job wrote into; and what the overlap and ceiling commands plan (CUDA-only verbs, their
+launch checked here with the jobs faked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from epbench import launch, launcher, plan, scenario
+from epbench.driver import RunOptions
+from support import SCENARIOS
+
+SMOKE = str(SCENARIOS / "smoke.yaml")
+
+
+@pytest.fixture
+def jobs(monkeypatch):
+    """The torchrun jobs the launcher starts (faked: each ends as ``jobs.outcome``)."""
+    class Jobs(list):
+        outcome = launch.Outcome("complete")
+
+    started = Jobs()
+
+    def fake_job(torchrun, device, error_dir=None):
+        started.append((torchrun, device, error_dir))
+        return started.outcome
+
+    monkeypatch.setattr(launch, "run_job", fake_job)
+    return started
+
+
+def test_the_launcher_starts_ranks_on_the_plan_in_the_run_folder(tmp_path, jobs):
+    """One torchrun job per backend, each naming the run folder's plan.json and its job."""
+    p = plan.Plan(verb="run", scenario=scenario.load(SMOKE), options=RunOptions(("reference", "epbench"), (4,), 1, 2),
+                  device="cpu", argv=("run",), results=tmp_path, run_dir=tmp_path / "run",
+                  jobs=(("reference",), ("epbench",)))
+    (tmp_path / "run").mkdir()
+    assert launcher.start(p) == 1  # no job wrote anything (the fake ones): no results
+    path = str(tmp_path / "run" / plan.PLAN)
+    assert [(t[-4:], d) for t, _, d in jobs] == [(["-m", "epbench.rank", path, str(j)], tmp_path / "run")
+                                                 for j in (0, 1)]
+    assert not (tmp_path / "run").exists()  # a folder holding only its plan is no run
+
+
+def test_overlap_and_ceiling_start_one_job_on_their_plan(tmp_path, monkeypatch, jobs):
+    import torch
+    import typer
+
+    from epbench import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "resolve_device", lambda *args, **kwargs: "cuda")
+    monkeypatch.setattr(cli.sys, "argv", ["epbench", "overlap", SMOKE])
+    jobs.outcome = launch.Outcome("failed", 1, "rank 1 exited with code 3")
+    with pytest.raises(typer.Exit) as e:
+        cli.overlap(Path(SMOKE), nproc=2, sms="4,8", backends="reference", gemm="experts:64", iters=2,
+                    warmup=1, results=tmp_path / "res", run_dir=None)
+    assert e.value.exit_code == 1
+    (torchrun, device, folder), = jobs
+    assert device == "cuda" and "--nproc-per-node=2" in torchrun and torchrun[-2:] == [str(folder / plan.PLAN), "0"]
+    assert folder.parent == tmp_path / "res" and not folder.exists()  # nothing but its plan: removed
+    jobs.clear()
+    with pytest.raises(typer.Exit):
+        cli.ceiling(Path(SMOKE), nproc=2, iters=3, warmup=1, device="cuda")
+    (torchrun, device, folder), = jobs
+    assert "--nproc-per-node=2" in torchrun and not folder.exists()  # a temporary folder
+
+
+def test_start_one_hands_the_ranks_their_plan(tmp_path, monkeypatch, capsys):
+    """The plan the ranks read is the one the command made; a failure is the launcher's one line."""
+    seen = {}
+
+    def fake_job(torchrun, device, error_dir=None):
+        seen["plan"] = plan.read(Path(torchrun[-2]))
+        return launch.Outcome("failed", 1, "[rank 0] overlap: needs CUDA")
+
+    monkeypatch.setattr(launch, "run_job", fake_job)
+    p = plan.Plan(verb="ceiling", scenario=scenario.load(SMOKE), options=RunOptions((), (4,), 1, 2),
+                  device="cuda", argv=("ceiling", SMOKE), ranks_per_node=4)
+    assert launcher.start_one(p) == 1
+    assert seen["plan"] == p
+    assert capsys.readouterr().err == "epbench: error: [rank 0] overlap: needs CUDA\n"
