@@ -125,6 +125,10 @@ DIAGNOSTICS: Dict[str, Option] = {
                            "meanwhile; epbench/timing.py)", low=1.0, high=10_000.0, env="EPBENCH_HOST_LEAD_US"),
     "host_gate": Option(int, 1, "1: graph replays also wait on the host gate (epbench/timing.py HostGate); "
                         "0: the device sleep only", choices=(0, 1), env="EPBENCH_HOST_GATE"),
+    "fill_sync": Option(int, 0, "1: the untimed stand-in expert between dispatch and combine rebuilds its factor "
+                        "tensor from host memory each call, a host synchronisation (epbench/verify.py "
+                        "ll_expert_factors, as before the factors were cached); 0: cached",
+                        choices=(0, 1), env="EPBENCH_FILL_SYNC"),
 }
 
 

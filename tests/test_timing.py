@@ -117,13 +117,14 @@ def test_diagnostic_switches_parse_check_and_name_themselves():
     assert options.diagnostic("host_lead_us", {}) == 150.0
     assert options.diagnostic("host_lead_us", {"EPBENCH_HOST_LEAD_US": "600"}) == 600.0
     assert options.diagnostic("host_gate", {"EPBENCH_HOST_GATE": "0"}) == 0
+    assert options.diagnostic("fill_sync", {}) == 0
     with pytest.raises(UserError, match="EPBENCH_HOST_GATE: must be one of 0, 1, got 'off'"):
         options.diagnostic("host_gate", {"EPBENCH_HOST_GATE": "off"})
     with pytest.raises(UserError, match="EPBENCH_HOST_LEAD_US: must be a number in"):
         options.diagnostic("host_lead_us", {"EPBENCH_HOST_LEAD_US": "0"})  # overlap.lead divides by it
     assert options.diagnostics_set({}) == []
-    env = {"EPBENCH_HOST_GATE": "0", "EPBENCH_HOST_LEAD_US": "600", "EPBENCH_OTHER": "x"}
-    assert options.diagnostics_set(env) == ["EPBENCH_HOST_LEAD_US=600", "EPBENCH_HOST_GATE=0"]
+    env = {"EPBENCH_FILL_SYNC": "1", "EPBENCH_HOST_LEAD_US": "600", "EPBENCH_OTHER": "x"}
+    assert options.diagnostics_set(env) == ["EPBENCH_HOST_LEAD_US=600", "EPBENCH_FILL_SYNC=1"]
 
 
 def test_host_gate_switched_off_by_the_environment_never_touches_the_driver(monkeypatch):
@@ -143,18 +144,18 @@ def test_timing_note_gives_the_sleep_and_gate_in_force_and_every_switch_set(monk
 
     from epbench import timing
 
-    for var in ("EPBENCH_HOST_LEAD_US", "EPBENCH_HOST_GATE"):
+    for var in ("EPBENCH_HOST_LEAD_US", "EPBENCH_HOST_GATE", "EPBENCH_FILL_SYNC"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(timing, "_gate", SimpleNamespace(describe=lambda: "on"))
     monkeypatch.setattr(timing, "_lead_us", None)
     assert timing.method() == ("timing: per-call device events after a 150 us device sleep; host gate "
                                "(graph replays and calls that never wait for the device) on")
     monkeypatch.setenv("EPBENCH_HOST_LEAD_US", "612.5")
-    monkeypatch.setenv("EPBENCH_HOST_GATE", "0")
+    monkeypatch.setenv("EPBENCH_FILL_SYNC", "1")
     monkeypatch.setattr(timing, "_lead_us", None)
     note = timing.method()
     assert note.startswith("timing: per-call device events after a 612.5 us device sleep;")
-    assert note.endswith("; diagnostic switches set: EPBENCH_HOST_LEAD_US=612.5, EPBENCH_HOST_GATE=0")
+    assert note.endswith("; diagnostic switches set: EPBENCH_HOST_LEAD_US=612.5, EPBENCH_FILL_SYNC=1")
     assert timing.lead_us() == 612.5
 
 

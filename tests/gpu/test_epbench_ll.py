@@ -40,6 +40,39 @@ def test_ll_kernels_match_verification(built: None, nproc: int, sync: str) -> No
     assert "PASS" in r.stdout
 
 
+def test_stand_in_expert_synchronises_the_host_only_on_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The untimed fill between every timed dispatch and combine (verify.ll_expert_output,
+    em_expert_output): after the first call it makes no synchronising CUDA call; EPBENCH_FILL_SYNC=1
+    (the uncached factors) makes one every call, which this check must see."""
+    from epbench import verify
+    from epbench.layout import ExpertMajor
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(4, 8, 256, device=dev).to(torch.float8_e4m3fn)
+    scales = torch.rand(4, 8, 2, device=dev)
+    table = ExpertMajor(torch.tensor([3, 2], device=dev), torch.tensor([0, 4], device=dev), 8, 4)
+
+    def fills() -> None:
+        verify.ll_expert_output(x, scales, 8)
+        verify.em_expert_output(x[0], scales[0], table, 8)
+
+    for sync in (False, True):
+        monkeypatch.setattr(verify, "_factors", {})
+        monkeypatch.setattr(verify, "_fill_sync", sync)
+        fills()  # the first call makes the factors
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if sync:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    fills()
+            else:
+                fills()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
 SCENARIO = """
 mode: low_latency
 model: {{hidden: 7168, tokens_per_rank: 128, topk: 8, experts_per_rank: {epr}, dispatch_dtype: {dtype}}}
