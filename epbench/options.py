@@ -89,6 +89,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                           "notes/LATENCY.md round 3), grid (a grid-wide release / wait / finish through block "
                           "counters, LL v3), auto (token where its shared memory fits, else grid; rows record "
                           "the one used)", choices=("auto", "grid", "token"), env="EPBENCH_LL_SYNC"),
+        "combine_order": Option(str, "source", "order of the combine's pushes: source (destination-major, "
+                                "every rank pushes to the lowest rank first) or rotated (destination-minor from "
+                                "rank + 1 on, as the dispatch sends); outputs bit-identical, the default until "
+                                "measured", choices=("source", "rotated"), env="EPBENCH_LL_COMBINE_ORDER"),
     },
     "epbench-hier": {
         "send_share": Option(float, 0.5, "share of the num_sms blocks that send", low=0.0, high=1.0,

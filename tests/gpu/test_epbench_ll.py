@@ -1,6 +1,7 @@
 """GPU checks of the low-latency kernels (backend epbench-ll): torchrun starts
 tests/gpu/ll_worker.py, which checks every edge case against epbench.verify and the NCCL
-reference (launches and CUDA-graph replays) and a missing peer against the timeout; then the
+reference (launches and CUDA-graph replays) and a missing peer against the timeout, and the
+combine's two push orders against each other (bit-equal); then the
 whole pipeline through `epbench sweep --tokens` with both backends, every timing verified, and
 at world 1 the chain rows (K calls per op in one graph)."""
 
@@ -38,6 +39,16 @@ def test_ll_kernels_match_verification(built: None, nproc: int, sync: str) -> No
     r = torchrun(WORKER, nproc, "check", "--sync", sync, *(["--quick"] if nproc == 2 or shared(nproc) else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
+
+
+@pytest.mark.parametrize("sync", ["grid", "token"])
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_combine_push_orders_give_bit_equal_outputs(built: None, nproc: int, sync: str) -> None:
+    """combine_order rotated against source on the same dispatch, launched and replayed, every case
+    (uneven and empty batches included: the rotated order skips units past a short rank's tokens)."""
+    r = torchrun(WORKER, nproc, "orders", "--sync", sync, *(["--quick"] if shared(nproc) else []))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert f"orders world={nproc} ll_sync={sync}: PASS" in r.stdout
 
 
 def test_stand_in_expert_synchronises_the_host_only_on_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
