@@ -142,6 +142,11 @@ int ep_ll_destroy(void* ll_ctx);
 // epochs (no grid-wide step; protocol at the top of ll_dispatch.cu / ll_combine.cu). Call it before the
 // first ep_ll_dispatch; changing it afterwards is refused (the two keep different flags and epochs).
 int ep_ll_set_sync(void* ll_ctx, int sync);
+// In which order both combine kernels push their (rank, token, chunk) units (backend option combine_order):
+// 0 source (destination-major, lowest rank first; the default), 1 rotated (destination-minor from rank + 1 on,
+// as the dispatch sends). Outputs are bit-identical either way (ll_combine.cu, push_unit). Set it before
+// capturing a graph: a captured launch keeps the order it had.
+int ep_ll_set_combine_order(void* ll_ctx, int order);
 // Measuring aids (epbench/llprobe.py, notes/LATENCY.md); they change what later launches and captures
 // do, so set them before capturing. stamps: null (off, the default) or a device buffer of u64
 // [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase

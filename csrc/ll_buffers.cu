@@ -235,6 +235,18 @@ extern "C" int ep_ll_set_sync(void* vctx, int sync) {
   return 0;
 }
 
+// Both orders fill the same bytes and flags (ll_combine.cu, push_unit), so it may change between launches;
+// a captured graph keeps the order it was captured with.
+extern "C" int ep_ll_set_combine_order(void* vctx, int order) {
+  LlContext* ctx = (LlContext*)vctx;
+  if (order != kLlOrderSource && order != kLlOrderRotated) {
+    ep_set_error("low-latency combine order must be 0 (source) or 1 (rotated), got %d", order);
+    return -1;
+  }
+  ctx->lp.combine_order = order;
+  return 0;
+}
+
 // ---- measuring aids (ep_ll_set_probe, ep_ll_probe; notes/LATENCY.md) ----
 extern "C" int ep_ll_set_probe(void* vctx, void* stamps, int variant) {
   LlContext* ctx = (LlContext*)vctx;

@@ -4,11 +4,13 @@
 // first sums a token's experts that live on it (its partial), then the source adds the partials.
 //
 // Push phase (expert side, pre-reduced: one row per (token, rank), not per (token, expert)):
-// work unit = (source s, token t < T_s, chunk c of kV x 32 16-byte vectors), c fastest, units
-// strided over all warps of the grid. Lane k < topk reads tmap[s, t, k] and tw[s, t, k] (written
-// by s's dispatch; an entry of another epoch means expert k of t is not on this rank); for the
-// valid k, up to kG at a time, the warp loads chunk c of y[slot_k] (all loads in flight), adds
-// w_k * y in fp32, and stores the bf16 partial into crows[t * world + me] of rank s over NVLink.
+// work unit = (source s, token t < T_s, chunk c of kV x 32 16-byte vectors), units strided over all
+// warps of the grid in the order LlParams::combine_order names (push_unit: source-major in rank order,
+// c fastest; or rotated, destinations from me + 1 on taking turns). Lane k < topk reads tmap[s, t, k]
+// and tw[s, t, k] (written by s's dispatch; an entry of another epoch means expert k of t is not on
+// this rank); for the valid k, up to kG at a time, the warp loads chunk c of y[slot_k] (all loads in
+// flight), adds w_k * y in fp32, and stores the bf16 partial into crows[t * world + me] of rank s over
+// NVLink.
 // A token with no expert here costs one 8-byte load per lane and is skipped.
 // Release: one system-scope fence per block after its barrier (the memory-model argument is at
 // ll_last_block, ll_common.cuh); the last block of the grid (block counter 1) stores cflags[me] =
@@ -29,9 +31,10 @@
 //
 // Token sync (ll_sync = token, ll_combine_token_kernel): no grid-wide step. Epoch from eslots[1][b]
 // + 1, the dispatch's from eslots[0][b]; stored back into slots b, b + G, ... at the end.
-// Push: unit (peer s, token t < T_s, chunk c) as above (push_partial_chunk), then __syncwarp and lane
-// 0 stores tcflags[t, me, c] on s = epoch << 32 with st.release.sys (cumulative, as in dispatch). A
-// token with no expert here stores nothing: s waits only for the ranks t's topk_idx names.
+// Push: unit (peer s != me, token t < T_s, chunk c) as above (push_partial_chunk, push_unit), then
+// __syncwarp and lane 0 stores tcflags[t, me, c] on s = epoch << 32 with st.release.sys (cumulative,
+// as in dispatch). A token with no expert here stores nothing: s waits only for the ranks t's
+// topk_idx names.
 // Reduce: unit (my token t, chunk c): lane k < topk names t's expert e_k; for e_k on my rank the
 // warp reads y[slot] straight from tmap / tw (my own dispatch wrote them; no crows, no flag); for
 // each peer d that t names, the first such lane acquires tcflags[t, d, c] (bounded) and stands for
@@ -147,13 +150,60 @@ __device__ __forceinline__ bool push_partial_chunk(const EpParams& p, const LlPa
   return true;
 }
 
+// The push units of both kernels, in either order (LlCombineOrder). prefix [world + 1]: prefix sums in
+// rank order of the tokens pushed to each rank (T_s; 0 for a rank not pushed to); np: the ranks pushed to,
+// me + 1, me + 2, ... (mod world): the token kernel's world - 1 peers, the grid kernel's world ranks, itself
+// last. nch: chunks per row.
+//   source:  unit u -> (s, t, c) with st = u / nch, c = u % nch, s the rank whose prefix range holds st,
+//            t = st - prefix[s]: every warp of a wave pushes to the lowest ranks first. prefix[world] x nch units.
+//   rotated: unit u -> i = u % np, k = u / np, s = (me + 1 + i) % world, t = k / nch, c = k % nch, and no unit
+//            where t >= T_s: consecutive units go to different ranks, each rank's links take their share of
+//            every wave. np x max_s T_s x nch units, the ones past a short rank's T_s skipped.
+// Both name every (s, t, c) with s pushed to, t < T_s, c < nch exactly once. Outputs are bit-identical
+// between the orders: a unit's partial depends on (s, t, c) alone (tmap, tw and y are not written during
+// the push; the fp32 sum runs over t's experts in lane order within the unit), its bytes
+// (crows[t * world + me] of s, chunk c) and its token-sync flag (tcflags[t, me, c] of s) are that unit's
+// alone, the grid kernel's cflags release waits for every block whatever each pushed, and the reduce
+// reads nothing before those flags. The order moves when a byte lands, never which byte or its value.
+__device__ __forceinline__ long long push_unit_count(int order, const int* prefix, int np, int nch, int me,
+                                                     int world) {
+  if (order != kLlOrderRotated) return (long long)prefix[world] * nch;
+  int tmax = 0;
+  for (int i = 0; i < np; ++i) {
+    const int s = (me + 1 + i) % world;
+    tmax = max(tmax, prefix[s + 1] - prefix[s]);
+  }
+  return (long long)np * tmax * nch;
+}
+
+// Unit u -> (s, t, c); false (warp-uniform: a warp holds one u) where the rotated order's u names no unit.
+__device__ __forceinline__ bool push_unit(long long u, int order, const int* prefix, int np, int nch, int me,
+                                          int world, int& s, int& t, int& c) {
+  if (order == kLlOrderRotated) {
+    const long long k = u / np;
+    s = (me + 1 + (int)(u - k * np)) % world;
+    t = (int)(k / nch);
+    c = (int)(k - (long long)t * nch);
+    return t < prefix[s + 1] - prefix[s];
+  }
+  const int st = (int)(u / nch);
+  c = (int)(u - (long long)st * nch);
+  s = 0;
+  while (st >= prefix[s + 1]) ++s;
+  t = st - prefix[s];
+  return true;
+}
+
 template <int kThreads, int kV>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
   __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix of the sources' token counts
+  __shared__ long long s_units;                // push units (push_unit_count)
   ll_stamp(lp, kLlStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int world = p.world, topk = p.topk, E = lp.experts;
+  const int world = p.world, topk = p.topk, E = lp.experts, order = lp.combine_order;
+  const int V = p.hidden >> 3;           // 16-byte vectors per bf16 row
+  const int nch = (V + 32 * kV - 1) / (32 * kV);  // chunks per row
   if (threadIdx.x == 0) {
     s_epoch = ld_volatile(lp.epochs + 1) + 1;
     s_depoch = ld_volatile(lp.epochs);  // the matching dispatch's epoch (stream order)
@@ -163,23 +213,19 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
       acc += lp.src_tokens[s];
     }
     s_tokens[world] = acc;
+    s_units = push_unit_count(order, s_tokens, world, nch, p.rank, world);  // every rank, itself last
   }
   __syncthreads();
   ll_stamp(lp, kLlStaged);
   const int epoch = s_epoch, depoch = s_depoch;
   const long long G = (long long)gridDim.x * nwarps;
   const size_t row = (size_t)p.hidden * 2;
-  const int V = p.hidden >> 3;           // 16-byte vectors per bf16 row
-  const int nch = (V + 32 * kV - 1) / (32 * kV);  // chunks per row
 
   bool aborted = ld_volatile(p.dev_error) != 0;
-  const long long push_units = (long long)s_tokens[world] * nch;
-  for (long long u = blockIdx.x * nwarps + warp; !aborted && u < push_units; u += G) {
-    const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
-    int s = 0;
-    while (st >= s_tokens[s + 1]) ++s;
-    const int t = st - s_tokens[s];
-    push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane);
+  for (long long u = blockIdx.x * nwarps + warp; !aborted && u < s_units; u += G) {
+    int s, t, c;
+    if (push_unit(u, order, s_tokens, world, nch, p.rank, world, s, t, c))
+      push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane);
   }
 
   if (ll_last_block(lp, lp.counters + 1) && threadIdx.x < world)
@@ -215,9 +261,13 @@ template <int kThreads, int kV>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
   __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix over peers of their tokens (mine: 0)
+  __shared__ long long s_units;                // push units (push_unit_count)
   ll_stamp(lp, kLlStart);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = lp.experts, me = p.rank, cch = lp.cflag_chunks;
+  const int order = lp.combine_order;
+  const int V = p.hidden >> 3;
+  const int nch = (V + 32 * kV - 1) / (32 * kV);
   const bool aborted = ld_volatile(p.dev_error) != 0;  // issued with the epochs: one round trip for both
   if (threadIdx.x == 0) {
     s_epoch = ld_volatile(lp.eslots + lp.eslot_count + blockIdx.x) + 1;
@@ -228,6 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
       acc += s == me ? 0 : lp.src_tokens[s];
     }
     s_tokens[world] = acc;
+    s_units = push_unit_count(order, s_tokens, world - 1, nch, me, world);  // the peers
   }
   __syncthreads();
   ll_stamp(lp, kLlStaged);
@@ -236,16 +287,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   // units dealt block-major (u -> block u % blocks): a small batch's loads spread over many SMs
   const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
   const size_t row = (size_t)p.hidden * 2;
-  const int V = p.hidden >> 3;
-  const int nch = (V + 32 * kV - 1) / (32 * kV);
   const int fstep = kV / 2;  // flag chunks (of 64 vectors) per work chunk: flag index c * fstep
 
   // push: peers' tokens only (my own experts' share of my tokens is summed in the reduce below)
-  for (long long u = gw; !aborted && u < (long long)s_tokens[world] * nch; u += G) {
-    const int st = (int)(u / nch), c = (int)(u - (long long)st * nch);
-    int s = 0;
-    while (st >= s_tokens[s + 1]) ++s;
-    const int t = st - s_tokens[s];
+  for (long long u = gw; !aborted && u < s_units; u += G) {
+    int s, t, c;
+    if (!push_unit(u, order, s_tokens, world - 1, nch, me, world, s, t, c)) continue;
     if (!push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane)) continue;
     __syncwarp();  // every lane's stores of the chunk before lane 0's flag
     if (lane == 0)

@@ -73,6 +73,7 @@ struct LlParams {
   // variant: LL_VARIANT_* bits (0 = the default kernels) bringing back the sync code they replaced.
   unsigned long long* stamps;
   int variant;
+  int combine_order;  // LlCombineOrder (ep_ll_set_combine_order): the order of the combine's push units
 };
 
 // Phase boundaries stamped per block (thread 0) when LlParams::stamps is set. Dispatch: staged =
@@ -100,6 +101,12 @@ __device__ __forceinline__ void ll_stamp(const LlParams& lp, int which) {
 // grid-wide handshakes (release through a last-block counter, then a wait; finish through a
 // counter); kLlSyncToken, per-token flags and per-block epoch slots, no grid-wide step.
 enum LlSync { kLlSyncGrid = 0, kLlSyncToken = 1 };
+
+// In which order both combine kernels deal their push units (ep_ll_set_combine_order, backend option
+// combine_order): kLlOrderSource, destination-major in rank order (every rank pushes to the lowest rank
+// first); kLlOrderRotated, destination-minor from me + 1 (consecutive units go to different ranks, as the
+// dispatch's peer units do). Only the order of independent pushes differs: same units, same bytes, same flags.
+enum LlCombineOrder { kLlOrderSource = 0, kLlOrderRotated = 1 };
 
 struct LlContext {
   EpContext* ep;  // region, device, peers and the timeout record, as in normal mode

@@ -180,6 +180,7 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
         s = dataclasses.replace(s, bench=dataclasses.replace(s.bench, call_modes=modes))
     if option:
         s = dataclasses.replace(s, backend_options=options.merge(s.backend_options, options.parse_cli(option)))
+    options.diagnostics_set()  # a diagnostic switch set to a bad value stops the run here, in one line
     if nproc is not None:
         s = s.with_world(nproc)
     names = s.bench.backends

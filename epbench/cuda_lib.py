@@ -103,6 +103,7 @@ def signatures() -> Dict[str, List[Any]]:
         "ep_ll_combine": [vp, vp, i, i, i, i, vp],
         "ep_ll_destroy": [vp],
         "ep_ll_set_sync": [vp, i],
+        "ep_ll_set_combine_order": [vp, i],
         "ep_ll_set_probe": [vp, vp, i],
         "ep_ll_probe": [vp, i, i, i, vp],
         # csrc/ceiling.cu (not in api.h): the plain SM-store ceiling kernel

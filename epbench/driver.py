@@ -92,7 +92,8 @@ def _fill_expert_output(be: Backend, out: DispatchOutput, rank: int) -> None:
 
 def _fill_ll_expert_output(be: Backend, out: LowLatencyOutput, rank: int) -> None:
     """Every slot through the stand-in experts (padding too: reading the counts would be a host
-    synchronisation before each timed call)."""
+    synchronisation before each timed call; the experts' factors are made once,
+    verify.ll_expert_factors)."""
     e = out.x.shape[0]
     be.ll_combine_input(out).copy_(ll_expert_output(out.x, out.x_scales, rank * e))
 

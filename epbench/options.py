@@ -7,13 +7,17 @@ per backend (given > environment > default) and handed to the backend's construc
 (after the kernels' clamps and fallbacks) goes into every results row (columns ``impl``, ``options``).
 Defaults are the measured winners (notes/KERNELS.md, notes/NVSHMEM.md). No torch here: the CLI
 validates before anything heavy is imported.
+
+``DIAGNOSTICS`` are the timing harness's own switches (no backend's), typed and checked the same way
+but set only by their environment variable, for one experiment at a time; a run that has one set
+names it in its timing note (epbench/timing.py ``method``), and meta.json's ``env`` keeps it.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from epbench.errors import UserError
 
@@ -85,6 +89,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                           "notes/LATENCY.md round 3), grid (a grid-wide release / wait / finish through block "
                           "counters, LL v3), auto (token where its shared memory fits, else grid; rows record "
                           "the one used)", choices=("auto", "grid", "token"), env="EPBENCH_LL_SYNC"),
+        "combine_order": Option(str, "source", "order of the combine's pushes: source (destination-major, "
+                                "every rank pushes to the lowest rank first) or rotated (destination-minor from "
+                                "rank + 1 on, as the dispatch sends); outputs bit-identical, the default until "
+                                "measured", choices=("source", "rotated"), env="EPBENCH_LL_COMBINE_ORDER"),
     },
     "epbench-hier": {
         "send_share": Option(float, 0.5, "share of the num_sms blocks that send", low=0.0, high=1.0,
@@ -113,6 +121,33 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  env="EPBENCH_DEEPEP_V2_PREFER_OVERLAP"),
     },
 }
+
+
+# name -> switch; docs/measurements.md lists them ("Diagnostic switches").
+DIAGNOSTICS: Dict[str, Option] = {
+    "host_lead_us": Option(float, 150.0, "device sleep before each timed call, in us (the host queues the call "
+                           "meanwhile; epbench/timing.py)", low=1.0, high=10_000.0, env="EPBENCH_HOST_LEAD_US"),
+    "host_gate": Option(int, 1, "1: graph replays also wait on the host gate (epbench/timing.py HostGate); "
+                        "0: the device sleep only", choices=(0, 1), env="EPBENCH_HOST_GATE"),
+    "fill_sync": Option(int, 0, "1: the untimed stand-in expert between dispatch and combine rebuilds its factor "
+                        "tensor from host memory each call, a host synchronisation (epbench/verify.py "
+                        "ll_expert_factors, as before the factors were cached); 0: cached",
+                        choices=(0, 1), env="EPBENCH_FILL_SYNC"),
+}
+
+
+def diagnostic(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The value of switch ``name`` in force: its environment variable's (checked), else the default."""
+    opt = DIAGNOSTICS[name]
+    raw = (os.environ if environ is None else environ).get(opt.env)
+    return opt.default if raw is None else opt.parse(raw, opt.env)
+
+
+def diagnostics_set(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """``VARIABLE=value`` of every diagnostic switch whose environment variable is set, for a run's notes."""
+    environ = os.environ if environ is None else environ
+    return [f"{opt.env}={diagnostic(name, environ):g}" for name, opt in DIAGNOSTICS.items()
+            if environ.get(opt.env) is not None]
 
 
 def _schema(backend: str, where: str) -> Dict[str, Option]:

@@ -30,7 +30,7 @@ Figures per point (``kept`` = 100 x alone time / time beside; 100 = no slowdown)
 - ``dispatch_kept_pct`` / ``combine_kept_pct`` / ``comm_kept_pct`` (their sum): the driver's
   median alone over the median beside.
 - ``comm_busy_pct``: the share of the loop's span in which a communication call ran (the timing
-  loop sleeps ``timing.HOST_LEAD_US`` before each call); the GEMM kept above is over that span.
+  loop sleeps ``timing.lead_us()`` before each call); the GEMM kept above is over that span.
 - the pair: the same work (``gemm_count`` GEMMs and the communication loop) ``sum_us`` = one after
   the other alone, ``max_us`` = perfectly hidden, ``pair_us`` = as measured together (from the
   start event to the end of both). ``exposed_us = pair_us - gemm_count x gemm_all_us``: how much
@@ -404,7 +404,7 @@ def lead(gemm: Gemm, n: int) -> None:
     that the loop's start and its per-GEMM times are the device's, not the host's."""
     from epbench import timing
 
-    sleeps = math.ceil(n * max(1, len(gemm.groups)) * LAUNCH_US / timing.HOST_LEAD_US)
+    sleeps = math.ceil(n * max(1, len(gemm.groups)) * LAUNCH_US / timing.lead_us())
     for _ in range(max(2, min(2000, sleeps))):
         timing.host_lead()
 
@@ -634,7 +634,7 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
     import torch
     import torch.distributed as dist
 
-    from epbench import driver, launch, metrics, provenance
+    from epbench import driver, launch, metrics, options, provenance
     from epbench.backends import load_backend
     from epbench.console import wide_console
     from epbench.results import RunWriter, new_run_dir
@@ -649,6 +649,9 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
     check_sms(opts.sms, total)
     m = s.model
     notes: List[str] = []
+    switches = options.diagnostics_set()  # the device sleep before each call (timing.lead_us) may be one
+    if switches:
+        notes.append(f"timing: diagnostic switches set: {', '.join(switches)}")
     shared = gpu_shared(comm)
     if shared:
         notes.append(SHARED_GPU_NOTE)

@@ -1,7 +1,7 @@
 """The one way epbench times a call: per-iteration device events on GPUs, the wall clock on CPUs
 (gloo calls block).
 
-On GPUs each timed call is preceded by a short device-side sleep (``HOST_LEAD_US``), then the
+On GPUs each timed call is preceded by a short device-side sleep (``lead_us()``, 150 us), then the
 cross-rank alignment (``align``: a one-element all-reduce on the stream), then the start event:
 while the GPU sleeps, the host queues the alignment and the call itself, so the interval between
 the two events is the call's device time and never the host's launch cost. Without it a call
@@ -18,7 +18,12 @@ which shows as a rare 100 us-1 ms sample. So for calls that never wait for the d
 ``cuStreamWaitValue32`` on a flag in pinned host memory) that the host opens only once the end
 event is queued: the timed region then never contains host time, however late the host is. A
 watchdog opens a gate left closed for 2 s (a call that did wait for the device) and says so. Where
-the driver call is not available the gate is off, and the run says so in a note."""
+the driver call is not available the gate is off, and the run says so in a note.
+
+Two diagnostic switches (epbench/options.py ``DIAGNOSTICS``, read once per process) change this for
+an experiment: EPBENCH_HOST_LEAD_US sets the sleep, EPBENCH_HOST_GATE=0 turns the gate off. The
+run's timing note (``method``) gives the sleep and the gate's state in force and names every switch
+that is set."""
 
 from __future__ import annotations
 
@@ -29,8 +34,19 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-HOST_LEAD_US = 150.0  # device sleep before each timed call (> the host's cost to queue one call)
+from epbench import options
+
+_lead_us: Optional[float] = None
 _cycles_per_us: Optional[float] = None
+
+
+def lead_us() -> float:
+    """The device sleep before each timed call, in us (> the host's cost to queue one call):
+    switch host_lead_us (EPBENCH_HOST_LEAD_US, default 150), read once per process."""
+    global _lead_us
+    if _lead_us is None:
+        _lead_us = options.diagnostic("host_lead_us")
+    return _lead_us
 
 
 def _sleep_cycles_per_us() -> float:
@@ -49,8 +65,8 @@ def _sleep_cycles_per_us() -> float:
 
 
 def host_lead() -> None:
-    """Queues ``HOST_LEAD_US`` of device sleep on the current stream (GPUs only)."""
-    torch.cuda._sleep(int(HOST_LEAD_US * _sleep_cycles_per_us()))
+    """Queues ``lead_us()`` of device sleep on the current stream (GPUs only)."""
+    torch.cuda._sleep(int(lead_us() * _sleep_cycles_per_us()))
 
 
 WAIT_VALUE_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-safe
@@ -60,7 +76,8 @@ class HostGate:
     """A stream wait on a 32-bit flag in pinned host memory: ``close()`` queues "wait until the
     flag reaches n + 1" on the current stream, ``open()`` (after the host has queued the timed
     work) stores n + 1. ``driver``: libcuda (tests pass a fake); ``status`` says whether the gate
-    is on, or why not (then close/open do nothing)."""
+    is on, or why not (then close/open do nothing): switch host_gate 0 (EPBENCH_HOST_GATE=0) keeps
+    it off without touching the driver."""
 
     def __init__(self, driver: Any = None, alloc: Optional[Callable[[], torch.Tensor]] = None,
                  stream: Optional[Callable[[], Any]] = None) -> None:
@@ -72,6 +89,9 @@ class HostGate:
         self.forced = 0
         self.watchdog: Optional[threading.Thread] = None
         self.stream = stream or torch.cuda.current_stream
+        if not options.diagnostic("host_gate"):
+            self.status = f"off (env {options.DIAGNOSTICS['host_gate'].env}=0)"
+            return
         try:
             self.driver = driver if driver is not None else ctypes.CDLL("libcuda.so.1")
             self.wait = getattr(self.driver, "cuStreamWaitValue32_v2", None) or self.driver.cuStreamWaitValue32
@@ -145,9 +165,12 @@ def host_gate() -> HostGate:
 
 
 def method() -> str:
-    """How timed calls are isolated from the host on this process's GPU, for a run's notes."""
-    return (f"timing: per-call device events after a {HOST_LEAD_US:.0f} us device sleep; host gate "
-            f"(graph replays and calls that never wait for the device) {host_gate().describe()}")
+    """How timed calls are isolated from the host on this process's GPU, for a run's notes: the
+    sleep and the gate in force, and every diagnostic switch set."""
+    switches = options.diagnostics_set()
+    return (f"timing: per-call device events after a {lead_us():g} us device sleep; host gate "
+            f"(graph replays and calls that never wait for the device) {host_gate().describe()}"
+            + (f"; diagnostic switches set: {', '.join(switches)}" if switches else ""))
 
 
 class Timer:

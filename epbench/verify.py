@@ -23,10 +23,11 @@ short description of the first problem.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from epbench import options
 from epbench.contract import (BF16_ROUNDING, COMBINE_ROUNDINGS, DispatchInput, DispatchOutput,
                               LowLatencyOutput, ll_slots)
 from epbench.inputs import dequantize, expert_factor, expert_output
@@ -279,10 +280,30 @@ def check_combine(got: torch.Tensor, inp: DispatchInput, world: int,
 
 # ---- low-latency mode ----
 
+_factors: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
+_fill_sync: Optional[bool] = None  # switch fill_sync (EPBENCH_FILL_SYNC), read on first use
+
+
 def ll_expert_factors(first_expert: int, n: int, device: torch.device) -> torch.Tensor:
-    """float32 [n]: the stand-in factor of global experts first_expert .. first_expert + n - 1."""
-    return torch.tensor([expert_factor(first_expert + i) for i in range(n)], dtype=torch.float32,
-                        device=device)
+    """float32 [n]: the stand-in factor of global experts first_expert .. first_expert + n - 1.
+    Made once per (first_expert, n, device) and then the same tensor every call (callers must not
+    write into it): building it copies a host list to the device, which on a GPU synchronises the
+    host with the stream, and the stand-in expert runs between every timed dispatch and combine
+    (a synchronisation there takes the next call's host lead away). Diagnostic switch fill_sync
+    (EPBENCH_FILL_SYNC=1) builds it anew every call, as before the cache."""
+    global _fill_sync
+    if _fill_sync is None:
+        _fill_sync = bool(options.diagnostic("fill_sync"))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (first_expert, n, device)
+    f = None if _fill_sync else _factors.get(key)
+    if f is None:
+        f = torch.tensor([expert_factor(first_expert + i) for i in range(n)], dtype=torch.float32, device=device)
+        if not _fill_sync:
+            _factors[key] = f
+    return f
 
 
 def ll_expert_output(x: torch.Tensor, scales: "torch.Tensor | None", first_expert: int) -> torch.Tensor:

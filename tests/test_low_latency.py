@@ -404,3 +404,103 @@ def test_combine_chunk_auto_picks_by_tokens_per_rank():
     assert options.resolve("epbench-ll", {})["combine_chunk"] == 0  # auto unless asked
     assert [ll.combine_chunk_for(0, t) for t in (1, 32, 64, 65, 128)] == [2, 2, 2, 4, 4]
     assert ll.combine_chunk_for(4, 1) == 4 and ll.combine_chunk_for(2, 128) == 2  # asked: kept
+
+
+# -- epbench-ll option combine_order (csrc/ll_combine.cu push_unit) --------------------------------
+
+def test_combine_order_option_parses_defaults_and_matches_the_kernels_enum():
+    from pathlib import Path
+
+    from epbench import options
+
+    ll = pytest.importorskip("epbench.backends.epbench_ll")
+    assert options.resolve("epbench-ll", {}, environ={})["combine_order"] == "source"  # until measured
+    assert options.parse_cli(["combine_order=rotated"]) == {"epbench-ll": {"combine_order": "rotated"}}
+    env = {"EPBENCH_LL_COMBINE_ORDER": "rotated"}
+    assert options.resolve("epbench-ll", {}, environ=env)["combine_order"] == "rotated"
+    with pytest.raises(UserError, match="combine_order: must be one of source, rotated, got 'rank'"):
+        options.validate({"epbench-ll": {"combine_order": "rank"}})
+    assert ll.ORDERS == {"source": 0, "rotated": 1}
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
+    assert "enum LlCombineOrder { kLlOrderSource = 0, kLlOrderRotated = 1 };" in header
+
+
+def _push_units(order, tokens, me, with_self, nch):
+    """csrc/ll_combine.cu's push_unit_count / push_unit, step by step: the (rank, token, chunk) of
+    every unit index a warp may hold, None where the rotated order names no unit."""
+    world = len(tokens)
+    pushed = [0 if (s == me and not with_self) else t for s, t in enumerate(tokens)]
+    prefix = [sum(pushed[:s]) for s in range(world + 1)]
+    np_ = world if with_self else world - 1
+    if order == "source":
+        out = []
+        for u in range(prefix[world] * nch):
+            st, c = divmod(u, nch)
+            s = next(r for r in range(world) if st < prefix[r + 1])
+            out.append((s, st - prefix[s], c))
+        return out
+    tmax = max([pushed[(me + 1 + i) % world] for i in range(np_)], default=0)
+    out = []
+    for u in range(np_ * tmax * nch):
+        k, i = divmod(u, np_)
+        s = (me + 1 + i) % world
+        t, c = divmod(k, nch)
+        out.append((s, t, c) if t < pushed[s] else None)
+    return out
+
+
+@pytest.mark.parametrize("with_self", [False, True])  # the token kernel pushes to peers, the grid kernel to all
+@pytest.mark.parametrize("tokens", [(3, 3, 3, 3), (5, 0, 2, 7), (0, 0, 0, 0), (4,), (1, 6)])
+def test_both_push_orders_name_every_unit_once_and_rotated_takes_turns(tokens, with_self):
+    nch = 2
+    for me in range(len(tokens)):
+        src = _push_units("source", tokens, me, with_self, nch)
+        rot = _push_units("rotated", tokens, me, with_self, nch)
+        named = [u for u in rot if u is not None]
+        assert len(set(named)) == len(named) and sorted(named) == sorted(src)  # the same units, once each
+        assert all(s != me for s, _, _ in src) or with_self
+        peers = [(me + 1 + i) % len(tokens) for i in range(len(tokens) - (0 if with_self else 1))]
+        if len(set(tokens)) == 1 and tokens[0] and peers:  # even batches: each run of np units goes to every rank once
+            assert [u[0] for u in rot[: len(peers)]] == peers
+            assert src[0][0] == min(peers)  # source order: the lowest rank first
+
+
+def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
+    import ctypes
+
+    ll = pytest.importorskip("epbench.backends.epbench_ll")
+    from epbench import cuda_lib
+    from epbench.contract import RankSetup
+
+    error_word = ctypes.c_int(0)
+    calls = []
+
+    class Lib:
+        def ep_ll_create(self, cfg, out):
+            return 0
+
+        def ep_ll_base(self, ctx):
+            return 1
+
+        def ep_ll_set_sync(self, ctx, sync):
+            return 0
+
+        def ep_ll_set_combine_order(self, ctx, order):
+            calls.append(order)
+            return 0
+
+        def ep_error_flag_ptr(self, ep):
+            return ctypes.addressof(error_word)
+
+    monkeypatch.setattr(cuda_lib, "load", Lib)
+    monkeypatch.setattr(ll.EpbenchLowLatencyBackend, "_open_peers", lambda self: None)
+    monkeypatch.setattr(ll.EpbenchLowLatencyBackend, "_views", lambda self: None)
+    monkeypatch.setattr(ll.EpbenchLowLatencyBackend, "unavailable_reason", classmethod(lambda cls, s: None))
+    setup = RankSetup(rank=0, world=1, gpus_per_node=1, device=torch.device("cuda", 0), hidden=128,
+                      max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16", mode="low_latency")
+    monkeypatch.delenv("EPBENCH_LL_COMBINE_ORDER", raising=False)
+    assert ll.EpbenchLowLatencyBackend(setup).effective_config()["combine_order"] == "source"
+    be = ll.EpbenchLowLatencyBackend(setup, combine_order="rotated")
+    assert be.effective_config()["combine_order"] == "rotated" and calls == [0, 1]
+    be.use_combine_order("source")
+    assert be.effective_config()["combine_order"] == "source" and calls == [0, 1, 0]

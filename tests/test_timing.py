@@ -104,3 +104,65 @@ def test_host_gate_watchdog_opens_a_gate_whose_call_waits_for_the_device():
     assert "watchdog 1 time" in gate.describe()
     gate.open()  # the late open of the same call stores nothing more
     assert flag.item() == waited
+
+
+# ---- diagnostic switches (epbench/options.py DIAGNOSTICS): the sleep and the gate ----
+
+def test_diagnostic_switches_parse_check_and_name_themselves():
+    import pytest
+
+    from epbench import options
+    from epbench.errors import UserError
+
+    assert options.diagnostic("host_lead_us", {}) == 150.0
+    assert options.diagnostic("host_lead_us", {"EPBENCH_HOST_LEAD_US": "600"}) == 600.0
+    assert options.diagnostic("host_gate", {"EPBENCH_HOST_GATE": "0"}) == 0
+    assert options.diagnostic("fill_sync", {}) == 0
+    with pytest.raises(UserError, match="EPBENCH_HOST_GATE: must be one of 0, 1, got 'off'"):
+        options.diagnostic("host_gate", {"EPBENCH_HOST_GATE": "off"})
+    with pytest.raises(UserError, match="EPBENCH_HOST_LEAD_US: must be a number in"):
+        options.diagnostic("host_lead_us", {"EPBENCH_HOST_LEAD_US": "0"})  # overlap.lead divides by it
+    assert options.diagnostics_set({}) == []
+    env = {"EPBENCH_FILL_SYNC": "1", "EPBENCH_HOST_LEAD_US": "600", "EPBENCH_OTHER": "x"}
+    assert options.diagnostics_set(env) == ["EPBENCH_HOST_LEAD_US=600", "EPBENCH_FILL_SYNC=1"]
+
+
+def test_host_gate_switched_off_by_the_environment_never_touches_the_driver(monkeypatch):
+    from epbench.timing import HostGate
+
+    monkeypatch.setenv("EPBENCH_HOST_GATE", "0")
+    driver, flag = _FakeDriver(), torch.zeros(1, dtype=torch.int32)
+    gate = HostGate(driver=driver, alloc=lambda: flag, stream=lambda: _FakeStream())
+    assert gate.status == "off (env EPBENCH_HOST_GATE=0)" and gate.flag is None
+    gate.close()
+    gate.open()
+    assert driver.cuStreamWaitValue32_v2.calls == [] and flag.item() == 0
+
+
+def test_timing_note_gives_the_sleep_and_gate_in_force_and_every_switch_set(monkeypatch):
+    from types import SimpleNamespace
+
+    from epbench import timing
+
+    for var in ("EPBENCH_HOST_LEAD_US", "EPBENCH_HOST_GATE", "EPBENCH_FILL_SYNC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(timing, "_gate", SimpleNamespace(describe=lambda: "on"))
+    monkeypatch.setattr(timing, "_lead_us", None)
+    assert timing.method() == ("timing: per-call device events after a 150 us device sleep; host gate "
+                               "(graph replays and calls that never wait for the device) on")
+    monkeypatch.setenv("EPBENCH_HOST_LEAD_US", "612.5")
+    monkeypatch.setenv("EPBENCH_FILL_SYNC", "1")
+    monkeypatch.setattr(timing, "_lead_us", None)
+    note = timing.method()
+    assert note.startswith("timing: per-call device events after a 612.5 us device sleep;")
+    assert note.endswith("; diagnostic switches set: EPBENCH_HOST_LEAD_US=612.5, EPBENCH_FILL_SYNC=1")
+    assert timing.lead_us() == 612.5
+
+
+def test_a_bad_diagnostic_switch_stops_run_in_one_line(tmp_path):
+    from support import assert_one_line_error, epbench_here
+
+    r = epbench_here("run", "scenarios/smoke.yaml", "--device", "cpu", "--results", str(tmp_path),
+                     env={"EPBENCH_HOST_LEAD_US": "fast"})
+    assert_one_line_error(r, "EPBENCH_HOST_LEAD_US", "must be a number", "'fast'")
+    assert not any(tmp_path.iterdir())  # stopped before a results folder was made

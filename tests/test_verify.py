@@ -303,3 +303,62 @@ def test_map_form_rejects_top_k_positions_and_vice_versa(case, map_case):
     assert map_wrong(out, ins).wrong == out.num_recv * 2  # positions where a map is expected
     ins, mout = map_case
     assert dispatch_wrong(mout, ins) == mout.num_recv * 2  # a map where positions are expected
+
+
+# ---- the stand-in expert between the timed calls: its factors are made once ----
+
+def _counting_tensor(monkeypatch):
+    """Counts torch.tensor calls (the host-to-device copy that synchronises on a GPU) from here on."""
+    made = []
+    real = torch.tensor
+
+    def tensor(*args, **kwargs):
+        made.append(kwargs.get("device"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    return made
+
+
+def test_expert_factors_are_made_once_per_expert_range_and_device(monkeypatch):
+    from epbench import verify
+
+    monkeypatch.setattr(verify, "_factors", {})
+    monkeypatch.setattr(verify, "_fill_sync", False)
+    made = _counting_tensor(monkeypatch)
+    first = verify.ll_expert_factors(4, 3, CPU)
+    assert first.tolist() == [expert_factor(4), expert_factor(5), expert_factor(6)]
+    assert verify.ll_expert_factors(4, 3, CPU) is first and verify.ll_expert_factors(4, 3, "cpu") is first
+    assert len(made) == 1
+    assert verify.ll_expert_factors(0, 3, CPU) is not first and len(made) == 2  # another range: its own
+
+
+def test_fill_paths_copy_no_factor_from_the_host_after_the_first_call(monkeypatch):
+    """ll_expert_output (low latency) and em_expert_output (expert-major) run between every timed
+    dispatch and combine: after the first call they build no tensor from host values (on a GPU each
+    would be a pageable copy that synchronises the host); EPBENCH_FILL_SYNC=1 brings that back."""
+    from epbench import verify
+    from epbench.layout import ExpertMajor
+
+    x, scales = torch.randn(2, 6, HIDDEN).to(torch.float8_e4m3fn), torch.rand(2, 6, HIDDEN // 128)
+    table = ExpertMajor(torch.tensor([3, 2]), torch.tensor([0, 4]), 8, 4)
+    for sync, per_call in ((False, 0), (True, 1)):
+        monkeypatch.setattr(verify, "_factors", {})
+        monkeypatch.setattr(verify, "_fill_sync", sync)
+        made = _counting_tensor(monkeypatch)
+        ll = [verify.ll_expert_output(x, scales, 2) for _ in range(3)]
+        em = [verify.em_expert_output(x[0], scales[0], table, 4) for _ in range(3)]
+        assert len(made) == 2 + 4 * per_call  # one per expert range on the first call (+ one a later call)
+        assert all(torch.equal(y, ll[0]) for y in ll) and all(torch.equal(y, em[0]) for y in em)
+        monkeypatch.undo()
+
+
+def test_fill_sync_switch_is_read_from_the_environment(monkeypatch):
+    from epbench import verify
+
+    monkeypatch.setattr(verify, "_factors", {})
+    monkeypatch.setattr(verify, "_fill_sync", None)
+    monkeypatch.setenv("EPBENCH_FILL_SYNC", "1")
+    a = verify.ll_expert_factors(0, 4, CPU)
+    assert verify._fill_sync is True
+    assert verify.ll_expert_factors(0, 4, CPU) is not a and verify._factors == {}

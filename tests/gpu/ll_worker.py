@@ -1,13 +1,15 @@
 """Multi-rank worker for the low-latency kernels (backend epbench-ll), started by torchrun.
 
-    torchrun --nproc_per_node 4 tests/gpu/ll_worker.py check [--quick] [--sync grid|token]
+    torchrun --nproc_per_node 4 tests/gpu/ll_worker.py check|orders [--quick] [--sync grid|token]
 
-Each case runs the kernels and the NCCL reference's low-latency path on the same inputs: both
+check: each case runs the kernels and the NCCL reference's low-latency path on the same inputs: both
 must pass epbench.verify's low-latency checks (bit-exact dispatch per (expert, slot), combine
 within its tolerance) and agree with each other; fresh random inputs and poisoned outputs
 each time, twice per case (buffers and flags reused), then once more through CUDA-graph replays
 (captured once, replayed twice with new token values). Last, a deliberately missing peer must
-raise naming it, not hang. Exit code 0 only if every check passed.
+raise naming it, not hang. orders: each case's combine in both push orders (backend option
+combine_order), launched and through graph replays, on one dispatch: every output verified and all
+four bit-equal. Exit code 0 only if every check passed.
 """
 
 from __future__ import annotations
@@ -154,6 +156,34 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
     return problems
 
 
+def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
+    """The combine in both push orders on the same inputs: each verified, and their outputs bit-equal
+    (csrc/ll_combine.cu, push_unit: only the order of independent pushes differs)."""
+    problems: List[str] = []
+    kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync=sync)
+    salt = zlib.crc32(f"{case.name}/orders".encode()) % 10000
+    routings = [rank_routing(case, r, world, seed=salt) for r in range(world)]
+    inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, salt, device), routings[r],
+                             case.dtype, device) for r in range(world)]
+    got = {}
+    for order in ("source", "rotated"):
+        kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
+        for how, calls in (("launch", launch_calls(kernels, inputs[rank], sms, rank)),
+                           ("graph", graph_calls(kernels, inputs[rank], sms, rank))):
+            d, c, got[order, how] = one_call(kernels, calls, inputs[rank], rank, world, case.experts_per_rank,
+                                             lambda r: inputs[r])
+            for what, r in (("dispatch", d), ("combine", c)):
+                if r.wrong:
+                    problems.append(f"{order} {how} {what}: {r.wrong} wrong ({r.first_problem})")
+    bits = {k: v.view(torch.int16) for k, v in got.items()}
+    for key, b in bits.items():
+        if not torch.equal(b, bits["source", "launch"]):
+            rows = int((b != bits["source", "launch"]).any(dim=1).sum())
+            problems.append(f"{key[0]} {key[1]}: {rows} combine rows differ in their bits from source launch")
+    kernels.close()
+    return problems
+
+
 def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Rank world-1 skips a dispatch: every other rank must raise naming it, within the timeout."""
     case = Case("timeout", 2048, [16], 4, 4)
@@ -165,12 +195,13 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
 
 def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     failures = 0
+    run = run_case if args.mode == "check" else run_orders
     for case in CASES:
         if args.quick and case.name not in QUICK:
             continue
         for sms in [int(s) for s in args.sms.split(",")]:
             try:
-                problems = run_case(case, rank, world, device, sms, args.sync)
+                problems = run(case, rank, world, device, sms, args.sync)
             except RuntimeError as e:
                 problems = [f"raised: {e}"]
             bad = all_sum(int(bool(problems)), device)
@@ -178,15 +209,17 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             if rank == 0 or problems:
                 print(f"{'FAIL' if bad else 'ok  '} [rank {rank}] {case.name:<30} sms={sms:<3} "
                       f"{'; '.join(problems)}", flush=True)
-    failures += check_timeout(rank, world, device, args.sync)
+    if args.mode == "check":
+        failures += check_timeout(rank, world, device, args.sync)
     if rank == 0:
-        print(f"check world={world} ll_sync={args.sync}: {'PASS' if failures == 0 else f'{failures} FAILURES'}", flush=True)
+        print(f"{args.mode} world={world} ll_sync={args.sync}: {'PASS' if failures == 0 else f'{failures} FAILURES'}",
+              flush=True)
     return failures
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check"])
+    ap.add_argument("mode", choices=["check", "orders"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sync", choices=["grid", "token"], default="grid", help="backend option ll_sync")
     ap.add_argument("--sms", default="4,32", help="grid sizes to check (blocks; <= the GPU's SM count)")

@@ -1,6 +1,7 @@
 """GPU checks of the low-latency kernels (backend epbench-ll): torchrun starts
 tests/gpu/ll_worker.py, which checks every edge case against epbench.verify and the NCCL
-reference (launches and CUDA-graph replays) and a missing peer against the timeout; then the
+reference (launches and CUDA-graph replays) and a missing peer against the timeout, and the
+combine's two push orders against each other (bit-equal); then the
 whole pipeline through `epbench sweep --tokens` with both backends, every timing verified, and
 at world 1 the chain rows (K calls per op in one graph)."""
 
@@ -38,6 +39,49 @@ def test_ll_kernels_match_verification(built: None, nproc: int, sync: str) -> No
     r = torchrun(WORKER, nproc, "check", "--sync", sync, *(["--quick"] if nproc == 2 or shared(nproc) else []))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert "PASS" in r.stdout
+
+
+@pytest.mark.parametrize("sync", ["grid", "token"])
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_combine_push_orders_give_bit_equal_outputs(built: None, nproc: int, sync: str) -> None:
+    """combine_order rotated against source on the same dispatch, launched and replayed, every case
+    (uneven and empty batches included: the rotated order skips units past a short rank's tokens)."""
+    r = torchrun(WORKER, nproc, "orders", "--sync", sync, *(["--quick"] if shared(nproc) else []))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert f"orders world={nproc} ll_sync={sync}: PASS" in r.stdout
+
+
+def test_stand_in_expert_synchronises_the_host_only_on_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The untimed fill between every timed dispatch and combine (verify.ll_expert_output,
+    em_expert_output): after the first call it makes no synchronising CUDA call; EPBENCH_FILL_SYNC=1
+    (the uncached factors) makes one every call, which this check must see."""
+    from epbench import verify
+    from epbench.layout import ExpertMajor
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(4, 8, 256, device=dev).to(torch.float8_e4m3fn)
+    scales = torch.rand(4, 8, 2, device=dev)
+    table = ExpertMajor(torch.tensor([3, 2], device=dev), torch.tensor([0, 4], device=dev), 8, 4)
+
+    def fills() -> None:
+        verify.ll_expert_output(x, scales, 8)
+        verify.em_expert_output(x[0], scales[0], table, 8)
+
+    for sync in (False, True):
+        monkeypatch.setattr(verify, "_factors", {})
+        monkeypatch.setattr(verify, "_fill_sync", sync)
+        fills()  # the first call makes the factors
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if sync:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    fills()
+            else:
+                fills()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
 
 
 SCENARIO = """
