@@ -202,11 +202,10 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         rows = self._gather(self._pack(inp), split)
         recv = self._exchange(rows, split)
         ids, weights, scales, x = self._fields(recv)
-        counts = self._counts(ids)
         layout = _Layout(split, inp.topk_idx, inp.topk_weights, recv.shape[0])
-        if self.expert_major:
+        if self.expert_major:  # its segment table holds the per-expert counts
             return self._permute(recv, ids, weights, layout)
-        return DispatchOutput(x, scales, ids, weights, counts, layout.num_recv, layout)
+        return DispatchOutput(x, scales, ids, weights, self._counts(ids), layout.num_recv, layout)
 
     def _pack(self, inp: DispatchInput) -> torch.Tensor:
         """One packed row per token: its ids, weights, scales and payload copied in."""
