@@ -1,5 +1,7 @@
-"""The CUDA runtime calls epbench makes itself, through ctypes, from the libcudart that torch
-already loaded: one binding for every module that needs one (today the copy-engine ceiling).
+"""The CUDA calls epbench makes itself, through ctypes: the runtime's from the libcudart that torch
+already loaded (the copy-engine ceiling), and the few driver calls the runtime has no form for
+(libcuda: the timer's host gate, a green context's SM count for overlap). One binding for every
+module that needs one.
 
 Why not NVIDIA's cuda-bindings (cuda-python): torch's CUDA wheels do not depend on it and the GPU
 hosts have no network to install it; the handful of calls below need nothing more than ctypes.
@@ -133,3 +135,56 @@ class Cudart:
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.check(self.lib.cudaMemcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, stream),
                    "cudaMemcpyAsync")
+
+
+# ---- driver API (libcuda) ----------------------------------------------------------------------
+
+CU_DEV_RESOURCE_TYPE_SM = 1
+# CUdevResource as a byte buffer: sizeof is 144 in CUDA 12.4-13.x (room to spare); smCount, the first
+# field of its CUdevSmResource, follows the type (4 bytes) and 92 bytes of padding. Both checked
+# against the installed cuda.h by tests/test_cudart.py.
+CU_DEV_RESOURCE_BYTES = 256
+CU_DEV_RESOURCE_SM_OFFSET = 96
+
+
+def driver_signatures() -> Dict[str, Tuple[Any, List[Any]]]:
+    """name -> (restype, argtypes) of the driver calls epbench makes (CUresult = int); the stream
+    wait is looked up as its _v2 name first (stream_wait_value32)."""
+    c, vp, i = ctypes, ctypes.c_void_p, ctypes.c_int
+    return {
+        "cuCtxGetCurrent": (i, [c.POINTER(vp)]),
+        "cuCtxGetDevResource": (i, [vp, vp, i]),
+    }
+
+
+def driver(lib: Any = None) -> Any:
+    """libcuda with the signatures above declared (``lib``: an opened one, tests pass a fake)."""
+    lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+    for name, (restype, argtypes) in driver_signatures().items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def stream_wait_value32(lib: Any) -> Any:
+    """cuStreamWaitValue32 (its _v2 where the driver has it), declared: (stream, address, value, flags)."""
+    fn = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    return fn
+
+
+def current_context_sms(lib: Any = None) -> int:
+    """The SM count of the current CUDA context as the driver reports it (a green context's
+    partition while it is current)."""
+    lib = driver(lib)
+    ctx = ctypes.c_void_p()
+    rc = lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    if rc != 0 or not ctx.value:
+        raise RuntimeError(f"cuCtxGetCurrent failed (CUresult {rc})")
+    buf = ctypes.create_string_buffer(CU_DEV_RESOURCE_BYTES)
+    rc = lib.cuCtxGetDevResource(ctx, buf, CU_DEV_RESOURCE_TYPE_SM)
+    if rc != 0:
+        raise RuntimeError(f"cuCtxGetDevResource failed (CUresult {rc})")
+    return ctypes.c_uint.from_buffer(buf, CU_DEV_RESOURCE_SM_OFFSET).value

@@ -51,11 +51,11 @@ current CUDA context, so no backend call happens between ``set_context`` and ``p
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from epbench import cudart
 from epbench.errors import UserError
 from epbench.metrics import summarize_overlap
 
@@ -245,33 +245,6 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
 
 # -- GPU pieces ---------------------------------------------------------------------------------
 
-CU_DEV_RESOURCE_TYPE_SM = 1
-CU_DEV_RESOURCE_BYTES = 256  # sizeof(CUdevResource) is 144 in CUDA 12.4-13.0; room to spare
-CU_DEV_RESOURCE_SM_OFFSET = 96  # type (4) + padding (92): then CUdevSmResource.smCount
-
-
-def _libcuda() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-    lib.cuCtxGetDevResource.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return lib
-
-
-def current_context_sms() -> int:
-    """The SM count of the current CUDA context as the driver reports it (a green context's
-    partition while it is current)."""
-    lib = _libcuda()
-    ctx = ctypes.c_void_p()
-    rc = lib.cuCtxGetCurrent(ctypes.byref(ctx))
-    if rc != 0 or not ctx.value:
-        raise RuntimeError(f"cuCtxGetCurrent failed (CUresult {rc})")
-    buf = ctypes.create_string_buffer(CU_DEV_RESOURCE_BYTES)
-    rc = lib.cuCtxGetDevResource(ctx, buf, CU_DEV_RESOURCE_TYPE_SM)
-    if rc != 0:
-        raise RuntimeError(f"cuCtxGetDevResource failed (CUresult {rc})")
-    return ctypes.c_uint.from_buffer(buf, CU_DEV_RESOURCE_SM_OFFSET).value
-
-
 def set_carveout(n: Optional[int]) -> Optional[str]:
     """Tells cuBLAS to leave ``n`` SMs out of its plans (None: none); returns the API used, or
     None when this torch has none (recorded with the result)."""
@@ -304,7 +277,7 @@ class Partition:
             stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
         self.ctx.set_context()
         try:
-            self.sms = current_context_sms()
+            self.sms = cudart.current_context_sms()
         finally:
             self.ctx.pop_context()
         self.device = torch.device("cuda", device_index)

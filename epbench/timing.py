@@ -34,7 +34,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from epbench import options
+from epbench import cudart, options
 
 _lead_us: Optional[float] = None
 _cycles_per_us: Optional[float] = None
@@ -93,10 +93,8 @@ class HostGate:
             self.status = f"off (env {options.DIAGNOSTICS['host_gate'].env}=0)"
             return
         try:
-            self.driver = driver if driver is not None else ctypes.CDLL("libcuda.so.1")
-            self.wait = getattr(self.driver, "cuStreamWaitValue32_v2", None) or self.driver.cuStreamWaitValue32
-            self.wait.restype = ctypes.c_int
-            self.wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            self.driver = cudart.driver(driver)
+            self.wait = cudart.stream_wait_value32(self.driver)
             # pinned host memory is mapped at the same address on the device (unified addressing)
             self.flag = (alloc or (lambda: torch.zeros(1, dtype=torch.int32, pin_memory=True)))()
             self._close(self.stream())  # a first round trip proves the wait works here

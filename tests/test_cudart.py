@@ -100,3 +100,68 @@ def _installed_cudart():
 def test_the_real_library_has_every_declared_symbol():
     lib = cudart.declare(ctypes.CDLL(_installed_cudart()))  # loading needs no GPU
     assert lib.cudaGetErrorString(2)  # a static table lookup: no device touched
+
+
+# -- driver calls --------------------------------------------------------------------------------
+
+def _cuda_include() -> "str | None":
+    import os
+    import shutil
+
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for root in roots:
+        if root and os.path.exists(os.path.join(root, "include", "cuda.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+def test_dev_resource_offsets_match_the_installed_cuda_header(tmp_path):
+    """The SM count is read from CUdevResource as bytes: its offset and the buffer's size must be
+    those of the cuda.h the host has (CI has CUDA 13's), so a change of the struct fails here."""
+    import shutil
+    import subprocess
+
+    inc, cc = _cuda_include(), shutil.which("cc") or shutil.which("gcc")
+    if inc is None or cc is None:
+        pytest.skip("no cuda.h or C compiler on this host")
+    src = tmp_path / "off.c"
+    src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include <cuda.h>\n'
+                   'int main(void) { printf("%zu %zu %d\\n", offsetof(CUdevResource, sm.smCount), '
+                   'sizeof(CUdevResource), (int)CU_DEV_RESOURCE_TYPE_SM); return 0; }\n')
+    exe = tmp_path / "off"
+    subprocess.run([cc, f"-I{inc}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    offset, size, sm_type = map(int, subprocess.run([str(exe)], check=True, capture_output=True,
+                                                   text=True).stdout.split())
+    assert offset == cudart.CU_DEV_RESOURCE_SM_OFFSET
+    assert size <= cudart.CU_DEV_RESOURCE_BYTES
+    assert sm_type == cudart.CU_DEV_RESOURCE_TYPE_SM
+
+
+class FakeDriver:
+    """libcuda's two context calls: a current context whose SM resource holds ``sms``."""
+
+    def __init__(self, sms: int, ctx: int = 0x1234, rc: int = 0) -> None:
+        self.sms, self.ctx, self.rc = sms, ctx, rc
+
+        def get_current(out):
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = self.ctx
+            return 0
+
+        def get_resource(ctx, buf, kind):
+            assert ctx.value == self.ctx and kind == cudart.CU_DEV_RESOURCE_TYPE_SM
+            ctypes.c_uint.from_buffer(buf, cudart.CU_DEV_RESOURCE_SM_OFFSET).value = self.sms
+            return self.rc
+
+        self.cuCtxGetCurrent = get_current
+        self.cuCtxGetDevResource = get_resource
+
+
+def test_current_context_sms_reads_the_sm_count_at_its_offset():
+    assert cudart.current_context_sms(FakeDriver(66)) == 66
+    with pytest.raises(RuntimeError, match="cuCtxGetDevResource failed"):
+        cudart.current_context_sms(FakeDriver(66, rc=201))
+    with pytest.raises(RuntimeError, match="cuCtxGetCurrent failed"):
+        cudart.current_context_sms(FakeDriver(66, ctx=0))
