@@ -9,7 +9,7 @@ export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry baselines-wheels baselines-install baselines-check run test gpu-check clean
+.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry baselines-wheels baselines-install baselines-check run test gpu-test gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -166,8 +166,16 @@ GPU_COUNT ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 GPU_SWEEP ?= h200x4 dsv3x4 h200x4-fp8 dsv3x4-fp8 h200x2x2-virtual dsv3x2x2-virtual
 # The sweeps run even when a GPU test fails (their own verification still guards each point);
 # the target fails at the end if anything did.
+# gpu-test: the GPU tests alone, each named with its time and every skip with its reason; where
+# pytest-timeout is installed, a test that hangs fails after GPU_TEST_TIMEOUT s instead of using up a
+# time-limited machine (one line of the run says which applied).
+GPU_TEST_TIMEOUT ?= 300
+GPU_TEST_ARGS = -v -rs --durations=0 -m gpu $(shell $(PY) -c "import pytest_timeout" 2>/dev/null && echo --timeout=$(GPU_TEST_TIMEOUT))
+gpu-test: build
+	@echo "pytest $(GPU_TEST_ARGS) tests"; $(PY) -m pytest $(GPU_TEST_ARGS) tests
+
 gpu-check: build
-	@status=0; $(PY) -m pytest -v -rs --durations=0 -m gpu tests || status=1; \
+	@status=0; $(PY) -m pytest $(GPU_TEST_ARGS) tests || status=1; \
 	if [ "$(GPU_COUNT)" -ge 4 ] 2>/dev/null; then \
 	  for s in $(GPU_SWEEP); do $(EPB) sweep scenarios/$$s.yaml --sms 8,16,24,32 || status=1; done; \
 	else \
