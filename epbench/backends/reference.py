@@ -186,11 +186,13 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         splits, for which the ranks exchange their counts and the host waits for them."""
         s = self.s
         mask = dest_mask(inp.topk_idx, s.experts_per_rank, s.world)
-        dest_of_copy, token_of_copy = mask.t().nonzero(as_tuple=True)  # sorted by (dest, token)
         send_counts = mask.sum(dim=0)
         dist.all_to_all_single(self.recv_counts, send_counts)
-        return _Split(send_counts.tolist(), self.recv_counts.tolist(), token_of_copy, dest_of_copy,
-                      token_of_copy * s.world + dest_of_copy)
+        counts = torch.cat([send_counts, self.recv_counts]).tolist()  # the one host wait
+        send, recv = counts[: s.world], counts[s.world:]
+        # the copies sorted by (dest, token); their number is known now, so no second wait
+        dest_of_copy, token_of_copy = torch.nonzero_static(mask.t(), size=sum(send)).unbind(1)
+        return _Split(send, recv, token_of_copy, dest_of_copy, token_of_copy * s.world + dest_of_copy)
 
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         # kernel mode: the splits of this input set are known (NCCL with splits known, as an
