@@ -286,7 +286,7 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         one batched [1, world] x [world, H] product per token: out[t] = sum_d w(t, d) y_d(t), the
         products and their sum in fp32, one bf16 rounding at the end; w(t, d) is rounded to bf16
         (<= 2^-8 relative per term): two roundings, as the contract allows. Expert-major: the
-        weights were applied per expert on the receiver, so w = 1 (exact). Two passes over the
+        weights were applied per expert on the receiver, so a plain sum over ranks. Two passes over the
         copies (scatter, product) instead of an fp32 copy of them weighted in place and atomically
         added (that form took 1945 us beside 889 us for dispatch on 4 x H200, DeepSeek-V3 shape,
         2026-11-26)."""
@@ -307,18 +307,23 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         dense.index_copy_(0, split.dense_row, sent.view(torch.bfloat16))
         return dense
 
-    def _copy_weights(self, lay: _Layout) -> torch.Tensor:
-        """[T, 1, world] bf16: w(t, d), each token's weights summed per destination rank."""
-        s, t = self.s, lay.topk_idx.shape[0]
+    def _copy_weights(self, lay: _Layout) -> Optional[torch.Tensor]:
+        """[T, 1, world] bf16: w(t, d), each token's weights summed per destination rank; None in
+        expert-major, whose receivers applied the weights."""
         if self.expert_major:
-            return torch.ones(t, 1, s.world, dtype=torch.bfloat16, device=self.dense.device)
+            return None
+        s = self.s
         w = copy_weights(lay.topk_idx, lay.topk_weights, s.experts_per_rank, s.world)
         return w.to(torch.bfloat16).unsqueeze(1)
 
-    def _weighted_sum(self, w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        t = w.shape[0]
+    def _weighted_sum(self, w: Optional[torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
+        t = dense.shape[0] // self.s.world
         out_rows = self.out[:t]
-        torch.bmm(w, dense.view(t, self.s.world, self.s.hidden), out=out_rows.unsqueeze(1))
+        per_token = dense.view(t, self.s.world, self.s.hidden)
+        if w is None:  # a plain sum over the ranks (fp32 accumulation, one rounding)
+            torch.sum(per_token, dim=1, out=out_rows)
+        else:
+            torch.bmm(w, per_token, out=out_rows.unsqueeze(1))
         return out_rows
 
     # ---- low-latency mode ----
