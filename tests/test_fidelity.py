@@ -895,3 +895,12 @@ def test_phases_of_every_rank_gather_into_what_the_parser_reads():
     whole = one(figs, role="whole", op="dispatch")
     assert (whole.us, whole.detail["rank"], whole.detail["sum_of_phases_us"]) == (6.0, 1, 6.0)
     assert one(figs, role="whole", op="combine").detail["wrong"] == 2
+
+
+def test_nothing_measured_prints_the_reasons_without_an_empty_table():
+    from rich.console import Console
+
+    con = Console(record=True, width=120)
+    fid.print_table([], ["v1: not run: no venv"], con)
+    text = con.export_text()
+    assert "v1: not run: no venv" in text and "fidelity:" not in text

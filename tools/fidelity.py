@@ -770,16 +770,21 @@ def print_phases(rows: List[Dict[str, Any]], console: Any) -> None:
 
 def print_table(rows: List[Dict[str, Any]], lines: List[str], console: Any) -> None:
     """The side-by-side table, then ``lines`` (notes, and what did not run or failed)."""
-    from rich.table import Table
+    from epbench.console import number, table
 
-    from epbench.console import number
-
-    t = Table(title="fidelity: each library's own figure beside epbench's, same shape and machine")
-    for name, justify in (("library", "left"), ("dtype", "left"), ("op", "left"), ("SMs", "right"),
-                          ("own us", "right"), ("own: what (statistic)", "left"), ("own alt", "left"),
-                          ("kernel p50 / mean", "right"), ("call p50", "right"), ("epbench/own", "right"),
-                          ("#wrong k/c", "right")):
-        t.add_column(name, justify=justify)
+    if not rows:  # nothing measured: the lines say why
+        for line in lines or ["nothing was measured"]:
+            console.print(line, highlight=False, markup=False)
+        return
+    t = table("fidelity: each library's own figure beside epbench's, same shape and machine",
+              f"epbench/own: epbench's figure taken the library's way (the same statistic and rank), "
+              f"from its kernel-mode rows, else its call-mode rows '(call)'; '!' above {FLAG_RATIO:.2f}. "
+              f"kernel / call: the slowest rank's median / mean over epbench's timed calls. "
+              f"How each figure is measured: docs/fidelity.md",
+              (("library", "left"), ("dtype", "left"), ("op", "left"), ("SMs", "right"),
+               ("own us", "right"), ("own: what (statistic)", "left"), ("own alt", "left"),
+               ("kernel p50 / mean", "right"), ("call p50", "right"), ("epbench/own", "right"),
+               ("#wrong k/c", "right")))
     for r in rows:
         ratio = "-"
         if r["ratio"] is not None:
@@ -796,10 +801,6 @@ def print_table(rows: List[Dict[str, Any]], lines: List[str], console: Any) -> N
                   number(r["own_us"]), f"{r['own_variant']} ({r['own_stat']})" if r["own_variant"] else "-",
                   alt, f"{number(r['kernel_p50_us'])} / {number(r['kernel_mean_us'])}", number(r["call_p50_us"]),
                   ratio, wrong)
-    t.caption = (f"epbench/own: epbench's figure taken the library's way (the same statistic and rank), "
-                 f"from its kernel-mode rows, else its call-mode rows '(call)'; '!' above {FLAG_RATIO:.2f}. "
-                 f"kernel / call: the slowest rank's median / mean over epbench's timed calls. "
-                 f"How each figure is measured: docs/fidelity.md")
     console.print(t)
     for line in lines:
         console.print(line, highlight=False, markup=False)
