@@ -295,14 +295,17 @@ def _time_pair(comm: Comm, warmup: int, iters: int, calls: PointCalls,
     timed region. The last iteration's outputs are kept for checking."""
     n = warmup + iters
     timers = {op: Timer(comm.device, n) for op in OPS}
+    on_stream = bool(getattr(comm, "sync_on_stream", False))
     last: Optional[LastTimed] = None
     for i in range(n):
         if len(sets) > 1 or i == 0:  # one set: loaded once, the same tensors every call
             calls.load(sets[i % len(sets)])
-        out = timers["dispatch"].time(i, calls.dispatch, align=comm.sync, gated=calls.gated)
+        out = timers["dispatch"].time(i, calls.dispatch, align=comm.sync, gated=calls.gated,
+                                      align_on_stream=on_stream)
         kept = snapshot(out) if i == n - 1 else None
         calls.fill(out)
-        got = timers["combine"].time(i, lambda: calls.combine(out), align=comm.sync, gated=calls.gated)
+        got = timers["combine"].time(i, lambda: calls.combine(out), align=comm.sync, gated=calls.gated,
+                                    align_on_stream=on_stream)
         if kept is not None:
             last = LastTimed((n - 1) % len(sets), kept, got)
     samples = {op: [t / calls.per_replay for t in timer.samples_us(warmup)] for op, timer in timers.items()}

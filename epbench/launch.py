@@ -459,6 +459,12 @@ class Comm:
 
         return self.device if self.device.type == "cuda" and not self.shared else torch.device("cpu")
 
+    @property
+    def sync_on_stream(self) -> bool:
+        """True where ``sync`` only queues work on the stream (NCCL, one rank per GPU) and never
+        waits on the host."""
+        return self.device.type == "cuda" and not self.shared
+
     def sync(self) -> None:
         """Align ranks before a timed call. On GPUs a one-element NCCL all-reduce queued on the
         stream lines the ranks' streams up without a host round trip; where ranks share a GPU

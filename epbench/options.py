@@ -89,10 +89,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                           "notes/LATENCY.md round 3), grid (a grid-wide release / wait / finish through block "
                           "counters, LL v3), auto (token where its shared memory fits, else grid; rows record "
                           "the one used)", choices=("auto", "grid", "token"), env="EPBENCH_LL_SYNC"),
-        "combine_order": Option(str, "source", "order of the combine's pushes: source (destination-major, "
-                                "every rank pushes to the lowest rank first) or rotated (destination-minor from "
-                                "rank + 1 on, as the dispatch sends); outputs bit-identical, the default until "
-                                "measured", choices=("source", "rotated"), env="EPBENCH_LL_COMBINE_ORDER"),
+        "combine_order": Option(str, "rotated", "order of the combine's pushes: rotated (destination-minor "
+                                "from rank + 1 on, as the dispatch sends) or source (destination-major, every rank "
+                                "pushes to the lowest rank first: 4.2-16 us slower at 4 ranks, 128-256 tokens, "
+                                "notes/LATENCY-NEXT.md); outputs bit-identical", choices=("source", "rotated"), env="EPBENCH_LL_COMBINE_ORDER"),
     },
     "epbench-hier": {
         "send_share": Option(float, 0.5, "share of the num_sms blocks that send", low=0.0, high=1.0,
@@ -133,6 +133,10 @@ DIAGNOSTICS: Dict[str, Option] = {
                         "tensor from host memory each call, a host synchronisation (epbench/verify.py "
                         "ll_expert_factors, as before the factors were cached); 0: cached",
                         choices=(0, 1), env="EPBENCH_FILL_SYNC"),
+    "gate_first": Option(int, 0, "1: a gated call's stream waits on the host gate BEFORE the cross-rank "
+                         "alignment (where the alignment stays on the stream: NCCL, one rank per GPU), so "
+                         "ranks leave it together only once every host has queued its call; 0: after it "
+                         "(epbench/timing.py)", choices=(0, 1), env="EPBENCH_GATE_FIRST"),
 }
 
 

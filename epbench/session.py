@@ -181,8 +181,10 @@ def _run(p: Plan, opts: RunOptions, device: str, comm: Any, launched: bool) -> i
         meta["backend_runtime"] = {b: {"nccl": meta.get("nccl"), "ld_preload": os.environ.get("LD_PRELOAD")}
                                    for b in opts.backends}
         writer = RunWriter(run_dir or new_run_dir(p.results, s, opts.tokens), meta, append=launched)
+    # drawn only between points (auto_refresh off): rich's refresh thread would take rank 0's GIL
+    # ten times a second, in the middle of timed calls, and make rank 0's host late for them
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=True,
+                        TimeElapsedColumn(), console=console, transient=True, auto_refresh=False,
                         disable=not (rank0 and opts.progress))
     task = progress.add_task(f"{s.name}: measuring", total=_points(opts))
 
@@ -195,7 +197,7 @@ def _run(p: Plan, opts: RunOptions, device: str, comm: Any, launched: bool) -> i
 
     def advance(label: str) -> None:
         if rank0:
-            progress.update(task, advance=1, description=f"{s.name}: {label}")
+            progress.update(task, advance=1, description=f"{s.name}: {label}", refresh=True)
 
     for note in sharing_notes(comm):
         on_note(note)

@@ -20,8 +20,14 @@ event is queued: the timed region then never contains host time, however late th
 watchdog opens a gate left closed for 2 s (a call that did wait for the device) and says so. Where
 the driver call is not available the gate is off, and the run says so in a note.
 
-Two diagnostic switches (epbench/options.py ``DIAGNOSTICS``, read once per process) change this for
-an experiment: EPBENCH_HOST_LEAD_US sets the sleep, EPBENCH_HOST_GATE=0 turns the gate off. The
+Three diagnostic switches (epbench/options.py ``DIAGNOSTICS``, read once per process) change this
+for an experiment: EPBENCH_HOST_LEAD_US sets the sleep, EPBENCH_HOST_GATE=0 turns the gate off, and
+EPBENCH_GATE_FIRST=1 closes the gate before the alignment instead of after it (only where the
+alignment is queued on the stream, never waiting on the host: a gate before a host-side wait would
+hold the GPU until the watchdog). After the alignment, a rank whose host is late to open its gate
+keeps its own GPU waiting while its peers have left the all-reduce and started their timers, so its
+lateness lands in their timed regions; before it, every rank leaves the alignment only once every
+host has queued its call. The
 run's timing note (``method``) gives the sleep and the gate's state in force and names every switch
 that is set."""
 
@@ -62,6 +68,18 @@ def _sleep_cycles_per_us() -> float:
         b.synchronize()
         _cycles_per_us = n / max(a.elapsed_time(b) * 1e3, 1.0)
     return _cycles_per_us
+
+
+_gate_first: Optional[bool] = None
+
+
+def gate_first() -> bool:
+    """Switch gate_first (EPBENCH_GATE_FIRST, default 0): the host gate before the alignment; read
+    once per process."""
+    global _gate_first
+    if _gate_first is None:
+        _gate_first = bool(options.diagnostic("gate_first"))
+    return _gate_first
 
 
 def host_lead() -> None:
@@ -183,17 +201,21 @@ class Timer:
         self.wall: List[float] = []
 
     def time(self, i: int, fn: Callable[[], Any], align: Optional[Callable[[], None]] = None,
-             gated: bool = False) -> Any:
+             gated: bool = False, align_on_stream: bool = False) -> Any:
         """Times ``fn``; ``align`` (the cross-rank sync) runs just before, outside the timed region.
         ``gated``: ``fn`` never waits for the device on the host (a graph replay), so the stream
-        may also wait on the host gate (closed after ``align``, which may synchronise)."""
+        may also wait on the host gate: closed after ``align`` (which may synchronise), or before
+        it under switch gate_first where ``align_on_stream`` says it never waits on the host."""
         if self.cuda:
             start, end = self.events[i]
             host_lead()
+            gate = host_gate() if gated else None
+            first = gate is not None and align_on_stream and gate_first()
+            if first:
+                gate.close()
             if align is not None:
                 align()
-            gate = host_gate() if gated else None
-            if gate is not None:
+            if gate is not None and not first:
                 gate.close()
             try:
                 start.record()

@@ -414,10 +414,10 @@ def test_combine_order_option_parses_defaults_and_matches_the_kernels_enum():
     from epbench import options
 
     ll = pytest.importorskip("epbench.backends.epbench_ll")
-    assert options.resolve("epbench-ll", {}, environ={})["combine_order"] == "source"  # until measured
-    assert options.parse_cli(["combine_order=rotated"]) == {"epbench-ll": {"combine_order": "rotated"}}
-    env = {"EPBENCH_LL_COMBINE_ORDER": "rotated"}
-    assert options.resolve("epbench-ll", {}, environ=env)["combine_order"] == "rotated"
+    assert options.resolve("epbench-ll", {}, environ={})["combine_order"] == "rotated"  # measured faster
+    assert options.parse_cli(["combine_order=source"]) == {"epbench-ll": {"combine_order": "source"}}
+    env = {"EPBENCH_LL_COMBINE_ORDER": "source"}
+    assert options.resolve("epbench-ll", {}, environ=env)["combine_order"] == "source"
     with pytest.raises(UserError, match="combine_order: must be one of source, rotated, got 'rank'"):
         options.validate({"epbench-ll": {"combine_order": "rank"}})
     assert ll.ORDERS == {"source": 0, "rotated": 1}
@@ -499,8 +499,8 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     setup = RankSetup(rank=0, world=1, gpus_per_node=1, device=torch.device("cuda", 0), hidden=128,
                       max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16", mode="low_latency")
     monkeypatch.delenv("EPBENCH_LL_COMBINE_ORDER", raising=False)
-    assert ll.EpbenchLowLatencyBackend(setup).effective_config()["combine_order"] == "source"
-    be = ll.EpbenchLowLatencyBackend(setup, combine_order="rotated")
-    assert be.effective_config()["combine_order"] == "rotated" and calls == [0, 1]
-    be.use_combine_order("source")
-    assert be.effective_config()["combine_order"] == "source" and calls == [0, 1, 0]
+    assert ll.EpbenchLowLatencyBackend(setup).effective_config()["combine_order"] == "rotated"
+    be = ll.EpbenchLowLatencyBackend(setup, combine_order="source")
+    assert be.effective_config()["combine_order"] == "source" and calls == [1, 0]
+    be.use_combine_order("rotated")
+    assert be.effective_config()["combine_order"] == "rotated" and calls == [1, 0, 1]

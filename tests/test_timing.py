@@ -166,3 +166,52 @@ def test_a_bad_diagnostic_switch_stops_run_in_one_line(tmp_path):
                      env={"EPBENCH_HOST_LEAD_US": "fast"})
     assert_one_line_error(r, "EPBENCH_HOST_LEAD_US", "must be a number", "'fast'")
     assert not any(tmp_path.iterdir())  # stopped before a results folder was made
+
+
+class _Recorder:
+    """Stands in for events, the sleep and the gate of Timer's GPU path, recording their order."""
+
+    def __init__(self):
+        self.order = []
+
+    def event(self, name):
+        return type("Ev", (), {"record": lambda _self: self.order.append(name)})()
+
+
+def _gpu_timer(monkeypatch, rec, gate_first):
+    from types import SimpleNamespace
+
+    from epbench import timing
+
+    monkeypatch.setattr(timing, "host_lead", lambda: rec.order.append("sleep"))
+    monkeypatch.setattr(timing, "_gate_first", None)
+    monkeypatch.setenv("EPBENCH_GATE_FIRST", "1" if gate_first else "0")
+    gate = SimpleNamespace(close=lambda: rec.order.append("gate closed"), open=lambda: rec.order.append("gate open"))
+    monkeypatch.setattr(timing, "host_gate", lambda: gate)
+    t = timing.Timer(torch.device("cpu"), 1)
+    t.cuda, t.events = True, [(rec.event("start"), rec.event("end"))]
+    return t
+
+
+def test_the_gate_closes_after_the_alignment_unless_switched_first_where_the_alignment_stays_on_stream(
+        monkeypatch):
+    def timed(gate_first, on_stream, gated=True):
+        rec = _Recorder()
+        t = _gpu_timer(monkeypatch, rec, gate_first)
+        t.time(0, lambda: rec.order.append("call"), align=lambda: rec.order.append("align"), gated=gated,
+               align_on_stream=on_stream)
+        return rec.order
+
+    after = ["sleep", "align", "gate closed", "start", "call", "end", "gate open"]
+    assert timed(False, True) == after  # the default
+    assert timed(True, True) == ["sleep", "gate closed", "align", "start", "call", "end", "gate open"]
+    assert timed(True, False) == after  # an alignment that waits on the host: never behind a closed gate
+    assert timed(True, True, gated=False) == ["sleep", "align", "start", "call", "end"]
+
+
+def test_only_nccl_with_one_rank_per_gpu_aligns_on_the_stream():
+    from epbench.launch import Comm
+
+    assert Comm(0, 2, 0, torch.device("cuda", 0)).sync_on_stream
+    assert not Comm(0, 2, 0, torch.device("cuda", 0), ranks_per_gpu=2).sync_on_stream
+    assert not Comm(0, 2, 0, torch.device("cpu")).sync_on_stream
