@@ -32,9 +32,11 @@ def under_torchrun() -> bool:
 
 def torchrun_args(args: List[str], nproc_per_node: int, nnodes: int = 1,
                   node_rank: Optional[int] = None, rdzv_endpoint: Optional[str] = None,
-                  rdzv_timeout_s: Optional[int] = None, module: str = "epbench.rank") -> List[str]:
+                  rdzv_timeout_s: Optional[int] = None, module: str = "epbench.rank",
+                  python: Optional[str] = None) -> List[str]:
     """torchrun's arguments for running ``python -m <module> <args>`` on every rank (epbench.rank:
-    the ranks' entry point, whose arguments name a plan and a job)."""
+    the ranks' entry point, whose arguments name a plan and a job); ``python``: that interpreter
+    instead of torchrun's own (another venv's: epbench/flavors.py)."""
     cmd = [f"--nproc-per-node={nproc_per_node}"]
     if nnodes > 1 or rdzv_endpoint:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
@@ -44,6 +46,8 @@ def torchrun_args(args: List[str], nproc_per_node: int, nnodes: int = 1,
             cmd.append(f"--rdzv-conf=join_timeout={rdzv_timeout_s}")
     else:
         cmd.append("--standalone")
+    if python is not None:
+        return cmd + ["--no-python", python, "-m", module, *args]
     return cmd + ["-m", module, *args]
 
 

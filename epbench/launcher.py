@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from epbench import launch
+from epbench import flavors, launch
 from epbench import plan as plans
 from epbench.backends import deepep_v2_env
 from epbench.console import wide_console
@@ -27,11 +27,12 @@ def jobs_of(backends: Tuple[str, ...], nnodes: int) -> Tuple[Tuple[str, ...], ..
     return (tuple(backends),) if nnodes > 1 else tuple((b,) for b in backends)
 
 
-def job_command(p: Plan, plan_path: Path, job: int) -> List[str]:
-    """torchrun's arguments for job ``job`` of the plan in ``plan_path``."""
+def job_command(p: Plan, plan_path: Path, job: int, python: Optional[str] = None) -> List[str]:
+    """torchrun's arguments for job ``job`` of the plan in ``plan_path``, its ranks run by
+    ``python`` where given (a flavor's venv: epbench/flavors.py)."""
     return launch.torchrun_args([str(plan_path), str(job)],
                                 p.ranks_per_node or p.scenario.topology.ranks_per_host,
-                                p.nnodes, p.node_rank, p.rdzv_endpoint, p.rdzv_timeout_s)
+                                p.nnodes, p.node_rank, p.rdzv_endpoint, p.rdzv_timeout_s, python=python)
 
 
 def start(p: Plan) -> int:
@@ -95,8 +96,10 @@ def launch_run(p: Plan, plan_path: Path) -> int:
     s, opts, run_dir = p.scenario, p.options, p.run_dir
     first: Optional[launch.Outcome] = None
     for i, job in enumerate(p.jobs):
-        with deepep_v2_env.job_environment(job):  # V2's own NCCL, for its job only
-            out = launch.run_job(job_command(p, plan_path, i), p.device, run_dir)
+        python = flavors.job_python(job)  # the venv that holds the job's DeepEP flavor, if not this one
+        # that checkout's epbench first; V2's own NCCL, for its job only
+        with flavors.job_environment(python), deepep_v2_env.job_environment(job, python):
+            out = launch.run_job(job_command(p, plan_path, i, python), p.device, run_dir)
         if out.status == "interrupted":
             first = out
             break

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -178,7 +179,10 @@ def _run(p: Plan, opts: RunOptions, device: str, comm: Any, launched: bool) -> i
                     options=dataclasses.asdict(opts), control_timeout_s=comm.control_timeout_s,
                     **sharing(comm))
         # what each backend's job loaded: one job may preload another NCCL (backends/deepep_v2_env.py)
-        meta["backend_runtime"] = {b: {"nccl": meta.get("nccl"), "ld_preload": os.environ.get("LD_PRELOAD")}
+        # and another venv may run it (epbench/flavors.py): its python and its baselines' build
+        meta["backend_runtime"] = {b: {"python": sys.executable, "nccl": meta.get("nccl"),
+                                       "ld_preload": os.environ.get("LD_PRELOAD"),
+                                       "baselines": meta.get("baselines")}
                                    for b in opts.backends}
         writer = RunWriter(run_dir or new_run_dir(p.results, s, opts.tokens), meta, append=launched)
     # drawn only between points (auto_refresh off): rich's refresh thread would take rank 0's GIL

@@ -111,7 +111,7 @@ def test_a_chain_sample_is_one_replay_over_k(monkeypatch):
         def __init__(self, device, n):
             self.n = n
 
-        def time(self, i, fn, align=None, gated=False):
+        def time(self, i, fn, align=None, gated=False, align_on_stream=False):
             seen.append(gated)
             return fn()
 

@@ -19,7 +19,7 @@ LOWER = ("epbench.errors", "epbench.contract", "epbench.scenario", "epbench.rout
          "epbench.verify", "epbench.metrics", "epbench.layout", "epbench.mxfp8", "epbench.options",
          "epbench.backend_names")
 UPPER = ("epbench.backends", "epbench.driver", "epbench.plan", "epbench.session", "epbench.launch",
-         "epbench.launcher", "epbench.rank", "epbench.cli",
+         "epbench.launcher", "epbench.flavors", "epbench.rank", "epbench.cli",
          "epbench.report", "epbench.plot", "epbench.compare", "epbench.overlap")
 
 

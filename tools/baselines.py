@@ -39,7 +39,7 @@ for _p in (str(REPO), str(TOOLS)):
 
 import nccl_prune  # noqa: E402
 import toolcli  # noqa: E402
-from epbench import provenance  # noqa: E402
+from epbench import flavors, provenance  # noqa: E402
 from epbench.backends.deepep_v2_env import MIN_NCCL, TORCH_SHIM, preload_env, v2_nccl, version_tuple  # noqa: E402
 from epbench.errors import UserError  # noqa: E402
 
@@ -404,9 +404,12 @@ def _keep_log(p: Any, venv_python: str, name: str, stamp_dir: Optional[Path]) ->
 
 def build(name: str, src: Optional[str], venv_python: str = sys.executable,
           run: Runner = _run, env: Optional[Dict[str, str]] = None,
-          stamp_dir: Optional[Path] = None, nccl_carry: Optional[str] = None) -> str:
+          stamp_dir: Optional[Path] = None, nccl_carry: Optional[str] = None,
+          registry: Optional[Path] = None) -> str:
     """Builds one flavor; returns one line (what was installed, or the step that failed).
-    ``nccl_carry`` (v2): a tarball from ``carry_nccl``, unpacked into the venv and built against."""
+    ``nccl_carry`` (v2): a tarball from ``carry_nccl``, unpacked into the venv and built against.
+    A venv that got its flavor is recorded in ``registry`` (epbench/flavors.py), so a run from
+    any venv starts that flavor's backend from it."""
     fl = flavor(name)
     env = build_env(dict(os.environ) if env is None else env)
     nccl: Dict[str, str] = {}
@@ -453,6 +456,11 @@ def build(name: str, src: Optional[str], venv_python: str = sys.executable,
         return f"{fl.name}: installed deep_ep {stamp['version']}, but cannot record it: {e}"
     warn = (f"; warning: {', '.join(static)} carry a static C++ runtime (libstdc++.a), which "
             f"crashed Hybrid-EP beside torch's shared one") if static else ""
+    if stamp_dir is None:  # a real venv: runs from any venv of this checkout start its jobs there
+        try:
+            flavors.record(fl.name, venv_python, registry)
+        except OSError as e:
+            warn += f"; warning: cannot record the venv for later runs ({e})"
     return f"{fl.name}: installed deep_ep {stamp['version']} at {fl.commit[:12]}{warn}"
 
 
@@ -491,6 +499,14 @@ def status() -> List[str]:
         lines.append("deep_ep: not installed (make baselines [DEEPEP_SRC=/path/to/DeepEP])")
     for fl in FLAVORS.values():
         lines.append(f"  {fl.name}: pinned {fl.commit} ({fl.branch}); needs {fl.needs}")
+    venvs = flavors.recorded()
+    for name, python in sorted(venvs.items()):
+        held = flavors.stamp_of(python).get("flavor")
+        state = "ok" if held == name else f"its venv now holds {held or 'no flavor'}: not used"
+        lines.append(f"  runs start {name}'s backend from {python} ({state})")
+    if not venvs:
+        lines.append("  no venv recorded per flavor: every backend runs in this venv "
+                     "(make baselines VENV=<venv> DEEPEP_FLAVOR=<flavor> records one)")
     lines.append(v2_nccl_status())
     return lines
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, Optional, Sequence
 
-from epbench import launch, provenance
+from epbench import flavors, launch, provenance
 
 MIN_NCCL = (2, 30, 4)
 BACKEND = "deepep-v2"
@@ -44,26 +44,27 @@ def preload_env(library: str, env: Dict[str, str]) -> Dict[str, str]:
     return out
 
 
-def v2_nccl() -> Optional[Dict[str, str]]:
-    """The NCCL the installed V2 was built against (from the stamp), where it is a private one
-    that still exists."""
-    stamp = provenance.baselines_build()
+def v2_nccl(python: Optional[str] = None) -> Optional[Dict[str, str]]:
+    """The NCCL the installed V2 was built against (from the stamp of this environment, or of the
+    venv of ``python``), where it is a private one that still exists."""
+    stamp = provenance.baselines_build() if python is None else flavors.stamp_of(python)
     nccl = stamp.get("nccl") if stamp.get("flavor") == "v2" else None
     return nccl if isinstance(nccl, dict) and Path(str(nccl.get("preload"))).is_file() else None
 
 
-def job_env(backends: Sequence[str]) -> Dict[str, str]:
-    """Environment for the torchrun job that runs ``backends``: V2's private NCCL preloaded
-    where deepep-v2 is among them and was built against one; nothing otherwise."""
-    nccl = v2_nccl() if BACKEND in backends else None
+def job_env(backends: Sequence[str], python: Optional[str] = None) -> Dict[str, str]:
+    """Environment for the torchrun job that runs ``backends`` (with ``python``'s venv, else
+    this one): V2's private NCCL preloaded where deepep-v2 is among them and was built against
+    one; nothing otherwise."""
+    nccl = v2_nccl(python) if BACKEND in backends else None
     return preload_env(nccl["preload"], dict(os.environ)) if nccl else {}
 
 
 @contextmanager
-def job_environment(backends: Sequence[str]) -> Iterator[Dict[str, str]]:
-    """``job_env(backends)`` set in os.environ (which torchrun's workers inherit) while the job
-    runs; the launcher's own environment is restored after it."""
-    extra = job_env(backends)
+def job_environment(backends: Sequence[str], python: Optional[str] = None) -> Iterator[Dict[str, str]]:
+    """``job_env(backends, python)`` set in os.environ (which torchrun's workers inherit) while
+    the job runs; the launcher's own environment is restored after it."""
+    extra = job_env(backends, python)
     before = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:

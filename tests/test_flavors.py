@@ -1,0 +1,124 @@
+"""epbench/flavors.py: each DeepEP flavor's backend runs from the venv `make baselines` recorded for
+it, with this checkout's epbench, and the run records which python ran it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from epbench import flavors, launch, provenance
+from epbench.backends import deepep_v2_env
+
+
+def fake_venv(root: Path, flavor: str, python_target: str = "/bin/true", nccl: dict = None) -> str:
+    """A folder shaped like a venv: bin/python (a link to ``python_target``) and the build stamp."""
+    (root / "bin").mkdir(parents=True)
+    python = root / "bin" / "python"
+    python.symlink_to(python_target)
+    stamp = {"flavor": flavor, "commit": "c0ffee"}
+    if nccl:
+        stamp["nccl"] = nccl
+    (root / provenance.BASELINES_STAMP).write_text(json.dumps(stamp))
+    return str(python)
+
+
+def test_a_job_needs_the_one_flavor_of_its_backends():
+    assert flavors.flavor_of(["deepep"]) == "v1"
+    assert flavors.flavor_of(["deepep-v2"]) == "v2"
+    assert flavors.flavor_of(["hybrid-ep"]) == "hybrid-ep"
+    assert flavors.flavor_of(["epbench", "reference"]) is None
+    assert flavors.flavor_of(["deepep", "deepep-v2"]) is None  # no venv holds two: runs here
+    assert flavors.flavor_of(["deepep", "epbench"]) == "v1"
+
+
+def test_record_keeps_every_flavor_and_survives_a_bad_file(tmp_path):
+    reg = tmp_path / "venvs.json"
+    assert flavors.recorded(reg) == {}
+    flavors.record("v1", "/a/bin/python", reg)
+    flavors.record("v2", "/b/bin/python", reg)
+    flavors.record("v1", "/c/bin/python", reg)  # rebuilt elsewhere: the newest wins
+    assert flavors.recorded(reg) == {"v1": "/c/bin/python", "v2": "/b/bin/python"}
+    reg.write_text("{not json")
+    assert flavors.recorded(reg) == {}
+
+
+def test_the_registry_file_can_be_named_by_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(flavors.REGISTRY_ENV, str(tmp_path / "r.json"))
+    flavors.record("hybrid-ep", "/h/bin/python")
+    assert json.loads((tmp_path / "r.json").read_text()) == {"hybrid-ep": "/h/bin/python"}
+
+
+def test_a_job_runs_from_the_venv_that_holds_its_flavor(tmp_path, monkeypatch):
+    reg = tmp_path / "venvs.json"
+    v2 = fake_venv(tmp_path / "venv-v2", "v2")
+    v1 = fake_venv(tmp_path / "venv-v1", "v1")
+    flavors.record("v2", v2, reg)
+    flavors.record("v1", v1, reg)
+    monkeypatch.setattr(provenance, "baselines_build", lambda: {"flavor": "v1"})
+    assert flavors.job_python(["deepep-v2"], reg) == v2
+    assert flavors.job_python(["deepep"], reg) is None  # this environment holds v1
+    assert flavors.job_python(["epbench"], reg) is None
+    assert flavors.job_python(["hybrid-ep"], reg) is None  # none recorded: runs here, skips with its reason
+    monkeypatch.setattr(provenance, "baselines_build", lambda: {})
+    assert flavors.job_python(["deepep"], reg) == v1
+    (tmp_path / "venv-v2" / provenance.BASELINES_STAMP).write_text(json.dumps({"flavor": "hybrid-ep"}))
+    assert flavors.job_python(["deepep-v2"], reg) is None  # that venv was rebuilt with another flavor
+
+
+def test_torchrun_runs_the_ranks_with_the_jobs_python():
+    args = launch.torchrun_args(["plan.json", "2"], 4, python="/v/bin/python")
+    assert args[-6:] == ["--no-python", "/v/bin/python", "-m", "epbench.rank", "plan.json", "2"]
+    assert launch.torchrun_args(["plan.json", "0"], 4)[-4:] == ["-m", "epbench.rank", "plan.json", "0"]
+
+
+def test_a_job_from_another_venv_imports_this_checkouts_epbench(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    with flavors.job_environment("/v/bin/python") as extra:
+        assert os.environ["PYTHONPATH"] == os.pathsep.join([str(flavors.CHECKOUT), "/elsewhere"])
+        assert extra == {"PYTHONPATH": os.environ["PYTHONPATH"]}
+    assert os.environ["PYTHONPATH"] == "/elsewhere"
+    with flavors.job_environment(None) as extra:
+        assert extra == {} and os.environ["PYTHONPATH"] == "/elsewhere"
+
+
+def test_v2s_private_nccl_comes_from_the_venv_that_runs_its_job(tmp_path, monkeypatch):
+    lib = tmp_path / "venv-v2" / "epbench-nccl" / "lib" / "libnccl.so.2"
+    lib.parent.mkdir(parents=True)
+    lib.write_text("")
+    v2 = fake_venv(tmp_path / "venv-v2", "v2", nccl={"preload": str(lib), "version": "2.30.4"})
+    monkeypatch.setattr(provenance, "baselines_build", lambda: {})  # this venv: no V2
+    assert deepep_v2_env.job_env(["deepep-v2"]) == {}
+    assert deepep_v2_env.job_env(["deepep-v2"], v2)["LD_PRELOAD"].split()[0] == str(lib)
+    assert deepep_v2_env.job_env(["reference"], v2) == {}
+
+
+@pytest.mark.xdist_group("cpu-run")
+def test_a_run_records_which_python_ran_each_backend(tmp_path):
+    """End to end on CPU: deepep's job starts from the recorded "v1 venv" (a link to this
+    python; deep_ep is not installed there either, so its points are skipped with the reason),
+    the reference's from this one, and meta.json names both."""
+    from support import epbench
+
+    import subprocess
+
+    root = tmp_path / "venv-v1"  # a real venv that sees this one's packages (torch, yaml) through a .pth
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    v1 = str(root / "bin" / "python")
+    site = subprocess.run([v1, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "this-venv.pth").write_text("".join(f"{p}\n" for p in sys.path if p and Path(p).is_dir()))
+    (root / provenance.BASELINES_STAMP).write_text(json.dumps({"flavor": "v1", "commit": "c0ffee"}))
+    reg = tmp_path / "venvs.json"
+    flavors.record("v1", v1, reg)
+    r = epbench("run", "scenarios/smoke.yaml", "--device", "cpu", "--backends", "reference,deepep", "--nproc", "2",
+                "--iters", "2", "--results", str(tmp_path / "r"), env={flavors.REGISTRY_ENV: str(reg)})
+    assert r.code == 0, r.both
+    (run,) = list((tmp_path / "r").iterdir())
+    runtime = json.loads((run / "meta.json").read_text())["backend_runtime"]
+    assert runtime["deepep"]["python"] == v1
+    assert runtime["reference"]["python"] != v1
+    assert "deep_ep" in r.both  # the skip reason is still said
