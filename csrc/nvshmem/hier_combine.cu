@@ -170,12 +170,9 @@ extern "C" int eph_combine(void* vctx, void* out, const void* topk_idx, const vo
   auto* ctx = static_cast<HierContext*>(vctx);
   if (ctx == nullptr) return epn_fail("eph_combine: null context");
   const HierParams& p = ctx->p;
-  if (num_tokens < 0 || num_tokens > p.max_tokens)
-    return epn_fail("eph_combine: %d tokens (0..%d)", num_tokens, p.max_tokens);
-  if (p.N > 1 && (send_blocks < 1 || send_blocks >= num_sms))
-    return epn_fail("eph_combine: %d sending blocks of %d: need 1 .. num_sms - 1", send_blocks, num_sms);
-  if (p.N == 1) send_blocks = 0;
-  if (num_sms < 1 + send_blocks) return epn_fail("eph_combine: num_sms %d", num_sms);
+  char msg[160];
+  const CallArgs args{"eph_combine", num_tokens, p.max_tokens, p.N, num_sms, send_blocks, 1, false, false};
+  if (check_call(args, &send_blocks, msg, sizeof(msg))) return epn_fail("%s", msg);
   hier_combine_kernel<<<num_sms, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       p, static_cast<__nv_bfloat16*>(out), static_cast<const int64_t*>(topk_idx), static_cast<const float*>(topk_w),
       num_tokens, send_blocks, epoch);

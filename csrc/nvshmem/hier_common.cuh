@@ -51,7 +51,8 @@
 //
 // Files, one per role as in csrc/: hier_common.cuh (this: parameters, bounded waits, copy helpers),
 // hier_layout.cu (steps 1-2), hier_dispatch.cu (3), hier_combine.cu (combine), hier_buffers.cu (the
-// symmetric and local buffers: create / region / poll / destroy).
+// symmetric and local buffers: create / region / poll / destroy), hier_args.h (the host checks of a
+// dispatch's or combine's arguments, CUDA-free so that a CPU test compiles them).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -65,6 +66,7 @@
 #include "../common.cuh"
 #include "api_nvshmem.h"
 #include "epn_internal.h"
+#include "hier_args.h"
 
 namespace eph {
 

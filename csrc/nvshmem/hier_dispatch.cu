@@ -169,14 +169,10 @@ extern "C" int eph_dispatch(void* vctx, const void* x, const void* scales, const
   auto* ctx = static_cast<HierContext*>(vctx);
   if (ctx == nullptr) return epn_fail("eph_dispatch: null context");
   HierParams& p = ctx->p;
-  if (num_tokens < 0 || num_tokens > p.max_tokens)
-    return epn_fail("eph_dispatch: %d tokens (0..%d)", num_tokens, p.max_tokens);
-  if (chunk < 1 || chunk > 1024) return epn_fail("eph_dispatch: chunk %d (1..1024)", chunk);
-  if (p.N > 1 && (send_blocks < 1 || send_blocks >= num_sms))
-    return epn_fail("eph_dispatch: %d sending blocks of %d: need 1 .. num_sms - 1", send_blocks, num_sms);
-  if (p.N == 1) send_blocks = 0;
-  if (num_sms < 1 + send_blocks) return epn_fail("eph_dispatch: num_sms %d", num_sms);
-  if (p.num_scales && scales == nullptr) return epn_fail("eph_dispatch: fp8 needs scales");
+  char msg[160];
+  const CallArgs args{"eph_dispatch", num_tokens, p.max_tokens, p.N, num_sms, send_blocks, chunk, p.num_scales > 0,
+                      scales != nullptr};
+  if (check_call(args, &send_blocks, msg, sizeof(msg))) return epn_fail("%s", msg);
   p.chunk = chunk;
   auto s = static_cast<cudaStream_t>(stream);
   if (eph::launch_layout(p, static_cast<const int64_t*>(topk_idx), num_tokens, epoch, s) != 0) return -1;
