@@ -67,6 +67,18 @@ class SlotMap:
     slot: torch.Tensor  # [pairs] int64: slot in the expert-major buffer
 
 
+def local_expert_counts(topk_idx: torch.Tensor, rank: int, experts_per_rank: int) -> torch.Tensor:
+    """int64 [experts_per_rank]: how many of the ids ``topk_idx`` (any shape, global expert ids)
+    name each of rank ``rank``'s experts; other ranks' experts are not counted. Stays on the
+    device: torch.bincount on a GPU reads the largest id back to the host to size its bins, a
+    synchronisation in the middle of a timed call; a scatter-add into fixed bins needs none."""
+    e = experts_per_rank
+    local = (topk_idx - rank * e).flatten()
+    key = torch.where((local >= 0) & (local < e), local, torch.full_like(local, e))  # bin e: elsewhere
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=topk_idx.device)
+    return counts.scatter_add_(0, key, torch.ones_like(key))[:e]
+
+
 def expert_major(topk_idx: torch.Tensor, rank: int, experts_per_rank: int,
                  align: int) -> Tuple[ExpertMajor, SlotMap]:
     """The segment table and slot map for rank-major received rows with global expert ids

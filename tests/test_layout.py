@@ -125,3 +125,21 @@ def test_kernel_slot_rule_matches_the_layout():
                 for r, k, slot in zip(sm.row, sm.k, sm.slot)}
         assert got == want
         assert max(want.values(), default=0) < slot_capacity(world, max(tokens), topk, e_loc, align)
+
+
+def test_local_expert_counts_match_bincount_and_never_read_back():
+    from epbench.layout import local_expert_counts
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 32, (300, 6), generator=g)  # 4 ranks x 8 experts
+    for rank in range(4):
+        local = ids.flatten() - rank * 8
+        want = torch.bincount(local[(local >= 0) & (local < 8)], minlength=8)
+        got = local_expert_counts(ids, rank, 8)
+        assert torch.equal(got, want) and got.dtype == torch.int64
+    assert torch.equal(local_expert_counts(ids[:0], 1, 8), torch.zeros(8, dtype=torch.int64))
+    # no host read: the function's code never calls bincount / item / tolist (CUDA's bincount reads the max back)
+    import inspect
+
+    src = inspect.getsource(layout.local_expert_counts).split('"""')[-1]
+    assert not any(word in src for word in ("bincount", ".item(", ".tolist(", "nonzero"))

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from epbench.backends.base import LowLatencyMode, NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup, ll_slots
 from epbench.inputs import quantize
-from epbench.layout import SlotMap, expert_major, slot_capacity
+from epbench.layout import SlotMap, expert_major, local_expert_counts, slot_capacity
 from epbench.metrics import row_bytes
 from epbench.routing import copy_weights, dest_mask
 
@@ -233,12 +233,8 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         return recv
 
     def _counts(self, ids: torch.Tensor) -> torch.Tensor:
-        """Received rows per local expert, on the device."""
-        s = self.s
-        local = ids - s.rank * s.experts_per_rank
-        hit = (local >= 0) & (local < s.experts_per_rank)
-        other = s.experts_per_rank  # one extra bin for experts of other ranks (no boolean gather)
-        return torch.bincount(torch.where(hit, local, other).flatten(), minlength=other + 1)[:other]
+        """Received rows per local expert, on the device (no host read: epbench/layout.py)."""
+        return local_expert_counts(ids, self.s.rank, self.s.experts_per_rank)
 
     def _permute(self, recv: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  layout: "_Layout") -> DispatchOutput:
