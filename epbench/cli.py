@@ -480,16 +480,26 @@ def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders 
 @app.command()
 def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
          out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the PNGs (default: <run>/plots).")] = None,
-         force: ForceOpt = False) -> None:
+         force: ForceOpt = False,
+         together: Annotated[bool, typer.Option("--together", help="One bandwidth-vs-SMs figure of all the "
+                                                "runs given (same scenario, ranks and transport), e.g. one "
+                                                "run per DeepEP flavor; into --out (default: the first "
+                                                "run's plots folder).")] = False) -> None:
     """Draw bandwidth-vs-SMs (with the link limit and ceiling), per-rank, latency and expert-load
     PNGs from results folders.
 
     Example: epbench plot results/20261125T013216Z_dsv3x4_w1"""
-    from epbench.plot import PlotsKept, plot_run
+    from epbench.plot import PlotsKept, plot_run, plot_together
     from epbench.results import check_writable, load_runs
 
     if out is not None:  # a folder that takes no file stops the command before anything is drawn
         check_writable(out)
+    if together:
+        runs = list(load_runs(paths, _warn))
+        folder = out or (runs[0][0] / "plots" if runs else Path("."))
+        png = plot_together(runs, folder / "bandwidth_vs_sms_together.png", force)
+        console.print(f"wrote {escape(str(png))}", highlight=False)
+        return
     failed: List[UserError] = []
     wrote = 0
     for d, meta, df in load_runs(paths, _warn):

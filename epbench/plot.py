@@ -142,14 +142,16 @@ def ceiling_gbps(df: pd.DataFrame, op: str) -> Optional[float]:
 def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: bool = False,
                      force: bool = False, transport: str = "NVLink",
                      limit: Optional[Tuple[float, str]] = None,
-                     ceilings: Optional[Dict[str, float]] = None) -> Path:
+                     ceilings: Optional[Dict[str, float]] = None, algbw: bool = True) -> Path:
     """Slowest rank's bus bandwidth per tier (solid; NIC dotted where there is one) and
-    algorithm bandwidth (dashed) against the SM count; a backend whose SM count epbench does not
-    control is a horizontal line. Grey lines: the link's limit and this run's copy-engine
-    ceiling, labelled with their values. A functional run has no bus figures: algbw only."""
+    algorithm bandwidth (dashed; ``algbw`` False: bus only, where the bus figures exist) against
+    the SM count; a backend whose SM count epbench does not control is a horizontal line. Grey
+    lines: the link's limit and this run's copy-engine ceiling, labelled with their values. A
+    functional run has no bus figures: algbw only."""
     fig, axes = plt.subplots(1, len(OPS), figsize=(15, 4.5), sharey=True)
     swept = sorted({int(s) for s in summary["sms"] if s})
-    series = bus_tiers(summary, virtual, transport) + [("algbw_gbps_min", "algbw", "--")]
+    tiers = bus_tiers(summary, virtual, transport)
+    series = tiers + ([("algbw_gbps_min", "algbw", "--")] if algbw or not tiers else [])
     markers = {"-": "o", ":": "^", "--": "s"}
     for ax, op in zip(axes, OPS):
         part = summary[summary["op"] == op]
@@ -175,7 +177,7 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: boo
             ax.set_xticks(swept)
         ax.grid(alpha=0.3)
     axes[0].set_ylim(bottom=0)  # bandwidth axes start at zero: no exaggerated gaps
-    axes[0].set_ylabel(f"GB/s over {transport} (slowest rank)" if series[:-1] else
+    axes[0].set_ylabel(f"GB/s over {transport} (slowest rank)" if tiers else
                        f"algbw GB/s, {transport} (slowest rank)")
     axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the data, never on it
     return _save(fig, title, path, force)
@@ -324,6 +326,41 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
     if load_png:
         written.append(load_png)
     return written
+
+
+def why_not_together(runs: List[Tuple[Path, Dict[str, Any], pd.DataFrame]]) -> Optional[str]:
+    """Why runs cannot share one bandwidth-vs-SMs figure (None: they can): they must measure the
+    same scenario on the same number of ranks over the same transport, and have rows."""
+    if len(runs) < 2:
+        return f"--together needs two or more runs ({len(runs)} found)"
+    keys = {(str((m.get("scenario") or {}).get("name")), m.get("world"), transport(m)) for _, m, _ in runs}
+    if len(keys) > 1:
+        shown = "; ".join(f"{name} on {world} ranks over {how}" for name, world, how in sorted(keys, key=str))
+        return f"--together: the runs measure different things ({shown})"
+    empty = [short_path(d) for d, _, df in runs if df.empty]
+    return f"--together: no measured rows in {', '.join(empty)}" if empty else None
+
+
+def plot_together(runs: List[Tuple[Path, Dict[str, Any], pd.DataFrame]], out: Path,
+                  force: bool = False) -> Path:
+    """One bandwidth-vs-SMs figure of several runs of the same scenario, ranks and transport
+    (e.g. one run per DeepEP flavor, each from its own venv): every run's rows as one table, bus
+    bandwidth only (algbw is the same multiple of it for every backend of one scenario), the
+    link limit read by any of them, each op's lowest copy-engine ceiling measured."""
+    why = why_not_together(runs)
+    if why:
+        raise UserError(why)
+    df = pd.concat([d for _, _, d in runs], ignore_index=True)
+    metas = [m for _, m, _ in runs]
+    how = transport(metas[0])
+    limits = [lim for m, (_, _, d) in zip(metas, runs) for lim in [link_limit(m, d)] if lim] if how == "NVLink" else []
+    ceilings = ({op: min((c for c in (ceiling_gbps(d, op) for _, _, d in runs) if c), default=None) for op in OPS}
+                if how in ("NVLink", "PCIe") else None)
+    scenario = (metas[0].get("scenario") or {}).get("name", "?")
+    title = (f"{scenario} ({metas[0].get('world', '?')} ranks, {how}), {len(runs)} runs: "
+             f"{', '.join(d.name.split('_')[0] for d, _, _ in runs)}")
+    return bandwidth_vs_sms(summarize(df), title, out, False, force, how,
+                            max(limits) if limits else None, ceilings, algbw=False)
 
 
 def _compare_links(metas: List[Dict[str, Any]]) -> str:

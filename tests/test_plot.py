@@ -246,3 +246,39 @@ def test_plot_that_could_write_no_png_fails_instead_of_warning(tmp_path, monkeyp
     assert len(lines) == 1 and str(runs[0] / "plots") in lines[0], r.err
     assert "cannot write (No space left on device)" in lines[0] and "1 more run(s)" in lines[0]
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.skipif(not NVML_RUN, reason="no GPU runs kept in docs/perf")
+def test_runs_of_one_scenario_plot_together_bus_only_with_the_limit_lines(monkeypatch, tmp_path):
+    import json
+
+    import pandas as pd
+
+    import epbench.plot as plot
+    from epbench.results import load_run
+
+    a, b = tmp_path / "a_run", tmp_path / "b_run"
+    for d in (a, b):
+        shutil.copytree(NVML_RUN[-1], d, ignore=shutil.ignore_patterns("plots"))
+    csv = pd.read_csv(b / "results.csv")
+    csv["backend"] = "deepep"  # another library's run of the same scenario, from its own venv
+    csv.to_csv(b / "results.csv", index=False)
+    figs = {}
+    monkeypatch.setattr(plot, "_save_figure", lambda fig, path, force=False: figs.setdefault(Path(path).name, fig) and Path(path))
+    runs = [(d, *load_run(d)) for d in (a, b)]
+    plot.plot_together(runs, tmp_path / "out" / "together.png")
+    labels = figs["together.png"].axes[0].get_legend_handles_labels()[1]
+    assert "epbench NVLink busbw" in labels and "deepep NVLink busbw" in labels
+    assert not any("algbw" in x for x in labels)  # bus only: algbw is the same multiple for all
+    assert "link limit (NVML)" in labels and "copy-engine ceiling (measured)" in labels
+    meta = json.loads((b / "meta.json").read_text())
+    meta["world"] = 2
+    (b / "meta.json").write_text(json.dumps(meta))
+    runs = [(d, *load_run(d)) for d in (a, b)]
+    assert "the runs measure different things" in plot.why_not_together(runs)
+    assert "needs two or more runs" in plot.why_not_together(runs[:1])
+
+
+def test_plot_together_of_one_run_is_one_line_and_exit_2(smoke_run, tmp_path):
+    r = epbench_here("plot", str(smoke_run.dir), "--together", "--out", str(tmp_path / "o"))
+    assert r.code == 2 and "--together needs two or more runs (1 found)" in r.err, r.both
