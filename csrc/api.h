@@ -147,16 +147,14 @@ int ep_ll_set_sync(void* ll_ctx, int sync);
 // as the dispatch sends). Outputs are bit-identical either way (ll_combine.cu, push_unit). Set it before
 // capturing a graph: a captured launch keeps the order it had.
 int ep_ll_set_combine_order(void* ll_ctx, int order);
-// Measuring aids (epbench/llprobe.py, notes/LATENCY.md); they change what later launches and captures
-// do, so set them before capturing. stamps: null (off, the default) or a device buffer of u64
+// Measuring aids (epbench/llprobe.py, notes/LATENCY.md). ep_ll_set_probe changes what later launches and
+// captures do, so set it before capturing. stamps: null (off, the default) or a device buffer of u64
 // [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase
-// boundaries (LlStamp in ll_common.cuh). variant: 0 (default kernels) or LL_VARIANT_* bits
-// (ll_common.cuh) that bring back pieces of the synchronisation the default kernels
-// replaced (notes/LATENCY.md).
-int ep_ll_set_probe(void* ll_ctx, void* stamps, int variant);
+// boundaries (LlStamp in ll_common.cuh).
+int ep_ll_set_probe(void* ll_ctx, void* stamps);
 // A kernel of the ll kernels' grid (num_sms blocks of warps x 32 threads) that does only one fixed
 // cost, stamped like them (start, end of part A at slot 2, end): mode 0 nothing (the launch floor),
-// 1 the grid-wide release / wait / finish handshake of the ll kernels (with the variant set above),
+// 1 the grid-wide release / wait / finish handshake of the ll kernels (ll_sync grid),
 // 2 thread 0 of each block: 16 dependent global loads, 3 thread 0: 16 x (store, fence.acq_rel.sys),
 // 4 thread 0 of block 0 also stores the smallest nonzero step of %globaltimer (ns) at slot 7.
 int ep_ll_probe(void* ll_ctx, int mode, int num_sms, int warps, void* stream);

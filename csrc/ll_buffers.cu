@@ -248,14 +248,8 @@ extern "C" int ep_ll_set_combine_order(void* vctx, int order) {
 }
 
 // ---- measuring aids (ep_ll_set_probe, ep_ll_probe; notes/LATENCY.md) ----
-extern "C" int ep_ll_set_probe(void* vctx, void* stamps, int variant) {
-  LlContext* ctx = (LlContext*)vctx;
-  if (variant < 0 || variant > (LL_VARIANT_THREAD_FENCE | LL_VARIANT_SPIN_CHECKS | LL_VARIANT_FINISH_FENCE)) {
-    ep_set_error("unknown low-latency variant bits %d", variant);
-    return -1;
-  }
-  ctx->lp.stamps = (unsigned long long*)stamps;
-  ctx->lp.variant = variant;
+extern "C" int ep_ll_set_probe(void* vctx, void* stamps) {
+  ((LlContext*)vctx)->lp.stamps = (unsigned long long*)stamps;
   return 0;
 }
 
@@ -274,7 +268,7 @@ __global__ void ll_probe_kernel(EpParams p, LlParams lp, uint8_t* scratch, int m
     __syncthreads();
     const int epoch = s_epoch;
     if (ll_last_block(lp, counter) && threadIdx.x == 0) st_release_sys_u64(flag, (unsigned long long)epoch << 32);
-    if (threadIdx.x == 0) ll_wait_epoch_u64(p, lp, flag, epoch, 0, kPhaseLlDispatch);
+    if (threadIdx.x == 0) ll_wait_epoch_u64(p, flag, epoch, 0, kPhaseLlDispatch);
     __syncthreads();
     ll_finish_launch(lp, counter + 0, epochs, epoch);  // stamps part A's end (kLlReceived is not used here)
     return;

@@ -232,8 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
     st_release_sys(reinterpret_cast<int*>(p.peer_base[threadIdx.x] + lp.off_cflags) + p.rank, epoch);
   ll_stamp(lp, kLlReleased);
   if (threadIdx.x < world) {
-    ll_wait_i32(p, lp, reinterpret_cast<const int*>(p.peer_base[p.rank] + lp.off_cflags) + threadIdx.x, epoch,
-                threadIdx.x, kPhaseLlCombine);
+    ll_wait_i32(p, reinterpret_cast<const int*>(p.peer_base[p.rank] + lp.off_cflags) + threadIdx.x, epoch, threadIdx.x,
+                kPhaseLlCombine);
   }
   __syncthreads();
   ll_stamp(lp, kLlWaited);
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
       }
     } else if (d >= 0 && (same & ((1u << lane) - 1u)) == 0) {  // the first of t's experts on rank d
       // this lane waits for rank d's chunk; the warp barrier below orders every lane's loads after it
-      ll_wait_epoch_u64(p, lp, tcflags + ((size_t)t * world + d) * cch + c * fstep, epoch, d, kPhaseLlCombine);
+      ll_wait_epoch_u64(p, tcflags + ((size_t)t * world + d) * cch + c * fstep, epoch, d, kPhaseLlCombine);
       src = reinterpret_cast<const int4*>(crows + ((size_t)t * world + d) * row);
       w = 1.f;
     }

@@ -68,11 +68,9 @@ struct LlParams {
   int* src_tokens;  // [world] tokens of each source in the last dispatch (from its dflags)
   int* epochs;
   unsigned* counters;
-  // Measuring aids (ep_ll_set_probe, notes/LATENCY.md). stamps: null (default) or u64
-  // [gridDim.x, kLlStamps]: thread 0 of each block stores %globaltimer at each LlStamp point.
-  // variant: LL_VARIANT_* bits (0 = the default kernels) bringing back the sync code they replaced.
+  // Measuring aid (ep_ll_set_probe, notes/LATENCY.md): null (default) or u64 [gridDim.x, kLlStamps]:
+  // thread 0 of each block stores %globaltimer at each LlStamp point.
   unsigned long long* stamps;
-  int variant;
   int combine_order;  // LlCombineOrder (ep_ll_set_combine_order): the order of the combine's push units
 };
 
@@ -135,25 +133,16 @@ __device__ __forceinline__ void st_relaxed_sys_u64(unsigned long long* p, unsign
   asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// LlParams::variant bits: each brings back one piece of the synchronisation the default kernels replaced
-// (notes/LATENCY.md), so that one probe run (epbench/llprobe.py) compares them; 0 = the default kernels.
-enum LlVariant {
-  LL_VARIANT_THREAD_FENCE = 1,  // every thread of every block fences at system scope in ll_last_block
-  LL_VARIANT_SPIN_CHECKS = 2,   // every spin iteration also loads dev_error and reads the clock
-  LL_VARIANT_FINISH_FENCE = 4,  // ll_finish_launch fences (gpu scope) before counting the block
-};
-
 // Spins until ready() (which must contain the flag's acquire load) holds. Gives up (false) when
 // another wait already failed or after p.timeout_ns, recording (rank, peer, phase) for the host.
 // The error word and the clock are looked at every 64th iteration only: each look is a dependent
 // round trip that would otherwise double the time between two polls of the flag.
 template <typename Ready>
-__device__ __forceinline__ bool ll_spin(const EpParams& p, const LlParams& lp, int peer, int phase, Ready ready) {
+__device__ __forceinline__ bool ll_spin(const EpParams& p, int peer, int phase, Ready ready) {
   const unsigned long long start = globaltimer();
-  const unsigned every = (lp.variant & LL_VARIANT_SPIN_CHECKS) ? 1u : 64u;
   for (unsigned n = 1;; ++n) {
     if (ready()) return true;
-    if (n % every != 0) continue;
+    if (n % 64 != 0) continue;
     if (ld_volatile(p.dev_error) != 0) return false;
     if (globaltimer() - start > p.timeout_ns) {
       report_timeout(p.dev_error, p.host_error, p.rank, peer, phase);
@@ -163,11 +152,10 @@ __device__ __forceinline__ bool ll_spin(const EpParams& p, const LlParams& lp, i
 }
 
 // Spins until the flag's epoch (high word) reaches `epoch`; returns the flag (0 on give-up).
-__device__ __forceinline__ unsigned long long ll_wait_epoch_u64(const EpParams& p, const LlParams& lp,
-                                                                const unsigned long long* flag, int epoch, int peer,
-                                                                int phase) {
+__device__ __forceinline__ unsigned long long ll_wait_epoch_u64(const EpParams& p, const unsigned long long* flag,
+                                                                int epoch, int peer, int phase) {
   unsigned long long v = 0;
-  const bool ok = ll_spin(p, lp, peer, phase, [&] {
+  const bool ok = ll_spin(p, peer, phase, [&] {
     v = ld_acquire_sys_u64(flag);
     return (int)(v >> 32) - epoch >= 0;
   });
@@ -175,15 +163,14 @@ __device__ __forceinline__ unsigned long long ll_wait_epoch_u64(const EpParams& 
 }
 
 // Spins until *flag >= expected (an i32 epoch); false on give-up.
-__device__ __forceinline__ bool ll_wait_i32(const EpParams& p, const LlParams& lp, const int* flag, int expected,
-                                            int peer, int phase) {
-  return ll_spin(p, lp, peer, phase, [&] { return ld_acquire_sys(flag) - expected >= 0; });
+__device__ __forceinline__ bool ll_wait_i32(const EpParams& p, const int* flag, int expected, int peer, int phase) {
+  return ll_spin(p, peer, phase, [&] { return ld_acquire_sys(flag) - expected >= 0; });
 }
 
 // Every thread of every block calls it once its stores to peers are issued; returns true (in every
 // thread) in the last block of the grid to get here, whose release stores that follow then order
 // every block's stores before them. The last block resets the counter.
-// Memory-model argument (PTX ISA, memory consistency model), default path: a thread's stores precede
+// Memory-model argument (PTX ISA, memory consistency model): a thread's stores precede
 // the block barrier (bar.sync synchronises the block's threads), which precedes thread 0's
 // fence.acq_rel.sys F_b and its atomicAdd A_b on the counter (relaxed, gpu scope). The last block's
 // thread 0 reads the value of every other block's atomicAdd (they form one RMW chain on the counter),
@@ -193,34 +180,29 @@ __device__ __forceinline__ bool ll_wait_i32(const EpParams& p, const LlParams& l
 // ld.acquire.sys that reads a flag therefore follows every block's stores in causality order, and
 // causality order is cumulative (it carries the other threads' stores, not only thread 0's). So one
 // fence per block is enough: the grid-wide barrier of cooperative groups relies on the same pattern.
-// LL_VARIANT_THREAD_FENCE: every thread fences first, and every thread of the last block again.
 __device__ __forceinline__ bool ll_last_block(const LlParams& lp, unsigned* counter) {
   __shared__ int last;
-  const bool every_thread = lp.variant & LL_VARIANT_THREAD_FENCE;
-  if (every_thread) fence_acq_rel_sys();
   __syncthreads();
   ll_stamp(lp, kLlSent);
   if (threadIdx.x == 0) {
-    if (!every_thread) fence_acq_rel_sys();
+    fence_acq_rel_sys();
     last = atomicAdd(counter, 1u) == gridDim.x - 1;
     if (last) {
       atomicExch(counter, 0u);
-      if (!every_thread) fence_acq_rel_sys();
+      fence_acq_rel_sys();
     }
   }
   __syncthreads();
-  if (last && every_thread) fence_acq_rel_sys();
   return last;
 }
 
 // Every thread of every block calls it last. The last block of the grid resets the block counter
 // and stores `epoch` as the number of calls done, for the next launch: kernel completion orders it
-// before the next launch on the stream, so no fence is needed (LL_VARIANT_FINISH_FENCE puts one back).
+// before the next launch on the stream, so no fence is needed.
 __device__ __forceinline__ void ll_finish_launch(const LlParams& lp, unsigned* counter, int* epochs_slot, int epoch) {
   __syncthreads();
   ll_stamp(lp, kLlReceived);
   if (threadIdx.x == 0) {
-    if (lp.variant & LL_VARIANT_FINISH_FENCE) __threadfence();
     if (atomicAdd(counter, 1u) == gridDim.x - 1) {
       atomicExch(counter, 0u);
       atomicExch(epochs_slot, epoch);

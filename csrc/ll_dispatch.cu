@@ -239,9 +239,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(EpParams p, Ll
   const uint8_t* mybase = p.peer_base[me];
   if (threadIdx.x < world) {
     const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_dflags);
-    s_pre[threadIdx.x + 1] = (int)(ll_wait_epoch_u64(p, lp, flags + threadIdx.x, epoch, threadIdx.x,
-                                                     kPhaseLlDispatch) &
-                                   0xffffffffu);
+    s_pre[threadIdx.x + 1] =
+        (int)(ll_wait_epoch_u64(p, flags + threadIdx.x, epoch, threadIdx.x, kPhaseLlDispatch) & 0xffffffffu);
   }
   __syncthreads();
   ll_stamp(lp, kLlWaited);
@@ -423,8 +422,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   if (threadIdx.x < world) {
     int n = 0;
     if (threadIdx.x != me && !aborted) {
-      const unsigned long long v = ll_wait_epoch_u64(p, lp, dwords + (size_t)threadIdx.x * (E + 1) + E, epoch,
-                                                     threadIdx.x, kPhaseLlDispatch);
+      const unsigned long long v =
+          ll_wait_epoch_u64(p, dwords + (size_t)threadIdx.x * (E + 1) + E, epoch, threadIdx.x, kPhaseLlDispatch);
       n = (int)(v >> 32) == epoch ? (int)(v & 0xffffffffu) : 0;  // later epoch: nothing of it is mine (header)
     }
     s_tok[threadIdx.x + 1] = n;
@@ -444,8 +443,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       for (int s = 0; s < world; ++s) {
         int n = totals[me * E + i];
         if (s != me) {
-          const unsigned long long v = ll_wait_epoch_u64(p, lp, dwords + (size_t)s * (E + 1) + i, epoch, s,
-                                                         kPhaseLlDispatch);
+          const unsigned long long v =
+              ll_wait_epoch_u64(p, dwords + (size_t)s * (E + 1) + i, epoch, s, kPhaseLlDispatch);
           n = (int)(v >> 32) == epoch ? (int)(v & 0xffffffffu) : 0;
         }
         lp.src_counts[i * world + s] = n;
@@ -463,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     while (st >= s_tok[s + 1]) ++s;
     const int t = st - s_tok[s];
     // every lane acquires the flag itself, so its own later loads of tmap and the row follow it
-    const unsigned long long v = ll_wait_epoch_u64(p, lp, tflags + (size_t)s * Tm + t, epoch, s, kPhaseLlDispatch);
+    const unsigned long long v = ll_wait_epoch_u64(p, tflags + (size_t)s * Tm + t, epoch, s, kPhaseLlDispatch);
     if ((int)(v >> 32) != epoch || (v & 1u) == 0) continue;  // not for me (or a later epoch, or given up)
     place_staged_chunk(p, lp, s, t, c, epoch, lane);
   }

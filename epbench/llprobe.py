@@ -12,16 +12,15 @@ parts add up to the kernel's span and `call - span` is what the stamps cannot se
 launch, block dispatch before the first stamp and the drain after the last.
 
 Rows:
-- probe kernels (csrc/api.h, ep_ll_probe) of the same grid: `empty` (launch floor), `sync` and
-  `sync-old` (the grid-wide release / wait / finish handshake alone, new and pre-issue-24 code),
+- probe kernels (csrc/api.h, ep_ll_probe) of the same grid: `empty` (launch floor), `sync` (the
+  grid-wide release / wait / finish handshake alone),
   `chase` (16 dependent global loads by one thread per block: span / 16 ~ one memory round trip),
   `fence` (16 x store + fence.acq_rel.sys), `timer` (the smallest step of %globaltimer, ns);
 - dispatch and combine per tokens x variant, each verified once (#wrong) before it is timed:
   `grid` (ll_sync grid, the grid-wide handshakes); `token` (ll_sync token: per-token flags, no
   grid-wide step; its stamps mark warp 0's progress, there being no block barrier to stamp);
-  `old` (grid with every pre-issue-24 sync piece back, LL_VARIANT_* = 7); `fence-all` (grid with
-  only the per-thread fences back); `warps4` / `warps8` (grid with 4 / 8 warps per block);
-  `token-warps4` (token with 4). fence-all, warps8 and token-warps4 only when asked for.
+  `warps4` / `warps8` (grid with 4 / 8 warps per block); `token-warps4` (token with 4). warps8 and
+  token-warps4 only when asked for.
 
 Prints one table, a line per row as it is measured (us; p50 unless marked), and writes every number to $OUT/ll_probe.csv when OUT is
 set (or --csv).
@@ -66,13 +65,11 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 PARTS = ["stage", "send", "release", "wait", "receive", "finish"]  # LlStamp 1..6 (after kLlStart)
-PROBE_MODES = {"empty": (0, 0), "sync": (1, 0), "sync-old": (1, 7), "chase": (2, 0), "fence": (3, 0),
-               "timer": (4, 0)}
-# name -> (LL_VARIANT_* bits, warps per block or None for the backend's default, option ll_sync)
-VARIANTS = {"grid": (0, None, "grid"), "token": (0, None, "token"), "old": (7, None, "grid"),
-            "fence-all": (1, None, "grid"), "warps4": (0, 4, "grid"), "warps8": (0, 8, "grid"),
-            "token-warps4": (0, 4, "token")}
-DEFAULT_VARIANTS = "grid,token,old,warps4"
+PROBE_MODES = {"empty": 0, "sync": 1, "chase": 2, "fence": 3, "timer": 4}  # name -> ep_ll_probe mode
+# name -> (warps per block or None for the backend's default, option ll_sync)
+VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
+            "token-warps4": (4, "token")}
+DEFAULT_VARIANTS = "grid,token,warps4"
 STAMPS_PER_BLOCK = 8
 
 
@@ -378,7 +375,7 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
                       dispatch_dtype=args.dtype, timeout_s=5.0, mode="low_latency")
     # one backend per ll_sync (the two keep different flags and epochs; the sync is fixed per backend)
     backends = {sync: EpbenchLowLatencyBackend(setup, ll_sync=sync)
-                for sync in dict.fromkeys(VARIANTS[v][2] for v in ["grid"] + variants)}
+                for sync in dict.fromkeys(VARIANTS[v][1] for v in ["grid"] + variants)}
     be = backends["grid"]
     default_warps = be.warps
     n = args.warmup + args.iters
@@ -430,9 +427,9 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
     for sms in sms_list:
         stamps = torch.zeros(sms, STAMPS_PER_BLOCK, dtype=torch.int64, device=dev)
         for chain in chains:
-            for name, (mode, variant) in PROBE_MODES.items():
+            for name, mode in PROBE_MODES.items():
                 be.warps = default_warps
-                be.set_probe(stamps, variant)
+                be.set_probe(stamps)
                 g, _ = capture(lambda: be.probe_kernel(mode, sms), chain)
                 for res in timed([g], stamps, probe_parts, chain):
                     row = base(sms, "probe", "", name, "", chain, res)
@@ -442,10 +439,10 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
                     show(row)
         for t in tokens:
             for vname in variants:
-                bits, warps, sync = VARIANTS[vname]
+                warps, sync = VARIANTS[vname]
                 be = backends[sync]
                 be.warps = warps or default_warps
-                be.set_probe(stamps, bits)
+                be.set_probe(stamps)
                 salt = sms * 1000 + t
                 inp = input_of(t, salt, ranks.rank)
                 for chain in chains:
@@ -470,7 +467,7 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
                     for k, (op, r) in enumerate(zip(("dispatch", "combine"), res)):
                         show(base(sms, op, t, vname, sum(w[k] for w in wrong), chain, r))
         for b in backends.values():
-            b.set_probe(None, 0)
+            b.set_probe(None)
             b.warps = default_warps
         be = backends["grid"]
     for b in backends.values():

@@ -186,3 +186,13 @@ def test_nproc_relaunches_the_probe_on_one_gpu(monkeypatch) -> None:
     t = seen["torchrun"]
     assert "--nproc-per-node=3" in t and t[t.index("-m") + 1] == "epbench.llprobe"
     assert "--nproc" not in t[t.index("-m"):] and t[t.index("--tokens") + 1] == "1"
+
+
+def test_every_variant_names_a_sync_and_warps_the_kernels_take() -> None:
+    from epbench.backends.epbench_ll import SYNCS
+
+    assert set(llprobe.DEFAULT_VARIANTS.split(",")) <= set(llprobe.VARIANTS)
+    for name, (warps, sync) in llprobe.VARIANTS.items():
+        assert sync in SYNCS, name
+        assert warps is None or 2 <= warps <= 16, name  # ll_check_launch: warps 2..16
+    assert sorted(llprobe.PROBE_MODES.values()) == list(range(5))  # ep_ll_probe: modes 0..4

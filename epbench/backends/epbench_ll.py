@@ -199,12 +199,11 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
             self._raise_if_timed_out()
         return h.out
 
-    def set_probe(self, stamps: Optional[torch.Tensor], variant: int = 0) -> None:
+    def set_probe(self, stamps: Optional[torch.Tensor]) -> None:
         """Measuring aid (epbench/llprobe.py): later launches and captures store per-block phase
-        stamps into ``stamps`` (int64 [num_sms, 8] on this device; None: off) and run with the
-        LL_VARIANT_* bits ``variant`` (0: the default kernels)."""
+        stamps into ``stamps`` (int64 [num_sms, 8] on this device; None: off)."""
         ptr = stamps.data_ptr() if stamps is not None else None
-        cuda_lib.check(self._lib.ep_ll_set_probe(self._ctx, ptr, variant), "ep_ll_set_probe")
+        cuda_lib.check(self._lib.ep_ll_set_probe(self._ctx, ptr), "ep_ll_set_probe")
 
     def probe_kernel(self, mode: int, num_sms: int) -> None:
         """One launch of the fixed-cost probe kernel (csrc/api.h, ep_ll_probe) on the current stream."""
