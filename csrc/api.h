@@ -132,8 +132,8 @@ int ep_ll_region(void* ll_ctx, int which, unsigned long long* ptr, unsigned long
 // token's experts on this rank with them and sends one partial row per (token, rank).
 int ep_ll_dispatch(void* ll_ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
                    int num_tokens, int num_sms, int warps, void* stream);
-// chunk: 16-byte vectors per lane and work unit, 2 or 4 (1 or 2 KiB of a row; 2 KiB measured faster,
-// the units being latency-bound: notes/KERNELS.md).
+// chunk: 16-byte vectors per lane and work unit, 2 or 4 (1 or 2 KiB of a row; which is faster depends on
+// the batch: the backend's combine_chunk auto picks, notes/LATENCY.md).
 int ep_ll_combine(void* ll_ctx, const void* topk_idx, int num_tokens, int num_sms, int warps, int chunk,
                   void* stream);
 int ep_ll_destroy(void* ll_ctx);

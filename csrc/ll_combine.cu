@@ -54,9 +54,9 @@ struct LlCombineArgs {
   int num_tokens;
 };
 
-// kV: 16-byte vectors per lane in a unit's chunk (4: 128 vectors = 2 KiB of bf16, the default; 2: 1 KiB),
-// a template parameter measured both ways (the `chunk` argument of ep_ll_combine, 2|4; 2026-11-21, 128 tokens, 4 x H200:
-// 4 took 39.2 / 40.3 us at 132 / 64 SMs against 40.3 / 44.0 for 2, notes/KERNELS.md).
+// kV: 16-byte vectors per lane in a unit's chunk (4: 128 vectors = 2 KiB of bf16; 2: 1 KiB), the `chunk`
+// argument of ep_ll_combine. Which is faster depends on the batch (the backend's combine_chunk auto picks;
+// measurements in notes/LATENCY.md and notes/KERNELS.md).
 // rows whose chunk is loaded at once: kG x kV = 16 loads of 16 bytes in flight per lane (kV 4: 4 rows a
 // batch, two dependent batches for a top-8 token; kV 2: all 8 rows in one batch)
 template <int kV>

@@ -96,9 +96,9 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors
 }
 
 // A row's fp8 scales copied into several slots: the first 128 are loaded once into registers (4 per
-// lane) before the slots' stores. Loading them inside the slot loop made every store wait for its own
-// load (the compiler cannot move a load across stores that may alias it): 8 slots x 2 dependent
-// round trips cost ~6 us of a 1-token dispatch (token sync, world 1, one H100, 2026-11-25).
+// lane) before the slots' stores, so no store waits for a load of its own: the compiler cannot move a
+// load across stores that may alias it, so a load inside the slot loop would add two dependent round
+// trips per slot (notes/LATENCY.md, RowScales).
 struct RowScales {
   static constexpr int kRegs = 4;
   float v[kRegs];
