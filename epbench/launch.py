@@ -449,6 +449,7 @@ class Comm:
     device: "object"  # torch.device
     ranks_per_gpu: int = 1  # >1: ranks share GPUs (the process group then runs over gloo)
     control_timeout_s: float = 300.0  # barriers and gathers give up after this long
+    _a2a: Optional[tuple] = None  # (out, in) of the alignment under switch align=alltoall
     _arrived: int = 0  # how many control-plane waits this rank has reached
     _phase: str = "start"
 
@@ -471,14 +472,19 @@ class Comm:
 
     def sync(self) -> None:
         """Align ranks before a timed call. On GPUs a one-element NCCL all-reduce queued on the
-        stream lines the ranks' streams up without a host round trip; where ranks share a GPU
+        stream lines the ranks' streams up without a host round trip (switch align=alltoall: a
+        one-element-per-peer all-to-all, which releases every rank at once where the ring
+        all-reduce releases them in ring order); where ranks share a GPU
         (gloo), each rank empties its stream and then meets the others at a barrier; on CPUs,
         a barrier."""
         import torch
         import torch.distributed as dist
 
         if self.device.type == "cuda" and not self.shared:
-            dist.all_reduce(self._one)
+            if self._a2a is not None:  # switch align=alltoall: every rank waits for every other
+                dist.all_to_all_single(*self._a2a)
+            else:
+                dist.all_reduce(self._one)
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -537,6 +543,10 @@ class Comm:
 
         if self.device.type == "cuda" and not self.shared:
             self._one = torch.ones(1, device=self.device)
+            from epbench import options
+
+            if options.diagnostic("align") == "alltoall":
+                self._a2a = (torch.empty(self.world, device=self.device), torch.ones(self.world, device=self.device))
 
 
 GAVE_UP_GRACE_S = 2.0  # how long a rank that timed out waits to hear which others did too

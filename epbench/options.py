@@ -137,6 +137,10 @@ DIAGNOSTICS: Dict[str, Option] = {
                          "alignment (where the alignment stays on the stream: NCCL, one rank per GPU), so "
                          "ranks leave it together only once every host has queued its call; 0: after it "
                          "(epbench/timing.py)", choices=(0, 1), env="EPBENCH_GATE_FIRST"),
+    "align": Option(str, "allreduce", "the cross-rank alignment before each timed call on GPUs (NCCL, one "
+                    "rank per GPU): allreduce (one element; the ring releases ranks in ring order) or "
+                    "alltoall (one element per peer: every rank waits for every other)",
+                    choices=("allreduce", "alltoall"), env="EPBENCH_ALIGN"),
 }
 
 
@@ -150,7 +154,8 @@ def diagnostic(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
 def diagnostics_set(environ: Optional[Mapping[str, str]] = None) -> List[str]:
     """``VARIABLE=value`` of every diagnostic switch whose environment variable is set, for a run's notes."""
     environ = os.environ if environ is None else environ
-    return [f"{opt.env}={diagnostic(name, environ):g}" for name, opt in DIAGNOSTICS.items()
+    shown = (lambda v: v if isinstance(v, str) else f"{v:g}")
+    return [f"{opt.env}={shown(diagnostic(name, environ))}" for name, opt in DIAGNOSTICS.items()
             if environ.get(opt.env) is not None]
 
 

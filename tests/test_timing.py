@@ -125,6 +125,11 @@ def test_diagnostic_switches_parse_check_and_name_themselves():
     assert options.diagnostics_set({}) == []
     env = {"EPBENCH_FILL_SYNC": "1", "EPBENCH_HOST_LEAD_US": "600", "EPBENCH_OTHER": "x"}
     assert options.diagnostics_set(env) == ["EPBENCH_HOST_LEAD_US=600", "EPBENCH_FILL_SYNC=1"]
+    assert options.diagnostic("align", {}) == "allreduce"
+    assert options.diagnostics_set({"EPBENCH_ALIGN": "alltoall", "EPBENCH_GATE_FIRST": "1"}) == \
+        ["EPBENCH_GATE_FIRST=1", "EPBENCH_ALIGN=alltoall"]
+    with pytest.raises(UserError, match="EPBENCH_ALIGN: must be one of allreduce, alltoall, got 'ring'"):
+        options.diagnostic("align", {"EPBENCH_ALIGN": "ring"})
 
 
 def test_host_gate_switched_off_by_the_environment_never_touches_the_driver(monkeypatch):
@@ -215,3 +220,22 @@ def test_only_nccl_with_one_rank_per_gpu_aligns_on_the_stream():
     assert Comm(0, 2, 0, torch.device("cuda", 0)).sync_on_stream
     assert not Comm(0, 2, 0, torch.device("cuda", 0), ranks_per_gpu=2).sync_on_stream
     assert not Comm(0, 2, 0, torch.device("cpu")).sync_on_stream
+
+
+def test_switch_align_alltoall_makes_the_alignment_an_all_to_all(monkeypatch):
+    import torch.distributed as dist
+
+    from epbench.launch import Comm
+
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t: calls.append(("all_reduce", t.numel())))
+    monkeypatch.setattr(dist, "all_to_all_single", lambda out, inp: calls.append(("all_to_all", out.numel(), inp.numel())))
+    monkeypatch.setattr(torch, "ones", lambda n, device=None: torch.zeros(n).add_(1))  # no CUDA here
+    monkeypatch.setattr(torch, "empty", lambda n, device=None: torch.zeros(n))
+    for value, want in ((None, ("all_reduce", 1)), ("alltoall", ("all_to_all", 4, 4))):
+        if value:
+            monkeypatch.setenv("EPBENCH_ALIGN", value)
+        comm = Comm(0, 4, 0, torch.device("cuda", 0))
+        comm.init_sync()
+        comm.sync()
+        assert calls[-1] == want
