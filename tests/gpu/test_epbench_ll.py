@@ -1,9 +1,10 @@
-"""GPU checks of the low-latency kernels (backend epbench-ll): torchrun starts
-tests/gpu/ll_worker.py, which checks every edge case against epbench.verify and the NCCL
-reference (launches and CUDA-graph replays) and a missing peer against the timeout, and the
-combine's two push orders against each other (bit-equal); then the
-whole pipeline through `epbench sweep --tokens` with both backends, every timing verified, and
-at world 1 the chain rows (K calls per op in one graph)."""
+"""GPU checks of the low-latency kernels (backend epbench-ll): tests/gpu/ll_worker.py checks every edge
+case against epbench.verify and the NCCL reference (launches and CUDA-graph replays) and a missing
+peer against the timeout, and the combine's two push orders against each other (bit-equal), for both
+ll_sync values on 2 and 4 ranks: one launch per world size for all of them, shared with
+test_epbench_kernels' suites of that world (gpu_launch.KERNEL_SUITES); each test reads its own
+suite's line. Then the whole pipeline through `epbench sweep --tokens` with both backends, every
+timing verified, and at world 1 the chain rows (K calls per op in one graph)."""
 
 from __future__ import annotations
 
@@ -14,41 +15,42 @@ from pathlib import Path
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import ROOT, safe_env, shared, shares_gpus, torchrun, world
+from gpu_launch import KERNEL_SUITES, ROOT, ll_kernels_built, safe_env, shared, shares_gpus, world
 
 torch = pytest.importorskip("torch")
 
-WORKER = ROOT / "tests" / "gpu" / "ll_worker.py"
-
 pytestmark = shares_gpus()
+
+SYNCS = ["grid", "token"]
+for _nproc in (2, 4):
+    for _sync in SYNCS:
+        KERNEL_SUITES.add(_nproc, "ll", f"ll-check-{_sync}",
+                          ["check", "--sync", _sync, *(["--quick"] if _nproc == 2 or shared(_nproc) else [])],
+                          when=ll_kernels_built)
+    for _sync in SYNCS:
+        KERNEL_SUITES.add(_nproc, "ll", f"ll-orders-{_sync}",
+                          ["orders", "--sync", _sync, *(["--quick"] if shared(_nproc) else [])], when=ll_kernels_built)
 
 
 @pytest.fixture(scope="module")
-def built() -> None:
-    from epbench import cuda_lib
-
-    try:
-        cuda_lib.load().ep_ll_create
-    except (RuntimeError, AttributeError) as e:
-        pytest.skip(f"low-latency kernels not built: {e}")
+def built(kernels_built: None) -> None:
+    if not ll_kernels_built():
+        pytest.skip("low-latency kernels not built: the epbench library has no ep_ll_create (make build)")
 
 
-@pytest.mark.parametrize("sync", ["grid", "token"])
+@pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ll_kernels_match_verification(built: None, nproc: int, sync: str) -> None:
-    r = torchrun(WORKER, nproc, "check", "--sync", sync, *(["--quick"] if nproc == 2 or shared(nproc) else []))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert "PASS" in r.stdout
+    KERNEL_SUITES.assert_passed(nproc, f"suite ll-check-{sync} world={nproc}",
+                                f"missing peer world={nproc} ll_sync={sync}")
 
 
-@pytest.mark.parametrize("sync", ["grid", "token"])
+@pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_combine_push_orders_give_bit_equal_outputs(built: None, nproc: int, sync: str) -> None:
     """combine_order rotated against source on the same dispatch, launched and replayed, every case
     (uneven and empty batches included: the rotated order skips units past a short rank's tokens)."""
-    r = torchrun(WORKER, nproc, "orders", "--sync", sync, *(["--quick"] if shared(nproc) else []))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert f"orders world={nproc} ll_sync={sync}: PASS" in r.stdout
+    KERNEL_SUITES.assert_passed(nproc, f"suite ll-orders-{sync} world={nproc}")
 
 
 def test_stand_in_expert_synchronises_the_host_only_on_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
