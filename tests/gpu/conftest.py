@@ -39,10 +39,15 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def kernels_built() -> None:
-    """Skips (with the reason) where the epbench kernels are not built."""
+    """Skips (with the reason) where the epbench kernels are not built; an error in one line where
+    the library is older than the functions epbench/cuda_lib.py declares (cuda_lib.load raises
+    AttributeError then, not its RuntimeError; every test that uses this fixture errors at setup)."""
     from epbench import cuda_lib
 
     try:
         cuda_lib.load()
     except RuntimeError as e:
         pytest.skip(str(e))
+    except AttributeError as e:
+        pytest.fail(f"the built epbench library is older than epbench/cuda_lib.py ({e}): run make build",
+                    pytrace=False)

@@ -6,10 +6,10 @@
 check: every edge case of the backend interface against epbench.verify (bit-exact dispatch,
 combine within its tolerance), fresh random inputs and poisoned outputs each time, both
 dispatch implementations, then a deliberate missing peer that must raise, not hang.
-The GPU tests run several checks in one launch through tests/gpu/suite_worker.py.
 bench: the h200x4 and DeepSeek-V3 shapes, bf16 and fp8, dispatch variants x SM counts;
 median of the per-call CUDA-event times, slowest rank; prints a table last.
-Exit code 0 only if every check passed.
+Exit code 0 only if every check passed. The GPU tests run several checks in one launch through
+tests/gpu/suite_worker.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -99,13 +99,18 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def torchrun(worker: Path, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """The worker under torchrun. Past ``timeout`` s, or when the test is stopped (pytest-timeout,
-    Ctrl-C), the whole launch is killed, torchrun and every rank: ranks left behind would hold the
-    GPUs for the tests after. A launch that timed out returns what it had printed and says so."""
+def start_torchrun(worker: Path, nproc: int, *args: str, gpus: Optional[str] = None) -> subprocess.Popen:
+    """The worker under torchrun, started; ``gpus``: the CUDA_VISIBLE_DEVICES it sees (all: None)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(worker), *args]
-    p = subprocess.Popen(cmd, env=safe_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(safe_env(), **({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen, timeout: int) -> subprocess.CompletedProcess:
+    """Waits for a launch. Past ``timeout`` s, or when the test is stopped (pytest-timeout, Ctrl-C),
+    the whole launch is killed, torchrun and every rank: ranks left behind would hold the GPUs for
+    the tests after. A launch that timed out returns what it had printed and says so."""
     try:
         out, err = p.communicate(timeout=timeout)
     except BaseException as e:
@@ -114,16 +119,39 @@ def torchrun(worker: Path, nproc: int, *args: str, timeout: int = 900) -> subpro
         if not isinstance(e, subprocess.TimeoutExpired):
             raise
         err += f"\n(gpu_launch: killed after {timeout} s)"
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def torchrun(worker: Path, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return finish(start_torchrun(worker, nproc, *args), timeout)
+
+
+def waves(worlds: Sequence[int], gpus: int) -> List[List[Tuple[int, Optional[str]]]]:
+    """Launches of these world sizes that can run side by side, each on GPUs of its own: lists of
+    (world, its CUDA_VISIBLE_DEVICES), biggest worlds first. A world with more ranks than the host
+    has GPUs takes them all (its ranks share them). 4 GPUs: [4], [3 on 0-2, 1 on 3], [2]."""
+    left, out = sorted(set(worlds), reverse=True), []
+    while left:
+        wave, free = [], max(gpus, 1)
+        for w in list(left):
+            need = min(w, max(gpus, 1))
+            if need <= free:
+                first = max(gpus, 1) - free
+                wave.append((w, None if w >= gpus else ",".join(str(g) for g in range(first, first + w))))
+                free -= need
+                left.remove(w)
+        out.append(wave)
+    return out
 
 
 class SuiteLaunches:
     """The kernel checks of several test modules, one torchrun launch per world size: each module
     adds its suites at import (``add``), and the first test that reads a suite of a world starts
     tests/gpu/suite_worker.py with every suite of that world, in one process group (one process
-    start, one CUDA context, one NCCL and IPC set-up instead of one per test). The launch is kept
-    for the other tests of that world; each reads its own suite's line, so a failure names the
-    test's suite and its failed cases."""
+    start, one CUDA context, one NCCL and IPC set-up instead of one per test); worlds that fit on
+    separate GPUs of this host run side by side (``waves``: on 4 GPUs, 3 ranks beside 1). The launch
+    is kept for the other tests of that world; each reads its own suite's line, so a failure names
+    the test's suite and its failed cases."""
 
     def __init__(self, worker: Path, timeout: int = 420) -> None:
         self.worker, self.timeout = worker, timeout
@@ -137,13 +165,26 @@ class SuiteLaunches:
         self.suites.setdefault(world, {})[name] = (kind, list(flags), when)
 
     def launch(self, world: int) -> subprocess.CompletedProcess:
+        """The world's launch, run with the others of its wave (``waves``) side by side."""
         if world not in self.done:
-            specs = [f"{kind}:{name}={' '.join(flags)}" for name, (kind, flags, when) in self.suites[world].items()
-                     if when()]
+            wave = next(w for w in waves(list(self.suites), GPUS) if world in [n for n, _ in w])
+            started = []
             try:
-                self.done[world] = torchrun(self.worker, world, *specs, timeout=self.timeout)
-            except BaseException as e:  # stopped from outside: the other tests of this world do not relaunch
-                self.done[world] = subprocess.CompletedProcess([], -1, "", f"launch stopped: {e!r}")
+                for nproc, gpus in wave:
+                    specs = [f"{kind}:{name}={' '.join(flags)}"
+                             for name, (kind, flags, when) in self.suites[nproc].items() if when()]
+                    started.append((nproc, start_torchrun(self.worker, nproc, *specs, gpus=gpus)))
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(len(started)) as pool:
+                    results = [(nproc, pool.submit(finish, p, self.timeout)) for nproc, p in started]
+                    for nproc, result in results:
+                        self.done[nproc] = result.result()
+            except BaseException as e:  # stopped from outside: no rank left, no test of the wave relaunches
+                for nproc, p in started:
+                    kill_tree(p.pid)
+                for nproc, _ in wave:
+                    self.done.setdefault(nproc, subprocess.CompletedProcess([], -1, "", f"launch stopped: {e!r}"))
                 raise
         return self.done[world]
 
@@ -178,3 +219,63 @@ def ll_kernels_built() -> bool:
 
 
 KERNEL_SUITES = SuiteLaunches(ROOT / "tests" / "gpu" / "suite_worker.py")
+
+
+class OneGpuRuns:
+    """Independent runs of one module that each need one GPU, not a particular one (each sees only
+    the GPU it is given through CUDA_VISIBLE_DEVICES): the first test that reads one starts them all,
+    one per GPU of this host at a time, so that on 4 GPUs four of them take about the time of the
+    longest instead of their sum. For checks of what a run verifies and prints, never of how fast
+    it was (the runs beside it share the host's CPUs). ``runs`` maps a name to a function of the
+    run's own folder (for --results, scenario files) giving its command line; ``env`` is added to
+    safe_env()."""
+
+    def __init__(self, base: Path, runs: Dict[str, Callable[[Path], List[str]]],
+                 env: Optional[Dict[str, str]] = None, timeout: int = 600) -> None:
+        self.base, self.runs, self.env, self.timeout = base, runs, env or {}, timeout
+        self.done: Dict[str, Tuple[subprocess.CompletedProcess, Path]] = {}
+
+    def get(self, name: str) -> Tuple[subprocess.CompletedProcess, Path]:
+        """(the finished run, its folder)."""
+        if not self.done:
+            self._run_all()
+        return self.done[name]
+
+    def _run_all(self) -> None:
+        import time
+
+        todo = list(self.runs)
+        free = list(range(max(GPUS, 1)))
+        running: Dict[str, Tuple[subprocess.Popen, int, float, List[str]]] = {}
+        try:
+            while todo or running:
+                while todo and free:
+                    name, gpu = todo.pop(0), free.pop(0)
+                    folder = self.base / name.replace("/", "-")
+                    folder.mkdir(parents=True, exist_ok=True)
+                    cmd = self.runs[name](folder)
+                    env = dict(safe_env(), **self.env, CUDA_VISIBLE_DEVICES=str(gpu))
+                    with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
+                        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+                    running[name] = (p, gpu, time.monotonic(), cmd)
+                for name, (p, gpu, start, cmd) in list(running.items()):
+                    late = time.monotonic() - start > self.timeout
+                    if p.poll() is None and not late:
+                        continue
+                    if late and p.poll() is None:
+                        kill_tree(p.pid)
+                        p.wait()
+                    folder = self.base / name.replace("/", "-")
+                    err = (folder / "stderr.txt").read_text() + (f"\n(killed after {self.timeout} s)" if late else "")
+                    self.done[name] = (subprocess.CompletedProcess(cmd, p.returncode, (folder / "stdout.txt").read_text(),
+                                                                   err), folder)
+                    del running[name]
+                    free.append(gpu)
+                time.sleep(0.2)
+        except BaseException as e:  # stopped from outside: nothing left running, no test relaunches
+            for p, *_ in running.values():
+                kill_tree(p.pid)
+            for name in self.runs:
+                self.done.setdefault(name, (subprocess.CompletedProcess([], -1, "", f"runs stopped: {e!r}"),
+                                            self.base / name.replace("/", "-")))
+            raise

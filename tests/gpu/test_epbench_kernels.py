@@ -1,9 +1,10 @@
 """GPU checks of the epbench kernels (tests/gpu/ep_worker.py's check: every edge case against
 epbench.verify, and a missing peer against the timeout) on 1, 2, 3 and 4 ranks. Each world size is
 one launch (gpu_launch.KERNEL_SUITES: tests/gpu/suite_worker.py runs this module's suites of that
-world and test_epbench_ll's in one process group); each test reads its own suite's line and the
-launch's missing peer, so a failure names the test's suite and its failed cases. Ranks share the
-GPUs where they outnumber them (quick case lists then: the ranks take turns)."""
+world and test_epbench_ll's in one process group; on 4 GPUs the 3-rank and 1-rank launches run side
+by side on separate GPUs); each test reads its own suite's line and the launch's missing peer, so a
+failure names the test's suite and its failed cases. Ranks share the GPUs where they outnumber them
+(quick case lists then: the ranks take turns)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import KERNEL_SUITES, ROOT, ll_kernels_built, safe_env, shared, shares_gpus, world
+from gpu_launch import KERNEL_SUITES, ROOT, OneGpuRuns, ll_kernels_built, safe_env, shared, shares_gpus, world
 
 torch = pytest.importorskip("torch")
 
@@ -95,7 +95,7 @@ bench: {{warmup: 3, iters: 10, backends: [reference, epbench-ll], sms: [8, 32], 
 """
 
 
-@pytest.mark.parametrize("sync", ["grid", "token"])
+@pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("dtype,routing", [("fp8", "uniform"), ("bf16", "hot")])
 def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: str, routing: str, sync: str) -> None:
     ranks = world()
@@ -133,18 +133,30 @@ def test_corrupted_ll_output_fails(built: None, tmp_path: Path) -> None:
     assert "VERIFICATION FAILED" in r.stdout
 
 
-@pytest.mark.parametrize("sync", ["grid", "token"])
-def test_world_1_chain_rows_are_verified_and_labelled(built: None, tmp_path: Path, sync: str) -> None:
+def chain_sweep(sync: str):
+    def command(folder: Path) -> list:
+        path = folder / "ll-chain.yaml"
+        path.write_text(SCENARIO.format(epr=64, dtype="fp8", routing="uniform", world=1))
+        return [sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,128", "--backends", "epbench-ll",
+                "--graph-chain", "4", "--no-ceilings", "--option", f"epbench-ll.ll_sync={sync}",
+                "--results", str(folder / "r")]
+    return command
+
+
+@pytest.fixture(scope="module")
+def chain_runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
+    """The world-1 chain sweeps of both ll_sync values, together, each on a GPU of its own where the
+    host has two (nothing below checks a time against a figure)."""
+    return OneGpuRuns(tmp_path_factory.mktemp("ll-chain"), {sync: chain_sweep(sync) for sync in SYNCS})
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_world_1_chain_rows_are_verified_and_labelled(built: None, chain_runs: OneGpuRuns, sync: str) -> None:
     """At world 1 a third timing: 4 back-to-back calls per op in one graph, the last call's output
     verified; rows say chain 4 and the table 'graph x4'; the floor line names both figures."""
-    path = tmp_path / "ll-chain.yaml"
-    path.write_text(SCENARIO.format(epr=64, dtype="fp8", routing="uniform", world=1))
-    r = subprocess.run([sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,128",
-                        "--backends", "epbench-ll", "--graph-chain", "4", "--no-ceilings",
-                        "--option", f"epbench-ll.ll_sync={sync}", "--results", str(tmp_path / "r")],
-                       cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=900)
+    r, folder = chain_runs.get(sync)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    (run,) = list((tmp_path / "r").iterdir())
+    (run,) = list((folder / "r").iterdir())
     meta, df = load_run(run)
     assert meta["options"]["graph_chain"] == 4
     assert set(df["timing"]) == {"launch", "graph", "chain"}
