@@ -64,6 +64,14 @@ def shared(nproc: int) -> bool:
     return nproc > GPUS
 
 
+def visible(indices) -> str:
+    """CUDA_VISIBLE_DEVICES for a child that should see these of this process's GPUs (0 .. GPUS-1),
+    through this process's own CUDA_VISIBLE_DEVICES where one is set (CUDA_VISIBLE_DEVICES=2,3: index 0
+    is GPU 2)."""
+    mine = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join(mine[i] if i < len(mine) else str(i) for i in indices)
+
+
 def safe_env() -> dict:
     env = dict(os.environ, **SAFE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -137,7 +145,7 @@ def waves(worlds: Sequence[int], gpus: int) -> List[List[Tuple[int, Optional[str
             need = min(w, max(gpus, 1))
             if need <= free:
                 first = max(gpus, 1) - free
-                wave.append((w, None if w >= gpus else ",".join(str(g) for g in range(first, first + w))))
+                wave.append((w, None if w >= gpus else visible(range(first, first + w))))
                 free -= need
                 left.remove(w)
         out.append(wave)
@@ -254,7 +262,7 @@ class OneGpuRuns:
                     folder = self.base / name.replace("/", "-")
                     folder.mkdir(parents=True, exist_ok=True)
                     cmd = self.runs[name](folder)
-                    env = dict(safe_env(), **self.env, CUDA_VISIBLE_DEVICES=str(gpu))
+                    env = dict(safe_env(), **self.env, CUDA_VISIBLE_DEVICES=visible([gpu]))
                     with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
                         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
                     running[name] = (p, gpu, time.monotonic(), cmd)
