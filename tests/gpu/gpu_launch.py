@@ -175,25 +175,28 @@ class SuiteLaunches:
     def launch(self, world: int) -> subprocess.CompletedProcess:
         """The world's launch, run with the others of its wave (``waves``) side by side."""
         if world not in self.done:
+            import shlex
+            from concurrent.futures import ThreadPoolExecutor
+
             wave = next(w for w in waves(list(self.suites), GPUS) if world in [n for n, _ in w])
-            started = []
+            started: List[Tuple[int, subprocess.Popen]] = []
+            pool = ThreadPoolExecutor(len(wave))
             try:
                 for nproc, gpus in wave:
-                    specs = [f"{kind}:{name}={' '.join(flags)}"
+                    specs = [f"{kind}:{name}={shlex.join(flags)}"
                              for name, (kind, flags, when) in self.suites[nproc].items() if when()]
                     started.append((nproc, start_torchrun(self.worker, nproc, *specs, gpus=gpus)))
-                from concurrent.futures import ThreadPoolExecutor
-
-                with ThreadPoolExecutor(len(started)) as pool:
-                    results = [(nproc, pool.submit(finish, p, self.timeout)) for nproc, p in started]
-                    for nproc, result in results:
-                        self.done[nproc] = result.result()
+                waiting = [(nproc, pool.submit(finish, p, self.timeout)) for nproc, p in started]
+                for nproc, result in waiting:
+                    self.done[nproc] = result.result()
             except BaseException as e:  # stopped from outside: no rank left, no test of the wave relaunches
-                for nproc, p in started:
+                for _, p in started:
                     kill_tree(p.pid)
                 for nproc, _ in wave:
                     self.done.setdefault(nproc, subprocess.CompletedProcess([], -1, "", f"launch stopped: {e!r}"))
                 raise
+            finally:
+                pool.shutdown(wait=False)  # after the kill above: the waits end with their launches
         return self.done[world]
 
     def assert_passed(self, world: int, *lines: str) -> str:
