@@ -166,13 +166,19 @@ GPU_COUNT ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 GPU_SWEEP ?= h200x4 dsv3x4 h200x4-fp8 dsv3x4-fp8 h200x2x2-virtual dsv3x2x2-virtual
 # The sweeps run even when a GPU test fails (their own verification still guards each point);
 # the target fails at the end if anything did.
-# gpu-test: the GPU tests alone, each named with its time and every skip with its reason; where
-# pytest-timeout is installed, a test that hangs fails after GPU_TEST_TIMEOUT s instead of using up a
-# time-limited machine (one line of the run says which applied).
-GPU_TEST_TIMEOUT ?= 300
-GPU_TEST_ARGS = -v -rs --durations=0 -m gpu $(shell $(PY) -c "import pytest_timeout" 2>/dev/null && echo --timeout=$(GPU_TEST_TIMEOUT))
+# gpu-test: the GPU tests alone, each named with its time, every skip with its reason, and a summary
+# line for each failure and error (-rsfE; a failed test's report is also printed the moment it fails,
+# tests/gpu/conftest.py). Where pytest-timeout is installed, a test that hangs fails after
+# GPU_TEST_TIMEOUT s instead of using up a time-limited machine; the first test of a world size
+# starts the kernel checks' launch for every test of that world (tests/gpu/suite_worker.py, killed
+# after 420 s by tests/gpu/gpu_launch.py), hence more than that. The line before the run says whether
+# the timeout applies.
+GPU_TEST_TIMEOUT ?= 480
+GPU_TEST_TIMEOUT_ARG = $(shell $(PY) -c "import pytest_timeout" 2>/dev/null && echo --timeout=$(GPU_TEST_TIMEOUT))
+GPU_TEST_ARGS = -v -rsfE --durations=0 -m gpu $(GPU_TEST_TIMEOUT_ARG)
 gpu-test: build
-	@echo "pytest $(GPU_TEST_ARGS) tests"; $(PY) -m pytest $(GPU_TEST_ARGS) tests
+	@echo "pytest $(GPU_TEST_ARGS) tests$(if $(GPU_TEST_TIMEOUT_ARG),, (pytest-timeout not installed: no per-test timeout))"
+	@$(PY) -m pytest $(GPU_TEST_ARGS) tests
 
 gpu-check: build
 	@status=0; $(PY) -m pytest $(GPU_TEST_ARGS) tests || status=1; \

@@ -8,7 +8,8 @@ combine within its tolerance), fresh random inputs and poisoned outputs each tim
 dispatch implementations, then a deliberate missing peer that must raise, not hang.
 bench: the h200x4 and DeepSeek-V3 shapes, bf16 and fp8, dispatch variants x SM counts;
 median of the per-call CUDA-event times, slowest rank; prints a table last.
-Exit code 0 only if every check passed.
+Exit code 0 only if every check passed. The GPU tests run several checks in one launch through
+tests/gpu/suite_worker.py.
 """
 
 from __future__ import annotations
@@ -187,8 +188,10 @@ def set_impl(be: EpbenchBackend, name: str, warps: int) -> None:
     be.dispatch_impl, be.dispatch_warps = name, warps
 
 
-def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
-    failures = 0
+def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> List[str]:
+    """Every case the check flags in ``args`` select, each implementation twice; returns the failed
+    ones as 'case impl:warps sms=N' (the same list on every rank)."""
+    failed: List[str] = []
     lines = []
     cases = [c for c in CHECK_CASES if (not args.quick or c.name in QUICK) and (not args.mxfp8 or c.name in MXFP8)
              and (c.name in EM) == bool(args.expert_major)]
@@ -211,7 +214,8 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 except RuntimeError as e:
                     r = {"dispatch_wrong": -1, "combine_wrong": -1, "problem": str(e), "num_recv": -1}
                 bad = all_sum(int(r["dispatch_wrong"] != 0) + int(r["combine_wrong"] != 0), device)
-                failures += bad
+                if bad:
+                    failed.append(f"{case.name} {impl}:{warps} sms={sms} rep {rep}")
                 if rank == 0 and (bad or rep == 0):
                     lines.append(f"{'FAIL' if bad else 'ok  '} {case.name:<28} {impl}:{warps} sms={sms:<3} "
                                  f"recv={r['num_recv']} d_wrong={r['dispatch_wrong']} c_wrong={r['combine_wrong']} "
@@ -219,6 +223,11 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
         be.close()
         if rank == 0:
             print("\n".join(lines[-3:]), flush=True)
+    return failed
+
+
+def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    failures = len(check_cases(args, rank, world, device))
     failures += check_timeout(rank, world, device)
     if rank == 0:
         print(f"check world={world}: {'PASS' if failures == 0 else f'{failures} FAILURES'}", flush=True)
@@ -402,7 +411,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     return 0
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["check", "bench"])
     ap.add_argument("--quick", action="store_true")
@@ -424,7 +433,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # one GPU per rank where the host has enough, else ranks share them (gloo process group)
     device = init_distributed("cuda").device

@@ -4,10 +4,11 @@ environment every GPU run here must have (no NVLink multicast anywhere, unbuffer
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -63,13 +64,229 @@ def shared(nproc: int) -> bool:
     return nproc > GPUS
 
 
+def visible(indices) -> str:
+    """CUDA_VISIBLE_DEVICES for a child that should see these of this process's GPUs (0 .. GPUS-1),
+    through this process's own CUDA_VISIBLE_DEVICES where one is set (CUDA_VISIBLE_DEVICES=2,3: index 0
+    is GPU 2)."""
+    mine = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join(mine[i] if i < len(mine) else str(i) for i in indices)
+
+
 def safe_env() -> dict:
     env = dict(os.environ, **SAFE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
-def torchrun(worker: Path, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def descendants(pid: int) -> List[int]:
+    """Every live process below ``pid`` (Linux /proc), children before grandchildren."""
+    parent: Dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, todo = [], [pid]
+    while todo:
+        top = todo.pop(0)
+        kids = [c for c, pp in parent.items() if pp == top]
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to ``pid`` and every process below it (torchrun puts each rank in a session of its
+    own, so its process group does not reach them)."""
+    for each in [pid, *descendants(pid)]:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_torchrun(worker: Path, nproc: int, *args: str, gpus: Optional[str] = None) -> subprocess.Popen:
+    """The worker under torchrun, started; ``gpus``: the CUDA_VISIBLE_DEVICES it sees (all: None)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(worker), *args]
-    return subprocess.run(cmd, env=safe_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = dict(safe_env(), **({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen, timeout: int) -> subprocess.CompletedProcess:
+    """Waits for a launch. Past ``timeout`` s, or when the test is stopped (pytest-timeout, Ctrl-C),
+    the whole launch is killed, torchrun and every rank: ranks left behind would hold the GPUs for
+    the tests after. A launch that timed out returns what it had printed and says so."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException as e:
+        kill_tree(p.pid)
+        out, err = p.communicate()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        err += f"\n(gpu_launch: killed after {timeout} s)"
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def torchrun(worker: Path, nproc: int, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return finish(start_torchrun(worker, nproc, *args), timeout)
+
+
+def waves(worlds: Sequence[int], gpus: int) -> List[List[Tuple[int, Optional[str]]]]:
+    """Launches of these world sizes that can run side by side, each on GPUs of its own: lists of
+    (world, its CUDA_VISIBLE_DEVICES), biggest worlds first. A world with more ranks than the host
+    has GPUs takes them all (its ranks share them). 4 GPUs: [4], [3 on 0-2, 1 on 3], [2]."""
+    left, out = sorted(set(worlds), reverse=True), []
+    while left:
+        wave, free = [], max(gpus, 1)
+        for w in list(left):
+            need = min(w, max(gpus, 1))
+            if need <= free:
+                first = max(gpus, 1) - free
+                wave.append((w, None if w >= gpus else visible(range(first, first + w))))
+                free -= need
+                left.remove(w)
+        out.append(wave)
+    return out
+
+
+class SuiteLaunches:
+    """The kernel checks of several test modules, one torchrun launch per world size: each module
+    adds its suites at import (``add``), and the first test that reads a suite of a world starts
+    tests/gpu/suite_worker.py with every suite of that world, in one process group (one process
+    start, one CUDA context, one NCCL and IPC set-up instead of one per test); worlds that fit on
+    separate GPUs of this host run side by side (``waves``: on 4 GPUs, 3 ranks beside 1). The launch
+    is kept for the other tests of that world; each reads its own suite's line, so a failure names
+    the test's suite and its failed cases."""
+
+    def __init__(self, worker: Path, timeout: int = 420) -> None:
+        self.worker, self.timeout = worker, timeout
+        self.suites: Dict[int, Dict[str, Tuple[str, Sequence[str], Callable[[], bool]]]] = {}
+        self.done: Dict[int, subprocess.CompletedProcess] = {}
+
+    def add(self, world: int, kind: str, name: str, flags: Sequence[str],
+            when: Callable[[], bool] = lambda: True) -> None:
+        """Suite ``name`` of ``kind`` (ep | ll, see suite_worker.py) on ``world`` ranks; left out of
+        the launch where ``when()`` is False (its tests skip for that reason themselves)."""
+        self.suites.setdefault(world, {})[name] = (kind, list(flags), when)
+
+    def launch(self, world: int) -> subprocess.CompletedProcess:
+        """The world's launch, run with the others of its wave (``waves``) side by side."""
+        if world not in self.done:
+            import shlex
+            from concurrent.futures import ThreadPoolExecutor
+
+            wave = next(w for w in waves(list(self.suites), GPUS) if world in [n for n, _ in w])
+            started: List[Tuple[int, subprocess.Popen]] = []
+            pool = ThreadPoolExecutor(len(wave))
+            try:
+                for nproc, gpus in wave:
+                    specs = [f"{kind}:{name}={shlex.join(flags)}"
+                             for name, (kind, flags, when) in self.suites[nproc].items() if when()]
+                    started.append((nproc, start_torchrun(self.worker, nproc, *specs, gpus=gpus)))
+                waiting = [(nproc, pool.submit(finish, p, self.timeout)) for nproc, p in started]
+                for nproc, result in waiting:
+                    self.done[nproc] = result.result()
+            except BaseException as e:  # stopped from outside: no rank left, no test of the wave relaunches
+                for _, p in started:
+                    kill_tree(p.pid)
+                for nproc, _ in wave:
+                    self.done.setdefault(nproc, subprocess.CompletedProcess([], -1, "", f"launch stopped: {e!r}"))
+                raise
+            finally:
+                pool.shutdown(wait=False)  # after the kill above: the waits end with their launches
+        return self.done[world]
+
+    def assert_passed(self, world: int, *lines: str) -> str:
+        """Each of ``lines`` (e.g. 'suite mxfp8 world=3') was printed with PASS by the world's
+        launch; returns what the launch printed for the first of them (its lines since the suite
+        before it). A failure shows that suite's lines, or the launch's last ones where the line
+        never came (the launch crashed or was killed before it)."""
+        r = self.launch(world)
+        printed = r.stdout.splitlines()
+        how = f"\n(launch of {self.worker.name} on {world} ranks, exit {r.returncode})\n"
+        sections = []
+        for line in lines:
+            at = next((i for i in reversed(range(len(printed))) if printed[i].startswith(line + ": ")), None)
+            assert at is not None, f"{line}: never reported{how}{r.stdout[-6000:]}\n{r.stderr[-4000:]}"
+            start = next((i + 1 for i in reversed(range(at)) if printed[i].startswith("suite ")), 0)
+            section = "\n".join(printed[start:at + 1])
+            assert printed[at].endswith(": PASS"), f"{printed[at]}{how}{section[-6000:]}\n{r.stderr[-4000:]}"
+            sections.append(section)
+        return sections[0] if sections else ""
+
+
+def ll_kernels_built() -> bool:
+    """The low-latency kernels are in the built library (an older build lacks them)."""
+    from epbench import cuda_lib
+
+    try:
+        cuda_lib.load().ep_ll_create
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+KERNEL_SUITES = SuiteLaunches(ROOT / "tests" / "gpu" / "suite_worker.py")
+
+
+class OneGpuRuns:
+    """Independent runs of one module that each need one GPU, not a particular one (each sees only
+    the GPU it is given through CUDA_VISIBLE_DEVICES): the first test that reads one starts them all,
+    one per GPU of this host at a time, so that on 4 GPUs four of them take about the time of the
+    longest instead of their sum. For checks of what a run verifies and prints, never of how fast
+    it was (the runs beside it share the host's CPUs). ``runs`` maps a name to a function of the
+    run's own folder (for --results, scenario files) giving its command line; ``env`` is added to
+    safe_env()."""
+
+    def __init__(self, base: Path, runs: Dict[str, Callable[[Path], List[str]]],
+                 env: Optional[Dict[str, str]] = None, timeout: int = 600) -> None:
+        self.base, self.runs, self.env, self.timeout = base, runs, env or {}, timeout
+        self.done: Dict[str, Tuple[subprocess.CompletedProcess, Path]] = {}
+
+    def get(self, name: str) -> Tuple[subprocess.CompletedProcess, Path]:
+        """(the finished run, its folder)."""
+        if not self.done:
+            self._run_all()
+        return self.done[name]
+
+    def _run_all(self) -> None:
+        import time
+
+        todo = list(self.runs)
+        free = list(range(max(GPUS, 1)))
+        running: Dict[str, Tuple[subprocess.Popen, int, float, List[str]]] = {}
+        try:
+            while todo or running:
+                while todo and free:
+                    name, gpu = todo.pop(0), free.pop(0)
+                    folder = self.base / name.replace("/", "-")
+                    folder.mkdir(parents=True, exist_ok=True)
+                    cmd = self.runs[name](folder)
+                    env = dict(safe_env(), **self.env, CUDA_VISIBLE_DEVICES=visible([gpu]))
+                    with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
+                        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+                    running[name] = (p, gpu, time.monotonic(), cmd)
+                for name, (p, gpu, start, cmd) in list(running.items()):
+                    late = time.monotonic() - start > self.timeout
+                    if p.poll() is None and not late:
+                        continue
+                    if late and p.poll() is None:
+                        kill_tree(p.pid)
+                        p.wait()
+                    folder = self.base / name.replace("/", "-")
+                    err = (folder / "stderr.txt").read_text() + (f"\n(killed after {self.timeout} s)" if late else "")
+                    self.done[name] = (subprocess.CompletedProcess(cmd, p.returncode, (folder / "stdout.txt").read_text(),
+                                                                   err), folder)
+                    del running[name]
+                    free.append(gpu)
+                time.sleep(0.2)
+        except BaseException as e:  # stopped from outside: nothing left running, no test relaunches
+            for p, *_ in running.values():
+                kill_tree(p.pid)
+            for name in self.runs:
+                self.done.setdefault(name, (subprocess.CompletedProcess([], -1, "", f"runs stopped: {e!r}"),
+                                            self.base / name.replace("/", "-")))
+            raise

@@ -9,7 +9,8 @@ each time, twice per case (buffers and flags reused), then once more through CUD
 (captured once, replayed twice with new token values). Last, a deliberately missing peer must
 raise naming it, not hang. orders: each case's combine in both push orders (backend option
 combine_order), launched and through graph replays, on one dispatch: every output verified and all
-four bit-equal. Exit code 0 only if every check passed.
+four bit-equal. Exit code 0 only if every check passed. The GPU tests run several of these in one
+launch through tests/gpu/suite_worker.py.
 """
 
 from __future__ import annotations
@@ -193,8 +194,10 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
     return expect_missing_peer(be, lambda: be.ll_dispatch(inp, 4), rank, world, device)
 
 
-def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
-    failures = 0
+def check_suite(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> List[str]:
+    """Every case of ``args.mode`` (check or orders) at each SM count; returns the failed ones as
+    'case sms=N' (the same list on every rank)."""
+    failed: List[str] = []
     run = run_case if args.mode == "check" else run_orders
     for case in CASES:
         if args.quick and case.name not in QUICK:
@@ -205,10 +208,16 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             except RuntimeError as e:
                 problems = [f"raised: {e}"]
             bad = all_sum(int(bool(problems)), device)
-            failures += bad
+            if bad:
+                failed.append(f"{case.name} sms={sms}")
             if rank == 0 or problems:
                 print(f"{'FAIL' if bad else 'ok  '} [rank {rank}] {case.name:<30} sms={sms:<3} "
                       f"{'; '.join(problems)}", flush=True)
+    return failed
+
+
+def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    failures = len(check_suite(args, rank, world, device))
     if args.mode == "check":
         failures += check_timeout(rank, world, device, args.sync)
     if rank == 0:
@@ -217,13 +226,17 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     return failures
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["check", "orders"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sync", choices=["grid", "token"], default="grid", help="backend option ll_sync")
     ap.add_argument("--sms", default="4,32", help="grid sizes to check (blocks; <= the GPU's SM count)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # one GPU per rank where the host has enough, else ranks share them (gloo process group)
     device = init_distributed("cuda").device

@@ -1,33 +1,61 @@
-"""GPU checks of the epbench kernels: torchrun starts tests/gpu/ep_worker.py on 2 and 4 ranks,
-which checks every edge case against epbench.verify and a missing peer against the timeout. Ranks
-share the GPUs where they outnumber them (quick case lists then: the ranks take turns)."""
+"""GPU checks of the epbench kernels (tests/gpu/ep_worker.py's check: every edge case against
+epbench.verify, and a missing peer against the timeout) on 1, 2, 3 and 4 ranks. Each world size is
+one launch (gpu_launch.KERNEL_SUITES: tests/gpu/suite_worker.py runs this module's suites of that
+world and test_epbench_ll's in one process group; on 4 GPUs the 3-rank and 1-rank launches run side
+by side on separate GPUs); each test reads its own suite's line and the launch's missing peer, so a
+failure names the test's suite and its failed cases. Ranks share the GPUs where they outnumber them
+(quick case lists then: the ranks take turns)."""
 
 from __future__ import annotations
 
 import pytest
-from gpu_launch import ROOT, shared, shares_gpus, torchrun
+from gpu_launch import KERNEL_SUITES, shared, shares_gpus
 
 torch = pytest.importorskip("torch")
 
-WORKER = ROOT / "tests" / "gpu" / "ep_worker.py"
-
 pytestmark = shares_gpus()
+
+# The options kept beside the defaults (lean at 8 / 3 SMs, staged notify, 3 stages of 4 KiB, 32 dispatch warps)
+OPTIONS = ["--quick", "--notify", "staged", "--combine-stages", "3", "--combine-chunk", "4096",
+           "--impls", "lean:16:8,lean:16:3,lean:32:5,lean_dyn:32:3"]
+
+
+def mxfp8_flags(nproc: int) -> list:
+    return ["--mxfp8", "--impls", "lean_dyn:16:8,lean:16:3" if shared(nproc) else
+            "lean_dyn:16:8,lean:16:3,lean:32:5,lean_dyn:32:16"]
+
+
+def expert_major_flags(nproc: int) -> list:
+    return ["--expert-major", "--impls", "lean_dyn:16:8,lean:16:3" if shared(nproc) else
+            "lean_dyn:16:8,lean:16:3,lean_dyn:32:16"]
+
+
+# world size -> the suites of this module its launch runs (name -> ep_worker check flags)
+SUITES = {
+    1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1)},
+    2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2)},
+    3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3)},
+    4: {"defaults": ["--quick"] if shared(4) else []},
+}
+for _world, _suites in SUITES.items():
+    for _name, _flags in _suites.items():
+        KERNEL_SUITES.add(_world, "ep", _name, _flags)
+
+
+def assert_suite(nproc: int, suite: str) -> str:
+    return KERNEL_SUITES.assert_passed(nproc, f"suite {suite} world={nproc}", f"missing peer world={nproc}")
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_kernels_match_verification(kernels_built: None, nproc: int) -> None:
-    r = torchrun(WORKER, nproc, "check", *(["--quick"] if nproc == 2 or shared(nproc) else []))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert "PASS" in r.stdout
+    """The defaults (lean_dyn, grid notify, 2 KiB x 2 combine): the quick cases on 2 ranks, every case
+    on 4 (quick where they share GPUs)."""
+    assert_suite(nproc, "defaults")
 
 
 def test_non_default_options_match_verification(kernels_built: None) -> None:
-    """The defaults (lean_dyn, grid notify, 2 KiB x 2 combine) run in the test above; the options kept beside
-    them (lean at 8 / 3 SMs, staged notify, 3 stages of 4 KiB, 32 dispatch warps) must stay correct."""
-    r = torchrun(WORKER, 2, "check", "--quick", "--notify", "staged", "--combine-stages", "3",
-                 "--combine-chunk", "4096", "--impls", "lean:16:8,lean:16:3,lean:32:5,lean_dyn:32:3")
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert "PASS" in r.stdout
+    """The options kept beside the defaults must stay correct (2 ranks, quick cases)."""
+    assert_suite(2, "options")
 
 
 @pytest.mark.parametrize("nproc", [1, 3])
@@ -35,10 +63,8 @@ def test_mxfp8_before_and_fused_match_verification(kernels_built: None, nproc: i
     """mxfp8 (issue 26): E8M0 scales handed in and the cast fused into both dispatch kernels, bit-exact against
     epbench/mxfp8.py over uniform / zipf / hot routing, ranks with 0 tokens, 4095 tokens, hidden 2048 .. 8192,
     65 scale bytes per row (h2080) and blocks at every scale; 3 ranks share the GPUs of a smaller host."""
-    impls = "lean_dyn:16:8,lean:16:3" if shared(nproc) else "lean_dyn:16:8,lean:16:3,lean:32:5,lean_dyn:32:16"
-    r = torchrun(WORKER, nproc, "check", "--mxfp8", "--impls", impls)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert "PASS" in r.stdout and "mxfp8 fused" in r.stdout
+    out = assert_suite(nproc, "mxfp8")
+    assert "mxfp8 fused" in out
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
@@ -46,7 +72,5 @@ def test_expert_major_matches_verification(kernels_built: None, nproc: int) -> N
     """Expert-major layout (issue 26): align 1 / 16 / 128 x bf16, fp8, mxfp8 before and fused; uniform, zipf and hot
     routing, ranks with 0 tokens, 4095 tokens, hidden 2048 .. 8192: segments bit-exact, counts and offsets as
     epbench/layout.py, and the per-expert weighted combine; both dispatch kernels, outputs poisoned before each."""
-    impls = "lean_dyn:16:8,lean:16:3" if shared(nproc) else "lean_dyn:16:8,lean:16:3,lean_dyn:32:16"
-    r = torchrun(WORKER, nproc, "check", "--expert-major", "--impls", impls)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert "PASS" in r.stdout and "em128 mxfp8 fused" in r.stdout
+    out = assert_suite(nproc, "expert-major")
+    assert "em128 mxfp8 fused" in out

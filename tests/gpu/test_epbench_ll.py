@@ -1,9 +1,10 @@
-"""GPU checks of the low-latency kernels (backend epbench-ll): torchrun starts
-tests/gpu/ll_worker.py, which checks every edge case against epbench.verify and the NCCL
-reference (launches and CUDA-graph replays) and a missing peer against the timeout, and the
-combine's two push orders against each other (bit-equal); then the
-whole pipeline through `epbench sweep --tokens` with both backends, every timing verified, and
-at world 1 the chain rows (K calls per op in one graph)."""
+"""GPU checks of the low-latency kernels (backend epbench-ll): tests/gpu/ll_worker.py checks every edge
+case against epbench.verify and the NCCL reference (launches and CUDA-graph replays) and a missing
+peer against the timeout, and the combine's two push orders against each other (bit-equal), for both
+ll_sync values on 2 and 4 ranks: one launch per world size for all of them, shared with
+test_epbench_kernels' suites of that world (gpu_launch.KERNEL_SUITES); each test reads its own
+suite's line. Then the whole pipeline through `epbench sweep --tokens` with both backends, every
+timing verified, and at world 1 the chain rows (K calls per op in one graph)."""
 
 from __future__ import annotations
 
@@ -14,41 +15,42 @@ from pathlib import Path
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import ROOT, safe_env, shared, shares_gpus, torchrun, world
+from gpu_launch import KERNEL_SUITES, ROOT, OneGpuRuns, ll_kernels_built, safe_env, shared, shares_gpus, world
 
 torch = pytest.importorskip("torch")
 
-WORKER = ROOT / "tests" / "gpu" / "ll_worker.py"
-
 pytestmark = shares_gpus()
+
+SYNCS = ["grid", "token"]
+for _nproc in (2, 4):
+    for _sync in SYNCS:
+        KERNEL_SUITES.add(_nproc, "ll", f"ll-check-{_sync}",
+                          ["check", "--sync", _sync, *(["--quick"] if _nproc == 2 or shared(_nproc) else [])],
+                          when=ll_kernels_built)
+    for _sync in SYNCS:
+        KERNEL_SUITES.add(_nproc, "ll", f"ll-orders-{_sync}",
+                          ["orders", "--sync", _sync, *(["--quick"] if shared(_nproc) else [])], when=ll_kernels_built)
 
 
 @pytest.fixture(scope="module")
-def built() -> None:
-    from epbench import cuda_lib
-
-    try:
-        cuda_lib.load().ep_ll_create
-    except (RuntimeError, AttributeError) as e:
-        pytest.skip(f"low-latency kernels not built: {e}")
+def built(kernels_built: None) -> None:
+    if not ll_kernels_built():
+        pytest.skip("low-latency kernels not built: the epbench library has no ep_ll_create (make build)")
 
 
-@pytest.mark.parametrize("sync", ["grid", "token"])
+@pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ll_kernels_match_verification(built: None, nproc: int, sync: str) -> None:
-    r = torchrun(WORKER, nproc, "check", "--sync", sync, *(["--quick"] if nproc == 2 or shared(nproc) else []))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert "PASS" in r.stdout
+    KERNEL_SUITES.assert_passed(nproc, f"suite ll-check-{sync} world={nproc}",
+                                f"missing peer world={nproc} ll_sync={sync}")
 
 
-@pytest.mark.parametrize("sync", ["grid", "token"])
+@pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_combine_push_orders_give_bit_equal_outputs(built: None, nproc: int, sync: str) -> None:
     """combine_order rotated against source on the same dispatch, launched and replayed, every case
     (uneven and empty batches included: the rotated order skips units past a short rank's tokens)."""
-    r = torchrun(WORKER, nproc, "orders", "--sync", sync, *(["--quick"] if shared(nproc) else []))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert f"orders world={nproc} ll_sync={sync}: PASS" in r.stdout
+    KERNEL_SUITES.assert_passed(nproc, f"suite ll-orders-{sync} world={nproc}")
 
 
 def test_stand_in_expert_synchronises_the_host_only_on_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +95,7 @@ bench: {{warmup: 3, iters: 10, backends: [reference, epbench-ll], sms: [8, 32], 
 """
 
 
-@pytest.mark.parametrize("sync", ["grid", "token"])
+@pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("dtype,routing", [("fp8", "uniform"), ("bf16", "hot")])
 def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: str, routing: str, sync: str) -> None:
     ranks = world()
@@ -131,18 +133,30 @@ def test_corrupted_ll_output_fails(built: None, tmp_path: Path) -> None:
     assert "VERIFICATION FAILED" in r.stdout
 
 
-@pytest.mark.parametrize("sync", ["grid", "token"])
-def test_world_1_chain_rows_are_verified_and_labelled(built: None, tmp_path: Path, sync: str) -> None:
+def chain_sweep(sync: str):
+    def command(folder: Path) -> list:
+        path = folder / "ll-chain.yaml"
+        path.write_text(SCENARIO.format(epr=64, dtype="fp8", routing="uniform", world=1))
+        return [sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,128", "--backends", "epbench-ll",
+                "--graph-chain", "4", "--no-ceilings", "--option", f"epbench-ll.ll_sync={sync}",
+                "--results", str(folder / "r")]
+    return command
+
+
+@pytest.fixture(scope="module")
+def chain_runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
+    """The world-1 chain sweeps of both ll_sync values, together, each on a GPU of its own where the
+    host has two (nothing below checks a time against a figure)."""
+    return OneGpuRuns(tmp_path_factory.mktemp("ll-chain"), {sync: chain_sweep(sync) for sync in SYNCS})
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_world_1_chain_rows_are_verified_and_labelled(built: None, chain_runs: OneGpuRuns, sync: str) -> None:
     """At world 1 a third timing: 4 back-to-back calls per op in one graph, the last call's output
     verified; rows say chain 4 and the table 'graph x4'; the floor line names both figures."""
-    path = tmp_path / "ll-chain.yaml"
-    path.write_text(SCENARIO.format(epr=64, dtype="fp8", routing="uniform", world=1))
-    r = subprocess.run([sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,128",
-                        "--backends", "epbench-ll", "--graph-chain", "4", "--no-ceilings",
-                        "--option", f"epbench-ll.ll_sync={sync}", "--results", str(tmp_path / "r")],
-                       cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=900)
+    r, folder = chain_runs.get(sync)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    (run,) = list((tmp_path / "r").iterdir())
+    (run,) = list((folder / "r").iterdir())
     meta, df = load_run(run)
     assert meta["options"]["graph_chain"] == 4
     assert set(df["timing"]) == {"launch", "graph", "chain"}

@@ -1,38 +1,46 @@
 """The low-latency probe on one GPU (epbench/llprobe.py): a chain at world 1 and ranks sharing the
-GPU must verify (exit 0, every row's `wrong` 0) and print the columns they add."""
+GPU must verify (exit 0, every row's `wrong` 0) and print the columns they add. Both runs start
+together at the first test, each on a GPU of its own where the host has two (gpu_launch.OneGpuRuns);
+nothing here checks a time against a figure, only the relation of two times of the same run."""
 
 from __future__ import annotations
 
 import csv
-import subprocess
 import sys
-from pathlib import Path
 
-from gpu_launch import ROOT, safe_env, shares_gpus
+import pytest
+from gpu_launch import OneGpuRuns, shares_gpus
 
 pytestmark = shares_gpus()
 
 QUICK = ["--tokens", "1,32", "--sms", "16", "--variants", "grid,token", "--warmup", "2", "--iters", "5"]
+RUNS = {"chain": ["--chain", "1,4"], "2 ranks": ["--nproc", "2"]}
 
 
-def probe(tmp_path: Path, *args: str) -> tuple:
-    path = tmp_path / "p.csv"
-    env = dict(safe_env(), CUDA_VISIBLE_DEVICES="0")
-    r = subprocess.run([sys.executable, "-m", "epbench.llprobe", *QUICK, "--csv", str(path), *args], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+def probe_command(args: list):
+    return lambda folder: [sys.executable, "-m", "epbench.llprobe", *QUICK, "--csv", str(folder / "p.csv"), *args]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
+    return OneGpuRuns(tmp_path_factory.mktemp("llprobe"), {name: probe_command(a) for name, a in RUNS.items()})
+
+
+def probe(runs: OneGpuRuns, name: str) -> tuple:
+    r, folder = runs.get(name)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return r.stdout, list(csv.DictReader(path.open()))
+    return r.stdout, list(csv.DictReader((folder / "p.csv").open()))
 
 
-def test_a_chain_verifies_at_world_1(kernels_built: None, tmp_path: Path) -> None:
-    out, rows = probe(tmp_path, "--chain", "1,4")
+def test_a_chain_verifies_at_world_1(kernels_built: None, runs: OneGpuRuns) -> None:
+    out, rows = probe(runs, "chain")
     ops = [r for r in rows if r["op"] != "probe"]
     assert {r["chain"] for r in ops} == {"1", "4"} and all(r["wrong"] == "0" for r in ops)
     assert out.splitlines()[1].split()[-1] == "chain"
 
 
-def test_two_ranks_share_the_gpu_and_verify(kernels_built: None, tmp_path: Path) -> None:
-    out, rows = probe(tmp_path, "--nproc", "2")
+def test_two_ranks_share_the_gpu_and_verify(kernels_built: None, runs: OneGpuRuns) -> None:
+    out, rows = probe(runs, "2 ranks")
     ops = [r for r in rows if r["op"] != "probe"]
     assert ops and all(r["wrong"] == "0" and r["ranks"] == "2" for r in ops)
     assert all(float(r["call_p50"]) >= float(r["call_p50_rank0"]) for r in ops)

@@ -1,20 +1,21 @@
 """`epbench overlap` at world 1 on one GPU, small sizes: every point verified (communication rows
 and the GEMM's output from the concurrent window), the green context's SM count as the driver
-reports it, and the table and plot written (marker gpu; skipped without a CUDA GPU)."""
+reports it, and the table and plot written (marker gpu; skipped without a CUDA GPU). Both runs start
+together at the first test, each on a GPU of its own where the host has two (gpu_launch.OneGpuRuns):
+nothing here checks a speed against a figure."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from gpu_launch import OneGpuRuns
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")]
@@ -27,15 +28,28 @@ bench: {warmup: 2, iters: 6, backends: [reference, epbench], sms: [8], device: c
 """
 
 
-@pytest.mark.parametrize("gemm", ["2048,2048,2048", "experts:512"])
-def test_overlap_world_1(tmp_path: Path, gemm: str) -> None:
-    path = tmp_path / "overlap.yaml"
-    path.write_text(SCENARIO)
-    r = subprocess.run([sys.executable, "-m", "epbench", "overlap", str(path), "--sms", "8,16",
-                        "--gemm", gemm, "--results", str(tmp_path / "r")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+GEMMS = ["2048,2048,2048", "experts:512"]
+
+
+def overlap_run(gemm: str):
+    def command(folder: Path) -> list:
+        path = folder / "overlap.yaml"
+        path.write_text(SCENARIO)
+        return [sys.executable, "-m", "epbench", "overlap", str(path), "--sms", "8,16", "--gemm", gemm,
+                "--results", str(folder / "r")]
+    return command
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
+    return OneGpuRuns(tmp_path_factory.mktemp("overlap"), {gemm: overlap_run(gemm) for gemm in GEMMS})
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_overlap_world_1(runs: OneGpuRuns, gemm: str) -> None:
+    r, folder = runs.get(gemm)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    (run,) = list((tmp_path / "r").iterdir())
+    (run,) = list((folder / "r").iterdir())
     df = pd.read_csv(run / "results.csv")
     meta = json.loads((run / "meta.json").read_text())
     total = torch.cuda.get_device_properties(0).multi_processor_count
