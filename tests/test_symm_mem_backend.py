@@ -312,6 +312,13 @@ def test_inputs_are_large_enough_for_torchs_largest_block_count():
     assert vdev_rows(1 << 20, 14592) == 1 << 20
 
 
+def test_a_block_count_set_in_the_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("TORCH_SYMMMEM_NBLOCKS", "24")
+    assert "TORCH_SYMMMEM_NBLOCKS=24 is set" in limits_reason(4, True, "cuda")
+    monkeypatch.delenv("TORCH_SYMMMEM_NBLOCKS")
+    assert limits_reason(4, True, "cuda") is None
+
+
 def test_registered_and_limits():
     assert "symm-mem" in REGISTRY
     assert "world > 1" in limits_reason(1, True, "cuda")

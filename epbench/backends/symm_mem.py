@@ -50,7 +50,7 @@ times every per-peer block count torch may pick, so that any row count gives who
 16-byte aligned (a 14432-byte row, 16-byte padded, left most pieces 2- or 4-byte aligned:
 notes/SYMM-MEM.md). torch picks the block count from the input tensor's bytes (older: 8, 16, 32 or
 64; newer: one per 64 KiB rounded up to the world, at most 64 within a node, 16 across; or
-``TORCH_SYMMMEM_NBLOCKS``, which this adapter does not foresee); from 4 MiB up both give their
+``TORCH_SYMMMEM_NBLOCKS``, which ``limits_reason`` refuses); from 4 MiB up both give their
 largest, so every input buffer is at least that (``vdev_rows``).
 
 Call modes (rows' ``call_mode``): ``call`` is the above; ``kernel`` makes the layout (the mask, the
@@ -125,6 +125,9 @@ def limits_reason(world: int, nvshmem_available: bool, device_type: str, layout:
         return "needs world > 1 (torch refuses one rank: global_ranks.size() > 1)"
     if not nvshmem_available:
         return "torch's NVSHMEM is not usable here (symm_mem.is_nvshmem_available() is False)"
+    if os.environ.get("TORCH_SYMMMEM_NBLOCKS"):
+        return (f"TORCH_SYMMMEM_NBLOCKS={os.environ['TORCH_SYMMMEM_NBLOCKS']} is set: torch's all_to_all_vdev "
+                f"would launch that many blocks, not a count the rows are padded for (row_unit); unset it")
     if layout == "expert_major":
         if experts_per_rank > MAX_EXPERTS_2D:
             return (f"expert_major: torch's all_to_all_vdev_2d takes at most {MAX_EXPERTS_2D} experts per "
