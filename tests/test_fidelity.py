@@ -429,9 +429,10 @@ def test_own_commands_per_library(tmp_path):
         assert [s.dtype for s in steps] == ["bf16", "fp8"]
         assert steps[1].cmd[1:4] == [str(fid.TOOLS / "fidelity_calls.py"), "--library", name]
         assert steps[1].out_json == str(tmp_path / "own" / f"{name}-fp8.json") and steps[1].sms is None
-    ctx.input_sets = 1  # the reference's phases rotate over the same input sets as epbench's run
-    (ref,) = fid.own_steps(target("reference", tmp_path), None, ctx)
-    assert ref.cmd[-2:] == ["--input-sets", "1"]
+    ctx.input_sets = 1  # the backends' phases rotate over the same input sets as epbench's run
+    for name in fid.PHASED:
+        (step,) = fid.own_steps(target(name, tmp_path), None, ctx)
+        assert step.cmd[-2:] == ["--input-sets", "1"]
     (fi,) = fid.own_steps(target("flashinfer", tmp_path), None, ctx)
     assert "--input-sets" not in fi.cmd
 
@@ -559,7 +560,7 @@ class FakeRunner:
             return fid.Done(1, v1_output((4,)), "Traceback...\nAssertionError: calc_diff\n", 2.0, "v1.log")
         if step.results:
             backend = step.cmd[step.cmd.index("--backends") + 1]
-            mode = "call" if backend in ("symm-mem", "flashinfer") else "kernel"  # their one call mode
+            mode = "call" if backend == "flashinfer" else "kernel"  # flashinfer: its one call mode
             run = Path(step.results) / "20260101T000000Z_smoke_w4"
             run.parent.mkdir(parents=True)
             w = results.RunWriter(run, {"scenario": {"name": "smoke"}, "world": 2, "torch": "x"})
@@ -582,7 +583,7 @@ def run_check(tmp_path, monkeypatch, argv, gpus=2, runner=None, run_git=never_gi
 
 class FakeCallsRunner(FakeRunner):
     """As FakeRunner, with the timer's JSON as tools/fidelity_calls.py writes it: its library and
-    what it called, and the reference's phases."""
+    what it called, and the phases of the reference and symm-mem."""
 
     def __call__(self, step, timeout):
         if not step.out_json:
@@ -591,13 +592,13 @@ class FakeCallsRunner(FakeRunner):
         lib = step.cmd[step.cmd.index("--library") + 1]
         data = {"library": lib, "dtype": "bf16", "variant": {"dispatch": f"{lib} d", "combine": f"{lib} c"},
                 "samples_us": {op: {"0": [10.0, 10.0], "1": [11.0, 11.0]} for op in ("dispatch", "combine")}}
-        if lib == "reference":
+        if lib in ("reference", "symm-mem"):
             data["phases"] = phases_json()
         Path(step.out_json).write_text(json.dumps(data))
         return fid.Done(0, "", "", 1.0, "own.log")
 
 
-def test_check_times_the_plain_calls_and_prints_the_reference_phases(tmp_path, monkeypatch):
+def test_check_times_the_plain_calls_and_prints_the_phase_tables(tmp_path, monkeypatch):
     fake, probes = FakeCallsRunner(), []
     code, text = run_check(tmp_path, monkeypatch, [
         "--scenario", str(REPO / "scenarios" / "smoke.yaml"), "--libraries", "reference,symm-mem,flashinfer",
@@ -608,13 +609,14 @@ def test_check_times_the_plain_calls_and_prints_the_reference_phases(tmp_path, m
     assert {k: v["status"] for k, v in rec["libraries"].items()} == {
         "reference": "ran", "symm-mem": "ran", "flashinfer": "ran"}
     table = {(r["library"], r["op"]): r for r in rec["table"]}
-    symm = table[("symm-mem", "combine")]
-    assert (symm["ratio_basis"], symm["own_variant"], symm["kernel_p50_us"]) == ("call", "symm-mem c", None)
-    assert symm["ratio"] == pytest.approx(13.0 / 11.0) and "1.18 (call) !" in text
+    fi = table[("flashinfer", "combine")]
+    assert (fi["ratio_basis"], fi["own_variant"], fi["kernel_p50_us"]) == ("call", "flashinfer c", None)
+    assert fi["ratio"] == pytest.approx(13.0 / 11.0) and "1.18 (call) !" in text
     assert table[("reference", "dispatch")]["ratio_basis"] == "kernel"
+    assert table[("symm-mem", "dispatch")]["ratio_basis"] == "kernel"
     # the phase table: per mode and op, the phases in order, their sum, the whole call, the
     # epbench run's rows of that mode (the fake ran kernel rows only) and the bare call
-    rows = [(r["mode"], r["op"], r["kind"], r["what"], r["us"]) for r in rec["phases"]]
+    rows = [(r["mode"], r["op"], r["kind"], r["what"], r["us"]) for r in rec["phases"] if r["library"] == "reference"]
     kernel_dispatch = [r[2:] for r in rows if r[:2] == ("kernel", "dispatch")]
     assert kernel_dispatch == [("phase", "pack", 2.0), ("phase", "gather", 4.0), ("phase", "all_to_all", 6.0),
                                ("phase", "counts", 8.0), ("sum", "sum of the phases", 20.0),
@@ -622,8 +624,11 @@ def test_check_times_the_plain_calls_and_prints_the_reference_phases(tmp_path, m
                                ("epbench", "epbench run, kernel rows", 13.0),
                                ("bare", "bare reference d", 11.0)]
     assert [r[4] for r in rows if r[:3] == ("call", "dispatch", "epbench")] == [None]
-    assert {r["library"] for r in rec["phases"]} == {"reference"} and rec["phases"][0]["share_of_whole"] == 0.01
-    assert "where its calls' time goes" in text and "epbench run, kernel rows" in text
+    assert [r["library"] for r in rec["phases"]].count("symm-mem") == len(rows)  # the same fake phases
+    assert rec["phases"][0]["share_of_whole"] == 0.01
+    assert "epbench run, kernel rows" in text
+    assert "reference (NCCL): where its calls' time goes" in text
+    assert "symm-mem (torch all_to_all_vdev): where its calls' time goes" in text
     # a wrong row found by the phase timer's own check fails the check as any other
     assert fid.verdict([], {}, rec["phases"]) == 0 and fid.verdict([], {}, [{"wrong": 1}]) == 1
     assert "--library symm-mem" in " ".join(next(s for s in fake.steps if s.out_json and "symm" in s.label).cmd)
@@ -877,6 +882,43 @@ def test_reference_phases_cover_its_calls(tmp_path):
         dist.destroy_process_group()
 
 
+SYMM_PHASES = {
+    ("rank_major", "call"): ["layout", "gather", "all_to_all", "counts"],
+    ("rank_major", "kernel"): ["gather", "all_to_all", "counts"],
+    ("expert_major", "call"): ["layout", "gather", "all_to_all", "pair_gather", "pair_all_to_all", "segments"],
+    ("expert_major", "kernel"): ["gather", "all_to_all", "pair_gather", "pair_all_to_all", "segments"],
+}
+
+
+@pytest.mark.parametrize("layout, align", [("rank_major", 1), ("expert_major", 16)])
+def test_symm_mem_phases_cover_its_calls_in_both_modes(layout, align):
+    """tools/fidelity_phases.py on the symm-mem backend against its tests' fake of torch's ops:
+    every step of each mode marked in order, the marked calls still verify (outputs unchanged),
+    and nothing but a sliver of each call runs after its last phase."""
+    from statistics import median
+
+    import fidelity_phases as ph
+    from epbench.backends.symm_mem import SymmMemBackend
+    from test_symm_mem_backend import ThreadComm, run_ranks, scenario
+
+    assert all(callable(getattr(SymmMemBackend, m)) for steps in SymmMemBackend.PHASES.values() for _, m in steps)
+    s = scenario(2, "fp8", layout, align)
+
+    def fn(rank, m):
+        comm = ThreadComm(rank, 2, m.world_state.barrier)
+        return ph.measure(comm, s, 1, 3, 2, make=lambda setup: SymmMemBackend(setup, symm=m))
+
+    for got in run_ranks(2, fn):
+        for mode in ("call", "kernel"):
+            rec = got[mode]
+            assert rec["order"] == {"dispatch": SYMM_PHASES[(layout, mode)],
+                                    "combine": ["all_to_all", "gather", "weights", "weighted_sum"]}
+            assert rec["wrong"] == {"dispatch": 0, "combine": 0}
+            assert all(len(v) == 3 for op in ph.OPS for v in rec["phases_us"][op].values())
+            for op in ph.OPS:
+                assert median(rec["unmarked_share"][op]) < 0.2, (mode, op, rec["unmarked_share"][op])
+
+
 def test_phases_of_every_rank_gather_into_what_the_parser_reads():
     import fidelity_phases as ph
 
@@ -904,3 +946,19 @@ def test_nothing_measured_prints_the_reasons_without_an_empty_table():
     fid.print_table([], ["v1: not run: no venv"], con)
     text = con.export_text()
     assert "v1: not run: no venv" in text and "fidelity:" not in text
+
+
+def test_symm_mem_dispatch_row_is_checked_before_any_rank_starts(tmp_path, capsys):
+    """--dispatch-row times the bare call at another stride (the adapter's old 14432 bytes): it must
+    hold the row and split exactly into torch's per-block pieces; it is refused for other libraries."""
+    import fidelity_calls as fc
+    from test_symm_mem_backend import scenario
+
+    s = scenario(4, "bf16", hidden=7168)
+    assert fc.row_stride_reason(14432, s) is None and fc.row_stride_reason(14592, s) is None
+    assert "at least 14336" in fc.row_stride_reason(14000, s)
+    assert "a multiple of 16" in fc.row_stride_reason(14336 + 8, s)
+    out = str(tmp_path / "x.json")
+    smoke = str(REPO / "scenarios" / "smoke.yaml")
+    assert fc.main(["--library", "reference", "--scenario", smoke, "--dispatch-row", "14432", "--out", out]) == 2
+    assert "--dispatch-row is for symm-mem" in capsys.readouterr().err

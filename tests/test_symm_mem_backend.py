@@ -17,9 +17,10 @@ import torch
 
 from epbench.backends import REGISTRY
 from epbench.contract import RankSetup
-from epbench.backends.symm_mem import SymmMemBackend, limits_reason, row_unit
-from epbench.driver import Point, PointRecord, measure_point
-from epbench.inputs import dispatch_input, make_tokens
+from epbench.backends.symm_mem import SymmMemBackend, limits_reason, row_unit, vdev_rows
+from epbench.layout import round_up
+from epbench.driver import Inputs, Point, PointRecord, measure_point, timing_draws
+from epbench.inputs import make_tokens
 from epbench.launch import Comm
 from epbench.routing import route_all
 from epbench.scenario import parse
@@ -46,6 +47,15 @@ class FakeWorld:
         self.barrier.wait()
         compute(list(self.posted))
         self.barrier.wait()
+
+
+def torch_block_counts(size: int, world: int) -> tuple:
+    """The blocks torch's all_to_all_vdev launches for an input of ``size`` bytes within a node:
+    older torch by size thresholds, newer (get_a2a_nblocks) one per 64 KiB rounded up to the world,
+    at most 64."""
+    older = 8 if size < MiB else 16 if size < 2 * MiB else 32 if size < 4 * MiB else 64
+    newer = min(-(-(-(-size // (64 << 10))) // world) * world, 64)
+    return older, newer
 
 
 def _exclusive(splits: torch.Tensor) -> torch.Tensor:
@@ -87,14 +97,16 @@ class FakeSymm:
         assert tuple(in_splits.shape) == (w,) and tuple(out_splits_offsets.shape) == (2, w)
         stride = inp.stride(0) * inp.element_size()
         size = inp.numel() * inp.element_size()
-        blocks = 8 if size < MiB else 16 if size < 2 * MiB else 32 if size < 4 * MiB else 64
-        per_peer = max(blocks // w, 1)
 
         def compute(posted) -> None:
             pos = 0
             for src, (s_inp, s_splits) in enumerate(posted):
                 n = int(s_splits[me])
-                assert n * stride % per_peer == 0, "torch's device assert: bytes per peer not split evenly"
+                for blocks in torch_block_counts(size, w):
+                    per_peer = max(blocks // w, 1)
+                    assert n * stride % per_peer == 0, "torch's device assert: bytes per peer not split evenly"
+                    assert n * stride // per_peer % 16 == 0, \
+                        "a block's piece would start off 16 bytes: NVSHMEM would copy it with narrower loads"
                 start = int(_exclusive(s_splits)[me])
                 out[pos: pos + n] = s_inp[start: start + n]
                 out_splits_offsets[0, src], out_splits_offsets[1, src] = n, pos
@@ -220,12 +232,13 @@ def setup_of(s, rank: int) -> RankSetup:
                      layout=m.layout, align=m.align)
 
 
-def run_points(s, inject: str = None) -> List[PointRecord]:
+def run_points(s, inject: str = None, call_mode: str = "call") -> List[PointRecord]:
     routings = route_all(s)
 
     def fn(rank: int, m: FakeSymm) -> PointRecord:
         comm = ThreadComm(rank, s.world, m.world_state.barrier)
         be = SymmMemBackend(setup_of(s, rank), symm=m)
+        be.use_call_mode(call_mode)
         rec = PointRecord(rank)
         measure_point(Point(be, s, routings, 4, comm, input_sets=2), 1, 2, 3, inject, rec)
         be.close()
@@ -240,9 +253,10 @@ CASES = [(2, "bf16", "rank_major", 1), (3, "fp8", "rank_major", 1), (4, "mxfp8",
          (3, "bf16", "expert_major", 128)]
 
 
+@pytest.mark.parametrize("call_mode", ["call", "kernel"])
 @pytest.mark.parametrize("world, dtype, layout, align", CASES)
-def test_verifies_clean_against_the_fake(world, dtype, layout, align):
-    recs = run_points(scenario(world, dtype, layout, align))
+def test_verifies_clean_against_the_fake(world, dtype, layout, align, call_mode):
+    recs = run_points(scenario(world, dtype, layout, align), call_mode=call_mode)
     for rec in recs:
         assert rec.wrong == {"dispatch": 0, "combine": 0}, rec.problem
         assert len(rec.samples_us["dispatch"]) == 2
@@ -274,11 +288,35 @@ def test_an_empty_expert_keeps_torchs_padding_and_is_reported():
         assert counts == [4, 0] and offsets == [0, 16] and slots == 32
 
 
-def test_row_unit_keeps_torchs_per_block_split_exact():
-    assert row_unit(2) == 32 and row_unit(4) == 16 and row_unit(8) == 16
-    for w in (3, 5, 6, 7):
+def test_row_unit_keeps_every_block_piece_whole_and_16_byte_aligned():
+    """Each block copies rows x stride / (blocks per peer) bytes from piece j's start; a stride of 16
+    x every per-peer block count keeps every piece whole and 16-byte aligned for any row count (the
+    adapter's old 14432-byte rows at 4 ranks left pieces 2-byte aligned for odd row counts)."""
+    assert row_unit(2) == 512 and row_unit(4) == 256 and row_unit(8) == 128
+    for w in (2, 3, 4, 5, 6, 7, 8, 16):
         for blocks in (8, 16, 32, 64):
-            assert row_unit(w) % max(blocks // w, 1) == 0 and row_unit(w) % 16 == 0
+            assert row_unit(w) % (16 * max(blocks // w, 1)) == 0
+    old_row, rows = 14432, 3613  # DeepSeek-V3's packed row before, an odd row count from one peer
+    piece = old_row * rows // 16  # 16 blocks per peer at 4 ranks
+    assert piece % 2 == 0 and piece % 4 != 0 and round_up(old_row, row_unit(4)) == 14592
+
+
+def test_inputs_are_large_enough_for_torchs_largest_block_count():
+    """Newer torch launches one block per 64 KiB of input (rounded up to the world): a small input
+    could get 3 blocks per peer at 4 ranks, which no padding to powers of two divides."""
+    assert torch_block_counts(9 * 64 << 10, 4) == (8, 12)  # 3 blocks per peer in newer torch
+    for w in (2, 3, 4, 8):
+        for row in (row_unit(w), 14592, 1 << 20):
+            size = vdev_rows(10, row) * row
+            assert size >= 4 * MiB and set(torch_block_counts(size, w)) == {64}
+    assert vdev_rows(1 << 20, 14592) == 1 << 20
+
+
+def test_a_block_count_set_in_the_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("TORCH_SYMMMEM_NBLOCKS", "24")
+    assert "TORCH_SYMMMEM_NBLOCKS=24 is set" in limits_reason(4, True, "cuda")
+    monkeypatch.delenv("TORCH_SYMMMEM_NBLOCKS")
+    assert limits_reason(4, True, "cuda") is None
 
 
 def test_registered_and_limits():
@@ -291,3 +329,43 @@ def test_registered_and_limits():
     assert "at most 16 experts per rank (128)" in limits_reason(2, True, "cuda", "expert_major", 128)
     assert "at most 16 ranks" in limits_reason(32, True, "cuda", "expert_major", 4)
     assert limits_reason(32, True, "cuda", "rank_major", 128) is None
+
+
+# -- phases, call modes, no host reads ----------------------------------------------------------
+
+@pytest.mark.parametrize("layout, align", [("rank_major", 1), ("expert_major", 16)])
+def test_kernel_mode_makes_the_layout_once_per_input_set(layout, align, monkeypatch):
+    s = scenario(2, "bf16", layout, align)
+    made = []
+    real = SymmMemBackend._layout
+    monkeypatch.setattr(SymmMemBackend, "_layout", lambda self, inp: made.append(id(inp)) or real(self, inp))
+    run_points(s, call_mode="kernel")
+    assert len(made) == 2 * 2  # per rank, the point's two input sets, prepared outside the timed calls
+    made.clear()
+    run_points(s, call_mode="call")
+    assert len(made) == 2 * (1 + 2 + 1)  # per rank, every dispatch: warm-up, timed, verification run
+
+
+@pytest.mark.parametrize("layout, align", [("rank_major", 1), ("expert_major", 16)])
+def test_dispatch_and_combine_read_nothing_back_to_the_host(layout, align, monkeypatch):
+    """torch's op takes its splits on the device, so neither call waits on the host: no nonzero
+    (its count), bincount (torch's CUDA one reads the values' min and max), item or tolist."""
+    s = scenario(2, "mxfp8", layout, align)
+    routings = route_all(s)
+
+    def refuse(*a, **k):
+        raise AssertionError("a host read inside a timed call")
+
+    def fn(rank: int, m: FakeSymm):
+        be = SymmMemBackend(setup_of(s, rank), symm=m)
+        inp = Inputs(s, routings, CPU).caller(rank, timing_draws(1, False)[0])
+        out = be.dispatch(inp, 4)
+        be.combine_input(out).fill_(1.0)
+        be.combine(out, 4)
+        return True
+
+    for name in ("nonzero", "bincount"):
+        monkeypatch.setattr(torch, name, refuse)
+    for name in ("item", "tolist", "nonzero", "bincount", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    assert run_ranks(2, fn) == [True, True]

@@ -17,9 +17,9 @@ prints one table from earlier checks.
 Libraries: ``v1`` (DeepEP V1, backend deepep), ``v2`` (DeepEP V2, backend deepep-v2),
 ``hybrid-ep``, and three without an MoE benchmark of their own, whose plainest call
 tools/fidelity_calls.py times alone: ``reference`` (NCCL; with the reference backend's phases),
-``symm-mem`` (torch's all_to_all_vdev) and ``flashinfer`` (MoeAlltoAll). Exit code 0: every
-library that could run ran, verified, within 10 %; 1: a run failed, a row was wrong or a ratio is
-flagged; 2: bad input (one line).
+``symm-mem`` (torch's all_to_all_vdev; with the symm-mem backend's phases) and ``flashinfer``
+(MoeAlltoAll). Exit code 0: every library that could run ran, verified, within 10 %; 1: a run
+failed, a row was wrong or a ratio is flagged; 2: bad input (one line).
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ LIBRARIES: Dict[str, Library] = {lib.name: lib for lib in (
                     "WHEELS=.whl/flashinfer-deps and WHEELS=.whl/flashinfer"),
 )}
 CALLS_TIMED = ("reference", "symm-mem", "flashinfer")  # their figure: tools/fidelity_calls.py
+PHASED = ("reference", "symm-mem")  # ... followed by their epbench backend, phase by phase
+PHASE_TITLES = {"reference": "reference (NCCL)", "symm-mem": "symm-mem (torch all_to_all_vdev)"}
 ALIASES = {"deepep": "v1", "deepep-v2": "v2", "nccl": "reference", "hep": "hybrid-ep"}
 
 
@@ -391,14 +393,15 @@ def own_steps(t: Target, tests_root: Optional[Path], ctx: Ctx) -> List[Step]:
     rendezvous = {"MASTER_ADDR": "127.0.0.1"}
     if lib.name in CALLS_TIMED:
         what = {"reference": "NCCL all_to_all_single and the reference's phases",
-                "symm-mem": "torch all_to_all_vdev", "flashinfer": "MoeAlltoAll dispatch / combine"}[lib.name]
+                "symm-mem": "torch all_to_all_vdev and the symm-mem backend's phases",
+                "flashinfer": "MoeAlltoAll dispatch / combine"}[lib.name]
         steps = []
         for dt in ctx.dtypes:
             out = str(ctx.out / "own" / f"{lib.name}-{dt}.json")
             cmd = [t.python, str(TOOLS / "fidelity_calls.py"), "--library", lib.name, "--scenario",
                    ctx.scenario_files[dt], "--warmup", str(ctx.warmup), "--iters", str(ctx.iters),
                    "--device", ctx.device, "--out", out]
-            if ctx.input_sets is not None and lib.name == "reference":
+            if ctx.input_sets is not None and lib.name in PHASED:
                 cmd += ["--input-sets", str(ctx.input_sets)]
             steps.append(Step(f"{lib.name}: {what} ({dt})", cmd, env=dict(rendezvous, MASTER_PORT=str(ctx.port())),
                               cwd=str(REPO), dtype=dt, out_json=out))
@@ -715,7 +718,7 @@ def table_rows(outcomes: List[Outcome], ctx: Ctx) -> List[Dict[str, Any]]:
 
 
 def phase_rows(outcomes: List[Outcome]) -> List[Dict[str, Any]]:
-    """The reference backend's calls phase by phase (tools/fidelity_phases.py), per dtype, call mode
+    """The reference's and symm-mem's calls phase by phase (tools/fidelity_phases.py), per dtype, call mode
     and op: each phase's median on the rank whose unmarked whole call is slowest, and its share of
     that call; then the sum of those phases, the whole call unmarked, this check's epbench run in
     that mode (the slowest rank's median) and the bare all-to-all of the same bytes."""
@@ -745,13 +748,16 @@ def phase_rows(outcomes: List[Outcome]) -> List[Dict[str, Any]]:
 
 
 def print_phases(rows: List[Dict[str, Any]], console: Any) -> None:
+    for lib in dict.fromkeys(r["library"] for r in rows):  # one table per library, in the order they ran
+        print_library_phases([r for r in rows if r["library"] == lib], PHASE_TITLES.get(lib, lib), console)
+
+
+def print_library_phases(rows: List[Dict[str, Any]], title: str, console: Any) -> None:
     from rich.table import Table
 
     from epbench.console import number
 
-    if not rows:
-        return
-    t = Table(title="reference (NCCL): where its calls' time goes, phase by phase")
+    t = Table(title=f"{title}: where its calls' time goes, phase by phase")
     for name, justify in (("dtype", "left"), ("mode", "left"), ("op", "left"), ("phase", "left"),
                           ("us", "right"), ("of whole", "right"), ("max over ranks", "right")):
         t.add_column(name, justify=justify)
@@ -812,8 +818,8 @@ def outcome_lines(notes: List[str], libraries: Dict[str, Dict[str, Any]]) -> Lis
 
 def verdict(rows: List[Dict[str, Any]], libraries: Dict[str, Dict[str, Any]],
             phases: Sequence[Dict[str, Any]] = ()) -> int:
-    """1 where a run failed, a row was wrong (the reference's phase timer checks its calls too)
-    or a ratio is flagged; else 0."""
+    """1 where a run failed, a row was wrong (the phase timer of the reference and symm-mem checks
+    their calls too) or a ratio is flagged; else 0."""
     bad = any(rec["status"] == "failed" for rec in libraries.values()) or any(r["flagged"] for r in rows) \
         or any(r["kernel_wrong"] or r["call_wrong"] for r in rows) or any(r.get("wrong") for r in phases)
     return 1 if bad else 0

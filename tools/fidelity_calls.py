@@ -10,8 +10,10 @@ an MoE dispatch of their own: the plainest call of each, timed alone, on the sce
 ``--library symm-mem``
     ``torch.ops.symm_mem.all_to_all_vdev`` (rank-major) of the same copies, from symmetric buffers
     allocated once as epbench's adapter allocates them (``TorchSymm``, epbench/backends/symm_mem.py),
-    rows of the same bytes padded to the op's per-block unit (``row_unit``), the splits written into
-    their symmetric tensor once; combine: the way back, bf16 rows.
+    rows of the same bytes padded to the op's per-block unit (``row_unit``: every block's piece
+    whole and 16-byte aligned) in inputs of at least ``VDEV_MIN_INPUT`` bytes, the splits written
+    into their symmetric tensor once; combine: the way back, bf16 rows. Then the `symm-mem`
+    backend's own calls, phase by phase, in both call modes, as for the reference.
 ``--library flashinfer``
     ``MoeAlltoAll.dispatch`` of the rows (fp8: and their scales), the top-k ids (int32) and weights
     (float32), with the library's own sanitising of the ids past each source's count, and
@@ -54,6 +56,7 @@ for _p in (str(REPO), str(TOOLS)):
 
 OPS = ("dispatch", "combine")
 LIBRARIES = ("reference", "symm-mem", "flashinfer")
+PHASED = ("reference", "symm-mem")  # whose epbench backend is then timed phase by phase (tools/fidelity_phases.py)
 INVALID_EXPERT = -1  # the id flashinfer writes into the slots past each source's count
 
 
@@ -99,23 +102,29 @@ def nccl_calls(comm: Any, s: Any, total: Any) -> Calls:
     return Calls(run["dispatch"], lambda out: run["combine"](), {op: "all_to_all_single" for op in OPS}, sent)
 
 
-def symm_calls(comm: Any, s: Any, total: Any, symm: Any = None) -> Calls:
-    """``symm``: the adapter's ``TorchSymm`` (tests pass a fake of torch's ops)."""
+def symm_calls(comm: Any, s: Any, total: Any, symm: Any = None, dispatch_row: Optional[int] = None) -> Calls:
+    """``symm``: the adapter's ``TorchSymm`` (tests pass a fake of torch's ops); ``dispatch_row``: the
+    dispatch rows' stride in bytes instead of the padded row bytes (``row_stride_reason``)."""
     import torch
 
-    from epbench.backends.symm_mem import TorchSymm, row_unit
+    from epbench.backends.symm_mem import SymmMemBackend, TorchSymm, row_unit, vdev_rows
+    from epbench.driver import rank_setup
     from epbench.metrics import row_bytes
 
     m, w, me, dev = s.model, comm.world, comm.rank, comm.device
     unit = row_unit(w)
     rows = {op: -(-row_bytes(dt, m.hidden) // unit) * unit
             for op, dt in (("dispatch", m.dispatch_dtype), ("combine", m.combine_dtype))}
+    if dispatch_row is not None:
+        rows["dispatch"] = dispatch_row
     # symmetric tensors have one shape on every rank: the most any rank sends or receives
     most_sent = max(int(total[r].sum()) for r in range(w))
     most_recv = max(int(total[:, r].sum()) for r in range(w))
-    shapes = {"dispatch": (most_sent, most_recv), "combine": (most_recv, most_sent)}
-    if symm is None:
-        symm = TorchSymm(dev, sum((a + b) * rows[op] for op, (a, b) in shapes.items()))
+    shapes = {op: (vdev_rows(a, rows[op]), b) for op, (a, b) in
+              (("dispatch", (most_sent, most_recv)), ("combine", (most_recv, most_sent)))}
+    if symm is None:  # NVSHMEM sizes its heap once: room for the backend's buffers too (its phases run next)
+        symm = TorchSymm(dev, sum((a + b) * rows[op] for op, (a, b) in shapes.items())
+                         + SymmMemBackend.heap_bytes(rank_setup(s, comm)))
     splits = {"dispatch": total[me], "combine": total[:, me]}
     run: Dict[str, Callable[[], Any]] = {}
     for op in OPS:
@@ -188,6 +197,15 @@ def flashinfer_calls(comm: Any, s: Any, total: Any, lib: Any = None, group: Any 
                  info={"payload_bytes_per_token": per_token, "workspace_bytes_per_rank": size})
 
 
+def phased_backend(library: str) -> Any:
+    """The epbench backend class whose phases follow ``library``'s bare call."""
+    if library == "symm-mem":
+        from epbench.backends.symm_mem import SymmMemBackend
+        return SymmMemBackend
+    from epbench.backends.reference import ReferenceBackend
+    return ReferenceBackend
+
+
 def time_calls(comm: Any, calls: Calls, warmup: int, iters: int) -> Dict[str, List[float]]:
     """epbench's timer around each call, dispatch and combine alternating."""
     from epbench.timing import Timer
@@ -199,6 +217,19 @@ def time_calls(comm: Any, calls: Calls, warmup: int, iters: int) -> Dict[str, Li
         calls.fill(out)
         timers["combine"].time(i, lambda: calls.combine(out), align=comm.sync)
     return {op: timers[op].samples_us(warmup) for op in OPS}
+
+
+def row_stride_reason(row: int, s: Any) -> Optional[str]:
+    """Why ``row`` cannot be the symm-mem dispatch rows' stride (None: it can): it must hold the row's
+    bytes and split exactly into torch's per-block pieces; it need not keep them 16-byte aligned,
+    which is what a stride such as 14432 (the adapter's before 2026-11-26) is there to time."""
+    from epbench.backends.symm_mem import row_unit
+    from epbench.metrics import row_bytes
+
+    need, split = row_bytes(s.model.dispatch_dtype, s.model.hidden), row_unit(s.world) // 16
+    if row < need or row % split:
+        return f"--dispatch-row {row}: must be at least {need} (the row's bytes) and a multiple of {split}"
+    return None
 
 
 def unavailable(library: str, world: int, topk: int, device: str) -> Optional[str]:
@@ -245,15 +276,17 @@ def _rank(local_rank: int, world: int, args: argparse.Namespace) -> None:
     m = s.model
     total = routing.traffic(routing.route_all(s), m.experts_per_rank, s.topology.gpus_per_node, False).total
     build = {"reference": nccl_calls, "symm-mem": symm_calls, "flashinfer": flashinfer_calls}[args.library]
-    calls = build(comm, s, total)
+    calls = (symm_calls(comm, s, total, dispatch_row=args.dispatch_row) if args.library == "symm-mem"
+             else build(comm, s, total))
     samples = time_calls(comm, calls, args.warmup, args.iters)
     calls.close()
     variant = calls.variant
     mine: Dict[str, Any] = {"rank": comm.rank, "samples": samples, "bytes": calls.sent_bytes, "info": calls.info}
     del calls  # its buffers (symmetric memory, a mapped workspace) go while the process group is there
     sets = args.input_sets or s.bench.input_sets[0]
-    if args.library == "reference":
-        mine["phases"] = fidelity_phases.measure(comm, s, args.warmup, args.iters, sets)
+    if args.library in PHASED:
+        mine["phases"] = fidelity_phases.measure(comm, s, args.warmup, args.iters, sets,
+                                                 make=phased_backend(args.library))
     everyone: List[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if comm.rank == 0:
@@ -264,7 +297,7 @@ def _rank(local_rank: int, world: int, args: argparse.Namespace) -> None:
                 "samples_us": {op: {str(e["rank"]): e["samples"][op] for e in everyone} for op in OPS},
                 "bytes": {op: {str(e["rank"]): e["bytes"][op] for e in everyone} for op in OPS},
                 "info": {str(e["rank"]): e["info"] for e in everyone}}
-        if args.library == "reference":
+        if args.library in PHASED:
             data["input_sets"] = sets
             data["phases"] = fidelity_phases.gather([e["phases"] for e in everyone])
         Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
@@ -283,7 +316,12 @@ def main(argv: "List[str] | None" = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--input-sets", type=int, default=None,
-                    help="the reference's phases: input sets the calls rotate over (default: the scenario's first)")
+                    help="the backend's phases (reference, symm-mem): input sets the calls rotate over "
+                         "(default: the scenario's first)")
+    ap.add_argument("--dispatch-row", type=int, default=None,
+                    help="symm-mem: the dispatch rows' stride in bytes (default: the row's bytes padded to "
+                         "row_unit); e.g. 14432 at DeepSeek-V3's shape, the adapter's stride before "
+                         "2026-11-26, to time its misaligned per-block pieces alone")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--control-timeout", type=float, default=300.0)
     ap.add_argument("--out", required=True, help="JSON file for the samples")
@@ -295,6 +333,9 @@ def main(argv: "List[str] | None" = None) -> int:
     s = scenario.load(args.scenario)
     world = s.world
     why = unavailable(args.library, world, s.model.topk, args.device)
+    if args.dispatch_row is not None:
+        why = why or ("--dispatch-row is for symm-mem" if args.library != "symm-mem"
+                      else row_stride_reason(args.dispatch_row, s))
     if why:
         print(f"fidelity_calls: {args.library} not run: {why}", file=sys.stderr)
         return 2

@@ -18,7 +18,8 @@ warnings, the NCCL banner). The formats are those of the pinned commits (tools/b
   (``bench()``: per-rank mean of 49 back-to-back calls with the cached handle) as average, min and
   max over ranks, then the kernel times from the profiler (30 back-to-back calls) the same way.
 - NCCL, torch symm-mem, FlashInfer: tools/fidelity_calls.py writes its per-rank samples of each
-  library's plainest call as JSON, and for NCCL also those of the `reference` backend's phases.
+  library's plainest call as JSON, and for NCCL and symm-mem also those of epbench's backend's
+  phases (`reference`, `symm-mem`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Figure:
     stat: str  # mean | p50 (of one rank's timed calls)
     ranks: str  # rank 0 | slowest | rank avg: which rank's (or ranks') statistic
     variant: str  # what was timed, in words
-    # primary (the ratio's denominator) | alt (shown beside it) | extra; the reference's phases
+    # primary (the ratio's denominator) | alt (shown beside it) | extra; a backend's phases
     # (tools/fidelity_phases.py): whole (its unmarked call) | phase (one step of it)
     role: str = "extra"
     detail: Dict[str, Any] = field(default_factory=dict)
@@ -219,7 +220,7 @@ def parse_hybrid_ep(text: str, sms: int) -> List[Figure]:
 
 def parse_calls(text: str) -> List[Figure]:
     """The timer's JSON: per op, every rank's samples of the library's plainest call. Primary: the
-    slowest rank's median (as epbench's time column); alt: the slowest rank's mean. The reference's
+    slowest rank's median (as epbench's time column); alt: the slowest rank's mean. The backend's
     phases follow (``parse_phases``)."""
     try:
         data = json.loads(text)

@@ -1,13 +1,14 @@
-"""The `reference` backend's dispatch and combine, phase by phase (tools/fidelity_calls.py runs
-this beside the bare all-to-all, so that the fidelity check says where its time goes).
+"""A backend's dispatch and combine, phase by phase: the `reference` backend beside NCCL's bare
+all-to-all and the `symm-mem` backend beside torch's bare all_to_all_vdev (tools/fidelity_calls.py
+runs this after the bare call, so that the fidelity check says where the backend's time goes).
 
-The NCCL figure of the check is one bare ``all_to_all_single``; epbench's `reference` backend does
-more around it. This times the backend's own code on the same shape, step by step: each method
-that ``ReferenceBackend.PHASES`` names is wrapped so that a mark (a device event on GPUs, the wall
-clock on CPUs) is taken as it returns; the call's first mark is taken where epbench's timer takes
-its start event (after the device sleep and the ranks' alignment, epbench/timing.py). A phase's
-time is its mark minus the one before. Device work queued between two wrapped methods would count
-in the next phase; the methods hold all of it (epbench/backends/reference.py).
+The check's figure for those libraries is one bare call; the backend does more around it. This
+times the backend's own code on the same shape, step by step: each method that the backend's
+``PHASES`` names is wrapped so that a mark (a device event on GPUs, the wall clock on CPUs) is taken
+as it returns; the call's first mark is taken where epbench's timer takes its start event (after
+the device sleep and the ranks' alignment, epbench/timing.py). A phase's time is its mark minus the
+one before. Device work queued between two wrapped methods would count in the next phase; the
+methods hold all of it (epbench/backends/reference.py, epbench/backends/symm_mem.py).
 
 Each call mode runs as epbench's driver builds its points (``driver.Point``: the same inputs,
 rotating input sets, the kernel mode's splits prepared once per set, the stand-in expert between
@@ -124,16 +125,17 @@ def _marked_loop(point: Any, comm: Any, clock: PhaseClock, warmup: int, iters: i
 
 
 def measure(comm: Any, s: Any, warmup: int, iters: int, input_sets: int,
-            modes: Tuple[str, ...] = MODES) -> Dict[str, Any]:
+            modes: Tuple[str, ...] = MODES, make: Optional[Callable[[Any], Any]] = None) -> Dict[str, Any]:
     """This rank's figures per call mode: ``whole_us`` {op: samples} of the unmarked calls,
     ``wrong`` {op: rows} of their check, ``order`` {op: phases}, ``phases_us`` {op: {phase:
     samples}} and ``unmarked_share`` {op: per call, the share after the last phase} of the marked
-    calls."""
-    from epbench.backends.reference import ReferenceBackend
+    calls. ``make``: the backend from this rank's setup (default: the reference)."""
     from epbench.driver import Point, rank_setup
     from epbench.routing import route_all
 
-    be = ReferenceBackend(rank_setup(s, comm))
+    if make is None:
+        from epbench.backends.reference import ReferenceBackend as make
+    be = make(rank_setup(s, comm))
     clock = PhaseClock(comm.device.type == "cuda")
     instrument(be, clock)
     routings = route_all(s)
