@@ -414,19 +414,47 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
             raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
         resolve_device(s, "cuda")
         p = dataclasses.replace(p, run_dir=claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens))
-    _start_one(p)
+    _start_one(p, show_overlap)
 
 
-def _start_one(p) -> None:
-    """overlap and ceiling: the plan's one job (in a process that torchrun started by hand, this
-    rank's part of it)."""
+def _start_one(p, show=None) -> None:
+    """overlap, probe and ceiling: the plan's one job (in a process that torchrun started by hand,
+    this rank's part of it), then ``show(run folder)`` where the run completed (None: nothing
+    to show, the ranks printed it)."""
     if launch.under_torchrun():  # torchrun started by hand: this process is one of the ranks
         from epbench.rank import run_plan
 
-        raise typer.Exit(run_plan(p, 0, launched=False))
+        raise typer.Exit(run_plan(p, 0, launched=False, show=show))
     from epbench.launcher import start_one
 
-    raise typer.Exit(start_one(p))
+    code = start_one(p)
+    if show is not None and p.run_dir is not None and _completed(p.run_dir):
+        show(p.run_dir)
+    raise typer.Exit(code)
+
+
+def _completed(run_dir: Path) -> bool:
+    """The run in ``run_dir`` finished measuring (its rows may still hold wrong ones)."""
+    import json
+
+    from epbench.results import META
+
+    try:
+        return json.loads((run_dir / META).read_text()).get("status") == "complete"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def show_overlap(run_dir: Path) -> None:
+    """An overlap run's table and notes, its plot (drawn here), and the folder."""
+    from epbench.plot import overlap_plot
+    from epbench.report import print_run
+    from epbench.results import load_run
+
+    meta, df = load_run(run_dir)
+    print_run(df, meta, console)
+    console.print(f"plot: {overlap_plot(run_dir, loaded=(meta, df))}")
+    console.print(f"results: {run_dir}")
 
 
 @app.command()

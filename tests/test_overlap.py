@@ -13,6 +13,7 @@ from epbench import overlap as ov
 from epbench.errors import UserError
 from epbench.metrics import summarize_overlap
 from epbench.plot import plot_run
+from epbench.report import print_overlap
 from support import SCENARIOS, epbench_here
 
 
@@ -112,7 +113,7 @@ def test_table_takes_the_worst_rank_and_fits_100_columns():
     meta = {"scenario": {"name": "t"}, "world": 2, "overlap": {"gemm": "bf16 8192x8192x8192",
                                                                 "total_sms": 132},
             "notes": [ov.SHARED_GPU_NOTE]}
-    ov.print_overlap(df, meta, console)
+    print_overlap(df, meta, console)
     text = console.export_text()
     table_lines = [ln for ln in text.splitlines() if ln.strip().startswith(("epbench", "copy"))]
     assert len(table_lines) == 3
