@@ -556,7 +556,6 @@ def measure(job: Any) -> int:
     checks; rank 0 records each point's rows. Returns the wrong rows and GEMM elements summed
     over ranks (on every rank)."""
     import torch
-    import torch.distributed as dist
 
     from epbench import driver, metrics, options
     from epbench.backends import load_backend
@@ -645,6 +644,4 @@ def measure(job: Any) -> int:
         row, raw = _Point(gemm, gemm_all, parts[sms], total, opts).measure(loop)
         row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes)
         wrong_total += record("copy", sms, row, raw)
-    flag = torch.tensor([wrong_total], dtype=torch.int64, device=comm.device)
-    dist.broadcast(flag, src=0)
-    return int(flag.item())
+    return job.rank0_count(wrong_total)

@@ -306,6 +306,8 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
     console = console or wide_console()
     if meta.get("verb") == "overlap":
         return print_overlap(df, meta, console)
+    if meta.get("verb") == "probe":
+        return print_probe(df, meta, console)
     scenario = meta.get("scenario", {})
     functional = ", no link figures" if meta.get("functional") else ""
     title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "
@@ -374,6 +376,21 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
     for note in meta.get("notes", []):
         console.print(f"note: {note}", highlight=False)
 
+
+
+# -- `epbench probe` folders --
+
+def print_probe(df: pd.DataFrame, meta: Dict[str, Any], console: Any) -> None:
+    """A probe run's table as the probe printed it while measuring: its header line, one line
+    per row (us, p50 unless marked)."""
+    from epbench.llprobe import extra_columns, format_table, header_line, table_rows
+
+    info = meta.get("probe") or {}
+    console.print(header_line(info), markup=False, highlight=False)
+    extra = extra_columns(info.get("chains") or [1], int(meta.get("world") or 1))
+    console.print(format_table(table_rows(df), extra), markup=False, highlight=False, soft_wrap=True)
+    for note in meta.get("notes", []):
+        console.print(f"note: {note}", highlight=False)
 
 def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
     """One row per (backend, op, SMs, rank): that rank's median time and bandwidths, the spread

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -195,6 +196,12 @@ class Job:
         dist.gather_object(obj, got, dst=0)
         return got
 
+    def rank0_count(self, n: int) -> int:
+        """Rank 0's ``n`` (a count of wrong rows it summed from the gathers), on every rank."""
+        flag = torch.tensor([n], dtype=torch.int64, device=self.comm.collective_device)
+        dist.broadcast(flag, src=0)
+        return int(flag.item())
+
     def record(self, rows: List[Dict[str, Any]], samples: List[Dict[str, Any]]) -> None:
         """Rank 0: rows and samples (gathered already) into the run folder."""
         if self.writer is not None:
@@ -250,8 +257,6 @@ def run_worker(p: Plan, opts: Any, launched: bool = True, show: Optional[Show] =
     the run table)."""
     device = p.device
     if device == "auto":
-        import torch
-
         device = "cuda" if torch.cuda.is_available() else "cpu"
     comm = (launch.init_distributed(device, p.control_timeout_s) if p.control_timeout_s is not None
             else launch.init_distributed(device))
@@ -267,9 +272,7 @@ def run_worker(p: Plan, opts: Any, launched: bool = True, show: Optional[Show] =
     comm.arrive("final barrier")
     dist.barrier()
     dist.destroy_process_group()
-    if p.verb in ("run", "sweep"):  # launched: the launcher says where (verification_failure)
-        return 1 if wrong and not launched else 0
-    return 1 if wrong else 0
+    return 1 if wrong and not launched else 0  # launched: the launcher says where
 
 
 def _measure(job: Job) -> int:
