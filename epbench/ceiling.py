@@ -469,23 +469,25 @@ def run_local(s: Any, console: Any) -> int:
     return 0
 
 
-def run_worker(s: Any, warmup: int, iters: int, console: Any) -> int:
-    """One rank under torchrun (CUDA): measure, and rank 0 prints."""
+def every_ranks_limits(comm: Any) -> List[Limits]:
+    """Each rank's nominal limits (read_limits on its own GPU), on every rank, in rank order."""
     import torch.distributed as dist
 
-    from epbench import launch
+    limits: List[Any] = [None] * comm.world
+    dist.all_gather_object(limits, read_limits(comm.local_rank))
+    return limits
+
+
+def measure_job(job: Any) -> int:
+    """``epbench ceiling``'s one job (session.Job) on this rank (CUDA): every rank's nominal
+    limits, the measured ceilings, and rank 0 prints them (no results folder). Returns 0: a
+    ceiling has no rows to verify."""
     from epbench.routing import route_all, traffic
 
-    comm = launch.init_distributed("cuda")
-    if comm.world != s.world:
-        s = s.with_world(comm.world)
+    s, opts, comm = job.scenario, job.options, job.comm
     tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
-    mine = read_limits(comm.local_rank)
-    limits: List[Any] = [None] * comm.world
-    dist.all_gather_object(limits, mine)
-    ceilings = measure_ceilings(s, tr, comm, warmup, iters, rates_of(limits))
-    if comm.rank == 0:
-        print_ceilings(s, ceilings, limits[0], "cuda", console)
-    dist.barrier()
-    dist.destroy_process_group()
+    limits = every_ranks_limits(comm)
+    ceilings = measure_ceilings(s, tr, comm, opts.warmup, opts.iters, rates_of(limits))
+    if job.rank0:
+        print_ceilings(s, ceilings, limits[0], "cuda", job.console)
     return 0

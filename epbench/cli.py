@@ -414,19 +414,109 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
             raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
         resolve_device(s, "cuda")
         p = dataclasses.replace(p, run_dir=claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens))
-    _start_one(p)
+    _start_one(p, show_overlap)
 
 
-def _start_one(p) -> None:
-    """overlap and ceiling: the plan's one job (in a process that torchrun started by hand, this
-    rank's part of it)."""
+def _start_one(p, show=None) -> None:
+    """overlap, probe and ceiling: the plan's one job (in a process that torchrun started by hand,
+    this rank's part of it), then ``show(run folder)`` where the run completed (None: nothing
+    to show, the ranks printed it)."""
     if launch.under_torchrun():  # torchrun started by hand: this process is one of the ranks
         from epbench.rank import run_plan
 
-        raise typer.Exit(run_plan(p, 0, launched=False))
+        raise typer.Exit(run_plan(p, 0, launched=False, show=show))
     from epbench.launcher import start_one
 
-    raise typer.Exit(start_one(p))
+    code = start_one(p)
+    meta = _completed(p.run_dir) if show is not None and p.run_dir is not None else None
+    if meta is not None:
+        show(p.run_dir)
+        if meta.get("wrong"):
+            err.print(f"epbench: error: verification failed: {meta['wrong']} wrong (see the table); "
+                      f"results: {p.run_dir}", markup=False, highlight=False, soft_wrap=True)
+            code = code or 1
+    raise typer.Exit(code)
+
+
+def _completed(run_dir: Path) -> Optional[dict]:
+    """meta.json of the run in ``run_dir`` where it finished measuring (its rows may still hold
+    wrong ones), else None."""
+    import json
+
+    from epbench.results import META
+
+    try:
+        meta = json.loads((run_dir / META).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("status") == "complete" else None
+
+
+def show_overlap(run_dir: Path) -> None:
+    """An overlap run's table and notes, its plot (drawn here), and the folder."""
+    from epbench.plot import overlap_plot
+    from epbench.report import print_run
+    from epbench.results import load_run
+
+    meta, df = load_run(run_dir)
+    print_run(df, meta, console)
+    console.print(f"plot: {overlap_plot(run_dir, loaded=(meta, df))}")
+    console.print(f"results: {run_dir}")
+
+
+@app.command()
+def probe(tokens: Annotated[str, typer.Option("--tokens", help="Tokens per call (comma list).")] = "1,32,128",
+          sms: Annotated[str, typer.Option("--sms", help="Blocks per kernel (comma list).")] = "32,132",
+          hidden: Annotated[int, typer.Option("--hidden", help="Hidden size.")] = 7168,
+          topk: Annotated[int, typer.Option("--topk", help="Experts per token.")] = 8,
+          experts_per_rank: Annotated[int, typer.Option("--experts-per-rank", help="64: the shape of `epbench sweep scenarios/dsv3x4-ll.yaml --nproc 1`.")] = 64,
+          dtype: Annotated[str, typer.Option("--dtype", help="Dispatch dtype: fp8 | bf16.")] = "fp8",
+          variants: Annotated[Optional[str], typer.Option("--variants", help="Kernel variants to time (comma list; default: epbench/llprobe.py's DEFAULT_VARIANTS; an unknown name lists every one).", show_default=False)] = None,
+          warmup: Annotated[int, typer.Option("--warmup", help="Untimed graph replays per row.")] = 50,
+          iters: Annotated[int, typer.Option("--iters", help="Timed graph replays per row.")] = 500,
+          chain: Annotated[str, typer.Option("--chain", help="Calls per graph replay (comma list); call = replay / K.")] = "1",
+          nproc: Annotated[int, typer.Option("--nproc", help="Ranks sharing the first visible GPU.")] = 1,
+          mps: Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the ranks (as `epbench run --mps`).")] = False,
+          csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the rows to this CSV file (the probe's column order).")] = None,
+          results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
+    """Where the low-latency kernels' fixed cost goes: each part of a dispatch / combine call
+    from per-block timer stamps, beside probe kernels, per SM count, tokens and variant (CUDA;
+    notes/LATENCY.md). One results folder; the table is printed a row at a time.
+
+    Example: epbench probe --tokens 1,32,128 --sms 32,132 --chain 1,8"""
+    import dataclasses
+
+    from epbench import llprobe
+    from epbench.plan import Plan
+
+    launch.apply_safe_env()
+    o = llprobe.probe_options(tokens, sms, hidden, topk, experts_per_rank, dtype,
+                              variants or llprobe.DEFAULT_VARIANTS, warmup, iters, chain, nproc)
+    s = llprobe.probe_scenario(o, nproc)
+    p = Plan(verb="probe", scenario=s, options=o, device="cuda", argv=tuple(sys.argv[1:]),
+             results=results, run_dir=run_dir, mps=mps, ranks_per_node=nproc)
+
+    def show(folder: Path) -> None:
+        if csv is not None:
+            console.print(f"wrote {llprobe.write_csv(folder, csv)}", highlight=False)
+        console.print(f"results: {folder}", highlight=False)
+
+    if launch.under_torchrun():
+        _start_one(p, show)
+    import torch
+
+    from epbench.results import check_new_run_dir, claim_run_dir, new_run_dir
+
+    if not torch.cuda.is_available():
+        raise UserError("probe: needs a CUDA GPU (the kernels are timed by CUDA-graph replays); none found")
+    check_new_run_dir(results, run_dir)
+    p = dataclasses.replace(p, run_dir=claim_run_dir(run_dir) if run_dir else new_run_dir(results, s))
+    before = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    os.environ["CUDA_VISIBLE_DEVICES"] = llprobe.one_gpu(before["CUDA_VISIBLE_DEVICES"])
+    try:  # every rank on the first visible GPU
+        _start_one(p, show)
+    finally:
+        launch.restore_env(before)
 
 
 @app.command()

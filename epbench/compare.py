@@ -24,7 +24,12 @@ def load(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
         raise UserError(f"{short_path(path)}: no such results folder")
     if not is_run_dir(path):
         raise UserError(f"{short_path(path)}: not a results folder (no meta.json)")
-    return load_run(path)  # a corrupt or truncated run: UserError naming the file
+    meta, df = load_run(path)  # a corrupt or truncated run: UserError naming the file
+    verb = meta.get("verb")
+    if verb in ("overlap", "probe"):
+        raise UserError(f"{short_path(path)}: an `epbench {verb}` run; compare reads run and sweep "
+                        f"folders (`epbench report` shows this one)")
+    return meta, df
 
 
 def ratio(b: Any, a: Any) -> Any:

@@ -44,12 +44,14 @@ def start(p: Plan) -> int:
 
 
 def start_one(p: Plan) -> int:
-    """overlap and ceiling: the plan's one job, one line for a failure; returns the exit code.
-    The plan goes into the run folder (overlap) or a temporary one (ceiling writes no results);
-    a run folder that holds nothing else afterwards is removed."""
+    """overlap, probe and ceiling: the plan's one job (beside a private MPS daemon where the plan
+    asks for one), one line for a failure; returns the exit code. The plan goes into the run
+    folder (overlap, probe) or a temporary one (ceiling writes no results); a run folder that
+    holds nothing else afterwards is removed."""
     folder = p.run_dir or Path(tempfile.mkdtemp(prefix=f"epbench-{p.verb}-"))
     try:
-        out = launch.run_job(job_command(p, plans.write(p, folder), 0), p.device, folder)
+        with launch.private_mps() if p.mps and p.device == "cuda" else contextlib.nullcontext():
+            out = launch.run_job(job_command(p, plans.write(p, folder), 0), p.device, folder)
     finally:
         if p.run_dir is None:
             shutil.rmtree(folder, ignore_errors=True)

@@ -1,6 +1,6 @@
-"""Where the low-latency kernels' fixed cost goes (issue 24; notes/LATENCY.md).
+"""``epbench probe``: where the low-latency kernels' fixed cost goes (issue 24; notes/LATENCY.md).
 
-    python -m epbench.llprobe --tokens 1,32,128 --sms 32,132
+    epbench probe --tokens 1,32,128 --sms 32,132
 
 World 1 on one GPU (no link crossed), DeepSeek-V3 decode shape by default (hidden 7168, top-8,
 fp8 dispatch, bf16 combine). Every call is a CUDA-graph replay timed with device events exactly as
@@ -22,8 +22,10 @@ Rows:
   `warps4` / `warps8` (grid with 4 / 8 warps per block); `token-warps4` (token with 4). warps8 and
   token-warps4 only when asked for.
 
-Prints one table, a line per row as it is measured (us; p50 unless marked), and writes every number to $OUT/ll_probe.csv when OUT is
-set (or --csv).
+Prints one table, a line per row as it is measured (us; p50 unless marked), and records every
+number in a results folder (meta.json, results.csv: one line per row, samples.csv: every rank's
+per-call times; `epbench report` prints the table again); `--csv PATH` also writes the rows there
+in the probe's column order.
 
 `--chain K` (a comma list, default 1): each graph holds K back-to-back calls of its op (probe
 kernels too), and `call` is the event pair over one replay divided by K, so the ~4 us that the
@@ -36,8 +38,8 @@ writes a peer's stage for dispatch n + 1 only after its combine n (the buffer-re
 csrc/ll_dispatch.cu), so back-to-back dispatches of several ranks would overwrite rows a peer is
 still reading.
 
-`--nproc N` (default 1): N ranks share this process's first visible GPU, started under torchrun
-by epbench.launch (gloo control plane, as `epbench run --nproc N` on one GPU); `--mps` starts a
+`--nproc N` (default 1): N ranks share the first visible GPU, started under torchrun by epbench's
+launcher (gloo control plane, as `epbench run --nproc N` on one GPU); `--mps` starts a
 private MPS daemon for them as `epbench run --mps` does, and the header says whether MPS was on
 (epbench.launch.mps_active). Each rank dispatches its own T tokens routed over all N x
 experts-per-rank experts (epbench.routing.route_rank per rank, as the driver routes a real world
@@ -57,12 +59,12 @@ chain > 1 or several ranks are asked for; the CSV always has chain and ranks.
 
 from __future__ import annotations
 
-import argparse
-import csv
-import os
-import statistics
-import sys
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from epbench.errors import UserError
+from epbench.metrics import interpolated_percentile as percentile
 
 PARTS = ["stage", "send", "release", "wait", "receive", "finish"]  # LlStamp 1..6 (after kLlStart)
 PROBE_MODES = {"empty": 0, "sync": 1, "chase": 2, "fence": 3, "timer": 4}  # name -> ep_ll_probe mode
@@ -71,17 +73,6 @@ VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "gri
             "token-warps4": (4, "token")}
 DEFAULT_VARIANTS = "grid,token,warps4"
 STAMPS_PER_BLOCK = 8
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between closest ranks."""
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def call_parts(blocks: Sequence[Sequence[int]]) -> Dict[str, float]:
@@ -186,57 +177,39 @@ def format_table(rows: List[Dict[str, object]], extra: Sequence[str] = ()) -> st
     return "\n".join(lines)
 
 
-def appended(key: str) -> bool:
-    """A CSV column added after round 4 (chain, several ranks): written after the older ones."""
-    return key in ("chain", "ranks", "slow_rank") or key.startswith(("rank_skew_", "call_p50_rank"))
+def column_order(keys: Sequence[str]) -> List[str]:
+    """results.csv's columns in the probe's order: those of the first rows first, then the ones
+    added later (chain, several ranks) after them."""
+    later = [k for k in keys if k in ("chain", "ranks", "slow_rank") or k.startswith(("rank_skew_", "call_p50_rank"))]
+    return [k for k in keys if k not in later] + later
 
 
-def write_csv(rows: List[Dict[str, object]], path: str) -> None:
-    keys: List[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    keys = [k for k in keys if not appended(k)] + [k for k in keys if appended(k)]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
+def write_csv(run_dir: Path, path: Path) -> Path:
+    """The rows of the probe run in ``run_dir`` (its results.csv) into ``path``, in the probe's
+    column order (column_order); returns ``path``."""
+    import pandas as pd
+
+    from epbench.results import RESULTS
+
+    df = pd.read_csv(run_dir / RESULTS, dtype=str, keep_default_na=False)  # the cells as written
+    df = df.drop(columns=[c for c in ("status",) if c in df])
+    try:
+        df[column_order(list(df.columns))].to_csv(path, index=False)
+    except OSError as e:
+        raise UserError(f"--csv: {path}: cannot write ({e.strerror or type(e).__name__})") from None
+    return path
 
 
-def _int_list(s: str) -> List[int]:
-    return [int(v) for v in s.split(",") if v.strip()]
+def table_rows(df: Any) -> List[Dict[str, object]]:
+    """results.csv's rows as the table takes them: gaps as None, whole numbers as integers."""
+    rows = []
+    for r in df.to_dict("records"):
+        rows.append({k: None if isinstance(v, float) and v != v else
+                     int(v) if k in WHOLE and isinstance(v, float) else v for k, v in r.items()})
+    return rows
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m epbench.llprobe", description=__doc__.split("\n")[0],
-                                 allow_abbrev=False)
-    ap.add_argument("--tokens", default="1,32,128", help="tokens per call (comma list)")
-    ap.add_argument("--sms", default="32,132", help="blocks per kernel (comma list)")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--experts-per-rank", type=int, default=64,
-                    help="64: the shape of `epbench sweep scenarios/dsv3x4-ll.yaml --nproc 1`")
-    ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"subset of {','.join(VARIANTS)}")
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--iters", type=int, default=500)
-    ap.add_argument("--csv", default=None, help="default: $OUT/ll_probe.csv when OUT is set")
-    ap.add_argument("--chain", default="1", help="calls per graph replay (comma list); call = replay / K")
-    ap.add_argument("--nproc", type=int, default=1, help="ranks sharing this process's first visible GPU")
-    ap.add_argument("--mps", action="store_true", help="start a private MPS daemon (as `epbench run --mps`)")
-    return ap
-
-
-LAUNCHER_ONLY = ("nproc", "mps", "help")  # options the launcher consumes; the ranks never see them
-
-
-def rank_argv(args: argparse.Namespace) -> List[str]:
-    """The command line of every rank: each option of ``args`` spelled out, less the launcher's."""
-    out: List[str] = []
-    for action in parser()._actions:
-        if action.dest in LAUNCHER_ONLY or getattr(args, action.dest, None) is None:
-            continue
-        out += [action.option_strings[0], str(getattr(args, action.dest))]
-    return out
+WHOLE = ("sms", "tokens", "wrong", "chain", "ranks", "slow_rank", "timer_step_ns")
 
 
 def one_gpu(visible: Optional[str]) -> str:
@@ -244,71 +217,84 @@ def one_gpu(visible: Optional[str]) -> str:
     return (visible or "0").split(",")[0].strip() or "0"
 
 
-def check_args(args: argparse.Namespace) -> Optional[str]:
-    """Why ``args`` cannot run (one line), or None."""
-    bad = [v for v in args.variants.split(",") if v and v not in VARIANTS]
+# -- what a probe run measures ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    tokens: Tuple[int, ...] = (1, 32, 128)
+    sms: Tuple[int, ...] = (32, 132)
+    hidden: int = 7168
+    topk: int = 8
+    experts_per_rank: int = 64
+    dtype: str = "fp8"
+    variants: Tuple[str, ...] = tuple(DEFAULT_VARIANTS.split(","))
+    warmup: int = 50
+    iters: int = 500
+    chain: Tuple[int, ...] = (1,)
+
+
+def probe_options(tokens: str, sms: str, hidden: int, topk: int, experts_per_rank: int, dtype: str,
+                  variants: str, warmup: int, iters: int, chain: str, nproc: int) -> ProbeOptions:
+    """``epbench probe``'s options, checked; UserError (one line) for the first one wrong."""
+    from epbench import scenario
+
+    bad = [v for v in variants.split(",") if v and v not in VARIANTS]
     if bad:
-        return f"--variants: unknown {bad}; choose from {list(VARIANTS)}"
-    try:
-        chains = _int_list(args.chain)
-    except ValueError:
-        return f"--chain: a comma list of integers, got {args.chain!r}"
-    if not chains or min(chains) < 1:
-        return f"--chain: every value must be at least 1, got {args.chain!r}"
-    if args.nproc < 1:
-        return f"--nproc: must be at least 1, got {args.nproc}"
-    if args.nproc > 1 and max(chains) > 1:
-        return ("--chain > 1 needs --nproc 1: with several ranks a dispatch may overwrite a peer's "
-                "rows only after a combine (csrc/ll_dispatch.cu, buffer reuse)")
-    return None
+        raise UserError(f"--variants: unknown {bad}; choose from {list(VARIANTS)}")
+    chains = scenario.maybe_int_list(chain, "--chain")
+    if nproc < 1:
+        raise UserError(f"--nproc: must be at least 1, got {nproc}")
+    if nproc > 1 and max(chains) > 1:
+        raise UserError("--chain > 1 needs --nproc 1: with several ranks a dispatch may overwrite a peer's "
+                        "rows only after a combine (csrc/ll_dispatch.cu, buffer reuse)")
+    if dtype not in ("fp8", "bf16"):
+        raise UserError(f"--dtype: must be fp8 or bf16, got {scenario.shown(dtype)}")
+    for opt, v, low in (("--warmup", warmup, 0), ("--iters", iters, 1)):
+        if not low <= v <= scenario.MAX_ITERS:
+            raise UserError(f"{opt}: must be at least {low} and at most {scenario.MAX_ITERS}, got {v}")
+    return ProbeOptions(tokens=scenario.maybe_int_list(tokens, "--tokens", scenario.MAX_SHAPE["tokens_per_rank"]),
+                        sms=scenario.maybe_int_list(sms, "--sms", scenario.MAX_SMS), hidden=hidden, topk=topk,
+                        experts_per_rank=experts_per_rank, dtype=dtype,
+                        variants=tuple(v for v in variants.split(",") if v), warmup=warmup, iters=iters,
+                        chain=chains)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
-    problem = check_args(args)
-    if problem:
-        print(problem, file=sys.stderr)
-        return 2
-    import contextlib
+def probe_scenario(o: ProbeOptions, nproc: int) -> Any:
+    """The shape the probe runs, as a scenario (validated like a scenario file; recorded in
+    meta.json): ``nproc`` ranks on one GPU, uniform routing (seed 0), low-latency mode."""
+    from epbench.scenario import parse
 
-    from epbench import launch
-    from epbench.errors import UserError
-
-    try:
-        with launch.private_mps() if args.mps else contextlib.nullcontext():
-            if args.nproc > 1 and not launch.under_torchrun():
-                return launch_ranks(args)
-            rows = run(_int_list(args.tokens), _int_list(args.sms), [v for v in args.variants.split(",") if v],
-                       _int_list(args.chain), args)
-    except UserError as e:
-        print(e, file=sys.stderr)
-        return 2
-    path = args.csv or (os.path.join(os.environ["OUT"], "ll_probe.csv") if os.environ.get("OUT") else None)
-    if path and rows:
-        write_csv(rows, path)
-        print(f"wrote {path}")
-    return 0 if all(not r.get("wrong") for r in rows) else 1
+    return parse({"name": "probe", "mode": "low_latency",
+                  "description": "epbench probe: the low-latency kernels' parts",
+                  "model": {"hidden": o.hidden, "tokens_per_rank": max(o.tokens), "topk": o.topk,
+                            "experts_per_rank": o.experts_per_rank, "dispatch_dtype": o.dtype},
+                  "topology": {"nodes": 1, "gpus_per_node": nproc},
+                  "routing": {"kind": "uniform", "seed": 0},
+                  "bench": {"warmup": o.warmup, "iters": o.iters, "backends": ["epbench-ll"],
+                            "sms": list(o.sms), "device": "cuda"}}, "epbench probe")
 
 
-def launch_ranks(args: argparse.Namespace) -> int:
-    """Runs the probe on ``args.nproc`` ranks sharing one GPU, under torchrun (epbench.launch)."""
-    from epbench import launch
-
-    before = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
-    os.environ["CUDA_VISIBLE_DEVICES"] = one_gpu(before["CUDA_VISIBLE_DEVICES"])
-    try:
-        return launch.relaunch(launch.torchrun_args(rank_argv(args), args.nproc, module="epbench.llprobe"),
-                               "cuda")
-    finally:
-        launch.restore_env(before)
+def header_line(info: Dict[str, Any]) -> str:
+    """The line above the table: the GPU, the ranks (and MPS), the shape and the timing."""
+    world = int(info.get("world") or 1)
+    where = "world 1" if world == 1 else f"world {world}: {world} ranks share this GPU"
+    if info.get("mps"):
+        where += f", MPS {info['mps']}"
+    chains = list(info.get("chains") or [1])
+    chained = "" if chains == [1] else \
+        f", chains {','.join(map(str, chains))} (call = replay / chain; stamps of the chain's last call)"
+    return (f"# {info.get('device', '?')}, {where}, hidden {info.get('hidden')}, top-{info.get('topk')} of "
+            f"{info.get('experts')} experts, {info.get('dtype')} dispatch, {info.get('iters')} graph replays "
+            f"after {info.get('warmup')}, {info.get('warps')} warps unless named{chained}")
 
 
 class _Ranks:
-    """This process's place among the ranks sharing the GPU (world 1 without a process group)."""
+    """This process's place among the ranks sharing the GPU; at world 1 no call is aligned and
+    nothing is gathered through the process group."""
 
-    def __init__(self, comm) -> None:
-        self.comm = comm
-        self.rank, self.world = (comm.rank, comm.world) if comm is not None else (0, 1)
+    def __init__(self, job: Any) -> None:
+        self.job, self.comm = job, job.comm
+        self.rank, self.world = job.comm.rank, job.comm.world
 
     @property
     def align(self):
@@ -321,13 +307,7 @@ class _Ranks:
 
     def gather(self, obj: object) -> Optional[List[object]]:
         """Every rank's ``obj`` on rank 0 (rank order); None on the other ranks."""
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        got: Optional[List[object]] = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, got, dst=0)
-        return got
+        return [obj] if self.world == 1 else self.job.gather(obj)
 
 
 def capture(fn, chain: int):
@@ -345,62 +325,65 @@ def capture(fn, chain: int):
     return g, out
 
 
-def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: List[int],
-        args: argparse.Namespace) -> List[Dict[str, object]]:
-    """Every row on this rank; rank 0 returns them (the other ranks an empty list)."""
+def measure(job: Any) -> int:
+    """Every row of one probe job (session.Job) on this rank: probe kernels, then dispatch and
+    combine per tokens x variant x chain, each verified before it is timed. Rank 0 prints each
+    row as it is measured and records it (its samples: every rank's per-call times). Returns the
+    wrong rows summed over ranks (on every rank)."""
     import torch
 
     from epbench import launch
     from epbench.contract import RankSetup
     from epbench.backends.epbench_ll import EpbenchLowLatencyBackend
-    from epbench.errors import UserError
     from epbench.inputs import dispatch_input, make_tokens
     from epbench.routing import route_rank
     from epbench.scenario import Routing
     from epbench.timing import Timer
     from epbench.verify import check_ll_combine, check_ll_dispatch, ll_expert_output
 
-    comm = None
-    if launch.under_torchrun():
-        if torch.cuda.device_count() != 1:
-            raise UserError("llprobe ranks must share one GPU: start them with --nproc N "
-                            "(or make one GPU visible to torchrun's ranks)")
-        comm = launch.init_distributed("cuda")
-    ranks = _Ranks(comm)
-    dev = comm.device if comm is not None else torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    epr = args.experts_per_rank
+    o, comm = job.options, job.comm
+    if torch.cuda.device_count() != 1:
+        raise UserError("probe ranks must share one GPU: start them with --nproc N "
+                        "(or make one GPU visible to torchrun's ranks)")
+    ranks = _Ranks(job)
+    dev = comm.device
+    tokens, sms_list, variants, chains = list(o.tokens), list(o.sms), list(o.variants), list(o.chain)
+    epr = o.experts_per_rank
     setup = RankSetup(rank=ranks.rank, world=ranks.world, gpus_per_node=ranks.world, device=dev,
-                      hidden=args.hidden, max_tokens_per_rank=max(tokens), topk=args.topk, experts_per_rank=epr,
-                      dispatch_dtype=args.dtype, timeout_s=5.0, mode="low_latency")
+                      hidden=o.hidden, max_tokens_per_rank=max(tokens), topk=o.topk, experts_per_rank=epr,
+                      dispatch_dtype=o.dtype, timeout_s=5.0, mode="low_latency")
     # one backend per ll_sync (the two keep different flags and epochs; the sync is fixed per backend)
     backends = {sync: EpbenchLowLatencyBackend(setup, ll_sync=sync)
                 for sync in dict.fromkeys(VARIANTS[v][1] for v in ["grid"] + variants)}
     be = backends["grid"]
     default_warps = be.warps
-    n = args.warmup + args.iters
-    rows: List[Dict[str, object]] = []
+    n = o.warmup + o.iters
     extra = extra_columns(chains, ranks.world)
     lead = ranks.rank == 0
-
-    def show(row: Dict[str, object]) -> None:
-        rows.append(row)
-        print(format_table([row], extra).splitlines()[-1], flush=True)
+    wrong_total = 0
 
     if lead:
-        where = "world 1" if ranks.world == 1 else f"world {ranks.world}: {ranks.world} ranks share this GPU"
-        if ranks.world > 1 or args.mps:
-            where += f", MPS {'on' if launch.mps_active() else 'off'}"
-        chained = "" if chains == [1] else \
-            f", chains {','.join(map(str, chains))} (call = replay / chain; stamps of the chain's last call)"
-        print(f"# {torch.cuda.get_device_name(dev)}, {where}, hidden {args.hidden}, top-{args.topk} of "
-              f"{epr * ranks.world} experts, {args.dtype} dispatch, {args.iters} graph replays after "
-              f"{args.warmup}, {default_warps} warps unless named{chained}", flush=True)
+        info = {"device": torch.cuda.get_device_name(dev), "world": ranks.world, "hidden": o.hidden,
+                "topk": o.topk, "experts": epr * ranks.world, "dtype": o.dtype, "iters": o.iters,
+                "warmup": o.warmup, "warps": default_warps, "chains": chains,
+                "mps": ("on" if launch.mps_active() else "off") if ranks.world > 1 or job.plan.mps else None}
+        job.open(job.meta(verb="probe", probe=info))
+        print(header_line(info), flush=True)
         print(format_table([], extra), flush=True)
 
-    def timed(graphs: List, stamps: torch.Tensor, parts, chain: int) -> List[Dict[str, float]]:
+    def show(row: Dict[str, object], rank_us: Sequence[Sequence[float]]) -> None:
+        """Rank 0: the row printed and recorded, with every rank's per-call times as samples."""
+        nonlocal wrong_total
+        wrong_total += int(row["wrong"] or 0)
+        print(format_table([row], extra).splitlines()[-1], flush=True)
+        point = {k: row[k] for k in ("sms", "op", "tokens", "variant", "chain")}
+        job.record([row], [dict(point, rank=r, iter=i, time_us=us) for r, per in enumerate(rank_us)
+                           for i, us in enumerate(per)])
+
+    def timed(graphs: List, stamps: torch.Tensor, parts, chain: int) -> List[Tuple[Dict[str, float], List]]:
         """Replays each graph of ``graphs`` n times in turn, each replay aligned across ranks; per
-        graph on rank 0: the row's figures from every rank (summarize_ranks); [] elsewhere."""
+        graph on rank 0: the row's figures from every rank (summarize_ranks) and every rank's
+        per-call times; [] elsewhere."""
         timers = [Timer(dev, n) for _ in graphs]
         hist = [torch.empty((n,) + tuple(stamps.shape), dtype=torch.int64, device=dev) for _ in graphs]
         for i in range(n):
@@ -409,9 +392,10 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
                 hist[j][i].copy_(stamps)  # queued after the end event: not timed
         out = []
         for j in range(len(graphs)):
-            got = ranks.gather((per_call_us(timers[j].samples_us(args.warmup), chain), hist[j][args.warmup:].cpu()))
+            got = ranks.gather((per_call_us(timers[j].samples_us(o.warmup), chain), hist[j][o.warmup:].cpu()))
             if got is not None:
-                out.append(summarize_ranks([h.tolist() for _, h in got], [us for us, _ in got], parts))
+                rank_us = [us for us, _ in got]
+                out.append((summarize_ranks([h.tolist() for _, h in got], rank_us, parts), rank_us))
         return out
 
     def base(sms: int, op: str, t: object, variant: str, wrong: object, chain: int,
@@ -421,8 +405,8 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
 
     def input_of(t: int, salt: int, rank: int):
         """Rank ``rank``'s dispatch input: its own tokens, routed over every rank's experts."""
-        routing = route_rank(Routing(kind="uniform", seed=0), t, args.topk, epr * ranks.world, rank)
-        return dispatch_input(make_tokens(t, args.hidden, 0, rank, salt, dev), routing, args.dtype, dev)
+        routing = route_rank(Routing(kind="uniform", seed=0), t, o.topk, epr * ranks.world, rank)
+        return dispatch_input(make_tokens(t, o.hidden, 0, rank, salt, dev), routing, o.dtype, dev)
 
     for sms in sms_list:
         stamps = torch.zeros(sms, STAMPS_PER_BLOCK, dtype=torch.int64, device=dev)
@@ -431,12 +415,12 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
                 be.warps = default_warps
                 be.set_probe(stamps)
                 g, _ = capture(lambda: be.probe_kernel(mode, sms), chain)
-                for res in timed([g], stamps, probe_parts, chain):
+                for res, rank_us in timed([g], stamps, probe_parts, chain):
                     row = base(sms, "probe", "", name, "", chain, res)
                     if name == "timer":
                         row["timer_step_ns"] = int(stamps[0, 7])
                         row["a_p50"] = float(row["timer_step_ns"])  # shown in the partA column (ns)
-                    show(row)
+                    show(row, rank_us)
         for t in tokens:
             for vname in variants:
                 warps, sync = VARIANTS[vname]
@@ -464,24 +448,16 @@ def run(tokens: List[int], sms_list: List[int], variants: List[str], chains: Lis
                     # y stays as filled: the timed combines read real expert outputs, never zeros
                     res = timed([g_d, g_c], stamps, call_parts, chain)
                     be.check_errors()
-                    for k, (op, r) in enumerate(zip(("dispatch", "combine"), res)):
-                        show(base(sms, op, t, vname, sum(w[k] for w in wrong), chain, r))
+                    for k, (op, (r, rank_us)) in enumerate(zip(("dispatch", "combine"), res)):
+                        show(base(sms, op, t, vname, sum(w[k] for w in wrong), chain, r), rank_us)
         for b in backends.values():
             b.set_probe(None)
             b.warps = default_warps
         be = backends["grid"]
     for b in backends.values():
         b.close()
-    if comm is not None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    return rows
+    return job.rank0_count(wrong_total)
 
 
 if __name__ == "__main__":
-    from epbench import launch
-
-    if launch.under_torchrun():
-        launch.guard_rank()
-    sys.exit(main())
+    raise SystemExit("python -m epbench.llprobe is now `epbench probe` (the same options; see `epbench probe --help`)")

@@ -105,6 +105,19 @@ def percentile(values, q: float) -> float:
     return float(v[int(rank) - 1])
 
 
+def interpolated_percentile(values, q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between the closest ranks (NaN for no
+    values): `epbench probe`'s figures, which summarise parts of a call rather than pick one
+    observed call."""
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    pos = (len(v) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
 def bandwidth_gbps(nbytes: float, time_us: float) -> Optional[float]:
     """GB/s from bytes and microseconds; None when time is missing or zero."""
     if time_us is None or not time_us > 0:

@@ -57,7 +57,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from epbench import cudart
 from epbench.errors import UserError
-from epbench.metrics import summarize_overlap
 
 OPS = ("dispatch", "combine")
 SQUARE_DEFAULT = "8192,8192,8192"
@@ -167,7 +166,7 @@ def check_sms(sms: Sequence[int], total: int, min_gemm: int = 1) -> None:
                             f"counts between 1 and {total - min_gemm}")
 
 
-# -- rows and table ----------------------------------------------------------------------------
+# -- rows ----------------------------------------------------------------------------------------
 
 def point_row(base: Dict[str, Any], gemm: Dict[str, Any], alone: Dict[str, float],
               beside: Dict[str, float]) -> Dict[str, Any]:
@@ -192,55 +191,6 @@ def point_row(base: Dict[str, Any], gemm: Dict[str, Any], alone: Dict[str, float
                comm_loop_alone_us=alone["loop"], comm_loop_beside_us=beside["loop"])
     row.update(pair_figures(gemm["gemm_count"] * gemm["gemm_all_us"], alone["loop"], gemm["pair_us"]))
     return row
-
-
-TABLE_COLUMNS = (  # (header, column, scale)
-    ("SMs", "sms", 1), ("GEMM\nSMs", "gemm_sms", 1), ("GEMM\nkept %", "gemm_kept_pct", 1),
-    ("of\nconf. %", "gemm_kept_of_confined_pct", 1), ("disp.\nkept %", "dispatch_kept_pct", 1),
-    ("comb.\nkept %", "combine_kept_pct", 1), ("copy\nkept %", "copy_kept_pct", 1),
-    ("pair\nms", "pair_us", 1e-3), ("sum\nms", "sum_us", 1e-3), ("max\nms", "max_us", 1e-3),
-    ("exposed\nms", "exposed_us", 1e-3), ("wrong", "wrong", 1),
-)
-
-
-def overlap_table(df: Any, title: str):
-    """A rich table, worst rank per point, at most 100 columns wide."""
-    from rich import box
-
-    from epbench.console import number, table
-
-    summary = summarize_overlap(df)
-    cols = [c for c in TABLE_COLUMNS if c[1] in summary and summary[c[1]].notna().any()]
-    t = table(title, None, [], box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
-    t.add_column("backend", justify="left", no_wrap=True)
-    for head, _, _ in cols:
-        t.add_column(head, justify="right", min_width=max(map(len, head.split("\n"))))
-    for _, r in summary.iterrows():
-        cells = []
-        for head, col, scale in cols:
-            v = r.get(col)
-            if col == "wrong":
-                v = int((r.get("wrong") or 0) + (r.get("gemm_wrong") or 0))
-                cells.append(f"[bold red]{v}[/]" if v else "0")
-            elif col in ("sms", "gemm_sms"):
-                cells.append("-" if v is None or v != v else str(int(v)) if v else "auto")
-            else:
-                cells.append(number(v * scale if v is not None and v == v else None))
-        t.add_row(str(r["backend"]), *cells)
-    return t
-
-
-def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
-    o = meta.get("overlap", {})
-    title = (f"{meta.get('scenario', {}).get('name', '?')}: overlap, {o.get('gemm', '?')} beside "
-             f"the communication ({meta.get('world', '?')} ranks, {o.get('total_sms', '?')} SMs)")
-    console.print(overlap_table(df, title))
-    console.print("kept % = alone time / time beside (worst rank); GEMM kept of all SMs, 'of conf.' of "
-                  "its own partition alone (both over the communication loop, gaps included: results.csv's "
-                  "gemm_kept_in_calls_pct is the GEMM's kept % while a call ran); pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
-                  "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
-    for note in meta.get("notes", []):
-        console.print(f"note: {note}", highlight=False)
 
 
 # -- GPU pieces ---------------------------------------------------------------------------------
@@ -600,37 +550,32 @@ def copy_loop(comm: Any, sms: int, nbytes: int, opts: OverlapOptions):
     return loop, check
 
 
-def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
-               argv: List[str]) -> int:
-    import dataclasses
-
+def measure(job: Any) -> int:
+    """The overlap points of one job (session.Job) on this rank: the GEMM alone, then for each
+    backend and SM count, and for the copy calibration, the point's figures (``_Point``) and its
+    checks; rank 0 records each point's rows. Returns the wrong rows and GEMM elements summed
+    over ranks (on every rank)."""
     import torch
-    import torch.distributed as dist
 
-    from epbench import driver, launch, metrics, options, provenance
+    from epbench import driver, metrics, options
     from epbench.backends import load_backend
-    from epbench.console import wide_console
-    from epbench.results import RunWriter, new_run_dir
     from epbench.routing import route_all, traffic
 
-    comm = launch.init_distributed("cuda")
-    if comm.world != s.world:
-        s = s.with_world(comm.world)
+    s, opts, comm = job.scenario, job.options, job.comm
     if s.mode != "normal":
         raise UserError(f"{s.source}: mode: overlap measures normal mode only (not {s.mode})")
     total = torch.cuda.get_device_properties(comm.device).multi_processor_count
     check_sms(opts.sms, total)
     m = s.model
-    notes: List[str] = []
     switches = options.diagnostics_set()  # the device sleep before each call (timing.lead_us) may be one
     if switches:
-        notes.append(f"timing: diagnostic switches set: {', '.join(switches)}")
+        job.note(f"timing: diagnostic switches set: {', '.join(switches)}")
     shared = gpu_shared(comm)
     if shared:
-        notes.append(SHARED_GPU_NOTE)
+        job.note(SHARED_GPU_NOTE)
     elif comm.world == 1:
-        notes.append("one rank: dispatch and combine copy within the GPU, so the interference "
-                     "measured is SMs and HBM only (no link is crossed)")
+        job.note("one rank: dispatch and combine copy within the GPU, so the interference "
+                 "measured is SMs and HBM only (no link is crossed)")
     routings = route_all(s)
     gemm = Gemm(opts.gemm, comm.device, m.hidden,
                 expert_tokens(routings, comm.rank, m.experts_per_rank)
@@ -642,18 +587,14 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
     parts = {k: disjoint_partition(total - k, comm.device.index) for k in opts.sms}
     for k, p in parts.items():
         if p.sms > total - k:
-            notes.append(f"{k} SMs: the driver gave the GEMM's green context {p.sms} SMs "
-                         f"(asked {total - k}): the partitions overlap by {p.sms - (total - k)}")
-    writer: Optional[RunWriter] = None
-    if comm.rank == 0:
-        meta = provenance.collect(argv, "cuda")
-        meta.update(verb="overlap", scenario=dataclasses.asdict(s), world=comm.world,
-                    options=dataclasses.asdict(opts),
-                    overlap={"gemm": opts.gemm.describe(), "gemm_flops": gemm.flops,
-                             "total_sms": total, "partition": PARTITION,
-                             "carveout_api": CARVEOUT_API, "shared_gpu": shared,
-                             "green_context_sms": {k: p.sms for k, p in parts.items()}})
-        writer = RunWriter(run_dir or new_run_dir(results_root, s), meta)
+            job.note(f"{k} SMs: the driver gave the GEMM's green context {p.sms} SMs "
+                     f"(asked {total - k}): the partitions overlap by {p.sms - (total - k)}")
+    if job.rank0:
+        job.open(job.meta(verb="overlap",
+                          overlap={"gemm": opts.gemm.describe(), "gemm_flops": gemm.flops,
+                                   "total_sms": total, "partition": PARTITION,
+                                   "carveout_api": CARVEOUT_API, "shared_gpu": shared,
+                                   "green_context_sms": {k: p.sms for k, p in parts.items()}}))
     base = {"scenario": s.name, "rank": comm.rank, "world": comm.world,
             "device": torch.cuda.get_device_name(comm.device), "gemm": opts.gemm.describe(),
             "gemm_flops": gemm.flops, "total_sms": total, "shared_gpu": shared,
@@ -662,67 +603,45 @@ def run_worker(s: Any, opts: OverlapOptions, run_dir: Any, results_root: Any,
     wrong_total, salt = 0, 1
 
     def record(backend: str, sms: int, row: Dict[str, Any], raw: Dict[str, Dict[str, List[float]]]) -> int:
-        row = dict(base, backend=backend, sms=sms, **row)
-        gathered: List[Any] = [None] * comm.world if comm.rank == 0 else None
-        dist.gather_object((row, raw), gathered, dst=0)
-        if comm.rank != 0:
+        gathered = job.gather((dict(base, backend=backend, sms=sms, **row), raw))
+        if gathered is None:
             return 0
         rows = [r for r, _ in gathered]
-        samples = [x for r, raw_r in gathered for phase, smp in raw_r.items()
-                   for x in _samples(backend, sms, r["rank"], phase, smp)]
-        writer.add(rows, samples)
+        job.record(rows, [x for r, raw_r in gathered for phase, smp in raw_r.items()
+                          for x in _samples(backend, sms, r["rank"], phase, smp)])
         return sum(int(r.get("wrong") or 0) + int(r.get("gemm_wrong") or 0) for r in rows)
 
-    try:
-        for name in opts.backends:
-            be_cls, reason = load_backend(name)
-            reason = driver._first_reason(reason or driver._mode_reason(be_cls, s.mode)
-                                          or be_cls.unavailable_reason(setup))
-            if reason:
-                notes.append(f"backend {name} skipped: {reason}")
-                continue
-            be = be_cls(setup)
-            try:
-                for sms in (opts.sms if be_cls.uses_sms else (0,)):
-                    point = _Point(gemm, gemm_all, parts.get(sms), total, opts)
-                    calls = driver.Point(be, s, routings, sms, comm, s.bench.input_sets[0])
-                    row, raw = point.measure(lambda: calls.time(opts.warmup, opts.iters))
-                    row["gemm_wrong"] = gemm.wrong(reference)
-                    rec = driver.PointRecord(comm.rank, input_sets=s.bench.input_sets[0])
-                    driver.finish_point(calls, salt, None, rec)
-                    salt += 1
-                    row.update(wrong=sum(rec.wrong.values()),
-                               problem="; ".join(p for p in rec.problem.values() if p) or None)
-                    wrong_total += record(name, sms, row, raw)
-            finally:
-                be.close()
-        tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, False)
-        row_b = metrics.row_bytes(m.dispatch_dtype, m.hidden)
-        copy_bytes = int(metrics.rank_bytes(tr, "dispatch", row_b)["algo"][comm.rank])
-        for sms in opts.sms:
-            loop, check = copy_loop(comm, sms, copy_bytes, opts)
-            if loop is None:
-                notes.append("copy calibration: absent (the kernels library is not built: make build)")
-                break
-            row, raw = _Point(gemm, gemm_all, parts[sms], total, opts).measure(loop)
-            row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes)
-            wrong_total += record("copy", sms, row, raw)
-    except BaseException as e:
-        if writer is not None:
-            writer.finish(f"failed: {type(e).__name__}: {e}", notes=notes)
-        raise
-    if writer is not None:
-        writer.finish("complete", notes=notes, wrong=wrong_total)
-        import pandas as pd
-
-        console = wide_console()
-        print_overlap(pd.DataFrame(writer.rows), writer.meta, console)
-        from epbench.plot import overlap_plot
-
-        console.print(f"plot: {overlap_plot(writer.dir)}")
-        console.print(f"results: {writer.dir}")
-    flag = torch.tensor([wrong_total], dtype=torch.int64, device=comm.device)
-    dist.broadcast(flag, src=0)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if int(flag.item()) else 0
+    for name in opts.backends:
+        be_cls, reason = load_backend(name)
+        reason = driver._first_reason(reason or driver._mode_reason(be_cls, s.mode)
+                                      or be_cls.unavailable_reason(setup))
+        if reason:
+            job.note(f"backend {name} skipped: {reason}")
+            continue
+        be = be_cls(setup)
+        try:
+            for sms in (opts.sms if be_cls.uses_sms else (0,)):
+                point = _Point(gemm, gemm_all, parts.get(sms), total, opts)
+                calls = driver.Point(be, s, routings, sms, comm, s.bench.input_sets[0])
+                row, raw = point.measure(lambda: calls.time(opts.warmup, opts.iters))
+                row["gemm_wrong"] = gemm.wrong(reference)
+                rec = driver.PointRecord(comm.rank, input_sets=s.bench.input_sets[0])
+                driver.finish_point(calls, salt, None, rec)
+                salt += 1
+                row.update(wrong=sum(rec.wrong.values()),
+                           problem="; ".join(p for p in rec.problem.values() if p) or None)
+                wrong_total += record(name, sms, row, raw)
+        finally:
+            be.close()
+    tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, False)
+    row_b = metrics.row_bytes(m.dispatch_dtype, m.hidden)
+    copy_bytes = int(metrics.rank_bytes(tr, "dispatch", row_b)["algo"][comm.rank])
+    for sms in opts.sms:
+        loop, check = copy_loop(comm, sms, copy_bytes, opts)
+        if loop is None:
+            job.note("copy calibration: absent (the kernels library is not built: make build)")
+            break
+        row, raw = _Point(gemm, gemm_all, parts[sms], total, opts).measure(loop)
+        row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes)
+        wrong_total += record("copy", sms, row, raw)
+    return job.rank0_count(wrong_total)

@@ -22,12 +22,13 @@ from epbench.scenario import Scenario, parse
 
 PLAN = "plan.json"
 FORMAT = 1  # the layout of plan.json; a rank refuses a plan of another layout
-VERBS = ("run", "sweep", "overlap", "ceiling")
+VERBS = ("run", "sweep", "overlap", "probe", "ceiling")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One launch. ``options``: RunOptions (run, sweep, ceiling) or OverlapOptions (overlap);
+    """One launch. ``options``: RunOptions (run, sweep, ceiling), OverlapOptions (overlap) or
+    ProbeOptions (probe);
     ``jobs``: one torchrun job per entry, the backends it measures (a backend that kills its
     processes costs only its own job's points)."""
 
@@ -62,6 +63,10 @@ def _options_class(verb: str) -> type:
         from epbench.overlap import OverlapOptions
 
         return OverlapOptions
+    if verb == "probe":
+        from epbench.llprobe import ProbeOptions
+
+        return ProbeOptions
     from epbench.driver import RunOptions
 
     return RunOptions

@@ -281,6 +281,9 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
     meta, df = loaded or load_run(run_dir)
     if meta.get("verb") == "overlap":  # its rows are GEMM and communication kept %, not bandwidths
         return [overlap_plot(run_dir, out_dir, force, (meta, df))]
+    if meta.get("verb") == "probe":
+        raise UserError(f"{short_path(run_dir)}: an `epbench probe` run draws no plot (its figures "
+                        f"are its table: `epbench report`)")
     if meta.get("scenario"):
         try:
             run_scenario(meta)

@@ -1,6 +1,6 @@
 """The ranks' entry point: epbench's launcher has torchrun start ``python -m epbench.rank PLAN JOB``
-on every rank. It reads the plan the launcher wrote (plan.py) and runs job JOB of it: run and sweep
-through session.py, overlap and ceiling through their own workers. No command line is parsed again.
+on every rank. It reads the plan the launcher wrote (plan.py) and runs job JOB of it through the
+one engine (session.py), whatever its verb. No command line is parsed again.
 
 A rank dies with its launcher (launch.guard_rank, before the heavy imports). Its error is one line:
 left in the plan's folder for the launcher, which prints one line for the whole job, or printed
@@ -45,22 +45,13 @@ def run(args: List[str]) -> int:
         return fail(e, "failed", 1, folder)
 
 
-def run_plan(p: Any, job: int = 0, launched: bool = True) -> int:
-    """Job ``job`` of plan ``p`` on this rank; returns its exit code. ``launched``: epbench's
-    launcher started this rank (else torchrun was started by hand: see session.run_worker)."""
-    opts = p.job_options(job)
-    if p.verb in ("run", "sweep"):
-        from epbench.session import run_worker
+def run_plan(p: Any, job: int = 0, launched: bool = True, show: Any = None) -> int:
+    """Job ``job`` of plan ``p`` on this rank, through the one engine (session.run_worker);
+    returns its exit code. ``launched``: epbench's launcher started this rank (else torchrun was
+    started by hand, and rank 0 shows the finished folder with ``show``: see session.run_worker)."""
+    from epbench.session import run_worker
 
-        return run_worker(p, opts, launched)
-    if p.verb == "overlap":
-        from epbench import overlap
-
-        return overlap.run_worker(p.scenario, opts, p.run_dir, p.results, list(p.argv))
-    from epbench import ceiling
-    from epbench.console import wide_console
-
-    return ceiling.run_worker(p.scenario, opts.warmup, opts.iters, wide_console())
+    return run_worker(p, p.job_options(job), launched, show)
 
 
 def fail(e: BaseException, status: str, code: int, folder: Optional[Path]) -> int:

@@ -13,7 +13,7 @@ from rich.table import Table
 from epbench.console import number, wide_console
 from epbench.console import table as console_table
 from epbench.errors import UserError
-from epbench.metrics import summarize
+from epbench.metrics import summarize, summarize_overlap
 from epbench.results import run_status
 
 
@@ -301,8 +301,13 @@ def wrong_rows(df: pd.DataFrame, listed: int = 3) -> Optional[str]:
 
 def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None,
               columns: Optional[Sequence[str]] = None) -> None:
-    """The run's table; ``columns``: its columns by key (None: the default ones)."""
+    """The run's table; ``columns``: its columns by key (None: the default ones). An overlap or
+    probe run's table is its verb's own (``columns`` apart)."""
     console = console or wide_console()
+    if meta.get("verb") == "overlap":
+        return print_overlap(df, meta, console)
+    if meta.get("verb") == "probe":
+        return print_probe(df, meta, console)
     scenario = meta.get("scenario", {})
     functional = ", no link figures" if meta.get("functional") else ""
     title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "
@@ -322,6 +327,70 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
     if status not in (None, "complete"):
         console.print(f"[yellow]run status: {status}[/]")
 
+
+# -- `epbench overlap` folders --
+
+OVERLAP_TABLE = (  # an overlap run's table: (header, results.csv column, scale)
+    ("SMs", "sms", 1), ("GEMM\nSMs", "gemm_sms", 1), ("GEMM\nkept %", "gemm_kept_pct", 1),
+    ("of\nconf. %", "gemm_kept_of_confined_pct", 1), ("disp.\nkept %", "dispatch_kept_pct", 1),
+    ("comb.\nkept %", "combine_kept_pct", 1), ("copy\nkept %", "copy_kept_pct", 1),
+    ("pair\nms", "pair_us", 1e-3), ("sum\nms", "sum_us", 1e-3), ("max\nms", "max_us", 1e-3),
+    ("exposed\nms", "exposed_us", 1e-3), ("wrong", "wrong", 1),
+)
+
+
+def overlap_table(df: Any, title: str):
+    """A rich table, worst rank per point, at most 100 columns wide."""
+    from rich import box
+
+    summary = summarize_overlap(df)
+    cols = [c for c in OVERLAP_TABLE if c[1] in summary and summary[c[1]].notna().any()]
+    t = console_table(title, None, [], box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    t.add_column("backend", justify="left", no_wrap=True)
+    for head, _, _ in cols:
+        t.add_column(head, justify="right", min_width=max(map(len, head.split("\n"))))
+    for _, r in summary.iterrows():
+        cells = []
+        for head, col, scale in cols:
+            v = r.get(col)
+            if col == "wrong":
+                v = int((r.get("wrong") or 0) + (r.get("gemm_wrong") or 0))
+                cells.append(f"[bold red]{v}[/]" if v else "0")
+            elif col in ("sms", "gemm_sms"):
+                cells.append("-" if v is None or v != v else str(int(v)) if v else "auto")
+            else:
+                cells.append(number(v * scale if v is not None and v == v else None))
+        t.add_row(str(r["backend"]), *cells)
+    return t
+
+
+def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
+    o = meta.get("overlap", {})
+    title = (f"{meta.get('scenario', {}).get('name', '?')}: overlap, {o.get('gemm', '?')} beside "
+             f"the communication ({meta.get('world', '?')} ranks, {o.get('total_sms', '?')} SMs)")
+    console.print(overlap_table(df, title))
+    console.print("kept % = alone time / time beside (worst rank); GEMM kept of all SMs, 'of conf.' of "
+                  "its own partition alone (both over the communication loop, gaps included: results.csv's "
+                  "gemm_kept_in_calls_pct is the GEMM's kept % while a call ran); pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
+                  "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
+    for note in meta.get("notes", []):
+        console.print(f"note: {note}", highlight=False)
+
+
+
+# -- `epbench probe` folders --
+
+def print_probe(df: pd.DataFrame, meta: Dict[str, Any], console: Any) -> None:
+    """A probe run's table as the probe printed it while measuring: its header line, one line
+    per row (us, p50 unless marked)."""
+    from epbench.llprobe import extra_columns, format_table, header_line, table_rows
+
+    info = meta.get("probe") or {}
+    console.print(header_line(info), markup=False, highlight=False)
+    extra = extra_columns(info.get("chains") or [1], int(meta.get("world") or 1))
+    console.print(format_table(table_rows(df), extra), markup=False, highlight=False, soft_wrap=True)
+    for note in meta.get("notes", []):
+        console.print(f"note: {note}", highlight=False)
 
 def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
     """One row per (backend, op, SMs, rank): that rank's median time and bandwidths, the spread

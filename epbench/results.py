@@ -403,6 +403,7 @@ def read_table(path: Path, need: Tuple[str, ...] = ()) -> pd.DataFrame:
 
 RESULT_COLUMNS = ("backend", "op", "sms", "rank", "time_us")
 OVERLAP_COLUMNS = ("backend", "sms", "rank")  # `epbench overlap` rows: kept %, per (backend, SMs)
+PROBE_COLUMNS = ("sms", "op", "variant")  # `epbench probe` rows: a kernel's parts, per (SMs, op, variant)
 
 # What the readers (report, plot, compare, predict) take from a run, by type: a run whose files
 # hold something else (a number where text belongs, two tables appended into one) is skipped with
@@ -438,7 +439,7 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     if not isinstance(meta, dict):
         raise UserError(f"{_shown(path / META)}: not a JSON object")
     _check_meta(meta, path / META)
-    need = OVERLAP_COLUMNS if meta.get("verb") == "overlap" else RESULT_COLUMNS
+    need = {"overlap": OVERLAP_COLUMNS, "probe": PROBE_COLUMNS}.get(meta.get("verb"), RESULT_COLUMNS)
     df = _typed(read_table(path / RESULTS, need), path / RESULTS)
     if "status" in df:  # rows of points not measured (skipped, failed) carry no figures
         df = df[df["status"].fillna(MEASURED) == MEASURED].drop(columns="status").reset_index(drop=True)

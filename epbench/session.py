@@ -1,5 +1,6 @@
-"""The rank side of run and sweep: one job of a plan inside torchrun: join the group, measure, and
-(rank 0) record; print too where no launcher waits (torchrun started by hand)."""
+"""The rank side of every verb, the one measurement engine: one job of a plan inside torchrun:
+join the group, run what the verb's points measure (its hook: ``measurement``), and (rank 0)
+record into the results folder; print too where no launcher waits (torchrun started by hand)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -88,8 +90,7 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
     tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
     if s.topology.virtual_nodes:  # the inter-node copies cross NVLink too: the ceiling covers them
         tr = all_on_nvlink(tr)
-    limits: List[Any] = [None] * comm.world
-    dist.all_gather_object(limits, ceiling.read_limits(comm.local_rank))
+    limits = ceiling.every_ranks_limits(comm)
     try:
         found = ceiling.measure_ceilings(swept, tr, comm, opts.warmup, opts.iters,
                                          ceiling.rates_of(limits))
@@ -144,88 +145,178 @@ def _ceilings(s: Scenario, opts: RunOptions, comm: Any, on_note: Any,
     return found
 
 
-def run_worker(p: Plan, opts: RunOptions, launched: bool = True) -> int:
-    """One job of plan ``p`` on this rank, measuring ``opts`` (its backends: the job's).
-    ``launched``: started by epbench's launcher, which runs one job per backend into the run
-    folder, writes the final status and prints the table; otherwise (torchrun started by hand)
-    this job does all of that itself."""
+class Job:
+    """One job of a plan on this rank, as the measurement of its verb sees it: the scenario (at the
+    world size torchrun gave), the job's options, the process group, and rank 0's results folder
+    and notes. The engine (run_worker) makes it, hands it to the verb's measurement
+    (``measurement``), and finishes it: the folder's status, the table where no launcher waits,
+    the process group."""
+
+    def __init__(self, p: Plan, opts: Any, comm: Any, device: str, launched: bool) -> None:
+        self.plan, self.options, self.comm, self.device, self.launched = p, opts, comm, device, launched
+        self.scenario = p.scenario if comm.world == p.scenario.world else p.scenario.with_world(comm.world)
+        self.writer: Optional[RunWriter] = None
+        self.notes: List[str] = []
+        self.console = wide_console()
+
+    @property
+    def rank0(self) -> bool:
+        return self.comm.rank == 0
+
+    @property
+    def launcher_finishes(self) -> bool:
+        """The launcher writes the run's final status (run and sweep: one job per backend)."""
+        return self.launched and self.plan.verb in ("run", "sweep")
+
+    def note(self, text: str) -> None:
+        """A line for meta.json's notes (rank 0's; each once)."""
+        if self.rank0 and text not in self.notes:
+            self.notes.append(text)
+
+    def meta(self, **extra: Any) -> Dict[str, Any]:
+        """What meta.json records of this job: provenance, the scenario, world, options, ``extra``."""
+        meta: Dict[str, Any] = provenance.collect(list(self.plan.argv), self.device)
+        meta.update(scenario=dataclasses.asdict(self.scenario), world=self.comm.world,
+                    options=dataclasses.asdict(self.options), **extra)
+        return meta
+
+    def open(self, meta: Dict[str, Any]) -> Optional[RunWriter]:
+        """Rank 0: the run folder (the plan's, or a new one) with ``meta`` (Job.meta) in
+        meta.json. Other ranks: None."""
+        if not self.rank0:
+            return None
+        tokens = getattr(self.options, "tokens", None) if self.plan.verb in ("run", "sweep") else None
+        self.writer = RunWriter(self.plan.run_dir or new_run_dir(self.plan.results, self.scenario, tokens),
+                                meta, append=self.launcher_finishes)
+        return self.writer
+
+    def gather(self, obj: Any) -> Optional[List[Any]]:
+        """Every rank's ``obj`` on rank 0, in rank order (None on the other ranks)."""
+        got: Optional[List[Any]] = [None] * self.comm.world if self.rank0 else None
+        dist.gather_object(obj, got, dst=0)
+        return got
+
+    def rank0_count(self, n: int) -> int:
+        """Rank 0's ``n`` (a count of wrong rows it summed from the gathers), on every rank."""
+        flag = torch.tensor([n], dtype=torch.int64, device=self.comm.collective_device)
+        dist.broadcast(flag, src=0)
+        return int(flag.item())
+
+    def record(self, rows: List[Dict[str, Any]], samples: List[Dict[str, Any]]) -> None:
+        """Rank 0: rows and samples (gathered already) into the run folder."""
+        if self.writer is not None:
+            self.writer.add(rows, samples)
+
+    def fail(self, e: BaseException) -> None:
+        """What the folder records of a measurement that raised ``e``."""
+        if self.writer is None:
+            return
+        if self.launcher_finishes:
+            self.writer.note(self.notes)
+        else:
+            self.writer.finish("timeout" if launch.is_timeout(e) else "failed", notes=self.notes,
+                               error=first_line(e))
+
+    def finish(self, wrong: int) -> None:
+        """The folder's notes, wrong rows and (where no launcher does it) the status complete."""
+        if self.writer is None:
+            return
+        if self.launcher_finishes:
+            self.writer.note(self.notes, wrong)
+        else:
+            self.writer.finish("complete", notes=self.notes, wrong=wrong)
+
+
+Show = Callable[[Path], None]  # prints a finished run folder (rank 0, where no launcher waits)
+
+
+def measurement(verb: str) -> Callable[[Job], int]:
+    """What a point of ``verb`` measures, as a function of a Job returning its wrong rows (summed
+    over ranks, on every rank): plain / low-latency / chain points and ceilings (run, sweep),
+    beside a GEMM (overlap), the low-latency kernels' parts (probe), ceilings alone (ceiling)."""
+    if verb in ("run", "sweep"):
+        return measure_points
+    if verb == "overlap":
+        from epbench import overlap
+
+        return overlap.measure
+    if verb == "probe":
+        from epbench import llprobe
+
+        return llprobe.measure
+    from epbench import ceiling
+
+    return ceiling.measure_job
+
+
+def run_worker(p: Plan, opts: Any, launched: bool = True, show: Optional[Show] = None) -> int:
+    """The one engine: job ``opts`` of plan ``p`` on this rank (its backends: the job's). It
+    joins the process group, runs the verb's measurement, records how it ended and leaves the
+    group. ``launched``: started by epbench's launcher, which prints the table afterwards;
+    otherwise (torchrun started by hand) rank 0 shows the finished folder with ``show`` (None:
+    the run table)."""
     device = p.device
     if device == "auto":
-        import torch
-
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    comm = launch.init_distributed(device, p.control_timeout_s)
+    comm = (launch.init_distributed(device, p.control_timeout_s) if p.control_timeout_s is not None
+            else launch.init_distributed(device))
+    job = Job(p, opts, comm, device, launched)
     try:
-        return _run(p, opts, device, comm, launched)
+        wrong = _measure(job)
     except Exception as e:
         if launch.is_timeout(e):
             raise comm.timeout_error(e) from e
         raise
+    if job.writer is not None and not launched:
+        (show or (lambda d: show_run(d, job.console, p.columns)))(job.writer.dir)
+    comm.arrive("final barrier")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if wrong and not launched else 0  # launched: the launcher says where
 
 
-def _run(p: Plan, opts: RunOptions, device: str, comm: Any, launched: bool) -> int:
-    s, run_dir = p.scenario, p.run_dir
-    if comm.world != s.world:
-        s = s.with_world(comm.world)  # started by hand under torchrun with another size
+def _measure(job: Job) -> int:
+    try:
+        wrong = measurement(job.plan.verb)(job)
+    except BaseException as e:
+        job.fail(e)
+        raise
+    job.finish(wrong)
+    return wrong
+
+
+def measure_points(job: Job) -> int:
+    """run and sweep: the scenario's ceilings, then every (backend, SM count, batch size) point
+    through the driver, with a progress bar; rank 0 records each point as it is measured."""
+    s, opts, comm, p = job.scenario, job.options, job.comm, job.plan
     comm.arrive("scenario check")
     check_same_scenario(s, opts)
-    console = wide_console()
-    rank0 = comm.rank == 0
-    writer: Optional[RunWriter] = None
-    notes: List[str] = []
-    if rank0:
-        meta: Dict[str, Any] = provenance.collect(list(p.argv), device)
-        meta.update(scenario=dataclasses.asdict(s), world=comm.world,
-                    options=dataclasses.asdict(opts), control_timeout_s=comm.control_timeout_s,
-                    **sharing(comm))
+    if job.rank0:
         # what each backend's job loaded: one job may preload another NCCL (backends/deepep_v2_env.py)
+        meta = job.meta(control_timeout_s=comm.control_timeout_s, **sharing(comm))
         # and another venv may run it (epbench/flavors.py): its python and its baselines' build
         meta["backend_runtime"] = {b: {"python": sys.executable, "nccl": meta.get("nccl"),
                                        "ld_preload": os.environ.get("LD_PRELOAD"),
                                        "baselines": meta.get("baselines")}
                                    for b in opts.backends}
-        writer = RunWriter(run_dir or new_run_dir(p.results, s, opts.tokens), meta, append=launched)
+        job.open(meta)
     # drawn only between points (auto_refresh off): rich's refresh thread would take rank 0's GIL
     # ten times a second, in the middle of timed calls, and make rank 0's host late for them
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=True, auto_refresh=False,
-                        disable=not (rank0 and opts.progress))
+                        TimeElapsedColumn(), console=job.console, transient=True, auto_refresh=False,
+                        disable=not (job.rank0 and opts.progress))
     task = progress.add_task(f"{s.name}: measuring", total=_points(opts))
 
-    def on_point(rows, samples) -> None:
-        writer.add(rows, samples)
-
-    def on_note(note: str) -> None:
-        if rank0 and note not in notes:
-            notes.append(note)
-
     def advance(label: str) -> None:
-        if rank0:
+        if job.rank0:
             progress.update(task, advance=1, description=f"{s.name}: {label}", refresh=True)
 
     for note in sharing_notes(comm):
-        on_note(note)
+        job.note(note)
     comm.arrive("ceilings")
-    ceilings = _ceilings(s, opts, comm, on_note, run_dir if launched else None)
-    try:
-        with progress:
-            wrong = measure(s, opts, comm, on_point, on_note, advance, ceilings)
-    except BaseException as e:
-        if writer is not None and launched:
-            writer.note(notes)
-        elif writer is not None:
-            writer.finish("timeout" if launch.is_timeout(e) else "failed", notes=notes,
-                          error=first_line(e))
-        raise
-    if writer is not None and launched:
-        writer.note(notes, wrong)
-    elif writer is not None:
-        writer.finish("complete", notes=notes, wrong=wrong)
-        show_run(writer.dir, console, p.columns)
-    comm.arrive("final barrier")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if wrong and not launched else 0  # launched: the launcher says where (verification_failure)
+    ceilings = _ceilings(s, opts, comm, job.note, p.run_dir if job.launched else None)
+    with progress:
+        return measure(s, opts, comm, job.record, job.note, advance, ceilings)
 
 
 def show_run(run_dir: Path, console: Any, columns: Optional[Sequence[str]] = None) -> None:

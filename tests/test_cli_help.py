@@ -16,7 +16,7 @@ def invoke(*args):
 
 
 def test_every_verb_is_listed():
-    assert {"run", "sweep", "overlap", "validate", "report", "plot", "ceiling", "compare",
+    assert {"run", "sweep", "overlap", "probe", "validate", "report", "plot", "ceiling", "compare",
             "predict"} <= set(VERBS)
 
 

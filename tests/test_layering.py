@@ -20,7 +20,8 @@ LOWER = ("epbench.errors", "epbench.contract", "epbench.scenario", "epbench.rout
          "epbench.backend_names")
 UPPER = ("epbench.backends", "epbench.driver", "epbench.plan", "epbench.session", "epbench.launch",
          "epbench.launcher", "epbench.flavors", "epbench.rank", "epbench.cli",
-         "epbench.report", "epbench.plot", "epbench.compare", "epbench.overlap")
+         "epbench.report", "epbench.plot", "epbench.compare", "epbench.overlap", "epbench.llprobe",
+         "epbench.ceiling")
 
 
 def module_name(path: Path) -> str:

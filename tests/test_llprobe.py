@@ -1,13 +1,17 @@
-"""The probe's table arithmetic (epbench/llprobe.py); the GPU part runs on the device machine."""
+"""The probe's table arithmetic (epbench/llprobe.py), its options and its results folder; the GPU
+part runs on the device machine (tests/gpu/test_llprobe_gpu.py)."""
 
 from __future__ import annotations
 
 import csv
 import os
+from pathlib import Path
 
 import pytest
 
-from epbench import llprobe
+from epbench import llprobe, plan
+from epbench.results import RunWriter, load_run
+from support import epbench_here
 
 
 def _block(start: int, *marks: int) -> list:
@@ -46,6 +50,14 @@ def test_percentile_interpolates_and_summary_reports_outside_the_stamps() -> Non
     assert row["outside_p50"] == 3.0  # per call: 3, 3, 93
 
 
+def _probe_folder(path: Path, rows: list, **meta) -> Path:
+    """A probe run's folder as the engine writes it (RunWriter, then the status)."""
+    w = RunWriter(path, dict({"verb": "probe", "world": 1, "probe": {}}, **meta))
+    w.add(rows, [])
+    w.finish("complete")
+    return path
+
+
 def test_table_and_csv(tmp_path) -> None:
     rows = [{"sms": 32, "op": "dispatch", "tokens": 1, "variant": "default", "wrong": 0, "call_p50": 4.5,
              "span_p50": float("nan")},
@@ -53,15 +65,18 @@ def test_table_and_csv(tmp_path) -> None:
              "timer_step_ns": 32}]
     text = llprobe.format_table(rows).splitlines()
     assert len(text) == 3 and "call" in text[0] and "4.50" in text[1] and "32.00" in text[2]
-    path = tmp_path / "p.csv"
-    llprobe.write_csv(rows, str(path))
+    run = _probe_folder(tmp_path / "run", rows)
+    path = llprobe.write_csv(run, tmp_path / "p.csv")
     got = list(csv.DictReader(path.open()))
-    assert got[1]["timer_step_ns"] == "32" and got[0]["call_p50"] == "4.5"
+    assert float(got[1]["timer_step_ns"]) == 32 and got[0]["call_p50"] == "4.5"
+    assert got[0]["wrong"] == "0" and got[1]["wrong"] == "" and got[0]["tokens"] == "1"
+    # the table read back from the folder is the table printed while measuring
+    assert llprobe.format_table(llprobe.table_rows(load_run(run)[1])).splitlines() == text
 
 
-def test_unknown_variant_is_one_line_and_exit_2(capsys) -> None:
-    assert llprobe.main(["--variants", "default,nope"]) == 2
-    assert "nope" in capsys.readouterr().err
+def test_unknown_variant_is_one_line_and_exit_2() -> None:
+    r = epbench_here("probe", "--variants", "default,nope")
+    assert r.code == 2 and "nope" in r.both and len(r.both.strip().splitlines()) == 1
 
 
 def test_a_chain_divides_the_event_pair_by_its_calls() -> None:
@@ -123,25 +138,26 @@ def test_default_table_keeps_its_columns_and_extras_come_last() -> None:
 
 
 def test_csv_puts_the_new_columns_after_the_old(tmp_path) -> None:
-    rows = [{"sms": 32, "op": "probe", "wrong": "", "call_p50": 1.0, "ranks": 1, "chain": 8},
-            {"sms": 32, "op": "probe", "wrong": "", "call_p50": 1.0, "ranks": 2, "rank_skew_p50": 0.5,
-             "call_p50_rank1": 1.0, "timer_step_ns": 32, "chain": 1}]
-    path = tmp_path / "p.csv"
-    llprobe.write_csv(rows, str(path))
+    rows = [{"sms": 32, "op": "probe", "variant": "empty", "wrong": "", "call_p50": 1.0, "ranks": 1, "chain": 8},
+            {"sms": 32, "op": "probe", "variant": "timer", "wrong": "", "call_p50": 1.0, "ranks": 2,
+             "rank_skew_p50": 0.5, "call_p50_rank1": 1.0, "timer_step_ns": 32, "chain": 1}]
+    path = llprobe.write_csv(_probe_folder(tmp_path / "run", rows), tmp_path / "p.csv")
     head = path.read_text().splitlines()[0].split(",")
-    assert head == ["sms", "op", "wrong", "call_p50", "timer_step_ns", "ranks", "chain", "rank_skew_p50",
-                    "call_p50_rank1"]
+    assert head == ["sms", "op", "variant", "wrong", "call_p50", "timer_step_ns", "ranks", "chain",
+                    "rank_skew_p50", "call_p50_rank1"]
 
 
-def test_ranks_get_every_option_but_the_launchers() -> None:
-    argv = ["--tokens", "1,32", "--sms", "32", "--chain", "1", "--nproc", "4", "--mps", "--csv", "x.csv",
-            "--variants", "token", "--iters", "7"]
-    args = llprobe.parser().parse_args(argv)
-    ranks = llprobe.rank_argv(args)
-    assert "--nproc" not in ranks and "--mps" not in ranks
-    again = llprobe.parser().parse_args(ranks)
-    assert vars(again) == {**vars(args), "nproc": 1, "mps": False}
-    assert llprobe.rank_argv(llprobe.parser().parse_args([]))[-2:] == ["--chain", "1"]  # no --csv None
+def test_the_ranks_read_every_option_from_the_plan(tmp_path) -> None:
+    """What `epbench probe` hands its ranks: every option in the plan (the launcher's own, --nproc
+    and --mps, as the plan's ranks per node and MPS), read back equal."""
+    o = llprobe.probe_options("1,32", "32", 7168, 8, 64, "fp8", "token", 0, 7, "1", 4)
+    assert o.tokens == (1, 32) and o.sms == (32,) and o.variants == ("token",) and o.iters == 7
+    s = llprobe.probe_scenario(o, 4)
+    assert s.world == 4 and s.mode == "low_latency" and s.model.tokens_per_rank == 32
+    p = plan.Plan(verb="probe", scenario=s, options=o, device="cuda", argv=("probe",), results=tmp_path,
+                  run_dir=tmp_path, mps=True, ranks_per_node=4)
+    back = plan.read(plan.write(p, tmp_path))
+    assert back == p and back.job_options(0) == o
 
 
 def test_ranks_share_the_first_visible_gpu() -> None:
@@ -155,37 +171,67 @@ def test_ranks_share_the_first_visible_gpu() -> None:
     (["--chain", "1,x"], "--chain"),
     (["--nproc", "0"], "--nproc"),
     (["--nproc", "2", "--chain", "1,8"], "buffer reuse"),
+    (["--dtype", "fp4"], "--dtype"),
+    (["--iters", "0"], "--iters"),
 ])
-def test_bad_chain_or_nproc_is_one_line_and_exit_2(capsys, argv, says) -> None:
-    assert llprobe.main(argv) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1
+def test_bad_chain_or_nproc_is_one_line_and_exit_2(argv, says) -> None:
+    r = epbench_here("probe", *argv)
+    assert r.code == 2
+    assert says in r.both and len(r.both.strip().splitlines()) == 1
 
 
 def test_a_chain_of_one_rank_and_one_chain_with_ranks_are_accepted() -> None:
-    ok = llprobe.parser().parse_args
-    assert llprobe.check_args(ok(["--chain", "1,8"])) is None
-    assert llprobe.check_args(ok(["--nproc", "4"])) is None
+    assert llprobe.probe_options("1", "32", 7168, 8, 64, "fp8", "grid", 1, 1, "1,8", 1).chain == (1, 8)
+    assert llprobe.probe_options("1", "32", 7168, 8, 64, "fp8", "grid", 1, 1, "1", 4).chain == (1,)
 
 
-def test_nproc_relaunches_the_probe_on_one_gpu(monkeypatch) -> None:
-    from epbench import launch
+def test_nproc_launches_the_probe_on_one_gpu(monkeypatch, tmp_path) -> None:
+    """--nproc 3: one torchrun job of 3 ranks on the first visible GPU, each reading the plan in
+    the run folder (the rank entry point, no command line of its own)."""
+    import torch
+    import typer
+
+    from epbench import cli, launch
 
     seen = {}
 
-    def fake_relaunch(torchrun, device):
-        seen.update(torchrun=torchrun, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
-        return 0
+    def fake_job(torchrun, device, error_dir=None):
+        seen.update(torchrun=torchrun, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    plan=plan.read(Path(torchrun[-2])))
+        return launch.Outcome("complete")
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    monkeypatch.setattr(launch, "relaunch", fake_relaunch)
-    assert llprobe.main(["--nproc", "3", "--tokens", "1", "--sms", "32"]) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch, "run_job", fake_job)
+    with pytest.raises(typer.Exit) as e:
+        cli.probe(tokens="1", sms="32", hidden=7168, topk=8, experts_per_rank=64, dtype="fp8", variants=None,
+                  warmup=1, iters=2, chain="1", nproc=3, mps=False, csv=None, results=tmp_path / "r",
+                  run_dir=None)
+    assert e.value.exit_code == 0
     assert seen["visible"] == "2" and os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
     t = seen["torchrun"]
-    assert "--nproc-per-node=3" in t and t[t.index("-m") + 1] == "epbench.llprobe"
-    assert "--nproc" not in t[t.index("-m"):] and t[t.index("--tokens") + 1] == "1"
+    assert "--nproc-per-node=3" in t and t[t.index("-m") + 1] == "epbench.rank" and t[-1] == "0"
+    p = seen["plan"]
+    assert p.verb == "probe" and p.options.tokens == (1,) and p.scenario.world == 3
+    assert p.options.variants == tuple(llprobe.DEFAULT_VARIANTS.split(","))
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # nothing measured: no folder
+
+
+def test_report_prints_a_probe_folder_as_the_probe_did(tmp_path) -> None:
+    rows = [{"sms": 32, "op": "dispatch", "tokens": 1, "variant": "grid", "wrong": 0, "call_p50": 4.5,
+             "chain": 1}]
+    info = {"device": "H100", "world": 1, "hidden": 7168, "topk": 8, "experts": 64, "dtype": "fp8",
+            "iters": 5, "warmup": 2, "warps": 16, "chains": [1]}
+    run = _probe_folder(tmp_path / "run", rows, probe=info)
+    r = epbench_here("report", str(run))
+    assert r.code == 0, r.both
+    assert llprobe.header_line(info) in r.out and llprobe.format_table(rows).splitlines()[1] in r.out
+    plotted = epbench_here("plot", str(run))
+    assert plotted.code == 2 and "draws no plot" in plotted.both
+    compared = epbench_here("compare", str(run), str(run))
+    assert compared.code == 2 and "compare reads run and sweep" in compared.both
 
 
 def test_every_variant_names_a_sync_and_warps_the_kernels_take() -> None:

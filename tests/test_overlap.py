@@ -1,5 +1,5 @@
 """epbench overlap without a GPU: the arithmetic of kept % and exposed time, the option parsing,
-the table, the plot of a results folder, and the one-line refusal on a CPU machine."""
+the table, the plot and report of a results folder, and the one-line refusal on a CPU machine."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from epbench import overlap as ov
 from epbench.errors import UserError
 from epbench.metrics import summarize_overlap
 from epbench.plot import plot_run
+from epbench.report import print_overlap
 from support import SCENARIOS, epbench_here
 
 
@@ -112,7 +113,7 @@ def test_table_takes_the_worst_rank_and_fits_100_columns():
     meta = {"scenario": {"name": "t"}, "world": 2, "overlap": {"gemm": "bf16 8192x8192x8192",
                                                                 "total_sms": 132},
             "notes": [ov.SHARED_GPU_NOTE]}
-    ov.print_overlap(df, meta, console)
+    print_overlap(df, meta, console)
     text = console.export_text()
     table_lines = [ln for ln in text.splitlines() if ln.strip().startswith(("epbench", "copy"))]
     assert len(table_lines) == 3
@@ -121,14 +122,26 @@ def test_table_takes_the_worst_rank_and_fits_100_columns():
     assert "SMs and HBM only" in text
 
 
-def test_plot_of_an_overlap_folder(tmp_path):
+def _overlap_folder(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "meta.json").write_text(json.dumps({"verb": "overlap", "world": 2,
                                                "overlap": {"gemm": "bf16 8192x8192x8192"}}))
     pd.DataFrame(_rows()).to_csv(run / "results.csv", index=False)
-    (png,) = plot_run(run)
+    return run
+
+
+def test_plot_of_an_overlap_folder(tmp_path):
+    (png,) = plot_run(_overlap_folder(tmp_path))
     assert png.name == "overlap_vs_sms.png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_prints_an_overlap_folder_and_compare_refuses_it(tmp_path):
+    run = _overlap_folder(tmp_path)
+    r = epbench_here("report", str(run))
+    assert r.code == 0 and "overlap, bf16 8192x8192x8192 beside" in r.out and "73.7" in r.out
+    c = epbench_here("compare", str(run), str(run))
+    assert c.code == 2 and "compare reads run and sweep" in c.both and len(c.both.strip().splitlines()) == 1
 
 
 def test_cli_refuses_without_a_gpu():

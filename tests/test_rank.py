@@ -1,5 +1,6 @@
 """rank.py, the ranks' entry point: a plan it cannot read is one line and exit 2 (on stderr, or in
-the plan's folder where a launcher waits for it); each verb reaches its worker; and torchrun
+the plan's folder where a launcher waits for it); each verb reaches the one engine (session.py)
+and its measurement there; and torchrun
 started by hand still runs `epbench run` (each process then a rank that plans for itself)."""
 
 from __future__ import annotations
@@ -57,25 +58,27 @@ def test_under_a_launcher_the_line_goes_to_the_plans_folder(tmp_path):
     assert said["status"] == "failed" and said["line"].startswith(f"[rank 0] {path}: not a plan")
 
 
-def test_each_verb_reaches_its_worker(monkeypatch, tmp_path):
+def test_each_verb_reaches_the_one_engine_and_its_measurement(monkeypatch, tmp_path):
     from epbench import ceiling, overlap, session
 
     seen = []
-    monkeypatch.setattr(session, "run_worker", lambda p, opts, launched: seen.append(("run", opts, launched)) or 0)
-    monkeypatch.setattr(overlap, "run_worker", lambda s, opts, run_dir, root, argv: seen.append(("overlap", opts, run_dir)) or 0)
-    monkeypatch.setattr(ceiling, "run_worker", lambda s, warmup, iters, console: seen.append(("ceiling", warmup, iters)) or 0)
+    monkeypatch.setattr(session, "run_worker",
+                        lambda p, opts, launched, show: seen.append((p.verb, opts, launched, show)) or 0)
     s = scenario.load(SMOKE)
     run_opts = RunOptions(("reference", "epbench"), (4,), 1, 2)
     base = plan.Plan(verb="run", scenario=s, options=run_opts, device="cpu", argv=("run",),
                      results=tmp_path, run_dir=tmp_path, jobs=(("reference",), ("epbench",)))
     assert rank.run_plan(base, 1) == 0
-    assert seen.pop() == ("run", dataclasses.replace(run_opts, backends=("epbench",)), True)
+    assert seen.pop() == ("run", dataclasses.replace(run_opts, backends=("epbench",)), True, None)
     gemm = overlap.GemmSpec("square", 8, 8, 8)
     ov = dataclasses.replace(base, verb="overlap", options=overlap.OverlapOptions(("reference",), (4,), 1, 2, gemm),
                              jobs=(("reference",),))
-    assert rank.run_plan(ov, 0) == 0 and seen.pop() == ("overlap", ov.options, tmp_path)
+    assert rank.run_plan(ov, 0, launched=False, show=print) == 0 and seen.pop() == ("overlap", ov.options, False, print)
     ce = dataclasses.replace(base, verb="ceiling", options=RunOptions((), (4,), 3, 5), jobs=((),))
-    assert rank.run_plan(ce, 0) == 0 and seen.pop() == ("ceiling", 3, 5)
+    assert rank.run_plan(ce, 0) == 0 and seen.pop() == ("ceiling", ce.options, True, None)
+    assert session.measurement("run") is session.measurement("sweep") is session.measure_points
+    assert session.measurement("overlap") is overlap.measure
+    assert session.measurement("ceiling") is ceiling.measure_job
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""session.py's cross-rank agreement check, in one process (the digest) and over gloo."""
+"""session.py: the cross-rank agreement check, in one process (the digest) and over gloo; the engine
+(run_worker) running a verb's measurement and finishing its folder, at world 1 over gloo."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from epbench import scenario
+from epbench import scenario, session
 from epbench.driver import RunOptions
 from epbench.errors import UserError
 from epbench.session import check_same_scenario, scenario_digest
@@ -119,3 +120,67 @@ def test_sharing_is_recorded_with_mps_and_the_reason(monkeypatch, tmp_path):
         assert session.sharing(_comm(4, 1)) == {"functional": None, "ranks_per_gpu": 1, "mps": "on"}
         assert session.sharing_notes(_comm(4, 1)) == []
         assert "mps" not in session.sharing(_comm(4, 1, "cpu"))
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """This process as rank 0 of 1 (gloo, CPU); the process group is gone afterwards."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _overlap_plan(tmp_path):
+    from epbench.overlap import GemmSpec, OverlapOptions
+    from epbench.plan import Plan
+
+    opts = OverlapOptions(("reference",), (4,), 1, 2, GemmSpec("square", 8, 8, 8))
+    return Plan(verb="overlap", scenario=scenario.load(SCENARIOS / "smoke.yaml"), options=opts,
+                device="cpu", argv=("overlap",), results=tmp_path)
+
+
+def test_the_engine_runs_a_verbs_measurement_and_finishes_its_folder(monkeypatch, tmp_path, world_of_one):
+    """Whatever a verb measures (its hook, faked here), the engine gives it the process group,
+    the results folder and the notes, records how the job ended, and shows the folder where no
+    launcher waits."""
+    from epbench.results import load_run
+
+    def measure(job):
+        job.note("a note")
+        job.note("a note")
+        job.open(job.meta(verb="overlap", overlap={"gemm": "bf16 8x8x8"}))
+        rows = job.gather({"backend": "copy", "sms": 4, "rank": job.comm.rank, "wrong": 1})
+        job.record(rows, [{"backend": "copy", "sms": 4, "rank": 0, "iter": 0, "time_us": 1.0}])
+        return job.rank0_count(1)
+
+    monkeypatch.setattr(session, "measurement", lambda verb: measure)
+    shown = []
+    assert session.run_worker(_overlap_plan(tmp_path), _overlap_plan(tmp_path).options, False, shown.append) == 1
+    (folder,) = shown
+    meta, df = load_run(folder)
+    assert meta["status"] == "complete" and meta["wrong"] == 1 and meta["notes"] == ["a note"]
+    assert meta["verb"] == "overlap" and meta["world"] == 1 and meta["options"]["sms"] == [4]
+    assert list(df["backend"]) == ["copy"] and (folder / "samples.csv").is_file()
+
+
+def test_a_measurement_that_raises_leaves_a_failed_folder(monkeypatch, tmp_path, world_of_one):
+    from epbench.results import load_run
+
+    def measure(job):
+        job.note("before the failure")
+        job.open(job.meta(verb="overlap"))
+        raise RuntimeError("the GEMM broke")
+
+    monkeypatch.setattr(session, "measurement", lambda verb: measure)
+    with pytest.raises(RuntimeError, match="the GEMM broke"):
+        session.run_worker(_overlap_plan(tmp_path), _overlap_plan(tmp_path).options, False, print)
+    (folder,) = list(tmp_path.iterdir())
+    meta = load_run(folder)[0]
+    assert meta["status"] == "failed" and "the GEMM broke" in meta["error"]
+    assert meta["notes"] == ["before the failure"]

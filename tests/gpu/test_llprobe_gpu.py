@@ -1,15 +1,17 @@
-"""The low-latency probe on one GPU (epbench/llprobe.py): a chain at world 1 and ranks sharing the
-GPU must verify (exit 0, every row's `wrong` 0) and print the columns they add. Both runs start
+"""The low-latency probe on one GPU (`epbench probe`, epbench/llprobe.py): a chain at world 1 and
+ranks sharing the GPU must verify (exit 0, every row's `wrong` 0), print the columns they add and
+write a results folder (results.csv, samples.csv) that `epbench report` prints again. Both runs start
 together at the first test, each on a GPU of its own where the host has two (gpu_launch.OneGpuRuns);
 nothing here checks a time against a figure, only the relation of two times of the same run."""
 
 from __future__ import annotations
 
 import csv
+import subprocess
 import sys
 
 import pytest
-from gpu_launch import OneGpuRuns, shares_gpus
+from gpu_launch import ROOT, OneGpuRuns, safe_env, shares_gpus
 
 pytestmark = shares_gpus()
 
@@ -18,7 +20,8 @@ RUNS = {"chain": ["--chain", "1,4"], "2 ranks": ["--nproc", "2"]}
 
 
 def probe_command(args: list):
-    return lambda folder: [sys.executable, "-m", "epbench.llprobe", *QUICK, "--csv", str(folder / "p.csv"), *args]
+    return lambda folder: [sys.executable, "-m", "epbench", "probe", *QUICK, "--csv", str(folder / "p.csv"),
+                           "--results", str(folder / "r"), *args]
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +32,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
 def probe(runs: OneGpuRuns, name: str) -> tuple:
     r, folder = runs.get(name)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    (run,) = list((folder / "r").iterdir())
+    assert (run / "results.csv").is_file() and (run / "samples.csv").is_file()
+    again = subprocess.run([sys.executable, "-m", "epbench", "report", str(run)], cwd=ROOT, env=safe_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "call" in again.stdout, again.stdout + again.stderr
     return r.stdout, list(csv.DictReader((folder / "p.csv").open()))
+
+
+def header(out: str) -> list:
+    """The table's header line (the line after the '# GPU, world ...' line)."""
+    lines = out.splitlines()
+    return lines[next(i for i, ln in enumerate(lines) if ln.startswith("# ")) + 1].split()
 
 
 def test_a_chain_verifies_at_world_1(kernels_built: None, runs: OneGpuRuns) -> None:
     out, rows = probe(runs, "chain")
     ops = [r for r in rows if r["op"] != "probe"]
     assert {r["chain"] for r in ops} == {"1", "4"} and all(r["wrong"] == "0" for r in ops)
-    assert out.splitlines()[1].split()[-1] == "chain"
+    assert header(out)[-1] == "chain"
 
 
 def test_two_ranks_share_the_gpu_and_verify(kernels_built: None, runs: OneGpuRuns) -> None:
