@@ -49,9 +49,12 @@ def start_one(p: Plan) -> int:
     folder (overlap, probe) or a temporary one (ceiling writes no results); a run folder that
     holds nothing else afterwards is removed."""
     folder = p.run_dir or Path(tempfile.mkdtemp(prefix=f"epbench-{p.verb}-"))
+    job = p.jobs[0] if p.jobs else ()
+    python = flavors.job_python(job)  # a DeepEP flavor's venv where the job needs one flavor
     try:
-        with launch.private_mps() if p.mps and p.device == "cuda" else contextlib.nullcontext():
-            out = launch.run_job(job_command(p, plans.write(p, folder), 0), p.device, folder)
+        with launch.private_mps() if p.mps and p.device == "cuda" else contextlib.nullcontext(), \
+                flavors.job_environment(python), deepep_v2_env.job_environment(job, python):
+            out = launch.run_job(job_command(p, plans.write(p, folder), 0, python), p.device, folder)
     finally:
         if p.run_dir is None:
             shutil.rmtree(folder, ignore_errors=True)
