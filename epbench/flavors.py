@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Sequence
+from typing import ContextManager, Dict, Optional, Sequence
 
 from epbench import launch, provenance
 
@@ -84,16 +83,10 @@ def job_python(backends: Sequence[str], registry: Optional[Path] = None) -> Opti
     return None if venv_of(python) == Path(sys.prefix).absolute() else python
 
 
-@contextmanager
-def job_environment(python: Optional[str]) -> Iterator[Dict[str, str]]:
+def job_environment(python: Optional[str]) -> ContextManager[Dict[str, str]]:
     """While a job runs from another venv's ``python``: this checkout first on PYTHONPATH (which
     torchrun's workers inherit); nothing otherwise. The launcher's environment is restored after."""
     extra: Dict[str, str] = {}
     if python is not None:
         extra["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH")) if p)
-    before = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield extra
-    finally:
-        launch.restore_env(before)
+    return launch.environment(extra)

@@ -403,6 +403,18 @@ def restore_env(before: Dict[str, Optional[str]]) -> None:
 
 
 @contextmanager
+def environment(extra: Dict[str, str]) -> Iterator[Dict[str, str]]:
+    """``extra`` set in os.environ (which torchrun's workers inherit) while the block runs; the
+    variables it touched are put back after it."""
+    before = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield extra
+    finally:
+        restore_env(before)
+
+
+@contextmanager
 def private_mps() -> Iterator[str]:
     """An MPS control daemon of this run's own (private pipe and log folders, which the ranks
     inherit), stopped at exit: ranks sharing a GPU then run side by side instead of taking

@@ -11,9 +11,8 @@ without torch."""
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Sequence
+from typing import ContextManager, Dict, Optional, Sequence
 
 from epbench import flavors, launch, provenance
 
@@ -60,14 +59,7 @@ def job_env(backends: Sequence[str], python: Optional[str] = None) -> Dict[str, 
     return preload_env(nccl["preload"], dict(os.environ)) if nccl else {}
 
 
-@contextmanager
-def job_environment(backends: Sequence[str], python: Optional[str] = None) -> Iterator[Dict[str, str]]:
+def job_environment(backends: Sequence[str], python: Optional[str] = None) -> ContextManager[Dict[str, str]]:
     """``job_env(backends, python)`` set in os.environ (which torchrun's workers inherit) while
     the job runs; the launcher's own environment is restored after it."""
-    extra = job_env(backends, python)
-    before = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield extra
-    finally:
-        launch.restore_env(before)
+    return launch.environment(job_env(backends, python))
