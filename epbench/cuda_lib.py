@@ -135,7 +135,10 @@ def open_library(path: Path, not_built: str, declare: Any) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise RuntimeError(f"cannot load {path}: {e}; rebuild with `make build`") from e
-    declare(lib)
+    try:
+        declare(lib)
+    except AttributeError as e:  # a library built from older sources lacks a function declared here
+        raise RuntimeError(f"{path} is out of date ({e}); rebuild with `make build`") from e
     return lib
 
 

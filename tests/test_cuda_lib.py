@@ -138,3 +138,22 @@ def test_python_enum_tables_match_the_c_api_header():
         assert values["EP_OPT_" + key] == getattr(cuda_lib, "OPT_" + key), key
     struct = re.search(r"typedef struct ep_effective \{(.*?)\} ep_effective;", header, re.S).group(1)
     assert [f for f, _ in cuda_lib.EpEffective._fields_] == re.findall(r"int (\w+);", struct)
+
+
+def test_a_library_built_from_older_sources_is_one_line_saying_rebuild(tmp_path, monkeypatch):
+    import ctypes
+
+    import pytest
+
+    from epbench import cuda_lib
+
+    lib = tmp_path / "libold.so"
+    lib.write_bytes(b"")
+
+    class Old:
+        def __getattr__(self, name):
+            raise AttributeError(f"undefined symbol: {name}")
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: Old())
+    with pytest.raises(RuntimeError, match=r"libold.so is out of date \(undefined symbol: ep_new\); rebuild with `make build`"):
+        cuda_lib.open_library(lib, "not built", lambda lib: lib.ep_new)
