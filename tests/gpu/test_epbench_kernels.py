@@ -41,7 +41,7 @@ OWN_ROWS_CE_STAGED = ["--own-rows", "ce", "--quick", "--notify", "staged", "--im
 
 # world size -> the suites of this module its launch runs (name -> ep_worker check flags)
 SUITES = {
-    1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1)},
+    1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1), "own-rows-ce": own_rows_ce_flags(1)},
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3)},
@@ -86,13 +86,14 @@ def test_expert_major_matches_verification(kernels_built: None, nproc: int) -> N
     assert "em128 mxfp8 fused" in out
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_own_rows_ce_matches_verification(kernels_built: None, nproc: int) -> None:
     """own_rows=ce (issue 34 target 3, Plan A): own rows copied by the copy engine to their token index, padding
     keyed -1, the peers' rows after them; bit-exact through verify.in_source_order, row keys and num_recv exactly
     as epbench/layout.py own_first_keys, and the combine reading each own row at its token; bf16, fp8 and mxfp8
     before, a rank with 0 tokens, every token to one rank (the others' own segments all padding), 4095 tokens.
-    On 2 ranks also with the one-block (staged) notify."""
+    On 1 rank every row is an own row (the kernels store none); on 2 ranks also with the one-block (staged)
+    notify."""
     out = assert_suite(nproc, "own-rows-ce")
     assert "fp8" in out
     if nproc == 2:
