@@ -21,6 +21,11 @@ typedef struct ep_config {
   int quantize_fused;  // 1 (mxfp8 only): ep_dispatch takes bf16 rows and the receivers get mxfp8 rows and scales
   int align;  // 0: rank-major receive layout; >= 1: expert-major, segments padded to a multiple of align rows
               // (epbench/layout.py; normal mode only, the low-latency region ignores it)
+  int own_rows;  // 0: the dispatch kernel stores a rank's own rows like a peer's (packed at base[me]); 1 (ce):
+                 // rows [0, T) of the receive buffer are the rank's own tokens by index, copied there by the caller
+                 // (the copy engine) before ep_dispatch's kernels run, peers' segments after them; recv_key says
+                 // which row holds what. Rank-major and quantize before only (normal mode; the low-latency
+                 // region ignores it)
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).
@@ -38,6 +43,8 @@ enum ep_region_id {
   // [world * max_tokens * min(topk, E) + E * (align - 1)] (epbench/layout.py slot_capacity)
   EP_EM_OFFSETS = 9,    // i64 [E]: first slot of each local expert's segment
   EP_EM_NUM_SLOTS = 10,  // i64: slots in use, the last segment's padding included
+  EP_RECV_KEY = 11,  // own_rows 1 only (else empty): i64 [capacity], row r's (source rank << 32 | source token),
+                     // -1 for an own row whose token is not routed here (padding)
 };
 
 // ep_set_option keys. Every value is checked here; what actually ran is read back with ep_effective_config.
@@ -96,6 +103,9 @@ int ep_set_option(void* ctx, int key, int value);
 // impl: ep_dispatch_impl; warps 1..32. An impl or warp count that cannot run is an error before any launch.
 // x: [T, hidden] as configured (bf16 when quantize_fused); x_scales: [T, hidden / 128] f32 (fp8) or
 // [T, hidden / 32] u8 (mxfp8 not fused), contiguous; null otherwise.
+// own_rows 1: the kernels never write rows [0, T) of recv_x / recv_scales / recv_idx / recv_w; the caller puts
+// x, x_scales, topk_idx and topk_w there itself, stream-ordered before it reads the output (the backend copies
+// them on a side stream forked before this call and joined after it). They write recv_key and everything else.
 int ep_dispatch(void* ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
                 int num_tokens, int num_sms, int impl, int warps, int epoch, void* stream);
 int ep_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,

@@ -61,6 +61,15 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
     ep_set_error("align must be 0 (rank-major) or >= 1 (expert-major), got %d", cfg->align);
     return -1;
   }
+  if (cfg->own_rows != 0 && cfg->own_rows != 1) {
+    ep_set_error("own_rows must be 0 (sm) or 1 (ce), got %d", cfg->own_rows);
+    return -1;
+  }
+  if (cfg->own_rows && (cfg->align > 0 || cfg->quantize_fused)) {  // a copy can neither spread rows nor quantize
+    ep_set_error("own_rows ce needs the rank-major layout and quantize before (align %d, quantize_fused %d)",
+                 cfg->align, cfg->quantize_fused);
+    return -1;
+  }
   CUDA_CHECK(cudaSetDevice(cfg->device));
   EpContext* ctx = new EpContext();
   memset(ctx, 0, sizeof(*ctx));
@@ -84,6 +93,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.max_tokens = cfg->max_tokens;
   p.capacity = cfg->world * cfg->max_tokens;
   p.align = cfg->align;
+  p.own_ce = cfg->own_rows;
   // expert-major: every source's tokens once per local expert they can pick, plus the largest padding
   // (epbench/layout.py slot_capacity)
   const int em = cfg->align > 0, E = cfg->experts_per_rank;
@@ -109,6 +119,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.off_combine_in = c.take(slots * p.hidden * 2);
   p.off_em_slot = c.take(em ? cap * p.topk * sizeof(int) : 0);
   p.off_combine_red = c.take(em ? cap * p.hidden * 2 : 0);
+  p.off_recv_key = c.take(p.own_ce ? cap * sizeof(long long) : 0);  // 0 bytes: every later offset as before
   p.off_signals = c.take((size_t)s.total_ints * sizeof(int));
   ctx->shared_bytes = c.next;
   ctx->off_out = c.take((size_t)p.max_tokens * p.hidden * 2);
@@ -216,6 +227,7 @@ extern "C" int ep_region(void* vctx, int which, unsigned long long* ptr, unsigne
     case EP_DEBUG_STAMPS: off = ctx->off_stamps; n = kNumStamps * sizeof(unsigned long long); break;
     case EP_EM_OFFSETS: off = ctx->off_em_offsets; n = (size_t)p.experts_per_rank * sizeof(long long); break;
     case EP_EM_NUM_SLOTS: off = ctx->off_em_num_slots; n = sizeof(long long); break;
+    case EP_RECV_KEY: off = p.off_recv_key; n = p.own_ce ? cap * sizeof(long long) : 0; break;
     default: ep_set_error("unknown region %d", which); return -1;
   }
   *ptr = (unsigned long long)(ctx->region + off);

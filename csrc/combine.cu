@@ -21,6 +21,9 @@
 // releases ready[me] as in rank-major, and step 3 pulls combine_red with weight 1 per holder instead of
 // combine_in with w(t, d). So a row still crosses the link once per (token, rank) and nothing unpermutes the
 // buffer apart from this read.
+// own_rows ce: my own row of token t is row t of my combine_in (the notify kernel leaves base[me] = 0 and
+// slot_map[t][me] = t), read through the same table as every holder's; padding rows (my tokens not routed to
+// me) have no slot and are never read.
 // 4. grid_release_and_wait on pulled[]: the last block stores pulled[me] = epoch into every
 //    rank and waits for every rank's pulled[] flag, so the call ends only when no peer still
 //    reads my combine_in (the caller may overwrite it right after).

@@ -14,13 +14,19 @@
 //                                                  where expert k is not mine (written by the source)
 //     combine_red   [capacity, hidden] bf16      expert-major only: each received row's experts summed with
 //                                                  their weights (combine phase R), pulled by the sources
+//     recv_key      [capacity] i64               own_rows ce only: row r's source rank << 32 | source token, -1
+//                                                  where an own row's token is not routed to me (padding)
 //     signals       int32 flags, see Signals below
+//   own_rows ce: recv_x, recv_scales, recv_idx and recv_w rows [0, T_me) are my own tokens by index (the
+//   caller's copy engine writes them, no kernel does), then each peer's packed rows in rank order; with
+//   own_rows sm (default) every source's rows are packed in rank order, mine included
 //   expert-major (align >= 1): recv_x, recv_scales and combine_in hold `slots` rows (per local expert
 //   segments, epbench/layout.py), not `capacity`
 //   local part (only this rank touches it)
 //     out           [max_tokens, hidden] bf16    combine result
 //     slot_map      [max_tokens, world] i32      token t's row on rank d relative to my base there, -1: not sent
-//     base          [world] i32                  first row of my tokens in rank d's recv buffer
+//     base          [world] i32                  first row of my tokens in rank d's recv buffer (own_rows ce:
+//                                                  base[me] = 0 and slot_map[t][me] = t, so row t is token t)
 //     num_recv      i64, expert_counts [experts_per_rank] i64
 //     counters      u32 [8]                      blocks finished per launch (reset by the last block)
 //                                                  [2]: unused (no kernel reads or writes it)
@@ -96,10 +102,11 @@ struct EpParams {
   int max_tokens, capacity;
   int align;  // 0: rank-major; >= 1: expert-major receive layout, segments padded to align rows
   int slots;  // rows of recv_x / recv_scales / combine_in (capacity when rank-major)
+  int own_ce;  // ep_config.own_rows: 1 (ce) = my own rows at their token index, stored by the caller (see above)
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
   size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_em_slot, off_combine_red,
-      off_signals;
+      off_recv_key, off_signals;
   EpSignals sig;
   int* slot_map;
   int* base;

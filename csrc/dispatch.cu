@@ -25,6 +25,9 @@
 // receiver copies each received row with several of its experts from its first slot into the others
 // (em_local_copies): rows land once on the link, the extra copies are local loads and stores in this kernel.
 // The blocks wait for the last one (em_go) before copying, so all num_sms blocks must be resident at once.
+// own_rows ce (p.own_ce, rank-major, quantize before): my own rows are not stored here (lane me's row is -1:
+// the caller's copy engine put x, scales, ids and weights at rows [0, T) of my buffers); every row sent to a
+// peer also gets its key (me << 32 | t) in the peer's recv_key, from lane 0 beside the ids and weights.
 // Completion (grid_release_and_wait in common.cuh): every thread fences at system scope; the
 // last block to finish stores done[me] = epoch into every rank's signals with st.release.sys,
 // then waits until done[s] == epoch for every source s in my signals, so the kernel ends only
@@ -173,6 +176,9 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
   const int V = kFused ? p.hidden >> 3 : p.row_bytes >> 4;
   const size_t src_row = kFused ? (size_t)p.hidden * 2 : (size_t)p.row_bytes;
   const bool aborted = ld_volatile(p.dev_error) != 0;
+  // own_rows ce exists for rank-major, quantize before only (ep_create refuses the rest): the fused and
+  // expert-major kernels compile without it
+  const bool own_ce = !kFused && !kEm && p.own_ce;
   unsigned* work = p.counters + kCounterDispatchWork;
   int t = first;
   if (kDyn) {
@@ -201,7 +207,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     const uint8_t* scales = a.x_scales + (size_t)t * p.scale_bytes;
     if (lane < ns) sc0 = ld_scale(scales, lane, unit);
     if (lane + 32 < ns) sc1 = ld_scale(scales, lane + 32, unit);
-    const int my_row = slot >= 0 ? my_base + slot : -1;
+    const int my_row = slot >= 0 && !(own_ce && lane == p.rank) ? my_base + slot : -1;
     int rows[EP_MAX_WORLD];
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
@@ -262,6 +268,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
         reinterpret_cast<float*>(pb + p.off_recv_w)[(size_t)rows[d] * topk + lane] = w;
         if (kEm) reinterpret_cast<int*>(pb + p.off_em_slot)[(size_t)rows[d] * topk + lane] = owner == d ? em_slot : -1;
       }
+      if (own_ce && lane == 0) reinterpret_cast<long long*>(pb + p.off_recv_key)[rows[d]] = (long long)p.rank << 32 | t;
       if (kFused) continue;
       uint8_t* dst_scales = pb + p.off_recv_scales + (size_t)xr[d] * p.scale_stride;
       if (lane < ns) st_scale(dst_scales, lane, unit, sc0);

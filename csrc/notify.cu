@@ -14,6 +14,12 @@
 //    with the buffers of the previous one: this is the barrier that makes buffer reuse safe.
 // 4. From the world x world count matrix: base[d] = rows that ranks < me send to d (my first
 //    row on d), num_recv = rows sent to me, expert_counts[e] = sum over sources.
+// own_rows ce (p.own_ce): rank d's buffer starts with d's own T_d rows by token index (the caller's copy
+// engine fills them), then every other source's packed rows in rank order. So base[d] = T_d + rows that
+// ranks < me other than d send to d, base[me] = 0 with slot_map[t][me] = t (the combine then reads token t's
+// own row at row t), num_recv = T_me + rows the peers send me; and the thread that writes slot_map[t] also
+// writes recv_key[t]: me << 32 | t where t is routed to me, else -1 (padding). The published row is the
+// same in both modes (its count to myself stays in it, unused here; T_d is its num_tokens word).
 // Expert-major layout (align >= 1): each row also carries the source's counts for every global expert,
 // so in step 4 warp d lays out rank d's segments (counts padded to align, a warp scan over its experts)
 // and stores em_base[g] = segment start of g on d + the rows that sources before me send to g: with the
@@ -37,6 +43,27 @@ __device__ __forceinline__ unsigned long long pack_lo(unsigned mask) {
 }
 
 __device__ __forceinline__ unsigned long long pack_hi(unsigned mask) { return pack_lo(mask >> 4); }
+
+// own_rows ce: my slot for token t on rank d (slot_map), given that t goes to d and that `packed` is its slot
+// among my tokens bound for d: token t itself on my own rank (row t of my own segment, base[me] = 0).
+__device__ __forceinline__ int slot_on(const EpParams& p, int d, int t, int packed) {
+  return p.own_ce && d == p.rank ? t : packed;
+}
+
+// own_rows ce: the key of my own row t (recv_key, a DispatchOutput.row_key): mine where my mask says so.
+__device__ __forceinline__ void store_own_key(const EpParams& p, int t, unsigned mask) {
+  long long* key = reinterpret_cast<long long*>(p.peer_base[p.rank] + p.off_recv_key);
+  key[t] = ((mask >> p.rank) & 1u) ? ((long long)p.rank << 32 | t) : -1ll;
+}
+
+// own_rows ce in the direct kernel (a fallback): token t's slot on my own rank becomes t, and its key. Out of
+// line (inlined into the slot loop it tripled that kernel's spills) and without the EpParams reference, so the
+// parameter block stays in param space.
+static __device__ __noinline__ void own_row_first(int* slots, long long* key, int rank, int t, unsigned mask) {
+  const bool mine = (mask >> rank) & 1u;
+  if (mine) slots[rank] = t;
+  key[t] = mine ? ((long long)rank << 32 | t) : -1ll;
+}
 
 __device__ __forceinline__ int field16(unsigned long long lo, unsigned long long hi, int d) {
   const unsigned long long w = d < 4 ? lo : hi;
@@ -143,14 +170,18 @@ __device__ __forceinline__ void wait_rows_and_offsets(const EpParams& p, int epo
   if (ld_volatile(p.dev_error)) return;
   if (tid == 0) stamp(p, kStampPeersSeen);
   const int* rows = signal_ptr(p, p.rank, p.sig.notify_off);
+  // own_rows ce: rank d's own segment (T_d = the num_tokens word of d's row) comes first, d's count to itself
+  // never counts
   if (tid < world) {
     int b = 0;
-    for (int s = 0; s < p.rank; ++s) b += ld_volatile(rows + s * stride + 1 + tid);
+    for (int s = 0; s < p.rank; ++s) b += p.own_ce && s == tid ? 0 : ld_volatile(rows + s * stride + 1 + tid);
+    if (p.own_ce) b = tid == p.rank ? 0 : b + ld_volatile(rows + tid * stride + 1 + world + E);
     p.base[tid] = b;
   }
   if (tid == 32) {
     long long n = 0;
-    for (int s = 0; s < world; ++s) n += ld_volatile(rows + s * stride + 1 + p.rank);
+    for (int s = 0; s < world; ++s)
+      n += ld_volatile(rows + s * stride + (p.own_ce && s == p.rank ? 1 + world + E : 1 + p.rank));
     *p.num_recv = n;
   }
   for (int e = tid; e < E; e += blockDim.x) {
@@ -253,6 +284,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         int* slots = p.slot_map + (size_t)(t0 + u) * world;
         for (int d = 0; d < world; ++d)
           slots[d] = ((masks[u] >> d) & 1u) ? running[d] + field16(cur_lo, cur_hi, d) : -1;
+        if (p.own_ce)
+          own_row_first(slots, reinterpret_cast<long long*>(p.peer_base[p.rank] + p.off_recv_key), p.rank, t0 + u,
+                        masks[u]);
       }
       cur_lo += pack_lo(masks[u]);
       cur_hi += pack_hi(masks[u]);
@@ -483,7 +517,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
       int r = 0;
 #pragma unroll
       for (int dd = 0; dd < EP_MAX_WORLD; ++dd) r = dd == d ? run[dd] : r;
-      return ((m >> d) & 1u) ? r + field16(l, h, d) : -1;
+      return ((m >> d) & 1u) ? slot_on(p, d, t0 + u, r + field16(l, h, d)) : -1;
     };
     int* slots = p.slot_map + (size_t)t0 * world;
     if (kTPT == 4 && t0 + kTPT <= t_end) {
@@ -493,6 +527,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
                                                       slot_of(4 * q + 3));
     } else if (t0 < t_end) {  // this thread's tokens t0 .. min(t0 + kTPT, t_end) - 1 only
       for (int i = 0; i < min(kTPT, t_end - t0) * world; ++i) slots[i] = slot_of(i);
+    }
+    if (p.own_ce) {
+#pragma unroll
+      for (int u = 0; u < kTPT; ++u)
+        if (t0 + u < t_end) store_own_key(p, t0 + u, masks[u]);
     }
     __syncthreads();
     if (tid < world) running[tid] += field16(warp_incl[nwarps - 1][0], warp_incl[nwarps - 1][1], tid);

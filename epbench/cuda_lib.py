@@ -15,7 +15,9 @@ NOT_BUILT = "kernels not built: run `make build`"
 
 # Region ids (enum ep_region_id in csrc/api.h).
 (RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS, EM_OFFSETS,
- EM_NUM_SLOTS) = range(11)
+ EM_NUM_SLOTS, RECV_KEY) = range(12)
+# ep_config.own_rows: who stores a rank's own rows (backend option own_rows)
+OWN_ROWS = {"sm": 0, "ce": 1}
 # ep_set_option keys (enum ep_option).
 OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 3, 4
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
@@ -76,6 +78,7 @@ class EpConfig(ctypes.Structure):
         ("mxfp8", ctypes.c_int),
         ("quantize_fused", ctypes.c_int),
         ("align", ctypes.c_int),  # 0: rank-major; >= 1: expert-major segments padded to this many rows
+        ("own_rows", ctypes.c_int),  # OWN_ROWS: 0 sm (default), 1 ce (own rows by token index, copied by the caller)
     ]
 
 

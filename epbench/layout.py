@@ -15,12 +15,20 @@ back: no separate unpermute pass.
 Low-latency mode is already per expert (each expert's buffer padded to T_max rows per source
 rank, one row per (token, expert) pair on the link): this layout is the normal-mode,
 dense counterpart, with the link still carrying one row per (token, rank).
+
+Own rows first (the epbench backend's ``own_rows=ce``, rank-major only): a receiving rank's
+buffer starts with its own ``T`` tokens by index (row ``t`` = token ``t``, copied there by the
+copy engine whether or not the token is routed to the rank; a row whose token is not is
+padding), then every other source's rows, packed, in rank order. ``row_key`` (see
+epbench/contract.py ``DispatchOutput``) tells them apart: ``source << KEY_SHIFT | token``,
+-1 for padding. ``own_first_offsets`` and ``own_first_keys`` are the arithmetic the notify
+kernel does (csrc/notify.cu), for tests to compare with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple, Union
+from typing import Sequence, Tuple, Union
 
 import torch
 
@@ -115,3 +123,35 @@ def segment_sort(slot_key: torch.Tensor, table: ExpertMajor) -> torch.Tensor:
     by_key = torch.argsort(key, stable=True)
     segment = expert_of_slot(table, n).to(key.device)
     return by_key[torch.argsort(segment[by_key], stable=True)]
+
+
+# ---- own rows first (own_rows=ce) ----
+KEY_SHIFT = 32  # row_key = source rank << KEY_SHIFT | source token (csrc recv_key); tokens stay below 2^31
+
+
+def own_first_offsets(dests: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+    """int64 ``[world]``: the first row of ``rank``'s tokens in each rank d's receive buffer with the own rows
+    first; ``dests[s]`` is source s's ``[T_s, world]`` destination mask (epbench.routing.dest_mask). 0 on
+    ``rank`` itself (its own row t is row t); elsewhere d's own ``T_d`` rows, then the rows that ranks before
+    ``rank`` other than d send to d."""
+    world = len(dests)
+    sent = torch.stack([m.sum(dim=0).to(torch.int64).cpu() if m.numel() else torch.zeros(world, dtype=torch.int64)
+                        for m in dests])  # [s, d]: rows s sends to d
+    base = torch.zeros(world, dtype=torch.int64)
+    for d in range(world):
+        if d != rank:
+            base[d] = dests[d].shape[0] + sum(int(sent[s, d]) for s in range(rank) if s != d)
+    return base
+
+
+def own_first_keys(dests: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+    """int64 ``[num_recv]``: the row keys of ``rank``'s receive buffer with the own rows first (num_recv =
+    ``T_rank`` + the rows every other source sends it): its own tokens by index (-1 where a token is not routed
+    to ``rank``), then each other source's tokens routed to ``rank``, in rank and token order."""
+    own = dests[rank][:, rank].cpu() if dests[rank].numel() else torch.zeros(0, dtype=torch.bool)
+    t = torch.arange(own.shape[0], dtype=torch.int64)
+    keys = [torch.where(own, (rank << KEY_SHIFT) | t, torch.full_like(t, -1))]
+    for s, m in enumerate(dests):
+        if s != rank and m.numel():
+            keys.append((s << KEY_SHIFT) | m[:, rank].cpu().nonzero().flatten().to(torch.int64))
+    return torch.cat(keys)

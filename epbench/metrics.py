@@ -20,6 +20,10 @@ Bus bandwidth per tier (per rank r)
     ``busbw_tier_r = bytes leaving GPU r over that tier / time_r``. For dispatch the bytes
     are the row sums of the tier's copy matrix (routing.Traffic) times row bytes; for combine,
     the column sums (the same copies flow back). The rank's own copy never leaves the GPU.
+    Both counts come from the routing (token copies), never from a backend's buffers: how a
+    backend moves the rank's own rows (SM stores, or the copy engine with epbench's
+    ``own_rows=ce``) and the padding rows its layout leaves (row_key -1) change neither. Own
+    rows are local bytes either way: in algbw, never in busbw.
 
 Low-latency mode
     One row per (token, expert) pair instead of one per (token, destination rank): a token

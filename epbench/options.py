@@ -78,6 +78,12 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         "combine_stages": Option(int, 2, "stages per combine warp", low=2, high=4, env="EPBENCH_COMBINE_STAGES"),
         "combine_chunk": Option(int, 2048, "bytes per holder and stage of the combine",
                                 choices=(1024, 2048, 4096), env="EPBENCH_COMBINE_CHUNK"),
+        "own_rows": Option(str, "sm", "who moves a rank's own rows in dispatch: sm (the dispatch kernel stores them "
+                           "beside the peers' rows, packed) or ce (the copy engine copies x, scales, ids and weights "
+                           "to rows [0, T) of the receive buffer, token by token, tokens not routed to the rank "
+                           "left as padding; peers' rows after them; rank_major and quantize before only; "
+                           "notes/LATENCY-NEXT.md section 3, Plan A)", choices=("sm", "ce"),
+                           env="EPBENCH_OWN_ROWS"),
     },
     "epbench-ll": {
         "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,
@@ -157,6 +163,22 @@ def diagnostics_set(environ: Optional[Mapping[str, str]] = None) -> List[str]:
     shown = (lambda v: v if isinstance(v, str) else f"{v:g}")
     return [f"{opt.env}={shown(diagnostic(name, environ))}" for name, opt in DIAGNOSTICS.items()
             if environ.get(opt.env) is not None]
+
+
+def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str, quantize: str, where: str,
+                  environ: Optional[Mapping[str, str]] = None) -> None:
+    """Options the scenario's payload rules out, refused in one line (UserError): epbench's own_rows=ce copies
+    rows as they are, so it can neither place them per expert (layout expert_major) nor quantize them on the
+    way (quantize fused). ``backend_options`` as validated; the environment counts as for ``resolve``."""
+    own = resolve("epbench", backend_options.get("epbench"), environ)["own_rows"]
+    if own != "ce":
+        return
+    if layout != "rank_major":
+        raise UserError(f"{where}: epbench.own_rows=ce needs model.layout rank_major (got {layout}): the copy "
+                        f"engine copies the own rows as they are, one per token, not into expert segments")
+    if quantize != "before":
+        raise UserError(f"{where}: epbench.own_rows=ce needs model.quantize before (got {quantize}): the copy "
+                        f"engine cannot quantize the own rows")
 
 
 def _schema(backend: str, where: str) -> Dict[str, Option]:

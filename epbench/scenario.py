@@ -286,6 +286,8 @@ def _check(s: Scenario) -> None:
         need(m.hidden % FP8_BLOCK == 0, "model.hidden",
              f"must be a multiple of {FP8_BLOCK} for fp8 dispatch", m.hidden)
     _check_payload(m, s.mode, need)
+    # the file's own backend options only: the environment is weighed where a run starts (cli)
+    options.check_payload(s.backend_options, m.layout, m.quantize, "backend_options", environ={})
     need(0 < t.nodes <= MAX_NODES_PER_JOB, "topology.nodes", f"must be positive and at most {MAX_NODES_PER_JOB}",
          t.nodes)
     need(0 < t.gpus_per_node <= MAX_GPUS_PER_NODE, "topology.gpus_per_node",

@@ -106,3 +106,131 @@ def test_auto_combine_warps_rule_keeps_rank_major_and_gives_expert_major_16() ->
     assert [be._combine_warps_for(n) for n in (8, 16, 32)] == [16, 16, 16]
     be.combine_warps = 12  # an explicit value wins in both layouts
     assert be._combine_warps_for(32) == 12
+
+
+# ---- own_rows (sm | ce): the Python side, with a fake library and a fake side stream ----
+
+class _Events:
+    """Stands in for _OwnRowsCopy and the library: one list of what happened, in order; copies run at once."""
+
+    def __init__(self) -> None:
+        self.log: List[str] = []
+
+    def fork(self, pairs: object) -> None:
+        self.log.append("fork")
+        for dst, src in pairs:
+            if src is not None:
+                dst.copy_(src)
+                self.log.append(f"copy {tuple(src.shape)}")
+
+    def join(self) -> None:
+        self.log.append("join")
+
+    def ep_dispatch(self, ctx: object, *args: object) -> int:
+        self.log.append(f"ep_dispatch T={args[4]}")  # ctx, x, scales, ids, weights, T, ...
+        return 0
+
+
+def _fake_backend(own_rows: str, t_max: int = 8, h: int = 16, k: int = 4, scales: bool = True):
+    import torch
+
+    ev = _Events()
+    be = object.__new__(EpbenchBackend)
+    be._lib, be._ctx, be._stream, be._impl_code, be.dispatch_warps = ev, "ctx", (lambda: 0), 10, 16
+    be._timed_out = type("Flag", (), {"value": 0})()
+    be._check_input = lambda inp: None
+    be._checked, be._dispatch_epoch, be._scales_in = None, 0, scales
+    cap = 2 * t_max
+    be.recv_x = torch.full((cap, h), -1.0)
+    be.recv_scales = torch.full((cap, h // 8), -1.0) if scales else None
+    be.recv_idx, be.recv_w = torch.full((cap, k), -1, dtype=torch.int64), torch.full((cap, k), -1.0)
+    be.out = torch.zeros(t_max, h)
+    be._out_t, be._out_view = t_max, be.out
+    be.expert_counts, be.num_recv, be.em_table = torch.zeros(4, dtype=torch.int64), torch.zeros(()), None
+    be.own_rows = own_rows
+    be.recv_key = torch.zeros(cap, dtype=torch.int64) if own_rows == "ce" else None
+    be._own_copy = ev if own_rows == "ce" else None
+    be._own_t, be._own_dst = -1, ()
+    return be, ev
+
+
+def _input(t: int, h: int = 16, k: int = 4, scales: bool = True):
+    import torch
+
+    from epbench.contract import DispatchInput
+
+    return DispatchInput(torch.randn(t, h), torch.rand(t, h // 8) if scales else None,
+                         torch.randint(0, 8, (t, k)), torch.rand(t, k))
+
+
+@pytest.mark.parametrize("scales", [True, False])
+def test_own_rows_ce_copies_before_the_notify_and_joins_after(scales: bool) -> None:
+    be, ev = _fake_backend("ce", scales=scales)
+    inp = _input(5, scales=scales)
+    out = be.dispatch(inp, 8)
+    copies = [f"copy {tuple(a.shape)}" for a in (inp.x, inp.x_scales, inp.topk_idx, inp.topk_weights) if a is not None]
+    assert ev.log == ["fork", *copies, "ep_dispatch T=5", "join"]
+    assert be.recv_x[:5].equal(inp.x) and be.recv_idx[:5].equal(inp.topk_idx) and be.recv_w[:5].equal(inp.topk_weights)
+    assert (be.recv_x[5:] == -1).all() and (be.recv_idx[5:] == -1).all()  # only rows [0, T): the peers' follow
+    if scales:
+        assert be.recv_scales[:5].equal(inp.x_scales)
+    assert out.row_key is be.recv_key and out.x is be.recv_x
+    ev.log.clear()
+    be.dispatch(_input(0, scales=scales), 8)  # nothing to copy: no fork, no join
+    assert ev.log == ["ep_dispatch T=0"]
+
+
+def test_own_rows_sm_path_is_the_plain_call() -> None:
+    be, ev = _fake_backend("sm")
+    out = be.dispatch(_input(5), 8)
+    assert ev.log == ["ep_dispatch T=5"] and out.row_key is None
+
+
+def test_own_rows_ce_joins_even_when_the_launch_fails() -> None:
+    be, ev = _fake_backend("ce")
+    ev.ep_dispatch = lambda *a: 1
+    be._lib.ep_last_error = lambda: b"boom"
+    with pytest.raises(RuntimeError):
+        be.dispatch(_input(3), 8)
+    assert ev.log[0] == "fork" and ev.log[-1] == "join"
+
+
+def test_own_rows_is_reported_by_effective_config() -> None:
+    class Lib:
+        def ep_effective_config(self, ctx: object, out: object) -> int:
+            out._obj.dispatch_warps, out._obj.combine_warps = 16, 12
+            return 0
+
+    be = object.__new__(EpbenchBackend)
+    be._lib, be._ctx, be.own_rows = Lib(), "ctx", "ce"
+    assert be.effective_config()["own_rows"] == "ce"
+    be.own_rows = "sm"
+    assert be.effective_config()["own_rows"] == "sm"
+
+
+def test_own_rows_ce_poison_makes_unwritten_keys_rows_nobody_sent() -> None:
+    import torch
+
+    be, _ = _fake_backend("ce")
+    be.recv_scales = None
+    be.recv_x, be.recv_idx, be.recv_w = torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2)
+    be.combine_in = torch.zeros(4, 8)
+    be.poison()
+    assert (be.recv_key == torch.iinfo(torch.int64).max).all()  # kept by in_source_order: counted wrong, not padding
+
+
+def test_own_rows_ce_with_expert_major_is_refused_by_the_constructor_options(monkeypatch) -> None:
+    from epbench.backends.epbench_kernels import resolve_options
+    from epbench.contract import RankSetup
+    from epbench.errors import UserError
+
+    import torch
+
+    monkeypatch.delenv("EPBENCH_OWN_ROWS", raising=False)
+    setup = RankSetup(0, 2, 2, torch.device("cpu"), 64, 8, 2, 2, "bf16", layout="expert_major", align=16)
+    with pytest.raises(UserError, match="epbench backend: epbench.own_rows=ce needs model.layout rank_major"):
+        resolve_options("epbench", {"own_rows": "ce"}, setup)
+    assert resolve_options("epbench", {}, setup)["own_rows"] == "sm"
+    monkeypatch.setenv("EPBENCH_OWN_ROWS", "ce")
+    with pytest.raises(UserError, match="own_rows=ce"):
+        resolve_options("epbench", {}, setup)

@@ -35,6 +35,9 @@ BAD_FILES = {
     "hidden-not-x8": (scenario_dict(model={"hidden": 260}), "model.hidden: must be a multiple of 8"),
     "fp8-not-x128": (scenario_dict(model={"hidden": 264, "dispatch_dtype": "fp8"}),
                      "model.hidden: must be a multiple of 128"),
+    "own-rows-ce-expert-major": ({**scenario_dict(model={"layout": "expert_major"}),
+                                  "backend_options": {"epbench": {"own_rows": "ce"}}},
+                                 "epbench.own_rows=ce needs model.layout rank_major"),
 }
 
 
@@ -86,6 +89,19 @@ def test_several_nodes_need_the_multi_node_flags(write_scenario, tmp_path):
         "no-file"])
 def test_bad_options(args, needles, tmp_path):
     assert_one_line_error(epbench_here(*args, "--results", tmp_path / "res"), *needles)
+    assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
+
+
+@pytest.mark.parametrize("model, needle", [({"layout": "expert_major"}, "needs model.layout rank_major"),
+                                            ({"dispatch_dtype": "mxfp8", "quantize": "fused"},
+                                             "needs model.quantize before")])
+def test_own_rows_ce_refused_where_a_copy_cannot_serve(model, needle, write_scenario, tmp_path):
+    """own_rows=ce from --option (or EPBENCH_OWN_ROWS) against the scenario's payload: exit 2 in one line before any
+    rank starts, and only where the epbench backend is asked for."""
+    path = write_scenario("ce", scenario_dict(model=model))
+    assert_one_line_error(epbench_here("run", path, "--backends", "reference,epbench", "--option",
+                                       "epbench.own_rows=ce", "--results", tmp_path / "res"),
+                          str(path), needle)
     assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
 
 

@@ -157,3 +157,22 @@ def test_a_library_built_from_older_sources_is_one_line_saying_rebuild(tmp_path,
     monkeypatch.setattr(ctypes, "CDLL", lambda path: Old())
     with pytest.raises(RuntimeError, match=r"libold.so is out of date \(undefined symbol: ep_new\); rebuild with `make build`"):
         cuda_lib.open_library(lib, "not built", lambda lib: lib.ep_new)
+
+
+def test_config_struct_and_region_ids_match_the_c_api_header():
+    """EpConfig is handed to ep_create by address: a field missing on either side (own_rows came last) shifts
+    every later one. The region ids name the buffers Python views, RECV_KEY (own_rows ce) included."""
+    import re
+    from pathlib import Path
+
+    from epbench import cuda_lib
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "api.h").read_text()
+    header = re.sub(r"//[^\n]*", "", header)
+    struct = re.search(r"typedef struct ep_config \{(.*?)\} ep_config;", header, re.S).group(1)
+    assert [f for f, _ in cuda_lib.EpConfig._fields_] == re.findall(r"(?:int|double) (\w+);", struct)
+    values = {name: int(v) for name, v in re.findall(r"\b(EP_[A-Z0-9_]+)\s*=\s*(\d+)", header)}
+    for name in ("RECV_X", "RECV_SCALES", "RECV_IDX", "RECV_W", "COMBINE_IN", "OUT", "NUM_RECV", "EXPERT_COUNTS",
+                 "DEBUG_STAMPS", "EM_OFFSETS", "EM_NUM_SLOTS", "RECV_KEY"):
+        assert values["EP_" + name] == getattr(cuda_lib, name), name
+    assert cuda_lib.OWN_ROWS == {"sm": 0, "ce": 1}

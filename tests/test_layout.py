@@ -5,8 +5,11 @@ import pytest
 import torch
 
 from epbench import layout, metrics, scenario
+from epbench.contract import DispatchInput, DispatchOutput
 from epbench.errors import UserError
-from epbench.routing import RankRouting
+from epbench.routing import RankRouting, dest_mask, route_rank
+from epbench.scenario import Routing
+from epbench.verify import check_dispatch
 from support import scenario_dict
 
 # received rows of rank 1 (experts 3, 4, 5 of a world with 3 experts per rank), by (source, token)
@@ -143,3 +146,80 @@ def test_local_expert_counts_match_bincount_and_never_read_back():
 
     src = inspect.getsource(layout.local_expert_counts).split('"""')[-1]
     assert not any(word in src for word in ("bincount", ".item(", ".tolist(", "nonzero"))
+
+
+# ---- own rows first (the epbench backend's own_rows=ce) ----
+
+def _own_first_buffers(inputs, rank, experts_per_rank, shift_own=True):
+    """What rank ``rank``'s receive buffer holds with the own rows first, built from the offsets every source
+    computes (layout.own_first_offsets), as the kernels and the copy engine fill it: its own x, ids and weights
+    verbatim at rows [0, T), each peer's routed rows packed at that peer's offset; every other row poisoned.
+    ``shift_own=False`` places the peers as if the own rows were packed (the sm layout's offsets): wrong."""
+    world = len(inputs)
+    dests = [dest_mask(inp.topk_idx, experts_per_rank, world) for inp in inputs]
+    keys = layout.own_first_keys(dests, rank)
+    n, h, k = int(keys.numel()), inputs[0].x.shape[1], inputs[0].topk_idx.shape[1]
+    x = torch.full((n + 3, h), float("nan"), dtype=torch.bfloat16)
+    idx = torch.full((n + 3, k), -7, dtype=torch.int64)
+    w = torch.full((n + 3, k), float("nan"))
+    t_own = inputs[rank].num_tokens
+    x[:t_own], idx[:t_own], w[:t_own] = inputs[rank].x, inputs[rank].topk_idx, inputs[rank].topk_weights
+    for s, inp in enumerate(inputs):
+        if s == rank:
+            continue
+        base = int(layout.own_first_offsets(dests, s)[rank]) - (0 if shift_own else t_own)
+        rows = dests[s][:, rank].nonzero().flatten()
+        x[base: base + rows.numel()] = inp.x[rows]
+        idx[base: base + rows.numel()] = inp.topk_idx[rows]
+        w[base: base + rows.numel()] = inp.topk_weights[rows]
+    counts = torch.zeros(experts_per_rank, dtype=torch.int64)
+    for inp in inputs:
+        local = inp.topk_idx - rank * experts_per_rank
+        counts += torch.bincount(local[(local >= 0) & (local < experts_per_rank)], minlength=experts_per_rank)
+    return DispatchOutput(x, None, idx, w, counts, torch.tensor(n), row_key=keys)
+
+
+def _inputs(tokens, world, experts_per_rank, topk, seed):
+    out = []
+    for r, t in enumerate(tokens):
+        rt = route_rank(Routing(kind="uniform", seed=seed), t, topk, world * experts_per_rank, r)
+        g = torch.Generator().manual_seed(seed * 10 + r)
+        out.append(DispatchInput(torch.randn(t, 64, generator=g).to(torch.bfloat16), None, rt.topk_idx,
+                                 rt.topk_weights))
+    return out
+
+
+def test_own_rows_first_offsets_and_keys_by_hand():
+    # rank 0: t0 -> ranks 0, 1; t1 -> 1; t2 -> 0. rank 1: t0 -> 0, 1; t1 -> 0
+    dests = [torch.tensor([[1, 1], [0, 1], [1, 0]], dtype=torch.bool), torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)]
+    assert layout.own_first_offsets(dests, 0).tolist() == [0, 2]  # rank 1's own 2 rows first
+    assert layout.own_first_offsets(dests, 1).tolist() == [3, 0]
+    one = 1 << layout.KEY_SHIFT
+    assert layout.own_first_keys(dests, 0).tolist() == [0, -1, 2, one, one + 1]  # t1 of rank 0: padding
+    assert layout.own_first_keys(dests, 1).tolist() == [one, -1, 0, 1]
+
+
+def test_own_rows_first_counts_only_other_sources_before_me():
+    # 3 ranks, every token everywhere: rank 2's rows on rank 1 follow rank 1's own 4 and rank 0's 5
+    dests = [torch.ones(t, 3, dtype=torch.bool) for t in (5, 4, 3)]
+    assert layout.own_first_offsets(dests, 2).tolist() == [4 + 5, 5 + 4, 0]
+    assert layout.own_first_offsets(dests, 0).tolist() == [0, 4, 3]
+    assert layout.own_first_keys(dests, 1).numel() == 4 + 5 + 3  # num_recv = T_1 + every peer's rows
+
+
+@pytest.mark.parametrize("tokens", [(40, 0, 17), (1, 33), (0, 0), (25, 25, 25, 25)])
+def test_own_rows_first_layout_verifies_in_source_order(tokens):
+    """The layout with its padding, put in the contract's order by row_key (verify.in_source_order), passes the
+    bit-exact dispatch check on every rank; peers placed at the sm layout's offsets do not."""
+    world, e = len(tokens), 4
+    inputs = _inputs(tokens, world, e, topk=3, seed=sum(tokens) + world)
+    for rank in range(world):
+        out = _own_first_buffers(inputs, rank, e)
+        assert int(out.num_recv) == tokens[rank] + sum(
+            int(dest_mask(inputs[s].topk_idx, e, world)[:, rank].sum()) for s in range(world) if s != rank)
+        res = check_dispatch(out, rank, world, e, lambda s: inputs[s])
+        assert res.wrong == 0, res.first_problem
+        if tokens[rank] and any(t for s, t in enumerate(tokens) if s != rank):
+            bad = check_dispatch(_own_first_buffers(inputs, rank, e, shift_own=False), rank, world, e,
+                                 lambda s: inputs[s])
+            assert bad.wrong > 0

@@ -6,7 +6,7 @@ import torch
 
 from support import scenario_dict
 from epbench import metrics
-from epbench.routing import Traffic, route_all, traffic
+from epbench.routing import RankRouting, Traffic, route_all, traffic
 from epbench.metrics import PointRecord, counter_reference_bytes, measured_columns, summarize
 from epbench.scenario import parse
 
@@ -79,6 +79,20 @@ def test_busbw_over_algbw_is_smaller_for_sparse_routing():
     t = traffic(route_all(s), 4, 4, hierarchical=False)
     b = metrics.rank_bytes(t, "dispatch", 2)
     assert float(b["nvlink"].sum()) / float(b["algo"].sum()) < 3 / 4
+
+
+def test_own_rows_and_padding_count_as_local_copies_only():
+    """epbench's own_rows=ce leaves a padding row for every own token not routed to its own rank: the byte counts
+    come from the routing, so a rank's own copies are in algbw (received) and never in busbw (nothing left the
+    GPU), and a token that skips its own rank adds nothing anywhere."""
+    world, e = 2, 4
+    skip = RankRouting(torch.tensor([[4, 5], [0, 4]]), torch.full((2, 2), 0.5))  # rank 0: t0 only to rank 1
+    peer = RankRouting(torch.tensor([[4, 6], [5, 7]]), torch.full((2, 2), 0.5))  # rank 1: both own, none to 0
+    t = traffic([skip, peer], e, world, hierarchical=False)
+    b = metrics.rank_bytes(t, "dispatch", 10)
+    assert b["algo"].tolist() == [10, 40]  # rank 0 receives its own t1; rank 1 both of 0's and its own 2
+    assert b["nvlink"].tolist() == [20, 0]  # only rank 0's two rows to rank 1 cross a link
+    assert metrics.rank_bytes(t, "combine", 10)["nvlink"].tolist() == [0, 20]
 
 
 def rows(op, times, algbw, wrong=(0, 0, 0), nic=None):

@@ -87,3 +87,37 @@ def test_a_bad_option_is_one_line_and_exit_2(tmp_path) -> None:
                      "--results", str(tmp_path))
     assert r.code == 2
     assert_one_line_error(r, "dispatch_impl: must be one of lean_dyn, lean")
+
+
+def test_own_rows_defaults_to_sm_and_takes_ce_from_the_cli_or_the_environment() -> None:
+    assert options.resolve("epbench", {}, environ={})["own_rows"] == "sm"
+    assert options.parse_cli(["own_rows=ce"]) == {"epbench": {"own_rows": "ce"}}
+    assert options.resolve("epbench", {}, environ={"EPBENCH_OWN_ROWS": "ce"})["own_rows"] == "ce"
+    with pytest.raises(UserError, match=r"own_rows: must be one of sm, ce, got 'tma'"):
+        options.validate({"epbench": {"own_rows": "tma"}})
+
+
+@pytest.mark.parametrize("layout,quantize,match", [
+    ("expert_major", "before", r"^s.yaml: epbench\.own_rows=ce needs model\.layout rank_major \(got expert_major\)"),
+    ("rank_major", "fused", r"^s.yaml: epbench\.own_rows=ce needs model\.quantize before \(got fused\)"),
+])
+def test_own_rows_ce_is_refused_in_one_line_where_a_copy_cannot_serve(layout, quantize, match) -> None:
+    given = {"epbench": {"own_rows": "ce"}}
+    with pytest.raises(UserError, match=match) as e:
+        options.check_payload(given, layout, quantize, "s.yaml", environ={})
+    assert "\n" not in str(e.value) and e.value.exit_code == 2
+    with pytest.raises(UserError, match="own_rows=ce"):  # the environment counts where it is weighed
+        options.check_payload({}, layout, quantize, "s.yaml", environ={"EPBENCH_OWN_ROWS": "ce"})
+    options.check_payload({}, layout, quantize, "s.yaml", environ={})  # sm serves every payload
+    options.check_payload(given, "rank_major", "before", "s.yaml", environ={})
+
+
+def test_scenario_file_with_own_rows_ce_and_expert_major_is_refused() -> None:
+    data = {"model": {"hidden": 256, "tokens_per_rank": 16, "topk": 4, "experts_per_rank": 4,
+                      "dispatch_dtype": "bf16", "layout": "expert_major"},
+            "topology": {"nodes": 1, "gpus_per_node": 2},
+            "backend_options": {"epbench": {"own_rows": "ce"}}}
+    with pytest.raises(UserError, match=r"^f.yaml: backend_options: epbench\.own_rows=ce needs model\.layout"):
+        scenario.parse(data, "f.yaml")
+    data["model"]["layout"] = "rank_major"
+    assert scenario.parse(data, "f.yaml").backend_options == {"epbench": {"own_rows": "ce"}}

@@ -10,7 +10,7 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are backend options (epbench/options.py, ``SCHEMAS["epbench"]``:
 dispatch_impl lean_dyn | lean, dispatch_warps, notify_impl grid | staged, combine_warps, combine_stages,
-combine_chunk), given to the constructor; the driver resolves them from the scenario, ``--option`` and
+combine_chunk, own_rows sm | ce), given to the constructor; the driver resolves them from the scenario, ``--option`` and
 the environment. ``effective_config()`` reads back what the library launched (csrc/api.h ep_effective),
 after the combine's clamp of its warps to the stages that fit and the notify's fallback to ``direct``.
 Payloads: bf16, fp8 (f32 scale per 128 elements) and mxfp8 (E8M0 byte per 32, epbench/mxfp8.py), the
@@ -23,6 +23,15 @@ so the link carries mxfp8 rows and the receivers get e4m3 ``x`` and uint8 ``x_sc
 copies made by the receiver in the same kernel); combine sums each row's experts on the receiver inside the
 combine kernel (csrc/dispatch.cu, combine.cu; notes/KERNELS.md, expert-major). The segment table stays on
 the device (``DispatchOutput.expert_major``).
+``own_rows=ce`` (default ``sm``; rank-major and quantize before only, epbench/options.py check_payload): a rank's
+own rows are not stored by the dispatch kernel's SMs. Its receive buffer starts with its own tokens by index, rows
+[0, T) = x, x_scales, topk_idx and topk_weights as handed in, copied by the copy engine (``copy_`` of contiguous
+tensors on one device is a cudaMemcpyAsync) on a side stream forked from the caller's stream before the notify
+kernel and joined after the dispatch kernel (events: graph-capturable); the peers' packed rows follow (the notify
+kernel shifts its offsets by T). A token not routed to its own rank leaves a padding row, marked -1 in ``row_key``
+(``DispatchOutput.row_key``: source rank << 32 | source token, written by the kernels; epbench/layout.py
+own_first_keys), and ``num_recv`` = T + the peers' rows. Combine reads token t's own row at row t.
+Notes: notes/LATENCY-NEXT.md section 3 (Plan A).
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
 """
@@ -82,6 +91,43 @@ class _Handle:
     out: torch.Tensor  # rows [0, T) of the combine output buffer
 
 
+def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[str, Any]:
+    """Every option of schema ``key`` (given > environment > default), each given value parsed; UserError for a
+    bad value or for own_rows=ce with a payload it cannot serve (options.check_payload)."""
+    schema = options.SCHEMAS[key]
+    resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
+    options.check_payload({"epbench": {"own_rows": resolved["own_rows"]}}, setup.layout, setup.quantize,
+                          "epbench backend")
+    return resolved
+
+
+class _OwnRowsCopy:
+    """own_rows ce: copies on a side stream between two events of the caller's stream. ``fork`` records the
+    caller's current stream, makes the side stream wait for it and queues each (destination, source) copy there
+    (``copy_`` of contiguous tensors of one dtype on one device is a cudaMemcpyAsync: the copy engine; a pair
+    with a None source is skipped); ``join`` makes the caller's stream wait for the copies. Both are legal while
+    a graph is being captured (the side stream joins the capture through the event)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+        self.forked, self.done = torch.cuda.Event(), torch.cuda.Event()
+        self.caller: Optional[torch.cuda.Stream] = None
+
+    def fork(self, pairs: Any) -> None:
+        self.caller = torch.cuda.current_stream(self.device)
+        self.forked.record(self.caller)
+        self.side.wait_event(self.forked)
+        with torch.cuda.stream(self.side):
+            for dst, src in pairs:
+                if src is not None:
+                    dst.copy_(src)
+        self.done.record(self.side)
+
+    def join(self) -> None:
+        self.caller.wait_event(self.done)
+
+
 def intranode_reason(setup: RankSetup) -> Optional[str]:
     """Why epbench's intranode kernels (normal or low-latency) cannot run for ``setup``, or None."""
     if setup.device.type != "cuda" or not torch.cuda.is_available():
@@ -111,6 +157,7 @@ class EpbenchBackend(NormalMode):
     dtypes = ("bf16", "fp8", "mxfp8")
     quantize_modes = ("before", "fused")  # fused: mxfp8 only (unavailable_reason)
     layouts = ("rank_major", "expert_major")
+    own_rows = "sm"  # backend option own_rows (set per instance; the module docstring says what ce changes)
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -124,18 +171,18 @@ class EpbenchBackend(NormalMode):
     def __init__(self, setup: RankSetup, *, dispatch_impl: Optional[str] = None,
                  dispatch_warps: Optional[int] = None, notify_impl: Optional[str] = None,
                  combine_warps: Optional[int] = None, combine_stages: Optional[int] = None,
-                 combine_chunk: Optional[int] = None) -> None:
+                 combine_chunk: Optional[int] = None, own_rows: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
         self.s = setup
         given = {k: v for k, v in (("dispatch_impl", dispatch_impl), ("dispatch_warps", dispatch_warps),
                                    ("notify_impl", notify_impl), ("combine_warps", combine_warps),
-                                   ("combine_stages", combine_stages), ("combine_chunk", combine_chunk))
+                                   ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
+                                   ("own_rows", own_rows))
                  if v is not None}
-        schema = options.SCHEMAS[self.options_key]
-        resolved = {k: schema[k].parse(v, k) if k in given else v
-                    for k, v in options.resolve(self.options_key, given).items()}  # a bad value: UserError
+        resolved = resolve_options(self.options_key, given, setup)
+        self.own_rows = resolved["own_rows"]
         self.dispatch_impl = resolved["dispatch_impl"]
         self.dispatch_warps = resolved["dispatch_warps"]
         self.combine_warps = resolved["combine_warps"]
@@ -149,7 +196,7 @@ class EpbenchBackend(NormalMode):
         cfg = cuda_lib.EpConfig(setup.rank, setup.world, self.device.index, setup.hidden,
                                 setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
                                 int(self.fp8), float(setup.timeout_s), int(self.mxfp8), int(self.fused),
-                                self.em_align)
+                                self.em_align, cuda_lib.OWN_ROWS[self.own_rows])
         self._ctx = ctypes.c_void_p()
         cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
         self._open_peers()
@@ -167,6 +214,8 @@ class EpbenchBackend(NormalMode):
         self._checked: Optional[tuple] = None  # tensors of the last input that passed _check_input
         self._out_ptr = self.out.data_ptr()
         self._out_t, self._out_view = setup.max_tokens_per_rank, self.out
+        self._own_copy: Optional[_OwnRowsCopy] = _OwnRowsCopy(self.device) if self.own_rows == "ce" else None
+        self._own_t, self._own_dst = -1, ()  # own_rows ce: rows [0, T) of each receive buffer, made once per T
 
     # ---- set-up ----
     def _open_peers(self) -> None:
@@ -191,6 +240,8 @@ class EpbenchBackend(NormalMode):
         self.recv_idx = self._region(cuda_lib.RECV_IDX).view(torch.int64).view(cap, k)
         self.recv_w = self._region(cuda_lib.RECV_W).view(torch.float32).view(cap, k)
         self.combine_in = self._region(cuda_lib.COMBINE_IN).view(torch.bfloat16).view(rows, h)
+        # own_rows ce: each row's source rank << 32 | source token, -1 for padding (None with own_rows sm)
+        self.recv_key = self._region(cuda_lib.RECV_KEY).view(torch.int64).view(cap) if self.own_rows == "ce" else None
 
         self.out = self._region(cuda_lib.OUT).view(torch.bfloat16).view(s.max_tokens_per_rank, h)
         self.num_recv = self._region(cuda_lib.NUM_RECV).view(torch.int64).view(())
@@ -230,8 +281,8 @@ class EpbenchBackend(NormalMode):
             return {"dispatch_impl": self._impl, "dispatch_warps": self.dispatch_warps,
                     "notify_impl": self.notify_impl, "combine_warps": self.combine_warps,
                     "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk,
-                    "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize}
-        return cuda_lib.decode_effective(eff)
+                    "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize, "own_rows": self.own_rows}
+        return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows}  # fixed at ep_create: no fallback
 
     def set_debug_stamps(self, on: bool) -> None:
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""
@@ -257,16 +308,29 @@ class EpbenchBackend(NormalMode):
             self._out_t, self._out_view = t, self.out[:t]
         x_ptr = x.data_ptr()
         self._dispatch_epoch += 1
+        own = self._own_copy
+        if own is not None and t:  # before the notify kernel, on the side stream
+            own.fork(zip(self._own_rows_dst(t), (x, inp.x_scales, idx, w)))
         rc = self._lib.ep_dispatch(
             self._ctx, x_ptr, inp.x_scales.data_ptr() if self._scales_in else None, idx.data_ptr(),
             w.data_ptr(), t, num_sms, self._impl_code, self.dispatch_warps, self._dispatch_epoch, self._stream())
+        if own is not None and t:
+            own.join()  # also after a failed launch: the side stream never stays forked
         if rc:
             cuda_lib.check(rc, "dispatch")
         if self._timed_out.value:
             self._raise_if_timed_out()
         handle = _Handle(t, idx, w, self._dispatch_epoch, self._out_view)
         return DispatchOutput(self.recv_x, self.recv_scales, self.recv_idx, self.recv_w,
-                              self.expert_counts, self.num_recv, handle, self.em_table)
+                              self.expert_counts, self.num_recv, handle, self.em_table, row_key=self.recv_key)
+
+    def _own_rows_dst(self, t: int) -> tuple:
+        """own_rows ce: rows [0, t) of recv_x, recv_scales (None without scales), recv_idx and recv_w, in the
+        order of the dispatch input's x, x_scales, topk_idx, topk_weights (views made once per t)."""
+        if t != self._own_t:
+            scales = self.recv_scales[:t] if self._scales_in else None
+            self._own_t, self._own_dst = t, (self.recv_x[:t], scales, self.recv_idx[:t], self.recv_w[:t])
+        return self._own_dst
 
     def _combine_warps_for(self, num_sms: int) -> int:
         """combine_warps, or with 0 the measured rule (notes/KERNELS.md v12): the combine is bound by
@@ -306,6 +370,8 @@ class EpbenchBackend(NormalMode):
 
     def poison(self) -> None:
         poison_dispatch_outputs(self)
+        if self.recv_key is not None:  # a key no kernel wrote reads as a row nobody sent, never as padding
+            self.recv_key.fill_(torch.iinfo(torch.int64).max)
         if self.em_table is not None:
             self.em_table.offsets.fill_(-1)
             self.em_table.num_slots.fill_(-1)

@@ -1,11 +1,13 @@
 """Multi-rank worker for the epbench kernels, started by torchrun (one process per GPU).
 
-    torchrun --nproc_per_node 4 tests/gpu/ep_worker.py check [--quick]
+    torchrun --nproc_per_node 4 tests/gpu/ep_worker.py check [--quick] [--own-rows ce]
     torchrun --nproc_per_node 4 tests/gpu/ep_worker.py bench [--sms 8,16,24,32] [--out DIR]
 
 check: every edge case of the backend interface against epbench.verify (bit-exact dispatch,
 combine within its tolerance), fresh random inputs and poisoned outputs each time, both
-dispatch implementations, then a deliberate missing peer that must raise, not hang.
+dispatch implementations, then a deliberate missing peer that must raise, not hang. --own-rows ce: the
+backend's own_rows=ce (own rows by the copy engine, token-indexed, padding keyed -1) on the cases it serves
+(rank-major, quantize before), each also checked row by row against epbench/layout.py own_first_keys.
 bench: the h200x4 and DeepSeek-V3 shapes, bf16 and fp8, dispatch variants x SM counts;
 median of the per-call CUDA-event times, slowest rank; prints a table last.
 Exit code 0 only if every check passed. The GPU tests run several checks in one launch through
@@ -34,6 +36,7 @@ from epbench.launch import init_distributed  # noqa: E402
 from epbench.contract import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_kernels import EpbenchBackend  # noqa: E402
 from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input  # noqa: E402
+from epbench.layout import own_first_keys  # noqa: E402
 from epbench.metrics import row_bytes  # noqa: E402
 from epbench.routing import RankRouting, dest_mask, route_rank  # noqa: E402
 from epbench.scenario import Routing  # noqa: E402
@@ -111,6 +114,11 @@ def check_case(be: EpbenchBackend, case: Case, rank: int, world: int, device: to
     d = check_dispatch(out, rank, world, case.experts_per_rank, input_of,
                        source_of=source_of if case.dtype != "bf16" else None)
     n = int(out.num_recv)
+    if be.own_rows == "ce":  # the exact layout: own rows by token index, padding -1, the peers packed after
+        want = own_first_keys([dest_mask(r.topk_idx, case.experts_per_rank, world) for r in routings], rank)
+        got = out.row_key[:n].cpu() if n == want.numel() else None
+        wrong = int(want.numel()) if got is None else int((got != want).sum())
+        d.add(wrong, f"own_rows ce: row keys or num_recv ({n}) differ from layout.own_first_keys ({want.numel()})")
     y = be.combine_input(out)
     em = out.expert_major
     if em is not None:  # one stand-in expert per local expert, every valid slot filled (padding stays NaN)
@@ -197,9 +205,11 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
              and (c.name in EM) == bool(args.expert_major)]
     # a case routes each token to topk distinct experts: a world too small for that has no such routing
     cases = [c for c in cases if c.topk <= world * c.experts_per_rank]
+    if args.own_rows == "ce":  # what a copy can serve: rank-major rows, quantized before (if at all)
+        cases = [c for c in cases if not c.align and c.quantize == "before"]
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
     for case in cases:
-        be = EpbenchBackend(make_setup(case, rank, world, device))
+        be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -355,7 +365,7 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     for shape in SHAPES:
         for dtype in ("bf16", "fp8"):
             case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, dtype)
-            be = EpbenchBackend(make_setup(case, rank, world, device))
+            be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows)
             routing = rank_routing(case, rank, world, seed=3)
             x = make_tokens(routing.num_tokens, case.hidden, 7, rank, 99, device)
             inp = dispatch_input(x, routing, dtype, device)
@@ -429,6 +439,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--notify", default=None,
                     help="notify kernel variants to bench (grid,staged), check: the first (default: the backend's)")
     ap.add_argument("--stamps", type=int, default=0, help="extra calls with per-phase debug stamps (0: none)")
+    ap.add_argument("--own-rows", default="sm", choices=["sm", "ce"],
+                    help="the backend's own_rows: sm (kernels store own rows) or ce (copy engine; check: the "
+                         "rank-major, quantize-before cases only)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)

@@ -30,12 +30,22 @@ def expert_major_flags(nproc: int) -> list:
             "lean_dyn:16:8,lean:16:3,lean_dyn:32:16"]
 
 
+def own_rows_ce_flags(nproc: int) -> list:
+    """own_rows=ce on every case it serves (rank-major; bf16, fp8, mxfp8 before), both dispatch kernels."""
+    return ["--own-rows", "ce", *(["--quick"] if shared(nproc) else []), "--impls",
+            "lean_dyn:16:8,lean:16:3" if shared(nproc) else "lean_dyn:16:8,lean:16:3,lean:32:5,lean_dyn:16:24"]
+
+
+# the one-block notify (staged) writes the own rows' slots and keys on its own path
+OWN_ROWS_CE_STAGED = ["--own-rows", "ce", "--quick", "--notify", "staged", "--impls", "lean:16:8,lean_dyn:16:3"]
+
 # world size -> the suites of this module its launch runs (name -> ep_worker check flags)
 SUITES = {
-    1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1)},
-    2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2)},
+    1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1), "own-rows-ce": own_rows_ce_flags(1)},
+    2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
+        "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3)},
-    4: {"defaults": ["--quick"] if shared(4) else []},
+    4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4)},
 }
 for _world, _suites in SUITES.items():
     for _name, _flags in _suites.items():
@@ -74,3 +84,17 @@ def test_expert_major_matches_verification(kernels_built: None, nproc: int) -> N
     epbench/layout.py, and the per-expert weighted combine; both dispatch kernels, outputs poisoned before each."""
     out = assert_suite(nproc, "expert-major")
     assert "em128 mxfp8 fused" in out
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_own_rows_ce_matches_verification(kernels_built: None, nproc: int) -> None:
+    """own_rows=ce (issue 34 target 3, Plan A): own rows copied by the copy engine to their token index, padding
+    keyed -1, the peers' rows after them; bit-exact through verify.in_source_order, row keys and num_recv exactly
+    as epbench/layout.py own_first_keys, and the combine reading each own row at its token; bf16, fp8 and mxfp8
+    before, a rank with 0 tokens, every token to one rank (the others' own segments all padding), 4095 tokens.
+    On 1 rank every row is an own row (the kernels store none); on 2 ranks also with the one-block (staged)
+    notify."""
+    out = assert_suite(nproc, "own-rows-ce")
+    assert "fp8" in out
+    if nproc == 2:
+        assert_suite(2, "own-rows-ce-staged")
