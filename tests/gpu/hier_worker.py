@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ep_worker import (CHECK_CASES, QUICK, Case, all_sum, check_case, expect_missing_peer,  # noqa: E402
                        make_setup, rank_routing)
-from suite_worker import suite_line  # noqa: E402
 
 from epbench.launch import init_distributed  # noqa: E402
 from epbench.backends.epbench_hier import EpbenchHierBackend  # noqa: E402
@@ -59,6 +58,13 @@ HEAP = 6 << 30  # symmetric heap for the largest case (h8192, 4096 tokens, 4 ran
 # refused on those ranks until 2026-11-26 (the others then timed out in the count exchange); in --quick too
 HIER_CASES = [Case("fp8 rank with 0 tokens", 2048, [64, 0, 100, 0], 6, 4, "fp8")]
 KIND = "hier"  # the kind of this worker's suite arguments (KIND:NAME=FLAGS, as tests/gpu/suite_worker.py's)
+
+
+def suite_line(name: str, world: int, failed: List[str]) -> str:
+    """tests/gpu/suite_worker.py's suite line, which gpu_launch.SuiteLaunches reads (written out here:
+    importing suite_worker would add ll_worker and pandas, about a second, to every rank's start)."""
+    verdict = "PASS" if not failed else f"FAIL: {len(failed)} failed: " + "; ".join(failed[:20])
+    return f"suite {name} world={world}: {verdict}"
 
 
 def hier_setup(case: Case, rank: int, world: int, g: int, device: torch.device, timeout_s: float = 10.0):
