@@ -1,6 +1,8 @@
 """Multi-rank worker for the hierarchical kernels (backend epbench-hier), started by torchrun.
 
     torchrun --nproc_per_node 4 tests/gpu/hier_worker.py check [--gpus-per-node 2] [--transport auto|put|direct] [--quick]
+    torchrun --nproc_per_node 4 tests/gpu/hier_worker.py "hier:g2-auto=--gpus-per-node 2 --transport auto" \
+        "hier:g1-put-quick=--gpus-per-node 1 --transport put --quick" ...
 
 check: the intranode edge cases (tests/gpu/ep_worker.py's CHECK_CASES) plus every token to one
 node and HIER_CASES (below), as virtual nodes of --gpus-per-node GPUs, against epbench.verify (bit-exact dispatch,
@@ -9,6 +11,18 @@ counts and two shares of sending blocks, over the given transport between nodes 
 put-with-signal, the network path; direct: in-place stores where NVLink reaches; auto: put for
 dispatch, direct for combine); then a missing peer
 that must raise naming it, not hang.
+
+Suites (the GPU tests, tests/gpu/test_epbench_hier.py, through gpu_launch.SuiteLaunches): each argument
+hier:NAME=FLAGS is one check's case list with those check flags, run in turn in one process (one
+NVSHMEM start, one process group), with a backend made and closed per case as in check. One process
+serves every gpus_per_node: NVSHMEM starts once per (rank, world, device) (nvshmem_lib.ensure_initialised)
+and gpus_per_node is only the context's (eph_create: node, local rank, peer pointers, buffer sizes,
+all freed by eph_destroy). Each suite ends with tests/gpu/suite_worker.py's line, `suite NAME world=W:
+PASS` or `... FAIL: n failed: <the failed cases>`; after every suite, the missing peer once per
+gpus_per_node used: `missing peer world=W gpus_per_node=G: PASS`. It is one check per gpus_per_node,
+not per suite: it uses the default transport whatever the suite's, and the ranks give up in the count
+exchange, which every transport does by put-with-signal before any row moves; it comes last because
+it leaves kernels that gave up.
 Exit code 0 only if every check passed.
 """
 
@@ -16,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +57,14 @@ HEAP = 6 << 30  # symmetric heap for the largest case (h8192, 4096 tokens, 4 ran
 # beside ep_worker's cases: fp8 with ranks of 0 tokens (empty scale tensors, data_ptr() 0), which eph_dispatch
 # refused on those ranks until 2026-11-26 (the others then timed out in the count exchange); in --quick too
 HIER_CASES = [Case("fp8 rank with 0 tokens", 2048, [64, 0, 100, 0], 6, 4, "fp8")]
+KIND = "hier"  # the kind of this worker's suite arguments (KIND:NAME=FLAGS, as tests/gpu/suite_worker.py's)
+
+
+def suite_line(name: str, world: int, failed: List[str]) -> str:
+    """tests/gpu/suite_worker.py's suite line, which gpu_launch.SuiteLaunches reads (written out here:
+    importing suite_worker would add ll_worker and pandas, about a second, to every rank's start)."""
+    verdict = "PASS" if not failed else f"FAIL: {len(failed)} failed: " + "; ".join(failed[:20])
+    return f"suite {name} world={world}: {verdict}"
 
 
 def hier_setup(case: Case, rank: int, world: int, g: int, device: torch.device, timeout_s: float = 10.0):
@@ -48,14 +72,25 @@ def hier_setup(case: Case, rank: int, world: int, g: int, device: torch.device, 
     return replace(make_setup(case, rank, world, device, timeout_s), gpus_per_node=g)
 
 
-def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
-    g = args.gpus_per_node
-    failures = 0
+def cases_of(args: argparse.Namespace) -> List[Case]:
+    """The cases check runs with these flags: ep_worker's that the backend takes (--quick: the quick
+    ones), then HIER_CASES."""
     cases = [c for c in CHECK_CASES if (not args.quick or c.name in QUICK)
              and c.dtype in EpbenchHierBackend.dtypes and c.quantize in EpbenchHierBackend.quantize_modes]
-    cases += HIER_CASES
-    for case in cases:
+    return cases + HIER_CASES
+
+
+def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> List[str]:
+    """Every case of ``args`` at each point, twice; returns the failed ones as 'case sms=N share=S
+    rep R' (the same list on every rank)."""
+    g = args.gpus_per_node
+    failed: List[str] = []
+    for case in cases_of(args):
         be = EpbenchHierBackend(hier_setup(case, rank, world, g, device), transport=args.transport)
+        # ep_worker.check_case reads the backend's own_rows (the epbench backend's option, 19b9315) and
+        # checks the own-rows-first layout where it is "ce"; epbench-hier has no such option or layout
+        # (without this every case raised AttributeError, not a RuntimeError, and ended the launch)
+        be.own_rows = "sm"
         lines = []
         for sms, share in POINTS:
             be.send_share = share
@@ -66,7 +101,8 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 except RuntimeError as e:
                     r = {"dispatch_wrong": -1, "combine_wrong": -1, "problem": str(e), "num_recv": -1}
                 bad = all_sum(int(r["dispatch_wrong"] != 0) + int(r["combine_wrong"] != 0), device)
-                failures += bad
+                if bad:
+                    failed.append(f"{case.name} sms={sms} share={share} rep {rep}")
                 others = other_problems(r["problem"], world) if bad else ""
                 if rank == 0 and (bad or rep == 0):
                     lines.append(f"{'FAIL' if bad else 'ok  '} {case.name:<28} sms={sms:<3} share={share} "
@@ -75,6 +111,12 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
         be.close()
         if rank == 0:
             print("\n".join(lines), flush=True)
+    return failed
+
+
+def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    g = args.gpus_per_node
+    failures = len(check_cases(args, rank, world, device))
     failures += check_timeout(rank, world, g, device)
     if rank == 0:
         print(f"hier check world={world} gpus_per_node={g} transport={args.transport}: "
@@ -100,22 +142,75 @@ def check_timeout(rank: int, world: int, g: int, device: torch.device) -> int:
     return expect_missing_peer(be, lambda: be.dispatch(inp, 4), rank, world, device)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["check"])
     ap.add_argument("--gpus-per-node", type=int, default=2)
     ap.add_argument("--transport", choices=["auto", "put", "direct"], default="auto")
     ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_spec(spec: str) -> Tuple[str, argparse.Namespace]:
+    """'hier:NAME=FLAGS' -> (name, FLAGS parsed as check's flags)."""
+    head, sep, flags = spec.partition("=")
+    kind, colon, name = head.partition(":")
+    if not sep or not colon or not name or kind != KIND:
+        raise SystemExit(f"a suite is {KIND}:NAME=FLAGS (FLAGS: check's options), got {spec!r}")
+    return name, parser().parse_args(["check", *shlex.split(flags)])
+
+
+def seconds_since_start() -> float:
+    """Seconds since this process started (Linux /proc; 0.0 elsewhere): the launch's start-up."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def run_suites(specs: List[Tuple[str, argparse.Namespace]], rank: int, world: int, device: torch.device) -> int:
+    """Each suite's cases, its line; then the missing peer once per gpus_per_node (see the top)."""
+    failures, per_node = 0, []
+    if rank == 0:
+        print(f"hier suites world={world}: {len(specs)} suites, started in {seconds_since_start():.1f} s", flush=True)
+    for i, (name, args) in enumerate(specs):
+        t0 = time.monotonic()
+        failed = check_cases(args, rank, world, device)
+        failures += len(failed)
+        if args.gpus_per_node not in per_node:
+            per_node.append(args.gpus_per_node)
+        if rank == 0:  # the timing line first: a test's section is its lines up to its suite line
+            print(f"({name}: {len(cases_of(args))} cases in {time.monotonic() - t0:.1f} s"
+                  f"{', NVSHMEM start included' if i == 0 else ''})", flush=True)
+            print(suite_line(name, world, failed), flush=True)
+    for g in per_node:
+        t0 = time.monotonic()
+        bad = check_timeout(rank, world, g, device)
+        failures += bad
+        if rank == 0:
+            print(f"(missing peer with {g} GPUs per node: {time.monotonic() - t0:.1f} s)", flush=True)
+            print(f"missing peer world={world} gpus_per_node={g}: {'PASS' if not bad else 'FAIL'}", flush=True)
+    return failures
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    single = argv[:1] == ["check"] or not argv  # no argument: check's usage message
+    # every argument checked before the GPUs are touched
+    specs = [("check", parser().parse_args(argv))] if single else [parse_spec(s) for s in argv]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world % args.gpus_per_node:
-        print(f"world {world} is not a multiple of --gpus-per-node {args.gpus_per_node}", file=sys.stderr)
-        return 2
+    for name, args in specs:
+        if world % args.gpus_per_node:
+            print(f"{name}: world {world} is not a multiple of --gpus-per-node {args.gpus_per_node}", file=sys.stderr)
+            return 2
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(HEAP))
     # one GPU per rank where the host has enough, else ranks share them (gloo process group)
     device = init_distributed("cuda").device
     try:
-        failures = run_check(args, rank, world, device)
+        failures = run_check(specs[0][1], rank, world, device) if single else run_suites(specs, rank, world, device)
     finally:
         dist.destroy_process_group()
     return 1 if failures else 0

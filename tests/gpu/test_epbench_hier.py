@@ -1,7 +1,10 @@
 """GPU checks of the hierarchical kernels (backend epbench-hier, issue #5) on virtual nodes of this
-host: torchrun starts tests/gpu/hier_worker.py (every edge case against epbench.verify, and a
-missing peer against the timeout), then the whole pipeline through `epbench run` on the 2 x 2
-virtual-node scenario with the NCCL reference beside it, every point verified."""
+host: one torchrun launch of tests/gpu/hier_worker.py runs every configuration below in turn (every
+edge case against epbench.verify, a backend per case), then a missing peer against the timeout once
+per gpus_per_node (the check does not depend on the transport), in one process group with one
+NVSHMEM start (gpus_per_node is per backend, not per NVSHMEM start); each test reads its own
+configuration's line, so a failure names its failed cases. Then the whole pipeline through `epbench
+run` on the 2 x 2 virtual-node scenario with the NCCL reference beside it, every point verified."""
 
 from __future__ import annotations
 
@@ -11,11 +14,15 @@ from pathlib import Path
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import ROOT, needs_nvshmem_gpus, safe_env, shared, torchrun
+from gpu_launch import ROOT, SuiteLaunches, needs_nvshmem_gpus, safe_env, shared
 
 torch = pytest.importorskip("torch")
 
 WORKER = ROOT / "tests" / "gpu" / "hier_worker.py"
+WORLD = 4
+# (gpus_per_node, transport, quick): every case over the default transport on 2 x 2, the quick ones
+# over each forced transport on 2 x 2 and on 4 x 1
+CONFIGS = [(2, "auto", False), (2, "put", True), (2, "direct", True), (1, "put", True), (1, "direct", True)]
 
 pytestmark = needs_nvshmem_gpus(4)  # 2 virtual nodes x 2
 
@@ -28,14 +35,29 @@ def built() -> None:
         pytest.skip(f"{nvshmem_lib.NOT_BUILT} ({nvshmem_lib.LIB_PATH} is missing)")
 
 
-@pytest.mark.parametrize("gpus_per_node,transport,quick", [(2, "auto", False), (2, "put", True), (2, "direct", True),
-                                                          (1, "put", True), (1, "direct", True)])
-def test_hier_kernels_match_verification(built: None, gpus_per_node: int, transport: str, quick: bool) -> None:
-    r = torchrun(WORKER, 4, "check", "--gpus-per-node", str(gpus_per_node), "--transport", transport,
-                 *(["--quick"] if quick else []))
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    assert "PASS" in r.stdout
-    print(r.stdout.strip().splitlines()[-1])
+def suite_name(gpus_per_node: int, transport: str, quick: bool) -> str:
+    return f"g{gpus_per_node}-{transport}{'-quick' if quick else ''}"
+
+
+@pytest.fixture(scope="module")
+def hier_suites(built: None) -> SuiteLaunches:
+    """The launch of every configuration, run once for this module's tests (it takes about the
+    start-up of one launch plus the cases of all five; the worker prints each suite's seconds)."""
+    launches = SuiteLaunches(WORKER)
+    for g, transport, quick in CONFIGS:
+        launches.add(WORLD, "hier", suite_name(g, transport, quick),
+                     ["--gpus-per-node", str(g), "--transport", transport, *(["--quick"] if quick else [])])
+    launches.launch(WORLD)
+    return launches
+
+
+@pytest.mark.parametrize("gpus_per_node,transport,quick", CONFIGS)
+def test_hier_kernels_match_verification(hier_suites: SuiteLaunches, gpus_per_node: int, transport: str,
+                                         quick: bool) -> None:
+    name = suite_name(gpus_per_node, transport, quick)
+    out = hier_suites.assert_passed(WORLD, f"suite {name} world={WORLD}",
+                                    f"missing peer world={WORLD} gpus_per_node={gpus_per_node}")
+    print("\n".join(out.splitlines()[-2:]))  # the suite's time and its line
 
 
 def test_virtual_scenario_runs_verified(built: None, tmp_path: Path) -> None:
