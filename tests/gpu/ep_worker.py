@@ -114,7 +114,7 @@ def check_case(be: EpbenchBackend, case: Case, rank: int, world: int, device: to
     d = check_dispatch(out, rank, world, case.experts_per_rank, input_of,
                        source_of=source_of if case.dtype != "bf16" else None)
     n = int(out.num_recv)
-    if be.own_rows == "ce":  # the exact layout: own rows by token index, padding -1, the peers packed after
+    if getattr(be, "own_rows", "sm") == "ce":  # the exact layout: own rows by token index, padding -1, the peers packed after
         want = own_first_keys([dest_mask(r.topk_idx, case.experts_per_rank, world) for r in routings], rank)
         got = out.row_key[:n].cpu() if n == want.numel() else None
         wrong = int(want.numel()) if got is None else int((got != want).sum())

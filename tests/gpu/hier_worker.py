@@ -87,10 +87,6 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
     failed: List[str] = []
     for case in cases_of(args):
         be = EpbenchHierBackend(hier_setup(case, rank, world, g, device), transport=args.transport)
-        # ep_worker.check_case reads the backend's own_rows (the epbench backend's option, 19b9315) and
-        # checks the own-rows-first layout where it is "ce"; epbench-hier has no such option or layout
-        # (without this every case raised AttributeError, not a RuntimeError, and ended the launch)
-        be.own_rows = "sm"
         lines = []
         for sms, share in POINTS:
             be.send_share = share
