@@ -9,7 +9,7 @@ export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry baselines-wheels baselines-install baselines-check run test gpu-test gpu-check clean
+.PHONY: setup build nvshmem nvshmem-carry baselines baselines-status baselines-carry baselines-wheels baselines-install baselines-check run test gpu-test gpu-check tables clean
 
 setup: $(VENV)/.installed
 
@@ -189,6 +189,20 @@ gpu-check: build
 	  $(EPB) sweep scenarios/dsv3x4-ll.yaml --nproc 1 --backends epbench-ll --tokens 1,32,128 --sms 32,132 --no-ceilings || status=1; \
 	  $(EPB) run scenarios/dsv3x4.yaml --nproc 4 --mps --sms 8,32 || status=1; \
 	fi; exit $$status
+
+# README's comparison tables on this host (issue 33): every backend that builds (each DeepEP flavor's
+# job from the venv `make baselines VENV=... DEEPEP_FLAVOR=...` recorded for it: epbench/flavors.py),
+# both call modes, 4-32 SMs, the DeepSeek-V3 shape and hidden 8192 on 4 GPUs (TABLES_4) and on 2 of
+# them (TABLES_2); one results folder per table under TABLES_OUT, then its plots. A backend that
+# cannot run here gives skipped rows with the reason; fewer than 2 GPUs: one line, exit 2.
+TABLES_OUT      ?= results/tables
+TABLES_BACKENDS ?= epbench,deepep,deepep-v2,hybrid-ep,reference,symm-mem
+TABLES_SMS      ?= 4,8,16,24,32
+TABLES_4        ?= dsv3x4 h200x4
+TABLES_2        ?= dsv3x2 h8192x2
+tables: build
+	@if [ "$(GPU_COUNT)" -lt 2 ] 2>/dev/null || [ -z "$(GPU_COUNT)" ]; then 	  echo "make tables: needs 2 or more CUDA GPUs (this host has $(or $(GPU_COUNT),none))" >&2; exit 2; fi; 	status=0; scen="$(TABLES_2)"; [ "$(GPU_COUNT)" -ge 4 ] && scen="$(TABLES_4) $(TABLES_2)"; 	for s in $$scen; do 	  echo "$(EPB) run scenarios/$$s.yaml --backends $(TABLES_BACKENDS) --sms $(TABLES_SMS) --call-modes call,kernel --results $(TABLES_OUT)"; 	  $(EPB) run scenarios/$$s.yaml --backends $(TABLES_BACKENDS) --sms $(TABLES_SMS) --call-modes call,kernel \
+	    --results $(TABLES_OUT) || status=1; done; 	$(EPB) plot $(TABLES_OUT) --force || status=1; exit $$status
 
 clean:
 	rm -rf $(VENV) build epbench/_lib
