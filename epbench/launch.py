@@ -12,7 +12,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 # NVLink multicast can take a shared NVSwitch host down; it stays off in every process we start.
 SAFE_ENV = {
@@ -259,6 +259,40 @@ def grace_flags(parser: Any) -> List[str]:
     return flags
 
 
+_stopped_by_launcher: Set[int] = set()  # local ranks still running when torchrun stopped the job
+
+
+def stop_with_grace() -> None:
+    """Makes torchrun stop a failed job's other ranks with the launcher's grace (SHUTDOWN_GRACE_S,
+    as --shutdown-timeout asks) instead of a fixed 30 s: when a rank fails, torch's process context
+    closes the rest from its poll with close()'s default timeout, which --shutdown-timeout does not
+    reach (torch 2.11-2.13, torch/distributed/elastic/multiprocessing/api.py), so a rank that ignores
+    SIGTERM (stopped by SIGSTOP, stuck in the driver) kept the job alive 30 s after the others had
+    failed (measured: 42 s after a SIGSTOP with --control-timeout 10). Also notes which ranks were
+    still running at that moment: a SIGKILL they get afterwards is torchrun's, not the job's cause.
+    Where torch's process context is not shaped as read, nothing changes."""
+    import inspect
+
+    try:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:
+        return
+    close = PContext.__dict__.get("close")
+    if close is None or getattr(close, "_epbench", False) or \
+            list(inspect.signature(close).parameters) != ["self", "death_sig", "timeout"]:
+        return
+
+    def graceful_close(self: Any, death_sig: Any = None, timeout: int = 30) -> None:
+        for local, handler in (getattr(self, "subprocess_handlers", None) or {}).items():
+            proc = getattr(handler, "proc", None)
+            if proc is not None and proc.poll() is None:
+                _stopped_by_launcher.add(local)
+        close(self, death_sig, min(timeout, SHUTDOWN_GRACE_S))
+
+    graceful_close._epbench = True  # type: ignore[attr-defined]
+    PContext.close = graceful_close
+
+
 def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) -> Outcome:
     """Runs torchrun in this process and says how the job ended. torchrun's own failure report
     is replaced by one line: the ranks' own (from ``error_dir``), or which rank died and how."""
@@ -282,20 +316,25 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
         if name.startswith("torch.distributed.elastic"):  # the modules set their own levels
             logging.getLogger(name).setLevel(logging.CRITICAL)
     raise_on_signals()
+    stop_with_grace()
+    _stopped_by_launcher.clear()
     try:
         trun.run(trun.parse_args([*grace_flags(trun.get_args_parser()), *torchrun]))
     except ChildFailedError as e:
         said = first_rank_error(error_dir) if error_dir is not None else None
         # A rank killed by a signal (an abort, a segfault, SIGKILL) is the cause: the others
-        # only saw their connections to it close. SIGTERM is how torchrun stops the rest.
+        # only saw their connections to it close. SIGTERM is how torchrun stops the rest, and
+        # SIGKILL after its grace for a rank still running when it stopped the job (one that
+        # ignored SIGTERM): neither is the cause.
         killed = sorted((f.timestamp, r, f.exitcode) for r, f in e.failures.items()
-                        if f.exitcode < 0 and f.exitcode != -15)
+                        if f.exitcode < 0 and f.exitcode != -15 and f.local_rank not in _stopped_by_launcher)
         if killed:
             _, rank, code = killed[0]
             return Outcome("failed", 1, f"rank {rank} was killed by {_signal_name(code)}")
         if said:
             return Outcome(str(said["status"]), 1, str(said["line"]))
-        rank, failure = e.get_first_failure()
+        own = sorted((f.timestamp, r) for r, f in e.failures.items() if f.local_rank not in _stopped_by_launcher)
+        rank, failure = (own[0][1], e.failures[own[0][1]]) if own else e.get_first_failure()
         code = failure.exitcode
         how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
         return Outcome("failed", code if code > 0 else 1, f"rank {rank} {how}")

@@ -243,3 +243,22 @@ def test_control_timeout_is_checked_like_any_option(tmp_path):
 
     assert_one_line_error(epbench_here("run", "scenarios/smoke.yaml", "--control-timeout", "0",
                                        "--results", str(tmp_path)), "--control-timeout")
+
+
+def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_not_blamed_as_killed(tmp_path):
+    """SIGSTOP: the rank answers nothing, SIGTERM included, until torchrun's SIGKILL. The run ends
+    within the control timeout and the launcher's shutdown grace (torch's agent alone waited a
+    fixed 30 s: launch.stop_with_grace), and its line says what the others saw, not that torchrun
+    killed the rank it had to stop."""
+    p = start(tmp_path, "test-hang")
+    pid, hung_at = wait_for_mark(tmp_path, p)
+    os.kill(pid, signal.SIGSTOP)
+    out, err = p.communicate(timeout=CONTROL_TIMEOUT + 60)
+    assert time.time() - hung_at < CONTROL_TIMEOUT + 10
+    assert p.returncode == 1
+    line = one_error_line(err)
+    assert "rank 1 did not reach" in line and "SIGKILL" not in line, line
+    d = run_folder(tmp_path)
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["status"] == "timeout" and "rank 1 did not reach" in meta["error"]
+    assert not processes_of(d)
