@@ -20,16 +20,16 @@ event is queued: the timed region then never contains host time, however late th
 watchdog opens a gate left closed for 2 s (a call that did wait for the device) and says so. Where
 the driver call is not available the gate is off, and the run says so in a note.
 
-Three diagnostic switches (epbench/options.py ``DIAGNOSTICS``, read once per process) change this
-for an experiment: EPBENCH_HOST_LEAD_US sets the sleep, EPBENCH_HOST_GATE=0 turns the gate off, and
-EPBENCH_GATE_FIRST=1 closes the gate before the alignment instead of after it (only where the
-alignment is queued on the stream, never waiting on the host: a gate before a host-side wait would
-hold the GPU until the watchdog). After the alignment, a rank whose host is late to open its gate
-keeps its own GPU waiting while its peers have left the all-reduce and started their timers, so its
-lateness lands in their timed regions; before it, every rank leaves the alignment only once every
-host has queued its call. The
-run's timing note (``method``) gives the sleep and the gate's state in force and names every switch
-that is set."""
+Diagnostic switches (epbench/options.py ``DIAGNOSTICS``, read once per process) change this for
+an experiment: EPBENCH_HOST_LEAD_US sets the sleep, EPBENCH_HOST_GATE=0 turns the gate off,
+EPBENCH_GATE_FIRST=1 closes the gate before the alignment instead of after it, and EPBENCH_ALIGN
+picks the alignment itself (launch.Comm.sync). The gate goes first only where the alignment is
+queued on the stream and never waits on the host: a gate before a host-side wait would hold the GPU
+until the watchdog. After the alignment, a rank whose host is late to open its gate keeps its own
+GPU waiting while its peers have left the all-reduce and started their timers, so its lateness lands
+in their timed regions; before it, every rank leaves the alignment only once every host has queued
+its call. The run's timing note (``method``) gives the sleep and the gate's state in force and names
+every switch that is set."""
 
 from __future__ import annotations
 
