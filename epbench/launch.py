@@ -522,17 +522,17 @@ class Comm:
         return self.device.type == "cuda" and not self.shared
 
     def sync(self) -> None:
-        """Align ranks before a timed call. On GPUs a one-element NCCL all-reduce queued on the
-        stream lines the ranks' streams up without a host round trip (switch align=alltoall: a
-        one-element-per-peer all-to-all, which releases every rank at once where the ring
-        all-reduce releases them in ring order); where ranks share a GPU
+        """Align ranks before a timed call. On GPUs a one-element-per-peer NCCL all-to-all queued
+        on the stream lines the ranks' streams up without a host round trip and releases every
+        rank at once (switch align=allreduce: a one-element ring all-reduce, which releases them
+        in ring order); where ranks share a GPU
         (gloo), each rank empties its stream and then meets the others at a barrier; on CPUs,
         a barrier."""
         import torch
         import torch.distributed as dist
 
         if self.device.type == "cuda" and not self.shared:
-            if self._a2a is not None:  # switch align=alltoall: every rank waits for every other
+            if self._a2a is not None:  # align=alltoall (the default): every rank waits for every other
                 dist.all_to_all_single(*self._a2a)
             else:
                 dist.all_reduce(self._one)

@@ -139,14 +139,14 @@ DIAGNOSTICS: Dict[str, Option] = {
                         "tensor from host memory each call, a host synchronisation (epbench/verify.py "
                         "ll_expert_factors, as before the factors were cached); 0: cached",
                         choices=(0, 1), env="EPBENCH_FILL_SYNC"),
-    "gate_first": Option(int, 0, "1: a gated call's stream waits on the host gate BEFORE the cross-rank "
+    "gate_first": Option(int, 1, "1: a gated call's stream waits on the host gate BEFORE the cross-rank "
                          "alignment (where the alignment stays on the stream: NCCL, one rank per GPU), so "
-                         "ranks leave it together only once every host has queued its call; 0: after it "
-                         "(epbench/timing.py)", choices=(0, 1), env="EPBENCH_GATE_FIRST"),
-    "align": Option(str, "allreduce", "the cross-rank alignment before each timed call on GPUs (NCCL, one "
-                    "rank per GPU): allreduce (one element; the ring releases ranks in ring order) or "
-                    "alltoall (one element per peer: every rank waits for every other)",
-                    choices=("allreduce", "alltoall"), env="EPBENCH_ALIGN"),
+                         "ranks leave it together only once every host has queued its call; 0: after it, "
+                         "the default before 2026-11-26 (epbench/timing.py)", choices=(0, 1), env="EPBENCH_GATE_FIRST"),
+    "align": Option(str, "alltoall", "the cross-rank alignment before each timed call on GPUs (NCCL, one "
+                    "rank per GPU): alltoall (one element per peer: every rank waits for every other) or "
+                    "allreduce (one element; the ring releases ranks in ring order; the default before "
+                    "2026-11-26)", choices=("allreduce", "alltoall"), env="EPBENCH_ALIGN"),
 }
 
 

@@ -2,34 +2,38 @@
 (gloo calls block).
 
 On GPUs each timed call is preceded by a short device-side sleep (``lead_us()``, 150 us), then the
-cross-rank alignment (``align``: a one-element all-reduce on the stream), then the start event:
-while the GPU sleeps, the host queues the alignment and the call itself, so the interval between
-the two events is the call's device time and never the host's launch cost. Without it a call
-shorter than its own Python/launch overhead (the low-latency kernels at a few tokens) is timed as
-GPU idle time waiting for the host. The alignment comes after the sleep because a sleep counts
-clock cycles, and idle GPUs run at different clocks: aligning first and sleeping second let
-ranks start up to ~40 us apart (measured, 2026-11-21), which a call that waits for its peers
-then shows as its own time.
+cross-rank alignment (``align``: on NCCL with one rank per GPU a one-element-per-peer all-to-all on
+the stream, which no rank leaves before every rank has entered it), then the start event: while
+the GPU sleeps, the host queues the alignment and the call itself, so the interval between the two
+events is the call's device time and never the host's launch cost. Without it a call shorter than
+its own Python/launch overhead (the low-latency kernels at a few tokens) is timed as GPU idle time
+waiting for the host. The alignment comes after the sleep because a sleep counts clock cycles, and
+idle GPUs run at different clocks: aligning first and sleeping second let ranks start up to ~40 us
+apart (measured, 2026-11-21), which a call that waits for its peers then shows as its own time.
 
 The sleep covers the host's usual cost; a host that is occasionally slower (a garbage
 collection, a page fault, another process) would still leave the GPU idle inside the timed region,
 which shows as a rare 100 us-1 ms sample. So for calls that never wait for the device on the host
-(graph replays) the stream also waits, after the alignment, on a host gate (``HostGate``:
+(graph replays and calls that never wait for the device) the stream also waits on a host gate (``HostGate``:
 ``cuStreamWaitValue32`` on a flag in pinned host memory) that the host opens only once the end
-event is queued: the timed region then never contains host time, however late the host is. A
-watchdog opens a gate left closed for 2 s (a call that did wait for the device) and says so. Where
-the driver call is not available the gate is off, and the run says so in a note.
+event is queued: the timed region then never contains host time, however late the host is. Where
+the alignment stays on the stream the gate comes before it, so a rank whose host is late holds
+every rank at the alignment, before any timer starts; with the gate after the alignment, the late
+rank's peers left the alignment and started their timers while it still waited, and its lateness
+landed in their timed regions (2 x H200, 2026-11-26, 1 token per rank, epbench-ll graph replays:
+p99 104-160 us against p50 12-58 with the gate after a ring all-reduce; p99 within 1.1 x p50 with
+the gate before an all-to-all; notes/LATENCY-NEXT.md). Where the alignment waits on the host
+(gloo, ranks sharing a GPU) the gate comes after it: a gate before a host-side wait would hold the
+GPU until the watchdog. A watchdog opens a gate left closed for 2 s (a call that did wait for the
+device) and says so. Where the driver call is not available the gate is off, and the run says so
+in a note.
 
 Diagnostic switches (epbench/options.py ``DIAGNOSTICS``, read once per process) change this for
 an experiment: EPBENCH_HOST_LEAD_US sets the sleep, EPBENCH_HOST_GATE=0 turns the gate off,
-EPBENCH_GATE_FIRST=1 closes the gate before the alignment instead of after it, and EPBENCH_ALIGN
-picks the alignment itself (launch.Comm.sync). The gate goes first only where the alignment is
-queued on the stream and never waits on the host: a gate before a host-side wait would hold the GPU
-until the watchdog. After the alignment, a rank whose host is late to open its gate keeps its own
-GPU waiting while its peers have left the all-reduce and started their timers, so its lateness lands
-in their timed regions; before it, every rank leaves the alignment only once every host has queued
-its call. The run's timing note (``method``) gives the sleep and the gate's state in force and names
-every switch that is set."""
+EPBENCH_GATE_FIRST=0 closes the gate after the alignment, and EPBENCH_ALIGN=allreduce makes the
+alignment a one-element ring all-reduce (launch.Comm.sync; the last two give the method used
+before 2026-11-26). The run's timing note (``method``) gives the sleep and the gate's state in
+force and names every switch that is set."""
 
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ _gate_first: Optional[bool] = None
 
 
 def gate_first() -> bool:
-    """Switch gate_first (EPBENCH_GATE_FIRST, default 0): the host gate before the alignment; read
+    """Switch gate_first (EPBENCH_GATE_FIRST, default 1): the host gate before the alignment; read
     once per process."""
     global _gate_first
     if _gate_first is None:

@@ -125,9 +125,9 @@ def test_diagnostic_switches_parse_check_and_name_themselves():
     assert options.diagnostics_set({}) == []
     env = {"EPBENCH_FILL_SYNC": "1", "EPBENCH_HOST_LEAD_US": "600", "EPBENCH_OTHER": "x"}
     assert options.diagnostics_set(env) == ["EPBENCH_HOST_LEAD_US=600", "EPBENCH_FILL_SYNC=1"]
-    assert options.diagnostic("align", {}) == "allreduce"
-    assert options.diagnostics_set({"EPBENCH_ALIGN": "alltoall", "EPBENCH_GATE_FIRST": "1"}) == \
-        ["EPBENCH_GATE_FIRST=1", "EPBENCH_ALIGN=alltoall"]
+    assert options.diagnostic("align", {}) == "alltoall" and options.diagnostic("gate_first", {}) == 1
+    assert options.diagnostics_set({"EPBENCH_ALIGN": "allreduce", "EPBENCH_GATE_FIRST": "0"}) == \
+        ["EPBENCH_GATE_FIRST=0", "EPBENCH_ALIGN=allreduce"]
     with pytest.raises(UserError, match="EPBENCH_ALIGN: must be one of allreduce, alltoall, got 'ring'"):
         options.diagnostic("align", {"EPBENCH_ALIGN": "ring"})
 
@@ -198,7 +198,7 @@ def _gpu_timer(monkeypatch, rec, gate_first):
     return t
 
 
-def test_the_gate_closes_after_the_alignment_unless_switched_first_where_the_alignment_stays_on_stream(
+def test_the_gate_closes_before_an_alignment_on_the_stream_and_after_one_that_waits_on_the_host(
         monkeypatch):
     def timed(gate_first, on_stream, gated=True):
         rec = _Recorder()
@@ -208,8 +208,8 @@ def test_the_gate_closes_after_the_alignment_unless_switched_first_where_the_ali
         return rec.order
 
     after = ["sleep", "align", "gate closed", "start", "call", "end", "gate open"]
-    assert timed(False, True) == after  # the default
-    assert timed(True, True) == ["sleep", "gate closed", "align", "start", "call", "end", "gate open"]
+    assert timed(False, True) == after  # switch gate_first=0
+    assert timed(True, True) == ["sleep", "gate closed", "align", "start", "call", "end", "gate open"]  # the default
     assert timed(True, False) == after  # an alignment that waits on the host: never behind a closed gate
     assert timed(True, True, gated=False) == ["sleep", "align", "start", "call", "end"]
 
@@ -222,7 +222,7 @@ def test_only_nccl_with_one_rank_per_gpu_aligns_on_the_stream():
     assert not Comm(0, 2, 0, torch.device("cpu")).sync_on_stream
 
 
-def test_switch_align_alltoall_makes_the_alignment_an_all_to_all(monkeypatch):
+def test_the_alignment_is_an_all_to_all_unless_switched_to_the_ring_all_reduce(monkeypatch):
     import torch.distributed as dist
 
     from epbench.launch import Comm
@@ -232,7 +232,7 @@ def test_switch_align_alltoall_makes_the_alignment_an_all_to_all(monkeypatch):
     monkeypatch.setattr(dist, "all_to_all_single", lambda out, inp: calls.append(("all_to_all", out.numel(), inp.numel())))
     monkeypatch.setattr(torch, "ones", lambda n, device=None: torch.zeros(n).add_(1))  # no CUDA here
     monkeypatch.setattr(torch, "empty", lambda n, device=None: torch.zeros(n))
-    for value, want in ((None, ("all_reduce", 1)), ("alltoall", ("all_to_all", 4, 4))):
+    for value, want in ((None, ("all_to_all", 4, 4)), ("allreduce", ("all_reduce", 1)), ("alltoall", ("all_to_all", 4, 4))):
         if value:
             monkeypatch.setenv("EPBENCH_ALIGN", value)
         comm = Comm(0, 4, 0, torch.device("cuda", 0))
