@@ -18,7 +18,9 @@ typedef struct ep_config {
   int fp8;  // 1: x is fp8 e4m3 with float32 scales per 128 elements
   double timeout_s;
   int mxfp8;  // 1 (fp8 0): x is e4m3 with one E8M0 scale byte per 32 elements (epbench/mxfp8.py); normal mode only
-  int quantize_fused;  // 1 (mxfp8 only): ep_dispatch takes bf16 rows and the receivers get mxfp8 rows and scales
+  int quantize_fused;  // 1 (mxfp8 only): ep_dispatch takes bf16 rows and the receivers get mxfp8 rows and scales,
+                       // each lane storing 8 bytes per vector; 2: the same bytes, two vectors per lane and
+                       // 16-byte stores (backend option fused_stores 16)
   int align;  // 0: rank-major receive layout; >= 1: expert-major, segments padded to a multiple of align rows
               // (epbench/layout.py; normal mode only, the low-latency region ignores it)
   int own_rows;  // 0: the dispatch kernel stores a rank's own rows like a peer's (packed at base[me]); 1 (ce):
@@ -91,7 +93,7 @@ typedef struct ep_effective {
   int combine_stages;  // stages per combine warp
   int combine_chunk;   // bytes per holder and stage
   int dispatch_scale_block;  // elements per scale of the dispatched rows: 0 bf16, 128 fp8, 32 mxfp8
-  int dispatch_fused;        // 1: the dispatch kernel quantized bf16 rows on the way (quantize: fused)
+  int dispatch_fused;        // 1 / 2: the dispatch kernel quantized bf16 rows on the way with 8 / 16-byte stores
 } ep_effective;
 
 const char* ep_last_error(void);

@@ -47,6 +47,10 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
     ep_set_error("fp8 and mxfp8 exclude each other");
     return -1;
   }
+  if (cfg->quantize_fused < 0 || cfg->quantize_fused > 2) {
+    ep_set_error("quantize_fused must be 0, 1 (8-byte stores) or 2 (16-byte stores), got %d", cfg->quantize_fused);
+    return -1;
+  }
   if (cfg->quantize_fused && !cfg->mxfp8) {
     ep_set_error("quantize_fused is implemented for mxfp8 only");
     return -1;
@@ -87,7 +91,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.num_scales = cfg->fp8 ? cfg->hidden / 128 : cfg->mxfp8 ? cfg->hidden / 32 : 0;
   p.row_bytes = cfg->fp8 || cfg->mxfp8 ? cfg->hidden : cfg->hidden * 2;
   p.scale_bytes = cfg->fp8 ? p.num_scales * (int)sizeof(float) : p.num_scales;
-  // the fused cast stores 8 scale bytes at a time at multiples of 8 within the row (dispatch.cu)
+  // the fused cast stores 8 (16) scale bytes at a time at multiples of 8 (16) within the row (dispatch.cu)
   p.scale_stride = cfg->mxfp8 ? (int)align_up((size_t)p.num_scales, 16) : p.scale_bytes;
   p.fused = cfg->quantize_fused;
   p.max_tokens = cfg->max_tokens;

@@ -16,7 +16,9 @@
 // quantize fused (kFused, mxfp8 only): the source rows are bf16 and each lane casts its 16-byte vector
 // (8 elements) in registers before the stores (mxfp8_cast): lanes 4b .. 4b + 3 of a vector group hold
 // one 32-element block, the block's amax comes from two xor-shuffles; the link carries 8 e4m3 bytes per
-// lane and, from lane 0, the 8 scale bytes of the warp's 8 blocks in one 8-byte store.
+// lane and, from lane 0, the 8 scale bytes of the warp's 8 blocks in one 8-byte store. fused_stores 16
+// (quantize_fused 2): a lane holds two adjacent vectors (lanes 2b, 2b + 1 one block, one xor-shuffle) and
+// stores 16 e4m3 bytes; lane 0 the 16 scale bytes of the warp's 16 blocks: half the store instructions.
 // expert-major (kEm, align >= 1): the notify kernel left em_base[g] (my first slot for global expert g on its
 // owner) and em_ord[t][k] (t's ordinal among my tokens routed to topk_idx[t][k]), so lane k knows the slot
 // of (t, k) on the owner. A row still crosses to each destination once, into the slot of its first expert
@@ -68,16 +70,20 @@ __device__ __forceinline__ void st_scale(uint8_t* row, int j, int unit, uint32_t
 //   q = e4m3_rne(float(x) * 2^-e): 2^-e in [2^-126, 2^127] is a normal float built from its bits, the
 //       product is exact (or far below e4m3's subnormals), cvt.rn.satfinite never saturates (|q| <= 448)
 //   exponent field 0xFF (NaN or inf in the block): byte 0xFF, every element 0x7F
-__device__ __forceinline__ uint32_t mxfp8_cast(int4& v) {
-  const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
-  const uint32_t m2 = __vmaxu2(__vmaxu2(w[0] & 0x7FFF7FFFu, w[1] & 0x7FFF7FFFu),
-                               __vmaxu2(w[2] & 0x7FFF7FFFu, w[3] & 0x7FFF7FFFu));
-  uint32_t m = max(m2 & 0xFFFFu, m2 >> 16);
-  m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+__device__ __forceinline__ uint32_t mx_amax_bits(const int4& v) {  // max of (bits & 0x7FFF) over 8 bf16
+  const uint32_t m2 = __vmaxu2(__vmaxu2((uint32_t)v.x & 0x7FFF7FFFu, (uint32_t)v.y & 0x7FFF7FFFu),
+                               __vmaxu2((uint32_t)v.z & 0x7FFF7FFFu, (uint32_t)v.w & 0x7FFF7FFFu));
+  return max(m2 & 0xFFFFu, m2 >> 16);
+}
+
+__device__ __forceinline__ int mx_exponent(uint32_t m) {  // e of the block whose amax bits are m
   const int field = (int)((m >> 7) & 0xFFu);
-  const int e = min(max(field - 135 + ((m & 0x7Fu) > 0x60u ? 1 : 0), -127), 127);
-  const float inv = __int_as_float((127 - e) << 23);  // e <= 121 for any bf16, so 127 - e >= 6
+  return min(max(field - 135 + ((m & 0x7Fu) > 0x60u ? 1 : 0), -127), 127);
+}
+
+// 8 bf16 -> 8 e4m3 bytes (elements 0..3 in .x, 4..7 in .y), each times inv = 2^-e
+__device__ __forceinline__ uint2 mx_quantize(const int4& v, float inv) {
+  const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
   uint32_t q[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -88,10 +94,48 @@ __device__ __forceinline__ uint32_t mxfp8_cast(int4& v) {
         make_float2(__uint_as_float(b << 16) * inv, __uint_as_float(b & 0xFFFF0000u) * inv), __NV_SATFINITE, __NV_E4M3);
     q[h] = (uint32_t)lo | ((uint32_t)hi << 16);
   }
-  const bool nan = field == 0xFF;
-  v.x = (int)(nan ? 0x7F7F7F7Fu : q[0]);
-  v.y = (int)(nan ? 0x7F7F7F7Fu : q[1]);
+  return make_uint2(q[0], q[1]);
+}
+
+__device__ __forceinline__ uint32_t mxfp8_cast(int4& v) {
+  uint32_t m = mx_amax_bits(v);
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  const int e = mx_exponent(m);
+  const float inv = __int_as_float((127 - e) << 23);  // e <= 121 for any bf16, so 127 - e >= 6
+  const uint2 q = mx_quantize(v, inv);
+  const bool nan = ((m >> 7) & 0xFFu) == 0xFFu;
+  v.x = (int)(nan ? 0x7F7F7F7Fu : q.x);
+  v.y = (int)(nan ? 0x7F7F7F7Fu : q.y);
   return nan ? 0xFFu : (uint32_t)(e + 127);
+}
+
+// fused_stores 16: the same rule for a lane holding two adjacent vectors (16 elements: half a 32-element
+// block; lanes 2b, 2b + 1 share block b, so one shuffle gives its amax). a becomes the 16 e4m3 bytes (a's 8,
+// then b's 8); returns the block's E8M0 byte. Every lane of the warp must call it.
+__device__ __forceinline__ uint32_t mxfp8_cast_pair(int4& a, const int4& b) {
+  uint32_t m = max(mx_amax_bits(a), mx_amax_bits(b));
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  const int e = mx_exponent(m);
+  const float inv = __int_as_float((127 - e) << 23);
+  const uint2 qa = mx_quantize(a, inv), qb = mx_quantize(b, inv);
+  const bool nan = ((m >> 7) & 0xFFu) == 0xFFu;
+  a.x = (int)(nan ? 0x7F7F7F7Fu : qa.x);
+  a.y = (int)(nan ? 0x7F7F7F7Fu : qa.y);
+  a.z = (int)(nan ? 0x7F7F7F7Fu : qb.x);
+  a.w = (int)(nan ? 0x7F7F7F7Fu : qb.y);
+  return nan ? 0xFFu : (uint32_t)(e + 127);
+}
+
+// fused_stores 16: the scale bytes of the warp's 16 blocks (lanes 0, 2, .., 30 hold blocks 0..15) gathered
+// into lane 0's v, little-endian, for one 16-byte store.
+__device__ __forceinline__ void gather_scales16(int4& v, uint32_t s) {
+  s |= __shfl_down_sync(0xffffffffu, s, 2) << 8;   // lanes 4k: blocks 2k, 2k + 1
+  s |= __shfl_down_sync(0xffffffffu, s, 4) << 16;  // lanes 8k: blocks 4k .. 4k + 3
+  v.x = (int)s;
+  v.y = (int)__shfl_sync(0xffffffffu, s, 8);
+  v.z = (int)__shfl_sync(0xffffffffu, s, 16);
+  v.w = (int)__shfl_sync(0xffffffffu, s, 24);
 }
 
 // The scale bytes of the warp's 8 blocks (lanes 0, 4, .., 28 hold blocks 0..7) gathered into lane 0's
@@ -167,7 +211,9 @@ __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
   }
 }
 
-template <int kU, bool kDyn, bool kFused, bool kEm>
+// kFused: 0 rows as given, 1 cast fused with 8-byte stores per lane and vector, 2 (fused_stores 16) two
+// adjacent vectors per lane, 16-byte stores (vector v0 + 64 m + 2 lane + (u & 1) in buf[u], m = u / 2)
+template <int kU, bool kDyn, int kFused, bool kEm>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
   const int world = p.world, topk = p.topk;
   const int unit = a.scale_unit, ns = kFused ? 0 : p.scale_bytes / unit;  // scale units copied per row
@@ -179,6 +225,10 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
   // own_rows ce exists for rank-major, quantize before only (ep_create refuses the rest): the fused and
   // expert-major kernels compile without it
   const bool own_ce = !kFused && !kEm && p.own_ce;
+  constexpr bool kWide = kFused == 2;
+  static_assert(!kWide || kU % 2 == 0, "fused_stores 16 pairs the vectors of a lane");
+  // the source vector buf[u] holds in the step at v0
+  auto vec = [lane](int v0, int u) { return kWide ? v0 + (u >> 1) * 64 + 2 * lane + (u & 1) : v0 + u * 32 + lane; };
   unsigned* work = p.counters + kCounterDispatchWork;
   int t = first;
   if (kDyn) {
@@ -193,7 +243,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     int4 buf[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int i = u * 32 + lane;
+      const int i = vec(0, u);
       if (i < V) buf[u] = ld_nc_v4(src + i);
     }
     const int slot = lane < world ? p.slot_map[(size_t)t * world + lane] : -1;
@@ -227,11 +277,16 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       if (v0 > 0) {
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
-          const int i = v0 + u * 32 + lane;
+          const int i = vec(v0, u);
           if (i < V) buf[u] = ld_nc_v4(src + i);
         }
       }
-      if (kFused) {
+      if (kWide) {
+        // whole warp (V % 4 == 0: a block's 2 lanes are both in range or both out); buf[2m] becomes the 16
+        // bytes of vectors 2m, 2m + 1, buf[2m + 1] (lane 0) the 16 scale bytes of the step's blocks
+#pragma unroll
+        for (int m = 0; m < kU / 2; ++m) gather_scales16(buf[2 * m + 1], mxfp8_cast_pair(buf[2 * m], buf[2 * m + 1]));
+      } else if (kFused) {
         // whole warp (V % 4 == 0: a block's 4 lanes are all in range or all out; out-of-range lanes cast
         // garbage that is never stored)
 #pragma unroll
@@ -241,7 +296,16 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
         if (rows[d] < 0) continue;
         uint8_t* row = p.peer_base[d] + p.off_recv_x + (size_t)xr[d] * p.row_bytes;
-        if (kFused) {
+        if (kWide) {
+          uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)xr[d] * p.scale_stride;
+#pragma unroll
+          for (int m = 0; m < kU / 2; ++m) {
+            const int g0 = v0 + m * 64, i = g0 + 2 * lane;  // 8 output bytes per source vector
+            if (i < V) st_v4(reinterpret_cast<int4*>(row) + (i >> 1), buf[2 * m]);
+            // blocks g0 / 4 .. + 15 (a multiple of 16; the 16-aligned stride holds any bytes past num_scales)
+            if (lane == 0 && g0 < V) st_v4(reinterpret_cast<int4*>(srow + (g0 >> 2)), buf[2 * m + 1]);
+          }
+        } else if (kFused) {
           uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)xr[d] * p.scale_stride;
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
@@ -279,7 +343,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
   }
 }
 
-template <int kU, int kThreads, bool kDyn, bool kFused, bool kEm>
+template <int kU, int kThreads, bool kDyn, int kFused, bool kEm>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
   stamp_sm(p);
@@ -294,13 +358,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
 
 using DispatchKernel = void (*)(EpParams, DispatchArgs, int);
 
-// [expert-major]<[warps > 16][lean_dyn][fused]>
+// [expert-major]<[warps > 16][lean_dyn][fused: 0 no, 1 8-byte stores, 2 16-byte stores]>
 template <bool kEm>
-constexpr DispatchKernel kDispatchKernels[2][2][2] = {
-    {{dispatch_lean_kernel<8, 512, false, false, kEm>, dispatch_lean_kernel<8, 512, false, true, kEm>},
-     {dispatch_lean_kernel<8, 512, true, false, kEm>, dispatch_lean_kernel<8, 512, true, true, kEm>}},
-    {{dispatch_lean_kernel<4, 1024, false, false, kEm>, dispatch_lean_kernel<4, 1024, false, true, kEm>},
-     {dispatch_lean_kernel<4, 1024, true, false, kEm>, dispatch_lean_kernel<4, 1024, true, true, kEm>}},
+constexpr DispatchKernel kDispatchKernels[2][2][3] = {
+    {{dispatch_lean_kernel<8, 512, false, 0, kEm>, dispatch_lean_kernel<8, 512, false, 1, kEm>,
+      dispatch_lean_kernel<8, 512, false, 2, kEm>},
+     {dispatch_lean_kernel<8, 512, true, 0, kEm>, dispatch_lean_kernel<8, 512, true, 1, kEm>,
+      dispatch_lean_kernel<8, 512, true, 2, kEm>}},
+    {{dispatch_lean_kernel<4, 1024, false, 0, kEm>, dispatch_lean_kernel<4, 1024, false, 1, kEm>,
+      dispatch_lean_kernel<4, 1024, false, 2, kEm>},
+     {dispatch_lean_kernel<4, 1024, true, 0, kEm>, dispatch_lean_kernel<4, 1024, true, 1, kEm>,
+      dispatch_lean_kernel<4, 1024, true, 2, kEm>}},
 };
 
 }  // namespace
@@ -333,7 +401,7 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   a.num_tokens = num_tokens;
   a.scale_unit = p.scale_bytes % 4 == 0 && (uintptr_t)x_scales % 4 == 0 ? 4 : 1;
   const bool dyn = impl == EP_DISPATCH_LEAN_DYN;
-  const int w16 = warps > 16, fused = p.fused != 0;
+  const int w16 = warps > 16, fused = p.fused;  // 0, 1 or 2 (ep_config.quantize_fused)
   const DispatchKernel kernel = p.align > 0 ? kDispatchKernels<true>[w16][dyn][fused] : kDispatchKernels<false>[w16][dyn][fused];
   CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
   ep_effective& eff = ctx->effective;

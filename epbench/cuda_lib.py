@@ -18,6 +18,8 @@ NOT_BUILT = "kernels not built: run `make build`"
  EM_NUM_SLOTS, RECV_KEY) = range(12)
 # ep_config.own_rows: who stores a rank's own rows (backend option own_rows)
 OWN_ROWS = {"sm": 0, "ce": 1}
+# ep_config.quantize_fused for quantize fused: the bytes each lane stores per step (backend option fused_stores)
+FUSED_STORES = {8: 1, 16: 2}
 # ep_set_option keys (enum ep_option).
 OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 3, 4
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
@@ -52,7 +54,8 @@ def decode_effective(eff: EpEffective) -> Dict[str, Any]:
             "combine_impl": name(COMBINE_IMPLS, eff.combine_impl), "combine_warps": eff.combine_warps,
             "combine_stages": eff.combine_stages, "combine_chunk": eff.combine_chunk,
             "dispatch_dtype": SCALE_BLOCK_DTYPES.get(eff.dispatch_scale_block, eff.dispatch_scale_block),
-            "quantize": "fused" if eff.dispatch_fused else "before"}
+            "quantize": "fused" if eff.dispatch_fused else "before",
+            **({"fused_stores": 16 if eff.dispatch_fused == 2 else 8} if eff.dispatch_fused else {})}
 
 
 # Phases a timed-out wait reports (enum EpPhase in csrc/common.cuh).

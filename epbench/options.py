@@ -84,6 +84,11 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                            "left as padding; peers' rows after them; rank_major and quantize before only; "
                            "notes/LATENCY-NEXT.md section 3, Plan A)", choices=("sm", "ce"),
                            env="EPBENCH_OWN_ROWS"),
+        "fused_stores": Option(int, 8, "quantize fused only: the bytes a lane of the dispatch kernel stores per "
+                               "step, 8 (one cast 16-byte bf16 vector, as measured) or 16 (two adjacent vectors "
+                               "cast together: half the store instructions; notes/KERNELS.md, not yet run on a "
+                               "GPU); the bytes that arrive are the same", choices=(8, 16),
+                               env="EPBENCH_FUSED_STORES"),
     },
     "epbench-ll": {
         "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,

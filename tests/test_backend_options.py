@@ -79,7 +79,11 @@ def test_effective_config_is_decoded_into_option_names() -> None:
     assert cuda_lib.decode_effective(eff) == {
         "dispatch_impl": "lean", "dispatch_warps": 32, "notify_impl": "direct", "notify_blocks": 1,
         "combine_impl": "tma", "combine_warps": 6, "combine_stages": 3, "combine_chunk": 4096,
-        "dispatch_dtype": "mxfp8", "quantize": "fused"}
+        "dispatch_dtype": "mxfp8", "quantize": "fused", "fused_stores": 8}
+    eff.dispatch_fused = 2  # fused_stores 16
+    assert cuda_lib.decode_effective(eff)["fused_stores"] == 16
+    eff.dispatch_fused = 0  # quantize before: no fused_stores key
+    assert "fused_stores" not in cuda_lib.decode_effective(eff)
     assert cuda_lib.decode_effective(cuda_lib.EpEffective(dispatch_impl=99))["dispatch_impl"] == 99
 
 

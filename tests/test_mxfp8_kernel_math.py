@@ -1,4 +1,5 @@
-"""The fused mxfp8 cast of csrc/dispatch.cu (mxfp8_cast, gather_scales and the stores after them),
+"""The fused mxfp8 cast of csrc/dispatch.cu (mxfp8_cast, gather_scales and the stores after them; and
+fused_stores 16's mxfp8_cast_pair, gather_scales16 and 16-byte stores),
 replayed step by step on the CPU: lanes of 8 bf16, blocks of 4 lanes, the xor-shuffle amax, the integer
 exponent rule, 2^-e built from its bits, pairs of elements per cvt, and lane 0's 8-byte store of the
 warp's 8 scale bytes into a row padded to 16 bytes. The receiver's bytes must equal epbench/mxfp8.py's
@@ -91,6 +92,56 @@ def kernel_receive(x: torch.Tensor) -> tuple:
     return elems, srow
 
 
+def kernel_receive_wide(x: torch.Tensor) -> tuple:
+    """The same for fused_stores 16 (mxfp8_cast_pair, gather_scales16): in each step of 64 vectors lane L
+    holds vectors g0 + 2L and g0 + 2L + 1, lanes 2b and 2b + 1 share a block (one xor-shuffle), each lane
+    stores its 16 e4m3 bytes at byte 8 (g0 + 2L) and lane 0 the step's 16 scale bytes at byte g0 / 4."""
+    t, h = x.shape
+    v = h // 8
+    steps = (v + 63) // 64
+    bits = torch.randint(0, 1 << 16, (t, steps * 64, 8), dtype=torch.int64)  # past v: garbage, never stored
+    bits[:, :v] = x.view(torch.int16).to(torch.int64).view(t, v, 8) & 0xFFFF
+    w = bits[..., 0::2] | (bits[..., 1::2] << 16)  # [t, vectors, 4] words
+    mask = 0x7FFF7FFF
+    m2 = _vmaxu2(_vmaxu2(w[..., 0] & mask, w[..., 1] & mask), _vmaxu2(w[..., 2] & mask, w[..., 3] & mask))
+    mv = torch.maximum(m2 & 0xFFFF, m2 >> 16)  # per vector
+    elems = torch.zeros(t, h, dtype=torch.uint8)
+    ns = h // 32
+    stride = (ns + 15) // 16 * 16
+    srow = torch.full((t, stride), 0xAB, dtype=torch.uint8)
+    lanes = torch.arange(32)
+    for g0 in range(0, steps * 64, 64):
+        va, vb = g0 + 2 * lanes, g0 + 2 * lanes + 1  # the lane's two vectors
+        m = torch.maximum(mv[:, va], mv[:, vb])  # [t, 32]
+        m = torch.maximum(m, m[:, lanes ^ 1])  # __shfl_xor_sync(.., 1)
+        field = (m >> 7) & 0xFF
+        e = (field - 135 + ((m & 0x7F) > 0x60).to(torch.int64)).clamp(-127, 127)
+        inv = _f32((127 - e) << 23)
+        nan = field == 0xFF
+        out = []
+        for vec in (va, vb):
+            for hh in range(2):
+                a, b = w[:, vec, 2 * hh], w[:, vec, 2 * hh + 1]
+                lo = _e4m3_pair(_f32(a << 16) * inv, _f32(a & 0xFFFF0000) * inv)
+                hi = _e4m3_pair(_f32(b << 16) * inv, _f32(b & 0xFFFF0000) * inv)
+                out.append(torch.where(nan, torch.full_like(lo, 0x7F7F7F7F), lo | (hi << 16)))
+        words = torch.stack(out, dim=2)  # [t, 32, 4]: the lane's 16-byte store
+        sixteen = ((words.unsqueeze(3) >> (torch.arange(4) * 8)) & 0xFF).reshape(t, 32, 16).to(torch.uint8)
+        for lane in range(32):
+            i = g0 + 2 * lane
+            if i < v:  # st_v4 at byte 8 i
+                elems[:, 8 * i:8 * i + 16] = sixteen[:, lane]
+        sc = torch.where(nan, torch.full_like(e, 0xFF), e + 127)
+        c = sc | (_shfl_down(sc, 2) << 8)
+        c = (c | (_shfl_down(c, 4) << 16)) & M32
+        if g0 < v:
+            at = g0 // 4
+            assert at % 16 == 0 and at + 16 <= stride  # 16-byte aligned and inside the padded row
+            srow[:, at:at + 16] = torch.stack([(c[:, ln] >> k) & 0xFF for ln in (0, 8, 16, 24) for k in (0, 8, 16, 24)],
+                                              dim=1).to(torch.uint8)
+    return elems, srow
+
+
 def _edge_rows(hidden: int) -> torch.Tensor:
     """bf16 rows whose blocks hit the rule's edges: zeros, signed zeros, bf16 subnormals, amax mantissas
     0x60 / 0x61 at every exponent, the largest finite bf16, inf, NaN, and tiny elements beside huge ones."""
@@ -128,9 +179,10 @@ def _random_rows(t: int, hidden: int, seed: int) -> torch.Tensor:
 def test_kernel_cast_matches_the_reference_quantizer(hidden: int) -> None:
     for x in (_random_rows(7, hidden, hidden), _edge_rows(hidden)):
         q, s = mxfp8.quantize(x)
-        elems, srow = kernel_receive(x)
-        assert torch.equal(elems, q.view(torch.uint8))
-        assert torch.equal(srow[:, :hidden // 32], s)
+        for receive in (kernel_receive, kernel_receive_wide):  # fused_stores 8 and 16
+            elems, srow = receive(x)
+            assert torch.equal(elems, q.view(torch.uint8)), receive.__name__
+            assert torch.equal(srow[:, :hidden // 32], s), receive.__name__
 
 
 def test_edge_rows_reach_every_branch() -> None:

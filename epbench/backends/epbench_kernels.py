@@ -10,14 +10,15 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are backend options (epbench/options.py, ``SCHEMAS["epbench"]``:
 dispatch_impl lean_dyn | lean, dispatch_warps, notify_impl grid | staged, combine_warps, combine_stages,
-combine_chunk, own_rows sm | ce), given to the constructor; the driver resolves them from the scenario, ``--option`` and
+combine_chunk, own_rows sm | ce, fused_stores 8 | 16), given to the constructor; the driver resolves them from the scenario, ``--option`` and
 the environment. ``effective_config()`` reads back what the library launched (csrc/api.h ep_effective),
 after the combine's clamp of its warps to the stages that fit and the notify's fallback to ``direct``.
 Payloads: bf16, fp8 (f32 scale per 128 elements) and mxfp8 (E8M0 byte per 32, epbench/mxfp8.py), the
 quantized ones handed in by the caller (``quantize: before``); mxfp8 also ``quantize: fused``: the caller
 hands bf16 rows and the dispatch kernel casts them in registers on the way (csrc/dispatch.cu, mxfp8_cast),
 so the link carries mxfp8 rows and the receivers get e4m3 ``x`` and uint8 ``x_scales`` [rows, hidden / 32]
-(a view of a buffer whose rows are padded to 16 bytes).
+(a view of a buffer whose rows are padded to 16 bytes). ``fused_stores=16`` (default 8): each lane casts two
+adjacent vectors and stores 16 bytes instead of 8 (half the store instructions; the same bytes arrive).
 ``layout: expert_major`` (``align``): ``x`` / ``x_scales`` / ``combine_input`` hold per-expert segments
 (epbench/layout.py), filled by the dispatch kernel itself (one row per (token, rank) on the link, the extra
 copies made by the receiver in the same kernel); combine sums each row's experts on the receiver inside the
@@ -171,7 +172,8 @@ class EpbenchBackend(NormalMode):
     def __init__(self, setup: RankSetup, *, dispatch_impl: Optional[str] = None,
                  dispatch_warps: Optional[int] = None, notify_impl: Optional[str] = None,
                  combine_warps: Optional[int] = None, combine_stages: Optional[int] = None,
-                 combine_chunk: Optional[int] = None, own_rows: Optional[str] = None) -> None:
+                 combine_chunk: Optional[int] = None, own_rows: Optional[str] = None,
+                 fused_stores: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -179,10 +181,11 @@ class EpbenchBackend(NormalMode):
         given = {k: v for k, v in (("dispatch_impl", dispatch_impl), ("dispatch_warps", dispatch_warps),
                                    ("notify_impl", notify_impl), ("combine_warps", combine_warps),
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
-                                   ("own_rows", own_rows))
+                                   ("own_rows", own_rows), ("fused_stores", fused_stores))
                  if v is not None}
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
+        self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
         self.dispatch_impl = resolved["dispatch_impl"]
         self.dispatch_warps = resolved["dispatch_warps"]
         self.combine_warps = resolved["combine_warps"]
@@ -195,7 +198,8 @@ class EpbenchBackend(NormalMode):
         self.em_align = setup.align if setup.layout == "expert_major" else 0  # 0: rank-major
         cfg = cuda_lib.EpConfig(setup.rank, setup.world, self.device.index, setup.hidden,
                                 setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
-                                int(self.fp8), float(setup.timeout_s), int(self.mxfp8), int(self.fused),
+                                int(self.fp8), float(setup.timeout_s), int(self.mxfp8),
+                                cuda_lib.FUSED_STORES[self.fused_stores] if self.fused else 0,
                                 self.em_align, cuda_lib.OWN_ROWS[self.own_rows])
         self._ctx = ctypes.c_void_p()
         cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
@@ -281,7 +285,8 @@ class EpbenchBackend(NormalMode):
             return {"dispatch_impl": self._impl, "dispatch_warps": self.dispatch_warps,
                     "notify_impl": self.notify_impl, "combine_warps": self.combine_warps,
                     "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk,
-                    "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize, "own_rows": self.own_rows}
+                    "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize, "own_rows": self.own_rows,
+                    **({"fused_stores": self.fused_stores} if self.fused else {})}
         return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows}  # fixed at ep_create: no fallback
 
     def set_debug_stamps(self, on: bool) -> None:
