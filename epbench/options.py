@@ -174,8 +174,13 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
                   environ: Optional[Mapping[str, str]] = None) -> None:
     """Options the scenario's payload rules out, refused in one line (UserError): epbench's own_rows=ce copies
     rows as they are, so it can neither place them per expert (layout expert_major) nor quantize them on the
-    way (quantize fused). ``backend_options`` as validated; the environment counts as for ``resolve``."""
-    own = resolve("epbench", backend_options.get("epbench"), environ)["own_rows"]
+    way (quantize fused); fused_stores=16 changes the fused cast's stores, so it needs quantize fused.
+    ``backend_options`` as validated; the environment counts as for ``resolve``."""
+    resolved = resolve("epbench", backend_options.get("epbench"), environ)
+    if resolved["fused_stores"] != 8 and quantize != "fused":
+        raise UserError(f"{where}: epbench.fused_stores={resolved['fused_stores']} needs model.quantize fused (got "
+                        f"{quantize}): it changes the stores of the cast fused into the dispatch kernel")
+    own = resolved["own_rows"]
     if own != "ce":
         return
     if layout != "rank_major":

@@ -112,6 +112,22 @@ def test_own_rows_ce_is_refused_in_one_line_where_a_copy_cannot_serve(layout, qu
     options.check_payload(given, "rank_major", "before", "s.yaml", environ={})
 
 
+def test_fused_stores_16_needs_the_fused_cast_and_is_refused_in_one_line_elsewhere() -> None:
+    assert options.resolve("epbench", {}, environ={})["fused_stores"] == 8
+    assert options.parse_cli(["fused_stores=16"]) == {"epbench": {"fused_stores": 16}}
+    with pytest.raises(UserError, match=r"fused_stores: must be one of 8, 16, got '12'"):
+        options.parse_cli(["fused_stores=12"])
+    given = {"epbench": {"fused_stores": 16}}
+    options.check_payload(given, "rank_major", "fused", "s.yaml", environ={})
+    options.check_payload(given, "expert_major", "fused", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"^s.yaml: epbench\.fused_stores=16 needs model\.quantize fused \(got "
+                                        r"before\)") as e:
+        options.check_payload(given, "rank_major", "before", "s.yaml", environ={})
+    assert "\n" not in str(e.value) and e.value.exit_code == 2
+    with pytest.raises(UserError, match="fused_stores=16"):
+        options.check_payload({}, "rank_major", "before", "s.yaml", environ={"EPBENCH_FUSED_STORES": "16"})
+
+
 def test_scenario_file_with_own_rows_ce_and_expert_major_is_refused() -> None:
     data = {"model": {"hidden": 256, "tokens_per_rank": 16, "topk": 4, "experts_per_rank": 4,
                       "dispatch_dtype": "bf16", "layout": "expert_major"},

@@ -94,11 +94,11 @@ class _Handle:
 
 def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[str, Any]:
     """Every option of schema ``key`` (given > environment > default), each given value parsed; UserError for a
-    bad value or for own_rows=ce with a payload it cannot serve (options.check_payload)."""
+    bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    options.check_payload({"epbench": {"own_rows": resolved["own_rows"]}}, setup.layout, setup.quantize,
-                          "epbench backend")
+    options.check_payload({"epbench": {k: resolved[k] for k in ("own_rows", "fused_stores")}}, setup.layout,
+                          setup.quantize, "epbench backend")
     return resolved
 
 
