@@ -145,6 +145,15 @@ def test_report_prints_an_overlap_folder_and_compare_refuses_it(tmp_path):
     assert c.code == 2 and "compare reads run and sweep" in c.both and len(c.both.strip().splitlines()) == 1
 
 
+def test_report_of_an_overlap_folder_without_rows_says_so_with_its_notes(tmp_path):
+    """Every backend skipped and no copy kernel (or every job failed first): no table, the notes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "meta.json").write_text(json.dumps({"verb": "overlap", "notes": ["backend deepep skipped: why"]}))
+    r = epbench_here("report", str(run))
+    assert r.code == 0 and "no measured points" in r.out and "note: backend deepep skipped: why" in r.out
+
+
 def test_cli_refuses_without_a_gpu():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
