@@ -395,6 +395,8 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
             iters: ItersOpt = None, warmup: WarmupOpt = None,
             results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
     """What dispatch/combine cost a GEMM running beside them on the other SMs, and back (CUDA).
+    Each DeepEP flavor's backends run in their own job, from the venv `make baselines` recorded
+    for it; the others together in one job; all into one results folder.
 
     Example: epbench overlap scenarios/dsv3x4.yaml --nproc 1 --sms 8,16,32"""
     import dataclasses
@@ -403,7 +405,6 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
 
     from epbench import overlap as ov
     from epbench.plan import Plan
-    from epbench.results import claim_run_dir, new_run_dir
 
     launch.apply_safe_env()
     spec = ov.parse_gemm(gemm)
@@ -411,18 +412,25 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     o = ov.OverlapOptions(opts.backends, opts.sms, opts.warmup, opts.iters, spec)
     p = Plan(verb="overlap", scenario=s, options=o, device="cuda", argv=tuple(sys.argv[1:]),
              results=results, run_dir=run_dir, jobs=(o.backends,))
-    if not launch.under_torchrun():
-        if not torch.cuda.is_available():
-            raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
-        resolve_device(s, "cuda")
-        p = dataclasses.replace(p, run_dir=claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens))
-    _start_one(p, show_overlap)
+    if launch.under_torchrun():  # torchrun started by hand: this process is one rank of one job
+        from epbench.rank import run_plan
+
+        raise typer.Exit(run_plan(p, 0, launched=False, show=show_overlap))
+    if not torch.cuda.is_available():
+        raise UserError("overlap: needs a CUDA GPU (the GEMM is confined with a CUDA green context); none found")
+    resolve_device(s, "cuda")
+    from epbench.launcher import jobs_by_flavor, start
+    from epbench.results import claim_run_dir, new_run_dir
+
+    p = dataclasses.replace(p, run_dir=claim_run_dir(run_dir) if run_dir else new_run_dir(results, s, opts.tokens),
+                            jobs=jobs_by_flavor(o.backends))
+    raise typer.Exit(start(p, show_overlap))
 
 
 def _start_one(p, show=None) -> None:
-    """overlap, probe and ceiling: the plan's one job (in a process that torchrun started by hand,
-    this rank's part of it), then ``show(run folder)`` where the run completed (None: nothing
-    to show, the ranks printed it)."""
+    """probe and ceiling: the plan's one job (in a process that torchrun started by hand, this
+    rank's part of it), then ``show(run folder)`` where the run completed (None: nothing to show,
+    the ranks printed it)."""
     if launch.under_torchrun():  # torchrun started by hand: this process is one of the ranks
         from epbench.rank import run_plan
 
@@ -455,14 +463,17 @@ def _completed(run_dir: Path) -> Optional[dict]:
 
 
 def show_overlap(run_dir: Path) -> None:
-    """An overlap run's table and notes, its plot (drawn here), and the folder."""
+    """An overlap run's table and notes, its plot (drawn here), a line per backend whose points
+    were not measured, and the folder."""
     from epbench.plot import overlap_plot
     from epbench.report import print_run
     from epbench.results import load_run
+    from epbench.session import show_unmeasured
 
     meta, df = load_run(run_dir)
     print_run(df, meta, console)
     console.print(f"plot: {overlap_plot(run_dir, loaded=(meta, df))}")
+    show_unmeasured(run_dir, console)
     console.print(f"results: {run_dir}")
 
 

@@ -3,8 +3,10 @@ one environment holds one flavor. ``make baselines VENV=<venv> DEEPEP_FLAVOR=<fl
 flavor into its own venv and records that venv in a registry (``_baseline_venvs.json`` beside this
 package, git-ignored; $EPBENCH_BASELINE_VENVS names another file).
 A run that asks for deepep, deepep-v2 and hybrid-ep then starts each backend's job from the venv
-that holds its flavor: torchrun runs that venv's python for the ranks, with this checkout's
-epbench first on PYTHONPATH, so every job runs the same epbench whatever the venv has installed.
+that holds its flavor (run and sweep: a job per backend; overlap: a job per flavor, the backends
+that need none together: launcher.jobs_by_flavor): torchrun runs that venv's python for the ranks,
+with this checkout's epbench first on PYTHONPATH, so every job runs the same epbench whatever the
+venv has installed.
 meta.json's ``backend_runtime`` records which python ran each backend, and that venv's build stamp.
 Where this environment already holds the flavor, or no venv is recorded for it, the job runs
 here, and a missing flavor skips its points with the reason, as before.

@@ -1,6 +1,8 @@
 """The launcher side of a run: the plan written into the run folder, one torchrun job per entry of
 ``plan.jobs`` (each rank runs ``python -m epbench.rank PLAN JOB``), then the final status in
-meta.json, one line for the first failure and the table. The ranks' side: rank.py, session.py."""
+meta.json, one line for the first failure and the table. run and sweep start one job per backend,
+overlap one per python its backends need (jobs_by_flavor); probe and ceiling their plan's one job
+(start_one). The ranks' side: rank.py, session.py."""
 
 from __future__ import annotations
 
@@ -10,13 +12,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from epbench import flavors, launch
 from epbench import plan as plans
 from epbench.backends import deepep_v2_env
 from epbench.console import wide_console
-from epbench.driver import RunOptions
 from epbench.plan import Plan
 from epbench.session import CEILINGS_CACHE, show_run
 
@@ -27,6 +28,17 @@ def jobs_of(backends: Tuple[str, ...], nnodes: int) -> Tuple[Tuple[str, ...], ..
     return (tuple(backends),) if nnodes > 1 else tuple((b,) for b in backends)
 
 
+def jobs_by_flavor(backends: Sequence[str]) -> Tuple[Tuple[str, ...], ...]:
+    """overlap: one job per python its backends need (epbench/flavors.py): the backends that need
+    no DeepEP flavor together, each flavor's apart, in the order the backends first come. Fewer
+    jobs than run's one per backend: every overlap job times its GEMM alone and makes its green
+    contexts before its first point."""
+    groups: Dict[Optional[str], List[str]] = {}
+    for b in backends:
+        groups.setdefault(flavors.flavor_of((b,)), []).append(b)
+    return tuple(tuple(g) for g in groups.values()) or ((),)
+
+
 def job_command(p: Plan, plan_path: Path, job: int, python: Optional[str] = None) -> List[str]:
     """torchrun's arguments for job ``job`` of the plan in ``plan_path``, its ranks run by
     ``python`` where given (a flavor's venv: epbench/flavors.py)."""
@@ -35,19 +47,23 @@ def job_command(p: Plan, plan_path: Path, job: int, python: Optional[str] = None
                                 p.nnodes, p.node_rank, p.rdzv_endpoint, p.rdzv_timeout_s, python=python)
 
 
-def start(p: Plan) -> int:
-    """run and sweep: the plan into its run folder, the jobs (beside a private MPS daemon where
-    the plan asks for one); returns the exit code."""
+Show = Callable[[Path], Any]  # prints a finished run folder (the table, and what the verb adds)
+
+
+def start(p: Plan, show: Optional[Show] = None) -> int:
+    """run, sweep and overlap: the plan into its run folder, the jobs (beside a private MPS daemon
+    where the plan asks for one); ``show``: how the finished folder is printed (None: the run
+    table, session.show_run). Returns the exit code."""
     path = plans.write(p, p.run_dir)
     with launch.private_mps() if p.mps and p.device == "cuda" else contextlib.nullcontext():
-        return launch_run(p, path)
+        return launch_run(p, path, show)
 
 
 def start_one(p: Plan) -> int:
-    """overlap, probe and ceiling: the plan's one job (beside a private MPS daemon where the plan
-    asks for one), one line for a failure; returns the exit code. The plan goes into the run
-    folder (overlap, probe) or a temporary one (ceiling writes no results); a run folder that
-    holds nothing else afterwards is removed."""
+    """probe and ceiling: the plan's one job (beside a private MPS daemon where the plan asks for
+    one), one line for a failure; returns the exit code. The plan goes into the run folder
+    (probe) or a temporary one (ceiling writes no results); a run folder that holds nothing else
+    afterwards is removed."""
     folder = p.run_dir or Path(tempfile.mkdtemp(prefix=f"epbench-{p.verb}-"))
     job = p.jobs[0] if p.jobs else ()
     python = flavors.job_python(job)  # a DeepEP flavor's venv where the job needs one flavor
@@ -72,30 +88,36 @@ def _drop_if_empty(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
-def job_points(opts: RunOptions, backend: str, tokens_per_rank: int) -> List[tuple]:
-    """(SM count, tokens per rank) of every point a job of ``backend`` would measure."""
+def job_points(opts: Any, backend: str, tokens_per_rank: int) -> List[tuple]:
+    """(SM count, tokens per rank) of every point a job of ``backend`` would measure (``opts``:
+    RunOptions, or OverlapOptions, which measure the scenario's own tokens per rank)."""
     from epbench.backends import load_backend
 
     cls = load_backend(backend)[0]
     sms = opts.sms if cls is not None and cls.uses_sms else (0,)
-    return [(n, t) for t in (opts.tokens or (tokens_per_rank,)) for n in sms]
+    return [(n, t) for t in (getattr(opts, "tokens", None) or (tokens_per_rank,)) for n in sms]
 
 
 def verification_failure(run_dir: Path) -> Optional[launch.Outcome]:
     """The run's outcome where rows failed verification: which backend, op and SM count, how
-    many rows, and the folder (None: every row verified)."""
+    many rows (an overlap run: how many wrong, its table says where), and the folder (None:
+    every row verified)."""
     from epbench.report import wrong_rows
     from epbench.results import load_run
 
-    where = wrong_rows(load_run(run_dir)[1])
+    meta, df = load_run(run_dir)
+    if meta.get("verb") == "overlap":  # its wrong counts communication rows and GEMM elements
+        where = f"{meta['wrong']} wrong (see the table)" if meta.get("wrong") else None
+    else:
+        where = wrong_rows(df)
     return launch.Outcome("failed", 1, f"verification failed: {where}; results: {run_dir}") if where else None
 
 
-def launch_run(p: Plan, plan_path: Path) -> int:
+def launch_run(p: Plan, plan_path: Path, show: Optional[Show] = None) -> int:
     """The plan's jobs into its run folder (a backend that aborts its processes loses only its
-    own points, which get ``failed: <reason>`` rows), then the final status in meta.json, one
-    line for the first failure and the table. Returns the exit code: 130 / 143 after SIGINT /
-    SIGTERM (the rows measured so far are kept)."""
+    own job's points, which get ``failed: <reason>`` rows), then the final status in meta.json,
+    one line for the first failure and the table (``show``: see start). Returns the exit code:
+    130 / 143 after SIGINT / SIGTERM (the rows measured so far are kept)."""
     from epbench import results
 
     s, opts, run_dir = p.scenario, p.options, p.run_dir
@@ -136,7 +158,10 @@ def launch_run(p: Plan, plan_path: Path) -> int:
         kept = len(results.load_run(run_dir)[1])
         print(f"epbench: {first.line}: {kept} measured rows kept in {run_dir}", file=sys.stderr)
         return first.code
-    show_run(run_dir, wide_console(), p.columns)
+    if show is not None:
+        show(run_dir)
+    else:
+        show_run(run_dir, wide_console(), p.columns)
     if first is not None:
         print(f"epbench: error: {first.line}", file=sys.stderr)
         return first.code or 1

@@ -367,7 +367,8 @@ def expert_major_columns(extra: Optional[Dict[str, torch.Tensor]], rank: int,
 
 
 def summarize_overlap(df: Any) -> Any:
-    """An overlap run's rows: one line per (backend, sms): the worst rank (lowest kept, longest pair), wrong summed."""
+    """An overlap run's rows: one line per (backend, sms): the worst rank (lowest kept, longest pair), wrong summed;
+    the backends in the order measured, the calibration copy last (whichever job measured it)."""
     import pandas as pd
 
     keys = ["backend", "sms"]
@@ -380,4 +381,6 @@ def summarize_overlap(df: Any) -> Any:
         if c in df:
             agg[c] = "sum"
     out = df.groupby(keys, sort=False, dropna=False).agg(agg).reset_index()
-    return out if isinstance(out, pd.DataFrame) else pd.DataFrame(out)
+    out = out if isinstance(out, pd.DataFrame) else pd.DataFrame(out)
+    copy = out["backend"] == "copy"
+    return pd.concat([out[~copy], out[copy]], ignore_index=True)

@@ -39,6 +39,9 @@ Figures per point (``kept`` = 100 x alone time / time beside; 100 = no slowdown)
 A calibration row (backend ``copy``) does the same with a plain copy kernel of k blocks
 (csrc/ceiling.cu's store kernel into a local buffer, the scenario's dispatch bytes), so the
 interference a communication kernel causes can be told apart from what any k-block copy causes.
+The launcher starts one job per python the backends need (launcher.jobs_by_flavor: a DeepEP
+flavor's backend from its own venv), all into one run folder; the first job measures the copy rows
+(``OverlapOptions.calibrate``), so the folder holds them once per SM count.
 
 Checks: the communication keeps its normal verification (``driver.finish_point`` after the
 point: the last timed call's outputs, and a verification run of the same calls); the GEMM's output from inside the concurrent window (its buffer poisoned before) is
@@ -460,6 +463,7 @@ class OverlapOptions:
     iters: int
     gemm: GemmSpec
     gemm_iters: int = 20  # GEMMs per alone measurement
+    calibrate: bool = True  # the copy rows too (a run's first job: Plan.job_options)
 
 
 def gpu_shared(comm: Any) -> bool:
@@ -552,14 +556,14 @@ def copy_loop(comm: Any, sms: int, nbytes: int, opts: OverlapOptions):
 
 def measure(job: Any) -> int:
     """The overlap points of one job (session.Job) on this rank: the GEMM alone, then for each
-    backend and SM count, and for the copy calibration, the point's figures (``_Point``) and its
-    checks; rank 0 records each point's rows. Returns the wrong rows and GEMM elements summed
-    over ranks (on every rank)."""
+    backend and SM count, and for the copy calibration (where the job's options ask for it), the
+    point's figures (``_Point``) and its checks; rank 0 records each point's rows. Returns the
+    wrong rows and GEMM elements summed over ranks (on every rank)."""
     import torch
 
-    from epbench import driver, metrics, options
+    from epbench import driver, options
     from epbench.backends import load_backend
-    from epbench.routing import route_all, traffic
+    from epbench.routing import route_all
 
     s, opts, comm = job.scenario, job.options, job.comm
     if s.mode != "normal":
@@ -590,11 +594,13 @@ def measure(job: Any) -> int:
             job.note(f"{k} SMs: the driver gave the GEMM's green context {p.sms} SMs "
                      f"(asked {total - k}): the partitions overlap by {p.sms - (total - k)}")
     if job.rank0:
-        job.open(job.meta(verb="overlap",
-                          overlap={"gemm": opts.gemm.describe(), "gemm_flops": gemm.flops,
-                                   "total_sms": total, "partition": PARTITION,
-                                   "carveout_api": CARVEOUT_API, "shared_gpu": shared,
-                                   "green_context_sms": {k: p.sms for k, p in parts.items()}}))
+        meta = job.meta(verb="overlap",
+                        overlap={"gemm": opts.gemm.describe(), "gemm_flops": gemm.flops,
+                                 "total_sms": total, "partition": PARTITION,
+                                 "carveout_api": CARVEOUT_API, "shared_gpu": shared,
+                                 "green_context_sms": {k: p.sms for k, p in parts.items()}})
+        meta["backend_runtime"] = job.backend_runtime(meta)
+        job.open(meta)
     base = {"scenario": s.name, "rank": comm.rank, "world": comm.world,
             "device": torch.cuda.get_device_name(comm.device), "gemm": opts.gemm.describe(),
             "gemm_flops": gemm.flops, "total_sms": total, "shared_gpu": shared,
@@ -633,9 +639,22 @@ def measure(job: Any) -> int:
                 wrong_total += record(name, sms, row, raw)
         finally:
             be.close()
+    if opts.calibrate:
+        wrong_total += _calibrate(job, gemm, gemm_all, reference, parts, total, routings, record)
+    return job.rank0_count(wrong_total)
+
+
+def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dict[int, Partition],
+               total: int, routings: Sequence[Any], record: Callable[..., int]) -> int:
+    """The copy rows at every SM count (``record``: measure's); returns the wrong ones."""
+    from epbench import metrics
+    from epbench.routing import traffic
+
+    s, opts, comm, m = job.scenario, job.options, job.comm, job.scenario.model
     tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, False)
     row_b = metrics.row_bytes(m.dispatch_dtype, m.hidden)
     copy_bytes = int(metrics.rank_bytes(tr, "dispatch", row_b)["algo"][comm.rank])
+    wrong = 0
     for sms in opts.sms:
         loop, check = copy_loop(comm, sms, copy_bytes, opts)
         if loop is None:
@@ -643,5 +662,5 @@ def measure(job: Any) -> int:
             break
         row, raw = _Point(gemm, gemm_all, parts[sms], total, opts).measure(loop)
         row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes)
-        wrong_total += record("copy", sms, row, raw)
-    return job.rank0_count(wrong_total)
+        wrong += record("copy", sms, row, raw)
+    return wrong

@@ -50,12 +50,16 @@ class Plan:
     ranks_per_node: Optional[int] = None  # ranks each job starts here (None: the scenario's per host)
 
     def job_options(self, job: int) -> Any:
-        """The options of job ``job``: the run's, with that job's backends."""
+        """The options of job ``job``: the run's, with that job's backends (overlap: the copy
+        calibration in the first job only, so that the run folder holds it once)."""
         if not 0 <= job < len(self.jobs):
             raise UserError(f"job {job}: this plan has {len(self.jobs)} job(s)")
         if not hasattr(self.options, "backends") or self.verb == "ceiling":
             return self.options
-        return dataclasses.replace(self.options, backends=self.jobs[job])
+        opts = dataclasses.replace(self.options, backends=self.jobs[job])
+        if hasattr(opts, "calibrate"):
+            opts = dataclasses.replace(opts, calibrate=opts.calibrate and job == 0)
+        return opts
 
 
 def _options_class(verb: str) -> type:

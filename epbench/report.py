@@ -368,11 +368,14 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
     o = meta.get("overlap", {})
     title = (f"{meta.get('scenario', {}).get('name', '?')}: overlap, {o.get('gemm', '?')} beside "
              f"the communication ({meta.get('world', '?')} ranks, {o.get('total_sms', '?')} SMs)")
-    console.print(overlap_table(df, title))
-    console.print("kept % = alone time / time beside (worst rank); GEMM kept of all SMs, 'of conf.' of "
-                  "its own partition alone (both over the communication loop, gaps included: results.csv's "
-                  "gemm_kept_in_calls_pct is the GEMM's kept % while a call ran); pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
-                  "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
+    if df.empty:  # every backend skipped and no copy kernel, or every job failed before its first point
+        console.print(f"{title}: no measured points")
+    else:
+        console.print(overlap_table(df, title))
+        console.print("kept % = alone time / time beside (worst rank); GEMM kept of all SMs, 'of conf.' of "
+                      "its own partition alone (both over the communication loop, gaps included: results.csv's "
+                      "gemm_kept_in_calls_pct is the GEMM's kept % while a call ran); pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
+                      "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
     for note in meta.get("notes", []):
         console.print(f"note: {note}", highlight=False)
 

@@ -165,8 +165,9 @@ class Job:
 
     @property
     def launcher_finishes(self) -> bool:
-        """The launcher writes the run's final status (run and sweep: one job per backend)."""
-        return self.launched and self.plan.verb in ("run", "sweep")
+        """The launcher writes the run's final status (run and sweep: one job per backend;
+        overlap: one per python its backends need), each job continuing the folder."""
+        return self.launched and self.plan.verb in ("run", "sweep", "overlap")
 
     def note(self, text: str) -> None:
         """A line for meta.json's notes (rank 0's; each once)."""
@@ -179,6 +180,15 @@ class Job:
         meta.update(scenario=dataclasses.asdict(self.scenario), world=self.comm.world,
                     options=dataclasses.asdict(self.options), **extra)
         return meta
+
+    def backend_runtime(self, meta: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+        """What ran each backend of this job, for meta.json's ``backend_runtime`` (``meta``:
+        Job.meta): its python (another venv's, where the job needs a DeepEP flavor:
+        epbench/flavors.py), the NCCL and LD_PRELOAD it loaded (one job may preload another NCCL:
+        backends/deepep_v2_env.py) and that python's baselines build."""
+        return {b: {"python": sys.executable, "nccl": meta.get("nccl"),
+                    "ld_preload": os.environ.get("LD_PRELOAD"), "baselines": meta.get("baselines")}
+                for b in self.options.backends}
 
     def open(self, meta: Dict[str, Any]) -> Optional[RunWriter]:
         """Rank 0: the run folder (the plan's, or a new one) with ``meta`` (Job.meta) in
@@ -292,13 +302,8 @@ def measure_points(job: Job) -> int:
     comm.arrive("scenario check")
     check_same_scenario(s, opts)
     if job.rank0:
-        # what each backend's job loaded: one job may preload another NCCL (backends/deepep_v2_env.py)
         meta = job.meta(control_timeout_s=comm.control_timeout_s, **sharing(comm))
-        # and another venv may run it (epbench/flavors.py): its python and its baselines' build
-        meta["backend_runtime"] = {b: {"python": sys.executable, "nccl": meta.get("nccl"),
-                                       "ld_preload": os.environ.get("LD_PRELOAD"),
-                                       "baselines": meta.get("baselines")}
-                                   for b in opts.backends}
+        meta["backend_runtime"] = job.backend_runtime(meta)
         job.open(meta)
     # drawn only between points (auto_refresh off): rich's refresh thread would take rank 0's GIL
     # ten times a second, in the middle of timed calls, and make rank 0's host late for them
@@ -322,12 +327,20 @@ def measure_points(job: Job) -> int:
 def show_run(run_dir: Path, console: Any, columns: Optional[Sequence[str]] = None) -> None:
     """The run's table (``columns``: its columns, None: the default ones), a line per backend
     whose points were not measured, and the folder."""
-    from epbench.results import load_run, load_unmeasured
+    from epbench.results import load_run
 
     meta, df = load_run(run_dir)
     print_run(df, meta, console, columns)
+    show_unmeasured(run_dir, console)
+    console.print(f"results: {run_dir}")
+
+
+def show_unmeasured(run_dir: Path, console: Any) -> None:
+    """A line per backend and reason whose points were not measured (skipped, or lost with a job
+    that failed)."""
+    from epbench.results import load_unmeasured
+
     left = load_unmeasured(run_dir)
     for (backend, status), g in (left.groupby(["backend", "status"], sort=False) if not left.empty else ()):
         console.print(f"{backend}: {status} ({len(g) // 2} point{'s' if len(g) > 2 else ''} not measured)",
                       highlight=False, markup=False)
-    console.print(f"results: {run_dir}")

@@ -64,6 +64,21 @@ def epbench(*args: str, timeout: float = 240, env: Optional[Dict[str, str]] = No
     return Result(p.returncode, p.stdout, p.stderr)
 
 
+def fake_venv(root: Path, flavor: str, python_target: str = "/bin/true", nccl: Optional[dict] = None) -> str:
+    """A folder shaped like a venv `make baselines` built a DeepEP flavor into: bin/python (a link
+    to ``python_target``) and the build stamp. Returns its python."""
+    from epbench import provenance
+
+    (root / "bin").mkdir(parents=True)
+    python = root / "bin" / "python"
+    python.symlink_to(python_target)
+    stamp = {"flavor": flavor, "commit": "c0ffee"}
+    if nccl:
+        stamp["nccl"] = nccl
+    (root / provenance.BASELINES_STAMP).write_text(json.dumps(stamp))
+    return str(python)
+
+
 class StartedRanks(BaseException):
     """An in-process command tried to start ranks (see epbench_here); not an Exception, so that
     epbench's own error handling cannot turn it into an error line."""

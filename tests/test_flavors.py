@@ -12,18 +12,7 @@ import pytest
 
 from epbench import flavors, launch, provenance
 from epbench.backends import deepep_v2_env
-
-
-def fake_venv(root: Path, flavor: str, python_target: str = "/bin/true", nccl: dict = None) -> str:
-    """A folder shaped like a venv: bin/python (a link to ``python_target``) and the build stamp."""
-    (root / "bin").mkdir(parents=True)
-    python = root / "bin" / "python"
-    python.symlink_to(python_target)
-    stamp = {"flavor": flavor, "commit": "c0ffee"}
-    if nccl:
-        stamp["nccl"] = nccl
-    (root / provenance.BASELINES_STAMP).write_text(json.dumps(stamp))
-    return str(python)
+from support import fake_venv
 
 
 def test_a_job_needs_the_one_flavor_of_its_backends():
@@ -67,6 +56,58 @@ def test_a_job_runs_from_the_venv_that_holds_its_flavor(tmp_path, monkeypatch):
     assert flavors.job_python(["deepep"], reg) == v1
     (tmp_path / "venv-v2" / provenance.BASELINES_STAMP).write_text(json.dumps({"flavor": "hybrid-ep"}))
     assert flavors.job_python(["deepep-v2"], reg) is None  # that venv was rebuilt with another flavor
+
+
+def test_overlap_runs_each_flavors_backends_in_a_job_of_their_own():
+    """overlap's jobs: the backends that need no DeepEP flavor share one, each flavor's go apart,
+    in the order the backends first come."""
+    from epbench.launcher import jobs_by_flavor
+
+    assert jobs_by_flavor(("epbench", "deepep", "deepep-v2", "hybrid-ep")) == (
+        ("epbench",), ("deepep",), ("deepep-v2",), ("hybrid-ep",))
+    assert jobs_by_flavor(("deepep", "epbench", "hybrid-ep", "reference")) == (
+        ("deepep",), ("epbench", "reference"), ("hybrid-ep",))
+    assert jobs_by_flavor(("epbench", "reference", "symm-mem")) == (("epbench", "reference", "symm-mem"),)
+    assert jobs_by_flavor(()) == ((),)
+
+
+def test_overlap_starts_each_flavors_job_from_its_venv(tmp_path, monkeypatch):
+    """`epbench overlap` with DeepEP flavors recorded: one torchrun job per python, each from its
+    venv, every job on the one plan of the one run folder; the copy calibration in the first job
+    only. The jobs are faked (they write nothing: the folder, holding only its plan, goes)."""
+    import torch
+    import typer
+
+    from epbench import cli, plan
+    from support import SCENARIOS
+
+    reg = tmp_path / "venvs.json"
+    v1, v2 = fake_venv(tmp_path / "venv-v1", "v1"), fake_venv(tmp_path / "venv-v2", "v2")
+    flavors.record("v1", v1, reg)
+    flavors.record("v2", v2, reg)
+    monkeypatch.setenv(flavors.REGISTRY_ENV, str(reg))
+    monkeypatch.setattr(provenance, "baselines_build", lambda: {})  # this venv holds no flavor
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "resolve_device", lambda *args, **kwargs: "cuda")
+    started = []
+
+    def fake_job(torchrun, device, error_dir=None):
+        python = torchrun[torchrun.index("--no-python") + 1] if "--no-python" in torchrun else None
+        started.append((plan.read(Path(torchrun[-2])), int(torchrun[-1]), python, error_dir))
+        return launch.Outcome("complete")
+
+    monkeypatch.setattr(launch, "run_job", fake_job)
+    smoke = SCENARIOS / "smoke.yaml"
+    monkeypatch.setattr(cli.sys, "argv", ["epbench", "overlap", str(smoke)])
+    with pytest.raises(typer.Exit):
+        cli.overlap(smoke, nproc=2, sms="4,8", backends="deepep,epbench,deepep-v2,reference",
+                    gemm="8,8,8", iters=2, warmup=1, results=tmp_path / "res", run_dir=None)
+    assert [(job, python) for _, job, python, _ in started] == [(0, v1), (1, None), (2, v2)]
+    p = started[0][0]
+    assert p.jobs == (("deepep",), ("epbench", "reference"), ("deepep-v2",))
+    assert len({folder for *_, folder in started}) == 1  # one run folder for every job
+    assert [(p.job_options(j).backends, p.job_options(j).calibrate) for j in range(3)] == [
+        (("deepep",), True), (("epbench", "reference"), False), (("deepep-v2",), False)]
 
 
 def test_torchrun_runs_the_ranks_with_the_jobs_python():

@@ -44,7 +44,7 @@ def test_the_launcher_starts_ranks_on_the_plan_in_the_run_folder(tmp_path, jobs)
     assert not (tmp_path / "run").exists()  # a folder holding only its plan is no run
 
 
-def test_overlap_and_ceiling_start_one_job_on_their_plan(tmp_path, monkeypatch, jobs):
+def test_overlap_and_ceiling_start_their_jobs_on_their_plan(tmp_path, monkeypatch, jobs):
     import torch
     import typer
 
@@ -82,3 +82,65 @@ def test_start_one_hands_the_ranks_their_plan(tmp_path, monkeypatch, capsys):
     assert launcher.start_one(p) == 1
     assert seen["plan"] == p
     assert capsys.readouterr().err == "epbench: error: [rank 0] overlap: needs CUDA\n"
+
+
+def _overlap_plan(tmp_path):
+    """An overlap plan of three jobs (reference; deepep; deepep-v2) into tmp_path/run."""
+    from epbench.overlap import GemmSpec, OverlapOptions
+
+    opts = OverlapOptions(("reference", "deepep", "deepep-v2"), (4,), 1, 2, GemmSpec("square", 8, 8, 8))
+    (tmp_path / "run").mkdir()
+    return plan.Plan(verb="overlap", scenario=scenario.load(SMOKE), options=opts, device="cpu",
+                     argv=("overlap",), results=tmp_path, run_dir=tmp_path / "run",
+                     jobs=launcher.jobs_by_flavor(opts.backends))
+
+
+def _rank0_writes(run: Path, backend: str, wrong: int = 0) -> None:
+    """What rank 0 of an overlap job leaves in the folder: meta.json, its backend's row, its wrong."""
+    from epbench.results import RunWriter
+
+    w = RunWriter(run, {"verb": "overlap", "overlap": {"gemm": "bf16 8x8x8"}}, append=True)
+    w.add([{"backend": backend, "sms": 0, "rank": 0, "tokens_per_rank": 64, "wrong": wrong}], [])
+    w.note([], wrong)
+
+
+def test_an_interrupt_stops_the_overlap_jobs_left(tmp_path, monkeypatch, capsys):
+    from epbench.results import load_run
+
+    p, started = _overlap_plan(tmp_path), []
+
+    def fake_job(torchrun, device, error_dir=None):
+        started.append(int(torchrun[-1]))
+        if started[-1] == 0:
+            _rank0_writes(p.run_dir, "reference")
+            return launch.Outcome("complete")
+        return launch.Outcome("interrupted", 130, "interrupted (SIGINT)")
+
+    monkeypatch.setattr(launch, "run_job", fake_job)
+    shown = []
+    assert launcher.start(p, shown.append) == 130
+    assert started == [0, 1] and shown == []  # deepep-v2's job never started; no table
+    meta, df = load_run(p.run_dir)
+    assert meta["status"] == "interrupted" and list(df["backend"]) == ["reference"]
+    assert capsys.readouterr().err == f"epbench: interrupted (SIGINT): 1 measured rows kept in {p.run_dir}\n"
+
+
+def test_wrong_overlap_rows_fail_the_run_after_its_table(tmp_path, monkeypatch, capsys):
+    """Every job ran, one counted wrong rows or GEMM elements: the table, then the line, status failed."""
+    from epbench.results import load_run
+
+    p = _overlap_plan(tmp_path)
+
+    def fake_job(torchrun, device, error_dir=None):
+        job = int(torchrun[-1])
+        _rank0_writes(p.run_dir, p.jobs[job][0], wrong=3 if job == 1 else 0)
+        return launch.Outcome("complete")
+
+    monkeypatch.setattr(launch, "run_job", fake_job)
+    shown = []
+    assert launcher.start(p, shown.append) == 1
+    line = f"verification failed: 3 wrong (see the table); results: {p.run_dir}"
+    assert shown == [p.run_dir] and capsys.readouterr().err == f"epbench: error: {line}\n"
+    meta, df = load_run(p.run_dir)
+    assert meta["status"] == "failed" and meta["error"] == line and meta["wrong"] == 3
+    assert list(df["backend"]) == ["reference", "deepep", "deepep-v2"]

@@ -4,6 +4,7 @@ the table, the plot and report of a results folder, and the one-line refusal on 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -144,6 +145,15 @@ def test_report_prints_an_overlap_folder_and_compare_refuses_it(tmp_path):
     assert c.code == 2 and "compare reads run and sweep" in c.both and len(c.both.strip().splitlines()) == 1
 
 
+def test_report_of_an_overlap_folder_without_rows_says_so_with_its_notes(tmp_path):
+    """Every backend skipped and no copy kernel (or every job failed first): no table, the notes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "meta.json").write_text(json.dumps({"verb": "overlap", "notes": ["backend deepep skipped: why"]}))
+    r = epbench_here("report", str(run))
+    assert r.code == 0 and "no measured points" in r.out and "note: backend deepep skipped: why" in r.out
+
+
 def test_cli_refuses_without_a_gpu():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -185,3 +195,112 @@ def test_partition_request_is_lowered_until_it_fits_beside_the_communication(mon
     for k in (4, 8, 16, 32):
         p = ov.disjoint_partition(132 - k, 0)
         assert p.sms <= 132 - k and p.sms > 132 - k - 8
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def overlap_on_cpu(monkeypatch):
+    """overlap.measure in this process on CPU: the GPU's pieces faked (its SM count, the green
+    contexts, the GEMM's timing, the concurrent window's figures, the copy kernel), the
+    communication real (the driver's timing loop and checks, at world 1 over gloo)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def point(self, loop):  # the communication loop runs once; the figures are made up
+        samples = loop()
+        alone = {op: 100.0 for op in samples}
+        beside = {op: 125.0 for op in samples}
+        alone["loop"], beside["loop"] = 1000.0, 1250.0
+        gemm = {"gemm_all_us": self.gemm_all_us, "gemm_confined_us": 110.0, "gemm_beside_us": 130.0,
+                "gemm_count": 10, "pair_us": 1400.0,
+                "gemm_sms": self.part.sms if self.part is not None else self.total}
+        return ov.point_row({}, gemm, alone, beside), {"alone": samples, "beside": samples}
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "CPU")
+    monkeypatch.setattr(ov, "gpu_shared", lambda comm: False)
+    monkeypatch.setattr(ov, "set_carveout", lambda n: None)
+    monkeypatch.setattr(ov, "time_gemm", lambda gemm, n, part: 100.0)
+    monkeypatch.setattr(ov, "disjoint_partition", lambda free, index: SimpleNamespace(sms=free, want=free))
+    monkeypatch.setattr(ov._Point, "measure", point)
+    monkeypatch.setattr(ov, "copy_loop", lambda comm, sms, nbytes, opts: (lambda: {"copy": [1.0, 2.0]}, lambda: 0))
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(k, v)
+
+
+def test_one_folder_from_a_job_per_python_and_a_failed_job_costs_its_own_points(
+        tmp_path, monkeypatch, capsys, overlap_on_cpu):
+    """overlap with reference, deepep and deepep-v2, each flavor recorded in its own venv: three
+    jobs into one folder. The reference's and deepep's run here through the engine (deepep's
+    with the venv's python as sys.executable, the reference's calls standing in for DeepEP at
+    each SM count); deepep-v2's crashes. The folder holds every point of the first two, the copy
+    rows once per SM count, deepep-v2's points as failed rows, which python ran each backend, and
+    the run's status and error line as `run` gives them; report and plot read it."""
+    import sys
+
+    from epbench import backends, cli, flavors, launch, launcher, provenance, rank, scenario
+    from epbench import plan as plans
+    from epbench.backends.reference import ReferenceBackend
+    from epbench.results import load_run, load_unmeasured
+    from support import fake_venv
+
+    class DeepEPStandIn(ReferenceBackend):  # deep_ep is not installed here
+        uses_sms = True
+
+    real_load = backends.load_backend
+    monkeypatch.setattr(backends, "load_backend",
+                        lambda name: (DeepEPStandIn, None) if name == "deepep" else real_load(name))
+    reg = tmp_path / "venvs.json"
+    v1, v2 = fake_venv(tmp_path / "venv-v1", "v1"), fake_venv(tmp_path / "venv-v2", "v2")
+    flavors.record("v1", v1, reg)
+    flavors.record("v2", v2, reg)
+    monkeypatch.setenv(flavors.REGISTRY_ENV, str(reg))
+    monkeypatch.setattr(provenance, "baselines_build", lambda: {})
+    ran = []
+
+    def job_here(torchrun, device, error_dir=None):
+        python = torchrun[torchrun.index("--no-python") + 1] if "--no-python" in torchrun else sys.executable
+        p, job = plans.read(Path(torchrun[-2])), int(torchrun[-1])
+        ran.append((p.jobs[job], python))
+        if "deepep-v2" in p.jobs[job]:
+            return launch.Outcome("failed", 1, "rank 0 was killed by SIGSEGV")
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+        with monkeypatch.context() as m:
+            m.setattr(sys, "executable", python)  # what the job's ranks run
+            assert rank.run_plan(p, job) == 0
+        return launch.Outcome("complete")
+
+    monkeypatch.setattr(launch, "run_job", job_here)
+    opts = ov.OverlapOptions(("reference", "deepep", "deepep-v2"), (4, 8), 1, 2, ov.parse_gemm("8,8,8"))
+    run = tmp_path / "run"
+    run.mkdir()
+    p = plans.Plan(verb="overlap", scenario=scenario.load(SCENARIOS / "smoke.yaml"), options=opts,
+                   device="cpu", argv=("overlap",), results=tmp_path, run_dir=run,
+                   jobs=launcher.jobs_by_flavor(opts.backends))
+    capsys.readouterr()
+    assert launcher.start(p, cli.show_overlap) == 1
+    out, err = capsys.readouterr()
+    assert ran == [(("reference",), sys.executable), (("deepep",), v1), (("deepep-v2",), v2)]
+    assert err == "epbench: error: deepep-v2: rank 0 was killed by SIGSEGV\n"
+    meta, df = load_run(run)
+    assert meta["status"] == "failed" and meta["error"] == "deepep-v2: rank 0 was killed by SIGSEGV"
+    assert meta["options"]["backends"] == ["reference", "deepep", "deepep-v2"] and meta["wrong"] == 0
+    assert {b: r["python"] for b, r in meta["backend_runtime"].items()} == {"reference": sys.executable,
+                                                                           "deepep": v1}
+    points = sorted(zip(df["backend"], df["sms"]))
+    assert points == [("copy", 4), ("copy", 8), ("deepep", 4), ("deepep", 8), ("reference", 0)]
+    assert set(load_unmeasured(run)["backend"]) == {"deepep-v2"}
+    assert "deepep-v2: failed: rank 0 was killed by SIGSEGV (" in out and "overlap_vs_sms.png" in out
+    backends_shown = [ln.split()[0] for ln in out.splitlines()
+                      if ln.strip().split(" ")[0] in ("reference", "deepep", "copy")]
+    assert backends_shown == ["reference", "deepep", "deepep", "copy", "copy"]  # the calibration last
+    r = epbench_here("report", str(run))
+    assert r.code == 0 and "overlap, bf16 8x8x8 beside" in r.out

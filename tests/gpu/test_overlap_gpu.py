@@ -55,6 +55,8 @@ def test_overlap_world_1(runs: OneGpuRuns, gemm: str) -> None:
     total = torch.cuda.get_device_properties(0).multi_processor_count
     assert meta["status"] == "complete" and meta["verb"] == "overlap"
     assert set(df["backend"]) >= {"reference", "copy"}
+    assert set(meta["backend_runtime"]) == {"reference", "epbench"}  # one job: neither needs a DeepEP flavor
+    assert len(df[df["backend"] == "copy"]) == 2  # once per SM count (world 1)
     assert int(df["wrong"].sum()) == 0 and int(df["gemm_wrong"].sum()) == 0
     part = df[df["sms"] > 0]
     assert (part["gemm_sms"] <= total - part["sms"] + 8).all()  # the driver's partition granularity
