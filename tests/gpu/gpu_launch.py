@@ -72,6 +72,16 @@ def visible(indices) -> str:
     return ",".join(mine[i] if i < len(mine) else str(i) for i in indices)
 
 
+def flavor_reachable(backend: str) -> bool:
+    """Whether `epbench run --backends <backend>` from this checkout reaches the DeepEP flavor it needs:
+    installed in this environment, or built into a venv `make baselines VENV=...` recorded (epbench/flavors.py;
+    the launcher then starts that backend's job from there)."""
+    from epbench import flavors, provenance
+
+    need = flavors.BACKEND_FLAVOR[backend]
+    return provenance.baselines_build().get("flavor") == need or flavors.job_python((backend,)) is not None
+
+
 def safe_env() -> dict:
     env = dict(os.environ, **SAFE_ENV)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from epbench import provenance
 from epbench.backends import deepep_v2_env
 from epbench.results import load_run
-from gpu_launch import ROOT, needs_gpus, safe_env, shares_gpus
+from gpu_launch import ROOT, flavor_reachable, needs_gpus, safe_env, shares_gpus
 
 pytestmark = shares_gpus()
 
@@ -24,9 +23,9 @@ QUICK = ["--sms", "16", "--iters", "5", "--warmup", "1"]
 
 @pytest.fixture(scope="module")
 def v2_built() -> None:
-    build = provenance.baselines_build()
-    if build.get("flavor") != "v2":
-        pytest.skip("DeepEP V2 is not built here (make baselines DEEPEP_FLAVOR=v2 NCCL_CARRY=...)")
+    if not flavor_reachable("deepep-v2"):
+        pytest.skip("DeepEP V2 is not built here nor recorded in a venv (make baselines [VENV=...] DEEPEP_FLAVOR=v2 "
+                    "NCCL_CARRY=...)")
 
 
 def run_v2(tmp_path: Path, nproc: int, scenario: str = "scenarios/dsv3x2.yaml", gpus: int = 1,

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Sequence
 
 import pytest
-from epbench import provenance
 from epbench.results import load_run
-from gpu_launch import GPUS, ROOT, safe_env, shares_gpus
+from gpu_launch import GPUS, ROOT, flavor_reachable, safe_env, shares_gpus
 
 pytestmark = shares_gpus()
 
@@ -25,9 +24,9 @@ QUICK = ["--iters", "5", "--warmup", "1", "--no-ceilings", "--call-modes", "call
 
 @pytest.fixture(scope="module")
 def built() -> None:
-    build = provenance.baselines_build()
-    if build.get("flavor") != "hybrid-ep":
-        pytest.skip("Hybrid-EP is not built here (make baselines DEEPEP_FLAVOR=hybrid-ep)")
+    if not flavor_reachable("hybrid-ep"):
+        pytest.skip("Hybrid-EP is not built here nor recorded in a venv (make baselines [VENV=...] "
+                    "DEEPEP_FLAVOR=hybrid-ep)")
 
 
 def _run(tmp_path: Path, scenario_file: str, nproc: int, backends: str, sms: Sequence[int] = (24,),
