@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -197,8 +198,15 @@ def write_rank_error(folder: Path, rank: int, status: str, line: str) -> None:
     os.replace(tmp, path)
 
 
+# What a rank says when a peer went away first (gloo, NCCL, sockets): an echo, never the cause
+ECHOES = re.compile(r"connection closed by peer|connection reset by peer|remote worker crash|broken pipe|"
+                    r"communicator was aborted|remote process exited", re.I)
+
+
 def first_rank_error(folder: Path) -> Optional[Dict[str, object]]:
-    """The earliest error a rank wrote into ``folder`` (the files are removed)."""
+    """The earliest error a rank wrote into ``folder`` that is not an echo of a peer's exit (the files
+    are removed). A rank that gives up (a timeout) closes its connections before its own line is written,
+    so a peer's "connection closed" can come earlier; the echo is said only where nothing else was."""
     import json
 
     found = []
@@ -208,7 +216,7 @@ def first_rank_error(folder: Path) -> Optional[Dict[str, object]]:
         except (OSError, ValueError):
             pass
         path.unlink(missing_ok=True)
-    return min(found, key=lambda e: e["time"]) if found else None
+    return min(found, key=lambda e: (bool(ECHOES.search(str(e["line"]))), e["time"])) if found else None
 
 
 def raise_on_signals() -> None:

@@ -68,13 +68,13 @@ class Option:
 SCHEMAS: Dict[str, Dict[str, Option]] = {
     "epbench": {
         "dispatch_impl": Option(str, "lean_dyn", "lean_dyn: tokens handed to warps by a counter (won at 16-24 SMs, "
-                                "v12d); lean: static stride (won at 32 SMs, v12d)", choices=("lean_dyn", "lean"),
+                                "notes/KERNELS.md); lean: static stride (won at 32 SMs)", choices=("lean_dyn", "lean"),
                                 env="EPBENCH_DISPATCH_IMPL", aliases=(("lean-dyn", "lean_dyn"),)),
         "dispatch_warps": Option(int, 16, "warps per dispatch block", low=1, high=32, env="EPBENCH_DISPATCH_WARPS"),
-        "notify_impl": Option(str, "grid", "layout kernel: grid (num_sms blocks, v12) or staged (one block, v4; "
-                              "won at 24 SMs in v12)", choices=("grid", "staged"), env="EPBENCH_NOTIFY_IMPL"),
+        "notify_impl": Option(str, "grid", "notify kernel: grid (num_sms blocks) or staged (one block; "
+                              "won at 24 SMs once, notes/KERNELS.md)", choices=("grid", "staged"), env="EPBENCH_NOTIFY_IMPL"),
         "combine_warps": Option(int, 0, "warps per combine block, at most as many as the stages fit "
-                                "(0: clamp(128 / num_sms, 8, 16), v12)", low=0, high=16, env="EPBENCH_COMBINE_WARPS"),
+                                "(0: clamp(128 / num_sms, 8, 16), as measured)", low=0, high=16, env="EPBENCH_COMBINE_WARPS"),
         "combine_stages": Option(int, 2, "stages per combine warp", low=2, high=4, env="EPBENCH_COMBINE_STAGES"),
         "combine_chunk": Option(int, 2048, "bytes per holder and stage of the combine",
                                 choices=(1024, 2048, 4096), env="EPBENCH_COMBINE_CHUNK"),
@@ -97,8 +97,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                 "2: 1 KiB; 0: auto, 2 up to 64 tokens per rank, else 4; rows record the one "
                                 "used)", choices=(0, 2, 4), env="EPBENCH_LL_COMBINE_CHUNK"),
         "ll_sync": Option(str, "auto", "how both kernels synchronise: token (per-token flags, per-block epochs; "
-                          "notes/LATENCY.md round 3), grid (a grid-wide release / wait / finish through block "
-                          "counters, LL v3), auto (token where its shared memory fits, else grid; rows record "
+                          "notes/LATENCY.md), grid (a grid-wide release / wait / finish through block "
+                          "counters), auto (token where its shared memory fits, else grid; rows record "
                           "the one used)", choices=("auto", "grid", "token"), env="EPBENCH_LL_SYNC"),
         "combine_order": Option(str, "rotated", "order of the combine's pushes: rotated (destination-minor "
                                 "from rank + 1 on, as the dispatch sends) or source (destination-major, every rank "

@@ -58,6 +58,19 @@ def test_under_a_launcher_the_line_goes_to_the_plans_folder(tmp_path):
     assert said["status"] == "failed" and said["line"].startswith(f"[rank 0] {path}: not a plan")
 
 
+def test_a_peers_closed_connection_is_not_said_before_the_cause(tmp_path):
+    """A rank that timed out closes its sockets before writing its line: the peers' 'connection closed'
+    lines can be earlier, yet the run names the stopped rank."""
+    launch.write_rank_error(tmp_path, 0, "failed", "[rank 0] RuntimeError: [pair.cc:553] Connection closed by peer "
+                            "[127.0.0.1]:21713. This is typically caused by a remote worker crashing.")
+    launch.write_rank_error(tmp_path, 1, "timeout", "[rank 1] rank 3 did not reach the others in 'timed calls'")
+    said = launch.first_rank_error(tmp_path)
+    assert said["status"] == "timeout" and "rank 3 did not reach" in said["line"]
+    assert not list(tmp_path.glob(".error-rank*"))
+    launch.write_rank_error(tmp_path, 2, "failed", "[rank 2] RuntimeError: Connection reset by peer")
+    assert "reset by peer" in launch.first_rank_error(tmp_path)["line"]  # nothing else was said
+
+
 def test_each_verb_reaches_the_one_engine_and_its_measurement(monkeypatch, tmp_path):
     from epbench import ceiling, overlap, session
 

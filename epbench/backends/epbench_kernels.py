@@ -338,7 +338,7 @@ class EpbenchBackend(NormalMode):
         return self._own_dst
 
     def _combine_warps_for(self, num_sms: int) -> int:
-        """combine_warps, or with 0 the measured rule (notes/KERNELS.md v12): the combine is bound by
+        """combine_warps, or with 0 the measured rule (notes/KERNELS.md): the combine is bound by
         its warps' own reductions at 8 SMs (12 warps fit: fastest) and by the fabric from 16 SMs on, where
         more than ~128 warps in the grid only adds load traffic (16 warps at 32 SMs: +3%)."""
         if self.combine_warps:

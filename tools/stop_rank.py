@@ -1,0 +1,116 @@
+"""A rank stopped (SIGSTOP) or killed (SIGKILL) in the middle of a run, by hand (never in CI: it waits for
+the run's timeouts). Measures what a user sees: how long the other ranks take to end the run, the exit
+code, the one line on stderr, the run's status in meta.json and the rows kept.
+
+Starts `python -m epbench run SCENARIO --results DIR [ARGS...]`, waits until the first row is in the run
+folder's results.csv (the run is measuring), sends the signal to the rank with the highest RANK (a
+process `python -m epbench.rank <run>/plan.json <job>`, not torchrun's agent), then waits for the launcher
+(--wait seconds at most). A stopped rank gets SIGCONT and SIGKILL afterwards, so nothing is left behind.
+
+    python tools/stop_rank.py scenarios/dsv3x2.yaml --signal STOP -- --sms 8,16,24,32 --iters 20000 \\
+        --control-timeout 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+SIGNALS = {"STOP": signal.SIGSTOP, "KILL": signal.SIGKILL}
+
+
+def rank_processes(results: Path) -> Dict[int, int]:
+    """RANK -> pid of every rank process of the run whose results go to ``results``."""
+    out: Dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = [a.decode(errors="replace") for a in args]
+        if "epbench.rank" not in text or not any(str(results) in a for a in text) or \
+                any("torchrun" in a for a in text):
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                out[int(kv[5:])] = int(entry)
+    return out
+
+
+def first_row(results: Path) -> Optional[Path]:
+    """The run folder once its results.csv holds a row, else None."""
+    for csv in results.glob("*/results.csv"):
+        if len(csv.read_text().splitlines()) > 1:
+            return csv.parent
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="after --: arguments of epbench run")
+    ap.add_argument("scenario")
+    ap.add_argument("--signal", choices=sorted(SIGNALS), default="STOP")
+    ap.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the run to end after the signal")
+    ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the first row")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    extra = argv[cut + 1:]  # after --: more arguments of epbench run
+    results = Path(tempfile.mkdtemp(prefix="epbench-stop-"))
+    cmd = [sys.executable, "-m", "epbench", "run", a.scenario, "--results", str(results), *extra]
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + a.start_timeout
+    run_dir = None
+    while time.time() < deadline and p.poll() is None and run_dir is None:
+        run_dir = first_row(results)
+        time.sleep(0.1)
+    ranks = rank_processes(results)
+    if run_dir is None or not ranks:
+        p.kill()
+        out, err = p.communicate()
+        print(f"no rank measuring within {a.start_timeout:.0f} s (exit {p.returncode}): {err.strip()[-500:]}")
+        return 1
+    target = max(ranks)
+    rows_before = len((run_dir / "results.csv").read_text().splitlines()) - 1
+    t0 = time.time()
+    os.kill(ranks[target], SIGNALS[a.signal])
+    try:
+        out, err = p.communicate(timeout=a.wait)
+        took = time.time() - t0
+    except subprocess.TimeoutExpired:
+        took = None
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+    for sig in (signal.SIGCONT, signal.SIGKILL):  # nothing of the run may stay behind
+        for pid in rank_processes(results).values():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").is_file() else {}
+    csv = run_dir / "results.csv"
+    rows_after = len(csv.read_text().splitlines()) - 1 if csv.is_file() else 0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    ended = f"ended {took:.1f} s after SIG{a.signal}" if took is not None else f"still running {a.wait:.0f} s after it"
+    print(f"rank {target} (pid {ranks[target]}) got SIG{a.signal} with {rows_before} rows measured; the run {ended}; "
+          f"exit {p.returncode}; status {meta.get('status')!r}; rows kept {rows_after}; stderr lines {len(lines)}")
+    for ln in lines[-3:]:
+        print(f"  stderr: {ln[:300]}")
+    print(f"  results: {run_dir}")
+    return 0 if took is not None and len(lines) == 1 and rows_after >= rows_before else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
