@@ -13,8 +13,9 @@ apart (measured, 2026-11-21), which a call that waits for its peers then shows a
 
 The sleep covers the host's usual cost; a host that is occasionally slower (a garbage
 collection, a page fault, another process) would still leave the GPU idle inside the timed region,
-which shows as a rare 100 us-1 ms sample. So for calls that never wait for the device on the host
-(graph replays and calls that never wait for the device) the stream also waits on a host gate (``HostGate``:
+which shows as a rare 100 us-1 ms sample. So for graph replays (calls that never wait for the device on
+the host; plain launches are not gated, since a backend's call may wait) the stream also waits on a host
+gate (``HostGate``:
 ``cuStreamWaitValue32`` on a flag in pinned host memory) that the host opens only once the end
 event is queued: the timed region then never contains host time, however late the host is. Where
 the alignment stays on the stream the gate comes before it, so a rank whose host is late holds
@@ -189,7 +190,7 @@ def method() -> str:
     sleep and the gate in force, and every diagnostic switch set."""
     switches = options.diagnostics_set()
     return (f"timing: per-call device events after a {lead_us():g} us device sleep; host gate "
-            f"(graph replays and calls that never wait for the device) {host_gate().describe()}"
+            f"(graph replays) {host_gate().describe()}"
             + (f"; diagnostic switches set: {', '.join(switches)}" if switches else ""))
 
 

@@ -154,7 +154,7 @@ def test_timing_note_gives_the_sleep_and_gate_in_force_and_every_switch_set(monk
     monkeypatch.setattr(timing, "_gate", SimpleNamespace(describe=lambda: "on"))
     monkeypatch.setattr(timing, "_lead_us", None)
     assert timing.method() == ("timing: per-call device events after a 150 us device sleep; host gate "
-                               "(graph replays and calls that never wait for the device) on")
+                               "(graph replays) on")
     monkeypatch.setenv("EPBENCH_HOST_LEAD_US", "612.5")
     monkeypatch.setenv("EPBENCH_FILL_SYNC", "1")
     monkeypatch.setattr(timing, "_lead_us", None)
