@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from epbench import counters as hw
-from epbench import metrics
+from epbench import metrics, options
 from epbench.metrics import OPS, PointRecord, point_rows
 from epbench.backends import load_backend
 from epbench.backends.base import Backend
@@ -165,6 +165,8 @@ class PointCalls:
     fill: Callable[[Any], None]
     gated: bool = False  # graph replays never wait for the device: the timer may gate them
     per_replay: int = 1  # calls of each op one dispatch() / combine() runs (a graph chain: K)
+    gate_warmup: bool = True  # False: gated in the timed iterations only (plain launches: a first call
+    # may load its kernels, which can wait on the host)
 
 
 def _plain_calls(first: DispatchInput, dispatch: Callable[[DispatchInput], Any], combine: Callable[[Any], Any],
@@ -178,17 +180,27 @@ def _plain_calls(first: DispatchInput, dispatch: Callable[[DispatchInput], Any],
     return PointCalls(lambda: dispatch(state["inp"]), combine, load, fill)
 
 
+def _gate_launches(be: Backend, calls: PointCalls) -> PointCalls:
+    """Switch gate_launches: plain launches of a backend whose calls never wait on the host are gated in
+    their timed iterations, as graph replays are in all of theirs."""
+    if be.host_free_calls and options.diagnostic("gate_launches"):
+        calls.gated, calls.gate_warmup = True, False
+    return calls
+
+
 def normal_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
     def fill(out: DispatchOutput) -> None:
         _fill_expert_output(be, out, rank)
         be.prepare_combine(out)
 
-    return _plain_calls(first, lambda inp: be.dispatch(inp, sms), lambda out: be.combine(out, sms), fill)
+    return _gate_launches(be, _plain_calls(first, lambda inp: be.dispatch(inp, sms),
+                                           lambda out: be.combine(out, sms), fill))
 
 
 def launch_calls(be: Backend, first: DispatchInput, sms: int, rank: int) -> PointCalls:
-    return _plain_calls(first, lambda inp: be.ll_dispatch(inp, sms), lambda out: be.ll_combine(out, sms),
-                        lambda out: _fill_ll_expert_output(be, out, rank))
+    return _gate_launches(be, _plain_calls(first, lambda inp: be.ll_dispatch(inp, sms),
+                                           lambda out: be.ll_combine(out, sms),
+                                           lambda out: _fill_ll_expert_output(be, out, rank)))
 
 
 def graph_calls(be: Backend, first: DispatchInput, sms: int, rank: int, chain: int = 1) -> PointCalls:
@@ -300,11 +312,12 @@ def _time_pair(comm: Comm, warmup: int, iters: int, calls: PointCalls,
     for i in range(n):
         if len(sets) > 1 or i == 0:  # one set: loaded once, the same tensors every call
             calls.load(sets[i % len(sets)])
-        out = timers["dispatch"].time(i, calls.dispatch, align=comm.sync, gated=calls.gated,
+        gated = calls.gated and (calls.gate_warmup or i >= warmup)
+        out = timers["dispatch"].time(i, calls.dispatch, align=comm.sync, gated=gated,
                                       align_on_stream=on_stream)
         kept = snapshot(out) if i == n - 1 else None
         calls.fill(out)
-        got = timers["combine"].time(i, lambda: calls.combine(out), align=comm.sync, gated=calls.gated,
+        got = timers["combine"].time(i, lambda: calls.combine(out), align=comm.sync, gated=gated,
                                     align_on_stream=on_stream)
         if kept is not None:
             last = LastTimed((n - 1) % len(sets), kept, got)

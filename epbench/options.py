@@ -148,6 +148,10 @@ DIAGNOSTICS: Dict[str, Option] = {
                          "alignment (where the alignment stays on the stream: NCCL, one rank per GPU), so "
                          "ranks leave it together only once every host has queued its call; 0: after it, "
                          "the default before 2026-11-26 (epbench/timing.py)", choices=(0, 1), env="EPBENCH_GATE_FIRST"),
+    "gate_launches": Option(int, 0, "1: the plain launches (not only the graph replays) of a backend whose calls "
+                            "never wait for the device on the host (epbench, epbench-ll) also wait on the host "
+                            "gate in their timed iterations; 0: graph replays only (epbench/timing.py)",
+                            choices=(0, 1), env="EPBENCH_GATE_LAUNCHES"),
     "align": Option(str, "alltoall", "the cross-rank alignment before each timed call on GPUs (NCCL, one "
                     "rank per GPU): alltoall (one element per peer: every rank waits for every other) or "
                     "allreduce (one element; the ring releases ranks in ring order; the default before "

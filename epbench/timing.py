@@ -31,6 +31,8 @@ in a note.
 
 Diagnostic switches (epbench/options.py ``DIAGNOSTICS``, read once per process) change this for
 an experiment: EPBENCH_HOST_LEAD_US sets the sleep, EPBENCH_HOST_GATE=0 turns the gate off,
+EPBENCH_GATE_LAUNCHES=1 gates the plain launches of backends whose calls never wait on the host too
+(their timed iterations only: a first call may load its kernels; driver.py),
 EPBENCH_GATE_FIRST=0 closes the gate after the alignment, and EPBENCH_ALIGN=allreduce makes the
 alignment a one-element ring all-reduce (launch.Comm.sync; the last two give the method used
 before 2026-11-26). The run's timing note (``method``) gives the sleep and the gate's state in
@@ -185,12 +187,18 @@ def host_gate() -> HostGate:
     return _gate
 
 
+def gated_launches() -> str:
+    """The note's words for switch gate_launches: which plain launches the gate also holds."""
+    return ("; plain launches of epbench and epbench-ll in their timed iterations"
+            if options.diagnostic("gate_launches") else "")
+
+
 def method() -> str:
     """How timed calls are isolated from the host on this process's GPU, for a run's notes: the
     sleep and the gate in force, and every diagnostic switch set."""
     switches = options.diagnostics_set()
     return (f"timing: per-call device events after a {lead_us():g} us device sleep; host gate "
-            f"(graph replays) {host_gate().describe()}"
+            f"(graph replays{gated_launches()}) {host_gate().describe()}"
             + (f"; diagnostic switches set: {', '.join(switches)}" if switches else ""))
 
 

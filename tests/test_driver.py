@@ -131,3 +131,42 @@ def test_a_chain_sample_is_one_replay_over_k(monkeypatch):
     assert loaded == ["set0", "set1"] and last.draw_index == 1 and float(last.got) == 1.0
     samples, _ = driver._time_pair(comm, 0, 2, calls(1, False), ["set0"])
     assert samples["dispatch"] == [8.0, 16.0] and not seen[-1]
+
+
+def test_switch_gate_launches_gates_the_timed_plain_calls_of_host_free_backends_only(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from epbench import driver
+
+    seen = []
+
+    class FakeTimer:
+        def __init__(self, device, n):
+            self.n = n
+
+        def time(self, i, fn, align=None, gated=False, align_on_stream=False):
+            seen.append((i, gated))
+            return fn()
+
+        def samples_us(self, skip):
+            return [1.0] * (self.n - skip)
+
+    monkeypatch.setattr(driver, "Timer", FakeTimer)
+    comm = SimpleNamespace(rank=0, device=torch.device("cpu"), sync=lambda: None)
+    inp = SimpleNamespace()
+
+    def plain(host_free, switch):
+        monkeypatch.setenv("EPBENCH_GATE_LAUNCHES", switch)
+        be = SimpleNamespace(host_free_calls=host_free, dispatch=lambda i, n: torch.zeros(1),
+                             combine=lambda o, n: torch.ones(1), prepare_combine=lambda o: None)
+        monkeypatch.setattr(driver, "_fill_expert_output", lambda be, out, rank: None)
+        seen.clear()
+        driver._time_pair(comm, 2, 3, driver.normal_calls(be, inp, 8, 0), [inp])
+        return seen[:]
+
+    # 2 warm-up and 3 timed iterations, dispatch and combine each: only the timed ones are gated
+    assert plain(True, "1") == [(i, i >= 2) for i in range(5) for _ in range(2)]
+    assert not any(g for _, g in plain(True, "0"))  # the default: graph replays only
+    assert not any(g for _, g in plain(False, "1"))  # a backend whose calls may wait on the host

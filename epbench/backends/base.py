@@ -42,6 +42,9 @@ class Backend(ABC):
     # True: the low-latency calls allocate nothing, never wait on the host and keep their
     # per-call state (epochs) on the device, so a captured CUDA graph of them can be replayed.
     supports_cuda_graphs: ClassVar[bool] = False
+    # True: dispatch and combine never wait for the device on the host in either mode, so the timer
+    # may gate their plain launches as it gates graph replays (diagnostic switch gate_launches)
+    host_free_calls: ClassVar[bool] = False
     # payload features this backend implements (scenario model.dispatch_dtype / quantize / layout)
     dtypes: ClassVar[Tuple[str, ...]] = ("bf16", "fp8")
     quantize_modes: ClassVar[Tuple[str, ...]] = ("before",)

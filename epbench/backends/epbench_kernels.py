@@ -155,6 +155,7 @@ class EpbenchBackend(NormalMode):
     name = "epbench"
     options_key = "epbench"  # the option schema (options.SCHEMAS), kept by subclasses of other names
     uses_sms = True
+    host_free_calls = True  # nothing waits on the host inside either call (above)
     dtypes = ("bf16", "fp8", "mxfp8")
     quantize_modes = ("before", "fused")  # fused: mxfp8 only (unavailable_reason)
     layouts = ("rank_major", "expert_major")
