@@ -120,6 +120,25 @@ def gemm_loop_count(comm_loop_us: float, gemm_us: float) -> int:
     return max(3, min(GEMM_LOOP_MAX, math.ceil(GEMM_LOOP_MARGIN * comm_loop_us / gemm_us) + 2))
 
 
+LATE_START_FRACTION = 0.1  # a communication loop starting later than this share of the pair is flagged
+
+
+def schedule_problem(gemm_count: int, covered: bool, comm_start_us: float, pair_us: float) -> Optional[str]:
+    """Why a point's pair window does not measure overlap, or None: the GEMM loop hit its cap (the
+    communication loop alone took far longer than its calls: a first-call cost such as a library
+    compiling its kernels), the communication loop started late (the host was still queueing
+    GEMMs), or the GEMMs ended before it (it ran partly alone)."""
+    said = []
+    if gemm_count >= GEMM_LOOP_MAX:
+        said.append(f"GEMM loop at its cap of {GEMM_LOOP_MAX}: the communication loop alone outlasted that many GEMMs")
+    if pair_us > 0 and comm_start_us > max(1000.0, LATE_START_FRACTION * pair_us):
+        said.append(f"the communication loop started {comm_start_us / 1e3:.1f} ms into the pair window "
+                    f"(the host was still queueing GEMMs)")
+    if not covered:
+        said.append("the GEMM loop ended before the communication loop")
+    return "; ".join(said) or None
+
+
 def busy_pct(op_us: Iterable[float], calls: int, span_us: float) -> Optional[float]:
     """Share of a loop's span spent inside its calls (mean call time x calls / span)."""
     op_us = list(op_us)
@@ -495,8 +514,12 @@ class _Point:
         self.gemm, self.gemm_all_us, self.part, self.total, self.opts = gemm, gemm_all_us, part, total, opts
 
     def measure(self, loop: Callable[[], Dict[str, List[float]]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        import torch
+
         from epbench import metrics
 
+        loop()  # untimed: a first call's cost (a library compiling its kernels, lazy loading) stays out
+        torch.cuda.synchronize()
         alone_samples, alone_span = comm_loop_alone(loop)
         carveout = self.total - self.part.sms if self.part is not None else None
         api = set_carveout(carveout)
@@ -514,6 +537,7 @@ class _Point:
         gemm = {"gemm_all_us": self.gemm_all_us, "gemm_confined_us": confined,
                 "gemm_beside_us": beside_us, "gemm_count": n, "pair_us": win.pair_us,
                 "gemm_covered": covered,
+                "schedule_problem": schedule_problem(n, covered, win.comm_start, win.pair_us),
                 "gemm_all_tflops": self.gemm.flops / self.gemm_all_us / 1e6,
                 "gemm_beside_tflops": self.gemm.flops / beside_us / 1e6,
                 "comm_busy_pct": busy_pct(per_iter, calls, win.comm_end - win.comm_start),
@@ -625,6 +649,7 @@ def measure(job: Any) -> int:
             job.note(f"backend {name} skipped: {reason}")
             continue
         be = be_cls(setup)
+        be.use_call_mode("call")  # as a model's forward pass calls it (overlap has no kernel mode)
         try:
             for sms in (opts.sms if be_cls.uses_sms else (0,)):
                 point = _Point(gemm, gemm_all, parts.get(sms), total, opts)
@@ -634,8 +659,9 @@ def measure(job: Any) -> int:
                 rec = driver.PointRecord(comm.rank, input_sets=s.bench.input_sets[0])
                 driver.finish_point(calls, salt, None, rec)
                 salt += 1
-                row.update(wrong=sum(rec.wrong.values()),
-                           problem="; ".join(p for p in rec.problem.values() if p) or None)
+                row.update(wrong=sum(rec.wrong.values()), call_mode="call",
+                           problem="; ".join(p for p in (*rec.problem.values(), row.get("schedule_problem")) if p)
+                           or None)
                 wrong_total += record(name, sms, row, raw)
         finally:
             be.close()
@@ -661,6 +687,7 @@ def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dic
             job.note("copy calibration: absent (the kernels library is not built: make build)")
             break
         row, raw = _Point(gemm, gemm_all, parts[sms], total, opts).measure(loop)
-        row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes)
+        row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes,
+                   problem=row.get("schedule_problem"))
         wrong += record("copy", sms, row, raw)
     return wrong

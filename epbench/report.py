@@ -364,6 +364,19 @@ def overlap_table(df: Any, title: str):
     return t
 
 
+def overlap_problems(df: Any) -> List[str]:
+    """One line per (backend, SMs) whose rows say what went wrong (verification or the pair
+    window's schedule: overlap.schedule_problem), ranks with the same words merged."""
+    if "problem" not in df.columns:
+        return []
+    out: List[str] = []
+    for (backend, sms), g in df.groupby(["backend", "sms"], sort=False):
+        said = sorted({str(p) for p in g["problem"] if isinstance(p, str) and p})
+        if said:
+            out.append(f"{backend} at {int(sms) if sms else 'auto'} SMs: {' | '.join(said)}")
+    return out
+
+
 def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
     o = meta.get("overlap", {})
     title = (f"{meta.get('scenario', {}).get('name', '?')}: overlap, {o.get('gemm', '?')} beside "
@@ -376,6 +389,8 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
                       "its own partition alone (both over the communication loop, gaps included: results.csv's "
                       "gemm_kept_in_calls_pct is the GEMM's kept % while a call ran); pair / sum / max: the same work together, serially, perfectly hidden; exposed = "
                       "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
+        for line in overlap_problems(df):
+            console.print(f"[bold red]problem:[/] {line}", highlight=False)
     for note in meta.get("notes", []):
         console.print(f"note: {note}", highlight=False)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -304,3 +305,54 @@ def test_one_folder_from_a_job_per_python_and_a_failed_job_costs_its_own_points(
     assert backends_shown == ["reference", "deepep", "deepep", "copy", "copy"]  # the calibration last
     r = epbench_here("report", str(run))
     assert r.code == 0 and "overlap, bf16 8x8x8 beside" in r.out
+
+
+def test_schedule_problem_names_a_capped_late_or_uncovered_pair_window():
+    assert ov.schedule_problem(120, True, 300.0, 90_000.0) is None
+    capped = ov.schedule_problem(ov.GEMM_LOOP_MAX, True, 300.0, 90_000.0)
+    assert capped and f"cap of {ov.GEMM_LOOP_MAX}" in capped
+    late = ov.schedule_problem(4000, True, 6_251_000.0, 7_251_000.0)  # Hybrid-EP on 2 x H200, 2026-11-26
+    assert "cap" in late and "started 6251.0 ms into the pair window" in late
+    assert "ended before" in ov.schedule_problem(50, False, 10.0, 90_000.0)
+    assert ov.schedule_problem(50, True, 900.0, 2_000.0) is None  # under 1 ms is never late
+
+
+def test_a_point_runs_its_loop_once_untimed_before_the_alone_loop(monkeypatch):
+    """A library that compiles its kernels on first use (Hybrid-EP) must not put that into the alone
+    loop, which sizes the GEMM loop and the sum / max figures."""
+    import torch
+
+    order = []
+
+    def loop():
+        order.append("loop")
+        return {"dispatch": [1.0, 1.0], "combine": [1.0, 1.0]}
+
+    def alone(lp):
+        order.append("alone")
+        return lp(), 500.0
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: order.append("sync"))
+    monkeypatch.setattr(ov, "comm_loop_alone", alone)
+    monkeypatch.setattr(ov, "set_carveout", lambda n: None)
+    monkeypatch.setattr(ov, "time_gemm", lambda gemm, n, part: 100.0)
+    win = ov.Window([(0.0, 100.0 * i + 100.0) for i in range(10)], 5.0, 800.0,
+                    {"dispatch": [1.0, 1.0], "combine": [1.0, 1.0]})
+    monkeypatch.setattr(ov, "concurrent", lambda gemm, n, part, lp: win)
+    gemm = SimpleNamespace(flops=1e9)
+    part = SimpleNamespace(sms=120, want=120)
+    opts = ov.OverlapOptions(("epbench",), (8,), 1, 1, ov.parse_gemm(None))
+    row, _ = ov._Point(gemm, 90.0, part, 132, opts).measure(loop)
+    assert order[:4] == ["loop", "sync", "alone", "loop"]
+    assert row["schedule_problem"] is None and row["gemm_count"] == ov.gemm_loop_count(500.0, 100.0)
+
+
+def test_report_lists_each_points_problem_once():
+    import pandas as pd
+
+    from epbench.report import overlap_problems
+
+    df = pd.DataFrame([{"backend": "hybrid-ep", "sms": 8, "rank": r, "problem": "GEMM loop at its cap"} for r in (0, 1)]
+                      + [{"backend": "epbench", "sms": 8, "rank": 0, "problem": None}])
+    assert overlap_problems(df) == ["hybrid-ep at 8 SMs: GEMM loop at its cap"]
+    assert overlap_problems(df.drop(columns=["problem"])) == []
