@@ -98,7 +98,8 @@ struct EpParams {
   int row_bytes;  // bytes of one x row as received (hidden * 2 for bf16, hidden for fp8 and mxfp8)
   int scale_bytes;   // scale bytes of one row as the caller hands them (fp8: 4 * num_scales, mxfp8: num_scales)
   int scale_stride;  // bytes per row of recv_scales (>= scale_bytes; mxfp8: a multiple of 16)
-  int fused;         // 1: ep_dispatch gets bf16 rows and quantizes them to mxfp8 on the way (dispatch.cu)
+  int fused;         // 1 / 2: ep_dispatch gets bf16 rows and quantizes them to mxfp8 on the way, storing 8 / 16
+                     // bytes per lane and step (fused_stores; dispatch.cu)
   int max_tokens, capacity;
   int align;  // 0: rank-major; >= 1: expert-major receive layout, segments padded to align rows
   int slots;  // rows of recv_x / recv_scales / combine_in (capacity when rank-major)
@@ -254,6 +255,15 @@ __device__ __forceinline__ void stamp_sm(const EpParams& p) {
   unsigned smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   if (smid < 192) atomicOr(p.stamps + kStampSmMask + smid / 64, 1ull << (smid % 64));
+}
+
+// 16-byte read of data nobody writes during the kernel, kept in L1: for loads whose neighbouring 16 bytes
+// the next instruction reads (fused_stores 16: lane l reads vectors 2l and 2l + 1 in two loads, each using
+// half of the sectors it touches; without L1 the second would fetch the same sectors from L2 again).
+__device__ __forceinline__ int4 ld_nc_v4_l1(const int4* p) {
+  int4 v;
+  asm("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
 }
 
 // 16-byte read of data nobody writes during the kernel; no L1 allocation (streamed once).

@@ -244,7 +244,7 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int i = vec(0, u);
-      if (i < V) buf[u] = ld_nc_v4(src + i);
+      if (i < V) buf[u] = kWide ? ld_nc_v4_l1(src + i) : ld_nc_v4(src + i);
     }
     const int slot = lane < world ? p.slot_map[(size_t)t * world + lane] : -1;
     long long idx = 0;
@@ -278,12 +278,13 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int i = vec(v0, u);
-          if (i < V) buf[u] = ld_nc_v4(src + i);
+          if (i < V) buf[u] = kWide ? ld_nc_v4_l1(src + i) : ld_nc_v4(src + i);
         }
       }
       if (kWide) {
         // whole warp (V % 4 == 0: a block's 2 lanes are both in range or both out); buf[2m] becomes the 16
-        // bytes of vectors 2m, 2m + 1, buf[2m + 1] (lane 0) the 16 scale bytes of the step's blocks
+        // bytes of vectors g0 + 2 lane and g0 + 2 lane + 1 (g0 = v0 + 64 m), buf[2m + 1] (lane 0) the 16
+        // scale bytes of the step's 16 blocks
 #pragma unroll
         for (int m = 0; m < kU / 2; ++m) gather_scales16(buf[2 * m + 1], mxfp8_cast_pair(buf[2 * m], buf[2 * m + 1]));
       } else if (kFused) {

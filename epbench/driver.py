@@ -312,7 +312,7 @@ def _time_pair(comm: Comm, warmup: int, iters: int, calls: PointCalls,
     for i in range(n):
         if len(sets) > 1 or i == 0:  # one set: loaded once, the same tensors every call
             calls.load(sets[i % len(sets)])
-        gated = calls.gated and (calls.gate_warmup or i >= warmup)
+        gated = calls.gated and (calls.gate_warmup or i >= max(warmup, 1))  # a first launch may load kernels
         out = timers["dispatch"].time(i, calls.dispatch, align=comm.sync, gated=gated,
                                       align_on_stream=on_stream)
         kept = snapshot(out) if i == n - 1 else None

@@ -606,6 +606,10 @@ class Comm:
 
             if options.diagnostic("align") == "alltoall":
                 self._a2a = (torch.empty(self.world, device=self.device), torch.ones(self.world, device=self.device))
+            # once, untimed and ungated: NCCL connects a collective's channels on its first call, which may
+            # wait on the host; that must not happen behind a closed host gate (timing.py)
+            self.sync()
+            torch.cuda.synchronize(self.device)
 
 
 GAVE_UP_GRACE_S = 2.0  # how long a rank that timed out waits to hear which others did too

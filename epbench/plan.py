@@ -51,15 +51,22 @@ class Plan:
 
     def job_options(self, job: int) -> Any:
         """The options of job ``job``: the run's, with that job's backends (overlap: the copy
-        calibration in the first job only, so that the run folder holds it once)."""
+        calibration in one job only, calibration_job, so that the run folder holds it once)."""
         if not 0 <= job < len(self.jobs):
             raise UserError(f"job {job}: this plan has {len(self.jobs)} job(s)")
         if not hasattr(self.options, "backends") or self.verb == "ceiling":
             return self.options
         opts = dataclasses.replace(self.options, backends=self.jobs[job])
         if hasattr(opts, "calibrate"):
-            opts = dataclasses.replace(opts, calibrate=opts.calibrate and job == 0)
+            opts = dataclasses.replace(opts, calibrate=opts.calibrate and job == self.calibration_job())
         return opts
+
+    def calibration_job(self) -> int:
+        """overlap: the job that measures the copy rows: the first that needs no DeepEP flavor (it runs
+        from this venv, beside the GEMM this venv's torch runs), else the first."""
+        from epbench.flavors import flavor_of
+
+        return next((i for i, job in enumerate(self.jobs) if flavor_of(job) is None), 0)
 
 
 def _options_class(verb: str) -> type:

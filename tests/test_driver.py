@@ -157,16 +157,18 @@ def test_switch_gate_launches_gates_the_timed_plain_calls_of_host_free_backends_
     comm = SimpleNamespace(rank=0, device=torch.device("cpu"), sync=lambda: None)
     inp = SimpleNamespace()
 
-    def plain(host_free, switch):
+    def plain(host_free, switch, warmup=2):
         monkeypatch.setenv("EPBENCH_GATE_LAUNCHES", switch)
         be = SimpleNamespace(host_free_calls=host_free, dispatch=lambda i, n: torch.zeros(1),
                              combine=lambda o, n: torch.ones(1), prepare_combine=lambda o: None)
         monkeypatch.setattr(driver, "_fill_expert_output", lambda be, out, rank: None)
         seen.clear()
-        driver._time_pair(comm, 2, 3, driver.normal_calls(be, inp, 8, 0), [inp])
+        driver._time_pair(comm, warmup, 3, driver.normal_calls(be, inp, 8, 0), [inp])
         return seen[:]
 
     # 2 warm-up and 3 timed iterations, dispatch and combine each: only the timed ones are gated
     assert plain(True, "1") == [(i, i >= 2) for i in range(5) for _ in range(2)]
     assert not any(g for _, g in plain(True, "0"))  # the default: graph replays only
     assert not any(g for _, g in plain(False, "1"))  # a backend whose calls may wait on the host
+    # no warm-up: the very first launch (which may load its kernels) is still not gated
+    assert plain(True, "1", warmup=0) == [(i, i >= 1) for i in range(3) for _ in range(2)]

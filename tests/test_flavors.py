@@ -3,6 +3,8 @@ it, with this checkout's epbench, and the run records which python ran it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import sys
@@ -73,8 +75,8 @@ def test_overlap_runs_each_flavors_backends_in_a_job_of_their_own():
 
 def test_overlap_starts_each_flavors_job_from_its_venv(tmp_path, monkeypatch):
     """`epbench overlap` with DeepEP flavors recorded: one torchrun job per python, each from its
-    venv, every job on the one plan of the one run folder; the copy calibration in the first job
-    only. The jobs are faked (they write nothing: the folder, holding only its plan, goes)."""
+    venv, every job on the one plan of the one run folder; the copy calibration in one job only,
+    the first that needs no flavor. The jobs are faked (they write nothing: the folder, holding only its plan, goes)."""
     import torch
     import typer
 
@@ -107,7 +109,9 @@ def test_overlap_starts_each_flavors_job_from_its_venv(tmp_path, monkeypatch):
     assert p.jobs == (("deepep",), ("epbench", "reference"), ("deepep-v2",))
     assert len({folder for *_, folder in started}) == 1  # one run folder for every job
     assert [(p.job_options(j).backends, p.job_options(j).calibrate) for j in range(3)] == [
-        (("deepep",), True), (("epbench", "reference"), False), (("deepep-v2",), False)]
+        (("deepep",), False), (("epbench", "reference"), True), (("deepep-v2",), False)]
+    # the copy rows from this venv's job (its torch runs the GEMM beside them), the first job where all need a flavor
+    assert dataclasses.replace(p, jobs=(("deepep",), ("deepep-v2",))).calibration_job() == 0
 
 
 def test_torchrun_runs_the_ranks_with_the_jobs_python():

@@ -232,10 +232,13 @@ def test_the_alignment_is_an_all_to_all_unless_switched_to_the_ring_all_reduce(m
     monkeypatch.setattr(dist, "all_to_all_single", lambda out, inp: calls.append(("all_to_all", out.numel(), inp.numel())))
     monkeypatch.setattr(torch, "ones", lambda n, device=None: torch.zeros(n).add_(1))  # no CUDA here
     monkeypatch.setattr(torch, "empty", lambda n, device=None: torch.zeros(n))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize",)))
     for value, want in ((None, ("all_to_all", 4, 4)), ("allreduce", ("all_reduce", 1)), ("alltoall", ("all_to_all", 4, 4))):
         if value:
             monkeypatch.setenv("EPBENCH_ALIGN", value)
         comm = Comm(0, 4, 0, torch.device("cuda", 0))
-        comm.init_sync()
+        calls.clear()
+        comm.init_sync()  # the first alignment runs here, untimed and waited for: no gate is closed yet
+        assert calls == [want, ("synchronize",)]
         comm.sync()
         assert calls[-1] == want

@@ -57,6 +57,12 @@ def first_row(results: Path) -> Optional[Path]:
     return None
 
 
+def read(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read().strip()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="after --: arguments of epbench run")
     ap.add_argument("scenario")
@@ -69,8 +75,9 @@ def main() -> int:
     extra = argv[cut + 1:]  # after --: more arguments of epbench run
     results = Path(tempfile.mkdtemp(prefix="epbench-stop-"))
     cmd = [sys.executable, "-m", "epbench", "run", a.scenario, "--results", str(results), *extra]
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    # the run's output into files, never pipes: a talkative run (NCCL_DEBUG=INFO) would fill a pipe and block
+    out_f, err_f = (open(results / name, "w+") for name in (".stdout", ".stderr"))
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=out_f, stderr=err_f, text=True, start_new_session=True)
     deadline = time.time() + a.start_timeout
     run_dir = None
     while time.time() < deadline and p.poll() is None and run_dir is None:
@@ -78,21 +85,23 @@ def main() -> int:
         time.sleep(0.1)
     ranks = rank_processes(results)
     if run_dir is None or not ranks:
-        p.kill()
-        out, err = p.communicate()
-        print(f"no rank measuring within {a.start_timeout:.0f} s (exit {p.returncode}): {err.strip()[-500:]}")
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        print(f"no rank measuring within {a.start_timeout:.0f} s (exit {p.returncode}): {read(err_f)[-500:]}")
         return 1
     target = max(ranks)
     rows_before = len((run_dir / "results.csv").read_text().splitlines()) - 1
     t0 = time.time()
     os.kill(ranks[target], SIGNALS[a.signal])
     try:
-        out, err = p.communicate(timeout=a.wait)
+        p.wait(timeout=a.wait)
         took = time.time() - t0
     except subprocess.TimeoutExpired:
         took = None
         os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
+        p.wait()
+    err = read(err_f)
     for sig in (signal.SIGCONT, signal.SIGKILL):  # nothing of the run may stay behind
         for pid in rank_processes(results).values():
             try:
