@@ -22,7 +22,7 @@ the alignment stays on the stream the gate comes before it, so a rank whose host
 every rank at the alignment, before any timer starts; with the gate after the alignment, the late
 rank's peers left the alignment and started their timers while it still waited, and its lateness
 landed in their timed regions (2 x H200, 2026-11-26, 1 token per rank, epbench-ll graph replays:
-p99 104-160 us against p50 12-58 with the gate after a ring all-reduce; p99 within 1.1 x p50 with
+p99 104-164 us against p50 12-76 with the gate after a ring all-reduce; p99 within 1.13 x p50 with
 the gate before an all-to-all; notes/LATENCY-NEXT.md). Where the alignment waits on the host
 (gloo, ranks sharing a GPU) the gate comes after it: a gate before a host-side wait would hold the
 GPU until the watchdog. A watchdog opens a gate left closed for 2 s (a call that did wait for the
