@@ -218,3 +218,43 @@ def test_mxfp8_input_needs_byte_scales_per_32() -> None:
     # fused: bf16 rows and no scales
     cuda_lib.check_dispatch_input(DispatchInput(x.to(torch.bfloat16), None, idx, w), s, torch.bfloat16,
                                   False, False)
+
+
+@pytest.mark.parametrize("ku", [4, 8])
+def test_fused_stores_16_steps_place_every_vector_and_scale_once(ku: int) -> None:
+    """dispatch.cu's lean_rows with kFused 2, step by step as written (v0 += 32 kU; buf[u] holds vector
+    v0 + 64 (u >> 1) + 2 lane + (u & 1); the pair (2m, 2m + 1) is cast together; lane l stores 16 bytes at
+    int4 index i >> 1 for i = v0 + 64 m + 2 l < V; lane 0 the scale bytes of blocks (v0 + 64 m) / 4 ..
+    + 15): for every hidden that is a multiple of 32 up to 8192, each vector's 8 bytes land once at byte
+    8 i, both vectors of a lane's pair lie in one 32-element block with its partner lane's, and each scale
+    byte j < num_scales comes from block j, inside the 16-aligned stride."""
+    for hidden in range(32, 8192 + 1, 32):
+        v, ns = hidden // 8, hidden // 32
+        stride = (ns + 15) // 16 * 16
+        placed, scales = {}, {}
+        for v0 in range(0, v, 32 * ku):
+            held = {(lane, u): v0 + (u >> 1) * 64 + 2 * lane + (u & 1) for lane in range(32) for u in range(ku)}
+            for m in range(ku // 2):
+                g0 = v0 + 64 * m
+                block = {}
+                for lane in range(32):
+                    mine = [held[lane, 2 * m], held[lane, 2 * m + 1], held[lane ^ 1, 2 * m], held[lane ^ 1, 2 * m + 1]]
+                    if all(i < v for i in mine):  # a lane and its xor-1 partner: one block
+                        assert len({i // 4 for i in mine}) == 1, (hidden, ku, lane)
+                        block[lane] = mine[0] // 4
+                    else:
+                        assert all(i >= v for i in mine)  # both out of range, never half
+                for lane in range(32):
+                    i = g0 + 2 * lane
+                    assert i == held[lane, 2 * m] and i + 1 == held[lane, 2 * m + 1]
+                    if i < v:
+                        assert 16 * (i >> 1) == 8 * i and 8 * i + 16 <= hidden and (i, i + 1) not in placed.values()
+                        placed[8 * i] = (i, i + 1)
+                if g0 < v:
+                    at = g0 >> 2
+                    assert at % 16 == 0 and at + 16 <= stride
+                    for k in range(16):  # byte k of lane 0's store: block k's byte, from lane 2k
+                        if at + k < ns:
+                            scales[at + k] = block[2 * k]
+        assert sorted(placed) == [8 * i for i in range(0, v, 2)]
+        assert scales == {j: j for j in range(ns)}
