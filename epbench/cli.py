@@ -392,11 +392,13 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
             sms: Annotated[Optional[str], typer.Option("--sms", help="SM counts for the communication, e.g. 4,8,16,32 (the GEMM gets the rest).")] = None,
             backends: BackendsOpt = None,
             gemm: Annotated[Optional[str], typer.Option("--gemm", help="M,N,K (default 8192,8192,8192), or experts[:INTERMEDIATE] for the rank's expert GEMMs.")] = None,
-            iters: ItersOpt = None, warmup: WarmupOpt = None,
+            iters: ItersOpt = None, warmup: WarmupOpt = None, call_modes: CallModesOpt = None,
+            option: OptionOpt = None,
             results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
     """What dispatch/combine cost a GEMM running beside them on the other SMs, and back (CUDA).
     Each DeepEP flavor's backends run in their own job, from the venv `make baselines` recorded
-    for it; the others together in one job; all into one results folder.
+    for it; the others together in one job; all into one results folder. Baselines run in each
+    asked call mode (a line each where there are several).
 
     Example: epbench overlap scenarios/dsv3x4.yaml --nproc 1 --sms 8,16,32"""
     import dataclasses
@@ -408,7 +410,7 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
 
     launch.apply_safe_env()
     spec = ov.parse_gemm(gemm)
-    s, opts = _prepare(path, nproc, backends, sms, iters, warmup)
+    s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option, call_modes=call_modes)
     o = ov.OverlapOptions(opts.backends, opts.sms, opts.warmup, opts.iters, spec)
     p = Plan(verb="overlap", scenario=s, options=o, device="cuda", argv=tuple(sys.argv[1:]),
              results=results, run_dir=run_dir, jobs=(o.backends,))

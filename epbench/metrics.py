@@ -367,11 +367,12 @@ def expert_major_columns(extra: Optional[Dict[str, torch.Tensor]], rank: int,
 
 
 def summarize_overlap(df: Any) -> Any:
-    """An overlap run's rows: one line per (backend, sms): the worst rank (lowest kept, longest pair), wrong summed;
-    the backends in the order measured, the calibration copy last (whichever job measured it)."""
+    """An overlap run's rows: one line per (backend, call mode, sms): the worst rank (lowest kept, longest pair),
+    wrong summed; the backends in the order measured, the calibration copy last (whichever job measured it).
+    ``label`` names the line: the backend, with its call mode where the run timed it in more than one."""
     import pandas as pd
 
-    keys = ["backend", "sms"]
+    keys = ["backend", "call_mode", "sms"] if "call_mode" in df.columns else ["backend", "sms"]
     worst_low = [c for c in df.columns
                  if c.endswith("_pct") and c != "comm_busy_pct" or c == "gemm_sms"]
     worst_high = [c for c in ("pair_us", "sum_us", "max_us", "exposed_us", "comm_busy_pct") if c in df]
@@ -382,5 +383,15 @@ def summarize_overlap(df: Any) -> Any:
             agg[c] = "sum"
     out = df.groupby(keys, sort=False, dropna=False).agg(agg).reset_index()
     out = out if isinstance(out, pd.DataFrame) else pd.DataFrame(out)
+    out["label"] = overlap_labels(out)
     copy = out["backend"] == "copy"
     return pd.concat([out[~copy], out[copy]], ignore_index=True)
+
+
+def overlap_labels(summary: Any) -> List[str]:
+    """Each summary line's name: its backend, and its call mode where that backend has lines in more than one."""
+    if "call_mode" not in summary.columns:
+        return [str(b) for b in summary["backend"]]
+    modes = summary.groupby("backend", sort=False)["call_mode"].nunique()
+    return [f"{b} ({m})" if modes.get(b, 0) > 1 and isinstance(m, str) else str(b)
+            for b, m in zip(summary["backend"], summary["call_mode"])]

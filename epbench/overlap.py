@@ -499,10 +499,10 @@ def gpu_shared(comm: Any) -> bool:
     return len(set(everyone)) < len(everyone)
 
 
-def _samples(backend: str, sms: int, rank: int, phase: str,
-             samples: Dict[str, List[float]]) -> List[Dict[str, Any]]:
-    return [{"backend": backend, "sms": sms, "rank": rank, "phase": phase, "op": op, "iter": i,
-             "time_us": t} for op, ts in samples.items() for i, t in enumerate(ts)]
+def _samples(backend: str, sms: int, rank: int, phase: str, samples: Dict[str, List[float]],
+             call_mode: Optional[str] = None) -> List[Dict[str, Any]]:
+    return [{"backend": backend, "call_mode": call_mode, "sms": sms, "rank": rank, "phase": phase, "op": op,
+             "iter": i, "time_us": t} for op, ts in samples.items() for i, t in enumerate(ts)]
 
 
 class _Point:
@@ -638,7 +638,7 @@ def measure(job: Any) -> int:
             return 0
         rows = [r for r, _ in gathered]
         job.record(rows, [x for r, raw_r in gathered for phase, smp in raw_r.items()
-                          for x in _samples(backend, sms, r["rank"], phase, smp)])
+                          for x in _samples(backend, sms, r["rank"], phase, smp, r.get("call_mode"))])
         return sum(int(r.get("wrong") or 0) + int(r.get("gemm_wrong") or 0) for r in rows)
 
     for name in opts.backends:
@@ -648,10 +648,11 @@ def measure(job: Any) -> int:
         if reason:
             job.note(f"backend {name} skipped: {reason}")
             continue
-        be = be_cls(setup)
-        be.use_call_mode("call")  # as a model's forward pass calls it (overlap has no kernel mode)
+        be = be_cls(setup, **s.backend_options.get(name, {}))
         try:
-            for sms in (opts.sms if be_cls.uses_sms else (0,)):
+            for mode, sms in ((c, n) for c in driver.call_modes_of(be, s.bench.call_modes)
+                              for n in (opts.sms if be_cls.uses_sms else (0,))):
+                be.use_call_mode(mode)  # before the point's inputs are prepared (kernel: a cached layout)
                 point = _Point(gemm, gemm_all, parts.get(sms), total, opts)
                 calls = driver.Point(be, s, routings, sms, comm, s.bench.input_sets[0])
                 row, raw = point.measure(lambda: calls.time(opts.warmup, opts.iters))
@@ -659,7 +660,7 @@ def measure(job: Any) -> int:
                 rec = driver.PointRecord(comm.rank, input_sets=s.bench.input_sets[0])
                 driver.finish_point(calls, salt, None, rec)
                 salt += 1
-                row.update(wrong=sum(rec.wrong.values()), call_mode="call",
+                row.update(wrong=sum(rec.wrong.values()), call_mode=mode,
                            problem="; ".join(p for p in (*rec.problem.values(), row.get("schedule_problem")) if p)
                            or None)
                 wrong_total += record(name, sms, row, raw)

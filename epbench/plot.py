@@ -435,10 +435,12 @@ def overlap_plot(run_dir: Path, out_dir: Optional[Path] = None, force: bool = Fa
     panels = (("GEMM kept % (of alone on all SMs)", "gemm_kept_pct"),
               ("communication kept % (of alone)", "comm_kept_pct"))
     for ax, (name, col) in zip(axes, panels):
-        for i, (backend, g) in enumerate(summary.groupby("backend", sort=False) if not summary.empty else []):
+        for i, (name, g) in enumerate(summary.groupby("label", sort=False) if not summary.empty else []):
             g = g.sort_values("sms")
+            backend = g["backend"].iloc[0]
             style = "s--" if backend == "copy" else "o-"
-            label = "plain copy (calibration)" if backend == "copy" else _label(backend)
+            label = ("plain copy (calibration)" if backend == "copy"
+                     else _label(backend) + name[len(backend):])  # the call mode where the run has several
             if (g["sms"] == 0).all():
                 ax.axhline(g[col].iloc[0], color=f"C{i % 10}", linestyle=":", label=f"{label} (auto SMs)")
             else:

@@ -360,7 +360,7 @@ def overlap_table(df: Any, title: str):
                 cells.append("-" if v is None or v != v else str(int(v)) if v else "auto")
             else:
                 cells.append(number(v * scale if v is not None and v == v else None))
-        t.add_row(str(r["backend"]), *cells)
+        t.add_row(str(r.get("label", r["backend"])), *cells)
     return t
 
 
@@ -370,10 +370,13 @@ def overlap_problems(df: Any) -> List[str]:
     if "problem" not in df.columns:
         return []
     out: List[str] = []
-    for (backend, sms), g in df.groupby(["backend", "sms"], sort=False):
+    keys = ["backend", "call_mode", "sms"] if "call_mode" in df.columns else ["backend", "sms"]
+    for key, g in df.groupby(keys, sort=False, dropna=False):
         said = sorted({str(p) for p in g["problem"] if isinstance(p, str) and p})
         if said:
-            out.append(f"{backend} at {int(sms) if sms else 'auto'} SMs: {' | '.join(said)}")
+            backend, sms = key[0], key[-1]
+            mode = f" ({key[1]})" if len(key) == 3 and isinstance(key[1], str) else ""
+            out.append(f"{backend}{mode} at {int(sms) if sms else 'auto'} SMs: {' | '.join(said)}")
     return out
 
 

@@ -296,13 +296,16 @@ def test_one_folder_from_a_job_per_python_and_a_failed_job_costs_its_own_points(
     assert meta["options"]["backends"] == ["reference", "deepep", "deepep-v2"] and meta["wrong"] == 0
     assert {b: r["python"] for b, r in meta["backend_runtime"].items()} == {"reference": sys.executable,
                                                                            "deepep": v1}
-    points = sorted(zip(df["backend"], df["sms"]))
-    assert points == [("copy", 4), ("copy", 8), ("deepep", 4), ("deepep", 8), ("reference", 0)]
+    points = sorted(zip(df["backend"], df["call_mode"].fillna("-"), df["sms"]))
+    assert points == [("copy", "-", 4), ("copy", "-", 8),  # the scenario's call modes, both; copy has none
+                      ("deepep", "call", 4), ("deepep", "call", 8), ("deepep", "kernel", 4), ("deepep", "kernel", 8),
+                      ("reference", "call", 0), ("reference", "kernel", 0)]
     assert set(load_unmeasured(run)["backend"]) == {"deepep-v2"}
     assert "deepep-v2: failed: rank 0 was killed by SIGSEGV (" in out and "overlap_vs_sms.png" in out
     backends_shown = [ln.split()[0] for ln in out.splitlines()
                       if ln.strip().split(" ")[0] in ("reference", "deepep", "copy")]
-    assert backends_shown == ["reference", "deepep", "deepep", "copy", "copy"]  # the calibration last
+    assert backends_shown == ["reference"] * 2 + ["deepep"] * 4 + ["copy"] * 2  # the calibration last
+    assert "deepep (kernel)" in out and "reference (call)" in out  # a line per call mode, named
     r = epbench_here("report", str(run))
     assert r.code == 0 and "overlap, bf16 8x8x8 beside" in r.out
 
@@ -356,3 +359,11 @@ def test_report_lists_each_points_problem_once():
                       + [{"backend": "epbench", "sms": 8, "rank": 0, "problem": None}])
     assert overlap_problems(df) == ["hybrid-ep at 8 SMs: GEMM loop at its cap"]
     assert overlap_problems(df.drop(columns=["problem"])) == []
+
+
+def test_summary_lines_name_the_call_mode_only_where_a_backend_has_several():
+    df = pd.DataFrame([{"backend": b, "call_mode": m, "sms": 8, "rank": 0, "gemm_kept_pct": 80.0}
+                       for b, m in (("epbench", "call"), ("deepep", "call"), ("deepep", "kernel"), ("copy", None))])
+    assert list(summarize_overlap(df)["label"]) == ["epbench", "deepep (call)", "deepep (kernel)", "copy"]
+    old = df.drop(columns=["call_mode"]).iloc[[0, 3]]  # a folder from before the column: backend names
+    assert list(summarize_overlap(old)["label"]) == ["epbench", "copy"]
