@@ -98,49 +98,10 @@ def test_epbench_ll_chains_at_world_1_only():
     assert timings_of(ll, _setup(world=2), "cuda", False, 8) == (("launch", "graph"), why)
 
 
-def test_a_chain_sample_is_one_replay_over_k(monkeypatch):
-    from types import SimpleNamespace
-
-    import torch
-
+def fake_timer(monkeypatch, seen, samples=(8.0, 16.0)):
+    """driver.Timer replaced: each timed call appends (iteration, gated) to ``seen`` and runs; samples_us
+    gives ``samples`` (cycled) for the timed iterations."""
     from epbench import driver
-
-    seen = []
-
-    class FakeTimer:
-        def __init__(self, device, n):
-            self.n = n
-
-        def time(self, i, fn, align=None, gated=False, align_on_stream=False):
-            seen.append(gated)
-            return fn()
-
-        def samples_us(self, skip):
-            return [8.0, 16.0][: self.n - skip]
-
-    monkeypatch.setattr(driver, "Timer", FakeTimer)
-    comm = SimpleNamespace(rank=0, device=torch.device("cpu"), sync=lambda: None)
-    loaded = []
-
-    def calls(per_replay, gated):
-        return driver.PointCalls(lambda: torch.zeros(1), lambda out: torch.ones(1), loaded.append, lambda out: None,
-                                 gated=gated, per_replay=per_replay)
-
-    samples, last = driver._time_pair(comm, 0, 2, calls(4, True), ["set0", "set1"])
-    assert samples == {"dispatch": [2.0, 4.0], "combine": [2.0, 4.0]} and all(seen)
-    assert loaded == ["set0", "set1"] and last.draw_index == 1 and float(last.got) == 1.0
-    samples, _ = driver._time_pair(comm, 0, 2, calls(1, False), ["set0"])
-    assert samples["dispatch"] == [8.0, 16.0] and not seen[-1]
-
-
-def test_switch_gate_launches_gates_the_timed_plain_calls_of_host_free_backends_only(monkeypatch):
-    from types import SimpleNamespace
-
-    import torch
-
-    from epbench import driver
-
-    seen = []
 
     class FakeTimer:
         def __init__(self, device, n):
@@ -151,9 +112,43 @@ def test_switch_gate_launches_gates_the_timed_plain_calls_of_host_free_backends_
             return fn()
 
         def samples_us(self, skip):
-            return [1.0] * (self.n - skip)
+            return [samples[k % len(samples)] for k in range(self.n - skip)]
 
     monkeypatch.setattr(driver, "Timer", FakeTimer)
+
+
+def test_a_chain_sample_is_one_replay_over_k(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from epbench import driver
+
+    seen = []
+    fake_timer(monkeypatch, seen)
+    comm = SimpleNamespace(rank=0, device=torch.device("cpu"), sync=lambda: None)
+    loaded = []
+
+    def calls(per_replay, gated):
+        return driver.PointCalls(lambda: torch.zeros(1), lambda out: torch.ones(1), loaded.append, lambda out: None,
+                                 gated=gated, per_replay=per_replay)
+
+    samples, last = driver._time_pair(comm, 0, 2, calls(4, True), ["set0", "set1"])
+    assert samples == {"dispatch": [2.0, 4.0], "combine": [2.0, 4.0]} and all(g for _, g in seen)
+    assert loaded == ["set0", "set1"] and last.draw_index == 1 and float(last.got) == 1.0
+    samples, _ = driver._time_pair(comm, 0, 2, calls(1, False), ["set0"])
+    assert samples["dispatch"] == [8.0, 16.0] and not seen[-1][1]
+
+
+def test_switch_gate_launches_gates_the_timed_plain_calls_of_host_free_backends_only(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from epbench import driver
+
+    seen = []
+    fake_timer(monkeypatch, seen, (1.0,))
     comm = SimpleNamespace(rank=0, device=torch.device("cpu"), sync=lambda: None)
     inp = SimpleNamespace()
 
