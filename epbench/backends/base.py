@@ -90,6 +90,20 @@ class Backend(ABC):
         """Release buffers and peer mappings."""
 
 
+class KernelLayouts:
+    """The ``kernel`` call mode of a baseline whose fastest path reuses a layout made from the routing (a
+    cached handle, known splits): ``prepare_input`` makes it once per input set, untimed, into
+    ``_layouts`` (keyed by the input's id); ``kernel`` says which mode the next points run. Mixed in
+    before the backend's mode class."""
+
+    kernel = False
+
+    def use_call_mode(self, mode: str) -> None:
+        super().use_call_mode(mode)  # type: ignore[misc]
+        self.kernel = self.reuses_layout = mode == "kernel"
+        self._layouts: Dict[int, Any] = {}
+
+
 class NormalMode(Backend):
     """A backend of the scenario mode ``normal``: dispatch and combine (epbench/contract.py)."""
 

@@ -66,7 +66,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import NormalMode
+from epbench.backends.base import KernelLayouts, NormalMode
 from epbench.backends.weighting import EXTRA_ROUNDINGS, weigh_rows
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.scenario import FP8_BLOCK
@@ -154,7 +154,7 @@ class _Layout:
     num_recv: int
 
 
-class DeepEPBackend(WeightedCombineRows, NormalMode):
+class DeepEPBackend(KernelLayouts, WeightedCombineRows, NormalMode):
     name = "deepep"
     uses_sms = True
     receives_local_expert_ids = True
@@ -215,14 +215,8 @@ class DeepEPBackend(WeightedCombineRows, NormalMode):
                             for cfg in (dispatch_cfg, combine_cfg))
         self.buffer = self.deep_ep.Buffer(self.group, num_nvl_bytes, 0)
         self._allocate_combine_rows(setup)
-        self.kernel = False
         self.reuses_layout = False
         self._layouts: Dict[int, _Layout] = {}  # id of a prepared input -> its layout (kernel mode)
-
-    def use_call_mode(self, mode: str) -> None:
-        super().use_call_mode(mode)
-        self.kernel = self.reuses_layout = mode == "kernel"
-        self._layouts.clear()
 
     def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
         """The chunk search at the first point of an SM count (``chunks: search``); kernel mode: one

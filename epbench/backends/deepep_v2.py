@@ -84,7 +84,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import NormalMode
+from epbench.backends.base import KernelLayouts, NormalMode
 from epbench.backends.deepep_v2_env import MIN_NCCL, version_tuple
 from epbench.backends.weighting import EXTRA_ROUNDINGS, weigh_rows
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
@@ -183,7 +183,7 @@ class _Handle:
         return w[: self.rows].unsqueeze(1) if w.dim() == 1 else w[: self.rows].sum(dim=1, keepdim=True)
 
 
-class DeepEPV2Backend(NormalMode):
+class DeepEPV2Backend(KernelLayouts, NormalMode):
     name = "deepep-v2"
     uses_sms = True
     receives_local_expert_ids = True
@@ -230,16 +230,10 @@ class DeepEPV2Backend(NormalMode):
                              setup.align) if self.expert_major else setup.world * setup.max_tokens_per_rank)
         self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
         self.combine_scaled = torch.empty_like(self.combine_in)
-        self.kernel = False
         self.reuses_layout = False
         # kernel mode: id of a prepared input -> its full dispatch's output, rows dropped (the
         # routing, keys and V2's handle the cached calls reuse)
         self._layouts: Dict[int, DispatchOutput] = {}
-
-    def use_call_mode(self, mode: str) -> None:
-        super().use_call_mode(mode)
-        self.kernel = self.reuses_layout = mode == "kernel"
-        self._layouts.clear()
 
     def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
         """Kernel mode: one full dispatch of this input set, outside the timed region, whose handle

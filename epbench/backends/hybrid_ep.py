@@ -136,7 +136,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import NormalMode
+from epbench.backends.base import KernelLayouts, NormalMode
 from epbench.backends.weighting import EXTRA_ROUNDINGS
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.backends.deepep import WeightedCombineRows
@@ -188,7 +188,7 @@ class _Layout:
     sms: int  # the block counts its handle's config holds
 
 
-class HybridEPBackend(WeightedCombineRows, NormalMode):
+class HybridEPBackend(KernelLayouts, WeightedCombineRows, NormalMode):
     name = "hybrid-ep"
     uses_sms = True
     routing_as_map = True
@@ -228,7 +228,6 @@ class HybridEPBackend(WeightedCombineRows, NormalMode):
         self._allocate_combine_rows(setup, slot_capacity(
             setup.world, setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank, setup.align)
             if self.expert_major else None)
-        self.kernel = False
         self.reuses_layout = False
         self._layouts: Dict[int, _Layout] = {}  # id of a prepared input -> its layout (kernel mode)
 
@@ -237,11 +236,6 @@ class HybridEPBackend(WeightedCombineRows, NormalMode):
         # call mode: one more, the one-pass weighting (epbench/backends/weighting.py)
         return (3 if self.expert_major else super().combine_roundings()) + EXTRA_ROUNDINGS[self.kernel]
 
-    def use_call_mode(self, mode: str) -> None:
-        super().use_call_mode(mode)
-        self.kernel = self.reuses_layout = mode == "kernel"
-        self._layouts.clear()
-
     def _use_sms(self, num_sms: int) -> None:
         """Makes the next uncached call's config (and the handle it returns) carry ``num_sms``
         dispatch and combine blocks: the library copies them from its buffer config into every
@@ -249,7 +243,7 @@ class HybridEPBackend(WeightedCombineRows, NormalMode):
         if num_sms == self._sms:
             return
         if num_sms <= 0 or (self.max_sms is not None and num_sms > self.max_sms):
-            most = f" (the GPU's SM count)" if self.max_sms is not None else ""
+            most = " (the GPU's SM count)" if self.max_sms is not None else ""
             raise ValueError(f"hybrid-ep: {num_sms} blocks per kernel; the count must be 1 to "
                              f"{self.max_sms if self.max_sms is not None else 'any'}{most}")
         cfg = self.buffer.configurer.buffer_config

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from epbench.backends.base import LowLatencyMode, NormalMode
+from epbench.backends.base import KernelLayouts, LowLatencyMode, NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, LowLatencyOutput, RankSetup, ll_slots
 from epbench.inputs import quantize
 from epbench.layout import SlotMap, expert_major, local_expert_counts, slot_capacity
@@ -85,7 +85,7 @@ def typed_payload(dtype: str, scales: torch.Tensor, x: torch.Tensor):
     return scales.view(torch.float32 if dtype == "fp8" else torch.uint8), x.view(torch.float8_e4m3fn)
 
 
-class ReferenceBackend(NormalMode, LowLatencyMode):
+class ReferenceBackend(KernelLayouts, NormalMode, LowLatencyMode):
     name = "reference"
     uses_sms = False
     modes = ("normal", "low_latency")
@@ -117,8 +117,7 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
 
     def __init__(self, setup: RankSetup) -> None:
         self.s = setup
-        self.kernel = False
-        self._splits: Dict[int, _Split] = {}  # id of a prepared input -> its splits (kernel mode)
+        self._layouts: Dict[int, _Split] = {}  # id of a prepared input -> its splits (kernel mode)
         if setup.mode == "low_latency":
             self.call_modes = ("call",)  # the per-pair path has no cached form
             self._init_low_latency(setup)
@@ -170,15 +169,10 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         on the sender: the link carries the quantized rows, as with a fused kernel."""
         return DispatchInput(*quantize(inp.x, self.s.dispatch_dtype), inp.topk_idx, inp.topk_weights)
 
-    def use_call_mode(self, mode: str) -> None:
-        super().use_call_mode(mode)
-        self.kernel = self.reuses_layout = mode == "kernel"
-        self._splits.clear()
-
     def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
         """Kernel mode: this input set's copies and splits, counts exchanged once, untimed."""
         if self.kernel:
-            self._splits[id(inp)] = self._split(inp)
+            self._layouts[id(inp)] = self._split(inp)
         return inp
 
     def _split(self, inp: DispatchInput) -> "_Split":
@@ -198,7 +192,7 @@ class ReferenceBackend(NormalMode, LowLatencyMode):
         # kernel mode: the splits of this input set are known (NCCL with splits known, as an
         # all-to-all token dispatcher with a fixed routing has them); call mode: found here, the
         # host synchronisation every user pays included
-        split = self._splits[id(inp)] if self.kernel else self._split(inp)
+        split = self._layouts[id(inp)] if self.kernel else self._split(inp)
         if self.s.quantize == "fused":
             inp = self._quantize(inp)
         rows = self._gather(self._pack(inp), split)

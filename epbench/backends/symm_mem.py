@@ -77,7 +77,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from epbench.backends.base import NormalMode
+from epbench.backends.base import KernelLayouts, NormalMode
 from epbench.backends.reference import typed_payload
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
 from epbench.layout import ExpertMajor, round_up
@@ -210,7 +210,7 @@ class _Handle:
     topk_weights: torch.Tensor
 
 
-class SymmMemBackend(NormalMode):
+class SymmMemBackend(KernelLayouts, NormalMode):
     name = "symm-mem"
     dtypes = ("bf16", "fp8", "mxfp8")
     layouts = ("rank_major", "expert_major")
@@ -269,7 +269,6 @@ class SymmMemBackend(NormalMode):
         self.s = setup
         w, e, tm, k, h = setup.world, setup.experts_per_rank, setup.max_tokens_per_rank, setup.topk, setup.hidden
         self.expert_major = setup.layout == "expert_major"
-        self.kernel = False
         self._layouts: Dict[int, _Layout] = {}  # id of a prepared input -> its layout (kernel mode)
         self.x_bytes = 2 * h if setup.dispatch_dtype == "bf16" else h
         self.scale_bytes = row_bytes(setup.dispatch_dtype, h) - self.x_bytes
@@ -299,11 +298,6 @@ class SymmMemBackend(NormalMode):
         self.row_ids = torch.arange(cap, device=dev)
         self.ones = torch.ones(cap * k, dtype=i64, device=dev)
         m.barrier()  # every rank's buffers exist before the first exchange
-
-    def use_call_mode(self, mode: str) -> None:
-        super().use_call_mode(mode)
-        self.kernel = self.reuses_layout = mode == "kernel"
-        self._layouts.clear()
 
     def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
         """Kernel mode: this input set's layout, made once, untimed."""
