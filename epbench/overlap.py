@@ -120,6 +120,18 @@ def gemm_loop_count(comm_loop_us: float, gemm_us: float) -> int:
     return max(3, min(GEMM_LOOP_MAX, math.ceil(GEMM_LOOP_MARGIN * comm_loop_us / gemm_us) + 2))
 
 
+PAIR_TRIES = 3  # pair windows at most per point: the GEMM loop regrown while it ended before the communication
+
+
+def regrown_count(n: int, gemm_end_us: float, comm_end_us: float) -> int:
+    """A GEMM loop long enough to cover a communication loop that ran ``comm_end_us`` where ``n``
+    GEMMs ended at ``gemm_end_us``: the loop beside the GEMMs runs longer than alone (the untimed
+    work between calls, fills and alignment, gets only the SMs the GEMM leaves)."""
+    if not gemm_end_us > 0:
+        raise ValueError("GEMM loop end must be positive")
+    return min(GEMM_LOOP_MAX, max(n + 1, math.ceil(n * GEMM_LOOP_MARGIN * comm_end_us / gemm_end_us) + 2))
+
+
 LATE_START_FRACTION = 0.1  # a communication loop starting later than this share of the pair is flagged
 
 
@@ -485,6 +497,20 @@ class OverlapOptions:
     calibrate: bool = True  # the copy rows too (a run's first job: Plan.job_options)
 
 
+def all_ranks(comm: Any) -> Callable[[bool], bool]:
+    """``everyone(ok)``: True when every rank of ``comm`` passed True (a MIN all-reduce, so every
+    rank must call it at the same point)."""
+    import torch
+    import torch.distributed as dist
+
+    def everyone(ok: bool) -> bool:
+        flag = torch.tensor([int(bool(ok))], dtype=torch.int64, device=comm.collective_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    return everyone
+
+
 def gpu_shared(comm: Any) -> bool:
     """True when another rank of this job runs on the same GPU."""
     import socket
@@ -510,8 +536,22 @@ class _Point:
     loop (the driver's timing loop, or the copy kernel's)."""
 
     def __init__(self, gemm: Gemm, gemm_all_us: float, part: Optional[Partition], total: int,
-                 opts: OverlapOptions) -> None:
+                 opts: OverlapOptions, everyone: Callable[[bool], bool] = lambda ok: ok) -> None:
+        """``everyone(ok)``: True when ``ok`` holds on every rank (a collective: each rank asks it)."""
         self.gemm, self.gemm_all_us, self.part, self.total, self.opts = gemm, gemm_all_us, part, total, opts
+        self.everyone = everyone
+
+    def pair(self, n: int, loop: Callable[[], Dict[str, List[float]]]) -> Tuple[int, "Window", int]:
+        """The pair window, redone with a longer GEMM loop (every rank together, since the
+        communication loop is collective) while the GEMMs ended before the communication on any
+        rank: (GEMMs, window, windows run)."""
+        for tries in range(1, PAIR_TRIES + 1):
+            win = concurrent(self.gemm, n, self.part, loop)
+            covered = win.gemm_end >= win.comm_end
+            if self.everyone(covered or n >= GEMM_LOOP_MAX) or tries == PAIR_TRIES:
+                return n, win, tries
+            n = regrown_count(n, win.gemm_end, win.comm_end)
+        raise AssertionError("unreachable")
 
     def measure(self, loop: Callable[[], Dict[str, List[float]]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         import torch
@@ -526,8 +566,7 @@ class _Point:
         try:
             confined = (time_gemm(self.gemm, self.opts.gemm_iters, self.part)
                         if self.part is not None else self.gemm_all_us)
-            n = gemm_loop_count(alone_span, confined)
-            win = concurrent(self.gemm, n, self.part, loop)
+            n, win, tries = self.pair(gemm_loop_count(alone_span, confined), loop)
         finally:
             set_carveout(None)
         beside_us, covered = win.gemm_beside_us()
@@ -536,7 +575,7 @@ class _Point:
         per_iter = [sum(v) for v in zip(*(win.comm_samples[op] for op in ops))]
         gemm = {"gemm_all_us": self.gemm_all_us, "gemm_confined_us": confined,
                 "gemm_beside_us": beside_us, "gemm_count": n, "pair_us": win.pair_us,
-                "gemm_covered": covered,
+                "gemm_covered": covered, "pair_tries": tries,
                 "schedule_problem": schedule_problem(n, covered, win.comm_start, win.pair_us),
                 "gemm_all_tflops": self.gemm.flops / self.gemm_all_us / 1e6,
                 "gemm_beside_tflops": self.gemm.flops / beside_us / 1e6,
@@ -631,6 +670,7 @@ def measure(job: Any) -> int:
             "tokens_per_rank": m.tokens_per_rank, "hidden": m.hidden}
     setup = driver.rank_setup(s, comm)
     wrong_total, salt = 0, 1
+    everyone = all_ranks(comm)
 
     def record(backend: str, sms: int, row: Dict[str, Any], raw: Dict[str, Dict[str, List[float]]]) -> int:
         gathered = job.gather((dict(base, backend=backend, sms=sms, **row), raw))
@@ -653,7 +693,7 @@ def measure(job: Any) -> int:
             for mode, sms in ((c, n) for c in driver.call_modes_of(be, s.bench.call_modes)
                               for n in (opts.sms if be_cls.uses_sms else (0,))):
                 be.use_call_mode(mode)  # before the point's inputs are prepared (kernel: a cached layout)
-                point = _Point(gemm, gemm_all, parts.get(sms), total, opts)
+                point = _Point(gemm, gemm_all, parts.get(sms), total, opts, everyone)
                 calls = driver.Point(be, s, routings, sms, comm, s.bench.input_sets[0])
                 row, raw = point.measure(lambda: calls.time(opts.warmup, opts.iters))
                 row["gemm_wrong"] = gemm.wrong(reference)
@@ -667,12 +707,13 @@ def measure(job: Any) -> int:
         finally:
             be.close()
     if opts.calibrate:
-        wrong_total += _calibrate(job, gemm, gemm_all, reference, parts, total, routings, record)
+        wrong_total += _calibrate(job, gemm, gemm_all, reference, parts, total, routings, record, everyone)
     return job.rank0_count(wrong_total)
 
 
 def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dict[int, Partition],
-               total: int, routings: Sequence[Any], record: Callable[..., int]) -> int:
+               total: int, routings: Sequence[Any], record: Callable[..., int],
+               everyone: Callable[[bool], bool]) -> int:
     """The copy rows at every SM count (``record``: measure's); returns the wrong ones."""
     from epbench import metrics
     from epbench.routing import traffic
@@ -687,7 +728,7 @@ def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dic
         if loop is None:
             job.note("copy calibration: absent (the kernels library is not built: make build)")
             break
-        row, raw = _Point(gemm, gemm_all, parts[sms], total, opts).measure(loop)
+        row, raw = _Point(gemm, gemm_all, parts[sms], total, opts, everyone).measure(loop)
         row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes,
                    problem=row.get("schedule_problem"))
         wrong += record("copy", sms, row, raw)

@@ -367,3 +367,33 @@ def test_summary_lines_name_the_call_mode_only_where_a_backend_has_several():
     assert list(summarize_overlap(df)["label"]) == ["epbench", "deepep (call)", "deepep (kernel)", "copy"]
     old = df.drop(columns=["call_mode"]).iloc[[0, 3]]  # a folder from before the column: backend names
     assert list(summarize_overlap(old)["label"]) == ["epbench", "copy"]
+
+
+def test_a_pair_window_the_gemms_did_not_cover_is_redone_longer_on_every_rank(monkeypatch):
+    """2 x H200, 2026-11-26: the communication loop beside the GEMMs ran twice its span alone (the
+    untimed fills between calls get only the SMs the GEMM leaves), so a GEMM loop sized from the
+    alone span ended first on every point. The window is redone with more GEMMs, all ranks together."""
+    windows, asked = [], []
+
+    def concurrent(gemm, n, part, lp):
+        windows.append(n)
+        gemm_end = 100.0 * n  # 100 us GEMMs; the communication loop ends at 10 ms
+        return ov.Window([(0.0, gemm_end)], 5.0, 10_000.0, {"dispatch": [1.0]})
+
+    def everyone(ok):
+        asked.append(ok)
+        return ok
+
+    monkeypatch.setattr(ov, "concurrent", concurrent)
+    point = ov._Point(SimpleNamespace(), 90.0, None, 132, ov.OverlapOptions(("epbench",), (8,), 1, 1, ov.parse_gemm(None)),
+                      everyone)
+    n, win, tries = point.pair(50, lambda: {})
+    assert windows == [50, ov.regrown_count(50, 5000.0, 10_000.0)] and tries == 2 and asked == [False, True]
+    assert win.gemm_end >= win.comm_end and n == windows[-1]
+    # another rank not covered: this rank, covered, runs the next window too
+    windows.clear()
+    point.everyone = lambda ok: False
+    n, win, tries = point.pair(200, lambda: {})
+    assert tries == ov.PAIR_TRIES and len(windows) == ov.PAIR_TRIES
+    assert ov.regrown_count(ov.GEMM_LOOP_MAX, 1.0, 1e9) == ov.GEMM_LOOP_MAX and ov.regrown_count(5, 1000.0, 900.0) == 9
+    assert ov.regrown_count(10, 1000.0, 2000.0) == 32  # 10 x 1.5 x 2 + 2
