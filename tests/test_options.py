@@ -113,7 +113,9 @@ def test_own_rows_ce_is_refused_in_one_line_where_a_copy_cannot_serve(layout, qu
 
 
 def test_fused_stores_16_needs_the_fused_cast_and_is_refused_in_one_line_elsewhere() -> None:
-    assert options.resolve("epbench", {}, environ={})["fused_stores"] == 8
+    assert options.resolve("epbench", {}, environ={})["fused_stores"] == 16
+    options.check_payload({}, "rank_major", "before", "s.yaml", environ={})  # the default: not asked for
+    options.check_payload({"epbench": {"fused_stores": 8}}, "rank_major", "before", "s.yaml", environ={})
     assert options.parse_cli(["fused_stores=16"]) == {"epbench": {"fused_stores": 16}}
     with pytest.raises(UserError, match=r"fused_stores: must be one of 8, 16, got '12'"):
         options.parse_cli(["fused_stores=12"])

@@ -17,8 +17,9 @@ Payloads: bf16, fp8 (f32 scale per 128 elements) and mxfp8 (E8M0 byte per 32, ep
 quantized ones handed in by the caller (``quantize: before``); mxfp8 also ``quantize: fused``: the caller
 hands bf16 rows and the dispatch kernel casts them in registers on the way (csrc/dispatch.cu, mxfp8_cast),
 so the link carries mxfp8 rows and the receivers get e4m3 ``x`` and uint8 ``x_scales`` [rows, hidden / 32]
-(a view of a buffer whose rows are padded to 16 bytes). ``fused_stores=16`` (default 8): each lane casts two
-adjacent vectors and stores 16 bytes instead of 8 (half the store instructions; the same bytes arrive).
+(a view of a buffer whose rows are padded to 16 bytes). ``fused_stores=16`` (the default): each lane casts two
+adjacent vectors and stores 16 bytes; 8 casts one vector per 8-byte store (twice the store instructions; the
+same bytes arrive).
 ``layout: expert_major`` (``align``): ``x`` / ``x_scales`` / ``combine_input`` hold per-expert segments
 (epbench/layout.py), filled by the dispatch kernel itself (one row per (token, rank) on the link, the extra
 copies made by the receiver in the same kernel); combine sums each row's experts on the receiver inside the
@@ -97,7 +98,7 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    options.check_payload({"epbench": {k: resolved[k] for k in ("own_rows", "fused_stores")}}, setup.layout,
+    options.check_payload({"epbench": {k: resolved[k] for k in ("own_rows", "fused_stores") if k in given}}, setup.layout,
                           setup.quantize, "epbench backend")
     return resolved
 

@@ -207,7 +207,7 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
     cases = [c for c in cases if c.topk <= world * c.experts_per_rank]
     if args.own_rows == "ce":  # what a copy can serve: rank-major rows, quantized before (if at all)
         cases = [c for c in cases if not c.align and c.quantize == "before"]
-    if args.fused_stores != 8:  # the option changes the fused cast's stores only
+    if args.fused_stores is not None:  # the option changes the fused cast's stores only
         cases = [c for c in cases if c.quantize == "fused"]
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
     for case in cases:
@@ -445,8 +445,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--own-rows", default="sm", choices=["sm", "ce"],
                     help="the backend's own_rows: sm (kernels store own rows) or ce (copy engine; check: the "
                          "rank-major, quantize-before cases only)")
-    ap.add_argument("--fused-stores", type=int, default=8, choices=[8, 16],
-                    help="the backend's fused_stores (check: 16 runs the fused cases only)")
+    ap.add_argument("--fused-stores", type=int, default=None, choices=[8, 16],
+                    help="the backend's fused_stores (default: the backend's; check: given, the fused cases only)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
