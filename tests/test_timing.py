@@ -242,3 +242,26 @@ def test_the_alignment_is_an_all_to_all_unless_switched_to_the_ring_all_reduce(m
         assert calls == [want, ("synchronize",)]
         comm.sync()
         assert calls[-1] == want
+
+
+def test_samples_wait_on_their_own_events_not_the_device(monkeypatch):
+    """2 x H200, 2026-11-26: a device-wide synchronize at the end of the timing loop waited for the GEMMs
+    queued beside an overlap point, so every communication loop seemed to end after the last GEMM."""
+    waited = []
+
+    class Ev:
+        def __init__(self, name, t):
+            self.name, self.t = name, t
+
+        def synchronize(self):
+            waited.append(self.name)
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waited.append("device"))
+    t = Timer(torch.device("cpu"), 3)
+    t.cuda = True
+    t.events = [(Ev(f"s{i}", i), Ev(f"e{i}", i + 0.25)) for i in range(3)]
+    assert t.samples_us(skip=1) == [250.0, 250.0]
+    assert "device" not in waited and waited == ["e1", "e2"]
