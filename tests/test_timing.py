@@ -265,3 +265,19 @@ def test_samples_wait_on_their_own_events_not_the_device(monkeypatch):
     t.events = [(Ev(f"s{i}", i), Ev(f"e{i}", i + 0.25)) for i in range(3)]
     assert t.samples_us(skip=1) == [250.0, 250.0]
     assert "device" not in waited and waited == ["e1", "e2"]
+
+
+def test_kernel_backends_wait_on_their_stream_not_the_device_after_the_timing_loop(monkeypatch):
+    """The same on the backends' side: epbench's check_errors (called right after each timing loop) waited
+    for the whole device, GEMMs beside an overlap point included (1 x H200, 2026-11-26 19:21 UTC: the copy
+    row's window was covered, epbench's never)."""
+    from types import SimpleNamespace
+
+    from epbench.backends import kernel_common
+
+    done = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: done.append("device"))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(synchronize=lambda: done.append(("stream", device))))
+    kernel_common.wait_then_check("cuda:1", lambda: done.append("checked"))
+    assert done == [("stream", "cuda:1"), "checked"]

@@ -35,7 +35,8 @@ from epbench import cuda_lib, nvshmem_lib, options
 from epbench.launch import mps_active, shares_gpus
 from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
-from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
+from epbench.backends.kernel_common import (poison_dispatch_outputs, raw_stream_getter, release_collective,
+                                            wait_then_check)
 
 MAX_GPUS_PER_NODE = 8
 MAX_NODES = 16
@@ -211,8 +212,7 @@ class EpbenchHierBackend(NormalMode):
 
     def check_errors(self) -> None:
         """Waits for this rank's queued kernels, then raises if any of them timed out on a peer."""
-        torch.cuda.synchronize(self.device)
-        self._raise_if_timed_out()
+        wait_then_check(self.device, self._raise_if_timed_out)
 
     def poison(self) -> None:
         poison_dispatch_outputs(self)

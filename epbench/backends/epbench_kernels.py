@@ -49,7 +49,8 @@ import torch
 from epbench import cuda_lib, options
 from epbench.backends.base import NormalMode
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
-from epbench.backends.kernel_common import poison_dispatch_outputs, raw_stream_getter, release_collective
+from epbench.backends.kernel_common import (poison_dispatch_outputs, raw_stream_getter, release_collective,
+                                            wait_then_check)
 from epbench.layout import ExpertMajor, slot_capacity
 
 MAX_WORLD = 8
@@ -372,8 +373,7 @@ class EpbenchBackend(NormalMode):
 
     def check_errors(self) -> None:
         """Waits for this rank's queued kernels, then raises if any of them timed out on a peer."""
-        torch.cuda.synchronize(self.device)
-        self._raise_if_timed_out()
+        wait_then_check(self.device, self._raise_if_timed_out)
 
     def poison(self) -> None:
         poison_dispatch_outputs(self)

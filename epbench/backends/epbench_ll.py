@@ -35,7 +35,7 @@ from epbench import cuda_lib, options
 from epbench.backends.base import LowLatencyMode
 from epbench.contract import DispatchInput, LowLatencyOutput, RankSetup
 from epbench.backends.epbench_kernels import intranode_reason
-from epbench.backends.kernel_common import release_collective
+from epbench.backends.kernel_common import release_collective, wait_then_check
 
 MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kernel stages (ll_buffers.cu)
 SYNCS = {"grid": 0, "token": 1}  # option ll_sync -> enum LlSync (csrc/ll_common.cuh)
@@ -218,8 +218,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
 
     def check_errors(self) -> None:
         """Waits for this rank's queued kernels, then raises if any of them timed out on a peer."""
-        torch.cuda.synchronize(self.device)
-        self._raise_if_timed_out()
+        wait_then_check(self.device, self._raise_if_timed_out)
 
     def poison(self) -> None:
         self.x.view(torch.uint8).fill_(0xFF)

@@ -20,6 +20,14 @@ def raw_stream_getter(device: torch.device) -> Callable[[], int]:
     return lambda: torch.cuda.current_stream(device).cuda_stream
 
 
+def wait_then_check(device: torch.device, raise_if_timed_out: Callable[[], None]) -> None:
+    """A backend's ``check_errors``: waits for the kernels queued on the current stream (where every call of
+    the timing loop queues them), not for the device: work on other streams, such as the GEMMs queued beside
+    an overlap point, must not end the loop measured beside it. Then raises if any of them timed out."""
+    torch.cuda.current_stream(device).synchronize()
+    raise_if_timed_out()
+
+
 def release_collective(device: torch.device, world: int, destroy: Callable[[], None]) -> None:
     """Collective: waits for this rank's kernels, then for every rank (peers may still write into
     this rank's buffers), then ``destroy()``."""
