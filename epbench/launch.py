@@ -23,8 +23,24 @@ SAFE_ENV = {
 }
 
 
+# A rank stopped by SIGSTOP (2 x H200, 2026-11-26 19:05 UTC): its peer's NCCL watchdog saw the collective
+# time out after --control-timeout and then stalled dumping its flight recorder, so the run had not ended
+# 40 s later. No dump: the watchdog tears the rank down at once and the launcher reports it.
+FAULT_ENV = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+
+
 def apply_safe_env() -> None:
     os.environ.update(SAFE_ENV)
+
+
+def apply_rank_env() -> None:
+    """The environment the ranks inherit: SAFE_ENV always, FAULT_ENV and the rest unless set already."""
+    os.environ.update(SAFE_ENV)
+    for k, v in FAULT_ENV.items():  # the user's own setting wins
+        os.environ.setdefault(k, v)
+    # several ranks share the cores; torchrun would set 1 itself, with a warning per launch
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 def under_torchrun() -> bool:
@@ -311,10 +327,7 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    os.environ.update(SAFE_ENV)
-    # several ranks share the cores; torchrun would set 1 itself, with a warning per launch
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    apply_rank_env()
     global _started_ranks
     _started_ranks = True
     os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{process_start(os.getpid()) or ''}"

@@ -18,7 +18,7 @@ from epbench import launch
 PACKAGE = Path(__file__).resolve().parent
 BUILD_INFO = "_build_info.json"  # in the package, written by `make build` (git-ignored)
 BASELINES_STAMP = "epbench-baselines.json"  # in the venv, written by `make baselines` (tools/baselines.py)
-ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM", "CUDA_VISIBLE_DEVICES", "EPBENCH_",
+ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM", "CUDA_VISIBLE_DEVICES", "EPBENCH_",
                 "OMP_NUM_THREADS")
 
 

@@ -203,3 +203,18 @@ def test_the_shutdown_grace_flag_only_where_torchrun_takes_it():
     new.add_argument("--signals-to-handle")
     assert grace_flags(new)[-1] == "--signals-to-handle=SIGHUP,SIGQUIT"
     trun.parse_args([*grace_flags(trun.get_args_parser()), "--standalone", "-m", "epbench"])  # this torch takes it
+
+
+def test_ranks_start_without_nccls_timeout_dump_unless_the_user_asks(monkeypatch):
+    """A rank stopped by SIGSTOP kept its peer's NCCL watchdog dumping for over 30 s (2 x H200, 2026-11-26)."""
+    import os
+
+    from epbench import launch
+
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    launch.apply_rank_env()
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and os.environ["NCCL_NVLS_ENABLE"] == "0"
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    launch.apply_rank_env()
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"  # the user's own setting wins
