@@ -202,6 +202,19 @@ def method() -> str:
             + (f"; diagnostic switches set: {', '.join(switches)}" if switches else ""))
 
 
+_last_end: Optional[Any] = None  # the end event of this process's last timed call (GPUs)
+
+
+def last_end(forget: bool = False) -> Optional[Any]:
+    """The end event of the last call any Timer timed in this process (None if none since the last
+    ``forget``): where a timing loop's calls ended, whatever the loop did after them (overlap.py)."""
+    global _last_end
+    ev = _last_end
+    if forget:
+        _last_end = None
+    return ev
+
+
 class Timer:
     """Per-iteration device events on GPUs, the wall clock on CPUs (gloo calls are blocking)."""
 
@@ -234,6 +247,8 @@ class Timer:
                 start.record()
                 out = fn()
                 end.record()
+                global _last_end
+                _last_end = end
             finally:  # never leave the stream waiting on a flag nobody will set
                 if gate is not None:
                     gate.open()

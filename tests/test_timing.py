@@ -281,3 +281,17 @@ def test_kernel_backends_wait_on_their_stream_not_the_device_after_the_timing_lo
                         lambda device=None: SimpleNamespace(synchronize=lambda: done.append(("stream", device))))
     kernel_common.wait_then_check("cuda:1", lambda: done.append("checked"))
     assert done == [("stream", "cuda:1"), "checked"]
+
+
+def test_the_last_timed_calls_end_event_is_kept_for_the_overlap_window(monkeypatch):
+    """overlap.concurrent ends the communication loop at its last timed call's end event, not at an event
+    recorded after whatever the loop did next."""
+    from epbench import timing
+
+    rec = _Recorder()
+    timing.last_end(forget=True)
+    t = _gpu_timer(monkeypatch, rec, True)
+    assert timing.last_end() is None
+    t.time(0, lambda: None, gated=False)
+    end = t.events[0][1]
+    assert timing.last_end() is end and timing.last_end(forget=True) is end and timing.last_end() is None
