@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 SIGNALS = {"STOP": signal.SIGSTOP, "KILL": signal.SIGKILL}
@@ -55,6 +55,18 @@ def first_row(results: Path) -> Optional[Path]:
         if len(csv.read_text().splitlines()) > 1:
             return csv.parent
     return None
+
+
+def measured_rows(path: Path) -> Tuple[int, int]:
+    """(rows with a time, rows without one: points the run recorded as skipped or failed) of a results.csv."""
+    import csv
+
+    if not path.is_file():
+        return 0, 0
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    timed = sum(1 for r in rows if (r.get("time_us") or "").strip())
+    return timed, len(rows) - timed
 
 
 def read(f) -> str:
@@ -91,7 +103,7 @@ def main() -> int:
         print(f"no rank measuring within {a.start_timeout:.0f} s (exit {p.returncode}): {read(err_f)[-500:]}")
         return 1
     target = max(ranks)
-    rows_before = len((run_dir / "results.csv").read_text().splitlines()) - 1
+    rows_before, _ = measured_rows(run_dir / "results.csv")
     t0 = time.time()
     os.kill(ranks[target], SIGNALS[a.signal])
     try:
@@ -109,12 +121,12 @@ def main() -> int:
             except ProcessLookupError:
                 pass
     meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").is_file() else {}
-    csv = run_dir / "results.csv"
-    rows_after = len(csv.read_text().splitlines()) - 1 if csv.is_file() else 0
+    rows_after, unmeasured = measured_rows(run_dir / "results.csv")
     lines = [ln for ln in err.splitlines() if ln.strip()]
     ended = f"ended {took:.1f} s after SIG{a.signal}" if took is not None else f"still running {a.wait:.0f} s after it"
     print(f"rank {target} (pid {ranks[target]}) got SIG{a.signal} with {rows_before} rows measured; the run {ended}; "
-          f"exit {p.returncode}; status {meta.get('status')!r}; rows kept {rows_after}; stderr lines {len(lines)}")
+          f"exit {p.returncode}; status {meta.get('status')!r}; rows kept {rows_after} measured (+{unmeasured} "
+          f"unmeasured); stderr lines {len(lines)}")
     for ln in lines[-3:]:
         print(f"  stderr: {ln[:300]}")
     print(f"  results: {run_dir}")
