@@ -232,6 +232,7 @@ class Timer:
         ``gated``: ``fn`` never waits for the device on the host (a graph replay), so the stream
         may also wait on the host gate: closed after ``align`` (which may synchronise), or before
         it under switch gate_first where ``align_on_stream`` says it never waits on the host."""
+        global _last_end
         if self.cuda:
             start, end = self.events[i]
             host_lead()
@@ -247,7 +248,6 @@ class Timer:
                 start.record()
                 out = fn()
                 end.record()
-                global _last_end
                 _last_end = end
             finally:  # never leave the stream waiting on a flag nobody will set
                 if gate is not None:
