@@ -215,7 +215,6 @@ class DeepEPBackend(KernelLayouts, WeightedCombineRows, NormalMode):
                             for cfg in (dispatch_cfg, combine_cfg))
         self.buffer = self.deep_ep.Buffer(self.group, num_nvl_bytes, 0)
         self._allocate_combine_rows(setup)
-        self.reuses_layout = False
         self._layouts: Dict[int, _Layout] = {}  # id of a prepared input -> its layout (kernel mode)
 
     def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:

@@ -230,7 +230,6 @@ class DeepEPV2Backend(KernelLayouts, NormalMode):
                              setup.align) if self.expert_major else setup.world * setup.max_tokens_per_rank)
         self.combine_in = torch.empty(cap, setup.hidden, dtype=torch.bfloat16, device=setup.device)
         self.combine_scaled = torch.empty_like(self.combine_in)
-        self.reuses_layout = False
         # kernel mode: id of a prepared input -> its full dispatch's output, rows dropped (the
         # routing, keys and V2's handle the cached calls reuse)
         self._layouts: Dict[int, DispatchOutput] = {}

@@ -99,8 +99,8 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    options.check_payload({"epbench": {k: resolved[k] for k in ("own_rows", "fused_stores") if k in given}}, setup.layout,
-                          setup.quantize, "epbench backend")
+    asked = {k: resolved[k] for k in ("own_rows", "fused_stores") if k in given}
+    options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
     return resolved
 
 

@@ -228,7 +228,6 @@ class HybridEPBackend(KernelLayouts, WeightedCombineRows, NormalMode):
         self._allocate_combine_rows(setup, slot_capacity(
             setup.world, setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank, setup.align)
             if self.expert_major else None)
-        self.reuses_layout = False
         self._layouts: Dict[int, _Layout] = {}  # id of a prepared input -> its layout (kernel mode)
 
     def combine_roundings(self) -> int:
