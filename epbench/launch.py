@@ -23,10 +23,13 @@ SAFE_ENV = {
 }
 
 
-# A rank stopped by SIGSTOP (2 x H200, 2026-11-26 19:05 UTC): its peer's NCCL watchdog saw the collective
-# time out after --control-timeout and then stalled dumping its flight recorder, so the run had not ended
-# 40 s later. No dump: the watchdog tears the rank down at once and the launcher reports it.
-FAULT_ENV = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+# A rank stopped by SIGSTOP (2 x H200, 2026-11-26 19:05 and 19:53 UTC): its peer's NCCL watchdog saw the
+# collective time out after --control-timeout, logged "First PG on this rank to signal dumping" and then
+# waited before tearing the rank down, so the run had not ended 40 s later, with the dump itself off too.
+# torch's watchdog waits TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 000 by default) for the flight recorder's
+# dump and sleeps four times that before it throws (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp):
+# 60 s. No dump and a 500 ms wait: the teardown starts ~2 s after the timeout.
+FAULT_ENV = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "500"}
 
 
 def apply_safe_env() -> None:

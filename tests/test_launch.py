@@ -212,9 +212,12 @@ def test_ranks_start_without_nccls_timeout_dump_unless_the_user_asks(monkeypatch
     from epbench import launch
 
     monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", raising=False)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     launch.apply_rank_env()
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and os.environ["NCCL_NVLS_ENABLE"] == "0"
+    # the watchdog sleeps 4 x this after a timeout before it ends the rank (60 s by torch's default)
+    assert int(os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) <= 1000
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     launch.apply_rank_env()
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"  # the user's own setting wins
