@@ -560,7 +560,7 @@ class FakeRunner:
             return fid.Done(1, v1_output((4,)), "Traceback...\nAssertionError: calc_diff\n", 2.0, "v1.log")
         if step.results:
             backend = step.cmd[step.cmd.index("--backends") + 1]
-            mode = "call" if backend == "flashinfer" else "kernel"  # flashinfer: its one call mode
+            mode = "call" if backend == "flashinfer" else "kernel"  # flashinfer: a run without kernel rows
             run = Path(step.results) / "20260101T000000Z_smoke_w4"
             run.parent.mkdir(parents=True)
             w = results.RunWriter(run, {"scenario": {"name": "smoke"}, "world": 2, "torch": "x"})

@@ -114,13 +114,14 @@ def scenario(world: int, dtype: str = "bf16", hidden: int = 256, topk: int = 4, 
                                bench={"backends": ["flashinfer"], "sms": [4]}), "<test>")
 
 
-def run_points(s, inject: Optional[str] = None, corrupt: Optional[str] = None) -> List[PointRecord]:
+def run_points(s, inject: Optional[str] = None, corrupt: Optional[str] = None, mode: str = "call") -> List[PointRecord]:
     routings = route_all(s)
 
     def fn(rank: int, state: FakeWorld) -> PointRecord:
         calls: List[str] = []
         comm = ThreadComm(rank, s.world, state.barrier)
         be = FlashInferBackend(setup_of(s, rank), library=fake_library(state, calls, corrupt), group=object())
+        be.use_call_mode(mode)
         rec = PointRecord(rank)
         measure_point(Point(be, s, routings, 0, comm, input_sets=2), 1, 2, 3, inject, rec)
         be.close()
@@ -139,14 +140,56 @@ def test_verifies_clean_against_the_fake(world, dtype, hidden):
         assert rec.calls[:2] == ["dispatch", "combine"] and rec.calls[-1] == "reset"
 
 
-def test_driver_fault_injection_is_caught():
+@pytest.mark.parametrize("world, dtype", [(1, "bf16"), (3, "fp8"), (4, "mxfp8")])
+def test_kernel_mode_verifies_clean_and_times_only_the_librarys_calls(world, dtype, monkeypatch):
+    """Kernel mode: the counts come from prepare_input's untimed call and the weights from
+    prepare_combine (exact), so no timed call counts or weighs; the keys are still every call's."""
+    from epbench.backends import flashinfer_a2a
+
+    seen = {"counts": 0, "weigh_fast": 0}
+    counts, weigh = FlashInferBackend._expert_counts, flashinfer_a2a.weigh_rows
+
+    def counting(self, local):
+        seen["counts"] += 1
+        return counts(self, local)
+
+    def weighing(rows, factor, out, exact):
+        seen["weigh_fast"] += not exact
+        return weigh(rows, factor, out, exact)
+
+    monkeypatch.setattr(FlashInferBackend, "_expert_counts", counting)
+    monkeypatch.setattr(flashinfer_a2a, "weigh_rows", weighing)
+    recs = run_points(scenario(world, dtype), mode="kernel")
+    for rec in recs:
+        assert rec.wrong == {"dispatch": 0, "combine": 0}, rec.problem
+    assert seen["weigh_fast"] == 0
+    # one untimed call per input set (2) per rank, none in the warmup, timed or verification calls
+    assert seen["counts"] == 2 * world
+    assert recs[0].calls.count("dispatch") == 2 + 1 + 2 + 1  # prepare x2, warmup, 2 timed, verification
+
+
+def test_kernel_mode_refuses_an_input_it_did_not_prepare():
+    s = scenario(1)
+    state = FakeWorld(1)
+    be = FlashInferBackend(setup_of(s, 0), library=fake_library(state, []), group=object())
+    be.use_call_mode("kernel")
+    from epbench.driver import Draw, Inputs
+
+    inp = Inputs(s, route_all(s), torch.device("cpu")).caller(0, Draw(1))
+    with pytest.raises(RuntimeError, match="never saw"):
+        be.dispatch(inp, 0)
+
+
+@pytest.mark.parametrize("mode", ["call", "kernel"])
+def test_driver_fault_injection_is_caught(mode):
     s = scenario(2)
-    assert all(r.wrong["dispatch"] == 1 for r in run_points(s, inject="dispatch"))
-    assert all(r.wrong["combine"] == 1 for r in run_points(s, inject="combine"))
+    assert all(r.wrong["dispatch"] == 1 for r in run_points(s, inject="dispatch", mode=mode))
+    assert all(r.wrong["combine"] == 1 for r in run_points(s, inject="combine", mode=mode))
 
 
-def test_a_wrong_weight_from_the_library_is_caught():
-    r0, _ = run_points(scenario(2), corrupt="weights")
+@pytest.mark.parametrize("mode", ["call", "kernel"])
+def test_a_wrong_weight_from_the_library_is_caught(mode):
+    r0, _ = run_points(scenario(2), corrupt="weights", mode=mode)
     assert r0.wrong["dispatch"] >= 1 and "weights differ" in r0.problem["dispatch"]
 
 
