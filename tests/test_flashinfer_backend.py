@@ -42,10 +42,17 @@ def fake_library(state: FakeWorld, calls: List[str], corrupt: Optional[str] = No
             assert workspace_size_per_rank > 0 and mnnvl_config.comm_backend.group is not None
             self.calls = 0
             self.ws: Optional[torch.Tensor] = None
+            self.phase = "idle"  # the library's phase: a dispatch must be followed by a combine
+
+        def _phase(self, want: str, what: str) -> None:
+            # the library asserts the order of its calls (MoeAlltoAll._state.phase)
+            assert self.phase == want, what
 
         def dispatch(self, token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
                      invalid_token_expert_id=None, expert_id_payload_index=None):
             calls.append("dispatch")
+            self._phase("idle", "dispatch called twice without combine")
+            self.phase = "dispatched"
             ids = token_selected_experts
             assert ids.dtype == torch.int32 and ids.shape[1] == self.topk
             assert runtime_max_tokens_per_rank <= self.t_max and 1 <= len(input_payloads) <= 6
@@ -74,11 +81,14 @@ def fake_library(state: FakeWorld, calls: List[str], corrupt: Optional[str] = No
             return out
 
         def get_combine_payload_tensor_in_workspace(self, runtime_max_tokens_per_rank, hidden_size, dtype):
+            self._phase("dispatched", "get_combine_payload_tensor_in_workspace called before successful dispatch")
             self.ws = torch.full((self.world, runtime_max_tokens_per_rank, hidden_size), float("nan"), dtype=dtype)
             return self.ws
 
         def combine(self, payload, runtime_max_tokens_per_rank, payload_in_workspace=False):
             calls.append("combine")
+            self._phase("dispatched", "combine called before successful dispatch")
+            self.phase = "idle"
             assert payload_in_workspace and payload is self.ws
             acc = torch.zeros(self.local_tokens, payload.shape[-1])
 
@@ -166,6 +176,7 @@ def test_kernel_mode_verifies_clean_and_times_only_the_librarys_calls(world, dty
     # one untimed call per input set (2) per rank, none in the warmup, timed or verification calls
     assert seen["counts"] == 2 * world
     assert recs[0].calls.count("dispatch") == 2 + 1 + 2 + 1  # prepare x2, warmup, 2 timed, verification
+    assert recs[0].calls.count("combine") == recs[0].calls.count("dispatch")  # each round closed
 
 
 def test_kernel_mode_refuses_an_input_it_did_not_prepare():
@@ -229,6 +240,7 @@ def test_every_call_returns_keys_and_counts_without_poison():
             wrong.append(check_dispatch(out, rank, s.world, s.model.experts_per_rank,
                                         lambda r: inputs.wire(r, Draw(salt)),
                                         source_of=lambda r: inputs.source(r, Draw(salt))).wrong)
+            be.combine(out, 0)  # the library takes no second dispatch before a combine
         be.close()
         return wrong
 

@@ -156,8 +156,12 @@ class FlashInferBackend(KernelLayouts, NormalMode):
         t = inp.num_tokens
         self._token_index = torch.arange(t, dtype=torch.int32, device=inp.x.device).view(t, 1)
         prepared = DispatchInput(inp.x, inp.x_scales, inp.topk_idx.to(torch.int32), inp.topk_weights)
-        if self.kernel:  # the counts of this input set, from one untimed call (every rank makes it)
+        if self.kernel:  # the counts of this input set, from one untimed round (every rank makes it)
             self._layouts[id(prepared)] = self._dispatch(prepared, None).expert_counts.clone()
+            # the library refuses a dispatch before the last one's combine ("dispatch called twice
+            # without combine"): this round ends with one, its result unused
+            ws = self.a2a.get_combine_payload_tensor_in_workspace(self.t_max, self.s.hidden, torch.bfloat16)
+            self.a2a.combine(ws, self.t_max, payload_in_workspace=True)
         return prepared
 
     def _payloads(self, inp: DispatchInput) -> List[torch.Tensor]:
