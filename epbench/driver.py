@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from epbench import counters as hw
-from epbench import metrics, options
+from epbench import metrics, options, stall
 from epbench.metrics import OPS, PointRecord, point_rows
 from epbench.backends import load_backend
 from epbench.backends.base import Backend
@@ -106,7 +106,8 @@ def _check_backend_errors(be: Backend) -> None:
 
 def _synchronize(comm: Comm) -> None:
     if comm.device.type == "cuda":
-        torch.cuda.synchronize()
+        with stall.region("a device synchronize"):
+            torch.cuda.synchronize()
 
 
 # ---- the inputs of a point ----

@@ -36,7 +36,7 @@ def run(args: List[str]) -> int:
     try:
         if len(args) != 2 or not args[1].isdigit():
             raise UserError(USAGE)
-        return run_plan(plans.read(Path(args[0])), int(args[1]))
+        return run_plan(plans.read(Path(args[0])), int(args[1]), on_stall=lambda e: stalled(e, folder))
     except (UserError, VerificationFailed, StartupError) as e:
         return fail(e, "failed", e.exit_code, folder)
     except (ControlTimeout, KernelTimeout) as e:
@@ -45,13 +45,24 @@ def run(args: List[str]) -> int:
         return fail(e, "failed", 1, folder)
 
 
-def run_plan(p: Any, job: int = 0, launched: bool = True, show: Any = None) -> int:
+def run_plan(p: Any, job: int = 0, launched: bool = True, show: Any = None,
+             on_stall: Any = None) -> int:
     """Job ``job`` of plan ``p`` on this rank, through the one engine (session.run_worker);
     returns its exit code. ``launched``: epbench's launcher started this rank (else torchrun was
-    started by hand, and rank 0 shows the finished folder with ``show``: see session.run_worker)."""
+    started by hand, and rank 0 shows the finished folder with ``show``: see session.run_worker).
+    ``on_stall``: what the rank's stall guard does with its timeout error (epbench/stall.py)."""
     from epbench.session import run_worker
 
-    return run_worker(p, p.job_options(job), launched, show)
+    return run_worker(p, p.job_options(job), launched, show, on_stall)
+
+
+def stalled(e: BaseException, folder: Optional[Path]) -> None:
+    """The stall guard's end of a rank (called from its thread): the one line, as for any
+    timeout, then the process ends at once (its main thread is stuck where no exception reaches)."""
+    from epbench import stall
+
+    fail(e, "timeout", 1, folder)
+    stall.exit_now()
 
 
 def fail(e: BaseException, status: str, code: int, folder: Optional[Path]) -> int:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from epbench import launch, metrics, provenance
+from epbench import launch, metrics, provenance, stall
 from epbench.driver import RunOptions, measure
 from epbench.errors import first_line
 from epbench.console import wide_console
@@ -259,30 +259,45 @@ def measurement(verb: str) -> Callable[[Job], int]:
     return ceiling.measure_job
 
 
-def run_worker(p: Plan, opts: Any, launched: bool = True, show: Optional[Show] = None) -> int:
+def run_worker(p: Plan, opts: Any, launched: bool = True, show: Optional[Show] = None,
+               on_stall: Optional[Callable[[BaseException], None]] = None) -> int:
     """The one engine: job ``opts`` of plan ``p`` on this rank (its backends: the job's). It
     joins the process group, runs the verb's measurement, records how it ended and leaves the
     group. ``launched``: started by epbench's launcher, which prints the table afterwards;
     otherwise (torchrun started by hand) rank 0 shows the finished folder with ``show`` (None:
-    the run table)."""
+    the run table). ``on_stall``: given, a guard thread hands it a timeout error when the rank
+    sits in a wait on its peers past the ranks' timeouts (epbench/stall.py)."""
     device = p.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     comm = (launch.init_distributed(device, p.control_timeout_s) if p.control_timeout_s is not None
             else launch.init_distributed(device))
     job = Job(p, opts, comm, device, launched)
+    if on_stall is not None:
+        stall.start(stall.limit_for(comm.control_timeout_s, p.scenario.bench.timeout_s),
+                    lambda line: on_stall(stall_error(comm, line)))
     try:
         wrong = _measure(job)
     except Exception as e:
         if launch.is_timeout(e):
             raise comm.timeout_error(e) from e
         raise
+    finally:
+        stall.stop()
     if job.writer is not None and not launched:
         (show or (lambda d: show_run(d, job.console, p.columns)))(job.writer.dir)
     comm.arrive("final barrier")
     dist.barrier()
     dist.destroy_process_group()
     return 1 if wrong and not launched else 0  # launched: the launcher says where
+
+
+def stall_error(comm: launch.Comm, line: str) -> BaseException:
+    """The stall guard's error: who did not reach the last wait (as any control timeout says), and
+    where this rank sat."""
+    from epbench.errors import ControlTimeout
+
+    return ControlTimeout(f"{comm.timeout_error(RuntimeError(line))}; {line}")
 
 
 def _measure(job: Job) -> int:

@@ -47,7 +47,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from epbench import cudart, options
+from epbench import cudart, options, stall
 
 _lead_us: Optional[float] = None
 _cycles_per_us: Optional[float] = None
@@ -232,6 +232,11 @@ class Timer:
         ``gated``: ``fn`` never waits for the device on the host (a graph replay), so the stream
         may also wait on the host gate: closed after ``align`` (which may synchronise), or before
         it under switch gate_first where ``align_on_stream`` says it never waits on the host."""
+        with stall.region("a timed call"):
+            return self._time(i, fn, align, gated, align_on_stream)
+
+    def _time(self, i: int, fn: Callable[[], Any], align: Optional[Callable[[], None]],
+              gated: bool, align_on_stream: bool) -> Any:
         global _last_end
         if self.cuda:
             start, end = self.events[i]
@@ -264,7 +269,8 @@ class Timer:
         if self.cuda:
             # each end event (its start is earlier on the same stream), not the device: work queued on
             # other streams, the GEMMs beside an overlap point, must not end the loop it is measured over
-            for _, e in self.events[skip:]:
-                e.synchronize()
+            with stall.region("the wait for the timed calls"):
+                for _, e in self.events[skip:]:
+                    e.synchronize()
             return [s.elapsed_time(e) * 1e3 for s, e in self.events[skip:]]
         return self.wall[skip:]

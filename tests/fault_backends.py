@@ -35,6 +35,19 @@ class HangingBackend(ReferenceBackend):
         return super().dispatch(inp, num_sms)
 
 
+class StuckBackend(ReferenceBackend):
+    """Every rank stops inside its first dispatch, as a main thread blocked in a CUDA wait on a peer
+    whose collective never ends (no control-plane wait is pending, so only the stall guard can end
+    it: epbench/stall.py)."""
+
+    name = "test-stuck"
+
+    def dispatch(self, inp, num_sms):
+        _mark(self.s.rank)
+        while True:
+            time.sleep(60)
+
+
 class AbortingBackend(ReferenceBackend):
     """Rank 1 aborts its process at its first dispatch (as a device assert or a segfault in a
     third-party library would)."""

@@ -12,6 +12,7 @@ from typing import Dict, List
 
 REGISTRY = {"test-hang": "fault_backends:HangingBackend",
             "test-abort": "fault_backends:AbortingBackend",
+            "test-stuck": "fault_backends:StuckBackend",
             "test-late-sender": "fault_backends:LateSenderBackend"}
 
 

@@ -108,6 +108,27 @@ def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
     assert not processes_of(d)
 
 
+def test_ranks_stuck_where_no_collective_times_out_end_by_their_stall_guard(tmp_path):
+    """A main thread blocked in a wait that no control-plane timeout covers (on GPUs: a CUDA wait on
+    an NCCL collective of a stopped peer, which torch's watchdog would end with SIGABRT 7 s after
+    its own timeout) is ended by the rank's stall guard: one line, status timeout."""
+    from epbench import stall
+
+    p = start(tmp_path, "test-stuck")
+    _, stuck_at = wait_for_mark(tmp_path, p)
+    limit = stall.limit_for(CONTROL_TIMEOUT, 10.0)  # smoke.yaml keeps bench.timeout_s at 10
+    out, err = p.communicate(timeout=limit + 60)
+    assert time.time() - stuck_at < limit + 10
+    assert p.returncode == 1
+    line = one_error_line(err)
+    assert line.startswith("epbench: error: test-stuck: ") and "a timed call made no progress for" in line
+    assert f"within {CONTROL_TIMEOUT} s" in line
+    d = run_folder(tmp_path)
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["status"] == "timeout" and "made no progress" in meta["error"]
+    assert not processes_of(d)
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_stops_every_rank_and_keeps_the_rows(tmp_path, sig, code):
     p = start(tmp_path, "reference,test-hang")

@@ -9,6 +9,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from epbench import stall
+
 
 def raw_stream_getter(device: torch.device) -> Callable[[], int]:
     """A cheap callable returning the current CUDA stream of ``device`` as an integer handle (the
@@ -24,7 +26,8 @@ def wait_then_check(device: torch.device, raise_if_timed_out: Callable[[], None]
     """A backend's ``check_errors``: waits for the kernels queued on the current stream (where every call of
     the timing loop queues them), not for the device: work on other streams, such as the GEMMs queued beside
     an overlap point, must not end the loop measured beside it. Then raises if any of them timed out."""
-    torch.cuda.current_stream(device).synchronize()
+    with stall.region("the wait for a backend's kernels"):
+        torch.cuda.current_stream(device).synchronize()
     raise_if_timed_out()
 
 
