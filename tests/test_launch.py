@@ -118,8 +118,10 @@ def test_private_mps_daemon_starts_serves_the_ranks_and_stops(monkeypatch, tmp_p
     log = tmp_path / "calls"
     exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
     exe.parent.mkdir()
-    listen = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
-              "s.listen(4); time.sleep(60)")
+    # bound under another name and renamed once listening: the shell loop below must not see the
+    # socket between bind and listen (a connection then is refused; seen once in CI under load)
+    listen = ("import os, socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1] + '.tmp'); "
+              "s.listen(4); os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)")
     pid = tmp_path / "pid"
     exe.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then "{sys.executable}" -c "{listen}" '
                    f'"$CUDA_MPS_PIPE_DIRECTORY/control" > /dev/null 2>&1 & echo $! > {pid}; '

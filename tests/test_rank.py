@@ -76,7 +76,7 @@ def test_each_verb_reaches_the_one_engine_and_its_measurement(monkeypatch, tmp_p
 
     seen = []
     monkeypatch.setattr(session, "run_worker",
-                        lambda p, opts, launched, show: seen.append((p.verb, opts, launched, show)) or 0)
+                        lambda p, opts, launched, show, on_stall=None: seen.append((p.verb, opts, launched, show)) or 0)
     s = scenario.load(SMOKE)
     run_opts = RunOptions(("reference", "epbench"), (4,), 1, 2)
     base = plan.Plan(verb="run", scenario=s, options=run_opts, device="cpu", argv=("run",),
