@@ -3,6 +3,9 @@ in its driver): the main thread marks the regions where it may block on peers' G
 the wait for the timed calls' end events, a device synchronize), and a daemon thread ends the rank
 with one line when the main thread has sat in one region for longer than the limit.
 
+A loop's first call is left out (epbench/timing.py): a library may compile its kernels there on first use
+(Hybrid-EP's nvcc, 8-11 s a point; FlashInfer's JIT, ~3 min once), which is no stall.
+
 Why a thread of its own: where the stuck work is an NCCL collective (the ``reference`` backend's
 all_to_all, a barrier), the main thread is blocked inside CUDA and never sees an exception; torch's
 NCCL watchdog times the collective out after --control-timeout and then aborts the process (SIGABRT)

@@ -36,16 +36,20 @@ class HangingBackend(ReferenceBackend):
 
 
 class StuckBackend(ReferenceBackend):
-    """Every rank stops inside its first dispatch, as a main thread blocked in a CUDA wait on a peer
-    whose collective never ends (no control-plane wait is pending, so only the stall guard can end
-    it: epbench/stall.py)."""
+    """Every rank stops inside its second dispatch (a loop's first call is not guarded: a library may
+    compile there), as a main thread blocked in a CUDA wait on a peer whose collective never ends (no
+    control-plane wait is pending, so only the stall guard can end it: epbench/stall.py)."""
 
     name = "test-stuck"
+    _calls = 0
 
     def dispatch(self, inp, num_sms):
-        _mark(self.s.rank)
-        while True:
-            time.sleep(60)
+        StuckBackend._calls += 1
+        if StuckBackend._calls >= 2:
+            _mark(self.s.rank)
+            while True:
+                time.sleep(60)
+        return super().dispatch(inp, num_sms)
 
 
 class AbortingBackend(ReferenceBackend):

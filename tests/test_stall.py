@@ -58,3 +58,21 @@ def test_without_a_started_guard_regions_cost_nothing_and_say_nothing():
     finally:
         stall.stop()
     assert len(said) == 1 and said[0].startswith("the wait for the timed calls made no progress")
+
+
+def test_a_loops_first_call_is_not_guarded_the_next_ones_are():
+    """A library may compile on its first call (Hybrid-EP's nvcc, 8-11 s a point): no stall there."""
+    import torch
+
+    from epbench.timing import Timer
+
+    said = []
+    stall.start(0.05, said.append)
+    try:
+        timer = Timer(torch.device("cpu"), 2)
+        timer.time(0, lambda: time.sleep(0.3))
+        assert said == []
+        timer.time(1, lambda: time.sleep(1.0))
+    finally:
+        stall.stop()
+    assert len(said) == 1 and said[0].startswith("a timed call made no progress")
