@@ -68,12 +68,7 @@ CARVEOUT_API = "torch._C._set_sm_carveout_experimental"
 PARTITION = "GEMM: green context of the SMs left; communication: primary context, k blocks"
 SHARED_GPU_NOTE = ("ranks share a GPU: the interference measured is SMs and HBM only "
                    "(no link is crossed)")
-# The first GEMM loop is sized to this many times the communication loop alone: beside the GEMMs that
-# loop took 1.9-3.0x its alone span on 2 x H200 (2026-11-26 19:54 UTC, every backend; its calls only
-# 1.2-1.5x, the rest its untimed per-call work on the SMs the GEMM leaves), so at 1.5 every point needed a
-# second window. GEMMs after the communication's last call cost time only: the window ends there.
-GEMM_LOOP_MARGIN = 3.5
-REGROW_MARGIN = 1.5  # a regrown loop: this many times the span measured beside the GEMMs
+GEMM_LOOP_MARGIN = 1.5  # the GEMM loop is sized to this many times the communication loop alone
 GEMM_LOOP_MAX = 4000
 GEMM_RTOL = 2e-2  # bf16 outputs of differently scheduled GEMMs differ by rounding only
 
@@ -135,7 +130,7 @@ def regrown_count(n: int, gemm_end_us: float, comm_end_us: float) -> int:
     took 1.8x its alone time beside an 8192^3 GEMM on 2 x H200)."""
     if not gemm_end_us > 0:
         raise ValueError("GEMM loop end must be positive")
-    return min(GEMM_LOOP_MAX, max(n + 1, math.ceil(n * REGROW_MARGIN * comm_end_us / gemm_end_us) + 2))
+    return min(GEMM_LOOP_MAX, max(n + 1, math.ceil(n * GEMM_LOOP_MARGIN * comm_end_us / gemm_end_us) + 2))
 
 
 LATE_START_FRACTION = 0.1  # a communication loop starting later than this share of the pair is flagged
