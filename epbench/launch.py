@@ -211,8 +211,11 @@ def write_rank_error(folder: Path, rank: int, status: str, line: str) -> None:
     import json
     import time
 
+    import threading
+
     path = folder / ERROR_FILE.format(rank)
-    tmp = path.with_name(path.name + ".tmp")
+    # a name per writer: the stall guard's thread and the main thread may both end the rank at once
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps({"status": status, "line": line, "time": time.time()}))
     os.replace(tmp, path)
 
@@ -581,10 +584,10 @@ class Comm:
         if store is not None:
             store.set(f"epbench/arrived/{self.rank}", str(self._arrived))
 
-    def timeout_error(self, cause: BaseException) -> "Exception":
+    def timeout_error(self, cause: BaseException, grace_s: Optional[float] = None) -> "Exception":
         """The error for a control-plane wait that gave up: names the ranks that never reached
         this rank's last wait. Ranks that reached it and timed out too say so in the store; the
-        others are given a moment to do so, then named."""
+        others are given a moment to do so (``grace_s``, default GAVE_UP_GRACE_S), then named."""
         import time
 
         from epbench.errors import ControlTimeout
@@ -594,7 +597,7 @@ class Comm:
         if store is not None:
             try:
                 store.set(f"epbench/gave-up/{self.rank}", str(self._arrived))
-                deadline = time.monotonic() + GAVE_UP_GRACE_S
+                deadline = time.monotonic() + (GAVE_UP_GRACE_S if grace_s is None else grace_s)
                 while True:
                     missing = [r for r in range(self.world) if not self._reached(store, r)]
                     if not missing or time.monotonic() > deadline:

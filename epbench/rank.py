@@ -61,8 +61,10 @@ def stalled(e: BaseException, folder: Optional[Path]) -> None:
     timeout, then the process ends at once (its main thread is stuck where no exception reaches)."""
     from epbench import stall
 
-    fail(e, "timeout", 1, folder)
-    stall.exit_now()
+    try:
+        fail(e, "timeout", 1, folder)
+    finally:
+        stall.exit_now()
 
 
 def fail(e: BaseException, status: str, code: int, folder: Optional[Path]) -> int:

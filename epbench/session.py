@@ -297,7 +297,8 @@ def stall_error(comm: launch.Comm, line: str) -> BaseException:
     where this rank sat."""
     from epbench.errors import ControlTimeout
 
-    return ControlTimeout(f"{comm.timeout_error(RuntimeError(line))}; {line}")
+    # a short look only: torch's NCCL watchdog may abort this rank a few seconds after its own timeout
+    return ControlTimeout(f"{comm.timeout_error(RuntimeError(line), stall.NAMING_GRACE_S)}; {line}")
 
 
 def _measure(job: Job) -> int:

@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 GRACE_S = 2.0  # beyond the larger of the two timeouts the ranks already keep
-POLL_S = 0.25
+POLL_S = 0.1
+NAMING_GRACE_S = 0.3  # how long the guard's line waits to learn which peers gave up too
 
 
 class Guard:
@@ -66,10 +67,12 @@ class Guard:
     def _watch(self) -> None:
         while not self._fired:
             time.sleep(self.poll_s)
-            took = self.stalled_for()
+            with self._lock:
+                took = None if self._since is None else time.monotonic() - self._since
+                what = self._what
             if took is not None and took > self.limit_s:
                 self._fired = True
-                self.on_stall(f"{self._what} made no progress for {took:.0f} s (limit {self.limit_s:g} s: the "
+                self.on_stall(f"{what} made no progress for {took:.0f} s (limit {self.limit_s:g} s: the "
                               f"larger of --control-timeout and bench.timeout_s, + {GRACE_S:g})")
 
 

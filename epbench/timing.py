@@ -271,8 +271,8 @@ class Timer:
         if self.cuda:
             # each end event (its start is earlier on the same stream), not the device: work queued on
             # other streams, the GEMMs beside an overlap point, must not end the loop it is measured over
-            with stall.region("the wait for the timed calls"):
-                for _, e in self.events[skip:]:
+            for _, e in self.events[skip:]:  # one region per call: a backlog still moving is no stall
+                with stall.region("the wait for a timed call's end"):
                     e.synchronize()
             return [s.elapsed_time(e) * 1e3 for s, e in self.events[skip:]]
         return self.wall[skip:]

@@ -106,7 +106,9 @@ class _Handle:
     num_recv: int
     ids: torch.Tensor  # [world * T_max, topk] int32, the library's slots (-1 on padding)
     weights: torch.Tensor  # [world * T_max, topk] float32, the library's slots
-    local: torch.Tensor  # [world * T_max * topk] int64: each slot's local expert, experts_per_rank if none
+    # [world * T_max * topk] int64: each slot's local expert, experts_per_rank if none (kernel mode: made
+    # by prepare_combine, outside the timed dispatch)
+    local: Optional[torch.Tensor] = None
 
 
 class FlashInferBackend(KernelLayouts, NormalMode):
@@ -193,10 +195,15 @@ class FlashInferBackend(KernelLayouts, NormalMode):
         ids, weights, token = flat[ids_at], flat[ids_at + 1], flat[ids_at + 2]
         # key = source * T_max + source token; -1 on padding (the library set its ids to -1)
         key = torch.where(ids[:, 0] != INVALID_EXPERT, self._slot_base + token.flatten(), self._no_key)
-        local = torch.index_select(self._local_of, 0, (ids + 1).flatten())
+        local = None
         if counts is None:
+            local = self._local_experts(ids)
             counts = self._expert_counts(local)
         return DispatchOutput(x, scales, ids, weights, counts, cap, _Handle(cap, ids, weights, local), row_key=key)
+
+    def _local_experts(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each slot's local expert (flat), experts_per_rank for another rank's expert or padding."""
+        return torch.index_select(self._local_of, 0, (ids + 1).flatten())
 
     def _expert_counts(self, local: torch.Tensor) -> torch.Tensor:
         """Received rows per local expert (int64 [E]): one scatter-add on the device, no host wait;
@@ -211,7 +218,8 @@ class FlashInferBackend(KernelLayouts, NormalMode):
     def _weighted_into_workspace(self, h: _Handle, exact: bool) -> torch.Tensor:
         """Each received row times w(t, me), the sum of its weights for this rank's experts, written
         into the library's workspace view; padding slots (never mine) get 0."""
-        mine = (h.local < self.s.experts_per_rank).view(h.ids.shape)
+        local = h.local if h.local is not None else self._local_experts(h.ids)
+        mine = (local < self.s.experts_per_rank).view(h.ids.shape)
         w = torch.where(mine, h.weights, 0.0).sum(dim=1, keepdim=True)
         ws = self.a2a.get_combine_payload_tensor_in_workspace(self.t_max, self.s.hidden, torch.bfloat16)
         weigh_rows(self.combine_in, w, ws.view(-1, self.s.hidden), exact=exact)
