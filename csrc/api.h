@@ -26,8 +26,10 @@ typedef struct ep_config {
   int own_rows;  // 0: the dispatch kernel stores a rank's own rows like a peer's (packed at base[me]); 1 (ce):
                  // rows [0, T) of the receive buffer are the rank's own tokens by index, copied there by the caller
                  // (the copy engine) before ep_dispatch's kernels run, peers' segments after them; recv_key says
-                 // which row holds what. Rank-major and quantize before only (normal mode; the low-latency
-                 // region ignores it)
+                 // which row holds what. 2 (all): every source's rows by token index at rows
+                 // [s * max_tokens, s * max_tokens + T_s), a peer's copied there by ep_dispatch with the copy
+                 // engine after the notify kernel, my own by the caller as for 1; no kernel moves a row.
+                 // Rank-major and quantize before only (normal mode; the low-latency region ignores it)
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).
@@ -108,6 +110,9 @@ int ep_set_option(void* ctx, int key, int value);
 // own_rows 1: the kernels never write rows [0, T) of recv_x / recv_scales / recv_idx / recv_w; the caller puts
 // x, x_scales, topk_idx and topk_w there itself, stream-ordered before it reads the output (the backend copies
 // them on a side stream forked before this call and joined after it). They write recv_key and everything else.
+// own_rows 2: the same for my own rows at rows [me * max_tokens, me * max_tokens + T); ep_dispatch copies the
+// peers' rows (cudaMemcpyAsync, one stream per peer forked from `stream` after the notify kernel and joined
+// before a small kernel that writes every row's key of my segment on each rank and signals completion).
 int ep_dispatch(void* ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
                 int num_tokens, int num_sms, int impl, int warps, int epoch, void* stream);
 int ep_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,

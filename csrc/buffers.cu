@@ -65,8 +65,8 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
     ep_set_error("align must be 0 (rank-major) or >= 1 (expert-major), got %d", cfg->align);
     return -1;
   }
-  if (cfg->own_rows != 0 && cfg->own_rows != 1) {
-    ep_set_error("own_rows must be 0 (sm) or 1 (ce), got %d", cfg->own_rows);
+  if (cfg->own_rows < 0 || cfg->own_rows > 2) {
+    ep_set_error("own_rows must be 0 (sm), 1 (ce) or 2 (all), got %d", cfg->own_rows);
     return -1;
   }
   if (cfg->own_rows && (cfg->align > 0 || cfg->quantize_fused)) {  // a copy can neither spread rows nor quantize
@@ -98,6 +98,13 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.capacity = cfg->world * cfg->max_tokens;
   p.align = cfg->align;
   p.own_ce = cfg->own_rows;
+  if (p.own_ce == 2) {  // own_rows all: a copy stream per peer, forked and joined by events (dispatch.cu)
+    CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_fork, cudaEventDisableTiming));
+    for (int i = 0; i + 1 < cfg->world; ++i) {
+      CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->ce_streams[i], cudaStreamNonBlocking));
+      CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_done[i], cudaEventDisableTiming));
+    }
+  }
   // expert-major: every source's tokens once per local expert they can pick, plus the largest padding
   // (epbench/layout.py slot_capacity)
   const int em = cfg->align > 0, E = cfg->experts_per_rank;
@@ -287,6 +294,11 @@ extern "C" int ep_destroy(void* vctx) {
   }
   CUDA_CHECK(cudaFree(ctx->region));
   CUDA_CHECK(cudaFreeHost((void*)ctx->host_error));
+  if (ctx->ce_fork) CUDA_CHECK(cudaEventDestroy(ctx->ce_fork));
+  for (int i = 0; i + 1 < EP_MAX_WORLD; ++i) {
+    if (ctx->ce_streams[i]) CUDA_CHECK(cudaStreamDestroy(ctx->ce_streams[i]));
+    if (ctx->ce_done[i]) CUDA_CHECK(cudaEventDestroy(ctx->ce_done[i]));
+  }
   delete ctx;
   return 0;
 }

@@ -19,7 +19,9 @@
 //     signals       int32 flags, see Signals below
 //   own_rows ce: recv_x, recv_scales, recv_idx and recv_w rows [0, T_me) are my own tokens by index (the
 //   caller's copy engine writes them, no kernel does), then each peer's packed rows in rank order; with
-//   own_rows sm (default) every source's rows are packed in rank order, mine included
+//   own_rows sm (default) every source's rows are packed in rank order, mine included; own_rows all: source
+//   s's token t at row s * max_tokens + t for every s (copy engines move every row; recv_key marks the rows
+//   whose token is not routed here, and rows past T_s, -1)
 //   expert-major (align >= 1): recv_x, recv_scales and combine_in hold `slots` rows (per local expert
 //   segments, epbench/layout.py), not `capacity`
 //   local part (only this rank touches it)
@@ -103,7 +105,8 @@ struct EpParams {
   int max_tokens, capacity;
   int align;  // 0: rank-major; >= 1: expert-major receive layout, segments padded to align rows
   int slots;  // rows of recv_x / recv_scales / combine_in (capacity when rank-major)
-  int own_ce;  // ep_config.own_rows: 1 (ce) = my own rows at their token index, stored by the caller (see above)
+  int own_ce;  // ep_config.own_rows: 1 (ce) = my own rows at their token index, stored by the caller (see above);
+               // 2 (all) = every source s's rows at s * max_tokens + token, a peer's copied by ep_dispatch
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
   size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_em_slot, off_combine_red,
@@ -168,6 +171,10 @@ struct EpContext {
   int combine_stages;  // stages per combine warp (EP_OPT_COMBINE_STAGES)
   int combine_chunk;   // combine bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
   ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
+  // own_rows all (p.own_ce == 2): the peers' copies, one stream per peer (peer me + 1 + i on stream i)
+  cudaEvent_t ce_fork;
+  cudaStream_t ce_streams[EP_MAX_WORLD - 1];
+  cudaEvent_t ce_done[EP_MAX_WORLD - 1];
 };
 
 // The checks ep_dispatch and ep_combine both make before launching: peers open, the token count

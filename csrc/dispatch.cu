@@ -30,6 +30,12 @@
 // own_rows ce (p.own_ce, rank-major, quantize before): my own rows are not stored here (lane me's row is -1:
 // the caller's copy engine put x, scales, ids and weights at rows [0, T) of my buffers); every row sent to a
 // peer also gets its key (me << 32 | t) in the peer's recv_key, from lane 0 beside the ids and weights.
+// own_rows all (p.own_ce == 2): no kernel moves a row. After the notify kernel (which proves every peer is done
+// with my segment of its buffers from the previous call) ep_dispatch copies x, x_scales, topk_idx and topk_w
+// into my segment of every peer with the copy engine, one stream per peer forked from the caller's stream and
+// joined again; then ce_keys_kernel writes the keys of my whole segment on every rank (mine included) and
+// releases done[me] as below. The copies complete before that kernel starts (stream order), so a peer that
+// sees done[me] sees my rows.
 // Completion (grid_release_and_wait in common.cuh): every thread fences at system scope; the
 // last block to finish stores done[me] = epoch into every rank's signals with st.release.sys,
 // then waits until done[s] == epoch for every source s in my signals, so the kernel ends only
@@ -357,6 +363,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
   if (kEm) em_local_copies(p, last, epoch);
 }
 
+// own_rows all: the key of every row of my segment [me * max_tokens, (me + 1) * max_tokens) on every rank d:
+// me << 32 | t where token t goes to d, else -1 (t not routed there, or t >= num_tokens); then completion.
+__global__ void __launch_bounds__(512, 1) ce_keys_kernel(EpParams p, int num_tokens, int epoch) {
+  const int world = p.world, cap = p.max_tokens;
+  const long long total = (long long)world * cap, step = (long long)gridDim.x * blockDim.x;
+  const bool aborted = ld_volatile(p.dev_error) != 0;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; !aborted && i < total; i += step) {
+    const int d = (int)(i / cap), t = (int)(i - (long long)d * cap);
+    const bool sent = t < num_tokens && p.slot_map[(size_t)t * world + d] >= 0;
+    long long* key = reinterpret_cast<long long*>(p.peer_base[d] + p.off_recv_key);
+    key[(size_t)p.rank * cap + t] = sent ? ((long long)p.rank << 32 | t) : -1ll;
+  }
+  grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
+}
+
 using DispatchKernel = void (*)(EpParams, DispatchArgs, int);
 
 // [expert-major]<[warps > 16][lean_dyn][fused: 0 no, 1 8-byte stores, 2 16-byte stores]>
@@ -371,6 +392,35 @@ constexpr DispatchKernel kDispatchKernels[2][2][3] = {
      {dispatch_lean_kernel<4, 1024, true, 0, kEm>, dispatch_lean_kernel<4, 1024, true, 1, kEm>,
       dispatch_lean_kernel<4, 1024, true, 2, kEm>}},
 };
+
+// own_rows all: the peers' copies (see the header), then the key kernel on `num_sms` blocks.
+int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int epoch, cudaStream_t stream) {
+  const EpParams& p = ctx->p;
+  const size_t seg = (size_t)p.rank * p.max_tokens, n = (size_t)a.num_tokens;  // my segment's first row
+  if (n > 0 && p.world > 1) {
+    CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
+    for (int i = 0; i + 1 < p.world; ++i) {
+      const int d = (p.rank + 1 + i) % p.world;
+      cudaStream_t s = ctx->ce_streams[i];
+      uint8_t* b = p.peer_base[d];
+      CUDA_CHECK(cudaStreamWaitEvent(s, ctx->ce_fork, 0));
+      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, n * p.row_bytes,
+                                 cudaMemcpyDeviceToDevice, s));
+      if (a.x_scales != nullptr)  // recv_scales rows may be wider than the caller's (mxfp8: 16-byte stride)
+        CUDA_CHECK(cudaMemcpy2DAsync(b + p.off_recv_scales + seg * p.scale_stride, p.scale_stride, a.x_scales,
+                                     p.scale_bytes, p.scale_bytes, n, cudaMemcpyDeviceToDevice, s));
+      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_idx + seg * p.topk * sizeof(long long), a.topk_idx,
+                                 n * p.topk * sizeof(long long), cudaMemcpyDeviceToDevice, s));
+      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_w + seg * p.topk * sizeof(float), a.topk_w,
+                                 n * p.topk * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], s));
+      CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
+    }
+  }
+  ce_keys_kernel<<<num_sms, 512, 0, stream>>>(p, a.num_tokens, epoch);
+  CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
 
 }  // namespace
 
@@ -402,9 +452,14 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   a.num_tokens = num_tokens;
   a.scale_unit = p.scale_bytes % 4 == 0 && (uintptr_t)x_scales % 4 == 0 ? 4 : 1;
   const bool dyn = impl == EP_DISPATCH_LEAN_DYN;
-  const int w16 = warps > 16, fused = p.fused;  // 0, 1 or 2 (ep_config.quantize_fused)
-  const DispatchKernel kernel = p.align > 0 ? kDispatchKernels<true>[w16][dyn][fused] : kDispatchKernels<false>[w16][dyn][fused];
-  CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
+  if (p.own_ce == 2) {  // own_rows all: copy engines move the rows, a small kernel keys them
+    if (dispatch_by_copies(ctx, a, num_sms, epoch, stream) != 0) return -1;
+  } else {
+    const int w16 = warps > 16, fused = p.fused;  // 0, 1 or 2 (ep_config.quantize_fused)
+    const DispatchKernel kernel =
+        p.align > 0 ? kDispatchKernels<true>[w16][dyn][fused] : kDispatchKernels<false>[w16][dyn][fused];
+    CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
+  }
   ep_effective& eff = ctx->effective;
   eff.dispatch_impl = impl;
   eff.dispatch_warps = warps;

@@ -20,6 +20,9 @@
 // own row at row t), num_recv = T_me + rows the peers send me; and the thread that writes slot_map[t] also
 // writes recv_key[t]: me << 32 | t where t is routed to me, else -1 (padding). The published row is the
 // same in both modes (its count to myself stays in it, unused here; T_d is its num_tokens word).
+// own_rows all (p.own_ce == 2): every source's rows by token index at s * max_tokens, so base[d] = me * max_tokens,
+// slot_map[t][d] = t where t goes to d, num_recv = world * max_tokens (rows no token fills are keyed -1 by the
+// senders' key kernel, dispatch.cu); no key is written here.
 // Expert-major layout (align >= 1): each row also carries the source's counts for every global expert,
 // so in step 4 warp d lays out rank d's segments (counts padded to align, a warp scan over its experts)
 // and stores em_base[g] = segment start of g on d + the rows that sources before me send to g: with the
@@ -47,7 +50,7 @@ __device__ __forceinline__ unsigned long long pack_hi(unsigned mask) { return pa
 // own_rows ce: my slot for token t on rank d (slot_map), given that t goes to d and that `packed` is its slot
 // among my tokens bound for d: token t itself on my own rank (row t of my own segment, base[me] = 0).
 __device__ __forceinline__ int slot_on(const EpParams& p, int d, int t, int packed) {
-  return p.own_ce && d == p.rank ? t : packed;
+  return p.own_ce == 2 || (p.own_ce == 1 && d == p.rank) ? t : packed;
 }
 
 // own_rows ce: the key of my own row t (recv_key, a DispatchOutput.row_key): mine where my mask says so.
@@ -175,14 +178,15 @@ __device__ __forceinline__ void wait_rows_and_offsets(const EpParams& p, int epo
   if (tid < world) {
     int b = 0;
     for (int s = 0; s < p.rank; ++s) b += p.own_ce && s == tid ? 0 : ld_volatile(rows + s * stride + 1 + tid);
-    if (p.own_ce) b = tid == p.rank ? 0 : b + ld_volatile(rows + tid * stride + 1 + world + E);
+    if (p.own_ce == 1) b = tid == p.rank ? 0 : b + ld_volatile(rows + tid * stride + 1 + world + E);
+    if (p.own_ce == 2) b = p.rank * p.max_tokens;  // own_rows all: my segment, on every rank
     p.base[tid] = b;
   }
   if (tid == 32) {
     long long n = 0;
     for (int s = 0; s < world; ++s)
       n += ld_volatile(rows + s * stride + (p.own_ce && s == p.rank ? 1 + world + E : 1 + p.rank));
-    *p.num_recv = n;
+    *p.num_recv = p.own_ce == 2 ? (long long)world * p.max_tokens : n;
   }
   for (int e = tid; e < E; e += blockDim.x) {
     long long c = 0;
@@ -284,7 +288,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         int* slots = p.slot_map + (size_t)(t0 + u) * world;
         for (int d = 0; d < world; ++d)
           slots[d] = ((masks[u] >> d) & 1u) ? running[d] + field16(cur_lo, cur_hi, d) : -1;
-        if (p.own_ce)
+        if (p.own_ce)  // 1 only: ep_launch_notify never runs this kernel for own_rows all
           own_row_first(slots, reinterpret_cast<long long*>(p.peer_base[p.rank] + p.off_recv_key), p.rank, t0 + u,
                         masks[u]);
       }
@@ -528,7 +532,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     } else if (t0 < t_end) {  // this thread's tokens t0 .. min(t0 + kTPT, t_end) - 1 only
       for (int i = 0; i < min(kTPT, t_end - t0) * world; ++i) slots[i] = slot_of(i);
     }
-    if (p.own_ce) {
+    if (p.own_ce == 1) {
 #pragma unroll
       for (int u = 0; u < kTPT; ++u)
         if (t0 + u < t_end) store_own_key(p, t0 + u, masks[u]);
@@ -618,6 +622,11 @@ int ep_launch_notify(EpContext* ctx, const int64_t* topk_idx, int num_tokens, in
       ctx->effective.notify_blocks = nb;
       return 0;
     }
+  }
+  if (ctx->p.own_ce == 2) {  // its slot loop stays as it is (an own_rows all branch there spilled registers)
+    ep_set_error("own_rows all needs the staged or grid notify kernel; %d experts do not fit their id stage",
+                 num_experts);
+    return -1;
   }
   const size_t smem = (size_t)num_experts * sizeof(int);
   if (smem > 48 * 1024) {

@@ -17,7 +17,7 @@ NOT_BUILT = "kernels not built: run `make build`"
 (RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS, EM_OFFSETS,
  EM_NUM_SLOTS, RECV_KEY) = range(12)
 # ep_config.own_rows: who stores a rank's own rows (backend option own_rows)
-OWN_ROWS = {"sm": 0, "ce": 1}
+OWN_ROWS = {"sm": 0, "ce": 1, "all": 2}
 # ep_config.quantize_fused for quantize fused: the bytes each lane stores per step (backend option fused_stores)
 FUSED_STORES = {8: 1, 16: 2}
 # ep_set_option keys (enum ep_option).
@@ -81,7 +81,8 @@ class EpConfig(ctypes.Structure):
         ("mxfp8", ctypes.c_int),
         ("quantize_fused", ctypes.c_int),
         ("align", ctypes.c_int),  # 0: rank-major; >= 1: expert-major segments padded to this many rows
-        ("own_rows", ctypes.c_int),  # OWN_ROWS: 0 sm (default), 1 ce (own rows by token index, copied by the caller)
+        ("own_rows", ctypes.c_int),  # OWN_ROWS: 0 sm (default), 1 ce (own rows by token index, copied by the caller),
+                                     # 2 all (every source's rows by token index; peers' copied by ep_dispatch)
     ]
 
 

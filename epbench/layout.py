@@ -155,3 +155,15 @@ def own_first_keys(dests: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
         if s != rank and m.numel():
             keys.append((s << KEY_SHIFT) | m[:, rank].cpu().nonzero().flatten().to(torch.int64))
     return torch.cat(keys)
+
+
+def by_source_keys(dests: Sequence[torch.Tensor], rank: int, max_tokens: int) -> torch.Tensor:
+    """int64 ``[world * max_tokens]``: the row keys of ``rank``'s receive buffer under own_rows all (csrc
+    notify.cu / dispatch.cu): source s's token t at row s * max_tokens + t, keyed s << KEY_SHIFT | t where t is
+    routed to ``rank``, else -1 (a row copied but not routed there, or past the source's T)."""
+    keys = torch.full((len(dests) * max_tokens,), -1, dtype=torch.int64)
+    for s, m in enumerate(dests):
+        if m.numel():
+            t = m[:, rank].cpu().nonzero().flatten().to(torch.int64)
+            keys[s * max_tokens + t] = (s << KEY_SHIFT) | t
+    return keys

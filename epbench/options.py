@@ -81,8 +81,11 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         "own_rows": Option(str, "sm", "who moves a rank's own rows in dispatch: sm (the dispatch kernel stores them "
                            "beside the peers' rows, packed) or ce (the copy engine copies x, scales, ids and weights "
                            "to rows [0, T) of the receive buffer, token by token, tokens not routed to the rank "
-                           "left as padding; peers' rows after them; rank_major and quantize before only; "
-                           "notes/LATENCY-NEXT.md section 3, Plan A)", choices=("sm", "ce"),
+                           "left as padding; peers' rows after them; notes/LATENCY-NEXT.md section 3, Plan A) or all "
+                           "(every source's rows by token index at source x max_tokens, the peers' copied by copy "
+                           "engines after the notify kernel, a small kernel writing the rows' keys: no SM moves a "
+                           "row, so the SM count changes little; Plan C); ce and all: rank_major and quantize "
+                           "before only", choices=("sm", "ce", "all"),
                            env="EPBENCH_OWN_ROWS"),
         "fused_stores": Option(int, 16, "quantize fused only: the bytes a lane of the dispatch kernel stores per "
                                "step, 16 (two adjacent bf16 vectors cast together; 2 x H200, 2 ranks, dsv3x4-mxfp8: "
@@ -189,14 +192,14 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
         raise UserError(f"{where}: epbench.fused_stores={resolved['fused_stores']} needs model.quantize fused (got "
                         f"{quantize}): it changes the stores of the cast fused into the dispatch kernel")
     own = resolved["own_rows"]
-    if own != "ce":
+    if own == "sm":
         return
     if layout != "rank_major":
-        raise UserError(f"{where}: epbench.own_rows=ce needs model.layout rank_major (got {layout}): the copy "
-                        f"engine copies the own rows as they are, one per token, not into expert segments")
+        raise UserError(f"{where}: epbench.own_rows={own} needs model.layout rank_major (got {layout}): the copy "
+                        f"engine copies the rows as they are, one per token, not into expert segments")
     if quantize != "before":
-        raise UserError(f"{where}: epbench.own_rows=ce needs model.quantize before (got {quantize}): the copy "
-                        f"engine cannot quantize the own rows")
+        raise UserError(f"{where}: epbench.own_rows={own} needs model.quantize before (got {quantize}): the copy "
+                        f"engine cannot quantize the rows")
 
 
 def _schema(backend: str, where: str) -> Dict[str, Option]:

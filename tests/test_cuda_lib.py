@@ -175,4 +175,5 @@ def test_config_struct_and_region_ids_match_the_c_api_header():
     for name in ("RECV_X", "RECV_SCALES", "RECV_IDX", "RECV_W", "COMBINE_IN", "OUT", "NUM_RECV", "EXPERT_COUNTS",
                  "DEBUG_STAMPS", "EM_OFFSETS", "EM_NUM_SLOTS", "RECV_KEY"):
         assert values["EP_" + name] == getattr(cuda_lib, name), name
-    assert cuda_lib.OWN_ROWS == {"sm": 0, "ce": 1}
+    assert cuda_lib.OWN_ROWS == {"sm": 0, "ce": 1, "all": 2}
+    assert "2 (all)" in (Path(__file__).resolve().parents[1] / "csrc" / "api.h").read_text()

@@ -223,3 +223,13 @@ def test_own_rows_first_layout_verifies_in_source_order(tokens):
             bad = check_dispatch(_own_first_buffers(inputs, rank, e, shift_own=False), rank, world, e,
                                  lambda s: inputs[s])
             assert bad.wrong > 0
+
+
+def test_by_source_keys_of_own_rows_all_by_hand():
+    """own_rows all: source s's token t at row s * max_tokens + t on every rank; -1 where t is not routed
+    there or past the source's tokens."""
+    dests = [torch.tensor([[1, 1], [0, 1], [1, 0]], dtype=torch.bool), torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)]
+    one = 1 << layout.KEY_SHIFT
+    assert layout.by_source_keys(dests, 0, 3).tolist() == [0, -1, 2, one, one + 1, -1]
+    assert layout.by_source_keys(dests, 1, 4).tolist() == [0, 1, -1, -1, one, -1, -1, -1]
+    assert layout.by_source_keys([torch.zeros(0, 2, dtype=torch.bool)] * 2, 0, 2).tolist() == [-1] * 4

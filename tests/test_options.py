@@ -93,21 +93,24 @@ def test_own_rows_defaults_to_sm_and_takes_ce_from_the_cli_or_the_environment() 
     assert options.resolve("epbench", {}, environ={})["own_rows"] == "sm"
     assert options.parse_cli(["own_rows=ce"]) == {"epbench": {"own_rows": "ce"}}
     assert options.resolve("epbench", {}, environ={"EPBENCH_OWN_ROWS": "ce"})["own_rows"] == "ce"
-    with pytest.raises(UserError, match=r"own_rows: must be one of sm, ce, got 'tma'"):
+    assert options.parse_cli(["own_rows=all"]) == {"epbench": {"own_rows": "all"}}
+    with pytest.raises(UserError, match=r"own_rows: must be one of sm, ce, all, got 'tma'"):
         options.validate({"epbench": {"own_rows": "tma"}})
 
 
+@pytest.mark.parametrize("own", ["ce", "all"])
 @pytest.mark.parametrize("layout,quantize,match", [
-    ("expert_major", "before", r"^s.yaml: epbench\.own_rows=ce needs model\.layout rank_major \(got expert_major\)"),
-    ("rank_major", "fused", r"^s.yaml: epbench\.own_rows=ce needs model\.quantize before \(got fused\)"),
+    ("expert_major", "before", r"^s.yaml: epbench\.own_rows={} needs model\.layout rank_major \(got expert_major\)"),
+    ("rank_major", "fused", r"^s.yaml: epbench\.own_rows={} needs model\.quantize before \(got fused\)"),
 ])
-def test_own_rows_ce_is_refused_in_one_line_where_a_copy_cannot_serve(layout, quantize, match) -> None:
-    given = {"epbench": {"own_rows": "ce"}}
+def test_own_rows_ce_is_refused_in_one_line_where_a_copy_cannot_serve(layout, quantize, match, own) -> None:
+    match = match.format(own)
+    given = {"epbench": {"own_rows": own}}
     with pytest.raises(UserError, match=match) as e:
         options.check_payload(given, layout, quantize, "s.yaml", environ={})
     assert "\n" not in str(e.value) and e.value.exit_code == 2
-    with pytest.raises(UserError, match="own_rows=ce"):  # the environment counts where it is weighed
-        options.check_payload({}, layout, quantize, "s.yaml", environ={"EPBENCH_OWN_ROWS": "ce"})
+    with pytest.raises(UserError, match=f"own_rows={own}"):  # the environment counts where it is weighed
+        options.check_payload({}, layout, quantize, "s.yaml", environ={"EPBENCH_OWN_ROWS": own})
     options.check_payload({}, layout, quantize, "s.yaml", environ={})  # sm serves every payload
     options.check_payload(given, "rank_major", "before", "s.yaml", environ={})
 

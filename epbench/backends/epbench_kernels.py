@@ -34,6 +34,11 @@ kernel shifts its offsets by T). A token not routed to its own rank leaves a pad
 (``DispatchOutput.row_key``: source rank << 32 | source token, written by the kernels; epbench/layout.py
 own_first_keys), and ``num_recv`` = T + the peers' rows. Combine reads token t's own row at row t.
 Notes: notes/LATENCY-NEXT.md section 3 (Plan A).
+``own_rows=all`` (same limits): every source s's rows by token index at rows [s x max_tokens, s x max_tokens + T_s)
+of every rank's buffer; the own rows copied as for ``ce`` (into my segment), the peers' by ep_dispatch with the copy
+engine after the notify kernel, and a small kernel writes every row's key (-1 where the token is not routed there)
+and signals completion: no SM moves a row. ``num_recv`` = world x max_tokens (epbench/layout.py by_source_keys).
+Notes: notes/LATENCY-NEXT.md (Plan C).
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
 """
@@ -221,7 +226,7 @@ class EpbenchBackend(NormalMode):
         self._checked: Optional[tuple] = None  # tensors of the last input that passed _check_input
         self._out_ptr = self.out.data_ptr()
         self._out_t, self._out_view = setup.max_tokens_per_rank, self.out
-        self._own_copy: Optional[_OwnRowsCopy] = _OwnRowsCopy(self.device) if self.own_rows == "ce" else None
+        self._own_copy: Optional[_OwnRowsCopy] = _OwnRowsCopy(self.device) if self.own_rows != "sm" else None
         self._own_t, self._own_dst = -1, ()  # own_rows ce: rows [0, T) of each receive buffer, made once per T
 
     # ---- set-up ----
@@ -248,7 +253,7 @@ class EpbenchBackend(NormalMode):
         self.recv_w = self._region(cuda_lib.RECV_W).view(torch.float32).view(cap, k)
         self.combine_in = self._region(cuda_lib.COMBINE_IN).view(torch.bfloat16).view(rows, h)
         # own_rows ce: each row's source rank << 32 | source token, -1 for padding (None with own_rows sm)
-        self.recv_key = self._region(cuda_lib.RECV_KEY).view(torch.int64).view(cap) if self.own_rows == "ce" else None
+        self.recv_key = self._region(cuda_lib.RECV_KEY).view(torch.int64).view(cap) if self.own_rows != "sm" else None
 
         self.out = self._region(cuda_lib.OUT).view(torch.bfloat16).view(s.max_tokens_per_rank, h)
         self.num_recv = self._region(cuda_lib.NUM_RECV).view(torch.int64).view(())
@@ -334,10 +339,13 @@ class EpbenchBackend(NormalMode):
 
     def _own_rows_dst(self, t: int) -> tuple:
         """own_rows ce: rows [0, t) of recv_x, recv_scales (None without scales), recv_idx and recv_w, in the
-        order of the dispatch input's x, x_scales, topk_idx, topk_weights (views made once per t)."""
+        order of the dispatch input's x, x_scales, topk_idx, topk_weights (views made once per t); own_rows all:
+        rows [a, a + t) of them, a = rank x max_tokens (my segment, as on every peer)."""
         if t != self._own_t:
-            scales = self.recv_scales[:t] if self._scales_in else None
-            self._own_t, self._own_dst = t, (self.recv_x[:t], scales, self.recv_idx[:t], self.recv_w[:t])
+            a = self.s.rank * self.s.max_tokens_per_rank if self.own_rows == "all" else 0
+            rows = slice(a, a + t)
+            scales = self.recv_scales[rows] if self._scales_in else None
+            self._own_t, self._own_dst = t, (self.recv_x[rows], scales, self.recv_idx[rows], self.recv_w[rows])
         return self._own_dst
 
     def _combine_warps_for(self, num_sms: int) -> int:

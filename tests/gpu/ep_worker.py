@@ -36,7 +36,7 @@ from epbench.launch import init_distributed  # noqa: E402
 from epbench.contract import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_kernels import EpbenchBackend  # noqa: E402
 from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input  # noqa: E402
-from epbench.layout import own_first_keys  # noqa: E402
+from epbench.layout import by_source_keys, own_first_keys  # noqa: E402
 from epbench.metrics import row_bytes  # noqa: E402
 from epbench.routing import RankRouting, dest_mask, route_rank  # noqa: E402
 from epbench.scenario import Routing  # noqa: E402
@@ -119,6 +119,12 @@ def check_case(be: EpbenchBackend, case: Case, rank: int, world: int, device: to
         got = out.row_key[:n].cpu() if n == want.numel() else None
         wrong = int(want.numel()) if got is None else int((got != want).sum())
         d.add(wrong, f"own_rows ce: row keys or num_recv ({n}) differ from layout.own_first_keys ({want.numel()})")
+    if getattr(be, "own_rows", "sm") == "all":  # every source's rows by token index at source x max_tokens
+        want = by_source_keys([dest_mask(r.topk_idx, case.experts_per_rank, world) for r in routings], rank,
+                              be.s.max_tokens_per_rank)
+        got = out.row_key[:n].cpu() if n == want.numel() else None
+        wrong = int(want.numel()) if got is None else int((got != want).sum())
+        d.add(wrong, f"own_rows all: row keys or num_recv ({n}) differ from layout.by_source_keys ({want.numel()})")
     y = be.combine_input(out)
     em = out.expert_major
     if em is not None:  # one stand-in expert per local expert, every valid slot filled (padding stays NaN)
@@ -205,7 +211,7 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
              and (c.name in EM) == bool(args.expert_major)]
     # a case routes each token to topk distinct experts: a world too small for that has no such routing
     cases = [c for c in cases if c.topk <= world * c.experts_per_rank]
-    if args.own_rows == "ce":  # what a copy can serve: rank-major rows, quantized before (if at all)
+    if args.own_rows != "sm":  # what a copy can serve: rank-major rows, quantized before (if at all)
         cases = [c for c in cases if not c.align and c.quantize == "before"]
     if args.fused_stores is not None:  # the option changes the fused cast's stores only
         cases = [c for c in cases if c.quantize == "fused"]
@@ -442,9 +448,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--notify", default=None,
                     help="notify kernel variants to bench (grid,staged), check: the first (default: the backend's)")
     ap.add_argument("--stamps", type=int, default=0, help="extra calls with per-phase debug stamps (0: none)")
-    ap.add_argument("--own-rows", default="sm", choices=["sm", "ce"],
-                    help="the backend's own_rows: sm (kernels store own rows) or ce (copy engine; check: the "
-                         "rank-major, quantize-before cases only)")
+    ap.add_argument("--own-rows", default="sm", choices=["sm", "ce", "all"],
+                    help="the backend's own_rows: sm (kernels store own rows), ce (copy engine) or all (copy "
+                         "engines move every row); ce and all check the rank-major, quantize-before cases only")
     ap.add_argument("--fused-stores", type=int, default=None, choices=[8, 16],
                     help="the backend's fused_stores (default: the backend's; check: given, the fused cases only)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")

@@ -30,9 +30,10 @@ def expert_major_flags(nproc: int) -> list:
             "lean_dyn:16:8,lean:16:3,lean_dyn:32:16"]
 
 
-def own_rows_ce_flags(nproc: int) -> list:
-    """own_rows=ce on every case it serves (rank-major; bf16, fp8, mxfp8 before), both dispatch kernels."""
-    return ["--own-rows", "ce", *(["--quick"] if shared(nproc) else []), "--impls",
+def own_rows_ce_flags(nproc: int, own: str = "ce") -> list:
+    """own_rows=ce (or all) on every case it serves (rank-major; bf16, fp8, mxfp8 before), both dispatch kernels
+    (all: the key kernel at those SM counts, whatever the impl)."""
+    return ["--own-rows", own, *(["--quick"] if shared(nproc) else []), "--impls",
             "lean_dyn:16:8,lean:16:3" if shared(nproc) else "lean_dyn:16:8,lean:16:3,lean:32:5,lean_dyn:16:24"]
 
 
@@ -45,17 +46,21 @@ def fused_stores8_flags(nproc: int) -> list:
 
 # the one-block notify (staged) writes the own rows' slots and keys on its own path
 OWN_ROWS_CE_STAGED = ["--own-rows", "ce", "--quick", "--notify", "staged", "--impls", "lean:16:8,lean_dyn:16:3"]
+OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--impls", "lean:16:8"]
 
 # world size -> the suites of this module its launch runs (name -> ep_worker check flags)
 SUITES = {
     1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1), "own-rows-ce": own_rows_ce_flags(1),
+        "own-rows-all": own_rows_ce_flags(1, "all"),
         "fused-stores-8": fused_stores8_flags(1),
         "fused-stores-8-em": ["--expert-major", *fused_stores8_flags(1)]},
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
+        "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
         "fused-stores-8": fused_stores8_flags(2)},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3)},
-    4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4)},
+    4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
+        "own-rows-all": own_rows_ce_flags(4, "all")},
 }
 for _world, _suites in SUITES.items():
     for _name, _flags in _suites.items():
@@ -119,3 +124,15 @@ def test_own_rows_ce_matches_verification(kernels_built: None, nproc: int) -> No
     assert "fp8" in out
     if nproc == 2:
         assert_suite(2, "own-rows-ce-staged")
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_own_rows_all_matches_verification(kernels_built: None, nproc: int) -> None:
+    """own_rows=all (issue 34 target 3, Plan C): every source's rows by token index at source x max_tokens, the
+    peers' copied by copy engines after the notify kernel, keyed by a small kernel; bit-exact through
+    verify.in_source_order, row keys and num_recv exactly as epbench/layout.py by_source_keys, the combine
+    reading each row at its token; the same cases as own_rows=ce; on 2 ranks also with the staged notify."""
+    out = assert_suite(nproc, "own-rows-all")
+    assert "fp8" in out
+    if nproc == 2:
+        assert_suite(2, "own-rows-all-staged")
