@@ -70,8 +70,8 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
     return -1;
   }
   if (cfg->own_rows && (cfg->align > 0 || cfg->quantize_fused)) {  // a copy can neither spread rows nor quantize
-    ep_set_error("own_rows ce needs the rank-major layout and quantize before (align %d, quantize_fused %d)",
-                 cfg->align, cfg->quantize_fused);
+    ep_set_error("own_rows %s needs the rank-major layout and quantize before (align %d, quantize_fused %d)",
+                 cfg->own_rows == 2 ? "all" : "ce", cfg->align, cfg->quantize_fused);
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(cfg->device));
@@ -98,13 +98,6 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.capacity = cfg->world * cfg->max_tokens;
   p.align = cfg->align;
   p.own_ce = cfg->own_rows;
-  if (p.own_ce == 2) {  // own_rows all: a copy stream per peer, forked and joined by events (dispatch.cu)
-    CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_fork, cudaEventDisableTiming));
-    for (int i = 0; i + 1 < cfg->world; ++i) {
-      CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->ce_streams[i], cudaStreamNonBlocking));
-      CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_done[i], cudaEventDisableTiming));
-    }
-  }
   // expert-major: every source's tokens once per local expert they can pick, plus the largest padding
   // (epbench/layout.py slot_capacity)
   const int em = cfg->align > 0, E = cfg->experts_per_rank;
@@ -187,6 +180,13 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.peer_base[p.rank] = ctx->region;
 
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx->max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cfg->device));
+  if (p.own_ce == 2) {  // own_rows all: a copy stream per peer, forked and joined by events (dispatch.cu)
+    CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_fork, cudaEventDisableTiming));
+    for (int i = 0; i + 1 < cfg->world; ++i) {
+      CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->ce_streams[i], cudaStreamNonBlocking));
+      CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_done[i], cudaEventDisableTiming));
+    }
+  }
   CUDA_CHECK(cudaDeviceSynchronize());
   *out = ctx;
   return 0;

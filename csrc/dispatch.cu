@@ -397,7 +397,9 @@ constexpr DispatchKernel kDispatchKernels[2][2][3] = {
 int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int epoch, cudaStream_t stream) {
   const EpParams& p = ctx->p;
   const size_t seg = (size_t)p.rank * p.max_tokens, n = (size_t)a.num_tokens;  // my segment's first row
-  if (n > 0 && p.world > 1) {
+  // after a wait has timed out (the error word the host sees) the notify no longer proves that the peers are done
+  // with my segment of their buffers: no copy then (the kernels bail out as in the other modes)
+  if (n > 0 && p.world > 1 && !ctx->host_error->flag) {
     CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
     for (int i = 0; i + 1 < p.world; ++i) {
       const int d = (p.rank + 1 + i) % p.world;
@@ -405,14 +407,14 @@ int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int e
       uint8_t* b = p.peer_base[d];
       CUDA_CHECK(cudaStreamWaitEvent(s, ctx->ce_fork, 0));
       CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, n * p.row_bytes,
-                                 cudaMemcpyDeviceToDevice, s));
+                                 cudaMemcpyDefault, s));
       if (a.x_scales != nullptr)  // recv_scales rows may be wider than the caller's (mxfp8: 16-byte stride)
         CUDA_CHECK(cudaMemcpy2DAsync(b + p.off_recv_scales + seg * p.scale_stride, p.scale_stride, a.x_scales,
-                                     p.scale_bytes, p.scale_bytes, n, cudaMemcpyDeviceToDevice, s));
+                                     p.scale_bytes, p.scale_bytes, n, cudaMemcpyDefault, s));
       CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_idx + seg * p.topk * sizeof(long long), a.topk_idx,
-                                 n * p.topk * sizeof(long long), cudaMemcpyDeviceToDevice, s));
+                                 n * p.topk * sizeof(long long), cudaMemcpyDefault, s));
       CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_w + seg * p.topk * sizeof(float), a.topk_w,
-                                 n * p.topk * sizeof(float), cudaMemcpyDeviceToDevice, s));
+                                 n * p.topk * sizeof(float), cudaMemcpyDefault, s));
       CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], s));
       CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
     }
@@ -462,7 +464,7 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   }
   ep_effective& eff = ctx->effective;
   eff.dispatch_impl = impl;
-  eff.dispatch_warps = warps;
+  eff.dispatch_warps = p.own_ce == 2 ? 16 : warps;  // own_rows all: the key kernel's 512 threads ran, no row kernel
   eff.dispatch_sms = num_sms;
   eff.dispatch_scale_block = p.num_scales > 0 ? p.hidden / p.num_scales : 0;
   eff.dispatch_fused = p.fused;
