@@ -209,9 +209,8 @@ def _signal_name(code: int) -> str:
 def write_rank_error(folder: Path, rank: int, status: str, line: str) -> None:
     """A rank's fatal error, kept for the launcher (which prints one line for the whole job)."""
     import json
-    import time
-
     import threading
+    import time
 
     path = folder / ERROR_FILE.format(rank)
     # a name per writer: the stall guard's thread and the main thread may both end the rank at once

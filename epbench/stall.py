@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 GRACE_S = 2.0  # beyond the larger of the two timeouts the ranks already keep
 POLL_S = 0.1
@@ -59,17 +59,23 @@ class Guard:
                 if self._depth == 0:
                     self._since = None
 
+    def _open(self) -> Tuple[Optional[float], str]:
+        """(seconds the open region has lasted or None, its name), read together."""
+        with self._lock:
+            return (None if self._since is None else time.monotonic() - self._since), self._what
+
     def stalled_for(self) -> Optional[float]:
         """Seconds the open region has lasted (None: none open)."""
-        with self._lock:
-            return None if self._since is None else time.monotonic() - self._since
+        return self._open()[0]
+
+    def close(self) -> None:
+        """The guard's thread stops at its next look, having said nothing more."""
+        self._fired = True
 
     def _watch(self) -> None:
         while not self._fired:
             time.sleep(self.poll_s)
-            with self._lock:
-                took = None if self._since is None else time.monotonic() - self._since
-                what = self._what
+            took, what = self._open()
             if took is not None and took > self.limit_s:
                 self._fired = True
                 self.on_stall(f"{what} made no progress for {took:.0f} s (limit {self.limit_s:g} s: the "
@@ -85,9 +91,8 @@ def limit_for(control_timeout_s: float, kernel_timeout_s: float) -> float:
 
 def start(limit_s: float, on_stall: Callable[[str], None]) -> Guard:
     """Starts this process's guard (again: a new limit and action)."""
+    stop()
     global _guard
-    if _guard is not None:
-        _guard._fired = True  # the old thread stops at its next look
     _guard = Guard(limit_s, on_stall)
     return _guard
 
@@ -95,7 +100,7 @@ def start(limit_s: float, on_stall: Callable[[str], None]) -> Guard:
 def stop() -> None:
     global _guard
     if _guard is not None:
-        _guard._fired = True
+        _guard.close()
     _guard = None
 
 
