@@ -75,7 +75,8 @@ def _save_figure(fig, path: Path, force: bool) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        fig.savefig(tmp, dpi=120, format=path.suffix[1:].lower())
+        # bbox "tight": a legend placed beside the axes is saved whole, however many lines it lists
+        fig.savefig(tmp, dpi=120, format=path.suffix[1:].lower(), bbox_inches="tight")
     except OSError as e:
         raise UserError(f"{short_path(path)}: cannot write ({e.strerror or type(e).__name__})") from None
     finally:
@@ -153,10 +154,12 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: boo
     tiers = bus_tiers(summary, virtual, transport)
     series = tiers + ([("algbw_gbps_min", "algbw", "--")] if algbw or not tiers else [])
     markers = {"-": "o", ":": "^", "--": "s"}
+    lines = max(sum(1 for _ in _series(summary[summary["op"] == op])) for op in OPS)
+    palette = plt.get_cmap("tab20") if lines > 10 else None  # no two lines of one colour up to 20
     for ax, op in zip(axes, OPS):
         part = summary[summary["op"] == op]
         for i, _backend, name, g in _series(part):
-            color = f"C{i % 10}"
+            color = palette(i % 20) if palette else f"C{i % 10}"
             g = g.sort_values("sms")
             for col, what, style in series:
                 if (g["sms"] == 0).all():
@@ -179,7 +182,9 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: boo
     axes[0].set_ylim(bottom=0)  # bandwidth axes start at zero: no exaggerated gaps
     axes[0].set_ylabel(f"GB/s over {transport} (slowest rank)" if tiers else
                        f"algbw GB/s, {transport} (slowest rank)")
-    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the data, never on it
+    entries = len(axes[-1].get_legend_handles_labels()[0])
+    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),  # beside the data, never on it
+                    ncol=1 if entries <= 14 else 2)
     return _save(fig, title, path, force)
 
 

@@ -282,3 +282,24 @@ def test_runs_of_one_scenario_plot_together_bus_only_with_the_limit_lines(monkey
 def test_plot_together_of_one_run_is_one_line_and_exit_2(smoke_run, tmp_path):
     r = epbench_here("plot", str(smoke_run.dir), "--together", "--out", str(tmp_path / "o"))
     assert r.code == 2 and "--together needs two or more runs (1 found)" in r.err, r.both
+
+
+def test_a_plot_of_many_lines_gives_each_its_own_colour_and_the_whole_legend(monkeypatch):
+    """Six backends in two call modes (the README's table): twelve lines, no two of one colour, the
+    legend in two columns beside the axes, saved whole (bbox tight)."""
+    import pandas as pd
+
+    import epbench.plot as plot
+
+    figs = []
+    monkeypatch.setattr(plot, "_save_figure", lambda fig, path, force=False: figs.append(fig) or Path(path))
+    rows = [dict(op=op, backend=f"b{b}", call_mode=mode, sms=sms, busbw_nvlink_gbps_min=10.0 * b + sms,
+                 algbw_gbps_min=20.0 * b + sms)
+            for op in plot.OPS for b in range(6) for mode in ("call", "kernel") for sms in (8, 16)]
+    plot.bandwidth_vs_sms(pd.DataFrame(rows), "t", Path("/nonexistent/x.png"))
+    ax = figs[0].axes[-1]
+    busbw = [ln for ln in ax.get_lines() if ln.get_label().endswith("NVLink busbw")]
+    assert len(busbw) == 12
+    assert len({tuple(ln.get_color()) if not isinstance(ln.get_color(), str) else ln.get_color()
+                for ln in busbw}) == 12
+    assert ax.get_legend()._ncols == 2 and len(ax.get_legend().get_texts()) == 24
