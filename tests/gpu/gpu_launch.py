@@ -242,18 +242,26 @@ def ll_kernels_built() -> bool:
 KERNEL_SUITES = SuiteLaunches(ROOT / "tests" / "gpu" / "suite_worker.py")
 
 
-class OneGpuRuns:
-    """Independent runs of one module that each need one GPU, not a particular one (each sees only
-    the GPU it is given through CUDA_VISIBLE_DEVICES): the first test that reads one starts them all,
-    one per GPU of this host at a time, so that on 4 GPUs four of them take about the time of the
-    longest instead of their sum. For checks of what a run verifies and prints, never of how fast
-    it was (the runs beside it share the host's CPUs). ``runs`` maps a name to a function of the
-    run's own folder (for --results, scenario files) giving its command line; ``env`` is added to
-    safe_env()."""
+class GpuRuns:
+    """Independent runs of one module, each needing some GPUs of this host but no particular ones
+    (each sees only the GPUs it is given, through CUDA_VISIBLE_DEVICES): the first test that reads one
+    starts them all, as many side by side as there are free GPUs for, so that on 4 GPUs four one-GPU
+    runs take about the time of the longest instead of their sum. A run starts as soon as its count
+    is free (first fit, in the order given). For checks of what a run verifies and prints, never of
+    how fast it was (the runs beside it share the host's CPUs). ``runs`` maps a name to a function of
+    the run's own folder (for --results, scenario files) giving its command line; ``gpus`` a name to
+    its GPU count (default 1; a count above this host's is refused: leave such a run out, its test
+    skips); ``env`` is added to safe_env()."""
 
     def __init__(self, base: Path, runs: Dict[str, Callable[[Path], List[str]]],
-                 env: Optional[Dict[str, str]] = None, timeout: int = 600) -> None:
+                 env: Optional[Dict[str, str]] = None, timeout: int = 600,
+                 gpus: Optional[Dict[str, int]] = None, host_gpus: Optional[int] = None) -> None:
         self.base, self.runs, self.env, self.timeout = base, runs, env or {}, timeout
+        self.host_gpus = max(GPUS if host_gpus is None else host_gpus, 1)
+        self.need = {name: (gpus or {}).get(name, 1) for name in runs}
+        too_many = {n: k for n, k in self.need.items() if not 1 <= k <= self.host_gpus}
+        if too_many:
+            raise ValueError(f"runs needing more GPUs than this host's {self.host_gpus}: {too_many}")
         self.done: Dict[str, Tuple[subprocess.CompletedProcess, Path]] = {}
 
     def get(self, name: str) -> Tuple[subprocess.CompletedProcess, Path]:
@@ -262,41 +270,47 @@ class OneGpuRuns:
             self._run_all()
         return self.done[name]
 
+    def _folder(self, name: str) -> Path:
+        return self.base / name.replace("/", "-")
+
     def _run_all(self) -> None:
         import time
 
         todo = list(self.runs)
-        free = list(range(max(GPUS, 1)))
-        running: Dict[str, Tuple[subprocess.Popen, int, float, List[str]]] = {}
+        free = list(range(self.host_gpus))
+        running: Dict[str, Tuple[subprocess.Popen, List[int], float, List[str]]] = {}
         try:
             while todo or running:
-                while todo and free:
-                    name, gpu = todo.pop(0), free.pop(0)
-                    folder = self.base / name.replace("/", "-")
+                for name in [n for n in todo]:
+                    if self.need[name] > len(free):
+                        continue
+                    todo.remove(name)
+                    mine, free[:] = free[: self.need[name]], free[self.need[name]:]
+                    folder = self._folder(name)
                     folder.mkdir(parents=True, exist_ok=True)
                     cmd = self.runs[name](folder)
-                    env = dict(safe_env(), **self.env, CUDA_VISIBLE_DEVICES=visible([gpu]))
+                    env = dict(safe_env(), **self.env, CUDA_VISIBLE_DEVICES=visible(mine))
                     with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
                         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
-                    running[name] = (p, gpu, time.monotonic(), cmd)
-                for name, (p, gpu, start, cmd) in list(running.items()):
+                    running[name] = (p, mine, time.monotonic(), cmd)
+                for name, (p, mine, start, cmd) in list(running.items()):
                     late = time.monotonic() - start > self.timeout
                     if p.poll() is None and not late:
                         continue
                     if late and p.poll() is None:
                         kill_tree(p.pid)
                         p.wait()
-                    folder = self.base / name.replace("/", "-")
+                    folder = self._folder(name)
                     err = (folder / "stderr.txt").read_text() + (f"\n(killed after {self.timeout} s)" if late else "")
                     self.done[name] = (subprocess.CompletedProcess(cmd, p.returncode, (folder / "stdout.txt").read_text(),
                                                                    err), folder)
                     del running[name]
-                    free.append(gpu)
+                    free = sorted(free + mine)
                 time.sleep(0.2)
         except BaseException as e:  # stopped from outside: nothing left running, no test relaunches
             for p, *_ in running.values():
                 kill_tree(p.pid)
             for name in self.runs:
                 self.done.setdefault(name, (subprocess.CompletedProcess([], -1, "", f"runs stopped: {e!r}"),
-                                            self.base / name.replace("/", "-")))
+                                            self._folder(name)))
             raise

@@ -2,23 +2,35 @@
 NCCL_CARRY=...`: at world 1 it runs verified with the NCCL it was built against preloaded into its
 job only, in both layouts (expert_major through V2's expanding dispatch); ranks sharing the GPU get a
 skipped row saying it needs one GPU per rank. On 2 and 4 GPUs (one rank each, gin off within the
-node) both call modes run verified in both layouts: ``kernel`` times V2's cached handle."""
+node) both call modes run verified in both layouts: ``kernel`` times V2's cached handle. The runs go
+side by side on this host's GPUs where they fit (gpu_launch.GpuRuns)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from epbench.backends import deepep_v2_env
 from epbench.results import load_run
-from gpu_launch import ROOT, flavor_reachable, needs_gpus, safe_env, shares_gpus
+from gpu_launch import GPUS, GpuRuns, flavor_reachable, needs_gpus, shares_gpus
 
 pytestmark = shares_gpus()
 
 QUICK = ["--sms", "16", "--iters", "5", "--warmup", "1"]
+KERNEL_MODE = [(2, "scenarios/dsv3x2.yaml"), (2, "scenarios/em-2gpu.yaml"), (4, "scenarios/dsv3x4-fp8.yaml"),
+               (4, "scenarios/dsv3x4-expert.yaml")]
+# Each run's name -> (ranks, scenario, GPUs, backends, extra arguments); they start together at the
+# first test, side by side on this host's GPUs where they fit (gpu_launch.GpuRuns). A run needing more
+# GPUs than the host has is left out (its test skips).
+RUNS = {
+    "world 1": (1, "scenarios/dsv3x2.yaml", 1, "deepep-v2,reference", ()),
+    **{f"expert-major {sc}": (1, sc, 1, "deepep-v2,reference", ())
+       for sc in ("scenarios/em-2gpu.yaml", "scenarios/dsv3x4-expert.yaml")},
+    "sharing": (2, "scenarios/dsv3x2.yaml", 1, "deepep-v2,reference", ()),
+    **{f"kernel {w} {sc}": (w, sc, w, "deepep-v2", ("--call-modes", "call,kernel"))
+       for w, sc in KERNEL_MODE if w <= GPUS},
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +40,26 @@ def v2_built() -> None:
                     "NCCL_CARRY=...)")
 
 
-def run_v2(tmp_path: Path, nproc: int, scenario: str = "scenarios/dsv3x2.yaml", gpus: int = 1,
-           backends: str = "deepep-v2,reference", extra: tuple = ()):
-    env = dict(safe_env(), CUDA_VISIBLE_DEVICES=",".join(map(str, range(gpus))))
-    r = subprocess.run([sys.executable, "-m", "epbench", "run", scenario, "--nproc", str(nproc),
-                        "--backends", backends, *QUICK, *extra, "--results", str(tmp_path / "r")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    (run,) = list((tmp_path / "r").iterdir())
+def _command(nproc: int, scenario: str, backends: str, extra: tuple):
+    return lambda folder: [sys.executable, "-m", "epbench", "run", scenario, "--nproc", str(nproc),
+                           "--backends", backends, *QUICK, *extra, "--results", str(folder / "r")]
+
+
+@pytest.fixture(scope="module")
+def runs(v2_built: None, tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
+    return GpuRuns(tmp_path_factory.mktemp("deepep-v2"),
+                   {n: _command(w, sc, b, extra) for n, (w, sc, _, b, extra) in RUNS.items()},
+                   gpus={n: r[2] for n, r in RUNS.items()})
+
+
+def run_v2(runs: GpuRuns, name: str):
+    r, folder = runs.get(name)
+    (run,) = list((folder / "r").iterdir())
     return r, load_run(run)[1], json.loads((run / "meta.json").read_text())
 
 
-def test_world_1_runs_verified_with_its_own_nccl(v2_built: None, tmp_path: Path) -> None:
-    r, df, meta = run_v2(tmp_path, 1)
+def test_world_1_runs_verified_with_its_own_nccl(runs: GpuRuns) -> None:
+    r, df, meta = run_v2(runs, "world 1")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     v2 = df[df["backend"] == "deepep-v2"]
     assert set(v2["op"]) == {"dispatch", "combine"} and int(v2["wrong"].sum()) == 0
@@ -50,30 +70,25 @@ def test_world_1_runs_verified_with_its_own_nccl(v2_built: None, tmp_path: Path)
 
 
 @pytest.mark.parametrize("scenario", ["scenarios/em-2gpu.yaml", "scenarios/dsv3x4-expert.yaml"])
-def test_expert_major_world_1_runs_verified(v2_built: None, tmp_path: Path, scenario: str) -> None:
+def test_expert_major_world_1_runs_verified(runs: GpuRuns, scenario: str) -> None:
     """fp8 and mxfp8 segments aligned to 128 rows, checked as epbench's own expert-major layout."""
-    r, df, _ = run_v2(tmp_path, 1, scenario)
+    r, df, _ = run_v2(runs, f"expert-major {scenario}")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     v2 = df[df["backend"] == "deepep-v2"]
     assert set(v2["op"]) == {"dispatch", "combine"} and int(v2["wrong"].sum()) == 0, r.stdout[-4000:]
 
 
-def test_ranks_sharing_the_gpu_get_a_skipped_row(v2_built: None, tmp_path: Path) -> None:
-    r, _, _ = run_v2(tmp_path, 2)
+def test_ranks_sharing_the_gpu_get_a_skipped_row(runs: GpuRuns) -> None:
+    r, _, _ = run_v2(runs, "sharing")
     assert "backend deepep-v2 skipped: needs 2 GPUs, one per rank" in r.stdout, r.stdout[-4000:]
 
 
 @pytest.mark.parametrize("world, scenario", [
-    pytest.param(2, "scenarios/dsv3x2.yaml", marks=needs_gpus(2, "one rank per GPU")),
-    pytest.param(2, "scenarios/em-2gpu.yaml", marks=needs_gpus(2, "one rank per GPU")),
-    pytest.param(4, "scenarios/dsv3x4-fp8.yaml", marks=needs_gpus(4, "one rank per GPU")),
-    pytest.param(4, "scenarios/dsv3x4-expert.yaml", marks=needs_gpus(4, "one rank per GPU"))])
-def test_kernel_mode_runs_verified_one_rank_per_gpu(v2_built: None, tmp_path: Path, world: int,
-                                                    scenario: str) -> None:
+    pytest.param(w, sc, marks=needs_gpus(w, "one rank per GPU")) for w, sc in KERNEL_MODE])
+def test_kernel_mode_runs_verified_one_rank_per_gpu(runs: GpuRuns, world: int, scenario: str) -> None:
     """Both call modes at 16 SMs: the cached-handle rows (kernel) and the whole call, every row
     verified (last timed call and the verification run), the options recorded."""
-    r, df, _ = run_v2(tmp_path, world, scenario, gpus=world, backends="deepep-v2",
-                      extra=("--call-modes", "call,kernel"))
+    r, df, _ = run_v2(runs, f"kernel {world} {scenario}")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     v2 = df[df["backend"] == "deepep-v2"]
     rows = {(m, op) for m in ("call", "kernel") for op in ("dispatch", "combine")}

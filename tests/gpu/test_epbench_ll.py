@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import KERNEL_SUITES, ROOT, OneGpuRuns, ll_kernels_built, safe_env, shared, shares_gpus, world
+from gpu_launch import KERNEL_SUITES, ROOT, GpuRuns, ll_kernels_built, safe_env, shared, shares_gpus, world
 
 torch = pytest.importorskip("torch")
 
@@ -144,14 +144,14 @@ def chain_sweep(sync: str):
 
 
 @pytest.fixture(scope="module")
-def chain_runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
+def chain_runs(tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
     """The world-1 chain sweeps of both ll_sync values, together, each on a GPU of its own where the
     host has two (nothing below checks a time against a figure)."""
-    return OneGpuRuns(tmp_path_factory.mktemp("ll-chain"), {sync: chain_sweep(sync) for sync in SYNCS})
+    return GpuRuns(tmp_path_factory.mktemp("ll-chain"), {sync: chain_sweep(sync) for sync in SYNCS})
 
 
 @pytest.mark.parametrize("sync", SYNCS)
-def test_world_1_chain_rows_are_verified_and_labelled(built: None, chain_runs: OneGpuRuns, sync: str) -> None:
+def test_world_1_chain_rows_are_verified_and_labelled(built: None, chain_runs: GpuRuns, sync: str) -> None:
     """At world 1 a third timing: 4 back-to-back calls per op in one graph, the last call's output
     verified; rows say chain 4 and the table 'graph x4'; the floor line names both figures."""
     r, folder = chain_runs.get(sync)

@@ -1,7 +1,7 @@
 """The low-latency probe on one GPU (`epbench probe`, epbench/llprobe.py): a chain at world 1 and
 ranks sharing the GPU must verify (exit 0, every row's `wrong` 0), print the columns they add and
 write a results folder (results.csv, samples.csv) that `epbench report` prints again. Both runs start
-together at the first test, each on a GPU of its own where the host has two (gpu_launch.OneGpuRuns);
+together at the first test, each on a GPU of its own where the host has two (gpu_launch.GpuRuns);
 nothing here checks a time against a figure, only the relation of two times of the same run."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from gpu_launch import ROOT, OneGpuRuns, safe_env, shares_gpus
+from gpu_launch import ROOT, GpuRuns, safe_env, shares_gpus
 
 pytestmark = shares_gpus()
 
@@ -25,11 +25,11 @@ def probe_command(args: list):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
-    return OneGpuRuns(tmp_path_factory.mktemp("llprobe"), {name: probe_command(a) for name, a in RUNS.items()})
+def runs(tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
+    return GpuRuns(tmp_path_factory.mktemp("llprobe"), {name: probe_command(a) for name, a in RUNS.items()})
 
 
-def probe(runs: OneGpuRuns, name: str) -> tuple:
+def probe(runs: GpuRuns, name: str) -> tuple:
     r, folder = runs.get(name)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     (run,) = list((folder / "r").iterdir())
@@ -46,14 +46,14 @@ def header(out: str) -> list:
     return lines[next(i for i, ln in enumerate(lines) if ln.startswith("# ")) + 1].split()
 
 
-def test_a_chain_verifies_at_world_1(kernels_built: None, runs: OneGpuRuns) -> None:
+def test_a_chain_verifies_at_world_1(kernels_built: None, runs: GpuRuns) -> None:
     out, rows = probe(runs, "chain")
     ops = [r for r in rows if r["op"] != "probe"]
     assert {r["chain"] for r in ops} == {"1", "4"} and all(r["wrong"] == "0" for r in ops)
     assert header(out)[-1] == "chain"
 
 
-def test_two_ranks_share_the_gpu_and_verify(kernels_built: None, runs: OneGpuRuns) -> None:
+def test_two_ranks_share_the_gpu_and_verify(kernels_built: None, runs: GpuRuns) -> None:
     out, rows = probe(runs, "2 ranks")
     ops = [r for r in rows if r["op"] != "probe"]
     assert ops and all(r["wrong"] == "0" and r["ranks"] == "2" for r in ops)

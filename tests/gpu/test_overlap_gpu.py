@@ -1,7 +1,7 @@
 """`epbench overlap` at world 1 on one GPU, small sizes: every point verified (communication rows
 and the GEMM's output from the concurrent window), the green context's SM count as the driver
 reports it, and the table and plot written (marker gpu; skipped without a CUDA GPU). Both runs start
-together at the first test, each on a GPU of its own where the host has two (gpu_launch.OneGpuRuns):
+together at the first test, each on a GPU of its own where the host has two (gpu_launch.GpuRuns):
 nothing here checks a speed against a figure."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from gpu_launch import OneGpuRuns
+from gpu_launch import GpuRuns
 
 torch = pytest.importorskip("torch")
 
@@ -41,12 +41,12 @@ def overlap_run(gemm: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
-    return OneGpuRuns(tmp_path_factory.mktemp("overlap"), {gemm: overlap_run(gemm) for gemm in GEMMS})
+def runs(tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
+    return GpuRuns(tmp_path_factory.mktemp("overlap"), {gemm: overlap_run(gemm) for gemm in GEMMS})
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
-def test_overlap_world_1(runs: OneGpuRuns, gemm: str) -> None:
+def test_overlap_world_1(runs: GpuRuns, gemm: str) -> None:
     r, folder = runs.get(gemm)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     (run,) = list((folder / "r").iterdir())

@@ -2,7 +2,7 @@
 a 1-GPU host, so these run anywhere with a GPU. The epbench kernels must verify as on separate
 GPUs, and the rows and the table must give no link figure for traffic that never left the GPU. The
 three runs start together at the first test, each on a GPU of its own where the host has several
-(gpu_launch.OneGpuRuns); each test reads its run."""
+(gpu_launch.GpuRuns); each test reads its run."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable, List
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import OneGpuRuns, shares_gpus
+from gpu_launch import GpuRuns, shares_gpus
 
 pd = pytest.importorskip("pandas")
 
@@ -33,11 +33,11 @@ RUNS = {"fp8 4 ranks": epbench_run("scenarios/dsv3x4-fp8.yaml", "--nproc", "4", 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> OneGpuRuns:
-    return OneGpuRuns(tmp_path_factory.mktemp("shared"), RUNS)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
+    return GpuRuns(tmp_path_factory.mktemp("shared"), RUNS)
 
 
-def only_run(runs: OneGpuRuns, name: str):
+def only_run(runs: GpuRuns, name: str):
     """The run, its measured rows and its meta.json."""
     r, folder = runs.get(name)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -63,7 +63,7 @@ def assert_shared(r: subprocess.CompletedProcess, meta) -> None:
     assert meta["ranks_per_gpu"] == 4 and "MPS " + meta["mps"] in r.stdout
 
 
-def test_four_ranks_on_one_gpu_verify_and_print_no_link_figures(kernels_built: None, runs: OneGpuRuns) -> None:
+def test_four_ranks_on_one_gpu_verify_and_print_no_link_figures(kernels_built: None, runs: GpuRuns) -> None:
     """fp8 on 4 ranks sharing the GPU, the NCCL reference skipped with a note; 1024 tokens per rank
     (the shape is not the point). bf16 on the DeepSeek-V3 shape runs in the default test below."""
     r, df, meta = only_run(runs, "fp8 4 ranks")
@@ -72,13 +72,13 @@ def test_four_ranks_on_one_gpu_verify_and_print_no_link_figures(kernels_built: N
     assert_shared(r, meta)
 
 
-def test_one_rank_is_functional_too(kernels_built: None, runs: OneGpuRuns) -> None:
+def test_one_rank_is_functional_too(kernels_built: None, runs: GpuRuns) -> None:
     """World 1: NCCL runs (one rank, one GPU), but nothing crosses a link for either backend."""
     r, df, meta = only_run(runs, "one rank")
     assert_functional(r, df, meta, "one rank", ["epbench", "reference"])
 
 
-def test_default_on_a_one_gpu_host_uses_the_gpu(kernels_built: None, runs: OneGpuRuns) -> None:
+def test_default_on_a_one_gpu_host_uses_the_gpu(kernels_built: None, runs: GpuRuns) -> None:
     """`make run` on one GPU: the shipped 1-GPU default (bf16, the DeepSeek-V3 shape, 4 ranks sharing
     the GPU), verified, labelled functional; at one SM count and fewer iterations than it ships with."""
     r, df, meta = only_run(runs, "default")

@@ -1,0 +1,56 @@
+"""The GPU tests' scheduler (tests/gpu/gpu_launch.py GpuRuns), on CPU with stand-in commands: runs go
+side by side only on disjoint GPUs, each gets the count it asked for, one needing every GPU runs alone,
+a run past its timeout is killed and says so, and a count above the host's is refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from gpu_launch import GpuRuns  # noqa: E402
+
+STAND_IN = ("import json, os, sys, time; t0 = time.time(); time.sleep(float(sys.argv[2])); "
+            "json.dump({'gpus': os.environ['CUDA_VISIBLE_DEVICES'].split(','), 'start': t0, "
+            "'end': time.time()}, open(sys.argv[1], 'w'))")
+
+
+def stand_in(seconds: float):
+    return lambda folder: [sys.executable, "-c", STAND_IN, str(folder / "seen.json"), str(seconds)]
+
+
+def test_runs_share_no_gpu_and_each_gets_its_count(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    need = {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1, "pair": 2, "all": 4}
+    runs = GpuRuns(tmp_path, {n: stand_in(0.6) for n in need}, gpus=need, host_gpus=4)
+    seen = {}
+    for name in need:
+        r, folder = runs.get(name)
+        assert r.returncode == 0, r.stderr
+        seen[name] = json.loads((folder / "seen.json").read_text())
+        assert len(set(seen[name]["gpus"])) == need[name] and set(seen[name]["gpus"]) <= {"0", "1", "2", "3"}
+    names = list(seen)
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            a, b = seen[x], seen[y]
+            if a["start"] < b["end"] and b["start"] < a["end"]:  # side by side: on different GPUs
+                assert not set(a["gpus"]) & set(b["gpus"]), (x, y, a, b)
+    firsts = [seen[n]["start"] for n in "abcd"]
+    assert max(firsts) - min(firsts) < 0.5  # the four one-GPU runs started together
+    assert all(not (seen["all"]["start"] < seen[n]["end"] and seen[n]["start"] < seen["all"]["end"])
+               for n in names if n != "all")
+
+
+def test_a_run_past_its_timeout_is_killed_and_says_so(tmp_path):
+    runs = GpuRuns(tmp_path, {"slow": stand_in(30), "quick": stand_in(0)}, timeout=1, host_gpus=1)
+    r, _ = runs.get("slow")
+    assert r.returncode != 0 and "(killed after 1 s)" in r.stderr
+    assert runs.get("quick")[0].returncode == 0
+
+
+def test_a_run_needing_more_gpus_than_the_host_has_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="more GPUs than this host's 2"):
+        GpuRuns(tmp_path, {"big": stand_in(0)}, gpus={"big": 4}, host_gpus=2)
