@@ -28,7 +28,7 @@ kernel does (csrc/notify.cu), for tests to compare with.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -75,16 +75,32 @@ class SlotMap:
     slot: torch.Tensor  # [pairs] int64: slot in the expert-major buffer
 
 
+# Bins that the values a histogram does not count are spread over, by their own value: sent to one bin,
+# every such value's atomic add went to one address and they ran one after another (the counts step
+# of the reference and symm-mem dispatch took 51-111 us at 2-4 ranks, most of the values being other
+# ranks' experts; notes/LATENCY-NEXT.md, "Counts without one hot bin").
+SPREAD_BINS = 1024
+
+
+def device_histogram(values: torch.Tensor, bins: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 [bins]: how many of ``values`` (any shape, integers) fall in each of 0 .. bins - 1, counting
+    only those where ``keep`` (same shape, True only where the value is in range; default: every
+    value in range). On the device with no host
+    read (torch.bincount on a GPU reads the largest value back to size its bins): a scatter-add into
+    fixed bins, the values not counted spread over SPREAD_BINS extra bins by their value (any int64:
+    stale bytes too)."""
+    v = values.flatten()
+    keep = ((v >= 0) & (v < bins)) if keep is None else keep.flatten()
+    key = torch.where(keep, v, bins + torch.remainder(v, SPREAD_BINS))
+    counts = torch.zeros(bins + SPREAD_BINS, dtype=torch.int64, device=v.device)
+    return counts.scatter_add_(0, key, torch.ones_like(key))[:bins]
+
+
 def local_expert_counts(topk_idx: torch.Tensor, rank: int, experts_per_rank: int) -> torch.Tensor:
     """int64 [experts_per_rank]: how many of the ids ``topk_idx`` (any shape, global expert ids)
     name each of rank ``rank``'s experts; other ranks' experts are not counted. Stays on the
-    device: torch.bincount on a GPU reads the largest id back to the host to size its bins, a
-    synchronisation in the middle of a timed call; a scatter-add into fixed bins needs none."""
-    e = experts_per_rank
-    local = (topk_idx - rank * e).flatten()
-    key = torch.where((local >= 0) & (local < e), local, torch.full_like(local, e))  # bin e: elsewhere
-    counts = torch.zeros(e + 1, dtype=torch.int64, device=topk_idx.device)
-    return counts.scatter_add_(0, key, torch.ones_like(key))[:e]
+    device (device_histogram)."""
+    return device_histogram(topk_idx - rank * experts_per_rank, experts_per_rank)
 
 
 def expert_major(topk_idx: torch.Tensor, rank: int, experts_per_rank: int,

@@ -144,8 +144,28 @@ def test_local_expert_counts_match_bincount_and_never_read_back():
     # no host read: the function's code never calls bincount / item / tolist (CUDA's bincount reads the max back)
     import inspect
 
-    src = inspect.getsource(layout.local_expert_counts).split('"""')[-1]
-    assert not any(word in src for word in ("bincount", ".item(", ".tolist(", "nonzero"))
+    for fn in (layout.local_expert_counts, layout.device_histogram):
+        src = inspect.getsource(fn).split('"""')[-1]
+        assert not any(word in src for word in ("bincount", ".item(", ".tolist(", "nonzero"))
+
+
+def test_device_histogram_counts_only_what_it_keeps_and_spreads_the_rest():
+    """Stale bytes (any int64), negative ids and ids past the bins are not counted, and go to many
+    bins, not one (one bin made every such value's atomic add wait for the one before)."""
+    g = torch.Generator().manual_seed(7)
+    values = torch.cat([torch.randint(0, 16, (500,), generator=g),
+                        torch.randint(-(2 ** 62), 2 ** 62, (300,), generator=g),
+                        torch.tensor([-1, 16, 17, 2 ** 63 - 1, -(2 ** 63)])])
+    keep = torch.rand(values.shape, generator=g) < 0.7
+    for mask in (None, keep):
+        ok = (values >= 0) & (values < 16) if mask is None else mask & (values >= 0) & (values < 16)
+        want = torch.bincount(values[ok], minlength=16)
+        assert torch.equal(layout.device_histogram(values, 16, None if mask is None else ok), want)
+    # where the values not counted land: SPREAD_BINS bins, by value
+    out = values[(values < 0) | (values >= 16)]
+    assert torch.remainder(out, layout.SPREAD_BINS).unique().numel() > 100
+    assert torch.equal(layout.device_histogram(values.view(5, -1) if values.numel() % 5 == 0 else values, 16),
+                       torch.bincount(values[(values >= 0) & (values < 16)], minlength=16))
 
 
 # ---- own rows first (the epbench backend's own_rows=ce) ----

@@ -80,7 +80,7 @@ import torch
 from epbench.backends.base import KernelLayouts, NormalMode
 from epbench.backends.reference import typed_payload
 from epbench.contract import DispatchInput, DispatchOutput, RankSetup
-from epbench.layout import ExpertMajor, round_up
+from epbench.layout import ExpertMajor, device_histogram, round_up
 from epbench.metrics import row_bytes
 from epbench.routing import copy_weights, dest_mask
 
@@ -296,7 +296,6 @@ class SymmMemBackend(KernelLayouts, NormalMode):
             self.dense = torch.empty(tm * w, self.back.shape[1], dtype=torch.bfloat16, device=dev)
         self.out = torch.empty(tm, h, dtype=torch.bfloat16, device=dev)
         self.row_ids = torch.arange(cap, device=dev)
-        self.ones = torch.ones(cap * k, dtype=i64, device=dev)
         m.barrier()  # every rank's buffers exist before the first exchange
 
     def prepare_input(self, inp: DispatchInput, num_sms: int) -> DispatchInput:
@@ -336,12 +335,6 @@ class SymmMemBackend(KernelLayouts, NormalMode):
             a, b = _words(src, col)
             torch.index_select(a, 0, index, out=b)
 
-    def _histogram(self, values: torch.Tensor, bins: int) -> torch.Tensor:
-        """How many of ``values`` fall in each of 0 .. bins - 1, on the device (torch.bincount on
-        CUDA reads the values' min and max back to the host: two waits for the whole stream)."""
-        counts = torch.zeros(bins, dtype=torch.int64, device=values.device)
-        return counts.scatter_add_(0, values, self.ones[: values.numel()])
-
     # ---- dispatch ----
     def dispatch(self, inp: DispatchInput, num_sms: int) -> DispatchOutput:
         lay = self._layouts[id(inp)] if self.kernel else self._layout(inp)
@@ -376,7 +369,7 @@ class SymmMemBackend(KernelLayouts, NormalMode):
             flat = inp.topk_idx.flatten()
             order = torch.argsort(flat, stable=True)  # by global expert = (rank, local expert), then token
             lay.pair_token = order // s.topk
-            lay.pair_splits = self._histogram(flat, w * s.experts_per_rank)
+            lay.pair_splits = device_histogram(flat, w * s.experts_per_rank)
             rows = torch.arange(order.numel(), device=order.device)
             lay.pair_back = torch.empty_like(order).scatter_(0, order, rows)  # pair -> its row, order's inverse
         return lay
@@ -400,9 +393,7 @@ class SymmMemBackend(KernelLayouts, NormalMode):
         s = self.s
         local = ids - s.rank * s.experts_per_rank
         valid = (self.row_ids < num_recv).unsqueeze(1)  # rows past num_recv hold stale bytes
-        hit = valid & (local >= 0) & (local < s.experts_per_rank)
-        other = s.experts_per_rank  # one extra bin for experts of other ranks (no boolean gather)
-        return self._histogram(torch.where(hit, local, other).flatten(), other + 1)[:other]
+        return device_histogram(local, s.experts_per_rank, valid & (local >= 0) & (local < s.experts_per_rank))
 
     def _gather_pairs(self, inp: DispatchInput, lay: _Layout) -> None:
         """Expert-major: one payload row per (token, expert) pair, by global expert."""
