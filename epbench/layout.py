@@ -75,24 +75,31 @@ class SlotMap:
     slot: torch.Tensor  # [pairs] int64: slot in the expert-major buffer
 
 
-# Bins that the values a histogram does not count are spread over, by their own value: sent to one bin,
+# Bins that the values a histogram does not count are spread over, by their position: sent to one bin,
 # every such value's atomic add went to one address and they ran one after another (the counts step
 # of the reference and symm-mem dispatch took 51-111 us at 2-4 ranks, most of the values being other
-# ranks' experts; notes/LATENCY-NEXT.md, "Counts without one hot bin").
-SPREAD_BINS = 1024
+# ranks' experts; notes/LATENCY-NEXT.md, "Counts without one hot bin"). By position, not by value: rows
+# never written may all hold the same bytes.
+SPREAD_BINS = 1024  # a power of two
+
+
+def histogram_keys(values: torch.Tensor, bins: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 [values.numel()]: each value's bin for device_histogram: the value where counted, else
+    bins + (its position mod SPREAD_BINS)."""
+    v = values.flatten()
+    keep = ((v >= 0) & (v < bins)) if keep is None else keep.flatten()
+    spread = torch.arange(v.numel(), device=v.device) & (SPREAD_BINS - 1)
+    return torch.where(keep, v, bins + spread)
 
 
 def device_histogram(values: torch.Tensor, bins: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """int64 [bins]: how many of ``values`` (any shape, integers) fall in each of 0 .. bins - 1, counting
+    """int64 [bins]: how many of ``values`` (any shape, int64) fall in each of 0 .. bins - 1, counting
     only those where ``keep`` (same shape, True only where the value is in range; default: every
-    value in range). On the device with no host
-    read (torch.bincount on a GPU reads the largest value back to size its bins): a scatter-add into
-    fixed bins, the values not counted spread over SPREAD_BINS extra bins by their value (any int64:
-    stale bytes too)."""
-    v = values.flatten()
-    keep = ((v >= 0) & (v < bins)) if keep is None else keep.flatten()
-    key = torch.where(keep, v, bins + torch.remainder(v, SPREAD_BINS))
-    counts = torch.zeros(bins + SPREAD_BINS, dtype=torch.int64, device=v.device)
+    value in range). On the device with no host read (torch.bincount on a GPU reads the largest value
+    back to size its bins): a scatter-add into fixed bins, the values not counted spread over
+    SPREAD_BINS extra bins (histogram_keys)."""
+    key = histogram_keys(values, bins, keep)
+    counts = torch.zeros(bins + SPREAD_BINS, dtype=torch.int64, device=key.device)
     return counts.scatter_add_(0, key, torch.ones_like(key))[:bins]
 
 

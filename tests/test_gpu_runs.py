@@ -54,3 +54,16 @@ def test_a_run_past_its_timeout_is_killed_and_says_so(tmp_path):
 def test_a_run_needing_more_gpus_than_the_host_has_is_refused(tmp_path):
     with pytest.raises(ValueError, match="more GPUs than this host's 2"):
         GpuRuns(tmp_path, {"big": stand_in(0)}, gpus={"big": 4}, host_gpus=2)
+
+
+def test_a_test_waits_for_its_own_run_and_close_stops_the_rest(tmp_path):
+    import time
+
+    runs = GpuRuns(tmp_path, {"slow": stand_in(60), "quick": stand_in(0)}, timeout=120, host_gpus=2)
+    t0 = time.monotonic()
+    assert runs.get("quick")[0].returncode == 0
+    assert time.monotonic() - t0 < 20  # not after the slow one
+    runs.close()
+    r, _ = runs.get("slow")
+    assert r.returncode != 0 and "runs stopped before this one ended" in r.stderr
+    assert time.monotonic() - t0 < 30

@@ -144,7 +144,7 @@ def test_local_expert_counts_match_bincount_and_never_read_back():
     # no host read: the function's code never calls bincount / item / tolist (CUDA's bincount reads the max back)
     import inspect
 
-    for fn in (layout.local_expert_counts, layout.device_histogram):
+    for fn in (layout.local_expert_counts, layout.device_histogram, layout.histogram_keys):
         src = inspect.getsource(fn).split('"""')[-1]
         assert not any(word in src for word in ("bincount", ".item(", ".tolist(", "nonzero"))
 
@@ -161,9 +161,11 @@ def test_device_histogram_counts_only_what_it_keeps_and_spreads_the_rest():
         ok = (values >= 0) & (values < 16) if mask is None else mask & (values >= 0) & (values < 16)
         want = torch.bincount(values[ok], minlength=16)
         assert torch.equal(layout.device_histogram(values, 16, None if mask is None else ok), want)
-    # where the values not counted land: SPREAD_BINS bins, by value
-    out = values[(values < 0) | (values >= 16)]
-    assert torch.remainder(out, layout.SPREAD_BINS).unique().numel() > 100
+    # where the values not counted land: SPREAD_BINS bins by position, even where they are all alike
+    same = torch.full((5000,), -1, dtype=torch.int64)
+    keys = layout.histogram_keys(same, 16)
+    assert keys.min() >= 16 and keys.unique().numel() == layout.SPREAD_BINS
+    assert torch.equal(layout.histogram_keys(values, 16)[:500], values[:500])  # counted values keep their bin
     assert torch.equal(layout.device_histogram(values.view(5, -1) if values.numel() % 5 == 0 else values, 16),
                        torch.bincount(values[(values >= 0) & (values < 16)], minlength=16))
 

@@ -245,17 +245,21 @@ KERNEL_SUITES = SuiteLaunches(ROOT / "tests" / "gpu" / "suite_worker.py")
 class GpuRuns:
     """Independent runs of one module, each needing some GPUs of this host but no particular ones
     (each sees only the GPUs it is given, through CUDA_VISIBLE_DEVICES): the first test that reads one
-    starts them all, as many side by side as there are free GPUs for, so that on 4 GPUs four one-GPU
-    runs take about the time of the longest instead of their sum. A run starts as soon as its count
-    is free (first fit, in the order given). For checks of what a run verifies and prints, never of
-    how fast it was (the runs beside it share the host's CPUs). ``runs`` maps a name to a function of
-    the run's own folder (for --results, scenario files) giving its command line; ``gpus`` a name to
-    its GPU count (default 1; a count above this host's is refused: leave such a run out, its test
-    skips); ``env`` is added to safe_env()."""
+    starts them all in a thread, as many side by side as there are free GPUs for, so that on 4 GPUs
+    four one-GPU runs take about the time of the longest instead of their sum. A run starts as soon as
+    its count is free (first fit, in the order given); a test waits for its own run only, so a per-test
+    timeout (pytest-timeout) bounds one run's wait, and a run past ``timeout`` s is killed and fails its
+    own test alone. For checks of what a run verifies and prints, never of how fast it was (the runs
+    beside it share the host's CPUs). ``runs`` maps a name to a function of the run's own folder (for
+    --results, scenario files) giving its command line; ``gpus`` a name to its GPU count (default 1; a
+    count above this host's is refused: leave such a run out, its test skips); ``env`` is added to
+    safe_env(). ``close()`` (the module fixture's teardown) stops what is still running."""
 
     def __init__(self, base: Path, runs: Dict[str, Callable[[Path], List[str]]],
                  env: Optional[Dict[str, str]] = None, timeout: int = 600,
                  gpus: Optional[Dict[str, int]] = None, host_gpus: Optional[int] = None) -> None:
+        import threading
+
         self.base, self.runs, self.env, self.timeout = base, runs, env or {}, timeout
         self.host_gpus = max(GPUS if host_gpus is None else host_gpus, 1)
         self.need = {name: (gpus or {}).get(name, 1) for name in runs}
@@ -263,15 +267,40 @@ class GpuRuns:
         if too_many:
             raise ValueError(f"runs needing more GPUs than this host's {self.host_gpus}: {too_many}")
         self.done: Dict[str, Tuple[subprocess.CompletedProcess, Path]] = {}
+        self._finished = {name: threading.Event() for name in runs}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
 
     def get(self, name: str) -> Tuple[subprocess.CompletedProcess, Path]:
-        """(the finished run, its folder)."""
-        if not self.done:
-            self._run_all()
+        """(the finished run, its folder), once this run has ended; the first call starts them all."""
+        if self._thread is None:
+            import atexit
+            import threading
+
+            self._thread = threading.Thread(target=self._run_all, name="gpu-runs", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)  # an interrupted session leaves no run behind
+        self._finished[name].wait()
         return self.done[name]
+
+    def __enter__(self) -> "GpuRuns":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kills the runs still going and ends the thread; runs not finished read as stopped."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
 
     def _folder(self, name: str) -> Path:
         return self.base / name.replace("/", "-")
+
+    def _end(self, name: str, result: subprocess.CompletedProcess) -> None:
+        self.done[name] = (result, self._folder(name))
+        self._finished[name].set()
 
     def _run_all(self) -> None:
         import time
@@ -279,13 +308,14 @@ class GpuRuns:
         todo = list(self.runs)
         free = list(range(self.host_gpus))
         running: Dict[str, Tuple[subprocess.Popen, List[int], float, List[str]]] = {}
+        why = "runs stopped before this one ended (the module's end or an interrupted session)"
         try:
-            while todo or running:
-                for name in [n for n in todo]:
+            while (todo or running) and not self._stop.is_set():
+                for name in list(todo):
                     if self.need[name] > len(free):
                         continue
                     todo.remove(name)
-                    mine, free[:] = free[: self.need[name]], free[self.need[name]:]
+                    mine, free = free[: self.need[name]], free[self.need[name]:]
                     folder = self._folder(name)
                     folder.mkdir(parents=True, exist_ok=True)
                     cmd = self.runs[name](folder)
@@ -302,15 +332,16 @@ class GpuRuns:
                         p.wait()
                     folder = self._folder(name)
                     err = (folder / "stderr.txt").read_text() + (f"\n(killed after {self.timeout} s)" if late else "")
-                    self.done[name] = (subprocess.CompletedProcess(cmd, p.returncode, (folder / "stdout.txt").read_text(),
-                                                                   err), folder)
+                    out = (folder / "stdout.txt").read_text()
+                    self._end(name, subprocess.CompletedProcess(cmd, p.returncode, out, err))
                     del running[name]
                     free = sorted(free + mine)
                 time.sleep(0.2)
-        except BaseException as e:  # stopped from outside: nothing left running, no test relaunches
+        except BaseException as e:  # noqa: BLE001 - this thread's own failure: every waiting test reads it
+            why = f"runs stopped: {e!r}"
+        finally:  # nothing left running, every waiting test released
             for p, *_ in running.values():
                 kill_tree(p.pid)
             for name in self.runs:
-                self.done.setdefault(name, (subprocess.CompletedProcess([], -1, "", f"runs stopped: {e!r}"),
-                                            self._folder(name)))
-            raise
+                if name not in self.done:
+                    self._end(name, subprocess.CompletedProcess([], -1, "", why))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+from typing import Iterator
+
 import pytest
 from epbench.backends import deepep_v2_env
 from epbench.results import load_run
@@ -46,15 +48,19 @@ def _command(nproc: int, scenario: str, backends: str, extra: tuple):
 
 
 @pytest.fixture(scope="module")
-def runs(v2_built: None, tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
-    return GpuRuns(tmp_path_factory.mktemp("deepep-v2"),
-                   {n: _command(w, sc, b, extra) for n, (w, sc, _, b, extra) in RUNS.items()},
-                   gpus={n: r[2] for n, r in RUNS.items()})
+def runs(v2_built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+    with GpuRuns(tmp_path_factory.mktemp("deepep-v2"),
+                 {n: _command(w, sc, b, extra) for n, (w, sc, _, b, extra) in RUNS.items()},
+                 gpus={n: r[2] for n, r in RUNS.items()}, timeout=300) as runs:
+        yield runs
 
 
 def run_v2(runs: GpuRuns, name: str):
     r, folder = runs.get(name)
-    (run,) = list((folder / "r").iterdir())
+    found = sorted((folder / "r").iterdir()) if (folder / "r").is_dir() else []
+    assert len(found) == 1, (f"{name}: {len(found)} results folders (exit {r.returncode})\n"
+                             f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    run = found[0]
     return r, load_run(run)[1], json.loads((run / "meta.json").read_text())
 
 

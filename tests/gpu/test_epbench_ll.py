@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from typing import Iterator
+
 import pytest
 from epbench.results import load_run
 from gpu_launch import KERNEL_SUITES, ROOT, GpuRuns, ll_kernels_built, safe_env, shared, shares_gpus, world
@@ -144,10 +146,11 @@ def chain_sweep(sync: str):
 
 
 @pytest.fixture(scope="module")
-def chain_runs(tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
+def chain_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
     """The world-1 chain sweeps of both ll_sync values, together, each on a GPU of its own where the
     host has two (nothing below checks a time against a figure)."""
-    return GpuRuns(tmp_path_factory.mktemp("ll-chain"), {sync: chain_sweep(sync) for sync in SYNCS})
+    with GpuRuns(tmp_path_factory.mktemp("ll-chain"), {sync: chain_sweep(sync) for sync in SYNCS}) as runs:
+        yield runs
 
 
 @pytest.mark.parametrize("sync", SYNCS)

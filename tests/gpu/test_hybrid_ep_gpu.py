@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import pytest
 from epbench.results import load_run
@@ -46,9 +46,10 @@ def built() -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
-    return GpuRuns(tmp_path_factory.mktemp("hybrid-ep"), {n: _command(*r[:4]) for n, r in RUNS.items()},
-                   gpus={n: r[4] for n, r in RUNS.items()}, timeout=900)
+def runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+    with GpuRuns(tmp_path_factory.mktemp("hybrid-ep"), {n: _command(*r[:4]) for n, r in RUNS.items()},
+                 gpus={n: r[4] for n, r in RUNS.items()}, timeout=300) as runs:
+        yield runs
 
 
 def _rows(runs: GpuRuns, name: str):

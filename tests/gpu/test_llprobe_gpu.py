@@ -10,6 +10,8 @@ import csv
 import subprocess
 import sys
 
+from typing import Iterator
+
 import pytest
 from gpu_launch import ROOT, GpuRuns, safe_env, shares_gpus
 
@@ -25,8 +27,10 @@ def probe_command(args: list):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
-    return GpuRuns(tmp_path_factory.mktemp("llprobe"), {name: probe_command(a) for name, a in RUNS.items()})
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+    with GpuRuns(tmp_path_factory.mktemp("llprobe"),
+                 {name: probe_command(a) for name, a in RUNS.items()}) as runs:
+        yield runs
 
 
 def probe(runs: GpuRuns, name: str) -> tuple:

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from typing import Iterator
+
 import pytest
 from gpu_launch import GpuRuns
 
@@ -41,8 +43,9 @@ def overlap_run(gemm: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
-    return GpuRuns(tmp_path_factory.mktemp("overlap"), {gemm: overlap_run(gemm) for gemm in GEMMS})
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+    with GpuRuns(tmp_path_factory.mktemp("overlap"), {gemm: overlap_run(gemm) for gemm in GEMMS}) as runs:
+        yield runs
 
 
 @pytest.mark.parametrize("gemm", GEMMS)

@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, Iterator, List
 
 import pytest
 from epbench.results import load_run
@@ -33,8 +33,9 @@ RUNS = {"fp8 4 ranks": epbench_run("scenarios/dsv3x4-fp8.yaml", "--nproc", "4", 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> GpuRuns:
-    return GpuRuns(tmp_path_factory.mktemp("shared"), RUNS)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+    with GpuRuns(tmp_path_factory.mktemp("shared"), RUNS) as runs:
+        yield runs
 
 
 def only_run(runs: GpuRuns, name: str):
