@@ -436,9 +436,12 @@ def overlap_plot(run_dir: Path, out_dir: Optional[Path] = None, force: bool = Fa
     meta, df = loaded or load_run(run_dir)
     out_dir = out_dir or run_dir / "plots"
     summary = overlap_summary(df) if not df.empty else df
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     panels = (("GEMM kept % (of alone on all SMs)", "gemm_kept_pct"),
               ("communication kept % (of alone)", "comm_kept_pct"))
+    lacking = [col for _, col in panels if not summary.empty and col not in summary]
+    if lacking:  # rows with no kept % (hand-made or cut short): nothing to draw
+        raise UserError(f"{short_path(run_dir)}: no overlap plot (results.csv has no {lacking[0]})")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, (name, col) in zip(axes, panels):
         for i, (name, g) in enumerate(summary.groupby("label", sort=False) if not summary.empty else []):
             g = g.sort_values("sms")

@@ -402,6 +402,7 @@ def read_table(path: Path, need: Tuple[str, ...] = ()) -> pd.DataFrame:
 
 
 RESULT_COLUMNS = ("backend", "op", "sms", "rank", "time_us")
+MEASURED_COLUMNS = ("scenario", "world", "wrong")  # every measured row's too (metrics.summarize reads them)
 OVERLAP_COLUMNS = ("backend", "sms", "rank")  # `epbench overlap` rows: kept %, per (backend, SMs)
 PROBE_COLUMNS = ("sms", "op", "variant")  # `epbench probe` rows: a kernel's parts, per (SMs, op, variant)
 
@@ -446,6 +447,10 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
         for col in df.columns:  # integer columns read as float where unmeasured rows left gaps
             if df[col].dtype == float and df[col].notna().all() and (df[col] % 1 == 0).all():
                 df[col] = df[col].astype("int64")
+    if need is RESULT_COLUMNS and not df.empty:  # what the readers' summary takes of every measured row
+        for col in MEASURED_COLUMNS:
+            if col not in df or df[col].isna().any():
+                raise UserError(f"{_shown(path / RESULTS)}: a measured row lacks its {col} (corrupt)")
     return meta, df
 
 

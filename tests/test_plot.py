@@ -303,3 +303,15 @@ def test_a_plot_of_many_lines_gives_each_its_own_colour_and_the_whole_legend(mon
     assert len({tuple(ln.get_color()) if not isinstance(ln.get_color(), str) else ln.get_color()
                 for ln in busbw}) == 12
     assert ax.get_legend()._ncols == 2 and len(ax.get_legend().get_texts()) == 24
+    plot.plt.close(figs[0])
+
+
+def test_an_overlap_run_without_kept_figures_is_one_line_not_a_traceback(tmp_path):
+    from epbench import results
+    from epbench.errors import UserError
+
+    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "scenario": {"name": "s"}})
+    w.add([{"backend": "reference", "sms": 0, "rank": 0, "wrong": 0}], [])
+    w.finish("complete")
+    with pytest.raises(UserError, match="no overlap plot .results.csv has no gemm_kept_pct"):
+        plot_run(tmp_path / "ov", tmp_path / "out")

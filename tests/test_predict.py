@@ -128,7 +128,7 @@ def write_run(path, points, device="cuda", meta_scenario=None, dtype="bf16", wro
         sc["model"]["dispatch_dtype"] = dtype
     w = RunWriter(path, {"scenario": sc, "device": device, "started_utc": started,
                          "env": env or {"EPBENCH_GIT_COMMIT": "abc", "NCCL_NVLS_ENABLE": "0"}})
-    rows = [{"scenario": "cal", "backend": "epbench", "op": op, "sms": n, "rank": r,
+    rows = [{"scenario": "cal", "backend": "epbench", "op": op, "sms": n, "rank": r, "world": 2,
              "device": device, "time_us": t + 0.1 * r, "nvlink_bytes": TR,
              "wrong": wrong if (n, op, r) == (16, "dispatch", 1) else 0}
             for n, times in points.items() for op, t in zip(("dispatch", "combine"), times)

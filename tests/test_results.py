@@ -10,7 +10,7 @@ import pytest
 from epbench import results
 from epbench.errors import UserError
 
-ROW = {"scenario": "s", "backend": "reference", "op": "dispatch", "sms": 0, "rank": 0,
+ROW = {"scenario": "s", "backend": "reference", "op": "dispatch", "sms": 0, "rank": 0, "world": 1,
        "time_us": 12.5, "wrong": 0}
 SAMPLE = {"backend": "reference", "op": "dispatch", "sms": 0, "rank": 0, "iter": 0, "time_us": 12.5}
 
@@ -173,11 +173,13 @@ def test_find_runs_searches_every_depth_and_not_inside_runs(tmp_path):
     (lambda d: (d / "results.csv").write_text((d / "results.csv").read_text()[:-9]), "truncated"),
     (lambda d: (d / "results.csv").write_text("backend,op\nreference\n"), "line 2 has 1 fields"),
     (lambda d: (d / "results.csv").write_text("backend,op\nreference,dispatch\n"), "lacks the column sms"),
+    (lambda d: (d / "results.csv").write_text("scenario,backend,op,sms,rank,time_us,wrong\ns,ref,dispatch,0,0,1.5,0\n"),
+     "a measured row lacks its world"),
     (lambda d: (d / "results.csv").write_text('a,b\n"x,1\n'), "truncated or corrupt"),
     (lambda d: (d / "results.csv").mkdir() if (d / "results.csv").unlink() is None else None,
      "results.csv"),
 ], ids=["meta-cut", "meta-list", "meta-binary", "meta-deep", "csv-cut", "csv-short-row",
-        "csv-no-column", "csv-open-quote", "csv-a-folder"])
+        "csv-no-column", "csv-no-world", "csv-open-quote", "csv-a-folder"])
 def test_a_broken_run_is_one_user_error_and_skipped_in_a_walk(tmp_path, damage, needle):
     good = _run(tmp_path / "root" / "good")
     bad = _run(tmp_path / "root" / "nested" / "bad")
