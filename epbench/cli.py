@@ -578,7 +578,9 @@ def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders 
     for d, meta, df in load_runs(run_dirs, _warn):
         console.print(f"[bold]{escape(str(d))}[/]")
         print_run(df, meta, console, chosen)
-        if per_rank:
+        if per_rank and meta.get("verb") in ("overlap", "probe"):  # their rows are not per (op, rank)
+            console.print(f"per rank: none for an `epbench {meta['verb']}` run (its table above)", highlight=False)
+        elif per_rank:
             print_per_rank(df, console)
 
 

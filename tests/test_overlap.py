@@ -418,3 +418,13 @@ def test_a_pair_window_the_gemms_did_not_cover_is_redone_longer_on_every_rank(mo
     assert tries == ov.PAIR_TRIES and len(windows) == ov.PAIR_TRIES
     assert ov.regrown_count(ov.GEMM_LOOP_MAX, 1.0, 1e9) == ov.GEMM_LOOP_MAX and ov.regrown_count(5, 1000.0, 900.0) == 9
     assert ov.regrown_count(10, 1000.0, 2000.0) == 32  # 10 x 1.5 x 2 + 2
+
+
+def test_report_per_rank_of_an_overlap_folder_is_one_line(tmp_path):
+    from epbench import results
+
+    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "scenario": {"name": "s"}})
+    w.add([{"backend": "reference", "sms": 0, "rank": 0, "wrong": 0}], [])
+    w.finish("complete")
+    r = epbench_here("report", str(tmp_path / "ov"), "--per-rank")
+    assert r.code == 0 and "per rank: none for an `epbench overlap` run" in r.out and "Traceback" not in r.both
