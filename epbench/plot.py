@@ -341,6 +341,9 @@ def why_not_together(runs: List[Tuple[Path, Dict[str, Any], pd.DataFrame]]) -> O
     same scenario on the same number of ranks over the same transport, and have rows."""
     if len(runs) < 2:
         return f"--together needs two or more runs ({len(runs)} found)"
+    other = [(d, m.get("verb")) for d, m, _ in runs if m.get("verb") in ("overlap", "probe")]
+    if other:  # their rows are kept % or a kernel's parts, not bandwidths
+        return f"--together draws bandwidths: {short_path(other[0][0])} is an `epbench {other[0][1]}` run"
     keys = {(str((m.get("scenario") or {}).get("name")), m.get("world"), transport(m)) for _, m, _ in runs}
     if len(keys) > 1:
         shown = "; ".join(f"{name} on {world} ranks over {how}" for name, world, how in sorted(keys, key=str))

@@ -284,6 +284,17 @@ def test_plot_together_of_one_run_is_one_line_and_exit_2(smoke_run, tmp_path):
     assert r.code == 2 and "--together needs two or more runs (1 found)" in r.err, r.both
 
 
+def test_plot_together_with_an_overlap_run_names_it(smoke_run, tmp_path):
+    from epbench import results
+
+    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "scenario": {"name": "smoke"}})
+    w.add([{"backend": "reference", "sms": 0, "rank": 0, "wrong": 0, "gemm_kept_pct": 90.0,
+            "comm_kept_pct": 80.0}], [])
+    w.finish("complete")
+    r = epbench_here("plot", str(smoke_run.dir), str(tmp_path / "ov"), "--together", "--out", str(tmp_path / "o"))
+    assert r.code == 2 and "is an `epbench overlap` run" in r.err and len(r.err.strip().splitlines()) == 1, r.both
+
+
 def test_a_plot_of_many_lines_gives_each_its_own_colour_and_the_whole_legend(monkeypatch):
     """Six backends in two call modes (the README's table): twelve lines, no two of one colour, the
     legend in two columns beside the axes, saved whole (bbox tight)."""
