@@ -448,9 +448,13 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
             if df[col].dtype == float and df[col].notna().all() and (df[col] % 1 == 0).all():
                 df[col] = df[col].astype("int64")
     if need is RESULT_COLUMNS and not df.empty:  # what the readers' summary takes of every measured row
-        for col in MEASURED_COLUMNS:
+        for col in RESULT_COLUMNS + MEASURED_COLUMNS:
             if col not in df or df[col].isna().any():
                 raise UserError(f"{_shown(path / RESULTS)}: a measured row lacks its {col} (corrupt)")
+    for col in WHOLE_COLUMNS:  # read as int() by the readers: inf (or 1e400) would end them
+        if col in df and df[col].isin([float("inf"), float("-inf")]).any():
+            raise UserError(f"{_shown(path / RESULTS)}: column {col} holds an infinite value "
+                            f"where a whole number belongs (corrupt or hand-edited)")
     return meta, df
 
 

@@ -316,7 +316,13 @@ def _append_table(d):
     (lambda d: _edit_meta(d, world=True), "world must be a whole number, got True"),
     (lambda d: (d / "results.csv").write_text((d / "results.csv").read_text().replace(",12.5,", ",fast,")),
      "column time_us holds text"),
-], ids=["appended", "scenario-5", "name-list", "notes-numbers", "world-text", "world-bool", "time-text"])
+    (lambda d: _edit_results(d, ",reference,", ",,"), "a measured row lacks its backend"),
+    (lambda d: _edit_results(d, ",12.5,", ",nan,"), "a measured row lacks its time_us"),
+    (lambda d: _edit_results(d, "dispatch,0,0,", "dispatch,0,inf,"),
+     "column rank holds an infinite value where a whole number belongs"),
+    (lambda d: _edit_results(d, "dispatch,0,", "dispatch,1e400,"), "column sms holds an infinite value"),
+], ids=["appended", "scenario-5", "name-list", "notes-numbers", "world-text", "world-bool", "time-text",
+        "backend-empty", "time-nan", "rank-inf", "sms-1e400"])
 def test_fields_of_the_wrong_type_make_the_run_one_user_error(tmp_path, damage, needle):
     good = _run(tmp_path / "root" / "good")
     bad = _run(tmp_path / "root" / "bad")
@@ -326,6 +332,12 @@ def test_fields_of_the_wrong_type_make_the_run_one_user_error(tmp_path, damage, 
     warnings = []
     assert [d for d, _, _ in results.load_runs([tmp_path / "root"], warnings.append)] == [good]
     assert len(warnings) == 1 and needle in warnings[0]
+
+
+def _edit_results(d, old, new):
+    text = (d / "results.csv").read_text()
+    assert old in text
+    (d / "results.csv").write_text(text.replace(old, new, 1))
 
 
 def _edit_meta(d, **fields):
