@@ -419,10 +419,10 @@ SCENARIO_TYPES: Dict[str, Tuple[type, ...]] = {
     "backend_options": (dict,), "mode": (str,),
 }
 WHOLE_COLUMNS = ("sms", "rank", "node", "world", "nodes", "hidden", "tokens_per_rank", "topk",
-                 "experts_per_rank", "iters", "wrong", "chain", "align", "padding_rows")
+                 "experts_per_rank", "iters", "wrong", "chain", "align", "padding_rows", "input_sets")
 NUMBER_SUFFIXES = ("_us", "_gbps", "_bytes", "_pct", "_ratio", "_efficiency", "_measured",
-                   "_tflops", "_flops", "_p99")
-TEXT_COLUMNS = ("scenario", "backend", "op", "timing")
+                   "_tflops", "_flops", "_p99", "_us_min", "_us_max", "_us_mean")
+TEXT_COLUMNS = ("scenario", "backend", "op", "timing", "call_mode")
 
 
 def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:

@@ -62,6 +62,18 @@ def test_side_by_side_ratios_and_unmatched_rows(runs):
     assert len(both) == 4
 
 
+def test_a_run_whose_call_mode_column_is_empty_still_compares(tmp_path):
+    """call_mode left empty in every row (a hand edit) reads as floats: matched as text, no
+    pandas merge error ('merge on str and float64 columns')."""
+    with_mode = [dict(r, call_mode="call") for r in rows("reference", "dispatch", 0, (800.0, 820.0), (250.0, 240.0))]
+    a = write_run(tmp_path / "a", META, [with_mode])
+    b = write_run(tmp_path / "b", META, [[dict(r, call_mode=None) for r in with_mode]])
+    both = compare.side_by_side(compare.load(a)[1], compare.load(b)[1])
+    assert len(both) == 2 and sorted(map(str, both["call_mode"])) == ["None", "call"]
+    r = epbench_here("compare", a, b)
+    assert r.code == 0 and "Traceback" not in r.err, r.err
+
+
 def test_provenance_warnings_one_per_difference():
     w = compare.provenance_warnings(META, dict(META, driver="570", world=4, nccl=None))
     assert w == ["driver differs: A 580.159.04 vs B 570", "nccl differs: A 2.28.9 vs B missing",

@@ -321,8 +321,10 @@ def _append_table(d):
     (lambda d: _edit_results(d, "dispatch,0,0,", "dispatch,0,inf,"),
      "column rank holds an infinite value where a whole number belongs"),
     (lambda d: _edit_results(d, "dispatch,0,", "dispatch,1e400,"), "column sms holds an infinite value"),
+    (lambda d: _add_column(d, "time_us_min", "x"), "column time_us_min holds text"),
+    (lambda d: _add_column(d, "input_sets", "four"), "column input_sets holds text"),
 ], ids=["appended", "scenario-5", "name-list", "notes-numbers", "world-text", "world-bool", "time-text",
-        "backend-empty", "time-nan", "rank-inf", "sms-1e400"])
+        "backend-empty", "time-nan", "rank-inf", "sms-1e400", "time-min-text", "input-sets-text"])
 def test_fields_of_the_wrong_type_make_the_run_one_user_error(tmp_path, damage, needle):
     good = _run(tmp_path / "root" / "good")
     bad = _run(tmp_path / "root" / "bad")
@@ -338,6 +340,11 @@ def _edit_results(d, old, new):
     text = (d / "results.csv").read_text()
     assert old in text
     (d / "results.csv").write_text(text.replace(old, new, 1))
+
+
+def _add_column(d, name, value):
+    head, row = (d / "results.csv").read_text().splitlines()
+    (d / "results.csv").write_text(f"{head},{name}\n{row},{value}\n")
 
 
 def _edit_meta(d, **fields):
