@@ -296,7 +296,11 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
         return Plan(device=device or s.bench.device, run_dir=run_dir, jobs=(opts.backends,), **common)
     dev = resolve_device(s, device)
     check_memory(s, dev, opts.tokens)
-    nodes = nnodes or 1
+    nodes = 1 if nnodes is None else nnodes
+    if nodes < 1:
+        raise UserError(f"--nnodes: must be at least 1, got {nnodes}")
+    if node_rank is not None and not 0 <= node_rank < nodes:
+        raise UserError(f"--node-rank: must be 0 to {nodes - 1} (--nnodes {nodes}), got {node_rank}")
     if nodes > 1 and not rdzv_endpoint:
         raise UserError("--nnodes: a multi-node run needs --rdzv-endpoint HOST:PORT (the same on every node)")
     if nodes > 1 and nodes != s.topology.nodes:

@@ -48,7 +48,12 @@ def test_multi_node_flags_are_checked_before_anything_starts(write_scenario):
     for args, needle in ((["--nnodes", "2"], "--rdzv-endpoint"),
                          (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "describes 2 node(s)"),
                          (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"],
-                          "--rdzv-timeout")):
+                          "--rdzv-timeout"),
+                         (["--nnodes", "-1", "--rdzv-endpoint", "h:1"], "--nnodes: must be at least 1"),
+                         (["--nnodes", "0"], "--nnodes: must be at least 1"),
+                         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"],
+                          "--node-rank: must be 0 to 1 (--nnodes 2), got 2"),
+                         (["--node-rank", "-3"], "--node-rank: must be 0 to 0")):
         r = epbench_here("run", path, *args)
         assert r.code == 2 and needle in r.err and len(r.err.strip().splitlines()) == 1
 
