@@ -256,6 +256,22 @@ def _launch(command: str, path: Optional[Path], **given) -> None:
     raise typer.Exit(start(p))
 
 
+def check_endpoint(endpoint: str) -> None:
+    """--rdzv-endpoint is HOST:PORT with a host this machine can look up (torchrun given a name that
+    resolves nowhere prints pages of C++ frames and waits out its timeouts)."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")  # [IPv6]:PORT
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UserError(f"--rdzv-endpoint: give HOST:PORT (a port 1-65535), got {endpoint!r}")
+    try:
+        socket.getaddrinfo(host, int(port))
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"--rdzv-endpoint: cannot look up host {host!r} "
+                        f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
+
+
 def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=None, iters=None,
           warmup=None, device=None, results: Path = Path("results"), nnodes=None, node_rank=None,
           rdzv_endpoint=None, run_dir=None, inject_fault=None, no_ceilings: bool = False,
@@ -311,6 +327,8 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
         raise UserError(f"{s.source}: topology.nodes: this scenario spans {s.topology.nodes} nodes; "
                         f"start it on every node with --nnodes {s.topology.nodes} --node-rank N "
                         f"--rdzv-endpoint HOST:PORT, or use --nproc to run its shape on one node")
+    if rdzv_endpoint:
+        check_endpoint(rdzv_endpoint)
     from epbench.launcher import jobs_of
     from epbench.results import claim_run_dir, new_run_dir
 

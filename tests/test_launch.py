@@ -53,7 +53,13 @@ def test_multi_node_flags_are_checked_before_anything_starts(write_scenario):
                          (["--nnodes", "0"], "--nnodes: must be at least 1"),
                          (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"],
                           "--node-rank: must be 0 to 1 (--nnodes 2), got 2"),
-                         (["--node-rank", "-3"], "--node-rank: must be 0 to 0")):
+                         (["--node-rank", "-3"], "--node-rank: must be 0 to 0"),
+                         (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1"],
+                          "--rdzv-endpoint: give HOST:PORT"),
+                         (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:70000"],
+                          "a port 1-65535"),
+                         (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "no-such-host.invalid:29500"],
+                          "--rdzv-endpoint: cannot look up host 'no-such-host.invalid'")):
         r = epbench_here("run", path, *args)
         assert r.code == 2 and needle in r.err and len(r.err.strip().splitlines()) == 1
 
