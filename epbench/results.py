@@ -337,6 +337,7 @@ def load_runs(paths: List[Path], warn: Optional[Warn] = None
     """(folder, meta, results) of every readable run under ``paths`` (see find_runs)."""
     warn = warn or _stderr_warning
     runs: List[Tuple[Path, Dict[str, Any], pd.DataFrame]] = []
+    skipped: List[str] = []  # said once the walk is done: where nothing else was found, the one reason is the error
     for p in paths:
         if not p.exists():
             raise UserError(f"{_shown(p)}: no such file or folder")
@@ -345,11 +346,15 @@ def load_runs(paths: List[Path], warn: Optional[Warn] = None
             continue
         if not p.is_dir():
             raise UserError(f"{_shown(p)}: not a results folder (a file, not a folder)")
-        for d in _walk(p, warn):
+        for d in _walk(p, skipped.append):
             try:
                 runs.append((d, *load_run(d)))
             except UserError as e:
-                warn(f"skipped: {e}")
+                skipped.append(f"skipped: {e}")
+    if not runs and len(skipped) == 1:
+        raise UserError(skipped[0].replace("skipped: ", "", 1))
+    for text in skipped:
+        warn(text)
     if not runs:
         raise UserError(f"{_shown(', '.join(map(str, paths)))}: no readable results folders "
                         f"(with {META}) found")

@@ -391,7 +391,10 @@ def test_a_results_table_that_is_a_bad_link_is_no_silent_empty_run(tmp_path, lin
     (d / "results.csv").symlink_to(link)
     with pytest.raises(UserError, match=needle):
         results.load_run(d)
-    warnings = []
-    with pytest.raises(UserError, match="no readable results folders"):
+    warnings = []  # the walk found nothing else: its one reason is the error, said once
+    with pytest.raises(UserError, match=needle):
         results.load_runs([tmp_path / "root"], warnings.append)
+    assert warnings == []
+    _run(tmp_path / "root" / "good")  # beside a readable run it is a warning
+    assert len(results.load_runs([tmp_path / "root"], warnings.append)) == 1
     assert len(warnings) == 1 and needle in warnings[0]
