@@ -67,3 +67,22 @@ def test_a_test_waits_for_its_own_run_and_close_stops_the_rest(tmp_path):
     r, _ = runs.get("slow")
     assert r.returncode != 0 and "runs stopped before this one ended" in r.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_per_gpu_lets_runs_share_gpus_up_to_that_many_each_on_distinct_gpus(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    need = {"w1": 4, "w2": 4, "w3": 4, "one": 1, "pair": 2}
+    runs = GpuRuns(tmp_path, {n: stand_in(0.8) for n in need}, gpus=need, host_gpus=4, per_gpu=2)
+    seen = {}
+    for name in need:
+        r, folder = runs.get(name)
+        assert r.returncode == 0, r.stderr
+        seen[name] = json.loads((folder / "seen.json").read_text())
+        assert len(set(seen[name]["gpus"])) == len(seen[name]["gpus"]) == need[name]  # distinct GPUs
+    assert seen["w2"]["start"] < seen["w1"]["end"]  # two 4-GPU runs side by side on shared GPUs
+    # never more than two runs on one GPU at any moment: count at every start
+    for name, run in seen.items():
+        for gpu in run["gpus"]:
+            on = [n for n, o in seen.items() if gpu in o["gpus"] and o["start"] <= run["start"] < o["end"]]
+            assert len(on) <= 2, (name, gpu, on)
+    assert seen["w3"]["start"] >= min(seen["w1"]["end"], seen["w2"]["end"]) - 0.05  # waited for room

@@ -1,5 +1,6 @@
 """Registers the gpu marker for these tests even where pyproject's marker list is not loaded, holds
-the fixtures several GPU test modules share, and prints a failed test's report the moment it fails."""
+the fixtures several GPU test modules share, and prints a failed test's report the moment it fails
+and, with -v, each test's time and the session's time so far on its line."""
 
 import pytest
 
@@ -14,14 +15,22 @@ class ImmediateReports:
     also sees the gpu tests outside this folder (tests/test_gpu_cli.py)."""
 
     def __init__(self, config):
-        self.config = config
+        import time
+
+        self.config, self.started = config, time.monotonic()
 
     @pytest.hookimpl(trylast=True)  # after the terminal's own PASSED / FAILED for the test
     def pytest_runtest_logreport(self, report):
-        if not report.failed or "gpu" not in report.keywords:
+        if "gpu" not in report.keywords:
             return
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is None:  # an xdist worker: the controller gets the report and prints it
+            return
+        if report.when == "call" and self.config.getoption("verbose") > 0:
+            import time  # each test's time on its line, as it ends: a run stopped from outside keeps them
+
+            reporter.write(f" {report.duration:.1f} s, at {time.monotonic() - self.started:.0f} s")
+        if not report.failed:
             return
         what = "FAILED" if report.when == "call" else f"ERROR at {report.when}"
         text = str(report.longrepr) if report.longrepr is not None else "(no report)"

@@ -253,14 +253,19 @@ class GpuRuns:
     beside it share the host's CPUs). ``runs`` maps a name to a function of the run's own folder (for
     --results, scenario files) giving its command line; ``gpus`` a name to its GPU count (default 1; a
     count above this host's is refused: leave such a run out, its test skips); ``env`` is added to
-    safe_env(). ``close()`` (the module fixture's teardown) stops what is still running."""
+    safe_env(). ``per_gpu`` runs may share one GPU at a time (default 1: each its own GPUs), each
+    still on distinct GPUs of its own count, those with the most room first: for runs that only verify
+    (the GPU time-slices between them, so their times mean nothing), never for MPS (its daemon serves
+    the whole GPU). ``close()`` (the module fixture's teardown) stops what is still running."""
 
     def __init__(self, base: Path, runs: Dict[str, Callable[[Path], List[str]]],
                  env: Optional[Dict[str, str]] = None, timeout: int = 600,
-                 gpus: Optional[Dict[str, int]] = None, host_gpus: Optional[int] = None) -> None:
+                 gpus: Optional[Dict[str, int]] = None, host_gpus: Optional[int] = None,
+                 per_gpu: int = 1) -> None:
         import threading
 
         self.base, self.runs, self.env, self.timeout = base, runs, env or {}, timeout
+        self.per_gpu = max(per_gpu, 1)
         self.host_gpus = max(GPUS if host_gpus is None else host_gpus, 1)
         self.need = {name: (gpus or {}).get(name, 1) for name in runs}
         too_many = {n: k for n, k in self.need.items() if not 1 <= k <= self.host_gpus}
@@ -306,16 +311,19 @@ class GpuRuns:
         import time
 
         todo = list(self.runs)
-        free = list(range(self.host_gpus))
+        room = {gpu: self.per_gpu for gpu in range(self.host_gpus)}  # runs each GPU may still take
         running: Dict[str, Tuple[subprocess.Popen, List[int], float, List[str]]] = {}
         why = "runs stopped before this one ended (the module's end or an interrupted session)"
         try:
             while (todo or running) and not self._stop.is_set():
                 for name in list(todo):
-                    if self.need[name] > len(free):
+                    open_gpus = sorted((g for g in room if room[g] > 0), key=lambda g: (-room[g], g))
+                    if self.need[name] > len(open_gpus):
                         continue
                     todo.remove(name)
-                    mine, free = free[: self.need[name]], free[self.need[name]:]
+                    mine = sorted(open_gpus[: self.need[name]])
+                    for g in mine:
+                        room[g] -= 1
                     folder = self._folder(name)
                     folder.mkdir(parents=True, exist_ok=True)
                     cmd = self.runs[name](folder)
@@ -335,7 +343,8 @@ class GpuRuns:
                     out = (folder / "stdout.txt").read_text()
                     self._end(name, subprocess.CompletedProcess(cmd, p.returncode, out, err))
                     del running[name]
-                    free = sorted(free + mine)
+                    for g in mine:
+                        room[g] += 1
                 time.sleep(0.2)
         except BaseException as e:  # noqa: BLE001 - this thread's own failure: every waiting test reads it
             why = f"runs stopped: {e!r}"

@@ -23,7 +23,8 @@ QUICK = ["--sms", "16", "--iters", "5", "--warmup", "1"]
 KERNEL_MODE = [(2, "scenarios/dsv3x2.yaml"), (2, "scenarios/em-2gpu.yaml"), (4, "scenarios/dsv3x4-fp8.yaml"),
                (4, "scenarios/dsv3x4-expert.yaml")]
 # Each run's name -> (ranks, scenario, GPUs, backends, extra arguments); they start together at the
-# first test, side by side on this host's GPUs where they fit (gpu_launch.GpuRuns). A run needing more
+# first test, side by side on this host's GPUs, two at a time on a GPU (gpu_launch.GpuRuns: they check
+# what a run verifies, never a time; one after another the 4-GPU runs took ~20 s each). A run needing more
 # GPUs than the host has is left out (its test skips).
 RUNS = {
     "world 1": (1, "scenarios/dsv3x2.yaml", 1, "deepep-v2,reference", ()),
@@ -51,7 +52,7 @@ def _command(nproc: int, scenario: str, backends: str, extra: tuple):
 def runs(v2_built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
     with GpuRuns(tmp_path_factory.mktemp("deepep-v2"),
                  {n: _command(w, sc, b, extra) for n, (w, sc, _, b, extra) in RUNS.items()},
-                 gpus={n: r[2] for n, r in RUNS.items()}, timeout=300) as runs:
+                 gpus={n: r[2] for n, r in RUNS.items()}, per_gpu=2, timeout=300) as runs:
         yield runs
 
 

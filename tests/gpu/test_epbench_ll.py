@@ -9,7 +9,6 @@ timing verified, and at world 1 the chain rows (K calls per op in one graph)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from typing import Iterator
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import KERNEL_SUITES, ROOT, GpuRuns, ll_kernels_built, safe_env, shared, shares_gpus, world
+from gpu_launch import GPUS, KERNEL_SUITES, GpuRuns, ll_kernels_built, shared, shares_gpus, world
 
 torch = pytest.importorskip("torch")
 
@@ -95,21 +94,59 @@ topology: {{nodes: 1, gpus_per_node: {world}}}
 routing: {{kind: {routing}, seed: 3}}
 bench: {{warmup: 3, iters: 10, backends: [reference, epbench-ll], sms: [8, 32], device: cuda}}
 """
+SWEEPS = [("fp8", "uniform"), ("bf16", "hot")]
+
+
+def sweep_tokens(dtype: str, routing: str, sync: str):
+    def command(folder: Path) -> list:
+        path = folder / f"ll-{dtype}.yaml"
+        path.write_text(SCENARIO.format(epr=256 // world(), dtype=dtype, routing=routing, world=world()))
+        return [sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,32,128",
+                "--option", f"epbench-ll.ll_sync={sync}", "--results", str(folder / "r")]
+    return command
+
+
+def corrupted(folder: Path) -> list:
+    path = folder / "ll-fault.yaml"
+    path.write_text(SCENARIO.format(epr=8, dtype="bf16", routing="uniform", world=world()))
+    return [sys.executable, "-m", "epbench", "run", str(path), "--backends", "epbench-ll",
+            "--inject-fault", "dispatch", "--results", str(folder / "r")]
+
+
+def chain_sweep(sync: str):
+    def command(folder: Path) -> list:
+        path = folder / "ll-chain.yaml"
+        path.write_text(SCENARIO.format(epr=64, dtype="fp8", routing="uniform", world=1))
+        return [sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,128", "--backends", "epbench-ll",
+                "--graph-chain", "4", "--no-ceilings", "--option", f"epbench-ll.ll_sync={sync}",
+                "--results", str(folder / "r")]
+    return command
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+    """Every `epbench` run of the tests below, started together at the first of them: the token sweeps
+    of both dtypes and syncs and the corrupted run on world() ranks, two of them at a time on each GPU
+    (they check what a run verifies and prints, never a time: the GPU time-slices between them), and the
+    world-1 chain sweeps of both syncs on a GPU each. One after another the sweeps took most of this
+    module's time on 4 x H200 (2026-11-27)."""
+    ranks_gpus = min(world(), max(GPUS, 1))
+    runs = {f"sweep/{d}/{r}/{s}": sweep_tokens(d, r, s) for d, r in SWEEPS for s in SYNCS}
+    runs["corrupted"] = corrupted
+    runs.update({f"chain/{s}": chain_sweep(s) for s in SYNCS})
+    gpus = {name: (1 if name.startswith("chain/") else ranks_gpus) for name in runs}
+    with GpuRuns(tmp_path_factory.mktemp("ll-runs"), runs, gpus=gpus, per_gpu=2, timeout=600) as started:
+        yield started
 
 
 @pytest.mark.parametrize("sync", SYNCS)
-@pytest.mark.parametrize("dtype,routing", [("fp8", "uniform"), ("bf16", "hot")])
-def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: str, routing: str, sync: str) -> None:
+@pytest.mark.parametrize("dtype,routing", SWEEPS)
+def test_sweep_tokens_verifies_both_timings(pipeline_runs: GpuRuns, dtype: str, routing: str, sync: str) -> None:
     ranks = world()
-    path = tmp_path / f"ll-{dtype}.yaml"
-    path.write_text(SCENARIO.format(epr=256 // ranks, dtype=dtype, routing=routing, world=ranks))
-    r = subprocess.run([sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,32,128",
-                        "--option", f"epbench-ll.ll_sync={sync}", "--results", str(tmp_path / "r")], cwd=ROOT, env=safe_env(),
-                       capture_output=True, text=True, timeout=900)
+    r, folder = pipeline_runs.get(f"sweep/{dtype}/{routing}/{sync}")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    import pandas as pd
 
-    (run,) = list((tmp_path / "r").iterdir())
+    (run,) = list((folder / "r").iterdir())
     df = load_run(run)[1]  # measured rows (skipped / failed ones aside)
     # the NCCL reference needs a GPU per rank; where ranks share one it is skipped with a note
     assert set(df["backend"]) == {"epbench-ll"} | (set() if shared(ranks) else {"reference"})
@@ -125,39 +162,17 @@ def test_sweep_tokens_verifies_both_timings(built: None, tmp_path: Path, dtype: 
     assert "p99 us" in r.stdout
 
 
-def test_corrupted_ll_output_fails(built: None, tmp_path: Path) -> None:
-    path = tmp_path / "ll-fault.yaml"
-    path.write_text(SCENARIO.format(epr=8, dtype="bf16", routing="uniform", world=world()))
-    r = subprocess.run([sys.executable, "-m", "epbench", "run", str(path), "--backends", "epbench-ll",
-                        "--inject-fault", "dispatch", "--results", str(tmp_path / "r")],
-                       cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=600)
+def test_corrupted_ll_output_fails(pipeline_runs: GpuRuns) -> None:
+    r, _ = pipeline_runs.get("corrupted")
     assert r.returncode != 0
     assert "VERIFICATION FAILED" in r.stdout
 
 
-def chain_sweep(sync: str):
-    def command(folder: Path) -> list:
-        path = folder / "ll-chain.yaml"
-        path.write_text(SCENARIO.format(epr=64, dtype="fp8", routing="uniform", world=1))
-        return [sys.executable, "-m", "epbench", "sweep", str(path), "--tokens", "1,128", "--backends", "epbench-ll",
-                "--graph-chain", "4", "--no-ceilings", "--option", f"epbench-ll.ll_sync={sync}",
-                "--results", str(folder / "r")]
-    return command
-
-
-@pytest.fixture(scope="module")
-def chain_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    """The world-1 chain sweeps of both ll_sync values, together, each on a GPU of its own where the
-    host has two (nothing below checks a time against a figure)."""
-    with GpuRuns(tmp_path_factory.mktemp("ll-chain"), {sync: chain_sweep(sync) for sync in SYNCS}) as runs:
-        yield runs
-
-
 @pytest.mark.parametrize("sync", SYNCS)
-def test_world_1_chain_rows_are_verified_and_labelled(built: None, chain_runs: GpuRuns, sync: str) -> None:
+def test_world_1_chain_rows_are_verified_and_labelled(pipeline_runs: GpuRuns, sync: str) -> None:
     """At world 1 a third timing: 4 back-to-back calls per op in one graph, the last call's output
     verified; rows say chain 4 and the table 'graph x4'; the floor line names both figures."""
-    r, folder = chain_runs.get(sync)
+    r, folder = pipeline_runs.get(f"chain/{sync}")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     (run,) = list((folder / "r").iterdir())
     meta, df = load_run(run)

@@ -2,7 +2,7 @@
 DEEPEP_SRC=...`. On one GPU each: bf16 and fp8 at world 1, bf16 with 2 ranks sharing it (its code refuses
 neither: epbench/backends/hybrid_ep.py), and expert_major. On a host with 2 or more GPUs: one rank
 per GPU (up to 4), swept over two SM counts. The runs start together at the first test, side by
-side on this host's GPUs where they fit (gpu_launch.GpuRuns). Every run times both call modes (``call``: the whole
+side on this host's GPUs, two at a time on a GPU (gpu_launch.GpuRuns). Every run times both call modes (``call``: the whole
 call; ``kernel``: the cached handle), each point verified (#wrong 0), and every row records the
 block counts the library's handle says its kernels ran with, which must be the point's SM count."""
 
@@ -22,7 +22,9 @@ QUICK = ["--iters", "5", "--warmup", "1", "--no-ceilings", "--call-modes", "call
 SWEEP_GPUS = min(GPUS, 4)
 # Each run's name -> (scenario, ranks, backends, SM counts, GPUs). A Hybrid-EP job compiles its kernels
 # with nvcc as it starts (its jit/compiler.cu, per process); one after another these runs took 20-37 s
-# each on 4 x H200 (2026-11-26), so they go side by side on this host's GPUs (GpuRuns).
+# each on 4 x H200 (2026-11-26), so they go side by side on this host's GPUs, two at a time on a GPU
+# (GpuRuns; side by side on separate GPUs the module took ~140 s on 2026-11-27, the three 4-GPU sweeps
+# one after another ~100 s of it). Nothing below checks a time.
 RUNS = {
     **{f"runs/{f}/{n}": (f, n, "hybrid-ep,reference", (24,), 1)
        for f, n in (("dsv3x2.yaml", 1), ("dsv3x4-fp8.yaml", 1), ("dsv3x2.yaml", 2))},
@@ -48,7 +50,7 @@ def built() -> None:
 @pytest.fixture(scope="module")
 def runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
     with GpuRuns(tmp_path_factory.mktemp("hybrid-ep"), {n: _command(*r[:4]) for n, r in RUNS.items()},
-                 gpus={n: r[4] for n, r in RUNS.items()}, timeout=300) as runs:
+                 gpus={n: r[4] for n, r in RUNS.items()}, per_gpu=2, timeout=300) as runs:
         yield runs
 
 
