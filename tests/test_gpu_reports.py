@@ -29,6 +29,7 @@ def test_not_gpu():
 
 def test_each_gpu_test_line_has_its_time_and_failures_print_at_once(tmp_path):
     (tmp_path / "conftest.py").write_text(GPU_CONFTEST.read_text())
+    (tmp_path / "gpu_launch.py").write_text((GPU_CONFTEST.parent / "gpu_launch.py").read_text())  # its imports
     (tmp_path / "test_x.py").write_text(TESTS)
     r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "no:randomly",
                         str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)

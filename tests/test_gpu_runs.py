@@ -86,3 +86,28 @@ def test_per_gpu_lets_runs_share_gpus_up_to_that_many_each_on_distinct_gpus(tmp_
             on = [n for n, o in seen.items() if gpu in o["gpus"] and o["start"] <= run["start"] < o["end"]]
             assert len(on) <= 2, (name, gpu, on)
     assert seen["w3"]["start"] >= min(seen["w1"]["end"], seen["w2"]["end"]) - 0.05  # waited for room
+
+
+def test_early_runs_start_the_selected_modules_sets_and_each_module_takes_its_own(tmp_path, monkeypatch):
+    from gpu_launch import EarlyRuns
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    early = EarlyRuns()
+    made = []
+
+    def maker(name, built=True):
+        def make(base):
+            made.append(name)
+            return GpuRuns(base, {"r": stand_in(0.3)}, host_gpus=1) if built else None
+        return make
+
+    early.add(str(tmp_path / "test_a.py"), maker("a"))
+    early.add(str(tmp_path / "test_b.py"), maker("b"))
+    early.add(str(tmp_path / "test_c.py"), maker("c", built=False))  # its module would skip
+    started = early.start([tmp_path / "test_a.py", tmp_path / "test_c.py", tmp_path / "test_x.py"])
+    assert made == ["a", "c"] and started == [str((tmp_path / "test_a.py").resolve())]
+    assert early.take(str(tmp_path / "test_b.py")) is None  # not selected: its module makes its own
+    early.wait()  # a's run has ended, without any test asking for it
+    runs = early.take(str(tmp_path / "test_a.py"))
+    assert runs is not None and runs.done["r"][0].returncode == 0
+    runs.close()

@@ -46,6 +46,17 @@ def pytest_configure(config):
         config.pluginmanager.register(ImmediateReports(config), "epbench-immediate-reports")
 
 
+def pytest_collection_finish(session):
+    """Starts the run sets of the selected modules that start early (gpu_launch.EARLY_RUNS) on a GPU
+    host, once the tests to run are known (not for --collect-only)."""
+    if session.config.option.collectonly or not session.items:
+        return
+    from gpu_launch import EARLY_RUNS, GPUS
+
+    if GPUS >= 1:
+        EARLY_RUNS.start({str(item.path) for item in session.items if item.get_closest_marker("gpu")})
+
+
 @pytest.fixture(scope="session")
 def kernels_built() -> None:
     """Skips (with the reason) where the epbench kernels are not built; an error in one line where

@@ -276,8 +276,8 @@ class GpuRuns:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    def get(self, name: str) -> Tuple[subprocess.CompletedProcess, Path]:
-        """(the finished run, its folder), once this run has ended; the first call starts them all."""
+    def start(self) -> "GpuRuns":
+        """Starts the runs in the background (once; ``get`` does it too)."""
         if self._thread is None:
             import atexit
             import threading
@@ -285,8 +285,19 @@ class GpuRuns:
             self._thread = threading.Thread(target=self._run_all, name="gpu-runs", daemon=True)
             self._thread.start()
             atexit.register(self.close)  # an interrupted session leaves no run behind
+        return self
+
+    def get(self, name: str) -> Tuple[subprocess.CompletedProcess, Path]:
+        """(the finished run, its folder), once this run has ended; the first call starts them all."""
+        self.start()
         self._finished[name].wait()
         return self.done[name]
+
+    def wait(self) -> None:
+        """Until every run has ended (started or not: a set never started has nothing running)."""
+        if self._thread is not None:
+            for event in self._finished.values():
+                event.wait()
 
     def __enter__(self) -> "GpuRuns":
         return self
@@ -354,3 +365,42 @@ class GpuRuns:
             for name in self.runs:
                 if name not in self.done:
                     self._end(name, subprocess.CompletedProcess([], -1, "", why))
+
+
+class EarlyRuns:
+    """Run sets that start as the session's tests begin, not at their module's first test: a module
+    whose runs take long but need the GPUs little (Hybrid-EP's jobs compile with nvcc as they start;
+    the low-latency pipeline runs are short jobs mostly starting up) registers a maker at import
+    (``add``); tests/gpu/conftest.py starts the sets of the modules with selected tests once collection
+    ends (``start``), and the module's fixture takes its set (``take``) and closes it at the module's
+    end. Their runs then go beside the tests of the modules before them, which only verify too; a
+    test that needs a GPU to itself (MPS) first waits for them (``wait``)."""
+
+    def __init__(self) -> None:
+        self.makers: Dict[str, Callable[[Path], Optional[GpuRuns]]] = {}
+        self.started: Dict[str, GpuRuns] = {}
+
+    def add(self, module_file: str, make: Callable[[Path], Optional[GpuRuns]]) -> None:
+        """``make(base folder)`` gives the module's set, or None where it would skip (not built)."""
+        self.makers[str(Path(module_file).resolve())] = make
+
+    def start(self, module_files) -> List[str]:
+        """Starts the sets of these modules (those that registered one); returns the modules started."""
+        import tempfile
+
+        for f in sorted({str(Path(m).resolve()) for m in module_files}):
+            if f in self.makers and f not in self.started:
+                runs = self.makers[f](Path(tempfile.mkdtemp(prefix=f"epbench-{Path(f).stem}-")))
+                if runs is not None:
+                    self.started[f] = runs.start()
+        return sorted(self.started)
+
+    def take(self, module_file: str) -> Optional[GpuRuns]:
+        return self.started.get(str(Path(module_file).resolve()))
+
+    def wait(self) -> None:
+        for runs in self.started.values():
+            runs.wait()
+
+
+EARLY_RUNS = EarlyRuns()

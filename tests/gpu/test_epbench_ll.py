@@ -12,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import GPUS, KERNEL_SUITES, GpuRuns, ll_kernels_built, shared, shares_gpus, world
+from gpu_launch import EARLY_RUNS, GPUS, KERNEL_SUITES, GpuRuns, ll_kernels_built, shared, shares_gpus, world
 
 torch = pytest.importorskip("torch")
 
@@ -123,19 +123,28 @@ def chain_sweep(sync: str):
     return command
 
 
-@pytest.fixture(scope="module")
-def pipeline_runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    """Every `epbench` run of the tests below, started together at the first of them: the token sweeps
-    of both dtypes and syncs and the corrupted run on world() ranks, two of them at a time on each GPU
-    (they check what a run verifies and prints, never a time: the GPU time-slices between them), and the
-    world-1 chain sweeps of both syncs on a GPU each. One after another the sweeps took most of this
-    module's time on 4 x H200 (2026-11-27)."""
+def _pipeline_runs(base: Path) -> Optional[GpuRuns]:
+    """Every `epbench` run of the tests below: the token sweeps of both dtypes and syncs and the
+    corrupted run on world() ranks, two of them at a time on each GPU (they check what a run verifies
+    and prints, never a time: the GPU time-slices between them), and the world-1 chain sweeps of both
+    syncs on a GPU each. Started as the session's tests begin (gpu_launch.EARLY_RUNS): one after
+    another the sweeps took most of this module's time on 4 x H200 (2026-11-27)."""
+    if not ll_kernels_built():
+        return None
     ranks_gpus = min(world(), max(GPUS, 1))
     runs = {f"sweep/{d}/{r}/{s}": sweep_tokens(d, r, s) for d, r in SWEEPS for s in SYNCS}
     runs["corrupted"] = corrupted
     runs.update({f"chain/{s}": chain_sweep(s) for s in SYNCS})
     gpus = {name: (1 if name.startswith("chain/") else ranks_gpus) for name in runs}
-    with GpuRuns(tmp_path_factory.mktemp("ll-runs"), runs, gpus=gpus, per_gpu=2, timeout=600) as started:
+    return GpuRuns(base, runs, gpus=gpus, per_gpu=2, timeout=600)
+
+
+EARLY_RUNS.add(__file__, _pipeline_runs)
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+    with EARLY_RUNS.take(__file__) or _pipeline_runs(tmp_path_factory.mktemp("ll-runs")) as started:
         yield started
 
 

@@ -2,7 +2,8 @@
 DEEPEP_SRC=...`. On one GPU each: bf16 and fp8 at world 1, bf16 with 2 ranks sharing it (its code refuses
 neither: epbench/backends/hybrid_ep.py), and expert_major. On a host with 2 or more GPUs: one rank
 per GPU (up to 4), swept over two SM counts. The runs start together at the first test, side by
-side on this host's GPUs, two at a time on a GPU (gpu_launch.GpuRuns). Every run times both call modes (``call``: the whole
+side on this host's GPUs, two at a time on a GPU (gpu_launch.GpuRuns), from the session's start
+(gpu_launch.EARLY_RUNS). Every run times both call modes (``call``: the whole
 call; ``kernel``: the cached handle), each point verified (#wrong 0), and every row records the
 block counts the library's handle says its kernels ran with, which must be the point's SM count."""
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Iterator, Sequence
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import GPUS, GpuRuns, flavor_reachable, shares_gpus
+from gpu_launch import EARLY_RUNS, GPUS, GpuRuns, flavor_reachable, shares_gpus
 
 pytestmark = shares_gpus()
 
@@ -47,10 +49,19 @@ def built() -> None:
                     "DEEPEP_FLAVOR=hybrid-ep)")
 
 
+def _runs(base: Path) -> Optional[GpuRuns]:
+    if not flavor_reachable("hybrid-ep"):
+        return None
+    return GpuRuns(base, {n: _command(*r[:4]) for n, r in RUNS.items()},
+                   gpus={n: r[4] for n, r in RUNS.items()}, per_gpu=2, timeout=300)
+
+
+EARLY_RUNS.add(__file__, _runs)  # started as the session's tests begin (its jobs are mostly nvcc)
+
+
 @pytest.fixture(scope="module")
 def runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    with GpuRuns(tmp_path_factory.mktemp("hybrid-ep"), {n: _command(*r[:4]) for n, r in RUNS.items()},
-                 gpus={n: r[4] for n, r in RUNS.items()}, per_gpu=2, timeout=300) as runs:
+    with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("hybrid-ep")) as runs:
         yield runs
 
 

@@ -14,7 +14,7 @@ from typing import Dict, List
 import pytest
 import yaml
 from epbench.results import load_run
-from gpu_launch import GPUS, ROOT, safe_env, shares_gpus
+from gpu_launch import EARLY_RUNS, GPUS, ROOT, safe_env, shares_gpus
 
 torch = pytest.importorskip("torch")
 
@@ -44,6 +44,8 @@ def expert_major_scenario(tmp_path: Path, dtype: str) -> Path:
 
 
 def run(tmp_path: Path, scenario: str, shared: bool) -> None:
+    if shared:  # its own MPS daemon serves GPU 0: nothing of the early-started runs still beside it
+        EARLY_RUNS.wait()
     env: Dict[str, str] = dict(safe_env(), **({"CUDA_VISIBLE_DEVICES": "0"} if shared else {}))
     extra: List[str] = ["--mps"] if shared else []
     results = tmp_path / "r"
