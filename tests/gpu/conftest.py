@@ -48,8 +48,9 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
     """Starts the run sets of the selected modules that start early (gpu_launch.EARLY_RUNS) on a GPU
-    host, once the tests to run are known (not for --collect-only)."""
-    if session.config.option.collectonly or not session.items:
+    host, once the tests to run are known (not for --collect-only, nor in pytest-xdist's workers: each
+    collects every test and would start every set again; their modules make their own at first use)."""
+    if session.config.option.collectonly or not session.items or hasattr(session.config, "workerinput"):
         return
     from gpu_launch import EARLY_RUNS, GPUS
 
