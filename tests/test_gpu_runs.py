@@ -88,7 +88,7 @@ def test_per_gpu_lets_runs_share_gpus_up_to_that_many_each_on_distinct_gpus(tmp_
     assert seen["w3"]["start"] >= min(seen["w1"]["end"], seen["w2"]["end"]) - 0.05  # waited for room
 
 
-def test_early_runs_start_the_selected_modules_sets_and_each_module_takes_its_own(tmp_path, monkeypatch):
+def test_early_runs_start_the_sets_selected_tests_use_and_each_is_taken_once(tmp_path, monkeypatch):
     from gpu_launch import EarlyRuns
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -98,16 +98,25 @@ def test_early_runs_start_the_selected_modules_sets_and_each_module_takes_its_ow
     def maker(name, built=True):
         def make(base):
             made.append(name)
+            if name == "broken":
+                raise OSError("no room")
             return GpuRuns(base, {"r": stand_in(0.3)}, host_gpus=1) if built else None
         return make
 
-    early.add(str(tmp_path / "test_a.py"), maker("a"))
-    early.add(str(tmp_path / "test_b.py"), maker("b"))
-    early.add(str(tmp_path / "test_c.py"), maker("c", built=False))  # its module would skip
-    started = early.start([tmp_path / "test_a.py", tmp_path / "test_c.py", tmp_path / "test_x.py"])
-    assert made == ["a", "c"] and started == [str((tmp_path / "test_a.py").resolve())]
-    assert early.take(str(tmp_path / "test_b.py")) is None  # not selected: its module makes its own
+    files = {n: str(tmp_path / f"test_{n}.py") for n in ("a", "b", "c", "d", "e")}
+    early.add(files["a"], maker("a"), "runs")
+    early.add(files["b"], maker("b"), "runs")
+    early.add(files["c"], maker("c", built=False), "runs")  # its module would skip
+    early.add(files["d"], maker("d"), "pipeline_runs")
+    early.add(files["e"], maker("broken"), "runs")
+    selected = [(files["a"], ("runs", "tmp_path")), (files["c"], ("runs",)),
+                (files["d"], ("built",)),  # a test of d that does not use its set
+                (files["e"], ("runs",)), (str(tmp_path / "test_x.py"), ("runs",))]
+    started = early.start(selected, tmp_path / "early")
+    assert made == ["a", "c", "broken"] and started == [str(Path(files["a"]).resolve())]
+    assert early.take(files["b"]) is None and early.take(files["d"]) is None  # their modules make their own
     early.wait()  # a's run has ended, without any test asking for it
-    runs = early.take(str(tmp_path / "test_a.py"))
+    runs = early.take(files["a"])
     assert runs is not None and runs.done["r"][0].returncode == 0
+    assert early.take(files["a"]) is None  # a second setup of the fixture makes a new set
     runs.close()

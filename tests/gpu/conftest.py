@@ -17,7 +17,7 @@ class ImmediateReports:
     def __init__(self, config):
         import time
 
-        self.config, self.started = config, time.monotonic()
+        self.config, self.started, self.setup = config, time.monotonic(), {}
 
     @pytest.hookimpl(trylast=True)  # after the terminal's own PASSED / FAILED for the test
     def pytest_runtest_logreport(self, report):
@@ -26,10 +26,13 @@ class ImmediateReports:
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is None:  # an xdist worker: the controller gets the report and prints it
             return
+        if report.when == "setup":  # a module fixture's launch counts for the test that waited for it
+            self.setup[report.nodeid] = report.duration
         if report.when == "call" and self.config.getoption("verbose") > 0:
             import time  # each test's time on its line, as it ends: a run stopped from outside keeps them
 
-            reporter.write(f" {report.duration:.1f} s, at {time.monotonic() - self.started:.0f} s")
+            took = report.duration + self.setup.pop(report.nodeid, 0.0)
+            reporter.write(f" {took:.1f} s, at {time.monotonic() - self.started:.0f} s")
         if not report.failed:
             return
         what = "FAILED" if report.when == "call" else f"ERROR at {report.when}"
@@ -40,22 +43,50 @@ class ImmediateReports:
         reporter.write_sep("-")
 
 
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
+    import signal
+    import threading
+
+    # An outer `timeout` or a machine's end sends SIGTERM: as Ctrl-C, so that the fixtures' teardown
+    # and atexit stop the GPU runs still going (gpu_launch.GpuRuns) instead of leaving them behind.
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     if not config.pluginmanager.has_plugin("epbench-immediate-reports"):
         config.pluginmanager.register(ImmediateReports(config), "epbench-immediate-reports")
 
 
-def pytest_collection_finish(session):
-    """Starts the run sets of the selected modules that start early (gpu_launch.EARLY_RUNS) on a GPU
-    host, once the tests to run are known (not for --collect-only, nor in pytest-xdist's workers: each
-    collects every test and would start every set again; their modules make their own at first use)."""
-    if session.config.option.collectonly or not session.items or hasattr(session.config, "workerinput"):
-        return
-    from gpu_launch import EARLY_RUNS, GPUS
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (make test's --dist loadgroup) every gpu test goes to one worker: they share
+    the host's GPUs through gpu_launch's schedulers, which each process keeps for itself."""
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
 
-    if GPUS >= 1:
-        EARLY_RUNS.start({str(item.path) for item in session.items if item.get_closest_marker("gpu")})
+
+def pytest_collection_finish(session):
+    """Starts the run sets the selected tests use, of the modules that start them early
+    (gpu_launch.EARLY_RUNS), on a GPU host once the tests to run are known; not for --collect-only,
+    --setup-plan or --setup-only, not in pytest-xdist's workers, not with EPBENCH_GPU_TESTS_EARLY=0."""
+    import os
+    import sys
+
+    option = session.config.option
+    if (option.collectonly or getattr(option, "setupplan", False) or getattr(option, "setuponly", False)
+            or not session.items or hasattr(session.config, "workerinput")
+            or os.environ.get("EPBENCH_GPU_TESTS_EARLY", "1") == "0"):
+        return
+    launch = sys.modules.get("gpu_launch")  # imported by the gpu test modules collected
+    if launch is None or launch.GPUS < 1:
+        return
+    tests = [(str(item.path), tuple(getattr(item, "fixturenames", ())))
+             for item in session.items if item.get_closest_marker("gpu")]
+    launch.EARLY_RUNS.start(tests, session.config._tmp_path_factory.mktemp("early-runs"))
 
 
 @pytest.fixture(scope="session")

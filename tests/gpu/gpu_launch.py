@@ -350,8 +350,9 @@ class GpuRuns:
                         kill_tree(p.pid)
                         p.wait()
                     folder = self._folder(name)
-                    err = (folder / "stderr.txt").read_text() + (f"\n(killed after {self.timeout} s)" if late else "")
-                    out = (folder / "stdout.txt").read_text()
+                    err = (folder / "stderr.txt").read_text(errors="replace") + (
+                        f"\n(killed after {self.timeout} s)" if late else "")
+                    out = (folder / "stdout.txt").read_text(errors="replace")
                     self._end(name, subprocess.CompletedProcess(cmd, p.returncode, out, err))
                     del running[name]
                     for g in mine:
@@ -370,36 +371,46 @@ class GpuRuns:
 class EarlyRuns:
     """Run sets that start as the session's tests begin, not at their module's first test: a module
     whose runs take long but need the GPUs little (Hybrid-EP's jobs compile with nvcc as they start;
-    the low-latency pipeline runs are short jobs mostly starting up) registers a maker at import
-    (``add``); tests/gpu/conftest.py starts the sets of the modules with selected tests once collection
-    ends (``start``), and the module's fixture takes its set (``take``) and closes it at the module's
-    end. Their runs then go beside the tests of the modules before them, which only verify too; a
-    test that needs a GPU to itself (MPS) first waits for them (``wait``)."""
+    the low-latency pipeline runs are short jobs mostly starting up) registers a maker and the name of
+    the fixture that hands its set to its tests at import (``add``); tests/gpu/conftest.py starts the
+    sets that a selected test uses once collection ends (``start``), and the module's fixture takes its
+    set (``take``, once: a second setup of that fixture makes a new set) and closes it at the module's
+    end. Their runs then go beside the tests of the modules before them, which only verify too; a test
+    that needs a GPU to itself (MPS) first waits for them (``wait``). EPBENCH_GPU_TESTS_EARLY=0 turns
+    this off (each set then starts at its module's first test, as before)."""
 
     def __init__(self) -> None:
-        self.makers: Dict[str, Callable[[Path], Optional[GpuRuns]]] = {}
+        self.makers: Dict[str, Tuple[Callable[[Path], Optional[GpuRuns]], str]] = {}
         self.started: Dict[str, GpuRuns] = {}
+        self.every: List[GpuRuns] = []
 
-    def add(self, module_file: str, make: Callable[[Path], Optional[GpuRuns]]) -> None:
-        """``make(base folder)`` gives the module's set, or None where it would skip (not built)."""
-        self.makers[str(Path(module_file).resolve())] = make
+    def add(self, module_file: str, make: Callable[[Path], Optional[GpuRuns]], fixture: str) -> None:
+        """``make(base folder)`` gives the module's set, or None where it would skip (not built);
+        ``fixture``: the fixture its tests take the set from."""
+        self.makers[str(Path(module_file).resolve())] = (make, fixture)
 
-    def start(self, module_files) -> List[str]:
-        """Starts the sets of these modules (those that registered one); returns the modules started."""
-        import tempfile
-
-        for f in sorted({str(Path(m).resolve()) for m in module_files}):
-            if f in self.makers and f not in self.started:
-                runs = self.makers[f](Path(tempfile.mkdtemp(prefix=f"epbench-{Path(f).stem}-")))
-                if runs is not None:
-                    self.started[f] = runs.start()
+    def start(self, tests: Sequence[Tuple[str, Sequence[str]]], base: Path) -> List[str]:
+        """Starts the sets used by these tests ((module file, fixture names) each); returns the
+        modules whose set started. A maker that fails leaves its module to make its own set."""
+        for f in sorted({str(Path(m).resolve()) for m, names in tests
+                         if self.makers.get(str(Path(m).resolve()), (None, ""))[1] in names}):
+            if f in self.started:
+                continue
+            try:
+                runs = self.makers[f][0](base / Path(f).stem)
+            except Exception as e:  # noqa: BLE001 - the module's fixture makes its set later and reports it
+                print(f"gpu_launch: early runs of {Path(f).name} not started: {e!r}")
+                continue
+            if runs is not None:
+                self.started[f] = runs.start()
+                self.every.append(runs)
         return sorted(self.started)
 
     def take(self, module_file: str) -> Optional[GpuRuns]:
-        return self.started.get(str(Path(module_file).resolve()))
+        return self.started.pop(str(Path(module_file).resolve()), None)
 
     def wait(self) -> None:
-        for runs in self.started.values():
+        for runs in self.every:
             runs.wait()
 
 

@@ -136,10 +136,10 @@ def _pipeline_runs(base: Path) -> Optional[GpuRuns]:
     runs["corrupted"] = corrupted
     runs.update({f"chain/{s}": chain_sweep(s) for s in SYNCS})
     gpus = {name: (1 if name.startswith("chain/") else ranks_gpus) for name in runs}
-    return GpuRuns(base, runs, gpus=gpus, per_gpu=2, timeout=600)
+    return GpuRuns(base, runs, gpus=gpus, per_gpu=2, timeout=900)
 
 
-EARLY_RUNS.add(__file__, _pipeline_runs)
+EARLY_RUNS.add(__file__, _pipeline_runs, "pipeline_runs")
 
 
 @pytest.fixture(scope="module")

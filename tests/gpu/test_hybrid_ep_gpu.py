@@ -56,7 +56,7 @@ def _runs(base: Path) -> Optional[GpuRuns]:
                    gpus={n: r[4] for n, r in RUNS.items()}, per_gpu=2, timeout=300)
 
 
-EARLY_RUNS.add(__file__, _runs)  # started as the session's tests begin (its jobs are mostly nvcc)
+EARLY_RUNS.add(__file__, _runs, "runs")  # started as the session's tests begin (its jobs are mostly nvcc)
 
 
 @pytest.fixture(scope="module")
