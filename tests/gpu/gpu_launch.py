@@ -384,18 +384,20 @@ class EarlyRuns:
         self.started: Dict[str, GpuRuns] = {}
         self.every: List[GpuRuns] = []
 
+    @staticmethod
+    def _key(module_file) -> str:
+        return str(Path(module_file).resolve())
+
     def add(self, module_file: str, make: Callable[[Path], Optional[GpuRuns]], fixture: str) -> None:
         """``make(base folder)`` gives the module's set, or None where it would skip (not built);
         ``fixture``: the fixture its tests take the set from."""
-        self.makers[str(Path(module_file).resolve())] = (make, fixture)
+        self.makers[self._key(module_file)] = (make, fixture)
 
     def start(self, tests: Sequence[Tuple[str, Sequence[str]]], base: Path) -> List[str]:
         """Starts the sets used by these tests ((module file, fixture names) each); returns the
         modules whose set started. A maker that fails leaves its module to make its own set."""
-        for f in sorted({str(Path(m).resolve()) for m, names in tests
-                         if self.makers.get(str(Path(m).resolve()), (None, ""))[1] in names}):
-            if f in self.started:
-                continue
+        used = {self._key(m) for m, names in tests if self.makers.get(self._key(m), (None, ""))[1] in names}
+        for f in sorted(used - set(self.started)):
             try:
                 runs = self.makers[f][0](base / Path(f).stem)
             except Exception as e:  # noqa: BLE001 - the module's fixture makes its set later and reports it
@@ -407,7 +409,7 @@ class EarlyRuns:
         return sorted(self.started)
 
     def take(self, module_file: str) -> Optional[GpuRuns]:
-        return self.started.pop(str(Path(module_file).resolve()), None)
+        return self.started.pop(self._key(module_file), None)
 
     def wait(self) -> None:
         for runs in self.every:
