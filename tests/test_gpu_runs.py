@@ -120,3 +120,66 @@ def test_early_runs_start_the_sets_selected_tests_use_and_each_is_taken_once(tmp
     assert runs is not None and runs.done["r"][0].returncode == 0
     assert early.take(files["a"]) is None  # a second setup of the fixture makes a new set
     runs.close()
+
+
+def _seen(runs, names):
+    out = {}
+    for name in names:
+        r, folder = runs.get(name)
+        assert r.returncode == 0, r.stderr
+        out[name] = json.loads((folder / "seen.json").read_text())
+    return out
+
+
+def test_sets_sharing_a_pool_never_put_more_than_its_cap_on_a_gpu(tmp_path, monkeypatch):
+    from gpu_launch import HostGpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pool = HostGpus(4, cap=2)
+    need_a = {"a4": 4, "a2": 2, "a1": 1, "b1": 1, "c1": 1}
+    need_b = {"x4": 4, "x1": 1, "y1": 1, "z2": 2}
+    a = GpuRuns(tmp_path / "a", {n: stand_in(0.6) for n in need_a}, gpus=need_a, per_gpu=2, pool=pool).start()
+    b = GpuRuns(tmp_path / "b", {n: stand_in(0.6) for n in need_b}, gpus=need_b, per_gpu=2, pool=pool).start()
+    seen = {**{f"a/{n}": s for n, s in _seen(a, need_a).items()}, **{f"b/{n}": s for n, s in _seen(b, need_b).items()}}
+    for name, run in seen.items():
+        for gpu in run["gpus"]:  # at each start, the runs of both sets on that GPU
+            on = [n for n, o in seen.items() if gpu in o["gpus"] and o["start"] <= run["start"] < o["end"]]
+            assert len(on) <= 2, (name, gpu, on)
+    assert pool.held == {0: 0, 1: 0, 2: 0, 3: 0} and not pool.waiting  # every GPU given back
+    assert any(seen["a/a4"]["start"] < o["end"] and o["start"] < seen["a/a4"]["end"]
+               for n, o in seen.items() if n.startswith("b/"))  # the sets did run side by side
+
+
+def test_a_run_that_waited_its_patience_is_not_starved_by_later_small_runs(tmp_path, monkeypatch):
+    import time
+
+    from gpu_launch import HostGpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pool = HostGpus(2, cap=1, patience=0.3)
+    first = GpuRuns(tmp_path / "f", {"f0": stand_in(0.8), "f1": stand_in(0.8)}, pool=pool).start()
+    time.sleep(0.2)  # both GPUs taken
+    big = GpuRuns(tmp_path / "b", {"big": stand_in(0.2)}, gpus={"big": 2}, pool=pool).start()
+    time.sleep(0.1)
+    small = {f"s{i}": 1 for i in range(6)}
+    smalls = GpuRuns(tmp_path / "s", {n: stand_in(0.3) for n in small}, gpus=small, pool=pool).start()
+    seen_first, seen_big, seen_small = _seen(first, ["f0", "f1"]), _seen(big, ["big"])["big"], _seen(smalls, small)
+    # without the patience rule the small runs take each GPU as it frees and the big run waits for all six
+    assert seen_big["start"] < min(s["start"] for s in seen_small.values())
+    assert seen_big["start"] >= max(s["end"] for s in seen_first.values()) - 0.05
+
+
+def test_closing_a_set_gives_back_its_gpus_and_requests(tmp_path):
+    from gpu_launch import HostGpus
+
+    pool = HostGpus(1, cap=1)
+    runs = GpuRuns(tmp_path, {"slow": stand_in(60), "next": stand_in(0)}, timeout=120, pool=pool).start()
+    import time
+
+    deadline = time.monotonic() + 20
+    while pool.held[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.held[0] == 1
+    runs.close()
+    assert runs.get("next")[0].returncode != 0
+    assert pool.held == {0: 0} and not pool.waiting

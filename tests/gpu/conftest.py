@@ -12,7 +12,7 @@ class ImmediateReports:
     REPORT_TAIL characters of its report, the moment it ends, besides pytest's summary at the end: a
     run stopped from outside (a time-limited machine, a command's timeout) still shows why the
     tests that had failed did. Registered as a plugin, not as this conftest's hook, so that it
-    also sees the gpu tests outside this folder (tests/test_gpu_cli.py)."""
+    also sees gpu tests outside this folder."""
 
     def __init__(self, config):
         import time

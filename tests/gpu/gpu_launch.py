@@ -242,6 +242,69 @@ def ll_kernels_built() -> bool:
 KERNEL_SUITES = SuiteLaunches(ROOT / "tests" / "gpu" / "suite_worker.py")
 
 
+class HostGpus:
+    """This host's GPUs as every run set (GpuRuns) sees them together: how many runs each GPU holds,
+    at most ``cap`` from all sets at once, so that sets started together (gpu_launch.EARLY_RUNS) do
+    not pile up on one GPU beside the tests that launch on their own (the kernel suites, whose
+    missing-peer checks wait 1 s). Requests are served first fit, but one that has waited ``patience``
+    s for the pool (its own set had room for it) holds back every request made after it until it
+    fits: a run needing every GPU is not starved by the one-GPU runs of sets started after it. A set's
+    own ``per_gpu`` still bounds its own runs on a GPU."""
+
+    def __init__(self, gpus: int, cap: int, patience: float = 15.0) -> None:
+        import itertools
+        import threading
+
+        self.gpus, self.cap, self.patience = max(gpus, 1), max(cap, 1), patience
+        self.held = {g: 0 for g in range(self.gpus)}
+        self.waiting: Dict[object, Tuple[int, float]] = {}  # request -> (its order, when first made)
+        self._order = itertools.count()
+        self._lock = threading.Lock()
+
+    def take(self, request: object, need: int, allowed: Dict[int, int]) -> Optional[List[int]]:
+        """``need`` distinct GPUs for ``request`` (any hashable, the same on every try), among those
+        its set still has room on (``allowed``: GPU -> the set's room), those with the most room
+        first; None (and the request keeps its place) where they are not free now."""
+        import time
+
+        with self._lock:
+            now = time.monotonic()
+            order, since = self.waiting.setdefault(request, (next(self._order), now))
+            if sum(1 for g in allowed.values() if g > 0) < need:  # its own set's room stops it, not the pool:
+                self.waiting[request] = (order, now)               # it holds nothing back (yet)
+            held_back = any(o < order and now - t >= self.patience for o, t in self.waiting.values())
+            free = sorted((g for g in self.held if self.held[g] < self.cap and allowed.get(g, 0) > 0),
+                          key=lambda g: (self.held[g], -allowed[g], g))
+            if held_back or need > len(free):
+                return None
+            mine = sorted(free[:need])
+            for g in mine:
+                self.held[g] += 1
+            del self.waiting[request]
+            return mine
+
+    def give(self, gpus: Sequence[int]) -> None:
+        with self._lock:
+            for g in gpus:
+                self.held[g] -= 1
+
+    def forget(self, requests) -> None:
+        """Requests that will not be made again (their set stopped)."""
+        with self._lock:
+            for r in requests:
+                self.waiting.pop(r, None)
+
+
+_HOST: List[HostGpus] = []
+
+
+def host_pool() -> HostGpus:
+    """The one pool of this process's GPUs (cap: EPBENCH_GPU_TESTS_PER_GPU runs a GPU, default 3)."""
+    if not _HOST:
+        _HOST.append(HostGpus(GPUS, int(os.environ.get("EPBENCH_GPU_TESTS_PER_GPU", "3"))))
+    return _HOST[0]
+
+
 class GpuRuns:
     """Independent runs of one module, each needing some GPUs of this host but no particular ones
     (each sees only the GPUs it is given, through CUDA_VISIBLE_DEVICES): the first test that reads one
@@ -256,17 +319,22 @@ class GpuRuns:
     safe_env(). ``per_gpu`` runs may share one GPU at a time (default 1: each its own GPUs), each
     still on distinct GPUs of its own count, those with the most room first: for runs that only verify
     (the GPU time-slices between them, so their times mean nothing), never for MPS (its daemon serves
-    the whole GPU). ``close()`` (the module fixture's teardown) stops what is still running."""
+    the whole GPU). Every set of this process shares one pool (``host_pool()``: a cap on the runs a GPU
+    holds from all sets together); ``host_gpus`` given (tests of this scheduler) gives the set a pool of
+    its own. ``close()`` (the module fixture's teardown) stops what is still running."""
 
     def __init__(self, base: Path, runs: Dict[str, Callable[[Path], List[str]]],
                  env: Optional[Dict[str, str]] = None, timeout: int = 600,
                  gpus: Optional[Dict[str, int]] = None, host_gpus: Optional[int] = None,
-                 per_gpu: int = 1) -> None:
+                 per_gpu: int = 1, pool: Optional[HostGpus] = None) -> None:
         import threading
 
         self.base, self.runs, self.env, self.timeout = base, runs, env or {}, timeout
         self.per_gpu = max(per_gpu, 1)
-        self.host_gpus = max(GPUS if host_gpus is None else host_gpus, 1)
+        if pool is None:
+            pool = host_pool() if host_gpus is None else HostGpus(host_gpus, self.per_gpu)
+        self.pool = pool
+        self.host_gpus = pool.gpus if host_gpus is None else max(host_gpus, 1)
         self.need = {name: (gpus or {}).get(name, 1) for name in runs}
         too_many = {n: k for n, k in self.need.items() if not 1 <= k <= self.host_gpus}
         if too_many:
@@ -328,11 +396,10 @@ class GpuRuns:
         try:
             while (todo or running) and not self._stop.is_set():
                 for name in list(todo):
-                    open_gpus = sorted((g for g in room if room[g] > 0), key=lambda g: (-room[g], g))
-                    if self.need[name] > len(open_gpus):
+                    mine = self.pool.take((id(self), name), self.need[name], room)
+                    if mine is None:
                         continue
                     todo.remove(name)
-                    mine = sorted(open_gpus[: self.need[name]])
                     for g in mine:
                         room[g] -= 1
                     folder = self._folder(name)
@@ -355,14 +422,17 @@ class GpuRuns:
                     out = (folder / "stdout.txt").read_text(errors="replace")
                     self._end(name, subprocess.CompletedProcess(cmd, p.returncode, out, err))
                     del running[name]
+                    self.pool.give(mine)
                     for g in mine:
                         room[g] += 1
                 time.sleep(0.2)
         except BaseException as e:  # noqa: BLE001 - this thread's own failure: every waiting test reads it
             why = f"runs stopped: {e!r}"
-        finally:  # nothing left running, every waiting test released
-            for p, *_ in running.values():
+        finally:  # nothing left running, every waiting test released, the pool's GPUs given back
+            for p, mine, *_ in running.values():
                 kill_tree(p.pid)
+                self.pool.give(mine)
+            self.pool.forget((id(self), name) for name in todo)
             for name in self.runs:
                 if name not in self.done:
                     self._end(name, subprocess.CompletedProcess([], -1, "", why))

@@ -3,19 +3,20 @@ NCCL_CARRY=...`: at world 1 it runs verified with the NCCL it was built against 
 job only, in both layouts (expert_major through V2's expanding dispatch); ranks sharing the GPU get a
 skipped row saying it needs one GPU per rank. On 2 and 4 GPUs (one rank each, gin off within the
 node) both call modes run verified in both layouts: ``kernel`` times V2's cached handle. The runs go
-side by side on this host's GPUs where they fit (gpu_launch.GpuRuns)."""
+side by side on this host's GPUs where they fit (gpu_launch.GpuRuns), from the session's start
+(gpu_launch.EARLY_RUNS)."""
 
 from __future__ import annotations
 
 import json
 import sys
-
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 import pytest
 from epbench.backends import deepep_v2_env
 from epbench.results import load_run
-from gpu_launch import GPUS, GpuRuns, flavor_reachable, needs_gpus, shares_gpus
+from gpu_launch import EARLY_RUNS, GPUS, GpuRuns, flavor_reachable, needs_gpus, shares_gpus
 
 pytestmark = shares_gpus()
 
@@ -48,11 +49,19 @@ def _command(nproc: int, scenario: str, backends: str, extra: tuple):
                            "--backends", backends, *QUICK, *extra, "--results", str(folder / "r")]
 
 
+def _runs(base: Path) -> Optional[GpuRuns]:
+    if not flavor_reachable("deepep-v2"):
+        return None
+    return GpuRuns(base, {n: _command(w, sc, b, extra) for n, (w, sc, _, b, extra) in RUNS.items()},
+                   gpus={n: r[2] for n, r in RUNS.items()}, per_gpu=2, timeout=300)
+
+
+EARLY_RUNS.add(__file__, _runs, "runs")
+
+
 @pytest.fixture(scope="module")
 def runs(v2_built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    with GpuRuns(tmp_path_factory.mktemp("deepep-v2"),
-                 {n: _command(w, sc, b, extra) for n, (w, sc, _, b, extra) in RUNS.items()},
-                 gpus={n: r[2] for n, r in RUNS.items()}, per_gpu=2, timeout=300) as runs:
+    with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("deepep-v2")) as runs:
         yield runs
 
 

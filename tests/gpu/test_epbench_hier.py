@@ -4,17 +4,19 @@ edge case against epbench.verify, a backend per case), then a missing peer again
 per gpus_per_node (the check does not depend on the transport), in one process group with one
 NVSHMEM start (gpus_per_node is per backend, not per NVSHMEM start); each test reads its own
 configuration's line, so a failure names its failed cases. Then the whole pipeline through `epbench
-run` on the 2 x 2 virtual-node scenario with the NCCL reference beside it, every point verified."""
+run` on the 2 x 2 virtual-node scenario with the NCCL reference beside it, every point verified, and a
+bootstrap that cannot start: these two runs start as the session's tests begin (gpu_launch.EARLY_RUNS,
+gpu_launch.GpuRuns)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator, Optional
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import ROOT, SuiteLaunches, needs_nvshmem_gpus, safe_env, shared
+from gpu_launch import EARLY_RUNS, GPUS, ROOT, GpuRuns, SuiteLaunches, mps_on, needs_nvshmem_gpus, shared
 
 torch = pytest.importorskip("torch")
 
@@ -33,6 +35,36 @@ def built() -> None:
 
     if not nvshmem_lib.LIB_PATH.exists():  # loading it here would pull libnvshmem_host into pytest
         pytest.skip(f"{nvshmem_lib.NOT_BUILT} ({nvshmem_lib.LIB_PATH} is missing)")
+
+
+def epbench_run(*args: str):
+    return lambda folder: [sys.executable, "-m", "epbench", "run", "scenarios/h200x2x2-virtual.yaml", *args,
+                           "--results", str(folder / "r")]
+
+
+# a bootstrap that cannot start: no such network interface for NVSHMEM's unique-id socket
+NO_SUCH_IF = {"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "epbench-no-such-if"}
+RUNS = {"virtual": epbench_run("--backends", "reference,epbench-hier", "--sms", "16"),
+        "startup failure": lambda folder: ["env", *(f"{k}={v}" for k, v in NO_SUCH_IF.items()),
+                                           *epbench_run("--backends", "epbench-hier", "--sms", "8",
+                                                        "--no-ceilings")(folder)]}
+
+
+def _runs(base: Path) -> Optional[GpuRuns]:
+    from epbench import nvshmem_lib
+
+    if not nvshmem_lib.LIB_PATH.exists() or (GPUS < WORLD and not mps_on()):
+        return None
+    return GpuRuns(base, RUNS, gpus={name: min(WORLD, GPUS) for name in RUNS}, timeout=600)
+
+
+EARLY_RUNS.add(__file__, _runs, "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+    with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("hier")) as started:
+        yield started
 
 
 def suite_name(gpus_per_node: int, transport: str, quick: bool) -> str:
@@ -60,14 +92,10 @@ def test_hier_kernels_match_verification(hier_suites: SuiteLaunches, gpus_per_no
     print("\n".join(out.splitlines()[-2:]))  # the suite's time and its line
 
 
-def test_virtual_scenario_runs_verified(built: None, tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "epbench", "run", "scenarios/h200x2x2-virtual.yaml",
-                        "--backends", "reference,epbench-hier", "--sms", "16", "--results", str(tmp_path / "r")],
-                       cwd=ROOT, env=safe_env(), capture_output=True, text=True, timeout=600)
+def test_virtual_scenario_runs_verified(runs: GpuRuns) -> None:
+    r, folder = runs.get("virtual")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    import pandas as pd
-
-    (run,) = list((tmp_path / "r").iterdir())
+    (run,) = list((folder / "r").iterdir())
     df = load_run(run)[1]  # measured rows (skipped / failed ones aside)
     # the NCCL reference needs a GPU per rank: skipped where the 4 ranks share GPUs
     assert set(df["backend"]) == {"epbench-hier"} | (set() if shared(4) else {"reference"})
@@ -76,13 +104,10 @@ def test_virtual_scenario_runs_verified(built: None, tmp_path: Path) -> None:
     assert (hier["nic_bytes"] > 0).all() and hier["nic_virtual"].all()
 
 
-def test_nvshmem_startup_failure_is_one_line(built: None, tmp_path: Path) -> None:
+def test_nvshmem_startup_failure_is_one_line(runs: GpuRuns) -> None:
     """A bootstrap that cannot start (no such network interface for NVSHMEM's unique-id socket) ends
     the run with one epbench line naming NVSHMEM, not a hang or a bare exit."""
-    env = dict(safe_env(), NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="epbench-no-such-if")
-    r = subprocess.run([sys.executable, "-m", "epbench", "run", "scenarios/h200x2x2-virtual.yaml", "--backends",
-                        "epbench-hier", "--sms", "8", "--no-ceilings", "--results", str(tmp_path / "r")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r, _ = runs.get("startup failure")
     out = r.stdout + r.stderr
     assert r.returncode == 1, out[-4000:]
     assert "Traceback" not in out, out[-4000:]

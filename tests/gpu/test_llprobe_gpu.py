@@ -1,19 +1,20 @@
 """The low-latency probe on one GPU (`epbench probe`, epbench/llprobe.py): a chain at world 1 and
 ranks sharing the GPU must verify (exit 0, every row's `wrong` 0), print the columns they add and
 write a results folder (results.csv, samples.csv) that `epbench report` prints again. Both runs start
-together at the first test, each on a GPU of its own where the host has two (gpu_launch.GpuRuns);
-nothing here checks a time against a figure, only the relation of two times of the same run."""
+as the session's tests begin (gpu_launch.EARLY_RUNS), each on a GPU of its own where the host has two
+(gpu_launch.GpuRuns); nothing here checks a time against a figure, only the relation of two times of
+the same run."""
 
 from __future__ import annotations
 
 import csv
 import subprocess
 import sys
-
+from pathlib import Path
 from typing import Iterator
 
 import pytest
-from gpu_launch import ROOT, GpuRuns, safe_env, shares_gpus
+from gpu_launch import EARLY_RUNS, ROOT, GpuRuns, safe_env, shares_gpus
 
 pytestmark = shares_gpus()
 
@@ -26,10 +27,16 @@ def probe_command(args: list):
                            "--results", str(folder / "r"), *args]
 
 
+def _runs(base: Path) -> GpuRuns:
+    return GpuRuns(base, {name: probe_command(a) for name, a in RUNS.items()})
+
+
+EARLY_RUNS.add(__file__, _runs, "runs")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    with GpuRuns(tmp_path_factory.mktemp("llprobe"),
-                 {name: probe_command(a) for name, a in RUNS.items()}) as runs:
+    with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("llprobe")) as runs:
         yield runs
 
 

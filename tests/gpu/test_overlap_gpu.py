@@ -1,7 +1,8 @@
 """`epbench overlap` at world 1 on one GPU, small sizes: every point verified (communication rows
 and the GEMM's output from the concurrent window), the green context's SM count as the driver
 reports it, and the table and plot written (marker gpu; skipped without a CUDA GPU). Both runs start
-together at the first test, each on a GPU of its own where the host has two (gpu_launch.GpuRuns):
+as the session's tests begin (gpu_launch.EARLY_RUNS), each on a GPU of its own where the host has two
+(gpu_launch.GpuRuns):
 nothing here checks a speed against a figure."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pandas as pd
 from typing import Iterator
 
 import pytest
-from gpu_launch import GpuRuns
+from gpu_launch import EARLY_RUNS, GpuRuns
 
 torch = pytest.importorskip("torch")
 
@@ -42,9 +43,16 @@ def overlap_run(gemm: str):
     return command
 
 
+def _runs(base: Path) -> GpuRuns:
+    return GpuRuns(base, {gemm: overlap_run(gemm) for gemm in GEMMS})
+
+
+EARLY_RUNS.add(__file__, _runs, "runs")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    with GpuRuns(tmp_path_factory.mktemp("overlap"), {gemm: overlap_run(gemm) for gemm in GEMMS}) as runs:
+    with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("overlap")) as runs:
         yield runs
 
 

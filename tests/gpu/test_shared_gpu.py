@@ -1,8 +1,8 @@
 """Ranks sharing one GPU through `epbench run` (issue 18): CUDA_VISIBLE_DEVICES shows every host as
 a 1-GPU host, so these run anywhere with a GPU. The epbench kernels must verify as on separate
 GPUs, and the rows and the table must give no link figure for traffic that never left the GPU. The
-three runs start together at the first test, each on a GPU of its own where the host has several
-(gpu_launch.GpuRuns); each test reads its run."""
+three runs start as the session's tests begin (gpu_launch.EARLY_RUNS), each on a GPU of its own
+where the host has several (gpu_launch.GpuRuns); each test reads its run."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable, Iterator, List
 
 import pytest
 from epbench.results import load_run
-from gpu_launch import GpuRuns, shares_gpus
+from gpu_launch import EARLY_RUNS, GpuRuns, shares_gpus
 
 pd = pytest.importorskip("pandas")
 
@@ -32,9 +32,16 @@ RUNS = {"fp8 4 ranks": epbench_run("scenarios/dsv3x4-fp8.yaml", "--nproc", "4", 
         "default": epbench_run(*QUICK)}
 
 
+def _runs(base: Path) -> GpuRuns:
+    return GpuRuns(base, RUNS)
+
+
+EARLY_RUNS.add(__file__, _runs, "runs")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    with GpuRuns(tmp_path_factory.mktemp("shared"), RUNS) as runs:
+    with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("shared")) as runs:
         yield runs
 
 

@@ -2,19 +2,20 @@
 2 ranks on separate GPUs where the host has them; 2 ranks sharing GPU 0 under MPS only check the
 one-line skip (torch's NVSHMEM refuses several processes per GPU, measured on one H100). rank_major on the shipped
 DeepSeek-V3 shape (all_to_all_vdev); expert_major with 4 experts per rank (all_to_all_vdev_2d
-takes at most 16), bf16 and fp8."""
+takes at most 16), bf16 and fp8. The runs on separate GPUs start as the session's tests begin
+(gpu_launch.EARLY_RUNS, gpu_launch.GpuRuns); the MPS case waits until every such run has ended."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 import yaml
 from epbench.results import load_run
-from gpu_launch import EARLY_RUNS, GPUS, ROOT, safe_env, shares_gpus
+from gpu_launch import EARLY_RUNS, GPUS, ROOT, GpuRuns, safe_env, shares_gpus
 
 torch = pytest.importorskip("torch")
 
@@ -23,35 +24,59 @@ pytestmark = shares_gpus()
 QUICK = ["--sms", "16", "--iters", "5", "--warmup", "1", "--no-ceilings"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def nvshmem() -> None:
+def nvshmem_available() -> bool:
     import torch.distributed._symmetric_memory as symm_mem
 
-    if not symm_mem.is_nvshmem_available():
+    return symm_mem.is_nvshmem_available()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nvshmem() -> None:
+    if not nvshmem_available():
         pytest.skip("torch's NVSHMEM is not usable here")
 
 
-def expert_major_scenario(tmp_path: Path, dtype: str) -> Path:
+def expert_major_scenario(folder: Path, dtype: str) -> Path:
     data = {"description": "2 ranks, expert-major, 4 experts per rank",
             "model": {"hidden": 7168, "tokens_per_rank": 2048, "topk": 4, "experts_per_rank": 4,
                       "dispatch_dtype": dtype, "layout": "expert_major", "align": 128},
             "topology": {"name": "2 ranks", "nodes": 1, "gpus_per_node": 2},
             "routing": {"kind": "uniform", "seed": 0},
             "bench": {"warmup": 1, "iters": 5, "backends": ["symm-mem"], "sms": [16], "device": "cuda"}}
-    path = tmp_path / f"symm-em-{dtype}.yaml"
+    path = folder / f"symm-em-{dtype}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-def run(tmp_path: Path, scenario: str, shared: bool) -> None:
-    if shared:  # its own MPS daemon serves GPU 0: nothing of the early-started runs still beside it
-        EARLY_RUNS.wait()
-    env: Dict[str, str] = dict(safe_env(), **({"CUDA_VISIBLE_DEVICES": "0"} if shared else {}))
-    extra: List[str] = ["--mps"] if shared else []
-    results = tmp_path / "r"
-    r = subprocess.run([sys.executable, "-m", "epbench", "run", scenario, "--nproc", "2", "--backends",
-                        "symm-mem", *QUICK, *extra, "--results", str(results)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def command(scenario: Callable[[Path], str], *extra: str) -> Callable[[Path], List[str]]:
+    return lambda folder: [sys.executable, "-m", "epbench", "run", scenario(folder), "--nproc", "2", "--backends",
+                           "symm-mem", *QUICK, *extra, "--results", str(folder / "r")]
+
+
+RANK_MAJOR = lambda folder: "scenarios/dsv3x2.yaml"  # noqa: E731
+EXPERT_MAJOR = {dtype: (lambda folder, d=dtype: str(expert_major_scenario(folder, d))) for dtype in ("bf16", "fp8")}
+SEPARATE = {"rank-major": command(RANK_MAJOR), **{f"expert-major {d}": command(s) for d, s in EXPERT_MAJOR.items()}}
+
+
+def _runs(base: Path) -> Optional[GpuRuns]:
+    """The runs of 2 ranks on separate GPUs, one job on a GPU at a time of this set."""
+    if GPUS < 2 or not nvshmem_available():
+        return None
+    return GpuRuns(base, SEPARATE, gpus={name: 2 for name in SEPARATE})
+
+
+EARLY_RUNS.add(__file__, _runs, "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Optional[GpuRuns]]:
+    started = EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("symm-mem"))
+    yield started
+    if started is not None:
+        started.close()
+
+
+def check(r: subprocess.CompletedProcess, results: Path, shared: bool) -> None:
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     (folder,) = list(results.iterdir())
     if shared:  # torch's NVSHMEM refuses ranks sharing a GPU (measured): a skipped row, nothing run
@@ -64,20 +89,34 @@ def run(tmp_path: Path, scenario: str, shared: bool) -> None:
     print(r.stdout.strip().splitlines()[-1])
 
 
+def run(runs: Optional[GpuRuns], tmp_path: Path, name: str, scenario: Callable[[Path], str], shared: bool) -> None:
+    """On separate GPUs: the set's run ``name``. Sharing GPU 0 under MPS: run here, after every
+    early-started run has ended (its own MPS daemon serves GPU 0: nothing else may be beside it)."""
+    if not shared:
+        assert runs is not None
+        r, folder = runs.get(name)
+        return check(r, folder / "r", shared)
+    EARLY_RUNS.wait()
+    env: Dict[str, str] = dict(safe_env(), CUDA_VISIBLE_DEVICES="0")
+    r = subprocess.run(command(scenario, "--mps")(tmp_path), cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    check(r, tmp_path / "r", shared)
+
+
 PLACES = [True] + ([False] if GPUS >= 2 else [])
 
 
 @pytest.mark.parametrize("shared", PLACES, ids=lambda s: "shared-gpu-mps" if s else "separate-gpus")
-def test_rank_major_dsv3_verifies(tmp_path: Path, shared: bool) -> None:
-    run(tmp_path, "scenarios/dsv3x2.yaml", shared)
+def test_rank_major_dsv3_verifies(runs: Optional[GpuRuns], tmp_path: Path, shared: bool) -> None:
+    run(runs, tmp_path, "rank-major", RANK_MAJOR, shared)
 
 
 # Ranks sharing a GPU only get the skip line, which the dtype does not enter (SymmMemBackend.
 # unavailable_reason): one dtype there; both where the ranks have a GPU each.
-EXPERT_MAJOR = [pytest.param(True, "bf16", id="shared-gpu-mps-bf16")] + [
+EXPERT_MAJOR_CASES = [pytest.param(True, "bf16", id="shared-gpu-mps-bf16")] + [
     pytest.param(False, dtype, id=f"separate-gpus-{dtype}") for dtype in ("bf16", "fp8") if False in PLACES]
 
 
-@pytest.mark.parametrize("shared, dtype", EXPERT_MAJOR)
-def test_expert_major_verifies(tmp_path: Path, shared: bool, dtype: str) -> None:
-    run(tmp_path, str(expert_major_scenario(tmp_path, dtype)), shared)
+@pytest.mark.parametrize("shared, dtype", EXPERT_MAJOR_CASES)
+def test_expert_major_verifies(runs: Optional[GpuRuns], tmp_path: Path, shared: bool, dtype: str) -> None:
+    run(runs, tmp_path, f"expert-major {dtype}", EXPERT_MAJOR[dtype], shared)
