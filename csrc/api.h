@@ -30,6 +30,10 @@ typedef struct ep_config {
                  // [s * max_tokens, s * max_tokens + T_s), a peer's copied there by ep_dispatch with the copy
                  // engine after the notify kernel, my own by the caller as for 1; no kernel moves a row.
                  // Rank-major and quantize before only (normal mode; the low-latency region ignores it)
+  int em_push;  // expert-major only (align >= 1): 0 (receiver): a row crosses to each destination rank once, into the
+                // slot of its first expert there, and the receiver's dispatch blocks copy it into its other experts'
+                // slots after every row has landed; 1 (sender): the sending warp stores the row into every slot
+                // (the link carries it once per (token, expert)), no copy pass
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).
@@ -96,6 +100,7 @@ typedef struct ep_effective {
   int combine_chunk;   // bytes per holder and stage
   int dispatch_scale_block;  // elements per scale of the dispatched rows: 0 bf16, 128 fp8, 32 mxfp8
   int dispatch_fused;        // 1 / 2: the dispatch kernel quantized bf16 rows on the way with 8 / 16-byte stores
+  int dispatch_em_push;      // expert-major: 1 when the senders stored every slot (ep_config.em_push), else 0
 } ep_effective;
 
 const char* ep_last_error(void);

@@ -74,6 +74,11 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
                  cfg->own_rows == 2 ? "all" : "ce", cfg->align, cfg->quantize_fused);
     return -1;
   }
+  if (cfg->em_push < 0 || cfg->em_push > 1 || (cfg->em_push && cfg->align == 0)) {
+    ep_set_error("em_push must be 0 (receiver) or 1 (sender, expert-major only), got %d with align %d", cfg->em_push,
+                 cfg->align);
+    return -1;
+  }
   CUDA_CHECK(cudaSetDevice(cfg->device));
   EpContext* ctx = new EpContext();
   memset(ctx, 0, sizeof(*ctx));
@@ -98,6 +103,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.capacity = cfg->world * cfg->max_tokens;
   p.align = cfg->align;
   p.own_ce = cfg->own_rows;
+  p.em_push = cfg->em_push;
   // expert-major: every source's tokens once per local expert they can pick, plus the largest padding
   // (epbench/layout.py slot_capacity)
   const int em = cfg->align > 0, E = cfg->experts_per_rank;

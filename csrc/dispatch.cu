@@ -27,6 +27,8 @@
 // receiver copies each received row with several of its experts from its first slot into the others
 // (em_local_copies): rows land once on the link, the extra copies are local loads and stores in this kernel.
 // The blocks wait for the last one (em_go) before copying, so all num_sms blocks must be resident at once.
+// em_push 1 (sender): the sending warp stores each row into every slot of it on each destination (more[d]: the
+// further experts of the token there), the link carrying it once per (token, expert); no copy pass, no em_go.
 // own_rows ce (p.own_ce, rank-major, quantize before): my own rows are not stored here (lane me's row is -1:
 // the caller's copy engine put x, scales, ids and weights at rows [0, T) of my buffers); every row sent to a
 // peer also gets its key (me << 32 | t) in the peer's recv_key, from lane 0 beside the ids and weights.
@@ -219,7 +221,8 @@ __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
 
 // kFused: 0 rows as given, 1 cast fused with 8-byte stores per lane and vector, 2 (fused_stores 16) two
 // adjacent vectors per lane, 16-byte stores (vector v0 + 64 m + 2 lane + (u & 1) in buf[u], m = u / 2)
-template <int kU, bool kDyn, int kFused, bool kEm>
+// kEm: 0 rank-major, 1 expert-major (em_push 0: the receiver copies), 2 expert-major with em_push 1
+template <int kU, bool kDyn, int kFused, int kEm>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
   const int world = p.world, topk = p.topk;
   const int unit = a.scale_unit, ns = kFused ? 0 : p.scale_bytes / unit;  // scale units copied per row
@@ -267,18 +270,28 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
     int rows[EP_MAX_WORLD];
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) rows[d] = __shfl_sync(0xffffffffu, my_row, d);
-    // xr[d]: where the payload goes on d (rank-major: the row; expert-major: the slot of t's first expert there)
+    // xr[d]: where the payload goes on d (rank-major: the row; expert-major: the slot of t's first expert there);
+    // more[d] (expert-major, em_push 1): the lanes k of t's further experts on d, whose slots get the payload too
     int owner = -1, em_slot = -1, xr[EP_MAX_WORLD];
+    unsigned more[EP_MAX_WORLD];
     if (kEm) em_slot = em_slot_of(p, idx, t, lane, owner);
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) {
       if (kEm) {
         const unsigned m = __ballot_sync(0xffffffffu, owner == d);
         xr[d] = m ? __shfl_sync(0xffffffffu, em_slot, __ffs(m) - 1) : -1;
+        more[d] = kEm == 2 ? m & (m - 1) : 0u;
       } else {
         xr[d] = rows[d];
+        more[d] = 0u;
       }
     }
+    // every slot of t on d: xr[d], then those of more[d] (warp-uniform: each lane runs the same shuffles)
+    auto each_slot = [&](int d, auto&& put) {
+      put(xr[d]);
+      if (kEm == 2)
+        for (unsigned m = more[d]; m; m &= m - 1) put(__shfl_sync(0xffffffffu, em_slot, __ffs(m) - 1));
+    };
     for (int v0 = 0; v0 < V; v0 += 32 * kU) {
       if (v0 > 0) {
 #pragma unroll
@@ -302,32 +315,34 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
 #pragma unroll
       for (int d = 0; d < EP_MAX_WORLD; ++d) {
         if (rows[d] < 0) continue;
-        uint8_t* row = p.peer_base[d] + p.off_recv_x + (size_t)xr[d] * p.row_bytes;
-        if (kWide) {
-          uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)xr[d] * p.scale_stride;
+        each_slot(d, [&](int r) {
+          uint8_t* row = p.peer_base[d] + p.off_recv_x + (size_t)r * p.row_bytes;
+          if (kWide) {
+            uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)r * p.scale_stride;
 #pragma unroll
-          for (int m = 0; m < kU / 2; ++m) {
-            const int g0 = v0 + m * 64, i = g0 + 2 * lane;  // 8 output bytes per source vector
-            if (i < V) st_v4(reinterpret_cast<int4*>(row) + (i >> 1), buf[2 * m]);
-            // blocks g0 / 4 .. + 15 (a multiple of 16; the 16-aligned stride holds any bytes past num_scales)
-            if (lane == 0 && g0 < V) st_v4(reinterpret_cast<int4*>(srow + (g0 >> 2)), buf[2 * m + 1]);
-          }
-        } else if (kFused) {
-          uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)xr[d] * p.scale_stride;
+            for (int m = 0; m < kU / 2; ++m) {
+              const int g0 = v0 + m * 64, i = g0 + 2 * lane;  // 8 output bytes per source vector
+              if (i < V) st_v4(reinterpret_cast<int4*>(row) + (i >> 1), buf[2 * m]);
+              // blocks g0 / 4 .. + 15 (a multiple of 16; the 16-aligned stride holds any bytes past num_scales)
+              if (lane == 0 && g0 < V) st_v4(reinterpret_cast<int4*>(srow + (g0 >> 2)), buf[2 * m + 1]);
+            }
+          } else if (kFused) {
+            uint8_t* srow = p.peer_base[d] + p.off_recv_scales + (size_t)r * p.scale_stride;
 #pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const int i0 = v0 + u * 32, i = i0 + lane;
-            if (i < V) st_v2(reinterpret_cast<uint2*>(row) + i, (uint32_t)buf[u].x, (uint32_t)buf[u].y);
-            // blocks i0 / 4 .. + 7 (a multiple of 8; the stride holds any bytes past num_scales)
-            if (lane == 0 && i0 < V) st_v2(reinterpret_cast<uint2*>(srow + (i0 >> 2)), (uint32_t)buf[u].z, (uint32_t)buf[u].w);
-          }
-        } else {
+            for (int u = 0; u < kU; ++u) {
+              const int i0 = v0 + u * 32, i = i0 + lane;
+              if (i < V) st_v2(reinterpret_cast<uint2*>(row) + i, (uint32_t)buf[u].x, (uint32_t)buf[u].y);
+              // blocks i0 / 4 .. + 7 (a multiple of 8; the stride holds any bytes past num_scales)
+              if (lane == 0 && i0 < V) st_v2(reinterpret_cast<uint2*>(srow + (i0 >> 2)), (uint32_t)buf[u].z, (uint32_t)buf[u].w);
+            }
+          } else {
 #pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const int i = v0 + u * 32 + lane;
-            if (i < V) st_v4(reinterpret_cast<int4*>(row) + i, buf[u]);
+            for (int u = 0; u < kU; ++u) {
+              const int i = v0 + u * 32 + lane;
+              if (i < V) st_v4(reinterpret_cast<int4*>(row) + i, buf[u]);
+            }
           }
-        }
+        });
       }
     }
 #pragma unroll
@@ -341,16 +356,18 @@ __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs&
       }
       if (own_ce && lane == 0) reinterpret_cast<long long*>(pb + p.off_recv_key)[rows[d]] = (long long)p.rank << 32 | t;
       if (kFused) continue;
-      uint8_t* dst_scales = pb + p.off_recv_scales + (size_t)xr[d] * p.scale_stride;
-      if (lane < ns) st_scale(dst_scales, lane, unit, sc0);
-      if (lane + 32 < ns) st_scale(dst_scales, lane + 32, unit, sc1);
-      for (int j = lane + 64; j < ns; j += 32) st_scale(dst_scales, j, unit, ld_scale(scales, j, unit));
+      each_slot(d, [&](int r) {
+        uint8_t* dst_scales = pb + p.off_recv_scales + (size_t)r * p.scale_stride;
+        if (lane < ns) st_scale(dst_scales, lane, unit, sc0);
+        if (lane + 32 < ns) st_scale(dst_scales, lane + 32, unit, sc1);
+        for (int j = lane + 64; j < ns; j += 32) st_scale(dst_scales, j, unit, ld_scale(scales, j, unit));
+      });
     }
     t = kDyn ? (int)__shfl_sync(0xffffffffu, next, 0) : t + step;
   }
 }
 
-template <int kU, int kThreads, bool kDyn, int kFused, bool kEm>
+template <int kU, int kThreads, bool kDyn, int kFused, int kEm>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, DispatchArgs a, int epoch) {
   griddep_wait();  // slot_map and base come from the notify kernel
   stamp_sm(p);
@@ -360,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
   lean_rows<kU, kDyn, kFused, kEm>(p, a, blockIdx.x * nwarps + warp, total_warps, lane);
   const bool last = grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch,
                                           kDyn ? kCounterDispatchWork : -1);
-  if (kEm) em_local_copies(p, last, epoch);
+  if (kEm == 1) em_local_copies(p, last, epoch);
 }
 
 // own_rows all: the key of every row of my segment [me * max_tokens, (me + 1) * max_tokens) on every rank d:
@@ -380,17 +397,27 @@ __global__ void __launch_bounds__(512, 1) ce_keys_kernel(EpParams p, int num_tok
 
 using DispatchKernel = void (*)(EpParams, DispatchArgs, int);
 
-// [expert-major]<[warps > 16][lean_dyn][fused: 0 no, 1 8-byte stores, 2 16-byte stores]>
-template <bool kEm>
+// One kernel of the table below; em_push (kEm 2) is built for at most 16 warps only (null above: ep_dispatch says so)
+template <int kU, int kThreads, bool kDyn, int kFused, int kEm>
+constexpr DispatchKernel dispatch_kernel() {
+  if constexpr (kEm == 2 && kThreads > 512)
+    return nullptr;
+  else
+    return dispatch_lean_kernel<kU, kThreads, kDyn, kFused, kEm>;
+}
+
+// <kEm: 0 rank-major, 1 expert-major, 2 expert-major em_push>[warps > 16][lean_dyn][fused: 0 no, 1 8-byte stores,
+// 2 16-byte stores]
+template <int kEm>
 constexpr DispatchKernel kDispatchKernels[2][2][3] = {
-    {{dispatch_lean_kernel<8, 512, false, 0, kEm>, dispatch_lean_kernel<8, 512, false, 1, kEm>,
-      dispatch_lean_kernel<8, 512, false, 2, kEm>},
-     {dispatch_lean_kernel<8, 512, true, 0, kEm>, dispatch_lean_kernel<8, 512, true, 1, kEm>,
-      dispatch_lean_kernel<8, 512, true, 2, kEm>}},
-    {{dispatch_lean_kernel<4, 1024, false, 0, kEm>, dispatch_lean_kernel<4, 1024, false, 1, kEm>,
-      dispatch_lean_kernel<4, 1024, false, 2, kEm>},
-     {dispatch_lean_kernel<4, 1024, true, 0, kEm>, dispatch_lean_kernel<4, 1024, true, 1, kEm>,
-      dispatch_lean_kernel<4, 1024, true, 2, kEm>}},
+    {{dispatch_kernel<8, 512, false, 0, kEm>(), dispatch_kernel<8, 512, false, 1, kEm>(),
+      dispatch_kernel<8, 512, false, 2, kEm>()},
+     {dispatch_kernel<8, 512, true, 0, kEm>(), dispatch_kernel<8, 512, true, 1, kEm>(),
+      dispatch_kernel<8, 512, true, 2, kEm>()}},
+    {{dispatch_kernel<4, 1024, false, 0, kEm>(), dispatch_kernel<4, 1024, false, 1, kEm>(),
+      dispatch_kernel<4, 1024, false, 2, kEm>()},
+     {dispatch_kernel<4, 1024, true, 0, kEm>(), dispatch_kernel<4, 1024, true, 1, kEm>(),
+      dispatch_kernel<4, 1024, true, 2, kEm>()}},
 };
 
 // own_rows all: the peers' copies (see the header), then the key kernel on `num_sms` blocks.
@@ -442,6 +469,10 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     ep_set_error("%s dispatch needs x_scales", p.scale_bytes == p.num_scales ? "mxfp8" : "fp8");
     return -1;
   }
+  if (p.align > 0 && p.em_push && warps > 16) {  // before any launch (the notify kernel meets the peers)
+    ep_set_error("em_push 1 (sender) runs with at most 16 dispatch warps, got %d", warps);
+    return -1;
+  }
   CUDA_CHECK(cudaSetDevice(ctx->device));
   if (p.align > 0 && ep_launch_em_ordinal(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, stream) != 0) return -1;
   if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, epoch, stream) != 0) return -1;
@@ -459,7 +490,9 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   } else {
     const int w16 = warps > 16, fused = p.fused;  // 0, 1 or 2 (ep_config.quantize_fused)
     const DispatchKernel kernel =
-        p.align > 0 ? kDispatchKernels<true>[w16][dyn][fused] : kDispatchKernels<false>[w16][dyn][fused];
+        p.align == 0 ? kDispatchKernels<0>[w16][dyn][fused]
+        : p.em_push  ? kDispatchKernels<2>[w16][dyn][fused]
+                     : kDispatchKernels<1>[w16][dyn][fused];
     CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
   }
   ep_effective& eff = ctx->effective;
@@ -468,5 +501,6 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   eff.dispatch_sms = num_sms;
   eff.dispatch_scale_block = p.num_scales > 0 ? p.hidden / p.num_scales : 0;
   eff.dispatch_fused = p.fused;
+  eff.dispatch_em_push = p.align > 0 ? p.em_push : 0;
   return 0;
 }

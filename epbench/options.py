@@ -92,6 +92,12 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                "270 us at 8 SMs where 8 took 395; notes/KERNELS.md) or 8 (one vector cast per "
                                "store, the earlier kernel); the bytes that arrive are the same", choices=(8, 16),
                                env="EPBENCH_FUSED_STORES"),
+        "em_push": Option(str, "receiver", "layout expert_major only: who writes a row into the slots of a rank's "
+                          "further experts of its token: receiver (a row crosses to each rank once, into its first "
+                          "expert's slot; the receiver's dispatch blocks copy it into the others once every row has "
+                          "landed) or sender (the sending warp stores it into every slot: the link carries it once "
+                          "per (token, expert), no copy pass; at most 16 dispatch warps)",
+                          choices=("receiver", "sender"), env="EPBENCH_EM_PUSH"),
     },
     "epbench-ll": {
         "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,
@@ -182,7 +188,8 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
     """Options the scenario's payload rules out, refused in one line (UserError): epbench's own_rows=ce copies
     rows as they are, so it can neither place them per expert (layout expert_major) nor quantize them on the
     way (quantize fused); fused_stores=16 asked for (given or by its environment variable: the default, 16,
-    is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused.
+    is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push=sender
+    needs the expert-major layout and at most 16 dispatch warps.
     ``backend_options`` as validated; the environment counts as for ``resolve``."""
     given = backend_options.get("epbench") or {}
     resolved = resolve("epbench", given, environ)
@@ -191,6 +198,12 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
     if asked and resolved["fused_stores"] != 8 and quantize != "fused":  # the default serves every payload
         raise UserError(f"{where}: epbench.fused_stores={resolved['fused_stores']} needs model.quantize fused (got "
                         f"{quantize}): it changes the stores of the cast fused into the dispatch kernel")
+    if resolved["em_push"] != "receiver" and layout != "expert_major":
+        raise UserError(f"{where}: epbench.em_push={resolved['em_push']} needs model.layout expert_major (got "
+                        f"{layout}): it says who fills the slots of a token's further experts on a rank")
+    if resolved["em_push"] != "receiver" and resolved["dispatch_warps"] > 16:
+        raise UserError(f"{where}: epbench.em_push={resolved['em_push']} runs with at most 16 dispatch warps (got "
+                        f"dispatch_warps {resolved['dispatch_warps']})")
     own = resolved["own_rows"]
     if own == "sm":
         return

@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from epbench import cuda_lib  # noqa: E402
+from epbench import cuda_lib, options  # noqa: E402
+from epbench.errors import UserError  # noqa: E402
 from epbench.backends.epbench_kernels import EpbenchBackend, _Option  # noqa: E402
 
 
@@ -94,12 +95,36 @@ def test_effective_config_reads_the_library_struct() -> None:
             eff.dispatch_impl, eff.dispatch_warps = cuda_lib.DISPATCH_IMPLS["lean_dyn"], 16
             eff.notify_impl, eff.combine_impl, eff.combine_warps = cuda_lib.NOTIFY_IMPLS["grid"], 1, 12
             eff.combine_stages, eff.combine_chunk = 2, 2048
+            eff.dispatch_em_push = self.em_push
             return 0
 
     be = object.__new__(EpbenchBackend)
-    be._lib, be._ctx = Lib(), "ctx"
+    be._lib, be._ctx, be.em_align = Lib(), "ctx", 0
+    be._lib.em_push = 0
     got = be.effective_config()
     assert got["dispatch_impl"] == "lean_dyn" and got["combine_warps"] == 12 and got["notify_impl"] == "grid"
+    assert "em_push" not in got  # rank-major: no such choice
+    be.em_align = 128  # expert-major: em_push as the library says it ran (an older build runs receiver, says 0)
+    assert be.effective_config()["em_push"] == "receiver"
+    be._lib.em_push = 1
+    assert be.effective_config()["em_push"] == "sender"
+
+
+def test_em_push_sender_needs_expert_major_and_at_most_16_warps() -> None:
+    assert options.resolve("epbench", {}, environ={})["em_push"] == "receiver"
+    assert options.parse_cli(["em_push=sender"]) == {"epbench": {"em_push": "sender"}}
+    options.check_payload({"epbench": {"em_push": "sender"}}, "expert_major", "before", "s.yaml", environ={})
+    options.check_payload({"epbench": {"em_push": "receiver"}}, "rank_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"^s.yaml: epbench\.em_push=sender needs model\.layout expert_major \(got "
+                                        r"rank_major\)"):
+        options.check_payload({"epbench": {"em_push": "sender"}}, "rank_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"em_push=sender runs with at most 16 dispatch warps \(got dispatch_warps 24\)"):
+        options.check_payload({"epbench": {"em_push": "sender", "dispatch_warps": 24}}, "expert_major", "fused",
+                              "s.yaml", environ={})
+    with pytest.raises(UserError, match="em_push"):  # the environment counts as given
+        options.check_payload({}, "rank_major", "before", "s.yaml", environ={"EPBENCH_EM_PUSH": "sender"})
+    with pytest.raises(UserError, match=r"em_push: must be one of receiver, sender, got 'both'"):
+        options.parse_cli(["em_push=both"])
 
 
 def test_auto_combine_warps_rule_keeps_rank_major_and_gives_expert_major_16() -> None:

@@ -104,7 +104,7 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "fused_stores") if k in given}
+    asked = {k: resolved[k] for k in ("own_rows", "fused_stores", "em_push", "dispatch_warps") if k in given}
     options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
     return resolved
 
@@ -167,6 +167,7 @@ class EpbenchBackend(NormalMode):
     quantize_modes = ("before", "fused")  # fused: mxfp8 only (unavailable_reason)
     layouts = ("rank_major", "expert_major")
     own_rows = "sm"  # backend option own_rows (set per instance; the module docstring says what ce changes)
+    em_align = 0  # expert-major segments' alignment, 0 rank-major (set per instance from the scenario)
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:
@@ -181,7 +182,7 @@ class EpbenchBackend(NormalMode):
                  dispatch_warps: Optional[int] = None, notify_impl: Optional[str] = None,
                  combine_warps: Optional[int] = None, combine_stages: Optional[int] = None,
                  combine_chunk: Optional[int] = None, own_rows: Optional[str] = None,
-                 fused_stores: Optional[int] = None) -> None:
+                 fused_stores: Optional[int] = None, em_push: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -189,11 +190,12 @@ class EpbenchBackend(NormalMode):
         given = {k: v for k, v in (("dispatch_impl", dispatch_impl), ("dispatch_warps", dispatch_warps),
                                    ("notify_impl", notify_impl), ("combine_warps", combine_warps),
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
-                                   ("own_rows", own_rows), ("fused_stores", fused_stores))
+                                   ("own_rows", own_rows), ("fused_stores", fused_stores), ("em_push", em_push))
                  if v is not None}
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
         self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
+        self.em_push = resolved["em_push"]  # expert-major only (check_payload refuses it elsewhere)
         self.dispatch_impl = resolved["dispatch_impl"]
         self.dispatch_warps = resolved["dispatch_warps"]
         self.combine_warps = resolved["combine_warps"]
@@ -208,7 +210,8 @@ class EpbenchBackend(NormalMode):
                                 setup.max_tokens_per_rank, setup.topk, setup.experts_per_rank,
                                 int(self.fp8), float(setup.timeout_s), int(self.mxfp8),
                                 cuda_lib.FUSED_STORES[self.fused_stores] if self.fused else 0,
-                                self.em_align, cuda_lib.OWN_ROWS[self.own_rows])
+                                self.em_align, cuda_lib.OWN_ROWS[self.own_rows],
+                                cuda_lib.EM_PUSH[self.em_push] if self.em_align else 0)
         self._ctx = ctypes.c_void_p()
         cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
         self._open_peers()
@@ -294,8 +297,11 @@ class EpbenchBackend(NormalMode):
                     "notify_impl": self.notify_impl, "combine_warps": self.combine_warps,
                     "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk,
                     "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize, "own_rows": self.own_rows,
-                    **({"fused_stores": self.fused_stores} if self.fused else {})}
-        return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows}  # fixed at ep_create: no fallback
+                    **({"fused_stores": self.fused_stores} if self.fused else {}),
+                    **({"em_push": self.em_push} if self.em_align else {})}
+        # own_rows: fixed at ep_create, no fallback; em_push: as the library says it ran (an older build runs receiver)
+        return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows,
+                **({"em_push": "sender" if eff.dispatch_em_push else "receiver"} if self.em_align else {})}
 
     def set_debug_stamps(self, on: bool) -> None:
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""

@@ -44,6 +44,13 @@ def fused_stores8_flags(nproc: int) -> list:
             "lean_dyn:16:8,lean:16:3,lean:32:5,lean_dyn:32:16"]
 
 
+def em_push_sender_flags(nproc: int) -> list:
+    """em_push=sender (the senders store every slot of a row, no copy pass): every expert-major case, both
+    dispatch kernels, 16 warps (the most it is built for)."""
+    return ["--expert-major", "--em-push", "sender", "--impls",
+            "lean_dyn:16:8,lean:16:3" if shared(nproc) else "lean_dyn:16:8,lean:16:3,lean_dyn:16:24"]
+
+
 # the one-block notify (staged) writes the own rows' slots and keys on its own path
 OWN_ROWS_CE_STAGED = ["--own-rows", "ce", "--quick", "--notify", "staged", "--impls", "lean:16:8,lean_dyn:16:3"]
 OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--impls", "lean:16:8"]
@@ -53,12 +60,13 @@ SUITES = {
     1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1), "own-rows-ce": own_rows_ce_flags(1),
         "own-rows-all": own_rows_ce_flags(1, "all"),
         "fused-stores-8": fused_stores8_flags(1),
-        "fused-stores-8-em": ["--expert-major", *fused_stores8_flags(1)]},
+        "fused-stores-8-em": ["--expert-major", *fused_stores8_flags(1)],
+        "em-push-sender": em_push_sender_flags(1)},
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
-        "fused-stores-8": fused_stores8_flags(2)},
-    3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3)},
+        "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2)},
+    3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
         "own-rows-all": own_rows_ce_flags(4, "all")},
 }
@@ -136,3 +144,12 @@ def test_own_rows_all_matches_verification(kernels_built: None, nproc: int) -> N
     assert "fp8" in out
     if nproc == 2:
         assert_suite(2, "own-rows-all-staged")
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_em_push_sender_matches_verification(kernels_built: None, nproc: int) -> None:
+    """em_push=sender: the expert-major cases of test_expert_major_matches_verification (align 1 / 16 / 128,
+    bf16, fp8, mxfp8 before and fused, every routing) with each row stored by its sender into every slot of it,
+    no receiver copy pass: segments bit-exact and the weighted combine as before."""
+    out = assert_suite(nproc, "em-push-sender")
+    assert "em128 mxfp8 fused" in out
