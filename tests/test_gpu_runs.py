@@ -136,18 +136,70 @@ def test_sets_sharing_a_pool_never_put_more_than_its_cap_on_a_gpu(tmp_path, monk
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     pool = HostGpus(4, cap=2)
+    # set a: one run on every GPU at a time (per_gpu 1), its 4-GPU run first and long, so the others of a wait for it
     need_a = {"a4": 4, "a2": 2, "a1": 1, "b1": 1, "c1": 1}
     need_b = {"x4": 4, "x1": 1, "y1": 1, "z2": 2}
-    a = GpuRuns(tmp_path / "a", {n: stand_in(0.6) for n in need_a}, gpus=need_a, per_gpu=2, pool=pool).start()
-    b = GpuRuns(tmp_path / "b", {n: stand_in(0.6) for n in need_b}, gpus=need_b, per_gpu=2, pool=pool).start()
+    a = GpuRuns(tmp_path / "a", {n: stand_in(2.0 if n == "a4" else 0.5) for n in need_a}, gpus=need_a,
+                pool=pool).start()
+    b = GpuRuns(tmp_path / "b", {n: stand_in(0.5) for n in need_b}, gpus=need_b, per_gpu=2, pool=pool).start()
     seen = {**{f"a/{n}": s for n, s in _seen(a, need_a).items()}, **{f"b/{n}": s for n, s in _seen(b, need_b).items()}}
     for name, run in seen.items():
         for gpu in run["gpus"]:  # at each start, the runs of both sets on that GPU
             on = [n for n, o in seen.items() if gpu in o["gpus"] and o["start"] <= run["start"] < o["end"]]
             assert len(on) <= 2, (name, gpu, on)
     assert pool.held == {0: 0, 1: 0, 2: 0, 3: 0} and not pool.waiting  # every GPU given back
-    assert any(seen["a/a4"]["start"] < o["end"] and o["start"] < seen["a/a4"]["end"]
-               for n, o in seen.items() if n.startswith("b/"))  # the sets did run side by side
+    a4 = seen["a/a4"]  # the pool's second place on every GPU went to b while a's own room kept a's others waiting
+    assert seen["b/x4"]["start"] < a4["end"] and all(seen[f"a/{n}"]["start"] >= a4["end"] - 0.05
+                                                     for n in need_a if n != "a4")
+
+
+def test_a_request_its_own_set_holds_back_holds_back_no_other_set(tmp_path, monkeypatch):
+    import time
+
+    from gpu_launch import HostGpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pool = HostGpus(2, cap=2, patience=0.3)
+    # "big" waits past the patience, but for its own set's room (per_gpu 1, "long" on a GPU), not for the pool
+    a = GpuRuns(tmp_path / "a", {"long": stand_in(2.0), "big": stand_in(0.1)}, gpus={"long": 1, "big": 2},
+                pool=pool).start()
+    time.sleep(0.8)
+    b = GpuRuns(tmp_path / "b", {"s": stand_in(0.1)}, pool=pool).start()
+    s, long = _seen(b, ["s"])["s"], _seen(a, ["long"])["long"]
+    assert s["start"] < long["end"] - 0.5  # b's run did not wait behind a's big run
+
+
+def test_a_run_that_cannot_start_fails_alone_and_gives_its_gpus_back(tmp_path, monkeypatch):
+    from gpu_launch import HostGpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def broken(folder):
+        raise OSError("no scenario here")
+
+    pool = HostGpus(2, cap=1)
+    runs = GpuRuns(tmp_path, {"broken": broken, "pair": stand_in(0.1), "one": stand_in(0.1)},
+                   gpus={"broken": 1, "pair": 2, "one": 1}, pool=pool)
+    r, _ = runs.get("broken")
+    assert r.returncode != 0 and "run could not start: OSError('no scenario here')" in r.stderr
+    assert runs.get("pair")[0].returncode == 0 and runs.get("one")[0].returncode == 0
+    runs.wait()
+    assert pool.held == {0: 0, 1: 0} and not pool.waiting
+
+
+def test_a_run_of_its_own_limit_is_killed_at_it(tmp_path):
+    runs = GpuRuns(tmp_path, {"slow": stand_in(30), "other": stand_in(0)}, timeout=60, timeouts={"slow": 1},
+                   host_gpus=2)
+    r, _ = runs.get("slow")
+    assert r.returncode != 0 and "(killed after 1 s)" in r.stderr
+    assert runs.get("other")[0].returncode == 0
+
+
+def test_a_set_larger_than_its_pool_is_refused(tmp_path):
+    from gpu_launch import HostGpus
+
+    with pytest.raises(ValueError, match="a set of 4 GPUs on a pool of 2"):
+        GpuRuns(tmp_path, {"r": stand_in(0)}, host_gpus=4, pool=HostGpus(2, cap=1))
 
 
 def test_a_run_that_waited_its_patience_is_not_starved_by_later_small_runs(tmp_path, monkeypatch):

@@ -296,6 +296,14 @@ class HostGpus:
 
 
 _HOST: List[HostGpus] = []
+STARTED: List["GpuRuns"] = []  # every set this process started, early or at its module's first test
+
+
+def wait_for_every_run() -> None:
+    """Until every run of every set started so far has ended: for a test that needs a GPU to itself (its own
+    MPS daemon), early-started sets and the ones a module started alike."""
+    for runs in list(STARTED):
+        runs.wait()
 
 
 def host_pool() -> HostGpus:
@@ -311,30 +319,34 @@ class GpuRuns:
     starts them all in a thread, as many side by side as there are free GPUs for, so that on 4 GPUs
     four one-GPU runs take about the time of the longest instead of their sum. A run starts as soon as
     its count is free (first fit, in the order given); a test waits for its own run only, so a per-test
-    timeout (pytest-timeout) bounds one run's wait, and a run past ``timeout`` s is killed and fails its
-    own test alone. For checks of what a run verifies and prints, never of how fast it was (the runs
+    timeout (pytest-timeout) bounds one run's wait, and a run past ``timeout`` s (``timeouts``: a run's own
+    limit) is killed and fails its own test alone, as does a run whose command cannot start. For checks of what a run verifies and prints, never of how fast it was (the runs
     beside it share the host's CPUs). ``runs`` maps a name to a function of the run's own folder (for
     --results, scenario files) giving its command line; ``gpus`` a name to its GPU count (default 1; a
     count above this host's is refused: leave such a run out, its test skips); ``env`` is added to
-    safe_env(). ``per_gpu`` runs may share one GPU at a time (default 1: each its own GPUs), each
-    still on distinct GPUs of its own count, those with the most room first: for runs that only verify
-    (the GPU time-slices between them, so their times mean nothing), never for MPS (its daemon serves
-    the whole GPU). Every set of this process shares one pool (``host_pool()``: a cap on the runs a GPU
-    holds from all sets together); ``host_gpus`` given (tests of this scheduler) gives the set a pool of
-    its own. ``close()`` (the module fixture's teardown) stops what is still running."""
+    safe_env(). ``per_gpu`` runs of this set may share one GPU at a time (default 1), each still on
+    distinct GPUs of its own count, those with the most room first. Every set of this process shares one
+    pool (``host_pool()``: a cap on the runs a GPU holds from all sets together), so runs of other sets
+    may be on the same GPU: these runs only verify (the GPU time-slices between them, so their times mean
+    nothing), and a test that needs a GPU to itself (its own MPS daemon) first calls wait_for_every_run().
+    ``host_gpus`` given (tests of this scheduler) gives the set a pool of its own. ``close()`` (the module fixture's teardown) stops what is still running."""
 
     def __init__(self, base: Path, runs: Dict[str, Callable[[Path], List[str]]],
                  env: Optional[Dict[str, str]] = None, timeout: int = 600,
                  gpus: Optional[Dict[str, int]] = None, host_gpus: Optional[int] = None,
-                 per_gpu: int = 1, pool: Optional[HostGpus] = None) -> None:
+                 per_gpu: int = 1, pool: Optional[HostGpus] = None,
+                 timeouts: Optional[Dict[str, int]] = None) -> None:
         import threading
 
         self.base, self.runs, self.env, self.timeout = base, runs, env or {}, timeout
+        self.timeouts = dict(timeouts or {})  # a run's own limit where it has one (else ``timeout``)
         self.per_gpu = max(per_gpu, 1)
         if pool is None:
             pool = host_pool() if host_gpus is None else HostGpus(host_gpus, self.per_gpu)
         self.pool = pool
         self.host_gpus = pool.gpus if host_gpus is None else max(host_gpus, 1)
+        if self.host_gpus > pool.gpus:
+            raise ValueError(f"a set of {self.host_gpus} GPUs on a pool of {pool.gpus}")
         self.need = {name: (gpus or {}).get(name, 1) for name in runs}
         too_many = {n: k for n, k in self.need.items() if not 1 <= k <= self.host_gpus}
         if too_many:
@@ -350,6 +362,7 @@ class GpuRuns:
             import atexit
             import threading
 
+            STARTED.append(self)
             self._thread = threading.Thread(target=self._run_all, name="gpu-runs", daemon=True)
             self._thread.start()
             atexit.register(self.close)  # an interrupted session leaves no run behind
@@ -400,17 +413,23 @@ class GpuRuns:
                     if mine is None:
                         continue
                     todo.remove(name)
+                    try:
+                        folder = self._folder(name)
+                        folder.mkdir(parents=True, exist_ok=True)
+                        cmd = self.runs[name](folder)
+                        env = dict(safe_env(), **self.env, CUDA_VISIBLE_DEVICES=visible(mine))
+                        with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
+                            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+                    except Exception as e:  # noqa: BLE001 - this run could not start: its test reads why
+                        self.pool.give(mine)
+                        self._end(name, subprocess.CompletedProcess([], -1, "", f"run could not start: {e!r}"))
+                        continue
                     for g in mine:
                         room[g] -= 1
-                    folder = self._folder(name)
-                    folder.mkdir(parents=True, exist_ok=True)
-                    cmd = self.runs[name](folder)
-                    env = dict(safe_env(), **self.env, CUDA_VISIBLE_DEVICES=visible(mine))
-                    with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
-                        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
                     running[name] = (p, mine, time.monotonic(), cmd)
                 for name, (p, mine, start, cmd) in list(running.items()):
-                    late = time.monotonic() - start > self.timeout
+                    limit = self.timeouts.get(name, self.timeout)
+                    late = time.monotonic() - start > limit
                     if p.poll() is None and not late:
                         continue
                     if late and p.poll() is None:
@@ -418,7 +437,7 @@ class GpuRuns:
                         p.wait()
                     folder = self._folder(name)
                     err = (folder / "stderr.txt").read_text(errors="replace") + (
-                        f"\n(killed after {self.timeout} s)" if late else "")
+                        f"\n(killed after {limit} s)" if late else "")
                     out = (folder / "stdout.txt").read_text(errors="replace")
                     self._end(name, subprocess.CompletedProcess(cmd, p.returncode, out, err))
                     del running[name]
@@ -446,7 +465,7 @@ class EarlyRuns:
     sets that a selected test uses once collection ends (``start``), and the module's fixture takes its
     set (``take``, once: a second setup of that fixture makes a new set) and closes it at the module's
     end. Their runs then go beside the tests of the modules before them, which only verify too; a test
-    that needs a GPU to itself (MPS) first waits for them (``wait``). EPBENCH_GPU_TESTS_EARLY=0 turns
+    that needs a GPU to itself (MPS) first waits for every run (wait_for_every_run). EPBENCH_GPU_TESTS_EARLY=0 turns
     this off (each set then starts at its module's first test, as before)."""
 
     def __init__(self) -> None:

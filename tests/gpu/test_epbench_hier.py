@@ -55,7 +55,9 @@ def _runs(base: Path) -> Optional[GpuRuns]:
 
     if not nvshmem_lib.LIB_PATH.exists() or (GPUS < WORLD and not mps_on()):
         return None
-    return GpuRuns(base, RUNS, gpus={name: min(WORLD, GPUS) for name in RUNS}, timeout=600)
+    # side by side where the pool has room (the failing bootstrap ends in seconds); a hang of it fails in 300 s
+    return GpuRuns(base, RUNS, gpus={name: min(WORLD, GPUS) for name in RUNS}, per_gpu=2, timeout=600,
+                   timeouts={"startup failure": 300})
 
 
 EARLY_RUNS.add(__file__, _runs, "runs")

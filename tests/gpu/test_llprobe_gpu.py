@@ -11,7 +11,7 @@ import csv
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 from gpu_launch import EARLY_RUNS, ROOT, GpuRuns, safe_env, shares_gpus
@@ -27,7 +27,14 @@ def probe_command(args: list):
                            "--results", str(folder / "r"), *args]
 
 
-def _runs(base: Path) -> GpuRuns:
+def _runs(base: Path) -> Optional[GpuRuns]:
+    """None where the kernels are not built (the tests skip at kernels_built)."""
+    from epbench import cuda_lib
+
+    try:
+        cuda_lib.load()
+    except (RuntimeError, AttributeError):
+        return None
     return GpuRuns(base, {name: probe_command(a) for name, a in RUNS.items()})
 
 
@@ -35,7 +42,7 @@ EARLY_RUNS.add(__file__, _runs, "runs")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+def runs(kernels_built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
     with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("llprobe")) as runs:
         yield runs
 

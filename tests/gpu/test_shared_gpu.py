@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 import pytest
 from epbench.results import load_run
@@ -32,7 +32,14 @@ RUNS = {"fp8 4 ranks": epbench_run("scenarios/dsv3x4-fp8.yaml", "--nproc", "4", 
         "default": epbench_run(*QUICK)}
 
 
-def _runs(base: Path) -> GpuRuns:
+def _runs(base: Path) -> Optional[GpuRuns]:
+    """None where the kernels are not built (the tests skip at kernels_built)."""
+    from epbench import cuda_lib
+
+    try:
+        cuda_lib.load()
+    except (RuntimeError, AttributeError):
+        return None
     return GpuRuns(base, RUNS)
 
 
@@ -40,7 +47,7 @@ EARLY_RUNS.add(__file__, _runs, "runs")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
+def runs(kernels_built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
     with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("shared")) as runs:
         yield runs
 

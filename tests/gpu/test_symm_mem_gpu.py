@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import pytest
 import yaml
 from epbench.results import load_run
-from gpu_launch import EARLY_RUNS, GPUS, ROOT, GpuRuns, safe_env, shares_gpus
+from gpu_launch import EARLY_RUNS, GPUS, ROOT, GpuRuns, safe_env, shares_gpus, wait_for_every_run
 
 torch = pytest.importorskip("torch")
 
@@ -59,7 +59,7 @@ SEPARATE = {"rank-major": command(RANK_MAJOR), **{f"expert-major {d}": command(s
 
 
 def _runs(base: Path) -> Optional[GpuRuns]:
-    """The runs of 2 ranks on separate GPUs, one job on a GPU at a time of this set."""
+    """The runs of 2 ranks on separate GPUs (one job of this set on a GPU at a time)."""
     if GPUS < 2 or not nvshmem_available():
         return None
     return GpuRuns(base, SEPARATE, gpus={name: 2 for name in SEPARATE})
@@ -89,34 +89,41 @@ def check(r: subprocess.CompletedProcess, results: Path, shared: bool) -> None:
     print(r.stdout.strip().splitlines()[-1])
 
 
-def run(runs: Optional[GpuRuns], tmp_path: Path, name: str, scenario: Callable[[Path], str], shared: bool) -> None:
-    """On separate GPUs: the set's run ``name``. Sharing GPU 0 under MPS: run here, after every
-    early-started run has ended (its own MPS daemon serves GPU 0: nothing else may be beside it)."""
-    if not shared:
-        assert runs is not None
-        r, folder = runs.get(name)
-        return check(r, folder / "r", shared)
-    EARLY_RUNS.wait()
+def run_shared(tmp_path: Path, scenario: Callable[[Path], str]) -> None:
+    """2 ranks sharing GPU 0 under MPS, run here once every run of this session's sets has ended (its own
+    MPS daemon serves GPU 0: nothing else may be beside it)."""
+    wait_for_every_run()
     env: Dict[str, str] = dict(safe_env(), CUDA_VISIBLE_DEVICES="0")
     r = subprocess.run(command(scenario, "--mps")(tmp_path), cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
-    check(r, tmp_path / "r", shared)
+    check(r, tmp_path / "r", shared=True)
 
 
-PLACES = [True] + ([False] if GPUS >= 2 else [])
+def run_separate(runs: Optional[GpuRuns], name: str) -> None:
+    assert runs is not None
+    r, folder = runs.get(name)
+    check(r, folder / "r", shared=False)
 
 
-@pytest.mark.parametrize("shared", PLACES, ids=lambda s: "shared-gpu-mps" if s else "separate-gpus")
-def test_rank_major_dsv3_verifies(runs: Optional[GpuRuns], tmp_path: Path, shared: bool) -> None:
-    run(runs, tmp_path, "rank-major", RANK_MAJOR, shared)
+SEPARATE_GPUS = pytest.mark.skipif(GPUS < 2, reason="needs >= 2 CUDA GPUs (one per rank)")
 
 
-# Ranks sharing a GPU only get the skip line, which the dtype does not enter (SymmMemBackend.
-# unavailable_reason): one dtype there; both where the ranks have a GPU each.
-EXPERT_MAJOR_CASES = [pytest.param(True, "bf16", id="shared-gpu-mps-bf16")] + [
-    pytest.param(False, dtype, id=f"separate-gpus-{dtype}") for dtype in ("bf16", "fp8") if False in PLACES]
+def test_rank_major_dsv3_verifies_shared_gpu_mps(tmp_path: Path) -> None:
+    run_shared(tmp_path, RANK_MAJOR)
 
 
-@pytest.mark.parametrize("shared, dtype", EXPERT_MAJOR_CASES)
-def test_expert_major_verifies(runs: Optional[GpuRuns], tmp_path: Path, shared: bool, dtype: str) -> None:
-    run(runs, tmp_path, f"expert-major {dtype}", EXPERT_MAJOR[dtype], shared)
+@SEPARATE_GPUS
+def test_rank_major_dsv3_verifies_separate_gpus(runs: Optional[GpuRuns]) -> None:
+    run_separate(runs, "rank-major")
+
+
+def test_expert_major_verifies_shared_gpu_mps(tmp_path: Path) -> None:
+    """Ranks sharing a GPU only get the skip line, which the dtype does not enter (SymmMemBackend.
+    unavailable_reason): one dtype here; both where the ranks have a GPU each."""
+    run_shared(tmp_path, EXPERT_MAJOR["bf16"])
+
+
+@SEPARATE_GPUS
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_expert_major_verifies_separate_gpus(runs: Optional[GpuRuns], dtype: str) -> None:
+    run_separate(runs, f"expert-major {dtype}")
