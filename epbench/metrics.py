@@ -366,9 +366,13 @@ def expert_major_columns(extra: Optional[Dict[str, torch.Tensor]], rank: int,
             "padding_rows": int(extra["padding"][rank])}
 
 
+# overlap's calibration rows (epbench/overlap.py): a plain copy kernel into a local buffer, and into the peers' buffers
+CALIBRATIONS = ("copy", "copy-link")
+
+
 def summarize_overlap(df: Any) -> Any:
     """An overlap run's rows: one line per (backend, call mode, sms): the worst rank (lowest kept, longest pair),
-    wrong summed; the backends in the order measured, the calibration copy last (whichever job measured it).
+    wrong summed; the backends in the order measured, the calibration copies last (whichever job measured them).
     ``label`` names the line: the backend, with its call mode where the run timed it in more than one."""
     import pandas as pd
 
@@ -384,7 +388,7 @@ def summarize_overlap(df: Any) -> Any:
     out = df.groupby(keys, sort=False, dropna=False).agg(agg).reset_index()
     out = out if isinstance(out, pd.DataFrame) else pd.DataFrame(out)
     out["label"] = overlap_labels(out)
-    copy = out["backend"] == "copy"
+    copy = out["backend"].isin(CALIBRATIONS)
     return pd.concat([out[~copy], out[copy]], ignore_index=True)
 
 

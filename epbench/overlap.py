@@ -39,6 +39,9 @@ Figures per point (``kept`` = 100 x alone time / time beside; 100 = no slowdown)
 A calibration row (backend ``copy``) does the same with a plain copy kernel of k blocks
 (csrc/ceiling.cu's store kernel into a local buffer, the scenario's dispatch bytes), so the
 interference a communication kernel causes can be told apart from what any k-block copy causes.
+Across links (world > 1, a GPU per rank) a second one (backend ``copy-link``) runs the same kernel
+into the peers' buffers (ceiling.PeerBuffers): each rank's dispatch bytes for each peer, over the
+link, without the dispatch's layout, flags or local rows; each receiver checks the bytes it got.
 The launcher starts one job per python the backends need (launcher.jobs_by_flavor: a DeepEP
 flavor's backend from its own venv), all into one run folder; the first job measures the copy rows
 (``OverlapOptions.calibrate``), so the folder holds them once per SM count.
@@ -66,6 +69,7 @@ SQUARE_DEFAULT = "8192,8192,8192"
 EXPERT_INTERMEDIATE = 2048  # DeepSeek-V3's moe_intermediate_size, unless --gemm experts:N
 CARVEOUT_API = "torch._C._set_sm_carveout_experimental"
 PARTITION = "GEMM: green context of the SMs left; communication: primary context, k blocks"
+LINK_COPY = "copy-link"  # the calibration across the links (metrics.CALIBRATIONS)
 SHARED_GPU_NOTE = ("ranks share a GPU: the interference measured is SMs and HBM only "
                    "(no link is crossed)")
 GEMM_LOOP_MARGIN = 1.5  # the GEMM loop is sized to this many times the communication loop alone
@@ -668,6 +672,68 @@ def copy_loop(comm: Any, sms: int, nbytes: int, opts: OverlapOptions):
     return loop, check
 
 
+def link_plan(plan: List[List[int]]) -> List[List[int]]:
+    """The dispatch's link bytes [source][destination] as the store kernel moves them: whole 16-byte
+    vectors, nothing to a rank itself."""
+    return [[0 if s == d else b // 16 * 16 for d, b in enumerate(row)] for s, row in enumerate(plan)]
+
+
+def pattern(rank: int, nbytes: int, device: Any) -> Any:
+    """The bytes rank ``rank`` sends in the link calibration, which every receiver can rebuild."""
+    import torch
+
+    return ((torch.arange(nbytes, device=device, dtype=torch.int64) * 7 + rank * 13 + 1) % 251).to(torch.uint8)
+
+
+def link_copy_loop(comm: Any, sms: int, plan: List[List[int]], opts: OverlapOptions):
+    """The calibration across the links: csrc/ceiling.cu's store kernel writing this rank's bytes for
+    each peer (``plan``: link_plan of the dispatch) into that peer's buffer with ``sms`` blocks. Every
+    rank calls it together (the buffers are opened through CUDA IPC). Returns (loop, check, close), or
+    three None when the kernels are not built: check() counts the bytes this rank received wrong in
+    the last copy, close() frees the buffers (every rank together)."""
+    import torch
+    import torch.distributed as dist
+
+    from epbench import ceiling
+    from epbench.cudart import Cudart
+
+    provider = ceiling.kernel_store_provider()
+    if provider is None:
+        return None, None, None
+    me, rt = comm.rank, Cudart()
+    recv = sum(plan[src][me] for src in range(comm.world))
+    bufs = ceiling.PeerBuffers(recv, comm, rt, dist)
+    source = pattern(me, max(max(plan[me]), 16), comm.device)
+    dst = {d: bufs.peers[d] + ceiling.recv_offsets(plan, d)[me] for d in bufs.peers if plan[me][d] > 0}
+    nbytes = {d: plan[me][d] for d in dst}
+    got = torch.empty(max(recv, 16), dtype=torch.uint8, device=comm.device)
+    zeros = torch.zeros_like(source)
+
+    def loop() -> Dict[str, List[float]]:
+        # each sender clears its own regions first, in its stream's order (no host wait: the GEMMs beside are
+        # queued), so the check reads the last loop's bytes only
+        stream = torch.cuda.current_stream(comm.device).cuda_stream
+        for d, n in nbytes.items():
+            rt.memcpy_async(dst[d], zeros.data_ptr(), n, stream)
+        return {"copy": provider(dst, nbytes, source, sms, comm, opts.warmup, opts.iters)}
+
+    def check() -> int:
+        torch.cuda.synchronize(comm.device)
+        dist.barrier()  # every sender's last copy has ended
+        rt.memcpy_async(got.data_ptr(), bufs.local, recv, torch.cuda.current_stream(comm.device).cuda_stream)
+        torch.cuda.synchronize(comm.device)
+        offs = ceiling.recv_offsets(plan, me)
+        return sum(int((got[offs[src]:offs[src] + plan[src][me]] != pattern(src, plan[src][me], comm.device)).sum())
+                   for src in range(comm.world) if plan[src][me] > 0)
+
+    def close() -> None:
+        torch.cuda.synchronize(comm.device)
+        dist.barrier()
+        bufs.close()
+
+    return loop, check, close
+
+
 def measure(job: Any) -> int:
     """The overlap points of one job (session.Job) on this rank: the GEMM alone, then for each
     backend and SM count, and for the copy calibration (where the job's options ask for it), the
@@ -766,7 +832,7 @@ def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dic
                total: int, routings: Sequence[Any], record: Callable[..., int],
                everyone: Callable[[bool], bool]) -> int:
     """The copy rows at every SM count (``record``: measure's); returns the wrong ones."""
-    from epbench import metrics
+    from epbench import ceiling, metrics
     from epbench.routing import traffic
 
     s, opts, comm, m = job.scenario, job.options, job.comm, job.scenario.model
@@ -778,9 +844,23 @@ def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dic
         loop, check = copy_loop(comm, sms, copy_bytes, opts)
         if loop is None:
             job.note("copy calibration: absent (the kernels library is not built: make build)")
-            break
+            return wrong
         row, raw = _Point(gemm, gemm_all, parts[sms], total, opts, everyone).measure(loop)
         row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes,
                    problem=row.get("schedule_problem"))
         wrong += record("copy", sms, row, raw)
+    if comm.world == 1 or gpu_shared(comm):
+        return wrong  # no link to cross (the run's note says so)
+    plan = link_plan(ceiling.byte_plan(s, tr)["dispatch"])
+    for sms in opts.sms:
+        loop, check, close = link_copy_loop(comm, sms, plan, opts)
+        if loop is None:
+            break
+        try:
+            row, raw = _Point(gemm, gemm_all, parts[sms], total, opts, everyone).measure(loop)
+            row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=sum(plan[comm.rank]),
+                       problem=row.get("schedule_problem"))
+        finally:
+            close()
+        wrong += record(LINK_COPY, sms, row, raw)
     return wrong

@@ -16,6 +16,9 @@ from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
 from epbench.errors import UserError  # noqa: E402
+from epbench.metrics import CALIBRATIONS  # noqa: E402
+
+CALIBRATION_LABELS = {"copy": "plain copy (calibration)", "copy-link": "plain copy across the links (calibration)"}
 from epbench.metrics import summarize  # noqa: E402
 from epbench.report import transport  # noqa: E402
 from epbench.results import load_run  # noqa: E402
@@ -449,8 +452,8 @@ def overlap_plot(run_dir: Path, out_dir: Optional[Path] = None, force: bool = Fa
         for i, (name, g) in enumerate(summary.groupby("label", sort=False) if not summary.empty else []):
             g = g.sort_values("sms")
             backend = g["backend"].iloc[0]
-            style = "s--" if backend == "copy" else "o-"
-            label = ("plain copy (calibration)" if backend == "copy"
+            style = "s--" if backend in CALIBRATIONS else "o-"
+            label = (CALIBRATION_LABELS[backend] if backend in CALIBRATIONS
                      else _label(backend) + name[len(backend):])  # the call mode where the run has several
             if (g["sms"] == 0).all():
                 ax.axhline(g[col].iloc[0], color=f"C{i % 10}", linestyle=":", label=f"{label} (auto SMs)")

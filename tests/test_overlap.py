@@ -388,6 +388,9 @@ def test_summary_lines_name_the_call_mode_only_where_a_backend_has_several():
     assert list(summarize_overlap(df)["label"]) == ["epbench", "deepep (call)", "deepep (kernel)", "copy"]
     old = df.drop(columns=["call_mode"]).iloc[[0, 3]]  # a folder from before the column: backend names
     assert list(summarize_overlap(old)["label"]) == ["epbench", "copy"]
+    link_first = pd.DataFrame([{"backend": b, "sms": 8, "rank": 0, "gemm_kept_pct": 80.0}
+                               for b in ("copy-link", "copy", "epbench")])  # as a run may record them
+    assert list(summarize_overlap(link_first)["label"]) == ["epbench", "copy-link", "copy"]  # calibrations last
 
 
 def test_a_pair_window_the_gemms_did_not_cover_is_redone_longer_on_every_rank(monkeypatch):
@@ -428,3 +431,47 @@ def test_report_per_rank_of_an_overlap_folder_is_one_line(tmp_path):
     w.finish("complete")
     r = epbench_here("report", str(tmp_path / "ov"), "--per-rank")
     assert r.code == 0 and "per rank: none for an `epbench overlap` run" in r.out and "Traceback" not in r.both
+
+
+@pytest.mark.parametrize("world, shared", [(4, False), (4, True), (1, False)])
+def test_link_calibration_rows_come_after_the_local_ones_where_a_link_is_crossed(monkeypatch, world, shared):
+    """The copy rows at every SM count, then (a GPU per rank, world > 1) the copy-link rows, each with the
+    bytes this rank sends over the links and the wrong bytes it received; the buffers of each SM count
+    freed after it; none of them at world 1 or where ranks share a GPU."""
+    from epbench import scenario
+    from epbench.routing import route_all
+
+    s = scenario.load(SCENARIOS / "smoke.yaml")
+    recorded, closed, plans = [], [], []
+
+    def link(comm, sms, plan, opts):
+        plans.append(plan)
+        return (lambda: {"copy": [1.0]}), (lambda: 3), (lambda: closed.append(sms))
+
+    monkeypatch.setattr(ov, "copy_loop", lambda comm, sms, nbytes, opts: ((lambda: {"copy": [1.0]}), lambda: 0))
+    monkeypatch.setattr(ov, "link_copy_loop", link)
+    monkeypatch.setattr(ov, "gpu_shared", lambda comm: shared)
+    monkeypatch.setattr(ov._Point, "measure", lambda self, loop: ({"schedule_problem": None}, {"alone": loop()}))
+
+    def record(backend, sms, row, raw):
+        recorded.append((backend, sms, row["wrong"], row["copy_bytes"]))
+        return row["wrong"]
+
+    opts = ov.OverlapOptions(("epbench",), (4, 8), 1, 2, ov.parse_gemm("8,8,8"))
+    job = SimpleNamespace(scenario=s, options=opts, comm=SimpleNamespace(rank=1, world=world), note=print)
+    gemm = SimpleNamespace(wrong=lambda reference: 0)
+    wrong = ov._calibrate(job, gemm, 1.0, None, {4: None, 8: None}, 132, route_all(s), record, lambda ok: ok)
+    local = [r for r in recorded if r[0] == "copy"]
+    assert [(b, k) for b, k, *_ in local] == [("copy", 4), ("copy", 8)]
+    if world == 1 or shared:
+        assert len(recorded) == 2 and not plans and wrong == 0
+        return
+    assert [(b, k, w) for b, k, w, _ in recorded[2:]] == [("copy-link", 4, 3), ("copy-link", 8, 3)] and wrong == 6
+    assert closed == [4, 8]
+    plan = plans[0]  # whole 16-byte vectors to each peer, nothing to itself; what rank 1 sends is its row's sum
+    assert all(plan[r][r] == 0 for r in range(4)) and all(b % 16 == 0 for row in plan for b in row)
+    assert recorded[2][3] == sum(plan[1]) > 0
+
+
+def test_link_plan_keeps_whole_vectors_and_drops_the_rank_itself():
+    assert ov.link_plan([[100, 37, 0], [16, 999, 64], [5, 15, 17]]) == [[0, 32, 0], [16, 0, 64], [0, 0, 0]]
