@@ -711,7 +711,8 @@ def link_copy_loop(comm: Any, sms: int, plan: List[List[int]], opts: OverlapOpti
 
     def loop() -> Dict[str, List[float]]:
         # each sender clears its own regions first, in its stream's order (no host wait: the GEMMs beside are
-        # queued), so the check reads the last loop's bytes only
+        # queued), so the check reads the last loop's bytes only; the clearing copy (one iteration's bytes, by
+        # the copy engine) is outside the timed calls but inside the loop's span
         stream = torch.cuda.current_stream(comm.device).cuda_stream
         for d, n in nbytes.items():
             rt.memcpy_async(dst[d], zeros.data_ptr(), n, stream)
@@ -851,7 +852,13 @@ def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dic
         wrong += record("copy", sms, row, raw)
     if comm.world == 1 or gpu_shared(comm):
         return wrong  # no link to cross (the run's note says so)
-    plan = link_plan(ceiling.byte_plan(s, tr)["dispatch"])
+    if s.topology.nodes > 1 and not s.topology.virtual_nodes:  # CUDA IPC does not cross nodes
+        job.note(f"copy-link calibration: within one node only (this run spans {s.topology.nodes} nodes)")
+        return wrong
+    from epbench.routing import all_on_nvlink
+
+    # virtual nodes: the copies between them cross NVLink too
+    plan = link_plan(ceiling.byte_plan(s, all_on_nvlink(tr) if s.topology.virtual_nodes else tr)["dispatch"])
     for sms in opts.sms:
         loop, check, close = link_copy_loop(comm, sms, plan, opts)
         if loop is None:

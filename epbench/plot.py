@@ -17,14 +17,13 @@ from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
 from epbench.errors import UserError  # noqa: E402
 from epbench.metrics import CALIBRATIONS  # noqa: E402
-
-CALIBRATION_LABELS = {"copy": "plain copy (calibration)", "copy-link": "plain copy across the links (calibration)"}
 from epbench.metrics import summarize  # noqa: E402
 from epbench.report import transport  # noqa: E402
 from epbench.results import load_run  # noqa: E402
 from epbench.scenario import cut, short_path  # noqa: E402
 
 OPS = ("dispatch", "combine")
+CALIBRATION_LABELS = {"copy": "plain copy (calibration)", "copy-link": "plain copy across the links (calibration)"}
 
 
 def _label(backend: str) -> str:

@@ -475,3 +475,35 @@ def test_link_calibration_rows_come_after_the_local_ones_where_a_link_is_crossed
 
 def test_link_plan_keeps_whole_vectors_and_drops_the_rank_itself():
     assert ov.link_plan([[100, 37, 0], [16, 999, 64], [5, 15, 17]]) == [[0, 32, 0], [16, 0, 64], [0, 0, 0]]
+
+
+def _link_rows(monkeypatch, s, world):
+    """(recorded rows, the link plans asked for, the notes) of _calibrate on rank 0 of ``world`` for scenario ``s``."""
+    from epbench.routing import route_all
+
+    recorded, plans, notes = [], [], []
+    monkeypatch.setattr(ov, "copy_loop", lambda comm, sms, nbytes, opts: ((lambda: {"copy": [1.0]}), lambda: 0))
+    monkeypatch.setattr(ov, "link_copy_loop", lambda comm, sms, plan, opts: (
+        plans.append(plan) or (lambda: {"copy": [1.0]}), lambda: 0, lambda: None))
+    monkeypatch.setattr(ov, "gpu_shared", lambda comm: False)
+    monkeypatch.setattr(ov._Point, "measure", lambda self, loop: ({"schedule_problem": None}, {"alone": loop()}))
+    opts = ov.OverlapOptions(("epbench",), (8,), 1, 2, ov.parse_gemm("8,8,8"))
+    job = SimpleNamespace(scenario=s, options=opts, comm=SimpleNamespace(rank=0, world=world), note=notes.append)
+    ov._calibrate(job, SimpleNamespace(wrong=lambda r: 0), 1.0, None, {8: None}, 132, route_all(s),
+                  lambda b, k, row, raw: recorded.append(b) or 0, lambda ok: ok)
+    return recorded, plans, notes
+
+
+def test_link_calibration_on_virtual_nodes_moves_the_inter_node_bytes_and_across_real_nodes_none(monkeypatch):
+    import dataclasses
+
+    from epbench import scenario
+
+    virtual = scenario.load(SCENARIOS / "dsv3x2x1-virtual.yaml")  # 2 virtual nodes of 1 GPU: every copy between nodes
+    recorded, plans, _ = _link_rows(monkeypatch, virtual, 2)
+    assert recorded == ["copy", "copy-link"] and plans[0][0][1] > 0 and plans[0][1][0] > 0
+    smoke = scenario.load(SCENARIOS / "smoke.yaml")
+    two_nodes = dataclasses.replace(smoke, topology=dataclasses.replace(smoke.topology, nodes=2, gpus_per_node=2))
+    recorded, plans, notes = _link_rows(monkeypatch, two_nodes, 4)
+    assert recorded == ["copy"] and not plans
+    assert notes == ["copy-link calibration: within one node only (this run spans 2 nodes)"]
