@@ -72,8 +72,12 @@ def output_path(path: Path, force: bool) -> Path:
 def _save_figure(fig, path: Path, force: bool) -> Path:
     """Writes the figure next to ``path`` and moves it into place: an existing file is replaced
     only with ``force`` (os.link refuses an existing name, so a file that appeared meanwhile is
-    kept too)."""
-    path = output_path(path, force)
+    kept too). The figure is closed whatever happens."""
+    try:
+        path = output_path(path, force)
+    except BaseException:
+        plt.close(fig)
+        raise
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

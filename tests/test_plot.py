@@ -326,3 +326,18 @@ def test_an_overlap_run_without_kept_figures_is_one_line_not_a_traceback(tmp_pat
     w.finish("complete")
     with pytest.raises(UserError, match="no overlap plot .results.csv has no gemm_kept_pct"):
         plot_run(tmp_path / "ov", tmp_path / "out")
+
+
+def test_a_figure_whose_file_is_kept_is_closed_too(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from epbench import plot
+
+    path = tmp_path / "x.png"
+    path.write_text("an earlier plot")
+    before = len(plt.get_fignums())
+    for _ in range(3):
+        fig, _ax = plt.subplots()
+        with pytest.raises(plot.PlotsKept):
+            plot._save_figure(fig, path, False)
+    assert len(plt.get_fignums()) == before and path.read_text() == "an earlier plot"
