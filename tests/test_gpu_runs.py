@@ -121,6 +121,14 @@ def test_early_runs_start_the_sets_selected_tests_use_and_each_is_taken_once(tmp
     assert early.take(files["a"]) is None  # a second setup of the fixture makes a new set
     runs.close()
 
+    class Factory:  # pytest's tmp_path_factory, as set_of uses it
+        def mktemp(self, name):
+            return tmp_path / "late" / name
+
+    late = early.set_of(files["b"], Factory())  # not started early: made by its maker now, in its own folder
+    assert made[-1] == "b" and late is not None and late.base == tmp_path / "late" / "test_b"
+    assert early.set_of(files["c"], Factory()) is None  # its maker says the module would skip
+
 
 def _seen(runs, names):
     out = {}

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -499,6 +499,15 @@ class EarlyRuns:
 
     def take(self, module_file: str) -> Optional[GpuRuns]:
         return self.started.pop(self._key(module_file), None)
+
+    def set_of(self, module_file: str, tmp_path_factory: Any) -> Optional[GpuRuns]:
+        """The module's set for its fixture: the one started early (``take``), else a new one from its maker
+        (EPBENCH_GPU_TESTS_EARLY=0, or the early start not done), in a fresh folder; None where the maker
+        says the module would skip."""
+        early = self.take(module_file)
+        if early is not None:
+            return early
+        return self.makers[self._key(module_file)][0](tmp_path_factory.mktemp(Path(module_file).stem))
 
     def wait(self) -> None:
         for runs in self.every:

@@ -65,7 +65,7 @@ EARLY_RUNS.add(__file__, _runs, "runs")
 
 @pytest.fixture(scope="module")
 def runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("hier")) as started:
+    with EARLY_RUNS.set_of(__file__, tmp_path_factory) as started:
         yield started
 
 

@@ -144,7 +144,7 @@ EARLY_RUNS.add(__file__, _pipeline_runs, "pipeline_runs")
 
 @pytest.fixture(scope="module")
 def pipeline_runs(built: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    with EARLY_RUNS.take(__file__) or _pipeline_runs(tmp_path_factory.mktemp("ll-runs")) as started:
+    with EARLY_RUNS.set_of(__file__, tmp_path_factory) as started:
         yield started
 
 

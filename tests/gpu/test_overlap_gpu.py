@@ -52,7 +52,7 @@ EARLY_RUNS.add(__file__, _runs, "runs")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRuns]:
-    with EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("overlap")) as runs:
+    with EARLY_RUNS.set_of(__file__, tmp_path_factory) as runs:
         yield runs
 
 

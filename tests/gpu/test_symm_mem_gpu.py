@@ -70,7 +70,7 @@ EARLY_RUNS.add(__file__, _runs, "runs")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Optional[GpuRuns]]:
-    started = EARLY_RUNS.take(__file__) or _runs(tmp_path_factory.mktemp("symm-mem"))
+    started = EARLY_RUNS.set_of(__file__, tmp_path_factory)
     yield started
     if started is not None:
         started.close()
