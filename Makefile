@@ -176,9 +176,11 @@ GPU_SWEEP ?= h200x4 dsv3x4 h200x4-fp8 dsv3x4-fp8 h200x2x2-virtual dsv3x2x2-virtu
 GPU_TEST_TIMEOUT ?= 480
 GPU_TEST_TIMEOUT_ARG = $(shell $(PY) -c "import pytest_timeout" 2>/dev/null && echo --timeout=$(GPU_TEST_TIMEOUT))
 GPU_TEST_ARGS = -v -rsfE --durations=0 -m gpu $(GPU_TEST_TIMEOUT_ARG)
+# what gpu-test runs: all of tests/ by default; e.g. GPU_TESTS="tests/gpu/test_hybrid_ep_gpu.py -k sweep"
+GPU_TESTS ?= tests
 gpu-test: build
-	@echo "pytest $(GPU_TEST_ARGS) tests$(if $(GPU_TEST_TIMEOUT_ARG),, (pytest-timeout not installed: no per-test timeout))"
-	@$(PY) -m pytest $(GPU_TEST_ARGS) tests
+	@echo "pytest $(GPU_TEST_ARGS) $(GPU_TESTS)$(if $(GPU_TEST_TIMEOUT_ARG),, (pytest-timeout not installed: no per-test timeout))"
+	@$(PY) -m pytest $(GPU_TEST_ARGS) $(GPU_TESTS)
 
 gpu-check: build
 	@status=0; $(PY) -m pytest $(GPU_TEST_ARGS) tests || status=1; \
