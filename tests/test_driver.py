@@ -167,3 +167,32 @@ def test_switch_gate_launches_gates_the_timed_plain_calls_of_host_free_backends_
     assert not any(g for _, g in plain(False, "1"))  # a backend whose calls may wait on the host
     # no warm-up: the very first launch (which may load its kernels) is still not gated
     assert plain(True, "1", warmup=0) == [(i, i >= 1) for i in range(3) for _ in range(2)]
+
+
+def test_overlap_loop_runs_the_stand_in_expert_after_the_first_and_last_dispatch_only(monkeypatch):
+    """expert_each False (overlap): the expert's whole-buffer kernels stay out of the loop beside the
+    GEMM except where the combine's output is checked (the last iteration) and before the first combine;
+    the default writes it after every dispatch."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from epbench import driver
+
+    seen = []
+    fake_timer(monkeypatch, seen, (1.0,))
+    comm = SimpleNamespace(rank=0, device=torch.device("cpu"), sync=lambda: None)
+    filled = []
+    n = [0]
+
+    def dispatch():
+        n[0] += 1
+        return n[0]
+
+    calls = driver.PointCalls(dispatch, lambda out: torch.ones(1), lambda inp: None, filled.append)
+    driver._time_pair(comm, 2, 4, calls, ["set0"], expert_each=False)
+    assert filled == [1, 6]
+    filled.clear()
+    n[0] = 0
+    _, last = driver._time_pair(comm, 2, 4, calls, ["set0"])
+    assert filled == [1, 2, 3, 4, 5, 6] and last.out == 6
