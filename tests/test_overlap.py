@@ -121,6 +121,12 @@ def test_table_takes_the_worst_rank_and_fits_100_columns():
     assert len(table_lines) == 3
     assert all(len(ln) <= 100 for ln in text.splitlines())
     assert "73.7" in text  # the worst rank's GEMM kept %
+    assert "busy" in text and "60.0" in text  # the communication loop's busy share, beside the GEMM columns
+    assert "stand-in expert after every dispatch" in text  # a folder from before the expert left the loops
+    meta["overlap"]["stand_in_expert"] = ov.EXPERT_IN_LOOP
+    console = Console(width=100, record=True)
+    print_overlap(df, meta, console)
+    assert "stand-in expert" not in console.export_text()
     assert "SMs and HBM only" in text
 
 
