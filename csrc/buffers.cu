@@ -74,9 +74,9 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
                  cfg->own_rows == 2 ? "all" : "ce", cfg->align, cfg->quantize_fused);
     return -1;
   }
-  if (cfg->em_push < 0 || cfg->em_push > 1 || (cfg->em_push && cfg->align == 0)) {
-    ep_set_error("em_push must be 0 (receiver) or 1 (sender, expert-major only), got %d with align %d", cfg->em_push,
-                 cfg->align);
+  if (cfg->em_push < 0 || cfg->em_push > 2 || (cfg->em_push && cfg->align == 0)) {
+    ep_set_error("em_push must be 0 (receiver), 1 (sender) or 2 (receiver, TMA copies; both expert-major only), got %d "
+                 "with align %d", cfg->em_push, cfg->align);
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(cfg->device));

@@ -19,7 +19,7 @@ NOT_BUILT = "kernels not built: run `make build`"
 # ep_config.own_rows: who stores a rank's own rows (backend option own_rows)
 OWN_ROWS = {"sm": 0, "ce": 1, "all": 2}
 # ep_config.em_push (expert-major): who writes a row into its further experts' slots (backend option em_push)
-EM_PUSH = {"receiver": 0, "sender": 1}
+EM_PUSH = {"receiver": 0, "sender": 1, "tma": 2}
 # ep_config.quantize_fused for quantize fused: the bytes each lane stores per step (backend option fused_stores)
 FUSED_STORES = {8: 1, 16: 2}
 # ep_set_option keys (enum ep_option).
@@ -86,7 +86,7 @@ class EpConfig(ctypes.Structure):
         ("own_rows", ctypes.c_int),  # OWN_ROWS: 0 sm (default), 1 ce (own rows by token index, copied by the caller),
                                      # 2 all (every source's rows by token index; peers' copied by ep_dispatch)
         ("em_push", ctypes.c_int),  # EM_PUSH: expert-major, 0 the receiver copies a row into its further slots,
-                                    # 1 the sender stores every slot
+                                    # 1 the sender stores every slot, 2 the receiver copies by TMA
     ]
 
 

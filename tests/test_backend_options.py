@@ -108,6 +108,8 @@ def test_effective_config_reads_the_library_struct() -> None:
     assert be.effective_config()["em_push"] == "receiver"
     be._lib.em_push = 1
     assert be.effective_config()["em_push"] == "sender"
+    be._lib.em_push = 2
+    assert be.effective_config()["em_push"] == "tma"
 
 
 def test_em_push_sender_needs_expert_major_and_at_most_16_warps() -> None:
@@ -123,7 +125,14 @@ def test_em_push_sender_needs_expert_major_and_at_most_16_warps() -> None:
                               "s.yaml", environ={})
     with pytest.raises(UserError, match="em_push"):  # the environment counts as given
         options.check_payload({}, "rank_major", "before", "s.yaml", environ={"EPBENCH_EM_PUSH": "sender"})
-    with pytest.raises(UserError, match=r"em_push: must be one of receiver, sender, got 'both'"):
+    # tma (the receiver's copies by bulk copies): the same two rules
+    options.check_payload({"epbench": {"em_push": "tma"}}, "expert_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"em_push=tma needs model\.layout expert_major"):
+        options.check_payload({"epbench": {"em_push": "tma"}}, "rank_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"em_push=tma runs with at most 16 dispatch warps"):
+        options.check_payload({"epbench": {"em_push": "tma", "dispatch_warps": 32}}, "expert_major", "before",
+                              "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"em_push: must be one of receiver, sender, tma, got 'both'"):
         options.parse_cli(["em_push=both"])
 
 

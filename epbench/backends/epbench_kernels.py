@@ -59,6 +59,7 @@ from epbench.backends.kernel_common import (poison_dispatch_outputs, raw_stream_
 from epbench.layout import ExpertMajor, slot_capacity
 
 MAX_WORLD = 8
+EM_PUSH_NAME = {v: k for k, v in cuda_lib.EM_PUSH.items()}  # what ep_effective.dispatch_em_push says ran
 MAX_TOPK = 32
 NOTIFY_SMEM_BYTES = 227 * 1024
 
@@ -301,7 +302,7 @@ class EpbenchBackend(NormalMode):
                     **({"em_push": self.em_push} if self.em_align else {})}
         # own_rows: fixed at ep_create, no fallback; em_push: as the library says it ran (an older build runs receiver)
         return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows,
-                **({"em_push": "sender" if eff.dispatch_em_push else "receiver"} if self.em_align else {})}
+                **({"em_push": EM_PUSH_NAME.get(eff.dispatch_em_push, str(eff.dispatch_em_push))} if self.em_align else {})}
 
     def set_debug_stamps(self, on: bool) -> None:
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""
