@@ -16,8 +16,9 @@ For each backend and SM count k, one run measures on every rank:
 
 The communication loops (1 and 4) write the stand-in expert's output after their first and last
 dispatch only (``driver._time_pair``, ``expert_each`` False; ``EXPERT_IN_LOOP`` in meta.json): its
-kernels dequantize and scale the whole receive buffer on every SM, which beside the GEMM cost it
-more than the communication did (until 2026-11-27 they ran after every dispatch).
+kernels dequantize and scale the whole receive buffer on every SM, and beside the GEMM they shared its
+SMs and HBM between the calls (until 2026-11-27 they ran after every dispatch; what that cost the GEMM
+is not yet measured apart: notes/OVERLAP.md).
 
 Partitions. The GEMM's SMs are disjoint from nothing by construction: the communication runs in
 the primary context, which may place its k blocks anywhere (the issue's "give the communication
