@@ -191,9 +191,6 @@ __device__ void em_tma_row_copies(const EpParams& p, const uint8_t* from, unsign
                                   uint8_t* stages, uint64_t* bars, long long& g) {
   const int lane = threadIdx.x & 31;
   const int row_bytes = p.row_bytes, nch = (row_bytes + kEmChunk - 1) / kEmChunk;
-  int to_slot[32];
-  int nto = 0;
-  for (unsigned m = rest; m; m &= m - 1) to_slot[nto++] = __shfl_sync(0xffffffffu, slot, __ffs(m) - 1);
   auto issue = [&](long long j, int c) {  // chunk c of this row into stage j % 2 (lane 0)
     const int s = (int)(j % kEmStages);
     const uint32_t bytes = (uint32_t)min(kEmChunk, row_bytes - c * kEmChunk);
@@ -209,10 +206,12 @@ __device__ void em_tma_row_copies(const EpParams& p, const uint8_t* from, unsign
     const int s = (int)(g % kEmStages);
     __syncwarp();
     mbar_wait(bars + s, (uint32_t)((g / kEmStages) & 1));
+    const uint32_t bytes = (uint32_t)min(kEmChunk, row_bytes - c * kEmChunk);
+    for (unsigned m = rest; m; m &= m - 1) {  // warp-uniform: every lane shuffles, lane 0 stores
+      const int to = __shfl_sync(0xffffffffu, slot, __ffs(m) - 1);
+      if (lane == 0) bulk_store(x + (size_t)to * row_bytes + (size_t)c * kEmChunk, stages + (size_t)s * kEmChunk, bytes);
+    }
     if (lane == 0) {
-      const uint32_t bytes = (uint32_t)min(kEmChunk, row_bytes - c * kEmChunk);
-      for (int i = 0; i < nto; ++i)
-        bulk_store(x + (size_t)to_slot[i] * row_bytes + (size_t)c * kEmChunk, stages + (size_t)s * kEmChunk, bytes);
       bulk_commit();
       if (c + 1 < nch) issue(g + 1, c + 1);
     }
@@ -243,7 +242,7 @@ __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
   [[maybe_unused]] uint64_t* bars = nullptr;
   [[maybe_unused]] long long g = 0;  // this warp's chunks so far: stage g % 2, barrier phase (g / 2) & 1
   if constexpr (kTma) {
-    extern __shared__ __align__(128) uint8_t em_smem[];  // ep_dispatch sizes it (em_tma_smem)
+    extern __shared__ __align__(16) uint8_t em_smem[];  // ep_dispatch sizes it (em_tma_smem); bulk copies need 16
     const int warp = threadIdx.x >> 5;
     stages = em_smem + (size_t)warp * kEmStages * kEmChunk;
     bars = reinterpret_cast<uint64_t*>(em_smem + (size_t)nwarps * kEmStages * kEmChunk) + warp * kEmStages;
@@ -568,7 +567,16 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
         : p.em_push == 2  ? kDispatchKernels<3>[w16][dyn][fused]
                           : kDispatchKernels<1>[w16][dyn][fused];
     const size_t smem = p.align > 0 && p.em_push == 2 ? em_tma_smem(warps) : 0;  // the TMA copy pass's stages
-    if (smem) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (smem) {  // once per kernel (a process drives one GPU): every size asked for fits the largest (16 warps)
+      static DispatchKernel raised[2 * 2 * 3] = {};
+      bool done = false;
+      for (DispatchKernel k : raised) done = done || k == kernel;
+      if (!done) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)em_tma_smem(16)));
+        for (DispatchKernel& k : raised)
+          if (!k) { k = kernel; break; }
+      }
+    }
     CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, smem, stream, p, a, epoch));
   }
   ep_effective& eff = ctx->effective;
