@@ -16,8 +16,7 @@ from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
 from epbench.errors import UserError  # noqa: E402
-from epbench.metrics import CALIBRATIONS  # noqa: E402
-from epbench.metrics import summarize  # noqa: E402
+from epbench.metrics import CALIBRATIONS, summarize  # noqa: E402
 from epbench.report import transport  # noqa: E402
 from epbench.results import load_run  # noqa: E402
 from epbench.scenario import cut, short_path  # noqa: E402
