@@ -599,17 +599,26 @@ class _Point:
     loop (the driver's timing loop, or the copy kernel's)."""
 
     def __init__(self, gemm: Gemm, gemm_all_us: float, part: Optional[Partition], total: int,
-                 opts: OverlapOptions, everyone: Callable[[bool], bool] = lambda ok: ok) -> None:
-        """``everyone(ok)``: True when ``ok`` holds on every rank (a collective: each rank asks it)."""
+                 opts: OverlapOptions, everyone: Callable[[bool], bool] = lambda ok: ok,
+                 watch: Any = None, gemm_all_reading: Any = None) -> None:
+        """``everyone(ok)``: True when ``ok`` holds on every rank (a collective: each rank asks it);
+        ``watch``: a clocks.Watch sampling this GPU in each phase (None: clocks.NoWatch);
+        ``gemm_all_reading``: its reading of the GEMM alone on all SMs (the clock alone without a partition)."""
+        from epbench import clocks
+
         self.gemm, self.gemm_all_us, self.part, self.total, self.opts = gemm, gemm_all_us, part, total, opts
         self.everyone = everyone
+        self.watch = watch if watch is not None else clocks.NoWatch()
+        self.gemm_all_reading = gemm_all_reading or clocks.Reading()
+        self.pair_reading = clocks.Reading()  # the last pair window's (pair())
 
     def pair(self, n: int, loop: Callable[[], Dict[str, List[float]]]) -> Tuple[int, "Window", int]:
         """The pair window, redone with a longer GEMM loop (every rank together, since the
         communication loop is collective) while the GEMMs ended before the communication on any
         rank: (GEMMs, window, windows run)."""
         for tries in range(1, PAIR_TRIES + 1):
-            win = concurrent(self.gemm, n, self.part, loop)
+            with self.watch.phase() as self.pair_reading:
+                win = concurrent(self.gemm, n, self.part, loop)
             if self.everyone(win.covered or n >= GEMM_LOOP_MAX) or tries == PAIR_TRIES:
                 return n, win, tries
             n = regrown_count(n, win.gemm_end, win.comm_end)
@@ -620,14 +629,20 @@ class _Point:
 
         from epbench import metrics
 
+        from epbench import clocks
+
         loop()  # untimed: a first call's cost (a library compiling its kernels, lazy loading) stays out
         torch.cuda.synchronize()
-        alone_samples, alone_span = comm_loop_alone(loop)
+        with self.watch.phase() as comm_reading:
+            alone_samples, alone_span = comm_loop_alone(loop)
         carveout = self.total - self.part.sms if self.part is not None else None
         api = set_carveout(carveout)
         try:
-            confined = (time_gemm(self.gemm, self.opts.gemm_iters, self.part)
-                        if self.part is not None else self.gemm_all_us)
+            confined_reading = self.gemm_all_reading
+            confined = self.gemm_all_us
+            if self.part is not None:
+                with self.watch.phase() as confined_reading:
+                    confined = time_gemm(self.gemm, self.opts.gemm_iters, self.part)
             n, win, tries = self.pair(gemm_loop_count(alone_span, confined), loop)
         finally:
             set_carveout(None)
@@ -644,7 +659,10 @@ class _Point:
                 "comm_busy_pct": busy_pct(per_iter, calls, win.comm_end - win.comm_start),
                 "gemm_sms": self.part.sms if self.part is not None else self.total,
                 "gemm_sms_wanted": self.part.want if self.part is not None else self.total,
-                "sm_carveout": carveout, "carveout_api": api if carveout is not None else None}
+                "sm_carveout": carveout, "carveout_api": api if carveout is not None else None,
+                **confined_reading.fields("gemm_confined"), **comm_reading.fields("comm_alone"),
+                **self.pair_reading.fields("pair"),
+                "gemm_clock_kept_pct": clocks.clock_kept_pct(confined_reading.sm_mhz, self.pair_reading.sm_mhz)}
         alone = {op: metrics.median(alone_samples[op]) for op in ops}
         alone["loop"] = alone_span
         beside = {op: metrics.median(win.comm_samples[op]) for op in ops}
@@ -749,7 +767,7 @@ def measure(job: Any) -> int:
     wrong rows and GEMM elements summed over ranks (on every rank)."""
     import torch
 
-    from epbench import driver, options
+    from epbench import clocks, driver, options
     from epbench.backends import load_backend
     from epbench.routing import route_all
 
@@ -774,7 +792,11 @@ def measure(job: Any) -> int:
                 if opts.gemm.kind == "experts" else None)
     set_carveout(None)
     gemm()
-    gemm_all = time_gemm(gemm, opts.gemm_iters, None)
+    watch, why = clocks.open_watch(comm.device.index)
+    if why:
+        job.note(why)
+    with watch.phase() as all_reading:
+        gemm_all = time_gemm(gemm, opts.gemm_iters, None)
     reference = gemm.out.clone()
     parts = {k: disjoint_partition(total - k, comm.device.index) for k in opts.sms}
     for k, p in parts.items():
@@ -793,10 +815,14 @@ def measure(job: Any) -> int:
     base = {"scenario": s.name, "rank": comm.rank, "world": comm.world,
             "device": torch.cuda.get_device_name(comm.device), "gemm": opts.gemm.describe(), "gemm_impl": gemm.impl,
             "gemm_flops": gemm.flops, "total_sms": total, "shared_gpu": shared,
-            "tokens_per_rank": m.tokens_per_rank, "hidden": m.hidden}
+            "tokens_per_rank": m.tokens_per_rank, "hidden": m.hidden, **all_reading.fields("gemm_all"),
+            "power_limit_w": watch.power_limit_w()}
     setup = driver.rank_setup(s, comm)
     wrong_total, salt = 0, 1
     everyone = all_ranks(comm)
+
+    def new_point(part: Optional[Partition]) -> _Point:
+        return _Point(gemm, gemm_all, part, total, opts, everyone, watch, all_reading)
 
     def record(backend: str, sms: int, row: Dict[str, Any], raw: Dict[str, Dict[str, List[float]]]) -> int:
         gathered = job.gather((dict(base, backend=backend, sms=sms, **row), raw))
@@ -819,7 +845,7 @@ def measure(job: Any) -> int:
             for mode, sms in ((c, n) for c in driver.call_modes_of(be, s.bench.call_modes)
                               for n in (opts.sms if be_cls.uses_sms else (0,))):
                 be.use_call_mode(mode)  # before the point's inputs are prepared (kernel: a cached layout)
-                point = _Point(gemm, gemm_all, parts.get(sms), total, opts, everyone)
+                point = new_point(parts.get(sms))
                 calls = driver.Point(be, s, routings, sms, comm, s.bench.input_sets[0])
                 row, raw = point.measure(lambda: calls.time(opts.warmup, opts.iters, expert_each=False))
                 row["gemm_wrong"] = gemm.wrong(reference)
@@ -833,14 +859,14 @@ def measure(job: Any) -> int:
         finally:
             be.close()
     if opts.calibrate:
-        wrong_total += _calibrate(job, gemm, gemm_all, reference, parts, total, routings, record, everyone)
+        wrong_total += _calibrate(job, gemm, reference, parts, routings, record, new_point)
     return job.rank0_count(wrong_total)
 
 
-def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dict[int, Partition],
-               total: int, routings: Sequence[Any], record: Callable[..., int],
-               everyone: Callable[[bool], bool]) -> int:
-    """The copy rows at every SM count (``record``: measure's); returns the wrong ones."""
+def _calibrate(job: Any, gemm: Gemm, reference: Any, parts: Dict[int, Partition],
+               routings: Sequence[Any], record: Callable[..., int],
+               new_point: Callable[[Optional[Partition]], _Point]) -> int:
+    """The copy rows at every SM count (``record`` and ``new_point``: measure's); returns the wrong ones."""
     from epbench import ceiling, metrics
     from epbench.routing import traffic
 
@@ -854,7 +880,7 @@ def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dic
         if loop is None:
             job.note("copy calibration: absent (the kernels library is not built: make build)")
             return wrong
-        row, raw = _Point(gemm, gemm_all, parts[sms], total, opts, everyone).measure(loop)
+        row, raw = new_point(parts[sms]).measure(loop)
         row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=copy_bytes,
                    problem=row.get("schedule_problem"))
         wrong += record("copy", sms, row, raw)
@@ -872,7 +898,7 @@ def _calibrate(job: Any, gemm: Gemm, gemm_all: float, reference: Any, parts: Dic
         if loop is None:
             break
         try:
-            row, raw = _Point(gemm, gemm_all, parts[sms], total, opts, everyone).measure(loop)
+            row, raw = new_point(parts[sms]).measure(loop)
             row.update(gemm_wrong=gemm.wrong(reference), wrong=check(), copy_bytes=sum(plan[comm.rank]),
                        problem=row.get("schedule_problem"))
         finally:

@@ -364,6 +364,42 @@ def overlap_table(df: Any, title: str):
     return t
 
 
+CLOCK_TABLE = (  # the overlap run's clocks: (header, results.csv column, format)
+    ("SMs", "sms", "{:.0f}"), ("GEMM alone\nMHz", "gemm_confined_sm_mhz", "{:.0f}"),
+    ("beside\nMHz", "pair_sm_mhz", "{:.0f}"), ("clock\nkept %", "gemm_clock_kept_pct", "{:.1f}"),
+    ("power alone\nW", "gemm_confined_power_w", "{:.0f}"), ("beside\nW", "pair_power_w", "{:.0f}"),
+    ("limit\nW", "power_limit_w", "{:.0f}"), ("reasons beside", "pair_clock_reasons", "{}"),
+)
+
+
+def overlap_clock_table(df: Any):
+    """The SM clock and power of each point's phases (clocks.py), the rank whose clock kept least;
+    None where no clock was read (no NVML, a CPU run, a folder from before the columns)."""
+    from rich import box
+
+    from epbench.metrics import overlap_labels
+
+    if "gemm_clock_kept_pct" not in df.columns or not df["gemm_clock_kept_pct"].notna().any():
+        return None
+    keys = ["backend", "call_mode", "sms"] if "call_mode" in df.columns else ["backend", "sms"]
+    rows = df[df["gemm_clock_kept_pct"].notna()]
+    worst = rows.loc[rows.groupby(keys, sort=False, dropna=False)["gemm_clock_kept_pct"].idxmin()].reset_index(drop=True)
+    worst["label"] = overlap_labels(worst)
+    t = console_table("SM clock and power (NVML)", None, [], box=box.SIMPLE_HEAD, pad_edge=False,
+                      padding=(0, 1), collapse_padding=True)
+    t.add_column("backend", justify="left", no_wrap=True)
+    cols = [c for c in CLOCK_TABLE if c[1] in worst.columns]
+    for head, _, _ in cols:
+        t.add_column(head, justify="right")
+    for _, r in worst.iterrows():
+        cells = []
+        for _, col, fmt in cols:
+            v = r.get(col)
+            cells.append("-" if v is None or v != v or v == "" else fmt.format(v))
+        t.add_row(str(r["label"]), *cells)
+    return t
+
+
 def overlap_problems(df: Any) -> List[str]:
     """One line per (backend, SMs) whose rows say what went wrong (verification or the pair
     window's schedule: overlap.schedule_problem), ranks with the same words merged."""
@@ -393,6 +429,12 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
                       "gemm_kept_in_calls_pct is the GEMM's kept % while a call ran); busy = share of that loop in which a call ran; "
                       "pair / max: the same work together, perfectly hidden (serially: sum_us in results.csv); exposed = "
                       "pair - GEMMs alone; wrong = communication rows + GEMM elements wrong")
+        clock_table = overlap_clock_table(df)
+        if clock_table is not None:
+            console.print(clock_table)
+            console.print("SM clock: median over the phase's NVML samples (every 5 ms), the rank whose clock fell most; "
+                          "clock kept % = beside / GEMM alone in its partition; power: mean of the samples (NVML averages "
+                          "it over its own window); reasons: what NVML said limits the clock while both ran", highlight=False)
         for line in overlap_problems(df):
             console.print(f"[bold red]problem:[/] {line}", highlight=False)
         if o and "stand_in_expert" not in o:  # a folder written before the expert left the loops

@@ -466,7 +466,8 @@ def test_link_calibration_rows_come_after_the_local_ones_where_a_link_is_crossed
     opts = ov.OverlapOptions(("epbench",), (4, 8), 1, 2, ov.parse_gemm("8,8,8"))
     job = SimpleNamespace(scenario=s, options=opts, comm=SimpleNamespace(rank=1, world=world), note=print)
     gemm = SimpleNamespace(wrong=lambda reference: 0)
-    wrong = ov._calibrate(job, gemm, 1.0, None, {4: None, 8: None}, 132, route_all(s), record, lambda ok: ok)
+    wrong = ov._calibrate(job, gemm, None, {4: None, 8: None}, route_all(s), record,
+                          lambda part: ov._Point(gemm, 1.0, part, 132, opts))
     local = [r for r in recorded if r[0] == "copy"]
     assert [(b, k) for b, k, *_ in local] == [("copy", 4), ("copy", 8)]
     if world == 1 or shared:
@@ -495,8 +496,9 @@ def _link_rows(monkeypatch, s, world):
     monkeypatch.setattr(ov._Point, "measure", lambda self, loop: ({"schedule_problem": None}, {"alone": loop()}))
     opts = ov.OverlapOptions(("epbench",), (8,), 1, 2, ov.parse_gemm("8,8,8"))
     job = SimpleNamespace(scenario=s, options=opts, comm=SimpleNamespace(rank=0, world=world), note=notes.append)
-    ov._calibrate(job, SimpleNamespace(wrong=lambda r: 0), 1.0, None, {8: None}, 132, route_all(s),
-                  lambda b, k, row, raw: recorded.append(b) or 0, lambda ok: ok)
+    gemm = SimpleNamespace(wrong=lambda r: 0)
+    ov._calibrate(job, gemm, None, {8: None}, route_all(s), lambda b, k, row, raw: recorded.append(b) or 0,
+                  lambda part: ov._Point(gemm, 1.0, part, 132, opts))
     return recorded, plans, notes
 
 
