@@ -32,7 +32,14 @@ Figures per point (``kept`` = 100 x alone time / time beside; 100 = no slowdown)
 - ``gemm_kept_pct``: the GEMM's time alone on all SMs over its time per GEMM beside the
   communication loop (GEMMs wholly inside that loop); ``gemm_kept_of_confined_pct`` the same
   against the GEMM alone in its partition (what interference costs beyond the SMs taken);
-  ``gemm_kept_in_calls_pct`` the kept % while a call ran, derived (``kept_in_calls_pct``).
+  ``gemm_kept_in_calls_pct`` the kept % while a call ran, derived (``kept_in_calls_pct``);
+  ``gemm_kept_of_window_pct`` against the GEMM alone in its partition for as many GEMMs as the pair
+  ran, right after it (``gemm_window_us``): the confined figure above times a 20-GEMM burst, which
+  on 4 x H200 ran at the idle GPU's 1965-1980 MHz where the pair windows (90-190 ms) ran at
+  1515-1875 under the power cap (2026-11-27), so the burst is no like-for-like reference.
+- the SM clock, power and clock-limit reasons of each phase (``clocks.py``, NVML every 5 ms):
+  ``gemm_confined_*``, ``gemm_window_*``, ``comm_alone_*``, ``pair_*``, ``gemm_all_*``;
+  ``gemm_clock_kept_pct`` = the pair's SM clock over the window's.
 - ``dispatch_kept_pct`` / ``combine_kept_pct`` / ``comm_kept_pct`` (their sum): the driver's
   median alone over the median beside.
 - ``comm_busy_pct``: the share of the loop's span in which a communication call ran (the timing
@@ -644,6 +651,10 @@ class _Point:
                 with self.watch.phase() as confined_reading:
                     confined = time_gemm(self.gemm, self.opts.gemm_iters, self.part)
             n, win, tries = self.pair(gemm_loop_count(alone_span, confined), loop)
+            # the GEMM alone again, as many as the pair ran (as long, after it: the power cap's state is
+            # that of a long busy window, where the burst above ran at the idle GPU's clock; clocks.py)
+            with self.watch.phase() as window_reading:
+                window = time_gemm(self.gemm, n, self.part)
         finally:
             set_carveout(None)
         beside_us, covered = win.gemm_beside_us()
@@ -660,9 +671,10 @@ class _Point:
                 "gemm_sms": self.part.sms if self.part is not None else self.total,
                 "gemm_sms_wanted": self.part.want if self.part is not None else self.total,
                 "sm_carveout": carveout, "carveout_api": api if carveout is not None else None,
+                "gemm_window_us": window, "gemm_kept_of_window_pct": kept_pct(window, beside_us),
                 **confined_reading.fields("gemm_confined"), **comm_reading.fields("comm_alone"),
-                **self.pair_reading.fields("pair"),
-                "gemm_clock_kept_pct": clocks.clock_kept_pct(confined_reading.sm_mhz, self.pair_reading.sm_mhz)}
+                **window_reading.fields("gemm_window"), **self.pair_reading.fields("pair"),
+                "gemm_clock_kept_pct": clocks.clock_kept_pct(window_reading.sm_mhz, self.pair_reading.sm_mhz)}
         alone = {op: metrics.median(alone_samples[op]) for op in ops}
         alone["loop"] = alone_span
         beside = {op: metrics.median(win.comm_samples[op]) for op in ops}

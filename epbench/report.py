@@ -365,9 +365,10 @@ def overlap_table(df: Any, title: str):
 
 
 CLOCK_TABLE = (  # the overlap run's clocks: (header, results.csv column, format)
-    ("SMs", "sms", "{:.0f}"), ("GEMM alone\nMHz", "gemm_confined_sm_mhz", "{:.0f}"),
-    ("beside\nMHz", "pair_sm_mhz", "{:.0f}"), ("clock\nkept %", "gemm_clock_kept_pct", "{:.1f}"),
-    ("power alone\nW", "gemm_confined_power_w", "{:.0f}"), ("beside\nW", "pair_power_w", "{:.0f}"),
+    ("SMs", "sms", "{:.0f}"), ("burst\nMHz", "gemm_confined_sm_mhz", "{:.0f}"),
+    ("window\nMHz", "gemm_window_sm_mhz", "{:.0f}"), ("beside\nMHz", "pair_sm_mhz", "{:.0f}"),
+    ("clock\nkept %", "gemm_clock_kept_pct", "{:.1f}"), ("GEMM kept\nof win. %", "gemm_kept_of_window_pct", "{:.1f}"),
+    ("window\nW", "gemm_window_power_w", "{:.0f}"), ("beside\nW", "pair_power_w", "{:.0f}"),
     ("limit\nW", "power_limit_w", "{:.0f}"), ("reasons beside", "pair_clock_reasons", "{}"),
 )
 
@@ -432,9 +433,11 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
         clock_table = overlap_clock_table(df)
         if clock_table is not None:
             console.print(clock_table)
-            console.print("SM clock: median over the phase's NVML samples (every 5 ms), the rank whose clock fell most; "
-                          "clock kept % = beside / GEMM alone in its partition; power: mean of the samples (NVML averages "
-                          "it over its own window); reasons: what NVML said limits the clock while both ran", highlight=False)
+            console.print("GEMM alone in its partition: burst = the 20 GEMMs of 'of conf.', window = as many GEMMs as the "
+                          "pair ran, after it; SM clock: median of the phase's NVML samples (every 5 ms), the rank whose "
+                          "clock fell most; clock kept % = beside / window; GEMM kept of win. = window GEMM time / beside; "
+                          "power: mean of the samples (NVML averages it over its own window, so a short phase reads low); "
+                          "reasons: what NVML said limited the clock while both ran", highlight=False)
         for line in overlap_problems(df):
             console.print(f"[bold red]problem:[/] {line}", highlight=False)
         if o and "stand_in_expert" not in o:  # a folder written before the expert left the loops

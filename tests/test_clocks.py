@@ -130,15 +130,28 @@ def test_a_point_records_the_gemm_clock_alone_and_beside(monkeypatch):
     monkeypatch.setattr(ov, "concurrent", lambda gemm, n, part, lp: win)
     opts = ov.OverlapOptions(("epbench",), (8,), 1, 1, ov.parse_gemm(None))
     loop = lambda: {"dispatch": [1.0], "combine": [1.0]}  # noqa: E731
+    timed = []
+
+    def time_gemm(gemm, n, part):
+        timed.append(n)
+        return 100.0 if len(timed) == 1 else 110.0  # the window runs slower than the burst
+
+    monkeypatch.setattr(ov, "time_gemm", time_gemm)
     row, _ = ov._Point(SimpleNamespace(flops=1e9), 90.0, SimpleNamespace(sms=120, want=120), 132, opts,
-                       watch=ScriptedWatch([1900.0, 1980.0, 1683.0])).measure(loop)
-    assert (row["comm_alone_sm_mhz"], row["gemm_confined_sm_mhz"], row["pair_sm_mhz"]) == (1900.0, 1980.0, 1683.0)
-    assert row["gemm_clock_kept_pct"] == pytest.approx(85.0)
-    # no partition (ranks share a GPU): the clock alone is the all-SM GEMM's reading
+                       watch=ScriptedWatch([1900.0, 1980.0, 1683.0, 1780.0])).measure(loop)
+    assert (row["comm_alone_sm_mhz"], row["gemm_confined_sm_mhz"], row["pair_sm_mhz"],
+            row["gemm_window_sm_mhz"]) == (1900.0, 1980.0, 1683.0, 1780.0)
+    assert row["gemm_clock_kept_pct"] == pytest.approx(100.0 * 1683.0 / 1780.0)  # the pair against the window
+    # the window: as many GEMMs as the pair ran, its time the window's reference
+    assert timed == [ov.OverlapOptions.gemm_iters, row["gemm_count"]] and row["gemm_window_us"] == 110.0
+    assert row["gemm_kept_of_window_pct"] == pytest.approx(ov.kept_pct(110.0, row["gemm_beside_us"]))
+    # no partition (ranks share a GPU): the burst's clock is the all-SM GEMM's reading
+    timed.clear()
     all_reading = clocks.Reading(mhz=[1950.0])
-    row, _ = ov._Point(SimpleNamespace(flops=1e9), 90.0, None, 132, opts, watch=ScriptedWatch([1900.0, 1755.0]),
+    row, _ = ov._Point(SimpleNamespace(flops=1e9), 90.0, None, 132, opts, watch=ScriptedWatch([1900.0, 1755.0, 1950.0]),
                        gemm_all_reading=all_reading).measure(loop)
     assert row["gemm_confined_sm_mhz"] == 1950.0 and row["gemm_clock_kept_pct"] == pytest.approx(90.0)
+    assert timed == [row["gemm_count"]]
 
 
 def test_the_clock_table_shows_the_rank_whose_clock_fell_most_and_is_absent_without_clocks():
@@ -146,8 +159,9 @@ def test_the_clock_table_shows_the_rank_whose_clock_fell_most_and_is_absent_with
 
     from epbench.report import overlap_clock_table
 
-    df = pd.DataFrame([{"backend": "epbench", "call_mode": "call", "sms": 8, "rank": r, "gemm_confined_sm_mhz": 1980.0,
-                        "pair_sm_mhz": mhz, "gemm_clock_kept_pct": 100.0 * mhz / 1980.0, "gemm_confined_power_w": 650.0,
+    df = pd.DataFrame([{"backend": "epbench", "call_mode": "call", "sms": 8, "rank": r, "gemm_confined_sm_mhz": 1965.0,
+                        "gemm_window_sm_mhz": 1980.0, "pair_sm_mhz": mhz, "gemm_clock_kept_pct": 100.0 * mhz / 1980.0,
+                        "gemm_kept_of_window_pct": 91.5, "gemm_window_power_w": 650.0,
                         "pair_power_w": 699.0, "power_limit_w": 700.0, "pair_clock_reasons": why}
                        for r, mhz, why in ((0, 1900.0, ""), (1, 1683.0, "sw-power-cap"))])
     console = Console(width=120, record=True)

@@ -73,5 +73,9 @@ def test_overlap_world_1(runs: GpuRuns, gemm: str) -> None:
     assert (part["gemm_sms"] <= total - part["sms"] + 8).all()  # the driver's partition granularity
     assert (part["gemm_sms"] < total).all()
     assert (df["gemm_kept_pct"] > 0).all() and (df["comm_kept_pct"] > 0).all()
+    # the window GEMM (as many as the pair ran) and the clocks NVML read in each phase (epbench/clocks.py)
+    assert (df["gemm_window_us"] > 0).all() and (df["gemm_kept_of_window_pct"] > 0).all()
+    assert (df["pair_sm_mhz"] > 0).all() and (df["gemm_window_sm_mhz"] > 0).all() and (df["gemm_clock_kept_pct"] > 0).all()
+    assert "SM clock and power (NVML)" in r.stdout
     assert "SMs and HBM only" in r.stdout
     assert (run / "plots" / "overlap_vs_sms.png").is_file()
