@@ -33,8 +33,8 @@ typedef struct ep_config {
   int em_push;  // expert-major only (align >= 1): 0 (receiver): a row crosses to each destination rank once, into the
                 // slot of its first expert there, and the receiver's dispatch blocks copy it into its other experts'
                 // slots after every row has landed; 1 (sender): the sending warp stores the row into every slot
-                // (the link carries it once per (token, expert)), no copy pass; 2 (tma): as 0, the receiver's
-                // copies made by bulk copies (TMA) through shared memory instead of loads and stores
+                // (the link carries it once per (token, expert)), no copy pass; 2 (wide): as 0, the receiver's
+                // copy pass loading 8 KiB a warp before its stores, the next row's slots read ahead
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).
@@ -101,7 +101,7 @@ typedef struct ep_effective {
   int combine_chunk;   // bytes per holder and stage
   int dispatch_scale_block;  // elements per scale of the dispatched rows: 0 bf16, 128 fp8, 32 mxfp8
   int dispatch_fused;        // 1 / 2: the dispatch kernel quantized bf16 rows on the way with 8 / 16-byte stores
-  int dispatch_em_push;      // expert-major: ep_config.em_push as it ran (1 senders stored every slot, 2 TMA copy pass)
+  int dispatch_em_push;      // expert-major: ep_config.em_push as it ran (1 senders stored every slot, 2 the wide copy pass)
 } ep_effective;
 
 const char* ep_last_error(void);

@@ -75,7 +75,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
     return -1;
   }
   if (cfg->em_push < 0 || cfg->em_push > 2 || (cfg->em_push && cfg->align == 0)) {
-    ep_set_error("em_push must be 0 (receiver), 1 (sender) or 2 (receiver, TMA copies; both expert-major only), got %d "
+    ep_set_error("em_push must be 0 (receiver), 1 (sender) or 2 (receiver, wide copy pass; expert-major only), got %d "
                  "with align %d", cfg->em_push, cfg->align);
     return -1;
   }

@@ -107,8 +107,8 @@ struct EpParams {
   int slots;  // rows of recv_x / recv_scales / combine_in (capacity when rank-major)
   int own_ce;  // ep_config.own_rows: 1 (ce) = my own rows at their token index, stored by the caller (see above);
                // 2 (all) = every source s's rows at s * max_tokens + token, a peer's copied by ep_dispatch
-  int em_push;  // ep_config.em_push: 1 = expert-major senders store a row into every slot of it, 2 = the receiver
-                // copies by TMA (dispatch.cu)
+  int em_push;  // ep_config.em_push: 1 = expert-major senders store a row into every slot of it, 2 = the receiver's
+                // wide copy pass (dispatch.cu)
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
   size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_em_slot, off_combine_red,
@@ -423,15 +423,4 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint3
                : "memory");
 }
 
-__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(smem_src)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read_all_but_one() {
-  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 

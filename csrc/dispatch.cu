@@ -175,54 +175,17 @@ __device__ __forceinline__ int em_slot_of(const EpParams& p, long long idx, int 
   return valid ? p.em_base[idx] + p.em_ord[(size_t)t * topk + lane] : -1;
 }
 
-// em_push 2 (tma, kEm 3): the row part of em_local_copies by bulk copies (TMA): lane 0 of the warp loads a chunk
-// of the row into one of two shared-memory stages and stores it from there into every further slot, one bulk
-// group per chunk; the load of chunk j + 1 is issued right after chunk j's stores, before the wait for it, so a
-// warp has a load in flight while its stores drain, and no register holds the bytes (the register copy keeps
-// 2 KiB in flight per warp). A stage is loaded again only once the stores of the chunk it held have read it.
-// At most 16 warps (8 KiB of stages each). Written 2026-11-27 without a GPU run (notes/KERNELS.md,
-// "Expert-major: TMA copy pass").
-constexpr int kEmStages = 2, kEmChunk = 4096;
-constexpr size_t em_tma_smem(int warps) {
-  return (size_t)warps * (kEmStages * (size_t)kEmChunk + kEmStages * sizeof(uint64_t));
-}
-
-__device__ void em_tma_row_copies(const EpParams& p, const uint8_t* from, unsigned rest, int slot, uint8_t* x,
-                                  uint8_t* stages, uint64_t* bars, long long& g) {
-  const int lane = threadIdx.x & 31;
-  const int row_bytes = p.row_bytes, nch = (row_bytes + kEmChunk - 1) / kEmChunk;
-  auto issue = [&](long long j, int c) {  // chunk c of this row into stage j % 2 (lane 0)
-    const int s = (int)(j % kEmStages);
-    const uint32_t bytes = (uint32_t)min(kEmChunk, row_bytes - c * kEmChunk);
-    // the stores that read this stage last (chunk j - 2) have read it; chunk j - 1's, committed just before, may
-    // still be reading the other stage
-    static_assert(kEmStages == 2, "the wait below allows one pending group: two stages");
-    bulk_wait_read_all_but_one();
-    mbar_expect_tx(bars + s, bytes);
-    bulk_load(stages + (size_t)s * kEmChunk, from + (size_t)c * kEmChunk, bytes, bars + s);
-  };
-  if (lane == 0) issue(g, 0);
-  for (int c = 0; c < nch; ++c, ++g) {
-    const int s = (int)(g % kEmStages);
-    __syncwarp();
-    mbar_wait(bars + s, (uint32_t)((g / kEmStages) & 1));
-    const uint32_t bytes = (uint32_t)min(kEmChunk, row_bytes - c * kEmChunk);
-    for (unsigned m = rest; m; m &= m - 1) {  // warp-uniform: every lane shuffles, lane 0 stores
-      const int to = __shfl_sync(0xffffffffu, slot, __ffs(m) - 1);
-      if (lane == 0) bulk_store(x + (size_t)to * row_bytes + (size_t)c * kEmChunk, stages + (size_t)s * kEmChunk, bytes);
-    }
-    if (lane == 0) {
-      bulk_commit();
-      if (c + 1 < nch) issue(g + 1, c + 1);
-    }
-  }
-}
-
 // Expert-major, receiver side, after every row of this epoch has landed (the last block's wait, passed on
 // through em_go): warp g of the grid takes received rows g, g + G, ...; a row with n > 1 of my experts is
-// copied from its first slot (where the source wrote it) into the n - 1 others, scales included (kTma: the
-// row by em_tma_row_copies, the scales as before).
-template <bool kTma>
+// copied from its first slot (where the source wrote it) into the n - 1 others, scales included.
+// kWide false (em_push 0): each lane loads 4 vectors (2 KiB a warp), stores them to every further slot, loads
+// the next 4: a row of 7168 bytes is 4 dependent load round trips, after the round trip for its em_slot entry.
+// kWide true (em_push 2, wide): the next row's em_slot entry is loaded before this row's bytes (its round trip
+// hidden under the copy), and each lane loads kWideU vectors before any store (8 KiB a warp: a row of up to
+// 8 KiB is one round trip). At most 16 warps (the registers: notes/KERNELS.md, "Expert-major: wide copy pass").
+constexpr int kWideU = 16;
+
+template <bool kWide>
 __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
   __syncthreads();  // the last block: its threads' waits on every source's done flag are over
   if (last && threadIdx.x == 0) {
@@ -232,49 +195,39 @@ __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
   if (threadIdx.x == 0) wait_flag(p, p.em_go, epoch, p.rank, kPhaseDispatch);
   __syncthreads();
   if (ld_volatile(p.dev_error) != 0) return;
+  constexpr int U = kWide ? kWideU : 4;
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5, topk = p.topk;
   const int V = p.row_bytes >> 4, W = p.scale_stride >> 2;
   const long long n = *reinterpret_cast<volatile long long*>(p.num_recv);
+  const long long step = (long long)gridDim.x * nwarps;
   const int* em_slot = reinterpret_cast<const int*>(p.peer_base[p.rank] + p.off_em_slot);
   uint8_t* x = p.peer_base[p.rank] + p.off_recv_x;
   uint8_t* sc = p.peer_base[p.rank] + p.off_recv_scales;
-  [[maybe_unused]] uint8_t* stages = nullptr;
-  [[maybe_unused]] uint64_t* bars = nullptr;
-  [[maybe_unused]] long long g = 0;  // this warp's chunks so far: stage g % 2, barrier phase (g / 2) & 1
-  if constexpr (kTma) {
-    extern __shared__ __align__(16) uint8_t em_smem[];  // ep_dispatch sizes it (em_tma_smem); bulk copies need 16
-    const int warp = threadIdx.x >> 5;
-    stages = em_smem + (size_t)warp * kEmStages * kEmChunk;
-    bars = reinterpret_cast<uint64_t*>(em_smem + (size_t)nwarps * kEmStages * kEmChunk) + warp * kEmStages;
-    if (lane == 0) {
-      for (int s = 0; s < kEmStages; ++s) mbar_init(bars + s, 1);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      // the rows were stored by the peers' SMs (generic proxy) and are read here by bulk copies (async proxy)
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+  const long long first = blockIdx.x * nwarps + (threadIdx.x >> 5);
+  [[maybe_unused]] int next = kWide && first < n && lane < topk ? ld_volatile(em_slot + first * topk + lane) : -1;
+  for (long long r = first; r < n; r += step) {
+    int slot;
+    if constexpr (kWide) {  // the next row's entry now: its round trip runs under this row's copies
+      slot = next;
+      next = r + step < n && lane < topk ? ld_volatile(em_slot + (r + step) * topk + lane) : -1;
+    } else {
+      slot = lane < topk ? ld_volatile(em_slot + r * topk + lane) : -1;
     }
-    __syncwarp();
-  }
-  for (long long r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < n; r += (long long)gridDim.x * nwarps) {
-    const int slot = lane < topk ? ld_volatile(em_slot + r * topk + lane) : -1;
     unsigned rest = __ballot_sync(0xffffffffu, slot >= 0);
     if (__popc(rest) < 2) continue;  // warp-uniform
     const int src = __shfl_sync(0xffffffffu, slot, __ffs(rest) - 1);
     rest &= rest - 1;
-    if constexpr (kTma) {
-      em_tma_row_copies(p, x + (size_t)src * p.row_bytes, rest, slot, x, stages, bars, g);
-    } else {
-      const int4* from = reinterpret_cast<const int4*>(x + (size_t)src * p.row_bytes);
-      for (int v0 = 0; v0 < V; v0 += 32 * 4) {
-        int4 buf[4];
+    const int4* from = reinterpret_cast<const int4*>(x + (size_t)src * p.row_bytes);
+    for (int v0 = 0; v0 < V; v0 += 32 * U) {
+      int4 buf[U];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (v0 + u * 32 + lane < V) buf[u] = ld_cg_v4(from + v0 + u * 32 + lane);
-        for (unsigned m = rest; m; m &= m - 1) {
-          int4* to = reinterpret_cast<int4*>(x + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(m) - 1) * p.row_bytes);
+      for (int u = 0; u < U; ++u)
+        if (v0 + u * 32 + lane < V) buf[u] = ld_cg_v4(from + v0 + u * 32 + lane);
+      for (unsigned m = rest; m; m &= m - 1) {
+        int4* to = reinterpret_cast<int4*>(x + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(m) - 1) * p.row_bytes);
 #pragma unroll
-          for (int u = 0; u < 4; ++u)
-            if (v0 + u * 32 + lane < V) st_v4(to + v0 + u * 32 + lane, buf[u]);
-        }
+        for (int u = 0; u < U; ++u)
+          if (v0 + u * 32 + lane < V) st_v4(to + v0 + u * 32 + lane, buf[u]);
       }
     }
     for (unsigned m = rest; m && W > 0; m &= m - 1) {  // warp-uniform: the shuffle has every lane
@@ -282,15 +235,12 @@ __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
       for (int j = lane; j < W; j += 32) to[j] = ld_volatile(reinterpret_cast<const int*>(sc + (size_t)src * p.scale_stride) + j);
     }
   }
-  if constexpr (kTma) {
-    if (lane == 0) bulk_wait_all();  // every store done before the block (and its stages) goes
-  }
 }
 
 // kFused: 0 rows as given, 1 cast fused with 8-byte stores per lane and vector, 2 (fused_stores 16) two
 // adjacent vectors per lane, 16-byte stores (vector v0 + 64 m + 2 lane + (u & 1) in buf[u], m = u / 2)
 // kEm: 0 rank-major, 1 expert-major (em_push 0: the receiver copies), 2 expert-major with em_push 1,
-// 3 expert-major with em_push 2 (the receiver copies by TMA; lean_rows as for 1)
+// 3 expert-major with em_push 2 (the receiver's wide copy pass; lean_rows as for 1)
 template <int kU, bool kDyn, int kFused, int kEm>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
   const int world = p.world, topk = p.topk;
@@ -447,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
   const bool last = grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch,
                                           kDyn ? kCounterDispatchWork : -1);
   if constexpr (kEm == 1) em_local_copies<false>(p, last, epoch);
-  if constexpr (kEm == 3) em_local_copies<true>(p, last, epoch);
+  if constexpr (kEm == 3) em_local_copies<true>(p, last, epoch);  // em_push 2: wide
 }
 
 // own_rows all: the key of every row of my segment [me * max_tokens, (me + 1) * max_tokens) on every rank d:
@@ -542,7 +492,7 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   }
   if (p.align > 0 && p.em_push && warps > 16) {  // before any launch (the notify kernel meets the peers)
     ep_set_error("em_push %d (%s) runs with at most 16 dispatch warps, got %d", p.em_push,
-                 p.em_push == 1 ? "sender" : "tma", warps);
+                 p.em_push == 1 ? "sender" : "wide", warps);
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(ctx->device));
@@ -566,18 +516,7 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
         : p.em_push == 1  ? kDispatchKernels<2>[w16][dyn][fused]
         : p.em_push == 2  ? kDispatchKernels<3>[w16][dyn][fused]
                           : kDispatchKernels<1>[w16][dyn][fused];
-    const size_t smem = p.align > 0 && p.em_push == 2 ? em_tma_smem(warps) : 0;  // the TMA copy pass's stages
-    if (smem) {  // once per kernel (a process drives one GPU): every size asked for fits the largest (16 warps)
-      static DispatchKernel raised[2 * 2 * 3] = {};
-      bool done = false;
-      for (DispatchKernel k : raised) done = done || k == kernel;
-      if (!done) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)em_tma_smem(16)));
-        for (DispatchKernel& k : raised)
-          if (!k) { k = kernel; break; }
-      }
-    }
-    CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, smem, stream, p, a, epoch));
+    CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
   }
   ep_effective& eff = ctx->effective;
   eff.dispatch_impl = impl;

@@ -96,9 +96,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                           "further experts of its token: receiver (a row crosses to each rank once, into its first "
                           "expert's slot; the receiver's dispatch blocks copy it into the others once every row has "
                           "landed) or sender (the sending warp stores it into every slot: the link carries it once "
-                          "per (token, expert), no copy pass; at most 16 dispatch warps) or tma (as receiver, the "
-                          "copies made by TMA bulk copies through shared memory; at most 16 dispatch warps)",
-                          choices=("receiver", "sender", "tma"), env="EPBENCH_EM_PUSH"),
+                          "per (token, expert), no copy pass; at most 16 dispatch warps) or wide (as receiver, its "
+                          "copy pass loading 8 KiB a warp before storing, the next row's slots read ahead; at most "
+                          "16 dispatch warps)",
+                          choices=("receiver", "sender", "wide"), env="EPBENCH_EM_PUSH"),
     },
     "epbench-ll": {
         "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,
@@ -189,7 +190,7 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
     """Options the scenario's payload rules out, refused in one line (UserError): epbench's own_rows=ce copies
     rows as they are, so it can neither place them per expert (layout expert_major) nor quantize them on the
     way (quantize fused); fused_stores=16 asked for (given or by its environment variable: the default, 16,
-    is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push sender or tma
+    is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push sender or wide
     needs the expert-major layout and at most 16 dispatch warps.
     ``backend_options`` as validated; the environment counts as for ``resolve``."""
     given = backend_options.get("epbench") or {}

@@ -109,7 +109,7 @@ def test_effective_config_reads_the_library_struct() -> None:
     be._lib.em_push = 1
     assert be.effective_config()["em_push"] == "sender"
     be._lib.em_push = 2
-    assert be.effective_config()["em_push"] == "tma"
+    assert be.effective_config()["em_push"] == "wide"
 
 
 def test_em_push_sender_needs_expert_major_and_at_most_16_warps() -> None:
@@ -126,13 +126,13 @@ def test_em_push_sender_needs_expert_major_and_at_most_16_warps() -> None:
     with pytest.raises(UserError, match="em_push"):  # the environment counts as given
         options.check_payload({}, "rank_major", "before", "s.yaml", environ={"EPBENCH_EM_PUSH": "sender"})
     # tma (the receiver's copies by bulk copies): the same two rules
-    options.check_payload({"epbench": {"em_push": "tma"}}, "expert_major", "before", "s.yaml", environ={})
-    with pytest.raises(UserError, match=r"em_push=tma needs model\.layout expert_major"):
-        options.check_payload({"epbench": {"em_push": "tma"}}, "rank_major", "before", "s.yaml", environ={})
-    with pytest.raises(UserError, match=r"em_push=tma runs with at most 16 dispatch warps"):
-        options.check_payload({"epbench": {"em_push": "tma", "dispatch_warps": 32}}, "expert_major", "before",
+    options.check_payload({"epbench": {"em_push": "wide"}}, "expert_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"em_push=wide needs model\.layout expert_major"):
+        options.check_payload({"epbench": {"em_push": "wide"}}, "rank_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"em_push=wide runs with at most 16 dispatch warps"):
+        options.check_payload({"epbench": {"em_push": "wide", "dispatch_warps": 32}}, "expert_major", "before",
                               "s.yaml", environ={})
-    with pytest.raises(UserError, match=r"em_push: must be one of receiver, sender, tma, got 'both'"):
+    with pytest.raises(UserError, match=r"em_push: must be one of receiver, sender, wide, got 'both'"):
         options.parse_cli(["em_push=both"])
 
 
