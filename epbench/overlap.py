@@ -634,9 +634,7 @@ class _Point:
     def measure(self, loop: Callable[[], Dict[str, List[float]]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         import torch
 
-        from epbench import metrics
-
-        from epbench import clocks
+        from epbench import clocks, metrics
 
         loop()  # untimed: a first call's cost (a library compiling its kernels, lazy loading) stays out
         torch.cuda.synchronize()
