@@ -34,7 +34,8 @@ typedef struct ep_config {
                 // slot of its first expert there, and the receiver's dispatch blocks copy it into its other experts'
                 // slots after every row has landed; 1 (sender): the sending warp stores the row into every slot
                 // (the link carries it once per (token, expert)), no copy pass; 2 (wide): as 0, the receiver's
-                // copy pass loading 8 KiB a warp before its stores, the next row's slots read ahead
+                // copy pass loading 8 KiB a warp before its stores, the next row's slots read ahead, and
+                // the combine's reduce pass (phase R) loading 4 vectors a lane for rows of one slot
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).

@@ -88,8 +88,37 @@ __device__ __forceinline__ void em_reduce_row(const int4* __restrict__ y, int4* 
   }
 }
 
+// A row of one slot (wide only): the batch above for kS = 1, kU = 4 without the accumulators of the whole
+// batch held live: each vector's fmaf(w, x, 0) and rounding right after the loads, the same bits. (kU = 8, or
+// 2 x 4 batches for rows of two slots, spill in this kernel: 48-608 bytes by ptxas, beside the 124 registers
+// the default batches take.)
+__device__ __forceinline__ void em_scale_row(const int4* __restrict__ y, int4* red_row, int V, int slot, float w,
+                                             unsigned mine, int lane) {
+  constexpr int kU = 4;
+  const int k = __ffs(mine) - 1;
+  const int s = __shfl_sync(0xffffffffu, slot, k);
+  const float wk = __shfl_sync(0xffffffffu, w, k);
+  for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+    int4 x[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (v0 + u * 32 + lane < V) x[u] = ld_nc_v4(y + (size_t)s * V + v0 + u * 32 + lane);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (v0 + u * 32 + lane >= V) continue;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      fma_bf16x8(acc, x[u], wk);
+      red_row[v0 + u * 32 + lane] = pack_bf16x8(acc);
+    }
+  }
+}
+
 // Warp g of the grid takes received rows g, g + G, ...: rows with up to 4 of my experts in batches of 4 slots
-// x 2 vectors, more in batches of 8 x 1.
+// x 2 vectors, more in batches of 8 x 1. kWide (em_push 2, wide): rows of 1 slot by em_scale_row, 4 vectors a
+// lane in flight where the 4 x 2 batch leaves them 2: at 4 ranks 29 % of the rows have 1 slot, so phase R's
+// dependent load round trips per row fall from ~15 to ~13 (notes/KERNELS.md, "Expert-major: wide copy pass").
+// Every variant runs the same fmaf chain per element (slots in k order, from 0).
+template <bool kWide>
 __device__ __forceinline__ void em_reduce_rows(const EpParams& p) {
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5, topk = p.topk;
   const int V = p.hidden >> 3;  // 16-byte vectors per bf16 row
@@ -102,7 +131,10 @@ __device__ __forceinline__ void em_reduce_rows(const EpParams& p) {
     const int slot = lane < topk ? em_slot[r * topk + lane] : -1;
     const float w = lane < topk ? recv_w[r * topk + lane] : 0.f;
     const unsigned mine = __ballot_sync(0xffffffffu, slot >= 0);
-    if (__popc(mine) <= 4) {
+    const int n_slots = __popc(mine);  // warp-uniform
+    if (kWide && n_slots == 1) {
+      em_scale_row(y, red + (size_t)r * V, V, slot, w, mine, lane);
+    } else if (n_slots <= 4) {
       em_reduce_row<4, 2>(y, red + (size_t)r * V, V, slot, w, mine, lane);
     } else {
       em_reduce_row<8, 1>(y, red + (size_t)r * V, V, slot, w, mine, lane);
@@ -126,9 +158,10 @@ __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
 // Expert-major phase R as its own kernel, launched on the combine's grid right before it: its registers are
 // not the pull's (inlined into combine_tma_kernel, the batched loads spilled), and the kernel boundary is
 // what orders R before the ready release, so no block waits for another.
+template <bool kWide>
 __global__ void __launch_bounds__(512, 1) em_reduce_kernel(EpParams p) {
   if (ld_volatile(p.dev_error) != 0) return;
-  em_reduce_rows(p);
+  em_reduce_rows<kWide>(p);
 }
 
 // Per-warp shared memory of combine_tma_kernel: S mbarriers (128 B), the token table (2 batches x 32
@@ -307,7 +340,10 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   if (C == 1024) kernel = pick_combine_tma<1024>(p.world, S);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   if (p.align > 0 && num_sms > 0) {  // phase R (expert-major), stream-ordered before the pull
-    em_reduce_kernel<<<num_sms, w * 32, 0, stream>>>(p);
+    if (p.em_push == 2)  // wide: the batches sized to each row's slots
+      em_reduce_kernel<true><<<num_sms, w * 32, 0, stream>>>(p);
+    else
+      em_reduce_kernel<false><<<num_sms, w * 32, 0, stream>>>(p);
     CUDA_CHECK(cudaGetLastError());
   }
   kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);

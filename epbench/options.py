@@ -97,8 +97,9 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                           "expert's slot; the receiver's dispatch blocks copy it into the others once every row has "
                           "landed) or sender (the sending warp stores it into every slot: the link carries it once "
                           "per (token, expert), no copy pass; at most 16 dispatch warps) or wide (as receiver, its "
-                          "copy pass loading 8 KiB a warp before storing, the next row's slots read ahead; at most "
-                          "16 dispatch warps)",
+                          "copy pass loading 8 KiB a warp before storing, the next row's slots read ahead, and the "
+                          "combine's reduce pass loading 4 vectors a lane for rows of one slot; at most 16 dispatch "
+                          "warps)",
                           choices=("receiver", "sender", "wide"), env="EPBENCH_EM_PUSH"),
     },
     "epbench-ll": {
