@@ -35,7 +35,8 @@ typedef struct ep_config {
                 // slots after every row has landed; 1 (sender): the sending warp stores the row into every slot
                 // (the link carries it once per (token, expert)), no copy pass; 2 (wide): as 0, the receiver's
                 // copy pass loading 8 KiB a warp before its stores, the next row's slots read ahead, and
-                // the combine's reduce pass (phase R) loading 4 vectors a lane for rows of one slot
+                // the combine's reduce pass (phase R) loading 4 vectors a lane for rows of one slot; 3 (auto): 2
+                // where the dispatch runs at most 16 warps (the most kEm 3 is built for), else 0; the reduce pass wide
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).
@@ -103,6 +104,7 @@ typedef struct ep_effective {
   int dispatch_scale_block;  // elements per scale of the dispatched rows: 0 bf16, 128 fp8, 32 mxfp8
   int dispatch_fused;        // 1 / 2: the dispatch kernel quantized bf16 rows on the way with 8 / 16-byte stores
   int dispatch_em_push;      // expert-major: ep_config.em_push as it ran (1 senders stored every slot, 2 the wide copy pass)
+  int combine_em_wide;       // expert-major: 1 the combine's reduce pass ran wide (em_push 2 or 3)
 } ep_effective;
 
 const char* ep_last_error(void);

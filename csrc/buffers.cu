@@ -74,8 +74,9 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
                  cfg->own_rows == 2 ? "all" : "ce", cfg->align, cfg->quantize_fused);
     return -1;
   }
-  if (cfg->em_push < 0 || cfg->em_push > 2 || (cfg->em_push && cfg->align == 0)) {
-    ep_set_error("em_push must be 0 (receiver), 1 (sender) or 2 (receiver, wide copy pass; expert-major only), got %d "
+  if (cfg->em_push < 0 || cfg->em_push > 3 || (cfg->em_push && cfg->align == 0)) {
+    ep_set_error("em_push must be 0 (receiver), 1 (sender), 2 (receiver, wide passes) or 3 (auto: 2 up to 16 dispatch "
+                 "warps, else 0; expert-major only), got %d "
                  "with align %d", cfg->em_push, cfg->align);
     return -1;
   }

@@ -340,7 +340,7 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   if (C == 1024) kernel = pick_combine_tma<1024>(p.world, S);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   if (p.align > 0 && num_sms > 0) {  // phase R (expert-major), stream-ordered before the pull
-    if (p.em_push == 2)  // wide: the batches sized to each row's slots
+    if (p.em_push >= 2)  // wide or auto: the batches sized to each row's slots
       em_reduce_kernel<true><<<num_sms, w * 32, 0, stream>>>(p);
     else
       em_reduce_kernel<false><<<num_sms, w * 32, 0, stream>>>(p);
@@ -354,5 +354,6 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   eff.combine_sms = num_sms;
   eff.combine_stages = S;
   eff.combine_chunk = C;
+  eff.combine_em_wide = p.align > 0 && p.em_push >= 2;
   return 0;
 }

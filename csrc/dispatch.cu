@@ -490,9 +490,11 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     ep_set_error("%s dispatch needs x_scales", p.scale_bytes == p.num_scales ? "mxfp8" : "fp8");
     return -1;
   }
-  if (p.align > 0 && p.em_push && warps > 16) {  // before any launch (the notify kernel meets the peers)
-    ep_set_error("em_push %d (%s) runs with at most 16 dispatch warps, got %d", p.em_push,
-                 p.em_push == 1 ? "sender" : "wide", warps);
+  // em_push 3 (auto): the wide copy pass where it is built for the warps, else the receiver's
+  const int em_push = p.em_push == 3 ? (warps > 16 ? 0 : 2) : p.em_push;
+  if (p.align > 0 && em_push && warps > 16) {  // before any launch (the notify kernel meets the peers)
+    ep_set_error("em_push %d (%s) runs with at most 16 dispatch warps, got %d", em_push,
+                 em_push == 1 ? "sender" : "wide", warps);
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(ctx->device));
@@ -513,8 +515,8 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     const int w16 = warps > 16, fused = p.fused;  // 0, 1 or 2 (ep_config.quantize_fused)
     const DispatchKernel kernel =
         p.align == 0      ? kDispatchKernels<0>[w16][dyn][fused]
-        : p.em_push == 1  ? kDispatchKernels<2>[w16][dyn][fused]
-        : p.em_push == 2  ? kDispatchKernels<3>[w16][dyn][fused]
+        : em_push == 1    ? kDispatchKernels<2>[w16][dyn][fused]
+        : em_push == 2    ? kDispatchKernels<3>[w16][dyn][fused]
                           : kDispatchKernels<1>[w16][dyn][fused];
     CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
   }
@@ -524,6 +526,6 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   eff.dispatch_sms = num_sms;
   eff.dispatch_scale_block = p.num_scales > 0 ? p.hidden / p.num_scales : 0;
   eff.dispatch_fused = p.fused;
-  eff.dispatch_em_push = p.align > 0 ? p.em_push : 0;
+  eff.dispatch_em_push = p.align > 0 ? em_push : 0;
   return 0;
 }

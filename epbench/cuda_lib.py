@@ -19,7 +19,7 @@ NOT_BUILT = "kernels not built: run `make build`"
 # ep_config.own_rows: who stores a rank's own rows (backend option own_rows)
 OWN_ROWS = {"sm": 0, "ce": 1, "all": 2}
 # ep_config.em_push (expert-major): who writes a row into its further experts' slots (backend option em_push)
-EM_PUSH = {"receiver": 0, "sender": 1, "wide": 2}
+EM_PUSH = {"receiver": 0, "sender": 1, "wide": 2, "auto": 3}
 # ep_config.quantize_fused for quantize fused: the bytes each lane stores per step (backend option fused_stores)
 FUSED_STORES = {8: 1, 16: 2}
 # ep_set_option keys (enum ep_option).
@@ -40,7 +40,7 @@ class EpEffective(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in (
         "dispatch_impl", "dispatch_warps", "dispatch_sms", "notify_impl", "notify_blocks", "combine_impl",
         "combine_warps", "combine_sms", "combine_stages", "combine_chunk", "dispatch_scale_block",
-        "dispatch_fused", "dispatch_em_push")]
+        "dispatch_fused", "dispatch_em_push", "combine_em_wide")]
 
 # ep_effective.dispatch_scale_block -> the scenario's dispatch_dtype
 SCALE_BLOCK_DTYPES = {0: "bf16", 128: "fp8", 32: "mxfp8"}

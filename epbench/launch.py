@@ -622,12 +622,28 @@ class Comm:
             self._one = torch.ones(1, device=self.device)
             from epbench import options
 
-            if options.diagnostic("align") == "alltoall":
-                self._a2a = (torch.empty(self.world, device=self.device), torch.ones(self.world, device=self.device))
-            # once, untimed and ungated: NCCL connects a collective's channels on its first call, which may
-            # wait on the host; that must not happen behind a closed host gate (timing.py)
-            self.sync()
-            torch.cuda.synchronize(self.device)
+            self.use_align(options.diagnostic("align"))
+
+    def use_align(self, kind: str) -> None:
+        """Makes ``sync`` the NCCL alignment ``kind`` (alltoall or allreduce; GPUs with one rank each
+        only, elsewhere the barrier stays) and runs it once, untimed and ungated: NCCL connects a
+        collective's channels on its first call, which may wait on the host; that must not happen
+        behind a closed host gate (timing.py)."""
+        import torch
+
+        if self.device.type != "cuda" or self.shared:
+            return
+        self._a2a = ((torch.empty(self.world, device=self.device), torch.ones(self.world, device=self.device))
+                     if kind == "alltoall" else None)
+        self.sync()
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def align_kind(self) -> str:
+        """The NCCL alignment ``sync`` runs (GPUs, one rank each), or "barrier"."""
+        if self.device.type != "cuda" or self.shared:
+            return "barrier"
+        return "alltoall" if self._a2a is not None else "allreduce"
 
 
 GAVE_UP_GRACE_S = 2.0  # how long a rank that timed out waits to hear which others did too

@@ -92,15 +92,17 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                "270 us at 8 SMs where 8 took 395; notes/KERNELS.md) or 8 (one vector cast per "
                                "store, the earlier kernel); the bytes that arrive are the same", choices=(8, 16),
                                env="EPBENCH_FUSED_STORES"),
-        "em_push": Option(str, "receiver", "layout expert_major only: who writes a row into the slots of a rank's "
+        "em_push": Option(str, "auto", "layout expert_major only: who writes a row into the slots of a rank's "
                           "further experts of its token: receiver (a row crosses to each rank once, into its first "
                           "expert's slot; the receiver's dispatch blocks copy it into the others once every row has "
                           "landed) or sender (the sending warp stores it into every slot: the link carries it once "
                           "per (token, expert), no copy pass; at most 16 dispatch warps) or wide (as receiver, its "
                           "copy pass loading 8 KiB a warp before storing, the next row's slots read ahead, and the "
                           "combine's reduce pass loading 4 vectors a lane for rows of one slot; at most 16 dispatch "
-                          "warps)",
-                          choices=("receiver", "sender", "wide"), env="EPBENCH_EM_PUSH"),
+                          "warps; 4 x H200: dispatch 6 %, combine 8-11 % faster than receiver, notes/KERNELS.md) "
+                          "or auto (wide up to 16 dispatch warps, else receiver's copy pass with wide's reduce "
+                          "pass; rows record what ran)",
+                          choices=("auto", "receiver", "sender", "wide"), env="EPBENCH_EM_PUSH"),
     },
     "epbench-ll": {
         "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,
@@ -167,7 +169,7 @@ DIAGNOSTICS: Dict[str, Option] = {
     "align": Option(str, "alltoall", "the cross-rank alignment before each timed call on GPUs (NCCL, one "
                     "rank per GPU): alltoall (one element per peer: every rank waits for every other) or "
                     "allreduce (one element; the ring releases ranks in ring order; the default before "
-                    "2026-11-26)", choices=("allreduce", "alltoall"), env="EPBENCH_ALIGN"),
+                    "2026-11-26, and `overlap`'s unless set: an all-to-all's blocks wait for SMs a GEMM holds)", choices=("allreduce", "alltoall"), env="EPBENCH_ALIGN"),
 }
 
 
@@ -176,6 +178,11 @@ def diagnostic(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     opt = DIAGNOSTICS[name]
     raw = (os.environ if environ is None else environ).get(opt.env)
     return opt.default if raw is None else opt.parse(raw, opt.env)
+
+
+def diagnostic_is_set(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True where switch ``name``'s environment variable is set (a command may then not pick its own)."""
+    return (os.environ if environ is None else environ).get(DIAGNOSTICS[name].env) is not None
 
 
 def diagnostics_set(environ: Optional[Mapping[str, str]] = None) -> List[str]:
@@ -201,10 +208,10 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
     if asked and resolved["fused_stores"] != 8 and quantize != "fused":  # the default serves every payload
         raise UserError(f"{where}: epbench.fused_stores={resolved['fused_stores']} needs model.quantize fused (got "
                         f"{quantize}): it changes the stores of the cast fused into the dispatch kernel")
-    if resolved["em_push"] != "receiver" and layout != "expert_major":
+    if resolved["em_push"] not in ("auto", "receiver") and layout != "expert_major":
         raise UserError(f"{where}: epbench.em_push={resolved['em_push']} needs model.layout expert_major (got "
                         f"{layout}): it says who fills the slots of a token's further experts on a rank")
-    if resolved["em_push"] != "receiver" and resolved["dispatch_warps"] > 16:
+    if resolved["em_push"] in ("sender", "wide") and resolved["dispatch_warps"] > 16:
         raise UserError(f"{where}: epbench.em_push={resolved['em_push']} runs with at most 16 dispatch warps (got "
                         f"dispatch_warps {resolved['dispatch_warps']})")
     own = resolved["own_rows"]

@@ -138,6 +138,13 @@ def gemm_loop_count(comm_loop_us: float, gemm_us: float) -> int:
 
 
 EXPERT_IN_LOOP = "after each loop's first and last dispatch"  # driver._time_pair, expert_each False
+# The cross-rank alignment before each timed call of an overlap loop (launch.Comm.sync), unless switch
+# align (EPBENCH_ALIGN) is set: a one-element NCCL all-reduce. `run`'s default, a one-element-per-peer
+# all-to-all, launches blocks that wait for SMs the GEMM holds: on 4 x H200 at 4 ranks and 8 or 12 SMs
+# (12 SMs left free beside a 120-SM GEMM) the loop's gaps grew from 0.4 to 2.8 ms an iteration beside
+# the GEMM, 0.6 with the all-reduce; 2 ranks (one peer) and 16 SMs (20 free) never showed it
+# (2026-11-27, notes/OVERLAP.md).
+OVERLAP_ALIGN = "allreduce"
 PAIR_TRIES = 3  # pair windows at most per point: the GEMM loop regrown while it ended before the communication
 
 
@@ -796,6 +803,11 @@ def measure(job: Any) -> int:
     elif comm.world == 1:
         job.note("one rank: dispatch and combine copy within the GPU, so the interference "
                  "measured is SMs and HBM only (no link is crossed)")
+    if not options.diagnostic_is_set("align"):
+        comm.use_align(OVERLAP_ALIGN)
+    if comm.align_kind != "barrier":
+        job.note(f"alignment before each timed call: NCCL {comm.align_kind} (a few bytes)"
+                 + ("" if comm.align_kind == "allreduce" else ": its blocks may wait for SMs the GEMM holds"))
     routings = route_all(s)
     gemm = Gemm(opts.gemm, comm.device, m.hidden,
                 expert_tokens(routings, comm.rank, m.experts_per_rank)
@@ -819,7 +831,7 @@ def measure(job: Any) -> int:
                                  "total_sms": total, "partition": PARTITION,
                                  "carveout_api": CARVEOUT_API, "shared_gpu": shared,
                                  "green_context_sms": {k: p.sms for k, p in parts.items()},
-                                 "stand_in_expert": EXPERT_IN_LOOP})
+                                 "stand_in_expert": EXPERT_IN_LOOP, "alignment": comm.align_kind})
         meta["backend_runtime"] = job.backend_runtime(meta)
         job.open(meta)
     base = {"scenario": s.name, "rank": comm.rank, "world": comm.world,

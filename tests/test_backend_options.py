@@ -95,12 +95,12 @@ def test_effective_config_reads_the_library_struct() -> None:
             eff.dispatch_impl, eff.dispatch_warps = cuda_lib.DISPATCH_IMPLS["lean_dyn"], 16
             eff.notify_impl, eff.combine_impl, eff.combine_warps = cuda_lib.NOTIFY_IMPLS["grid"], 1, 12
             eff.combine_stages, eff.combine_chunk = 2, 2048
-            eff.dispatch_em_push = self.em_push
+            eff.dispatch_em_push, eff.combine_em_wide = self.em_push, self.em_wide
             return 0
 
     be = object.__new__(EpbenchBackend)
     be._lib, be._ctx, be.em_align = Lib(), "ctx", 0
-    be._lib.em_push = 0
+    be._lib.em_push, be._lib.em_wide = 0, 0
     got = be.effective_config()
     assert got["dispatch_impl"] == "lean_dyn" and got["combine_warps"] == 12 and got["notify_impl"] == "grid"
     assert "em_push" not in got  # rank-major: no such choice
@@ -110,10 +110,18 @@ def test_effective_config_reads_the_library_struct() -> None:
     assert be.effective_config()["em_push"] == "sender"
     be._lib.em_push = 2
     assert be.effective_config()["em_push"] == "wide"
+    assert be.effective_config()["em_reduce"] == "batched"
+    be._lib.em_wide = 1  # em_push wide or auto: the combine's reduce pass ran wide
+    assert be.effective_config()["em_reduce"] == "wide"
 
 
 def test_em_push_sender_needs_expert_major_and_at_most_16_warps() -> None:
-    assert options.resolve("epbench", {}, environ={})["em_push"] == "receiver"
+    assert options.resolve("epbench", {}, environ={})["em_push"] == "auto"
+    # auto is the default for every layout: rank-major ignores it, any dispatch_warps takes it
+    options.check_payload({}, "rank_major", "before", "s.yaml", environ={})
+    options.check_payload({"epbench": {"dispatch_warps": 32}}, "expert_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"em_push=wide needs model\.layout expert_major"):
+        options.check_payload({"epbench": {"em_push": "wide"}}, "rank_major", "before", "s.yaml", environ={})
     assert options.parse_cli(["em_push=sender"]) == {"epbench": {"em_push": "sender"}}
     options.check_payload({"epbench": {"em_push": "sender"}}, "expert_major", "before", "s.yaml", environ={})
     options.check_payload({"epbench": {"em_push": "receiver"}}, "rank_major", "before", "s.yaml", environ={})
@@ -125,14 +133,14 @@ def test_em_push_sender_needs_expert_major_and_at_most_16_warps() -> None:
                               "s.yaml", environ={})
     with pytest.raises(UserError, match="em_push"):  # the environment counts as given
         options.check_payload({}, "rank_major", "before", "s.yaml", environ={"EPBENCH_EM_PUSH": "sender"})
-    # tma (the receiver's copies by bulk copies): the same two rules
+    # wide (the receiver's wide passes): the same two rules
     options.check_payload({"epbench": {"em_push": "wide"}}, "expert_major", "before", "s.yaml", environ={})
     with pytest.raises(UserError, match=r"em_push=wide needs model\.layout expert_major"):
         options.check_payload({"epbench": {"em_push": "wide"}}, "rank_major", "before", "s.yaml", environ={})
     with pytest.raises(UserError, match=r"em_push=wide runs with at most 16 dispatch warps"):
         options.check_payload({"epbench": {"em_push": "wide", "dispatch_warps": 32}}, "expert_major", "before",
                               "s.yaml", environ={})
-    with pytest.raises(UserError, match=r"em_push: must be one of receiver, sender, wide, got 'both'"):
+    with pytest.raises(UserError, match=r"em_push: must be one of auto, receiver, sender, wide, got .both."):
         options.parse_cli(["em_push=both"])
 
 

@@ -95,6 +95,20 @@ def test_shared_comm_puts_collectives_on_the_host():
     assert Comm(0, 4, 0, gpu).collective_device == gpu and not Comm(0, 4, 0, gpu).shared
 
 
+def test_alignment_kind_is_a_barrier_off_nccl_and_use_align_leaves_it():
+    import torch
+
+    from epbench.launch import Comm
+
+    cpu = Comm(0, 2, 0, torch.device("cpu"))
+    cpu.use_align("alltoall")  # gloo: the barrier stays, nothing is queued
+    assert cpu.align_kind == "barrier" and cpu._a2a is None
+    shared = Comm(0, 4, 0, torch.device("cuda", 0), ranks_per_gpu=4)
+    shared.use_align("alltoall")
+    assert shared.align_kind == "barrier"
+    assert Comm(0, 2, 0, torch.device("cuda", 0)).align_kind == "allreduce"  # before init_sync: no all-to-all
+
+
 def test_mps_is_on_only_where_its_control_socket_is(monkeypatch, tmp_path):
     from epbench.launch import mps_active
 

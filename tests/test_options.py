@@ -142,3 +142,9 @@ def test_scenario_file_with_own_rows_ce_and_expert_major_is_refused() -> None:
         scenario.parse(data, "f.yaml")
     data["model"]["layout"] = "rank_major"
     assert scenario.parse(data, "f.yaml").backend_options == {"epbench": {"own_rows": "ce"}}
+
+
+def test_diagnostic_is_set_only_where_its_variable_is() -> None:
+    assert not options.diagnostic_is_set("align", {})
+    assert options.diagnostic_is_set("align", {"EPBENCH_ALIGN": "alltoall"})
+    assert options.diagnostic("align", {}) == "alltoall"  # run's default; overlap picks allreduce unless set

@@ -302,7 +302,8 @@ class EpbenchBackend(NormalMode):
                     **({"em_push": self.em_push} if self.em_align else {})}
         # own_rows: fixed at ep_create, no fallback; em_push: as the library says it ran (an older build runs receiver)
         return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows,
-                **({"em_push": EM_PUSH_NAME.get(eff.dispatch_em_push, str(eff.dispatch_em_push))} if self.em_align else {})}
+                **({"em_push": EM_PUSH_NAME.get(eff.dispatch_em_push, str(eff.dispatch_em_push)),
+                    "em_reduce": "wide" if eff.combine_em_wide else "batched"} if self.em_align else {})}
 
     def set_debug_stamps(self, on: bool) -> None:
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""

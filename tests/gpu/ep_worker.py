@@ -455,7 +455,7 @@ def parser() -> argparse.ArgumentParser:
                          "engines move every row); ce and all check the rank-major, quantize-before cases only")
     ap.add_argument("--fused-stores", type=int, default=None, choices=[8, 16],
                     help="the backend's fused_stores (default: the backend's; check: given, the fused cases only)")
-    ap.add_argument("--em-push", default=None, choices=["receiver", "sender", "wide"],
+    ap.add_argument("--em-push", default=None, choices=["auto", "receiver", "sender", "wide"],
                     help="the backend's em_push (default: the backend's; check: given, the expert-major cases only)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
     ap.add_argument("--warmup", type=int, default=5)

@@ -51,10 +51,11 @@ def em_push_sender_flags(nproc: int) -> list:
     return ["--expert-major", "--em-push", "sender", "--impls", "lean_dyn:16:8,lean:16:3"]
 
 
-def em_push_wide_flags(nproc: int) -> list:
-    """em_push=wide (the receiver's copy pass loading 16 vectors a lane before its stores, the next row's slots
-    read ahead): every expert-major case, both dispatch kernels, 16 and 8 warps, at 8 and 3 SMs."""
-    return ["--expert-major", "--em-push", "wide", "--impls", "lean_dyn:16:8,lean:8:3"]
+def em_push_receiver_flags(nproc: int) -> list:
+    """em_push=receiver (the default before auto: the copy pass 2 KiB a warp at a time, the combine's reduce pass
+    in fixed batches): every expert-major case, both dispatch kernels, 16 and 8 warps, at 8 and 3 SMs. The
+    default (auto: wide up to 16 warps, receiver's copy pass above) is the expert-major suite's."""
+    return ["--expert-major", "--em-push", "receiver", "--impls", "lean_dyn:16:8,lean:8:3"]
 
 
 # the one-block notify (staged) writes the own rows' slots and keys on its own path
@@ -67,14 +68,14 @@ SUITES = {
         "own-rows-all": own_rows_ce_flags(1, "all"),
         "fused-stores-8": fused_stores8_flags(1),
         "fused-stores-8-em": ["--expert-major", *fused_stores8_flags(1)],
-        "em-push-sender": em_push_sender_flags(1), "em-push-wide": em_push_wide_flags(1)},
+        "em-push-sender": em_push_sender_flags(1), "em-push-receiver": em_push_receiver_flags(1)},
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
-        "em-push-wide": em_push_wide_flags(2)},
+        "em-push-receiver": em_push_receiver_flags(2)},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3),
-        "em-push-wide": em_push_wide_flags(3)},
+        "em-push-receiver": em_push_receiver_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
         "own-rows-all": own_rows_ce_flags(4, "all")},
 }
@@ -123,7 +124,8 @@ def test_fused_stores_8_match_verification(kernels_built: None, nproc: int) -> N
 def test_expert_major_matches_verification(kernels_built: None, nproc: int) -> None:
     """Expert-major layout (issue 26): align 1 / 16 / 128 x bf16, fp8, mxfp8 before and fused; uniform, zipf and hot
     routing, ranks with 0 tokens, 4095 tokens, hidden 2048 .. 8192: segments bit-exact, counts and offsets as
-    epbench/layout.py, and the per-expert weighted combine; both dispatch kernels, outputs poisoned before each."""
+    epbench/layout.py, and the per-expert weighted combine; both dispatch kernels, outputs poisoned before each;
+    em_push auto (the default): the wide passes at 16 warps, the receiver copy pass with the wide reduce at 32."""
     out = assert_suite(nproc, "expert-major")
     assert "em128 mxfp8 fused" in out
 
@@ -164,8 +166,8 @@ def test_em_push_sender_matches_verification(kernels_built: None, nproc: int) ->
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
-def test_em_push_wide_matches_verification(kernels_built: None, nproc: int) -> None:
-    """em_push=wide: the same expert-major cases with the receiver's wide copy pass (kEm 3): segments bit-exact
-    and the weighted combine as before."""
-    out = assert_suite(nproc, "em-push-wide")
+def test_em_push_receiver_matches_verification(kernels_built: None, nproc: int) -> None:
+    """em_push=receiver: the same expert-major cases with the receiver's narrow copy pass (kEm 1) and the fixed
+    reduce batches: segments bit-exact and the weighted combine as before."""
+    out = assert_suite(nproc, "em-push-receiver")
     assert "em128 mxfp8 fused" in out

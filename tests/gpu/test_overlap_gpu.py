@@ -78,4 +78,6 @@ def test_overlap_world_1(runs: GpuRuns, gemm: str) -> None:
     assert (df["pair_sm_mhz"] > 0).all() and (df["gemm_window_sm_mhz"] > 0).all() and (df["gemm_clock_kept_pct"] > 0).all()
     assert "SM clock and power (NVML)" in r.stdout
     assert "SMs and HBM only" in r.stdout
+    # overlap aligns with a one-element all-reduce unless EPBENCH_ALIGN says otherwise (overlap.OVERLAP_ALIGN)
+    assert meta["overlap"]["alignment"] == "allreduce" and "NCCL allreduce" in r.stdout
     assert (run / "plots" / "overlap_vs_sms.png").is_file()
