@@ -196,3 +196,12 @@ def test_overlap_loop_runs_the_stand_in_expert_after_the_first_and_last_dispatch
     n[0] = 0
     _, last = driver._time_pair(comm, 2, 4, calls, ["set0"])
     assert filled == [1, 2, 3, 4, 5, 6] and last.out == 6
+
+
+def test_a_backend_that_uses_more_sms_than_asked_says_so_in_the_notes():
+    from epbench.backends import backend_class
+    from epbench.driver import backend_notes
+
+    assert backend_notes("epbench", backend_class("epbench")) == []  # its kernels run on --sms blocks
+    (note,) = backend_notes("deepep-v2", backend_class("deepep-v2"))  # the adapter imports without deep_ep
+    assert note.startswith("backend deepep-v2: ") and "every SM of the GPU whatever --sms says" in note

@@ -49,6 +49,9 @@ class Backend(ABC):
     dtypes: ClassVar[Tuple[str, ...]] = ("bf16", "fp8")
     quantize_modes: ClassVar[Tuple[str, ...]] = ("before",)
     layouts: ClassVar[Tuple[str, ...]] = ("rank_major",)
+    # where the library runs kernels on more SMs than the point's --sms: one line for the run's notes
+    # (driver.py, overlap.py), so that its SMs column is read as what it is
+    sms_beyond: ClassVar[Optional[str]] = None
 
     @classmethod
     def unavailable_reason(cls, setup: RankSetup) -> Optional[str]:

@@ -186,6 +186,9 @@ class _Handle:
 class DeepEPV2Backend(KernelLayouts, NormalMode):
     name = "deepep-v2"
     uses_sms = True
+    sms_beyond = ("its dispatch copy epilogue and combine reduce epilogue run on every SM of the GPU whatever "
+                  "--sms says (ElasticBuffer launches both with the device's SM count); the SMs column counts "
+                  "its main kernels")
     receives_local_expert_ids = True
     call_modes = ("call", "kernel")
     dtypes = ("bf16", "fp8", "mxfp8")
