@@ -64,6 +64,9 @@ enum ep_option {
   EP_OPT_NOTIFY_IMPL = 1,   // ep_notify_impl (default EP_NOTIFY_GRID)
   EP_OPT_COMBINE_STAGES = 3,  // stages per warp of the combine (2..4; default 2)
   EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of the combine (1024, 2048, 4096; default 2048)
+  EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R
+                              // (combine), each its own kernel after the transfer; 0 (default): inside the
+                              // dispatch kernel / on the combine's blocks (0..1024)
 };
 
 // Notify (layout) kernel variants; measurements in notes/KERNELS.md.
@@ -105,6 +108,7 @@ typedef struct ep_effective {
   int dispatch_fused;        // 1 / 2: the dispatch kernel quantized bf16 rows on the way with 8 / 16-byte stores
   int dispatch_em_push;      // expert-major: ep_config.em_push as it ran (1 senders stored every slot, 2 the wide copy pass)
   int combine_em_wide;       // expert-major: 1 the combine's reduce pass ran wide (em_push 2 or 3)
+  int em_sms;                // expert-major: EP_OPT_EM_SMS in force at the last dispatch (0: the passes within num_sms)
 } ep_effective;
 
 const char* ep_last_error(void);

@@ -271,6 +271,10 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       if (value != 1024 && value != 2048 && value != 4096) break;
       ctx->combine_chunk = value;
       return 0;
+    case EP_OPT_EM_SMS:
+      if (value < 0 || value > 1024 || (value > 0 && ctx->p.align == 0)) break;  // expert-major only
+      ctx->p.em_sms = value;
+      return 0;
     default: break;
   }
   ep_set_error("ep_set_option: bad key %d or value %d", key, value);

@@ -340,10 +340,11 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   if (C == 1024) kernel = pick_combine_tma<1024>(p.world, S);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   if (p.align > 0 && num_sms > 0) {  // phase R (expert-major), stream-ordered before the pull
+    const int blocks = p.em_sms > 0 ? p.em_sms : num_sms;  // em_sms: phase R on blocks of its own count
     if (p.em_push >= 2)  // wide or auto: the batches sized to each row's slots
-      em_reduce_kernel<true><<<num_sms, w * 32, 0, stream>>>(p);
+      em_reduce_kernel<true><<<blocks, w * 32, 0, stream>>>(p);
     else
-      em_reduce_kernel<false><<<num_sms, w * 32, 0, stream>>>(p);
+      em_reduce_kernel<false><<<blocks, w * 32, 0, stream>>>(p);
     CUDA_CHECK(cudaGetLastError());
   }
   kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);

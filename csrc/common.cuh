@@ -131,6 +131,9 @@ struct EpParams {
   // phase at the kStamp* indices. Null by default: the stores are skipped.
   unsigned long long* stamps;
   int notify_impl;  // EP_NOTIFY_* (api.h)
+  int em_sms;  // ep_set_option EP_OPT_EM_SMS (expert-major): 0 = the dispatch kernel's blocks expand the rows after their
+               // grid-wide wait and phase R runs on the combine's blocks; n > 0 = both in kernels of their own on n
+               // blocks (dispatch.cu em_expand_kernel, combine.cu em_reduce_kernel)
 };
 
 // Indices into EpParams::stamps (one launch's worth; each call overwrites them).

@@ -186,6 +186,9 @@ __device__ __forceinline__ int em_slot_of(const EpParams& p, long long idx, int 
 constexpr int kWideU = 16;
 
 template <bool kWide>
+__device__ __forceinline__ void em_copy_rows(const EpParams& p);
+
+template <bool kWide>
 __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
   __syncthreads();  // the last block: its threads' waits on every source's done flag are over
   if (last && threadIdx.x == 0) {
@@ -194,6 +197,19 @@ __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
   }
   if (threadIdx.x == 0) wait_flag(p, p.em_go, epoch, p.rank, kPhaseDispatch);
   __syncthreads();
+  em_copy_rows<kWide>(p);
+}
+
+// em_sms > 0 (ep_set_option EP_OPT_EM_SMS): the same copies in a kernel of their own on em_sms blocks of 16 warps,
+// stream-ordered after the dispatch kernel (kEm 4), whose last block returns only once every source's rows have
+// landed (its waits on their done flags)
+template <bool kWide>
+__global__ void __launch_bounds__(512, 1) em_expand_kernel(EpParams p) {
+  em_copy_rows<kWide>(p);
+}
+
+template <bool kWide>
+__device__ __forceinline__ void em_copy_rows(const EpParams& p) {
   if (ld_volatile(p.dev_error) != 0) return;
   constexpr int U = kWide ? kWideU : 4;
   const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5, topk = p.topk;
@@ -240,7 +256,8 @@ __device__ void em_local_copies(const EpParams& p, bool last, int epoch) {
 // kFused: 0 rows as given, 1 cast fused with 8-byte stores per lane and vector, 2 (fused_stores 16) two
 // adjacent vectors per lane, 16-byte stores (vector v0 + 64 m + 2 lane + (u & 1) in buf[u], m = u / 2)
 // kEm: 0 rank-major, 1 expert-major (em_push 0: the receiver copies), 2 expert-major with em_push 1,
-// 3 expert-major with em_push 2 (the receiver's wide copy pass; lean_rows as for 1)
+// 3 expert-major with em_push 2 (the receiver's wide copy pass; lean_rows as for 1), 4 expert-major with the copies
+// in em_expand_kernel (em_sms > 0; lean_rows as for 1, no copy pass in this kernel)
 template <int kU, bool kDyn, int kFused, int kEm>
 __device__ __forceinline__ void lean_rows(const EpParams& p, const DispatchArgs& a, int first, int step, int lane) {
   const int world = p.world, topk = p.topk;
@@ -417,17 +434,17 @@ __global__ void __launch_bounds__(512, 1) ce_keys_kernel(EpParams p, int num_tok
 
 using DispatchKernel = void (*)(EpParams, DispatchArgs, int);
 
-// One kernel of the table below; em_push 1 and 2 (kEm 2, 3) are built for at most 16 warps only (null above:
-// ep_dispatch says so)
+// One kernel of the table below; em_push 1 and 2 and em_sms (kEm 2, 3, 4) are built for at most 16 warps only
+// (null above: ep_dispatch says so)
 template <int kU, int kThreads, bool kDyn, int kFused, int kEm>
 constexpr DispatchKernel dispatch_kernel() {
-  if constexpr ((kEm == 2 || kEm == 3) && kThreads > 512)
+  if constexpr (kEm >= 2 && kThreads > 512)
     return nullptr;
   else
     return dispatch_lean_kernel<kU, kThreads, kDyn, kFused, kEm>;
 }
 
-// <kEm: 0 rank-major, 1 expert-major, 2 expert-major em_push 1, 3 em_push 2>[warps > 16][lean_dyn][fused: 0 no, 1 8-byte stores,
+// <kEm: 0 rank-major, 1 expert-major, 2 expert-major em_push 1, 3 em_push 2, 4 em_sms>[warps > 16][lean_dyn][fused: 0 no, 1 8-byte stores,
 // 2 16-byte stores]
 template <int kEm>
 constexpr DispatchKernel kDispatchKernels[2][2][3] = {
@@ -497,6 +514,12 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
                  em_push == 1 ? "sender" : "wide", warps);
     return -1;
   }
+  const bool em_apart = p.align > 0 && p.em_sms > 0 && em_push != 1;  // the copies in em_expand_kernel
+  if (em_apart && warps > 16) {
+    ep_set_error("em_sms %d (the expansion in a kernel of its own) runs with at most 16 dispatch warps, got %d",
+                 p.em_sms, warps);
+    return -1;
+  }
   CUDA_CHECK(cudaSetDevice(ctx->device));
   if (p.align > 0 && ep_launch_em_ordinal(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, stream) != 0) return -1;
   if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, epoch, stream) != 0) return -1;
@@ -516,9 +539,17 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     const DispatchKernel kernel =
         p.align == 0      ? kDispatchKernels<0>[w16][dyn][fused]
         : em_push == 1    ? kDispatchKernels<2>[w16][dyn][fused]
+        : em_apart        ? kDispatchKernels<4>[w16][dyn][fused]
         : em_push == 2    ? kDispatchKernels<3>[w16][dyn][fused]
                           : kDispatchKernels<1>[w16][dyn][fused];
     CUDA_CHECK(launch_dependent(kernel, num_sms, warps * 32, 0, stream, p, a, epoch));
+    if (em_apart) {  // the expansion on em_sms blocks of 16 warps, after every row has landed
+      if (em_push == 2)
+        em_expand_kernel<true><<<p.em_sms, 512, 0, stream>>>(p);
+      else
+        em_expand_kernel<false><<<p.em_sms, 512, 0, stream>>>(p);
+      CUDA_CHECK(cudaGetLastError());
+    }
   }
   ep_effective& eff = ctx->effective;
   eff.dispatch_impl = impl;
@@ -527,5 +558,6 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   eff.dispatch_scale_block = p.num_scales > 0 ? p.hidden / p.num_scales : 0;
   eff.dispatch_fused = p.fused;
   eff.dispatch_em_push = p.align > 0 ? em_push : 0;
+  eff.em_sms = p.align > 0 ? p.em_sms : 0;  // sender (no copy pass): phase R only
   return 0;
 }

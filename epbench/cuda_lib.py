@@ -23,7 +23,7 @@ EM_PUSH = {"receiver": 0, "sender": 1, "wide": 2, "auto": 3}
 # ep_config.quantize_fused for quantize fused: the bytes each lane stores per step (backend option fused_stores)
 FUSED_STORES = {8: 1, 16: 2}
 # ep_set_option keys (enum ep_option).
-OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK = 0, 1, 3, 4
+OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK, OPT_EM_SMS = 0, 1, 3, 4, 5
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
@@ -40,7 +40,7 @@ class EpEffective(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in (
         "dispatch_impl", "dispatch_warps", "dispatch_sms", "notify_impl", "notify_blocks", "combine_impl",
         "combine_warps", "combine_sms", "combine_stages", "combine_chunk", "dispatch_scale_block",
-        "dispatch_fused", "dispatch_em_push", "combine_em_wide")]
+        "dispatch_fused", "dispatch_em_push", "combine_em_wide", "em_sms")]
 
 # ep_effective.dispatch_scale_block -> the scenario's dispatch_dtype
 SCALE_BLOCK_DTYPES = {0: "bf16", 128: "fp8", 32: "mxfp8"}

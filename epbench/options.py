@@ -103,6 +103,12 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                           "or auto (wide up to 16 dispatch warps, else receiver's copy pass with wide's reduce "
                           "pass; rows record what ran)",
                           choices=("auto", "receiver", "sender", "wide"), env="EPBENCH_EM_PUSH"),
+        "em_sms": Option(int, 0, "layout expert_major only: blocks of the receiver's expansion (dispatch: a row into "
+                         "its further experts' slots) and of the combine's reduce pass, each run as a kernel of its "
+                         "own after the transfer (at most 16 dispatch warps); 0: inside the dispatch kernel and on "
+                         "the combine's blocks, within --sms. DeepEP V2 runs its copy and reduce epilogues on every "
+                         "SM (132 on an H100 / H200): set it to the GPU's SM count to compare like for like; the SMs "
+                         "column then counts the transfer's blocks only", low=0, high=1024, env="EPBENCH_EM_SMS"),
     },
     "epbench-ll": {
         "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,
@@ -211,6 +217,12 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
     if resolved["em_push"] not in ("auto", "receiver") and layout != "expert_major":
         raise UserError(f"{where}: epbench.em_push={resolved['em_push']} needs model.layout expert_major (got "
                         f"{layout}): it says who fills the slots of a token's further experts on a rank")
+    if resolved["em_sms"] > 0 and layout != "expert_major":
+        raise UserError(f"{where}: epbench.em_sms={resolved['em_sms']} needs model.layout expert_major (got "
+                        f"{layout}): it places the expert-major expansion and reduce passes")
+    if resolved["em_sms"] > 0 and resolved["dispatch_warps"] > 16:
+        raise UserError(f"{where}: epbench.em_sms={resolved['em_sms']} runs with at most 16 dispatch warps (got "
+                        f"dispatch_warps {resolved['dispatch_warps']})")
     if resolved["em_push"] in ("sender", "wide") and resolved["dispatch_warps"] > 16:
         raise UserError(f"{where}: epbench.em_push={resolved['em_push']} runs with at most 16 dispatch warps (got "
                         f"dispatch_warps {resolved['dispatch_warps']})")

@@ -95,7 +95,7 @@ def test_effective_config_reads_the_library_struct() -> None:
             eff.dispatch_impl, eff.dispatch_warps = cuda_lib.DISPATCH_IMPLS["lean_dyn"], 16
             eff.notify_impl, eff.combine_impl, eff.combine_warps = cuda_lib.NOTIFY_IMPLS["grid"], 1, 12
             eff.combine_stages, eff.combine_chunk = 2, 2048
-            eff.dispatch_em_push, eff.combine_em_wide = self.em_push, self.em_wide
+            eff.dispatch_em_push, eff.combine_em_wide, eff.em_sms = self.em_push, self.em_wide, 132
             return 0
 
     be = object.__new__(EpbenchBackend)
@@ -113,6 +113,7 @@ def test_effective_config_reads_the_library_struct() -> None:
     assert be.effective_config()["em_reduce"] == "batched"
     be._lib.em_wide = 1  # em_push wide or auto: the combine's reduce pass ran wide
     assert be.effective_config()["em_reduce"] == "wide"
+    assert be.effective_config()["em_sms"] == 132  # the expansion and reduce passes' blocks, as the library says
 
 
 def test_em_push_sender_needs_expert_major_and_at_most_16_warps() -> None:
@@ -280,3 +281,16 @@ def test_own_rows_ce_with_expert_major_is_refused_by_the_constructor_options(mon
     monkeypatch.setenv("EPBENCH_OWN_ROWS", "ce")
     with pytest.raises(UserError, match="own_rows=ce"):
         resolve_options("epbench", {}, setup)
+
+
+def test_em_sms_needs_expert_major_and_at_most_16_warps() -> None:
+    assert options.resolve("epbench", {}, environ={})["em_sms"] == 0  # the passes inside the k blocks
+    options.check_payload({"epbench": {"em_sms": 132}}, "expert_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"^s.yaml: epbench\.em_sms=132 needs model\.layout expert_major \(got "
+                                        r"rank_major\)"):
+        options.check_payload({"epbench": {"em_sms": 132}}, "rank_major", "before", "s.yaml", environ={})
+    with pytest.raises(UserError, match=r"em_sms=64 runs with at most 16 dispatch warps \(got dispatch_warps 32\)"):
+        options.check_payload({"epbench": {"em_sms": 64, "dispatch_warps": 32}}, "expert_major", "before",
+                              "s.yaml", environ={})
+    with pytest.raises(UserError, match="em_sms"):  # out of range: one line
+        options.parse_cli(["em_sms=2000"])

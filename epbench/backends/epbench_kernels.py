@@ -105,7 +105,7 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "fused_stores", "em_push", "dispatch_warps") if k in given}
+    asked = {k: resolved[k] for k in ("own_rows", "fused_stores", "em_push", "em_sms", "dispatch_warps") if k in given}
     options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
     return resolved
 
@@ -183,7 +183,8 @@ class EpbenchBackend(NormalMode):
                  dispatch_warps: Optional[int] = None, notify_impl: Optional[str] = None,
                  combine_warps: Optional[int] = None, combine_stages: Optional[int] = None,
                  combine_chunk: Optional[int] = None, own_rows: Optional[str] = None,
-                 fused_stores: Optional[int] = None, em_push: Optional[str] = None) -> None:
+                 fused_stores: Optional[int] = None, em_push: Optional[str] = None,
+                 em_sms: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -191,12 +192,14 @@ class EpbenchBackend(NormalMode):
         given = {k: v for k, v in (("dispatch_impl", dispatch_impl), ("dispatch_warps", dispatch_warps),
                                    ("notify_impl", notify_impl), ("combine_warps", combine_warps),
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
-                                   ("own_rows", own_rows), ("fused_stores", fused_stores), ("em_push", em_push))
+                                   ("own_rows", own_rows), ("fused_stores", fused_stores), ("em_push", em_push),
+                                   ("em_sms", em_sms))
                  if v is not None}
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
         self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
         self.em_push = resolved["em_push"]  # expert-major only (check_payload refuses it elsewhere)
+        self.em_sms = resolved["em_sms"]  # expert-major only, likewise
         self.dispatch_impl = resolved["dispatch_impl"]
         self.dispatch_warps = resolved["dispatch_warps"]
         self.combine_warps = resolved["combine_warps"]
@@ -220,6 +223,8 @@ class EpbenchBackend(NormalMode):
         self.notify_impl = resolved["notify_impl"]
         self.combine_stages = resolved["combine_stages"]
         self.combine_chunk = resolved["combine_chunk"]
+        if self.em_align and self.em_sms:  # the expansion and phase R in kernels of their own (csrc/dispatch.cu)
+            cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_EM_SMS, self.em_sms), "ep_set_option")
         # The timeout record's flag word, read without a function call on every dispatch/combine.
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ctx))
         self._stream = raw_stream_getter(self.device)
@@ -299,11 +304,12 @@ class EpbenchBackend(NormalMode):
                     "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk,
                     "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize, "own_rows": self.own_rows,
                     **({"fused_stores": self.fused_stores} if self.fused else {}),
-                    **({"em_push": self.em_push} if self.em_align else {})}
+                    **({"em_push": self.em_push, "em_sms": self.em_sms} if self.em_align else {})}
         # own_rows: fixed at ep_create, no fallback; em_push: as the library says it ran (an older build runs receiver)
         return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows,
                 **({"em_push": EM_PUSH_NAME.get(eff.dispatch_em_push, str(eff.dispatch_em_push)),
-                    "em_reduce": "wide" if eff.combine_em_wide else "batched"} if self.em_align else {})}
+                    "em_reduce": "wide" if eff.combine_em_wide else "batched", "em_sms": eff.em_sms}
+                   if self.em_align else {})}
 
     def set_debug_stamps(self, on: bool) -> None:
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""

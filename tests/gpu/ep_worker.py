@@ -215,12 +215,12 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
         cases = [c for c in cases if not c.align and c.quantize == "before"]
     if args.fused_stores is not None:  # the option changes the fused cast's stores only
         cases = [c for c in cases if c.quantize == "fused"]
-    if args.em_push is not None:  # the option serves the expert-major layout only
+    if args.em_push is not None or args.em_sms is not None:  # the options serve the expert-major layout only
         cases = [c for c in cases if c.align]
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
-                            fused_stores=args.fused_stores, em_push=args.em_push)
+                            fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -455,6 +455,8 @@ def parser() -> argparse.ArgumentParser:
                          "engines move every row); ce and all check the rank-major, quantize-before cases only")
     ap.add_argument("--fused-stores", type=int, default=None, choices=[8, 16],
                     help="the backend's fused_stores (default: the backend's; check: given, the fused cases only)")
+    ap.add_argument("--em-sms", type=int, default=None,
+                    help="the backend's em_sms (default: the backend's; check: given, the expert-major cases only)")
     ap.add_argument("--em-push", default=None, choices=["auto", "receiver", "sender", "wide"],
                     help="the backend's em_push (default: the backend's; check: given, the expert-major cases only)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")

@@ -58,6 +58,13 @@ def em_push_receiver_flags(nproc: int) -> list:
     return ["--expert-major", "--em-push", "receiver", "--impls", "lean_dyn:16:8,lean:8:3"]
 
 
+def em_sms_flags(nproc: int) -> list:
+    """em_sms (the expansion and the combine's reduce pass in kernels of their own, on 64 blocks): every
+    expert-major case, both dispatch kernels, 16 and 8 warps, the default em_push (the wide passes at these
+    warps), 64 blocks at 8 and 3 dispatch SMs."""
+    return ["--expert-major", "--em-sms", "64", "--impls", "lean_dyn:16:8,lean:8:3"]
+
+
 # the one-block notify (staged) writes the own rows' slots and keys on its own path
 OWN_ROWS_CE_STAGED = ["--own-rows", "ce", "--quick", "--notify", "staged", "--impls", "lean:16:8,lean_dyn:16:3"]
 OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--impls", "lean:16:8"]
@@ -68,14 +75,15 @@ SUITES = {
         "own-rows-all": own_rows_ce_flags(1, "all"),
         "fused-stores-8": fused_stores8_flags(1),
         "fused-stores-8-em": ["--expert-major", *fused_stores8_flags(1)],
-        "em-push-sender": em_push_sender_flags(1), "em-push-receiver": em_push_receiver_flags(1)},
+        "em-push-sender": em_push_sender_flags(1), "em-push-receiver": em_push_receiver_flags(1),
+        "em-sms": em_sms_flags(1)},
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
-        "em-push-receiver": em_push_receiver_flags(2)},
+        "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2)},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3),
-        "em-push-receiver": em_push_receiver_flags(3)},
+        "em-push-receiver": em_push_receiver_flags(3), "em-sms": em_sms_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
         "own-rows-all": own_rows_ce_flags(4, "all")},
 }
@@ -162,6 +170,14 @@ def test_em_push_sender_matches_verification(kernels_built: None, nproc: int) ->
     bf16, fp8, mxfp8 before and fused, every routing) with each row stored by its sender into every slot of it,
     no receiver copy pass: segments bit-exact and the weighted combine as before."""
     out = assert_suite(nproc, "em-push-sender")
+    assert "em128 mxfp8 fused" in out
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_em_sms_matches_verification(kernels_built: None, nproc: int) -> None:
+    """em_sms=64: the expansion in em_expand_kernel and phase R on 64 blocks of their own, after the transfer on
+    8 or 3 blocks: segments bit-exact and the weighted combine as before."""
+    out = assert_suite(nproc, "em-sms")
     assert "em128 mxfp8 fused" in out
 
 
