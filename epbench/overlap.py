@@ -34,7 +34,9 @@ Figures per point (``kept`` = 100 x alone time / time beside; 100 = no slowdown)
   against the GEMM alone in its partition (what interference costs beyond the SMs taken);
   ``gemm_kept_in_calls_pct`` the kept % while a call ran, derived (``kept_in_calls_pct``);
   ``gemm_kept_of_window_pct`` against the GEMM alone in its partition for as many GEMMs as the pair
-  ran, right after it (``gemm_window_us``): the confined figure above times a 20-GEMM burst, which
+  ran, right after it (``gemm_window_us``), ``gemm_kept_of_around_pct`` against the mean of that and
+  the same GEMM loop right before the pair (``gemm_before_us``; the pair sits between the two, each
+  as long as it): the confined figure above times a 20-GEMM burst, which
   on 4 x H200 ran at the idle GPU's 1965-1980 MHz where the pair windows (90-190 ms) ran at
   1515-1875 under the power cap (2026-11-27), so the burst is no like-for-like reference.
 - the SM clock, power and clock-limit reasons of each phase (``clocks.py``, NVML every 5 ms):
@@ -655,9 +657,13 @@ class _Point:
             if self.part is not None:
                 with self.watch.phase() as confined_reading:
                     confined = time_gemm(self.gemm, self.opts.gemm_iters, self.part)
-            n, win, tries = self.pair(gemm_loop_count(alone_span, confined), loop)
-            # the GEMM alone again, as many as the pair ran (as long, after it: the power cap's state is
-            # that of a long busy window, where the burst above ran at the idle GPU's clock; clocks.py)
+            n0 = gemm_loop_count(alone_span, confined)
+            # the GEMM alone as long as the pair will run, right before it and again right after it (as many
+            # GEMMs as the pair ran): the power cap's state is that of a long busy window, where the burst
+            # above ran at the idle GPU's clock (clocks.py); the pair sits between the two
+            with self.watch.phase() as before_reading:
+                before = time_gemm(self.gemm, n0, self.part)
+            n, win, tries = self.pair(n0, loop)
             with self.watch.phase() as window_reading:
                 window = time_gemm(self.gemm, n, self.part)
         finally:
@@ -677,6 +683,9 @@ class _Point:
                 "gemm_sms_wanted": self.part.want if self.part is not None else self.total,
                 "sm_carveout": carveout, "carveout_api": api if carveout is not None else None,
                 "gemm_window_us": window, "gemm_kept_of_window_pct": kept_pct(window, beside_us),
+                "gemm_before_us": before, "gemm_around_us": (before + window) / 2,
+                "gemm_kept_of_around_pct": kept_pct((before + window) / 2, beside_us),
+                **before_reading.fields("gemm_before"),
                 **confined_reading.fields("gemm_confined"), **comm_reading.fields("comm_alone"),
                 **window_reading.fields("gemm_window"), **self.pair_reading.fields("pair"),
                 "gemm_clock_kept_pct": clocks.clock_kept_pct(window_reading.sm_mhz, self.pair_reading.sm_mhz)}

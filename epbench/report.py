@@ -368,6 +368,7 @@ CLOCK_TABLE = (  # the overlap run's clocks: (header, results.csv column, format
     ("SMs", "sms", "{:.0f}"), ("burst\nMHz", "gemm_confined_sm_mhz", "{:.0f}"),
     ("window\nMHz", "gemm_window_sm_mhz", "{:.0f}"), ("beside\nMHz", "pair_sm_mhz", "{:.0f}"),
     ("clock\nkept %", "gemm_clock_kept_pct", "{:.1f}"), ("GEMM kept\nof win. %", "gemm_kept_of_window_pct", "{:.1f}"),
+    ("GEMM kept\naround %", "gemm_kept_of_around_pct", "{:.1f}"),
     ("window\nW", "gemm_window_power_w", "{:.0f}"), ("beside\nW", "pair_power_w", "{:.0f}"),
     ("limit\nW", "power_limit_w", "{:.0f}"), ("reasons beside", "pair_clock_reasons", "{}"),
 )
@@ -434,8 +435,8 @@ def print_overlap(df: Any, meta: Dict[str, Any], console: Any) -> None:
         if clock_table is not None:
             console.print(clock_table)
             console.print("GEMM alone in its partition: burst = the 20 GEMMs of 'of conf.', window = as many GEMMs as the "
-                          "pair ran, after it; SM clock: median of the phase's NVML samples (every 5 ms), the rank whose "
-                          "clock fell most; clock kept % = beside / window; GEMM kept of win. = window GEMM time / beside; "
+                          "pair ran, after it; around = the mean of the window and the same loop right before the pair; SM clock: median of the phase's NVML samples (every 5 ms), the rank whose "
+                          "clock fell most; clock kept % = beside / window; GEMM kept of win. / around = window / around GEMM time over beside; "
                           "power: mean of the samples (NVML averages it over its own window, so a short phase reads low); "
                           "reasons: what NVML said limited the clock while both ran", highlight=False)
         for line in overlap_problems(df):

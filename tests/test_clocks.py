@@ -134,24 +134,28 @@ def test_a_point_records_the_gemm_clock_alone_and_beside(monkeypatch):
 
     def time_gemm(gemm, n, part):
         timed.append(n)
-        return 100.0 if len(timed) == 1 else 110.0  # the window runs slower than the burst
+        return (100.0, 120.0, 110.0)[len(timed) - 1]  # the burst, the loop before the pair, the window after it
 
     monkeypatch.setattr(ov, "time_gemm", time_gemm)
     row, _ = ov._Point(SimpleNamespace(flops=1e9), 90.0, SimpleNamespace(sms=120, want=120), 132, opts,
-                       watch=ScriptedWatch([1900.0, 1980.0, 1683.0, 1780.0])).measure(loop)
-    assert (row["comm_alone_sm_mhz"], row["gemm_confined_sm_mhz"], row["pair_sm_mhz"],
-            row["gemm_window_sm_mhz"]) == (1900.0, 1980.0, 1683.0, 1780.0)
+                       watch=ScriptedWatch([1900.0, 1980.0, 1700.0, 1683.0, 1780.0])).measure(loop)
+    assert (row["comm_alone_sm_mhz"], row["gemm_confined_sm_mhz"], row["gemm_before_sm_mhz"], row["pair_sm_mhz"],
+            row["gemm_window_sm_mhz"]) == (1900.0, 1980.0, 1700.0, 1683.0, 1780.0)
     assert row["gemm_clock_kept_pct"] == pytest.approx(100.0 * 1683.0 / 1780.0)  # the pair against the window
     # the window: as many GEMMs as the pair ran, its time the window's reference
-    assert timed == [ov.OverlapOptions.gemm_iters, row["gemm_count"]] and row["gemm_window_us"] == 110.0
+    assert timed[0] == ov.OverlapOptions.gemm_iters and timed[2] == row["gemm_count"] and row["gemm_window_us"] == 110.0
     assert row["gemm_kept_of_window_pct"] == pytest.approx(ov.kept_pct(110.0, row["gemm_beside_us"]))
+    # before the pair: as many GEMMs as the pair was sized for; around = the mean of before and after
+    assert timed[1] == ov.gemm_loop_count(500.0, 100.0) and row["gemm_before_us"] == 120.0
+    assert row["gemm_kept_of_around_pct"] == pytest.approx(ov.kept_pct(115.0, row["gemm_beside_us"]))
     # no partition (ranks share a GPU): the burst's clock is the all-SM GEMM's reading
     timed.clear()
     all_reading = clocks.Reading(mhz=[1950.0])
-    row, _ = ov._Point(SimpleNamespace(flops=1e9), 90.0, None, 132, opts, watch=ScriptedWatch([1900.0, 1755.0, 1950.0]),
+    row, _ = ov._Point(SimpleNamespace(flops=1e9), 90.0, None, 132, opts,
+                       watch=ScriptedWatch([1900.0, 1960.0, 1755.0, 1950.0]),
                        gemm_all_reading=all_reading).measure(loop)
     assert row["gemm_confined_sm_mhz"] == 1950.0 and row["gemm_clock_kept_pct"] == pytest.approx(90.0)
-    assert timed == [row["gemm_count"]]
+    assert timed == [ov.gemm_loop_count(500.0, 90.0), row["gemm_count"]]
 
 
 def test_the_clock_table_shows_the_rank_whose_clock_fell_most_and_is_absent_without_clocks():

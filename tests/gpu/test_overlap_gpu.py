@@ -75,6 +75,7 @@ def test_overlap_world_1(runs: GpuRuns, gemm: str) -> None:
     assert (df["gemm_kept_pct"] > 0).all() and (df["comm_kept_pct"] > 0).all()
     # the window GEMM (as many as the pair ran) and the clocks NVML read in each phase (epbench/clocks.py)
     assert (df["gemm_window_us"] > 0).all() and (df["gemm_kept_of_window_pct"] > 0).all()
+    assert (df["gemm_before_us"] > 0).all() and (df["gemm_kept_of_around_pct"] > 0).all()
     assert (df["pair_sm_mhz"] > 0).all() and (df["gemm_window_sm_mhz"] > 0).all() and (df["gemm_clock_kept_pct"] > 0).all()
     assert "SM clock and power (NVML)" in r.stdout
     assert "SMs and HBM only" in r.stdout
