@@ -15,7 +15,8 @@
 //    loads of unit j + S into the freed stage. Rows and weights of the warp's tokens are computed 32
 //    tokens at a time (one lane per token) into a double-buffered per-warp table, one batch ahead.
 // Expert-major (align >= 1): combine_in holds one row per slot (the caller's expert outputs). Phase R
-// (em_reduce_kernel, launched on the same grid right before the combine kernel) runs before step 1: warp g
+// (em_reduce_kernel, launched right before the combine kernel on its grid, or on em_sms blocks of 16 warps
+// where ep_set_option EP_OPT_EM_SMS asks) runs before step 1: warp g
 // takes received rows g, g + G, ... and sums each row's slots (em_slot, written by the dispatch) times the
 // row's weight for that expert (recv_w) in fp32 into one bf16 row of combine_red, rank-major; step 1 then
 // releases ready[me] as in rank-major, and step 3 pulls combine_red with weight 1 per holder instead of
@@ -155,7 +156,8 @@ __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
   __syncthreads();
 }
 
-// Expert-major phase R as its own kernel, launched on the combine's grid right before it: its registers are
+// Expert-major phase R as its own kernel, launched on the combine's grid right before it (em_sms > 0: on em_sms
+// blocks of 16 warps, the combine's warp count being set by its shared memory, which phase R does not use): its registers are
 // not the pull's (inlined into combine_tma_kernel, the batched loads spilled), and the kernel boundary is
 // what orders R before the ready release, so no block waits for another.
 template <bool kWide>
@@ -340,11 +342,12 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   if (C == 1024) kernel = pick_combine_tma<1024>(p.world, S);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   if (p.align > 0 && num_sms > 0) {  // phase R (expert-major), stream-ordered before the pull
-    const int blocks = p.em_sms > 0 ? p.em_sms : num_sms;  // em_sms: phase R on blocks of its own count
+    // em_sms: phase R on blocks of its own count, 16 warps each (its launch bound)
+    const int blocks = p.em_sms > 0 ? p.em_sms : num_sms, threads = p.em_sms > 0 ? 512 : w * 32;
     if (p.em_push >= 2)  // wide or auto: the batches sized to each row's slots
-      em_reduce_kernel<true><<<blocks, w * 32, 0, stream>>>(p);
+      em_reduce_kernel<true><<<blocks, threads, 0, stream>>>(p);
     else
-      em_reduce_kernel<false><<<blocks, w * 32, 0, stream>>>(p);
+      em_reduce_kernel<false><<<blocks, threads, 0, stream>>>(p);
     CUDA_CHECK(cudaGetLastError());
   }
   kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);

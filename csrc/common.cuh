@@ -107,7 +107,8 @@ struct EpParams {
   int slots;  // rows of recv_x / recv_scales / combine_in (capacity when rank-major)
   int own_ce;  // ep_config.own_rows: 1 (ce) = my own rows at their token index, stored by the caller (see above);
                // 2 (all) = every source s's rows at s * max_tokens + token, a peer's copied by ep_dispatch
-  int em_push;  // ep_config.em_push: 1 = expert-major senders store a row into every slot of it, 2 = the receiver's
+  int em_push;  // ep_config.em_push: 1 = expert-major senders store a row into every slot of it, 3 = auto (2 up to 16
+                // dispatch warps, else 0; ep_dispatch resolves it), 2 = the receiver's
                 // wide copy pass (dispatch.cu)
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)

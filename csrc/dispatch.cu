@@ -27,6 +27,8 @@
 // receiver copies each received row with several of its experts from its first slot into the others
 // (em_local_copies): rows land once on the link, the extra copies are local loads and stores in this kernel.
 // The blocks wait for the last one (em_go) before copying, so all num_sms blocks must be resident at once.
+// em_sms > 0 (ep_set_option EP_OPT_EM_SMS, kEm 4): no copy pass here; em_expand_kernel copies on em_sms blocks
+// right after this kernel on the stream (its last block returned only after every source's done flag).
 // em_push 1 (sender): the sending warp stores each row into every slot of it on each destination (more[d]: the
 // further experts of the token there), the link carrying it once per (token, expert); no copy pass, no em_go.
 // own_rows ce (p.own_ce, rank-major, quantize before): my own rows are not stored here (lane me's row is -1:

@@ -108,7 +108,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                          "own after the transfer (at most 16 dispatch warps); 0: inside the dispatch kernel and on "
                          "the combine's blocks, within --sms. DeepEP V2 runs its copy and reduce epilogues on every "
                          "SM (132 on an H100 / H200): set it to the GPU's SM count to compare like for like; the SMs "
-                         "column then counts the transfer's blocks only", low=0, high=1024, env="EPBENCH_EM_SMS"),
+                         "column then counts the transfer's blocks only; with em_push sender (no expansion) it places the reduce pass "
+                         "only", low=0, high=1024, env="EPBENCH_EM_SMS"),
     },
     "epbench-ll": {
         "warps": Option(int, 16, "warps per block of both low-latency kernels", low=1, high=16,
@@ -205,7 +206,7 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
     rows as they are, so it can neither place them per expert (layout expert_major) nor quantize them on the
     way (quantize fused); fused_stores=16 asked for (given or by its environment variable: the default, 16,
     is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push sender or wide
-    needs the expert-major layout and at most 16 dispatch warps.
+    and em_sms > 0 need the expert-major layout and at most 16 dispatch warps.
     ``backend_options`` as validated; the environment counts as for ``resolve``."""
     given = backend_options.get("epbench") or {}
     resolved = resolve("epbench", given, environ)

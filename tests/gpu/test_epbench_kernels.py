@@ -65,6 +65,12 @@ def em_sms_flags(nproc: int) -> list:
     return ["--expert-major", "--em-sms", "64", "--impls", "lean_dyn:16:8,lean:8:3"]
 
 
+# em_sms with the narrow copy pass on one block (fewer blocks than the transfer's), and with the sender (phase R on
+# its own blocks, no expansion)
+EM_SMS_NARROW = ["--expert-major", "--em-push", "receiver", "--em-sms", "1", "--impls", "lean_dyn:16:8"]
+EM_SMS_SENDER = ["--expert-major", "--em-push", "sender", "--em-sms", "64", "--impls", "lean:16:3"]
+
+
 # the one-block notify (staged) writes the own rows' slots and keys on its own path
 OWN_ROWS_CE_STAGED = ["--own-rows", "ce", "--quick", "--notify", "staged", "--impls", "lean:16:8,lean_dyn:16:3"]
 OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--impls", "lean:16:8"]
@@ -81,7 +87,8 @@ SUITES = {
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
-        "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2)},
+        "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2),
+        "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3),
         "em-push-receiver": em_push_receiver_flags(3), "em-sms": em_sms_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
@@ -179,6 +186,13 @@ def test_em_sms_matches_verification(kernels_built: None, nproc: int) -> None:
     8 or 3 blocks: segments bit-exact and the weighted combine as before."""
     out = assert_suite(nproc, "em-sms")
     assert "em128 mxfp8 fused" in out
+
+
+def test_em_sms_narrow_and_sender_match_verification(kernels_built: None) -> None:
+    """em_sms with the receiver's narrow copy pass on a single block, and with em_push sender (phase R alone on
+    64 blocks), at world 2: segments bit-exact and the weighted combine as before."""
+    assert "em128 mxfp8 fused" in assert_suite(2, "em-sms-narrow")
+    assert "em128 mxfp8 fused" in assert_suite(2, "em-sms-sender")
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
