@@ -291,10 +291,10 @@ def snapshot(out: Any) -> Any:
     return replace(out, **kept)
 
 
-def backend_notes(name: str, be_cls: Any) -> List[str]:
-    """The run's notes a backend brings with it: where it runs kernels on more SMs than the point's
-    --sms (``Backend.sms_beyond``)."""
-    beyond = getattr(be_cls, "sms_beyond", None)
+def backend_notes(name: str, be: Any) -> List[str]:
+    """The run's notes a backend (class or instance: an option may set it) brings with it: where it runs
+    kernels on more SMs than the point's --sms (``Backend.sms_beyond``)."""
+    beyond = getattr(be, "sms_beyond", None)
     return [f"backend {name}: {beyond}"] if beyond else []
 
 
@@ -616,7 +616,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                 advance(f"{name}: skipped")
             continue
         be = be_cls(be_setup, **s.backend_options.get(name, {}))
-        for note in backend_notes(name, be_cls):
+        for note in backend_notes(name, be):
             on_note(note)
         ll_path = low_latency and not as_normal  # this backend's own low-latency calls
         if ll_path:

@@ -872,7 +872,7 @@ def measure(job: Any) -> int:
             job.note(f"backend {name} skipped: {reason}")
             continue
         be = be_cls(setup, **s.backend_options.get(name, {}))
-        for note in driver.backend_notes(name, be_cls):
+        for note in driver.backend_notes(name, be):
             job.note(note)
         try:
             for mode, sms in ((c, n) for c in driver.call_modes_of(be, s.bench.call_modes)

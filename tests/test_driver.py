@@ -205,3 +205,12 @@ def test_a_backend_that_uses_more_sms_than_asked_says_so_in_the_notes():
     assert backend_notes("epbench", backend_class("epbench")) == []  # its kernels run on --sms blocks
     (note,) = backend_notes("deepep-v2", backend_class("deepep-v2"))  # the adapter imports without deep_ep
     assert note.startswith("backend deepep-v2: ") and "every SM of the GPU whatever --sms says" in note
+
+
+def test_an_option_that_adds_blocks_is_a_note_of_the_instance():
+    from epbench.backends.epbench_kernels import EpbenchBackend
+    from epbench.driver import backend_notes
+
+    be = object.__new__(EpbenchBackend)  # as __init__ leaves it with em_sms on (the library call not made here)
+    be.sms_beyond = "em_sms=132: its expert-major expansion and reduce passes run on 132 blocks of their own"
+    assert backend_notes("epbench", be) == [f"backend epbench: {be.sms_beyond}"]
