@@ -216,11 +216,17 @@ def test_a_run_that_waited_its_patience_is_not_starved_by_later_small_runs(tmp_p
     from gpu_launch import HostGpus
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    def until(cond, what: str) -> None:  # the order of the requests by the pool's own state, not by sleeps
+        deadline = time.monotonic() + 20
+        while not cond():
+            assert time.monotonic() < deadline, f"never: {what}"
+            time.sleep(0.01)
+
     pool = HostGpus(2, cap=1, patience=0.3)
-    first = GpuRuns(tmp_path / "f", {"f0": stand_in(0.8), "f1": stand_in(0.8)}, pool=pool).start()
-    time.sleep(0.2)  # both GPUs taken
+    first = GpuRuns(tmp_path / "f", {"f0": stand_in(1.2), "f1": stand_in(1.2)}, pool=pool).start()
+    until(lambda: all(pool.held.values()), "both GPUs taken")
     big = GpuRuns(tmp_path / "b", {"big": stand_in(0.2)}, gpus={"big": 2}, pool=pool).start()
-    time.sleep(0.1)
+    until(lambda: len(pool.waiting) == 1, "the big run waiting")
     small = {f"s{i}": 1 for i in range(6)}
     smalls = GpuRuns(tmp_path / "s", {n: stand_in(0.3) for n in small}, gpus=small, pool=pool).start()
     seen_first, seen_big, seen_small = _seen(first, ["f0", "f1"]), _seen(big, ["big"])["big"], _seen(smalls, small)
