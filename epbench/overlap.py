@@ -40,7 +40,7 @@ Figures per point (``kept`` = 100 x alone time / time beside; 100 = no slowdown)
   on 4 x H200 ran at the idle GPU's 1965-1980 MHz where the pair windows (90-190 ms) ran at
   1515-1875 under the power cap (2026-11-27), so the burst is no like-for-like reference.
 - the SM clock, power and clock-limit reasons of each phase (``clocks.py``, NVML every 5 ms):
-  ``gemm_confined_*``, ``gemm_window_*``, ``comm_alone_*``, ``pair_*``, ``gemm_all_*``;
+  ``gemm_confined_*``, ``gemm_before_*``, ``gemm_window_*``, ``comm_alone_*``, ``pair_*``, ``gemm_all_*``;
   ``gemm_clock_kept_pct`` = the pair's SM clock over the window's.
 - ``dispatch_kept_pct`` / ``combine_kept_pct`` / ``comm_kept_pct`` (their sum): the driver's
   median alone over the median beside.
@@ -683,8 +683,7 @@ class _Point:
                 "gemm_sms_wanted": self.part.want if self.part is not None else self.total,
                 "sm_carveout": carveout, "carveout_api": api if carveout is not None else None,
                 "gemm_window_us": window, "gemm_kept_of_window_pct": kept_pct(window, beside_us),
-                "gemm_before_us": before, "gemm_around_us": (before + window) / 2,
-                "gemm_kept_of_around_pct": kept_pct((before + window) / 2, beside_us),
+                "gemm_before_us": before, "gemm_kept_of_around_pct": kept_pct((before + window) / 2, beside_us),
                 **before_reading.fields("gemm_before"),
                 **confined_reading.fields("gemm_confined"), **comm_reading.fields("comm_alone"),
                 **window_reading.fields("gemm_window"), **self.pair_reading.fields("pair"),
