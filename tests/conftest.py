@@ -58,3 +58,15 @@ def results_root(tmp_path_factory) -> Path:
 def smoke_run(results_root) -> Run:
     """`epbench run scenarios/smoke.yaml`: the real 4-process gloo run, once per session."""
     return run_cli(results_root, "run", "scenarios/smoke.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Figures a test kept open to inspect (tests/test_plot.py drawn_figures replaces the closing save) are
+    closed after it, so that a test process never holds 20 of them (matplotlib's warning)."""
+    yield
+    import sys
+
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is not None:
+        plt.close("all")
