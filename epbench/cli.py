@@ -512,7 +512,8 @@ def probe(tokens: Annotated[str, typer.Option("--tokens", help="Tokens per call 
           warmup: Annotated[int, typer.Option("--warmup", help="Untimed graph replays per row.")] = 50,
           iters: Annotated[int, typer.Option("--iters", help="Timed graph replays per row.")] = 500,
           chain: Annotated[str, typer.Option("--chain", help="Calls per graph replay (comma list); call = replay / K.")] = "1",
-          nproc: Annotated[int, typer.Option("--nproc", help="Ranks sharing the first visible GPU.")] = 1,
+          nproc: Annotated[int, typer.Option("--nproc", help="Ranks: sharing the first visible GPU, or one GPU each with --spread.")] = 1,
+          spread: Annotated[bool, typer.Option("--spread", help="Each rank on a GPU of its own (the first --nproc visible): the calls cross the links; parts per rank on its own clock, the slowest rank's shown.")] = False,
           mps: Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the ranks (as `epbench run --mps`).")] = False,
           csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the rows to this CSV file (the probe's column order).")] = None,
           results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
@@ -528,7 +529,9 @@ def probe(tokens: Annotated[str, typer.Option("--tokens", help="Tokens per call 
 
     launch.apply_safe_env()
     o = llprobe.probe_options(tokens, sms, hidden, topk, experts_per_rank, dtype,
-                              variants or llprobe.DEFAULT_VARIANTS, warmup, iters, chain, nproc)
+                              variants or llprobe.DEFAULT_VARIANTS, warmup, iters, chain, nproc, spread)
+    if spread and mps:
+        raise UserError("--mps is for ranks sharing one GPU; --spread gives each rank its own")
     s = llprobe.probe_scenario(o, nproc)
     p = Plan(verb="probe", scenario=s, options=o, device="cuda", argv=tuple(sys.argv[1:]),
              results=results, run_dir=run_dir, mps=mps, ranks_per_node=nproc)
@@ -546,8 +549,12 @@ def probe(tokens: Annotated[str, typer.Option("--tokens", help="Tokens per call 
 
     if not torch.cuda.is_available():
         raise UserError("probe: needs a CUDA GPU (the kernels are timed by CUDA-graph replays); none found")
+    if spread and torch.cuda.device_count() < nproc:
+        raise UserError(f"--spread: --nproc {nproc} needs {nproc} visible GPUs, {torch.cuda.device_count()} visible")
     check_new_run_dir(results, run_dir)
     p = dataclasses.replace(p, run_dir=claim_run_dir(run_dir) if run_dir else new_run_dir(results, s))
+    if spread:  # rank i on visible GPU i
+        _start_one(p, show)
     before = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
     os.environ["CUDA_VISIBLE_DEVICES"] = llprobe.one_gpu(before["CUDA_VISIBLE_DEVICES"])
     try:  # every rank on the first visible GPU

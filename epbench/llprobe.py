@@ -55,6 +55,14 @@ rank's: how far the barrier and the device sleep left the ranks apart), `skew` (
 spread, rskew included), and `wait`/`span`, since a rank that starts early waits there for its
 peers' counts and flags. The extra columns (chain; ranks, slow, rskew) are printed only when a
 chain > 1 or several ranks are asked for; the CSV always has chain and ranks.
+
+`--spread` (with --nproc N >= 2): each rank on a GPU of its own (the first N visible), so the calls
+cross the links as `epbench run` on N GPUs does. %globaltimer is then one clock per GPU, with
+offsets between GPUs far larger than a call, so no stamp is compared across ranks: each rank's
+parts come from its own blocks on its own clock (boundary 0 its own first block), the row shows
+the slowest rank's (highest call p50; `slow`), `rskew` is not measured ("-"), and the CSV adds
+every rank's span and wait p50 (`span_p50_rank<r>`, `wait_p50_rank<r>`): a rank whose peers start
+late shows it as a longer wait than theirs.
 """
 
 from __future__ import annotations
@@ -148,6 +156,22 @@ def summarize_ranks(rank_hist: Sequence[Sequence[Sequence[Sequence[int]]]],
     return row
 
 
+def summarize_spread(rank_hist: Sequence[Sequence[Sequence[Sequence[int]]]],
+                     rank_us: Sequence[Sequence[float]], parts) -> Dict[str, float]:
+    """summarize() of a row measured with one GPU per rank: each rank's parts from its own blocks
+    only (the GPUs' clocks are not one clock), the row's figures those of the slowest rank
+    (highest call p50: ``slow_rank``), then each rank's call, span and wait p50 (wait only for
+    the kernels' parts: the probe kernels have none)."""
+    p50s = [percentile(us, 50) for us in rank_us]
+    slow = max(range(len(p50s)), key=lambda r: p50s[r])
+    own = [summarize([parts(blocks) for blocks in hist], us) for hist, us in zip(rank_hist, rank_us)]
+    row = dict(own[slow], ranks=len(rank_us), slow_rank=slow)
+    for r, (v, o) in enumerate(zip(p50s, own)):
+        row[f"call_p50_rank{r}"] = v
+        row.update({f"{k}_p50_rank{r}": o[f"{k}_p50"] for k in ("span", "wait") if f"{k}_p50" in o})
+    return row
+
+
 def extra_columns(chains: Sequence[int], world: int) -> List[str]:
     """The columns appended to the table: chain when a chain > 1 is asked for, the ranks' with
     several ranks (the default table keeps its columns)."""
@@ -180,7 +204,8 @@ def format_table(rows: List[Dict[str, object]], extra: Sequence[str] = ()) -> st
 def column_order(keys: Sequence[str]) -> List[str]:
     """results.csv's columns in the probe's order: those of the first rows first, then the ones
     added later (chain, several ranks) after them."""
-    later = [k for k in keys if k in ("chain", "ranks", "slow_rank") or k.startswith(("rank_skew_", "call_p50_rank"))]
+    later = [k for k in keys if k in ("chain", "ranks", "slow_rank") or
+             k.startswith(("rank_skew_", "call_p50_rank", "span_p50_rank", "wait_p50_rank"))]
     return [k for k in keys if k not in later] + later
 
 
@@ -231,10 +256,12 @@ class ProbeOptions:
     warmup: int = 50
     iters: int = 500
     chain: Tuple[int, ...] = (1,)
+    spread: bool = False  # one GPU per rank (--spread)
 
 
 def probe_options(tokens: str, sms: str, hidden: int, topk: int, experts_per_rank: int, dtype: str,
-                  variants: str, warmup: int, iters: int, chain: str, nproc: int) -> ProbeOptions:
+                  variants: str, warmup: int, iters: int, chain: str, nproc: int,
+                  spread: bool = False) -> ProbeOptions:
     """``epbench probe``'s options, checked; UserError (one line) for the first one wrong."""
     from epbench import scenario
 
@@ -244,6 +271,8 @@ def probe_options(tokens: str, sms: str, hidden: int, topk: int, experts_per_ran
     chains = scenario.maybe_int_list(chain, "--chain")
     if nproc < 1:
         raise UserError(f"--nproc: must be at least 1, got {nproc}")
+    if spread and nproc < 2:
+        raise UserError(f"--spread puts each rank on a GPU of its own: needs --nproc 2 or more, got {nproc}")
     if nproc > 1 and max(chains) > 1:
         raise UserError("--chain > 1 needs --nproc 1: with several ranks a dispatch may overwrite a peer's "
                         "rows only after a combine (csrc/ll_dispatch.cu, buffer reuse)")
@@ -256,7 +285,7 @@ def probe_options(tokens: str, sms: str, hidden: int, topk: int, experts_per_ran
                         sms=scenario.maybe_int_list(sms, "--sms", scenario.MAX_SMS), hidden=hidden, topk=topk,
                         experts_per_rank=experts_per_rank, dtype=dtype,
                         variants=tuple(v for v in variants.split(",") if v), warmup=warmup, iters=iters,
-                        chain=chains)
+                        chain=chains, spread=spread)
 
 
 def probe_scenario(o: ProbeOptions, nproc: int) -> Any:
@@ -278,6 +307,9 @@ def header_line(info: Dict[str, Any]) -> str:
     """The line above the table: the GPU, the ranks (and MPS), the shape and the timing."""
     world = int(info.get("world") or 1)
     where = "world 1" if world == 1 else f"world {world}: {world} ranks share this GPU"
+    if info.get("spread"):
+        where = (f"world {world}: one GPU per rank (each rank's parts on its own clock, the slowest rank's "
+                 f"shown)")
     if info.get("mps"):
         where += f", MPS {info['mps']}"
     chains = list(info.get("chains") or [1])
@@ -342,10 +374,13 @@ def measure(job: Any) -> int:
     from epbench.verify import check_ll_combine, check_ll_dispatch, ll_expert_output
 
     o, comm = job.options, job.comm
-    if torch.cuda.device_count() != 1:
-        raise UserError("probe ranks must share one GPU: start them with --nproc N "
-                        "(or make one GPU visible to torchrun's ranks)")
     ranks = _Ranks(job)
+    if o.spread and torch.cuda.device_count() < ranks.world:
+        raise UserError(f"--spread: {ranks.world} ranks need {ranks.world} visible GPUs, "
+                        f"{torch.cuda.device_count()} visible")
+    if not o.spread and torch.cuda.device_count() != 1:
+        raise UserError("probe ranks must share one GPU: start them with --nproc N "
+                        "(or make one GPU visible to torchrun's ranks), or give --spread for one GPU per rank")
     dev = comm.device
     tokens, sms_list, variants, chains = list(o.tokens), list(o.sms), list(o.variants), list(o.chain)
     epr = o.experts_per_rank
@@ -365,8 +400,9 @@ def measure(job: Any) -> int:
     if lead:
         info = {"device": torch.cuda.get_device_name(dev), "world": ranks.world, "hidden": o.hidden,
                 "topk": o.topk, "experts": epr * ranks.world, "dtype": o.dtype, "iters": o.iters,
-                "warmup": o.warmup, "warps": default_warps, "chains": chains,
-                "mps": ("on" if launch.mps_active() else "off") if ranks.world > 1 or job.plan.mps else None}
+                "warmup": o.warmup, "warps": default_warps, "chains": chains, "spread": o.spread,
+                "mps": ("on" if launch.mps_active() else "off") if (ranks.world > 1 and not o.spread) or job.plan.mps
+                else None}
         job.open(job.meta(verb="probe", probe=info))
         print(header_line(info), flush=True)
         print(format_table([], extra), flush=True)
@@ -395,7 +431,8 @@ def measure(job: Any) -> int:
             got = ranks.gather((per_call_us(timers[j].samples_us(o.warmup), chain), hist[j][o.warmup:].cpu()))
             if got is not None:
                 rank_us = [us for us, _ in got]
-                out.append((summarize_ranks([h.tolist() for _, h in got], rank_us, parts), rank_us))
+                summary = summarize_spread if o.spread else summarize_ranks
+                out.append((summary([h.tolist() for _, h in got], rank_us, parts), rank_us))
         return out
 
     def base(sms: int, op: str, t: object, variant: str, wrong: object, chain: int,

@@ -118,6 +118,29 @@ def test_one_rank_is_the_old_summary() -> None:
     assert row == {**old, "ranks": 1}
 
 
+def test_spread_ranks_keep_their_own_clocks_and_show_the_slowest() -> None:
+    """One GPU per rank: rank 1's stamps sit 500 ms off rank 0's (another GPU's clock); each rank's
+    parts come from its own blocks, the row is the slowest rank's, no skew between ranks."""
+    r0, r1 = _two_ranks()
+    far = [[[v + 500_000_000 for v in b] for b in call] for call in r1]
+    row = llprobe.summarize_spread([r0, far], [[10.0, 12.0], [11.0, 30.0]], llprobe.call_parts)
+    own1 = llprobe.summarize([llprobe.call_parts(b) for b in far], [11.0, 30.0])
+    own0 = llprobe.summarize([llprobe.call_parts(b) for b in r0], [10.0, 12.0])
+    assert row["slow_rank"] == 1 and row["ranks"] == 2 and "rank_skew_p50" not in row
+    assert {k: row[k] for k in own1} == own1  # rank 1's figures, unmoved by its clock's offset
+    assert row["span_p50"] == pytest.approx(own1["span_p50"]) and row["span_p50"] < 1000
+    assert row["span_p50_rank0"] == own0["span_p50"] and row["wait_p50_rank1"] == own1["wait_p50"]
+    assert row["call_p50_rank0"] == pytest.approx(11.0) and row["call_p50_rank1"] == pytest.approx(20.5)
+    probe = llprobe.summarize_spread([r0, far], [[1.0, 1.0], [2.0, 2.0]], llprobe.probe_parts)
+    assert "wait_p50_rank0" not in probe and probe["span_p50_rank1"] == probe["span_p50"]
+
+
+def test_spread_needs_ranks_and_is_in_the_header() -> None:
+    assert llprobe.probe_options("1", "32", 7168, 8, 64, "fp8", "grid", 1, 1, "1", 4, spread=True).spread
+    info = {"device": "H200", "world": 4, "spread": True, "chains": [1]}
+    assert "world 4: one GPU per rank" in llprobe.header_line(info)
+
+
 def test_ranks_must_have_the_same_calls() -> None:
     r0, r1 = _two_ranks()
     with pytest.raises(ValueError):
@@ -173,6 +196,8 @@ def test_ranks_share_the_first_visible_gpu() -> None:
     (["--nproc", "2", "--chain", "1,8"], "buffer reuse"),
     (["--dtype", "fp4"], "--dtype"),
     (["--iters", "0"], "--iters"),
+    (["--spread"], "--nproc 2 or more"),
+    (["--spread", "--nproc", "2", "--mps"], "--mps"),
 ])
 def test_bad_chain_or_nproc_is_one_line_and_exit_2(argv, says) -> None:
     r = epbench_here("probe", *argv)
@@ -207,7 +232,7 @@ def test_nproc_launches_the_probe_on_one_gpu(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(launch, "run_job", fake_job)
     with pytest.raises(typer.Exit) as e:
         cli.probe(tokens="1", sms="32", hidden=7168, topk=8, experts_per_rank=64, dtype="fp8", variants=None,
-                  warmup=1, iters=2, chain="1", nproc=3, mps=False, csv=None, results=tmp_path / "r",
+                  warmup=1, iters=2, chain="1", nproc=3, spread=False, mps=False, csv=None, results=tmp_path / "r",
                   run_dir=None)
     assert e.value.exit_code == 0
     assert seen["visible"] == "2" and os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
-from gpu_launch import EARLY_RUNS, ROOT, GpuRuns, safe_env, shares_gpus
+from gpu_launch import EARLY_RUNS, GPUS, ROOT, GpuRuns, needs_gpus, safe_env, shares_gpus
 
 pytestmark = shares_gpus()
 
 QUICK = ["--tokens", "1,32", "--sms", "16", "--variants", "grid,token", "--warmup", "2", "--iters", "5"]
 RUNS = {"chain": ["--chain", "1,4"], "2 ranks": ["--nproc", "2"]}
+SPREAD = {"2 ranks spread": ["--nproc", "2", "--spread"]}  # one GPU per rank: only where the host has 2
 
 
 def probe_command(args: list):
@@ -35,7 +36,8 @@ def _runs(base: Path) -> Optional[GpuRuns]:
         cuda_lib.load()
     except (RuntimeError, AttributeError):
         return None
-    return GpuRuns(base, {name: probe_command(a) for name, a in RUNS.items()})
+    runs = dict(RUNS, **(SPREAD if GPUS >= 2 else {}))
+    return GpuRuns(base, {name: probe_command(a) for name, a in runs.items()}, gpus={n: 2 for n in SPREAD if n in runs})
 
 
 EARLY_RUNS.add(__file__, _runs, "runs")
@@ -77,3 +79,14 @@ def test_two_ranks_share_the_gpu_and_verify(kernels_built: None, runs: GpuRuns) 
     assert ops and all(r["wrong"] == "0" and r["ranks"] == "2" for r in ops)
     assert all(float(r["call_p50"]) >= float(r["call_p50_rank0"]) for r in ops)
     assert "world 2: 2 ranks share this GPU, MPS " in out
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_gpus(2, "one GPU per rank")) for n in SPREAD])
+def test_spread_ranks_cross_the_link_and_verify(kernels_built: None, runs: GpuRuns, name: str) -> None:
+    """--spread: every row verified on both GPUs, the slowest rank's row with each rank's own span."""
+    out, rows = probe(runs, name)
+    ops = [r for r in rows if r["op"] != "probe"]
+    assert ops and all(r["wrong"] == "0" and r["ranks"] == "2" for r in ops)
+    assert all(float(r["call_p50"]) >= float(r[f"call_p50_rank{r['slow_rank']}"]) - 1e-9 for r in ops)
+    assert all(float(r["span_p50_rank0"]) > 0 and float(r["wait_p50_rank1"]) >= 0 for r in ops)
+    assert "world 2: one GPU per rank" in out and "MPS" not in out.splitlines()[0]
