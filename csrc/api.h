@@ -177,6 +177,10 @@ int ep_ll_set_sync(void* ll_ctx, int sync);
 // as the dispatch sends). Outputs are bit-identical either way (ll_combine.cu, push_unit). Set it before
 // capturing a graph: a captured launch keeps the order it had.
 int ep_ll_set_combine_order(void* ll_ctx, int order);
+// What a peer unit of the token dispatch sends (backend option dispatch_units): 0 row (a whole row, one warp,
+// one flag per (token, peer); the default), 1 chunk (one warp and flag per 2 KiB chunk of the row). The same
+// bytes land either way. Every rank must use the same value; a captured launch keeps the value it had.
+int ep_ll_set_dispatch_units(void* ll_ctx, int units);
 // Measuring aids (epbench/llprobe.py, notes/LATENCY.md). ep_ll_set_probe changes what later launches and
 // captures do, so set it before capturing. stamps: null (off, the default) or a device buffer of u64
 // [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase

@@ -84,7 +84,8 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.off_crows = c.take((size_t)lp.t_max * p.world * p.hidden * 2);
   lp.off_cflags = c.take(EP_MAX_WORLD * sizeof(int));
   lp.cflag_chunks = (p.hidden / 8 + 63) / 64;  // combine chunks at the smaller chunk (2 vectors per lane)
-  const size_t tflag_bytes = (size_t)p.world * lp.t_max * sizeof(unsigned long long);
+  lp.tflag_chunks = (p.row_bytes / 16 + 32 * kLlRowChunkV - 1) / (32 * kLlRowChunkV);
+  const size_t tflag_bytes = (size_t)p.world * lp.t_max * lp.tflag_chunks * sizeof(unsigned long long);
   const size_t dword_bytes = (size_t)p.world * (lp.experts + 1) * sizeof(unsigned long long);
   const size_t tcflag_bytes = (size_t)lp.t_max * p.world * lp.cflag_chunks * sizeof(unsigned long long);
   lp.off_tflags = c.take(tflag_bytes);
@@ -244,6 +245,18 @@ extern "C" int ep_ll_set_combine_order(void* vctx, int order) {
     return -1;
   }
   ctx->lp.combine_order = order;
+  return 0;
+}
+
+// Row or chunk peer units for the token dispatch (LlDispatchUnits). Every rank must set the same value before
+// the same call (the receivers wait on the flags their peers store); a captured graph keeps what it had.
+extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
+  LlContext* ctx = (LlContext*)vctx;
+  if (units != kLlUnitsRow && units != kLlUnitsChunk) {
+    ep_set_error("low-latency dispatch units must be 0 (row) or 1 (chunk), got %d", units);
+    return -1;
+  }
+  ctx->lp.dispatch_units = units;
   return 0;
 }
 

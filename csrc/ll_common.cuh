@@ -25,8 +25,10 @@
 //     cflags     [world] i32             combine: epoch, stored by rank d into [d] with
 //                                        st.release.sys once all of d's pushes to me landed
 //     (ll_sync = token only, LlSync; the kernels' header comments give the protocol)
-//     tflags     [world, T_max] u64      dispatch: (epoch << 32) | hit, stored by source s into
-//                                        [s, t] once its row t (if hit) and tmap / tw are here
+//     tflags     [world, T_max, tfc] u64 dispatch: (epoch << 32) | hit, stored by source s into
+//                                        [s, t, c] once chunk c of its row t (if hit) and tmap / tw
+//                                        are here (dispatch_units row: c = 0 for the whole row;
+//                                        tfc = chunks of kLlRowChunkV x 32 vectors per row)
 //     dwords     [world, E + 1] u64      dispatch: (epoch << 32) | rows source s has for my
 //                                        expert le at [s, le], (epoch << 32) | T_s at [s, E]
 //     tcflags    [T_max, world, cch] u64 combine: epoch << 32, stored by rank d into [t, d, c]
@@ -59,6 +61,7 @@ struct LlParams {
   size_t off_x, off_scales, off_pair, off_stage, off_sscales, off_cnt, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
   size_t off_tflags, off_dwords, off_tcflags;  // ll_sync = token only
   int cflag_chunks;                            // cch: combine flags per (token, rank), hidden / 512 rounded up
+  int tflag_chunks;                            // tfc: dispatch flags per (source, token): row chunks
   int* eslots;                                 // [2, eslot_count]: token-sync epochs (dispatch, combine)
   int eslot_count;                             // = the GPU's SM count (the largest grid)
   uint16_t* y;
@@ -72,6 +75,7 @@ struct LlParams {
   // thread 0 of each block stores %globaltimer at each LlStamp point.
   unsigned long long* stamps;
   int combine_order;  // LlCombineOrder (ep_ll_set_combine_order): the order of the combine's push units
+  int dispatch_units;  // LlDispatchUnits (ep_ll_set_dispatch_units): a token dispatch's peer units
 };
 
 // Phase boundaries stamped per block (thread 0) when LlParams::stamps is set. Dispatch: staged =
@@ -105,6 +109,14 @@ enum LlSync { kLlSyncGrid = 0, kLlSyncToken = 1 };
 // first); kLlOrderRotated, destination-minor from me + 1 (consecutive units go to different ranks, as the
 // dispatch's peer units do). Only the order of independent pushes differs: same units, same bytes, same flags.
 enum LlCombineOrder { kLlOrderSource = 0, kLlOrderRotated = 1 };
+
+// What one peer unit of the token dispatch sends (ep_ll_set_dispatch_units, backend option dispatch_units):
+// kLlUnitsRow, a whole row per (token, peer), one warp, one flag; kLlUnitsChunk, one unit per (token, peer,
+// chunk of kLlRowChunkV x 32 vectors), each its own warp and flag, so a row's chunks travel in parallel and the
+// receiver's chunk c waits for chunk c alone. Same bytes in the same places either way. Every rank must use the
+// same value (the receiver waits on the flags its peers store). The grid dispatch ignores it.
+enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };
+constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk (2 KiB a warp)
 
 struct LlContext {
   EpContext* ep;  // region, device, peers and the timeout record, as in normal mode

@@ -48,11 +48,16 @@
 //      one unit per peer d: if t has an
 //      expert on d, its row into stage[me, t] on d, tmap / tw for those experts; then __syncwarp and
 //      lane 0 stores tflags[me, t] on d = (epoch << 32) | hit with st.release.sys (hit 0: relaxed,
-//      nothing behind it), so d can wait for every token of every source.
+//      nothing behind it), so d can wait for every token of every source. With dispatch_units chunk
+//      (LlDispatchUnits) a peer unit is (token, peer, chunk c of kS x 32 vectors): chunk c of the row into
+//      stage[me, t] on d (chunk 0 also the scales), tmap / tw of t's experts on d (every chunk unit
+//      stores the same entries, so each flag covers them), then tflags[me, t, c] as above; the units of
+//      a token go peer-minor (consecutive units, different peers).
 //   receive: threads s < world of every block wait (bounded) for dwords[s][E] of this epoch (T_s);
 //      block 0 waits for the count words and writes counts / src_counts / src_tokens; unit (source
-//      s, token t < T_s, chunk c): every lane acquires tflags[s, t] itself (its later loads of tmap
-//      and the row follow its own acquire), then copies chunk c as the grid path does.
+//      s, token t < T_s, chunk c): every lane acquires tflags[s, t, 0] (row units) or [s, t, c] (chunk
+//      units) itself (its later loads of tmap and the row follow its own acquire), then copies chunk c
+//      as the grid path does.
 //   Units are dealt block-major (unit u -> block u % blocks), so a few units land on as many SMs:
 //   a warp's send is bound by what its SM stores (measured: notes/LATENCY.md).
 //   Memory model: a unit's lanes store, then bar.warp.sync (which orders the participating threads'
@@ -77,7 +82,7 @@ struct LlDispatchArgs {
 };
 
 constexpr int kU = 8;  // 16-byte vectors per lane in flight when sending a row
-constexpr int kS = 4;  // 16-byte vectors per lane in a scatter unit's chunk
+constexpr int kS = kLlRowChunkV;  // 16-byte vectors per lane in a scatter unit's chunk (and a chunk peer unit's)
 
 __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors, int lane) {
   for (int v0 = 0; v0 < vectors; v0 += 32 * kU) {
@@ -334,18 +339,22 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     }
   }
 
-  // send: per token nx x ng own-chunk units (rows straight into my experts' slots), then one unit per peer
+  // send: per token nx x ng own-chunk units (rows straight into my experts' slots), then pnx units per
+  // peer (1: the whole row; nx: a chunk each)
   const int nx = (V + 32 * kS - 1) / (32 * kS);
+  const int pnx = lp.dispatch_units == kLlUnitsChunk ? nx : 1, tfc = lp.tflag_chunks;
   const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
-  const long long base_units = (long long)T * (nx + world - 1);
+  const long long base_units = (long long)T * (nx + (world - 1) * pnx);
   const int ng = base_units > 0 ? (int)max(1LL, min((long long)topk, G / base_units)) : 1;
   const int own_units = nx * ng;
-  const int per_token = own_units + world - 1;
+  const int per_token = own_units + (world - 1) * pnx;
   uint8_t* mybase = p.peer_base[me];
   for (long long u = gw; !aborted && u < (long long)T * per_token; u += G) {
     const int t = (int)(u / per_token), r = (int)(u - (long long)t * per_token);
     const bool own = r < own_units;
-    const int d = own ? me : (me + 1 + (r - own_units)) % world;
+    const int pr = own || world == 1 ? 0 : r - own_units;  // peer unit: peer-minor, then chunk
+    const int d = own ? me : (me + 1 + pr % (world - 1)) % world;
+    const int pc = own || world == 1 ? 0 : pr / (world - 1);  // the row's chunk (chunk units; 0 for a row)
     const int rc = own ? r / ng : 0;  // own: chunk of the row, and group g = r % ng of t's experts
     int e = -1;
     if (lane < topk) e = s_idx[t * topk + lane];
@@ -394,9 +403,24 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     }
     if (mask != 0) {
       const size_t srow = (size_t)me * Tm + t;
-      copy_row(reinterpret_cast<int4*>(pb + lp.off_stage + srow * p.row_bytes),
-               reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes), V, lane);
-      if (ns) {
+      int4* dst = reinterpret_cast<int4*>(pb + lp.off_stage + srow * p.row_bytes);
+      const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+      if (pnx == 1) {
+        copy_row(dst, src, V, lane);
+      } else {  // chunk pc: every load in flight before the stores
+        int4 buf[kS];
+#pragma unroll
+        for (int q = 0; q < kS; ++q) {
+          const int i = pc * 32 * kS + q * 32 + lane;
+          if (i < V) buf[q] = ld_nc_v4(src + i);
+        }
+#pragma unroll
+        for (int q = 0; q < kS; ++q) {
+          const int i = pc * 32 * kS + q * 32 + lane;
+          if (i < V) st_v4(dst + i, buf[q]);
+        }
+      }
+      if (ns && pc == 0) {
         float* dst = reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
         for (int i = lane; i < ns; i += 32) dst[i] = a.x_scales[(size_t)t * ns + i];
       }
@@ -408,7 +432,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       reinterpret_cast<float*>(pb + lp.off_tw)[tk] = w;
     }
     __syncwarp();  // every lane's stores of this unit before lane 0's flag (bar.warp.sync orders memory)
-    unsigned long long* flag = reinterpret_cast<unsigned long long*>(pb + lp.off_tflags) + (size_t)me * Tm + t;
+    unsigned long long* flag =
+        reinterpret_cast<unsigned long long*>(pb + lp.off_tflags) + ((size_t)me * Tm + t) * tfc + pc;
     if (lane == 0) {
       if (mask != 0) st_release_sys_u64(flag, tag | 1u);
       else st_relaxed_sys_u64(flag, tag);  // nothing behind it: no fence
@@ -462,7 +487,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     while (st >= s_tok[s + 1]) ++s;
     const int t = st - s_tok[s];
     // every lane acquires the flag itself, so its own later loads of tmap and the row follow it
-    const unsigned long long v = ll_wait_epoch_u64(p, tflags + (size_t)s * Tm + t, epoch, s, kPhaseLlDispatch);
+    const unsigned long long v =
+        ll_wait_epoch_u64(p, tflags + ((size_t)s * Tm + t) * tfc + (pnx == 1 ? 0 : c), epoch, s, kPhaseLlDispatch);
     if ((int)(v >> 32) != epoch || (v & 1u) == 0) continue;  // not for me (or a later epoch, or given up)
     place_staged_chunk(p, lp, s, t, c, epoch, lane);
   }

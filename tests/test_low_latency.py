@@ -473,7 +473,7 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     from epbench.contract import RankSetup
 
     error_word = ctypes.c_int(0)
-    calls = []
+    calls, units_set = [], []
 
     class Lib:
         def ep_ll_create(self, cfg, out):
@@ -487,6 +487,10 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
 
         def ep_ll_set_combine_order(self, ctx, order):
             calls.append(order)
+            return 0
+
+        def ep_ll_set_dispatch_units(self, ctx, units):
+            units_set.append(units)
             return 0
 
         def ep_error_flag_ptr(self, ep):
@@ -504,3 +508,59 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert be.effective_config()["combine_order"] == "source" and calls == [1, 0]
     be.use_combine_order("rotated")
     assert be.effective_config()["combine_order"] == "rotated" and calls == [1, 0, 1]
+    # dispatch_units: row by default; chunk set in the kernels and recorded where the token dispatch runs
+    monkeypatch.delenv("EPBENCH_LL_DISPATCH_UNITS", raising=False)
+    assert units_set == [0, 0] and be.effective_config()["dispatch_units"] == "row"
+    token = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_units="chunk")
+    assert units_set[-1] == 1 and token.effective_config()["dispatch_units"] == "chunk"
+    grid = ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_units="chunk")
+    assert grid.effective_config()["dispatch_units"] == "row"  # the grid dispatch has no peer units
+    token.use_dispatch_units("row")
+    assert units_set[-1] == 0 and token.effective_config()["dispatch_units"] == "row"
+
+
+def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
+    from pathlib import Path
+
+    from epbench import options
+
+    ll = pytest.importorskip("epbench.backends.epbench_ll")
+    assert options.resolve("epbench-ll", {}, environ={})["dispatch_units"] == "row"
+    assert options.resolve("epbench-ll", {}, environ={"EPBENCH_LL_DISPATCH_UNITS": "chunk"})["dispatch_units"] == "chunk"
+    with pytest.raises(UserError, match="dispatch_units: must be one of row, chunk, got 'half'"):
+        options.validate({"epbench-ll": {"dispatch_units": "half"}})
+    assert ll.UNITS == {"row": 0, "chunk": 1}
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
+    assert "enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };" in header
+
+
+def _dispatch_units(T, world, me, nx, ng, pnx):
+    """csrc/ll_dispatch.cu's token-dispatch unit map, step by step: unit u -> ('own', t, chunk, group)
+    or ('peer', t, d, chunk)."""
+    own_units = nx * ng
+    per_token = own_units + (world - 1) * pnx
+    out = []
+    for u in range(T * per_token):
+        t, r = divmod(u, per_token)
+        if r < own_units:
+            out.append(("own", t, r // ng, r % ng))
+        else:
+            pr = r - own_units
+            out.append(("peer", t, (me + 1 + pr % (world - 1)) % world, pr // (world - 1)))
+    return out
+
+
+@pytest.mark.parametrize("world, T", [(2, 3), (4, 5), (3, 1)])
+def test_chunk_units_send_every_chunk_of_every_row_to_every_peer_once(world, T):
+    nx, ng = 4, 2
+    for me in range(world):
+        row = [u for u in _dispatch_units(T, world, me, nx, ng, 1) if u[0] == "peer"]
+        chunk = [u for u in _dispatch_units(T, world, me, nx, ng, nx) if u[0] == "peer"]
+        assert sorted(u[1:3] for u in row) == sorted((t, d) for t in range(T) for d in range(world) if d != me)
+        assert all(u[3] == 0 for u in row)
+        want = sorted((t, d, c) for t in range(T) for d in range(world) if d != me for c in range(nx))
+        assert sorted(u[1:] for u in chunk) == want and len(set(chunk)) == len(chunk)
+        first = chunk[: world - 1]  # a token's first peer units go to every peer once (peer-minor)
+        assert sorted(u[2] for u in first) == sorted(d for d in range(world) if d != me)
+        own = [u for u in _dispatch_units(T, world, me, nx, ng, nx) if u[0] == "own"]
+        assert len(own) == T * nx * ng  # the own rows' units are those of row units

@@ -15,9 +15,11 @@ The grid is ``num_sms`` blocks (at most the GPU's SM count: the receive phases n
 resident) of ``warps`` warps; ``combine_chunk`` 2|4 picks combine's work-unit chunk (1 or 2 KiB of a
 row); ``ll_sync`` grid|token picks how both kernels synchronise (grid-wide handshakes, or per-token
 flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source|rotated the order of
-the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``). All are backend
-options (epbench/options.py: defaults 16, auto, auto and source; env EPBENCH_LL_WARPS /
-EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER).
+the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
+row|chunk what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits).
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated and row; env
+EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
+EPBENCH_LL_DISPATCH_UNITS).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
 figures in notes/KERNELS.md, "Low-latency mode".
@@ -40,6 +42,7 @@ from epbench.backends.kernel_common import release_collective, wait_then_check
 MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kernel stages (ll_buffers.cu)
 SYNCS = {"grid": 0, "token": 1}  # option ll_sync -> enum LlSync (csrc/ll_common.cuh)
 ORDERS = {"source": 0, "rotated": 1}  # option combine_order -> enum LlCombineOrder (csrc/ll_common.cuh)
+UNITS = {"row": 0, "chunk": 1}  # option dispatch_units -> enum LlDispatchUnits (csrc/ll_common.cuh)
 TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's shared memory
 
 
@@ -101,16 +104,17 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         return super().chain_reason(setup)
 
     def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None,
-                 ll_sync: Optional[str] = None, combine_order: Optional[str] = None) -> None:
+                 ll_sync: Optional[str] = None, combine_order: Optional[str] = None,
+                 dispatch_units: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-ll backend unavailable: {reason}")
         self.s = setup
         given = (("warps", warps), ("combine_chunk", combine_chunk), ("ll_sync", ll_sync),
-                 ("combine_order", combine_order))
+                 ("combine_order", combine_order), ("dispatch_units", dispatch_units))
         resolved = options.resolve(self.name, {k: v for k, v in given if v is not None})
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
-        self.combine_order = resolved["combine_order"]
+        self.combine_order, self.dispatch_units = resolved["combine_order"], resolved["dispatch_units"]
         self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank)
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
         if self.ll_sync == "auto":  # the one recorded in the rows (effective_config)
@@ -131,6 +135,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         self._ep = ctypes.c_void_p(self._lib.ep_ll_base(self._ctx))  # IPC, peers, timeout record
         cuda_lib.check(self._lib.ep_ll_set_sync(self._ctx, SYNCS[self.ll_sync]), "ep_ll_set_sync")
         self.use_combine_order(self.combine_order)
+        self.use_dispatch_units(self.dispatch_units)
         self._open_peers()
         self._views()
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ep))
@@ -179,13 +184,21 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
 
     def effective_config(self) -> Dict[str, Any]:
         return {"warps": self.warps, "combine_chunk": self.combine_chunk, "ll_sync": self.ll_sync,
-                "combine_order": self.combine_order}
+                "combine_order": self.combine_order,
+                "dispatch_units": self.dispatch_units if self.ll_sync == "token" else "row"}
 
     def use_combine_order(self, order: str) -> None:
         """The order of later combine launches and captures (option combine_order); a graph captured
         before keeps its own. Both orders give bit-identical outputs (csrc/ll_combine.cu, push_unit)."""
         cuda_lib.check(self._lib.ep_ll_set_combine_order(self._ctx, ORDERS[order]), "ep_ll_set_combine_order")
         self.combine_order = order
+
+    def use_dispatch_units(self, units: str) -> None:
+        """What a peer unit of later token-sync dispatches sends (option dispatch_units: row | chunk);
+        a graph captured before keeps its own. Every rank must switch before the same call (the
+        receivers wait on the flags their peers store). The same bytes land either way."""
+        cuda_lib.check(self._lib.ep_ll_set_dispatch_units(self._ctx, UNITS[units]), "ep_ll_set_dispatch_units")
+        self.dispatch_units = units
 
     def ll_combine_input(self, out: LowLatencyOutput) -> torch.Tensor:
         return self.combine_in

@@ -8,8 +8,8 @@ within its tolerance) and agree with each other; fresh random inputs and poisone
 each time, twice per case (buffers and flags reused), then once more through CUDA-graph replays
 (captured once, replayed twice with new token values). Last, a deliberately missing peer must
 raise naming it, not hang. orders: each case's combine in both push orders (backend option
-combine_order), launched and through graph replays, on one dispatch: every output verified and all
-four bit-equal. Exit code 0 only if every check passed. The GPU tests run several of these in one
+combine_order) and, with token sync, after a dispatch of chunk peer units (option dispatch_units),
+launched and through graph replays: every output verified and every combine bit-equal. Exit code 0 only if every check passed. The GPU tests run several of these in one
 launch through tests/gpu/suite_worker.py.
 """
 
@@ -158,8 +158,10 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
 
 
 def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
-    """The combine in both push orders on the same inputs: each verified, and their outputs bit-equal
-    (csrc/ll_combine.cu, push_unit: only the order of independent pushes differs)."""
+    """The combine in both push orders on the same inputs, and (token sync) the dispatch with chunk
+    peer units (option dispatch_units): each verified, and every combine output bit-equal
+    (csrc/ll_combine.cu, push_unit: only the order of independent pushes differs; chunk units land
+    the same bytes in the same places)."""
     problems: List[str] = []
     kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync=sync)
     salt = zlib.crc32(f"{case.name}/orders".encode()) % 10000
@@ -167,20 +169,23 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, salt, device), routings[r],
                              case.dtype, device) for r in range(world)]
     got = {}
-    for order in ("source", "rotated"):
+    configs = [("source", "row"), ("rotated", "row")] + ([("rotated", "chunk")] if sync == "token" else [])
+    for order, units in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
+        kernels.use_dispatch_units(units)  # every rank switches before the same call
         for how, calls in (("launch", launch_calls(kernels, inputs[rank], sms, rank)),
                            ("graph", graph_calls(kernels, inputs[rank], sms, rank))):
-            d, c, got[order, how] = one_call(kernels, calls, inputs[rank], rank, world, case.experts_per_rank,
-                                             lambda r: inputs[r])
+            d, c, got[order, units, how] = one_call(kernels, calls, inputs[rank], rank, world,
+                                                    case.experts_per_rank, lambda r: inputs[r])
             for what, r in (("dispatch", d), ("combine", c)):
                 if r.wrong:
-                    problems.append(f"{order} {how} {what}: {r.wrong} wrong ({r.first_problem})")
+                    problems.append(f"{order} {units} {how} {what}: {r.wrong} wrong ({r.first_problem})")
     bits = {k: v.view(torch.int16) for k, v in got.items()}
+    first = bits["source", "row", "launch"]
     for key, b in bits.items():
-        if not torch.equal(b, bits["source", "launch"]):
-            rows = int((b != bits["source", "launch"]).any(dim=1).sum())
-            problems.append(f"{key[0]} {key[1]}: {rows} combine rows differ in their bits from source launch")
+        if not torch.equal(b, first):
+            rows = int((b != first).any(dim=1).sum())
+            problems.append(f"{' '.join(key)}: {rows} combine rows differ in their bits from source row launch")
     kernels.close()
     return problems
 
