@@ -125,11 +125,13 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                 "from rank + 1 on, as the dispatch sends) or source (destination-major, every rank "
                                 "pushes to the lowest rank first: 4.2-16 us slower at 4 ranks, 128-256 tokens, "
                                 "notes/LATENCY-NEXT.md); outputs bit-identical", choices=("source", "rotated"), env="EPBENCH_LL_COMBINE_ORDER"),
-        "dispatch_units": Option(str, "row", "what one peer unit of the token-sync dispatch sends: row (a whole row "
-                                 "per token and peer, one warp and flag) or chunk (one warp and flag per 2 KiB chunk "
-                                 "of the row: more rows in flight at once; notes/LATENCY-NEXT.md); the same bytes "
-                                 "land either way; rows record the one used (row under ll_sync grid, which "
-                                 "ignores it)", choices=("row", "chunk"), env="EPBENCH_LL_DISPATCH_UNITS"),
+        "dispatch_units": Option(str, "auto", "what one peer unit of the token-sync dispatch sends: row (a whole row "
+                                 "per token and peer, one warp and flag), chunk (one warp and flag per 2 KiB chunk "
+                                 "of the row) or auto (chunk up to 16 tokens per rank, else row: 4 x H200, chunk "
+                                 "1.1-1.8 us faster at 1 token, 1-2.6 us slower at 32-256 tokens on 4 ranks; "
+                                 "notes/LATENCY-NEXT.md); the same bytes land either way; rows record the one used "
+                                 "(row under ll_sync grid, which ignores it)", choices=("auto", "row", "chunk"),
+                                 env="EPBENCH_LL_DISPATCH_UNITS"),
     },
     "epbench-hier": {
         "send_share": Option(float, 0.5, "share of the num_sms blocks that send", low=0.0, high=1.0,

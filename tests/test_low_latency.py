@@ -508,9 +508,12 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert be.effective_config()["combine_order"] == "source" and calls == [1, 0]
     be.use_combine_order("rotated")
     assert be.effective_config()["combine_order"] == "rotated" and calls == [1, 0, 1]
-    # dispatch_units: row by default; chunk set in the kernels and recorded where the token dispatch runs
+    # dispatch_units: auto picks chunk at these 4 tokens per rank; set in the kernels and recorded where the
+    # token dispatch runs
     monkeypatch.delenv("EPBENCH_LL_DISPATCH_UNITS", raising=False)
-    assert units_set == [0, 0] and be.effective_config()["dispatch_units"] == "row"
+    assert units_set == [1, 1] and be.effective_config()["dispatch_units"] == ("chunk" if be.ll_sync == "token" else "row")
+    row = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_units="row")
+    assert units_set[-1] == 0 and row.effective_config()["dispatch_units"] == "row"
     token = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_units="chunk")
     assert units_set[-1] == 1 and token.effective_config()["dispatch_units"] == "chunk"
     grid = ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_units="chunk")
@@ -525,9 +528,11 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     from epbench import options
 
     ll = pytest.importorskip("epbench.backends.epbench_ll")
-    assert options.resolve("epbench-ll", {}, environ={})["dispatch_units"] == "row"
+    assert options.resolve("epbench-ll", {}, environ={})["dispatch_units"] == "auto"
+    assert [ll.dispatch_units_for("auto", t) for t in (1, 16, 17, 128)] == ["chunk", "chunk", "row", "row"]
+    assert ll.dispatch_units_for("row", 1) == "row" and ll.dispatch_units_for("chunk", 256) == "chunk"
     assert options.resolve("epbench-ll", {}, environ={"EPBENCH_LL_DISPATCH_UNITS": "chunk"})["dispatch_units"] == "chunk"
-    with pytest.raises(UserError, match="dispatch_units: must be one of row, chunk, got 'half'"):
+    with pytest.raises(UserError, match="dispatch_units: must be one of auto, row, chunk, got 'half'"):
         options.validate({"epbench-ll": {"dispatch_units": "half"}})
     assert ll.UNITS == {"row": 0, "chunk": 1}
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()

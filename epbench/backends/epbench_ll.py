@@ -16,8 +16,8 @@ resident) of ``warps`` warps; ``combine_chunk`` 2|4 picks combine's work-unit ch
 row); ``ll_sync`` grid|token picks how both kernels synchronise (grid-wide handshakes, or per-token
 flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source|rotated the order of
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
-row|chunk what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits).
-All are backend options (epbench/options.py: defaults 16, auto, auto, rotated and row; env
+row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits).
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated and auto; env
 EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
 EPBENCH_LL_DISPATCH_UNITS).
 
@@ -65,6 +65,19 @@ class _Handle:
 
 
 AUTO_CHUNK_MAX_TOKENS = 64
+AUTO_UNITS_MAX_TOKENS = 16
+
+
+def dispatch_units_for(units: str, max_tokens: int) -> str:
+    """The dispatch units actually used (recorded in the rows): ``auto`` picks chunk up to
+    AUTO_UNITS_MAX_TOKENS tokens per rank (the buffers' size, the same on every rank, so every rank
+    picks alike), else row. Measured (4 x H200, 2026-11-27, notes/LATENCY-NEXT.md, graph p50):
+    chunk 11.9 against row 13.0 us at 1 token on 4 ranks, 11.4 against 13.2 on 2 ranks, 12.3
+    against 14.2 at 8 tokens on 2 ranks (13.8 against 13.4 on 4); at 32 / 128 / 256 tokens on 4
+    ranks chunk was 2.6 / 1.3 / 2.7 us slower."""
+    if units != "auto":
+        return units
+    return "chunk" if max_tokens <= AUTO_UNITS_MAX_TOKENS else "row"
 
 
 def combine_chunk_for(chunk: int, max_tokens: int) -> int:
@@ -116,6 +129,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
         self.combine_order, self.dispatch_units = resolved["combine_order"], resolved["dispatch_units"]
         self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank)
+        self.dispatch_units = dispatch_units_for(self.dispatch_units, setup.max_tokens_per_rank)
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
         if self.ll_sync == "auto":  # the one recorded in the rows (effective_config)
             self.ll_sync = "token" if need <= TOKEN_SMEM_LIMIT else "grid"
