@@ -315,6 +315,12 @@ def header_line(info: Dict[str, Any]) -> str:
     chains = list(info.get("chains") or [1])
     chained = "" if chains == [1] else \
         f", chains {','.join(map(str, chains))} (call = replay / chain; stamps of the chain's last call)"
+    kernels = info.get("kernels") or {}  # what the options in force made of the kernels (EPBENCH_LL_*)
+    cfg = kernels.get("token") or kernels.get("grid") or {}
+    if cfg:
+        chained += f", combine order {cfg.get('combine_order')}"
+    if "token" in kernels:
+        chained += f", token dispatch units {kernels['token'].get('dispatch_units')}"
     return (f"# {info.get('device', '?')}, {where}, hidden {info.get('hidden')}, top-{info.get('topk')} of "
             f"{info.get('experts')} experts, {info.get('dtype')} dispatch, {info.get('iters')} graph replays "
             f"after {info.get('warmup')}, {info.get('warps')} warps unless named{chained}")
@@ -401,6 +407,7 @@ def measure(job: Any) -> int:
         info = {"device": torch.cuda.get_device_name(dev), "world": ranks.world, "hidden": o.hidden,
                 "topk": o.topk, "experts": epr * ranks.world, "dtype": o.dtype, "iters": o.iters,
                 "warmup": o.warmup, "warps": default_warps, "chains": chains, "spread": o.spread,
+                "kernels": {sync: b.effective_config() for sync, b in backends.items()},
                 "mps": ("on" if launch.mps_active() else "off") if (ranks.world > 1 and not o.spread) or job.plan.mps
                 else None}
         job.open(job.meta(verb="probe", probe=info))
