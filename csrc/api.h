@@ -181,6 +181,10 @@ int ep_ll_set_combine_order(void* ll_ctx, int order);
 // one flag per (token, peer); the default), 1 chunk (one warp and flag per 2 KiB chunk of the row). The same
 // bytes land either way. Every rank must use the same value; a captured launch keeps the value it had.
 int ep_ll_set_dispatch_units(void* ll_ctx, int units);
+// How the token combine releases its push units' flags (backend option combine_release): 0 unit (a release
+// store after every unit; the default), 1 batch (up to 2 units, then one fence and relaxed flag stores). Same
+// flags and outputs; a captured launch keeps the value it had.
+int ep_ll_set_combine_release(void* ll_ctx, int release);
 // Measuring aids (epbench/llprobe.py, notes/LATENCY.md). ep_ll_set_probe changes what later launches and
 // captures do, so set it before capturing. stamps: null (off, the default) or a device buffer of u64
 // [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase

@@ -260,6 +260,18 @@ extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
   return 0;
 }
 
+// Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either
+// way, so ranks may differ and it may change between launches; a captured graph keeps what it had.
+extern "C" int ep_ll_set_combine_release(void* vctx, int release) {
+  LlContext* ctx = (LlContext*)vctx;
+  if (release != kLlReleaseUnit && release != kLlReleaseBatch) {
+    ep_set_error("low-latency combine release must be 0 (unit) or 1 (batch), got %d", release);
+    return -1;
+  }
+  ctx->lp.combine_release = release;
+  return 0;
+}
+
 // ---- measuring aids (ep_ll_set_probe, ep_ll_probe; notes/LATENCY.md) ----
 extern "C" int ep_ll_set_probe(void* vctx, void* stamps) {
   ((LlContext*)vctx)->lp.stamps = (unsigned long long*)stamps;

@@ -34,7 +34,10 @@
 // Push: unit (peer s != me, token t < T_s, chunk c) as above (push_partial_chunk, push_unit), then
 // __syncwarp and lane 0 stores tcflags[t, me, c] on s = epoch << 32 with st.release.sys (cumulative,
 // as in dispatch). A token with no expert here stores nothing: s waits only for the ranks t's
-// topk_idx names.
+// topk_idx names. combine_release batch (LlCombineRelease): a warp keeps the flags of up to
+// kLlReleaseBatchUnits pushed units in registers and releases them together: __syncwarp, lane 0's
+// fence.acq_rel.sys, then a relaxed system-scope store of each flag (fence then relaxed store is a
+// release pattern; bar.warp.sync puts every lane's stores before the fence, as in ll_last_block).
 // Reduce: unit (my token t, chunk c): lane k < topk names t's expert e_k; for e_k on my rank the
 // warp reads y[slot] straight from tmap / tw (my own dispatch wrote them; no crows, no flag); for
 // each peer d that t names, the first such lane acquires tcflags[t, d, c] (bounded) and stands for
@@ -257,7 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
 }
 
 // ---- ll_sync = token (protocol: "Token sync" at the top of the file) ----
-template <int kThreads, int kV>
+// kBatch: combine_release batch (its own instantiation, so the per-unit kernels keep their registers)
+template <int kThreads, int kV, bool kBatch>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
   __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix over peers of their tokens (mine: 0)
@@ -290,16 +294,43 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   const int fstep = kV / 2;  // flag chunks (of 64 vectors) per work chunk: flag index c * fstep
 
   // push: peers' tokens only (my own experts' share of my tokens is summed in the reduce below)
+  // batch: the flags of pushed units not yet released, as (rank s, index into s's tcflags): 32-bit indices
+  // and 4 bits of rank each (EP_MAX_WORLD <= 16), so the held flags stay in a few registers
+  static_assert(EP_MAX_WORLD <= 16 && kLlReleaseBatchUnits * 4 <= 32, "held ranks: 4 bits each");
+  unsigned held[kLlReleaseBatchUnits] = {};
+  unsigned held_rank = 0;
+  int nheld = 0;
+  auto release_held = [&]() {  // warp-uniform: every lane holds the same flags
+    __syncwarp();  // every lane's stores of the held chunks before lane 0's fence
+    if (lane == 0) {
+      fence_acq_rel_sys();
+#pragma unroll
+      for (int i = 0; i < kLlReleaseBatchUnits; ++i)
+        if (i < nheld)
+          st_relaxed_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[(held_rank >> (4 * i)) & 15u] +
+                                                                   lp.off_tcflags) + held[i],
+                             tag);
+    }
+    nheld = 0;
+    held_rank = 0;
+  };
   for (long long u = gw; !aborted && u < s_units; u += G) {
     int s, t, c;
     if (!push_unit(u, order, s_tokens, world - 1, nch, me, world, s, t, c)) continue;
     if (!push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane)) continue;
+    const size_t fi = ((size_t)t * world + me) * cch + c * fstep;  // the unit's flag in s's tcflags
+    if constexpr (kBatch) {
+#pragma unroll
+      for (int i = 0; i < kLlReleaseBatchUnits; ++i)  // held[nheld] = fi, in registers
+        if (i == nheld) held[i] = (unsigned)fi;
+      held_rank |= (unsigned)s << (4 * nheld);
+      if (++nheld == kLlReleaseBatchUnits) release_held();
+      continue;
+    }
     __syncwarp();  // every lane's stores of the chunk before lane 0's flag
-    if (lane == 0)
-      st_release_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[s] + lp.off_tcflags) +
-                             ((size_t)t * world + me) * cch + c * fstep,
-                         tag);
+    if (lane == 0) st_release_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[s] + lp.off_tcflags) + fi, tag);
   }
+  if (kBatch && nheld > 0) release_held();
   ll_stamp(lp, kLlSent);
   ll_stamp(lp, kLlReleased);
   ll_stamp(lp, kLlWaited);
@@ -365,10 +396,15 @@ extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, i
   a.num_tokens = num_tokens;
   ctx->launched = true;
   cudaStream_t stream = (cudaStream_t)vstream;
-  if (ctx->sync == kLlSyncToken && chunk == 4)
-    ll_combine_token_kernel<512, 4><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+  const bool batch = ctx->lp.combine_release == kLlReleaseBatch;
+  if (ctx->sync == kLlSyncToken && chunk == 4 && batch)
+    ll_combine_token_kernel<512, 4, true><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+  else if (ctx->sync == kLlSyncToken && chunk == 4)
+    ll_combine_token_kernel<512, 4, false><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+  else if (ctx->sync == kLlSyncToken && batch)
+    ll_combine_token_kernel<512, 2, true><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   else if (ctx->sync == kLlSyncToken)
-    ll_combine_token_kernel<512, 2><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+    ll_combine_token_kernel<512, 2, false><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   else if (chunk == 4)
     ll_combine_kernel<512, 4><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   else

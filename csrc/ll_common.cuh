@@ -76,6 +76,7 @@ struct LlParams {
   unsigned long long* stamps;
   int combine_order;  // LlCombineOrder (ep_ll_set_combine_order): the order of the combine's push units
   int dispatch_units;  // LlDispatchUnits (ep_ll_set_dispatch_units): a token dispatch's peer units
+  int combine_release;  // LlCombineRelease (ep_ll_set_combine_release): the token combine's flag releases
 };
 
 // Phase boundaries stamped per block (thread 0) when LlParams::stamps is set. Dispatch: staged =
@@ -117,6 +118,14 @@ enum LlCombineOrder { kLlOrderSource = 0, kLlOrderRotated = 1 };
 // same value (the receiver waits on the flags its peers store). The grid dispatch ignores it.
 enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };
 constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk (2 KiB a warp)
+
+// How the token combine releases its push units' flags (ep_ll_set_combine_release, backend option
+// combine_release): kLlReleaseUnit, a __syncwarp and st.release.sys after every unit (the next unit waits for
+// the fence); kLlReleaseBatch, up to kLlReleaseBatchUnits units pushed back to back, then one __syncwarp, one
+// fence.acq_rel.sys and a relaxed system-scope store of each unit's flag. Same flags, values and bytes. The
+// grid combine releases once per grid and ignores it.
+enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1 };
+constexpr int kLlReleaseBatchUnits = 2;
 
 struct LlContext {
   EpContext* ep;  // region, device, peers and the timeout record, as in normal mode

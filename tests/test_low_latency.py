@@ -473,7 +473,7 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     from epbench.contract import RankSetup
 
     error_word = ctypes.c_int(0)
-    calls, units_set = [], []
+    calls, units_set, releases = [], [], []
 
     class Lib:
         def ep_ll_create(self, cfg, out):
@@ -491,6 +491,10 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
 
         def ep_ll_set_dispatch_units(self, ctx, units):
             units_set.append(units)
+            return 0
+
+        def ep_ll_set_combine_release(self, ctx, release):
+            releases.append(release)
             return 0
 
         def ep_error_flag_ptr(self, ep):
@@ -520,6 +524,14 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert grid.effective_config()["dispatch_units"] == "row"  # the grid dispatch has no peer units
     token.use_dispatch_units("row")
     assert units_set[-1] == 0 and token.effective_config()["dispatch_units"] == "row"
+    # combine_release: unit by default, batch set in the kernels; the grid combine releases once per grid
+    monkeypatch.delenv("EPBENCH_LL_COMBINE_RELEASE", raising=False)
+    assert set(releases) == {0} and token.effective_config()["combine_release"] == "unit"
+    batched = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", combine_release="batch")
+    assert releases[-1] == 1 and batched.effective_config()["combine_release"] == "batch"
+    assert grid.effective_config()["combine_release"] == "grid"
+    batched.use_combine_release("unit")
+    assert releases[-1] == 0 and batched.effective_config()["combine_release"] == "unit"
 
 
 def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
@@ -534,9 +546,13 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert options.resolve("epbench-ll", {}, environ={"EPBENCH_LL_DISPATCH_UNITS": "chunk"})["dispatch_units"] == "chunk"
     with pytest.raises(UserError, match="dispatch_units: must be one of auto, row, chunk, got 'half'"):
         options.validate({"epbench-ll": {"dispatch_units": "half"}})
-    assert ll.UNITS == {"row": 0, "chunk": 1}
+    assert ll.UNITS == {"row": 0, "chunk": 1} and ll.RELEASES == {"unit": 0, "batch": 1}
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
     assert "enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };" in header
+    assert "enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1 };" in header
+    assert options.resolve("epbench-ll", {}, environ={})["combine_release"] == "unit"
+    with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
+        options.validate({"epbench-ll": {"combine_release": "all"}})
 
 
 def _dispatch_units(T, world, me, nx, ng, pnx):

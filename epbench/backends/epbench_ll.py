@@ -16,10 +16,11 @@ resident) of ``warps`` warps; ``combine_chunk`` 2|4 picks combine's work-unit ch
 row); ``ll_sync`` grid|token picks how both kernels synchronise (grid-wide handshakes, or per-token
 flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source|rotated the order of
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
-row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits).
-All are backend options (epbench/options.py: defaults 16, auto, auto, rotated and auto; env
+row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
+``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease).
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto and unit; env
 EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
-EPBENCH_LL_DISPATCH_UNITS).
+EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
 figures in notes/KERNELS.md, "Low-latency mode".
@@ -43,6 +44,7 @@ MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kerne
 SYNCS = {"grid": 0, "token": 1}  # option ll_sync -> enum LlSync (csrc/ll_common.cuh)
 ORDERS = {"source": 0, "rotated": 1}  # option combine_order -> enum LlCombineOrder (csrc/ll_common.cuh)
 UNITS = {"row": 0, "chunk": 1}  # option dispatch_units -> enum LlDispatchUnits (csrc/ll_common.cuh)
+RELEASES = {"unit": 0, "batch": 1}  # option combine_release -> enum LlCombineRelease (csrc/ll_common.cuh)
 TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's shared memory
 
 
@@ -118,16 +120,18 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
 
     def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None,
                  ll_sync: Optional[str] = None, combine_order: Optional[str] = None,
-                 dispatch_units: Optional[str] = None) -> None:
+                 dispatch_units: Optional[str] = None, combine_release: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-ll backend unavailable: {reason}")
         self.s = setup
         given = (("warps", warps), ("combine_chunk", combine_chunk), ("ll_sync", ll_sync),
-                 ("combine_order", combine_order), ("dispatch_units", dispatch_units))
+                 ("combine_order", combine_order), ("dispatch_units", dispatch_units),
+                 ("combine_release", combine_release))
         resolved = options.resolve(self.name, {k: v for k, v in given if v is not None})
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
         self.combine_order, self.dispatch_units = resolved["combine_order"], resolved["dispatch_units"]
+        self.combine_release = resolved["combine_release"]
         self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank)
         self.dispatch_units = dispatch_units_for(self.dispatch_units, setup.max_tokens_per_rank)
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
@@ -150,6 +154,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         cuda_lib.check(self._lib.ep_ll_set_sync(self._ctx, SYNCS[self.ll_sync]), "ep_ll_set_sync")
         self.use_combine_order(self.combine_order)
         self.use_dispatch_units(self.dispatch_units)
+        self.use_combine_release(self.combine_release)
         self._open_peers()
         self._views()
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ep))
@@ -199,7 +204,8 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
     def effective_config(self) -> Dict[str, Any]:
         return {"warps": self.warps, "combine_chunk": self.combine_chunk, "ll_sync": self.ll_sync,
                 "combine_order": self.combine_order,
-                "dispatch_units": self.dispatch_units if self.ll_sync == "token" else "row"}
+                "dispatch_units": self.dispatch_units if self.ll_sync == "token" else "row",
+                "combine_release": self.combine_release if self.ll_sync == "token" else "grid"}
 
     def use_combine_order(self, order: str) -> None:
         """The order of later combine launches and captures (option combine_order); a graph captured
@@ -213,6 +219,12 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         receivers wait on the flags their peers store). The same bytes land either way."""
         cuda_lib.check(self._lib.ep_ll_set_dispatch_units(self._ctx, UNITS[units]), "ep_ll_set_dispatch_units")
         self.dispatch_units = units
+
+    def use_combine_release(self, release: str) -> None:
+        """How later token-sync combines release their pushes' flags (option combine_release: unit |
+        batch); a graph captured before keeps its own. The same flags and outputs either way."""
+        cuda_lib.check(self._lib.ep_ll_set_combine_release(self._ctx, RELEASES[release]), "ep_ll_set_combine_release")
+        self.combine_release = release
 
     def ll_combine_input(self, out: LowLatencyOutput) -> torch.Tensor:
         return self.combine_in

@@ -8,8 +8,9 @@ within its tolerance) and agree with each other; fresh random inputs and poisone
 each time, twice per case (buffers and flags reused), then once more through CUDA-graph replays
 (captured once, replayed twice with new token values). Last, a deliberately missing peer must
 raise naming it, not hang. orders: each case's combine in both push orders (backend option
-combine_order) and, with token sync, after a dispatch of chunk peer units (option dispatch_units),
-launched and through graph replays: every output verified and every combine bit-equal. Exit code 0 only if every check passed. The GPU tests run several of these in one
+combine_order) and, with token sync, after a dispatch of chunk peer units (option dispatch_units) and
+with batched flag releases (option combine_release), launched and through graph replays: every
+output verified and every combine bit-equal. Exit code 0 only if every check passed. The GPU tests run several of these in one
 launch through tests/gpu/suite_worker.py.
 """
 
@@ -169,19 +170,21 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, salt, device), routings[r],
                              case.dtype, device) for r in range(world)]
     got = {}
-    configs = [("source", "row"), ("rotated", "row")] + ([("rotated", "chunk")] if sync == "token" else [])
-    for order, units in configs:
+    configs = [("source", "row", "unit"), ("rotated", "row", "unit")] + (
+        [("rotated", "chunk", "unit"), ("rotated", "row", "batch")] if sync == "token" else [])
+    for order, units, release in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
+        kernels.use_combine_release(release)
         for how, calls in (("launch", launch_calls(kernels, inputs[rank], sms, rank)),
                            ("graph", graph_calls(kernels, inputs[rank], sms, rank))):
-            d, c, got[order, units, how] = one_call(kernels, calls, inputs[rank], rank, world,
-                                                    case.experts_per_rank, lambda r: inputs[r])
+            d, c, got[order, units, release, how] = one_call(kernels, calls, inputs[rank], rank, world,
+                                                             case.experts_per_rank, lambda r: inputs[r])
             for what, r in (("dispatch", d), ("combine", c)):
                 if r.wrong:
-                    problems.append(f"{order} {units} {how} {what}: {r.wrong} wrong ({r.first_problem})")
+                    problems.append(f"{order} {units} {release} {how} {what}: {r.wrong} wrong ({r.first_problem})")
     bits = {k: v.view(torch.int16) for k, v in got.items()}
-    first = bits["source", "row", "launch"]
+    first = bits["source", "row", "unit", "launch"]
     for key, b in bits.items():
         if not torch.equal(b, first):
             rows = int((b != first).any(dim=1).sum())
