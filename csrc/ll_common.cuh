@@ -54,7 +54,8 @@
 
 #include "common.cuh"
 
-enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6 };  // continue EpPhase (common.cuh)
+// continue EpPhase (common.cuh); kPhaseLlUnitsMismatch: a peer's dispatch_units differ from this rank's
+enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6, kPhaseLlUnitsMismatch = 7 };
 
 struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank

@@ -39,7 +39,8 @@
 //      and a totals row: token t's slot j for expert e = popcounts of e's masks of earlier chunks +
 //      those of t's own chunk below t (token_rank: per lane, no ballot, no loop over topk). Slots are
 //      the contract's (base.py ll_slots).
-//      Block 0 stores dwords[me][E] = (epoch << 32) | T on every peer first, then dwords[me][le] =
+//      Block 0 stores dwords[me][E] = (epoch << 32) | chunk bit << 31 | T on every peer first (the bit:
+//      dispatch_units chunk; a receiver of the other kind reports kPhaseLlUnitsMismatch), then dwords[me][le] =
 //      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
 //   send: per token nx x ng own-chunk units (chunk of kS x 32 vectors straight into the slots of my
 //      experts k with k % ng == g, ng = how many times the units fit the warps, 1..topk, so a small
@@ -314,7 +315,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
   if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
     dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
-    st_relaxed_sys_u64(dwords_of_me + E, tag | (unsigned)T);  // first: the receivers' blocks wait for it
+    // first: the receivers' blocks wait for it; bit 31 says chunk units (T < 2^31), so a receiver set to the
+    // other kind stops with an error instead of copying chunks whose flags it does not wait for
+    st_relaxed_sys_u64(dwords_of_me + E, tag | (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (unsigned)T);
   }
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) {
     const int e = s_idx[i], t = i / topk;
@@ -449,7 +452,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     if (threadIdx.x != me && !aborted) {
       const unsigned long long v =
           ll_wait_epoch_u64(p, dwords + (size_t)threadIdx.x * (E + 1) + E, epoch, threadIdx.x, kPhaseLlDispatch);
-      n = (int)(v >> 32) == epoch ? (int)(v & 0xffffffffu) : 0;  // later epoch: nothing of it is mine (header)
+      const unsigned lo = (unsigned)(v & 0xffffffffu);
+      n = (int)(v >> 32) == epoch ? (int)(lo & 0x7fffffffu) : 0;  // later epoch: nothing of it is mine (header)
+      if ((int)(v >> 32) == epoch && (lo >> 31) != (lp.dispatch_units == kLlUnitsChunk ? 1u : 0u)) {
+        report_timeout(p.dev_error, p.host_error, me, threadIdx.x, kPhaseLlUnitsMismatch);  // abort every wait
+        n = 0;
+      }
     }
     s_tok[threadIdx.x + 1] = n;
   }

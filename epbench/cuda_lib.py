@@ -64,7 +64,9 @@ def decode_effective(eff: EpEffective) -> Dict[str, Any]:
 PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
           3: "combine (waiting for peer ready)", 4: "combine (waiting for peers to finish pulling)",
           5: "low-latency dispatch (waiting for an expert's rows)",
-          6: "low-latency combine (waiting for expert outputs)"}
+          6: "low-latency combine (waiting for expert outputs)",
+          7: "low-latency dispatch: that rank sent other peer units (dispatch_units must be the same on every rank)"}
+MISMATCH_PHASES = (7,)  # reported at once, not after a wait: the record names a configuration fault
 # Low-latency regions (enum ep_ll_region_id in csrc/api.h).
 LL_X, LL_SCALES, LL_PAIR, LL_COUNTS, LL_SRC_COUNTS, LL_COMBINE_IN, LL_OUT, LL_EPOCHS = range(8)
 
@@ -215,6 +217,9 @@ def raise_if_timed_out(lib: ctypes.CDLL, ctx: ctypes.c_void_p, timeout_s: float,
         what = (phases or PHASES).get(phase.value, f"phase {phase.value}")
         from epbench.errors import KernelTimeout
 
+        if phase.value in MISMATCH_PHASES and phases is None:
+            raise KernelTimeout(f"epbench kernels: rank {rank.value} stopped at once, rank {peer.value} "
+                                f"disagrees: {what}")
         raise KernelTimeout(f"epbench kernels: rank {rank.value} gave up after {timeout_s:g} s "
                            f"waiting for rank {peer.value} in {what}")
 

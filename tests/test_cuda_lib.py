@@ -1,6 +1,7 @@
 """The host-side helpers both kernel backends share (the kernels themselves need GPUs)."""
 
 import ctypes
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,19 @@ def test_a_timed_out_wait_names_rank_peer_and_phase():
 
     with pytest.raises(RuntimeError, match=r"rank 2 gave up after 10 s waiting for rank 1 in notify"):
         cuda_lib.raise_if_timed_out(Lib, ctypes.c_void_p(), 10.0)
+
+
+def test_ranks_with_other_dispatch_units_stop_at_once_naming_the_option():
+    class Lib:
+        @staticmethod
+        def ep_poll_error(ctx, rank, peer, phase):
+            rank._obj.value, peer._obj.value, phase._obj.value = 0, 3, 7
+            return 1
+
+    with pytest.raises(RuntimeError, match=r"rank 0 stopped at once, rank 3 disagrees: .*dispatch_units must be the same"):
+        cuda_lib.raise_if_timed_out(Lib, ctypes.c_void_p(), 10.0)
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
+    assert "kPhaseLlUnitsMismatch = 7" in header and 7 in cuda_lib.MISMATCH_PHASES
 
 
 def test_no_timeout_raises_nothing():

@@ -202,6 +202,37 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
     return expect_missing_peer(be, lambda: be.ll_dispatch(inp, 4), rank, world, device)
 
 
+def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str) -> int:
+    """Token sync: rank 0 dispatches with chunk peer units, the others with row units (hidden 2048 bf16: 2
+    chunks a row). Every rank must raise at once naming dispatch_units (the T word's chunk bit), never copy
+    chunks it did not wait for and never wait out the timeout (10 s here; the check allows 5)."""
+    import time
+
+    if sync != "token":
+        return 0
+    case = Case("units mismatch", 2048, [16], 4, 4)
+    be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token",
+                                  dispatch_units="chunk" if rank == 0 else "row")
+    routing = rank_routing(case, rank, world, seed=1)
+    inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
+    dist.barrier()
+    t0 = time.time()
+    try:
+        be.ll_dispatch(inp, 4)
+        torch.cuda.synchronize()
+        be.check_errors()
+        ok, msg = False, "no error raised"
+    except RuntimeError as e:
+        msg = str(e)
+        ok = "disagrees" in msg and "dispatch_units" in msg and time.time() - t0 < 5.0
+    if rank == 0 or not ok:
+        print(f"{'ok  ' if ok else 'FAIL'} [rank {rank}] dispatch_units mismatch -> {msg!r} after "
+              f"{time.time() - t0:.1f} s", flush=True)
+    dist.barrier()
+    be.close()
+    return all_sum(int(not ok), device)
+
+
 def check_suite(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> List[str]:
     """Every case of ``args.mode`` (check or orders) at each SM count; returns the failed ones as
     'case sms=N' (the same list on every rank)."""
@@ -228,6 +259,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     failures = len(check_suite(args, rank, world, device))
     if args.mode == "check":
         failures += check_timeout(rank, world, device, args.sync)
+        failures += check_units_mismatch(rank, world, device, args.sync)
     if rank == 0:
         print(f"{args.mode} world={world} ll_sync={args.sync}: {'PASS' if failures == 0 else f'{failures} FAILURES'}",
               flush=True)
