@@ -523,7 +523,9 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
     return -1;
   }
   CUDA_CHECK(cudaSetDevice(ctx->device));
-  if (p.align > 0 && ep_launch_em_ordinal(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, stream) != 0) return -1;
+  // em_sms: the ordinal pass (an expert-major pass, before the notify) on the em_sms blocks too, where more
+  const int ord_blocks = em_apart && p.em_sms > num_sms ? p.em_sms : num_sms;
+  if (p.align > 0 && ep_launch_em_ordinal(ctx, (const int64_t*)topk_idx, num_tokens, ord_blocks, stream) != 0) return -1;
   if (ep_launch_notify(ctx, (const int64_t*)topk_idx, num_tokens, num_sms, epoch, stream) != 0) return -1;
 
   DispatchArgs a;

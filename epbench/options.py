@@ -105,7 +105,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                           choices=("auto", "receiver", "sender", "wide"), env="EPBENCH_EM_PUSH"),
         "em_sms": Option(int, 0, "layout expert_major only: blocks of the receiver's expansion (dispatch: a row into "
                          "its further experts' slots) and of the combine's reduce pass, each run as a kernel of its "
-                         "own after the transfer (at most 16 dispatch warps); 0: inside the dispatch kernel and on "
+                         "own after the transfer (at most 16 dispatch warps), and of the dispatch's ordinal pass "
+                         "before it where larger than --sms; 0: inside the dispatch kernel and on "
                          "the combine's blocks, within --sms. DeepEP V2 runs its copy and reduce epilogues on every "
                          "SM (132 on an H100 / H200): set it to the GPU's SM count to compare like for like; the SMs "
                          "column then counts the transfer's blocks only; with em_push sender (no expansion) it places the reduce pass "

@@ -226,7 +226,8 @@ class EpbenchBackend(NormalMode):
         if self.em_align and self.em_sms:  # the expansion and phase R in kernels of their own (csrc/dispatch.cu)
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_EM_SMS, self.em_sms), "ep_set_option")
             self.sms_beyond = (f"em_sms={self.em_sms}: its expert-major expansion and reduce passes run on "
-                               f"{self.em_sms} blocks of their own after the transfer's --sms blocks")
+                               f"{self.em_sms} blocks of their own after the transfer's --sms blocks (and the "
+                               f"ordinal pass before it, where em_sms is the larger)")
         # The timeout record's flag word, read without a function call on every dispatch/combine.
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ctx))
         self._stream = raw_stream_getter(self.device)
