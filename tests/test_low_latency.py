@@ -524,6 +524,8 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert grid.effective_config()["dispatch_units"] == "row"  # the grid dispatch has no peer units
     token.use_dispatch_units("row")
     assert units_set[-1] == 0 and token.effective_config()["dispatch_units"] == "row"
+    token.use_dispatch_units("auto")  # 4 tokens per rank: chunk
+    assert units_set[-1] == 1 and token.effective_config()["dispatch_units"] == "chunk"
     # combine_release: unit by default, batch set in the kernels; the grid combine releases once per grid
     monkeypatch.delenv("EPBENCH_LL_COMBINE_RELEASE", raising=False)
     assert set(releases) == {0} and token.effective_config()["combine_release"] == "unit"

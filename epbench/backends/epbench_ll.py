@@ -214,9 +214,10 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         self.combine_order = order
 
     def use_dispatch_units(self, units: str) -> None:
-        """What a peer unit of later token-sync dispatches sends (option dispatch_units: row | chunk);
-        a graph captured before keeps its own. Every rank must switch before the same call (the
-        receivers wait on the flags their peers store). The same bytes land either way."""
+        """What a peer unit of later token-sync dispatches sends (option dispatch_units: row | chunk |
+        auto); a graph captured before keeps its own. Every rank must switch before the same call (a
+        rank whose peers send the other kind stops with an error). The same bytes land either way."""
+        units = dispatch_units_for(units, self.s.max_tokens_per_rank)
         cuda_lib.check(self._lib.ep_ll_set_dispatch_units(self._ctx, UNITS[units]), "ep_ll_set_dispatch_units")
         self.dispatch_units = units
 
