@@ -278,6 +278,33 @@ def floor_notes(df: pd.DataFrame) -> List[str]:
     return out
 
 
+def bound_notes(df: pd.DataFrame) -> List[str]:
+    """Low-latency runs whose ceilings were measured (the scenario's own batch): per backend and op,
+    the best standalone figure (slowest rank's p50, best SM count and timing; chain rows left out)
+    against plain SM stores of the scenario's routed bytes into the peers (one row per token and
+    rank: what epbench-ll sends) at that SM count, timed the same way (csrc/ceiling.cu): ratio =
+    call / stores, so 1.0 is a call that costs no more than moving its rows."""
+    need = ("mode", "ceiling_sm_store_us", "tokens_per_rank", "time_us", "backend", "op", "sms")
+    if df.empty or any(k not in df for k in need):
+        return []
+    ceil = pd.to_numeric(df["ceiling_sm_store_us"], errors="coerce")
+    ll = df[(df["mode"] == "low_latency") & ceil.notna() & (ceil > 0)].assign(ceil=ceil)
+    if "timing" in ll:
+        ll = ll[ll["timing"] != "chain"]
+    if ll.empty:
+        return []
+    keys = [k for k in ("backend", "op", "sms", "timing", "tokens_per_rank") if k in ll]
+    worst = ll.groupby(keys, dropna=False)[["time_us", "ceil"]].max().reset_index()
+    out = []
+    for (backend, op), g in worst.groupby(["backend", "op"], sort=False):
+        best = g.loc[g["time_us"].idxmin()]
+        how = f"{int(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
+        out.append(f"bound: {backend} {op} {number(best['time_us'])} us at {int(best['tokens_per_rank'])} token(s) "
+                   f"per rank ({how}) against {number(best['ceil'])} us for plain SM stores of its routed rows "
+                   f"into the peers, timed the same way: {best['time_us'] / best['ceil']:.2f}x")
+    return out
+
+
 def wrong_rows(df: pd.DataFrame, listed: int = 3) -> Optional[str]:
     """Where verification failed, in one line: how many wrong rows, at which points (backend,
     op, SM count; the first ``listed``), and the first one's rank and problem. None: all verified."""
@@ -318,7 +345,7 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
         console.print(results_table(df, title, columns, console.width))
     for note in meta.get("notes", []):
         console.print(f"note: {note}")
-    for line in floor_notes(df):
+    for line in floor_notes(df) + bound_notes(df):
         console.print(line)
     wrong = wrong_rows(df)
     if wrong:

@@ -216,6 +216,23 @@ def _ll_rows(points):
     return rows
 
 
+def test_low_latency_runs_with_ceilings_name_the_bound_per_backend_and_op():
+    """The best standalone figure at the scenario's own batch against plain SM stores of its rows at
+    that SM count; rows without ceilings (other batch sizes) and chain rows do not count."""
+    import pandas as pd
+
+    from epbench.report import bound_notes
+
+    rows = _ll_rows([(64, "graph", 1, 7.9, 23.0), (132, "graph", 1, 7.5, 21.1), (132, "chain", 8, 2.9, 8.0)])
+    for r in rows:  # ceilings measured for the 128-token batch only (the scenario's own)
+        r["ceiling_sm_store_us"] = {64: 13.2, 132: 13.1}[r["sms"]] if r["tokens_per_rank"] == 128 else None
+    assert bound_notes(pd.DataFrame(rows)) == [
+        "bound: epbench-ll dispatch 21.6 us at 128 token(s) per rank (132 SMs, graph) against 13.1 us for plain "
+        "SM stores of its routed rows into the peers, timed the same way: 1.65x"]
+    assert bound_notes(pd.DataFrame([dict(r, ceiling_sm_store_us=None) for r in rows])) == []
+    assert bound_notes(pd.DataFrame([dict(backend="epbench", op="dispatch", sms=8, time_us=1.0)])) == []
+
+
 def test_the_floor_names_the_standalone_and_the_in_graph_figure():
     import pandas as pd
 

@@ -80,6 +80,32 @@ def test_no_ceiling_across_real_nodes_but_on_virtual_ones():
     assert notes == ["ceilings: measured for the scenario's own tokens_per_rank, which --tokens leaves out"]
 
 
+def test_low_latency_runs_measure_ceilings_of_their_own_batch(monkeypatch):
+    """Low-latency mode: the ceilings of the scenario's own batch (one row per token and rank) with a
+    note saying so; a token sweep that leaves that batch out measures none."""
+    import epbench.ceiling as ceiling
+    import epbench.session as session
+
+    s = scenario.load(SCENARIOS / "dsv3x4-ll.yaml")
+    seen = {}
+    monkeypatch.setattr(ceiling, "every_ranks_limits", lambda comm: None)
+    monkeypatch.setattr(ceiling, "rates_of", lambda limits: None)
+
+    def measured(swept, tr, comm, warmup, iters, rates):
+        seen["bytes"] = tr
+        return [ceiling.OpCeiling(op=op, bytes_per_rank=[1], copy_engine_us=1.0, sm_store_us={132: 2.0}, ideal_us=None)
+                for op in ("dispatch", "combine")]
+
+    monkeypatch.setattr(ceiling, "measure_ceilings", measured)
+    notes = []
+    found = session.measure_ceilings(s, OPTS, _comm(4, 1), notes.append)
+    assert "bytes" in seen and found is not None
+    assert any(n.startswith("ceilings: for the 128-token batch, one row per token and rank") for n in notes)
+    notes.clear()
+    assert session.measure_ceilings(s, dataclasses.replace(OPTS, tokens=(1, 8)), _comm(4, 1), notes.append) is None
+    assert notes == ["ceilings: measured for the scenario's own tokens_per_rank, which --tokens leaves out"]
+
+
 def _comm(world, per_gpu, device="cuda"):
     from types import SimpleNamespace
 
