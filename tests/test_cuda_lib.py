@@ -52,26 +52,25 @@ def test_region_tensor_reports_a_failed_call(monkeypatch):
         cuda_lib.region_tensor(ep_region, ctypes.c_void_p(), 99, "cpu")
 
 
-def test_a_timed_out_wait_names_rank_peer_and_phase():
+def _error_record(rank: int, peer: int, phase: int):
+    """A stand-in library whose timeout record holds (rank, peer, phase)."""
     class Lib:
         @staticmethod
-        def ep_poll_error(ctx, rank, peer, phase):
-            rank._obj.value, peer._obj.value, phase._obj.value = 2, 1, 1
+        def ep_poll_error(ctx, r, p, ph):
+            r._obj.value, p._obj.value, ph._obj.value = rank, peer, phase
             return 1
 
+    return Lib
+
+
+def test_a_timed_out_wait_names_rank_peer_and_phase():
     with pytest.raises(RuntimeError, match=r"rank 2 gave up after 10 s waiting for rank 1 in notify"):
-        cuda_lib.raise_if_timed_out(Lib, ctypes.c_void_p(), 10.0)
+        cuda_lib.raise_if_timed_out(_error_record(2, 1, 1), ctypes.c_void_p(), 10.0)
 
 
 def test_ranks_with_other_dispatch_units_stop_at_once_naming_the_option():
-    class Lib:
-        @staticmethod
-        def ep_poll_error(ctx, rank, peer, phase):
-            rank._obj.value, peer._obj.value, phase._obj.value = 0, 3, 7
-            return 1
-
     with pytest.raises(RuntimeError, match=r"rank 0 stopped at once, rank 3 disagrees: .*dispatch_units must be the same"):
-        cuda_lib.raise_if_timed_out(Lib, ctypes.c_void_p(), 10.0)
+        cuda_lib.raise_if_timed_out(_error_record(0, 3, 7), ctypes.c_void_p(), 10.0)
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
     assert "kPhaseLlUnitsMismatch = 7" in header and 7 in cuda_lib.MISMATCH_PHASES
 
