@@ -236,40 +236,35 @@ extern "C" int ep_ll_set_sync(void* vctx, int sync) {
   return 0;
 }
 
-// Both orders fill the same bytes and flags (ll_combine.cu, push_unit), so it may change between launches;
-// a captured graph keeps the order it was captured with.
-extern "C" int ep_ll_set_combine_order(void* vctx, int order) {
-  LlContext* ctx = (LlContext*)vctx;
-  if (order != kLlOrderSource && order != kLlOrderRotated) {
-    ep_set_error("low-latency combine order must be 0 (source) or 1 (rotated), got %d", order);
+// The launch choices below are two-valued (0 or 1) fields of LlParams that later launches copy, so a captured
+// graph keeps the value it was captured with; `what` names the choice and its two values for the error.
+static int ll_set_choice(int* field, int value, const char* what) {
+  if (value != 0 && value != 1) {
+    ep_set_error("low-latency %s must be 0 or 1, got %d", what, value);
     return -1;
   }
-  ctx->lp.combine_order = order;
+  *field = value;
   return 0;
+}
+
+// Both orders fill the same bytes and flags (ll_combine.cu, push_unit), so it may change between launches.
+extern "C" int ep_ll_set_combine_order(void* vctx, int order) {
+  static_assert(kLlOrderSource == 0 && kLlOrderRotated == 1, "LlCombineOrder is 0 / 1");
+  return ll_set_choice(&((LlContext*)vctx)->lp.combine_order, order, "combine order (0 source, 1 rotated)");
 }
 
 // Row or chunk peer units for the token dispatch (LlDispatchUnits). Every rank must set the same value before
-// the same call (the receivers wait on the flags their peers store); a captured graph keeps what it had.
+// the same call (a receiver that finds a peer's other kind stops with kPhaseLlUnitsMismatch).
 extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
-  LlContext* ctx = (LlContext*)vctx;
-  if (units != kLlUnitsRow && units != kLlUnitsChunk) {
-    ep_set_error("low-latency dispatch units must be 0 (row) or 1 (chunk), got %d", units);
-    return -1;
-  }
-  ctx->lp.dispatch_units = units;
-  return 0;
+  static_assert(kLlUnitsRow == 0 && kLlUnitsChunk == 1, "LlDispatchUnits is 0 / 1");
+  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_units, units, "dispatch units (0 row, 1 chunk)");
 }
 
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either
-// way, so ranks may differ and it may change between launches; a captured graph keeps what it had.
+// way, so ranks may differ and it may change between launches.
 extern "C" int ep_ll_set_combine_release(void* vctx, int release) {
-  LlContext* ctx = (LlContext*)vctx;
-  if (release != kLlReleaseUnit && release != kLlReleaseBatch) {
-    ep_set_error("low-latency combine release must be 0 (unit) or 1 (batch), got %d", release);
-    return -1;
-  }
-  ctx->lp.combine_release = release;
-  return 0;
+  static_assert(kLlReleaseUnit == 0 && kLlReleaseBatch == 1, "LlCombineRelease is 0 / 1");
+  return ll_set_choice(&((LlContext*)vctx)->lp.combine_release, release, "combine release (0 unit, 1 batch)");
 }
 
 // ---- measuring aids (ep_ll_set_probe, ep_ll_probe; notes/LATENCY.md) ----
