@@ -56,14 +56,15 @@
 //      a token go peer-minor (consecutive units, different peers).
 //   receive: threads s < world of every block wait (bounded) for dwords[s][E] of this epoch (T_s);
 //      block 0 waits for the count words and writes counts / src_counts / src_tokens; unit (source
-//      s, token t < T_s, chunk c): every lane acquires tflags[s, t, 0] (row units) or [s, t, c] (chunk
-//      units) itself (its later loads of tmap and the row follow its own acquire), then copies chunk c
-//      as the grid path does.
+//      s, token t < T_s, chunk c): lane 0 acquires tflags[s, t, 0] (row units) or [s, t, c] (chunk
+//      units), a __syncwarp orders the other lanes' later loads of tmap and the row after it, then the
+//      warp copies chunk c as the grid path does.
 //   Units are dealt block-major (unit u -> block u % blocks), so a few units land on as many SMs:
 //   a warp's send is bound by what its SM stores (measured: notes/LATENCY.md).
 //   Memory model: a unit's lanes store, then bar.warp.sync (which orders the participating threads'
 //   memory accesses), then lane 0's st.release.sys; release is cumulative over what precedes it in
-//   causality order, so the receiver's ld.acquire.sys that reads the flag sees every lane's stores.
+//   causality order, so the receiver's ld.acquire.sys that reads the flag sees every lane's stores;
+//   on the receiver, lane 0's acquire, then bar.warp.sync, then the other lanes' loads: they see them too.
 //   A flag, T word or count word of a LATER epoch than mine (32-bit wrap-safe compare) means the
 //   source already began dispatch n + 1, so it finished combine n; had any of its tokens hit me in n,
 //   that combine would have waited for my partial, which I push only after this dispatch n ends.
@@ -494,9 +495,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     int s = 0;
     while (st >= s_tok[s + 1]) ++s;
     const int t = st - s_tok[s];
-    // every lane acquires the flag itself, so its own later loads of tmap and the row follow it
-    const unsigned long long v =
-        ll_wait_epoch_u64(p, tflags + ((size_t)s * Tm + t) * tfc + (pnx == 1 ? 0 : c), epoch, s, kPhaseLlDispatch);
+    // lane 0 alone polls (one ld.acquire.sys per poll, not 32: the pollers share the L2 with the rows
+    // arriving); the warp barrier then orders every lane's later loads of tmap and the row after lane 0's
+    // acquire (bar.warp.sync orders memory among its threads; causality order is transitive)
+    unsigned long long v = 0;
+    if (lane == 0)
+      v = ll_wait_epoch_u64(p, tflags + ((size_t)s * Tm + t) * tfc + (pnx == 1 ? 0 : c), epoch, s, kPhaseLlDispatch);
+    v = __shfl_sync(0xffffffffu, v, 0);
+    __syncwarp();
     if ((int)(v >> 32) != epoch || (v & 1u) == 0) continue;  // not for me (or a later epoch, or given up)
     place_staged_chunk(p, lp, s, t, c, epoch, lane);
   }

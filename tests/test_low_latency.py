@@ -526,14 +526,14 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert units_set[-1] == 0 and token.effective_config()["dispatch_units"] == "row"
     token.use_dispatch_units("auto")  # 4 tokens per rank: chunk
     assert units_set[-1] == 1 and token.effective_config()["dispatch_units"] == "chunk"
-    # combine_release: unit by default, batch set in the kernels; the grid combine releases once per grid
+    # combine_release: batch by default, unit set in the kernels; the grid combine releases once per grid
     monkeypatch.delenv("EPBENCH_LL_COMBINE_RELEASE", raising=False)
-    assert set(releases) == {0} and token.effective_config()["combine_release"] == "unit"
-    batched = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", combine_release="batch")
-    assert releases[-1] == 1 and batched.effective_config()["combine_release"] == "batch"
+    assert set(releases) == {1} and token.effective_config()["combine_release"] == "batch"
+    single = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", combine_release="unit")
+    assert releases[-1] == 0 and single.effective_config()["combine_release"] == "unit"
     assert grid.effective_config()["combine_release"] == "grid"
-    batched.use_combine_release("unit")
-    assert releases[-1] == 0 and batched.effective_config()["combine_release"] == "unit"
+    single.use_combine_release("batch")
+    assert releases[-1] == 1 and single.effective_config()["combine_release"] == "batch"
 
 
 def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
@@ -552,7 +552,7 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
     assert "enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };" in header
     assert "enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1 };" in header
-    assert options.resolve("epbench-ll", {}, environ={})["combine_release"] == "unit"
+    assert options.resolve("epbench-ll", {}, environ={})["combine_release"] == "batch"
     with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})
 
