@@ -267,9 +267,18 @@ extern "C" int ep_ll_set_combine_release(void* vctx, int release) {
   return ll_set_choice(&((LlContext*)vctx)->lp.combine_release, release, "combine release (0 unit, 1 batch)");
 }
 
-// ---- measuring aids (ep_ll_set_probe, ep_ll_probe; notes/LATENCY.md) ----
+// ---- measuring aids (ep_ll_set_probe, ep_ll_set_probe_skip, ep_ll_probe; notes/LATENCY.md) ----
 extern "C" int ep_ll_set_probe(void* vctx, void* stamps) {
   ((LlContext*)vctx)->lp.stamps = (unsigned long long*)stamps;
+  return 0;
+}
+
+extern "C" int ep_ll_set_probe_skip(void* vctx, int bits) {
+  if (bits < 0 || bits > kLlSkipAll) {
+    ep_set_error("low-latency probe skip bits must be in 0..%d, got %d", kLlSkipAll, bits);
+    return -1;
+  }
+  ((LlContext*)vctx)->lp.probe_skip = bits;
   return 0;
 }
 

@@ -78,7 +78,16 @@ struct LlParams {
   int combine_order;  // LlCombineOrder (ep_ll_set_combine_order): the order of the combine's push units
   int dispatch_units;  // LlDispatchUnits (ep_ll_set_dispatch_units): a token dispatch's peer units
   int combine_release;  // LlCombineRelease (ep_ll_set_combine_release): the token combine's flag releases
+  int probe_skip;  // measuring aid (ep_ll_set_probe_skip): 0, or LlProbeSkip bits the token dispatch leaves out
 };
+
+// Measuring aid (ep_ll_set_probe_skip; epbench probe's variants token-noown / token-norecv / token-peers): parts
+// of the token dispatch left out, to time what the rest costs. Its outputs are then wrong by design (the probe
+// times such a dispatch alone, unverified, and never runs a combine after it); 0, the default, leaves out nothing.
+// kLlSkipOwnRows: the own-row units (a token's row into my own experts' slots); kLlSkipReceive: the receive
+// copies (each flag is still waited for); kLlSkipSmallStores: the scales and the tmap / tw entries a peer unit
+// stores beside its row (a receiver then finds no slot to copy into).
+enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipAll = 7 };
 
 // Phase boundaries stamped per block (thread 0) when LlParams::stamps is set. Dispatch: staged =
 // ids in shared memory; sent = the block's rows / slots issued (after the block barrier); released =

@@ -59,6 +59,8 @@
 //      s, token t < T_s, chunk c): lane 0 acquires tflags[s, t, 0] (row units) or [s, t, c] (chunk
 //      units), a __syncwarp orders the other lanes' later loads of tmap and the row after it, then the
 //      warp copies chunk c as the grid path does.
+//   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
+//   receive copies or the small stores beside a peer row (LlProbeSkip, ll_common.cuh); outputs then wrong.
 //   Units are dealt block-major (unit u -> block u % blocks), so a few units land on as many SMs:
 //   a warp's send is bound by what its SM stores (measured: notes/LATENCY.md).
 //   Memory model: a unit's lanes store, then bar.warp.sync (which orders the participating threads'
@@ -356,6 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   for (long long u = gw; !aborted && u < (long long)T * per_token; u += G) {
     const int t = (int)(u / per_token), r = (int)(u - (long long)t * per_token);
     const bool own = r < own_units;
+    if (own && (lp.probe_skip & kLlSkipOwnRows)) continue;  // measuring aid (LlProbeSkip): warp-uniform
     const int pr = own || world == 1 ? 0 : r - own_units;  // peer unit: peer-minor, then chunk
     const int d = own ? me : (me + 1 + pr % (world - 1)) % world;
     const int pc = own || world == 1 ? 0 : pr / (world - 1);  // the row's chunk (chunk units; 0 for a row)
@@ -424,12 +427,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
           if (i < V) st_v4(dst + i, buf[q]);
         }
       }
-      if (ns && pc == 0) {
+      if (ns && pc == 0 && !(lp.probe_skip & kLlSkipSmallStores)) {
         float* dst = reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
         for (int i = lane; i < ns; i += 32) dst[i] = a.x_scales[(size_t)t * ns + i];
       }
     }
-    if (hit) {  // the pair's slot and weight, where d's combine expert side reads them
+    if (hit && !(lp.probe_skip & kLlSkipSmallStores)) {  // the pair's slot and weight, where d's combine reads them
       const size_t tk = ((size_t)me * Tm + t) * topk + lane;
       const int slot = (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e);
       reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
@@ -504,6 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     v = __shfl_sync(0xffffffffu, v, 0);
     __syncwarp();
     if ((int)(v >> 32) != epoch || (v & 1u) == 0) continue;  // not for me (or a later epoch, or given up)
+    if (lp.probe_skip & kLlSkipReceive) continue;  // measuring aid (LlProbeSkip): the flag waited for, no copy
     place_staged_chunk(p, lp, s, t, c, epoch, lane);
   }
   ll_stamp(lp, kLlReceived);

@@ -120,6 +120,7 @@ def signatures() -> Dict[str, List[Any]]:
         "ep_ll_set_dispatch_units": [vp, i],
         "ep_ll_set_combine_release": [vp, i],
         "ep_ll_set_probe": [vp, vp],
+        "ep_ll_set_probe_skip": [vp, i],
         "ep_ll_probe": [vp, i, i, i, vp],
         # csrc/ceiling.cu (not in api.h): the plain SM-store ceiling kernel
         "ep_store_ceiling": [ctypes.POINTER(ull), ctypes.POINTER(ctypes.c_longlong), i, vp, i, i,

@@ -23,7 +23,13 @@ Rows:
   thread 0's stamp store waiting to issue behind the SM's stores to peers, i.e. the links draining
   what the push put in flight (4 x H200, 2026-11-27: notes/LATENCY-NEXT.md));
   `warps4` / `warps8` (grid with 4 / 8 warps per block); `token-warps4` (token with 4). warps8 and
-  token-warps4 only when asked for.
+  token-warps4 only when asked for;
+- token dispatches with parts left out, to split its time (only when asked for; a dispatch row each,
+  `wrong` empty: their outputs are wrong by design, so they are timed unverified, on a backend of their
+  own that never runs a combine, each replay after every rank's previous one as always):
+  `token-noown` (no own-row units), `token-norecv` (each flag waited for, no receive copy),
+  `token-peers` (only the peer rows, their flags and the count words: no own rows, no scales or tmap /
+  tw entries, no receive copy).
 
 Prints one table, a line per row as it is measured (us; p50 unless marked), and records every
 number in a results folder (meta.json, results.csv: one line per row, samples.csv: every rank's
@@ -81,7 +87,11 @@ PARTS = ["stage", "send", "release", "wait", "receive", "finish"]  # LlStamp 1..
 PROBE_MODES = {"empty": 0, "sync": 1, "chase": 2, "fence": 3, "timer": 4}  # name -> ep_ll_probe mode
 # name -> (warps per block or None for the backend's default, option ll_sync)
 VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
-            "token-warps4": (4, "token")}
+            "token-warps4": (4, "token"), "token-noown": (None, "token"), "token-norecv": (None, "token"),
+            "token-peers": (None, "token")}
+# token dispatches with parts left out (LlProbeSkip, csrc/ll_common.cuh: 1 own rows, 2 receive copies, 4 the
+# scales and tmap / tw stores beside a peer row): timed alone, on a backend of their own, never verified
+SKIPS = {"token-noown": 1, "token-norecv": 2, "token-peers": 7}
 DEFAULT_VARIANTS = "grid,token,warps4"
 STAMPS_PER_BLOCK = 8
 
@@ -399,7 +409,10 @@ def measure(job: Any) -> int:
                       dispatch_dtype=o.dtype, timeout_s=5.0, mode="low_latency")
     # one backend per ll_sync (the two keep different flags and epochs; the sync is fixed per backend)
     backends = {sync: EpbenchLowLatencyBackend(setup, ll_sync=sync)
-                for sync in dict.fromkeys(VARIANTS[v][1] for v in ["grid"] + variants)}
+                for sync in dict.fromkeys(VARIANTS[v][1] for v in ["grid"] + variants if v not in SKIPS)}
+    kernels = {sync: b.effective_config() for sync, b in backends.items()}
+    if any(v in SKIPS for v in variants):  # its own flags and epochs: no verified call follows a skipping one
+        backends["skip"] = EpbenchLowLatencyBackend(setup, ll_sync="token")
     be = backends["grid"]
     default_warps = be.warps
     n = o.warmup + o.iters
@@ -411,7 +424,7 @@ def measure(job: Any) -> int:
         info = {"device": torch.cuda.get_device_name(dev), "world": ranks.world, "hidden": o.hidden,
                 "topk": o.topk, "experts": epr * ranks.world, "dtype": o.dtype, "iters": o.iters,
                 "warmup": o.warmup, "warps": default_warps, "chains": chains, "spread": o.spread,
-                "kernels": {sync: b.effective_config() for sync, b in backends.items()},
+                "kernels": kernels,
                 "mps": ("on" if launch.mps_active() else "off") if (ranks.world > 1 and not o.spread) or job.plan.mps
                 else None}
         job.open(job.meta(verb="probe", probe=info))
@@ -456,6 +469,21 @@ def measure(job: Any) -> int:
         routing = route_rank(Routing(kind="uniform", seed=0), t, o.topk, epr * ranks.world, rank)
         return dispatch_input(make_tokens(t, o.hidden, 0, rank, salt, dev), routing, o.dtype, dev)
 
+    def skip_rows(sms: int, t: int, vname: str, stamps: torch.Tensor) -> None:
+        """A token dispatch with the parts of SKIPS[vname] left out, timed alone per chain (no combine:
+        its outputs are wrong by design; `wrong` empty)."""
+        sb = backends["skip"]
+        sb.set_probe(stamps)
+        sb.set_probe_skip(SKIPS[vname])
+        inp = input_of(t, sms * 1000 + t, ranks.rank)
+        for chain in chains:
+            g_d, _ = capture(lambda: sb.ll_dispatch(inp, sms), chain)
+            for r, rank_us in timed([g_d], stamps, call_parts, chain):
+                show(base(sms, "dispatch", t, vname, "", chain, r), rank_us)
+            sb.check_errors()
+        sb.set_probe_skip(0)
+        sb.set_probe(None)
+
     for sms in sms_list:
         stamps = torch.zeros(sms, STAMPS_PER_BLOCK, dtype=torch.int64, device=dev)
         for chain in chains:
@@ -472,6 +500,9 @@ def measure(job: Any) -> int:
         for t in tokens:
             for vname in variants:
                 warps, sync = VARIANTS[vname]
+                if vname in SKIPS:
+                    skip_rows(sms, t, vname, stamps)
+                    continue
                 be = backends[sync]
                 be.warps = warps or default_warps
                 be.set_probe(stamps)

@@ -269,3 +269,16 @@ def test_every_variant_names_a_sync_and_warps_the_kernels_take() -> None:
         assert sync in SYNCS, name
         assert warps is None or 2 <= warps <= 16, name  # ll_check_launch: warps 2..16
     assert sorted(llprobe.PROBE_MODES.values()) == list(range(5))  # ep_ll_probe: modes 0..4
+
+
+def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
+    """token-noown / token-norecv / token-peers: token-sync variants whose bits are LlProbeSkip's."""
+    from pathlib import Path
+
+    assert set(llprobe.SKIPS) <= set(llprobe.VARIANTS)
+    assert all(llprobe.VARIANTS[v][1] == "token" for v in llprobe.SKIPS)
+    assert not set(llprobe.SKIPS) & set(llprobe.DEFAULT_VARIANTS.split(","))  # only when asked for
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
+    assert ("enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, "
+            "kLlSkipAll = 7 };") in header
+    assert llprobe.SKIPS == {"token-noown": 1, "token-norecv": 2, "token-peers": 1 | 2 | 4}

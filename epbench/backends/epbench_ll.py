@@ -246,6 +246,12 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         ptr = stamps.data_ptr() if stamps is not None else None
         cuda_lib.check(self._lib.ep_ll_set_probe(self._ctx, ptr), "ep_ll_set_probe")
 
+    def set_probe_skip(self, bits: int) -> None:
+        """Measuring aid (epbench/llprobe.py, SKIPS): later token dispatches leave out the parts in
+        ``bits`` (LlProbeSkip, csrc/ll_common.cuh: 1 the own rows, 2 the receive copies, 4 the scales and
+        tmap / tw stores beside a peer row); their outputs are then wrong. 0: nothing left out."""
+        cuda_lib.check(self._lib.ep_ll_set_probe_skip(self._ctx, int(bits)), "ep_ll_set_probe_skip")
+
     def probe_kernel(self, mode: int, num_sms: int) -> None:
         """One launch of the fixed-cost probe kernel (csrc/api.h, ep_ll_probe) on the current stream."""
         cuda_lib.check(self._lib.ep_ll_probe(self._ctx, mode, num_sms, self.warps, self._stream()), "ep_ll_probe")
