@@ -379,7 +379,8 @@ def capture(fn, chain: int):
 
 def measure(job: Any) -> int:
     """Every row of one probe job (session.Job) on this rank: probe kernels, then dispatch and
-    combine per tokens x variant x chain, each verified before it is timed. Rank 0 prints each
+    combine per tokens x variant x chain, each verified before it is timed (the SKIPS variants: a
+    dispatch alone, unverified by design; `wrong` empty). Rank 0 prints each
     row as it is measured and records it (its samples: every rank's per-call times). Returns the
     wrong rows summed over ranks (on every rank)."""
     import torch
@@ -413,6 +414,7 @@ def measure(job: Any) -> int:
     kernels = {sync: b.effective_config() for sync, b in backends.items()}
     if any(v in SKIPS for v in variants):  # its own flags and epochs: no verified call follows a skipping one
         backends["skip"] = EpbenchLowLatencyBackend(setup, ll_sync="token")
+        kernels.setdefault("token", backends["skip"].effective_config())  # what the skipping rows ran with
     be = backends["grid"]
     default_warps = be.warps
     n = o.warmup + o.iters

@@ -506,7 +506,8 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     monkeypatch.setattr(ll.EpbenchLowLatencyBackend, "unavailable_reason", classmethod(lambda cls, s: None))
     setup = RankSetup(rank=0, world=1, gpus_per_node=1, device=torch.device("cuda", 0), hidden=128,
                       max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16", mode="low_latency")
-    monkeypatch.delenv("EPBENCH_LL_COMBINE_ORDER", raising=False)
+    for var in ("EPBENCH_LL_COMBINE_ORDER", "EPBENCH_LL_DISPATCH_UNITS", "EPBENCH_LL_COMBINE_RELEASE"):
+        monkeypatch.delenv(var, raising=False)  # every backend below takes the defaults
     assert ll.EpbenchLowLatencyBackend(setup).effective_config()["combine_order"] == "rotated"
     be = ll.EpbenchLowLatencyBackend(setup, combine_order="source")
     assert be.effective_config()["combine_order"] == "source" and calls == [1, 0]
@@ -514,7 +515,6 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert be.effective_config()["combine_order"] == "rotated" and calls == [1, 0, 1]
     # dispatch_units: auto picks chunk at these 4 tokens per rank; set in the kernels and recorded where the
     # token dispatch runs
-    monkeypatch.delenv("EPBENCH_LL_DISPATCH_UNITS", raising=False)
     assert units_set == [1, 1] and be.effective_config()["dispatch_units"] == ("chunk" if be.ll_sync == "token" else "row")
     row = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_units="row")
     assert units_set[-1] == 0 and row.effective_config()["dispatch_units"] == "row"
@@ -527,7 +527,6 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     token.use_dispatch_units("auto")  # 4 tokens per rank: chunk
     assert units_set[-1] == 1 and token.effective_config()["dispatch_units"] == "chunk"
     # combine_release: batch by default, unit set in the kernels; the grid combine releases once per grid
-    monkeypatch.delenv("EPBENCH_LL_COMBINE_RELEASE", raising=False)
     assert set(releases) == {1} and token.effective_config()["combine_release"] == "batch"
     single = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", combine_release="unit")
     assert releases[-1] == 0 and single.effective_config()["combine_release"] == "unit"

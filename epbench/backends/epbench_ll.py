@@ -18,7 +18,7 @@ flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
 row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
 ``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease).
-All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto and unit; env
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto and batch; env
 EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
 EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE).
 
