@@ -260,6 +260,13 @@ extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_units, units, "dispatch units (0 row, 1 chunk)");
 }
 
+// Stage or slot placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same value
+// before the same call (a receiver that finds a peer's other kind stops with kPhaseLlUnitsMismatch).
+extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
+  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1, "LlDispatchPlace is 0 / 1");
+  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place, "dispatch place (0 stage, 1 slot)");
+}
+
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either
 // way, so ranks may differ and it may change between launches.
 extern "C" int ep_ll_set_combine_release(void* vctx, int release) {

@@ -77,6 +77,7 @@ struct LlParams {
   unsigned long long* stamps;
   int combine_order;  // LlCombineOrder (ep_ll_set_combine_order): the order of the combine's push units
   int dispatch_units;  // LlDispatchUnits (ep_ll_set_dispatch_units): a token dispatch's peer units
+  int dispatch_place;  // LlDispatchPlace (ep_ll_set_dispatch_place): where a token dispatch's peer rows land
   int combine_release;  // LlCombineRelease (ep_ll_set_combine_release): the token combine's flag releases
   int probe_skip;  // measuring aid (ep_ll_set_probe_skip): 0, or LlProbeSkip bits the token dispatch leaves out
 };
@@ -128,6 +129,21 @@ enum LlCombineOrder { kLlOrderSource = 0, kLlOrderRotated = 1 };
 // same value (the receiver waits on the flags its peers store). The grid dispatch ignores it.
 enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };
 constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk (2 KiB a warp)
+
+// Where a token dispatch's peer row lands on the receiver (ep_ll_set_dispatch_place, backend option
+// dispatch_place): kLlPlaceStage, stage[source, token] (the receiver copies it into each of its experts'
+// slots); kLlPlaceSlot, the slot of the token's first expert there (the lowest topk index among them), with its
+// scales and pair entry (the receiver copies it into the others' slots only). Same outputs either way. Every
+// rank must use the same value; the grid dispatch ignores it.
+enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1 };
+
+// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its two high bits, so a receiver
+// of another kind stops at once (kPhaseLlUnitsMismatch) instead of copying what it did not wait for, or from
+// where nothing was put: bit 31 chunk units, bit 30 slot placement (T < 2^30).
+constexpr unsigned kLlUnitsBitsMask = 0xc0000000u;
+__host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp) {
+  return (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (lp.dispatch_place == kLlPlaceSlot ? 0x40000000u : 0u);
+}
 
 // How the token combine releases its push units' flags (ep_ll_set_combine_release, backend option
 // combine_release): kLlReleaseUnit, a __syncwarp and st.release.sys after every unit (the next unit waits for

@@ -29,7 +29,9 @@
 //
 // Buffer reuse is safe without another barrier: a source writes my stage / tmap / tw / cnt for
 // call n + 1 only after its combine n, which waited for my combine n's flag, which I release after
-// my dispatch n (the only reader of stage / cnt) and my combine n push phase (of tmap / tw).
+// my dispatch n (the only reader of stage / cnt) and my combine n push phase (of tmap / tw). With
+// dispatch_place slot a source writes rows into my x slots too, by the same argument only once my
+// combine n has pushed: dispatch n's x stays valid until this rank's combine n (not its dispatch n + 1).
 //
 // Token sync (ll_sync = token, ll_dispatch_token_kernel; LlContext::sync): no grid-wide step.
 //   epoch: block b reads eslots[0][b] + 1 and at its end stores it into slots b, b + G, ... (G = grid
@@ -39,15 +41,16 @@
 //      and a totals row: token t's slot j for expert e = popcounts of e's masks of earlier chunks +
 //      those of t's own chunk below t (token_rank: per lane, no ballot, no loop over topk). Slots are
 //      the contract's (base.py ll_slots).
-//      Block 0 stores dwords[me][E] = (epoch << 32) | chunk bit << 31 | T on every peer first (the bit:
-//      dispatch_units chunk; a receiver of the other kind reports kPhaseLlUnitsMismatch), then dwords[me][le] =
+//      Block 0 stores dwords[me][E] = (epoch << 32) | kind bits | T on every peer first (bit 31 dispatch_units
+//      chunk, bit 30 dispatch_place slot; a receiver of another kind reports kPhaseLlUnitsMismatch), then dwords[me][le] =
 //      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
 //   send: per token nx x ng own-chunk units (chunk of kS x 32 vectors straight into the slots of my
 //      experts k with k % ng == g, ng = how many times the units fit the warps, 1..topk, so a small
 //      batch's stores spread over many SMs; scales and pair; tmap / tw of those experts with the first
 //      chunk; no stage, no flag: kernel completion orders them for the caller and for combine) and
 //      one unit per peer d: if t has an
-//      expert on d, its row into stage[me, t] on d, tmap / tw for those experts; then __syncwarp and
+//      expert on d, its row into stage[me, t] on d (dispatch_place slot: into the slot of t's first expert on
+//      d, with its scales and pair entry), tmap / tw for those experts; then __syncwarp and
 //      lane 0 stores tflags[me, t] on d = (epoch << 32) | hit with st.release.sys (hit 0: relaxed,
 //      nothing behind it), so d can wait for every token of every source. With dispatch_units chunk
 //      (LlDispatchUnits) a peer unit is (token, peer, chunk c of kS x 32 vectors): chunk c of the row into
@@ -126,9 +129,11 @@ struct RowScales {
 
 // Receive unit (source s, token t, chunk c of kS x 32 vectors): lane k < topk reads tmap[s, t, k]
 // (another epoch: that expert is not mine) and the warp copies chunk c of stage[s, t] into x at
-// each valid slot (for c = 0 also the scales and pair = t * topk + k). Both syncs.
+// each valid slot (for c = 0 also the scales and pair = t * topk + k). Both syncs. from_slot (token
+// sync, dispatch_place slot): the source put the row, its scales and its pair entry straight into the
+// slot of the lowest valid lane's expert; the warp copies chunk c from there into the other valid slots.
 __device__ __forceinline__ void place_staged_chunk(const EpParams& p, const LlParams& lp, int s, int t, int c,
-                                                   int epoch, int lane) {
+                                                   int epoch, int lane, bool from_slot = false) {
   const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4;
   const uint8_t* mybase = p.peer_base[p.rank];
   const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tmap);
@@ -142,17 +147,22 @@ __device__ __forceinline__ void place_staged_chunk(const EpParams& p, const LlPa
   const unsigned mask = __ballot_sync(0xffffffffu, valid);
   if (mask == 0) return;  // no expert of this token here (warp-uniform)
   const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
-  const int4* src = reinterpret_cast<const int4*>(mybase + lp.off_stage + srow * p.row_bytes);
+  const int first = __ffs(mask) - 1;
+  const size_t fslot = (size_t)__shfl_sync(0xffffffffu, slot, first);
+  const unsigned todo0 = from_slot ? mask & (mask - 1) : mask;  // slot placement: the first slot holds it already
+  if (todo0 == 0) return;  // warp-uniform
+  const int4* src = reinterpret_cast<const int4*>(
+      from_slot ? xr + fslot * p.row_bytes : mybase + lp.off_stage + srow * p.row_bytes);
   int4 buf[kS];
 #pragma unroll
   for (int q = 0; q < kS; ++q) {
     const int i = c * 32 * kS + q * 32 + lane;
     if (i < V) buf[q] = src[i];  // written by a peer during this kernel: no .nc
   }
-  const float* ssrc = reinterpret_cast<const float*>(mybase + lp.off_sscales) + srow * ns;
+  const float* ssrc = from_slot ? xs + fslot * ns : reinterpret_cast<const float*>(mybase + lp.off_sscales) + srow * ns;
   RowScales sc;
   if (c == 0) sc.load(ssrc, ns, lane);
-  for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+  for (unsigned todo = todo0; todo != 0; todo &= todo - 1) {
     const int b = __ffs(todo) - 1;
     const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
     int4* dst = reinterpret_cast<int4*>(xr + sl * p.row_bytes);
@@ -318,9 +328,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
   if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
     dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
-    // first: the receivers' blocks wait for it; bit 31 says chunk units (T < 2^31), so a receiver set to the
-    // other kind stops with an error instead of copying chunks whose flags it does not wait for
-    st_relaxed_sys_u64(dwords_of_me + E, tag | (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (unsigned)T);
+    // first: the receivers' blocks wait for it; bits 31 / 30 say chunk units / slot placement (T < 2^30), so a
+    // receiver set to another kind stops with an error instead of copying what it did not wait for
+    st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
   }
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) {
     const int e = s_idx[i], t = i / topk;
@@ -408,9 +418,17 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       }
       continue;
     }
+    // where the row lands on d: stage[me, t] (place stage), or the slot of t's first expert on d (place slot:
+    // the lowest hit lane's; d copies it from there into the others' slots, so a row with one expert on d
+    // needs no copy at all)
+    const int slot = hit ? (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e) : 0;
+    const bool in_slot = lp.dispatch_place == kLlPlaceSlot;
     if (mask != 0) {
+      const int first = __ffs(mask) - 1;
+      const size_t fslot = (size_t)__shfl_sync(0xffffffffu, slot, first);
       const size_t srow = (size_t)me * Tm + t;
-      int4* dst = reinterpret_cast<int4*>(pb + lp.off_stage + srow * p.row_bytes);
+      int4* dst = reinterpret_cast<int4*>(in_slot ? pb + lp.off_x + fslot * p.row_bytes
+                                                  : pb + lp.off_stage + srow * p.row_bytes);
       const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
       if (pnx == 1) {
         copy_row(dst, src, V, lane);
@@ -428,13 +446,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
         }
       }
       if (ns && pc == 0 && !(lp.probe_skip & kLlSkipSmallStores)) {
-        float* dst = reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
+        float* dst = in_slot ? reinterpret_cast<float*>(pb + lp.off_scales) + fslot * ns
+                             : reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
         for (int i = lane; i < ns; i += 32) dst[i] = a.x_scales[(size_t)t * ns + i];
       }
+      if (in_slot && pc == 0 && lane == 0) reinterpret_cast<int*>(pb + lp.off_pair)[fslot] = t * topk + first;
     }
     if (hit && !(lp.probe_skip & kLlSkipSmallStores)) {  // the pair's slot and weight, where d's combine reads them
       const size_t tk = ((size_t)me * Tm + t) * topk + lane;
-      const int slot = (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e);
       reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
       reinterpret_cast<float*>(pb + lp.off_tw)[tk] = w;
     }
@@ -457,8 +476,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       const unsigned long long v =
           ll_wait_epoch_u64(p, dwords + (size_t)threadIdx.x * (E + 1) + E, epoch, threadIdx.x, kPhaseLlDispatch);
       const unsigned lo = (unsigned)(v & 0xffffffffu);
-      n = (int)(v >> 32) == epoch ? (int)(lo & 0x7fffffffu) : 0;  // later epoch: nothing of it is mine (header)
-      if ((int)(v >> 32) == epoch && (lo >> 31) != (lp.dispatch_units == kLlUnitsChunk ? 1u : 0u)) {
+      n = (int)(v >> 32) == epoch ? (int)(lo & ~kLlUnitsBitsMask) : 0;  // later epoch: nothing of it is mine (header)
+      if ((int)(v >> 32) == epoch && (lo & kLlUnitsBitsMask) != ll_units_bits(lp)) {
         report_timeout(p.dev_error, p.host_error, me, threadIdx.x, kPhaseLlUnitsMismatch);  // abort every wait
         n = 0;
       }
@@ -508,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     __syncwarp();
     if ((int)(v >> 32) != epoch || (v & 1u) == 0) continue;  // not for me (or a later epoch, or given up)
     if (lp.probe_skip & kLlSkipReceive) continue;  // measuring aid (LlProbeSkip): the flag waited for, no copy
-    place_staged_chunk(p, lp, s, t, c, epoch, lane);
+    place_staged_chunk(p, lp, s, t, c, epoch, lane, lp.dispatch_place == kLlPlaceSlot);
   }
   ll_stamp(lp, kLlReceived);
   ll_store_epoch_slots(lp, lp.eslots, lp.epochs + 0, epoch);

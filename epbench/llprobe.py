@@ -334,7 +334,8 @@ def header_line(info: Dict[str, Any]) -> str:
         chained += f", combine order {cfg.get('combine_order')}"
     if "token" in kernels:
         tk = kernels["token"]
-        chained += f", token dispatch units {tk.get('dispatch_units')}, release {tk.get('combine_release')}"
+        chained += (f", token dispatch units {tk.get('dispatch_units')}, place {tk.get('dispatch_place', 'stage')}, "
+                    f"release {tk.get('combine_release')}")
     return (f"# {info.get('device', '?')}, {where}, hidden {info.get('hidden')}, top-{info.get('topk')} of "
             f"{info.get('experts')} experts, {info.get('dtype')} dispatch, {info.get('iters')} graph replays "
             f"after {info.get('warmup')}, {info.get('warps')} warps unless named{chained}")

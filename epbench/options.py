@@ -133,6 +133,12 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "notes/LATENCY-NEXT.md); the same bytes land either way; rows record the one used "
                                  "(row under ll_sync grid, which ignores it)", choices=("auto", "row", "chunk"),
                                  env="EPBENCH_LL_DISPATCH_UNITS"),
+        "dispatch_place": Option(str, "stage", "where the token-sync dispatch puts a peer's row on the receiver: stage "
+                                 "(a staging row, copied by the receiver into each of its experts' slots) or slot (the "
+                                 "slot of the token's first expert there, so only its other experts' slots are copied; "
+                                 "notes/LATENCY-NEXT.md); the same outputs, valid until this rank's combine (stage: until its next "
+                                 "dispatch); every rank must agree (a mismatch stops at once); rows record the one used (stage under ll_sync grid, which ignores it)",
+                                 choices=("stage", "slot"), env="EPBENCH_LL_DISPATCH_PLACE"),
         "combine_release": Option(str, "batch", "how the token-sync combine releases its pushes' flags: unit (a "
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
                                   "to 2 pushes, then one fence and their flags: 4 x H200, 1.5-1.8 us faster at 128-256 "

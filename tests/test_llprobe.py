@@ -138,9 +138,11 @@ def test_spread_ranks_keep_their_own_clocks_and_show_the_slowest() -> None:
 def test_spread_needs_ranks_and_is_in_the_header() -> None:
     assert llprobe.probe_options("1", "32", 7168, 8, 64, "fp8", "grid", 1, 1, "1", 4, spread=True).spread
     info = {"device": "H200", "world": 4, "spread": True, "chains": [1],
-            "kernels": {"token": {"combine_order": "rotated", "dispatch_units": "chunk", "combine_release": "unit"}}}
+            "kernels": {"token": {"combine_order": "rotated", "dispatch_units": "chunk", "dispatch_place": "slot",
+                                  "combine_release": "unit"}}}
     line = llprobe.header_line(info)
-    assert "world 4: one GPU per rank" in line and "combine order rotated, token dispatch units chunk, release unit" in line
+    assert "world 4: one GPU per rank" in line
+    assert "combine order rotated, token dispatch units chunk, place slot, release unit" in line
 
 
 def test_ranks_must_have_the_same_calls() -> None:

@@ -473,7 +473,7 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     from epbench.contract import RankSetup
 
     error_word = ctypes.c_int(0)
-    calls, units_set, releases = [], [], []
+    calls, units_set, releases, places = [], [], [], []
 
     class Lib:
         def ep_ll_create(self, cfg, out):
@@ -493,6 +493,10 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
             units_set.append(units)
             return 0
 
+        def ep_ll_set_dispatch_place(self, ctx, place):
+            places.append(place)
+            return 0
+
         def ep_ll_set_combine_release(self, ctx, release):
             releases.append(release)
             return 0
@@ -506,7 +510,8 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     monkeypatch.setattr(ll.EpbenchLowLatencyBackend, "unavailable_reason", classmethod(lambda cls, s: None))
     setup = RankSetup(rank=0, world=1, gpus_per_node=1, device=torch.device("cuda", 0), hidden=128,
                       max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16", mode="low_latency")
-    for var in ("EPBENCH_LL_COMBINE_ORDER", "EPBENCH_LL_DISPATCH_UNITS", "EPBENCH_LL_COMBINE_RELEASE"):
+    for var in ("EPBENCH_LL_COMBINE_ORDER", "EPBENCH_LL_DISPATCH_UNITS", "EPBENCH_LL_COMBINE_RELEASE",
+                "EPBENCH_LL_DISPATCH_PLACE"):
         monkeypatch.delenv(var, raising=False)  # every backend below takes the defaults
     assert ll.EpbenchLowLatencyBackend(setup).effective_config()["combine_order"] == "rotated"
     be = ll.EpbenchLowLatencyBackend(setup, combine_order="source")
@@ -533,6 +538,14 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert grid.effective_config()["combine_release"] == "grid"
     single.use_combine_release("batch")
     assert releases[-1] == 1 and single.effective_config()["combine_release"] == "batch"
+    # dispatch_place: stage by default, slot set in the kernels and recorded where the token dispatch runs
+    assert set(places) == {0} and token.effective_config()["dispatch_place"] == "stage"
+    slotted = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_place="slot")
+    assert places[-1] == 1 and slotted.effective_config()["dispatch_place"] == "slot"
+    assert ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_place="slot").effective_config()[
+        "dispatch_place"] == "stage"  # the grid dispatch always stages
+    slotted.use_dispatch_place("stage")
+    assert places[-1] == 0 and slotted.effective_config()["dispatch_place"] == "stage"
 
 
 def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
@@ -552,6 +565,11 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert "enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };" in header
     assert "enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1 };" in header
     assert options.resolve("epbench-ll", {}, environ={})["combine_release"] == "batch"
+    assert options.resolve("epbench-ll", {}, environ={})["dispatch_place"] == "stage"
+    assert ll.PLACES == {"stage": 0, "slot": 1}
+    assert "enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1 };" in header
+    with pytest.raises(UserError, match="dispatch_place: must be one of stage, slot, got 'peer'"):
+        options.validate({"epbench-ll": {"dispatch_place": "peer"}})
     with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})
 

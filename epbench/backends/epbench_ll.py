@@ -17,10 +17,11 @@ row); ``ll_sync`` grid|token picks how both kernels synchronise (grid-wide hands
 flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source|rotated the order of
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
 row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
-``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease).
-All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto and batch; env
+``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease);
+``dispatch_place`` stage|slot where the token-sync dispatch puts a peer's row (LlDispatchPlace).
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and stage; env
 EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
-EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE).
+EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE / EPBENCH_LL_DISPATCH_PLACE).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
 figures in notes/KERNELS.md, "Low-latency mode".
@@ -44,6 +45,7 @@ MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kerne
 SYNCS = {"grid": 0, "token": 1}  # option ll_sync -> enum LlSync (csrc/ll_common.cuh)
 ORDERS = {"source": 0, "rotated": 1}  # option combine_order -> enum LlCombineOrder (csrc/ll_common.cuh)
 UNITS = {"row": 0, "chunk": 1}  # option dispatch_units -> enum LlDispatchUnits (csrc/ll_common.cuh)
+PLACES = {"stage": 0, "slot": 1}  # option dispatch_place -> enum LlDispatchPlace (csrc/ll_common.cuh)
 RELEASES = {"unit": 0, "batch": 1}  # option combine_release -> enum LlCombineRelease (csrc/ll_common.cuh)
 TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's shared memory
 
@@ -120,18 +122,19 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
 
     def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None,
                  ll_sync: Optional[str] = None, combine_order: Optional[str] = None,
-                 dispatch_units: Optional[str] = None, combine_release: Optional[str] = None) -> None:
+                 dispatch_units: Optional[str] = None, combine_release: Optional[str] = None,
+                 dispatch_place: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-ll backend unavailable: {reason}")
         self.s = setup
         given = (("warps", warps), ("combine_chunk", combine_chunk), ("ll_sync", ll_sync),
                  ("combine_order", combine_order), ("dispatch_units", dispatch_units),
-                 ("combine_release", combine_release))
+                 ("combine_release", combine_release), ("dispatch_place", dispatch_place))
         resolved = options.resolve(self.name, {k: v for k, v in given if v is not None})
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
         self.combine_order, self.dispatch_units = resolved["combine_order"], resolved["dispatch_units"]
-        self.combine_release = resolved["combine_release"]
+        self.combine_release, self.dispatch_place = resolved["combine_release"], resolved["dispatch_place"]
         self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank)
         self.dispatch_units = dispatch_units_for(self.dispatch_units, setup.max_tokens_per_rank)
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
@@ -154,6 +157,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         cuda_lib.check(self._lib.ep_ll_set_sync(self._ctx, SYNCS[self.ll_sync]), "ep_ll_set_sync")
         self.use_combine_order(self.combine_order)
         self.use_dispatch_units(self.dispatch_units)
+        self.use_dispatch_place(self.dispatch_place)
         self.use_combine_release(self.combine_release)
         self._open_peers()
         self._views()
@@ -205,6 +209,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         return {"warps": self.warps, "combine_chunk": self.combine_chunk, "ll_sync": self.ll_sync,
                 "combine_order": self.combine_order,
                 "dispatch_units": self.dispatch_units if self.ll_sync == "token" else "row",
+                "dispatch_place": self.dispatch_place if self.ll_sync == "token" else "stage",
                 "combine_release": self.combine_release if self.ll_sync == "token" else "grid"}
 
     def use_combine_order(self, order: str) -> None:
@@ -220,6 +225,12 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         units = dispatch_units_for(units, self.s.max_tokens_per_rank)
         cuda_lib.check(self._lib.ep_ll_set_dispatch_units(self._ctx, UNITS[units]), "ep_ll_set_dispatch_units")
         self.dispatch_units = units
+
+    def use_dispatch_place(self, place: str) -> None:
+        """Where later token-sync dispatches put a peer's row on the receiver (option dispatch_place: stage |
+        slot; csrc/ll_common.cuh, LlDispatchPlace). Every rank must switch before the same call."""
+        cuda_lib.check(self._lib.ep_ll_set_dispatch_place(self._ctx, PLACES[place]), "ep_ll_set_dispatch_place")
+        self.dispatch_place = place
 
     def use_combine_release(self, release: str) -> None:
         """How later token-sync combines release their pushes' flags (option combine_release: unit |

@@ -8,8 +8,9 @@ within its tolerance) and agree with each other; fresh random inputs and poisone
 each time, twice per case (buffers and flags reused), then once more through CUDA-graph replays
 (captured once, replayed twice with new token values). Last, a deliberately missing peer must
 raise naming it, not hang. orders: each case's combine in both push orders (backend option
-combine_order) and, with token sync, after a dispatch of chunk peer units (option dispatch_units) and
-with batched flag releases (option combine_release), launched and through graph replays: every
+combine_order) and, with token sync, after a dispatch of chunk peer units (option dispatch_units), with
+batched flag releases (option combine_release) and with peer rows put straight into their first slot (option
+dispatch_place), launched and through graph replays: every
 output verified and every combine bit-equal. Exit code 0 only if every check passed. The GPU tests run several of these in one
 launch through tests/gpu/suite_worker.py.
 """
@@ -170,21 +171,24 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, salt, device), routings[r],
                              case.dtype, device) for r in range(world)]
     got = {}
-    configs = [("source", "row", "unit"), ("rotated", "row", "unit")] + (
-        [("rotated", "chunk", "unit"), ("rotated", "row", "batch")] if sync == "token" else [])
-    for order, units, release in configs:
+    configs = [("source", "row", "unit", "stage"), ("rotated", "row", "unit", "stage")] + (
+        [("rotated", "chunk", "unit", "stage"), ("rotated", "row", "batch", "stage"),
+         ("rotated", "row", "batch", "slot"), ("rotated", "chunk", "unit", "slot")] if sync == "token" else [])
+    for order, units, release, place in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
+        kernels.use_dispatch_place(place)  # likewise
         kernels.use_combine_release(release)
         for how, calls in (("launch", launch_calls(kernels, inputs[rank], sms, rank)),
                            ("graph", graph_calls(kernels, inputs[rank], sms, rank))):
-            d, c, got[order, units, release, how] = one_call(kernels, calls, inputs[rank], rank, world,
-                                                             case.experts_per_rank, lambda r: inputs[r])
+            d, c, got[order, units, release, place, how] = one_call(kernels, calls, inputs[rank], rank, world,
+                                                                    case.experts_per_rank, lambda r: inputs[r])
             for what, r in (("dispatch", d), ("combine", c)):
                 if r.wrong:
-                    problems.append(f"{order} {units} {release} {how} {what}: {r.wrong} wrong ({r.first_problem})")
+                    problems.append(f"{order} {units} {release} {place} {how} {what}: {r.wrong} wrong "
+                                    f"({r.first_problem})")
     bits = {k: v.view(torch.int16) for k, v in got.items()}
-    first = bits["source", "row", "unit", "launch"]
+    first = bits["source", "row", "unit", "stage", "launch"]
     for key, b in bits.items():
         if not torch.equal(b, first):
             rows = int((b != first).any(dim=1).sum())
@@ -204,33 +208,37 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
 
 def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Token sync: rank 0 dispatches with chunk peer units, the others with row units (hidden 2048 bf16: 2
-    chunks a row). Every rank must raise at once naming dispatch_units (the T word's chunk bit), never copy
-    chunks it did not wait for and never wait out the timeout (10 s here; the check allows 5)."""
+    chunks a row); then rank 0 with slot placement, the others with stage. Each time every rank must raise at
+    once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
+    was put, and never wait out the timeout (10 s here; the check allows 5)."""
     import time
 
     if sync != "token":
         return 0
     case = Case("units mismatch", 2048, [16], 4, 4)
-    be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token",
-                                  dispatch_units="chunk" if rank == 0 else "row")
-    routing = rank_routing(case, rank, world, seed=1)
-    inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
-    dist.barrier()
-    t0 = time.time()
-    try:
-        be.ll_dispatch(inp, 4)
-        torch.cuda.synchronize()
-        be.check_errors()
-        ok, msg = False, "no error raised"
-    except RuntimeError as e:
-        msg = str(e)
-        ok = "disagrees" in msg and "dispatch_units" in msg and time.time() - t0 < 5.0
-    if rank == 0 or not ok:
-        print(f"{'ok  ' if ok else 'FAIL'} [rank {rank}] dispatch_units mismatch -> {msg!r} after "
-              f"{time.time() - t0:.1f} s", flush=True)
-    dist.barrier()
-    be.close()
-    return all_sum(int(not ok), device)
+    failures = 0
+    for what, mine, others in (("dispatch_units", "chunk", "row"), ("dispatch_place", "slot", "stage")):
+        be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token",
+                                      **{what: mine if rank == 0 else others})
+        routing = rank_routing(case, rank, world, seed=1)
+        inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
+        dist.barrier()
+        t0 = time.time()
+        try:
+            be.ll_dispatch(inp, 4)
+            torch.cuda.synchronize()
+            be.check_errors()
+            ok, msg = False, "no error raised"
+        except RuntimeError as e:
+            msg = str(e)
+            ok = "disagrees" in msg and what in msg and time.time() - t0 < 5.0
+        if rank == 0 or not ok:
+            print(f"{'ok  ' if ok else 'FAIL'} [rank {rank}] {what} mismatch -> {msg!r} after "
+                  f"{time.time() - t0:.1f} s", flush=True)
+        dist.barrier()
+        be.close()
+        failures += all_sum(int(not ok), device)
+    return failures
 
 
 def check_suite(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> List[str]:

@@ -51,8 +51,8 @@ def test_ll_kernels_match_verification(built: None, nproc: int, sync: str) -> No
 def test_combine_push_orders_give_bit_equal_outputs(built: None, nproc: int, sync: str) -> None:
     """combine_order rotated against source on the same dispatch, launched and replayed, every case
     (uneven and empty batches included: the rotated order skips units past a short rank's tokens);
-    with token sync also dispatch_units chunk and combine_release batch (every dispatch verified, the
-    combines bit-equal)."""
+    with token sync also dispatch_units chunk, combine_release batch and dispatch_place slot (every dispatch
+    verified, the combines bit-equal)."""
     KERNEL_SUITES.assert_passed(nproc, f"suite ll-orders-{sync} world={nproc}")
 
 
