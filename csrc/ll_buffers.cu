@@ -261,7 +261,7 @@ extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
 }
 
 // Stage or slot placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same value
-// before the same call (a receiver that finds a peer's other kind stops with kPhaseLlUnitsMismatch).
+// before the same call (a receiver that finds a peer's other kind stops with kPhaseLlPlaceMismatch).
 extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
   static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1, "LlDispatchPlace is 0 / 1");
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place, "dispatch place (0 stage, 1 slot)");

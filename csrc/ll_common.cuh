@@ -5,7 +5,8 @@
 // (ep_ipc_handle / ep_open_peers in buffers.cu, on the EpContext that ep_ll_base returns); every
 // rank computes the same offsets, so a peer's buffer = peer_base[peer] + offset.
 // E = experts per rank, C = world * T_max (T_max = max tokens per rank), ns = hidden / 128 (fp8).
-//   shared part (peers write it over NVLink; x, scales, pair are written by the receiver itself)
+//   shared part (peers write it over NVLink; x, scales, pair are written by the receiver itself, and with
+//   dispatch_place slot also by a source: a row into the slot of its token's first expert here)
 //     x          [E, C, row_bytes]       row of source s for local expert e at slot s * T_max + j
 //     scales     [E, C, ns] f32          fp8 only
 //     pair       [E, C] i32              t * topk + k of the row's source token
@@ -30,7 +31,8 @@
 //                                        are here (dispatch_units row: c = 0 for the whole row;
 //                                        tfc = chunks of kLlRowChunkV x 32 vectors per row)
 //     dwords     [world, E + 1] u64      dispatch: (epoch << 32) | rows source s has for my
-//                                        expert le at [s, le], (epoch << 32) | T_s at [s, E]
+//                                        expert le at [s, le], (epoch << 32) | kind bits | T_s at
+//                                        [s, E] (ll_units_bits: chunk units, slot placement)
 //     tcflags    [T_max, world, cch] u64 combine: epoch << 32, stored by rank d into [t, d, c]
 //                                        once chunk c of its partial for my token t landed
 //                                        (cch = chunks of a bf16 row at 1 KiB per chunk)
@@ -54,8 +56,9 @@
 
 #include "common.cuh"
 
-// continue EpPhase (common.cuh); kPhaseLlUnitsMismatch: a peer's dispatch_units differ from this rank's
-enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6, kPhaseLlUnitsMismatch = 7 };
+// continue EpPhase (common.cuh); kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch: a peer's dispatch_units /
+// dispatch_place differ from this rank's (reported at once, from the T word's kind bits)
+enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6, kPhaseLlUnitsMismatch = 7, kPhaseLlPlaceMismatch = 8 };
 
 struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank
@@ -87,7 +90,7 @@ struct LlParams {
 // times such a dispatch alone, unverified, and never runs a combine after it); 0, the default, leaves out nothing.
 // kLlSkipOwnRows: the own-row units (a token's row into my own experts' slots); kLlSkipReceive: the receive
 // copies (each flag is still waited for); kLlSkipSmallStores: the scales and the tmap / tw entries a peer unit
-// stores beside its row (a receiver then finds no slot to copy into).
+// stores beside its row, and with dispatch_place slot its pair entry (a receiver then finds no slot to copy into).
 enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipAll = 7 };
 
 // Phase boundaries stamped per block (thread 0) when LlParams::stamps is set. Dispatch: staged =
@@ -138,7 +141,7 @@ constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk
 enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1 };
 
 // The token dispatch's T word (dwords[source][E]) carries the sender's kind in its two high bits, so a receiver
-// of another kind stops at once (kPhaseLlUnitsMismatch) instead of copying what it did not wait for, or from
+// of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch) instead of copying what it did not wait for, or from
 // where nothing was put: bit 31 chunk units, bit 30 slot placement (T < 2^30).
 constexpr unsigned kLlUnitsBitsMask = 0xc0000000u;
 __host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp) {

@@ -42,7 +42,8 @@
 //      those of t's own chunk below t (token_rank: per lane, no ballot, no loop over topk). Slots are
 //      the contract's (base.py ll_slots).
 //      Block 0 stores dwords[me][E] = (epoch << 32) | kind bits | T on every peer first (bit 31 dispatch_units
-//      chunk, bit 30 dispatch_place slot; a receiver of another kind reports kPhaseLlUnitsMismatch), then dwords[me][le] =
+//      chunk, bit 30 dispatch_place slot; a receiver of another kind reports kPhaseLlUnitsMismatch or
+//      kPhaseLlPlaceMismatch), then dwords[me][le] =
 //      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
 //   send: per token nx x ng own-chunk units (chunk of kS x 32 vectors straight into the slots of my
 //      experts k with k % ng == g, ng = how many times the units fit the warps, 1..topk, so a small
@@ -420,12 +421,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     }
     // where the row lands on d: stage[me, t] (place stage), or the slot of t's first expert on d (place slot:
     // the lowest hit lane's; d copies it from there into the others' slots, so a row with one expert on d
-    // needs no copy at all)
-    const int slot = hit ? (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e) : 0;
-    const bool in_slot = lp.dispatch_place == kLlPlaceSlot;
+    // needs no copy at all). Stage placement computes the slots after the row's stores, beside them in flight.
+    const bool in_slot = lp.dispatch_place == kLlPlaceSlot;  // warp-uniform
+    int slot = 0;
+    if (in_slot && hit) slot = (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e);
     if (mask != 0) {
       const int first = __ffs(mask) - 1;
-      const size_t fslot = (size_t)__shfl_sync(0xffffffffu, slot, first);
+      const size_t fslot = in_slot ? (size_t)__shfl_sync(0xffffffffu, slot, first) : 0;
       const size_t srow = (size_t)me * Tm + t;
       int4* dst = reinterpret_cast<int4*>(in_slot ? pb + lp.off_x + fslot * p.row_bytes
                                                   : pb + lp.off_stage + srow * p.row_bytes);
@@ -450,10 +452,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
                              : reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
         for (int i = lane; i < ns; i += 32) dst[i] = a.x_scales[(size_t)t * ns + i];
       }
-      if (in_slot && pc == 0 && lane == 0) reinterpret_cast<int*>(pb + lp.off_pair)[fslot] = t * topk + first;
+      if (in_slot && pc == 0 && lane == 0 && !(lp.probe_skip & kLlSkipSmallStores))
+        reinterpret_cast<int*>(pb + lp.off_pair)[fslot] = t * topk + first;
     }
     if (hit && !(lp.probe_skip & kLlSkipSmallStores)) {  // the pair's slot and weight, where d's combine reads them
       const size_t tk = ((size_t)me * Tm + t) * topk + lane;
+      if (!in_slot) slot = (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e);
       reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
       reinterpret_cast<float*>(pb + lp.off_tw)[tk] = w;
     }
@@ -477,8 +481,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
           ll_wait_epoch_u64(p, dwords + (size_t)threadIdx.x * (E + 1) + E, epoch, threadIdx.x, kPhaseLlDispatch);
       const unsigned lo = (unsigned)(v & 0xffffffffu);
       n = (int)(v >> 32) == epoch ? (int)(lo & ~kLlUnitsBitsMask) : 0;  // later epoch: nothing of it is mine (header)
-      if ((int)(v >> 32) == epoch && (lo & kLlUnitsBitsMask) != ll_units_bits(lp)) {
-        report_timeout(p.dev_error, p.host_error, me, threadIdx.x, kPhaseLlUnitsMismatch);  // abort every wait
+      const unsigned differ = (lo ^ ll_units_bits(lp)) & kLlUnitsBitsMask;
+      if ((int)(v >> 32) == epoch && differ != 0) {  // abort every wait, naming the option that differs
+        report_timeout(p.dev_error, p.host_error, me, threadIdx.x,
+                       (differ & 0x80000000u) ? kPhaseLlUnitsMismatch : kPhaseLlPlaceMismatch);
         n = 0;
       }
     }

@@ -138,7 +138,8 @@ class DispatchOutput:
 @dataclass
 class LowLatencyOutput:
     """What ll_dispatch returns (layout in the module docstring). Tensors may be views of
-    backend-owned buffers that the next ll_dispatch overwrites; counts stay on the device."""
+    backend-owned buffers that the next ll_dispatch overwrites (epbench-ll with dispatch_place slot:
+    that the peers may overwrite once this rank's ll_combine has run); counts stay on the device."""
 
     x: torch.Tensor  # [E, C, hidden] bf16 or float8_e4m3fn, C = world * T_max
     x_scales: Optional[torch.Tensor]  # [E, C, hidden // 128] float32 (fp8 only)

@@ -69,10 +69,12 @@ def test_a_timed_out_wait_names_rank_peer_and_phase():
 
 
 def test_ranks_with_other_dispatch_units_stop_at_once_naming_the_option():
-    with pytest.raises(RuntimeError, match=r"rank 0 stopped at once, rank 3 disagrees: .*dispatch_units and dispatch_place must be the same"):
+    with pytest.raises(RuntimeError, match=r"rank 0 stopped at once, rank 3 disagrees: .*dispatch_units must be the same"):
         cuda_lib.raise_if_timed_out(_error_record(0, 3, 7), ctypes.c_void_p(), 10.0)
+    with pytest.raises(RuntimeError, match=r"rank 1 stopped at once, rank 2 disagrees: .*dispatch_place must be the same"):
+        cuda_lib.raise_if_timed_out(_error_record(1, 2, 8), ctypes.c_void_p(), 10.0)
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
-    assert "kPhaseLlUnitsMismatch = 7" in header and 7 in cuda_lib.MISMATCH_PHASES
+    assert "kPhaseLlUnitsMismatch = 7, kPhaseLlPlaceMismatch = 8" in header and cuda_lib.MISMATCH_PHASES == (7, 8)
 
 
 def test_no_timeout_raises_nothing():
