@@ -149,7 +149,7 @@ __device__ __forceinline__ void place_staged_chunk(const EpParams& p, const LlPa
   if (mask == 0) return;  // no expert of this token here (warp-uniform)
   const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
   const int first = __ffs(mask) - 1;
-  const size_t fslot = (size_t)__shfl_sync(0xffffffffu, slot, first);
+  const size_t fslot = from_slot ? (size_t)__shfl_sync(0xffffffffu, slot, first) : 0;  // from_slot: warp-uniform
   const unsigned todo0 = from_slot ? mask & (mask - 1) : mask;  // slot placement: the first slot holds it already
   if (todo0 == 0) return;  // warp-uniform
   const int4* src = reinterpret_cast<const int4*>(
@@ -306,6 +306,11 @@ __device__ __forceinline__ int token_rank(const int* s_mask, int NE, int t, int 
   return j;
 }
 
+// Source me's slot on rank d for its token t's expert e (on d): the contract's (base.py ll_slots).
+__device__ __forceinline__ int token_slot(const LlParams& lp, const int* s_mask, int NE, int me, int t, int e, int d) {
+  return (e - d * lp.experts) * lp.capacity + me * lp.t_max + token_rank(s_mask, NE, t, e);
+}
+
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
@@ -395,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       const float* ssrc = a.x_scales + (size_t)t * ns;
       RowScales sc;
       if (rc == 0) sc.load(ssrc, ns, lane);
-      const int slot = hit ? (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e) : 0;
+      const int slot = hit ? token_slot(lp, s_mask, NE, me, t, e, d) : 0;
       float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
       int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
       for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
@@ -424,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     // needs no copy at all). Stage placement computes the slots after the row's stores, beside them in flight.
     const bool in_slot = lp.dispatch_place == kLlPlaceSlot;  // warp-uniform
     int slot = 0;
-    if (in_slot && hit) slot = (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e);
+    if (in_slot && hit) slot = token_slot(lp, s_mask, NE, me, t, e, d);
     if (mask != 0) {
       const int first = __ffs(mask) - 1;
       const size_t fslot = in_slot ? (size_t)__shfl_sync(0xffffffffu, slot, first) : 0;
@@ -457,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     }
     if (hit && !(lp.probe_skip & kLlSkipSmallStores)) {  // the pair's slot and weight, where d's combine reads them
       const size_t tk = ((size_t)me * Tm + t) * topk + lane;
-      if (!in_slot) slot = (e - d * E) * lp.capacity + me * Tm + token_rank(s_mask, NE, t, e);
+      if (!in_slot) slot = token_slot(lp, s_mask, NE, me, t, e, d);
       reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
       reinterpret_cast<float*>(pb + lp.off_tw)[tk] = w;
     }
