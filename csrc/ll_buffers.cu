@@ -91,6 +91,12 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.off_tflags = c.take(tflag_bytes);
   lp.off_dwords = c.take(dword_bytes);
   lp.off_tcflags = c.take(tcflag_bytes);
+  lp.lrow_head = ll_inline_head(p.topk, p.num_scales);
+  lp.lrow_words = lp.lrow_head + 4 * (p.row_bytes / 16);
+  const size_t lstage_bytes = (size_t)p.world * lp.t_max * lp.lrow_words * sizeof(unsigned long long);
+  const size_t lcrow_bytes = (size_t)lp.t_max * p.world * 4 * (p.hidden / 8) * sizeof(unsigned long long);
+  lp.off_lstage = c.take(lstage_bytes);
+  lp.off_lcrows = c.take(lcrow_bytes);
   ep->shared_bytes = c.next;
   ctx->off_y = c.take(slots * p.hidden * 2);
   ctx->off_out = c.take((size_t)lp.t_max * p.hidden * 2);
@@ -127,6 +133,8 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaMemset(r + lp.off_tflags, 0, tflag_bytes));
   CUDA_CHECK(cudaMemset(r + lp.off_dwords, 0, dword_bytes));
   CUDA_CHECK(cudaMemset(r + lp.off_tcflags, 0, tcflag_bytes));
+  CUDA_CHECK(cudaMemset(r + lp.off_lstage, 0, lstage_bytes));
+  CUDA_CHECK(cudaMemset(r + lp.off_lcrows, 0, lcrow_bytes));
   CUDA_CHECK(cudaMemset(r + ctx->off_eslots, 0, 2 * (size_t)lp.eslot_count * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counts, 0, (size_t)lp.experts * sizeof(long long)));
   CUDA_CHECK(cudaMemset(r + ctx->off_src_counts, 0, (size_t)lp.experts * p.world * sizeof(int)));
@@ -238,9 +246,9 @@ extern "C" int ep_ll_set_sync(void* vctx, int sync) {
 
 // The launch choices below are two-valued (0 or 1) fields of LlParams that later launches copy, so a captured
 // graph keeps the value it was captured with; `what` names the choice and its two values for the error.
-static int ll_set_choice(int* field, int value, const char* what) {
-  if (value != 0 && value != 1) {
-    ep_set_error("low-latency %s must be 0 or 1, got %d", what, value);
+static int ll_set_choice(int* field, int value, const char* what, int last = 1) {
+  if (value < 0 || value > last) {
+    ep_set_error("low-latency %s must be 0..%d, got %d", what, last, value);
     return -1;
   }
   *field = value;
@@ -260,18 +268,20 @@ extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_units, units, "dispatch units (0 row, 1 chunk)");
 }
 
-// Stage or slot placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same value
-// before the same call (a receiver that finds a peer's other kind stops with kPhaseLlPlaceMismatch).
+// Stage, slot or inline placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same
+// value before the same call (a receiver that finds a peer's other kind stops with kPhaseLlPlaceMismatch).
 extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
-  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1, "LlDispatchPlace is 0 / 1");
-  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place, "dispatch place (0 stage, 1 slot)");
+  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2, "LlDispatchPlace is 0 / 1 / 2");
+  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place, "dispatch place (0 stage, 1 slot, 2 inline)", 2);
 }
 
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either
-// way, so ranks may differ and it may change between launches.
+// way, so ranks may differ there and it may change between launches. Inline (no flags) must be the same on every
+// rank at the dispatch before the combine (its T word carries it: kPhaseLlReleaseMismatch).
 extern "C" int ep_ll_set_combine_release(void* vctx, int release) {
-  static_assert(kLlReleaseUnit == 0 && kLlReleaseBatch == 1, "LlCombineRelease is 0 / 1");
-  return ll_set_choice(&((LlContext*)vctx)->lp.combine_release, release, "combine release (0 unit, 1 batch)");
+  static_assert(kLlReleaseUnit == 0 && kLlReleaseBatch == 1 && kLlReleaseInline == 2, "LlCombineRelease is 0 / 1 / 2");
+  return ll_set_choice(&((LlContext*)vctx)->lp.combine_release, release,
+                       "combine release (0 unit, 1 batch, 2 inline)", 2);
 }
 
 // ---- measuring aids (ep_ll_set_probe, ep_ll_set_probe_skip, ep_ll_probe; notes/LATENCY.md) ----

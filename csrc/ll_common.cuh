@@ -36,6 +36,11 @@
 //     tcflags    [T_max, world, cch] u64 combine: epoch << 32, stored by rank d into [t, d, c]
 //                                        once chunk c of its partial for my token t landed
 //                                        (cch = chunks of a bf16 row at 1 KiB per chunk)
+//     lstage     [world, T_max, Lw] u64  dispatch_place inline: source s's token t as inline words
+//                                        (LlInlineRow), each 4 bytes of payload beside the epoch; no flag
+//     lcrows     [T_max, world, 4 V] u64  combine_release inline: rank d's partial for my token t as
+//                                        inline words (V = hidden / 8 vectors of 16 bytes); no flag
+//                                        (both zeroed at creation: a word of epoch 0 is never current)
 //   local part
 //     y          [E, C, hidden] bf16     combine input, filled by the caller
 //     out        [T_max, hidden] bf16    combine result
@@ -58,12 +63,21 @@
 
 // continue EpPhase (common.cuh); kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch: a peer's dispatch_units /
 // dispatch_place differ from this rank's (reported at once, from the T word's kind bits)
-enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6, kPhaseLlUnitsMismatch = 7, kPhaseLlPlaceMismatch = 8 };
+// kPhaseLlReleaseMismatch: a peer's combine_release is inline and this rank's is not, or the other way round
+enum LlPhase {
+  kPhaseLlDispatch = 5,
+  kPhaseLlCombine = 6,
+  kPhaseLlUnitsMismatch = 7,
+  kPhaseLlPlaceMismatch = 8,
+  kPhaseLlReleaseMismatch = 9
+};
 
 struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank
   size_t off_x, off_scales, off_pair, off_stage, off_sscales, off_cnt, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
   size_t off_tflags, off_dwords, off_tcflags;  // ll_sync = token only
+  size_t off_lstage, off_lcrows;               // inline words (dispatch_place / combine_release inline)
+  int lrow_head, lrow_words;                   // LlInlineRow: words before the row's, and in all
   int cflag_chunks;                            // cch: combine flags per (token, rank), hidden / 512 rounded up
   int tflag_chunks;                            // tfc: dispatch flags per (source, token): row chunks
   int* eslots;                                 // [2, eslot_count]: token-sync epochs (dispatch, combine)
@@ -138,23 +152,80 @@ constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk
 // slots); kLlPlaceSlot, the slot of the token's first expert there (the lowest topk index among them), with its
 // scales and pair entry (the receiver copies it into the others' slots only). Same outputs either way. Every
 // rank must use the same value; the grid dispatch ignores it.
-enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1 };
+// kLlPlaceInline: lstage[source, token], every 4 bytes of the row, its scales, slots and weights in a word of its
+// own beside the epoch (LlInlineRow), so the receiver reads each word as it lands: no sender fence, no flag, twice
+// the bytes on the link.
+enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };
 
-// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its two high bits, so a receiver
-// of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch) instead of copying what it did not wait for, or from
-// where nothing was put: bit 31 chunk units, bit 30 slot placement (T < 2^30).
-constexpr unsigned kLlUnitsBitsMask = 0xc0000000u;
-__host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp) {
-  return (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (lp.dispatch_place == kLlPlaceSlot ? 0x40000000u : 0u);
-}
+// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its four high bits, so a receiver
+// of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch / kPhaseLlReleaseMismatch) instead
+// of copying what it did not wait for, from where nothing was put, or waiting in its combine for flags that never
+// come: bit 31 chunk units, bit 30 slot placement, bit 29 inline placement, bit 28 the inline combine (T < 2^28).
+constexpr unsigned kLlUnitsBitsMask = 0xf0000000u;
+constexpr unsigned kLlPlaceBits = 0x60000000u, kLlReleaseBits = 0x10000000u;
+__host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp);
 
 // How the token combine releases its push units' flags (ep_ll_set_combine_release, backend option
 // combine_release): kLlReleaseUnit, a __syncwarp and st.release.sys after every unit (the next unit waits for
 // the fence); kLlReleaseBatch, up to kLlReleaseBatchUnits units pushed back to back, then one __syncwarp, one
 // fence.acq_rel.sys and a relaxed system-scope store of each unit's flag. Same flags, values and bytes. The
 // grid combine releases once per grid and ignores it.
-enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1 };
+// kLlReleaseInline: no flag and no fence at all: every 4 bytes of a push go in a word of their own beside the epoch
+// (lcrows), so the source's reduce reads each word as it lands; twice the bytes on the link. Unlike unit and
+// batch, every rank must agree (the dispatch's T word carries it: kPhaseLlReleaseMismatch).
+enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1, kLlReleaseInline = 2 };
 constexpr int kLlReleaseBatchUnits = 2;
+
+__host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp) {
+  return (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (lp.dispatch_place == kLlPlaceSlot ? 0x40000000u : 0u) |
+         (lp.dispatch_place == kLlPlaceInline ? 0x20000000u : 0u) |
+         (lp.combine_release == kLlReleaseInline ? kLlReleaseBits : 0u);
+}
+
+// Inline words (dispatch_place / combine_release inline): word = (epoch << 32) | 4 bytes of payload, stored with
+// st.relaxed.sys (8-byte aligned: single-copy atomic, so a reader sees the old word or the new one whole, never a
+// mix) and read with ld.relaxed.sys until its epoch is current. A word carries its own proof of arrival, so no
+// fence orders it and no flag follows it: the receiver's wait is the link's one-way latency, not the sender's
+// fence round trip plus the flag's trip. Zeroed at creation (epochs start at 1). Pairs of words move as one
+// 16-byte access (.v2.u64): two 8-byte accesses, each atomic, each checked on its own.
+// LlInlineRow (dispatch, [world, T_max] of lrow_words words): [0, topk) the slot on the receiver of the token's
+// k-th expert, or 0xffffffff when that expert is not the receiver's (every (token, peer) stores these, hit or
+// not: they tell the receiver whether a row follows); [topk, 2 topk) its weight (float bits, hit only); then ns
+// scale words; from lrow_head (a multiple of 4) 4 words per 16-byte vector of the row.
+constexpr unsigned kLlNoSlot = 0xffffffffu;
+__host__ __device__ inline int ll_inline_head(int topk, int ns) { return (2 * topk + ns + 3) / 4 * 4; }
+
+__device__ __forceinline__ void st_relaxed_sys_v2u64(unsigned long long* p, unsigned long long a, unsigned long long b) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+
+__device__ __forceinline__ void ld_relaxed_sys_v2u64(const unsigned long long* p, unsigned long long& a,
+                                                     unsigned long long& b) {
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One 16-byte vector as four inline words at w (32-byte aligned).
+__device__ __forceinline__ void st_inline_v4(unsigned long long* w, const int4& v, unsigned long long tag) {
+  st_relaxed_sys_v2u64(w, tag | (unsigned)v.x, tag | (unsigned)v.y);
+  st_relaxed_sys_v2u64(w + 2, tag | (unsigned)v.z, tag | (unsigned)v.w);
+}
+
+// Loads the vector of the four inline words at w into v; true when all four are of `epoch` or later (32-bit
+// wrap-safe; a later epoch cannot occur for a word a peer writes for me, the kernels' reuse arguments).
+__device__ __forceinline__ bool ld_inline_v4(const unsigned long long* w, int epoch, int4& v) {
+  unsigned long long a, b, c, d;
+  ld_relaxed_sys_v2u64(w, a, b);
+  ld_relaxed_sys_v2u64(w + 2, c, d);
+  v = make_int4((int)(unsigned)a, (int)(unsigned)b, (int)(unsigned)c, (int)(unsigned)d);
+  return (int)(a >> 32) - epoch >= 0 && (int)(b >> 32) - epoch >= 0 && (int)(c >> 32) - epoch >= 0 &&
+         (int)(d >> 32) - epoch >= 0;
+}
 
 struct LlContext {
   EpContext* ep;  // region, device, peers and the timeout record, as in normal mode
@@ -207,6 +278,18 @@ __device__ __forceinline__ unsigned long long ll_wait_epoch_u64(const EpParams& 
   unsigned long long v = 0;
   const bool ok = ll_spin(p, peer, phase, [&] {
     v = ld_acquire_sys_u64(flag);
+    return (int)(v >> 32) - epoch >= 0;
+  });
+  return ok ? v : 0;
+}
+
+// Spins until the inline word's epoch reaches `epoch` (a relaxed load: the word carries its payload, nothing is
+// ordered behind it); returns the word (0 on give-up).
+__device__ __forceinline__ unsigned long long ll_wait_inline_u64(const EpParams& p, const unsigned long long* word,
+                                                                 int epoch, int peer, int phase) {
+  unsigned long long v = 0;
+  const bool ok = ll_spin(p, peer, phase, [&] {
+    v = ld_relaxed_sys_u64(word);
     return (int)(v >> 32) - epoch >= 0;
   });
   return ok ? v : 0;

@@ -311,7 +311,140 @@ __device__ __forceinline__ int token_slot(const LlParams& lp, const int* s_mask,
   return (e - d * lp.experts) * lp.capacity + me * lp.t_max + token_rank(s_mask, NE, t, e);
 }
 
-template <int kThreads>
+// Peer unit of the inline placement (kLlPlaceInline): chunk pc of token t's row (pnx 1: the whole row) as inline
+// words into lstage[me, t] on d (LlInlineRow); the chunk-0 unit also stores the slot word of each of t's experts
+// (kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
+// on d, the weight and scale words. Every load is issued before the first store (a load after a store that
+// may alias it waits for the store), and nothing is fenced or flagged: each word carries its epoch.
+__device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
+                                            const int* s_mask, int NE, int t, int e, int d, bool hit, unsigned mask,
+                                            float w, int pc, int pnx, int lane, unsigned long long tag) {
+  const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4, me = p.rank;
+  unsigned long long* lr =
+      reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)me * lp.t_max + t) * lp.lrow_words;
+  const float* ssrc = a.x_scales + (size_t)t * ns;
+  RowScales sc;
+  if (pc == 0 && mask != 0) sc.load(ssrc, ns, lane);
+  const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+  int4 buf[kU];
+  const int v0 = pnx == 1 ? 0 : pc * 32 * kS, v1 = pnx == 1 ? V : min(V, (pc + 1) * 32 * kS);
+  if (mask != 0) {  // the first kU x 32 vectors of the unit's range: in flight before the slot words go out
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = v0 + u * 32 + lane;
+      if (i < v1) buf[u] = ld_nc_v4(src + i);
+    }
+  }
+  if (pc == 0 && lane < topk) {
+    const unsigned slot = hit ? (unsigned)token_slot(lp, s_mask, NE, me, t, e, d) : kLlNoSlot;
+    st_relaxed_sys_u64(lr + lane, tag | slot);
+    if (hit) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
+  }
+  if (mask == 0) return;  // warp-uniform
+  if (pc == 0) {
+#pragma unroll
+    for (int q = 0; q < RowScales::kRegs; ++q)
+      if (lane + 32 * q < ns) st_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q, tag | __float_as_uint(sc.v[q]));
+    for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32)  // hidden > 16384 only
+      st_relaxed_sys_u64(lr + 2 * topk + i, tag | __float_as_uint(ssrc[i]));
+  }
+  unsigned long long* rw = lr + lp.lrow_head;
+  for (int b0 = v0;; ) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = b0 + u * 32 + lane;
+      if (i < v1) st_inline_v4(rw + 4 * (size_t)i, buf[u], tag);
+    }
+    b0 += 32 * kU;
+    if (b0 >= v1) break;  // warp-uniform
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = b0 + u * 32 + lane;
+      if (i < v1) buf[u] = ld_nc_v4(src + i);
+    }
+  }
+}
+
+// Receive unit (source s, token t, chunk c of kS x 32 vectors) of the inline placement: lane k < topk waits for
+// the slot word of t's k-th expert (kLlNoSlot: not mine); if any is mine, every lane waits for its vectors of
+// chunk c (and, for c = 0, its scale words and its weight word) and the warp stores the chunk into each valid
+// slot, with c = 0 also the scales, pair = t * topk + k and this rank's own tmap / tw entries (which the stage and
+// slot placements receive from the source). Returns without copying when `copy` is false (LlProbeSkip).
+__device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams& lp, int s, int t, int c, int epoch,
+                                               int lane, bool copy) {
+  const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4;
+  uint8_t* mybase = p.peer_base[p.rank];
+  const size_t srow = (size_t)s * lp.t_max + t;
+  const unsigned long long* lr =
+      reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
+  unsigned long long sw = 0;
+  if (lane < topk) sw = ll_wait_inline_u64(p, lr + lane, epoch, s, kPhaseLlDispatch);
+  const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
+  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  if (mask == 0 || !copy) return;  // warp-uniform
+  const int slot = valid ? (int)(unsigned)sw : 0;
+  const unsigned long long* rw = lr + lp.lrow_head;
+  unsigned long long raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
+  const bool ok = ll_spin(p, s, kPhaseLlDispatch, [&] {
+#pragma unroll
+    for (int q = 0; q < kS; ++q) {  // every load of the poll issued before any is looked at
+      const int i = c * 32 * kS + q * 32 + lane;
+      if (i < V) {
+        ld_relaxed_sys_v2u64(rw + 4 * (size_t)i, raw[q][0], raw[q][1]);
+        ld_relaxed_sys_v2u64(rw + 4 * (size_t)i + 2, raw[q][2], raw[q][3]);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < RowScales::kRegs; ++q)
+      if (c == 0 && lane + 32 * q < ns) sraw[q] = ld_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q);
+    if (c == 0 && valid) wraw = ld_relaxed_sys_u64(lr + topk + lane);
+    bool all = true;
+#pragma unroll
+    for (int q = 0; q < kS; ++q)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (c * 32 * kS + q * 32 + lane < V) all = all && (int)(raw[q][j] >> 32) - epoch >= 0;
+#pragma unroll
+    for (int q = 0; q < RowScales::kRegs; ++q)
+      if (c == 0 && lane + 32 * q < ns) all = all && (int)(sraw[q] >> 32) - epoch >= 0;
+    if (c == 0 && valid) all = all && (int)(wraw >> 32) - epoch >= 0;
+    return all;
+  });
+  if (__ballot_sync(0xffffffffu, !ok) != 0) return;  // gave up (the error is recorded): copy nothing
+  uint8_t* xr = mybase + lp.off_x;
+  float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
+  int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
+  for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+    const int b = __ffs(todo) - 1;
+    const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
+    int4* dst = reinterpret_cast<int4*>(xr + sl * p.row_bytes);
+#pragma unroll
+    for (int q = 0; q < kS; ++q) {
+      const int i = c * 32 * kS + q * 32 + lane;
+      if (i < V)
+        dst[i] = make_int4((int)(unsigned)raw[q][0], (int)(unsigned)raw[q][1], (int)(unsigned)raw[q][2],
+                           (int)(unsigned)raw[q][3]);
+    }
+    if (c == 0) {
+#pragma unroll
+      for (int q = 0; q < RowScales::kRegs; ++q)
+        if (lane + 32 * q < ns) xs[sl * ns + lane + 32 * q] = __uint_as_float((unsigned)sraw[q]);
+      for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32) {  // hidden > 16384 only: one word at a time
+        const unsigned long long v = ll_wait_inline_u64(p, lr + 2 * topk + i, epoch, s, kPhaseLlDispatch);
+        xs[sl * ns + i] = __uint_as_float((unsigned)v);
+      }
+      if (lane == 0) pair[sl] = t * p.topk + b;
+    }
+  }
+  if (c == 0 && valid) {  // where my combine's push finds the pair's slot and weight
+    reinterpret_cast<unsigned long long*>(mybase + lp.off_tmap)[srow * topk + lane] =
+        ((unsigned long long)(unsigned)epoch << 32) | (unsigned)slot;
+    reinterpret_cast<float*>(mybase + lp.off_tw)[srow * topk + lane] = __uint_as_float((unsigned)wraw);
+  }
+}
+
+// kInline: dispatch_place inline (its own instantiation, so the flagged kernel keeps its registers)
+template <int kThreads, bool kInline>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
   __shared__ int s_epoch;
@@ -388,6 +521,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     float w = 0.f;
     if (pair_entry) w = a.topk_w[(size_t)t * topk + lane];  // loaded before any store of the unit
     uint8_t* pb = p.peer_base[d];
+    if (kInline && !own) {
+      send_inline(p, lp, a, pb, s_mask, NE, t, e, d, hit, mask, w, pc, pnx, lane, tag);
+      continue;
+    }
     if (own) {
       // chunk rc of row t into the slots of this unit's experts
       int4 buf[kS];
@@ -489,7 +626,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       const unsigned differ = (lo ^ ll_units_bits(lp)) & kLlUnitsBitsMask;
       if ((int)(v >> 32) == epoch && differ != 0) {  // abort every wait, naming the option that differs
         report_timeout(p.dev_error, p.host_error, me, threadIdx.x,
-                       (differ & 0x80000000u) ? kPhaseLlUnitsMismatch : kPhaseLlPlaceMismatch);
+                       (differ & 0x80000000u) ? kPhaseLlUnitsMismatch
+                       : (differ & kLlPlaceBits) ? kPhaseLlPlaceMismatch
+                                                 : kPhaseLlReleaseMismatch);
         n = 0;
       }
     }
@@ -528,6 +667,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     int s = 0;
     while (st >= s_tok[s + 1]) ++s;
     const int t = st - s_tok[s];
+    if constexpr (kInline) {  // every word waited for on its own, no flag
+      receive_inline(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
+      continue;
+    }
     // lane 0 alone polls (one ld.acquire.sys per poll, not 32: the pollers share the L2 with the rows
     // arriving); the warp barrier then orders every lane's later loads of tmap and the row after lane 0's
     // acquire (bar.warp.sync orders memory among its threads; causality order is transitive)
@@ -566,7 +709,10 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   ctx->launched = true;
   if (ctx->sync == kLlSyncToken) {
     const size_t smem = ll_token_smem_bytes(num_tokens, p.topk, ctx->lp.num_experts);  // <= ctx->token_smem
-    ll_dispatch_token_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
+    if (ctx->lp.dispatch_place == kLlPlaceInline)
+      ll_dispatch_token_kernel<512, true><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
+    else
+      ll_dispatch_token_kernel<512, false><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
   } else {
     const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
     ll_dispatch_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
@@ -576,6 +722,7 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
 }
 
 int ll_dispatch_token_smem_attr(int bytes) {
-  CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_token_kernel<512>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_token_kernel<512, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_token_kernel<512, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   return 0;
 }
