@@ -311,37 +311,36 @@ __device__ __forceinline__ int token_slot(const LlParams& lp, const int* s_mask,
   return (e - d * lp.experts) * lp.capacity + me * lp.t_max + token_rank(s_mask, NE, t, e);
 }
 
-// The loads of an inline peer unit's first batch: kS x 32 vectors of its range of token t's row into buf, and for
-// pc = 0 the row's scales into sc (the ranges as in send_inline_row).
-__device__ __forceinline__ void inline_row_loads(const LlDispatchArgs& a, int t, int pc, int pnx, int V, int ns, int lane,
-                                                 int4 (&buf)[kS], RowScales& sc) {
-  const int row_bytes = V * 16;
-  const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * row_bytes);
-  const int v0 = pnx == 1 ? 0 : pc * 32 * kS, v1 = pnx == 1 ? V : min(V, (pc + 1) * 32 * kS);
-#pragma unroll
-  for (int q = 0; q < kS; ++q) {
-    const int i = v0 + q * 32 + lane;
-    if (i < v1) buf[q] = ld_nc_v4(src + i);
-  }
-  if (pc == 0) sc.load(a.x_scales + (size_t)t * ns, ns, lane);
-}
-
-// Peer unit of the inline placement (kLlPlaceInline), in two parts. send_inline_row: chunk pc of token t's row (pnx
-// 1: the whole row, kS x 32 vectors at a time) as inline words into lstage[me, t] on d (LlInlineRow), with its scale
-// words for pc = 0; it needs no slot, so the kernel sends each warp's first such unit right after the ids are
-// staged, from vectors and scales loaded at the kernel's start (`loaded`), before the slots are known. Every load of
-// a batch is issued before its stores (a load after a store that may alias it waits for the store); nothing is
-// fenced or flagged: each word carries its epoch.
-__device__ __forceinline__ void send_inline_row(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a,
-                                                uint8_t* pb, int t, int pc, int pnx, int lane, unsigned long long tag,
-                                                int4 (&buf)[kS], RowScales& sc, bool loaded) {
-  const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4;
+// Peer unit of the inline placement (kLlPlaceInline): chunk pc of token t's row (pnx 1: the whole row) as inline
+// words into lstage[me, t] on d (LlInlineRow); the chunk-0 unit also stores the slot word of each of t's experts
+// (kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
+// on d, the weight and scale words. Every load is issued before the first store (a load after a store that
+// may alias it waits for the store), and nothing is fenced or flagged: each word carries its epoch.
+__device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
+                                            const int* s_mask, int NE, int t, int e, int d, bool hit, unsigned mask,
+                                            float w, int pc, int pnx, int lane, unsigned long long tag) {
+  const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4, me = p.rank;
   unsigned long long* lr =
-      reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)p.rank * lp.t_max + t) * lp.lrow_words;
+      reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)me * lp.t_max + t) * lp.lrow_words;
   const float* ssrc = a.x_scales + (size_t)t * ns;
+  RowScales sc;
+  if (pc == 0 && mask != 0) sc.load(ssrc, ns, lane);
   const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+  int4 buf[kU];
   const int v0 = pnx == 1 ? 0 : pc * 32 * kS, v1 = pnx == 1 ? V : min(V, (pc + 1) * 32 * kS);
-  if (!loaded) inline_row_loads(a, t, pc, pnx, V, ns, lane, buf, sc);
+  if (mask != 0) {  // the first kU x 32 vectors of the unit's range: in flight before the slot words go out
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = v0 + u * 32 + lane;
+      if (i < v1) buf[u] = ld_nc_v4(src + i);
+    }
+  }
+  if (pc == 0 && lane < topk) {
+    const unsigned slot = hit ? (unsigned)token_slot(lp, s_mask, NE, me, t, e, d) : kLlNoSlot;
+    st_relaxed_sys_u64(lr + lane, tag | slot);
+    if (hit) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
+  }
+  if (mask == 0) return;  // warp-uniform
   if (pc == 0) {
 #pragma unroll
     for (int q = 0; q < RowScales::kRegs; ++q)
@@ -350,56 +349,19 @@ __device__ __forceinline__ void send_inline_row(const EpParams& p, const LlParam
       st_relaxed_sys_u64(lr + 2 * topk + i, tag | __float_as_uint(ssrc[i]));
   }
   unsigned long long* rw = lr + lp.lrow_head;
-  for (int b0 = v0;;) {
+  for (int b0 = v0;; ) {
 #pragma unroll
-    for (int q = 0; q < kS; ++q) {
-      const int i = b0 + q * 32 + lane;
-      if (i < v1) st_inline_v4(rw + 4 * (size_t)i, buf[q], tag);
+    for (int u = 0; u < kU; ++u) {
+      const int i = b0 + u * 32 + lane;
+      if (i < v1) st_inline_v4(rw + 4 * (size_t)i, buf[u], tag);
     }
-    b0 += 32 * kS;
+    b0 += 32 * kU;
     if (b0 >= v1) break;  // warp-uniform
 #pragma unroll
-    for (int q = 0; q < kS; ++q) {
-      const int i = b0 + q * 32 + lane;
-      if (i < v1) buf[q] = ld_nc_v4(src + i);
+    for (int u = 0; u < kU; ++u) {
+      const int i = b0 + u * 32 + lane;
+      if (i < v1) buf[u] = ld_nc_v4(src + i);
     }
-  }
-}
-
-// send_inline_slots: for pc = 0, the slot word of each of t's experts (kLlNoSlot for one not on d: the receiver
-// learns from these whether a row follows, so every (token, peer) stores them, hit or not) and the weight word of
-// each expert on d.
-__device__ __forceinline__ void send_inline_slots(const EpParams& p, const LlParams& lp, uint8_t* pb, const int* s_mask,
-                                                  int NE, int t, int e, int d, bool hit, float w, int pc, int lane,
-                                                  unsigned long long tag) {
-  const int topk = p.topk;
-  if (pc != 0 || lane >= topk) return;
-  unsigned long long* lr =
-      reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)p.rank * lp.t_max + t) * lp.lrow_words;
-  const unsigned slot = hit ? (unsigned)token_slot(lp, s_mask, NE, p.rank, t, e, d) : kLlNoSlot;
-  st_relaxed_sys_u64(lr + lane, tag | slot);
-  if (hit) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
-}
-
-// Spins until poll() holds; poll() must return the same value in every lane (built from ballots), and the give-up
-// decision is lane 0's, broadcast, so the warp leaves together and its later collectives stay converged. False on
-// give-up (another wait failed, or p.timeout_ns passed: recorded as (rank, peer, phase) for the host).
-template <typename Poll>
-__device__ __forceinline__ bool ll_spin_warp(const EpParams& p, int peer, int phase, int lane, Poll poll) {
-  const unsigned long long start = globaltimer();
-  for (unsigned n = 1;; ++n) {
-    if (poll()) return true;
-    if (n % 64 != 0) continue;
-    int stop = 0;
-    if (lane == 0) {
-      if (ld_volatile(p.dev_error) != 0) {
-        stop = 1;
-      } else if (globaltimer() - start > p.timeout_ns) {
-        report_timeout(p.dev_error, p.host_error, p.rank, peer, phase);
-        stop = 1;
-      }
-    }
-    if (__shfl_sync(0xffffffffu, stop, 0) != 0) return false;
   }
 }
 
@@ -415,31 +377,27 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   const size_t srow = (size_t)s * lp.t_max + t;
   const unsigned long long* lr =
       reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
-  // one poll loads the slot words, the chunk's words and (c = 0) the scale and weight words together, so a row
-  // that landed with its slot words costs one round trip, not two; done when every slot word is current and
-  // either none is mine or every word the warp needs is current too
+  unsigned long long sw = 0;
+  if (lane < topk) sw = ll_wait_inline_u64(p, lr + lane, epoch, s, kPhaseLlDispatch);
+  const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
+  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  if (mask == 0 || !copy) return;  // warp-uniform
+  const int slot = valid ? (int)(unsigned)sw : 0;
   const unsigned long long* rw = lr + lp.lrow_head;
-  unsigned long long sw = 0, raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
-  unsigned mask = 0;
-  bool valid = false;
-  const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
-    if (lane < topk) sw = ld_relaxed_sys_u64(lr + lane);
+  unsigned long long raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
+  const bool ok = ll_spin(p, s, kPhaseLlDispatch, [&] {
 #pragma unroll
     for (int q = 0; q < kS; ++q) {  // every load of the poll issued before any is looked at
       const int i = c * 32 * kS + q * 32 + lane;
-      if (copy && i < V) {
+      if (i < V) {
         ld_relaxed_sys_v2u64(rw + 4 * (size_t)i, raw[q][0], raw[q][1]);
         ld_relaxed_sys_v2u64(rw + 4 * (size_t)i + 2, raw[q][2], raw[q][3]);
       }
     }
 #pragma unroll
     for (int q = 0; q < RowScales::kRegs; ++q)
-      if (copy && c == 0 && lane + 32 * q < ns) sraw[q] = ld_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q);
-    if (copy && c == 0 && lane < topk) wraw = ld_relaxed_sys_u64(lr + topk + lane);
-    if (__ballot_sync(0xffffffffu, lane < topk && (int)(sw >> 32) - epoch < 0) != 0) return false;
-    valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
-    mask = __ballot_sync(0xffffffffu, valid);
-    if (mask == 0 || !copy) return true;
+      if (c == 0 && lane + 32 * q < ns) sraw[q] = ld_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q);
+    if (c == 0 && valid) wraw = ld_relaxed_sys_u64(lr + topk + lane);
     bool all = true;
 #pragma unroll
     for (int q = 0; q < kS; ++q)
@@ -450,10 +408,9 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
     for (int q = 0; q < RowScales::kRegs; ++q)
       if (c == 0 && lane + 32 * q < ns) all = all && (int)(sraw[q] >> 32) - epoch >= 0;
     if (c == 0 && valid) all = all && (int)(wraw >> 32) - epoch >= 0;
-    return __ballot_sync(0xffffffffu, !all) == 0;
+    return all;
   });
-  if (!ok || mask == 0 || !copy) return;  // warp-uniform (gave up: the error is recorded; copy nothing)
-  const int slot = valid ? (int)(unsigned)sw : 0;
+  if (__ballot_sync(0xffffffffu, !ok) != 0) return;  // gave up (the error is recorded): copy nothing
   uint8_t* xr = mybase + lp.off_x;
   float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
   int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
@@ -498,38 +455,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   const int chunks = (T + 31) / 32;
   int* s_idx = s_dyn;
   int* s_mask = s_dyn + T * topk;
-  // send: per token nx x ng own-chunk units (rows straight into my experts' slots), then pnx units per
-  // peer (1: the whole row; nx: a chunk each)
-  const int nx = (V + 32 * kS - 1) / (32 * kS);
-  const int pnx = lp.dispatch_units == kLlUnitsChunk ? nx : 1, tfc = lp.tflag_chunks;
-  const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
-  const long long base_units = (long long)T * (nx + (world - 1) * pnx);
-  const int ng = base_units > 0 ? (int)max(1LL, min((long long)topk, G / base_units)) : 1;
-  const int own_units = nx * ng;
-  const int per_token = own_units + (world - 1) * pnx;
   ll_stamp(lp, kLlStart);
   // every global load of the stage issued before the first wait on any of them
   bool aborted = ld_volatile(p.dev_error) != 0;
   if (threadIdx.x == 0) s_epoch = ld_volatile(lp.eslots + blockIdx.x) + 1;
-  // inline placement: the warp's first unit, if it is a peer unit, has its vectors and scales loaded here, beside
-  // the ids, and is sent as soon as the ids are staged (its row words need no slot)
-  int4 pre[kS];
-  RowScales pre_sc;
-  bool pre_peer = false;
-  int pre_t = 0, pre_d = 0, pre_pc = 0;
-  if constexpr (kInline) {
-    if (gw < (long long)T * per_token) {
-      pre_t = (int)(gw / per_token);
-      const int r = (int)(gw - (long long)pre_t * per_token);
-      if (r >= own_units && world > 1) {
-        const int pr = r - own_units;
-        pre_peer = true;
-        pre_d = (me + 1 + pr % (world - 1)) % world;
-        pre_pc = pr / (world - 1);
-        inline_row_loads(a, pre_t, pre_pc, pnx, V, ns, lane, pre, pre_sc);
-      }
-    }
-  }
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
   for (int i = threadIdx.x; i < (chunks + 1) * NE; i += blockDim.x) s_mask[i] = 0;
   __syncthreads();
@@ -541,15 +470,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     // first: the receivers' blocks wait for it; bits 31 / 30 say chunk units / slot placement (T < 2^30), so a
     // receiver set to another kind stops with an error instead of copying what it did not wait for
     st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
-  }
-  if constexpr (kInline) {
-    if (pre_peer && !aborted) {  // warp-uniform
-      int e = -1;
-      if (lane < topk) e = s_idx[pre_t * topk + lane];
-      const bool hit = lane < topk && e >= pre_d * E && e < (pre_d + 1) * E;
-      if (__ballot_sync(0xffffffffu, hit) != 0)
-        send_inline_row(p, lp, a, p.peer_base[pre_d], pre_t, pre_pc, pnx, lane, tag, pre, pre_sc, true);
-    }
   }
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) {
     const int e = s_idx[i], t = i / topk;
@@ -574,6 +494,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     }
   }
 
+  // send: per token nx x ng own-chunk units (rows straight into my experts' slots), then pnx units per
+  // peer (1: the whole row; nx: a chunk each)
+  const int nx = (V + 32 * kS - 1) / (32 * kS);
+  const int pnx = lp.dispatch_units == kLlUnitsChunk ? nx : 1, tfc = lp.tflag_chunks;
+  const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
+  const long long base_units = (long long)T * (nx + (world - 1) * pnx);
+  const int ng = base_units > 0 ? (int)max(1LL, min((long long)topk, G / base_units)) : 1;
+  const int own_units = nx * ng;
+  const int per_token = own_units + (world - 1) * pnx;
   uint8_t* mybase = p.peer_base[me];
   for (long long u = gw; !aborted && u < (long long)T * per_token; u += G) {
     const int t = (int)(u / per_token), r = (int)(u - (long long)t * per_token);
@@ -592,13 +521,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     float w = 0.f;
     if (pair_entry) w = a.topk_w[(size_t)t * topk + lane];  // loaded before any store of the unit
     uint8_t* pb = p.peer_base[d];
-    if (kInline && !own) {  // the row words (the warp's first unit sent them already), then the slot words
-      if (u != gw && mask != 0) {
-        int4 buf[kS];
-        RowScales sc;
-        send_inline_row(p, lp, a, pb, t, pc, pnx, lane, tag, buf, sc, false);
-      }
-      send_inline_slots(p, lp, pb, s_mask, NE, t, e, d, hit, w, pc, lane, tag);
+    if (kInline && !own) {
+      send_inline(p, lp, a, pb, s_mask, NE, t, e, d, hit, mask, w, pc, pnx, lane, tag);
       continue;
     }
     if (own) {
