@@ -183,7 +183,8 @@ int ep_ll_set_combine_order(void* ll_ctx, int order);
 int ep_ll_set_dispatch_units(void* ll_ctx, int units);
 // Where the token dispatch's peer rows land (backend option dispatch_place): 0 stage (the receiver copies each
 // into its experts' slots; the default), 1 the slot of the token's first expert there (the receiver copies it into
-// the other slots only). Same outputs; every rank the same value (a mismatch stops every rank at once).
+// the other slots only), 2 inline (a staging row of inline words, each 4 bytes beside the epoch: no fence, no
+// flag). Same outputs; every rank the same value (a mismatch stops every rank at once).
 int ep_ll_set_dispatch_place(void* ll_ctx, int place);
 // How the token combine releases its push units' flags (backend option combine_release): 0 unit (a release
 // store after every unit; the default), 1 batch (up to 2 units, then one fence and relaxed flag stores). Same

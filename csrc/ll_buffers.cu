@@ -94,9 +94,7 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.lrow_head = ll_inline_head(p.topk, p.num_scales);
   lp.lrow_words = lp.lrow_head + 4 * (p.row_bytes / 16);
   const size_t lstage_bytes = (size_t)p.world * lp.t_max * lp.lrow_words * sizeof(unsigned long long);
-  const size_t lcrow_bytes = (size_t)lp.t_max * p.world * 4 * (p.hidden / 8) * sizeof(unsigned long long);
   lp.off_lstage = c.take(lstage_bytes);
-  lp.off_lcrows = c.take(lcrow_bytes);
   ep->shared_bytes = c.next;
   ctx->off_y = c.take(slots * p.hidden * 2);
   ctx->off_out = c.take((size_t)lp.t_max * p.hidden * 2);
@@ -134,7 +132,6 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaMemset(r + lp.off_dwords, 0, dword_bytes));
   CUDA_CHECK(cudaMemset(r + lp.off_tcflags, 0, tcflag_bytes));
   CUDA_CHECK(cudaMemset(r + lp.off_lstage, 0, lstage_bytes));
-  CUDA_CHECK(cudaMemset(r + lp.off_lcrows, 0, lcrow_bytes));
   CUDA_CHECK(cudaMemset(r + ctx->off_eslots, 0, 2 * (size_t)lp.eslot_count * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counts, 0, (size_t)lp.experts * sizeof(long long)));
   CUDA_CHECK(cudaMemset(r + ctx->off_src_counts, 0, (size_t)lp.experts * p.world * sizeof(int)));
@@ -276,12 +273,10 @@ extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
 }
 
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either
-// way, so ranks may differ there and it may change between launches. Inline (no flags) must be the same on every
-// rank at the dispatch before the combine (its T word carries it: kPhaseLlReleaseMismatch).
+// way, so ranks may differ and it may change between launches.
 extern "C" int ep_ll_set_combine_release(void* vctx, int release) {
-  static_assert(kLlReleaseUnit == 0 && kLlReleaseBatch == 1 && kLlReleaseInline == 2, "LlCombineRelease is 0 / 1 / 2");
-  return ll_set_choice(&((LlContext*)vctx)->lp.combine_release, release,
-                       "combine release (0 unit, 1 batch, 2 inline)", 2);
+  static_assert(kLlReleaseUnit == 0 && kLlReleaseBatch == 1, "LlCombineRelease is 0 / 1");
+  return ll_set_choice(&((LlContext*)vctx)->lp.combine_release, release, "combine release (0 unit, 1 batch)");
 }
 
 // ---- measuring aids (ep_ll_set_probe, ep_ll_set_probe_skip, ep_ll_probe; notes/LATENCY.md) ----

@@ -106,11 +106,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[kV][8], unsigned mask, f
   }
 }
 
-// dst[v0 + 32 u + lane] = bf16(sum over the rows in `mask` of w_b * row_b[...]) for one chunk; with `words`
-// (combine_release inline) as the four inline words of each vector at words + 4 (v0 + 32 u + lane) instead.
+// dst[v0 + 32 u + lane] = bf16(sum over the rows in `mask` of w_b * row_b[...]) for one chunk.
 template <int kV, typename RowOf>
-__device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int v0, int V, int lane, RowOf row_of,
-                                          unsigned long long* words = nullptr, unsigned long long tag = 0) {
+__device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int v0, int V, int lane, RowOf row_of) {
   float acc[kV][8];
 #pragma unroll
   for (int uu = 0; uu < kV; ++uu)
@@ -120,22 +118,17 @@ __device__ __forceinline__ void sum_chunk(int4* dst, unsigned mask, float w, int
 #pragma unroll
   for (int uu = 0; uu < kV; ++uu) {
     const int i = v0 + uu * 32 + lane;
-    if (i >= V) continue;
-    if (words != nullptr)
-      st_inline_v4(words + 4 * (size_t)i, pack_bf16x8(acc[uu]), tag);
-    else
-      st_v4(dst + i, pack_bf16x8(acc[uu]));
+    if (i < V) st_v4(dst + i, pack_bf16x8(acc[uu]));
   }
 }
 
 // Expert-side unit (source s, token t, chunk c): lane k < topk reads tmap[s, t, k] and tw[s, t, k]
 // (an entry of another epoch than `depoch`: expert k of t is not on this rank); the warp sums chunk c
 // of w_k * y[slot_k] over the valid k in fp32 and stores the bf16 partial into crows[t * world + me]
-// of rank s (tag != 0, combine_release inline: as inline words of that epoch into lcrows[t * world + me] of s).
-// Returns false (warp-uniform) when no expert of t is here: nothing was stored. Both syncs.
+// of rank s. Returns false (warp-uniform) when no expert of t is here: nothing was stored. Both syncs.
 template <int kV>
 __device__ __forceinline__ bool push_partial_chunk(const EpParams& p, const LlParams& lp, int s, int t, int c,
-                                                   int depoch, int lane, unsigned long long tag = 0) {
+                                                   int depoch, int lane) {
   const int topk = p.topk, V = p.hidden >> 3;
   const size_t row = (size_t)p.hidden * 2;
   const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(p.peer_base[p.rank] + lp.off_tmap);
@@ -153,16 +146,10 @@ __device__ __forceinline__ bool push_partial_chunk(const EpParams& p, const LlPa
   if (mask == 0) return false;  // no expert of this token here (warp-uniform)
   const int slot = valid ? (int)(ent & 0xffffffffu) : 0;
   int4* dst = reinterpret_cast<int4*>(p.peer_base[s] + lp.off_crows + ((size_t)t * p.world + p.rank) * row);
-  unsigned long long* words =
-      tag == 0 ? nullptr
-               : reinterpret_cast<unsigned long long*>(p.peer_base[s] + lp.off_lcrows) + ((size_t)t * p.world + p.rank) * 4 * V;
-  sum_chunk<kV>(
-      dst, mask, w, c * 32 * kV, V, lane,
-      [&](int b) {
-        const int sl = __shfl_sync(0xffffffffu, slot, b);
-        return reinterpret_cast<const int4*>(y + (size_t)sl * row);
-      },
-      words, tag);
+  sum_chunk<kV>(dst, mask, w, c * 32 * kV, V, lane, [&](int b) {
+    const int sl = __shfl_sync(0xffffffffu, slot, b);
+    return reinterpret_cast<const int4*>(y + (size_t)sl * row);
+  });
   return true;
 }
 
@@ -273,90 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(EpParams p, LlP
 }
 
 // ---- ll_sync = token (protocol: "Token sync" at the top of the file) ----
-// Reduce unit (my token t, chunk c) of the inline combine (kLlReleaseInline): t's experts on my rank (`own`: this
-// lane's expert, slot entry `ent` and weight `wk`) summed from y first, then one partial per peer (`first`: this
-// lane is the first of t's experts on rank d), each read from its inline words in lcrows as they land: up to
-// peers_in_flight<kV>() partials' words in flight per poll. fp32 throughout, one bf16 rounding; the sum's order
-// (own experts, then the peers in lane order) differs from the flagged reduce's lane order, so the two may differ
-// in the last bit of a bf16 value.
-template <int kV>
-__host__ __device__ constexpr int peers_in_flight() { return 1; }
-
-template <int kV>
-__device__ __forceinline__ void reduce_inline(const EpParams& p, const LlParams& lp, int t, int c, int d, bool first,
-                                              bool own, unsigned long long ent, float wk, int epoch, int lane,
-                                              const uint8_t* y) {
-  constexpr int kP = peers_in_flight<kV>();
-  const int V = p.hidden >> 3, v0 = c * 32 * kV;
-  const size_t row = (size_t)p.hidden * 2;
-  const unsigned long long* lcrows =
-      reinterpret_cast<const unsigned long long*>(p.peer_base[p.rank] + lp.off_lcrows);
-  float acc[kV][8];
-#pragma unroll
-  for (int u = 0; u < kV; ++u)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-  const int4* src = own ? reinterpret_cast<const int4*>(y + (size_t)(ent & 0xffffffffu) * row) : nullptr;
-  accumulate<kV>(acc, __ballot_sync(0xffffffffu, own), wk, v0, V, lane, [&](int b) {
-    return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, (unsigned long long)src, b));
-  });
-  for (unsigned todo = __ballot_sync(0xffffffffu, first); todo != 0;) {  // warp-uniform
-    int ranks[kP];
-    int n = 0;
-#pragma unroll
-    for (int g = 0; g < kP; ++g) {
-      ranks[g] = -1;
-      if (todo != 0) {
-        ranks[g] = __shfl_sync(0xffffffffu, d, __ffs(todo) - 1);
-        todo &= todo - 1;
-        ++n;
-      }
-    }
-    unsigned long long raw[kP][kV][4];  // the words as last loaded: payload in the low halves
-    const bool ok = ll_spin(p, ranks[0], kPhaseLlCombine, [&] {
-#pragma unroll
-      for (int g = 0; g < kP; ++g)  // every load of the poll issued before any is looked at
-#pragma unroll
-        for (int u = 0; u < kV; ++u) {
-          const int i = v0 + u * 32 + lane;
-          if (g < n && i < V) {
-            const unsigned long long* w = lcrows + ((size_t)t * p.world + ranks[g]) * 4 * V + 4 * (size_t)i;
-            ld_relaxed_sys_v2u64(w, raw[g][u][0], raw[g][u][1]);
-            ld_relaxed_sys_v2u64(w + 2, raw[g][u][2], raw[g][u][3]);
-          }
-        }
-      bool all = true;
-#pragma unroll
-      for (int g = 0; g < kP; ++g)
-#pragma unroll
-        for (int u = 0; u < kV; ++u)
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (g < n && v0 + u * 32 + lane < V) all = all && (int)(raw[g][u][j] >> 32) - epoch >= 0;
-      return all;
-    });
-    if (__ballot_sync(0xffffffffu, !ok) != 0) return;  // gave up (the error is recorded): store nothing
-#pragma unroll
-    for (int g = 0; g < kP; ++g)
-#pragma unroll
-      for (int u = 0; u < kV; ++u)
-        if (g < n && v0 + u * 32 + lane < V)
-          fma_bf16x8(acc[u],
-                     make_int4((int)(unsigned)raw[g][u][0], (int)(unsigned)raw[g][u][1], (int)(unsigned)raw[g][u][2],
-                               (int)(unsigned)raw[g][u][3]),
-                     1.f);
-  }
-  int4* dst = reinterpret_cast<int4*>(lp.out + (size_t)t * p.hidden);
-#pragma unroll
-  for (int u = 0; u < kV; ++u) {
-    const int i = v0 + u * 32 + lane;
-    if (i < V) st_v4(dst + i, pack_bf16x8(acc[u]));
-  }
-}
-
-// kRelease: the combine_release (LlCombineRelease), each its own instantiation, so the per-unit kernels keep
-// their registers
-template <int kThreads, int kV, int kRelease>
+// kBatch: combine_release batch (its own instantiation, so the per-unit kernels keep their registers)
+template <int kThreads, int kV, bool kBatch>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams p, LlParams lp, LlCombineArgs a) {
   __shared__ int s_epoch, s_depoch;
   __shared__ int s_tokens[EP_MAX_WORLD + 1];  // prefix over peers of their tokens (mine: 0)
@@ -409,14 +314,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
     nheld = 0;
     held_rank = 0;
   };
-  constexpr bool inline_words = kRelease == kLlReleaseInline;  // no flags at all (LlCombineRelease)
   for (long long u = gw; !aborted && u < s_units; u += G) {
     int s, t, c;
     if (!push_unit(u, order, s_tokens, world - 1, nch, me, world, s, t, c)) continue;
-    if (!push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane, inline_words ? tag : 0ull)) continue;
-    if constexpr (inline_words) continue;
+    if (!push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane)) continue;
     const size_t fi = ((size_t)t * world + me) * cch + c * fstep;  // the unit's flag in s's tcflags
-    if constexpr (kRelease == kLlReleaseBatch) {
+    if constexpr (kBatch) {
 #pragma unroll
       for (int i = 0; i < kLlReleaseBatchUnits; ++i)  // held[nheld] = fi, in registers
         if (i == nheld) held[i] = (unsigned)fi;
@@ -427,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
     __syncwarp();  // every lane's stores of the chunk before lane 0's flag
     if (lane == 0) st_release_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[s] + lp.off_tcflags) + fi, tag);
   }
-  if (kRelease == kLlReleaseBatch && nheld > 0) release_held();
+  if (kBatch && nheld > 0) release_held();
   ll_stamp(lp, kLlSent);
   ll_stamp(lp, kLlReleased);
   ll_stamp(lp, kLlWaited);
@@ -456,11 +359,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
       if (e >= 0 && e < lp.num_experts) d = (int)(e / E);
     }
     const unsigned same = __match_any_sync(0xffffffffu, d);
-    if constexpr (inline_words) {
-      reduce_inline<kV>(p, lp, t, c, d, d >= 0 && d != me && (same & ((1u << lane) - 1u)) == 0,
-                        d == me && (int)(ent >> 32) == depoch, ent, wk, epoch, lane, y);
-      continue;
-    }
     if (d == me) {
       if ((int)(ent >> 32) == depoch) {
         src = reinterpret_cast<const int4*>(y + (size_t)(ent & 0xffffffffu) * row);
@@ -498,19 +396,15 @@ extern "C" int ep_ll_combine(void* vctx, const void* topk_idx, int num_tokens, i
   a.num_tokens = num_tokens;
   ctx->launched = true;
   cudaStream_t stream = (cudaStream_t)vstream;
-  const int rel = ctx->lp.combine_release;
-  if (ctx->sync == kLlSyncToken && chunk == 4 && rel == kLlReleaseBatch)
-    ll_combine_token_kernel<512, 4, kLlReleaseBatch><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
-  else if (ctx->sync == kLlSyncToken && chunk == 4 && rel == kLlReleaseInline)
-    ll_combine_token_kernel<512, 4, kLlReleaseInline><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+  const bool batch = ctx->lp.combine_release == kLlReleaseBatch;
+  if (ctx->sync == kLlSyncToken && chunk == 4 && batch)
+    ll_combine_token_kernel<512, 4, true><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   else if (ctx->sync == kLlSyncToken && chunk == 4)
-    ll_combine_token_kernel<512, 4, kLlReleaseUnit><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
-  else if (ctx->sync == kLlSyncToken && rel == kLlReleaseBatch)
-    ll_combine_token_kernel<512, 2, kLlReleaseBatch><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
-  else if (ctx->sync == kLlSyncToken && rel == kLlReleaseInline)
-    ll_combine_token_kernel<512, 2, kLlReleaseInline><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+    ll_combine_token_kernel<512, 4, false><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+  else if (ctx->sync == kLlSyncToken && batch)
+    ll_combine_token_kernel<512, 2, true><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   else if (ctx->sync == kLlSyncToken)
-    ll_combine_token_kernel<512, 2, kLlReleaseUnit><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
+    ll_combine_token_kernel<512, 2, false><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   else if (chunk == 4)
     ll_combine_kernel<512, 4><<<num_sms, warps * 32, 0, stream>>>(ctx->ep->p, ctx->lp, a);
   else

@@ -38,9 +38,7 @@
 //                                        (cch = chunks of a bf16 row at 1 KiB per chunk)
 //     lstage     [world, T_max, Lw] u64  dispatch_place inline: source s's token t as inline words
 //                                        (LlInlineRow), each 4 bytes of payload beside the epoch; no flag
-//     lcrows     [T_max, world, 4 V] u64  combine_release inline: rank d's partial for my token t as
-//                                        inline words (V = hidden / 8 vectors of 16 bytes); no flag
-//                                        (both zeroed at creation: a word of epoch 0 is never current)
+//                                        (zeroed at creation: a word of epoch 0 is never current)
 //   local part
 //     y          [E, C, hidden] bf16     combine input, filled by the caller
 //     out        [T_max, hidden] bf16    combine result
@@ -63,20 +61,13 @@
 
 // continue EpPhase (common.cuh); kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch: a peer's dispatch_units /
 // dispatch_place differ from this rank's (reported at once, from the T word's kind bits)
-// kPhaseLlReleaseMismatch: a peer's combine_release is inline and this rank's is not, or the other way round
-enum LlPhase {
-  kPhaseLlDispatch = 5,
-  kPhaseLlCombine = 6,
-  kPhaseLlUnitsMismatch = 7,
-  kPhaseLlPlaceMismatch = 8,
-  kPhaseLlReleaseMismatch = 9
-};
+enum LlPhase { kPhaseLlDispatch = 5, kPhaseLlCombine = 6, kPhaseLlUnitsMismatch = 7, kPhaseLlPlaceMismatch = 8 };
 
 struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank
   size_t off_x, off_scales, off_pair, off_stage, off_sscales, off_cnt, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
   size_t off_tflags, off_dwords, off_tcflags;  // ll_sync = token only
-  size_t off_lstage, off_lcrows;               // inline words (dispatch_place / combine_release inline)
+  size_t off_lstage;                           // inline words (dispatch_place inline)
   int lrow_head, lrow_words;                   // LlInlineRow: words before the row's, and in all
   int cflag_chunks;                            // cch: combine flags per (token, rank), hidden / 512 rounded up
   int tflag_chunks;                            // tfc: dispatch flags per (source, token): row chunks
@@ -157,32 +148,25 @@ constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk
 // the bytes on the link.
 enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };
 
-// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its four high bits, so a receiver
-// of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch / kPhaseLlReleaseMismatch) instead
-// of copying what it did not wait for, from where nothing was put, or waiting in its combine for flags that never
-// come: bit 31 chunk units, bit 30 slot placement, bit 29 inline placement, bit 28 the inline combine (T < 2^28).
-constexpr unsigned kLlUnitsBitsMask = 0xf0000000u;
-constexpr unsigned kLlPlaceBits = 0x60000000u, kLlReleaseBits = 0x10000000u;
-__host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp);
+// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its three high bits, so a receiver
+// of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch) instead of copying what it did not
+// wait for, or from where nothing was put: bit 31 chunk units, bit 30 slot placement, bit 29 inline placement
+// (T < 2^29).
+constexpr unsigned kLlUnitsBitsMask = 0xe0000000u;
+__host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp) {
+  return (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (lp.dispatch_place == kLlPlaceSlot ? 0x40000000u : 0u) |
+         (lp.dispatch_place == kLlPlaceInline ? 0x20000000u : 0u);
+}
 
 // How the token combine releases its push units' flags (ep_ll_set_combine_release, backend option
 // combine_release): kLlReleaseUnit, a __syncwarp and st.release.sys after every unit (the next unit waits for
 // the fence); kLlReleaseBatch, up to kLlReleaseBatchUnits units pushed back to back, then one __syncwarp, one
 // fence.acq_rel.sys and a relaxed system-scope store of each unit's flag. Same flags, values and bytes. The
 // grid combine releases once per grid and ignores it.
-// kLlReleaseInline: no flag and no fence at all: every 4 bytes of a push go in a word of their own beside the epoch
-// (lcrows), so the source's reduce reads each word as it lands; twice the bytes on the link. Unlike unit and
-// batch, every rank must agree (the dispatch's T word carries it: kPhaseLlReleaseMismatch).
-enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1, kLlReleaseInline = 2 };
+enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1 };
 constexpr int kLlReleaseBatchUnits = 2;
 
-__host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp) {
-  return (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (lp.dispatch_place == kLlPlaceSlot ? 0x40000000u : 0u) |
-         (lp.dispatch_place == kLlPlaceInline ? 0x20000000u : 0u) |
-         (lp.combine_release == kLlReleaseInline ? kLlReleaseBits : 0u);
-}
-
-// Inline words (dispatch_place / combine_release inline): word = (epoch << 32) | 4 bytes of payload, stored with
+// Inline words (dispatch_place inline): word = (epoch << 32) | 4 bytes of payload, stored with
 // st.relaxed.sys (8-byte aligned: single-copy atomic, so a reader sees the old word or the new one whole, never a
 // mix) and read with ld.relaxed.sys until its epoch is current. A word carries its own proof of arrival, so no
 // fence orders it and no flag follows it: the receiver's wait is the link's one-way latency, not the sender's
@@ -214,17 +198,6 @@ __device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned 
 __device__ __forceinline__ void st_inline_v4(unsigned long long* w, const int4& v, unsigned long long tag) {
   st_relaxed_sys_v2u64(w, tag | (unsigned)v.x, tag | (unsigned)v.y);
   st_relaxed_sys_v2u64(w + 2, tag | (unsigned)v.z, tag | (unsigned)v.w);
-}
-
-// Loads the vector of the four inline words at w into v; true when all four are of `epoch` or later (32-bit
-// wrap-safe; a later epoch cannot occur for a word a peer writes for me, the kernels' reuse arguments).
-__device__ __forceinline__ bool ld_inline_v4(const unsigned long long* w, int epoch, int4& v) {
-  unsigned long long a, b, c, d;
-  ld_relaxed_sys_v2u64(w, a, b);
-  ld_relaxed_sys_v2u64(w + 2, c, d);
-  v = make_int4((int)(unsigned)a, (int)(unsigned)b, (int)(unsigned)c, (int)(unsigned)d);
-  return (int)(a >> 32) - epoch >= 0 && (int)(b >> 32) - epoch >= 0 && (int)(c >> 32) - epoch >= 0 &&
-         (int)(d >> 32) - epoch >= 0;
 }
 
 struct LlContext {

@@ -42,7 +42,7 @@
 //      those of t's own chunk below t (token_rank: per lane, no ballot, no loop over topk). Slots are
 //      the contract's (base.py ll_slots).
 //      Block 0 stores dwords[me][E] = (epoch << 32) | kind bits | T on every peer first (bit 31 dispatch_units
-//      chunk, bit 30 dispatch_place slot; a receiver of another kind reports kPhaseLlUnitsMismatch or
+//      chunk, bit 30 dispatch_place slot, bit 29 inline; a receiver of another kind reports kPhaseLlUnitsMismatch or
 //      kPhaseLlPlaceMismatch), then dwords[me][le] =
 //      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
 //   send: per token nx x ng own-chunk units (chunk of kS x 32 vectors straight into the slots of my
@@ -63,6 +63,11 @@
 //      s, token t < T_s, chunk c): lane 0 acquires tflags[s, t, 0] (row units) or [s, t, c] (chunk
 //      units), a __syncwarp orders the other lanes' later loads of tmap and the row after it, then the
 //      warp copies chunk c as the grid path does.
+//   dispatch_place inline (LlDispatchPlace, kernel instantiation kInline): a peer unit stores, into lstage[me, t]
+//      on d, t's slot words (one per expert, kLlNoSlot when not d's), weight and scale words and its row (chunk)
+//      as inline words (LlInlineRow, ll_common.cuh), every 4 bytes beside the epoch; no tmap / tw, no fence, no
+//      flag. The receive unit (s, t, c) waits for the slot words, then for its chunk's words, copies the chunk into
+//      each of its slots and writes its own tmap / tw / pair entries. T word bit 29.
 //   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
 //   receive copies or the small stores beside a peer row (LlProbeSkip, ll_common.cuh); outputs then wrong.
 //   Units are dealt block-major (unit u -> block u % blocks), so a few units land on as many SMs:
@@ -467,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
   if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
     dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
-    // first: the receivers' blocks wait for it; bits 31 / 30 say chunk units / slot placement (T < 2^30), so a
+    // first: the receivers' blocks wait for it; bits 31 / 30 / 29 say chunk units / slot / inline placement (T < 2^29), so a
     // receiver set to another kind stops with an error instead of copying what it did not wait for
     st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
   }
@@ -626,9 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       const unsigned differ = (lo ^ ll_units_bits(lp)) & kLlUnitsBitsMask;
       if ((int)(v >> 32) == epoch && differ != 0) {  // abort every wait, naming the option that differs
         report_timeout(p.dev_error, p.host_error, me, threadIdx.x,
-                       (differ & 0x80000000u) ? kPhaseLlUnitsMismatch
-                       : (differ & kLlPlaceBits) ? kPhaseLlPlaceMismatch
-                                                 : kPhaseLlReleaseMismatch);
+                       (differ & 0x80000000u) ? kPhaseLlUnitsMismatch : kPhaseLlPlaceMismatch);
         n = 0;
       }
     }

@@ -66,10 +66,8 @@ PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
           5: "low-latency dispatch (waiting for an expert's rows)",
           6: "low-latency combine (waiting for expert outputs)",
           7: "low-latency dispatch: that rank sent other peer units (dispatch_units must be the same on every rank)",
-          8: "low-latency dispatch: that rank put its rows elsewhere (dispatch_place must be the same on every rank)",
-          9: "low-latency dispatch: that rank's combine sends inline words or flags where this one expects the other "
-             "(combine_release inline must be the same on every rank)"}
-MISMATCH_PHASES = (7, 8, 9)  # reported at once, not after a wait: the record names a configuration fault
+          8: "low-latency dispatch: that rank put its rows elsewhere (dispatch_place must be the same on every rank)"}
+MISMATCH_PHASES = (7, 8)  # reported at once, not after a wait: the record names a configuration fault
 # Low-latency regions (enum ep_ll_region_id in csrc/api.h).
 LL_X, LL_SCALES, LL_PAIR, LL_COUNTS, LL_SRC_COUNTS, LL_COMBINE_IN, LL_OUT, LL_EPOCHS = range(8)
 

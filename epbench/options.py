@@ -136,9 +136,9 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         "dispatch_place": Option(str, "stage", "where the token-sync dispatch puts a peer's row on the receiver: stage "
                                  "(a staging row, copied by the receiver into each of its experts' slots), slot (the "
                                  "slot of the token's first expert there, so only its other experts' slots are copied; "
-                                 "2 x H200: no faster than stage, notes/LATENCY-NEXT.md) or inline (a staging row whose "
-                                 "every 4 bytes travel beside the call's epoch, read as they land: no fence, no flag, twice "
-                                 "the bytes on the link); the same outputs, valid until this rank's combine (slot) or its "
+                                 "2 x H200: no faster than stage) or inline (a staging row whose every 4 bytes travel beside the "
+                                 "call's epoch, read as they land: no fence, no flag, twice the bytes on the link; 2 x H200: "
+                                 "0.4-1 us faster at 1-8 tokens, 0.2-0.3 slower at 128; notes/LATENCY-NEXT.md); the same outputs, valid until this rank's combine (slot) or its "
                                  "next dispatch; every rank must agree (a mismatch stops at once); rows record the one used "
                                  "(stage under ll_sync grid, which ignores it)",
                                  choices=("stage", "slot", "inline"), env="EPBENCH_LL_DISPATCH_PLACE"),
@@ -146,11 +146,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
                                   "to 2 pushes, then one fence and their flags: 4 x H200, 1.5-1.8 us faster at 128-256 "
                                   "tokens on 4 ranks, within 0.3 us at 1-32; notes/LATENCY-NEXT.md); the same flags "
-                                  "and outputs; or inline: no flag and no fence, every 4 bytes of a push beside the "
-                                  "call's epoch, read as they land (twice the bytes on the link; every rank must agree, a "
-                                  "mismatch stops the dispatch before at once; sums within the last bf16 bit of the "
-                                  "others'); rows record the one used (grid under ll_sync grid, which releases "
-                                  "once per grid)", choices=("unit", "batch", "inline"), env="EPBENCH_LL_COMBINE_RELEASE"),
+                                  "and outputs; rows record the one used (grid under ll_sync grid, which releases "
+                                  "once per grid)", choices=("unit", "batch"), env="EPBENCH_LL_COMBINE_RELEASE"),
     },
     "epbench-hier": {
         "send_share": Option(float, 0.5, "share of the num_sms blocks that send", low=0.0, high=1.0,

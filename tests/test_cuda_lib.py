@@ -73,11 +73,8 @@ def test_ranks_with_other_dispatch_units_stop_at_once_naming_the_option():
         cuda_lib.raise_if_timed_out(_error_record(0, 3, 7), ctypes.c_void_p(), 10.0)
     with pytest.raises(RuntimeError, match=r"rank 1 stopped at once, rank 2 disagrees: .*dispatch_place must be the same"):
         cuda_lib.raise_if_timed_out(_error_record(1, 2, 8), ctypes.c_void_p(), 10.0)
-    with pytest.raises(RuntimeError, match=r"rank 0 stopped at once, rank 1 disagrees: .*combine_release inline must be the same"):
-        cuda_lib.raise_if_timed_out(_error_record(0, 1, 9), ctypes.c_void_p(), 10.0)
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
-    assert ("kPhaseLlUnitsMismatch = 7,\n  kPhaseLlPlaceMismatch = 8,\n  kPhaseLlReleaseMismatch = 9" in header
-            and cuda_lib.MISMATCH_PHASES == (7, 8, 9))
+    assert "kPhaseLlUnitsMismatch = 7, kPhaseLlPlaceMismatch = 8" in header and cuda_lib.MISMATCH_PHASES == (7, 8)
 
 
 def test_no_timeout_raises_nothing():

@@ -560,22 +560,18 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert options.resolve("epbench-ll", {}, environ={"EPBENCH_LL_DISPATCH_UNITS": "chunk"})["dispatch_units"] == "chunk"
     with pytest.raises(UserError, match="dispatch_units: must be one of auto, row, chunk, got 'half'"):
         options.validate({"epbench-ll": {"dispatch_units": "half"}})
-    assert ll.UNITS == {"row": 0, "chunk": 1} and ll.RELEASES == {"unit": 0, "batch": 1, "inline": 2}
+    assert ll.UNITS == {"row": 0, "chunk": 1} and ll.RELEASES == {"unit": 0, "batch": 1}
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
     assert "enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };" in header
-    assert "enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1, kLlReleaseInline = 2 };" in header
+    assert "enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1 };" in header
     assert options.resolve("epbench-ll", {}, environ={})["combine_release"] == "batch"
     assert options.resolve("epbench-ll", {}, environ={})["dispatch_place"] == "stage"
     assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2}
     assert "enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };" in header
     with pytest.raises(UserError, match="dispatch_place: must be one of stage, slot, inline, got 'peer'"):
         options.validate({"epbench-ll": {"dispatch_place": "peer"}})
-    with pytest.raises(UserError, match="combine_release: must be one of unit, batch, inline, got 'all'"):
+    with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})
-    # the inline combine's kernel at chunk 4 spills registers: auto keeps chunk 2 at any batch with it
-    assert [ll.combine_chunk_for(0, t, "inline") for t in (1, 64, 65, 256)] == [2, 2, 2, 2]
-    assert [ll.combine_chunk_for(0, t, "batch") for t in (1, 64, 65, 256)] == [2, 2, 4, 4]
-    assert ll.combine_chunk_for(4, 1, "inline") == 4  # a chunk given is kept
 
 
 def _dispatch_units(T, world, me, nx, ng, pnx):

@@ -17,7 +17,7 @@ row); ``ll_sync`` grid|token picks how both kernels synchronise (grid-wide hands
 flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source|rotated the order of
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
 row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
-``combine_release`` unit|batch|inline how the token-sync combine releases its pushes (LlCombineRelease);
+``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease);
 ``dispatch_place`` stage|slot|inline where the token-sync dispatch puts a peer's row (LlDispatchPlace).
 All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and stage; env
 EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
@@ -46,7 +46,7 @@ SYNCS = {"grid": 0, "token": 1}  # option ll_sync -> enum LlSync (csrc/ll_common
 ORDERS = {"source": 0, "rotated": 1}  # option combine_order -> enum LlCombineOrder (csrc/ll_common.cuh)
 UNITS = {"row": 0, "chunk": 1}  # option dispatch_units -> enum LlDispatchUnits (csrc/ll_common.cuh)
 PLACES = {"stage": 0, "slot": 1, "inline": 2}  # option dispatch_place -> enum LlDispatchPlace (csrc/ll_common.cuh)
-RELEASES = {"unit": 0, "batch": 1, "inline": 2}  # option combine_release -> enum LlCombineRelease (csrc/ll_common.cuh)
+RELEASES = {"unit": 0, "batch": 1}  # option combine_release -> enum LlCombineRelease (csrc/ll_common.cuh)
 TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's shared memory
 
 
@@ -84,15 +84,15 @@ def dispatch_units_for(units: str, max_tokens: int) -> str:
     return "chunk" if max_tokens <= AUTO_UNITS_MAX_TOKENS else "row"
 
 
-def combine_chunk_for(chunk: int, max_tokens: int, release: str = "batch") -> int:
+def combine_chunk_for(chunk: int, max_tokens: int) -> int:
     """The combine chunk actually used (the one recorded in the rows): ``chunk`` 0 (auto) picks 2
     (1 KiB units; all 8 rows of a top-8 token loaded in one batch) up to AUTO_CHUNK_MAX_TOKENS tokens
-    per rank, else 4 (2 KiB); with combine_release inline always 2 (its kernel at 4 spills registers). Measured (1 x H100, world 1, in-graph per call, 2026-11-25,
+    per rank, else 4 (2 KiB). Measured (1 x H100, world 1, in-graph per call, 2026-11-25,
     notes/LATENCY.md round 5): at 1 / 32 tokens 2 took 3.83 / 5.16 us against 4.98 / 5.68 for 4
     (32 SMs); at 128 tokens 4 was faster (11.0 / 7.65 us against 12.0 / 7.82 at 32 / 132 SMs)."""
     if chunk:
         return chunk
-    return 2 if max_tokens <= AUTO_CHUNK_MAX_TOKENS or release == "inline" else 4
+    return 2 if max_tokens <= AUTO_CHUNK_MAX_TOKENS else 4
 
 
 class EpbenchLowLatencyBackend(LowLatencyMode):
@@ -135,7 +135,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
         self.combine_order, self.dispatch_units = resolved["combine_order"], resolved["dispatch_units"]
         self.combine_release, self.dispatch_place = resolved["combine_release"], resolved["dispatch_place"]
-        self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank, self.combine_release)
+        self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank)
         self.dispatch_units = dispatch_units_for(self.dispatch_units, setup.max_tokens_per_rank)
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
         if self.ll_sync == "auto":  # the one recorded in the rows (effective_config)
@@ -233,10 +233,8 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         self.dispatch_place = place
 
     def use_combine_release(self, release: str) -> None:
-        """How later token-sync combines release their pushes (option combine_release: unit | batch |
-        inline); a graph captured before keeps its own. Unit and batch store the same flags and outputs;
-        inline stores no flag (every 4 bytes beside the epoch) and must be the same on every rank from
-        the dispatch before the combine on (the T word carries it), its sums within the last bf16 bit."""
+        """How later token-sync combines release their pushes' flags (option combine_release: unit |
+        batch); a graph captured before keeps its own. The same flags and outputs either way."""
         cuda_lib.check(self._lib.ep_ll_set_combine_release(self._ctx, RELEASES[release]), "ep_ll_set_combine_release")
         self.combine_release = release
 

@@ -175,8 +175,7 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     configs = [("source", "row", "unit", "stage"), ("rotated", "row", "unit", "stage")] + (
         [("rotated", "chunk", "unit", "stage"), ("rotated", "row", "batch", "stage"),
          ("rotated", "row", "batch", "slot"), ("rotated", "chunk", "unit", "slot"),
-         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "inline", "inline"),
-         ("rotated", "row", "inline", "stage")] if sync == "token" else [])
+         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline")] if sync == "token" else [])
     for order, units, release, place in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
@@ -193,13 +192,7 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     bits = {k: v.view(torch.int16) for k, v in got.items()}
     first = bits["source", "row", "unit", "stage", "launch"]
     for key, b in bits.items():
-        if key[2] == "inline":  # own experts summed first, then the partials: at most the last bf16 bit apart
-            far = ((b.int() - first.int()).abs() > 1) & (got[key].float() != got["source", "row", "unit", "stage",
-                                                                               "launch"].float())
-            if bool(far.any()):
-                problems.append(f"{' '.join(key)}: {int(far.any(dim=1).sum())} combine rows more than one bf16 "
-                                f"bit from source row launch")
-        elif not torch.equal(b, first):
+        if not torch.equal(b, first):
             rows = int((b != first).any(dim=1).sum())
             problems.append(f"{' '.join(key)}: {rows} combine rows differ in their bits from source row launch")
     kernels.close()
@@ -227,7 +220,7 @@ def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str)
     case = Case("units mismatch", 2048, [16], 4, 4)
     failures = 0
     for what, mine, others in (("dispatch_units", "chunk", "row"), ("dispatch_place", "slot", "stage"),
-                               ("dispatch_place", "inline", "stage"), ("combine_release", "inline", "batch")):
+                               ("dispatch_place", "inline", "stage")):
         be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token",
                                       **{what: mine if rank == 0 else others})
         routing = rank_routing(case, rank, world, seed=1)
