@@ -245,24 +245,14 @@ __device__ __forceinline__ bool ll_spin(const EpParams& p, int peer, int phase, 
   }
 }
 
-// Spins until the flag's epoch (high word) reaches `epoch`; returns the flag (0 on give-up).
+// Spins until the flag's epoch (high word) reaches `epoch`; returns the flag (0 on give-up). kAcquire false: an
+// inline word, read relaxed (it carries its payload; nothing is ordered behind it).
+template <bool kAcquire = true>
 __device__ __forceinline__ unsigned long long ll_wait_epoch_u64(const EpParams& p, const unsigned long long* flag,
                                                                 int epoch, int peer, int phase) {
   unsigned long long v = 0;
   const bool ok = ll_spin(p, peer, phase, [&] {
-    v = ld_acquire_sys_u64(flag);
-    return (int)(v >> 32) - epoch >= 0;
-  });
-  return ok ? v : 0;
-}
-
-// Spins until the inline word's epoch reaches `epoch` (a relaxed load: the word carries its payload, nothing is
-// ordered behind it); returns the word (0 on give-up).
-__device__ __forceinline__ unsigned long long ll_wait_inline_u64(const EpParams& p, const unsigned long long* word,
-                                                                 int epoch, int peer, int phase) {
-  unsigned long long v = 0;
-  const bool ok = ll_spin(p, peer, phase, [&] {
-    v = ld_relaxed_sys_u64(word);
+    v = kAcquire ? ld_acquire_sys_u64(flag) : ld_relaxed_sys_u64(flag);
     return (int)(v >> 32) - epoch >= 0;
   });
   return ok ? v : 0;

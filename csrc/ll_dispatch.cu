@@ -383,7 +383,7 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   const unsigned long long* lr =
       reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
   unsigned long long sw = 0;
-  if (lane < topk) sw = ll_wait_inline_u64(p, lr + lane, epoch, s, kPhaseLlDispatch);
+  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
   const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
   const unsigned mask = __ballot_sync(0xffffffffu, valid);
   if (mask == 0 || !copy) return;  // warp-uniform
@@ -435,7 +435,7 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
       for (int q = 0; q < RowScales::kRegs; ++q)
         if (lane + 32 * q < ns) xs[sl * ns + lane + 32 * q] = __uint_as_float((unsigned)sraw[q]);
       for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32) {  // hidden > 16384 only: one word at a time
-        const unsigned long long v = ll_wait_inline_u64(p, lr + 2 * topk + i, epoch, s, kPhaseLlDispatch);
+        const unsigned long long v = ll_wait_epoch_u64<false>(p, lr + 2 * topk + i, epoch, s, kPhaseLlDispatch);
         xs[sl * ns + i] = __uint_as_float((unsigned)v);
       }
       if (lane == 0) pair[sl] = t * p.topk + b;
