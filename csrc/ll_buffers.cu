@@ -241,8 +241,8 @@ extern "C" int ep_ll_set_sync(void* vctx, int sync) {
   return 0;
 }
 
-// The launch choices below are two-valued (0 or 1) fields of LlParams that later launches copy, so a captured
-// graph keeps the value it was captured with; `what` names the choice and its two values for the error.
+// The launch choices below are small enumerations (0..last) in fields of LlParams that later launches copy, so a
+// captured graph keeps the value it was captured with; `what` names the choice and its values for the error.
 static int ll_set_choice(int* field, int value, const char* what, int last = 1) {
   if (value < 0 || value > last) {
     ep_set_error("low-latency %s must be 0..%d, got %d", what, last, value);

@@ -27,7 +27,8 @@
 // Reuse: a peer pushes into my crows for call n only after its dispatch n, which needed my
 // dispatch n, which started after my combine n - 1 had finished reading crows. A source rewrites
 // my tmap / tw in its dispatch n + 1 only after its combine n saw my cflags, which I release
-// after my push phase n (the only reader of tmap / tw) is done.
+// after my push phase n (the only reader of tmap / tw) is done. With dispatch_place inline no source writes
+// my tmap / tw: my own dispatch's receive does, before this kernel (stream order).
 //
 // Token sync (ll_sync = token, ll_combine_token_kernel): no grid-wide step. Epoch from eslots[1][b]
 // + 1, the dispatch's from eslots[0][b]; stored back into slots b, b + G, ... at the end.

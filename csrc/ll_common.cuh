@@ -32,7 +32,7 @@
 //                                        tfc = chunks of kLlRowChunkV x 32 vectors per row)
 //     dwords     [world, E + 1] u64      dispatch: (epoch << 32) | rows source s has for my
 //                                        expert le at [s, le], (epoch << 32) | kind bits | T_s at
-//                                        [s, E] (ll_units_bits: chunk units, slot placement)
+//                                        [s, E] (ll_units_bits: chunk units, slot or inline placement)
 //     tcflags    [T_max, world, cch] u64 combine: epoch << 32, stored by rank d into [t, d, c]
 //                                        once chunk c of its partial for my token t landed
 //                                        (cch = chunks of a bf16 row at 1 KiB per chunk)
@@ -94,8 +94,9 @@ struct LlParams {
 // of the token dispatch left out, to time what the rest costs. Its outputs are then wrong by design (the probe
 // times such a dispatch alone, unverified, and never runs a combine after it); 0, the default, leaves out nothing.
 // kLlSkipOwnRows: the own-row units (a token's row into my own experts' slots); kLlSkipReceive: the receive
-// copies (each flag is still waited for); kLlSkipSmallStores: the scales and the tmap / tw entries a peer unit
-// stores beside its row, and with dispatch_place slot its pair entry (a receiver then finds no slot to copy into).
+// copies (each flag is still waited for; with dispatch_place inline each chunk's row words); kLlSkipSmallStores: the scales and the tmap / tw entries a peer unit
+// stores beside its row, with dispatch_place slot its pair entry (a receiver then finds no slot to copy into), with
+// inline its scale and weight words (never its slot words, which say whether a row follows).
 enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipAll = 7 };
 
 // Phase boundaries stamped per block (thread 0) when LlParams::stamps is set. Dispatch: staged =

@@ -32,6 +32,9 @@
 // my dispatch n (the only reader of stage / cnt) and my combine n push phase (of tmap / tw). With
 // dispatch_place slot a source writes rows into my x slots too, by the same argument only once my
 // combine n has pushed: dispatch n's x stays valid until this rank's combine n (not its dispatch n + 1).
+// With dispatch_place inline a source writes its slot words into my lstage for every token, hit or not: one with no
+// token for me in call n may write n + 1's before I read n's, and I then read "no slot" (n) or a later epoch (n + 1),
+// both "not mine", as they are; one with a token for me waits, as above, for my combine n before its dispatch n + 1.
 //
 // Token sync (ll_sync = token, ll_dispatch_token_kernel; LlContext::sync): no grid-wide step.
 //   epoch: block b reads eslots[0][b] + 1 and at its end stores it into slots b, b + G, ... (G = grid
@@ -319,8 +322,10 @@ __device__ __forceinline__ int token_slot(const LlParams& lp, const int* s_mask,
 // Peer unit of the inline placement (kLlPlaceInline): chunk pc of token t's row (pnx 1: the whole row) as inline
 // words into lstage[me, t] on d (LlInlineRow); the chunk-0 unit also stores the slot word of each of t's experts
 // (kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
-// on d, the weight and scale words. Every load is issued before the first store (a load after a store that
-// may alias it waits for the store), and nothing is fenced or flagged: each word carries its epoch.
+// on d, the weight and scale words (neither with the probe's kLlSkipSmallStores). The unit's first kU x 32 vectors,
+// its scales and its weight are loaded before its first store (a load after a store that may alias it waits for
+// the store; a row of more than kU x 32 vectors loads each later batch after the stores before it), and nothing is
+// fenced or flagged: each word carries its epoch.
 __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
                                             const int* s_mask, int NE, int t, int e, int d, bool hit, unsigned mask,
                                             float w, int pc, int pnx, int lane, unsigned long long tag) {
@@ -340,13 +345,14 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
       if (i < v1) buf[u] = ld_nc_v4(src + i);
     }
   }
+  const bool small = !(lp.probe_skip & kLlSkipSmallStores);  // measuring aid (LlProbeSkip); true when verified
   if (pc == 0 && lane < topk) {
     const unsigned slot = hit ? (unsigned)token_slot(lp, s_mask, NE, me, t, e, d) : kLlNoSlot;
     st_relaxed_sys_u64(lr + lane, tag | slot);
-    if (hit) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
+    if (hit && small) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
   }
   if (mask == 0) return;  // warp-uniform
-  if (pc == 0) {
+  if (pc == 0 && small) {
 #pragma unroll
     for (int q = 0; q < RowScales::kRegs; ++q)
       if (lane + 32 * q < ns) st_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q, tag | __float_as_uint(sc.v[q]));
@@ -374,7 +380,12 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
 // the slot word of t's k-th expert (kLlNoSlot: not mine); if any is mine, every lane waits for its vectors of
 // chunk c (and, for c = 0, its scale words and its weight word) and the warp stores the chunk into each valid
 // slot, with c = 0 also the scales, pair = t * topk + k and this rank's own tmap / tw entries (which the stage and
-// slot placements receive from the source). Returns without copying when `copy` is false (LlProbeSkip).
+// slot placements receive from the source). With `copy` false (LlProbeSkip kLlSkipReceive) it still waits for
+// the chunk's words (they are the proof of arrival here, as the flag is for the other placements) but copies
+// nothing and waits for no scale or weight word (the token-peers variant also leaves those unsent).
+// Row and scale words are taken at their epoch or a later one: with a combine between dispatches a later epoch
+// cannot reach them (the file header's reuse argument); in a chain of dispatches without one (the probe's
+// dispatch-only backend, chained graphs) a source may be one call ahead, whose words carry the same inputs there.
 __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams& lp, int s, int t, int c, int epoch,
                                                int lane, bool copy) {
   const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4;
@@ -386,10 +397,11 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
   const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
   const unsigned mask = __ballot_sync(0xffffffffu, valid);
-  if (mask == 0 || !copy) return;  // warp-uniform
+  if (mask == 0) return;  // warp-uniform
   const int slot = valid ? (int)(unsigned)sw : 0;
   const unsigned long long* rw = lr + lp.lrow_head;
   unsigned long long raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
+  const bool meta = copy && c == 0;  // the scale and weight words too
   const bool ok = ll_spin(p, s, kPhaseLlDispatch, [&] {
 #pragma unroll
     for (int q = 0; q < kS; ++q) {  // every load of the poll issued before any is looked at
@@ -401,8 +413,8 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
     }
 #pragma unroll
     for (int q = 0; q < RowScales::kRegs; ++q)
-      if (c == 0 && lane + 32 * q < ns) sraw[q] = ld_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q);
-    if (c == 0 && valid) wraw = ld_relaxed_sys_u64(lr + topk + lane);
+      if (meta && lane + 32 * q < ns) sraw[q] = ld_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q);
+    if (meta && valid) wraw = ld_relaxed_sys_u64(lr + topk + lane);
     bool all = true;
 #pragma unroll
     for (int q = 0; q < kS; ++q)
@@ -411,11 +423,11 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
         if (c * 32 * kS + q * 32 + lane < V) all = all && (int)(raw[q][j] >> 32) - epoch >= 0;
 #pragma unroll
     for (int q = 0; q < RowScales::kRegs; ++q)
-      if (c == 0 && lane + 32 * q < ns) all = all && (int)(sraw[q] >> 32) - epoch >= 0;
-    if (c == 0 && valid) all = all && (int)(wraw >> 32) - epoch >= 0;
+      if (meta && lane + 32 * q < ns) all = all && (int)(sraw[q] >> 32) - epoch >= 0;
+    if (meta && valid) all = all && (int)(wraw >> 32) - epoch >= 0;
     return all;
   });
-  if (__ballot_sync(0xffffffffu, !ok) != 0) return;  // gave up (the error is recorded): copy nothing
+  if (__ballot_sync(0xffffffffu, !ok) != 0 || !copy) return;  // gave up (the error is recorded), or measuring
   uint8_t* xr = mybase + lp.off_x;
   float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
   int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);

@@ -9,8 +9,8 @@ each time, twice per case (buffers and flags reused), then once more through CUD
 (captured once, replayed twice with new token values). Last, a deliberately missing peer must
 raise naming it, not hang. orders: each case's combine in both push orders (backend option
 combine_order) and, with token sync, after a dispatch of chunk peer units (option dispatch_units), with
-batched flag releases (option combine_release) and with peer rows put straight into their first slot (option
-dispatch_place), launched and through graph replays: every
+batched flag releases (option combine_release) and with peer rows put straight into their first slot or sent as
+inline words (option dispatch_place), launched and through graph replays: every
 output verified and every combine bit-equal. Exit code 0 only if every check passed. The GPU tests run several of these in one
 launch through tests/gpu/suite_worker.py.
 """
@@ -162,9 +162,10 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
 
 def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
     """The combine in both push orders on the same inputs, and (token sync) the dispatch with chunk
-    peer units (option dispatch_units): each verified, and every combine output bit-equal
-    (csrc/ll_combine.cu, push_unit: only the order of independent pushes differs; chunk units land
-    the same bytes in the same places)."""
+    peer units (option dispatch_units), slot and inline placement (dispatch_place) and the batched
+    release (combine_release): each verified, and every combine output bit-equal (csrc/ll_combine.cu,
+    push_unit: only the order of independent pushes differs; chunk units and every placement land the
+    same bytes in the same places, tmap / tw included)."""
     problems: List[str] = []
     kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync=sync)
     salt = zlib.crc32(f"{case.name}/orders".encode()) % 10000
@@ -210,7 +211,8 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
 
 def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Token sync: rank 0 dispatches with chunk peer units, the others with row units (hidden 2048 bf16: 2
-    chunks a row); then rank 0 with slot placement, the others with stage. Each time every rank must raise at
+    chunks a row); then rank 0 with slot placement, the others with stage; then rank 0 with inline placement, the
+    others with stage. Each time every rank must raise at
     once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
     was put, and never wait out the timeout (10 s here; the check allows 5)."""
     import time
