@@ -5,10 +5,13 @@ row r of ``routing.Traffic.nvlink`` x row bytes; combine: column r, the same cop
 Two ideal transfers of exactly those bytes:
 
 copy engines
-    every rank issues one asynchronous peer copy per destination, each on its own stream, all
-    ranks at once (after the same cross-rank sync the driver uses). A rank's time per iteration
-    runs from an event before the copies to one after the last; the ceiling time is the max
-    over ranks of each rank's median -- the same rule as an operation's time.
+    every rank issues asynchronous peer copies to every destination at once, all ranks at once
+    (after the same cross-rank sync the driver uses): each destination's bytes in ``k``
+    contiguous pieces, each piece on a stream of its own (``k`` = 1, 2 and 4 are measured and the
+    fastest is the ceiling: one stream's copy may not fill the links, notes/LATENCY-NEXT.md). A
+    rank's time per iteration runs from an event before the copies to one after the last; a
+    ceiling time is the max over ranks of each rank's median -- the same rule as an operation's
+    time.
 plain SM stores
     the same bytes written by a kernel with plain 16-byte stores into peer memory at a given SM
     count (``ep_store_ceiling`` in csrc/ceiling.cu: no layout, no flags). It needs the built
@@ -23,7 +26,7 @@ The ideal time is bytes / rate. A result's percent of ceiling is ceiling time / 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -284,24 +287,37 @@ class PeerBuffers:
         self.rt.free(self.local)
 
 
+CE_SPLITS = (1, 2, 4)  # streams per destination measured for the copy-engine ceiling
+
+
+def split_pieces(nbytes: int, k: int, align: int = 16) -> List[Tuple[int, int]]:
+    """(offset, length) of k contiguous pieces covering nbytes, each offset a multiple of align (the
+    last piece takes the remainder; fewer pieces when nbytes is small, none of length 0)."""
+    step = -(-nbytes // k)
+    step = -(-step // align) * align
+    return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)] if nbytes > 0 else []
+
+
 def copy_engine_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, source: Any,
-                           warmup: int, iters: int) -> List[float]:
-    """This rank's per-iteration time for one async peer copy per destination, concurrently."""
+                           warmup: int, iters: int, split: int = 1) -> List[float]:
+    """This rank's per-iteration time for async peer copies to every destination, concurrently: each
+    destination's bytes in ``split`` contiguous pieces, one stream per piece."""
     import torch
 
     me = comm.rank
     rt = bufs.rt
     dests = [d for d in range(comm.world) if d != me and plan[me][d] > 0]
     dst = {d: bufs.peers[d] + recv_offsets(plan, d)[me] for d in dests}
-    streams = {d: torch.cuda.Stream(device=comm.device) for d in dests}
+    pieces = [(d, off, n) for d in dests for off, n in split_pieces(plan[me][d], split)]
+    streams = [torch.cuda.Stream(device=comm.device) for _ in pieces]
     main = torch.cuda.current_stream(comm.device)
 
     def copies() -> None:
-        for d in dests:
-            streams[d].wait_stream(main)
-            rt.memcpy_async(dst[d], source.data_ptr(), plan[me][d], streams[d].cuda_stream)
-        for d in dests:
-            main.wait_stream(streams[d])
+        for st, (d, off, n) in zip(streams, pieces):
+            st.wait_stream(main)
+            rt.memcpy_async(dst[d] + off, source.data_ptr() + off, n, st.cuda_stream)
+        for st in streams:
+            main.wait_stream(st)
 
     timer = Timer(comm.device, warmup + iters)
     for i in range(warmup + iters):
@@ -313,12 +329,19 @@ def copy_engine_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, 
 class OpCeiling:
     op: str
     bytes_per_rank: List[int]  # NVLink bytes each rank sends
-    copy_engine_us: Optional[float]  # max over ranks of the median; None on CPU
+    copy_engine_us: Optional[float]  # max over ranks of the median, the fastest split; None on CPU
     sm_store_us: Dict[int, Optional[float]]  # by SM count; None = absent
     ideal_us: Optional[float]  # max over ranks of bytes / nominal NVLink rate (hardware)
     scenario_ideal_us: Optional[float] = None  # the same at the scenario's topology.nvlink_gbps
     # NVLink TX bytes NVML counted per copy-engine iteration, per rank (None: no counter)
     counted_per_iter: Optional[List[Optional[float]]] = None
+    # copy-engine time (max over ranks of the median) by streams per destination (CE_SPLITS)
+    copy_engine_by_split: Dict[int, float] = field(default_factory=dict)
+
+    @property
+    def copy_engine_split(self) -> Optional[int]:
+        """The streams per destination of the copy-engine ceiling (the fastest measured)."""
+        return min(self.copy_engine_by_split, key=self.copy_engine_by_split.get) if self.copy_engine_by_split else None
 
     def counted_vs_computed(self) -> Optional[float]:
         """The rank furthest from 1 of counted / computed bytes; None without counters."""
@@ -374,7 +397,11 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
             c.counted_per_iter = [None] * comm.world
             dist.all_gather_object(c.counted_per_iter,
                                    tx / (warmup + iters) if tx is not None else None)
-            c.copy_engine_us = _max_over_ranks(samples, comm)
+            c.copy_engine_by_split[1] = _max_over_ranks(samples, comm)
+            for k in CE_SPLITS[1:]:
+                c.copy_engine_by_split[k] = _max_over_ranks(
+                    copy_engine_samples_us(m, comm, bufs, source, warmup, iters, split=k), comm)
+            c.copy_engine_us = min(c.copy_engine_by_split.values())
             provider = _sm_store_provider or kernel_store_provider()
             if provider is not None:
                 me = comm.rank
@@ -415,15 +442,19 @@ def byte_ceilings(s: Any, tr: Traffic, rates: Sequence[Optional[float]]) -> List
 def ceiling_table(ceilings: List[OpCeiling], title: str):
     from epbench.console import number, table
 
-    cols = ("op", "MB per rank", "copy engine us", "copy engine GB/s", "SM stores us",
-            "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed")
+    cols = ("op", "MB per rank", "copy engine us", "copy engine GB/s", "copy engine us by streams",
+            "SM stores us", "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed")
     t = table(title, "bytes = NVLink bytes a rank sends (max over ranks); times in us "
-              "(max over ranks of the median); GB/s = bytes / time; NVML TX / computed = NVLink "
-              "bytes NVML counted per copy-engine iteration over the bytes asked for (the rank "
+              "(max over ranks of the median); GB/s = bytes / time; copy engine = the fastest of "
+              "1, 2 and 4 streams per destination (each a piece of its bytes; by streams: each "
+              "one's time); NVML TX / computed = NVLink bytes NVML counted per copy-engine "
+              "iteration of one stream per destination over the bytes asked for (the rank "
               "furthest from 1)", [(c, "left" if c == "op" else "right") for c in cols])
     for c in ceilings:
         sm = [f"{k}: {number(v)}" for k, v in c.sm_store_us.items() if v is not None]
+        by = [f"{k}: {number(v)}" for k, v in c.copy_engine_by_split.items()]
         t.add_row(c.op, number(c.max_bytes / 1e6), number(c.copy_engine_us), number(c.copy_engine_gbps),
+                  ", ".join(by) if by else "-",
                   ", ".join(sm) if sm else "absent",
                   number(c.ideal_us),
                   number(metrics.bandwidth_gbps(c.max_bytes, c.ideal_us) if c.ideal_us else None),

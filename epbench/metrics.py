@@ -259,6 +259,7 @@ def ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:
     """The op's ceilings measured in this run (epbench/ceiling.py): copy engines, and plain SM
     stores at this point's SM count (None where not measured, e.g. NCCL's own SM choice)."""
     return {"ceiling_copy_engine_us": c.copy_engine_us if c is not None else None,
+            "ceiling_copy_engine_streams": getattr(c, "copy_engine_split", None) if c is not None else None,
             "ceiling_sm_store_us": c.sm_store_us.get(sms) if c is not None and sms else None}
 
 

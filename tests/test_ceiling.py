@@ -40,6 +40,29 @@ def test_recv_offsets_do_not_overlap():
     assert ceiling.recv_offsets(plan, 0) == [0, 0, 2]
 
 
+def test_split_pieces_cover_the_bytes_once_at_aligned_offsets():
+    for n in (0, 1, 15, 16, 17, 1000, 58_720_256, 58_720_257):
+        for k in ceiling.CE_SPLITS:
+            pieces = ceiling.split_pieces(n, k)
+            assert sum(length for _, length in pieces) == n
+            assert all(length > 0 for _, length in pieces) and len(pieces) <= k
+            assert all(off % 16 == 0 for off, _ in pieces)
+            # contiguous, in order: each piece starts where the one before ended
+            assert [off for off, _ in pieces] == [sum(length for _, length in pieces[:i]) for i in range(len(pieces))]
+    assert ceiling.split_pieces(1000, 2) == [(0, 512), (512, 488)]
+    assert ceiling.split_pieces(17, 4) == [(0, 16), (16, 1)]  # fewer pieces than asked: none of length 0
+
+
+def test_copy_engine_ceiling_is_the_fastest_split_and_names_it():
+    c = ceiling.OpCeiling("dispatch", [100], None, {}, None)
+    assert c.copy_engine_split is None
+    c.copy_engine_by_split = {1: 150.0, 2: 131.0, 4: 133.0}
+    assert c.copy_engine_split == 2
+    from epbench import metrics
+    cols = metrics.ceiling_columns(c, 8)
+    assert cols["ceiling_copy_engine_streams"] == 2
+
+
 def scenario(**model):
     return parse(scenario_dict(model=model, topology={"nvlink_gbps": 100.0}), "test.yaml")
 
