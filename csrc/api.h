@@ -67,10 +67,7 @@ enum ep_option {
   EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R
                               // (combine), each its own kernel after the transfer; 0 (default): inside the
                               // dispatch kernel / on the combine's blocks (0..1024)
-  EP_OPT_CE_SPLIT = 6,        // own_rows 2 (all): copy streams per peer, each copying one contiguous piece of the
-                              // rows (1..EP_CE_MAX_SPLIT; default 1); the scales, ids and weights go on the first
 };
-#define EP_CE_MAX_SPLIT 4
 
 // Notify (layout) kernel variants; measurements in notes/KERNELS.md.
 enum ep_notify_impl {

@@ -187,10 +187,9 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.peer_base[p.rank] = ctx->region;
 
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx->max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cfg->device));
-  ctx->ce_split = 1;
-  if (p.own_ce == 2) {  // own_rows all: copy streams per peer, forked and joined by events (dispatch.cu)
+  if (p.own_ce == 2) {  // own_rows all: a copy stream per peer, forked and joined by events (dispatch.cu)
     CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_fork, cudaEventDisableTiming));
-    for (int i = 0; i < (cfg->world - 1) * EP_CE_MAX_SPLIT; ++i) {
+    for (int i = 0; i + 1 < cfg->world; ++i) {
       CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->ce_streams[i], cudaStreamNonBlocking));
       CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_done[i], cudaEventDisableTiming));
     }
@@ -276,10 +275,6 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       if (value < 0 || value > 1024 || (value > 0 && ctx->p.align == 0)) break;  // expert-major only
       ctx->p.em_sms = value;
       return 0;
-    case EP_OPT_CE_SPLIT:
-      if (value < 1 || value > EP_CE_MAX_SPLIT || (value > 1 && ctx->p.own_ce != 2)) break;  // own_rows all only
-      ctx->ce_split = value;
-      return 0;
     default: break;
   }
   ep_set_error("ep_set_option: bad key %d or value %d", key, value);
@@ -311,7 +306,7 @@ extern "C" int ep_destroy(void* vctx) {
   CUDA_CHECK(cudaFree(ctx->region));
   CUDA_CHECK(cudaFreeHost((void*)ctx->host_error));
   if (ctx->ce_fork) CUDA_CHECK(cudaEventDestroy(ctx->ce_fork));
-  for (int i = 0; i < (EP_MAX_WORLD - 1) * EP_CE_MAX_SPLIT; ++i) {
+  for (int i = 0; i + 1 < EP_MAX_WORLD; ++i) {
     if (ctx->ce_streams[i]) CUDA_CHECK(cudaStreamDestroy(ctx->ce_streams[i]));
     if (ctx->ce_done[i]) CUDA_CHECK(cudaEventDestroy(ctx->ce_done[i]));
   }

@@ -177,12 +177,10 @@ struct EpContext {
   int combine_stages;  // stages per combine warp (EP_OPT_COMBINE_STAGES)
   int combine_chunk;   // combine bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
   ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
-  // own_rows all (p.own_ce == 2): the peers' copies, ce_split streams per peer (peer me + 1 + i on streams
-  // i * EP_CE_MAX_SPLIT + j, j < ce_split: piece j of the rows)
+  // own_rows all (p.own_ce == 2): the peers' copies, one stream per peer (peer me + 1 + i on stream i)
   cudaEvent_t ce_fork;
-  cudaStream_t ce_streams[(EP_MAX_WORLD - 1) * EP_CE_MAX_SPLIT];
-  cudaEvent_t ce_done[(EP_MAX_WORLD - 1) * EP_CE_MAX_SPLIT];
-  int ce_split;  // EP_OPT_CE_SPLIT
+  cudaStream_t ce_streams[EP_MAX_WORLD - 1];
+  cudaEvent_t ce_done[EP_MAX_WORLD - 1];
 };
 
 // The checks ep_dispatch and ep_combine both make before launching: peers open, the token count

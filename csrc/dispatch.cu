@@ -36,9 +36,8 @@
 // peer also gets its key (me << 32 | t) in the peer's recv_key, from lane 0 beside the ids and weights.
 // own_rows all (p.own_ce == 2): no kernel moves a row. After the notify kernel (which proves every peer is done
 // with my segment of its buffers from the previous call) ep_dispatch copies x, x_scales, topk_idx and topk_w
-// into my segment of every peer with the copy engine, ce_split streams per peer (EP_OPT_CE_SPLIT: the rows in
-// that many contiguous pieces, one stream each, so one peer's rows may run on several copy engines) forked from
-// the caller's stream and joined again; then ce_keys_kernel writes the keys of my whole segment on every rank (mine included) and
+// into my segment of every peer with the copy engine, one stream per peer forked from the caller's stream and
+// joined again; then ce_keys_kernel writes the keys of my whole segment on every rank (mine included) and
 // releases done[me] as below. The copies complete before that kernel starts (stream order), so a peer that
 // sees done[me] sees my rows.
 // Completion (grid_release_and_wait in common.cuh): every thread fences at system scope; the
@@ -46,8 +45,6 @@
 // then waits until done[s] == epoch for every source s in my signals, so the kernel ends only
 // when every row addressed to this rank has landed.
 #include <cuda_fp8.h>
-
-#include <algorithm>
 
 #include "common.cuh"
 
@@ -463,8 +460,7 @@ constexpr DispatchKernel kDispatchKernels[2][2][3] = {
       dispatch_kernel<4, 1024, true, 2, kEm>()}},
 };
 
-// own_rows all: the peers' copies (see the header; the scales, ids and weights on each peer's first stream), then
-// the key kernel on `num_sms` blocks.
+// own_rows all: the peers' copies (see the header), then the key kernel on `num_sms` blocks.
 int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int epoch, cudaStream_t stream) {
   const EpParams& p = ctx->p;
   const size_t seg = (size_t)p.rank * p.max_tokens, n = (size_t)a.num_tokens;  // my segment's first row
@@ -472,21 +468,12 @@ int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int e
   // with my segment of their buffers: no copy then (the kernels bail out as in the other modes)
   if (n > 0 && p.world > 1 && !ctx->host_error->flag) {
     CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
-    const size_t k = std::min((size_t)ctx->ce_split, n), per = (n + k - 1) / k;  // rows per piece
     for (int i = 0; i + 1 < p.world; ++i) {
       const int d = (p.rank + 1 + i) % p.world;
+      cudaStream_t s = ctx->ce_streams[i];
       uint8_t* b = p.peer_base[d];
-      for (size_t j = 1; j < k && j * per < n; ++j) {  // pieces 1.. of the rows, each on a stream of its own
-        cudaStream_t sj = ctx->ce_streams[i * EP_CE_MAX_SPLIT + j];
-        CUDA_CHECK(cudaStreamWaitEvent(sj, ctx->ce_fork, 0));
-        CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + (seg + j * per) * p.row_bytes, a.x + j * per * p.row_bytes,
-                                   std::min(per, n - j * per) * p.row_bytes, cudaMemcpyDefault, sj));
-        CUDA_CHECK(cudaEventRecord(ctx->ce_done[i * EP_CE_MAX_SPLIT + j], sj));
-        CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i * EP_CE_MAX_SPLIT + j], 0));
-      }
-      cudaStream_t s = ctx->ce_streams[i * EP_CE_MAX_SPLIT];
       CUDA_CHECK(cudaStreamWaitEvent(s, ctx->ce_fork, 0));
-      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, std::min(per, n) * p.row_bytes,
+      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, n * p.row_bytes,
                                  cudaMemcpyDefault, s));
       if (a.x_scales != nullptr)  // recv_scales rows may be wider than the caller's (mxfp8: 16-byte stride)
         CUDA_CHECK(cudaMemcpy2DAsync(b + p.off_recv_scales + seg * p.scale_stride, p.scale_stride, a.x_scales,
@@ -495,8 +482,8 @@ int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int e
                                  n * p.topk * sizeof(long long), cudaMemcpyDefault, s));
       CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_w + seg * p.topk * sizeof(float), a.topk_w,
                                  n * p.topk * sizeof(float), cudaMemcpyDefault, s));
-      CUDA_CHECK(cudaEventRecord(ctx->ce_done[i * EP_CE_MAX_SPLIT], s));
-      CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i * EP_CE_MAX_SPLIT], 0));
+      CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], s));
+      CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
     }
   }
   ce_keys_kernel<<<num_sms, 512, 0, stream>>>(p, a.num_tokens, epoch);

@@ -246,29 +246,6 @@ __device__ __forceinline__ bool ll_spin(const EpParams& p, int peer, int phase, 
   }
 }
 
-// ll_spin for a whole warp whose every lane calls it with the same arguments: ready() is per lane (its loads issued
-// before it looks at any of them) and may use warp collectives, since every lane runs every iteration; the warp
-// stops when every lane is ready, and lane 0 alone looks at the error word and the clock, its verdict shared, so
-// no lane leaves the loop before another. Returns the same value in every lane.
-template <typename Ready>
-__device__ __forceinline__ bool ll_spin_warp(const EpParams& p, int peer, int phase, int lane, Ready ready) {
-  const unsigned long long start = globaltimer();
-  for (unsigned n = 1;; ++n) {
-    if (__all_sync(0xffffffffu, ready())) return true;
-    if (n % 64 != 0) continue;
-    int stop = 0;
-    if (lane == 0) {
-      if (ld_volatile(p.dev_error) != 0) {
-        stop = 1;
-      } else if (globaltimer() - start > p.timeout_ns) {
-        report_timeout(p.dev_error, p.host_error, p.rank, peer, phase);
-        stop = 1;
-      }
-    }
-    if (__shfl_sync(0xffffffffu, stop, 0)) return false;
-  }
-}
-
 // Spins until the flag's epoch (high word) reaches `epoch`; returns the flag (0 on give-up). kAcquire false: an
 // inline word, read relaxed (it carries its payload; nothing is ordered behind it).
 template <bool kAcquire = true>

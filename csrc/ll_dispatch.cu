@@ -141,9 +141,8 @@ struct RowScales {
 // each valid slot (for c = 0 also the scales and pair = t * topk + k). Both syncs. from_slot (token
 // sync, dispatch_place slot): the source put the row, its scales and its pair entry straight into the
 // slot of the lowest valid lane's expert; the warp copies chunk c from there into the other valid slots.
-// hit (token sync: the flag's hit bit said a row came): the stage's chunk is loaded beside tmap (below).
 __device__ __forceinline__ void place_staged_chunk(const EpParams& p, const LlParams& lp, int s, int t, int c,
-                                                   int epoch, int lane, bool from_slot = false, bool hit = false) {
+                                                   int epoch, int lane, bool from_slot = false) {
   const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4;
   const uint8_t* mybase = p.peer_base[p.rank];
   const unsigned long long* tmap = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tmap);
@@ -151,23 +150,6 @@ __device__ __forceinline__ void place_staged_chunk(const EpParams& p, const LlPa
   float* xs = reinterpret_cast<float*>(p.peer_base[p.rank] + lp.off_scales);
   int* pair = reinterpret_cast<int*>(p.peer_base[p.rank] + lp.off_pair);
   const size_t srow = (size_t)s * lp.t_max + t;
-  // stage placement of a known hit: the chunk and its scales are loaded beside the slot entries, before anything
-  // waits for them (their addresses do not depend on tmap), so the copy needs one round trip after the flag, not
-  // two. Without `hit` (the grid kernel visits every token of a source) they wait for tmap to name a slot here.
-  const bool early = hit && !from_slot;
-  int4 buf[kS];
-  RowScales sc;
-  const float* ssrc = reinterpret_cast<const float*>(mybase + lp.off_sscales) + srow * ns;
-  auto load_chunk = [&](const int4* src) {
-#pragma unroll
-    for (int q = 0; q < kS; ++q) {
-      const int i = c * 32 * kS + q * 32 + lane;
-      if (i < V) buf[q] = src[i];  // written by a peer during this kernel: no .nc
-    }
-    if (c == 0) sc.load(ssrc, ns, lane);
-  };
-  const int4* stage = reinterpret_cast<const int4*>(mybase + lp.off_stage + srow * p.row_bytes);
-  if (early) load_chunk(stage);
   unsigned long long ent = 0;
   if (lane < topk) ent = tmap[srow * topk + lane];
   const bool valid = lane < topk && (int)(ent >> 32) == epoch;
@@ -178,12 +160,17 @@ __device__ __forceinline__ void place_staged_chunk(const EpParams& p, const LlPa
   const size_t fslot = from_slot ? (size_t)__shfl_sync(0xffffffffu, slot, first) : 0;  // from_slot: warp-uniform
   const unsigned todo0 = from_slot ? mask & (mask - 1) : mask;  // slot placement: the first slot holds it already
   if (todo0 == 0) return;  // warp-uniform
-  if (from_slot) {  // the source of the copy is a slot named by tmap: loaded after it
-    ssrc = xs + fslot * ns;
-    load_chunk(reinterpret_cast<const int4*>(xr + fslot * p.row_bytes));
-  } else if (!early) {
-    load_chunk(stage);
+  const int4* src = reinterpret_cast<const int4*>(
+      from_slot ? xr + fslot * p.row_bytes : mybase + lp.off_stage + srow * p.row_bytes);
+  int4 buf[kS];
+#pragma unroll
+  for (int q = 0; q < kS; ++q) {
+    const int i = c * 32 * kS + q * 32 + lane;
+    if (i < V) buf[q] = src[i];  // written by a peer during this kernel: no .nc
   }
+  const float* ssrc = from_slot ? xs + fslot * ns : reinterpret_cast<const float*>(mybase + lp.off_sscales) + srow * ns;
+  RowScales sc;
+  if (c == 0) sc.load(ssrc, ns, lane);
   for (unsigned todo = todo0; todo != 0; todo &= todo - 1) {
     const int b = __ffs(todo) - 1;
     const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
@@ -389,20 +376,16 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
   }
 }
 
-// Receive unit (source s, token t, chunk c of kS x 32 vectors) of the inline placement: one warp-wide poll loads
-// the slot words of t's experts (lane k < topk: the k-th; kLlNoSlot: not mine), the chunk's row words and (for
-// c = 0) the scale words and lane k's weight word, all before it looks at any; it is done when every slot word has
-// come and either none names a slot here (no row follows) or every row word, scale word and the weight word of each
-// lane whose slot is here has come. So a row that lands with its slot words costs one round trip, not two. Then the
-// warp stores the chunk into each valid slot, with c = 0 also the scales, pair = t * topk + k and this rank's own
-// tmap / tw entries (which the stage and slot placements receive from the source). With `copy` false
-// (LlProbeSkip kLlSkipReceive) it still waits for the chunk's words (they are the proof of arrival here, as the flag
-// is for the other placements) but copies nothing and waits for no scale or weight word (the token-peers variant
-// also leaves those unsent).
+// Receive unit (source s, token t, chunk c of kS x 32 vectors) of the inline placement: lane k < topk waits for
+// the slot word of t's k-th expert (kLlNoSlot: not mine); if any is mine, every lane waits for its vectors of
+// chunk c (and, for c = 0, its scale words and its weight word) and the warp stores the chunk into each valid
+// slot, with c = 0 also the scales, pair = t * topk + k and this rank's own tmap / tw entries (which the stage and
+// slot placements receive from the source). With `copy` false (LlProbeSkip kLlSkipReceive) it still waits for
+// the chunk's words (they are the proof of arrival here, as the flag is for the other placements) but copies
+// nothing and waits for no scale or weight word (the token-peers variant also leaves those unsent).
 // Row and scale words are taken at their epoch or a later one: with a combine between dispatches a later epoch
 // cannot reach them (the file header's reuse argument); in a chain of dispatches without one (the probe's
 // dispatch-only backend, chained graphs) a source may be one call ahead, whose words carry the same inputs there.
-// A slot word counts only at its own epoch (a later one: the source is at dispatch n + 1, so t is not mine in n).
 __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams& lp, int s, int t, int c, int epoch,
                                                int lane, bool copy) {
   const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4;
@@ -410,15 +393,18 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   const size_t srow = (size_t)s * lp.t_max + t;
   const unsigned long long* lr =
       reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
+  unsigned long long sw = 0;
+  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
+  const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
+  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  if (mask == 0) return;  // warp-uniform
+  const int slot = valid ? (int)(unsigned)sw : 0;
   const unsigned long long* rw = lr + lp.lrow_head;
-  unsigned long long sw = 0, raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
+  unsigned long long raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
   const bool meta = copy && c == 0;  // the scale and weight words too
-  bool valid = false;
-  unsigned mask = 0;
-  const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
-    if (lane < topk) sw = ld_relaxed_sys_u64(lr + lane);  // every load of the poll issued before any is looked at
+  const bool ok = ll_spin(p, s, kPhaseLlDispatch, [&] {
 #pragma unroll
-    for (int q = 0; q < kS; ++q) {
+    for (int q = 0; q < kS; ++q) {  // every load of the poll issued before any is looked at
       const int i = c * 32 * kS + q * 32 + lane;
       if (i < V) {
         ld_relaxed_sys_v2u64(rw + 4 * (size_t)i, raw[q][0], raw[q][1]);
@@ -428,12 +414,7 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
 #pragma unroll
     for (int q = 0; q < RowScales::kRegs; ++q)
       if (meta && lane + 32 * q < ns) sraw[q] = ld_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q);
-    if (meta && lane < topk) wraw = ld_relaxed_sys_u64(lr + topk + lane);
-    const bool slot_in = lane >= topk || (int)(sw >> 32) - epoch >= 0;
-    valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
-    mask = __ballot_sync(0xffffffffu, valid);
-    if (!__all_sync(0xffffffffu, slot_in)) return false;  // a slot word still on its way
-    if (mask == 0) return true;  // every slot word came, none names a slot here: no row follows
+    if (meta && valid) wraw = ld_relaxed_sys_u64(lr + topk + lane);
     bool all = true;
 #pragma unroll
     for (int q = 0; q < kS; ++q)
@@ -446,8 +427,7 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
     if (meta && valid) all = all && (int)(wraw >> 32) - epoch >= 0;
     return all;
   });
-  if (!ok || mask == 0 || !copy) return;  // gave up (the error is recorded), nothing here, or measuring
-  const int slot = valid ? (int)(unsigned)sw : 0;
+  if (__ballot_sync(0xffffffffu, !ok) != 0 || !copy) return;  // gave up (the error is recorded), or measuring
   uint8_t* xr = mybase + lp.off_x;
   float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
   int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
@@ -716,7 +696,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     __syncwarp();
     if ((int)(v >> 32) != epoch || (v & 1u) == 0) continue;  // not for me (or a later epoch, or given up)
     if (lp.probe_skip & kLlSkipReceive) continue;  // measuring aid (LlProbeSkip): the flag waited for, no copy
-    place_staged_chunk(p, lp, s, t, c, epoch, lane, lp.dispatch_place == kLlPlaceSlot, true);
+    place_staged_chunk(p, lp, s, t, c, epoch, lane, lp.dispatch_place == kLlPlaceSlot);
   }
   ll_stamp(lp, kLlReceived);
   ll_store_epoch_slots(lp, lp.eslots, lp.epochs + 0, epoch);

@@ -23,7 +23,7 @@ EM_PUSH = {"receiver": 0, "sender": 1, "wide": 2, "auto": 3}
 # ep_config.quantize_fused for quantize fused: the bytes each lane stores per step (backend option fused_stores)
 FUSED_STORES = {8: 1, 16: 2}
 # ep_set_option keys (enum ep_option).
-OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK, OPT_EM_SMS, OPT_CE_SPLIT = 0, 1, 3, 4, 5, 6
+OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK, OPT_EM_SMS = 0, 1, 3, 4, 5
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}

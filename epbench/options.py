@@ -87,9 +87,6 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                            "row, so the SM count changes little; Plan C); ce and all: rank_major and quantize "
                            "before only", choices=("sm", "ce", "all"),
                            env="EPBENCH_OWN_ROWS"),
-        "ce_split": Option(int, 1, "own_rows all only: copy streams per peer, each copying one contiguous piece of "
-                           "the rows (the scales, ids and weights on the first), so one peer's rows may run on "
-                           "several copy engines at once", low=1, high=4, env="EPBENCH_CE_SPLIT"),
         "fused_stores": Option(int, 16, "quantize fused only: the bytes a lane of the dispatch kernel stores per "
                                "step, 16 (two adjacent bf16 vectors cast together; 2 x H200, 2 ranks, dsv3x4-mxfp8: "
                                "270 us at 8 SMs where 8 took 395; notes/KERNELS.md) or 8 (one vector cast per "
@@ -254,9 +251,6 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
         raise UserError(f"{where}: epbench.em_push={resolved['em_push']} runs with at most 16 dispatch warps (got "
                         f"dispatch_warps {resolved['dispatch_warps']})")
     own = resolved["own_rows"]
-    if resolved["ce_split"] > 1 and own != "all":
-        raise UserError(f"{where}: epbench.ce_split={resolved['ce_split']} needs epbench.own_rows all (got {own}): it "
-                        f"splits the copy engines' peer copies, which only own_rows all makes")
     if own == "sm":
         return
     if layout != "rank_major":

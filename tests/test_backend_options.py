@@ -294,26 +294,3 @@ def test_em_sms_needs_expert_major_and_at_most_16_warps() -> None:
                               "s.yaml", environ={})
     with pytest.raises(UserError, match="em_sms"):  # out of range: one line
         options.parse_cli(["em_sms=2000"])
-
-
-def test_ce_split_needs_own_rows_all_and_is_reported() -> None:
-    assert options.resolve("epbench", {}, environ={})["ce_split"] == 1
-    options.check_payload({"epbench": {"ce_split": 2, "own_rows": "all"}}, "rank_major", "before", "s.yaml", environ={})
-    with pytest.raises(UserError, match=r"^s.yaml: epbench\.ce_split=2 needs epbench\.own_rows all \(got ce\)"):
-        options.check_payload({"epbench": {"ce_split": 2, "own_rows": "ce"}}, "rank_major", "before", "s.yaml",
-                              environ={})
-    with pytest.raises(UserError, match=r"ce_split=4 needs epbench\.own_rows all \(got sm\)"):  # by its env too
-        options.check_payload({"epbench": {}}, "rank_major", "before", "s.yaml", environ={"EPBENCH_CE_SPLIT": "4"})
-    with pytest.raises(UserError, match="ce_split"):  # out of range: one line
-        options.parse_cli(["ce_split=8"])
-
-    class Lib:
-        def ep_effective_config(self, ctx: object, out: object) -> int:
-            out._obj.dispatch_warps, out._obj.combine_warps = 16, 12
-            return 0
-
-    be = object.__new__(EpbenchBackend)
-    be._lib, be._ctx, be.own_rows, be.ce_split, be.em_align = Lib(), "ctx", "all", 2, 0
-    assert be.effective_config()["ce_split"] == 2
-    be.own_rows = "sm"
-    assert "ce_split" not in be.effective_config()  # nothing split: not named

@@ -10,7 +10,7 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are backend options (epbench/options.py, ``SCHEMAS["epbench"]``:
 dispatch_impl lean_dyn | lean, dispatch_warps, notify_impl grid | staged, combine_warps, combine_stages,
-combine_chunk, own_rows sm | ce | all, ce_split, fused_stores 8 | 16, em_push, em_sms), given to the constructor; the driver resolves them from the scenario, ``--option`` and
+combine_chunk, own_rows sm | ce, fused_stores 8 | 16), given to the constructor; the driver resolves them from the scenario, ``--option`` and
 the environment. ``effective_config()`` reads back what the library launched (csrc/api.h ep_effective),
 after the combine's clamp of its warps to the stages that fit and the notify's fallback to ``direct``.
 Payloads: bf16, fp8 (f32 scale per 128 elements) and mxfp8 (E8M0 byte per 32, epbench/mxfp8.py), the
@@ -38,8 +38,7 @@ Notes: notes/LATENCY-NEXT.md section 3 (Plan A).
 of every rank's buffer; the own rows copied as for ``ce`` (into my segment), the peers' by ep_dispatch with the copy
 engine after the notify kernel, and a small kernel writes every row's key (-1 where the token is not routed there)
 and signals completion: no SM moves a row. ``num_recv`` = world x max_tokens (epbench/layout.py by_source_keys).
-``ce_split=k`` cuts each peer's rows into k contiguous pieces, each copied on a stream of its own (one copy may not
-fill the links). Notes: notes/LATENCY-NEXT.md (Plan C).
+Notes: notes/LATENCY-NEXT.md (Plan C).
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
 """
@@ -106,8 +105,7 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "fused_stores", "em_push", "em_sms", "dispatch_warps", "ce_split")
-             if k in given}
+    asked = {k: resolved[k] for k in ("own_rows", "fused_stores", "em_push", "em_sms", "dispatch_warps") if k in given}
     options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
     return resolved
 
@@ -186,7 +184,7 @@ class EpbenchBackend(NormalMode):
                  combine_warps: Optional[int] = None, combine_stages: Optional[int] = None,
                  combine_chunk: Optional[int] = None, own_rows: Optional[str] = None,
                  fused_stores: Optional[int] = None, em_push: Optional[str] = None,
-                 em_sms: Optional[int] = None, ce_split: Optional[int] = None) -> None:
+                 em_sms: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -195,11 +193,10 @@ class EpbenchBackend(NormalMode):
                                    ("notify_impl", notify_impl), ("combine_warps", combine_warps),
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
                                    ("own_rows", own_rows), ("fused_stores", fused_stores), ("em_push", em_push),
-                                   ("em_sms", em_sms), ("ce_split", ce_split))
+                                   ("em_sms", em_sms))
                  if v is not None}
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
-        self.ce_split = resolved["ce_split"]  # own_rows all only (check_payload refuses it elsewhere)
         self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
         self.em_push = resolved["em_push"]  # expert-major only (check_payload refuses it elsewhere)
         self.em_sms = resolved["em_sms"]  # expert-major only, likewise
@@ -226,8 +223,6 @@ class EpbenchBackend(NormalMode):
         self.notify_impl = resolved["notify_impl"]
         self.combine_stages = resolved["combine_stages"]
         self.combine_chunk = resolved["combine_chunk"]
-        if self.own_rows == "all" and self.ce_split > 1:  # the peers' copies in pieces (csrc/dispatch.cu)
-            cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_SPLIT, self.ce_split), "ep_set_option")
         if self.em_align and self.em_sms:  # the expansion and phase R in kernels of their own (csrc/dispatch.cu)
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_EM_SMS, self.em_sms), "ep_set_option")
             self.sms_beyond = (f"em_sms={self.em_sms}: its expert-major expansion and reduce passes run on "
@@ -312,12 +307,9 @@ class EpbenchBackend(NormalMode):
                     "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk,
                     "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize, "own_rows": self.own_rows,
                     **({"fused_stores": self.fused_stores} if self.fused else {}),
-                    **({"ce_split": self.ce_split} if self.own_rows == "all" else {}),
                     **({"em_push": self.em_push, "em_sms": self.em_sms} if self.em_align else {})}
-        # own_rows, ce_split: fixed before any call, no fallback; em_push: as the library says it ran (an older build
-        # runs receiver)
+        # own_rows: fixed at ep_create, no fallback; em_push: as the library says it ran (an older build runs receiver)
         return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows,
-                **({"ce_split": self.ce_split} if self.own_rows == "all" else {}),
                 **({"em_push": EM_PUSH_NAME.get(eff.dispatch_em_push, str(eff.dispatch_em_push)),
                     "em_reduce": "wide" if eff.combine_em_wide else "batched", "em_sms": eff.em_sms}
                    if self.em_align else {})}

@@ -220,8 +220,7 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
-                            fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms,
-                            ce_split=args.ce_split)
+                            fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -454,8 +453,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--own-rows", default="sm", choices=["sm", "ce", "all"],
                     help="the backend's own_rows: sm (kernels store own rows), ce (copy engine) or all (copy "
                          "engines move every row); ce and all check the rank-major, quantize-before cases only")
-    ap.add_argument("--ce-split", type=int, default=None, choices=[1, 2, 3, 4],
-                    help="the backend's ce_split (own_rows all only; default: the backend's)")
     ap.add_argument("--fused-stores", type=int, default=None, choices=[8, 16],
                     help="the backend's fused_stores (default: the backend's; check: given, the fused cases only)")
     ap.add_argument("--em-sms", type=int, default=None,

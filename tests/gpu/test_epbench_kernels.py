@@ -74,9 +74,6 @@ EM_SMS_SENDER = ["--expert-major", "--em-push", "sender", "--em-sms", "64", "--i
 # the one-block notify (staged) writes the own rows' slots and keys on its own path
 OWN_ROWS_CE_STAGED = ["--own-rows", "ce", "--quick", "--notify", "staged", "--impls", "lean:16:8,lean_dyn:16:3"]
 OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--impls", "lean:16:8"]
-# own_rows all with each peer's rows in 3 pieces on 3 streams (uneven: 4095 tokens leave a short last piece; a rank
-# with 0 tokens copies nothing)
-OWN_ROWS_ALL_SPLIT = ["--own-rows", "all", "--ce-split", "3", "--impls", "lean_dyn:16:8"]
 
 # world size -> the suites of this module its launch runs (name -> ep_worker check flags)
 SUITES = {
@@ -89,14 +86,13 @@ SUITES = {
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
-        "own-rows-all-split": OWN_ROWS_ALL_SPLIT,
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
         "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2),
         "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3),
         "em-push-receiver": em_push_receiver_flags(3), "em-sms": em_sms_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
-        "own-rows-all": own_rows_ce_flags(4, "all"), "own-rows-all-split": OWN_ROWS_ALL_SPLIT},
+        "own-rows-all": own_rows_ce_flags(4, "all")},
 }
 for _world, _suites in SUITES.items():
     for _name, _flags in _suites.items():
@@ -173,8 +169,6 @@ def test_own_rows_all_matches_verification(kernels_built: None, nproc: int) -> N
     assert "fp8" in out
     if nproc == 2:
         assert_suite(2, "own-rows-all-staged")
-    if nproc > 1:  # ce_split 3: each peer's rows in three pieces, each on a stream of its own
-        assert_suite(nproc, "own-rows-all-split")
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
