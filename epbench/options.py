@@ -133,15 +133,17 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "notes/LATENCY-NEXT.md); the same bytes land either way; rows record the one used "
                                  "(row under ll_sync grid, which ignores it)", choices=("auto", "row", "chunk"),
                                  env="EPBENCH_LL_DISPATCH_UNITS"),
-        "dispatch_place": Option(str, "stage", "where the token-sync dispatch puts a peer's row on the receiver: stage "
+        "dispatch_place": Option(str, "auto", "where the token-sync dispatch puts a peer's row on the receiver: stage "
                                  "(a staging row, copied by the receiver into each of its experts' slots), slot (the "
                                  "slot of the token's first expert there, so only its other experts' slots are copied; "
                                  "2 x H200: no faster than stage) or inline (a staging row whose every 4 bytes travel beside the "
                                  "call's epoch, read as they land: no fence, no flag, twice the bytes on the link; 2 x H200: "
-                                 "0.4-1 us faster at 1-8 tokens, 0.2-0.3 slower at 128; notes/LATENCY-NEXT.md); the same outputs, valid until this rank's combine (slot) or its "
-                                 "next dispatch; every rank must agree (a mismatch stops at once); rows record the one used "
-                                 "(stage under ll_sync grid, which ignores it)",
-                                 choices=("stage", "slot", "inline"), env="EPBENCH_LL_DISPATCH_PLACE"),
+                                 "0.4-1 us faster at 1-8 tokens, 0.2-0.3 slower at 128; 4 x H200: 0.4-1.8 faster at 1-8, "
+                                 "equal at 32, twice as slow at 128-256; notes/LATENCY-NEXT.md) or auto (inline up to 16 "
+                                 "tokens per rank, the buffers' size, else stage); the same outputs, valid until this rank's "
+                                 "combine (slot) or its next dispatch; every rank must agree (a mismatch stops at once); rows "
+                                 "record the one used (stage under ll_sync grid, which ignores it)",
+                                 choices=("auto", "stage", "slot", "inline"), env="EPBENCH_LL_DISPATCH_PLACE"),
         "combine_release": Option(str, "batch", "how the token-sync combine releases its pushes' flags: unit (a "
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
                                   "to 2 pushes, then one fence and their flags: 4 x H200, 1.5-1.8 us faster at 128-256 "

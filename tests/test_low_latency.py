@@ -3,6 +3,7 @@
 reference backend's low-latency path in a real 3-process gloo group, and the CLI sweep of
 scenarios/smoke-ll.yaml over 4 gloo ranks."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -538,14 +539,19 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert grid.effective_config()["combine_release"] == "grid"
     single.use_combine_release("batch")
     assert releases[-1] == 1 and single.effective_config()["combine_release"] == "batch"
-    # dispatch_place: stage by default, slot set in the kernels and recorded where the token dispatch runs
-    assert set(places) == {0} and token.effective_config()["dispatch_place"] == "stage"
+    # dispatch_place: auto by default, inline at these 4 tokens per rank; slot set in the kernels and recorded where
+    # the token dispatch runs
+    assert set(places) == {2} and token.effective_config()["dispatch_place"] == "inline"
     slotted = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_place="slot")
     assert places[-1] == 1 and slotted.effective_config()["dispatch_place"] == "slot"
     assert ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_place="slot").effective_config()[
         "dispatch_place"] == "stage"  # the grid dispatch always stages
     slotted.use_dispatch_place("stage")
     assert places[-1] == 0 and slotted.effective_config()["dispatch_place"] == "stage"
+    slotted.use_dispatch_place("auto")  # 4 tokens per rank: inline
+    assert places[-1] == 2 and slotted.effective_config()["dispatch_place"] == "inline"
+    big = ll.EpbenchLowLatencyBackend(dataclasses.replace(setup, max_tokens_per_rank=17), ll_sync="token")
+    assert places[-1] == 0 and big.effective_config()["dispatch_place"] == "stage"  # a buffer above 16 tokens
 
 
 def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
@@ -565,10 +571,12 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert "enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };" in header
     assert "enum LlCombineRelease { kLlReleaseUnit = 0, kLlReleaseBatch = 1 };" in header
     assert options.resolve("epbench-ll", {}, environ={})["combine_release"] == "batch"
-    assert options.resolve("epbench-ll", {}, environ={})["dispatch_place"] == "stage"
+    assert options.resolve("epbench-ll", {}, environ={})["dispatch_place"] == "auto"
+    assert [ll.dispatch_place_for("auto", t) for t in (1, 16, 17, 128)] == ["inline", "inline", "stage", "stage"]
+    assert ll.dispatch_place_for("slot", 1) == "slot" and ll.dispatch_place_for("inline", 256) == "inline"
     assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2}
     assert "enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };" in header
-    with pytest.raises(UserError, match="dispatch_place: must be one of stage, slot, inline, got 'peer'"):
+    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, got 'peer'"):
         options.validate({"epbench-ll": {"dispatch_place": "peer"}})
     with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})

@@ -18,8 +18,8 @@ flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
 row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
 ``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease);
-``dispatch_place`` stage|slot|inline where the token-sync dispatch puts a peer's row (LlDispatchPlace).
-All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and stage; env
+``dispatch_place`` stage|slot|inline|auto where the token-sync dispatch puts a peer's row (LlDispatchPlace).
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and auto; env
 EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
 EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE / EPBENCH_LL_DISPATCH_PLACE).
 
@@ -82,6 +82,22 @@ def dispatch_units_for(units: str, max_tokens: int) -> str:
     if units != "auto":
         return units
     return "chunk" if max_tokens <= AUTO_UNITS_MAX_TOKENS else "row"
+
+
+AUTO_INLINE_MAX_TOKENS = 16
+
+
+def dispatch_place_for(place: str, max_tokens: int) -> str:
+    """The dispatch placement actually used (recorded in the rows): ``auto`` picks inline up to
+    AUTO_INLINE_MAX_TOKENS tokens per rank (the buffers' size, the same on every rank, so every rank
+    picks alike), else stage. Measured (graph p50, same calls, notes/LATENCY-NEXT.md): 4 x H200
+    (2026-11-27, buffer of 256 tokens, row units) inline 11.7-11.8 against 12.1-12.2 us at 1 token,
+    12.7 against 14.4-14.6 at 8, equal at 32, 43 against 22.5 at 128 and 64 against 34 at 256 (every
+    4 bytes travel in 8); 2 x H200 (buffers of 8 and 128) 0.4-1.0 us faster at 1-8 tokens, 0.2-0.6
+    slower at 32-128."""
+    if place != "auto":
+        return place
+    return "inline" if max_tokens <= AUTO_INLINE_MAX_TOKENS else "stage"
 
 
 def combine_chunk_for(chunk: int, max_tokens: int) -> int:
@@ -228,7 +244,8 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
 
     def use_dispatch_place(self, place: str) -> None:
         """Where later token-sync dispatches put a peer's row on the receiver (option dispatch_place: stage |
-        slot | inline; csrc/ll_common.cuh, LlDispatchPlace). Every rank must switch before the same call."""
+        slot | inline | auto; csrc/ll_common.cuh, LlDispatchPlace). Every rank must switch before the same call."""
+        place = dispatch_place_for(place, self.s.max_tokens_per_rank)
         cuda_lib.check(self._lib.ep_ll_set_dispatch_place(self._ctx, PLACES[place]), "ep_ll_set_dispatch_place")
         self.dispatch_place = place
 
