@@ -37,6 +37,11 @@ typedef struct ep_config {
                 // copy pass loading 8 KiB a warp before its stores, the next row's slots read ahead, and
                 // the combine's reduce pass (phase R) loading 4 vectors a lane for rows of one slot; 3 (auto): 2
                 // where the dispatch runs at most 16 warps (the most kEm 3 is built for), else 0; the reduce pass wide
+  int combine_ce;  // own_rows 2 only: 0 (pull): the combine kernel pulls every holder's row over the link; 1 (ce): each
+                   // holder's copy engine pushes its combine_in rows of source s (rows [s * max_tokens, + its own T),
+                   // in chunks) into s's staging buffer, each chunk followed by a flag (stream memory operation), and
+                   // s's combine kernel sums its own rows and the staged ones, all local (combine.cu). Every rank
+                   // must pass the same token count (a rank that holds fewer tokens than a peer stops at once).
 } ep_config;
 
 // Buffers a Python caller may view as tensors (ep_region).

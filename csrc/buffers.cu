@@ -74,6 +74,11 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
                  cfg->own_rows == 2 ? "all" : "ce", cfg->align, cfg->quantize_fused);
     return -1;
   }
+  if (cfg->combine_ce < 0 || cfg->combine_ce > 1 || (cfg->combine_ce && cfg->own_rows != 2)) {
+    ep_set_error("combine_ce must be 0 (pull) or 1 (copy-engine pushes; needs own_rows 2, all), got %d with own_rows %d",
+                 cfg->combine_ce, cfg->own_rows);
+    return -1;
+  }
   if (cfg->em_push < 0 || cfg->em_push > 3 || (cfg->em_push && cfg->align == 0)) {
     ep_set_error("em_push must be 0 (receiver), 1 (sender), 2 (receiver, wide passes) or 3 (auto: 2 up to 16 dispatch "
                  "warps, else 0; expert-major only), got %d "
@@ -105,6 +110,8 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.align = cfg->align;
   p.own_ce = cfg->own_rows;
   p.em_push = cfg->em_push;
+  p.combine_ce = cfg->combine_ce;
+  p.ce_chunk_rows = std::max(1, (cfg->max_tokens + kCeChunks - 1) / kCeChunks);
   // expert-major: every source's tokens once per local expert they can pick, plus the largest padding
   // (epbench/layout.py slot_capacity)
   const int em = cfg->align > 0, E = cfg->experts_per_rank;
@@ -119,7 +126,8 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   s.ready_off = s.done_off + 32;
   s.pulled_off = s.ready_off + 32;
   s.dsp_ready_off = s.pulled_off + 32;
-  s.total_ints = s.dsp_ready_off + 32;
+  s.cstage_off = s.dsp_ready_off + 32;
+  s.total_ints = s.cstage_off + EP_MAX_WORLD * kCeChunks;
 
   const size_t cap = (size_t)p.capacity, slots = (size_t)p.slots;
   Carver c;
@@ -131,6 +139,8 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.off_em_slot = c.take(em ? cap * p.topk * sizeof(int) : 0);
   p.off_combine_red = c.take(em ? cap * p.hidden * 2 : 0);
   p.off_recv_key = c.take(p.own_ce ? cap * sizeof(long long) : 0);  // 0 bytes: every later offset as before
+  // combine_ce: holder h's rows of my tokens at rows [h * max_tokens, + T) (0 bytes otherwise)
+  p.off_combine_stage = c.take(p.combine_ce ? cap * p.hidden * 2 : 0);
   p.off_signals = c.take((size_t)s.total_ints * sizeof(int));
   ctx->shared_bytes = c.next;
   ctx->off_out = c.take((size_t)p.max_tokens * p.hidden * 2);
@@ -193,6 +203,17 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
       CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->ce_streams[i], cudaStreamNonBlocking));
       CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_done[i], cudaEventDisableTiming));
     }
+  }
+  if (p.combine_ce) {  // the chunk flags after each pushed chunk (combine.cu)
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      ep_set_error("combine_ce: the driver has no cuStreamWriteValue32 (%s)", cudaGetErrorString(err));
+      ep_destroy(ctx);
+      return -1;
+    }
+    ctx->write_value32 = reinterpret_cast<int (*)(void*, unsigned long long, unsigned, unsigned)>(fn);
   }
   CUDA_CHECK(cudaDeviceSynchronize());
   *out = ctx;

@@ -25,6 +25,17 @@
 // own_rows ce: my own row of token t is row t of my combine_in (the notify kernel leaves base[me] = 0 and
 // slot_map[t][me] = t), read through the same table as every holder's; padding rows (my tokens not routed to
 // me) have no slot and are never read.
+// combine_ce (ep_config.combine_ce, own_rows all only): every source's rows sit at rows [s * max_tokens + t] on each
+// holder, so a holder's rows of source s are one range. ep_combine pushes them with the copy engine (one stream per
+// peer, the streams of own_rows all) into s's staging buffer at rows [h * max_tokens + t], in chunks of
+// ce_chunk_rows rows, each followed by cstage[h][c] = epoch in s's signals (cuStreamWriteValue32: written after the
+// chunk's copy completed, fenced first). Step 1-2 become a check that every holder pushed at least my T rows (the
+// num_tokens word of its notify row); in step 3 lane d != me bulk-loads holder d's row from my staging buffer
+// instead of d's combine_in, after waiting once per chunk for cstage[d][c] (then a proxy fence: the flag is read
+// by the generic proxy, the rows by the bulk copy's async proxy); my own row is read from my combine_in as
+// before. So the SMs read and write local memory only; the link carries the same rows, moved by copy engines.
+// No ready handshake is needed: no peer reads my combine_in, and my staging buffer is free because every peer's
+// previous combine ended only after my pulled flag, stored once my last block had read it (step 4).
 // 4. grid_release_and_wait on pulled[]: the last block stores pulled[me] = epoch into every
 //    rank and waits for every rank's pulled[] flag, so the call ends only when no peer still
 //    reads my combine_in (the caller may overwrite it right after).
@@ -156,6 +167,19 @@ __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
   __syncthreads();
 }
 
+// combine_ce, instead of steps 1 and 2: every holder d pushed its own T_d rows of my segment (the num_tokens word of
+// its notify row, from the dispatch this combine follows); one that holds fewer than my T would leave rows unpushed,
+// so the rank stops at once, naming it (its peers are not kept waiting: step 4 still releases my pulled flag).
+__device__ __forceinline__ void combine_ce_check(const EpParams& p, int num_tokens) {
+  const int d = threadIdx.x;
+  if (d < p.world && d != p.rank) {
+    const int td = ld_volatile(signal_ptr(p, p.rank, p.sig.notify_off + d * p.sig.notify_stride + 1 + p.world +
+                                                         p.experts_per_rank));
+    if (td < num_tokens) report_timeout(p.dev_error, p.host_error, p.rank, d, kPhaseCombineTokens);
+  }
+  __syncthreads();
+}
+
 // Expert-major phase R as its own kernel, launched on the combine's grid right before it (em_sms > 0: on em_sms
 // blocks of 16 warps, the combine's warp count being set by its shared memory, which phase R does not use): its registers are
 // not the pull's (inlined into combine_tma_kernel, the batched loads spilled), and the kernel boundary is
@@ -179,7 +203,11 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
   extern __shared__ __align__(128) uint8_t ct_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = p.experts_per_rank;
-  combine_ready(p, epoch);
+  const bool ce = p.combine_ce != 0;
+  if (ce)
+    combine_ce_check(p, a.num_tokens);
+  else
+    combine_ready(p, epoch);
 
   uint8_t* mine = ct_smem + (size_t)warp * ct_warp_bytes(world, S, kCtChunk);
   uint64_t* bars = reinterpret_cast<uint64_t*>(mine);
@@ -223,6 +251,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
   // 3-7% faster at 8 SMs than lane 0 issuing them one after another), lane 0 arms the stage's barrier with the total (a
   // copy that lands before the arming only takes the transaction count below zero for a moment: the
   // phase cannot complete without lane 0's arrival).
+  int ce_seen = -1;  // combine_ce: the last chunk of holder `lane` seen pushed
   auto issue = [&](long long j) {
     const int k = (int)(j / nch), c = (int)(j % nch), s = (int)(j % S);
     const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
@@ -233,10 +262,20 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
     const int my_row = lane < world ? rr[lane] : -1;
     const unsigned holders = __ballot_sync(0xffffffffu, my_row >= 0);
     if (lane == 0) mbar_expect_tx(bars + s, (uint32_t)__popc(holders) * bytes);
-    if (my_row >= 0)
-      bulk_load(stages + ((size_t)s * world + lane) * kCtChunk,
-                p.peer_base[lane] + pull_off + (size_t)my_row * row_bytes + (size_t)c * kCtChunk, bytes,
-                bars + s);
+    if (my_row < 0) return;
+    const uint8_t* row = p.peer_base[lane] + pull_off + (size_t)my_row * row_bytes;
+    if (ce && lane != p.rank) {  // holder `lane`'s row of my token t, pushed into my staging buffer
+      const int t = my_row - p.rank * p.max_tokens;  // own_rows all: base[d] = me * max_tokens, slot = t
+      row = p.peer_base[p.rank] + p.off_combine_stage + ((size_t)lane * p.max_tokens + t) * row_bytes;
+      const int ch = t / p.ce_chunk_rows;
+      if (ch > ce_seen) {  // a warp's tokens only grow, so once per chunk and holder
+        wait_flag(p, signal_ptr(p, p.rank, p.sig.cstage_off + lane * kCeChunks + ch), epoch, lane,
+                  kPhaseCombineStaged);  // given up: the load reads stale rows, the host raises the timeout
+        fence_proxy_async_global();
+        ce_seen = ch;
+      }
+    }
+    bulk_load(stages + ((size_t)s * world + lane) * kCtChunk, row + (size_t)c * kCtChunk, bytes, bars + s);
   };
 
   if (ntok > 0) {
@@ -313,6 +352,37 @@ auto pick_combine_tma(int world, int S) -> decltype(&combine_tma_kernel<2, 4, C>
   return S == 2 ? combine_tma_kernel<2, 8, C> : S == 3 ? combine_tma_kernel<3, 8, C> : combine_tma_kernel<4, 8, C>;
 }
 
+// combine_ce: my combine_in rows of each peer s (rows [s * max_tokens, + num_tokens)) into s's staging buffer at rows
+// [me * max_tokens, ...), chunk by chunk on s's copy stream (forked from `stream` here: after my caller filled
+// combine_in), each chunk followed by its flag cstage[me][c] in s's signals. *pushed: whether the streams forked
+// (the caller joins them after the kernel). Nothing after a wait of mine has timed out (no peer waits correctly then).
+int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stream, bool* pushed) {
+  const EpParams& p = ctx->p;
+  *pushed = false;
+  if (p.world == 1 || num_tokens == 0 || ctx->host_error->flag) return 0;
+  const size_t rb = (size_t)p.hidden * 2, K = (size_t)p.ce_chunk_rows, T = (size_t)num_tokens;
+  CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
+  for (int i = 0; i + 1 < p.world; ++i) CUDA_CHECK(cudaStreamWaitEvent(ctx->ce_streams[i], ctx->ce_fork, 0));
+  *pushed = true;
+  for (size_t r0 = 0, c = 0; r0 < T; r0 += K, ++c) {  // chunk c to every peer, then c + 1: the peers start together
+    const size_t n = std::min(K, T - r0);
+    for (int i = 0; i + 1 < p.world; ++i) {
+      const int s = (p.rank + 1 + i) % p.world;
+      CUDA_CHECK(cudaMemcpyAsync(p.peer_base[s] + p.off_combine_stage + ((size_t)p.rank * p.max_tokens + r0) * rb,
+                                 p.peer_base[p.rank] + p.off_combine_in + ((size_t)s * p.max_tokens + r0) * rb, n * rb,
+                                 cudaMemcpyDefault, ctx->ce_streams[i]));
+      int* flag = reinterpret_cast<int*>(p.peer_base[s] + p.off_signals) + p.sig.cstage_off + p.rank * kCeChunks + c;
+      const int rc = ctx->write_value32(ctx->ce_streams[i], (unsigned long long)(uintptr_t)flag, (unsigned)epoch, 0);
+      if (rc != 0) {
+        ep_set_error("combine_ce: cuStreamWriteValue32 into rank %d's chunk flag failed (CUresult %d)", s, rc);
+        return -1;
+      }
+    }
+  }
+  for (int i = 0; i + 1 < p.world; ++i) CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], ctx->ce_streams[i]));
+  return 0;
+}
+
 }  // namespace
 
 extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens,
@@ -350,8 +420,11 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
       em_reduce_kernel<false><<<blocks, threads, 0, stream>>>(p);
     CUDA_CHECK(cudaGetLastError());
   }
+  bool pushed = false;
+  if (p.combine_ce && push_rows_by_ce(ctx, num_tokens, epoch, stream, &pushed) != 0) return -1;
   kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
   CUDA_CHECK(cudaGetLastError());
+  for (int i = 0; pushed && i + 1 < p.world; ++i) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
   ep_effective& eff = ctx->effective;
   eff.combine_impl = EP_COMBINE_TMA;
   eff.combine_warps = w;

@@ -65,6 +65,11 @@
 void ep_set_error(const char* fmt, ...);
 
 enum EpPhase { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombineReady = 3, kPhaseCombineDone = 4 };
+// combine_ce (phases 9, 10; 5-8 are the low-latency kernels'): waiting for a chunk a peer's copy engine pushed, and a
+// peer that pushed fewer rows than this rank's tokens (reported at once)
+enum { kPhaseCombineStaged = 9, kPhaseCombineTokens = 10 };
+// combine_ce: a holder pushes source s's rows in at most this many chunks of ce_chunk_rows rows, each with a flag
+constexpr int kCeChunks = 16;
 
 // Host-mapped pinned memory: a kernel that gives up writes here, Python reads it without a sync.
 struct EpErrorInfo {
@@ -83,6 +88,8 @@ struct EpErrorInfo {
 //   ready[s]     : rank s entered combine, so its combine_in is filled and may be pulled
 //   pulled[s]    : rank s finished pulling from my combine_in (my buffer may be reused)
 //   dsp_ready[s] : unused (allocated; no kernel reads or writes it)
+//   cstage[h][c] : combine_ce: holder h's copy engine finished pushing chunk c of my rows into my staging buffer
+//                  (written by a stream memory operation of h's copy stream, kCeChunks per holder)
 // The notify row also carries the source's num_tokens at [1 + world + E] and, in the expert-major layout,
 // the source's counts for every global expert at [2 + world + E + g] (each rank then knows every segment).
 struct EpSignals {
@@ -92,6 +99,7 @@ struct EpSignals {
   int ready_off;
   int pulled_off;
   int dsp_ready_off;
+  int cstage_off;
   int total_ints;
 };
 
@@ -107,13 +115,15 @@ struct EpParams {
   int slots;  // rows of recv_x / recv_scales / combine_in (capacity when rank-major)
   int own_ce;  // ep_config.own_rows: 1 (ce) = my own rows at their token index, stored by the caller (see above);
                // 2 (all) = every source s's rows at s * max_tokens + token, a peer's copied by ep_dispatch
+  int combine_ce;     // ep_config.combine_ce: 1 = peers' rows pushed into my staging buffer by their copy engines
+  int ce_chunk_rows;  // combine_ce: rows per pushed chunk, ceil(max_tokens / kCeChunks)
   int em_push;  // ep_config.em_push: 1 = expert-major senders store a row into every slot of it, 3 = auto (2 up to 16
                 // dispatch warps, else 0; ep_dispatch resolves it), 2 = the receiver's
                 // wide copy pass (dispatch.cu)
   unsigned long long timeout_ns;
   uint8_t* peer_base[EP_MAX_WORLD];  // region base of each rank, mine included (local pointer)
   size_t off_recv_x, off_recv_scales, off_recv_idx, off_recv_w, off_combine_in, off_em_slot, off_combine_red,
-      off_recv_key, off_signals;
+      off_recv_key, off_combine_stage, off_signals;
   EpSignals sig;
   int* slot_map;
   int* base;
@@ -181,6 +191,9 @@ struct EpContext {
   cudaEvent_t ce_fork;
   cudaStream_t ce_streams[EP_MAX_WORLD - 1];
   cudaEvent_t ce_done[EP_MAX_WORLD - 1];
+  // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
+  // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)
+  int (*write_value32)(void*, unsigned long long, unsigned, unsigned);
 };
 
 // The checks ep_dispatch and ep_combine both make before launching: peers open, the token count
@@ -419,6 +432,10 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+
+// Orders this thread's generic-proxy accesses (a flag just acquired) before its later async-proxy ones (bulk copies)
+// of global memory.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 __device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(

@@ -18,6 +18,8 @@ NOT_BUILT = "kernels not built: run `make build`"
  EM_NUM_SLOTS, RECV_KEY) = range(12)
 # ep_config.own_rows: who stores a rank's own rows (backend option own_rows)
 OWN_ROWS = {"sm": 0, "ce": 1, "all": 2}
+# ep_config.combine_ce: who moves the peers' rows in combine (backend option combine_rows; ce needs own_rows all)
+COMBINE_ROWS = {"pull": 0, "ce": 1}
 # ep_config.em_push (expert-major): who writes a row into its further experts' slots (backend option em_push)
 EM_PUSH = {"receiver": 0, "sender": 1, "wide": 2, "auto": 3}
 # ep_config.quantize_fused for quantize fused: the bytes each lane stores per step (backend option fused_stores)
@@ -66,8 +68,11 @@ PHASES = {1: "notify (count exchange)", 2: "dispatch (waiting for rows)",
           5: "low-latency dispatch (waiting for an expert's rows)",
           6: "low-latency combine (waiting for expert outputs)",
           7: "low-latency dispatch: that rank sent other peer units (dispatch_units must be the same on every rank)",
-          8: "low-latency dispatch: that rank put its rows elsewhere (dispatch_place must be the same on every rank)"}
-MISMATCH_PHASES = (7, 8)  # reported at once, not after a wait: the record names a configuration fault
+          8: "low-latency dispatch: that rank put its rows elsewhere (dispatch_place must be the same on every rank)",
+          9: "combine (waiting for rows a peer's copy engine pushed)",
+          10: "combine: that rank holds fewer tokens than this one (combine_rows ce needs the same token count on "
+              "every rank)"}
+MISMATCH_PHASES = (7, 8, 10)  # reported at once, not after a wait: the record names a configuration fault
 # Low-latency regions (enum ep_ll_region_id in csrc/api.h).
 LL_X, LL_SCALES, LL_PAIR, LL_COUNTS, LL_SRC_COUNTS, LL_COMBINE_IN, LL_OUT, LL_EPOCHS = range(8)
 
@@ -90,6 +95,8 @@ class EpConfig(ctypes.Structure):
                                      # 2 all (every source's rows by token index; peers' copied by ep_dispatch)
         ("em_push", ctypes.c_int),  # EM_PUSH: expert-major, 0 the receiver copies a row into its further slots,
                                     # 1 the sender stores every slot, 2 the receiver copies by TMA
+        ("combine_ce", ctypes.c_int),  # COMBINE_ROWS: 0 pull (the combine kernel reads peers' rows over the link),
+                                       # 1 ce (each holder's copy engine pushes them into a staging buffer)
     ]
 
 

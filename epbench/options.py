@@ -87,6 +87,13 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                            "row, so the SM count changes little; Plan C); ce and all: rank_major and quantize "
                            "before only", choices=("sm", "ce", "all"),
                            env="EPBENCH_OWN_ROWS"),
+        "combine_rows": Option(str, "pull", "who moves the peers' rows in combine: pull (the combine kernel's SMs "
+                               "read every holder's row over the link with bulk copies) or ce (each holder's copy "
+                               "engine pushes its rows of a source into that source's staging buffer in 16 chunks, "
+                               "each followed by a flag, and the source's SMs sum its own and the staged rows, all "
+                               "local: issue 34 target 3, Plan B'); ce needs own_rows all (its rows by token index) "
+                               "and the same token count on every rank", choices=("pull", "ce"),
+                               env="EPBENCH_COMBINE_ROWS"),
         "fused_stores": Option(int, 16, "quantize fused only: the bytes a lane of the dispatch kernel stores per "
                                "step, 16 (two adjacent bf16 vectors cast together; 2 x H200, 2 ranks, dsv3x4-mxfp8: "
                                "270 us at 8 SMs where 8 took 395; notes/KERNELS.md) or 8 (one vector cast per "
@@ -253,6 +260,9 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
         raise UserError(f"{where}: epbench.em_push={resolved['em_push']} runs with at most 16 dispatch warps (got "
                         f"dispatch_warps {resolved['dispatch_warps']})")
     own = resolved["own_rows"]
+    if resolved["combine_rows"] == "ce" and own != "all":
+        raise UserError(f"{where}: epbench.combine_rows=ce needs epbench.own_rows=all (got {own}): the copy engine "
+                        f"pushes a holder's rows of a source as one range, which only that layout gives")
     if own == "sm":
         return
     if layout != "rank_major":

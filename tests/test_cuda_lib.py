@@ -74,7 +74,18 @@ def test_ranks_with_other_dispatch_units_stop_at_once_naming_the_option():
     with pytest.raises(RuntimeError, match=r"rank 1 stopped at once, rank 2 disagrees: .*dispatch_place must be the same"):
         cuda_lib.raise_if_timed_out(_error_record(1, 2, 8), ctypes.c_void_p(), 10.0)
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
-    assert "kPhaseLlUnitsMismatch = 7, kPhaseLlPlaceMismatch = 8" in header and cuda_lib.MISMATCH_PHASES == (7, 8)
+    assert "kPhaseLlUnitsMismatch = 7, kPhaseLlPlaceMismatch = 8" in header and cuda_lib.MISMATCH_PHASES == (7, 8, 10)
+
+
+def test_a_rank_holding_fewer_tokens_under_combine_rows_ce_stops_at_once_naming_it():
+    """combine_rows ce: a holder pushes its own token count of rows; a source with more stops at once (phase 10,
+    csrc/common.cuh), the wait for a pushed chunk (phase 9) is an ordinary timeout."""
+    with pytest.raises(RuntimeError, match=r"rank 1 stopped at once, rank 0 disagrees: .*same token count on every rank"):
+        cuda_lib.raise_if_timed_out(_error_record(1, 0, 10), ctypes.c_void_p(), 10.0)
+    with pytest.raises(RuntimeError, match=r"rank 0 gave up after 10 s waiting for rank 1 in combine \(waiting for rows"):
+        cuda_lib.raise_if_timed_out(_error_record(0, 1, 9), ctypes.c_void_p(), 10.0)
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "common.cuh").read_text()
+    assert "kPhaseCombineStaged = 9, kPhaseCombineTokens = 10" in header
 
 
 def test_no_timeout_raises_nothing():
@@ -191,4 +202,5 @@ def test_config_struct_and_region_ids_match_the_c_api_header():
                  "DEBUG_STAMPS", "EM_OFFSETS", "EM_NUM_SLOTS", "RECV_KEY"):
         assert values["EP_" + name] == getattr(cuda_lib, name), name
     assert cuda_lib.OWN_ROWS == {"sm": 0, "ce": 1, "all": 2}
+    assert cuda_lib.COMBINE_ROWS == {"pull": 0, "ce": 1}
     assert "2 (all)" in (Path(__file__).resolve().parents[1] / "csrc" / "api.h").read_text()

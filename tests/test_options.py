@@ -115,6 +115,25 @@ def test_own_rows_ce_is_refused_in_one_line_where_a_copy_cannot_serve(layout, qu
     options.check_payload(given, "rank_major", "before", "s.yaml", environ={})
 
 
+def test_combine_rows_defaults_to_pull_and_ce_needs_own_rows_all_in_one_line() -> None:
+    assert options.resolve("epbench", {}, environ={})["combine_rows"] == "pull"
+    assert options.parse_cli(["combine_rows=ce"]) == {"epbench": {"combine_rows": "ce"}}
+    with pytest.raises(UserError, match=r"combine_rows: must be one of pull, ce, got 'tma'"):
+        options.validate({"epbench": {"combine_rows": "tma"}})
+    for own in ("sm", "ce"):
+        with pytest.raises(UserError, match=rf"^s.yaml: epbench\.combine_rows=ce needs epbench\.own_rows=all \(got "
+                                            rf"{own}\)") as e:
+            options.check_payload({"epbench": {"combine_rows": "ce", "own_rows": own}}, "rank_major", "before",
+                                  "s.yaml", environ={})
+        assert "\n" not in str(e.value) and e.value.exit_code == 2
+    with pytest.raises(UserError, match="combine_rows=ce"):  # the environment counts where it is weighed
+        options.check_payload({}, "rank_major", "before", "s.yaml", environ={"EPBENCH_COMBINE_ROWS": "ce"})
+    options.check_payload({"epbench": {"combine_rows": "ce", "own_rows": "all"}}, "rank_major", "before", "s.yaml",
+                          environ={})
+    options.check_payload({}, "rank_major", "before", "s.yaml",
+                          environ={"EPBENCH_COMBINE_ROWS": "ce", "EPBENCH_OWN_ROWS": "all"})
+
+
 def test_fused_stores_16_needs_the_fused_cast_and_is_refused_in_one_line_elsewhere() -> None:
     assert options.resolve("epbench", {}, environ={})["fused_stores"] == 16
     options.check_payload({}, "rank_major", "before", "s.yaml", environ={})  # the default: not asked for

@@ -10,7 +10,7 @@ Nothing is allocated and nothing waits on the host inside either call; ``num_rec
 
 Tuning knobs other than the SM count are backend options (epbench/options.py, ``SCHEMAS["epbench"]``:
 dispatch_impl lean_dyn | lean, dispatch_warps, notify_impl grid | staged, combine_warps, combine_stages,
-combine_chunk, own_rows sm | ce, fused_stores 8 | 16), given to the constructor; the driver resolves them from the scenario, ``--option`` and
+combine_chunk, own_rows sm | ce | all, combine_rows pull | ce, fused_stores 8 | 16), given to the constructor; the driver resolves them from the scenario, ``--option`` and
 the environment. ``effective_config()`` reads back what the library launched (csrc/api.h ep_effective),
 after the combine's clamp of its warps to the stages that fit and the notify's fallback to ``direct``.
 Payloads: bf16, fp8 (f32 scale per 128 elements) and mxfp8 (E8M0 byte per 32, epbench/mxfp8.py), the
@@ -39,6 +39,11 @@ of every rank's buffer; the own rows copied as for ``ce`` (into my segment), the
 engine after the notify kernel, and a small kernel writes every row's key (-1 where the token is not routed there)
 and signals completion: no SM moves a row. ``num_recv`` = world x max_tokens (epbench/layout.py by_source_keys).
 Notes: notes/LATENCY-NEXT.md (Plan C).
+``combine_rows=ce`` (needs ``own_rows=all``; default ``pull``): a holder's rows of source s are then one range, which
+its copy engine pushes into s's staging buffer inside ``combine`` (16 chunks, each followed by a flag written by
+a stream memory operation); s's combine kernel sums its own rows and the staged ones from local memory only.
+Every rank must pass the same token count (a rank holding fewer than a peer stops at once, naming it).
+Notes: notes/LATENCY-NEXT.md (Plan B').
 Debug only: ``set_debug_stamps(True)`` makes the kernels store %globaltimer per phase, read with
 ``debug_stamps()`` after a synchronize (cuda_lib.STAMPS names them); off by default.
 """
@@ -105,7 +110,8 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "fused_stores", "em_push", "em_sms", "dispatch_warps") if k in given}
+    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "fused_stores", "em_push", "em_sms", "dispatch_warps")
+             if k in given}
     options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
     return resolved
 
@@ -168,6 +174,7 @@ class EpbenchBackend(NormalMode):
     quantize_modes = ("before", "fused")  # fused: mxfp8 only (unavailable_reason)
     layouts = ("rank_major", "expert_major")
     own_rows = "sm"  # backend option own_rows (set per instance; the module docstring says what ce changes)
+    combine_rows = "pull"  # backend option combine_rows (set per instance; the module docstring says what ce changes)
     em_align = 0  # expert-major segments' alignment, 0 rank-major (set per instance from the scenario)
 
     @classmethod
@@ -184,7 +191,7 @@ class EpbenchBackend(NormalMode):
                  combine_warps: Optional[int] = None, combine_stages: Optional[int] = None,
                  combine_chunk: Optional[int] = None, own_rows: Optional[str] = None,
                  fused_stores: Optional[int] = None, em_push: Optional[str] = None,
-                 em_sms: Optional[int] = None) -> None:
+                 em_sms: Optional[int] = None, combine_rows: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -193,10 +200,11 @@ class EpbenchBackend(NormalMode):
                                    ("notify_impl", notify_impl), ("combine_warps", combine_warps),
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
                                    ("own_rows", own_rows), ("fused_stores", fused_stores), ("em_push", em_push),
-                                   ("em_sms", em_sms))
+                                   ("em_sms", em_sms), ("combine_rows", combine_rows))
                  if v is not None}
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
+        self.combine_rows = resolved["combine_rows"]
         self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
         self.em_push = resolved["em_push"]  # expert-major only (check_payload refuses it elsewhere)
         self.em_sms = resolved["em_sms"]  # expert-major only, likewise
@@ -215,7 +223,8 @@ class EpbenchBackend(NormalMode):
                                 int(self.fp8), float(setup.timeout_s), int(self.mxfp8),
                                 cuda_lib.FUSED_STORES[self.fused_stores] if self.fused else 0,
                                 self.em_align, cuda_lib.OWN_ROWS[self.own_rows],
-                                cuda_lib.EM_PUSH[self.em_push] if self.em_align else 0)
+                                cuda_lib.EM_PUSH[self.em_push] if self.em_align else 0,
+                                cuda_lib.COMBINE_ROWS[self.combine_rows])
         self._ctx = ctypes.c_void_p()
         cuda_lib.check(self._lib.ep_create(ctypes.byref(cfg), ctypes.byref(self._ctx)), "ep_create")
         self._open_peers()
@@ -306,10 +315,11 @@ class EpbenchBackend(NormalMode):
                     "notify_impl": self.notify_impl, "combine_warps": self.combine_warps,
                     "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk,
                     "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize, "own_rows": self.own_rows,
+                    "combine_rows": self.combine_rows,
                     **({"fused_stores": self.fused_stores} if self.fused else {}),
                     **({"em_push": self.em_push, "em_sms": self.em_sms} if self.em_align else {})}
         # own_rows: fixed at ep_create, no fallback; em_push: as the library says it ran (an older build runs receiver)
-        return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows,
+        return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows, "combine_rows": self.combine_rows,
                 **({"em_push": EM_PUSH_NAME.get(eff.dispatch_em_push, str(eff.dispatch_em_push)),
                     "em_reduce": "wide" if eff.combine_em_wide else "batched", "em_sms": eff.em_sms}
                    if self.em_align else {})}

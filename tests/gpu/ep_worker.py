@@ -218,9 +218,15 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
     if args.em_push is not None or args.em_sms is not None:  # the options serve the expert-major layout only
         cases = [c for c in cases if c.align]
     impls = [(v.split(":")[0], int(v.split(":")[1]), int(v.split(":")[2])) for v in args.impls.split(",")]
+    if args.combine_rows == "ce":  # ranks with other token counts: the ones holding more must stop at once
+        uneven = [c for c in cases if len({c.tokens[r % len(c.tokens)] for r in range(world)}) > 1]
+        cases = [c for c in cases if c not in uneven]
+        failed += [f"{c.name} uneven tokens" for c in uneven if not check_uneven_stop(args, c, rank, world, device,
+                                                                                       impls[0][2])]
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
-                            fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms)
+                            fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms,
+                            combine_rows=args.combine_rows)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -245,6 +251,30 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
         if rank == 0:
             print("\n".join(lines[-3:]), flush=True)
     return failed
+
+
+def check_uneven_stop(args: argparse.Namespace, case: Case, rank: int, world: int, device: torch.device,
+                      sms: int) -> bool:
+    """combine_rows ce with token counts that differ between ranks: a rank that holds more tokens than some peer must
+    raise at once naming a peer that holds fewer (phase 10, csrc/combine.cu), and every other rank's call must verify
+    (its peers pushed at least its rows). True on every rank when that holds everywhere."""
+    be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows, combine_rows="ce")
+    counts = [case.tokens[r % len(case.tokens)] for r in range(world)]
+    must_stop = any(t < counts[rank] for t in counts)
+    try:
+        r = check_case(be, case, rank, world, device, 17, sms)
+        ok = not must_stop and r["dispatch_wrong"] == 0 and r["combine_wrong"] == 0
+        what = "no error raised" if must_stop else f"d_wrong={r['dispatch_wrong']} c_wrong={r['combine_wrong']}"
+    except RuntimeError as e:
+        what = str(e)
+        ok = must_stop and "stopped at once" in what and "same token count" in what
+    dist.barrier()
+    be.close()
+    bad = all_sum(int(not ok), device)
+    if rank == 0 or not ok:
+        print(f"{'ok  ' if ok else 'FAIL'} {case.name:<28} uneven tokens {counts} under combine_rows ce, rank {rank}: "
+              f"{what}", flush=True)
+    return bad == 0
 
 
 def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
@@ -453,6 +483,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--own-rows", default="sm", choices=["sm", "ce", "all"],
                     help="the backend's own_rows: sm (kernels store own rows), ce (copy engine) or all (copy "
                          "engines move every row); ce and all check the rank-major, quantize-before cases only")
+    ap.add_argument("--combine-rows", default=None, choices=["pull", "ce"],
+                    help="the backend's combine_rows (default: the backend's); ce needs --own-rows all and checks the "
+                         "cases whose ranks hold the same token count, the others for the stop they must make")
     ap.add_argument("--fused-stores", type=int, default=None, choices=[8, 16],
                     help="the backend's fused_stores (default: the backend's; check: given, the fused cases only)")
     ap.add_argument("--em-sms", type=int, default=None,

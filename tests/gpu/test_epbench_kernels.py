@@ -75,10 +75,17 @@ EM_SMS_SENDER = ["--expert-major", "--em-push", "sender", "--em-sms", "64", "--i
 OWN_ROWS_CE_STAGED = ["--own-rows", "ce", "--quick", "--notify", "staged", "--impls", "lean:16:8,lean_dyn:16:3"]
 OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--impls", "lean:16:8"]
 
+
+def combine_rows_ce_flags(nproc: int) -> list:
+    """combine_rows=ce (with own_rows=all): every rank-major, quantize-before case whose ranks hold the same token
+    count, at 8, 3 and (on GPUs of their own) 24 SMs; the cases with other counts for the stop they must make."""
+    return ["--own-rows", "all", "--combine-rows", "ce", "--impls",
+            "lean:16:8,lean:16:3" if shared(nproc) else "lean:16:8,lean:16:3,lean:16:24"]
+
 # world size -> the suites of this module its launch runs (name -> ep_worker check flags)
 SUITES = {
     1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1), "own-rows-ce": own_rows_ce_flags(1),
-        "own-rows-all": own_rows_ce_flags(1, "all"),
+        "own-rows-all": own_rows_ce_flags(1, "all"), "combine-rows-ce": combine_rows_ce_flags(1),
         "fused-stores-8": fused_stores8_flags(1),
         "fused-stores-8-em": ["--expert-major", *fused_stores8_flags(1)],
         "em-push-sender": em_push_sender_flags(1), "em-push-receiver": em_push_receiver_flags(1),
@@ -86,13 +93,14 @@ SUITES = {
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
+        "combine-rows-ce": combine_rows_ce_flags(2),
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
         "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2),
         "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3),
         "em-push-receiver": em_push_receiver_flags(3), "em-sms": em_sms_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
-        "own-rows-all": own_rows_ce_flags(4, "all")},
+        "own-rows-all": own_rows_ce_flags(4, "all"), "combine-rows-ce": combine_rows_ce_flags(4)},
 }
 for _world, _suites in SUITES.items():
     for _name, _flags in _suites.items():
@@ -169,6 +177,18 @@ def test_own_rows_all_matches_verification(kernels_built: None, nproc: int) -> N
     assert "fp8" in out
     if nproc == 2:
         assert_suite(2, "own-rows-all-staged")
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_combine_rows_ce_matches_verification(kernels_built: None, nproc: int) -> None:
+    """combine_rows=ce (issue 34 target 3, Plan B'): each holder's copy engine pushes its rows of a source into the
+    source's staging buffer in chunks with a flag each, the source sums its own and the staged rows locally; the
+    combine exactly as verification on every case whose ranks hold the same token count (bf16, fp8, mxfp8
+    dispatch; 1 and 4095 tokens, every token to one rank, all ranks 0 tokens), twice per buffer; a rank holding more
+    tokens than a peer stops at once naming it while the others verify."""
+    out = assert_suite(nproc, "combine-rows-ce")
+    if nproc > 1:
+        assert "T=4095" in out and "uneven tokens" in out
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
