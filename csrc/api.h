@@ -84,9 +84,11 @@ enum ep_notify_impl {
 };
 
 // Combine: one kernel, bulk-copy (TMA) loads from every holder into per-warp shared-memory stages, fp32 sum,
-// bf16 store. A register-pull combine lost or tied at every measured point, so it was deleted.
+// bf16 store. A register-pull combine lost or tied at every measured point, so it was deleted. combine_ce
+// (ep_config.combine_ce): the peers' rows pushed by copy engines, summed from local memory in registers.
 enum ep_combine_impl {
   EP_COMBINE_TMA = 1,
+  EP_COMBINE_CE = 2,
 };
 
 // Dispatch: the lean copy (every per-token load issued before the first store) with tokens handed to

@@ -199,7 +199,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx->max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cfg->device));
   if (p.own_ce == 2) {  // own_rows all: a copy stream per peer, forked and joined by events (dispatch.cu)
     CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_fork, cudaEventDisableTiming));
-    for (int i = 0; i + 1 < cfg->world; ++i) {
+    for (int i = 0; i + 1 < (cfg->combine_ce ? 2 * cfg->world - 1 : cfg->world); ++i) {
       CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->ce_streams[i], cudaStreamNonBlocking));
       CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_done[i], cudaEventDisableTiming));
     }
@@ -327,7 +327,7 @@ extern "C" int ep_destroy(void* vctx) {
   CUDA_CHECK(cudaFree(ctx->region));
   CUDA_CHECK(cudaFreeHost((void*)ctx->host_error));
   if (ctx->ce_fork) CUDA_CHECK(cudaEventDestroy(ctx->ce_fork));
-  for (int i = 0; i + 1 < EP_MAX_WORLD; ++i) {
+  for (int i = 0; i < 2 * (EP_MAX_WORLD - 1); ++i) {
     if (ctx->ce_streams[i]) CUDA_CHECK(cudaStreamDestroy(ctx->ce_streams[i]));
     if (ctx->ce_done[i]) CUDA_CHECK(cudaEventDestroy(ctx->ce_done[i]));
   }

@@ -30,10 +30,11 @@
 // peer, the streams of own_rows all) into s's staging buffer at rows [h * max_tokens + t], in chunks of
 // ce_chunk_rows rows, each followed by cstage[h][c] = epoch in s's signals (cuStreamWriteValue32: written after the
 // chunk's copy completed, fenced first). Step 1-2 become a check that every holder pushed at least my T rows (the
-// num_tokens word of its notify row); in step 3 lane d != me bulk-loads holder d's row from my staging buffer
-// instead of d's combine_in, after waiting once per chunk for cstage[d][c] (then a proxy fence: the flag is read
-// by the generic proxy, the rows by the bulk copy's async proxy); my own row is read from my combine_in as
-// before. So the SMs read and write local memory only; the link carries the same rows, moved by copy engines.
+// num_tokens word of its notify row), and step 3 is combine_ce_kernel: registers, no shared memory (local rows
+// need no staging through the bulk-copy unit; the TMA kernel with local sources measured no faster than its
+// pulls): lane d finds holder d's row of the token (my combine_in for d == me, my staging buffer for a peer),
+// waiting once per chunk for cstage[d][c], and the warp sums the rows with every holder's loads in flight before
+// the FMAs. So the SMs read and write local memory only; the link carries the same rows, moved by copy engines.
 // No ready handshake is needed: no peer reads my combine_in, and my staging buffer is free because every peer's
 // previous combine ended only after my pulled flag, stored once my last block had read it (step 4).
 // 4. grid_release_and_wait on pulled[]: the last block stores pulled[me] = epoch into every
@@ -203,11 +204,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
   extern __shared__ __align__(128) uint8_t ct_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int world = p.world, topk = p.topk, E = p.experts_per_rank;
-  const bool ce = p.combine_ce != 0;
-  if (ce)
-    combine_ce_check(p, a.num_tokens);
-  else
-    combine_ready(p, epoch);
+  combine_ready(p, epoch);
 
   uint8_t* mine = ct_smem + (size_t)warp * ct_warp_bytes(world, S, kCtChunk);
   uint64_t* bars = reinterpret_cast<uint64_t*>(mine);
@@ -251,7 +248,6 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
   // 3-7% faster at 8 SMs than lane 0 issuing them one after another), lane 0 arms the stage's barrier with the total (a
   // copy that lands before the arming only takes the transaction count below zero for a moment: the
   // phase cannot complete without lane 0's arrival).
-  int ce_seen = -1;  // combine_ce: the last chunk of holder `lane` seen pushed
   auto issue = [&](long long j) {
     const int k = (int)(j / nch), c = (int)(j % nch), s = (int)(j % S);
     const int* rr = trow + (((k >> 5) & 1) * 32 + (k & 31)) * world;
@@ -262,20 +258,10 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
     const int my_row = lane < world ? rr[lane] : -1;
     const unsigned holders = __ballot_sync(0xffffffffu, my_row >= 0);
     if (lane == 0) mbar_expect_tx(bars + s, (uint32_t)__popc(holders) * bytes);
-    if (my_row < 0) return;
-    const uint8_t* row = p.peer_base[lane] + pull_off + (size_t)my_row * row_bytes;
-    if (ce && lane != p.rank) {  // holder `lane`'s row of my token t, pushed into my staging buffer
-      const int t = my_row - p.rank * p.max_tokens;  // own_rows all: base[d] = me * max_tokens, slot = t
-      row = p.peer_base[p.rank] + p.off_combine_stage + ((size_t)lane * p.max_tokens + t) * row_bytes;
-      const int ch = t / p.ce_chunk_rows;
-      if (ch > ce_seen) {  // a warp's tokens only grow, so once per chunk and holder
-        wait_flag(p, signal_ptr(p, p.rank, p.sig.cstage_off + lane * kCeChunks + ch), epoch, lane,
-                  kPhaseCombineStaged);  // given up: the load reads stale rows, the host raises the timeout
-        fence_proxy_async_global();
-        ce_seen = ch;
-      }
-    }
-    bulk_load(stages + ((size_t)s * world + lane) * kCtChunk, row + (size_t)c * kCtChunk, bytes, bars + s);
+    if (my_row >= 0)
+      bulk_load(stages + ((size_t)s * world + lane) * kCtChunk,
+                p.peer_base[lane] + pull_off + (size_t)my_row * row_bytes + (size_t)c * kCtChunk, bytes,
+                bars + s);
   };
 
   if (ntok > 0) {
@@ -352,6 +338,76 @@ auto pick_combine_tma(int world, int S) -> decltype(&combine_tma_kernel<2, 4, C>
   return S == 2 ? combine_tma_kernel<2, 8, C> : S == 3 ? combine_tma_kernel<3, 8, C> : combine_tma_kernel<4, 8, C>;
 }
 
+// combine_ce's sum (see the header): warp g takes my tokens g, g + G, ...; lane d < world computes holder d's row
+// of the token (-1: no expert of the token there) and w(t, d) as fill_table does, waiting for a peer's chunk flag
+// the first time the warp needs that chunk (a warp's tokens only grow); __syncwarp then orders lane d's acquire
+// before every lane's loads of holder d's row. The row is summed kU vectors a lane at a time, every holder's kU
+// loads issued before the FMAs, holders in rank order from 0 with fmaf from 0 (combine_tma_kernel's chain: the same
+// bits), and stored bf16 into out[t].
+template <int kMaxWorld, int kU>
+__global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineArgs a, int epoch) {
+  combine_ce_check(p, a.num_tokens);
+  const int lane = threadIdx.x & 31, world = p.world, topk = p.topk, E = p.experts_per_rank;
+  const int G = gridDim.x * (blockDim.x >> 5), T = ld_volatile(p.dev_error) != 0 ? 0 : a.num_tokens;
+  const int V = p.hidden >> 3;  // 16-byte vectors per bf16 row
+  const size_t rb = (size_t)p.hidden * 2;
+  int seen = -1;  // lane d: the last chunk of holder d seen pushed
+  for (int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < T; t += G) {
+    unsigned long long row = 0;  // lane d: holder d's row of token t (0: none)
+    float w = 0.f;
+    if (lane < world) {
+      for (int kk = 0; kk < topk; ++kk) {
+        const long long e = a.topk_idx[(size_t)t * topk + kk];
+        if (e >= 0 && e < (long long)world * E && (int)(e / E) == lane) w += a.topk_w[(size_t)t * topk + kk];
+      }
+      const int slot = p.slot_map[(size_t)t * world + lane];
+      if (slot >= 0 && lane == p.rank) {
+        row = (unsigned long long)(uintptr_t)(p.peer_base[p.rank] + p.off_combine_in + (size_t)(p.base[lane] + slot) * rb);
+      } else if (slot >= 0) {
+        row = (unsigned long long)(uintptr_t)(p.peer_base[p.rank] + p.off_combine_stage +
+                                              ((size_t)lane * p.max_tokens + t) * rb);
+        const int ch = t / p.ce_chunk_rows;
+        if (ch > seen) {  // given up: the sum reads stale rows, the host raises the timeout
+          wait_flag(p, signal_ptr(p, p.rank, p.sig.cstage_off + lane * kCeChunks + ch), epoch, lane,
+                    kPhaseCombineStaged);
+          seen = ch;
+        }
+      }
+    }
+    __syncwarp();
+    const int4* src[kMaxWorld];
+    float wd[kMaxWorld];
+#pragma unroll
+    for (int d = 0; d < kMaxWorld; ++d) {
+      src[d] = reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, row, d));
+      wd[d] = __shfl_sync(0xffffffffu, w, d);
+    }
+    uint4* dst = a.out + (size_t)t * V;
+    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+      int4 x[kMaxWorld][kU];
+#pragma unroll
+      for (int d = 0; d < kMaxWorld; ++d)
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (src[d] != nullptr && v0 + u * 32 + lane < V) x[d][u] = ld_v4_na(src[d] + v0 + u * 32 + lane);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (v >= V) continue;
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+#pragma unroll
+        for (int d = 0; d < kMaxWorld; ++d)
+          if (src[d] != nullptr) fma_bf16x8(acc, x[d][u], wd[d]);
+        const int4 o = pack_bf16x8(acc);
+        dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+      }
+    }
+  }
+  grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
+}
+
 // combine_ce: my combine_in rows of each peer s (rows [s * max_tokens, + num_tokens)) into s's staging buffer at rows
 // [me * max_tokens, ...), chunk by chunk on s's copy stream (forked from `stream` here: after my caller filled
 // combine_in), each chunk followed by its flag cstage[me][c] in s's signals. *pushed: whether the streams forked
@@ -361,25 +417,27 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
   *pushed = false;
   if (p.world == 1 || num_tokens == 0 || ctx->host_error->flag) return 0;
   const size_t rb = (size_t)p.hidden * 2, K = (size_t)p.ce_chunk_rows, T = (size_t)num_tokens;
+  const int nstreams = 2 * (p.world - 1);  // peer i's even chunks on stream i, its odd ones on stream i + world - 1
   CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
-  for (int i = 0; i + 1 < p.world; ++i) CUDA_CHECK(cudaStreamWaitEvent(ctx->ce_streams[i], ctx->ce_fork, 0));
+  for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaStreamWaitEvent(ctx->ce_streams[i], ctx->ce_fork, 0));
   *pushed = true;
   for (size_t r0 = 0, c = 0; r0 < T; r0 += K, ++c) {  // chunk c to every peer, then c + 1: the peers start together
     const size_t n = std::min(K, T - r0);
     for (int i = 0; i + 1 < p.world; ++i) {
       const int s = (p.rank + 1 + i) % p.world;
+      cudaStream_t cs = ctx->ce_streams[i + (c & 1) * (p.world - 1)];
       CUDA_CHECK(cudaMemcpyAsync(p.peer_base[s] + p.off_combine_stage + ((size_t)p.rank * p.max_tokens + r0) * rb,
                                  p.peer_base[p.rank] + p.off_combine_in + ((size_t)s * p.max_tokens + r0) * rb, n * rb,
-                                 cudaMemcpyDefault, ctx->ce_streams[i]));
+                                 cudaMemcpyDefault, cs));
       int* flag = reinterpret_cast<int*>(p.peer_base[s] + p.off_signals) + p.sig.cstage_off + p.rank * kCeChunks + c;
-      const int rc = ctx->write_value32(ctx->ce_streams[i], (unsigned long long)(uintptr_t)flag, (unsigned)epoch, 0);
+      const int rc = ctx->write_value32(cs, (unsigned long long)(uintptr_t)flag, (unsigned)epoch, 0);
       if (rc != 0) {
         ep_set_error("combine_ce: cuStreamWriteValue32 into rank %d's chunk flag failed (CUresult %d)", s, rc);
         return -1;
       }
     }
   }
-  for (int i = 0; i + 1 < p.world; ++i) CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], ctx->ce_streams[i]));
+  for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], ctx->ce_streams[i]));
   return 0;
 }
 
@@ -397,6 +455,27 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   a.topk_idx = (const int64_t*)topk_idx;
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
+  if (p.combine_ce) {
+    bool pushed = false;  // the peers' rows by copy engines, the sum from local memory in registers (see the header)
+    if (push_rows_by_ce(ctx, num_tokens, epoch, stream, &pushed) != 0) return -1;
+    const int wc = std::min(warps, 16);
+    if (p.world <= 2)
+      combine_ce_kernel<2, 8><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
+    else if (p.world <= 4)
+      combine_ce_kernel<4, 4><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
+    else
+      combine_ce_kernel<8, 2><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
+    CUDA_CHECK(cudaGetLastError());
+    for (int i = 0; pushed && i < 2 * (p.world - 1); ++i) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
+    ep_effective& eff = ctx->effective;
+    eff.combine_impl = EP_COMBINE_CE;
+    eff.combine_warps = wc;
+    eff.combine_sms = num_sms;
+    eff.combine_stages = 0;
+    eff.combine_chunk = 0;
+    eff.combine_em_wide = false;
+    return 0;
+  }
   // as many warps (up to `warps`) as the per-warp stages fit in shared memory; none fitting is an error
   const int S = ctx->combine_stages, C = ctx->combine_chunk;
   const int fit = (int)((size_t)ctx->max_smem_optin / ct_warp_bytes(p.world, S, C));
@@ -420,11 +499,8 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
       em_reduce_kernel<false><<<blocks, threads, 0, stream>>>(p);
     CUDA_CHECK(cudaGetLastError());
   }
-  bool pushed = false;
-  if (p.combine_ce && push_rows_by_ce(ctx, num_tokens, epoch, stream, &pushed) != 0) return -1;
   kernel<<<num_sms, w * 32, smem, stream>>>(p, a, epoch);
   CUDA_CHECK(cudaGetLastError());
-  for (int i = 0; pushed && i + 1 < p.world; ++i) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
   ep_effective& eff = ctx->effective;
   eff.combine_impl = EP_COMBINE_TMA;
   eff.combine_warps = w;

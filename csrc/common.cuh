@@ -187,10 +187,12 @@ struct EpContext {
   int combine_stages;  // stages per combine warp (EP_OPT_COMBINE_STAGES)
   int combine_chunk;   // combine bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
   ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
-  // own_rows all (p.own_ce == 2): the peers' copies, one stream per peer (peer me + 1 + i on stream i)
+  // own_rows all (p.own_ce == 2): the peers' copies, one stream per peer (peer me + 1 + i on stream i); combine_ce
+  // pushes a peer's even chunks on stream i and its odd ones on stream i + world - 1 (a second copy engine's queue,
+  // so one chunk's flag write and the next copy's start overlap the other stream's copy)
   cudaEvent_t ce_fork;
-  cudaStream_t ce_streams[EP_MAX_WORLD - 1];
-  cudaEvent_t ce_done[EP_MAX_WORLD - 1];
+  cudaStream_t ce_streams[2 * (EP_MAX_WORLD - 1)];
+  cudaEvent_t ce_done[2 * (EP_MAX_WORLD - 1)];
   // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
   // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)
   int (*write_value32)(void*, unsigned long long, unsigned, unsigned);
@@ -433,9 +435,16 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// Orders this thread's generic-proxy accesses (a flag just acquired) before its later async-proxy ones (bulk copies)
-// of global memory.
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// 16-byte read of data written during the kernel by another agent (a copy engine) after a flag was acquired: weak,
+// no L1 allocation, so no line fetched before the flag can be returned.
+__device__ __forceinline__ int4 ld_v4_na(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
 
 __device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
