@@ -79,3 +79,106 @@ extern "C" int ep_store_ceiling(const unsigned long long* dst_ptrs, const long l
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }
+
+// Local-sum ceiling (the combine's SM side): out[t] = the fp32 sum of token t's rows, stored bf16, every row in
+// this GPU's memory. What a combine that sums on `num_blocks` SMs cannot beat for these rows, whoever moved them
+// across the link. `rows_in` rows for `rows_out` tokens (a rank's (token, rank) copies of its own tokens, its own
+// included): token t sums rows_in / rows_out rows, one more for the first rows_in % rows_out tokens; its row j is
+// row j * rows_out + t of src ([ceil(rows_in / rows_out)][rows_out][hidden] bf16). A warp per token.
+namespace {
+
+// kU vectors of each of kR rows a lane, all loaded before their adds; rows n > kR in further passes (acc kept).
+template <int kR, int kU>
+__device__ __forceinline__ void sum_rows(uint4* out, const int4* src, int rows_out, int t, int n, int V, int lane) {
+  for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+    for (int j = 0; j < n; j += kR) {
+      int4 x[kR][kU];
+#pragma unroll
+      for (int h = 0; h < kR; ++h)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int v = v0 + u * 32 + lane;
+          if (j + h < n && v < V) x[h][u] = ld_nc_v4(src + ((size_t)(j + h) * rows_out + t) * V + v);
+        }
+#pragma unroll
+      for (int h = 0; h < kR; ++h)
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (j + h < n && v0 + u * 32 + lane < V) fma_bf16x8(acc[u], x[h][u], 1.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v >= V) continue;
+      const int4 o = pack_bf16x8(acc[u]);
+      out[(size_t)t * V + v] = make_uint4(o.x, o.y, o.z, o.w);
+    }
+  }
+}
+
+// Tokens of 1-2 rows (2 ranks), one pass: 8 vectors of each row a lane in flight, each vector summed and stored
+// right after (no accumulators kept across rows).
+__device__ __forceinline__ void sum_pair(uint4* out, const int4* src, int rows_out, int t, int n, int V, int lane) {
+  constexpr int kU = 8;
+  for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+    int4 x[2][kU];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int v = v0 + u * 32 + lane;
+        if (h < n && v < V) x[h][u] = ld_nc_v4(src + ((size_t)h * rows_out + t) * V + v);
+      }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = v0 + u * 32 + lane;
+      if (v >= V) continue;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (h < n) fma_bf16x8(acc, x[h][u], 1.f);
+      const int4 o = pack_bf16x8(acc);
+      out[(size_t)t * V + v] = make_uint4(o.x, o.y, o.z, o.w);
+    }
+  }
+}
+
+// kPair: every token has 1-2 rows (sum_pair), else 2 rows x 4 vectors a pass (sum_rows); two kernels, as one
+// spilled at 512 threads.
+template <bool kPair>
+__global__ void __launch_bounds__(512, 1) sum_ceiling_kernel(uint4* out, const int4* src, int rows_out,
+                                                              long long rows_in, int V) {
+  const int lane = threadIdx.x & 31;
+  const int G = gridDim.x * (blockDim.x >> 5);
+  const int base = (int)(rows_in / rows_out), extra = (int)(rows_in % rows_out);
+  for (int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < rows_out; t += G) {
+    const int n = base + (t < extra ? 1 : 0);
+    if (kPair)
+      sum_pair(out, src, rows_out, t, n, V, lane);
+    else
+      sum_rows<2, 4>(out, src, rows_out, t, n, V, lane);
+  }
+}
+
+}  // namespace
+
+extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long long rows_in, int hidden, int num_blocks,
+                              int threads, void* stream) {
+  if (rows_out < 0 || rows_in < rows_out || hidden % 8 != 0 || num_blocks < 1 || threads < 32 || threads > 1024 ||
+      ((uintptr_t)src & 15) || ((uintptr_t)out & 15)) {
+    ep_set_error("ep_sum_ceiling: bad arguments (rows %d <- %lld, hidden %d, blocks %d, threads %d)", rows_out,
+                 rows_in, hidden, num_blocks, threads);
+    return -1;
+  }
+  if (rows_out == 0) return 0;
+  const bool pair = rows_in <= 2LL * rows_out;  // at most 2 rows a token
+  (pair ? sum_ceiling_kernel<true> : sum_ceiling_kernel<false>)<<<num_blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<uint4*>(out), static_cast<const int4*>(src), rows_out, rows_in, hidden / 8);
+  CUDA_CHECK(cudaGetLastError());
+  return 0;
+}

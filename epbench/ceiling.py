@@ -244,6 +244,42 @@ def kernel_store_provider() -> Optional[SmStoreProvider]:
     return store_samples_us
 
 
+# (out tensor, source tensor, tokens, rows, hidden, sms, comm, warmup, iters) -> per-iteration microseconds
+SumProvider = Callable[[Any, Any, int, int, int, int, Any, int, int], List[float]]
+
+
+def kernel_sum_provider() -> Optional[SumProvider]:
+    """The csrc local-sum kernel (ep_sum_ceiling) as a provider, or None when the kernels library is not built."""
+    try:
+        from epbench import cuda_lib
+
+        lib = cuda_lib.load()
+        fn = lib.ep_sum_ceiling  # declared in cuda_lib.signatures()
+    except (RuntimeError, OSError, AttributeError):
+        return None
+    import ctypes
+
+    def sum_samples_us(out: Any, src: Any, tokens: int, rows: int, hidden: int, sms: int, comm: Any,
+                       warmup: int, iters: int) -> List[float]:
+        import torch
+
+        stream = ctypes.c_void_p(torch.cuda.current_stream(comm.device).cuda_stream)
+        timer = Timer(comm.device, warmup + iters)
+        for i in range(warmup + iters):
+            rc = timer.time(i, lambda: fn(out.data_ptr(), src.data_ptr(), tokens, rows, hidden, int(sms),
+                                          STORE_THREADS, stream), align=comm.sync)
+            cuda_lib.check(rc, "ep_sum_ceiling")
+        return timer.samples_us(warmup)
+
+    return sum_samples_us
+
+
+def sum_rows(tr: Traffic, rank: int) -> int:
+    """Rows a rank's combine sums for its own tokens: its (token, rank) copies, its own rank's included (the
+    routing's total matrix, row ``rank``); each token's rows become one output row."""
+    return int(tr.total[rank].sum())
+
+
 def recv_offsets(plan: List[List[int]], dest: int) -> List[int]:
     """Where each source's bytes land in ``dest``'s receive buffer (sources in rank order)."""
     offs, at = [], 0
@@ -337,6 +373,9 @@ class OpCeiling:
     counted_per_iter: Optional[List[Optional[float]]] = None
     # copy-engine time (max over ranks of the median) by streams per destination (CE_SPLITS)
     copy_engine_by_split: Dict[int, float] = field(default_factory=dict)
+    # combine only: a kernel on that many SMs summing the rows of each rank's tokens, every row local (csrc
+    # ceiling.cu ep_sum_ceiling): what a combine that sums on those SMs cannot beat, whoever moves the rows
+    sm_sum_us: Dict[int, Optional[float]] = field(default_factory=dict)
 
     @property
     def copy_engine_split(self) -> Optional[int]:
@@ -411,6 +450,9 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
                 for sms in c.sm_store_us:
                     c.sm_store_us[sms] = _max_over_ranks(
                         provider(dst, nbytes, source, sms, comm, warmup, iters), comm)
+            summer = kernel_sum_provider() if c.op == "combine" else None
+            if summer is not None:
+                c.sm_sum_us = measure_sums(summer, s, tr, comm, warmup, iters, list(c.sm_store_us))
         finally:
             torch.cuda.synchronize()
             dist.barrier()  # no rank still copies into a buffer that is about to go
@@ -418,6 +460,24 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
     if cnt:
         cnt.close()
     return result
+
+
+def measure_sums(summer: SumProvider, s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
+                 sms_list: List[int]) -> Dict[int, Optional[float]]:
+    """The local-sum ceiling at each SM count: this rank's tokens, each summing its share of sum_rows rows (bf16
+    rows of the model's hidden size, random bits made finite), max over ranks of the median."""
+    import torch
+
+    tokens, hidden = s.model.tokens_per_rank, s.model.hidden
+    rows = sum_rows(tr, comm.rank)
+    per_token = -(-rows // tokens) if tokens else 0
+    src = torch.randn(max(per_token, 1), max(tokens, 1), hidden, device=comm.device).to(torch.bfloat16)
+    out = torch.empty(max(tokens, 1), hidden, device=comm.device, dtype=torch.bfloat16)
+    try:
+        return {sms: _max_over_ranks(summer(out, src, tokens, rows, hidden, sms, comm, warmup, iters), comm)
+                for sms in sms_list}
+    finally:
+        del src, out
 
 
 def _max_over_ranks(samples_us: List[float], comm: Any) -> float:
@@ -443,19 +503,22 @@ def ceiling_table(ceilings: List[OpCeiling], title: str):
     from epbench.console import number, table
 
     cols = ("op", "MB per rank", "copy engine us", "copy engine GB/s", "copy engine us by streams",
-            "SM stores us", "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed")
+            "SM stores us", "SM local sum us", "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed")
     t = table(title, "bytes = NVLink bytes a rank sends (max over ranks); times in us "
               "(max over ranks of the median); GB/s = bytes / time; copy engine = the fastest of "
               "1, 2 and 4 streams per destination (each a piece of its bytes; by streams: each "
               "one's time); NVML TX / computed = NVLink bytes NVML counted per copy-engine "
               "iteration of one stream per destination over the bytes asked for (the rank "
-              "furthest from 1)", [(c, "left" if c == "op" else "right") for c in cols])
+              "furthest from 1); SM local sum = a kernel on that many SMs summing each token's rows "
+              "(combine), every row already local: the combine's bound on those SMs", [(c, "left" if c == "op" else "right") for c in cols])
     for c in ceilings:
         sm = [f"{k}: {number(v)}" for k, v in c.sm_store_us.items() if v is not None]
         by = [f"{k}: {number(v)}" for k, v in c.copy_engine_by_split.items()]
+        sums = [f"{k}: {number(v)}" for k, v in c.sm_sum_us.items() if v is not None]
         t.add_row(c.op, number(c.max_bytes / 1e6), number(c.copy_engine_us), number(c.copy_engine_gbps),
                   ", ".join(by) if by else "-",
                   ", ".join(sm) if sm else "absent",
+                  ", ".join(sums) if sums else "-",
                   number(c.ideal_us),
                   number(metrics.bandwidth_gbps(c.max_bytes, c.ideal_us) if c.ideal_us else None),
                   number(c.scenario_ideal_us), _ratio(c.counted_vs_computed()))

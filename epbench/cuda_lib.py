@@ -131,9 +131,10 @@ def signatures() -> Dict[str, List[Any]]:
         "ep_ll_set_probe": [vp, vp],
         "ep_ll_set_probe_skip": [vp, i],
         "ep_ll_probe": [vp, i, i, i, vp],
-        # csrc/ceiling.cu (not in api.h): the plain SM-store ceiling kernel
+        # csrc/ceiling.cu (not in api.h): the plain SM-store ceiling kernel and the local-sum one
         "ep_store_ceiling": [ctypes.POINTER(ull), ctypes.POINTER(ctypes.c_longlong), i, vp, i, i,
                              vp],
+        "ep_sum_ceiling": [vp, vp, i, ctypes.c_longlong, i, i, i, vp],
     }
 
 

@@ -260,7 +260,9 @@ def ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:
     stores at this point's SM count (None where not measured, e.g. NCCL's own SM choice)."""
     return {"ceiling_copy_engine_us": c.copy_engine_us if c is not None else None,
             "ceiling_copy_engine_streams": getattr(c, "copy_engine_split", None) if c is not None else None,
-            "ceiling_sm_store_us": c.sm_store_us.get(sms) if c is not None and sms else None}
+            "ceiling_sm_store_us": c.sm_store_us.get(sms) if c is not None and sms else None,
+            # combine: the local sum of its rows on this many SMs (None for dispatch or where not measured)
+            "ceiling_sm_sum_us": getattr(c, "sm_sum_us", {}).get(sms) if c is not None and sms else None}
 
 
 def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,

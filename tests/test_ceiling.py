@@ -63,6 +63,23 @@ def test_copy_engine_ceiling_is_the_fastest_split_and_names_it():
     assert cols["ceiling_copy_engine_streams"] == 2
 
 
+def test_local_sum_rows_are_a_ranks_token_copies_own_included_and_reach_the_rows_and_table() -> None:
+    nv = torch.tensor([[0, 1, 2], [3, 0, 4], [5, 6, 0]])
+    tr = Traffic(total=nv + 10 * torch.eye(3, dtype=torch.int64), nvlink=nv, nic=torch.zeros_like(nv))
+    assert [ceiling.sum_rows(tr, r) for r in range(3)] == [13, 17, 21]
+    c = ceiling.OpCeiling("combine", [100], None, {8: 5.0, 16: None}, None)
+    c.sm_sum_us = {8: 40.0, 16: None}
+    from epbench import metrics
+    assert metrics.ceiling_columns(c, 8)["ceiling_sm_sum_us"] == 40.0
+    assert metrics.ceiling_columns(c, 16)["ceiling_sm_sum_us"] is None
+    assert metrics.ceiling_columns(ceiling.OpCeiling("dispatch", [1], None, {8: 5.0}, None), 8)["ceiling_sm_sum_us"] is None
+    from rich.console import Console
+    con = Console(width=300, record=True)
+    con.print(ceiling.ceiling_table([c], "t"))
+    text = con.export_text()
+    assert "SM local sum us" in text and "8: 40" in text
+
+
 def scenario(**model):
     return parse(scenario_dict(model=model, topology={"nvlink_gbps": 100.0}), "test.yaml")
 

@@ -79,6 +79,10 @@ def test_run_verifies_both_backends(runs: GpuRuns, dtype: str, routing: str, hid
         assert df["busbw_nvlink_gbps"].isna().all() and df["functional"].notna().all()
     else:
         assert (df["busbw_nvlink_gbps"] > 0).all() and df["functional"].isna().all()
+    if ceilings and not SHARED:  # the combine's local-sum ceiling at each swept SM count, none for dispatch
+        ep = df[df["backend"] == "epbench"]
+        assert (ep[ep["op"] == "combine"]["ceiling_sm_sum_us"] > 0).all()
+        assert ep[ep["op"] == "dispatch"]["ceiling_sm_sum_us"].isna().all()
 
 
 def test_corrupted_kernel_output_fails(runs: GpuRuns) -> None:

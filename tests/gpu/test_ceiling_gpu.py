@@ -1,0 +1,38 @@
+"""The local-sum ceiling kernel (csrc/ceiling.cu ep_sum_ceiling) does all the work it is timed for: every token's
+rows summed (1, 2 and 3 rows a token, the counts spread as the ceiling spreads them), bit for bit the fp32 sum
+from 0 in row order rounded to bf16 (marker gpu; one GPU, in this process)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("tokens,rows,hidden", [(37, 37, 2048), (100, 173, 7168), (64, 128, 8192), (50, 131, 2080)])
+def test_local_sum_ceiling_sums_every_row_of_every_token(kernels_built: None, tokens: int, rows: int,
+                                                         hidden: int) -> None:
+    from epbench import ceiling
+
+    summer = ceiling.kernel_sum_provider()
+    assert summer is not None
+    dev = torch.device("cuda", 0)
+    per_token = -(-rows // tokens)
+    src = torch.randn(per_token, tokens, hidden, device=dev).to(torch.bfloat16)
+    out = torch.full((tokens, hidden), float("nan"), device=dev, dtype=torch.bfloat16)
+    comm = types.SimpleNamespace(device=dev, sync=None)
+    times = summer(out, src, tokens, rows, hidden, 8, comm, 1, 3)
+    torch.cuda.synchronize()
+    assert len(times) == 3 and all(t > 0 for t in times)
+    base, extra = divmod(rows, tokens)
+    want = torch.zeros(tokens, hidden, device=dev)
+    for t in range(tokens):
+        for j in range(base + (1 if t < extra else 0)):
+            want[t] += src[j, t].float()
+    assert torch.equal(out, want.to(torch.bfloat16))
