@@ -338,70 +338,87 @@ auto pick_combine_tma(int world, int S) -> decltype(&combine_tma_kernel<2, 4, C>
   return S == 2 ? combine_tma_kernel<2, 8, C> : S == 3 ? combine_tma_kernel<3, 8, C> : combine_tma_kernel<4, 8, C>;
 }
 
-// combine_ce's sum (see the header): warp g takes my tokens g, g + G, ...; lane d < world computes holder d's row
-// of the token (-1: no expert of the token there) and w(t, d) as fill_table does, waiting for a peer's chunk flag
-// the first time the warp needs that chunk (a warp's tokens only grow); __syncwarp then orders lane d's acquire
-// before every lane's loads of holder d's row. The row is summed kU vectors a lane at a time, every holder's kU
-// loads issued before the FMAs, holders in rank order from 0 with fmaf from 0 (combine_tma_kernel's chain: the same
-// bits), and stored bf16 into out[t].
+// combine_ce's sum (see the header): warp g takes my tokens g, g + G, ..., 32 at a time: lane i first finds token i's
+// row on each holder (-1: no expert of the token there; my combine_in row for me, the token's row of my staging
+// buffer for a peer) and w(t, d), as fill_table does (one lane per token, so the metadata's load latency is paid once
+// per 32 tokens, not per token). Then, token by token, lane d waits for holder d's chunk flag the first time the warp
+// needs that chunk (a warp's tokens only grow) and __syncwarp orders that acquire before every lane's loads of the
+// row; the row is summed kU vectors a lane at a time, every holder's kU loads issued before the FMAs, holders in
+// rank order from 0 with fmaf from 0 (combine_tma_kernel's chain: the same bits), and stored bf16 into out[t].
 template <int kMaxWorld, int kU>
 __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineArgs a, int epoch) {
   combine_ce_check(p, a.num_tokens);
-  const int lane = threadIdx.x & 31, world = p.world, topk = p.topk, E = p.experts_per_rank;
+  const int lane = threadIdx.x & 31, world = p.world, topk = p.topk, E = p.experts_per_rank, me = p.rank;
   const int G = gridDim.x * (blockDim.x >> 5), T = ld_volatile(p.dev_error) != 0 ? 0 : a.num_tokens;
+  const int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int ntok = g < T ? (T - g + G - 1) / G : 0;  // my tokens g + k G, k < ntok
   const int V = p.hidden >> 3;  // 16-byte vectors per bf16 row
   const size_t rb = (size_t)p.hidden * 2;
+  const uint8_t* own = p.peer_base[me] + p.off_combine_in;
+  const uint8_t* stage = p.peer_base[me] + p.off_combine_stage;
   int seen = -1;  // lane d: the last chunk of holder d seen pushed
-  for (int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < T; t += G) {
-    unsigned long long row = 0;  // lane d: holder d's row of token t (0: none)
-    float w = 0.f;
-    if (lane < world) {
+  for (int k0 = 0; k0 < ntok; k0 += 32) {
+    int rows[kMaxWorld];
+    float ws[kMaxWorld];
+#pragma unroll
+    for (int d = 0; d < kMaxWorld; ++d) rows[d] = -1, ws[d] = 0.f;
+    if (k0 + lane < ntok) {
+      const int t = g + (k0 + lane) * G;
       for (int kk = 0; kk < topk; ++kk) {
         const long long e = a.topk_idx[(size_t)t * topk + kk];
-        if (e >= 0 && e < (long long)world * E && (int)(e / E) == lane) w += a.topk_w[(size_t)t * topk + kk];
+        const float w = a.topk_w[(size_t)t * topk + kk];
+        const int owner = (e >= 0 && e < (long long)world * E) ? (int)(e / E) : -1;
+#pragma unroll
+        for (int d = 0; d < kMaxWorld; ++d) ws[d] += owner == d ? w : 0.f;
       }
-      const int slot = p.slot_map[(size_t)t * world + lane];
-      if (slot >= 0 && lane == p.rank) {
-        row = (unsigned long long)(uintptr_t)(p.peer_base[p.rank] + p.off_combine_in + (size_t)(p.base[lane] + slot) * rb);
-      } else if (slot >= 0) {
-        row = (unsigned long long)(uintptr_t)(p.peer_base[p.rank] + p.off_combine_stage +
-                                              ((size_t)lane * p.max_tokens + t) * rb);
-        const int ch = t / p.ce_chunk_rows;
-        if (ch > seen) {  // given up: the sum reads stale rows, the host raises the timeout
-          wait_flag(p, signal_ptr(p, p.rank, p.sig.cstage_off + lane * kCeChunks + ch), epoch, lane,
-                    kPhaseCombineStaged);
-          seen = ch;
-        }
+#pragma unroll
+      for (int d = 0; d < kMaxWorld; ++d) {
+        if (d >= world) break;
+        const int slot = p.slot_map[(size_t)t * world + d];
+        rows[d] = slot < 0 ? -1 : d == me ? p.base[me] + slot : t;
       }
     }
-    __syncwarp();
-    const int4* src[kMaxWorld];
-    float wd[kMaxWorld];
+    const int nb = min(32, ntok - k0);
+    for (int i = 0; i < nb; ++i) {
+      const int t = g + (k0 + i) * G;
+      const int4* src[kMaxWorld];
+      float wd[kMaxWorld];
+      bool wait_here = false;
 #pragma unroll
-    for (int d = 0; d < kMaxWorld; ++d) {
-      src[d] = reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, row, d));
-      wd[d] = __shfl_sync(0xffffffffu, w, d);
-    }
-    uint4* dst = a.out + (size_t)t * V;
-    for (int v0 = 0; v0 < V; v0 += 32 * kU) {
-      int4 x[kMaxWorld][kU];
-#pragma unroll
-      for (int d = 0; d < kMaxWorld; ++d)
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (src[d] != nullptr && v0 + u * 32 + lane < V) x[d][u] = ld_v4_na(src[d] + v0 + u * 32 + lane);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int v = v0 + u * 32 + lane;
-        if (v >= V) continue;
-        float acc[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+      for (int d = 0; d < kMaxWorld; ++d) {
+        const int r = __shfl_sync(0xffffffffu, rows[d], i);
+        wd[d] = __shfl_sync(0xffffffffu, ws[d], i);
+        src[d] = r < 0 ? nullptr
+                       : reinterpret_cast<const int4*>(d == me ? own + (size_t)r * rb
+                                                               : stage + ((size_t)d * p.max_tokens + r) * rb);
+        wait_here |= d == lane && d != me && r >= 0;
+      }
+      if (wait_here && t / p.ce_chunk_rows > seen) {  // given up: the sum reads stale rows, the host raises the timeout
+        seen = t / p.ce_chunk_rows;
+        wait_flag(p, signal_ptr(p, me, p.sig.cstage_off + lane * kCeChunks + seen), epoch, lane, kPhaseCombineStaged);
+      }
+      __syncwarp();
+      uint4* dst = a.out + (size_t)t * V;
+      for (int v0 = 0; v0 < V; v0 += 32 * kU) {
+        int4 x[kMaxWorld][kU];
 #pragma unroll
         for (int d = 0; d < kMaxWorld; ++d)
-          if (src[d] != nullptr) fma_bf16x8(acc, x[d][u], wd[d]);
-        const int4 o = pack_bf16x8(acc);
-        dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+#pragma unroll
+          for (int u = 0; u < kU; ++u)
+            if (src[d] != nullptr && v0 + u * 32 + lane < V) x[d][u] = ld_v4_na(src[d] + v0 + u * 32 + lane);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int v = v0 + u * 32 + lane;
+          if (v >= V) continue;
+          float acc[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+#pragma unroll
+          for (int d = 0; d < kMaxWorld; ++d)
+            if (src[d] != nullptr) fma_bf16x8(acc, x[d][u], wd[d]);
+          const int4 o = pack_bf16x8(acc);
+          dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+        }
       }
     }
   }
@@ -464,7 +481,7 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     else if (p.world <= 4)
       combine_ce_kernel<4, 4><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     else
-      combine_ce_kernel<8, 2><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
+      combine_ce_kernel<8, 1><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     CUDA_CHECK(cudaGetLastError());
     for (int i = 0; pushed && i < 2 * (p.world - 1); ++i) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
     ep_effective& eff = ctx->effective;
