@@ -92,6 +92,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   ctx->device = cfg->device;
   // the measured defaults (notes/KERNELS.md); the Python backend sets every option explicitly anyway
   ctx->combine_stages = 2;
+  ctx->ce_streams_used = 2;
   ctx->combine_chunk = 2048;
   p.notify_impl = EP_NOTIFY_GRID;
   p.rank = cfg->rank;
@@ -111,7 +112,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.own_ce = cfg->own_rows;
   p.em_push = cfg->em_push;
   p.combine_ce = cfg->combine_ce;
-  p.ce_chunk_rows = std::max(1, (cfg->max_tokens + kCeChunks - 1) / kCeChunks);
+  p.ce_chunk_rows = std::max(1, (cfg->max_tokens + 15) / 16);  // 16 chunks until EP_OPT_CE_CHUNKS says otherwise
   // expert-major: every source's tokens once per local expert they can pick, plus the largest padding
   // (epbench/layout.py slot_capacity)
   const int em = cfg->align > 0, E = cfg->experts_per_rank;
@@ -199,7 +200,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx->max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cfg->device));
   if (p.own_ce == 2) {  // own_rows all: a copy stream per peer, forked and joined by events (dispatch.cu)
     CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_fork, cudaEventDisableTiming));
-    for (int i = 0; i + 1 < (cfg->combine_ce ? 2 * cfg->world - 1 : cfg->world); ++i) {
+    for (int i = 0; i < (cfg->combine_ce ? kCeStreams : 1) * (cfg->world - 1); ++i) {
       CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->ce_streams[i], cudaStreamNonBlocking));
       CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_done[i], cudaEventDisableTiming));
     }
@@ -292,6 +293,14 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       if (value != 1024 && value != 2048 && value != 4096) break;
       ctx->combine_chunk = value;
       return 0;
+    case EP_OPT_CE_CHUNKS:  // combine_ce only; every rank must set the same (a chunk's flag names its rows)
+      if (!ctx->p.combine_ce || (value != 4 && value != 8 && value != 16 && value != 32)) break;
+      ctx->p.ce_chunk_rows = std::max(1, (ctx->p.max_tokens + value - 1) / value);
+      return 0;
+    case EP_OPT_CE_STREAMS:
+      if (!ctx->p.combine_ce || (value != 1 && value != 2 && value != 4)) break;
+      ctx->ce_streams_used = value;
+      return 0;
     case EP_OPT_EM_SMS:
       if (value < 0 || value > 1024 || (value > 0 && ctx->p.align == 0)) break;  // expert-major only
       ctx->p.em_sms = value;
@@ -327,7 +336,7 @@ extern "C" int ep_destroy(void* vctx) {
   CUDA_CHECK(cudaFree(ctx->region));
   CUDA_CHECK(cudaFreeHost((void*)ctx->host_error));
   if (ctx->ce_fork) CUDA_CHECK(cudaEventDestroy(ctx->ce_fork));
-  for (int i = 0; i < 2 * (EP_MAX_WORLD - 1); ++i) {
+  for (int i = 0; i < kCeStreams * (EP_MAX_WORLD - 1); ++i) {
     if (ctx->ce_streams[i]) CUDA_CHECK(cudaStreamDestroy(ctx->ce_streams[i]));
     if (ctx->ce_done[i]) CUDA_CHECK(cudaEventDestroy(ctx->ce_done[i]));
   }

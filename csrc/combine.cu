@@ -434,7 +434,7 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
   *pushed = false;
   if (p.world == 1 || num_tokens == 0 || ctx->host_error->flag) return 0;
   const size_t rb = (size_t)p.hidden * 2, K = (size_t)p.ce_chunk_rows, T = (size_t)num_tokens;
-  const int nstreams = 2 * (p.world - 1);  // peer i's even chunks on stream i, its odd ones on stream i + world - 1
+  const int per_peer = ctx->ce_streams_used, nstreams = per_peer * (p.world - 1);  // chunk c of peer i: stream i + (c % per_peer) (world - 1)
   CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
   for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaStreamWaitEvent(ctx->ce_streams[i], ctx->ce_fork, 0));
   *pushed = true;
@@ -442,7 +442,7 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
     const size_t n = std::min(K, T - r0);
     for (int i = 0; i + 1 < p.world; ++i) {
       const int s = (p.rank + 1 + i) % p.world;
-      cudaStream_t cs = ctx->ce_streams[i + (c & 1) * (p.world - 1)];
+      cudaStream_t cs = ctx->ce_streams[i + (int)(c % per_peer) * (p.world - 1)];
       CUDA_CHECK(cudaMemcpyAsync(p.peer_base[s] + p.off_combine_stage + ((size_t)p.rank * p.max_tokens + r0) * rb,
                                  p.peer_base[p.rank] + p.off_combine_in + ((size_t)s * p.max_tokens + r0) * rb, n * rb,
                                  cudaMemcpyDefault, cs));
@@ -483,7 +483,8 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     else
       combine_ce_kernel<8, 1><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     CUDA_CHECK(cudaGetLastError());
-    for (int i = 0; pushed && i < 2 * (p.world - 1); ++i) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
+    for (int i = 0; pushed && i < ctx->ce_streams_used * (p.world - 1); ++i)
+      CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
     ep_effective& eff = ctx->effective;
     eff.combine_impl = EP_COMBINE_CE;
     eff.combine_warps = wc;

@@ -69,7 +69,9 @@ enum EpPhase { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombineReady = 3, kPh
 // peer that pushed fewer rows than this rank's tokens (reported at once)
 enum { kPhaseCombineStaged = 9, kPhaseCombineTokens = 10 };
 // combine_ce: a holder pushes source s's rows in at most this many chunks of ce_chunk_rows rows, each with a flag
-constexpr int kCeChunks = 16;
+// (EP_OPT_CE_CHUNKS: 4, 8, 16 or 32, default 16), on up to kCeStreams copy streams a peer (EP_OPT_CE_STREAMS)
+constexpr int kCeChunks = 32;
+constexpr int kCeStreams = 4;
 
 // Host-mapped pinned memory: a kernel that gives up writes here, Python reads it without a sync.
 struct EpErrorInfo {
@@ -116,7 +118,7 @@ struct EpParams {
   int own_ce;  // ep_config.own_rows: 1 (ce) = my own rows at their token index, stored by the caller (see above);
                // 2 (all) = every source s's rows at s * max_tokens + token, a peer's copied by ep_dispatch
   int combine_ce;     // ep_config.combine_ce: 1 = peers' rows pushed into my staging buffer by their copy engines
-  int ce_chunk_rows;  // combine_ce: rows per pushed chunk, ceil(max_tokens / kCeChunks)
+  int ce_chunk_rows;  // combine_ce: rows per pushed chunk, ceil(max_tokens / chunks), chunks by EP_OPT_CE_CHUNKS
   int em_push;  // ep_config.em_push: 1 = expert-major senders store a row into every slot of it, 3 = auto (2 up to 16
                 // dispatch warps, else 0; ep_dispatch resolves it), 2 = the receiver's
                 // wide copy pass (dispatch.cu)
@@ -188,11 +190,12 @@ struct EpContext {
   int combine_chunk;   // combine bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
   ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
   // own_rows all (p.own_ce == 2): the peers' copies, one stream per peer (peer me + 1 + i on stream i); combine_ce
-  // pushes a peer's even chunks on stream i and its odd ones on stream i + world - 1 (a second copy engine's queue,
-  // so one chunk's flag write and the next copy's start overlap the other stream's copy)
+  // pushes a peer's chunk c on stream i + (c % ce_streams) * (world - 1) (several copy queues, so one chunk's flag
+  // write and the next copy's start overlap another stream's copy)
   cudaEvent_t ce_fork;
-  cudaStream_t ce_streams[2 * (EP_MAX_WORLD - 1)];
-  cudaEvent_t ce_done[2 * (EP_MAX_WORLD - 1)];
+  cudaStream_t ce_streams[kCeStreams * (EP_MAX_WORLD - 1)];
+  cudaEvent_t ce_done[kCeStreams * (EP_MAX_WORLD - 1)];
+  int ce_streams_used;  // combine_ce: copy streams a peer (EP_OPT_CE_STREAMS: 1, 2 or 4, default 2)
   // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
   // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)
   int (*write_value32)(void*, unsigned long long, unsigned, unsigned);

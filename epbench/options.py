@@ -94,6 +94,12 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                "local: issue 34 target 3, Plan B'); ce needs own_rows all (its rows by token index) "
                                "and the same token count on every rank", choices=("pull", "ce"),
                                env="EPBENCH_COMBINE_ROWS"),
+        "ce_chunks": Option(int, 16, "combine_rows ce only: the chunks a holder pushes a source's rows in, each "
+                            "followed by its flag (fewer: less per-chunk overhead, a later first chunk)",
+                            choices=(4, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
+        "ce_streams": Option(int, 2, "combine_rows ce only: the copy streams a peer's chunks alternate over (one "
+                             "stream's flag write and next copy overlapping another's copy)", choices=(1, 2, 4),
+                             env="EPBENCH_CE_STREAMS"),
         "fused_stores": Option(int, 16, "quantize fused only: the bytes a lane of the dispatch kernel stores per "
                                "step, 16 (two adjacent bf16 vectors cast together; 2 x H200, 2 ranks, dsv3x4-mxfp8: "
                                "270 us at 8 SMs where 8 took 395; notes/KERNELS.md) or 8 (one vector cast per "
@@ -260,6 +266,11 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
         raise UserError(f"{where}: epbench.em_push={resolved['em_push']} runs with at most 16 dispatch warps (got "
                         f"dispatch_warps {resolved['dispatch_warps']})")
     own = resolved["own_rows"]
+    env = environ if environ is not None else os.environ
+    for key in ("ce_chunks", "ce_streams"):
+        if (key in given or env.get(SCHEMAS["epbench"][key].env) is not None) and resolved["combine_rows"] != "ce":
+            raise UserError(f"{where}: epbench.{key}={resolved[key]} needs epbench.combine_rows=ce (got "
+                            f"{resolved['combine_rows']}): it shapes the copy engines' push of the combine's rows")
     if resolved["combine_rows"] == "ce" and own != "all":
         raise UserError(f"{where}: epbench.combine_rows=ce needs epbench.own_rows=all (got {own}): the copy engine "
                         f"pushes a holder's rows of a source as one range, which only that layout gives")

@@ -134,6 +134,20 @@ def test_combine_rows_defaults_to_pull_and_ce_needs_own_rows_all_in_one_line() -
                           environ={"EPBENCH_COMBINE_ROWS": "ce", "EPBENCH_OWN_ROWS": "all"})
 
 
+@pytest.mark.parametrize("key,value,env", [("ce_chunks", 8, "EPBENCH_CE_CHUNKS"), ("ce_streams", 4, "EPBENCH_CE_STREAMS")])
+def test_the_push_shape_options_need_combine_rows_ce(key, value, env) -> None:
+    assert options.resolve("epbench", {}, environ={})[key] == {"ce_chunks": 16, "ce_streams": 2}[key]
+    with pytest.raises(UserError, match=rf"^s.yaml: epbench\.{key}={value} needs epbench\.combine_rows=ce \(got pull\)") as e:
+        options.check_payload({"epbench": {key: value}}, "rank_major", "before", "s.yaml", environ={})
+    assert "\n" not in str(e.value) and e.value.exit_code == 2
+    with pytest.raises(UserError, match=f"{key}={value}"):
+        options.check_payload({}, "rank_major", "before", "s.yaml", environ={env: str(value)})
+    options.check_payload({"epbench": {key: value, "combine_rows": "ce", "own_rows": "all"}}, "rank_major", "before",
+                          "s.yaml", environ={})
+    with pytest.raises(UserError, match=f"{key}: must be one of"):
+        options.validate({"epbench": {key: 3}})
+
+
 def test_fused_stores_16_needs_the_fused_cast_and_is_refused_in_one_line_elsewhere() -> None:
     assert options.resolve("epbench", {}, environ={})["fused_stores"] == 16
     options.check_payload({}, "rank_major", "before", "s.yaml", environ={})  # the default: not asked for

@@ -110,8 +110,8 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "fused_stores", "em_push", "em_sms", "dispatch_warps")
-             if k in given}
+    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "ce_chunks", "ce_streams", "fused_stores", "em_push",
+                                      "em_sms", "dispatch_warps") if k in given}
     options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
     return resolved
 
@@ -191,7 +191,8 @@ class EpbenchBackend(NormalMode):
                  combine_warps: Optional[int] = None, combine_stages: Optional[int] = None,
                  combine_chunk: Optional[int] = None, own_rows: Optional[str] = None,
                  fused_stores: Optional[int] = None, em_push: Optional[str] = None,
-                 em_sms: Optional[int] = None, combine_rows: Optional[str] = None) -> None:
+                 em_sms: Optional[int] = None, combine_rows: Optional[str] = None, ce_chunks: Optional[int] = None,
+                 ce_streams: Optional[int] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -200,11 +201,13 @@ class EpbenchBackend(NormalMode):
                                    ("notify_impl", notify_impl), ("combine_warps", combine_warps),
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
                                    ("own_rows", own_rows), ("fused_stores", fused_stores), ("em_push", em_push),
-                                   ("em_sms", em_sms), ("combine_rows", combine_rows))
+                                   ("em_sms", em_sms), ("combine_rows", combine_rows), ("ce_chunks", ce_chunks),
+                                   ("ce_streams", ce_streams))
                  if v is not None}
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
         self.combine_rows = resolved["combine_rows"]
+        self.ce_chunks, self.ce_streams = resolved["ce_chunks"], resolved["ce_streams"]  # combine_rows ce only
         self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
         self.em_push = resolved["em_push"]  # expert-major only (check_payload refuses it elsewhere)
         self.em_sms = resolved["em_sms"]  # expert-major only, likewise
@@ -232,6 +235,9 @@ class EpbenchBackend(NormalMode):
         self.notify_impl = resolved["notify_impl"]
         self.combine_stages = resolved["combine_stages"]
         self.combine_chunk = resolved["combine_chunk"]
+        if self.combine_rows == "ce":  # the push's shape (csrc/combine.cu push_rows_by_ce)
+            cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_CHUNKS, self.ce_chunks), "ep_set_option")
+            cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_STREAMS, self.ce_streams), "ep_set_option")
         if self.em_align and self.em_sms:  # the expansion and phase R in kernels of their own (csrc/dispatch.cu)
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_EM_SMS, self.em_sms), "ep_set_option")
             self.sms_beyond = (f"em_sms={self.em_sms}: its expert-major expansion and reduce passes run on "
@@ -315,14 +321,19 @@ class EpbenchBackend(NormalMode):
                     "notify_impl": self.notify_impl, "combine_warps": self.combine_warps,
                     "combine_stages": self.combine_stages, "combine_chunk": self.combine_chunk,
                     "dispatch_dtype": self.s.dispatch_dtype, "quantize": self.s.quantize, "own_rows": self.own_rows,
-                    "combine_rows": self.combine_rows,
+                    "combine_rows": self.combine_rows, **self._ce_config(),
                     **({"fused_stores": self.fused_stores} if self.fused else {}),
                     **({"em_push": self.em_push, "em_sms": self.em_sms} if self.em_align else {})}
         # own_rows: fixed at ep_create, no fallback; em_push: as the library says it ran (an older build runs receiver)
         return {**cuda_lib.decode_effective(eff), "own_rows": self.own_rows, "combine_rows": self.combine_rows,
+                **self._ce_config(),
                 **({"em_push": EM_PUSH_NAME.get(eff.dispatch_em_push, str(eff.dispatch_em_push)),
                     "em_reduce": "wide" if eff.combine_em_wide else "batched", "em_sms": eff.em_sms}
                    if self.em_align else {})}
+
+    def _ce_config(self) -> Dict[str, int]:
+        """combine_rows ce: the push's chunks and streams (fixed at construction); nothing otherwise."""
+        return {"ce_chunks": self.ce_chunks, "ce_streams": self.ce_streams} if self.combine_rows == "ce" else {}
 
     def set_debug_stamps(self, on: bool) -> None:
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""

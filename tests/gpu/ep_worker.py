@@ -226,7 +226,7 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
                             fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms,
-                            combine_rows=args.combine_rows)
+                            combine_rows=args.combine_rows, ce_chunks=args.ce_chunks, ce_streams=args.ce_streams)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -486,6 +486,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--combine-rows", default=None, choices=["pull", "ce"],
                     help="the backend's combine_rows (default: the backend's); ce needs --own-rows all and checks the "
                          "cases whose ranks hold the same token count, the others for the stop they must make")
+    ap.add_argument("--ce-chunks", type=int, default=None, choices=[4, 8, 16, 32],
+                    help="combine_rows ce: the backend's ce_chunks (default: the backend's)")
+    ap.add_argument("--ce-streams", type=int, default=None, choices=[1, 2, 4],
+                    help="combine_rows ce: the backend's ce_streams (default: the backend's)")
     ap.add_argument("--fused-stores", type=int, default=None, choices=[8, 16],
                     help="the backend's fused_stores (default: the backend's; check: given, the fused cases only)")
     ap.add_argument("--em-sms", type=int, default=None,

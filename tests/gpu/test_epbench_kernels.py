@@ -94,6 +94,10 @@ SUITES = {
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
         "combine-rows-ce": combine_rows_ce_flags(2),
+        "combine-rows-ce-32x4": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunks", "32", "--ce-streams", "4",
+                                 "--impls", "lean:16:8"],
+        "combine-rows-ce-4x1": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunks", "4", "--ce-streams", "1",
+                                "--impls", "lean:16:3"],
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
         "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2),
         "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER},
@@ -189,6 +193,9 @@ def test_combine_rows_ce_matches_verification(kernels_built: None, nproc: int) -
     out = assert_suite(nproc, "combine-rows-ce")
     if nproc > 1:
         assert "T=4095" in out and "uneven tokens" in out
+    if nproc == 2:  # the push's other shapes: 32 chunks on 4 streams a peer, 4 chunks on one
+        assert_suite(2, "combine-rows-ce-32x4")
+        assert_suite(2, "combine-rows-ce-4x1")
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
