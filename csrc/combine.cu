@@ -155,6 +155,20 @@ __device__ __forceinline__ void em_reduce_rows(const EpParams& p) {
   }
 }
 
+// w(t, d) for d < N: the sum of token t's routing weights of experts on rank d (0 where it has none), in k order.
+template <int N>
+__device__ __forceinline__ void holder_weights(const CombineArgs& a, int t, int topk, int world, int E, float (&wd)[N]) {
+#pragma unroll
+  for (int d = 0; d < N; ++d) wd[d] = 0.f;
+  for (int kk = 0; kk < topk; ++kk) {
+    const long long e = a.topk_idx[(size_t)t * topk + kk];
+    const float w = a.topk_w[(size_t)t * topk + kk];
+    const int owner = (e >= 0 && e < (long long)world * E) ? (int)(e / E) : -1;
+#pragma unroll
+    for (int d = 0; d < N; ++d) wd[d] += owner == d ? w : 0.f;
+  }
+}
+
 // Steps 1 and 2: tell every peer my combine_in (expert-major: combine_red, filled by em_reduce_kernel before this
 // kernel) is filled, wait until every peer's is.
 __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
@@ -227,15 +241,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
     if (k >= ntok) return;
     const int t = g + k * G;
     float wd[EP_MAX_WORLD];
-#pragma unroll
-    for (int d = 0; d < EP_MAX_WORLD; ++d) wd[d] = 0.f;
-    for (int kk = 0; kk < topk; ++kk) {
-      const long long e = a.topk_idx[(size_t)t * topk + kk];
-      const float w = a.topk_w[(size_t)t * topk + kk];
-      const int owner = (e >= 0 && e < (long long)world * E) ? (int)(e / E) : -1;
-#pragma unroll
-      for (int d = 0; d < EP_MAX_WORLD; ++d) wd[d] += owner == d ? w : 0.f;
-    }
+    holder_weights<EP_MAX_WORLD>(a, t, topk, world, E, wd);
 #pragma unroll
     for (int d = 0; d < EP_MAX_WORLD; ++d) {
       if (d >= world) break;
@@ -364,13 +370,7 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
     for (int d = 0; d < kMaxWorld; ++d) rows[d] = -1, ws[d] = 0.f;
     if (k0 + lane < ntok) {
       const int t = g + (k0 + lane) * G;
-      for (int kk = 0; kk < topk; ++kk) {
-        const long long e = a.topk_idx[(size_t)t * topk + kk];
-        const float w = a.topk_w[(size_t)t * topk + kk];
-        const int owner = (e >= 0 && e < (long long)world * E) ? (int)(e / E) : -1;
-#pragma unroll
-        for (int d = 0; d < kMaxWorld; ++d) ws[d] += owner == d ? w : 0.f;
-      }
+      holder_weights<kMaxWorld>(a, t, topk, world, E, ws);
 #pragma unroll
       for (int d = 0; d < kMaxWorld; ++d) {
         if (d >= world) break;
