@@ -61,6 +61,8 @@ enum ep_region_id {
   EP_EM_NUM_SLOTS = 10,  // i64: slots in use, the last segment's padding included
   EP_RECV_KEY = 11,  // own_rows 1 only (else empty): i64 [capacity], row r's (source rank << 32 | source token),
                      // -1 for an own row whose token is not routed here (padding)
+  EP_COMBINE_STAGE = 12,  // combine_ce only (else empty): bf16 [capacity, hidden], holder h's rows of my token t at
+                          // row h * max_tokens + t, pushed by h's copy engine (combine.cu)
 };
 
 // ep_set_option keys. Every value is checked here; what actually ran is read back with ep_effective_config.

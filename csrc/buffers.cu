@@ -268,6 +268,7 @@ extern "C" int ep_region(void* vctx, int which, unsigned long long* ptr, unsigne
     case EP_EM_OFFSETS: off = ctx->off_em_offsets; n = (size_t)p.experts_per_rank * sizeof(long long); break;
     case EP_EM_NUM_SLOTS: off = ctx->off_em_num_slots; n = sizeof(long long); break;
     case EP_RECV_KEY: off = p.off_recv_key; n = p.own_ce ? cap * sizeof(long long) : 0; break;
+    case EP_COMBINE_STAGE: off = p.off_combine_stage; n = p.combine_ce ? cap * p.hidden * 2 : 0; break;
     default: ep_set_error("unknown region %d", which); return -1;
   }
   *ptr = (unsigned long long)(ctx->region + off);

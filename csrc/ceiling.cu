@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(512, 1) sum_ceiling_kernel(uint4* out, const i
 
 extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long long rows_in, int hidden, int num_blocks,
                               int threads, void* stream) {
-  if (rows_out < 0 || rows_in < rows_out || hidden % 8 != 0 || num_blocks < 1 || threads < 32 || threads > 1024 ||
+  if (rows_out < 0 || rows_in < rows_out || hidden % 8 != 0 || num_blocks < 1 || threads < 32 || threads > 512 ||
       ((uintptr_t)src & 15) || ((uintptr_t)out & 15)) {
     ep_set_error("ep_sum_ceiling: bad arguments (rows %d <- %lld, hidden %d, blocks %d, threads %d)", rows_out,
                  rows_in, hidden, num_blocks, threads);

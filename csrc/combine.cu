@@ -438,7 +438,8 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
   CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
   for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaStreamWaitEvent(ctx->ce_streams[i], ctx->ce_fork, 0));
   *pushed = true;
-  for (size_t r0 = 0, c = 0; r0 < T; r0 += K, ++c) {  // chunk c to every peer, then c + 1: the peers start together
+  bool failed = false;
+  for (size_t r0 = 0, c = 0; r0 < T && !failed; r0 += K, ++c) {  // chunk c to every peer, then c + 1: peers start together
     const size_t n = std::min(K, T - r0);
     for (int i = 0; i + 1 < p.world; ++i) {
       const int s = (p.rank + 1 + i) % p.world;
@@ -450,11 +451,16 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
       const int rc = ctx->write_value32(cs, (unsigned long long)(uintptr_t)flag, (unsigned)epoch, 0);
       if (rc != 0) {
         ep_set_error("combine_ce: cuStreamWriteValue32 into rank %d's chunk flag failed (CUresult %d)", s, rc);
-        return -1;
+        failed = true;  // the streams still join `stream` below: nothing of this call is left running unjoined
+        break;
       }
     }
   }
   for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], ctx->ce_streams[i]));
+  if (failed) {  // joined here: the caller returns before its own join
+    for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
+    return -1;
+  }
   return 0;
 }
 

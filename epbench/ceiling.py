@@ -465,13 +465,13 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
 def measure_sums(summer: SumProvider, s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
                  sms_list: List[int]) -> Dict[int, Optional[float]]:
     """The local-sum ceiling at each SM count: this rank's tokens, each summing its share of sum_rows rows (bf16
-    rows of the model's hidden size, random bits made finite), max over ranks of the median."""
+    rows of the model's hidden size, normal random values), max over ranks of the median."""
     import torch
 
     tokens, hidden = s.model.tokens_per_rank, s.model.hidden
     rows = sum_rows(tr, comm.rank)
     per_token = -(-rows // tokens) if tokens else 0
-    src = torch.randn(max(per_token, 1), max(tokens, 1), hidden, device=comm.device).to(torch.bfloat16)
+    src = torch.randn(max(per_token, 1), max(tokens, 1), hidden, device=comm.device, dtype=torch.bfloat16)
     out = torch.empty(max(tokens, 1), hidden, device=comm.device, dtype=torch.bfloat16)
     try:
         return {sms: _max_over_ranks(summer(out, src, tokens, rows, hidden, sms, comm, warmup, iters), comm)

@@ -15,7 +15,7 @@ NOT_BUILT = "kernels not built: run `make build`"
 
 # Region ids (enum ep_region_id in csrc/api.h).
 (RECV_X, RECV_SCALES, RECV_IDX, RECV_W, COMBINE_IN, OUT, NUM_RECV, EXPERT_COUNTS, DEBUG_STAMPS, EM_OFFSETS,
- EM_NUM_SLOTS, RECV_KEY) = range(12)
+ EM_NUM_SLOTS, RECV_KEY, COMBINE_STAGE) = range(13)
 # ep_config.own_rows: who stores a rank's own rows (backend option own_rows)
 OWN_ROWS = {"sm": 0, "ce": 1, "all": 2}
 # ep_config.combine_ce: who moves the peers' rows in combine (backend option combine_rows; ce needs own_rows all)

@@ -94,8 +94,9 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                "local: issue 34 target 3, Plan B'); ce needs own_rows all (its rows by token index) "
                                "and the same token count on every rank", choices=("pull", "ce"),
                                env="EPBENCH_COMBINE_ROWS"),
-        "ce_chunks": Option(int, 16, "combine_rows ce only: the chunks a holder pushes a source's rows in, each "
-                            "followed by its flag (fewer: less per-chunk overhead, a later first chunk)",
+        "ce_chunks": Option(int, 16, "combine_rows ce only: a holder pushes a source's rows in chunks of "
+                            "max_tokens / ce_chunks rows, each followed by its flag (fewer: less per-chunk overhead, "
+                            "a later first chunk); every rank must use the same",
                             choices=(4, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
         "ce_streams": Option(int, 2, "combine_rows ce only: the copy streams a peer's chunks alternate over (one "
                              "stream's flag write and next copy overlapping another's copy)", choices=(1, 2, 4),

@@ -199,7 +199,7 @@ def test_config_struct_and_region_ids_match_the_c_api_header():
     assert [f for f, _ in cuda_lib.EpConfig._fields_] == re.findall(r"(?:int|double) (\w+);", struct)
     values = {name: int(v) for name, v in re.findall(r"\b(EP_[A-Z0-9_]+)\s*=\s*(\d+)", header)}
     for name in ("RECV_X", "RECV_SCALES", "RECV_IDX", "RECV_W", "COMBINE_IN", "OUT", "NUM_RECV", "EXPERT_COUNTS",
-                 "DEBUG_STAMPS", "EM_OFFSETS", "EM_NUM_SLOTS", "RECV_KEY"):
+                 "DEBUG_STAMPS", "EM_OFFSETS", "EM_NUM_SLOTS", "RECV_KEY", "COMBINE_STAGE"):
         assert values["EP_" + name] == getattr(cuda_lib, name), name
     assert cuda_lib.OWN_ROWS == {"sm": 0, "ce": 1, "all": 2}
     assert cuda_lib.COMBINE_ROWS == {"pull": 0, "ce": 1}

@@ -175,6 +175,7 @@ class EpbenchBackend(NormalMode):
     layouts = ("rank_major", "expert_major")
     own_rows = "sm"  # backend option own_rows (set per instance; the module docstring says what ce changes)
     combine_rows = "pull"  # backend option combine_rows (set per instance; the module docstring says what ce changes)
+    combine_stage: Optional[torch.Tensor] = None  # combine_rows ce: the staging buffer (set per instance)
     em_align = 0  # expert-major segments' alignment, 0 rank-major (set per instance from the scenario)
 
     @classmethod
@@ -281,6 +282,9 @@ class EpbenchBackend(NormalMode):
         self.combine_in = self._region(cuda_lib.COMBINE_IN).view(torch.bfloat16).view(rows, h)
         # own_rows ce: each row's source rank << 32 | source token, -1 for padding (None with own_rows sm)
         self.recv_key = self._region(cuda_lib.RECV_KEY).view(torch.int64).view(cap) if self.own_rows != "sm" else None
+        # combine_rows ce: the peers' rows of my tokens as their copy engines pushed them (poisoned with the outputs)
+        self.combine_stage = (self._region(cuda_lib.COMBINE_STAGE).view(torch.bfloat16).view(cap, h)
+                              if self.combine_rows == "ce" else None)
 
         self.out = self._region(cuda_lib.OUT).view(torch.bfloat16).view(s.max_tokens_per_rank, h)
         self.num_recv = self._region(cuda_lib.NUM_RECV).view(torch.int64).view(())
@@ -425,6 +429,8 @@ class EpbenchBackend(NormalMode):
         poison_dispatch_outputs(self)
         if self.recv_key is not None:  # a key no kernel wrote reads as a row nobody sent, never as padding
             self.recv_key.fill_(torch.iinfo(torch.int64).max)
+        if self.combine_stage is not None:  # a staged row summed before its copy landed reads as NaN
+            self.combine_stage.fill_(float("nan"))
         if self.em_table is not None:
             self.em_table.offsets.fill_(-1)
             self.em_table.num_slots.fill_(-1)

@@ -258,7 +258,8 @@ def check_uneven_stop(args: argparse.Namespace, case: Case, rank: int, world: in
     """combine_rows ce with token counts that differ between ranks: a rank that holds more tokens than some peer must
     raise at once naming a peer that holds fewer (phase 10, csrc/combine.cu), and every other rank's call must verify
     (its peers pushed at least its rows). True on every rank when that holds everywhere."""
-    be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows, combine_rows="ce")
+    be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows, combine_rows="ce",
+                        ce_chunks=args.ce_chunks, ce_streams=args.ce_streams)
     counts = [case.tokens[r % len(case.tokens)] for r in range(world)]
     must_stop = any(t < counts[rank] for t in counts)
     try:
