@@ -169,6 +169,20 @@ __device__ __forceinline__ void holder_weights(const CombineArgs& a, int t, int 
   }
 }
 
+// One 16-byte output vector of a combine: bf16 of the fp32 sum over holders d (in rank order, fmaf from 0) of
+// w[d] x vector u of holder d's row, holders without the token skipped.
+template <int N, int kU>
+__device__ __forceinline__ uint4 holders_sum(const int4 (&x)[N][kU], int u, const bool (&have)[N], const float (&w)[N]) {
+  float acc[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+#pragma unroll
+  for (int d = 0; d < N; ++d)
+    if (have[d]) fma_bf16x8(acc, x[d][u], w[d]);
+  const int4 o = pack_bf16x8(acc);
+  return make_uint4(o.x, o.y, o.z, o.w);
+}
+
 // Steps 1 and 2: tell every peer my combine_in (expert-major: combine_red, filled by em_reduce_kernel before this
 // kernel) is filled, wait until every peer's is.
 __device__ __forceinline__ void combine_ready(const EpParams& p, int epoch) {
@@ -319,15 +333,7 @@ __global__ void __launch_bounds__(512, 1) combine_tma_kernel(EpParams p, Combine
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int v = lane + 32 * (i + u);
-          if (v >= nv) continue;
-          float acc[8];
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = 0.f;
-#pragma unroll
-          for (int d = 0; d < kMaxWorld; ++d)
-            if (have[d]) fma_bf16x8(acc, x[d][u], wd[d]);
-          const int4 o = pack_bf16x8(acc);
-          dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+          if (v < nv) dst[v] = holders_sum(x, u, have, wd);
         }
       }
       __syncwarp();
@@ -398,6 +404,9 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
         wait_flag(p, signal_ptr(p, me, p.sig.cstage_off + lane * kCeChunks + seen), epoch, lane, kPhaseCombineStaged);
       }
       __syncwarp();
+      bool have[kMaxWorld];
+#pragma unroll
+      for (int d = 0; d < kMaxWorld; ++d) have[d] = src[d] != nullptr;
       uint4* dst = a.out + (size_t)t * V;
       for (int v0 = 0; v0 < V; v0 += 32 * kU) {
         int4 x[kMaxWorld][kU];
@@ -409,15 +418,7 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int v = v0 + u * 32 + lane;
-          if (v >= V) continue;
-          float acc[8];
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = 0.f;
-#pragma unroll
-          for (int d = 0; d < kMaxWorld; ++d)
-            if (src[d] != nullptr) fma_bf16x8(acc, x[d][u], wd[d]);
-          const int4 o = pack_bf16x8(acc);
-          dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+          if (v < V) dst[v] = holders_sum(x, u, have, wd);
         }
       }
     }

@@ -215,31 +215,47 @@ def set_sm_store_provider(fn: Optional[SmStoreProvider]) -> None:
 STORE_THREADS = 512  # threads per block of the store-ceiling kernel (one block per SM), as in bench.cu
 
 
-def kernel_store_provider() -> Optional[SmStoreProvider]:
-    """The csrc store kernel as a provider, or None when the kernels library is not built."""
+def _ceiling_kernel(name: str) -> Optional[Callable[..., int]]:
+    """A ceiling kernel's launcher from the kernels library (declared in cuda_lib.signatures()), or None when the
+    library is not built."""
     try:
         from epbench import cuda_lib
 
-        lib = cuda_lib.load()
-        fn = lib.ep_store_ceiling  # declared in cuda_lib.signatures()
+        return getattr(cuda_lib.load(), name)
     except (RuntimeError, OSError, AttributeError):
+        return None
+
+
+def _timed_launches(launch: Callable[[Any], int], name: str, comm: Any, warmup: int, iters: int) -> List[float]:
+    """``launch(stream)`` timed warmup + iters times on the current stream, every rank aligned before each;
+    each timed iteration's microseconds."""
+    import ctypes
+
+    import torch
+
+    from epbench import cuda_lib
+
+    stream = ctypes.c_void_p(torch.cuda.current_stream(comm.device).cuda_stream)
+    timer = Timer(comm.device, warmup + iters)
+    for i in range(warmup + iters):
+        cuda_lib.check(timer.time(i, lambda: launch(stream), align=comm.sync), name)
+    return timer.samples_us(warmup)
+
+
+def kernel_store_provider() -> Optional[SmStoreProvider]:
+    """The csrc store kernel as a provider, or None when the kernels library is not built."""
+    fn = _ceiling_kernel("ep_store_ceiling")
+    if fn is None:
         return None
     import ctypes
 
     def store_samples_us(dst: Dict[int, int], nbytes: Dict[int, int], source: Any, sms: int,
                          comm: Any, warmup: int, iters: int) -> List[float]:
-        import torch
-
         peers = sorted(dst)
         ptrs = (ctypes.c_ulonglong * max(len(peers), 1))(*[dst[d] for d in peers])
         sizes = (ctypes.c_longlong * max(len(peers), 1))(*[nbytes[d] for d in peers])
-        stream = ctypes.c_void_p(torch.cuda.current_stream(comm.device).cuda_stream)
-        timer = Timer(comm.device, warmup + iters)
-        for i in range(warmup + iters):
-            rc = timer.time(i, lambda: fn(ptrs, sizes, len(peers), source.data_ptr(), int(sms),
-                                          STORE_THREADS, stream), align=comm.sync)
-            cuda_lib.check(rc, "ep_store_ceiling")
-        return timer.samples_us(warmup)
+        return _timed_launches(lambda stream: fn(ptrs, sizes, len(peers), source.data_ptr(), int(sms),
+                                                 STORE_THREADS, stream), "ep_store_ceiling", comm, warmup, iters)
 
     return store_samples_us
 
@@ -250,26 +266,14 @@ SumProvider = Callable[[Any, Any, int, int, int, int, Any, int, int], List[float
 
 def kernel_sum_provider() -> Optional[SumProvider]:
     """The csrc local-sum kernel (ep_sum_ceiling) as a provider, or None when the kernels library is not built."""
-    try:
-        from epbench import cuda_lib
-
-        lib = cuda_lib.load()
-        fn = lib.ep_sum_ceiling  # declared in cuda_lib.signatures()
-    except (RuntimeError, OSError, AttributeError):
+    fn = _ceiling_kernel("ep_sum_ceiling")
+    if fn is None:
         return None
-    import ctypes
 
     def sum_samples_us(out: Any, src: Any, tokens: int, rows: int, hidden: int, sms: int, comm: Any,
                        warmup: int, iters: int) -> List[float]:
-        import torch
-
-        stream = ctypes.c_void_p(torch.cuda.current_stream(comm.device).cuda_stream)
-        timer = Timer(comm.device, warmup + iters)
-        for i in range(warmup + iters):
-            rc = timer.time(i, lambda: fn(out.data_ptr(), src.data_ptr(), tokens, rows, hidden, int(sms),
-                                          STORE_THREADS, stream), align=comm.sync)
-            cuda_lib.check(rc, "ep_sum_ceiling")
-        return timer.samples_us(warmup)
+        return _timed_launches(lambda stream: fn(out.data_ptr(), src.data_ptr(), tokens, rows, hidden, int(sms),
+                                                 STORE_THREADS, stream), "ep_sum_ceiling", comm, warmup, iters)
 
     return sum_samples_us
 

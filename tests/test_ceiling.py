@@ -248,3 +248,36 @@ def test_peer_buffers_open_peers_on_own_device_and_close_before_free():
     bufs.close()
     tail = [c[0] for c in rt.calls[-4:]]
     assert tail == ["close", "close", "barrier", "free"]  # unmapped everywhere before freed
+
+
+def test_ceiling_kernels_are_timed_warmup_plus_iters_times_on_the_current_stream_each_checked(monkeypatch) -> None:
+    """Both ceiling kernels (SM stores, local sum) go through one timed loop: every launch gets the current
+    stream, runs after the ranks' alignment, its return code is checked, and the warmup samples are dropped."""
+    calls, aligned = [], []
+
+    class FakeTimer:
+        def __init__(self, device, n):
+            self.n = n
+
+        def time(self, i, fn, align=None):
+            align()
+            return fn()
+
+        def samples_us(self, warmup):
+            return [float(i) for i in range(warmup, self.n)]
+
+    class FakeStream:
+        cuda_stream = 1234
+
+    monkeypatch.setattr(ceiling, "Timer", FakeTimer)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: FakeStream())
+    comm = types.SimpleNamespace(device="cuda:0", sync=lambda: aligned.append(1))
+
+    def launch(stream):
+        calls.append(stream.value)
+        return 0
+
+    assert ceiling._timed_launches(launch, "ep_sum_ceiling", comm, 2, 3) == [2.0, 3.0, 4.0]
+    assert calls == [1234] * 5 and len(aligned) == 5
+    with pytest.raises(RuntimeError):
+        ceiling._timed_launches(lambda stream: -1, "ep_sum_ceiling", comm, 0, 1)
