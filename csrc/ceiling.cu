@@ -121,10 +121,10 @@ __device__ __forceinline__ void sum_rows(uint4* out, const int4* src, int rows_o
   }
 }
 
-// Tokens of 1-2 rows (2 ranks), one pass: 8 vectors of each row a lane in flight, each vector summed and stored
+// Tokens of 1-2 rows (2 ranks), one pass: kU vectors of each row a lane in flight, each vector summed and stored
 // right after (no accumulators kept across rows).
+template <int kU>
 __device__ __forceinline__ void sum_pair(uint4* out, const int4* src, int rows_out, int t, int n, int V, int lane) {
-  constexpr int kU = 8;
   for (int v0 = 0; v0 < V; v0 += 32 * kU) {
     int4 x[2][kU];
 #pragma unroll
@@ -148,20 +148,23 @@ __device__ __forceinline__ void sum_pair(uint4* out, const int4* src, int rows_o
   }
 }
 
-// kPair: every token has 1-2 rows (sum_pair), else 2 rows x 4 vectors a pass (sum_rows); two kernels, as one
-// spilled at 512 threads.
-template <bool kPair>
-__global__ void __launch_bounds__(512, 1) sum_ceiling_kernel(uint4* out, const int4* src, int rows_out,
-                                                              long long rows_in, int V) {
+// Two shapes of the same sum, timed apart by the caller (epbench/ceiling.py keeps the faster): 512 threads with
+// 2 rows x 4 vectors a lane in flight (sum_pair: 8 vectors of both rows), 64 KiB of loads per SM; 256 threads with
+// 4 rows x 7 vectors (sum_pair: 16 of both rows), 112-128 KiB, about what one block's registers hold unspilled
+// (255 registers at 4 x 7; 4 x 8 spills). kPair: every token has 1-2 rows. One kernel per (kPair, kDeep), as one
+// kernel for both row counts spilled at 512 threads.
+template <bool kPair, bool kDeep>
+__global__ void __launch_bounds__(kDeep ? 256 : 512, 1) sum_ceiling_kernel(uint4* out, const int4* src,
+                                                                          int rows_out, long long rows_in, int V) {
   const int lane = threadIdx.x & 31;
   const int G = gridDim.x * (blockDim.x >> 5);
   const int base = (int)(rows_in / rows_out), extra = (int)(rows_in % rows_out);
   for (int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < rows_out; t += G) {
     const int n = base + (t < extra ? 1 : 0);
     if (kPair)
-      sum_pair(out, src, rows_out, t, n, V, lane);
+      sum_pair<kDeep ? 16 : 8>(out, src, rows_out, t, n, V, lane);
     else
-      sum_rows<2, 4>(out, src, rows_out, t, n, V, lane);
+      sum_rows<kDeep ? 4 : 2, kDeep ? 7 : 4>(out, src, rows_out, t, n, V, lane);
   }
 }
 
@@ -177,7 +180,10 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
   }
   if (rows_out == 0) return 0;
   const bool pair = rows_in <= 2LL * rows_out;  // at most 2 rows a token
-  (pair ? sum_ceiling_kernel<true> : sum_ceiling_kernel<false>)<<<num_blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(
+  const bool deep = threads <= 256;              // the 256-thread shape: twice the loads in flight a lane
+  auto kernel = pair ? (deep ? sum_ceiling_kernel<true, true> : sum_ceiling_kernel<true, false>)
+                     : (deep ? sum_ceiling_kernel<false, true> : sum_ceiling_kernel<false, false>);
+  kernel<<<num_blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<uint4*>(out), static_cast<const int4*>(src), rows_out, rows_in, hidden / 8);
   CUDA_CHECK(cudaGetLastError());
   return 0;

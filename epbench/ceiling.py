@@ -242,26 +242,45 @@ def _timed_launches(launch: Callable[[Any], int], name: str, comm: Any, warmup: 
     return timer.samples_us(warmup)
 
 
-def kernel_store_provider() -> Optional[SmStoreProvider]:
-    """The csrc store kernel as a provider, or None when the kernels library is not built."""
+# (destination pointers by peer, bytes by peer, source pointer, sms) -> launch(stream) -> return code
+StoreLauncher = Callable[[Dict[int, int], Dict[int, int], int, int], Callable[[Any], int]]
+
+
+def kernel_store_launcher() -> Optional[StoreLauncher]:
+    """The csrc store kernel (ep_store_ceiling) bound to its destinations: ``launcher(dst, nbytes, src_ptr, sms)``
+    gives ``launch(stream)``; None when the kernels library is not built."""
     fn = _ceiling_kernel("ep_store_ceiling")
     if fn is None:
         return None
     import ctypes
 
-    def store_samples_us(dst: Dict[int, int], nbytes: Dict[int, int], source: Any, sms: int,
-                         comm: Any, warmup: int, iters: int) -> List[float]:
+    def bind(dst: Dict[int, int], nbytes: Dict[int, int], src_ptr: int, sms: int) -> Callable[[Any], int]:
         peers = sorted(dst)
         ptrs = (ctypes.c_ulonglong * max(len(peers), 1))(*[dst[d] for d in peers])
         sizes = (ctypes.c_longlong * max(len(peers), 1))(*[nbytes[d] for d in peers])
-        return _timed_launches(lambda stream: fn(ptrs, sizes, len(peers), source.data_ptr(), int(sms),
-                                                 STORE_THREADS, stream), "ep_store_ceiling", comm, warmup, iters)
+        return lambda stream: fn(ptrs, sizes, len(peers), src_ptr, int(sms), STORE_THREADS, stream)
+
+    return bind
+
+
+def kernel_store_provider() -> Optional[SmStoreProvider]:
+    """The csrc store kernel as a provider, or None when the kernels library is not built."""
+    bind = kernel_store_launcher()
+    if bind is None:
+        return None
+
+    def store_samples_us(dst: Dict[int, int], nbytes: Dict[int, int], source: Any, sms: int,
+                         comm: Any, warmup: int, iters: int) -> List[float]:
+        return _timed_launches(bind(dst, nbytes, source.data_ptr(), sms), "ep_store_ceiling", comm, warmup, iters)
 
     return store_samples_us
 
 
-# (out tensor, source tensor, tokens, rows, hidden, sms, comm, warmup, iters) -> per-iteration microseconds
-SumProvider = Callable[[Any, Any, int, int, int, int, Any, int, int], List[float]]
+# (out tensor, source tensor, tokens, rows, hidden, sms, threads, comm, warmup, iters) -> per-iteration microseconds
+SumProvider = Callable[[Any, Any, int, int, int, int, int, Any, int, int], List[float]]
+# the local-sum kernel's two shapes (csrc/ceiling.cu): 512 threads with 64 KiB of loads in flight per SM, 256 with
+# 112-128 KiB; the ceiling is the faster
+SUM_THREADS = (512, 256)
 
 
 def kernel_sum_provider() -> Optional[SumProvider]:
@@ -270,10 +289,10 @@ def kernel_sum_provider() -> Optional[SumProvider]:
     if fn is None:
         return None
 
-    def sum_samples_us(out: Any, src: Any, tokens: int, rows: int, hidden: int, sms: int, comm: Any,
-                       warmup: int, iters: int) -> List[float]:
+    def sum_samples_us(out: Any, src: Any, tokens: int, rows: int, hidden: int, sms: int, threads: int,
+                       comm: Any, warmup: int, iters: int) -> List[float]:
         return _timed_launches(lambda stream: fn(out.data_ptr(), src.data_ptr(), tokens, rows, hidden, int(sms),
-                                                 STORE_THREADS, stream), "ep_sum_ceiling", comm, warmup, iters)
+                                                 int(threads), stream), "ep_sum_ceiling", comm, warmup, iters)
 
     return sum_samples_us
 
@@ -365,6 +384,42 @@ def copy_engine_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, 
     return timer.samples_us(warmup)
 
 
+CE_SM_SHARES = (0.25, 0.5, 0.75)  # the copy engines' share of each destination's bytes, copy engine + SM stores
+
+
+def ce_share_bytes(nbytes: int, share: float, align: int = 16) -> int:
+    """The copy engine's part of a destination's bytes: share x nbytes, rounded down to align."""
+    return int(nbytes * share) // align * align
+
+
+def ce_and_store_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, source: Any,
+                            bind: StoreLauncher, sms: int, share: float, warmup: int, iters: int) -> List[float]:
+    """This rank's per-iteration time when the copy engines (one stream per destination) move the first
+    ``share`` of each destination's bytes and the store kernel on ``sms`` SMs the rest, all at once: what a
+    dispatch or combine that splits its rows between the two engines cannot beat."""
+    import torch
+
+    me, rt = comm.rank, bufs.rt
+    dests = [d for d in range(comm.world) if d != me and plan[me][d] > 0]
+    dst = {d: bufs.peers[d] + recv_offsets(plan, d)[me] for d in dests}
+    ce = {d: ce_share_bytes(plan[me][d], share) for d in dests}
+    store = bind({d: dst[d] + ce[d] for d in dests}, {d: plan[me][d] - ce[d] for d in dests},
+                 source.data_ptr(), sms)
+    streams = {d: torch.cuda.Stream(device=comm.device) for d in dests if ce[d] > 0}
+    main = torch.cuda.current_stream(comm.device)
+
+    def both(stream: Any) -> int:
+        for d, st in streams.items():
+            st.wait_stream(main)
+            rt.memcpy_async(dst[d], source.data_ptr(), ce[d], st.cuda_stream)
+        rc = store(stream)
+        for st in streams.values():
+            main.wait_stream(st)
+        return rc
+
+    return _timed_launches(both, "ep_store_ceiling", comm, warmup, iters)
+
+
 @dataclass
 class OpCeiling:
     op: str
@@ -380,6 +435,10 @@ class OpCeiling:
     # combine only: a kernel on that many SMs summing the rows of each rank's tokens, every row local (csrc
     # ceiling.cu ep_sum_ceiling): what a combine that sums on those SMs cannot beat, whoever moves the rows
     sm_sum_us: Dict[int, Optional[float]] = field(default_factory=dict)
+    # copy engines and the store kernel at once, each a share of every destination's bytes: by SM count, the
+    # fastest share's time (max over ranks of the median) and that share (CE_SM_SHARES)
+    ce_sm_us: Dict[int, Optional[float]] = field(default_factory=dict)
+    ce_sm_share: Dict[int, float] = field(default_factory=dict)
 
     @property
     def copy_engine_split(self) -> Optional[int]:
@@ -454,6 +513,14 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
                 for sms in c.sm_store_us:
                     c.sm_store_us[sms] = _max_over_ranks(
                         provider(dst, nbytes, source, sms, comm, warmup, iters), comm)
+            bind = kernel_store_launcher() if _sm_store_provider is None else None
+            if bind is not None:
+                for sms in c.sm_store_us:
+                    by_share = {f: _max_over_ranks(ce_and_store_samples_us(m, comm, bufs, source, bind, sms, f,
+                                                                           warmup, iters), comm)
+                                for f in CE_SM_SHARES}
+                    c.ce_sm_share[sms] = min(by_share, key=by_share.get)
+                    c.ce_sm_us[sms] = by_share[c.ce_sm_share[sms]]
             summer = kernel_sum_provider() if c.op == "combine" else None
             if summer is not None:
                 c.sm_sum_us = measure_sums(summer, s, tr, comm, warmup, iters, list(c.sm_store_us))
@@ -469,7 +536,8 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
 def measure_sums(summer: SumProvider, s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
                  sms_list: List[int]) -> Dict[int, Optional[float]]:
     """The local-sum ceiling at each SM count: this rank's tokens, each summing its share of sum_rows rows (bf16
-    rows of the model's hidden size, normal random values), max over ranks of the median."""
+    rows of the model's hidden size, normal random values), max over ranks of the median; the faster of the
+    kernel's shapes (SUM_THREADS)."""
     import torch
 
     tokens, hidden = s.model.tokens_per_rank, s.model.hidden
@@ -478,7 +546,8 @@ def measure_sums(summer: SumProvider, s: Any, tr: Traffic, comm: Any, warmup: in
     src = torch.randn(max(per_token, 1), max(tokens, 1), hidden, device=comm.device, dtype=torch.bfloat16)
     out = torch.empty(max(tokens, 1), hidden, device=comm.device, dtype=torch.bfloat16)
     try:
-        return {sms: _max_over_ranks(summer(out, src, tokens, rows, hidden, sms, comm, warmup, iters), comm)
+        return {sms: min(_max_over_ranks(summer(out, src, tokens, rows, hidden, sms, threads, comm, warmup, iters),
+                                         comm) for threads in SUM_THREADS)
                 for sms in sms_list}
     finally:
         del src, out
@@ -507,21 +576,25 @@ def ceiling_table(ceilings: List[OpCeiling], title: str):
     from epbench.console import number, table
 
     cols = ("op", "MB per rank", "copy engine us", "copy engine GB/s", "copy engine us by streams",
-            "SM stores us", "SM local sum us", "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed")
+            "SM stores us", "copy engine + SM stores us", "SM local sum us", "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed")
     t = table(title, "bytes = NVLink bytes a rank sends (max over ranks); times in us "
               "(max over ranks of the median); GB/s = bytes / time; copy engine = the fastest of "
               "1, 2 and 4 streams per destination (each a piece of its bytes; by streams: each "
               "one's time); NVML TX / computed = NVLink bytes NVML counted per copy-engine "
               "iteration of one stream per destination over the bytes asked for (the rank "
-              "furthest from 1); SM local sum = a kernel on that many SMs summing each token's rows "
-              "(combine), every row already local: the combine's bound on those SMs", [(c, "left" if c == "op" else "right") for c in cols])
+              "furthest from 1); copy engine + SM stores = both at once, the copy engines a share of every "
+              "destination's bytes (the fastest of 25, 50, 75 %, in brackets), the store kernel the rest; SM local sum = a kernel on that many SMs summing each token's rows "
+              "(combine), every row already local, the faster of two kernel shapes: what a combine that sums on "
+              "those SMs with register loads reaches", [(c, "left" if c == "op" else "right") for c in cols])
     for c in ceilings:
         sm = [f"{k}: {number(v)}" for k, v in c.sm_store_us.items() if v is not None]
         by = [f"{k}: {number(v)}" for k, v in c.copy_engine_by_split.items()]
         sums = [f"{k}: {number(v)}" for k, v in c.sm_sum_us.items() if v is not None]
+        both = [f"{k}: {number(v)} ({c.ce_sm_share[k]:.0%})" for k, v in c.ce_sm_us.items() if v is not None]
         t.add_row(c.op, number(c.max_bytes / 1e6), number(c.copy_engine_us), number(c.copy_engine_gbps),
                   ", ".join(by) if by else "-",
                   ", ".join(sm) if sm else "absent",
+                  ", ".join(both) if both else "-",
                   ", ".join(sums) if sums else "-",
                   number(c.ideal_us),
                   number(metrics.bandwidth_gbps(c.max_bytes, c.ideal_us) if c.ideal_us else None),

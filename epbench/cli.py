@@ -660,19 +660,24 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
 
 @app.command()
 def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
-            iters: ItersOpt = None, warmup: WarmupOpt = None, device: DeviceOpt = None) -> None:
+            sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None, device: DeviceOpt = None) -> None:
     """Ceilings for the scenario's own bytes: copy-engine peer copies measured on the GPUs,
     nominal NVLink / NIC limits from the hardware. Measuring needs as many CUDA GPUs as the
     scenario has ranks per node (or --nproc N); on a host without GPUs, --device cpu prints
     only the byte counts and nominal limits (exit 0).
 
-    Example: epbench ceiling scenarios/smoke.yaml --device cpu"""
+    Example: epbench ceiling scenarios/smoke.yaml --device cpu  (or --sms 4,8 on GPUs)"""
+    import dataclasses
+
     from epbench import ceiling as ce
 
     launch.apply_safe_env()
     s = scenario.load(path)
     if nproc is not None:
         s = s.with_world(nproc)
+    sms_list = scenario.maybe_int_list(sms, "--sms", scenario.MAX_SMS)
+    if sms_list:  # the SM counts of the store, copy engine + store and local-sum ceilings
+        s = dataclasses.replace(s, bench=dataclasses.replace(s.bench, sms=sms_list))
     for opt, v, low in (("--iters", iters, 1), ("--warmup", warmup, 0)):
         if v is not None and v < low:
             raise UserError(f"{opt}: must be at least {low}, got {v}")

@@ -262,7 +262,10 @@ def ceiling_columns(c: Any, sms: int) -> Dict[str, Any]:
             "ceiling_copy_engine_streams": getattr(c, "copy_engine_split", None) if c is not None else None,
             "ceiling_sm_store_us": c.sm_store_us.get(sms) if c is not None and sms else None,
             # combine: the local sum of its rows on this many SMs (None for dispatch or where not measured)
-            "ceiling_sm_sum_us": getattr(c, "sm_sum_us", {}).get(sms) if c is not None and sms else None}
+            "ceiling_sm_sum_us": getattr(c, "sm_sum_us", {}).get(sms) if c is not None and sms else None,
+            # copy engines and SM stores at once on this many SMs, the fastest share, and that share (0-1)
+            "ceiling_ce_sm_us": getattr(c, "ce_sm_us", {}).get(sms) if c is not None and sms else None,
+            "ceiling_ce_sm_share": getattr(c, "ce_sm_share", {}).get(sms) if c is not None and sms else None}
 
 
 def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], tr: Traffic,

@@ -184,6 +184,8 @@ def test_ceiling_command_bad_input_is_one_line(tmp_path):
     assert_one_line_error(r, "nope.yaml")
     r = epbench_here("ceiling", "scenarios/smoke.yaml", "--iters", "0")
     assert_one_line_error(r, "--iters")
+    r = epbench_here("ceiling", "scenarios/smoke.yaml", "--sms", "4,x")
+    assert_one_line_error(r, "--sms")
 
 
 def test_counted_vs_computed_reports_the_worst_rank():
@@ -281,3 +283,61 @@ def test_ceiling_kernels_are_timed_warmup_plus_iters_times_on_the_current_stream
     assert calls == [1234] * 5 and len(aligned) == 5
     with pytest.raises(RuntimeError):
         ceiling._timed_launches(lambda stream: -1, "ep_sum_ceiling", comm, 0, 1)
+
+
+def test_copy_engine_and_store_ceiling_splits_every_destination_between_the_two_engines(monkeypatch) -> None:
+    """The copy engines take the first share of each peer's bytes (16-byte aligned) at that peer's receive offset,
+    the store kernel the rest right after it; no copy to this rank itself or to a peer it sends nothing; both
+    start after the timed region opens and the region ends only after every copy."""
+    events = []
+
+    class FakeStream:
+        def __init__(self, device=None, name="side"):
+            self.cuda_stream = name if name != "side" else f"s{len(events)}"
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    main = FakeStream(name="main")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: main)
+    monkeypatch.setattr(ceiling, "_timed_launches", lambda launch, name, comm, w, i: [float(launch("main-ptr"))])
+
+    class Rt:
+        def memcpy_async(self, dst, src, n, stream):
+            events.append(("ce", dst, src, n))
+
+    bound = {}
+
+    def bind(dst, nbytes, src_ptr, sms):
+        bound.update(dst=dst, nbytes=nbytes, src=src_ptr, sms=sms)
+        return lambda stream: events.append(("store", stream)) or 0
+
+    plan = [[0, 1000, 64, 0], [40, 0, 400, 8], [0, 0, 0, 0], [0, 0, 0, 0]]  # rank 0 sends 1000 to 1, 64 to 2
+    comm = types.SimpleNamespace(rank=0, world=4, device="cuda:0")
+    bufs = types.SimpleNamespace(rt=Rt(), peers={1: 10_000, 2: 20_000, 3: 30_000})
+    source = types.SimpleNamespace(data_ptr=lambda: 5)
+    assert ceiling.ce_and_store_samples_us(plan, comm, bufs, source, bind, 4, 0.5, 1, 2) == [0.0]
+    # rank 1 receives only from rank 0 (offset 0); rank 2 receives from rank 0 first (offset 0)
+    assert ("ce", 10_000, 5, 496) in events and ("ce", 20_000, 5, 32) in events
+    assert not any(e[0] == "ce" and e[1] == 30_000 for e in events)
+    assert bound == {"dst": {1: 10_496, 2: 20_032}, "nbytes": {1: 504, 2: 32}, "src": 5, "sms": 4}
+    kinds = [e[0] for e in events]
+    store_at = kinds.index("store")
+    assert kinds[:store_at].count("wait") == 2 and kinds[:store_at].count("ce") == 2  # copies start first
+    assert events[store_at + 1:] == [("wait", "main", "side"), ("wait", "main", "side")]
+    assert ceiling.ce_share_bytes(1000, 0.25) == 240 and ceiling.ce_share_bytes(15, 0.75) == 0
+
+
+def test_copy_engine_and_store_ceiling_reaches_the_rows_and_table_with_its_share() -> None:
+    c = ceiling.OpCeiling("dispatch", [100], None, {4: 900.0, 8: None}, None)
+    c.ce_sm_us, c.ce_sm_share = {4: 512.0}, {4: 0.5}
+    from epbench import metrics
+    cols = metrics.ceiling_columns(c, 4)
+    assert cols["ceiling_ce_sm_us"] == 512.0 and cols["ceiling_ce_sm_share"] == 0.5
+    assert metrics.ceiling_columns(c, 8)["ceiling_ce_sm_us"] is None
+    from rich.console import Console
+    con = Console(width=320, record=True)
+    con.print(ceiling.ceiling_table([c], "t"))
+    assert "4: 512 (50%)" in con.export_text()

@@ -1,6 +1,6 @@
 """The local-sum ceiling kernel (csrc/ceiling.cu ep_sum_ceiling) does all the work it is timed for: every token's
-rows summed (1, 2 and 3 rows a token, the counts spread as the ceiling spreads them), bit for bit the fp32 sum
-from 0 in row order rounded to bf16 (marker gpu; one GPU, in this process)."""
+rows summed (1 to 5 rows a token, the counts spread as the ceiling spreads them), bit for bit the fp32 sum
+from 0 in row order rounded to bf16, in both kernel shapes (marker gpu; one GPU, in this process)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("tokens,rows,hidden", [(37, 37, 2048), (100, 173, 7168), (64, 128, 8192), (50, 131, 2080)])
+@pytest.mark.parametrize("threads", [512, 256])  # the kernel's two shapes (ceiling.SUM_THREADS)
+@pytest.mark.parametrize("tokens,rows,hidden", [(37, 37, 2048), (100, 173, 7168), (64, 128, 8192), (50, 131, 2080),
+                                                (20, 97, 7168)])
 def test_local_sum_ceiling_sums_every_row_of_every_token(kernels_built: None, tokens: int, rows: int,
-                                                         hidden: int) -> None:
+                                                         hidden: int, threads: int) -> None:
     from epbench import ceiling
 
     summer = ceiling.kernel_sum_provider()
@@ -27,7 +29,7 @@ def test_local_sum_ceiling_sums_every_row_of_every_token(kernels_built: None, to
     src = torch.randn(per_token, tokens, hidden, device=dev).to(torch.bfloat16)
     out = torch.full((tokens, hidden), float("nan"), device=dev, dtype=torch.bfloat16)
     comm = types.SimpleNamespace(device=dev, sync=None)
-    times = summer(out, src, tokens, rows, hidden, 8, comm, 1, 3)
+    times = summer(out, src, tokens, rows, hidden, 8, threads, comm, 1, 3)
     torch.cuda.synchronize()
     assert len(times) == 3 and all(t > 0 for t in times)
     base, extra = divmod(rows, tokens)

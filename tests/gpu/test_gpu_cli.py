@@ -83,6 +83,8 @@ def test_run_verifies_both_backends(runs: GpuRuns, dtype: str, routing: str, hid
         ep = df[df["backend"] == "epbench"]
         assert (ep[ep["op"] == "combine"]["ceiling_sm_sum_us"] > 0).all()
         assert ep[ep["op"] == "dispatch"]["ceiling_sm_sum_us"].isna().all()
+        # copy engines + SM stores at once: both ops, every swept SM count, one of the measured shares
+        assert (ep["ceiling_ce_sm_us"] > 0).all() and ep["ceiling_ce_sm_share"].isin([0.25, 0.5, 0.75]).all()
 
 
 def test_corrupted_kernel_output_fails(runs: GpuRuns) -> None:
