@@ -93,6 +93,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   // the measured defaults (notes/KERNELS.md); the Python backend sets every option explicitly anyway
   ctx->combine_stages = 2;
   ctx->ce_streams_used = 2;
+  ctx->ce_share = 100;
   ctx->combine_chunk = 2048;
   p.notify_impl = EP_NOTIFY_GRID;
   p.rank = cfg->rank;
@@ -301,6 +302,14 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
     case EP_OPT_CE_STREAMS:
       if (!ctx->p.combine_ce || (value != 1 && value != 2 && value != 4)) break;
       ctx->ce_streams_used = value;
+      return 0;
+    case EP_OPT_CE_SHARE:  // own_rows all only; the SM part stores 16-byte vectors of whole rows
+      if (ctx->p.own_ce != 2 || (value != 25 && value != 50 && value != 75 && value != 100)) break;
+      if (value < 100 && ctx->p.row_bytes % 16 != 0) {
+        ep_set_error("ce_share %d needs rows of a multiple of 16 bytes (row %d bytes)", value, ctx->p.row_bytes);
+        return -1;
+      }
+      ctx->ce_share = value;
       return 0;
     case EP_OPT_EM_SMS:
       if (value < 0 || value > 1024 || (value > 0 && ctx->p.align == 0)) break;  // expert-major only

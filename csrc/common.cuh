@@ -196,6 +196,7 @@ struct EpContext {
   cudaStream_t ce_streams[kCeStreams * (EP_MAX_WORLD - 1)];
   cudaEvent_t ce_done[kCeStreams * (EP_MAX_WORLD - 1)];
   int ce_streams_used;  // combine_ce: copy streams a peer (EP_OPT_CE_STREAMS: 1, 2 or 4, default 2)
+  int ce_share;         // own_rows all: percent of my x rows the copy engines move (EP_OPT_CE_SHARE, default 100)
   // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
   // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)
   int (*write_value32)(void*, unsigned long long, unsigned, unsigned);

@@ -39,7 +39,10 @@
 // into my segment of every peer with the copy engine, one stream per peer forked from the caller's stream and
 // joined again; then ce_keys_kernel writes the keys of my whole segment on every rank (mine included) and
 // releases done[me] as below. The copies complete before that kernel starts (stream order), so a peer that
-// sees done[me] sees my rows.
+// sees done[me] sees my rows. ce_share < 100 (EP_OPT_CE_SHARE): the copy engines move only x rows [0, first),
+// first = T x share / 100, and ce_tail_kernel on the caller's stream stores rows [first, T) into every peer at
+// the same time (scales, ids and weights still all by copy engine); the key kernel runs after both, so the same
+// holds for the stored rows.
 // Completion (grid_release_and_wait in common.cuh): every thread fences at system scope; the
 // last block to finish stores done[me] = epoch into every rank's signals with st.release.sys,
 // then waits until done[s] == epoch for every source s in my signals, so the kernel ends only
@@ -434,6 +437,34 @@ __global__ void __launch_bounds__(512, 1) ce_keys_kernel(EpParams p, int num_tok
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
+// own_rows all, ce_share < 100: x rows [first, first + n) of my segment into every peer with 16-byte stores,
+// while the copy engines move rows [0, first). A unit is 4 KiB (32 lanes x 8 vectors, all loaded before stored)
+// of one peer's range; consecutive units go to consecutive peers (me + 1 + u % (world - 1)), so every link is
+// busy from the start. Only x: the rest of a row's data is small and goes by copy engine.
+__global__ void __launch_bounds__(512, 1) ce_tail_kernel(EpParams p, const int4* x, long long first, long long n) {
+  constexpr int kU = 8, kUnit = 32 * kU;  // vectors a unit
+  const int lane = threadIdx.x & 31, np = p.world - 1;
+  const long long vpr = p.row_bytes / 16, v0 = first * vpr, vecs = n * vpr;  // vectors a row, the range's first, count
+  const long long units = (vecs + kUnit - 1) / kUnit * np, warps = (long long)gridDim.x * (blockDim.x >> 5);
+  const int4* src = x + v0;
+  for (long long u = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); u < units; u += warps) {
+    const int d = (p.rank + 1 + (int)(u % np)) % p.world;
+    const long long base = (u / np) * kUnit;
+    int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)p.rank * p.max_tokens * p.row_bytes) + v0;
+    int4 v[kU];
+#pragma unroll
+    for (int k = 0; k < kU; ++k) {
+      const long long i = base + k * 32 + lane;
+      if (i < vecs) v[k] = ld_nc_v4(src + i);
+    }
+#pragma unroll
+    for (int k = 0; k < kU; ++k) {
+      const long long i = base + k * 32 + lane;
+      if (i < vecs) st_v4(dst + i, v[k]);
+    }
+  }
+}
+
 using DispatchKernel = void (*)(EpParams, DispatchArgs, int);
 
 // One kernel of the table below; em_push 1 and 2 and em_sms (kEm 2, 3, 4) are built for at most 16 warps only
@@ -460,10 +491,12 @@ constexpr DispatchKernel kDispatchKernels[2][2][3] = {
       dispatch_kernel<4, 1024, true, 2, kEm>()}},
 };
 
-// own_rows all: the peers' copies (see the header), then the key kernel on `num_sms` blocks.
+// own_rows all: the peers' copies (see the header; ce_share < 100: rows [first, n) of x by ce_tail_kernel on
+// `num_sms` blocks meanwhile), then the key kernel on `num_sms` blocks.
 int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int epoch, cudaStream_t stream) {
   const EpParams& p = ctx->p;
   const size_t seg = (size_t)p.rank * p.max_tokens, n = (size_t)a.num_tokens;  // my segment's first row
+  const size_t first = n * ctx->ce_share / 100;  // x rows [0, first) by copy engine, the rest by SM stores
   // after a wait has timed out (the error word the host sees) the notify no longer proves that the peers are done
   // with my segment of their buffers: no copy then (the kernels bail out as in the other modes)
   if (n > 0 && p.world > 1 && !ctx->host_error->flag) {
@@ -473,8 +506,9 @@ int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int e
       cudaStream_t s = ctx->ce_streams[i];
       uint8_t* b = p.peer_base[d];
       CUDA_CHECK(cudaStreamWaitEvent(s, ctx->ce_fork, 0));
-      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, n * p.row_bytes,
-                                 cudaMemcpyDefault, s));
+      if (first > 0)
+        CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, first * p.row_bytes,
+                                   cudaMemcpyDefault, s));
       if (a.x_scales != nullptr)  // recv_scales rows may be wider than the caller's (mxfp8: 16-byte stride)
         CUDA_CHECK(cudaMemcpy2DAsync(b + p.off_recv_scales + seg * p.scale_stride, p.scale_stride, a.x_scales,
                                      p.scale_bytes, p.scale_bytes, n, cudaMemcpyDefault, s));
@@ -483,8 +517,13 @@ int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int e
       CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_w + seg * p.topk * sizeof(float), a.topk_w,
                                  n * p.topk * sizeof(float), cudaMemcpyDefault, s));
       CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], s));
-      CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
     }
+    if (first < n) {  // the SM part, beside the copies
+      ce_tail_kernel<<<num_sms, 512, 0, stream>>>(p, reinterpret_cast<const int4*>(a.x), (long long)first,
+                                                  (long long)(n - first));
+      CUDA_CHECK(cudaGetLastError());
+    }
+    for (int i = 0; i + 1 < p.world; ++i) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
   }
   ce_keys_kernel<<<num_sms, 512, 0, stream>>>(p, a.num_tokens, epoch);
   CUDA_CHECK(cudaGetLastError());
@@ -507,6 +546,10 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   const bool needs_scales = p.scale_bytes > 0 && !p.fused;
   if (needs_scales && x_scales == nullptr && num_tokens > 0) {
     ep_set_error("%s dispatch needs x_scales", p.scale_bytes == p.num_scales ? "mxfp8" : "fp8");
+    return -1;
+  }
+  if (p.own_ce == 2 && ctx->ce_share < 100 && num_tokens > 0 && (uintptr_t)x % 16 != 0) {  // ce_tail_kernel's vectors
+    ep_set_error("ce_share %d needs x 16-byte aligned", ctx->ce_share);
     return -1;
   }
   // em_push 3 (auto): the wide copy pass where it is built for the warps, else the receiver's

@@ -101,6 +101,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         "ce_streams": Option(int, 2, "combine_rows ce only: the copy streams a peer's chunks alternate over (one "
                              "stream's flag write and next copy overlapping another's copy)", choices=(1, 2, 4),
                              env="EPBENCH_CE_STREAMS"),
+        "ce_share": Option(int, 100, "own_rows all only: percent of a rank's x rows the copy engines move into "
+                           "each peer; the rest go at the same time by plain SM stores on the dispatch's SMs "
+                           "(scales, ids and weights always by copy engine): the two engines share the links",
+                           choices=(25, 50, 75, 100), env="EPBENCH_CE_SHARE"),
         "fused_stores": Option(int, 16, "quantize fused only: the bytes a lane of the dispatch kernel stores per "
                                "step, 16 (two adjacent bf16 vectors cast together; 2 x H200, 2 ranks, dsv3x4-mxfp8: "
                                "270 us at 8 SMs where 8 took 395; notes/KERNELS.md) or 8 (one vector cast per "
@@ -272,6 +276,9 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
         if (key in given or env.get(SCHEMAS["epbench"][key].env) is not None) and resolved["combine_rows"] != "ce":
             raise UserError(f"{where}: epbench.{key}={resolved[key]} needs epbench.combine_rows=ce (got "
                             f"{resolved['combine_rows']}): it shapes the copy engines' push of the combine's rows")
+    if ("ce_share" in given or env.get(SCHEMAS["epbench"]["ce_share"].env) is not None) and own != "all":
+        raise UserError(f"{where}: epbench.ce_share={resolved['ce_share']} needs epbench.own_rows=all (got {own}): it "
+                        f"splits the copy engines' dispatch rows with the SMs")
     if resolved["combine_rows"] == "ce" and own != "all":
         raise UserError(f"{where}: epbench.combine_rows=ce needs epbench.own_rows=all (got {own}): the copy engine "
                         f"pushes a holder's rows of a source as one range, which only that layout gives")

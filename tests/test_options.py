@@ -181,3 +181,16 @@ def test_diagnostic_is_set_only_where_its_variable_is() -> None:
     assert not options.diagnostic_is_set("align", {})
     assert options.diagnostic_is_set("align", {"EPBENCH_ALIGN": "alltoall"})
     assert options.diagnostic("align", {}) == "alltoall"  # run's default; overlap picks allreduce unless set
+
+
+def test_ce_share_needs_own_rows_all() -> None:
+    assert options.resolve("epbench", {}, environ={})["ce_share"] == 100
+    with pytest.raises(UserError, match=r"^s.yaml: epbench\.ce_share=75 needs epbench\.own_rows=all \(got sm\)") as e:
+        options.check_payload({"epbench": {"ce_share": 75}}, "rank_major", "before", "s.yaml", environ={})
+    assert "\n" not in str(e.value) and e.value.exit_code == 2
+    with pytest.raises(UserError, match="ce_share=50"):
+        options.check_payload({}, "rank_major", "before", "s.yaml", environ={"EPBENCH_CE_SHARE": "50"})
+    options.check_payload({"epbench": {"ce_share": 25, "own_rows": "all"}}, "rank_major", "before", "s.yaml",
+                          environ={})
+    with pytest.raises(UserError, match="ce_share: must be one of"):
+        options.validate({"epbench": {"ce_share": 60}})

@@ -226,7 +226,8 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
     for case in cases:
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
                             fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms,
-                            combine_rows=args.combine_rows, ce_chunks=args.ce_chunks, ce_streams=args.ce_streams)
+                            combine_rows=args.combine_rows, ce_chunks=args.ce_chunks, ce_streams=args.ce_streams,
+                            ce_share=args.ce_share)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -259,7 +260,7 @@ def check_uneven_stop(args: argparse.Namespace, case: Case, rank: int, world: in
     raise at once naming a peer that holds fewer (phase 10, csrc/combine.cu), and every other rank's call must verify
     (its peers pushed at least its rows). True on every rank when that holds everywhere."""
     be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows, combine_rows="ce",
-                        ce_chunks=args.ce_chunks, ce_streams=args.ce_streams)
+                        ce_chunks=args.ce_chunks, ce_streams=args.ce_streams, ce_share=args.ce_share)
     counts = [case.tokens[r % len(case.tokens)] for r in range(world)]
     must_stop = any(t < counts[rank] for t in counts)
     try:
@@ -491,6 +492,8 @@ def parser() -> argparse.ArgumentParser:
                     help="combine_rows ce: the backend's ce_chunks (default: the backend's)")
     ap.add_argument("--ce-streams", type=int, default=None, choices=[1, 2, 4],
                     help="combine_rows ce: the backend's ce_streams (default: the backend's)")
+    ap.add_argument("--ce-share", type=int, default=None, choices=[25, 50, 75, 100],
+                    help="own_rows all: the backend's ce_share (default: the backend's)")
     ap.add_argument("--fused-stores", type=int, default=None, choices=[8, 16],
                     help="the backend's fused_stores (default: the backend's; check: given, the fused cases only)")
     ap.add_argument("--em-sms", type=int, default=None,

@@ -82,18 +82,27 @@ def combine_rows_ce_flags(nproc: int) -> list:
     return ["--own-rows", "all", "--combine-rows", "ce", "--impls",
             "lean:16:8,lean:16:3" if shared(nproc) else "lean:16:8,lean:16:3,lean:16:24"]
 
+def ce_share_flags(nproc: int) -> list:
+    """own_rows=all with ce_share 75: the copy engines move the first 75 % of a rank's x rows, ce_tail_kernel the
+    rest at once on the dispatch's SMs; every case own_rows=all serves, with combine_rows=ce on top (so the rows the
+    SMs stored also feed the copy-engine combine), at 8, 3 and (GPUs of their own) 24 SMs."""
+    return ["--own-rows", "all", "--ce-share", "75", "--combine-rows", "ce", "--impls",
+            "lean:16:8,lean:16:3" if shared(nproc) else "lean:16:8,lean:16:3,lean:16:24"]
+
+
 # world size -> the suites of this module its launch runs (name -> ep_worker check flags)
 SUITES = {
     1: {"mxfp8": mxfp8_flags(1), "expert-major": expert_major_flags(1), "own-rows-ce": own_rows_ce_flags(1),
         "own-rows-all": own_rows_ce_flags(1, "all"), "combine-rows-ce": combine_rows_ce_flags(1),
-        "fused-stores-8": fused_stores8_flags(1),
+        "ce-share": ce_share_flags(1), "fused-stores-8": fused_stores8_flags(1),
         "fused-stores-8-em": ["--expert-major", *fused_stores8_flags(1)],
         "em-push-sender": em_push_sender_flags(1), "em-push-receiver": em_push_receiver_flags(1),
         "em-sms": em_sms_flags(1)},
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
-        "combine-rows-ce": combine_rows_ce_flags(2),
+        "combine-rows-ce": combine_rows_ce_flags(2), "ce-share": ce_share_flags(2),
+        "ce-share-25": ["--own-rows", "all", "--ce-share", "25", "--quick", "--impls", "lean:16:8"],
         "combine-rows-ce-32x4": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunks", "32", "--ce-streams", "4",
                                  "--impls", "lean:16:8"],
         "combine-rows-ce-4x1": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunks", "4", "--ce-streams", "1",
@@ -104,7 +113,8 @@ SUITES = {
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3),
         "em-push-receiver": em_push_receiver_flags(3), "em-sms": em_sms_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
-        "own-rows-all": own_rows_ce_flags(4, "all"), "combine-rows-ce": combine_rows_ce_flags(4)},
+        "own-rows-all": own_rows_ce_flags(4, "all"), "combine-rows-ce": combine_rows_ce_flags(4),
+        "ce-share": ce_share_flags(4)},
 }
 for _world, _suites in SUITES.items():
     for _name, _flags in _suites.items():
@@ -181,6 +191,18 @@ def test_own_rows_all_matches_verification(kernels_built: None, nproc: int) -> N
     assert "fp8" in out
     if nproc == 2:
         assert_suite(2, "own-rows-all-staged")
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_ce_share_matches_verification(kernels_built: None, nproc: int) -> None:
+    """own_rows=all, ce_share 75 (and 25 on 2 ranks): a rank's x rows split between its copy engines (the first
+    share) and plain SM stores (the rest, at the same time); the dispatch bit-exact and the combine (ce) exactly as
+    verification on every case, twice per buffer."""
+    out = assert_suite(nproc, "ce-share")
+    if nproc > 1:
+        assert "T=4095" in out
+    if nproc == 2:
+        assert_suite(2, "ce-share-25")
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
