@@ -629,15 +629,28 @@ def rates_of(limits: Sequence[Limits]) -> List[Optional[float]]:
     return [lim.nvlink.gbps if lim.nvlink else None for lim in limits]
 
 
-def run_local(s: Any, console: Any) -> int:
-    """Without GPUs: byte counts and whatever nominal limits this host reports."""
+def run_local(s: Any, console: Any, csv: Optional[Path] = None, argv: Sequence[str] = ()) -> int:
+    """Without GPUs: byte counts and whatever nominal limits this host reports (with ``csv``: those figures into
+    that file too)."""
     from epbench.routing import route_all, traffic
 
     tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
     limits = read_limits(None)
     ceilings = byte_ceilings(s, tr, rates_of([limits] * s.world))
     print_ceilings(s, ceilings, limits, "cpu", console)
+    if csv is not None:
+        _record(csv, s, ceilings, argv, "cpu", {})
+        console.print(f"figures: {csv}")
     return 0
+
+
+def _record(csv: Path, s: Any, ceilings: List[OpCeiling], argv: Sequence[str], device: str,
+            extra: Dict[str, Any]) -> None:
+    from epbench import provenance
+
+    info = provenance.collect(list(argv), device)
+    write_csv(csv, figure_rows(s, ceilings, info.get("git_commit", "unknown")),
+              {**info, "scenario": s.to_dict(), **extra})
 
 
 def every_ranks_limits(comm: Any) -> List[Limits]:
@@ -649,10 +662,62 @@ def every_ranks_limits(comm: Any) -> List[Limits]:
     return limits
 
 
+CSV_COLUMNS = ("scenario", "world", "op", "figure", "sms", "streams", "ce_share", "time_us", "bytes_per_rank",
+               "gbps", "git_commit")
+
+
+def figure_rows(s: Any, ceilings: List[OpCeiling], commit: str) -> List[Dict[str, Any]]:
+    """Every figure of the ceilings, one row each (``epbench ceiling --csv``): copy engines by streams per
+    destination, SM stores, copy engines + SM stores (with the share) and the local sum by SM count, the nominal
+    and the scenario's ideal times. gbps = the op's NVLink bytes a rank sends / time, none for the local sum (no
+    link bytes)."""
+    rows: List[Dict[str, Any]] = []
+
+    def add(c: OpCeiling, figure: str, time_us: Optional[float], sms: Optional[int] = None,
+            streams: Optional[int] = None, share: Optional[float] = None, link: bool = True) -> None:
+        if time_us is None:
+            return
+        rows.append({"scenario": s.name, "world": s.world, "op": c.op, "figure": figure, "sms": sms,
+                     "streams": streams, "ce_share": share, "time_us": time_us, "bytes_per_rank": c.max_bytes,
+                     "gbps": metrics.bandwidth_gbps(c.max_bytes, time_us) if link and time_us > 0 else None,
+                     "git_commit": commit})
+
+    for c in ceilings:
+        for k, t in c.copy_engine_by_split.items():
+            add(c, "copy_engine", t, streams=k)
+        for sms, t in c.sm_store_us.items():
+            add(c, "sm_stores", t, sms=sms)
+        for sms, t in c.ce_sm_us.items():
+            add(c, "copy_engine_and_sm_stores", t, sms=sms, share=c.ce_sm_share.get(sms))
+        for sms, t in c.sm_sum_us.items():
+            add(c, "sm_local_sum", t, sms=sms, link=False)
+        add(c, "nominal_ideal", c.ideal_us)
+        add(c, "scenario_ideal", c.scenario_ideal_us)
+    return rows
+
+
+def write_csv(path: Path, rows: List[Dict[str, Any]], provenance: Dict[str, Any]) -> None:
+    """The rows into ``path`` (CSV_COLUMNS) and what produced them into the same name + .json; each whole or not
+    at all (a UserError naming the file it could not write)."""
+    import csv
+    import io
+    import json
+
+    from epbench.results import _atomic_write
+
+    text = io.StringIO()
+    w = csv.DictWriter(text, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
+    _atomic_write(path, text.getvalue())
+    _atomic_write(path.with_name(path.name + ".json"), json.dumps(provenance, indent=1, default=str) + "\n")
+
+
 def measure_job(job: Any) -> int:
     """``epbench ceiling``'s one job (session.Job) on this rank (CUDA): every rank's nominal
-    limits, the measured ceilings, and rank 0 prints them (no results folder). Returns 0: a
-    ceiling has no rows to verify."""
+    limits, the measured ceilings, and rank 0 prints them (no results folder; with --csv also into
+    that file, provenance beside it). Returns 0: a ceiling has no rows to verify."""
     from epbench.routing import route_all, traffic
 
     s, opts, comm = job.scenario, job.options, job.comm
@@ -661,4 +726,7 @@ def measure_job(job: Any) -> int:
     ceilings = measure_ceilings(s, tr, comm, opts.warmup, opts.iters, rates_of(limits))
     if job.rank0:
         print_ceilings(s, ceilings, limits[0], "cuda", job.console)
+        if job.plan.csv is not None:
+            _record(job.plan.csv, s, ceilings, job.plan.argv, "cuda", {"warmup": opts.warmup, "iters": opts.iters})
+            job.console.print(f"figures: {job.plan.csv}")
     return 0

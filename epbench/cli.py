@@ -660,7 +660,8 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
 
 @app.command()
 def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
-            sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None, device: DeviceOpt = None) -> None:
+            sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None, device: DeviceOpt = None,
+            csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write every measured figure into this CSV file, one per row, and what produced them (commit, versions, GPUs, the scenario) into the same name + .json (without GPUs: the nominal figures).")] = None) -> None:
     """Ceilings for the scenario's own bytes: copy-engine peer copies measured on the GPUs,
     nominal NVLink / NIC limits from the hardware. Measuring needs as many CUDA GPUs as the
     scenario has ranks per node (or --nproc N); on a host without GPUs, --device cpu prints
@@ -683,17 +684,26 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
             raise UserError(f"{opt}: must be at least {low}, got {v}")
     n_iters = s.bench.iters if iters is None else iters
     n_warmup = s.bench.warmup if warmup is None else warmup
+    if csv_out is not None:  # before anything is measured: a folder that can take the file
+        from epbench.results import check_writable
+
+        if csv_out.is_dir():
+            raise UserError(f"--csv: {csv_out} is a folder; give a file name")
+        if not csv_out.parent.is_dir():
+            raise UserError(f"--csv: {csv_out.parent} is not a folder")
+        check_writable(csv_out.parent)
+        csv_out = csv_out.resolve()
     from epbench.driver import RunOptions
     from epbench.plan import Plan
 
     p = Plan(verb="ceiling", scenario=s, options=RunOptions((), s.bench.sms, n_warmup, n_iters),
-             device="cuda", argv=tuple(sys.argv[1:]), ranks_per_node=s.topology.gpus_per_node)
+             device="cuda", argv=tuple(sys.argv[1:]), ranks_per_node=s.topology.gpus_per_node, csv=csv_out)
     if not launch.under_torchrun():
         if s.topology.nodes > 1:
             raise UserError(f"{s.source}: topology.nodes: ceilings are measured inside one node; "
                             f"use --nproc N to run the shape on N GPUs of this node")
         if resolve_device(s, device, share=False) != "cuda":
-            raise typer.Exit(ce.run_local(s, console))
+            raise typer.Exit(ce.run_local(s, console, csv_out, sys.argv[1:]))
     _start_one(p)
 
 

@@ -48,6 +48,7 @@ class Plan:
     rdzv_timeout_s: Optional[int] = None
     mps: bool = False  # a private MPS daemon for the ranks (CUDA)
     ranks_per_node: Optional[int] = None  # ranks each job starts here (None: the scenario's per host)
+    csv: Optional[Path] = None  # ceiling --csv: its figures also into this file (and provenance beside it)
 
     def job_options(self, job: int) -> Any:
         """The options of job ``job``: the run's, with that job's backends (overlap: the copy
@@ -86,7 +87,7 @@ def _options_class(verb: str) -> type:
 def to_dict(plan: Plan) -> Dict[str, Any]:
     data = dataclasses.asdict(plan)
     data.update(format=FORMAT, **{k: str(getattr(plan, k)) if getattr(plan, k) is not None else None
-                                  for k in ("results", "run_dir")})
+                                  for k in ("results", "run_dir", "csv")})
     return data
 
 

@@ -171,12 +171,22 @@ def render(table):
 
 
 @pytest.mark.slow
-def test_ceiling_command_on_cpu_prints_bytes_and_says_what_needs_gpus():
-    r = epbench_here("ceiling", "scenarios/smoke.yaml")
+def test_ceiling_command_on_cpu_prints_bytes_and_says_what_needs_gpus(tmp_path):
+    r = epbench_here("ceiling", "scenarios/smoke.yaml", "--csv", tmp_path / "c.csv")
     assert r.code == 0, r.both
     assert "dispatch" in r.out and "combine" in r.out
     assert "copy-engine ceilings need CUDA GPUs" in r.out
     assert "SM-store ceiling: absent" in r.out
+    # --csv: the figures it printed (here the scenario's ideal times), and what produced them beside
+    import json
+
+    import pandas as pd
+    df = pd.read_csv(tmp_path / "c.csv")
+    assert list(df.columns) == list(ceiling.CSV_COLUMNS)
+    assert set(df["op"]) == {"dispatch", "combine"} and "scenario_ideal" in set(df["figure"])
+    assert (df["scenario"] == "smoke").all() and df["git_commit"].notna().all()
+    meta = json.loads((tmp_path / "c.csv.json").read_text())
+    assert meta["device"] == "cpu" and meta["scenario"]["name"] == "smoke" and "--csv" in meta["argv"]
 
 
 def test_ceiling_command_bad_input_is_one_line(tmp_path):
@@ -186,6 +196,10 @@ def test_ceiling_command_bad_input_is_one_line(tmp_path):
     assert_one_line_error(r, "--iters")
     r = epbench_here("ceiling", "scenarios/smoke.yaml", "--sms", "4,x")
     assert_one_line_error(r, "--sms")
+    r = epbench_here("ceiling", "scenarios/smoke.yaml", "--csv", tmp_path)
+    assert_one_line_error(r, "is a folder")
+    r = epbench_here("ceiling", "scenarios/smoke.yaml", "--csv", tmp_path / "no" / "c.csv")
+    assert_one_line_error(r, "is not a folder")
 
 
 def test_counted_vs_computed_reports_the_worst_rank():
@@ -341,3 +355,26 @@ def test_copy_engine_and_store_ceiling_reaches_the_rows_and_table_with_its_share
     con = Console(width=320, record=True)
     con.print(ceiling.ceiling_table([c], "t"))
     assert "4: 512 (50%)" in con.export_text()
+
+
+def test_every_measured_figure_is_one_csv_row_with_its_bandwidth_where_it_crossed_a_link(tmp_path) -> None:
+    s = scenario(hidden=256, tokens_per_rank=16, topk=4, experts_per_rank=4)
+    c = ceiling.OpCeiling("combine", [10**6, 2 * 10**6], 20.0, {4: 40.0, 8: None}, 10.0, scenario_ideal_us=12.5)
+    c.copy_engine_by_split = {1: 20.0, 2: 25.0}
+    c.ce_sm_us, c.ce_sm_share = {4: 16.0}, {4: 0.75}
+    c.sm_sum_us = {4: 50.0}
+    rows = ceiling.figure_rows(s, [c], "abc")
+    got = {(r["figure"], r["sms"], r["streams"], r["ce_share"]): (r["time_us"], r["gbps"] and round(r["gbps"], 9))
+           for r in rows}
+    assert got == {("copy_engine", None, 1, None): (20.0, 100.0), ("copy_engine", None, 2, None): (25.0, 80.0),
+                   ("sm_stores", 4, None, None): (40.0, 50.0),
+                   ("copy_engine_and_sm_stores", 4, None, 0.75): (16.0, 125.0),
+                   ("sm_local_sum", 4, None, None): (50.0, None),  # no link bytes
+                   ("nominal_ideal", None, None, None): (10.0, 200.0),
+                   ("scenario_ideal", None, None, None): (12.5, 160.0)}  # the 8-SM store figure was not measured
+    assert all(r["bytes_per_rank"] == 2 * 10**6 and r["git_commit"] == "abc" and r["world"] == 4 for r in rows)
+    ceiling.write_csv(tmp_path / "f.csv", rows, {"git_commit": "abc"})
+    import pandas as pd
+    df = pd.read_csv(tmp_path / "f.csv")
+    assert len(df) == 7 and df.loc[df["figure"] == "sm_local_sum", "gbps"].isna().all()
+    assert (tmp_path / "f.csv.json").read_text().startswith("{")

@@ -50,7 +50,8 @@ def test_overlap_and_ceiling_plans_read_back_equal(tmp_path):
     for verb, opts in (("overlap", OverlapOptions(("reference",), (4, 8), 1, 2, GemmSpec("experts", intermediate=512))),
                        ("ceiling", RunOptions((), (4,), 1, 2))):
         p = plan.Plan(verb=verb, scenario=s, options=opts, device="cuda", argv=(verb, SMOKE),
-                      results=tmp_path if verb == "overlap" else None, ranks_per_node=4)
+                      results=tmp_path if verb == "overlap" else None, ranks_per_node=4,
+                      csv=tmp_path / "c.csv" if verb == "ceiling" else None)
         assert plan.read(plan.write(p, tmp_path)) == p
 
 
