@@ -447,10 +447,11 @@ __global__ void __launch_bounds__(512, 1) ce_tail_kernel(EpParams p, const int4*
   const long long vpr = p.row_bytes / 16, v0 = first * vpr, vecs = n * vpr;  // vectors a row, the range's first, count
   const long long units = (vecs + kUnit - 1) / kUnit * np, warps = (long long)gridDim.x * (blockDim.x >> 5);
   const int4* src = x + v0;
+  const size_t seg = p.off_recv_x + (size_t)p.rank * p.max_tokens * p.row_bytes;  // my segment in a peer's buffer
   for (long long u = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); u < units; u += warps) {
     const int d = (p.rank + 1 + (int)(u % np)) % p.world;
     const long long base = (u / np) * kUnit;
-    int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + p.off_recv_x + (size_t)p.rank * p.max_tokens * p.row_bytes) + v0;
+    int4* dst = reinterpret_cast<int4*>(p.peer_base[d] + seg) + v0;
     int4 v[kU];
 #pragma unroll
     for (int k = 0; k < kU; ++k) {

@@ -432,8 +432,9 @@ class OpCeiling:
     counted_per_iter: Optional[List[Optional[float]]] = None
     # copy-engine time (max over ranks of the median) by streams per destination (CE_SPLITS)
     copy_engine_by_split: Dict[int, float] = field(default_factory=dict)
-    # combine only: a kernel on that many SMs summing the rows of each rank's tokens, every row local (csrc
-    # ceiling.cu ep_sum_ceiling): what a combine that sums on those SMs cannot beat, whoever moves the rows
+    # combine only: a register kernel on that many SMs summing the rows of each rank's tokens, every row local (csrc
+    # ceiling.cu ep_sum_ceiling, the faster of its shapes): a reference for the combine's SM side, not a bound (a pull
+    # with bulk copies beat it at 4 ranks, 4 SMs)
     sm_sum_us: Dict[int, Optional[float]] = field(default_factory=dict)
     # copy engines and the store kernel at once, each a share of every destination's bytes: by SM count, the
     # fastest share's time (max over ranks of the median) and that share (CE_SM_SHARES)
@@ -576,16 +577,18 @@ def ceiling_table(ceilings: List[OpCeiling], title: str):
     from epbench.console import number, table
 
     cols = ("op", "MB per rank", "copy engine us", "copy engine GB/s", "copy engine us by streams",
-            "SM stores us", "copy engine + SM stores us", "SM local sum us", "nominal ideal us", "nominal GB/s", "scenario ideal us", "NVML TX / computed")
+            "SM stores us", "copy engine + SM stores us", "SM local sum us", "nominal ideal us", "nominal GB/s",
+            "scenario ideal us", "NVML TX / computed")
     t = table(title, "bytes = NVLink bytes a rank sends (max over ranks); times in us "
               "(max over ranks of the median); GB/s = bytes / time; copy engine = the fastest of "
               "1, 2 and 4 streams per destination (each a piece of its bytes; by streams: each "
               "one's time); NVML TX / computed = NVLink bytes NVML counted per copy-engine "
               "iteration of one stream per destination over the bytes asked for (the rank "
               "furthest from 1); copy engine + SM stores = both at once, the copy engines a share of every "
-              "destination's bytes (the fastest of 25, 50, 75 %, in brackets), the store kernel the rest; SM local sum = a kernel on that many SMs summing each token's rows "
-              "(combine), every row already local, the faster of two kernel shapes: what a combine that sums on "
-              "those SMs with register loads reaches", [(c, "left" if c == "op" else "right") for c in cols])
+              "destination's bytes (the fastest of 25, 50, 75 %, in brackets), the store kernel the rest; "
+              "SM local sum = a kernel on that many SMs summing each token's rows (combine), every row already "
+              "local, the faster of two kernel shapes: what a combine that sums on those SMs with register loads "
+              "reaches", [(c, "left" if c == "op" else "right") for c in cols])
     for c in ceilings:
         sm = [f"{k}: {number(v)}" for k, v in c.sm_store_us.items() if v is not None]
         by = [f"{k}: {number(v)}" for k, v in c.copy_engine_by_split.items()]
