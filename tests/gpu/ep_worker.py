@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 4 tests/gpu/ep_worker.py check [--quick] [--own-rows ce]
     torchrun --nproc_per_node 4 tests/gpu/ep_worker.py bench [--sms 8,16,24,32] [--out DIR]
+    torchrun --nproc_per_node 4 tests/gpu/ep_worker.py trace --own-rows all --ce-share 75 --sms 4 [--with-combine]
 
 check: every edge case of the backend interface against epbench.verify (bit-exact dispatch,
 combine within its tolerance), fresh random inputs and poisoned outputs each time, both
@@ -10,6 +11,8 @@ backend's own_rows=ce (own rows by the copy engine, token-indexed, padding keyed
 (rank-major, quantize before), each also checked row by row against epbench/layout.py own_first_keys.
 bench: the h200x4 and DeepSeek-V3 shapes, bf16 and fp8, dispatch variants x SM counts;
 median of the per-call CUDA-event times, slowest rank; prints a table last.
+trace: one shape's dispatch (and combine) calls under torch.profiler: every kernel and copy per stream, median
+start and duration per rank (where the call's time goes beside its copies).
 Exit code 0 only if every check passed. The GPU tests run several checks in one launch through
 tests/gpu/suite_worker.py.
 """
@@ -464,9 +467,99 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     return 0
 
 
+# ---------------------------------------------------------------- trace
+def _call_activities(trace: dict) -> List[List[tuple]]:
+    """The GPU activities of each profiled call, from a kineto chrome trace: a call starts where a spin kernel
+    (torch.cuda._sleep, queued just before it) ends and stops at the next NCCL kernel (the all-reduce queued before
+    the next call's spin); each activity is (name, stream, start - call start, duration), times in us."""
+    acts = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+                   and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    calls: List[List[tuple]] = []
+    t0 = None
+    for e in acts:
+        name = e["name"]
+        if "spin" in name or "sleep" in name.lower():
+            t0 = e["ts"] + e["dur"]
+            calls.append([])
+        elif name.startswith("nccl"):
+            t0 = None
+        elif t0 is not None:
+            short = name.split("(")[0].split("<")[0].replace("void ", "").strip()
+            if e["cat"] != "kernel":
+                short = name
+            calls[-1].append((short, int(e.get("args", {}).get("stream", -1)), e["ts"] - t0, e["dur"]))
+    return [c for c in calls if c]
+
+
+def _median_timeline(calls: List[List[tuple]]) -> List[tuple]:
+    """Per activity (name, stream, n-th of that name on that stream in its call): median start and duration over
+    the calls, sorted by start; streams renumbered 0, 1, ... by first appearance."""
+    keyed: Dict[tuple, List[tuple]] = {}
+    for c in calls:
+        seen: Dict[tuple, int] = {}
+        for name, stream, start, dur in c:
+            k = (name, stream)
+            seen[k] = seen.get(k, 0) + 1
+            keyed.setdefault((name, stream, seen[k]), []).append((start, dur))
+    rows = [(k[0], k[1], statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals), len(vals))
+            for k, vals in keyed.items()]
+    rows.sort(key=lambda r: r[2])
+    order: Dict[int, int] = {}
+    for r in rows:
+        order.setdefault(r[1], len(order))
+    return [(name, order[stream], start, dur, n) for name, stream, start, dur, n in rows]
+
+
+def run_trace(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    """trace: every GPU activity (kernel, copy) of the dispatch call, and of the combine with --with-combine, on
+    each stream, from torch.profiler: median start from the call's start and duration over --iters calls, per
+    rank. Each call follows an all-reduce and a GPU spin (--presleep), so the host has queued it before it starts
+    and the times are the GPU's. With --out, each rank's chrome trace is kept there."""
+    from torch.profiler import ProfilerActivity, profile
+    shape = {c.name: c for c in SHAPES}[args.shape]
+    case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, "bf16")
+    extra = {k: v for k, v in (("combine_rows", args.combine_rows), ("ce_share", args.ce_share)) if v is not None}
+    one = torch.ones(1, device=device)
+    lines: List[str] = []
+    for sms in [int(s) for s in args.sms.split(",")]:
+        be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows, **extra)
+        routing = rank_routing(case, rank, world, seed=3)
+        inp = dispatch_input(make_tokens(routing.num_tokens, case.hidden, 7, rank, 99, device), routing, "bf16",
+                             device)
+        be.combine_in.copy_(torch.randn(be.combine_in.shape, device=device).to(torch.bfloat16))
+        timed = time_calls(be, inp, sms, args.warmup, args.iters, one, args.with_combine, args.presleep or 200000)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                dist.all_reduce(one)
+                torch.cuda._sleep(args.presleep or 200000)
+                out = be.dispatch(inp, sms)
+                if args.with_combine:
+                    be.combine(out, sms)
+            dist.all_reduce(one)
+            torch.cuda.synchronize()
+        be.check_errors()
+        be.close()
+        path = Path(args.out or "/tmp") / f"trace_{args.shape}_{args.own_rows}_sms{sms}_rank{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        timeline = _median_timeline(_call_activities(json.loads(path.read_text())))
+        if not args.out:
+            path.unlink()
+        mine = [f"rank {rank} sms={sms} {args.own_rows} {extra}: dispatch {timed['dispatch']:.1f} us"
+                + (f", combine {timed['combine']:.1f} us" if args.with_combine else "") + " (events, median)"]
+        mine += [f"  stream {s} {start:8.1f} +{dur:7.1f} -> {start + dur:8.1f}  {name} (x{n})"
+                 for name, s, start, dur, n in timeline]
+        gathered: List[List[str]] = [[] for _ in range(world)]
+        dist.all_gather_object(gathered, mine)
+        lines += [ln for g in gathered for ln in g]
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "bench"])
+    ap.add_argument("mode", choices=["check", "bench", "trace"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--mxfp8", action="store_true", help="check: the mxfp8 cases only (with --quick: the quick ones)")
     ap.add_argument("--expert-major", action="store_true", help="check: the expert-major layout cases (only those)")
@@ -501,6 +594,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--em-push", default=None, choices=["auto", "receiver", "sender", "wide"],
                     help="the backend's em_push (default: the backend's; check: given, the expert-major cases only)")
     ap.add_argument("--presleep", type=int, default=0, help="GPU spin cycles before each timed call")
+    ap.add_argument("--shape", default="dsv3", choices=[c.name for c in SHAPES], help="trace: the shape")
+    ap.add_argument("--with-combine", action="store_true", help="trace: the combine calls too")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
@@ -513,7 +608,7 @@ def main() -> int:
     # one GPU per rank where the host has enough, else ranks share them (gloo process group)
     device = init_distributed("cuda").device
     try:
-        run = {"check": run_check, "bench": run_bench}[args.mode]
+        run = {"check": run_check, "bench": run_bench, "trace": run_trace}[args.mode]
         failures = run(args, rank, world, device)
     finally:
         dist.destroy_process_group()
