@@ -36,8 +36,8 @@
 // peer also gets its key (me << 32 | t) in the peer's recv_key, from lane 0 beside the ids and weights.
 // own_rows all (p.own_ce == 2): no kernel moves a row. After the notify kernel (which proves every peer is done
 // with my segment of its buffers from the previous call) ep_dispatch copies x, x_scales, topk_idx and topk_w
-// into my segment of every peer with the copy engine, one stream per peer forked from the caller's stream and
-// joined again; then ce_keys_kernel writes the keys of my whole segment on every rank (mine included) and
+// into my segment of every peer with the copy engine, on one stream forked from the caller's stream and joined
+// again, the peers in ring order; then ce_keys_kernel writes the keys of my whole segment on every rank (mine included) and
 // releases done[me] as below. The copies complete before that kernel starts (stream order), so a peer that
 // sees done[me] sees my rows. ce_share < 100 (EP_OPT_CE_SHARE): the copy engines move only x rows [0, first),
 // first = T x share / 100, and ce_tail_kernel on the caller's stream stores rows [first, T) into every peer at
@@ -501,12 +501,16 @@ int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int e
   // after a wait has timed out (the error word the host sees) the notify no longer proves that the peers are done
   // with my segment of their buffers: no copy then (the kernels bail out as in the other modes)
   if (n > 0 && p.world > 1 && !ctx->host_error->flag) {
+    // One stream, the peers in ring order (me + 1, me + 2, ...): a GPU's copy engine runs its peer copies one at a
+    // time whatever the streams (measured: notes/LATENCY-NEXT.md, "a trace"), so with a stream per peer two ranks
+    // often wrote into one destination at once while another waited; in ring order each receives from one source
+    // at a time while the ranks keep step.
+    cudaStream_t s = ctx->ce_streams[0];
     CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
+    CUDA_CHECK(cudaStreamWaitEvent(s, ctx->ce_fork, 0));
     for (int i = 0; i + 1 < p.world; ++i) {
       const int d = (p.rank + 1 + i) % p.world;
-      cudaStream_t s = ctx->ce_streams[i];
       uint8_t* b = p.peer_base[d];
-      CUDA_CHECK(cudaStreamWaitEvent(s, ctx->ce_fork, 0));
       if (first > 0)
         CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, first * p.row_bytes,
                                    cudaMemcpyDefault, s));
@@ -517,14 +521,14 @@ int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int e
                                  n * p.topk * sizeof(long long), cudaMemcpyDefault, s));
       CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_w + seg * p.topk * sizeof(float), a.topk_w,
                                  n * p.topk * sizeof(float), cudaMemcpyDefault, s));
-      CUDA_CHECK(cudaEventRecord(ctx->ce_done[i], s));
     }
+    CUDA_CHECK(cudaEventRecord(ctx->ce_done[0], s));
     if (first < n) {  // the SM part, beside the copies
       ce_tail_kernel<<<num_sms, 512, 0, stream>>>(p, reinterpret_cast<const int4*>(a.x), (long long)first,
                                                   (long long)(n - first));
       CUDA_CHECK(cudaGetLastError());
     }
-    for (int i = 0; i + 1 < p.world; ++i) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[0], 0));
   }
   ce_keys_kernel<<<num_sms, 512, 0, stream>>>(p, a.num_tokens, epoch);
   CUDA_CHECK(cudaGetLastError());

@@ -5,10 +5,11 @@ row r of ``routing.Traffic.nvlink`` x row bytes; combine: column r, the same cop
 Two ideal transfers of exactly those bytes:
 
 copy engines
-    every rank issues asynchronous peer copies to every destination at once, all ranks at once
+    every rank issues asynchronous peer copies to every destination, all ranks at once
     (after the same cross-rank sync the driver uses): each destination's bytes in ``k``
-    contiguous pieces, each piece on a stream of its own (``k`` = 1, 2 and 4 are measured and the
-    fastest is the ceiling: one stream's copy may not fill the links, notes/LATENCY-NEXT.md). A
+    contiguous pieces, each piece on a stream of its own (``k`` = 1, 2 and 4), or every
+    destination's bytes whole on one stream in ring order (RING); the fastest is the ceiling
+    (a GPU's copy engine runs its peer copies one at a time, notes/LATENCY-NEXT.md). A
     rank's time per iteration runs from an event before the copies to one after the last; a
     ceiling time is the max over ranks of each rank's median -- the same rule as an operation's
     time.
@@ -347,6 +348,10 @@ class PeerBuffers:
 
 
 CE_SPLITS = (1, 2, 4)  # streams per destination measured for the copy-engine ceiling
+# ... and RING: every destination's bytes on one stream, in ring order (me + 1, me + 2, ...). A GPU's copy engine
+# runs its peer copies one at a time whatever the streams (notes/LATENCY-NEXT.md, "a trace"); in ring order each
+# destination receives from one source at a time while the ranks keep step.
+RING = "ring"
 
 
 def split_pieces(nbytes: int, k: int, align: int = 16) -> List[Tuple[int, int]]:
@@ -357,24 +362,33 @@ def split_pieces(nbytes: int, k: int, align: int = 16) -> List[Tuple[int, int]]:
     return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)] if nbytes > 0 else []
 
 
+def ring_dests(plan: List[List[int]], me: int) -> List[int]:
+    """The destinations rank ``me`` sends bytes to, in ring order: me + 1, me + 2, ... (mod world)."""
+    world = len(plan)
+    return [d for d in ((me + i) % world for i in range(1, world)) if plan[me][d] > 0]
+
+
 def copy_engine_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, source: Any,
-                           warmup: int, iters: int, split: int = 1) -> List[float]:
-    """This rank's per-iteration time for async peer copies to every destination, concurrently: each
-    destination's bytes in ``split`` contiguous pieces, one stream per piece."""
+                           warmup: int, iters: int, split: Any = 1) -> List[float]:
+    """This rank's per-iteration time for async peer copies to every destination: each destination's bytes in
+    ``split`` contiguous pieces, one stream per piece, all queued at once; or (``split`` RING) each destination's
+    bytes whole, one after another on one stream, in ring order."""
     import torch
 
     me = comm.rank
     rt = bufs.rt
-    dests = [d for d in range(comm.world) if d != me and plan[me][d] > 0]
+    dests = ring_dests(plan, me)
     dst = {d: bufs.peers[d] + recv_offsets(plan, d)[me] for d in dests}
-    pieces = [(d, off, n) for d in dests for off, n in split_pieces(plan[me][d], split)]
-    streams = [torch.cuda.Stream(device=comm.device) for _ in pieces]
+    ring = split == RING
+    pieces = [(d, off, n) for d in dests for off, n in split_pieces(plan[me][d], 1 if ring else split)]
+    streams = [torch.cuda.Stream(device=comm.device) for _ in (pieces[:1] if ring else pieces)]
     main = torch.cuda.current_stream(comm.device)
 
     def copies() -> None:
-        for st, (d, off, n) in zip(streams, pieces):
+        for st in streams:
             st.wait_stream(main)
-            rt.memcpy_async(dst[d] + off, source.data_ptr() + off, n, st.cuda_stream)
+        for i, (d, off, n) in enumerate(pieces):
+            rt.memcpy_async(dst[d] + off, source.data_ptr() + off, n, streams[0 if ring else i].cuda_stream)
         for st in streams:
             main.wait_stream(st)
 
@@ -394,27 +408,28 @@ def ce_share_bytes(nbytes: int, share: float, align: int = 16) -> int:
 
 def ce_and_store_samples_us(plan: List[List[int]], comm: Any, bufs: PeerBuffers, source: Any,
                             bind: StoreLauncher, sms: int, share: float, warmup: int, iters: int) -> List[float]:
-    """This rank's per-iteration time when the copy engines (one stream per destination) move the first
-    ``share`` of each destination's bytes and the store kernel on ``sms`` SMs the rest, all at once: what a
-    dispatch or combine that splits its rows between the two engines cannot beat."""
+    """This rank's per-iteration time when the copy engines (one stream, the destinations in ring order, as the
+    own_rows=all dispatch queues them) move the first ``share`` of each destination's bytes and the store kernel
+    on ``sms`` SMs the rest, all at once: what a dispatch or combine that splits its rows between the two engines
+    cannot beat."""
     import torch
 
     me, rt = comm.rank, bufs.rt
-    dests = [d for d in range(comm.world) if d != me and plan[me][d] > 0]
+    dests = ring_dests(plan, me)
     dst = {d: bufs.peers[d] + recv_offsets(plan, d)[me] for d in dests}
     ce = {d: ce_share_bytes(plan[me][d], share) for d in dests}
     store = bind({d: dst[d] + ce[d] for d in dests}, {d: plan[me][d] - ce[d] for d in dests},
                  source.data_ptr(), sms)
-    streams = {d: torch.cuda.Stream(device=comm.device) for d in dests if ce[d] > 0}
+    side = torch.cuda.Stream(device=comm.device)
     main = torch.cuda.current_stream(comm.device)
 
     def both(stream: Any) -> int:
-        for d, st in streams.items():
-            st.wait_stream(main)
-            rt.memcpy_async(dst[d], source.data_ptr(), ce[d], st.cuda_stream)
+        side.wait_stream(main)
+        for d in dests:
+            if ce[d] > 0:
+                rt.memcpy_async(dst[d], source.data_ptr(), ce[d], side.cuda_stream)
         rc = store(stream)
-        for st in streams.values():
-            main.wait_stream(st)
+        main.wait_stream(side)
         return rc
 
     return _timed_launches(both, "ep_store_ceiling", comm, warmup, iters)
@@ -430,8 +445,8 @@ class OpCeiling:
     scenario_ideal_us: Optional[float] = None  # the same at the scenario's topology.nvlink_gbps
     # NVLink TX bytes NVML counted per copy-engine iteration, per rank (None: no counter)
     counted_per_iter: Optional[List[Optional[float]]] = None
-    # copy-engine time (max over ranks of the median) by streams per destination (CE_SPLITS)
-    copy_engine_by_split: Dict[int, float] = field(default_factory=dict)
+    # copy-engine time (max over ranks of the median) by streams per destination (CE_SPLITS) and for RING
+    copy_engine_by_split: Dict[Any, float] = field(default_factory=dict)
     # combine only: a register kernel on that many SMs summing the rows of each rank's tokens, every row local (csrc
     # ceiling.cu ep_sum_ceiling, the faster of its shapes): a reference for the combine's SM side, not a bound (a pull
     # with bulk copies beat it at 4 ranks, 4 SMs)
@@ -442,8 +457,8 @@ class OpCeiling:
     ce_sm_share: Dict[int, float] = field(default_factory=dict)
 
     @property
-    def copy_engine_split(self) -> Optional[int]:
-        """The streams per destination of the copy-engine ceiling (the fastest measured)."""
+    def copy_engine_split(self) -> Any:
+        """The streams per destination of the copy-engine ceiling (the fastest measured), or RING."""
         return min(self.copy_engine_by_split, key=self.copy_engine_by_split.get) if self.copy_engine_by_split else None
 
     def counted_vs_computed(self) -> Optional[float]:
@@ -501,7 +516,7 @@ def measure_ceilings(s: Any, tr: Traffic, comm: Any, warmup: int, iters: int,
             dist.all_gather_object(c.counted_per_iter,
                                    tx / (warmup + iters) if tx is not None else None)
             c.copy_engine_by_split[1] = _max_over_ranks(samples, comm)
-            for k in CE_SPLITS[1:]:
+            for k in CE_SPLITS[1:] + (RING,):
                 c.copy_engine_by_split[k] = _max_over_ranks(
                     copy_engine_samples_us(m, comm, bufs, source, warmup, iters, split=k), comm)
             c.copy_engine_us = min(c.copy_engine_by_split.values())
@@ -581,11 +596,12 @@ def ceiling_table(ceilings: List[OpCeiling], title: str):
             "scenario ideal us", "NVML TX / computed")
     t = table(title, "bytes = NVLink bytes a rank sends (max over ranks); times in us "
               "(max over ranks of the median); GB/s = bytes / time; copy engine = the fastest of "
-              "1, 2 and 4 streams per destination (each a piece of its bytes; by streams: each "
-              "one's time); NVML TX / computed = NVLink bytes NVML counted per copy-engine "
+              "1, 2 and 4 streams per destination (each a piece of its bytes) and ring (one stream, the "
+              "destinations one after another from rank + 1 on); by streams: each one's time; NVML TX / computed = NVLink bytes NVML counted per copy-engine "
               "iteration of one stream per destination over the bytes asked for (the rank "
               "furthest from 1); copy engine + SM stores = both at once, the copy engines a share of every "
-              "destination's bytes (the fastest of 25, 50, 75 %, in brackets), the store kernel the rest; "
+              "destination's bytes on one stream in ring order (the fastest of 25, 50, 75 %, in brackets), the "
+              "store kernel the rest; "
               "SM local sum = a kernel on that many SMs summing each token's rows (combine), every row already "
               "local, the faster of two kernel shapes: what a combine that sums on those SMs with register loads "
               "reaches", [(c, "left" if c == "op" else "right") for c in cols])
@@ -687,7 +703,7 @@ def figure_rows(s: Any, ceilings: List[OpCeiling], commit: str) -> List[Dict[str
 
     for c in ceilings:
         for k, t in c.copy_engine_by_split.items():
-            add(c, "copy_engine", t, streams=k)
+            add(c, "copy_engine_ring" if k == RING else "copy_engine", t, streams=1 if k == RING else k)
         for sms, t in c.sm_store_us.items():
             add(c, "sm_stores", t, sms=sms)
         for sms, t in c.ce_sm_us.items():

@@ -339,8 +339,9 @@ def test_copy_engine_and_store_ceiling_splits_every_destination_between_the_two_
     assert bound == {"dst": {1: 10_496, 2: 20_032}, "nbytes": {1: 504, 2: 32}, "src": 5, "sms": 4}
     kinds = [e[0] for e in events]
     store_at = kinds.index("store")
-    assert kinds[:store_at].count("wait") == 2 and kinds[:store_at].count("ce") == 2  # copies start first
-    assert events[store_at + 1:] == [("wait", "main", "side"), ("wait", "main", "side")]
+    # one side stream, forked once; the copies queued first, in ring order (peer 1, then 2); joined once
+    assert kinds[:store_at] == ["wait", "ce", "ce"] and [e[1] for e in events[1:3]] == [10_000, 20_000]
+    assert events[store_at + 1:] == [("wait", "main", "side")]
     assert ceiling.ce_share_bytes(1000, 0.25) == 240 and ceiling.ce_share_bytes(15, 0.75) == 0
 
 
@@ -360,13 +361,14 @@ def test_copy_engine_and_store_ceiling_reaches_the_rows_and_table_with_its_share
 def test_every_measured_figure_is_one_csv_row_with_its_bandwidth_where_it_crossed_a_link(tmp_path) -> None:
     s = scenario(hidden=256, tokens_per_rank=16, topk=4, experts_per_rank=4)
     c = ceiling.OpCeiling("combine", [10**6, 2 * 10**6], 20.0, {4: 40.0, 8: None}, 10.0, scenario_ideal_us=12.5)
-    c.copy_engine_by_split = {1: 20.0, 2: 25.0}
+    c.copy_engine_by_split = {1: 20.0, 2: 25.0, ceiling.RING: 40.0}
     c.ce_sm_us, c.ce_sm_share = {4: 16.0}, {4: 0.75}
     c.sm_sum_us = {4: 50.0}
     rows = ceiling.figure_rows(s, [c], "abc")
     got = {(r["figure"], r["sms"], r["streams"], r["ce_share"]): (r["time_us"], r["gbps"] and round(r["gbps"], 9))
            for r in rows}
     assert got == {("copy_engine", None, 1, None): (20.0, 100.0), ("copy_engine", None, 2, None): (25.0, 80.0),
+                   ("copy_engine_ring", None, 1, None): (40.0, 50.0),
                    ("sm_stores", 4, None, None): (40.0, 50.0),
                    ("copy_engine_and_sm_stores", 4, None, 0.75): (16.0, 125.0),
                    ("sm_local_sum", 4, None, None): (50.0, None),  # no link bytes
@@ -376,5 +378,57 @@ def test_every_measured_figure_is_one_csv_row_with_its_bandwidth_where_it_crosse
     ceiling.write_csv(tmp_path / "f.csv", rows, {"git_commit": "abc"})
     import pandas as pd
     df = pd.read_csv(tmp_path / "f.csv")
-    assert len(df) == 7 and df.loc[df["figure"] == "sm_local_sum", "gbps"].isna().all()
+    assert len(df) == 8 and df.loc[df["figure"] == "sm_local_sum", "gbps"].isna().all()
     assert (tmp_path / "f.csv.json").read_text().startswith("{")
+
+
+def test_ring_copies_go_one_after_another_on_one_stream_from_the_next_rank_on(monkeypatch) -> None:
+    """RING: every destination's bytes whole, on one stream, in the order me + 1, me + 2, ... (wrapping), skipping
+    a peer this rank sends nothing; the timed region ends only after that stream; the split variant keeps a
+    stream per piece."""
+    events = []
+
+    class FakeStream:
+        def __init__(self, device=None, name=None):
+            self.name = name or f"s{sum(1 for e in events if e[0] == 'new')}"
+            self.cuda_stream = self.name
+            events.append(("new", self.name))
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    main = FakeStream(name="main")
+    events.clear()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: main)
+
+    class Timer:
+        def __init__(self, device, n):
+            self.n = n
+
+        def time(self, i, fn, align=None):
+            fn()
+
+        def samples_us(self, skip):
+            return [1.0]
+
+    monkeypatch.setattr(ceiling, "Timer", Timer)
+
+    class Rt:
+        def memcpy_async(self, dst, src, n, stream):
+            events.append(("ce", dst, n, stream))
+
+    plan = [[0, 0, 0, 0], [0, 0, 0, 0], [48, 32, 0, 16], [0, 0, 0, 0]]  # rank 2 sends to 3, 0, 1 in ring order
+    assert ceiling.ring_dests(plan, 2) == [3, 0, 1] and ceiling.ring_dests(plan, 0) == []
+    comm = types.SimpleNamespace(rank=2, world=4, device="cuda:2", sync=None)
+    bufs = types.SimpleNamespace(rt=Rt(), peers={0: 1000, 1: 2000, 3: 3000})
+    source = types.SimpleNamespace(data_ptr=lambda: 0)
+    ceiling.copy_engine_samples_us(plan, comm, bufs, source, 0, 1, split=ceiling.RING)
+    copies = [e for e in events if e[0] == "ce"]
+    assert [(e[1], e[2]) for e in copies] == [(3000, 16), (1000, 48), (2000, 32)]
+    assert {e[3] for e in copies} == {"s0"} and [e for e in events if e[0] == "new"] == [("new", "s0")]
+    assert events[-1] == ("wait", "main", "s0")
+    events.clear()
+    ceiling.copy_engine_samples_us(plan, comm, bufs, source, 0, 1, split=2)
+    # a stream per piece: 2 pieces for 48 and 32 bytes, 1 for 16 (pieces are 16-byte aligned)
+    assert len({e[3] for e in events if e[0] == "ce"}) == 5

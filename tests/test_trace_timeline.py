@@ -18,7 +18,7 @@ def test_calls_split_at_spin_and_nccl_and_medians_per_stream():
         base = i * 1000
         events += [ev("ncclDevKernel_AllReduce", "kernel", base, 5, 7),
                    ev("void at::cuda::(anonymous namespace)::spin_kernel(long)", "kernel", base + 10, 90, 7),
-                   ev("void notify_kernel<1>(EpParams)", "kernel", base + 100 + 2, k, 7),
+                   ev("void (anonymous namespace)::notify_kernel<1>(EpParams)", "kernel", base + 100 + 2, k, 7),
                    ev("Memcpy PtoP (Device -> Device)", "gpu_memcpy", base + 100 + 20, copy, 21),
                    ev("Memcpy PtoP (Device -> Device)", "gpu_memcpy", base + 100 + 20 + copy, 5, 21),
                    ev("ce_keys_kernel(EpParams, int, int)", "kernel", base + 100 + 95, 3, 7),

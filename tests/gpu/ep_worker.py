@@ -484,7 +484,7 @@ def _call_activities(trace: dict) -> List[List[tuple]]:
         elif name.startswith("nccl"):
             t0 = None
         elif t0 is not None:
-            short = name.split("(")[0].split("<")[0].replace("void ", "").strip()
+            short = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0].replace("void ", "").strip()
             if e["cat"] != "kernel":
                 short = name
             calls[-1].append((short, int(e.get("args", {}).get("stream", -1)), e["ts"] - t0, e["dur"]))
