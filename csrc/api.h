@@ -136,9 +136,11 @@ int ep_set_option(void* ctx, int key, int value);
 // own_rows 1: the kernels never write rows [0, T) of recv_x / recv_scales / recv_idx / recv_w; the caller puts
 // x, x_scales, topk_idx and topk_w there itself, stream-ordered before it reads the output (the backend copies
 // them on a side stream forked before this call and joined after it). They write recv_key and everything else.
-// own_rows 2: the same for my own rows at rows [me * max_tokens, me * max_tokens + T); ep_dispatch copies the
-// peers' rows (cudaMemcpyAsync, one stream per peer forked from `stream` after the notify kernel and joined
-// before a small kernel that writes every row's key of my segment on each rank and signals completion).
+// own_rows 2: every source's rows by token index at rows [s * max_tokens, s * max_tokens + T_s) on every rank;
+// ep_dispatch fills my segment everywhere, my own rank's included: x (and x_scales) by cudaMemcpyAsync after the
+// notify kernel (the peers on one stream in ring order, my own rank on another, both forked from `stream` and
+// joined), topk_idx, topk_w and every row's key by a small kernel meanwhile, then a one-block kernel signals
+// completion. The caller copies nothing.
 int ep_dispatch(void* ctx, const void* x, const void* x_scales, const void* topk_idx, const void* topk_w,
                 int num_tokens, int num_sms, int impl, int warps, int epoch, void* stream);
 int ep_combine(void* ctx, void* out, const void* topk_idx, const void* topk_w, int num_tokens, int num_sms,

@@ -199,9 +199,9 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.peer_base[p.rank] = ctx->region;
 
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx->max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cfg->device));
-  if (p.own_ce == 2) {  // own_rows all: a copy stream per peer, forked and joined by events (dispatch.cu)
+  if (p.own_ce == 2) {  // own_rows all: copy streams forked and joined by events (dispatch.cu: 2; combine.cu: more)
     CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_fork, cudaEventDisableTiming));
-    for (int i = 0; i < (cfg->combine_ce ? kCeStreams : 1) * (cfg->world - 1); ++i) {
+    for (int i = 0; i < std::max(2, (cfg->combine_ce ? kCeStreams : 1) * (cfg->world - 1)); ++i) {
       CUDA_CHECK(cudaStreamCreateWithFlags(&ctx->ce_streams[i], cudaStreamNonBlocking));
       CUDA_CHECK(cudaEventCreateWithFlags(&ctx->ce_done[i], cudaEventDisableTiming));
     }

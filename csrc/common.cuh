@@ -189,7 +189,7 @@ struct EpContext {
   int combine_stages;  // stages per combine warp (EP_OPT_COMBINE_STAGES)
   int combine_chunk;   // combine bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
   ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
-  // own_rows all (p.own_ce == 2): the peers' copies on stream 0, in ring order (peer me + 1 + i i-th); combine_ce
+  // own_rows all (p.own_ce == 2): the peers' copies on stream 0, in ring order (peer me + 1 + i i-th), my own on 1; combine_ce
   // pushes a peer's chunk c on stream i + (c % ce_streams) * (world - 1) (several copy queues, so one chunk's flag
   // write and the next copy's start overlap another stream's copy)
   cudaEvent_t ce_fork;

@@ -35,14 +35,14 @@
 // the caller's copy engine put x, scales, ids and weights at rows [0, T) of my buffers); every row sent to a
 // peer also gets its key (me << 32 | t) in the peer's recv_key, from lane 0 beside the ids and weights.
 // own_rows all (p.own_ce == 2): no kernel moves a row. After the notify kernel (which proves every peer is done
-// with my segment of its buffers from the previous call) ep_dispatch copies x, x_scales, topk_idx and topk_w
-// into my segment of every peer with the copy engine, on one stream forked from the caller's stream and joined
-// again, the peers in ring order; then ce_keys_kernel writes the keys of my whole segment on every rank (mine included) and
-// releases done[me] as below. The copies complete before that kernel starts (stream order), so a peer that
-// sees done[me] sees my rows. ce_share < 100 (EP_OPT_CE_SHARE): the copy engines move only x rows [0, first),
+// with my segment of its buffers from the previous call) ep_dispatch copies x (and x_scales) into my segment of
+// every peer with the copy engine, on one stream forked from the caller's stream and joined again, the peers in
+// ring order, and my own rows into my own segment on a second stream; ce_meta_kernel meanwhile stores topk_idx,
+// topk_w and the keys of my whole segment on every rank (mine included); then ce_release_kernel releases done[me]
+// as below. The copies and the meta kernel complete before it starts (stream order), so a peer that sees done[me]
+// sees my rows. ce_share < 100 (EP_OPT_CE_SHARE): the copy engines move only x rows [0, first),
 // first = T x share / 100, and ce_tail_kernel on the caller's stream stores rows [first, T) into every peer at
-// the same time (scales, ids and weights still all by copy engine); the key kernel runs after both, so the same
-// holds for the stored rows.
+// the same time (scales still all by copy engine).
 // Completion (grid_release_and_wait in common.cuh): every thread fences at system scope; the
 // last block to finish stores done[me] = epoch into every rank's signals with st.release.sys,
 // then waits until done[s] == epoch for every source s in my signals, so the kernel ends only
@@ -422,18 +422,36 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_lean_kernel(EpParams p, 
   if constexpr (kEm == 3) em_local_copies<true>(p, last, epoch);  // em_push 2: wide
 }
 
-// own_rows all: the key of every row of my segment [me * max_tokens, (me + 1) * max_tokens) on every rank d:
-// me << 32 | t where token t goes to d, else -1 (t not routed there, or t >= num_tokens); then completion.
-__global__ void __launch_bounds__(512, 1) ce_keys_kernel(EpParams p, int num_tokens, int epoch) {
-  const int world = p.world, cap = p.max_tokens;
+// own_rows all: what rides beside the copy engines' x rows, on every rank d (mine included), in my segment
+// [me * max_tokens, (me + 1) * max_tokens): each row's key, me << 32 | t where token t goes to d, else -1 (t not
+// routed there, or t >= num_tokens), and for t < num_tokens its ids and weights (topk_idx / topk_w rows t, whether
+// routed to d or not, as a copy of the whole tensors would). Runs while the copies run; ce_release_kernel
+// signals completion after both.
+__global__ void __launch_bounds__(512, 1) ce_meta_kernel(EpParams p, const int64_t* idx, const float* w,
+                                                         int num_tokens) {
+  const int world = p.world, cap = p.max_tokens, k = p.topk;
   const long long total = (long long)world * cap, step = (long long)gridDim.x * blockDim.x;
-  const bool aborted = ld_volatile(p.dev_error) != 0;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; !aborted && i < total; i += step) {
+  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (ld_volatile(p.dev_error) != 0) return;
+  const size_t seg = (size_t)p.rank * cap;
+  for (long long i = first; i < total; i += step) {
     const int d = (int)(i / cap), t = (int)(i - (long long)d * cap);
     const bool sent = t < num_tokens && p.slot_map[(size_t)t * world + d] >= 0;
     long long* key = reinterpret_cast<long long*>(p.peer_base[d] + p.off_recv_key);
-    key[(size_t)p.rank * cap + t] = sent ? ((long long)p.rank << 32 | t) : -1ll;
+    key[seg + t] = sent ? ((long long)p.rank << 32 | t) : -1ll;
   }
+  const long long elems = (long long)num_tokens * k, all = elems * world;  // (d, t x k + j): one id and weight each
+  for (long long i = first; i < all; i += step) {
+    const int d = (int)(i / elems);
+    const long long e = i - (long long)d * elems;
+    reinterpret_cast<int64_t*>(p.peer_base[d] + p.off_recv_idx)[seg * k + e] = idx[e];
+    reinterpret_cast<float*>(p.peer_base[d] + p.off_recv_w)[seg * k + e] = w[e];
+  }
+}
+
+// own_rows all: completion after the copies and ce_meta_kernel (stream order): done[me] into every rank, then the
+// wait for every source's (grid_release_and_wait, one block).
+__global__ void __launch_bounds__(32, 1) ce_release_kernel(EpParams p, int epoch) {
   grid_release_and_wait(p, kCounterDispatch, p.sig.done_off, epoch, kPhaseDispatch);
 }
 
@@ -492,45 +510,57 @@ constexpr DispatchKernel kDispatchKernels[2][2][3] = {
       dispatch_kernel<4, 1024, true, 2, kEm>()}},
 };
 
-// own_rows all: the peers' copies (see the header; ce_share < 100: rows [first, n) of x by ce_tail_kernel on
-// `num_sms` blocks meanwhile), then the key kernel on `num_sms` blocks.
+// own_rows all (see the header): after the notify kernel, my own x rows (and scales) into my segment by a local
+// copy on copy stream 1, the peers' on copy stream 0 in ring order (ce_share < 100: x rows [first, n) by
+// ce_tail_kernel on `num_sms` blocks meanwhile), ids, weights and keys by ce_meta_kernel on `num_sms` blocks, then
+// ce_release_kernel once all of it has landed. The own copy comes after the notify kernel: beside it, it made the
+// notify take 28-29 us instead of 13-17 (notes/LATENCY-NEXT.md, "a trace").
 int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int epoch, cudaStream_t stream) {
   const EpParams& p = ctx->p;
   const size_t seg = (size_t)p.rank * p.max_tokens, n = (size_t)a.num_tokens;  // my segment's first row
   const size_t first = n * ctx->ce_share / 100;  // x rows [0, first) by copy engine, the rest by SM stores
   // after a wait has timed out (the error word the host sees) the notify no longer proves that the peers are done
   // with my segment of their buffers: no copy then (the kernels bail out as in the other modes)
-  if (n > 0 && p.world > 1 && !ctx->host_error->flag) {
-    // One stream, the peers in ring order (me + 1, me + 2, ...): a GPU's copy engine runs its peer copies one at a
-    // time whatever the streams (measured: notes/LATENCY-NEXT.md, "a trace"), so with a stream per peer two ranks
-    // often wrote into one destination at once while another waited; in ring order each receives from one source
-    // at a time while the ranks keep step.
-    cudaStream_t s = ctx->ce_streams[0];
+  const bool copies = n > 0 && !ctx->host_error->flag;
+  auto rows = [&](int d, size_t x_rows, cudaStream_t s) -> int {  // x rows [0, x_rows) and every row's scales to d
+    uint8_t* b = p.peer_base[d];
+    if (x_rows > 0)
+      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, x_rows * p.row_bytes, cudaMemcpyDefault, s));
+    if (a.x_scales != nullptr)  // recv_scales rows may be wider than the caller's (mxfp8: 16-byte stride)
+      CUDA_CHECK(cudaMemcpy2DAsync(b + p.off_recv_scales + seg * p.scale_stride, p.scale_stride, a.x_scales,
+                                   p.scale_bytes, p.scale_bytes, n, cudaMemcpyDefault, s));
+    return 0;
+  };
+  if (copies) {
     CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
-    CUDA_CHECK(cudaStreamWaitEvent(s, ctx->ce_fork, 0));
-    for (int i = 0; i + 1 < p.world; ++i) {
-      const int d = (p.rank + 1 + i) % p.world;
-      uint8_t* b = p.peer_base[d];
-      if (first > 0)
-        CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, first * p.row_bytes,
-                                   cudaMemcpyDefault, s));
-      if (a.x_scales != nullptr)  // recv_scales rows may be wider than the caller's (mxfp8: 16-byte stride)
-        CUDA_CHECK(cudaMemcpy2DAsync(b + p.off_recv_scales + seg * p.scale_stride, p.scale_stride, a.x_scales,
-                                     p.scale_bytes, p.scale_bytes, n, cudaMemcpyDefault, s));
-      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_idx + seg * p.topk * sizeof(long long), a.topk_idx,
-                                 n * p.topk * sizeof(long long), cudaMemcpyDefault, s));
-      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_w + seg * p.topk * sizeof(float), a.topk_w,
-                                 n * p.topk * sizeof(float), cudaMemcpyDefault, s));
+    cudaStream_t own = ctx->ce_streams[1];
+    CUDA_CHECK(cudaStreamWaitEvent(own, ctx->ce_fork, 0));
+    if (rows(p.rank, n, own) != 0) return -1;
+    CUDA_CHECK(cudaEventRecord(ctx->ce_done[1], own));
+    if (p.world > 1) {
+      // One stream, the peers in ring order (me + 1, me + 2, ...): a GPU's copy engine runs its peer copies one at
+      // a time whatever the streams (measured: notes/LATENCY-NEXT.md, "a trace"), so with a stream per peer two
+      // ranks often wrote into one destination at once while another waited; in ring order each receives from one
+      // source at a time while the ranks keep step.
+      cudaStream_t s = ctx->ce_streams[0];
+      CUDA_CHECK(cudaStreamWaitEvent(s, ctx->ce_fork, 0));
+      for (int i = 0; i + 1 < p.world; ++i)
+        if (rows((p.rank + 1 + i) % p.world, first, s) != 0) return -1;
+      CUDA_CHECK(cudaEventRecord(ctx->ce_done[0], s));
     }
-    CUDA_CHECK(cudaEventRecord(ctx->ce_done[0], s));
-    if (first < n) {  // the SM part, beside the copies
+  }
+  ce_meta_kernel<<<num_sms, 512, 0, stream>>>(p, a.topk_idx, a.topk_w, a.num_tokens);
+  CUDA_CHECK(cudaGetLastError());
+  if (copies) {
+    if (first < n && p.world > 1) {  // the SM part, beside the copies
       ce_tail_kernel<<<num_sms, 512, 0, stream>>>(p, reinterpret_cast<const int4*>(a.x), (long long)first,
                                                   (long long)(n - first));
       CUDA_CHECK(cudaGetLastError());
     }
-    CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[0], 0));
+    if (p.world > 1) CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[0], 0));
+    CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[1], 0));
   }
-  ce_keys_kernel<<<num_sms, 512, 0, stream>>>(p, a.num_tokens, epoch);
+  ce_release_kernel<<<1, 32, 0, stream>>>(p, epoch);
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }
@@ -605,7 +635,7 @@ extern "C" int ep_dispatch(void* vctx, const void* x, const void* x_scales, cons
   }
   ep_effective& eff = ctx->effective;
   eff.dispatch_impl = impl;
-  eff.dispatch_warps = p.own_ce == 2 ? 16 : warps;  // own_rows all: the key kernel's 512 threads ran, no row kernel
+  eff.dispatch_warps = p.own_ce == 2 ? 16 : warps;  // own_rows all: the meta kernel's 512 threads ran, no row kernel
   eff.dispatch_sms = num_sms;
   eff.dispatch_scale_block = p.num_scales > 0 ? p.hidden / p.num_scales : 0;
   eff.dispatch_fused = p.fused;

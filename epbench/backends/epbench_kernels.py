@@ -35,9 +35,10 @@ kernel shifts its offsets by T). A token not routed to its own rank leaves a pad
 own_first_keys), and ``num_recv`` = T + the peers' rows. Combine reads token t's own row at row t.
 Notes: notes/LATENCY-NEXT.md section 3 (Plan A).
 ``own_rows=all`` (same limits): every source s's rows by token index at rows [s x max_tokens, s x max_tokens + T_s)
-of every rank's buffer; the own rows copied as for ``ce`` (into my segment), the peers' by ep_dispatch with the copy
-engine after the notify kernel, and a small kernel writes every row's key (-1 where the token is not routed there)
-and signals completion: no SM moves a row. ``num_recv`` = world x max_tokens (epbench/layout.py by_source_keys).
+of every rank's buffer; after the notify kernel ep_dispatch copies x (and scales) with the copy engine, into the
+peers on one stream in ring order and into my own segment on another, while a small kernel stores ids, weights and
+every row's key (-1 where the token is not routed there); a one-block kernel then signals completion: no SM moves
+a row. ``num_recv`` = world x max_tokens (epbench/layout.py by_source_keys).
 Notes: notes/LATENCY-NEXT.md (Plan C).
 ``combine_rows=ce`` (needs ``own_rows=all``; default ``pull``): a holder's rows of source s are then one range, which
 its copy engine pushes into s's staging buffer inside ``combine`` (16 chunks, each followed by a flag written by
@@ -257,7 +258,8 @@ class EpbenchBackend(NormalMode):
         self._checked: Optional[tuple] = None  # tensors of the last input that passed _check_input
         self._out_ptr = self.out.data_ptr()
         self._out_t, self._out_view = setup.max_tokens_per_rank, self.out
-        self._own_copy: Optional[_OwnRowsCopy] = _OwnRowsCopy(self.device) if self.own_rows != "sm" else None
+        # own_rows ce: the caller's copy of its own rows (own_rows all: ep_dispatch copies them itself)
+        self._own_copy: Optional[_OwnRowsCopy] = _OwnRowsCopy(self.device) if self.own_rows == "ce" else None
         self._own_t, self._own_dst = -1, ()  # own_rows ce: rows [0, T) of each receive buffer, made once per T
 
     # ---- set-up ----
@@ -386,11 +388,9 @@ class EpbenchBackend(NormalMode):
 
     def _own_rows_dst(self, t: int) -> tuple:
         """own_rows ce: rows [0, t) of recv_x, recv_scales (None without scales), recv_idx and recv_w, in the
-        order of the dispatch input's x, x_scales, topk_idx, topk_weights (views made once per t); own_rows all:
-        rows [a, a + t) of them, a = rank x max_tokens (my segment, as on every peer)."""
+        order of the dispatch input's x, x_scales, topk_idx, topk_weights (views made once per t)."""
         if t != self._own_t:
-            a = self.s.rank * self.s.max_tokens_per_rank if self.own_rows == "all" else 0
-            rows = slice(a, a + t)
+            rows = slice(0, t)
             scales = self.recv_scales[rows] if self._scales_in else None
             self._own_t, self._own_dst = t, (self.recv_x[rows], scales, self.recv_idx[rows], self.recv_w[rows])
         return self._own_dst
