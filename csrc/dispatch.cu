@@ -525,7 +525,8 @@ int dispatch_by_copies(EpContext* ctx, const DispatchArgs& a, int num_sms, int e
   auto rows = [&](int d, size_t x_rows, cudaStream_t s) -> int {  // x rows [0, x_rows) and every row's scales to d
     uint8_t* b = p.peer_base[d];
     if (x_rows > 0)
-      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, x_rows * p.row_bytes, cudaMemcpyDefault, s));
+      CUDA_CHECK(cudaMemcpyAsync(b + p.off_recv_x + seg * p.row_bytes, a.x, x_rows * p.row_bytes, cudaMemcpyDefault,
+                                 s));
     if (a.x_scales != nullptr)  // recv_scales rows may be wider than the caller's (mxfp8: 16-byte stride)
       CUDA_CHECK(cudaMemcpy2DAsync(b + p.off_recv_scales + seg * p.scale_stride, p.scale_stride, a.x_scales,
                                    p.scale_bytes, p.scale_bytes, n, cudaMemcpyDefault, s));
