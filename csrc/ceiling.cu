@@ -188,3 +188,110 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }
+
+// What num_blocks SMs move through this GPU's own memory (no link), one block per SM, in three ways; the local-sum
+// kernel above is the fourth (k rows in, one out). The rows are those of the sum: token t's row j is row
+// j * rows_out + t of src ([k][rows_out][hidden] bf16), a warp (or, for bulk loads, a block) per token.
+//   EP_SM_LOAD       16-byte register loads, 16 vectors a lane in flight (128 KiB a SM at 512 threads); each
+//                    token's k rows folded by XOR into words[t]: the loads cannot be dropped, the result checked.
+//   EP_SM_BULK_LOAD  TMA bulk copies of 7 KiB pieces into a ring of shared memory (kBulkStages x 7 KiB in flight a
+//                    SM) issued by one thread a block; the first word of each piece folded into words[block].
+//   EP_SM_STORE      16-byte register stores of one row per token into out, vector v of row t = (t, v, t ^ v, 1).
+namespace {
+
+enum SmMemMode { EP_SM_LOAD = 0, EP_SM_BULK_LOAD = 1, EP_SM_STORE = 2 };
+constexpr int kLoadU = 16;
+constexpr int kBulkPiece = 7168;  // bytes of one bulk copy (half a 7168-wide bf16 row)
+constexpr int kBulkStages = 28;   // 196 KiB of shared memory a block
+
+__global__ void __launch_bounds__(512, 1) sm_load_kernel(int* words, const int4* src, int rows_out, int k, int V) {
+  const int lane = threadIdx.x & 31;
+  const int G = gridDim.x * (blockDim.x >> 5);
+  const long long n = (long long)k * V;  // the token's vectors, row after row
+  for (int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < rows_out; t += G) {
+    int fold = 0;
+    int j = 0, c = lane;  // row and vector of the lane's next load (a step of 32 wraps into the next row at most once)
+    for (long long i0 = 0; i0 < n; i0 += 32 * kLoadU) {
+      int4 x[kLoadU];
+      bool got[kLoadU];
+#pragma unroll
+      for (int u = 0; u < kLoadU; ++u) {
+        got[u] = j < k;
+        if (got[u]) x[u] = ld_nc_v4(src + ((size_t)j * rows_out + t) * V + c);
+        c += 32;
+        if (c >= V) c -= V, ++j;
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadU; ++u)
+        if (got[u]) fold ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) fold ^= __shfl_xor_sync(0xffffffffu, fold, o);
+    if (lane == 0) words[t] = fold;
+  }
+}
+
+__global__ void __launch_bounds__(32, 1) sm_bulk_load_kernel(int* words, const char* src, int rows_out, int k,
+                                                             int row_bytes) {
+  extern __shared__ __align__(128) char ring[];
+  __shared__ uint64_t bars[kBulkStages];
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < kBulkStages; ++s) mbar_init(bars + s, 1);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  const int pieces = (row_bytes + kBulkPiece - 1) / kBulkPiece;
+  int fold = 0;
+  long long c = 0;  // pieces issued by this block
+  for (int t = blockIdx.x; t < rows_out; t += gridDim.x)
+    for (int j = 0; j < k; ++j)
+      for (int q = 0; q < pieces; ++q, ++c) {
+        const int s = (int)(c % kBulkStages);
+        if (c >= kBulkStages) {  // the stage's previous piece: landed before its slot is reused
+          mbar_wait(bars + s, (uint32_t)(((c - kBulkStages) / kBulkStages) & 1));
+          fold ^= *reinterpret_cast<const int*>(ring + (size_t)s * kBulkPiece);
+        }
+        const uint32_t bytes = (uint32_t)min(kBulkPiece, row_bytes - q * kBulkPiece);
+        mbar_expect_tx(bars + s, bytes);
+        bulk_load(ring + (size_t)s * kBulkPiece, src + ((size_t)j * rows_out + t) * row_bytes + (size_t)q * kBulkPiece,
+                  bytes, bars + s);
+      }
+  for (long long d = c > kBulkStages ? c - kBulkStages : 0; d < c; ++d) {
+    const int s = (int)(d % kBulkStages);
+    mbar_wait(bars + s, (uint32_t)((d / kBulkStages) & 1));
+    fold ^= *reinterpret_cast<const int*>(ring + (size_t)s * kBulkPiece);
+  }
+  words[blockIdx.x] = fold;
+}
+
+__global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_out, int V) {
+  const int lane = threadIdx.x & 31;
+  const int G = gridDim.x * (blockDim.x >> 5);
+  for (int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < rows_out; t += G)
+    for (int v = lane; v < V; v += 32) st_v4(out + (size_t)t * V + v, make_int4(t, v, t ^ v, 1));
+}
+
+}  // namespace
+
+extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int k, int hidden, int num_blocks,
+                         int threads, void* stream) {
+  if (mode < EP_SM_LOAD || mode > EP_SM_STORE || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
+      num_blocks < 1 || threads < 32 || threads > 512 || threads % 32 != 0 || ((uintptr_t)src & 15) ||
+      ((uintptr_t)out & 15)) {
+    ep_set_error("ep_sm_mem: bad arguments (mode %d, rows %d x %d, hidden %d, blocks %d, threads %d)", mode, rows_out,
+                 k, hidden, num_blocks, threads);
+    return -1;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (mode == EP_SM_LOAD) {
+    sm_load_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int*>(out), static_cast<const int4*>(src), rows_out, k,
+                                                  hidden / 8);
+  } else if (mode == EP_SM_BULK_LOAD) {
+    const size_t smem = (size_t)kBulkStages * kBulkPiece;
+    CUDA_CHECK(cudaFuncSetAttribute(sm_bulk_load_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sm_bulk_load_kernel<<<num_blocks, 32, smem, s>>>(static_cast<int*>(out), static_cast<const char*>(src), rows_out,
+                                                     k, hidden * 2);
+  } else {
+    sm_store_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int4*>(out), rows_out, hidden / 8);
+  }
+  CUDA_CHECK(cudaGetLastError());
+  return 0;
+}

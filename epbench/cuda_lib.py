@@ -133,10 +133,12 @@ def signatures() -> Dict[str, List[Any]]:
         "ep_ll_set_probe": [vp, vp],
         "ep_ll_set_probe_skip": [vp, i],
         "ep_ll_probe": [vp, i, i, i, vp],
-        # csrc/ceiling.cu (not in api.h): the plain SM-store ceiling kernel and the local-sum one
+        # csrc/ceiling.cu (not in api.h): the plain SM-store ceiling kernel, the local-sum one
+        # and the SM memory rates
         "ep_store_ceiling": [ctypes.POINTER(ull), ctypes.POINTER(ctypes.c_longlong), i, vp, i, i,
                              vp],
         "ep_sum_ceiling": [vp, vp, i, ctypes.c_longlong, i, i, i, vp],
+        "ep_sm_mem": [i, vp, vp, i, i, i, i, i, vp],  # python -m epbench.smmem
     }
 
 

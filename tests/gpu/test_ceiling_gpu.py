@@ -38,3 +38,22 @@ def test_local_sum_ceiling_sums_every_row_of_every_token(kernels_built: None, to
         for j in range(base + (1 if t < extra else 0)):
             want[t] += src[j, t].float()
     assert torch.equal(out, want.to(torch.bfloat16))
+
+
+def test_sm_memory_rates_do_all_their_work(kernels_built: None, tmp_path) -> None:
+    """python -m epbench.smmem: every kernel's check passes (the load folds, the bulk-load folds, the stored
+    positions, the sums bit for bit) on shapes with a short last piece and tokens not a multiple of the warps, and
+    the CSV with its provenance is written."""
+    import csv
+    import json
+
+    from epbench import smmem
+
+    out = tmp_path / "m.csv"
+    assert smmem.main(["--sms", "1,3", "--rows", "1,3", "--hidden", "7424", "--tokens", "37", "--iters", "2",
+                       "--warmup", "1", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 2 * (1 + 2 * 3) and all(r["check"] == "ok" for r in rows)
+    assert {r["kernel"] for r in rows} == {"load", "bulk load", "store", "sum"}
+    assert all(float(r["time_us"]) > 0 for r in rows)
+    assert json.loads((tmp_path / "m.csv.json").read_text())["options"]["hidden"] == 7424
