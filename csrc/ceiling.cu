@@ -121,14 +121,16 @@ __device__ __forceinline__ void sum_rows(uint4* out, const int4* src, int rows_o
   }
 }
 
-// Tokens of 1-2 rows (2 ranks), one pass: kU vectors of each row a lane in flight, each vector summed and stored
-// right after (no accumulators kept across rows).
-template <int kU>
-__device__ __forceinline__ void sum_pair(uint4* out, const int4* src, int rows_out, int t, int n, int V, int lane) {
+// Tokens of at most kR rows (kR = 2: 2 ranks, 4: 4 ranks), one pass: kU vectors of each row a lane in flight, each
+// vector summed and stored right after (no accumulators kept across rows). Measured on one H200 (python -m
+// epbench.smmem, 2026-11-27): with 3-4 rows a token sum_rows' passes ran slower than the same loads and stores
+// timed apart (4 SMs: 917 against 821 us at 4 rows), one pass of kR = 2 well below them (429 against 566).
+template <int kR, int kU>
+__device__ __forceinline__ void sum_group(uint4* out, const int4* src, int rows_out, int t, int n, int V, int lane) {
   for (int v0 = 0; v0 < V; v0 += 32 * kU) {
-    int4 x[2][kU];
+    int4 x[kR][kU];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kR; ++h)
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int v = v0 + u * 32 + lane;
@@ -140,7 +142,7 @@ __device__ __forceinline__ void sum_pair(uint4* out, const int4* src, int rows_o
       if (v >= V) continue;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < kR; ++h)
         if (h < n) fma_bf16x8(acc, x[h][u], 1.f);
       const int4 o = pack_bf16x8(acc);
       out[(size_t)t * V + v] = make_uint4(o.x, o.y, o.z, o.w);
@@ -149,11 +151,11 @@ __device__ __forceinline__ void sum_pair(uint4* out, const int4* src, int rows_o
 }
 
 // Two shapes of the same sum, timed apart by the caller (epbench/ceiling.py keeps the faster): 512 threads with
-// 2 rows x 4 vectors a lane in flight (sum_pair: 8 vectors of both rows), 64 KiB of loads per SM; 256 threads with
-// 4 rows x 7 vectors (sum_pair: 16 of both rows), 112-128 KiB, about what one block's registers hold unspilled
-// (255 registers at 4 x 7; 4 x 8 spills). kPair: every token has 1-2 rows. One kernel per (kPair, kDeep), as one
-// kernel for both row counts spilled at 512 threads.
-template <bool kPair, bool kDeep>
+// 16 vectors a lane in flight (kRows 2: 8 of both rows; 4: 4 of each of 4 rows; any: sum_rows' 2 rows x 4 vectors a
+// pass), 128 KiB of loads a SM (64 KiB for any); 256 threads with twice the vectors a lane (any: 4 rows x 7 vectors,
+// about what one block's registers hold unspilled; 4 x 8 spills). kRows: the most rows a token has (2, 4, or 0 for
+// more: sum_rows' passes). One kernel per (kRows, kDeep), as one kernel for every row count spilled at 512 threads.
+template <int kRows, bool kDeep>
 __global__ void __launch_bounds__(kDeep ? 256 : 512, 1) sum_ceiling_kernel(uint4* out, const int4* src,
                                                                           int rows_out, long long rows_in, int V) {
   const int lane = threadIdx.x & 31;
@@ -161,8 +163,10 @@ __global__ void __launch_bounds__(kDeep ? 256 : 512, 1) sum_ceiling_kernel(uint4
   const int base = (int)(rows_in / rows_out), extra = (int)(rows_in % rows_out);
   for (int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < rows_out; t += G) {
     const int n = base + (t < extra ? 1 : 0);
-    if (kPair)
-      sum_pair<kDeep ? 16 : 8>(out, src, rows_out, t, n, V, lane);
+    if (kRows == 2)
+      sum_group<2, kDeep ? 16 : 8>(out, src, rows_out, t, n, V, lane);
+    else if (kRows == 4)
+      sum_group<4, kDeep ? 8 : 4>(out, src, rows_out, t, n, V, lane);
     else
       sum_rows<kDeep ? 4 : 2, kDeep ? 7 : 4>(out, src, rows_out, t, n, V, lane);
   }
@@ -179,10 +183,11 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
     return -1;
   }
   if (rows_out == 0) return 0;
-  const bool pair = rows_in <= 2LL * rows_out;  // at most 2 rows a token
-  const bool deep = threads <= 256;              // the 256-thread shape: twice the loads in flight a lane
-  auto kernel = pair ? (deep ? sum_ceiling_kernel<true, true> : sum_ceiling_kernel<true, false>)
-                     : (deep ? sum_ceiling_kernel<false, true> : sum_ceiling_kernel<false, false>);
+  const long long most = (rows_in + rows_out - 1) / rows_out;  // the most rows a token has
+  const bool deep = threads <= 256;                              // the 256-thread shape: twice the loads in flight
+  auto kernel = most <= 2 ? (deep ? sum_ceiling_kernel<2, true> : sum_ceiling_kernel<2, false>)
+                : most <= 4 ? (deep ? sum_ceiling_kernel<4, true> : sum_ceiling_kernel<4, false>)
+                            : (deep ? sum_ceiling_kernel<0, true> : sum_ceiling_kernel<0, false>);
   kernel<<<num_blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<uint4*>(out), static_cast<const int4*>(src), rows_out, rows_in, hidden / 8);
   CUDA_CHECK(cudaGetLastError());
@@ -195,7 +200,8 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
 //   EP_SM_LOAD       16-byte register loads, 16 vectors a lane in flight (128 KiB a SM at 512 threads); each
 //                    token's k rows folded by XOR into words[t]: the loads cannot be dropped, the result checked.
 //   EP_SM_BULK_LOAD  TMA bulk copies of 7 KiB pieces into a ring of shared memory (kBulkStages x 7 KiB in flight a
-//                    SM) issued by one thread a block; the first word of each piece folded into words[block].
+//                    SM) issued by lane 0 of each of threads / 32 warps, each with its share of the ring; the first
+//                    word of each piece folded into words[issuer].
 //   EP_SM_STORE      16-byte register stores of one row per token into out, vector v of row t = (t, v, t ^ v, 1).
 namespace {
 
@@ -231,22 +237,28 @@ __global__ void __launch_bounds__(512, 1) sm_load_kernel(int* words, const int4*
   }
 }
 
-__global__ void __launch_bounds__(32, 1) sm_bulk_load_kernel(int* words, const char* src, int rows_out, int k,
-                                                             int row_bytes) {
-  extern __shared__ __align__(128) char ring[];
-  __shared__ uint64_t bars[kBulkStages];
-  if (threadIdx.x != 0) return;
-  for (int s = 0; s < kBulkStages; ++s) mbar_init(bars + s, 1);
+// W = blockDim.x / 32 issuers a block (lane 0 of each warp), each with its own kBulkStages / W stages of the ring and
+// its own tokens (issuer g = block * W + warp takes tokens g, g + gridDim.x * W, ...; its fold into words[g]).
+__global__ void __launch_bounds__(kBulkStages * 32, 1) sm_bulk_load_kernel(int* words, const char* src, int rows_out,
+                                                                          int k, int row_bytes) {
+  extern __shared__ __align__(128) char ring_all[];
+  __shared__ uint64_t bars_all[kBulkStages];
+  const int W = blockDim.x >> 5, w = threadIdx.x >> 5, S = kBulkStages / W;
+  if ((threadIdx.x & 31) != 0) return;
+  char* ring = ring_all + (size_t)w * S * kBulkPiece;
+  uint64_t* bars = bars_all + w * S;
+  for (int s = 0; s < S; ++s) mbar_init(bars + s, 1);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   const int pieces = (row_bytes + kBulkPiece - 1) / kBulkPiece;
+  const int g = blockIdx.x * W + w, G = gridDim.x * W;
   int fold = 0;
-  long long c = 0;  // pieces issued by this block
-  for (int t = blockIdx.x; t < rows_out; t += gridDim.x)
+  long long c = 0;  // pieces issued by this issuer
+  for (int t = g; t < rows_out; t += G)
     for (int j = 0; j < k; ++j)
       for (int q = 0; q < pieces; ++q, ++c) {
-        const int s = (int)(c % kBulkStages);
-        if (c >= kBulkStages) {  // the stage's previous piece: landed before its slot is reused
-          mbar_wait(bars + s, (uint32_t)(((c - kBulkStages) / kBulkStages) & 1));
+        const int s = (int)(c % S);
+        if (c >= S) {  // the stage's previous piece: landed before its slot is reused
+          mbar_wait(bars + s, (uint32_t)(((c - S) / S) & 1));
           fold ^= *reinterpret_cast<const int*>(ring + (size_t)s * kBulkPiece);
         }
         const uint32_t bytes = (uint32_t)min(kBulkPiece, row_bytes - q * kBulkPiece);
@@ -254,12 +266,12 @@ __global__ void __launch_bounds__(32, 1) sm_bulk_load_kernel(int* words, const c
         bulk_load(ring + (size_t)s * kBulkPiece, src + ((size_t)j * rows_out + t) * row_bytes + (size_t)q * kBulkPiece,
                   bytes, bars + s);
       }
-  for (long long d = c > kBulkStages ? c - kBulkStages : 0; d < c; ++d) {
-    const int s = (int)(d % kBulkStages);
-    mbar_wait(bars + s, (uint32_t)((d / kBulkStages) & 1));
+  for (long long d = c > S ? c - S : 0; d < c; ++d) {
+    const int s = (int)(d % S);
+    mbar_wait(bars + s, (uint32_t)((d / S) & 1));
     fold ^= *reinterpret_cast<const int*>(ring + (size_t)s * kBulkPiece);
   }
-  words[blockIdx.x] = fold;
+  words[g] = fold;
 }
 
 __global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_out, int V) {
@@ -287,7 +299,11 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
   } else if (mode == EP_SM_BULK_LOAD) {
     const size_t smem = (size_t)kBulkStages * kBulkPiece;
     CUDA_CHECK(cudaFuncSetAttribute(sm_bulk_load_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sm_bulk_load_kernel<<<num_blocks, 32, smem, s>>>(static_cast<int*>(out), static_cast<const char*>(src), rows_out,
+    if (kBulkStages % (threads / 32) != 0) {
+      ep_set_error("ep_sm_mem: bulk loads take 1, 2, 4, 7 or 14 issuing warps a block, got %d threads", threads);
+      return -1;
+    }
+    sm_bulk_load_kernel<<<num_blocks, threads, smem, s>>>(static_cast<int*>(out), static_cast<const char*>(src), rows_out,
                                                      k, hidden * 2);
   } else {
     sm_store_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int4*>(out), rows_out, hidden / 8);

@@ -9,8 +9,9 @@ csrc/ceiling.cu:
 
 - ``load``: 16-byte register loads, a warp per token, 16 vectors a lane in flight; each token's rows folded by XOR
   into one word (checked against the same fold on the host, so no load can be dropped).
-- ``bulk load``: TMA bulk copies of 7 KiB pieces into a ring of shared memory (28 pieces in flight a SM), issued by
-  one thread a block; the first word of every piece folded into a word a block (checked).
+- ``bulk Nw``: TMA bulk copies of 7 KiB pieces into a ring of shared memory (28 pieces in flight a SM), issued by
+  lane 0 of N warps a block (1, 4, 14), each with its share of the ring and its own tokens; the first word of
+  every piece folded into a word an issuer (checked).
 - ``store``: 16-byte register stores of one row a token (checked: every vector holds its own position).
 - ``sum``: the local-sum ceiling of ``epbench ceiling`` (k rows in, one bf16 row out, fp32 adds; the faster of its
   two shapes; checked bit for bit against the fp32 sum in row order).
@@ -33,8 +34,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from epbench.errors import UserError
 
-MODES = {"load": 0, "bulk load": 1, "store": 2}  # csrc/ceiling.cu SmMemMode
+MODES = {"load": 0, "bulk": 1, "store": 2}  # csrc/ceiling.cu SmMemMode
 THREADS = 512
+BULK_ISSUERS = (1, 4, 14)  # issuing warps a block of the bulk loads, each with its share of the 28-piece ring
 BULK_PIECE = 7168  # csrc/ceiling.cu kBulkPiece: bytes of one bulk copy
 COLUMNS = ("sms", "kernel", "rows_per_token", "time_us", "mbytes", "gbps", "gbps_per_sm", "apart_us", "check",
            "hidden", "tokens", "git_commit")
@@ -67,8 +69,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def moved_bytes(kernel: str, k: int, tokens: int, hidden: int) -> int:
     """Bytes through the SMs: k rows loaded a token, one stored (``sum``), one stored (``store``)."""
     row = hidden * 2
-    loads = {"load": k, "bulk load": k, "store": 0, "sum": k}[kernel]
-    stores = {"load": 0, "bulk load": 0, "store": 1, "sum": 1}[kernel]
+    loads = 0 if kernel == "store" else k  # load, bulk Nw, sum
+    stores = 1 if kernel in ("store", "sum") else 0
     return (loads + stores) * row * tokens
 
 
@@ -101,16 +103,16 @@ def expected_load_words(src_words: Any, k: int) -> Any:
     return xor_fold(src_words[:k].transpose(1, 0, 2).reshape(src_words.shape[1], -1))
 
 
-def expected_bulk_words(src_words: Any, k: int, blocks: int) -> Any:
-    """The bulk-load kernel's word for each block: the first int32 of every piece of every row of its tokens
-    (tokens b, b + blocks, ...) XOR-folded."""
+def expected_bulk_words(src_words: Any, k: int, issuers: int) -> Any:
+    """The bulk-load kernel's word for each issuer (blocks x warps of them): the first int32 of every piece of every
+    row of its tokens (tokens g, g + issuers, ...) XOR-folded."""
     import numpy as np
 
     heads = src_words[:k, :, :: BULK_PIECE // 4]  # [k, tokens, pieces]
     per_token = xor_fold(heads.transpose(1, 0, 2).reshape(heads.shape[1], -1))
-    out = np.zeros(blocks, dtype=np.int32)
-    for b in range(blocks):
-        out[b] = xor_fold(per_token[b::blocks]) if b < len(per_token) else 0
+    out = np.zeros(issuers, dtype=np.int32)
+    for g in range(issuers):
+        out[g] = xor_fold(per_token[g::issuers]) if g < len(per_token) else 0
     return out
 
 
@@ -130,13 +132,13 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
     src = torch.randn(kmax, a.tokens, a.hidden, device=dev, generator=gen).to(torch.bfloat16)
     src_words = src.view(torch.int32).cpu().numpy()
     out = torch.empty(a.tokens, a.hidden, device=dev, dtype=torch.bfloat16)
-    words = torch.empty(max(a.tokens, max(a.sms)), device=dev, dtype=torch.int32)
+    words = torch.empty(max(a.tokens, max(a.sms) * max(BULK_ISSUERS)), device=dev, dtype=torch.int32)
 
     def timed(launch: Callable[[Any], int], name: str) -> float:
         return statistics.median(ceiling._timed_launches(launch, name, comm, a.warmup, a.iters))
 
-    def mem(mode: str, k: int, sms: int, dst: Any) -> Callable[[Any], int]:
-        return lambda stream: fn(MODES[mode], dst.data_ptr(), src.data_ptr(), a.tokens, k, a.hidden, sms, THREADS,
+    def mem(mode: str, k: int, sms: int, dst: Any, threads: int = THREADS) -> Callable[[Any], int]:
+        return lambda stream: fn(MODES[mode], dst.data_ptr(), src.data_ptr(), a.tokens, k, a.hidden, sms, threads,
                                  stream)
 
     sums: Dict[int, Any] = {}  # the fp32 sum of a token's k rows in row order, rounded to bf16
@@ -163,12 +165,13 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
             ok = (words[: a.tokens].cpu().numpy() == expected_load_words(src_words, k)).all()
             rows.append(row_of(sms, "load", k, t_load, moved_bytes("load", k, a.tokens, a.hidden), "ok" if ok else "WRONG"))
             say(format_row(rows[-1]))
-            words.fill_(0)
-            t_bulk = timed(mem("bulk load", k, sms, words), "ep_sm_mem")
-            ok = (words[:sms].cpu().numpy() == expected_bulk_words(src_words, k, sms)).all()
-            rows.append(row_of(sms, "bulk load", k, t_bulk, moved_bytes("bulk load", k, a.tokens, a.hidden),
-                               "ok" if ok else "WRONG"))
-            say(format_row(rows[-1]))
+            for w in BULK_ISSUERS:
+                words.fill_(0)
+                t_bulk = timed(mem("bulk", k, sms, words, 32 * w), "ep_sm_mem")
+                ok = (words[: sms * w].cpu().numpy() == expected_bulk_words(src_words, k, sms * w)).all()
+                rows.append(row_of(sms, f"bulk {w}w", k, t_bulk, moved_bytes("bulk", k, a.tokens, a.hidden),
+                                   "ok" if ok else "WRONG"))
+                say(format_row(rows[-1]))
             t_sum, sum_ok = float("inf"), True
             for threads in ceiling.SUM_THREADS:  # both shapes, the faster kept; either one wrong fails the row
                 out.fill_(float("nan"))

@@ -33,7 +33,7 @@ def test_defaults() -> None:
 def test_moved_bytes_count_loads_and_stores() -> None:
     row = 7168 * 2
     assert smmem.moved_bytes("load", 3, 10, 7168) == 3 * row * 10
-    assert smmem.moved_bytes("bulk load", 2, 10, 7168) == 2 * row * 10
+    assert smmem.moved_bytes("bulk 4w", 2, 10, 7168) == 2 * row * 10
     assert smmem.moved_bytes("store", 3, 10, 7168) == row * 10
     assert smmem.moved_bytes("sum", 3, 10, 7168) == 4 * row * 10
 
@@ -65,7 +65,7 @@ def test_load_fold_is_every_word_of_a_tokens_rows() -> None:
     assert (smmem.expected_load_words(w, 3) != smmem.expected_load_words(w, 2)).any()
 
 
-def test_bulk_fold_is_each_pieces_first_word_per_block() -> None:
+def test_bulk_fold_is_each_pieces_first_word_per_issuer() -> None:
     hidden = 7168 + 256  # 2 full pieces of 7 KiB and a short third
     w = _words(2, 7, hidden)
     step = smmem.BULK_PIECE // 4
