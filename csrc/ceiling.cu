@@ -252,24 +252,27 @@ __global__ void __launch_bounds__(kBulkStages * 32, 1) sm_bulk_load_kernel(int* 
   const int pieces = (row_bytes + kBulkPiece - 1) / kBulkPiece;
   const int g = blockIdx.x * W + w, G = gridDim.x * W;
   int fold = 0;
-  long long c = 0;  // pieces issued by this issuer
+  int s = 0, filled = 0;  // the next piece's stage; stages holding a piece in flight (up to S)
+  uint32_t phase = 0;     // parity of stage s's next completion (flips after each wrap of s)
   for (int t = g; t < rows_out; t += G)
     for (int j = 0; j < k; ++j)
-      for (int q = 0; q < pieces; ++q, ++c) {
-        const int s = (int)(c % S);
-        if (c >= S) {  // the stage's previous piece: landed before its slot is reused
-          mbar_wait(bars + s, (uint32_t)(((c - S) / S) & 1));
+      for (int q = 0; q < pieces; ++q) {
+        if (filled == S) {  // the stage's previous piece: landed before its slot is reused
+          mbar_wait(bars + s, phase ^ 1u);
           fold ^= *reinterpret_cast<const int*>(ring + (size_t)s * kBulkPiece);
+        } else {
+          ++filled;
         }
         const uint32_t bytes = (uint32_t)min(kBulkPiece, row_bytes - q * kBulkPiece);
         mbar_expect_tx(bars + s, bytes);
         bulk_load(ring + (size_t)s * kBulkPiece, src + ((size_t)j * rows_out + t) * row_bytes + (size_t)q * kBulkPiece,
                   bytes, bars + s);
+        if (++s == S) s = 0, phase ^= 1u;
       }
-  for (long long d = c > S ? c - S : 0; d < c; ++d) {
-    const int s = (int)(d % S);
-    mbar_wait(bars + s, (uint32_t)((d / S) & 1));
-    fold ^= *reinterpret_cast<const int*>(ring + (size_t)s * kBulkPiece);
+  for (int d = 0; d < filled; ++d) {  // the last `filled` pieces, oldest first
+    const int st = (s - filled + d + S) % S;
+    mbar_wait(bars + st, st < s ? phase : phase ^ 1u);  // issued in this lap of the ring, or the one before
+    fold ^= *reinterpret_cast<const int*>(ring + (size_t)st * kBulkPiece);
   }
   words[g] = fold;
 }
