@@ -203,9 +203,10 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
 //                    SM) issued by lane 0 of each of threads / 32 warps, each with its share of the ring; the first
 //                    word of each piece folded into words[issuer].
 //   EP_SM_STORE      16-byte register stores of one row per token into out, vector v of row t = (t, v, t ^ v, 1).
+//   EP_SM_BULK_SUM   the local sum with its rows brought in by TMA bulk copies (sm_bulk_sum_kernel; k <= 4).
 namespace {
 
-enum SmMemMode { EP_SM_LOAD = 0, EP_SM_BULK_LOAD = 1, EP_SM_STORE = 2 };
+enum SmMemMode { EP_SM_LOAD = 0, EP_SM_BULK_LOAD = 1, EP_SM_STORE = 2, EP_SM_BULK_SUM = 3 };
 constexpr int kLoadU = 16;
 constexpr int kBulkPiece = 7168;  // bytes of one bulk copy (half a 7168-wide bf16 row)
 constexpr int kBulkStages = 28;   // 196 KiB of shared memory a block
@@ -277,6 +278,72 @@ __global__ void __launch_bounds__(kBulkStages * 32, 1) sm_bulk_load_kernel(int* 
   words[g] = fold;
 }
 
+// EP_SM_BULK_SUM: the local sum (k rows in, one bf16 row out, the fp32 sum from 0 in row order: the same bits as
+// the sum kernels above) with the rows brought into shared memory by TMA bulk copies, as combine_tma_kernel brings a
+// token's rows from its holders. kBsWarps warps a block, each its own tokens (g, g + G, ...) and a ring of kBsStages
+// stages; a unit is one kBsPiece piece of a token's row: lane h < k loads row h's piece, lane 0 arms the stage with
+// k pieces' bytes, and after the wait every lane sums its vectors of the piece from shared memory and stores them.
+constexpr int kBsPiece = 2048;  // bytes of a row piece: 128 vectors, 4 a lane
+constexpr int kBsStages = 3;
+constexpr int kBsMaxRows = 4;
+constexpr int kBsWarps = 8;  // 8 x 3 x 4 x 2 KiB = 192 KiB of shared memory a block
+
+__global__ void __launch_bounds__(kBsWarps * 32, 1) sm_bulk_sum_kernel(uint4* out, const char* src, int rows_out,
+                                                                       int k, int row_bytes) {
+  extern __shared__ __align__(128) char ring_all[];
+  __shared__ uint64_t bars_all[kBsWarps * kBsStages];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  char* ring = ring_all + (size_t)w * kBsStages * kBsMaxRows * kBsPiece;
+  uint64_t* bars = bars_all + w * kBsStages;
+  const int g = blockIdx.x * kBsWarps + w, G = gridDim.x * kBsWarps;
+  if (g >= rows_out) return;
+  const int pieces = (row_bytes + kBsPiece - 1) / kBsPiece, V = row_bytes >> 4;
+  const long long units = (long long)((rows_out - 1 - g) / G + 1) * pieces;
+  if (lane == 0) {
+    for (int s = 0; s < kBsStages; ++s) mbar_init(bars + s, 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncwarp();
+  auto issue = [&](long long u, int s) {
+    const int t = g + (int)(u / pieces) * G, q = (int)(u % pieces);
+    const uint32_t bytes = (uint32_t)min(kBsPiece, row_bytes - q * kBsPiece);
+    if (lane == 0) mbar_expect_tx(bars + s, (uint32_t)k * bytes);
+    if (lane < k)
+      bulk_load(ring + ((size_t)s * kBsMaxRows + lane) * kBsPiece,
+                src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece, bytes, bars + s);
+  };
+  for (int s = 0; s < kBsStages && s < units; ++s) issue(s, s);
+  __syncwarp();
+  int s = 0;
+  uint32_t phase = 0;
+  for (long long u = 0; u < units; ++u) {
+    const int t = g + (int)(u / pieces) * G, q = (int)(u % pieces);
+    const int nv = min(kBsPiece, row_bytes - q * kBsPiece) >> 4;
+    mbar_wait(bars + s, phase);
+    const int4* st = reinterpret_cast<const int4*>(ring + (size_t)s * kBsMaxRows * kBsPiece);
+    uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
+#pragma unroll
+    for (int i = 0; i < kBsPiece / 16 / 32; ++i) {
+      const int v = lane + 32 * i;
+      if (v >= nv) continue;
+      int4 x[kBsMaxRows];
+#pragma unroll
+      for (int h = 0; h < kBsMaxRows; ++h)
+        if (h < k) x[h] = st[h * (kBsPiece >> 4) + v];
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < kBsMaxRows; ++h)
+        if (h < k) fma_bf16x8(acc, x[h], 1.f);
+      const int4 o = pack_bf16x8(acc);
+      dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+    }
+    __syncwarp();  // every lane's reads of stage s done before it is loaded again
+    if (u + kBsStages < units) issue(u + kBsStages, s);
+    __syncwarp();
+    if (++s == kBsStages) s = 0, phase ^= 1u;
+  }
+}
+
 __global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_out, int V) {
   const int lane = threadIdx.x & 31;
   const int G = gridDim.x * (blockDim.x >> 5);
@@ -288,7 +355,7 @@ __global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_ou
 
 extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int k, int hidden, int num_blocks,
                          int threads, void* stream) {
-  if (mode < EP_SM_LOAD || mode > EP_SM_STORE || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
+  if (mode < EP_SM_LOAD || mode > EP_SM_BULK_SUM || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
       num_blocks < 1 || threads < 32 || threads > 512 || threads % 32 != 0 || ((uintptr_t)src & 15) ||
       ((uintptr_t)out & 15)) {
     ep_set_error("ep_sm_mem: bad arguments (mode %d, rows %d x %d, hidden %d, blocks %d, threads %d)", mode, rows_out,
@@ -308,8 +375,17 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
     }
     sm_bulk_load_kernel<<<num_blocks, threads, smem, s>>>(static_cast<int*>(out), static_cast<const char*>(src), rows_out,
                                                      k, hidden * 2);
-  } else {
+  } else if (mode == EP_SM_STORE) {
     sm_store_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int4*>(out), rows_out, hidden / 8);
+  } else {
+    if (k > kBsMaxRows) {
+      ep_set_error("ep_sm_mem: the bulk sum takes at most %d rows a token, got %d", kBsMaxRows, k);
+      return -1;
+    }
+    const size_t smem = (size_t)kBsWarps * kBsStages * kBsMaxRows * kBsPiece;
+    CUDA_CHECK(cudaFuncSetAttribute(sm_bulk_sum_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sm_bulk_sum_kernel<<<num_blocks, kBsWarps * 32, smem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
+                                                               rows_out, k, hidden * 2);
   }
   CUDA_CHECK(cudaGetLastError());
   return 0;

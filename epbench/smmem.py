@@ -15,10 +15,13 @@ csrc/ceiling.cu:
 - ``store``: 16-byte register stores of one row a token (checked: every vector holds its own position).
 - ``sum``: the local-sum ceiling of ``epbench ceiling`` (k rows in, one bf16 row out, fp32 adds; the faster of its
   two shapes; checked bit for bit against the fp32 sum in row order).
+- ``bulk sum``: the same sum with the rows brought into shared memory by TMA bulk copies (8 warps a SM, each a
+  ring of 3 stages of k 2 KiB pieces), as the pull combine brings a token's rows; k <= 4; checked bit for bit.
 
 Columns: us (median of --iters launches, device events), MB moved (loads + stores), GB/s and GB/s per SM; for
 ``sum`` also ``apart us``, the ``load`` of the same rows plus the ``store`` of one row a token measured apart, i.e.
-what the sum would take if an SM's loads and stores could not overlap. A row whose check fails says WRONG and the
+what the sum would take if an SM's loads and stores could not overlap (for ``bulk sum``: the fastest ``bulk``
+load plus the store). A row whose check fails says WRONG and the
 command exits 1. ``--csv PATH`` writes every row and, beside it (PATH.json), what produced them (commit, versions,
 GPU, options).
 """
@@ -34,7 +37,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from epbench.errors import UserError
 
-MODES = {"load": 0, "bulk": 1, "store": 2}  # csrc/ceiling.cu SmMemMode
+MODES = {"load": 0, "bulk": 1, "store": 2, "bulk sum": 3}  # csrc/ceiling.cu SmMemMode
+BULK_SUM_ROWS = 4  # the most rows a token the bulk sum takes (csrc/ceiling.cu kBsMaxRows)
 THREADS = 512
 BULK_ISSUERS = (1, 4, 14)  # issuing warps a block of the bulk loads, each with its share of the 28-piece ring
 BULK_PIECE = 7168  # csrc/ceiling.cu kBulkPiece: bytes of one bulk copy
@@ -70,7 +74,7 @@ def moved_bytes(kernel: str, k: int, tokens: int, hidden: int) -> int:
     """Bytes through the SMs: k rows loaded a token, one stored (``sum``), one stored (``store``)."""
     row = hidden * 2
     loads = 0 if kernel == "store" else k  # load, bulk Nw, sum
-    stores = 1 if kernel in ("store", "sum") else 0
+    stores = 1 if kernel in ("store", "sum", "bulk sum") else 0
     return (loads + stores) * row * tokens
 
 
@@ -165,6 +169,7 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
             ok = (words[: a.tokens].cpu().numpy() == expected_load_words(src_words, k)).all()
             rows.append(row_of(sms, "load", k, t_load, moved_bytes("load", k, a.tokens, a.hidden), "ok" if ok else "WRONG"))
             say(format_row(rows[-1]))
+            t_bulk_best = float("inf")
             for w in BULK_ISSUERS:
                 words.fill_(0)
                 t_bulk = timed(mem("bulk", k, sms, words, 32 * w), "ep_sm_mem")
@@ -172,6 +177,7 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
                 rows.append(row_of(sms, f"bulk {w}w", k, t_bulk, moved_bytes("bulk", k, a.tokens, a.hidden),
                                    "ok" if ok else "WRONG"))
                 say(format_row(rows[-1]))
+                t_bulk_best = min(t_bulk_best, t_bulk)
             t_sum, sum_ok = float("inf"), True
             for threads in ceiling.SUM_THREADS:  # both shapes, the faster kept; either one wrong fails the row
                 out.fill_(float("nan"))
@@ -181,6 +187,12 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
             rows.append(row_of(sms, "sum", k, t_sum, moved_bytes("sum", k, a.tokens, a.hidden),
                                "ok" if sum_ok else "WRONG", apart_us=t_load + t_store))
             say(format_row(rows[-1]))
+            if k <= BULK_SUM_ROWS:
+                out.fill_(float("nan"))
+                t_bs = timed(mem("bulk sum", k, sms, out), "ep_sm_mem")
+                rows.append(row_of(sms, "bulk sum", k, t_bs, moved_bytes("bulk sum", k, a.tokens, a.hidden),
+                                   "ok" if torch.equal(out, sums[k]) else "WRONG", apart_us=t_bulk_best + t_store))
+                say(format_row(rows[-1]))
     return rows
 
 
