@@ -279,53 +279,57 @@ __global__ void __launch_bounds__(kBulkStages * 32, 1) sm_bulk_load_kernel(int* 
 }
 
 // EP_SM_BULK_SUM: the local sum (k rows in, one bf16 row out, the fp32 sum from 0 in row order: the same bits as
-// the sum kernels above) with the rows brought into shared memory by TMA bulk copies, as combine_tma_kernel brings a
-// token's rows from its holders. kBsWarps warps a block, each its own tokens (g, g + G, ...) and a ring of kBsStages
-// stages; a unit is one kBsPiece piece of a token's row: lane h < k loads row h's piece, lane 0 arms the stage with
-// k pieces' bytes, and after the wait every lane sums its vectors of the piece from shared memory and stores them.
-constexpr int kBsPiece = 2048;  // bytes of a row piece: 128 vectors, 4 a lane
-constexpr int kBsStages = 3;
+// the sum kernels above) with the rows brought into shared memory by TMA bulk copies, warp-specialised: warp 0 of a
+// block loads, lane h < k one row's piece (kBsPiece bytes: TMA moves ~180 GB/s a SM only with pieces of several KiB,
+// python -m epbench.smmem, 2026-11-27), into a ring of kBsStages stages; the other kBsWarps warps sum each piece
+// from shared memory together (vector v of the piece by consumer lane v % (32 * kBsWarps)), store it, and free the
+// stage. Block b takes tokens b, b + gridDim.x, ...; a unit is one piece of one token's row.
+constexpr int kBsPiece = 7168;  // bytes of a row piece (half a 7168-wide bf16 row)
 constexpr int kBsMaxRows = 4;
-constexpr int kBsWarps = 8;  // 8 x 3 x 4 x 2 KiB = 192 KiB of shared memory a block
+constexpr int kBsStages = 7;  // 7 x 4 x 7 KiB = 196 KiB of shared memory a block
+constexpr int kBsWarps = 8;   // consumer warps
 
-__global__ void __launch_bounds__(kBsWarps * 32, 1) sm_bulk_sum_kernel(uint4* out, const char* src, int rows_out,
-                                                                       int k, int row_bytes) {
-  extern __shared__ __align__(128) char ring_all[];
-  __shared__ uint64_t bars_all[kBsWarps * kBsStages];
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__global__ void __launch_bounds__((kBsWarps + 1) * 32, 1) sm_bulk_sum_kernel(uint4* out, const char* src,
+                                                                             int rows_out, int k, int row_bytes) {
+  extern __shared__ __align__(128) char ring[];
+  __shared__ uint64_t full[kBsStages], empty[kBsStages];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  char* ring = ring_all + (size_t)w * kBsStages * kBsMaxRows * kBsPiece;
-  uint64_t* bars = bars_all + w * kBsStages;
-  const int g = blockIdx.x * kBsWarps + w, G = gridDim.x * kBsWarps;
-  if (g >= rows_out) return;
   const int pieces = (row_bytes + kBsPiece - 1) / kBsPiece, V = row_bytes >> 4;
-  const long long units = (long long)((rows_out - 1 - g) / G + 1) * pieces;
-  if (lane == 0) {
-    for (int s = 0; s < kBsStages; ++s) mbar_init(bars + s, 1);
+  const int ntok = blockIdx.x < rows_out ? (rows_out - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const long long units = (long long)ntok * pieces;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBsStages; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kBsWarps);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  __syncwarp();
-  auto issue = [&](long long u, int s) {
-    const int t = g + (int)(u / pieces) * G, q = (int)(u % pieces);
-    const uint32_t bytes = (uint32_t)min(kBsPiece, row_bytes - q * kBsPiece);
-    if (lane == 0) mbar_expect_tx(bars + s, (uint32_t)k * bytes);
-    if (lane < k)
-      bulk_load(ring + ((size_t)s * kBsMaxRows + lane) * kBsPiece,
-                src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece, bytes, bars + s);
-  };
-  for (int s = 0; s < kBsStages && s < units; ++s) issue(s, s);
-  __syncwarp();
+  __syncthreads();
   int s = 0;
-  uint32_t phase = 0;
+  uint32_t phase = 0;  // parity of the stages' current lap
+  if (w == 0) {        // the loader
+    for (long long u = 0; u < units; ++u) {
+      const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
+      const uint32_t bytes = (uint32_t)min(kBsPiece, row_bytes - q * kBsPiece);
+      if (u >= kBsStages) mbar_wait(empty + s, phase ^ 1u);  // the consumers are done with the stage's last piece
+      if (lane == 0) mbar_expect_tx(full + s, (uint32_t)k * bytes);
+      if (lane < k)
+        bulk_load(ring + ((size_t)s * kBsMaxRows + lane) * kBsPiece,
+                  src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece, bytes, full + s);
+      __syncwarp();
+      if (++s == kBsStages) s = 0, phase ^= 1u;
+    }
+    return;
+  }
+  const int c = (w - 1) * 32 + lane;  // consumer lane
   for (long long u = 0; u < units; ++u) {
-    const int t = g + (int)(u / pieces) * G, q = (int)(u % pieces);
+    const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
     const int nv = min(kBsPiece, row_bytes - q * kBsPiece) >> 4;
-    mbar_wait(bars + s, phase);
+    mbar_wait(full + s, phase);
     const int4* st = reinterpret_cast<const int4*>(ring + (size_t)s * kBsMaxRows * kBsPiece);
     uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
-#pragma unroll
-    for (int i = 0; i < kBsPiece / 16 / 32; ++i) {
-      const int v = lane + 32 * i;
-      if (v >= nv) continue;
+    for (int v = c; v < nv; v += 32 * kBsWarps) {
       int4 x[kBsMaxRows];
 #pragma unroll
       for (int h = 0; h < kBsMaxRows; ++h)
@@ -337,9 +341,8 @@ __global__ void __launch_bounds__(kBsWarps * 32, 1) sm_bulk_sum_kernel(uint4* ou
       const int4 o = pack_bf16x8(acc);
       dst[v] = make_uint4(o.x, o.y, o.z, o.w);
     }
-    __syncwarp();  // every lane's reads of stage s done before it is loaded again
-    if (u + kBsStages < units) issue(u + kBsStages, s);
-    __syncwarp();
+    __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
+    if (lane == 0) mbar_arrive(empty + s);
     if (++s == kBsStages) s = 0, phase ^= 1u;
   }
 }
@@ -382,9 +385,9 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
       ep_set_error("ep_sm_mem: the bulk sum takes at most %d rows a token, got %d", kBsMaxRows, k);
       return -1;
     }
-    const size_t smem = (size_t)kBsWarps * kBsStages * kBsMaxRows * kBsPiece;
+    const size_t smem = (size_t)kBsStages * kBsMaxRows * kBsPiece;
     CUDA_CHECK(cudaFuncSetAttribute(sm_bulk_sum_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sm_bulk_sum_kernel<<<num_blocks, kBsWarps * 32, smem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
+    sm_bulk_sum_kernel<<<num_blocks, (kBsWarps + 1) * 32, smem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
                                                                rows_out, k, hidden * 2);
   }
   CUDA_CHECK(cudaGetLastError());
