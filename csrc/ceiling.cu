@@ -279,11 +279,12 @@ __global__ void __launch_bounds__(kBulkStages * 32, 1) sm_bulk_load_kernel(int* 
 }
 
 // EP_SM_BULK_SUM: the local sum (k rows in, one bf16 row out, the fp32 sum from 0 in row order: the same bits as
-// the sum kernels above) with the rows brought into shared memory by TMA bulk copies, warp-specialised: warp 0 of a
-// block loads, lane h < k one row's piece (kBsPiece bytes: TMA moves ~180 GB/s a SM only with pieces of several KiB,
-// python -m epbench.smmem, 2026-11-27), into a ring of kBsStages stages; the other kBsWarps warps sum each piece
-// from shared memory together (vector v of the piece by consumer lane v % (32 * kBsWarps)), store it, and free the
-// stage. Block b takes tokens b, b + gridDim.x, ...; a unit is one piece of one token's row.
+// the sum kernels above) with the rows brought into shared memory by TMA bulk copies, warp-specialised: kBsStages
+// loading warps a block, warp l loading units l, l + kBsStages, ... into stage l (lane h < k one row's piece of
+// kBsPiece bytes: TMA moved ~180 GB/s a SM only with pieces of several KiB issued by >= 4 warps, one warp's copies
+// ~39 GB/s, python -m epbench.smmem, 2026-11-27); kBsWarps more warps sum each stage in unit order from shared
+// memory together (vector v of the piece by consumer lane v % (32 * kBsWarps)), store it, and free the stage.
+// Block b takes tokens b, b + gridDim.x, ...; a unit is one piece of one token's row.
 constexpr int kBsPiece = 7168;  // bytes of a row piece (half a 7168-wide bf16 row)
 constexpr int kBsMaxRows = 4;
 constexpr int kBsStages = 7;  // 7 x 4 x 7 KiB = 196 KiB of shared memory a block
@@ -293,7 +294,7 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-__global__ void __launch_bounds__((kBsWarps + 1) * 32, 1) sm_bulk_sum_kernel(uint4* out, const char* src,
+__global__ void __launch_bounds__((kBsStages + kBsWarps) * 32, 1) sm_bulk_sum_kernel(uint4* out, const char* src,
                                                                              int rows_out, int k, int row_bytes) {
   extern __shared__ __align__(128) char ring[];
   __shared__ uint64_t full[kBsStages], empty[kBsStages];
@@ -306,23 +307,23 @@ __global__ void __launch_bounds__((kBsWarps + 1) * 32, 1) sm_bulk_sum_kernel(uin
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   __syncthreads();
-  int s = 0;
-  uint32_t phase = 0;  // parity of the stages' current lap
-  if (w == 0) {        // the loader
-    for (long long u = 0; u < units; ++u) {
+  if (w < kBsStages) {  // loader w: units w, w + kBsStages, ..., always into stage w
+    uint32_t lap = 0;
+    for (long long u = w; u < units; u += kBsStages, ++lap) {
       const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
       const uint32_t bytes = (uint32_t)min(kBsPiece, row_bytes - q * kBsPiece);
-      if (u >= kBsStages) mbar_wait(empty + s, phase ^ 1u);  // the consumers are done with the stage's last piece
-      if (lane == 0) mbar_expect_tx(full + s, (uint32_t)k * bytes);
+      if (lap > 0) mbar_wait(empty + w, (lap - 1) & 1u);  // the consumers are done with the stage's last piece
+      if (lane == 0) mbar_expect_tx(full + w, (uint32_t)k * bytes);
       if (lane < k)
-        bulk_load(ring + ((size_t)s * kBsMaxRows + lane) * kBsPiece,
-                  src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece, bytes, full + s);
+        bulk_load(ring + ((size_t)w * kBsMaxRows + lane) * kBsPiece,
+                  src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece, bytes, full + w);
       __syncwarp();
-      if (++s == kBsStages) s = 0, phase ^= 1u;
     }
     return;
   }
-  const int c = (w - 1) * 32 + lane;  // consumer lane
+  int s = 0;
+  uint32_t phase = 0;  // parity of the stages' current lap
+  const int c = (w - kBsStages) * 32 + lane;  // consumer lane
   for (long long u = 0; u < units; ++u) {
     const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
     const int nv = min(kBsPiece, row_bytes - q * kBsPiece) >> 4;
@@ -387,7 +388,7 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
     }
     const size_t smem = (size_t)kBsStages * kBsMaxRows * kBsPiece;
     CUDA_CHECK(cudaFuncSetAttribute(sm_bulk_sum_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sm_bulk_sum_kernel<<<num_blocks, (kBsWarps + 1) * 32, smem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
+    sm_bulk_sum_kernel<<<num_blocks, (kBsStages + kBsWarps) * 32, smem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
                                                                rows_out, k, hidden * 2);
   }
   CUDA_CHECK(cudaGetLastError());

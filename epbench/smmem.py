@@ -15,9 +15,9 @@ csrc/ceiling.cu:
 - ``store``: 16-byte register stores of one row a token (checked: every vector holds its own position).
 - ``sum``: the local-sum ceiling of ``epbench ceiling`` (k rows in, one bf16 row out, fp32 adds; the faster of its
   two shapes; checked bit for bit against the fp32 sum in row order).
-- ``bulk sum``: the same sum with the rows brought into shared memory by TMA bulk copies, warp-specialised (one
-  warp a SM loads k 7 KiB pieces a stage into a ring of 7 stages, 8 warps sum each stage and store it); k <= 4;
-  checked bit for bit.
+- ``bulk sum``: the same sum with the rows brought into shared memory by TMA bulk copies, warp-specialised (7
+  warps a SM each load k 7 KiB pieces into a stage of their own, 8 warps sum the stages in turn and store them);
+  k <= 4; checked bit for bit.
 
 Columns: us (median of --iters launches, device events), MB moved (loads + stores), GB/s and GB/s per SM; for
 ``sum`` also ``apart us``, the ``load`` of the same rows plus the ``store`` of one row a token measured apart, i.e.
