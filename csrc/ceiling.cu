@@ -279,62 +279,63 @@ __global__ void __launch_bounds__(kBulkStages * 32, 1) sm_bulk_load_kernel(int* 
 }
 
 // EP_SM_BULK_SUM: the local sum (k rows in, one bf16 row out, the fp32 sum from 0 in row order: the same bits as
-// the sum kernels above) with the rows brought into shared memory by TMA bulk copies, warp-specialised: kBsStages
-// loading warps a block, warp l loading units l, l + kBsStages, ... into stage l (lane h < k one row's piece of
-// kBsPiece bytes: TMA moved ~180 GB/s a SM only with pieces of several KiB issued by >= 4 warps, one warp's copies
-// ~39 GB/s, python -m epbench.smmem, 2026-11-27); kBsWarps more warps sum each stage in unit order from shared
-// memory together (vector v of the piece by consumer lane v % (32 * kBsWarps)), store it, and free the stage.
-// Block b takes tokens b, b + gridDim.x, ...; a unit is one piece of one token's row.
-constexpr int kBsPiece = 7168;  // bytes of a row piece (half a 7168-wide bf16 row)
+// the sum kernels above) with the rows brought into shared memory by TMA bulk copies, in kBsPairs pairs of warps a
+// block: loader l brings units l, l + kBsPairs, ... (a unit: one kBsPiece piece of each of a token's k rows, lane
+// h < k issuing row h's) into its 2 stages in turn, summer l sums them from shared memory (its 32 lanes over the
+// piece's vectors), stores them and frees the stage. Why pairs: a warp's bulk copies run one after another (~35-40
+// GB/s), a SM took in ~180 GB/s only from >= 4 warps at once, and 8 warps summing one stage together waited on
+// every stage in turn (python -m epbench.smmem, 2026-11-27). Block b takes tokens b, b + gridDim.x, ...
+constexpr int kBsPiece = 3584;  // bytes of a row piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
 constexpr int kBsMaxRows = 4;
-constexpr int kBsStages = 7;  // 7 x 4 x 7 KiB = 196 KiB of shared memory a block
-constexpr int kBsWarps = 8;   // consumer warps
+constexpr int kBsPairs = 7;  // 7 pairs x 2 stages x 4 rows x 3.5 KiB = 196 KiB of shared memory a block
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-__global__ void __launch_bounds__((kBsStages + kBsWarps) * 32, 1) sm_bulk_sum_kernel(uint4* out, const char* src,
-                                                                             int rows_out, int k, int row_bytes) {
+__global__ void __launch_bounds__(kBsPairs * 64, 1) sm_bulk_sum_kernel(uint4* out, const char* src, int rows_out,
+                                                                        int k, int row_bytes) {
   extern __shared__ __align__(128) char ring[];
-  __shared__ uint64_t full[kBsStages], empty[kBsStages];
+  __shared__ uint64_t full[kBsPairs * 2], empty[kBsPairs * 2];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int l = w % kBsPairs;  // the pair
   const int pieces = (row_bytes + kBsPiece - 1) / kBsPiece, V = row_bytes >> 4;
   const int ntok = blockIdx.x < rows_out ? (rows_out - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const long long units = (long long)ntok * pieces;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kBsStages; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kBsWarps);
+    for (int s = 0; s < kBsPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 1);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   __syncthreads();
-  if (w < kBsStages) {  // loader w: units w, w + kBsStages, ..., always into stage w
-    uint32_t lap = 0;
-    for (long long u = w; u < units; u += kBsStages, ++lap) {
-      const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
-      const uint32_t bytes = (uint32_t)min(kBsPiece, row_bytes - q * kBsPiece);
-      if (lap > 0) mbar_wait(empty + w, (lap - 1) & 1u);  // the consumers are done with the stage's last piece
-      if (lane == 0) mbar_expect_tx(full + w, (uint32_t)k * bytes);
-      if (lane < k)
-        bulk_load(ring + ((size_t)w * kBsMaxRows + lane) * kBsPiece,
-                  src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece, bytes, full + w);
-      __syncwarp();
-    }
-    return;
-  }
-  int s = 0;
-  uint32_t phase = 0;  // parity of the stages' current lap
-  const int c = (w - kBsStages) * 32 + lane;  // consumer lane
-  for (long long u = 0; u < units; ++u) {
+  const bool loader = w < kBsPairs;
+  uint32_t j = 0;  // the pair's units so far: stage j & 1, lap j >> 1
+  for (long long u = l; u < units; u += kBsPairs, ++j) {
     const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
-    const int nv = min(kBsPiece, row_bytes - q * kBsPiece) >> 4;
-    mbar_wait(full + s, phase);
-    const int4* st = reinterpret_cast<const int4*>(ring + (size_t)s * kBsMaxRows * kBsPiece);
+    const int bytes = min(kBsPiece, row_bytes - q * kBsPiece);
+    const int st = l * 2 + (int)(j & 1);
+    const uint32_t lap = j >> 1;
+    char* stage = ring + (size_t)st * kBsMaxRows * kBsPiece;
+    if (loader) {
+      if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summer is done with the stage's last unit
+      if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(k * bytes));
+      if (lane < k)
+        bulk_load(stage + (size_t)lane * kBsPiece, src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece,
+                  (uint32_t)bytes, full + st);
+      __syncwarp();
+      continue;
+    }
+    mbar_wait(full + st, lap & 1u);
+    const int4* x0 = reinterpret_cast<const int4*>(stage);
     uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
-    for (int v = c; v < nv; v += 32 * kBsWarps) {
+    const int nv = bytes >> 4;
+#pragma unroll
+    for (int i = 0; i < (kBsPiece >> 4) / 32; ++i) {
+      const int v = lane + 32 * i;
+      if (v >= nv) break;
       int4 x[kBsMaxRows];
 #pragma unroll
       for (int h = 0; h < kBsMaxRows; ++h)
-        if (h < k) x[h] = st[h * (kBsPiece >> 4) + v];
+        if (h < k) x[h] = x0[h * (kBsPiece >> 4) + v];
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int h = 0; h < kBsMaxRows; ++h)
@@ -343,8 +344,7 @@ __global__ void __launch_bounds__((kBsStages + kBsWarps) * 32, 1) sm_bulk_sum_ke
       dst[v] = make_uint4(o.x, o.y, o.z, o.w);
     }
     __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
-    if (lane == 0) mbar_arrive(empty + s);
-    if (++s == kBsStages) s = 0, phase ^= 1u;
+    if (lane == 0) mbar_arrive(empty + st);
   }
 }
 
@@ -386,9 +386,9 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
       ep_set_error("ep_sm_mem: the bulk sum takes at most %d rows a token, got %d", kBsMaxRows, k);
       return -1;
     }
-    const size_t smem = (size_t)kBsStages * kBsMaxRows * kBsPiece;
+    const size_t smem = (size_t)kBsPairs * 2 * kBsMaxRows * kBsPiece;
     CUDA_CHECK(cudaFuncSetAttribute(sm_bulk_sum_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sm_bulk_sum_kernel<<<num_blocks, (kBsStages + kBsWarps) * 32, smem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
+    sm_bulk_sum_kernel<<<num_blocks, kBsPairs * 64, smem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
                                                                rows_out, k, hidden * 2);
   }
   CUDA_CHECK(cudaGetLastError());

@@ -15,8 +15,8 @@ csrc/ceiling.cu:
 - ``store``: 16-byte register stores of one row a token (checked: every vector holds its own position).
 - ``sum``: the local-sum ceiling of ``epbench ceiling`` (k rows in, one bf16 row out, fp32 adds; the faster of its
   two shapes; checked bit for bit against the fp32 sum in row order).
-- ``bulk sum``: the same sum with the rows brought into shared memory by TMA bulk copies, warp-specialised (7
-  warps a SM each load k 7 KiB pieces into a stage of their own, 8 warps sum the stages in turn and store them);
+- ``bulk sum``: the same sum with the rows brought into shared memory by TMA bulk copies, by 7 pairs of warps a
+  SM (a loader bringing k 3.5 KiB pieces into its pair's 2 stages in turn, a summer summing and storing them);
   k <= 4; checked bit for bit.
 
 Columns: us (median of --iters launches, device events), MB moved (loads + stores), GB/s and GB/s per SM; for
