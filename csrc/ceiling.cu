@@ -172,6 +172,78 @@ __global__ void __launch_bounds__(kDeep ? 256 : 512, 1) sum_ceiling_kernel(uint4
   }
 }
 
+// The third shape of the local sum (threads == kBsPairs * 64; tokens of at most kBsMaxRows rows): the same sum,
+// the same bits, with the rows brought into shared memory by TMA bulk copies, in kBsPairs pairs of warps a block:
+// loader l brings units l, l + kBsPairs, ... (a unit: one kBsPiece piece of each of a token's n rows, lane h < n
+// issuing row h's) into its 2 stages in turn, summer l sums them from shared memory (its 32 lanes over the
+// piece's vectors), stores them and frees the stage. Why pairs: a warp's bulk copies run one after another (~35-40
+// GB/s), a SM took in ~180 GB/s only from >= 4 warps at once, and 8 warps summing one stage together waited on
+// every stage in turn (python -m epbench.smmem, 2026-11-27). Block b takes tokens b, b + gridDim.x, ...
+constexpr int kBsPiece = 3584;  // bytes of a row piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
+constexpr int kBsMaxRows = 4;
+constexpr int kBsPairs = 7;  // 7 pairs x 2 stages x 4 rows x 3.5 KiB = 196 KiB of shared memory a block
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__global__ void __launch_bounds__(kBsPairs * 64, 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
+                                                                     long long rows_in, int row_bytes) {
+  extern __shared__ __align__(128) char ring[];
+  __shared__ uint64_t full[kBsPairs * 2], empty[kBsPairs * 2];
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int l = w % kBsPairs;  // the pair
+  const int base = (int)(rows_in / rows_out), extra = (int)(rows_in % rows_out);
+  const int pieces = (row_bytes + kBsPiece - 1) / kBsPiece, V = row_bytes >> 4;
+  const int ntok = blockIdx.x < rows_out ? (rows_out - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const long long units = (long long)ntok * pieces;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBsPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  const bool loader = w < kBsPairs;
+  uint32_t j = 0;  // the pair's units so far: stage j & 1, lap j >> 1
+  for (long long u = l; u < units; u += kBsPairs, ++j) {
+    const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
+    const int bytes = min(kBsPiece, row_bytes - q * kBsPiece);
+    const int k = base + (t < extra ? 1 : 0);  // the token's rows
+    const int st = l * 2 + (int)(j & 1);
+    const uint32_t lap = j >> 1;
+    char* stage = ring + (size_t)st * kBsMaxRows * kBsPiece;
+    if (loader) {
+      if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summer is done with the stage's last unit
+      if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(k * bytes));
+      if (lane < k)
+        bulk_load(stage + (size_t)lane * kBsPiece, src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece,
+                  (uint32_t)bytes, full + st);
+      __syncwarp();
+      continue;
+    }
+    mbar_wait(full + st, lap & 1u);
+    const int4* x0 = reinterpret_cast<const int4*>(stage);
+    uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
+    const int nv = bytes >> 4;
+#pragma unroll
+    for (int i = 0; i < (kBsPiece >> 4) / 32; ++i) {
+      const int v = lane + 32 * i;
+      if (v >= nv) break;
+      int4 x[kBsMaxRows];
+#pragma unroll
+      for (int h = 0; h < kBsMaxRows; ++h)
+        if (h < k) x[h] = x0[h * (kBsPiece >> 4) + v];
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < kBsMaxRows; ++h)
+        if (h < k) fma_bf16x8(acc, x[h], 1.f);
+      const int4 o = pack_bf16x8(acc);
+      dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+    }
+    __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
+    if (lane == 0) mbar_arrive(empty + st);
+  }
+}
+
 }  // namespace
 
 extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long long rows_in, int hidden, int num_blocks,
@@ -184,6 +256,18 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
   }
   if (rows_out == 0) return 0;
   const long long most = (rows_in + rows_out - 1) / rows_out;  // the most rows a token has
+  if (threads == kBsPairs * 64) {  // the bulk-copy shape
+    if (most > kBsMaxRows || hidden % 8 != 0) {
+      ep_set_error("ep_sum_ceiling: the bulk-copy shape takes at most %d rows a token, got %lld", kBsMaxRows, most);
+      return -1;
+    }
+    const size_t smem = (size_t)kBsPairs * 2 * kBsMaxRows * kBsPiece;
+    CUDA_CHECK(cudaFuncSetAttribute(sum_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    sum_bulk_kernel<<<num_blocks, threads, smem, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<uint4*>(out), static_cast<const char*>(src), rows_out, rows_in, hidden * 2);
+    CUDA_CHECK(cudaGetLastError());
+    return 0;
+  }
   const bool deep = threads <= 256;                              // the 256-thread shape: twice the loads in flight
   auto kernel = most <= 2 ? (deep ? sum_ceiling_kernel<2, true> : sum_ceiling_kernel<2, false>)
                 : most <= 4 ? (deep ? sum_ceiling_kernel<4, true> : sum_ceiling_kernel<4, false>)
@@ -195,7 +279,7 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
 }
 
 // What num_blocks SMs move through this GPU's own memory (no link), one block per SM, in three ways; the local-sum
-// kernel above is the fourth (k rows in, one out). The rows are those of the sum: token t's row j is row
+// kernel's shapes above are the others (k rows in, one out). The rows are those of the sum: token t's row j is row
 // j * rows_out + t of src ([k][rows_out][hidden] bf16), a warp (or, for bulk loads, a block) per token.
 //   EP_SM_LOAD       16-byte register loads, 16 vectors a lane in flight (128 KiB a SM at 512 threads); each
 //                    token's k rows folded by XOR into words[t]: the loads cannot be dropped, the result checked.
@@ -203,10 +287,9 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
 //                    SM) issued by lane 0 of each of threads / 32 warps, each with its share of the ring; the first
 //                    word of each piece folded into words[issuer].
 //   EP_SM_STORE      16-byte register stores of one row per token into out, vector v of row t = (t, v, t ^ v, 1).
-//   EP_SM_BULK_SUM   the local sum with its rows brought in by TMA bulk copies (sm_bulk_sum_kernel; k <= 4).
 namespace {
 
-enum SmMemMode { EP_SM_LOAD = 0, EP_SM_BULK_LOAD = 1, EP_SM_STORE = 2, EP_SM_BULK_SUM = 3 };
+enum SmMemMode { EP_SM_LOAD = 0, EP_SM_BULK_LOAD = 1, EP_SM_STORE = 2 };
 constexpr int kLoadU = 16;
 constexpr int kBulkPiece = 7168;  // bytes of one bulk copy (half a 7168-wide bf16 row)
 constexpr int kBulkStages = 28;   // 196 KiB of shared memory a block
@@ -278,76 +361,6 @@ __global__ void __launch_bounds__(kBulkStages * 32, 1) sm_bulk_load_kernel(int* 
   words[g] = fold;
 }
 
-// EP_SM_BULK_SUM: the local sum (k rows in, one bf16 row out, the fp32 sum from 0 in row order: the same bits as
-// the sum kernels above) with the rows brought into shared memory by TMA bulk copies, in kBsPairs pairs of warps a
-// block: loader l brings units l, l + kBsPairs, ... (a unit: one kBsPiece piece of each of a token's k rows, lane
-// h < k issuing row h's) into its 2 stages in turn, summer l sums them from shared memory (its 32 lanes over the
-// piece's vectors), stores them and frees the stage. Why pairs: a warp's bulk copies run one after another (~35-40
-// GB/s), a SM took in ~180 GB/s only from >= 4 warps at once, and 8 warps summing one stage together waited on
-// every stage in turn (python -m epbench.smmem, 2026-11-27). Block b takes tokens b, b + gridDim.x, ...
-constexpr int kBsPiece = 3584;  // bytes of a row piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
-constexpr int kBsMaxRows = 4;
-constexpr int kBsPairs = 7;  // 7 pairs x 2 stages x 4 rows x 3.5 KiB = 196 KiB of shared memory a block
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-__global__ void __launch_bounds__(kBsPairs * 64, 1) sm_bulk_sum_kernel(uint4* out, const char* src, int rows_out,
-                                                                        int k, int row_bytes) {
-  extern __shared__ __align__(128) char ring[];
-  __shared__ uint64_t full[kBsPairs * 2], empty[kBsPairs * 2];
-  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int l = w % kBsPairs;  // the pair
-  const int pieces = (row_bytes + kBsPiece - 1) / kBsPiece, V = row_bytes >> 4;
-  const int ntok = blockIdx.x < rows_out ? (rows_out - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  const long long units = (long long)ntok * pieces;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kBsPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 1);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncthreads();
-  const bool loader = w < kBsPairs;
-  uint32_t j = 0;  // the pair's units so far: stage j & 1, lap j >> 1
-  for (long long u = l; u < units; u += kBsPairs, ++j) {
-    const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
-    const int bytes = min(kBsPiece, row_bytes - q * kBsPiece);
-    const int st = l * 2 + (int)(j & 1);
-    const uint32_t lap = j >> 1;
-    char* stage = ring + (size_t)st * kBsMaxRows * kBsPiece;
-    if (loader) {
-      if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summer is done with the stage's last unit
-      if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(k * bytes));
-      if (lane < k)
-        bulk_load(stage + (size_t)lane * kBsPiece, src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece,
-                  (uint32_t)bytes, full + st);
-      __syncwarp();
-      continue;
-    }
-    mbar_wait(full + st, lap & 1u);
-    const int4* x0 = reinterpret_cast<const int4*>(stage);
-    uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
-    const int nv = bytes >> 4;
-#pragma unroll
-    for (int i = 0; i < (kBsPiece >> 4) / 32; ++i) {
-      const int v = lane + 32 * i;
-      if (v >= nv) break;
-      int4 x[kBsMaxRows];
-#pragma unroll
-      for (int h = 0; h < kBsMaxRows; ++h)
-        if (h < k) x[h] = x0[h * (kBsPiece >> 4) + v];
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < kBsMaxRows; ++h)
-        if (h < k) fma_bf16x8(acc, x[h], 1.f);
-      const int4 o = pack_bf16x8(acc);
-      dst[v] = make_uint4(o.x, o.y, o.z, o.w);
-    }
-    __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
-    if (lane == 0) mbar_arrive(empty + st);
-  }
-}
-
 __global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_out, int V) {
   const int lane = threadIdx.x & 31;
   const int G = gridDim.x * (blockDim.x >> 5);
@@ -359,7 +372,7 @@ __global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_ou
 
 extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int k, int hidden, int num_blocks,
                          int threads, void* stream) {
-  if (mode < EP_SM_LOAD || mode > EP_SM_BULK_SUM || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
+  if (mode < EP_SM_LOAD || mode > EP_SM_STORE || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
       num_blocks < 1 || threads < 32 || threads > 512 || threads % 32 != 0 || ((uintptr_t)src & 15) ||
       ((uintptr_t)out & 15)) {
     ep_set_error("ep_sm_mem: bad arguments (mode %d, rows %d x %d, hidden %d, blocks %d, threads %d)", mode, rows_out,
@@ -379,17 +392,8 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
     }
     sm_bulk_load_kernel<<<num_blocks, threads, smem, s>>>(static_cast<int*>(out), static_cast<const char*>(src), rows_out,
                                                      k, hidden * 2);
-  } else if (mode == EP_SM_STORE) {
-    sm_store_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int4*>(out), rows_out, hidden / 8);
   } else {
-    if (k > kBsMaxRows) {
-      ep_set_error("ep_sm_mem: the bulk sum takes at most %d rows a token, got %d", kBsMaxRows, k);
-      return -1;
-    }
-    const size_t smem = (size_t)kBsPairs * 2 * kBsMaxRows * kBsPiece;
-    CUDA_CHECK(cudaFuncSetAttribute(sm_bulk_sum_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    sm_bulk_sum_kernel<<<num_blocks, kBsPairs * 64, smem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
-                                                               rows_out, k, hidden * 2);
+    sm_store_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int4*>(out), rows_out, hidden / 8);
   }
   CUDA_CHECK(cudaGetLastError());
   return 0;

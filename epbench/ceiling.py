@@ -279,9 +279,19 @@ def kernel_store_provider() -> Optional[SmStoreProvider]:
 
 # (out tensor, source tensor, tokens, rows, hidden, sms, threads, comm, warmup, iters) -> per-iteration microseconds
 SumProvider = Callable[[Any, Any, int, int, int, int, int, Any, int, int], List[float]]
-# the local-sum kernel's two shapes (csrc/ceiling.cu): 512 threads with 64 KiB of loads in flight per SM, 256 with
-# 112-128 KiB; the ceiling is the faster
+# the local-sum kernel's register shapes (csrc/ceiling.cu): 512 threads with 128 KiB of loads in flight per SM (64
+# for tokens of more than 4 rows), 256 with twice the vectors a lane; and its bulk-copy shape (7 pairs of a loading
+# and a summing warp, TMA bulk copies into shared memory) for tokens of at most BULK_SUM_MAX_ROWS rows. The ceiling is
+# the fastest. One H200 (python -m epbench.smmem, 2026-11-27), 4 SMs, us for 2 / 3 / 4 rows a token: registers
+# 429 / 854 / 904, bulk copies 628 / 673 / 747.
 SUM_THREADS = (512, 256)
+BULK_SUM_THREADS = 448
+BULK_SUM_MAX_ROWS = 4
+
+
+def sum_shapes(rows_per_token: int) -> Tuple[int, ...]:
+    """The local-sum shapes (threads) for tokens of at most ``rows_per_token`` rows."""
+    return SUM_THREADS + ((BULK_SUM_THREADS,) if rows_per_token <= BULK_SUM_MAX_ROWS else ())
 
 
 def kernel_sum_provider() -> Optional[SumProvider]:
@@ -447,9 +457,9 @@ class OpCeiling:
     counted_per_iter: Optional[List[Optional[float]]] = None
     # copy-engine time (max over ranks of the median) by streams per destination (CE_SPLITS) and for RING
     copy_engine_by_split: Dict[Any, float] = field(default_factory=dict)
-    # combine only: a register kernel on that many SMs summing the rows of each rank's tokens, every row local (csrc
-    # ceiling.cu ep_sum_ceiling, the faster of its shapes): a reference for the combine's SM side, not a bound (a pull
-    # with bulk copies beat it at 4 ranks, 4 SMs)
+    # combine only: a kernel on that many SMs summing the rows of each rank's tokens, every row local (csrc
+    # ceiling.cu ep_sum_ceiling, the fastest of its register and bulk-copy shapes): a reference for the combine's SM
+    # side, not a bound (the register shapes alone were beaten by a pull with bulk copies at 4 ranks, 4 SMs)
     sm_sum_us: Dict[int, Optional[float]] = field(default_factory=dict)
     # copy engines and the store kernel at once, each a share of every destination's bytes: by SM count, the
     # fastest share's time (max over ranks of the median) and that share (CE_SM_SHARES)
@@ -553,7 +563,7 @@ def measure_sums(summer: SumProvider, s: Any, tr: Traffic, comm: Any, warmup: in
                  sms_list: List[int]) -> Dict[int, Optional[float]]:
     """The local-sum ceiling at each SM count: this rank's tokens, each summing its share of sum_rows rows (bf16
     rows of the model's hidden size, normal random values), max over ranks of the median; the faster of the
-    kernel's shapes (SUM_THREADS)."""
+    kernel's shapes (sum_shapes)."""
     import torch
 
     tokens, hidden = s.model.tokens_per_rank, s.model.hidden
@@ -563,7 +573,7 @@ def measure_sums(summer: SumProvider, s: Any, tr: Traffic, comm: Any, warmup: in
     out = torch.empty(max(tokens, 1), hidden, device=comm.device, dtype=torch.bfloat16)
     try:
         return {sms: min(_max_over_ranks(summer(out, src, tokens, rows, hidden, sms, threads, comm, warmup, iters),
-                                         comm) for threads in SUM_THREADS)
+                                         comm) for threads in sum_shapes(per_token))
                 for sms in sms_list}
     finally:
         del src, out

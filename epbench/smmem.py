@@ -13,11 +13,11 @@ csrc/ceiling.cu:
   lane 0 of N warps a block (1, 4, 14), each with its share of the ring and its own tokens; the first word of
   every piece folded into a word an issuer (checked).
 - ``store``: 16-byte register stores of one row a token (checked: every vector holds its own position).
-- ``sum``: the local-sum ceiling of ``epbench ceiling`` (k rows in, one bf16 row out, fp32 adds; the faster of its
-  two shapes; checked bit for bit against the fp32 sum in row order).
-- ``bulk sum``: the same sum with the rows brought into shared memory by TMA bulk copies, by 7 pairs of warps a
+- ``sum``: the local-sum ceiling of ``epbench ceiling`` (k rows in, one bf16 row out, fp32 adds), its register
+  shapes (the faster of two); checked bit for bit against the fp32 sum in row order.
+- ``bulk sum``: its bulk-copy shape: the rows brought into shared memory by TMA bulk copies, by 7 pairs of warps a
   SM (a loader bringing k 3.5 KiB pieces into its pair's 2 stages in turn, a summer summing and storing them);
-  k <= 4; checked bit for bit.
+  k <= 4; checked bit for bit. ``epbench ceiling``'s local sum is the fastest of the three shapes.
 
 Columns: us (median of --iters launches, device events), MB moved (loads + stores), GB/s and GB/s per SM; for
 ``sum`` also ``apart us``, the ``load`` of the same rows plus the ``store`` of one row a token measured apart, i.e.
@@ -38,8 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from epbench.errors import UserError
 
-MODES = {"load": 0, "bulk": 1, "store": 2, "bulk sum": 3}  # csrc/ceiling.cu SmMemMode
-BULK_SUM_ROWS = 4  # the most rows a token the bulk sum takes (csrc/ceiling.cu kBsMaxRows)
+MODES = {"load": 0, "bulk": 1, "store": 2}  # csrc/ceiling.cu SmMemMode
 THREADS = 512
 BULK_ISSUERS = (1, 4, 14)  # issuing warps a block of the bulk loads, each with its share of the 28-piece ring
 BULK_PIECE = 7168  # csrc/ceiling.cu kBulkPiece: bytes of one bulk copy
@@ -188,9 +187,10 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
             rows.append(row_of(sms, "sum", k, t_sum, moved_bytes("sum", k, a.tokens, a.hidden),
                                "ok" if sum_ok else "WRONG", apart_us=t_load + t_store))
             say(format_row(rows[-1]))
-            if k <= BULK_SUM_ROWS:
+            if k <= ceiling.BULK_SUM_MAX_ROWS:
                 out.fill_(float("nan"))
-                t_bs = timed(mem("bulk sum", k, sms, out), "ep_sm_mem")
+                t_bs = statistics.median(summer(out, src, a.tokens, k * a.tokens, a.hidden, sms,
+                                                ceiling.BULK_SUM_THREADS, comm, a.warmup, a.iters))
                 rows.append(row_of(sms, "bulk sum", k, t_bs, moved_bytes("bulk sum", k, a.tokens, a.hidden),
                                    "ok" if torch.equal(out, sums[k]) else "WRONG", apart_us=t_bulk_best + t_store))
                 say(format_row(rows[-1]))

@@ -432,3 +432,28 @@ def test_ring_copies_go_one_after_another_on_one_stream_from_the_next_rank_on(mo
     ceiling.copy_engine_samples_us(plan, comm, bufs, source, 0, 1, split=2)
     # a stream per piece: 2 pieces for 48 and 32 bytes, 1 for 16 (pieces are 16-byte aligned)
     assert len({e[3] for e in events if e[0] == "ce"}) == 5
+
+
+def test_local_sum_takes_the_bulk_shape_only_for_tokens_of_at_most_4_rows(monkeypatch) -> None:
+    """measure_sums times every shape the rows allow and keeps the fastest: the bulk-copy shape (448 threads) only
+    where a token has at most 4 rows (csrc/ceiling.cu refuses more)."""
+    import types
+
+    torch = pytest.importorskip("torch")
+    assert ceiling.sum_shapes(1) == (512, 256, 448) and ceiling.sum_shapes(4) == (512, 256, 448)
+    assert ceiling.sum_shapes(5) == (512, 256)
+    monkeypatch.setattr(ceiling, "_max_over_ranks", lambda samples, comm: max(samples))
+    speed = {512: 30.0, 256: 20.0, 448: 10.0}
+    for rows, want_threads, want in ((12, {512, 256, 448}, 10.0), (13, {512, 256}, 20.0)):
+        seen = set()
+
+        def summer(out, src, tokens, nrows, hidden, sms, threads, comm, warmup, iters):
+            seen.add(threads)
+            assert nrows == rows and tokens == 3 and src.shape[0] == -(-rows // 3)
+            return [speed[threads] * 8 / sms] * iters
+
+        monkeypatch.setattr(ceiling, "sum_rows", lambda tr, rank: rows)
+        s = types.SimpleNamespace(model=types.SimpleNamespace(tokens_per_rank=3, hidden=64))
+        comm = types.SimpleNamespace(rank=0, device=torch.device("cpu"))
+        assert ceiling.measure_sums(summer, s, None, comm, 1, 2, [8, 16]) == {8: want, 16: want / 2}
+        assert seen == want_threads

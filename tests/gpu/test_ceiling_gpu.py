@@ -15,7 +15,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("threads", [512, 256])  # the kernel's two shapes (ceiling.SUM_THREADS)
+@pytest.mark.parametrize("threads", [512, 256, 448])  # the kernel's shapes (ceiling.SUM_THREADS, BULK_SUM_THREADS)
 @pytest.mark.parametrize("tokens,rows,hidden", [(37, 37, 2048), (100, 173, 7168), (64, 128, 8192), (50, 131, 2080),
                                                 (20, 97, 7168)])
 def test_local_sum_ceiling_sums_every_row_of_every_token(kernels_built: None, tokens: int, rows: int,
@@ -29,6 +29,10 @@ def test_local_sum_ceiling_sums_every_row_of_every_token(kernels_built: None, to
     src = torch.randn(per_token, tokens, hidden, device=dev).to(torch.bfloat16)
     out = torch.full((tokens, hidden), float("nan"), device=dev, dtype=torch.bfloat16)
     comm = types.SimpleNamespace(device=dev, sync=None)
+    if threads not in ceiling.sum_shapes(per_token):  # the bulk-copy shape refuses tokens of more than 4 rows
+        with pytest.raises(RuntimeError, match="at most 4 rows"):
+            summer(out, src, tokens, rows, hidden, 8, threads, comm, 1, 3)
+        return
     times = summer(out, src, tokens, rows, hidden, 8, threads, comm, 1, 3)
     torch.cuda.synchronize()
     assert len(times) == 3 and all(t > 0 for t in times)
