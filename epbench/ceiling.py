@@ -613,8 +613,9 @@ def ceiling_table(ceilings: List[OpCeiling], title: str):
               "the copy engines a share of every destination's bytes on one stream in ring order (the fastest "
               "of 25, 50, 75 %, in brackets), the store kernel the rest; "
               "SM local sum = a kernel on that many SMs summing each token's rows (combine), every row already "
-              "local, the faster of two kernel shapes: what a combine that sums on those SMs with register loads "
-              "reaches", [(c, "left" if c == "op" else "right") for c in cols])
+              "local, the fastest of three kernel shapes (two with register loads, one with TMA bulk copies for "
+              "tokens of up to 4 rows): a reference for a combine that sums on those SMs, not a bound",
+              [(c, "left" if c == "op" else "right") for c in cols])
     for c in ceilings:
         sm = [f"{k}: {number(v)}" for k, v in c.sm_store_us.items() if v is not None]
         by = [f"{k}: {number(v)}" for k, v in c.copy_engine_by_split.items()]
