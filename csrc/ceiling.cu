@@ -187,6 +187,24 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
+// One piece of a token's kN rows in shared memory (row h at x0 + h * kBsPiece / 16), summed and stored by one warp.
+template <int kN>
+__device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane) {
+#pragma unroll
+  for (int i = 0; i < (kBsPiece >> 4) / 32; ++i) {
+    const int v = lane + 32 * i;
+    if (v >= nv) break;
+    int4 x[kN];
+#pragma unroll
+    for (int h = 0; h < kN; ++h) x[h] = x0[h * (kBsPiece >> 4) + v];
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], 1.f);
+    const int4 o = pack_bf16x8(acc);
+    dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+  }
+}
+
 __global__ void __launch_bounds__(kBsPairs * 64, 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
                                                                      long long rows_in, int row_bytes) {
   extern __shared__ __align__(128) char ring[];
@@ -224,20 +242,11 @@ __global__ void __launch_bounds__(kBsPairs * 64, 1) sum_bulk_kernel(uint4* out, 
     const int4* x0 = reinterpret_cast<const int4*>(stage);
     uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
     const int nv = bytes >> 4;
-#pragma unroll
-    for (int i = 0; i < (kBsPiece >> 4) / 32; ++i) {
-      const int v = lane + 32 * i;
-      if (v >= nv) break;
-      int4 x[kBsMaxRows];
-#pragma unroll
-      for (int h = 0; h < kBsMaxRows; ++h)
-        if (h < k) x[h] = x0[h * (kBsPiece >> 4) + v];
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < kBsMaxRows; ++h)
-        if (h < k) fma_bf16x8(acc, x[h], 1.f);
-      const int4 o = pack_bf16x8(acc);
-      dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+    switch (k) {  // the row count a constant in the loop (with k per token in it: 790 / 862 us at 3 / 4 rows, 4 SMs)
+      case 1: sum_piece<1>(dst, x0, nv, lane); break;
+      case 2: sum_piece<2>(dst, x0, nv, lane); break;
+      case 3: sum_piece<3>(dst, x0, nv, lane); break;
+      default: sum_piece<4>(dst, x0, nv, lane); break;
     }
     __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
     if (lane == 0) mbar_arrive(empty + st);
