@@ -197,6 +197,14 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
     return rows
 
 
+def commit_label(info: Dict[str, Any]) -> str:
+    """epbench's commit as provenance found it, with the build stamp beside a dirty checkout that holds another
+    commit (a copy laid over an older checkout: provenance.git_commit names both)."""
+    label = str(info.get("git_commit", "unknown"))
+    stamped = info.get("git_commit_stamped")
+    return f"{label} (build stamp {stamped})" if stamped else label
+
+
 def write_csv(path: Path, rows: List[Dict[str, Any]], a: argparse.Namespace, info: Dict[str, Any]) -> None:
     import csv
     import io
@@ -204,7 +212,7 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], a: argparse.Namespace, inf
 
     from epbench.results import _atomic_write
 
-    commit = info.get("git_commit", "unknown")
+    commit = commit_label(info)
     full = [{**r, "hidden": a.hidden, "tokens": a.tokens, "git_commit": commit} for r in rows]
     text = io.StringIO()
     w = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
@@ -229,7 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         launch.apply_safe_env()
         info = provenance.collect(argv, "cuda")
-        print(f"epbench smmem: {info.get('git_commit', 'unknown')}, {torch.cuda.get_device_name()}, torch "
+        print(f"epbench smmem: {commit_label(info)}, {torch.cuda.get_device_name()}, torch "
               f"{torch.__version__}, CUDA {torch.version.cuda}; hidden {a.hidden} bf16, {a.tokens} tokens, "
               f"median of {a.iters} launches after {a.warmup}, {THREADS} threads a block")
         print(HEADER)

@@ -86,3 +86,10 @@ def test_without_a_gpu_one_line_and_exit_2(capsys, monkeypatch) -> None:
     assert smmem.main(["--sms", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: needs a CUDA GPU (it measures one GPU's SMs)"]
+
+
+def test_commit_label_names_the_build_stamp_beside_a_stale_checkout() -> None:
+    assert smmem.commit_label({"git_commit": "abc"}) == "abc"
+    assert smmem.commit_label({"git_commit": "abc+dirty", "git_commit_stamped": "def"}) == \
+        "abc+dirty (build stamp def)"
+    assert smmem.commit_label({}) == "unknown"
