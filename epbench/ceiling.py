@@ -726,9 +726,10 @@ def figure_rows(s: Any, ceilings: List[OpCeiling], commit: str) -> List[Dict[str
     return rows
 
 
-def write_csv(path: Path, rows: List[Dict[str, Any]], provenance: Dict[str, Any]) -> None:
-    """The rows into ``path`` (CSV_COLUMNS) and what produced them into the same name + .json; each whole or not
-    at all (a UserError naming the file it could not write)."""
+def write_csv(path: Path, rows: List[Dict[str, Any]], provenance: Dict[str, Any],
+              columns: Sequence[str] = CSV_COLUMNS) -> None:
+    """The rows into ``path`` (``columns``, CSV_COLUMNS unless given) and what produced them into the same name +
+    .json; each whole or not at all (a UserError naming the file it could not write)."""
     import csv
     import io
     import json
@@ -736,10 +737,10 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], provenance: Dict[str, Any]
     from epbench.results import _atomic_write
 
     text = io.StringIO()
-    w = csv.DictWriter(text, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w = csv.DictWriter(text, fieldnames=list(columns), lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: "" if r.get(k) is None else r[k] for k in CSV_COLUMNS})
+        w.writerow({k: "" if r.get(k) is None else r[k] for k in columns})
     _atomic_write(path, text.getvalue())
     _atomic_write(path.with_name(path.name + ".json"), json.dumps(provenance, indent=1, default=str) + "\n")
 

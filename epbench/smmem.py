@@ -206,23 +206,13 @@ def commit_label(info: Dict[str, Any]) -> str:
 
 
 def write_csv(path: Path, rows: List[Dict[str, Any]], a: argparse.Namespace, info: Dict[str, Any]) -> None:
-    import csv
-    import io
-    import json
-
-    from epbench.results import _atomic_write
+    """The rows into ``path`` (COLUMNS) and what produced them (provenance, the options) into ``path``.json."""
+    from epbench import ceiling
 
     commit = commit_label(info)
     full = [{**r, "hidden": a.hidden, "tokens": a.tokens, "git_commit": commit} for r in rows]
-    text = io.StringIO()
-    w = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
-    w.writeheader()
-    for r in full:
-        w.writerow({c: "" if r.get(c) is None else r[c] for c in COLUMNS})
-    _atomic_write(path, text.getvalue())
-    _atomic_write(path.with_name(path.name + ".json"),
-                  json.dumps({**info, "options": {k: (str(v) if isinstance(v, Path) else v)
-                                                  for k, v in vars(a).items()}}, indent=1, default=str) + "\n")
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+    ceiling.write_csv(path, full, {**info, "options": options}, COLUMNS)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -93,3 +93,19 @@ def test_commit_label_names_the_build_stamp_beside_a_stale_checkout() -> None:
     assert smmem.commit_label({"git_commit": "abc+dirty", "git_commit_stamped": "def"}) == \
         "abc+dirty (build stamp def)"
     assert smmem.commit_label({}) == "unknown"
+
+
+def test_csv_rows_and_provenance(tmp_path) -> None:
+    import csv
+    import json
+
+    a = smmem.parse_args(["--sms", "4", "--rows", "3", "--csv", str(tmp_path / "m.csv")])
+    rows = [smmem.row_of(4, "sum", 3, 100.0, 40_000_000, "ok", apart_us=120.0),
+            smmem.row_of(4, "store", None, 50.0, 10_000_000, "ok")]
+    smmem.write_csv(a.csv, rows, a, {"git_commit": "abc+dirty", "git_commit_stamped": "def", "torch": "x"})
+    got = list(csv.DictReader(a.csv.open()))
+    assert [r["kernel"] for r in got] == ["sum", "store"] and list(got[0]) == list(smmem.COLUMNS)
+    assert got[0]["apart_us"] == "120.0" and got[1]["rows_per_token"] == "" and got[0]["hidden"] == "7168"
+    assert got[0]["git_commit"] == "abc+dirty (build stamp def)"
+    meta = json.loads((tmp_path / "m.csv.json").read_text())
+    assert meta["options"]["sms"] == [4] and meta["options"]["csv"] == str(tmp_path / "m.csv") and meta["torch"] == "x"
