@@ -426,6 +426,142 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
+// combine_ce at 3-4 ranks: the same sum (holders in rank order from 0, w(t, d), fmaf from 0: the same bits) with
+// every holder's piece brought into shared memory by TMA bulk copies, in kCbPairs pairs of warps a block, as the
+// local-sum ceiling's bulk shape (csrc/ceiling.cu sum_bulk_kernel): summing 3-4 rows a token, register loads ran
+// slower than their own loads and stores timed apart, the pairs 17-30 % faster (python -m epbench.smmem, one H200,
+// 2026-11-27). Pair l of block b takes tokens P, P + G, ... (P = b * kCbPairs + l, G = gridDim.x * kCbPairs), a
+// unit being one kCbPiece piece of a token's row: the loader (warp l) finds each token's holders 32 tokens at a
+// time (lane i token i), lane d waits once per chunk for holder d's flag (a peer's), then lane d loads holder d's
+// piece (my combine_in for me, my staging buffer for a peer) into slot j of the pair's stage (j: d's place among
+// the token's holders), lane 0 arming the stage with the pieces' bytes; the summer (warp kCbPairs + l) finds the
+// same holders and weights, sums the stage's n pieces (n a constant in its loop) and stores them, then frees the
+// stage. 2 stages a pair.
+constexpr int kCbPiece = 3584;  // bytes of a piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
+constexpr int kCbPairs = 7;     // 7 pairs x 2 stages x 4 holders x 3.5 KiB = 196 KiB of shared memory a block
+constexpr int kCbHolders = 4;
+
+__host__ __device__ __forceinline__ size_t cb_smem_bytes() { return (size_t)kCbPairs * 2 * kCbHolders * kCbPiece; }
+
+__device__ __forceinline__ void mbar_arrive_cta(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// n pieces (slots 0..kN-1 of a stage, kCbPiece bytes apart) weighted by w[0..kN-1] in order, stored bf16 at dst.
+template <int kN>
+__device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const float (&w)[kCbHolders], int nv,
+                                             int lane) {
+#pragma unroll
+  for (int i = 0; i < (kCbPiece >> 4) / 32; ++i) {
+    const int v = lane + 32 * i;
+    if (v >= nv) break;
+    int4 x[kN > 0 ? kN : 1];
+#pragma unroll
+    for (int h = 0; h < kN; ++h) x[h] = x0[h * (kCbPiece >> 4) + v];
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], w[h]);
+    const int4 o = pack_bf16x8(acc);
+    dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+  }
+}
+
+__global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
+  extern __shared__ __align__(128) uint8_t cb_ring[];
+  __shared__ uint64_t full[kCbPairs * 2], empty[kCbPairs * 2];
+  combine_ce_check(p, a.num_tokens);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, l = w % kCbPairs;
+  const bool loader = w < kCbPairs;
+  const int world = p.world, topk = p.topk, E = p.experts_per_rank, me = p.rank;
+  const int T = ld_volatile(p.dev_error) != 0 ? 0 : a.num_tokens;
+  const int P = blockIdx.x * kCbPairs + l, G = gridDim.x * kCbPairs;
+  const int ntok = P < T ? (T - P + G - 1) / G : 0;  // the pair's tokens P + k G, k < ntok
+  const int row_bytes = p.hidden * 2, V = p.hidden >> 3;
+  const int pieces = (row_bytes + kCbPiece - 1) / kCbPiece;
+  const size_t rb = (size_t)row_bytes;
+  const uint8_t* own = p.peer_base[me] + p.off_combine_in;
+  const uint8_t* staged = p.peer_base[me] + p.off_combine_stage;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kCbPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  int seen = -1;     // loader lane d: the last chunk of holder d seen pushed
+  uint32_t j = 0;    // the pair's units so far: stage j & 1, lap j >> 1
+  for (int k0 = 0; k0 < ntok; k0 += 32) {
+    int rows[kCbHolders];
+    float ws[kCbHolders];
+#pragma unroll
+    for (int d = 0; d < kCbHolders; ++d) rows[d] = -1, ws[d] = 0.f;
+    if (k0 + lane < ntok) {
+      const int t = P + (k0 + lane) * G;
+      if (!loader) holder_weights<kCbHolders>(a, t, topk, world, E, ws);
+#pragma unroll
+      for (int d = 0; d < kCbHolders; ++d) {
+        if (d >= world) break;
+        const int slot = p.slot_map[(size_t)t * world + d];
+        rows[d] = slot < 0 ? -1 : d == me ? p.base[me] + slot : t;
+      }
+    }
+    const int nb = min(32, ntok - k0);
+    for (int i = 0; i < nb; ++i) {
+      const int t = P + (k0 + i) * G;
+      float wd[kCbHolders] = {0.f, 0.f, 0.f, 0.f};
+      int n = 0, my_slot = -1, my_row = -1;  // the token's holders; lane d's place among them and its row
+#pragma unroll
+      for (int d = 0; d < kCbHolders; ++d) {
+        const int rd = __shfl_sync(0xffffffffu, rows[d], i);
+        const float wv = __shfl_sync(0xffffffffu, ws[d], i);
+        if (rd >= 0) {
+          if (d == lane) my_slot = n, my_row = rd;
+#pragma unroll
+          for (int h = 0; h < kCbHolders; ++h)
+            if (h == n) wd[h] = wv;  // compacted in rank order (no array indexed at run time: registers)
+          ++n;
+        }
+      }
+      if (loader && lane < world && lane != me && my_row >= 0 && t / p.ce_chunk_rows > seen) {
+        // given up: the sum reads stale rows, the host raises the timeout
+        seen = t / p.ce_chunk_rows;
+        wait_flag(p, signal_ptr(p, me, p.sig.cstage_off + lane * kCeChunks + seen), epoch, lane, kPhaseCombineStaged);
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read what the flag published
+      }
+      if (loader) __syncwarp();
+      for (int q = 0; q < pieces; ++q, ++j) {
+        const int bytes = min(kCbPiece, row_bytes - q * kCbPiece);
+        const int st = l * 2 + (int)(j & 1);
+        const uint32_t lap = j >> 1;
+        uint8_t* stage = cb_ring + (size_t)st * kCbHolders * kCbPiece;
+        if (loader) {
+          if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summer is done with the stage's last unit
+          if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(n * bytes));
+          if (my_slot >= 0) {
+            const uint8_t* src = lane == me ? own + (size_t)my_row * rb
+                                            : staged + ((size_t)lane * p.max_tokens + my_row) * rb;
+            bulk_load(stage + (size_t)my_slot * kCbPiece, src + (size_t)q * kCbPiece, (uint32_t)bytes, full + st);
+          }
+          __syncwarp();
+          continue;
+        }
+        mbar_wait(full + st, lap & 1u);
+        const int4* x0 = reinterpret_cast<const int4*>(stage);
+        uint4* dst = a.out + (size_t)t * V + (size_t)q * (kCbPiece >> 4);
+        const int nv = bytes >> 4;
+        switch (n) {  // the holder count a constant in the loop
+          case 0: cb_sum_piece<0>(dst, x0, wd, nv, lane); break;
+          case 1: cb_sum_piece<1>(dst, x0, wd, nv, lane); break;
+          case 2: cb_sum_piece<2>(dst, x0, wd, nv, lane); break;
+          case 3: cb_sum_piece<3>(dst, x0, wd, nv, lane); break;
+          default: cb_sum_piece<4>(dst, x0, wd, nv, lane); break;
+        }
+        __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
+        if (lane == 0) mbar_arrive_cta(empty + st);
+      }
+    }
+  }
+  grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
+}
+
 // combine_ce: my combine_in rows of each peer s (rows [s * max_tokens, + num_tokens)) into s's staging buffer at rows
 // [me * max_tokens, ...), chunk by chunk on s's copy stream (forked from `stream` here: after my caller filled
 // combine_in), each chunk followed by its flag cstage[me][c] in s's signals. *pushed: whether the streams forked
@@ -444,7 +580,9 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
     const size_t n = std::min(K, T - r0);
     for (int i = 0; i + 1 < p.world; ++i) {
       const int s = (p.rank + 1 + i) % p.world;
-      cudaStream_t cs = ctx->ce_streams[i + (int)(c % per_peer) * (p.world - 1)];
+      // 3+ ranks: every copy on one stream, chunk-major in ring order (a GPU's copy engine runs its copies one at a
+      // time; streams of their own per peer made two holders write one destination at once, notes/LATENCY-NEXT.md)
+      cudaStream_t cs = p.world > 2 ? ctx->ce_streams[0] : ctx->ce_streams[i + (int)(c % per_peer) * (p.world - 1)];
       CUDA_CHECK(cudaMemcpyAsync(p.peer_base[s] + p.off_combine_stage + ((size_t)p.rank * p.max_tokens + r0) * rb,
                                  p.peer_base[p.rank] + p.off_combine_in + ((size_t)s * p.max_tokens + r0) * rb, n * rb,
                                  cudaMemcpyDefault, cs));
@@ -482,13 +620,19 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   if (p.combine_ce) {
     bool pushed = false;  // the peers' rows by copy engines, the sum from local memory in registers (see the header)
     if (push_rows_by_ce(ctx, num_tokens, epoch, stream, &pushed) != 0) return -1;
-    const int wc = std::min(warps, 16);
-    if (p.world <= 2)
+    int wc = std::min(warps, 16);
+    if (p.world <= 2) {
       combine_ce_kernel<2, 8><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
-    else if (p.world <= 4)
+    } else if (p.world <= kCbHolders && (size_t)ctx->max_smem_optin >= cb_smem_bytes()) {
+      CUDA_CHECK(cudaFuncSetAttribute(combine_ce_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)cb_smem_bytes()));
+      wc = 2 * kCbPairs;
+      combine_ce_bulk_kernel<<<num_sms, wc * 32, cb_smem_bytes(), stream>>>(p, a, epoch);
+    } else if (p.world <= 4) {
       combine_ce_kernel<4, 4><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
-    else
+    } else {
       combine_ce_kernel<8, 1><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
+    }
     CUDA_CHECK(cudaGetLastError());
     for (int i = 0; pushed && i < ctx->ce_streams_used * (p.world - 1); ++i)
       CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
