@@ -26,11 +26,13 @@
 // slot_map[t][me] = t), read through the same table as every holder's; padding rows (my tokens not routed to
 // me) have no slot and are never read.
 // combine_ce (ep_config.combine_ce, own_rows all only): every source's rows sit at rows [s * max_tokens + t] on each
-// holder, so a holder's rows of source s are one range. ep_combine pushes them with the copy engine (one stream per
-// peer, the streams of own_rows all) into s's staging buffer at rows [h * max_tokens + t], in chunks of
+// holder, so a holder's rows of source s are one range. ep_combine pushes them with the copy engine (at 2 ranks on
+// ce_streams streams alternating; at 3+ every copy on one stream, chunk-major in ring order) into s's staging buffer at
+// rows [h * max_tokens + t], in chunks of
 // ce_chunk_rows rows, each followed by cstage[h][c] = epoch in s's signals (cuStreamWriteValue32: written after the
 // chunk's copy completed, fenced first). Step 1-2 become a check that every holder pushed at least my T rows (the
-// num_tokens word of its notify row), and step 3 is combine_ce_kernel: registers, no shared memory (local rows
+// num_tokens word of its notify row), and step 3 is combine_ce_kernel (at 3-4 ranks combine_ce_bulk_kernel, below:
+// the same sum fed by TMA bulk copies in loader / summer pairs): registers, no shared memory (local rows
 // need no staging through the bulk-copy unit; the TMA kernel with local sources measured no faster than its
 // pulls): lane d finds holder d's row of the token (my combine_in for d == me, my staging buffer for a peer),
 // waiting once per chunk for cstage[d][c], and the warp sums the rows with every holder's loads in flight before

@@ -194,3 +194,15 @@ def test_ce_share_needs_own_rows_all() -> None:
                           environ={})
     with pytest.raises(UserError, match="ce_share: must be one of"):
         options.validate({"epbench": {"ce_share": 60}})
+
+
+def test_ce_chunks_default_depends_on_the_world() -> None:
+    """Not given, ce_chunks is 16 at 2 ranks and 4 at 3 or more (one push stream there); given by option or
+    environment variable, it is what was given at any world."""
+    r = options.resolve("epbench", {}, environ={})
+    assert options.ce_chunks_for(2, r, {}, environ={}) == 16
+    assert options.ce_chunks_for(4, r, {}, environ={}) == options.CE_CHUNKS_WIDE == 4
+    assert options.ce_chunks_for(4, options.resolve("epbench", {"ce_chunks": 16}, environ={}), {"ce_chunks": 16},
+                                 environ={}) == 16
+    env = {"EPBENCH_CE_CHUNKS": "8"}
+    assert options.ce_chunks_for(3, options.resolve("epbench", {}, environ=env), {}, environ=env) == 8

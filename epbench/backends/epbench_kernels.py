@@ -209,7 +209,9 @@ class EpbenchBackend(NormalMode):
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
         self.combine_rows = resolved["combine_rows"]
-        self.ce_chunks, self.ce_streams = resolved["ce_chunks"], resolved["ce_streams"]  # combine_rows ce only
+        # combine_rows ce only; ce_chunks by world where not given (options.ce_chunks_for)
+        self.ce_chunks = options.ce_chunks_for(setup.world, resolved, given)
+        self.ce_streams = resolved["ce_streams"]
         self.ce_share = resolved["ce_share"]  # own_rows all only
         self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
         self.em_push = resolved["em_push"]  # expert-major only (check_payload refuses it elsewhere)
