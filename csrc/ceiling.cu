@@ -150,7 +150,8 @@ __device__ __forceinline__ void sum_group(uint4* out, const int4* src, int rows_
   }
 }
 
-// Two shapes of the same sum, timed apart by the caller (epbench/ceiling.py keeps the faster): 512 threads with
+// The register shapes of the sum (the third, sum_bulk_kernel, below), timed apart by the caller (epbench/ceiling.py
+// keeps the fastest): 512 threads with
 // 16 vectors a lane in flight (kRows 2: 8 of both rows; 4: 4 of each of 4 rows; any: sum_rows' 2 rows x 4 vectors a
 // pass), 128 KiB of loads a SM (64 KiB for any); 256 threads with twice the vectors a lane (any: 4 rows x 7 vectors,
 // about what one block's registers hold unspilled; 4 x 8 spills). kRows: the most rows a token has (2, 4, or 0 for
@@ -289,7 +290,7 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
 
 // What num_blocks SMs move through this GPU's own memory (no link), one block per SM, in three ways; the local-sum
 // kernel's shapes above are the others (k rows in, one out). The rows are those of the sum: token t's row j is row
-// j * rows_out + t of src ([k][rows_out][hidden] bf16), a warp (or, for bulk loads, a block) per token.
+// j * rows_out + t of src ([k][rows_out][hidden] bf16), a warp (for bulk loads: an issuing warp) per token.
 //   EP_SM_LOAD       16-byte register loads, 16 vectors a lane in flight (128 KiB a SM at 512 threads); each
 //                    token's k rows folded by XOR into words[t]: the loads cannot be dropped, the result checked.
 //   EP_SM_BULK_LOAD  TMA bulk copies of 7 KiB pieces into a ring of shared memory (kBulkStages x 7 KiB in flight a
@@ -352,6 +353,9 @@ __global__ void __launch_bounds__(kBulkStages * 32, 1) sm_bulk_load_kernel(int* 
       for (int q = 0; q < pieces; ++q) {
         if (filled == S) {  // the stage's previous piece: landed before its slot is reused
           mbar_wait(bars + s, phase ^ 1u);
+          // Read by this thread, then written by its next bulk copy without a proxy fence between (a fence here
+          // would be timed too): the copy's data comes back from global memory long after this load has
+          // returned, and a fold read late would fail the host's check (python -m epbench.smmem: WRONG).
           fold ^= *reinterpret_cast<const int*>(ring + (size_t)s * kBulkPiece);
         } else {
           ++filled;

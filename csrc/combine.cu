@@ -31,12 +31,12 @@
 // rows [h * max_tokens + t], in chunks of
 // ce_chunk_rows rows, each followed by cstage[h][c] = epoch in s's signals (cuStreamWriteValue32: written after the
 // chunk's copy completed, fenced first). Step 1-2 become a check that every holder pushed at least my T rows (the
-// num_tokens word of its notify row), and step 3 is combine_ce_kernel (at 3-4 ranks combine_ce_bulk_kernel, below:
-// the same sum fed by TMA bulk copies in loader / summer pairs): registers, no shared memory (local rows
-// need no staging through the bulk-copy unit; the TMA kernel with local sources measured no faster than its
-// pulls): lane d finds holder d's row of the token (my combine_in for d == me, my staging buffer for a peer),
-// waiting once per chunk for cstage[d][c], and the warp sums the rows with every holder's loads in flight before
-// the FMAs. So the SMs read and write local memory only; the link carries the same rows, moved by copy engines.
+// num_tokens word of its notify row), and step 3 is, at 2 ranks (and beyond 4), combine_ce_kernel: registers, no
+// shared memory (the pull's TMA kernel with local sources measured no faster than its pulls at 2 rows a token):
+// lane d finds holder d's row of the token (my combine_in for d == me, my staging buffer for a peer), waiting once
+// per chunk for cstage[d][c], and the warp sums the rows with every holder's loads in flight before the FMAs; at
+// 3-4 ranks combine_ce_bulk_kernel (below): the same sum fed by TMA bulk copies in loader / summer pairs of warps,
+// faster at 3-4 rows a token. So the SMs read and write local memory only; the link carries the same rows, moved by copy engines.
 // No ready handshake is needed: no peer reads my combine_in, and my staging buffer is free because every peer's
 // previous combine ended only after my pulled flag, stored once my last block had read it (step 4).
 // 4. grid_release_and_wait on pulled[]: the last block stores pulled[me] = epoch into every
@@ -471,13 +471,12 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
   extern __shared__ __align__(128) uint8_t cb_ring[];
   __shared__ uint64_t full[kCbPairs * 2], empty[kCbPairs * 2];
+  __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
   combine_ce_check(p, a.num_tokens);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, l = w % kCbPairs;
   const bool loader = w < kCbPairs;
   const int world = p.world, topk = p.topk, E = p.experts_per_rank, me = p.rank;
-  const int T = ld_volatile(p.dev_error) != 0 ? 0 : a.num_tokens;
   const int P = blockIdx.x * kCbPairs + l, G = gridDim.x * kCbPairs;
-  const int ntok = P < T ? (T - P + G - 1) / G : 0;  // the pair's tokens P + k G, k < ntok
   const int row_bytes = p.hidden * 2, V = p.hidden >> 3;
   const int pieces = (row_bytes + kCbPiece - 1) / kCbPiece;
   const size_t rb = (size_t)row_bytes;
@@ -486,8 +485,11 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
   if (threadIdx.x == 0) {
     for (int s = 0; s < kCbPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 1);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    aborted = ld_volatile(p.dev_error) != 0;
   }
   __syncthreads();
+  const int T = aborted ? 0 : a.num_tokens;
+  const int ntok = P < T ? (T - P + G - 1) / G : 0;  // the pair's tokens P + k G, k < ntok
   int seen = -1;     // loader lane d: the last chunk of holder d seen pushed
   uint32_t j = 0;    // the pair's units so far: stage j & 1, lap j >> 1
   for (int k0 = 0; k0 < ntok; k0 += 32) {
@@ -565,8 +567,9 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
 }
 
 // combine_ce: my combine_in rows of each peer s (rows [s * max_tokens, + num_tokens)) into s's staging buffer at rows
-// [me * max_tokens, ...), chunk by chunk on s's copy stream (forked from `stream` here: after my caller filled
-// combine_in), each chunk followed by its flag cstage[me][c] in s's signals. *pushed: whether the streams forked
+// [me * max_tokens, ...), chunk by chunk (at 2 ranks on the peer's ce_streams streams in turn; at 3+ every copy on
+// one stream, chunk-major in ring order; forked from `stream` here: after my caller filled combine_in), each chunk
+// followed by its flag cstage[me][c] in s's signals. *pushed: whether the streams forked
 // (the caller joins them after the kernel). Nothing after a wait of mine has timed out (no peer waits correctly then).
 int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stream, bool* pushed) {
   const EpParams& p = ctx->p;

@@ -190,12 +190,12 @@ struct EpContext {
   int combine_chunk;   // combine bytes per holder and stage (EP_OPT_COMBINE_CHUNK: 1024, 2048, 4096)
   ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
   // own_rows all (p.own_ce == 2): the peers' copies on stream 0, in ring order (peer me + 1 + i i-th), my own on 1; combine_ce
-  // pushes a peer's chunk c on stream i + (c % ce_streams) * (world - 1) (several copy queues, so one chunk's flag
-  // write and the next copy's start overlap another stream's copy)
+  // at 2 ranks pushes a peer's chunk c on stream i + (c % ce_streams) * (world - 1) (several copy queues, so one chunk's
+  // flag write and the next copy's start overlap another stream's copy), at 3+ every chunk on stream 0 in ring order
   cudaEvent_t ce_fork;
   cudaStream_t ce_streams[kCeStreams * (EP_MAX_WORLD - 1)];
   cudaEvent_t ce_done[kCeStreams * (EP_MAX_WORLD - 1)];
-  int ce_streams_used;  // combine_ce: copy streams a peer (EP_OPT_CE_STREAMS: 1, 2 or 4, default 2)
+  int ce_streams_used;  // combine_ce at 2 ranks: copy streams a peer (EP_OPT_CE_STREAMS: 1, 2 or 4, default 2)
   int ce_share;         // own_rows all: percent of my x rows the copy engines move (EP_OPT_CE_SHARE, default 100)
   // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
   // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)

@@ -569,14 +569,23 @@ def measure_sums(summer: SumProvider, s: Any, tr: Traffic, comm: Any, warmup: in
     tokens, hidden = s.model.tokens_per_rank, s.model.hidden
     rows = sum_rows(tr, comm.rank)
     per_token = -(-rows // tokens) if tokens else 0
+    shapes = sum_shapes(_max_int_over_ranks(per_token, comm))  # every rank times the same shapes (collectives)
     src = torch.randn(max(per_token, 1), max(tokens, 1), hidden, device=comm.device, dtype=torch.bfloat16)
     out = torch.empty(max(tokens, 1), hidden, device=comm.device, dtype=torch.bfloat16)
     try:
         return {sms: min(_max_over_ranks(summer(out, src, tokens, rows, hidden, sms, threads, comm, warmup, iters),
-                                         comm) for threads in sum_shapes(per_token))
+                                         comm) for threads in shapes)
                 for sms in sms_list}
     finally:
         del src, out
+
+
+def _max_int_over_ranks(value: int, comm: Any) -> int:
+    import torch.distributed as dist
+
+    vals: List[Any] = [None] * comm.world
+    dist.all_gather_object(vals, int(value))
+    return max(vals)
 
 
 def _max_over_ranks(samples_us: List[float], comm: Any) -> float:

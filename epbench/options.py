@@ -100,8 +100,10 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                             "3 or more, where every chunk and flag of a holder share one copy stream (4 x H200, "
                             "dsv3x4, 4 SMs: 780 us with 4, 988 with 16)",
                             choices=(4, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
-        "ce_streams": Option(int, 2, "combine_rows ce only: the copy streams a peer's chunks alternate over (one "
-                             "stream's flag write and next copy overlapping another's copy)", choices=(1, 2, 4),
+        "ce_streams": Option(int, 2, "combine_rows ce at 2 ranks only: the copy streams the peer's chunks alternate "
+                             "over (one stream's flag write and next copy overlapping another's copy); at 3 or more "
+                             "ranks the push runs on one copy stream in ring order, and asking for it is refused",
+                             choices=(1, 2, 4),
                              env="EPBENCH_CE_STREAMS"),
         "ce_share": Option(int, 100, "own_rows all only: percent of a rank's x rows the copy engines move into "
                            "each peer; the rest go at the same time by plain SM stores on the dispatch's SMs "
@@ -246,12 +248,13 @@ def diagnostics_set(environ: Optional[Mapping[str, str]] = None) -> List[str]:
 
 
 def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str, quantize: str, where: str,
-                  environ: Optional[Mapping[str, str]] = None) -> None:
+                  environ: Optional[Mapping[str, str]] = None, world: Optional[int] = None) -> None:
     """Options the scenario's payload rules out, refused in one line (UserError): epbench's own_rows=ce copies
     rows as they are, so it can neither place them per expert (layout expert_major) nor quantize them on the
     way (quantize fused); fused_stores=16 asked for (given or by its environment variable: the default, 16,
     is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push sender or wide
-    and em_sms > 0 need the expert-major layout and at most 16 dispatch warps.
+    and em_sms > 0 need the expert-major layout and at most 16 dispatch warps; ce_streams asked for at ``world`` >
+    2 (where the combine's push runs on one copy stream) is refused.
     ``backend_options`` as validated; the environment counts as for ``resolve``."""
     given = backend_options.get("epbench") or {}
     resolved = resolve("epbench", given, environ)
@@ -278,6 +281,11 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
         if (key in given or env.get(SCHEMAS["epbench"][key].env) is not None) and resolved["combine_rows"] != "ce":
             raise UserError(f"{where}: epbench.{key}={resolved[key]} needs epbench.combine_rows=ce (got "
                             f"{resolved['combine_rows']}): it shapes the copy engines' push of the combine's rows")
+    streams_asked = "ce_streams" in given or env.get(SCHEMAS["epbench"]["ce_streams"].env) is not None
+    if streams_asked and world is not None and world > 2:
+        raise UserError(f"{where}: epbench.ce_streams={resolved['ce_streams']} applies at 2 ranks only (world "
+                        f"{world}): at 3 or more every copy of the combine's push runs on one copy stream, in ring "
+                        f"order")
     if ("ce_share" in given or env.get(SCHEMAS["epbench"]["ce_share"].env) is not None) and own != "all":
         raise UserError(f"{where}: epbench.ce_share={resolved['ce_share']} needs epbench.own_rows=all (got {own}): it "
                         f"splits the copy engines' dispatch rows with the SMs")

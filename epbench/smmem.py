@@ -223,13 +223,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         if not torch.cuda.is_available():
             raise UserError("needs a CUDA GPU (it measures one GPU's SMs)")
-        from epbench import launch, provenance
+        from epbench import ceiling, launch, provenance
 
         launch.apply_safe_env()
         info = provenance.collect(argv, "cuda")
         print(f"epbench smmem: {commit_label(info)}, {torch.cuda.get_device_name()}, torch "
               f"{torch.__version__}, CUDA {torch.version.cuda}; hidden {a.hidden} bf16, {a.tokens} tokens, "
-              f"median of {a.iters} launches after {a.warmup}, {THREADS} threads a block")
+              f"median of {a.iters} launches after {a.warmup}; one block a SM: {THREADS} threads for load and store, "
+              f"32 an issuing warp for bulk, {' and '.join(map(str, ceiling.SUM_THREADS))} for the register sum, "
+              f"{ceiling.BULK_SUM_THREADS} for the bulk sum")
         print(HEADER)
         rows = measure(a, lambda line: print(line, flush=True))
         if a.csv is not None:

@@ -444,7 +444,11 @@ def test_local_sum_takes_the_bulk_shape_only_for_tokens_of_at_most_4_rows(monkey
     assert ceiling.sum_shapes(5) == (512, 256)
     monkeypatch.setattr(ceiling, "_max_over_ranks", lambda samples, comm: max(samples))
     speed = {512: 30.0, 256: 20.0, 448: 10.0}
-    for rows, want_threads, want in ((12, {512, 256, 448}, 10.0), (13, {512, 256}, 20.0)):
+    peer_rows = [0]  # another rank's most rows a token: every rank takes the shapes the largest allows
+    monkeypatch.setattr(ceiling, "_max_int_over_ranks", lambda v, comm: max(v, peer_rows[0]))
+    for rows, peer, want_threads, want in ((12, 0, {512, 256, 448}, 10.0), (13, 0, {512, 256}, 20.0),
+                                           (12, 5, {512, 256}, 20.0)):
+        peer_rows[0] = peer
         seen = set()
 
         def summer(out, src, tokens, nrows, hidden, sms, threads, comm, warmup, iters):

@@ -206,3 +206,16 @@ def test_ce_chunks_default_depends_on_the_world() -> None:
                                  environ={}) == 16
     env = {"EPBENCH_CE_CHUNKS": "8"}
     assert options.ce_chunks_for(3, options.resolve("epbench", {}, environ=env), {}, environ=env) == 8
+
+
+def test_ce_streams_is_refused_at_3_or_more_ranks() -> None:
+    """At 3+ ranks the combine's push runs on one copy stream: ce_streams asked for (option or variable) is refused
+    in one line naming the world; at 2 ranks, or not asked for, it passes."""
+    opts = {"epbench": {"own_rows": "all", "combine_rows": "ce", "ce_streams": 4}}
+    with pytest.raises(UserError, match=r"ce_streams=4 applies at 2 ranks only \(world 4\)"):
+        options.check_payload(opts, "rank_major", "before", "x", environ={}, world=4)
+    options.check_payload(opts, "rank_major", "before", "x", environ={}, world=2)
+    plain = {"epbench": {"own_rows": "all", "combine_rows": "ce"}}
+    options.check_payload(plain, "rank_major", "before", "x", environ={}, world=4)
+    with pytest.raises(UserError, match="ce_streams=1 applies at 2 ranks only"):
+        options.check_payload(plain, "rank_major", "before", "x", environ={"EPBENCH_CE_STREAMS": "1"}, world=3)

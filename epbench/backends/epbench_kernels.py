@@ -113,7 +113,7 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
     asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "ce_chunks", "ce_streams", "ce_share", "fused_stores", "em_push",
                                       "em_sms", "dispatch_warps") if k in given}
-    options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
+    options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend", world=setup.world)
     return resolved
 
 
