@@ -352,6 +352,18 @@ auto pick_combine_tma(int world, int S) -> decltype(&combine_tma_kernel<2, 4, C>
   return S == 2 ? combine_tma_kernel<2, 8, C> : S == 3 ? combine_tma_kernel<3, 8, C> : combine_tma_kernel<4, 8, C>;
 }
 
+// combine_ce: token t's row on each holder d < world (-1: no expert of the token there): my combine_in row for me,
+// row t of d's part of my staging buffer for a peer (rows[d] for d >= world left as they are).
+template <int N>
+__device__ __forceinline__ void ce_holder_rows(const EpParams& p, int t, int (&rows)[N]) {
+#pragma unroll
+  for (int d = 0; d < N; ++d) {
+    if (d >= p.world) break;
+    const int slot = p.slot_map[(size_t)t * p.world + d];
+    rows[d] = slot < 0 ? -1 : d == p.rank ? p.base[p.rank] + slot : t;
+  }
+}
+
 // combine_ce's sum (see the header): warp g takes my tokens g, g + G, ..., 32 at a time: lane i first finds token i's
 // row on each holder (-1: no expert of the token there; my combine_in row for me, the token's row of my staging
 // buffer for a peer) and w(t, d), as fill_table does (one lane per token, so the metadata's load latency is paid once
@@ -379,12 +391,7 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
     if (k0 + lane < ntok) {
       const int t = g + (k0 + lane) * G;
       holder_weights<kMaxWorld>(a, t, topk, world, E, ws);
-#pragma unroll
-      for (int d = 0; d < kMaxWorld; ++d) {
-        if (d >= world) break;
-        const int slot = p.slot_map[(size_t)t * world + d];
-        rows[d] = slot < 0 ? -1 : d == me ? p.base[me] + slot : t;
-      }
+      ce_holder_rows(p, t, rows);
     }
     const int nb = min(32, ntok - k0);
     for (int i = 0; i < nb; ++i) {
@@ -500,12 +507,7 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
     if (k0 + lane < ntok) {
       const int t = P + (k0 + lane) * G;
       if (!loader) holder_weights<kCbHolders>(a, t, topk, world, E, ws);
-#pragma unroll
-      for (int d = 0; d < kCbHolders; ++d) {
-        if (d >= world) break;
-        const int slot = p.slot_map[(size_t)t * world + d];
-        rows[d] = slot < 0 ? -1 : d == me ? p.base[me] + slot : t;
-      }
+      ce_holder_rows(p, t, rows);
     }
     const int nb = min(32, ntok - k0);
     for (int i = 0; i < nb; ++i) {
