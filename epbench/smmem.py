@@ -46,10 +46,17 @@ COLUMNS = ("sms", "kernel", "rows_per_token", "time_us", "mbytes", "gbps", "gbps
            "hidden", "tokens", "git_commit")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (UserError, exit 2) instead of the usage and a line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(message)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     from epbench import scenario
 
-    ap = argparse.ArgumentParser(prog="python -m epbench.smmem", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m epbench.smmem", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sms", default="1,2,4,8,16", help="SM counts (one block each), comma-separated")
     ap.add_argument("--rows", default="1,2,3,4", help="rows a token loads (the combine's rows per token), comma-separated")
     ap.add_argument("--hidden", type=int, default=7168, help="bf16 elements a row (a multiple of 8, >= 256)")
@@ -233,7 +240,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"32 an issuing warp for bulk, {' and '.join(map(str, ceiling.SUM_THREADS))} for the register sum, "
               f"{ceiling.BULK_SUM_THREADS} for the bulk sum")
         print(HEADER)
-        rows = measure(a, lambda line: print(line, flush=True))
+        try:
+            rows = measure(a, lambda line: print(line, flush=True))
+        except torch.cuda.OutOfMemoryError:
+            gb = (max(a.rows) + 1) * a.tokens * a.hidden * 2 * 2 / 1e9  # the rows, the output and the sums kept
+            raise UserError(f"out of GPU memory for {max(a.rows)} rows x {a.tokens} tokens x hidden {a.hidden} "
+                            f"(~{gb:.1f} GB with the expected sums): use fewer --tokens or --rows") from None
         if a.csv is not None:
             write_csv(a.csv, rows, a, info)
             print(f"rows: {a.csv}")

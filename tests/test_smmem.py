@@ -109,3 +109,10 @@ def test_csv_rows_and_provenance(tmp_path) -> None:
     assert got[0]["git_commit"] == "abc+dirty (build stamp def)"
     meta = json.loads((tmp_path / "m.csv.json").read_text())
     assert meta["options"]["sms"] == [4] and meta["options"]["csv"] == str(tmp_path / "m.csv") and meta["torch"] == "x"
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--hidden", "x"]])
+def test_argparse_errors_are_one_line(argv, capsys) -> None:
+    assert smmem.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
