@@ -121,10 +121,10 @@ __device__ __forceinline__ void sum_rows(uint4* out, const int4* src, int rows_o
   }
 }
 
-// Tokens of at most kR rows (kR = 2: 2 ranks, 4: 4 ranks), one pass: kU vectors of each row a lane in flight, each
-// vector summed and stored right after (no accumulators kept across rows). Measured on one H200 (python -m
-// epbench.smmem, 2026-11-27): with 3-4 rows a token sum_rows' passes ran slower than the same loads and stores
-// timed apart (4 SMs: 917 against 821 us at 4 rows), one pass of kR = 2 well below them (429 against 566).
+// Tokens of at most kR rows (2: 2 ranks), one pass: kU vectors of each row a lane in flight, each vector summed and
+// stored right after (no accumulators kept across rows). At 2 rows it runs well below its loads and stores timed
+// apart (one H200, 4 SMs: 429 against 566 us, python -m epbench.smmem, 2026-11-27); taken for up to 4 rows it ran
+// exactly as sum_rows' passes (855 / 904 us at 3 / 4 rows), so those stay with sum_rows and the bulk shape.
 template <int kR, int kU>
 __device__ __forceinline__ void sum_group(uint4* out, const int4* src, int rows_out, int t, int n, int V, int lane) {
   for (int v0 = 0; v0 < V; v0 += 32 * kU) {
@@ -152,10 +152,10 @@ __device__ __forceinline__ void sum_group(uint4* out, const int4* src, int rows_
 
 // The register shapes of the sum (the third, sum_bulk_kernel, below), timed apart by the caller (epbench/ceiling.py
 // keeps the fastest): 512 threads with
-// 16 vectors a lane in flight (kRows 2: 8 of both rows; 4: 4 of each of 4 rows; any: sum_rows' 2 rows x 4 vectors a
-// pass), 128 KiB of loads a SM (64 KiB for any); 256 threads with twice the vectors a lane (any: 4 rows x 7 vectors,
-// about what one block's registers hold unspilled; 4 x 8 spills). kRows: the most rows a token has (2, 4, or 0 for
-// more: sum_rows' passes). One kernel per (kRows, kDeep), as one kernel for every row count spilled at 512 threads.
+// 16 vectors a lane in flight (kRows 2: 8 of both rows; any: sum_rows' 2 rows x 4 vectors a pass), 128 KiB of
+// loads a SM (64 KiB for any); 256 threads with twice the vectors a lane (any: 4 rows x 7 vectors, about what one
+// block's registers hold unspilled; 4 x 8 spills). kRows: the most rows a token has (2, or 0 for more: sum_rows'
+// passes). One kernel per (kRows, kDeep), as one kernel for every row count spilled at 512 threads.
 template <int kRows, bool kDeep>
 __global__ void __launch_bounds__(kDeep ? 256 : 512, 1) sum_ceiling_kernel(uint4* out, const int4* src,
                                                                           int rows_out, long long rows_in, int V) {
@@ -166,8 +166,6 @@ __global__ void __launch_bounds__(kDeep ? 256 : 512, 1) sum_ceiling_kernel(uint4
     const int n = base + (t < extra ? 1 : 0);
     if (kRows == 2)
       sum_group<2, kDeep ? 16 : 8>(out, src, rows_out, t, n, V, lane);
-    else if (kRows == 4)
-      sum_group<4, kDeep ? 8 : 4>(out, src, rows_out, t, n, V, lane);
     else
       sum_rows<kDeep ? 4 : 2, kDeep ? 7 : 4>(out, src, rows_out, t, n, V, lane);
   }
@@ -280,8 +278,7 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
   }
   const bool deep = threads <= 256;                              // the 256-thread shape: twice the loads in flight
   auto kernel = most <= 2 ? (deep ? sum_ceiling_kernel<2, true> : sum_ceiling_kernel<2, false>)
-                : most <= 4 ? (deep ? sum_ceiling_kernel<4, true> : sum_ceiling_kernel<4, false>)
-                            : (deep ? sum_ceiling_kernel<0, true> : sum_ceiling_kernel<0, false>);
+                          : (deep ? sum_ceiling_kernel<0, true> : sum_ceiling_kernel<0, false>);
   kernel<<<num_blocks, threads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<uint4*>(out), static_cast<const int4*>(src), rows_out, rows_in, hidden / 8);
   CUDA_CHECK(cudaGetLastError());

@@ -568,6 +568,11 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
+// The copy streams combine_ce's push forks, uses and joins: ce_streams a peer at 2 ranks, one at 3 or more.
+int ce_push_streams(const EpContext* ctx) {
+  return ctx->p.world > 2 ? 1 : ctx->ce_streams_used * (ctx->p.world - 1);
+}
+
 // combine_ce: my combine_in rows of each peer s (rows [s * max_tokens, + num_tokens)) into s's staging buffer at rows
 // [me * max_tokens, ...), chunk by chunk (at 2 ranks on the peer's ce_streams streams in turn; at 3+ every copy on
 // one stream, chunk-major in ring order; forked from `stream` here: after my caller filled combine_in), each chunk
@@ -578,7 +583,7 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
   *pushed = false;
   if (p.world == 1 || num_tokens == 0 || ctx->host_error->flag) return 0;
   const size_t rb = (size_t)p.hidden * 2, K = (size_t)p.ce_chunk_rows, T = (size_t)num_tokens;
-  const int per_peer = ctx->ce_streams_used, nstreams = per_peer * (p.world - 1);  // chunk c of peer i: stream i + (c % per_peer) (world - 1)
+  const int per_peer = ctx->ce_streams_used, nstreams = ce_push_streams(ctx);  // chunk c of peer i: stream i + (c % per_peer) (world - 1)
   CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
   for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaStreamWaitEvent(ctx->ce_streams[i], ctx->ce_fork, 0));
   *pushed = true;
@@ -641,7 +646,7 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
       combine_ce_kernel<8, 1><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     }
     CUDA_CHECK(cudaGetLastError());
-    for (int i = 0; pushed && i < ctx->ce_streams_used * (p.world - 1); ++i)
+    for (int i = 0; pushed && i < ce_push_streams(ctx); ++i)
       CUDA_CHECK(cudaStreamWaitEvent(stream, ctx->ce_done[i], 0));
     ep_effective& eff = ctx->effective;
     eff.combine_impl = EP_COMBINE_CE;
