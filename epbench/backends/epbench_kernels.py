@@ -343,10 +343,13 @@ class EpbenchBackend(NormalMode):
                    if self.em_align else {})}
 
     def _ce_config(self) -> Dict[str, int]:
-        """own_rows all: the copy engines' share of the dispatch's rows; combine_rows ce: the push's chunks and
-        streams (all fixed at construction); nothing otherwise."""
+        """own_rows all: the copy engines' share of the dispatch's rows; combine_rows ce: the push's chunks and, at 2
+        ranks, its streams a peer (at 3 or more it runs on one stream) (all fixed at construction); nothing
+        otherwise."""
+        ce = self.combine_rows == "ce"
         return {**({"ce_share": self.ce_share} if self.own_rows == "all" else {}),
-                **({"ce_chunks": self.ce_chunks, "ce_streams": self.ce_streams} if self.combine_rows == "ce" else {})}
+                **({"ce_chunks": self.ce_chunks} if ce else {}),
+                **({"ce_streams": self.ce_streams} if ce and self.s.world <= 2 else {})}
 
     def set_debug_stamps(self, on: bool) -> None:
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""
