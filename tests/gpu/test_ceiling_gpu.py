@@ -57,8 +57,9 @@ def test_sm_memory_rates_do_all_their_work(kernels_built: None, tmp_path) -> Non
     assert smmem.main(["--sms", "1,3", "--rows", "1,3", "--hidden", "7424", "--tokens", "37", "--iters", "2",
                        "--warmup", "1", "--csv", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == 2 * (1 + 2 * (3 + len(smmem.BULK_ISSUERS))) and all(r["check"] == "ok" for r in rows)
-    assert {r["kernel"] for r in rows} == ({"load", "store", "sum", "bulk sum"}
+    per_k = 3 + len(smmem.BULK_ISSUERS) + len(smmem.BULK_SUM_VARIANTS)
+    assert len(rows) == 2 * (1 + 2 * per_k) and all(r["check"] == "ok" for r in rows)
+    assert {r["kernel"] for r in rows} == ({"load", "store", "sum", "bulk sum"} | set(smmem.BULK_SUM_VARIANTS)
                                            | {f"bulk {w}w" for w in smmem.BULK_ISSUERS})
     assert all(float(r["time_us"]) > 0 for r in rows)
     assert json.loads((tmp_path / "m.csv.json").read_text())["options"]["hidden"] == 7424
