@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kDeep ? 256 : 512, 1) sum_ceiling_kernel(uint4
 // GB/s), a SM took in ~180 GB/s only from >= 4 warps at once, and 8 warps summing one stage together waited on
 // every stage in turn (python -m epbench.smmem, 2026-11-27). Block b takes tokens b, b + gridDim.x, ...
 // kPreload: each lane loads its vectors of the piece's rows 2 vectors at a time, all loads of the 2 before their
-// first add (no branch between one vector's loads and the next's); otherwise vector by vector.
+// first add (no branch between one vector's loads and the next's); otherwise vector by vector. kS summers a pair
+// (warps kPairs + l, 2 kPairs + l, ...), each summing a share of every piece's vectors; the stage freed by all kS.
 // The ceiling runs <kBsPiece, 2, kBsPairs, false>; python -m epbench.smmem times other shapes (EP_SM_BULK_SUM_*).
 constexpr int kBsPiece = 3584;  // bytes of a row piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
 constexpr int kBsMaxRows = 4;
@@ -189,10 +190,11 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// One piece of a token's kN rows in shared memory (row h at x0 + h * kPiece / 16), summed and stored by one warp.
-template <int kN, int kPiece, bool kPreload>
-__device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane) {
-  constexpr int kI = ((kPiece >> 4) + 31) / 32;  // vectors a lane
+// One piece of a token's kN rows in shared memory (row h at x0 + h * kPiece / 16): summer s of kS sums and stores
+// its share, vectors lane + 32 (s + kS i).
+template <int kN, int kPiece, bool kPreload, int kS>
+__device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane, int s) {
+  constexpr int kI = ((kPiece >> 4) + 32 * kS - 1) / (32 * kS);  // vectors a lane
   if (kPreload) {  // in batches of up to 2 vectors a lane (2 x 4 rows x 4 registers), all loads of a batch first
     constexpr int kB = kI < 2 ? kI : 2;
 #pragma unroll
@@ -201,11 +203,13 @@ __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, in
 #pragma unroll
       for (int i = 0; i < kB; ++i)
 #pragma unroll
-        for (int h = 0; h < kN; ++h)
-          if (i0 + i < kI && lane + 32 * (i0 + i) < nv) x[i][h] = x0[h * (kPiece >> 4) + lane + 32 * (i0 + i)];
+        for (int h = 0; h < kN; ++h) {
+          const int v = lane + 32 * (s + kS * (i0 + i));
+          if (i0 + i < kI && v < nv) x[i][h] = x0[h * (kPiece >> 4) + v];
+        }
 #pragma unroll
       for (int i = 0; i < kB; ++i) {
-        const int v = lane + 32 * (i0 + i);
+        const int v = lane + 32 * (s + kS * (i0 + i));
         if (i0 + i >= kI || v >= nv) break;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -218,7 +222,7 @@ __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, in
   }
 #pragma unroll
   for (int i = 0; i < kI; ++i) {
-    const int v = lane + 32 * i;
+    const int v = lane + 32 * (s + kS * i);
     if (v >= nv) break;
     int4 x[kN];
 #pragma unroll
@@ -236,19 +240,19 @@ constexpr size_t bulk_sum_smem() {
   return (size_t)kPairs * kStages * kBsMaxRows * kPiece;
 }
 
-template <int kPiece, int kStages, int kPairs, bool kPreload>
-__global__ void __launch_bounds__(kPairs * 64, 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
+template <int kPiece, int kStages, int kPairs, bool kPreload, int kS>
+__global__ void __launch_bounds__(kPairs * 32 * (1 + kS), 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
                                                                    long long rows_in, int row_bytes) {
   extern __shared__ __align__(128) char ring[];
   __shared__ uint64_t full[kPairs * kStages], empty[kPairs * kStages];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int l = w % kPairs;  // the pair
+  const int l = w % kPairs, sw = w < kPairs ? 0 : (w - kPairs) / kPairs;  // the pair; the summer's place in it
   const int base = (int)(rows_in / rows_out), extra = (int)(rows_in % rows_out);
   const int pieces = (row_bytes + kPiece - 1) / kPiece, V = row_bytes >> 4;
   const int ntok = blockIdx.x < rows_out ? (rows_out - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const long long units = (long long)ntok * pieces;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kPairs * kStages; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 1);
+    for (int s = 0; s < kPairs * kStages; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kS);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   __syncthreads();
@@ -275,23 +279,23 @@ __global__ void __launch_bounds__(kPairs * 64, 1) sum_bulk_kernel(uint4* out, co
     uint4* dst = out + (size_t)t * V + (size_t)q * (kPiece >> 4);
     const int nv = bytes >> 4;
     switch (k) {  // the row count a constant in the loop (with k per token in it: 790 / 862 us at 3 / 4 rows, 4 SMs)
-      case 1: sum_piece<1, kPiece, kPreload>(dst, x0, nv, lane); break;
-      case 2: sum_piece<2, kPiece, kPreload>(dst, x0, nv, lane); break;
-      case 3: sum_piece<3, kPiece, kPreload>(dst, x0, nv, lane); break;
-      default: sum_piece<4, kPiece, kPreload>(dst, x0, nv, lane); break;
+      case 1: sum_piece<1, kPiece, kPreload, kS>(dst, x0, nv, lane, sw); break;
+      case 2: sum_piece<2, kPiece, kPreload, kS>(dst, x0, nv, lane, sw); break;
+      case 3: sum_piece<3, kPiece, kPreload, kS>(dst, x0, nv, lane, sw); break;
+      default: sum_piece<4, kPiece, kPreload, kS>(dst, x0, nv, lane, sw); break;
     }
     __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
     if (lane == 0) mbar_arrive(empty + st);
   }
 }
 
-template <int kPiece, int kStages, int kPairs, bool kPreload>
+template <int kPiece, int kStages, int kPairs, bool kPreload, int kS>
 int launch_bulk_sum(uint4* out, const char* src, int rows_out, long long rows_in, int row_bytes, int num_blocks,
                     cudaStream_t stream) {
-  auto kernel = sum_bulk_kernel<kPiece, kStages, kPairs, kPreload>;
+  auto kernel = sum_bulk_kernel<kPiece, kStages, kPairs, kPreload, kS>;
   const size_t smem = bulk_sum_smem<kPiece, kStages, kPairs>();
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  kernel<<<num_blocks, kPairs * 64, smem, stream>>>(out, src, rows_out, rows_in, row_bytes);
+  kernel<<<num_blocks, kPairs * 32 * (1 + kS), smem, stream>>>(out, src, rows_out, rows_in, row_bytes);
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }
@@ -313,7 +317,7 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
       ep_set_error("ep_sum_ceiling: the bulk-copy shape takes at most %d rows a token, got %lld", kBsMaxRows, most);
       return -1;
     }
-    return launch_bulk_sum<kBsPiece, 2, kBsPairs, false>(static_cast<uint4*>(out), static_cast<const char*>(src), rows_out,
+    return launch_bulk_sum<kBsPiece, 2, kBsPairs, false, 1>(static_cast<uint4*>(out), static_cast<const char*>(src), rows_out,
                                                rows_in, hidden * 2, num_blocks, static_cast<cudaStream_t>(stream));
   }
   const bool deep = threads <= 256;                              // the 256-thread shape: twice the loads in flight
@@ -335,18 +339,19 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
 //                    word of each piece folded into words[issuer].
 //   EP_SM_STORE      16-byte register stores of one row per token into out, vector v of row t = (t, v, t ^ v, 1).
 //   EP_SM_BULK_SUM_* the local sum's bulk shape (sum_bulk_kernel, k rows a token, uniform) in other shapes than
-//                    the ceiling's (3.5 KiB pieces, 2 stages, 7 pairs, vector by vector): preloaded 3.5 KiB x 2
-//                    stages x 7 pairs, preloaded 3.5 KiB x 3 x 5, 7 KiB x 2 x 4, preloaded 1.75 KiB x 4 x 7.
+//                    the ceiling's (3.5 KiB pieces, 2 stages, 7 pairs, one summer a pair, vector by vector):
+//                    preloaded; 2 or 3 summers a pair; preloaded with 2; 1.75 KiB pieces in 14 pairs.
 namespace {
 
 enum SmMemMode {
   EP_SM_LOAD = 0,
   EP_SM_BULK_LOAD = 1,
   EP_SM_STORE = 2,
-  EP_SM_BULK_SUM_PRE_3584X2 = 3,
-  EP_SM_BULK_SUM_PRE_3584X3 = 4,
-  EP_SM_BULK_SUM_7168X2 = 5,
-  EP_SM_BULK_SUM_PRE_1792X4 = 6,
+  EP_SM_BULK_SUM_PRE = 3,
+  EP_SM_BULK_SUM_S2 = 4,
+  EP_SM_BULK_SUM_S3 = 5,
+  EP_SM_BULK_SUM_PRE_S2 = 6,
+  EP_SM_BULK_SUM_1792X14 = 7,
 };
 constexpr int kLoadU = 16;
 constexpr int kBulkPiece = 7168;  // bytes of one bulk copy (half a 7168-wide bf16 row)
@@ -433,7 +438,7 @@ __global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_ou
 
 extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int k, int hidden, int num_blocks,
                          int threads, void* stream) {
-  if (mode < EP_SM_LOAD || mode > EP_SM_BULK_SUM_PRE_1792X4 || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
+  if (mode < EP_SM_LOAD || mode > EP_SM_BULK_SUM_1792X14 || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
       num_blocks < 1 || threads < 32 || threads > 512 || threads % 32 != 0 || ((uintptr_t)src & 15) ||
       ((uintptr_t)out & 15)) {
     ep_set_error("ep_sm_mem: bad arguments (mode %d, rows %d x %d, hidden %d, blocks %d, threads %d)", mode, rows_out,
@@ -441,7 +446,7 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
     return -1;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (mode >= EP_SM_BULK_SUM_PRE_3584X2) {  // out: the bf16 sums; k rows a token
+  if (mode >= EP_SM_BULK_SUM_PRE) {  // out: the bf16 sums; k rows a token
     if (k > kBsMaxRows) {
       ep_set_error("ep_sm_mem: the bulk-copy sums take at most %d rows a token, got %d", kBsMaxRows, k);
       return -1;
@@ -450,10 +455,12 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
     const char* x = static_cast<const char*>(src);
     const long long rin = (long long)k * rows_out;
     switch (mode) {
-      case EP_SM_BULK_SUM_PRE_3584X2: return launch_bulk_sum<3584, 2, 7, true>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
-      case EP_SM_BULK_SUM_PRE_3584X3: return launch_bulk_sum<3584, 3, 5, true>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
-      case EP_SM_BULK_SUM_7168X2: return launch_bulk_sum<7168, 2, 4, false>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
-      default: return launch_bulk_sum<1792, 4, 7, true>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
+      case EP_SM_BULK_SUM_PRE: return launch_bulk_sum<3584, 2, 7, true, 1>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
+      case EP_SM_BULK_SUM_S2: return launch_bulk_sum<3584, 2, 7, false, 2>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
+      case EP_SM_BULK_SUM_S3: return launch_bulk_sum<3584, 2, 7, false, 3>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
+      case EP_SM_BULK_SUM_PRE_S2:
+        return launch_bulk_sum<3584, 2, 7, true, 2>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
+      default: return launch_bulk_sum<1792, 2, 14, false, 1>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
     }
   }
   if (mode == EP_SM_LOAD) {

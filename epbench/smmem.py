@@ -18,8 +18,9 @@ csrc/ceiling.cu:
 - ``bulk sum``: its bulk-copy shape: the rows brought into shared memory by TMA bulk copies, by 7 pairs of warps a
   SM (a loader bringing k 3.5 KiB pieces into its pair's 2 stages in turn, a summer summing and storing them);
   k <= 4; checked bit for bit. ``epbench ceiling``'s local sum is the fastest of the three shapes.
-- ``bs PxSxN``, ``bs pre PxSxN``: the same bulk sum with pieces of P bytes, S stages a pair and N pairs a SM,
-  ``pre`` with each lane's loads issued 2 vectors at a time before their adds; checked bit for bit.
+- ``bs PxSxN``, ``bs pre PxSxN [sM]``: the same bulk sum with pieces of P bytes, S stages a pair and N pairs a SM,
+  ``pre`` with each lane's loads issued 2 vectors at a time before their adds, ``sM`` with M summing warps a pair
+  (each a share of every piece); checked bit for bit.
 
 Columns: us (median of --iters launches, device events), MB moved (loads + stores), GB/s and GB/s per SM; for
 ``sum`` also ``apart us``, the ``load`` of the same rows plus the ``store`` of one row a token measured apart, i.e.
@@ -42,8 +43,9 @@ from epbench.errors import UserError
 
 MODES = {"load": 0, "bulk": 1, "store": 2}  # csrc/ceiling.cu SmMemMode
 # The bulk sum in other shapes (csrc/ceiling.cu EP_SM_BULK_SUM_*): piece bytes x stages a pair x pairs a SM, "pre"
-# with each lane's loads issued 2 vectors at a time before their adds. Row name -> mode.
-BULK_SUM_VARIANTS = {"bs pre 3584x2x7": 3, "bs pre 3584x3x5": 4, "bs 7168x2x4": 5, "bs pre 1792x4x7": 6}
+# with each lane's loads issued 2 vectors at a time before their adds, "sN" with N summing warps a pair. Row name -> mode.
+BULK_SUM_VARIANTS = {"bs pre 3584x2x7": 3, "bs 3584x2x7 s2": 4, "bs 3584x2x7 s3": 5, "bs pre 3584x2x7 s2": 6,
+                     "bs 1792x2x14": 7}
 THREADS = 512
 BULK_ISSUERS = (1, 4, 14)  # issuing warps a block of the bulk loads, each with its share of the 28-piece ring
 BULK_PIECE = 7168  # csrc/ceiling.cu kBulkPiece: bytes of one bulk copy
