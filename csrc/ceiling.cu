@@ -195,7 +195,7 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 template <int kN, int kPiece, bool kPreload, int kS>
 __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane, int s) {
   constexpr int kI = ((kPiece >> 4) + 32 * kS - 1) / (32 * kS);  // vectors a lane
-  if (kPreload) {  // in batches of up to 2 vectors a lane (2 x 4 rows x 4 registers), all loads of a batch first
+  if constexpr (kPreload) {  // in batches of up to 2 vectors a lane (2 x 4 rows x 4 registers), all loads of a batch first
     constexpr int kB = kI < 2 ? kI : 2;
 #pragma unroll
     for (int i0 = 0; i0 < kI; i0 += kB) {
@@ -218,20 +218,20 @@ __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, in
         dst[v] = make_uint4(o.x, o.y, o.z, o.w);
       }
     }
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int i = 0; i < kI; ++i) {
-    const int v = lane + 32 * (s + kS * i);
-    if (v >= nv) break;
-    int4 x[kN];
+    for (int i = 0; i < kI; ++i) {
+      const int v = lane + 32 * (s + kS * i);
+      if (v >= nv) break;
+      int4 x[kN];
 #pragma unroll
-    for (int h = 0; h < kN; ++h) x[h] = x0[h * (kPiece >> 4) + v];
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int h = 0; h < kN; ++h) x[h] = x0[h * (kPiece >> 4) + v];
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], 1.f);
-    const int4 o = pack_bf16x8(acc);
-    dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+      for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], 1.f);
+      const int4 o = pack_bf16x8(acc);
+      dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+    }
   }
 }
 
