@@ -32,6 +32,29 @@ struct Carver {
   }
 };
 
+// combine_ce's chunk bounds (EpParams::ce_bound) from ce_chunks / ce_grow. Growing chunks: the first max_tokens / 16
+// rows, each next 1.5x the one before (the sum of 4 SMs takes ~1.5x the copy engines' time for the same rows at 4
+// ranks, so each chunk lands before the sum of the ones before it is done), the last one taking the rest.
+static void ce_set_bounds(EpContext* ctx) {
+  EpParams& p = ctx->p;
+  const int T = p.max_tokens;
+  int c = 0;
+  p.ce_bound[0] = 0;
+  if (ctx->ce_grow) {
+    int size = std::max(1, (T + 15) / 16);
+    while (p.ce_bound[c] < T && c + 1 < kCeChunks) {
+      p.ce_bound[c + 1] = std::min(T, p.ce_bound[c] + size);
+      size = size + (size + 1) / 2;
+      ++c;
+    }
+  } else {
+    const int rows = std::max(1, (T + ctx->ce_chunks - 1) / ctx->ce_chunks);
+    while (p.ce_bound[c] < T && c + 1 < kCeChunks) p.ce_bound[c + 1] = std::min(T, p.ce_bound[c] + rows), ++c;
+  }
+  p.ce_bound[c] = T;  // the last chunk takes the rest
+  for (int d = c + 1; d <= kCeChunks; ++d) p.ce_bound[d] = T;
+}
+
 extern "C" int ep_create(const ep_config* cfg, void** out) {
   *out = nullptr;
   if (cfg->world < 1 || cfg->world > EP_MAX_WORLD || cfg->rank < 0 || cfg->rank >= cfg->world) {
@@ -113,7 +136,8 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   p.own_ce = cfg->own_rows;
   p.em_push = cfg->em_push;
   p.combine_ce = cfg->combine_ce;
-  p.ce_chunk_rows = std::max(1, (cfg->max_tokens + 15) / 16);  // 16 chunks until EP_OPT_CE_CHUNKS says otherwise
+  ctx->ce_chunks = 16;  // until EP_OPT_CE_CHUNKS / EP_OPT_CE_GROW say otherwise
+  ce_set_bounds(ctx);
   // expert-major: every source's tokens once per local expert they can pick, plus the largest padding
   // (epbench/layout.py slot_capacity)
   const int em = cfg->align > 0, E = cfg->experts_per_rank;
@@ -297,7 +321,13 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       return 0;
     case EP_OPT_CE_CHUNKS:  // combine_ce only; every rank must set the same (a chunk's flag names its rows)
       if (!ctx->p.combine_ce || (value != 4 && value != 8 && value != 16 && value != 32)) break;
-      ctx->p.ce_chunk_rows = std::max(1, (ctx->p.max_tokens + value - 1) / value);
+      ctx->ce_chunks = value;
+      ce_set_bounds(ctx);
+      return 0;
+    case EP_OPT_CE_GROW:  // combine_ce only; the same on every rank
+      if (!ctx->p.combine_ce || (value != 0 && value != 1)) break;
+      ctx->ce_grow = value;
+      ce_set_bounds(ctx);
       return 0;
     case EP_OPT_CE_STREAMS:
       if (!ctx->p.combine_ce || (value != 1 && value != 2 && value != 4)) break;

@@ -171,140 +171,100 @@ __global__ void __launch_bounds__(kDeep ? 256 : 512, 1) sum_ceiling_kernel(uint4
   }
 }
 
-// The third shape of the local sum (threads == kBsPairs * 64; tokens of at most kBsMaxRows rows): the same sum,
-// the same bits, with the rows brought into shared memory by TMA bulk copies, in kBsPairs pairs of warps a block:
-// loader l brings units l, l + kBsPairs, ... (a unit: one kPiece piece of each of a token's n rows, lane h < n
-// issuing row h's) into its kStages stages in turn, summer l sums them from shared memory (its 32 lanes over the
-// piece's vectors), stores them and frees the stage. Why pairs: a warp's bulk copies run one after another (~35-40
-// GB/s), a SM took in ~180 GB/s only from >= 4 warps at once, and 8 warps summing one stage together waited on
-// every stage in turn (python -m epbench.smmem, 2026-11-27). Block b takes tokens b, b + gridDim.x, ...
-// kPreload: each lane loads its vectors of the piece's rows 2 vectors at a time, all loads of the 2 before their
-// first add (no branch between one vector's loads and the next's); otherwise vector by vector. kS summers a pair
-// (warps kPairs + l, 2 kPairs + l, ...), each summing a share of every piece's vectors; the stage freed by all kS.
-// The ceiling runs <kBsPiece, 2, kBsPairs, false>; python -m epbench.smmem times other shapes (EP_SM_BULK_SUM_*).
+// The third shape of the local sum (threads == kBsThreads; tokens of at most kBsMaxRows rows): the same sum, the
+// same bits, with the rows brought into shared memory by TMA bulk copies, in kBsPairs groups of a loading warp and
+// kBsSummers summing warps a block: loader l brings units l, l + kBsPairs, ... (a unit: one kBsPiece piece of each
+// of a token's n rows, lane h < n issuing row h's) into its 2 stages in turn, its summers sum them from shared
+// memory (summer s: vectors lane + 32 (s + kBsSummers i) of the piece), store them and free the stage (the stage's
+// empty barrier counts kBsSummers arrivals). Why so: a warp's bulk copies run one after another (~35-40 GB/s), a
+// SM took in ~180 GB/s only from >= 4 warps at once, 8 warps summing one stage together waited on every stage in
+// turn, and against one summer a loader, 3 summers took 654 -> 619 us at 4 rows and 4 SMs; more stages of smaller
+// pieces, fewer pairs of bigger ones, TMA stores and preloaded vectors were all slower or no faster (python -m
+// epbench.smmem, 2026-11-27; notes/LATENCY-NEXT.md). Block b takes tokens b, b + gridDim.x, ...
 constexpr int kBsPiece = 3584;  // bytes of a row piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
 constexpr int kBsMaxRows = 4;
-constexpr int kBsPairs = 7;  // 7 pairs x 2 stages x 4 rows x 3.5 KiB = 196 KiB of shared memory a block
+constexpr int kBsPairs = 7;     // 7 loaders x 2 stages x 4 rows x 3.5 KiB = 196 KiB of shared memory a block
+constexpr int kBsSummers = 3;   // summing warps a loader
+constexpr int kBsThreads = kBsPairs * 32 * (1 + kBsSummers);
+constexpr size_t kBsSmem = (size_t)kBsPairs * 2 * kBsMaxRows * kBsPiece;
 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// One piece of a token's kN rows in shared memory (row h at x0 + h * kPiece / 16): summer s of kS sums and stores
-// its share, vectors lane + 32 (s + kS i).
-template <int kN, int kPiece, bool kPreload, int kS>
+// One piece of a token's kN rows in shared memory (row h at x0 + h * kBsPiece / 16): summer s's share, vectors
+// lane + 32 (s + kBsSummers i), summed and stored.
+template <int kN>
 __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane, int s) {
-  constexpr int kI = ((kPiece >> 4) + 32 * kS - 1) / (32 * kS);  // vectors a lane
-  if constexpr (kPreload) {  // in batches of up to 2 vectors a lane (2 x 4 rows x 4 registers), all loads of a batch first
-    constexpr int kB = kI < 2 ? kI : 2;
 #pragma unroll
-    for (int i0 = 0; i0 < kI; i0 += kB) {
-      int4 x[kB][kN];
+  for (int i = 0; i < ((kBsPiece >> 4) + 32 * kBsSummers - 1) / (32 * kBsSummers); ++i) {
+    const int v = lane + 32 * (s + kBsSummers * i);
+    if (v >= nv) break;
+    int4 x[kN];
 #pragma unroll
-      for (int i = 0; i < kB; ++i)
+    for (int h = 0; h < kN; ++h) x[h] = x0[h * (kBsPiece >> 4) + v];
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int h = 0; h < kN; ++h) {
-          const int v = lane + 32 * (s + kS * (i0 + i));
-          if (i0 + i < kI && v < nv) x[i][h] = x0[h * (kPiece >> 4) + v];
-        }
-#pragma unroll
-      for (int i = 0; i < kB; ++i) {
-        const int v = lane + 32 * (s + kS * (i0 + i));
-        if (i0 + i >= kI || v >= nv) break;
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[i][h], 1.f);
-        const int4 o = pack_bf16x8(acc);
-        dst[v] = make_uint4(o.x, o.y, o.z, o.w);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kI; ++i) {
-      const int v = lane + 32 * (s + kS * i);
-      if (v >= nv) break;
-      int4 x[kN];
-#pragma unroll
-      for (int h = 0; h < kN; ++h) x[h] = x0[h * (kPiece >> 4) + v];
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], 1.f);
-      const int4 o = pack_bf16x8(acc);
-      dst[v] = make_uint4(o.x, o.y, o.z, o.w);
-    }
+    for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], 1.f);
+    const int4 o = pack_bf16x8(acc);
+    dst[v] = make_uint4(o.x, o.y, o.z, o.w);
   }
 }
 
-template <int kPiece, int kStages, int kPairs>
-constexpr size_t bulk_sum_smem() {
-  return (size_t)kPairs * kStages * kBsMaxRows * kPiece;
-}
-
-template <int kPiece, int kStages, int kPairs, bool kPreload, int kS>
-__global__ void __launch_bounds__(kPairs * 32 * (1 + kS), 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
-                                                                   long long rows_in, int row_bytes) {
+__global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
+                                                                  long long rows_in, int row_bytes) {
   extern __shared__ __align__(128) char ring[];
-  __shared__ uint64_t full[kPairs * kStages], empty[kPairs * kStages];
+  __shared__ uint64_t full[kBsPairs * 2], empty[kBsPairs * 2];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int l = w % kPairs, sw = w < kPairs ? 0 : (w - kPairs) / kPairs;  // the pair; the summer's place in it
+  const int l = w % kBsPairs, sw = w < kBsPairs ? 0 : (w - kBsPairs) / kBsPairs;  // the pair; a summer's share
   const int base = (int)(rows_in / rows_out), extra = (int)(rows_in % rows_out);
-  const int pieces = (row_bytes + kPiece - 1) / kPiece, V = row_bytes >> 4;
+  const int pieces = (row_bytes + kBsPiece - 1) / kBsPiece, V = row_bytes >> 4;
   const int ntok = blockIdx.x < rows_out ? (rows_out - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const long long units = (long long)ntok * pieces;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kPairs * kStages; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kS);
+    for (int s = 0; s < kBsPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kBsSummers);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   __syncthreads();
-  const bool loader = w < kPairs;
-  uint32_t j = 0;  // the pair's units so far: stage j % kStages, lap j / kStages
-  for (long long u = l; u < units; u += kPairs, ++j) {
+  const bool loader = w < kBsPairs;
+  uint32_t j = 0;  // the pair's units so far: stage j & 1, lap j >> 1
+  for (long long u = l; u < units; u += kBsPairs, ++j) {
     const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
-    const int bytes = min(kPiece, row_bytes - q * kPiece);
+    const int bytes = min(kBsPiece, row_bytes - q * kBsPiece);
     const int k = base + (t < extra ? 1 : 0);  // the token's rows
-    const int st = l * kStages + (int)(j % kStages);
-    const uint32_t lap = j / kStages;
-    char* stage = ring + (size_t)st * kBsMaxRows * kPiece;
+    const int st = l * 2 + (int)(j & 1);
+    const uint32_t lap = j >> 1;
+    char* stage = ring + (size_t)st * kBsMaxRows * kBsPiece;
     if (loader) {
-      if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summer is done with the stage's last unit
+      if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summers are done with the stage's last unit
       if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(k * bytes));
       if (lane < k)
-        bulk_load(stage + (size_t)lane * kPiece, src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kPiece,
+        bulk_load(stage + (size_t)lane * kBsPiece, src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece,
                   (uint32_t)bytes, full + st);
       __syncwarp();
       continue;
     }
     mbar_wait(full + st, lap & 1u);
     const int4* x0 = reinterpret_cast<const int4*>(stage);
-    uint4* dst = out + (size_t)t * V + (size_t)q * (kPiece >> 4);
+    uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
     const int nv = bytes >> 4;
     switch (k) {  // the row count a constant in the loop (with k per token in it: 790 / 862 us at 3 / 4 rows, 4 SMs)
-      case 1: sum_piece<1, kPiece, kPreload, kS>(dst, x0, nv, lane, sw); break;
-      case 2: sum_piece<2, kPiece, kPreload, kS>(dst, x0, nv, lane, sw); break;
-      case 3: sum_piece<3, kPiece, kPreload, kS>(dst, x0, nv, lane, sw); break;
-      default: sum_piece<4, kPiece, kPreload, kS>(dst, x0, nv, lane, sw); break;
+      case 1: sum_piece<1>(dst, x0, nv, lane, sw); break;
+      case 2: sum_piece<2>(dst, x0, nv, lane, sw); break;
+      case 3: sum_piece<3>(dst, x0, nv, lane, sw); break;
+      default: sum_piece<4>(dst, x0, nv, lane, sw); break;
     }
     __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
     if (lane == 0) mbar_arrive(empty + st);
   }
 }
 
-template <int kPiece, int kStages, int kPairs, bool kPreload, int kS>
-int launch_bulk_sum(uint4* out, const char* src, int rows_out, long long rows_in, int row_bytes, int num_blocks,
-                    cudaStream_t stream) {
-  auto kernel = sum_bulk_kernel<kPiece, kStages, kPairs, kPreload, kS>;
-  const size_t smem = bulk_sum_smem<kPiece, kStages, kPairs>();
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  kernel<<<num_blocks, kPairs * 32 * (1 + kS), smem, stream>>>(out, src, rows_out, rows_in, row_bytes);
-  CUDA_CHECK(cudaGetLastError());
-  return 0;
-}
-
 }  // namespace
 
 extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long long rows_in, int hidden, int num_blocks,
                               int threads, void* stream) {
-  if (rows_out < 0 || rows_in < rows_out || hidden % 8 != 0 || num_blocks < 1 || threads < 32 || threads > 512 ||
+  if (rows_out < 0 || rows_in < rows_out || hidden % 8 != 0 || num_blocks < 1 || threads < 32 ||
+      (threads > 512 && threads != kBsThreads) ||
       ((uintptr_t)src & 15) || ((uintptr_t)out & 15)) {
     ep_set_error("ep_sum_ceiling: bad arguments (rows %d <- %lld, hidden %d, blocks %d, threads %d)", rows_out,
                  rows_in, hidden, num_blocks, threads);
@@ -312,13 +272,16 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
   }
   if (rows_out == 0) return 0;
   const long long most = (rows_in + rows_out - 1) / rows_out;  // the most rows a token has
-  if (threads == kBsPairs * 64) {  // the bulk-copy shape
-    if (most > kBsMaxRows || hidden % 8 != 0) {
+  if (threads == kBsThreads) {  // the bulk-copy shape
+    if (most > kBsMaxRows) {
       ep_set_error("ep_sum_ceiling: the bulk-copy shape takes at most %d rows a token, got %lld", kBsMaxRows, most);
       return -1;
     }
-    return launch_bulk_sum<kBsPiece, 2, kBsPairs, false, 1>(static_cast<uint4*>(out), static_cast<const char*>(src), rows_out,
-                                               rows_in, hidden * 2, num_blocks, static_cast<cudaStream_t>(stream));
+    CUDA_CHECK(cudaFuncSetAttribute(sum_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kBsSmem));
+    sum_bulk_kernel<<<num_blocks, threads, kBsSmem, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<uint4*>(out), static_cast<const char*>(src), rows_out, rows_in, hidden * 2);
+    CUDA_CHECK(cudaGetLastError());
+    return 0;
   }
   const bool deep = threads <= 256;                              // the 256-thread shape: twice the loads in flight
   auto kernel = most <= 2 ? (deep ? sum_ceiling_kernel<2, true> : sum_ceiling_kernel<2, false>)
@@ -338,20 +301,12 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
 //                    SM) issued by lane 0 of each of threads / 32 warps, each with its share of the ring; the first
 //                    word of each piece folded into words[issuer].
 //   EP_SM_STORE      16-byte register stores of one row per token into out, vector v of row t = (t, v, t ^ v, 1).
-//   EP_SM_BULK_SUM_* the local sum's bulk shape (sum_bulk_kernel, k rows a token, uniform) in other shapes than
-//                    the ceiling's (3.5 KiB pieces, 2 stages, 7 pairs, one summer a pair, vector by vector):
-//                    preloaded; 2 or 3 summers a pair; preloaded with 2; 1.75 KiB pieces in 14 pairs.
 namespace {
 
 enum SmMemMode {
   EP_SM_LOAD = 0,
   EP_SM_BULK_LOAD = 1,
   EP_SM_STORE = 2,
-  EP_SM_BULK_SUM_PRE = 3,
-  EP_SM_BULK_SUM_S2 = 4,
-  EP_SM_BULK_SUM_S3 = 5,
-  EP_SM_BULK_SUM_PRE_S2 = 6,
-  EP_SM_BULK_SUM_1792X14 = 7,
 };
 constexpr int kLoadU = 16;
 constexpr int kBulkPiece = 7168;  // bytes of one bulk copy (half a 7168-wide bf16 row)
@@ -438,7 +393,7 @@ __global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_ou
 
 extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int k, int hidden, int num_blocks,
                          int threads, void* stream) {
-  if (mode < EP_SM_LOAD || mode > EP_SM_BULK_SUM_1792X14 || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
+  if (mode < EP_SM_LOAD || mode > EP_SM_STORE || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
       num_blocks < 1 || threads < 32 || threads > 512 || threads % 32 != 0 || ((uintptr_t)src & 15) ||
       ((uintptr_t)out & 15)) {
     ep_set_error("ep_sm_mem: bad arguments (mode %d, rows %d x %d, hidden %d, blocks %d, threads %d)", mode, rows_out,
@@ -446,23 +401,6 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
     return -1;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (mode >= EP_SM_BULK_SUM_PRE) {  // out: the bf16 sums; k rows a token
-    if (k > kBsMaxRows) {
-      ep_set_error("ep_sm_mem: the bulk-copy sums take at most %d rows a token, got %d", kBsMaxRows, k);
-      return -1;
-    }
-    uint4* o = static_cast<uint4*>(out);
-    const char* x = static_cast<const char*>(src);
-    const long long rin = (long long)k * rows_out;
-    switch (mode) {
-      case EP_SM_BULK_SUM_PRE: return launch_bulk_sum<3584, 2, 7, true, 1>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
-      case EP_SM_BULK_SUM_S2: return launch_bulk_sum<3584, 2, 7, false, 2>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
-      case EP_SM_BULK_SUM_S3: return launch_bulk_sum<3584, 2, 7, false, 3>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
-      case EP_SM_BULK_SUM_PRE_S2:
-        return launch_bulk_sum<3584, 2, 7, true, 2>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
-      default: return launch_bulk_sum<1792, 2, 14, false, 1>(o, x, rows_out, rin, hidden * 2, num_blocks, s);
-    }
-  }
   if (mode == EP_SM_LOAD) {
     sm_load_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int*>(out), static_cast<const int4*>(src), rows_out, k,
                                                   hidden / 8);

@@ -28,14 +28,14 @@
 // combine_ce (ep_config.combine_ce, own_rows all only): every source's rows sit at rows [s * max_tokens + t] on each
 // holder, so a holder's rows of source s are one range. ep_combine pushes them with the copy engine (at 2 ranks on
 // ce_streams streams alternating; at 3+ every copy on one stream, chunk-major in ring order) into s's staging buffer at
-// rows [h * max_tokens + t], in chunks of
-// ce_chunk_rows rows, each followed by cstage[h][c] = epoch in s's signals (cuStreamWriteValue32: written after the
+// rows [h * max_tokens + t], in the chunks of
+// p.ce_bound (even, or growing: buffers.cu ce_set_bounds), each followed by cstage[h][c] = epoch in s's signals (cuStreamWriteValue32: written after the
 // chunk's copy completed, fenced first). Step 1-2 become a check that every holder pushed at least my T rows (the
 // num_tokens word of its notify row), and step 3 is, at 2 ranks (and beyond 4), combine_ce_kernel: registers, no
 // shared memory (the pull's TMA kernel with local sources measured no faster than its pulls at 2 rows a token):
 // lane d finds holder d's row of the token (my combine_in for d == me, my staging buffer for a peer), waiting once
 // per chunk for cstage[d][c], and the warp sums the rows with every holder's loads in flight before the FMAs; at
-// 3-4 ranks combine_ce_bulk_kernel (below): the same sum fed by TMA bulk copies in loader / summer pairs of warps,
+// 3-4 ranks combine_ce_bulk_kernel (below): the same sum fed by TMA bulk copies, a loading warp and its summers,
 // faster at 3-4 rows a token. So the SMs read and write local memory only; the link carries the same rows, moved by copy engines.
 // No ready handshake is needed: no peer reads my combine_in, and my staging buffer is free because every peer's
 // previous combine ended only after my pulled flag, stored once my last block had read it (step 4).
@@ -408,8 +408,8 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
                                                                : stage + ((size_t)d * p.max_tokens + r) * rb);
         wait_here |= d == lane && d != me && r >= 0;
       }
-      if (wait_here && t / p.ce_chunk_rows > seen) {  // given up: the sum reads stale rows, the host raises the timeout
-        seen = t / p.ce_chunk_rows;
+      if (wait_here && t >= p.ce_bound[seen + 1]) {  // given up: the sum reads stale rows, the host raises the timeout
+        seen = ce_chunk_from(p, t, seen < 0 ? 0 : seen);
         wait_flag(p, signal_ptr(p, me, p.sig.cstage_off + lane * kCeChunks + seen), epoch, lane, kPhaseCombineStaged);
       }
       __syncwarp();
@@ -445,10 +445,14 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
 // piece (my combine_in for me, my staging buffer for a peer) into slot j of the pair's stage (j: d's place among
 // the token's holders), lane 0 arming the stage with the pieces' bytes; the summer (warp kCbPairs + l) finds the
 // same holders and weights, sums the stage's n pieces (n a constant in its loop) and stores them, then frees the
-// stage. 2 stages a pair.
+// stage. 2 stages a pair; kCbSummers summers a pair (summer s: vectors lane + 32 (s + kCbSummers i) of each piece,
+// the stage freed when all have arrived), as the ceiling's kBsSummers (72 registers a thread, no spill, at 896
+// threads).
 constexpr int kCbPiece = 3584;  // bytes of a piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
 constexpr int kCbPairs = 7;     // 7 pairs x 2 stages x 4 holders x 3.5 KiB = 196 KiB of shared memory a block
 constexpr int kCbHolders = 4;
+constexpr int kCbSummers = 3;
+constexpr int kCbThreads = kCbPairs * 32 * (1 + kCbSummers);
 
 __host__ __device__ __forceinline__ size_t cb_smem_bytes() { return (size_t)kCbPairs * 2 * kCbHolders * kCbPiece; }
 
@@ -456,13 +460,14 @@ __device__ __forceinline__ void mbar_arrive_cta(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// n pieces (slots 0..kN-1 of a stage, kCbPiece bytes apart) weighted by w[0..kN-1] in order, stored bf16 at dst.
+// n pieces (slots 0..kN-1 of a stage, kCbPiece bytes apart) weighted by w[0..kN-1] in order, stored bf16 at dst:
+// summer s's share of the vectors.
 template <int kN>
 __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const float (&w)[kCbHolders], int nv,
-                                             int lane) {
+                                             int lane, int s) {
 #pragma unroll
-  for (int i = 0; i < (kCbPiece >> 4) / 32; ++i) {
-    const int v = lane + 32 * i;
+  for (int i = 0; i < ((kCbPiece >> 4) + 32 * kCbSummers - 1) / (32 * kCbSummers); ++i) {
+    const int v = lane + 32 * (s + kCbSummers * i);
     if (v >= nv) break;
     int4 x[kN > 0 ? kN : 1];
 #pragma unroll
@@ -475,13 +480,14 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
   }
 }
 
-__global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
+__global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
   extern __shared__ __align__(128) uint8_t cb_ring[];
   __shared__ uint64_t full[kCbPairs * 2], empty[kCbPairs * 2];
   __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
   combine_ce_check(p, a.num_tokens);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, l = w % kCbPairs;
   const bool loader = w < kCbPairs;
+  const int sw = loader ? 0 : (w - kCbPairs) / kCbPairs;  // a summer's share
   const int world = p.world, topk = p.topk, E = p.experts_per_rank, me = p.rank;
   const int P = blockIdx.x * kCbPairs + l, G = gridDim.x * kCbPairs;
   const int row_bytes = p.hidden * 2, V = p.hidden >> 3;
@@ -490,7 +496,7 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
   const uint8_t* own = p.peer_base[me] + p.off_combine_in;
   const uint8_t* staged = p.peer_base[me] + p.off_combine_stage;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kCbPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 1);
+    for (int s = 0; s < kCbPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kCbSummers);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     aborted = ld_volatile(p.dev_error) != 0;
   }
@@ -526,9 +532,9 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
           ++n;
         }
       }
-      if (loader && lane < world && lane != me && my_row >= 0 && t / p.ce_chunk_rows > seen) {
+      if (loader && lane < world && lane != me && my_row >= 0 && t >= p.ce_bound[seen + 1]) {
         // given up: the sum reads stale rows, the host raises the timeout
-        seen = t / p.ce_chunk_rows;
+        seen = ce_chunk_from(p, t, seen < 0 ? 0 : seen);
         wait_flag(p, signal_ptr(p, me, p.sig.cstage_off + lane * kCeChunks + seen), epoch, lane, kPhaseCombineStaged);
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read what the flag published
       }
@@ -539,7 +545,7 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
         const uint32_t lap = j >> 1;
         uint8_t* stage = cb_ring + (size_t)st * kCbHolders * kCbPiece;
         if (loader) {
-          if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summer is done with the stage's last unit
+          if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summers are done with the stage's last unit
           if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(n * bytes));
           if (my_slot >= 0) {
             const uint8_t* src = lane == me ? own + (size_t)my_row * rb
@@ -554,11 +560,11 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
         uint4* dst = a.out + (size_t)t * V + (size_t)q * (kCbPiece >> 4);
         const int nv = bytes >> 4;
         switch (n) {  // the holder count a constant in the loop
-          case 0: cb_sum_piece<0>(dst, x0, wd, nv, lane); break;
-          case 1: cb_sum_piece<1>(dst, x0, wd, nv, lane); break;
-          case 2: cb_sum_piece<2>(dst, x0, wd, nv, lane); break;
-          case 3: cb_sum_piece<3>(dst, x0, wd, nv, lane); break;
-          default: cb_sum_piece<4>(dst, x0, wd, nv, lane); break;
+          case 0: cb_sum_piece<0>(dst, x0, wd, nv, lane, sw); break;
+          case 1: cb_sum_piece<1>(dst, x0, wd, nv, lane, sw); break;
+          case 2: cb_sum_piece<2>(dst, x0, wd, nv, lane, sw); break;
+          case 3: cb_sum_piece<3>(dst, x0, wd, nv, lane, sw); break;
+          default: cb_sum_piece<4>(dst, x0, wd, nv, lane, sw); break;
         }
         __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
         if (lane == 0) mbar_arrive_cta(empty + st);
@@ -568,33 +574,36 @@ __global__ void __launch_bounds__(kCbPairs * 64, 1) combine_ce_bulk_kernel(EpPar
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
-// The copy streams combine_ce's push forks, uses and joins: ce_streams a peer at 2 ranks, one at 3 or more.
+// The copy streams combine_ce's push forks, uses and joins: ce_streams a peer at 2 ranks, ce_streams in all at 3 or
+// more (chunk c's copies to every peer on stream c % ce_streams, in ring order).
 int ce_push_streams(const EpContext* ctx) {
-  return ctx->p.world > 2 ? 1 : ctx->ce_streams_used * (ctx->p.world - 1);
+  return ctx->p.world > 2 ? ctx->ce_streams_used : ctx->ce_streams_used * (ctx->p.world - 1);
 }
 
 // combine_ce: my combine_in rows of each peer s (rows [s * max_tokens, + num_tokens)) into s's staging buffer at rows
-// [me * max_tokens, ...), chunk by chunk (at 2 ranks on the peer's ce_streams streams in turn; at 3+ every copy on
-// one stream, chunk-major in ring order; forked from `stream` here: after my caller filled combine_in), each chunk
+// [me * max_tokens, ...), chunk by chunk (at 2 ranks on the peer's ce_streams streams in turn; at 3+ chunk-major in
+// ring order, chunk c's copies on stream c % ce_streams; forked from `stream` here: after my caller filled combine_in), each chunk
 // followed by its flag cstage[me][c] in s's signals. *pushed: whether the streams forked
 // (the caller joins them after the kernel). Nothing after a wait of mine has timed out (no peer waits correctly then).
 int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stream, bool* pushed) {
   const EpParams& p = ctx->p;
   *pushed = false;
   if (p.world == 1 || num_tokens == 0 || ctx->host_error->flag) return 0;
-  const size_t rb = (size_t)p.hidden * 2, K = (size_t)p.ce_chunk_rows, T = (size_t)num_tokens;
-  const int per_peer = ctx->ce_streams_used, nstreams = ce_push_streams(ctx);  // chunk c of peer i: stream i + (c % per_peer) (world - 1)
+  const size_t rb = (size_t)p.hidden * 2, T = (size_t)num_tokens;
+  // chunk c of peer i: stream i + (c % per_peer) (world - 1) at 2 ranks, c % per_peer at 3+
+  const int per_peer = ctx->ce_streams_used, nstreams = ce_push_streams(ctx);
   CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
   for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaStreamWaitEvent(ctx->ce_streams[i], ctx->ce_fork, 0));
   *pushed = true;
   bool failed = false;
-  for (size_t r0 = 0, c = 0; r0 < T && !failed; r0 += K, ++c) {  // chunk c to every peer, then c + 1: peers start together
-    const size_t n = std::min(K, T - r0);
+  for (int c = 0; c < kCeChunks && (size_t)p.ce_bound[c] < T && !failed; ++c) {  // chunk c to every peer, then c + 1
+    const size_t r0 = (size_t)p.ce_bound[c], n = std::min((size_t)p.ce_bound[c + 1], T) - r0;
     for (int i = 0; i + 1 < p.world; ++i) {
       const int s = (p.rank + 1 + i) % p.world;
-      // 3+ ranks: every copy on one stream, chunk-major in ring order (a GPU's copy engine runs its copies one at a
-      // time; streams of their own per peer made two holders write one destination at once, notes/LATENCY-NEXT.md)
-      cudaStream_t cs = p.world > 2 ? ctx->ce_streams[0] : ctx->ce_streams[i + (int)(c % per_peer) * (p.world - 1)];
+      // 3+ ranks: chunk-major in ring order, a chunk's copies on one stream (a GPU's copy engine runs its copies one
+      // at a time; streams of their own per peer made two holders write one destination at once,
+      // notes/LATENCY-NEXT.md); chunks alternating over ce_streams streams so a chunk's flag writes overlap the next's copies
+      cudaStream_t cs = p.world > 2 ? ctx->ce_streams[c % per_peer] : ctx->ce_streams[i + (c % per_peer) * (p.world - 1)];
       CUDA_CHECK(cudaMemcpyAsync(p.peer_base[s] + p.off_combine_stage + ((size_t)p.rank * p.max_tokens + r0) * rb,
                                  p.peer_base[p.rank] + p.off_combine_in + ((size_t)s * p.max_tokens + r0) * rb, n * rb,
                                  cudaMemcpyDefault, cs));
@@ -638,8 +647,8 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     } else if (p.world <= kCbHolders && (size_t)ctx->max_smem_optin >= cb_smem_bytes()) {
       CUDA_CHECK(cudaFuncSetAttribute(combine_ce_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)cb_smem_bytes()));
-      wc = 2 * kCbPairs;
-      combine_ce_bulk_kernel<<<num_sms, wc * 32, cb_smem_bytes(), stream>>>(p, a, epoch);
+      wc = kCbThreads / 32;
+      combine_ce_bulk_kernel<<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
     } else if (p.world <= 4) {
       combine_ce_kernel<4, 4><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     } else {

@@ -68,8 +68,9 @@ enum EpPhase { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombineReady = 3, kPh
 // combine_ce (phases 9, 10; 5-8 are the low-latency kernels'): waiting for a chunk a peer's copy engine pushed, and a
 // peer that pushed fewer rows than this rank's tokens (reported at once)
 enum { kPhaseCombineStaged = 9, kPhaseCombineTokens = 10 };
-// combine_ce: a holder pushes source s's rows in at most this many chunks of ce_chunk_rows rows, each with a flag
-// (EP_OPT_CE_CHUNKS: 4, 8, 16 or 32, default 16), on up to kCeStreams copy streams a peer (EP_OPT_CE_STREAMS)
+// combine_ce: a holder pushes source s's rows in at most this many chunks, each with a flag (EP_OPT_CE_CHUNKS even
+// chunks: 4, 8, 16 or 32, default 16; EP_OPT_CE_GROW: growing ones), on up to kCeStreams copy streams a peer
+// (EP_OPT_CE_STREAMS)
 constexpr int kCeChunks = 32;
 constexpr int kCeStreams = 4;
 
@@ -118,7 +119,8 @@ struct EpParams {
   int own_ce;  // ep_config.own_rows: 1 (ce) = my own rows at their token index, stored by the caller (see above);
                // 2 (all) = every source s's rows at s * max_tokens + token, a peer's copied by ep_dispatch
   int combine_ce;     // ep_config.combine_ce: 1 = peers' rows pushed into my staging buffer by their copy engines
-  int ce_chunk_rows;  // combine_ce: rows per pushed chunk, ceil(max_tokens / chunks), chunks by EP_OPT_CE_CHUNKS
+  // combine_ce: chunk c holds rows [ce_bound[c], ce_bound[c + 1]); every bound after the last chunk's is max_tokens
+  int ce_bound[kCeChunks + 1];
   int em_push;  // ep_config.em_push: 1 = expert-major senders store a row into every slot of it, 3 = auto (2 up to 16
                 // dispatch warps, else 0; ep_dispatch resolves it), 2 = the receiver's
                 // wide copy pass (dispatch.cu)
@@ -196,6 +198,8 @@ struct EpContext {
   cudaStream_t ce_streams[kCeStreams * (EP_MAX_WORLD - 1)];
   cudaEvent_t ce_done[kCeStreams * (EP_MAX_WORLD - 1)];
   int ce_streams_used;  // combine_ce at 2 ranks: copy streams a peer (EP_OPT_CE_STREAMS: 1, 2 or 4, default 2)
+  int ce_chunks;        // combine_ce: even chunks (EP_OPT_CE_CHUNKS), unless ce_grow
+  int ce_grow;          // combine_ce: growing chunks (EP_OPT_CE_GROW)
   int ce_share;         // own_rows all: percent of my x rows the copy engines move (EP_OPT_CE_SHARE, default 100)
   // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
   // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)
@@ -354,6 +358,12 @@ __device__ __forceinline__ bool wait_flag(const EpParams& p, const int* flag, in
 // reset_counter / reset_counter2 >= 0: work counters of the kernel, zeroed by the last block (every block is
 // past its last use).
 // Returns true in the last block (block-uniform).
+// combine_ce: the chunk holding row t, from chunk c on (a warp's rows only grow).
+__device__ __forceinline__ int ce_chunk_from(const EpParams& p, int t, int c) {
+  while (t >= p.ce_bound[c + 1]) ++c;
+  return c;
+}
+
 __device__ __forceinline__ bool grid_release_and_wait(const EpParams& p, int counter, int flag_base, int epoch,
                                                       int phase, int reset_counter = -1, int reset_counter2 = -1) {
   __shared__ int is_last;

@@ -280,12 +280,12 @@ def kernel_store_provider() -> Optional[SmStoreProvider]:
 # (out tensor, source tensor, tokens, rows, hidden, sms, threads, comm, warmup, iters) -> per-iteration microseconds
 SumProvider = Callable[[Any, Any, int, int, int, int, int, Any, int, int], List[float]]
 # the local-sum kernel's register shapes (csrc/ceiling.cu): 512 threads with 128 KiB of loads in flight per SM (64
-# for tokens of more than 2 rows), 256 with twice the vectors a lane; and its bulk-copy shape (7 pairs of a loading
-# and a summing warp, TMA bulk copies into shared memory) for tokens of at most BULK_SUM_MAX_ROWS rows. The ceiling is
-# the fastest. One H200 (python -m epbench.smmem, 2026-11-27), 4 SMs, us for 2 / 3 / 4 rows a token: registers
-# 429 / 854 / 904, bulk copies 628 / 673 / 747.
+# for tokens of more than 2 rows), 256 with twice the vectors a lane; and its bulk-copy shape (7 loading warps a SM,
+# each with 3 summing warps, TMA bulk copies into shared memory) for tokens of at most BULK_SUM_MAX_ROWS rows. The
+# ceiling is the fastest. One H200 (python -m epbench.smmem, 2026-11-27), 4 SMs, us for 2 / 3 / 4 rows a token:
+# registers 432 / 871 / 933, bulk copies with one summer a loader 498 / 570 / 654, with three 464 / 542 / 619.
 SUM_THREADS = (512, 256)
-BULK_SUM_THREADS = 448
+BULK_SUM_THREADS = 896  # csrc/ceiling.cu kBsThreads
 BULK_SUM_MAX_ROWS = 4
 
 

@@ -28,6 +28,7 @@ FUSED_STORES = {8: 1, 16: 2}
 OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK, OPT_EM_SMS = 0, 1, 3, 4, 5
 OPT_CE_CHUNKS, OPT_CE_STREAMS = 6, 7  # combine_rows ce only
 OPT_CE_SHARE = 8  # own_rows all only
+OPT_CE_GROW = 9  # combine_rows ce only: 1 for growing chunks (epbench.ce_chunking grow)
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}

@@ -100,9 +100,15 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                             "3 or more, where every chunk and flag of a holder share one copy stream (4 x H200, "
                             "dsv3x4, 4 SMs: 780 us with 4, 988 with 16)",
                             choices=(4, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
-        "ce_streams": Option(int, 2, "combine_rows ce at 2 ranks only: the copy streams the peer's chunks alternate "
-                             "over (one stream's flag write and next copy overlapping another's copy); at 3 or more "
-                             "ranks the push runs on one copy stream in ring order, and asking for it is refused",
+        "ce_chunking": Option(str, "even", "combine_rows ce only: even (ce_chunks chunks of one size) or grow (the "
+                              "first chunk max_tokens / 16 rows, each next 1.5x the one before, the last the rest: "
+                              "the source's sum starts after a small first chunk and the copies stay ahead of it); "
+                              "every rank must use the same; grow with ce_chunks given is refused",
+                              choices=("even", "grow"), env="EPBENCH_CE_CHUNKING"),
+        "ce_streams": Option(int, 2, "combine_rows ce only: the copy streams the chunks alternate over (one stream's "
+                             "flag write and next copy overlapping another's copy): at 2 ranks ce_streams a peer, at "
+                             "3 or more ce_streams in all, each chunk's copies to every peer on one of them in ring "
+                             "order. Not given, 2 at 2 ranks and 1 at 3 or more",
                              choices=(1, 2, 4),
                              env="EPBENCH_CE_STREAMS"),
         "ce_share": Option(int, 100, "own_rows all only: percent of a rank's x rows the copy engines move into "
@@ -248,13 +254,13 @@ def diagnostics_set(environ: Optional[Mapping[str, str]] = None) -> List[str]:
 
 
 def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str, quantize: str, where: str,
-                  environ: Optional[Mapping[str, str]] = None, world: Optional[int] = None) -> None:
+                  environ: Optional[Mapping[str, str]] = None) -> None:
     """Options the scenario's payload rules out, refused in one line (UserError): epbench's own_rows=ce copies
     rows as they are, so it can neither place them per expert (layout expert_major) nor quantize them on the
     way (quantize fused); fused_stores=16 asked for (given or by its environment variable: the default, 16,
     is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push sender or wide
-    and em_sms > 0 need the expert-major layout and at most 16 dispatch warps; ce_streams asked for at ``world`` >
-    2 (where the combine's push runs on one copy stream) is refused.
+    and em_sms > 0 need the expert-major layout and at most 16 dispatch warps; the push's options (ce_chunks,
+    ce_chunking, ce_streams) need combine_rows ce, and ce_chunks cannot be given with ce_chunking grow.
     ``backend_options`` as validated; the environment counts as for ``resolve``."""
     given = backend_options.get("epbench") or {}
     resolved = resolve("epbench", given, environ)
@@ -277,15 +283,14 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
                         f"dispatch_warps {resolved['dispatch_warps']})")
     own = resolved["own_rows"]
     env = environ if environ is not None else os.environ
-    for key in ("ce_chunks", "ce_streams"):
+    for key in ("ce_chunks", "ce_chunking", "ce_streams"):
         if (key in given or env.get(SCHEMAS["epbench"][key].env) is not None) and resolved["combine_rows"] != "ce":
             raise UserError(f"{where}: epbench.{key}={resolved[key]} needs epbench.combine_rows=ce (got "
                             f"{resolved['combine_rows']}): it shapes the copy engines' push of the combine's rows")
-    streams_asked = "ce_streams" in given or env.get(SCHEMAS["epbench"]["ce_streams"].env) is not None
-    if streams_asked and world is not None and world > 2:
-        raise UserError(f"{where}: epbench.ce_streams={resolved['ce_streams']} applies at 2 ranks only (world "
-                        f"{world}): at 3 or more every copy of the combine's push runs on one copy stream, in ring "
-                        f"order")
+    if (resolved["ce_chunking"] == "grow" and resolved["combine_rows"] == "ce"
+            and ("ce_chunks" in given or env.get(SCHEMAS["epbench"]["ce_chunks"].env) is not None)):
+        raise UserError(f"{where}: epbench.ce_chunks={resolved['ce_chunks']} with epbench.ce_chunking=grow: growing "
+                        f"chunks have their own sizes; give one of the two")
     if ("ce_share" in given or env.get(SCHEMAS["epbench"]["ce_share"].env) is not None) and own != "all":
         raise UserError(f"{where}: epbench.ce_share={resolved['ce_share']} needs epbench.own_rows=all (got {own}): it "
                         f"splits the copy engines' dispatch rows with the SMs")
@@ -354,6 +359,7 @@ def merge(base: Mapping[str, Mapping[str, Any]], over: Mapping[str, Mapping[str,
 
 
 CE_CHUNKS_WIDE = 4  # epbench.ce_chunks where it is not given, at 3 or more ranks (one push stream)
+CE_STREAMS_WIDE = 1  # epbench.ce_streams where it is not given, at 3 or more ranks
 
 
 def ce_chunks_for(world: int, resolved: Mapping[str, Any], given: Mapping[str, Any],
@@ -364,6 +370,16 @@ def ce_chunks_for(world: int, resolved: Mapping[str, Any], given: Mapping[str, A
     if "ce_chunks" in given or environ.get(SCHEMAS["epbench"]["ce_chunks"].env) is not None or world <= 2:
         return resolved["ce_chunks"]
     return CE_CHUNKS_WIDE
+
+
+def ce_streams_for(world: int, resolved: Mapping[str, Any], given: Mapping[str, Any],
+                   environ: Optional[Mapping[str, str]] = None) -> int:
+    """epbench.ce_streams as the kernels take it: what was given (option or environment variable), else its default
+    at 2 ranks and CE_STREAMS_WIDE at 3 or more."""
+    environ = os.environ if environ is None else environ
+    if "ce_streams" in given or environ.get(SCHEMAS["epbench"]["ce_streams"].env) is not None or world <= 2:
+        return resolved["ce_streams"]
+    return CE_STREAMS_WIDE
 
 
 def resolve(backend: str, given: Optional[Mapping[str, Any]] = None,

@@ -15,12 +15,9 @@ csrc/ceiling.cu:
 - ``store``: 16-byte register stores of one row a token (checked: every vector holds its own position).
 - ``sum``: the local-sum ceiling of ``epbench ceiling`` (k rows in, one bf16 row out, fp32 adds), its register
   shapes (the faster of two); checked bit for bit against the fp32 sum in row order.
-- ``bulk sum``: its bulk-copy shape: the rows brought into shared memory by TMA bulk copies, by 7 pairs of warps a
-  SM (a loader bringing k 3.5 KiB pieces into its pair's 2 stages in turn, a summer summing and storing them);
-  k <= 4; checked bit for bit. ``epbench ceiling``'s local sum is the fastest of the three shapes.
-- ``bs PxSxN``, ``bs pre PxSxN [sM]``: the same bulk sum with pieces of P bytes, S stages a pair and N pairs a SM,
-  ``pre`` with each lane's loads issued 2 vectors at a time before their adds, ``sM`` with M summing warps a pair
-  (each a share of every piece); checked bit for bit.
+- ``bulk sum``: its bulk-copy shape: the rows brought into shared memory by TMA bulk copies, 7 loading warps a SM
+  (each bringing k 3.5 KiB pieces into its 2 stages in turn) with 3 summing warps each (summing and storing a share
+  of every piece); k <= 4; checked bit for bit. ``epbench ceiling``'s local sum is the fastest of the three shapes.
 
 Columns: us (median of --iters launches, device events), MB moved (loads + stores), GB/s and GB/s per SM; for
 ``sum`` also ``apart us``, the ``load`` of the same rows plus the ``store`` of one row a token measured apart, i.e.
@@ -42,10 +39,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from epbench.errors import UserError
 
 MODES = {"load": 0, "bulk": 1, "store": 2}  # csrc/ceiling.cu SmMemMode
-# The bulk sum in other shapes (csrc/ceiling.cu EP_SM_BULK_SUM_*): piece bytes x stages a pair x pairs a SM, "pre"
-# with each lane's loads issued 2 vectors at a time before their adds, "sN" with N summing warps a pair. Row name -> mode.
-BULK_SUM_VARIANTS = {"bs pre 3584x2x7": 3, "bs 3584x2x7 s2": 4, "bs 3584x2x7 s3": 5, "bs pre 3584x2x7 s2": 6,
-                     "bs 1792x2x14": 7}
 THREADS = 512
 BULK_ISSUERS = (1, 4, 14)  # issuing warps a block of the bulk loads, each with its share of the 28-piece ring
 BULK_PIECE = 7168  # csrc/ceiling.cu kBulkPiece: bytes of one bulk copy
@@ -88,7 +81,7 @@ def moved_bytes(kernel: str, k: int, tokens: int, hidden: int) -> int:
     """Bytes through the SMs: k rows loaded a token, one stored (``sum``), one stored (``store``)."""
     row = hidden * 2
     loads = 0 if kernel == "store" else k  # load, bulk Nw, sum
-    stores = 1 if kernel in ("store", "sum", "bulk sum") or kernel in BULK_SUM_VARIANTS else 0
+    stores = 1 if kernel in ("store", "sum", "bulk sum") else 0
     return (loads + stores) * row * tokens
 
 
@@ -102,11 +95,11 @@ def row_of(sms: int, kernel: str, k: Optional[int], time_us: float, nbytes: int,
 def format_row(r: Dict[str, Any]) -> str:
     k = "" if r["rows_per_token"] is None else r["rows_per_token"]
     apart = "" if r["apart_us"] is None else f"{r['apart_us']:.1f}"
-    return (f"{r['sms']:>4} {r['kernel']:>15} {k!s:>4} {r['time_us']:>9.1f} {r['mbytes']:>8.1f} {r['gbps']:>8.1f} "
+    return (f"{r['sms']:>4} {r['kernel']:>9} {k!s:>4} {r['time_us']:>9.1f} {r['mbytes']:>8.1f} {r['gbps']:>8.1f} "
             f"{r['gbps_per_sm']:>8.1f} {apart:>8} {r['check']}")
 
 
-HEADER = f"{'SMs':>4} {'kernel':>15} {'rows':>4} {'us':>9} {'MB':>8} {'GB/s':>8} {'per SM':>8} {'apart us':>8} check"
+HEADER = f"{'SMs':>4} {'kernel':>9} {'rows':>4} {'us':>9} {'MB':>8} {'GB/s':>8} {'per SM':>8} {'apart us':>8} check"
 
 
 def xor_fold(words: Any) -> Any:
@@ -208,13 +201,6 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
                 rows.append(row_of(sms, "bulk sum", k, t_bs, moved_bytes("bulk sum", k, a.tokens, a.hidden),
                                    "ok" if torch.equal(out, sums[k]) else "WRONG", apart_us=t_bulk_best + t_store))
                 say(format_row(rows[-1]))
-                for name, mode in BULK_SUM_VARIANTS.items():
-                    out.fill_(float("nan"))
-                    t_v = timed(lambda stream, mode=mode: fn(mode, out.data_ptr(), src.data_ptr(), a.tokens, k,
-                                                             a.hidden, sms, ceiling.BULK_SUM_THREADS, stream), "ep_sm_mem")
-                    rows.append(row_of(sms, name, k, t_v, moved_bytes(name, k, a.tokens, a.hidden),
-                                       "ok" if torch.equal(out, sums[k]) else "WRONG"))
-                    say(format_row(rows[-1]))
     return rows
 
 

@@ -435,18 +435,18 @@ def test_ring_copies_go_one_after_another_on_one_stream_from_the_next_rank_on(mo
 
 
 def test_local_sum_takes_the_bulk_shape_only_for_tokens_of_at_most_4_rows(monkeypatch) -> None:
-    """measure_sums times every shape the rows allow and keeps the fastest: the bulk-copy shape (448 threads) only
+    """measure_sums times every shape the rows allow and keeps the fastest: the bulk-copy shape (896 threads) only
     where a token has at most 4 rows (csrc/ceiling.cu refuses more)."""
     import types
 
     torch = pytest.importorskip("torch")
-    assert ceiling.sum_shapes(1) == (512, 256, 448) and ceiling.sum_shapes(4) == (512, 256, 448)
+    assert ceiling.sum_shapes(1) == (512, 256, 896) and ceiling.sum_shapes(4) == (512, 256, 896)
     assert ceiling.sum_shapes(5) == (512, 256)
     monkeypatch.setattr(ceiling, "_max_over_ranks", lambda samples, comm: max(samples))
-    speed = {512: 30.0, 256: 20.0, 448: 10.0}
+    speed = {512: 30.0, 256: 20.0, 896: 10.0}
     peer_rows = [0]  # another rank's most rows a token: every rank takes the shapes the largest allows
     monkeypatch.setattr(ceiling, "_max_int_over_ranks", lambda v, comm: max(v, peer_rows[0]))
-    for rows, peer, want_threads, want in ((12, 0, {512, 256, 448}, 10.0), (13, 0, {512, 256}, 20.0),
+    for rows, peer, want_threads, want in ((12, 0, {512, 256, 896}, 10.0), (13, 0, {512, 256}, 20.0),
                                            (12, 5, {512, 256}, 20.0)):
         peer_rows[0] = peer
         seen = set()

@@ -208,14 +208,32 @@ def test_ce_chunks_default_depends_on_the_world() -> None:
     assert options.ce_chunks_for(3, options.resolve("epbench", {}, environ=env), {}, environ=env) == 8
 
 
-def test_ce_streams_is_refused_at_3_or_more_ranks() -> None:
-    """At 3+ ranks the combine's push runs on one copy stream: ce_streams asked for (option or variable) is refused
-    in one line naming the world; at 2 ranks, or not asked for, it passes."""
-    opts = {"epbench": {"own_rows": "all", "combine_rows": "ce", "ce_streams": 4}}
-    with pytest.raises(UserError, match=r"ce_streams=4 applies at 2 ranks only \(world 4\)"):
-        options.check_payload(opts, "rank_major", "before", "x", environ={}, world=4)
-    options.check_payload(opts, "rank_major", "before", "x", environ={}, world=2)
-    plain = {"epbench": {"own_rows": "all", "combine_rows": "ce"}}
-    options.check_payload(plain, "rank_major", "before", "x", environ={}, world=4)
-    with pytest.raises(UserError, match="ce_streams=1 applies at 2 ranks only"):
-        options.check_payload(plain, "rank_major", "before", "x", environ={"EPBENCH_CE_STREAMS": "1"}, world=3)
+def test_ce_chunking_grow_refuses_ce_chunks_and_needs_ce() -> None:
+    """ce_chunking grow sizes its own chunks: ce_chunks given beside it (option or variable) is refused in one line;
+    ce_chunking needs combine_rows ce; grow alone passes."""
+    grow = {"epbench": {"own_rows": "all", "combine_rows": "ce", "ce_chunking": "grow"}}
+    options.check_payload(grow, "rank_major", "before", "x", environ={})
+    with pytest.raises(UserError, match="ce_chunks=8 with epbench.ce_chunking=grow"):
+        options.check_payload({"epbench": {**grow["epbench"], "ce_chunks": 8}}, "rank_major", "before", "x",
+                              environ={})
+    with pytest.raises(UserError, match="ce_chunks=32 with epbench.ce_chunking=grow"):
+        options.check_payload(grow, "rank_major", "before", "x", environ={"EPBENCH_CE_CHUNKS": "32"})
+    with pytest.raises(UserError, match="ce_chunking=grow needs epbench.combine_rows=ce"):
+        options.check_payload({"epbench": {"own_rows": "all", "ce_chunking": "grow"}}, "rank_major", "before", "x",
+                              environ={})
+    with pytest.raises(UserError, match="ce_chunking: must be one of"):
+        options.validate({"epbench": {"ce_chunking": "fast"}})
+
+
+def test_ce_streams_default_depends_on_the_world() -> None:
+    """Not given, ce_streams is 2 at 2 ranks and 1 at 3 or more; given (option or variable), what was given at any
+    world (at 3+ ranks the chunks alternate over that many streams in all)."""
+    r = options.resolve("epbench", {}, environ={})
+    assert options.ce_streams_for(2, r, {}, environ={}) == 2
+    assert options.ce_streams_for(4, r, {}, environ={}) == options.CE_STREAMS_WIDE == 1
+    assert options.ce_streams_for(4, options.resolve("epbench", {"ce_streams": 2}, environ={}), {"ce_streams": 2},
+                                  environ={}) == 2
+    env = {"EPBENCH_CE_STREAMS": "4"}
+    assert options.ce_streams_for(3, options.resolve("epbench", {}, environ=env), {}, environ=env) == 4
+    options.check_payload({"epbench": {"own_rows": "all", "combine_rows": "ce", "ce_streams": 4}}, "rank_major",
+                          "before", "x", environ={})

@@ -114,6 +114,8 @@ SUITES = {
         "em-push-receiver": em_push_receiver_flags(3), "em-sms": em_sms_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
         "own-rows-all": own_rows_ce_flags(4, "all"), "combine-rows-ce": combine_rows_ce_flags(4),
+        "combine-rows-ce-grow": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunking", "grow", "--ce-streams", "2",
+                                 "--impls", "lean:16:8"],
         "ce-share": ce_share_flags(4)},
 }
 for _world, _suites in SUITES.items():
@@ -218,6 +220,8 @@ def test_combine_rows_ce_matches_verification(kernels_built: None, nproc: int) -
     if nproc == 2:  # the push's other shapes: 32 chunks on 4 streams a peer, 4 chunks on one
         assert_suite(2, "combine-rows-ce-32x4")
         assert_suite(2, "combine-rows-ce-4x1")
+    if nproc == 4:  # growing chunks (ce_chunking grow: 4095 tokens in 6 chunks of 256, 384, ... rows) on 2 streams
+        assert "T=4095" in assert_suite(4, "combine-rows-ce-grow")
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
