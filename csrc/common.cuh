@@ -200,6 +200,8 @@ struct EpContext {
   int ce_streams_used;  // combine_ce at 2 ranks: copy streams a peer (EP_OPT_CE_STREAMS: 1, 2 or 4, default 2)
   int ce_chunks;        // combine_ce: even chunks (EP_OPT_CE_CHUNKS), unless ce_grow
   int ce_grow;          // combine_ce: growing chunks (EP_OPT_CE_GROW)
+  int ce_flag_copy;     // combine_ce: flags by 4-byte copies of *ce_epoch_word (EP_OPT_CE_FLAG 1)
+  int* ce_epoch_word;   // combine_ce: this call's epoch, the flags' source for ce_flag_copy (device memory)
   int ce_share;         // own_rows all: percent of my x rows the copy engines move (EP_OPT_CE_SHARE, default 100)
   // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
   // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)

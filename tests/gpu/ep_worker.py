@@ -230,7 +230,7 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
                             fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms,
                             combine_rows=args.combine_rows, ce_chunks=args.ce_chunks, ce_streams=args.ce_streams,
-                            ce_share=args.ce_share, ce_chunking=args.ce_chunking)
+                            ce_share=args.ce_share, ce_chunking=args.ce_chunking, ce_flag=args.ce_flag)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -264,7 +264,7 @@ def check_uneven_stop(args: argparse.Namespace, case: Case, rank: int, world: in
     (its peers pushed at least its rows). True on every rank when that holds everywhere."""
     be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows, combine_rows="ce",
                         ce_chunks=args.ce_chunks, ce_streams=args.ce_streams, ce_share=args.ce_share,
-                        ce_chunking=args.ce_chunking)
+                        ce_chunking=args.ce_chunking, ce_flag=args.ce_flag)
     counts = [case.tokens[r % len(case.tokens)] for r in range(world)]
     must_stop = any(t < counts[rank] for t in counts)
     try:
@@ -519,7 +519,9 @@ def run_trace(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     from torch.profiler import ProfilerActivity, profile
     shape = {c.name: c for c in SHAPES}[args.shape]
     case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, "bf16")
-    extra = {k: v for k, v in (("combine_rows", args.combine_rows), ("ce_share", args.ce_share)) if v is not None}
+    extra = {k: v for k, v in (("combine_rows", args.combine_rows), ("ce_share", args.ce_share),
+                               ("ce_chunks", args.ce_chunks), ("ce_streams", args.ce_streams),
+                               ("ce_chunking", args.ce_chunking), ("ce_flag", args.ce_flag)) if v is not None}
     one = torch.ones(1, device=device)
     lines: List[str] = []
     for sms in [int(s) for s in args.sms.split(",")]:
@@ -586,6 +588,8 @@ def parser() -> argparse.ArgumentParser:
                     help="combine_rows ce: the backend's ce_chunks (default: the backend's)")
     ap.add_argument("--ce-chunking", default=None, choices=["even", "grow"],
                     help="combine_rows ce: the backend's ce_chunking (default: the backend's)")
+    ap.add_argument("--ce-flag", default=None, choices=["memop", "copy"],
+                    help="combine_rows ce: the backend's ce_flag (default: the backend's)")
     ap.add_argument("--ce-streams", type=int, default=None, choices=[1, 2, 4],
                     help="combine_rows ce: the backend's ce_streams (default: the backend's)")
     ap.add_argument("--ce-share", type=int, default=None, choices=[25, 50, 75, 100],
