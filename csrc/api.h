@@ -71,13 +71,10 @@ enum ep_option {
   EP_OPT_NOTIFY_IMPL = 1,   // ep_notify_impl (default EP_NOTIFY_GRID)
   EP_OPT_COMBINE_STAGES = 3,  // stages per warp of the combine (2..4; default 2)
   EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of the combine (1024, 2048, 4096; default 2048)
-  EP_OPT_CE_CHUNKS = 6,   // combine_ce only: chunks a holder pushes a source's rows in (4, 8, 16, 32; default 16)
+  EP_OPT_CE_CHUNKS = 6,   // combine_ce only: chunks a holder pushes a source's rows in (4, 5, 6, 8, 16, 32; default 16)
   EP_OPT_CE_STREAMS = 7,  // combine_ce only: copy streams a peer the chunks alternate over (1, 2, 4; default 2)
   EP_OPT_CE_GROW = 9,     // combine_ce only: 1: chunks growing 1.5x from max_tokens / 16 rows (the first lands soon
                           // and the copies keep ahead of the sum); 0 (default): EP_OPT_CE_CHUNKS even chunks
-  EP_OPT_CE_FLAG = 10,    // combine_ce only: how a chunk's flag is written after its copy: 0 (default) a stream
-                          // memory operation (cuStreamWriteValue32, fenced) per flag; 1 a 4-byte copy of this call's
-                          // epoch (written once a call into a local word) on the copy's stream
   EP_OPT_CE_SHARE = 8,    // own_rows 2 only: percent of a source's x rows the copy engines move into each peer
                           // (25, 50, 75, 100; default 100); the rest go by SM stores at the same time (dispatch.cu)
   EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R

@@ -240,8 +240,6 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
       return -1;
     }
     ctx->write_value32 = reinterpret_cast<int (*)(void*, unsigned long long, unsigned, unsigned)>(fn);
-    CUDA_CHECK(cudaMalloc(&ctx->ce_epoch_word, 16));
-    CUDA_CHECK(cudaMemset(ctx->ce_epoch_word, 0, 16));
   }
   CUDA_CHECK(cudaDeviceSynchronize());
   *out = ctx;
@@ -322,13 +320,9 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       ctx->combine_chunk = value;
       return 0;
     case EP_OPT_CE_CHUNKS:  // combine_ce only; every rank must set the same (a chunk's flag names its rows)
-      if (!ctx->p.combine_ce || (value != 4 && value != 8 && value != 16 && value != 32)) break;
+      if (!ctx->p.combine_ce || (value != 4 && value != 5 && value != 6 && value != 8 && value != 16 && value != 32)) break;
       ctx->ce_chunks = value;
       ce_set_bounds(ctx);
-      return 0;
-    case EP_OPT_CE_FLAG:  // combine_ce only
-      if (!ctx->p.combine_ce || (value != 0 && value != 1)) break;
-      ctx->ce_flag_copy = value;
       return 0;
     case EP_OPT_CE_GROW:  // combine_ce only; the same on every rank
       if (!ctx->p.combine_ce || (value != 0 && value != 1)) break;
@@ -382,7 +376,6 @@ extern "C" int ep_destroy(void* vctx) {
   CUDA_CHECK(cudaFree(ctx->region));
   CUDA_CHECK(cudaFreeHost((void*)ctx->host_error));
   if (ctx->ce_fork) CUDA_CHECK(cudaEventDestroy(ctx->ce_fork));
-  if (ctx->ce_epoch_word) CUDA_CHECK(cudaFree(ctx->ce_epoch_word));
   for (int i = 0; i < kCeStreams * (EP_MAX_WORLD - 1); ++i) {
     if (ctx->ce_streams[i]) CUDA_CHECK(cudaStreamDestroy(ctx->ce_streams[i]));
     if (ctx->ce_done[i]) CUDA_CHECK(cudaEventDestroy(ctx->ce_done[i]));

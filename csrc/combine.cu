@@ -592,14 +592,6 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
   const size_t rb = (size_t)p.hidden * 2, T = (size_t)num_tokens;
   // chunk c of peer i: stream i + (c % per_peer) (world - 1) at 2 ranks, c % per_peer at 3+
   const int per_peer = ctx->ce_streams_used, nstreams = ce_push_streams(ctx);
-  if (ctx->ce_flag_copy) {  // the flags' source: this call's epoch, written before the fork (the last call's copies
-    // have all run: their streams joined `stream` before this call was queued on it)
-    const int rc = ctx->write_value32(stream, (unsigned long long)(uintptr_t)ctx->ce_epoch_word, (unsigned)epoch, 0);
-    if (rc != 0) {
-      ep_set_error("combine_ce: cuStreamWriteValue32 into the epoch word failed (CUresult %d)", rc);
-      return -1;
-    }
-  }
   CUDA_CHECK(cudaEventRecord(ctx->ce_fork, stream));
   for (int i = 0; i < nstreams; ++i) CUDA_CHECK(cudaStreamWaitEvent(ctx->ce_streams[i], ctx->ce_fork, 0));
   *pushed = true;
@@ -616,10 +608,6 @@ int push_rows_by_ce(EpContext* ctx, int num_tokens, int epoch, cudaStream_t stre
                                  p.peer_base[p.rank] + p.off_combine_in + ((size_t)s * p.max_tokens + r0) * rb, n * rb,
                                  cudaMemcpyDefault, cs));
       int* flag = reinterpret_cast<int*>(p.peer_base[s] + p.off_signals) + p.sig.cstage_off + p.rank * kCeChunks + c;
-      if (ctx->ce_flag_copy) {  // after the chunk's copy in the stream's order, as a copy of its own
-        CUDA_CHECK(cudaMemcpyAsync(flag, ctx->ce_epoch_word, sizeof(int), cudaMemcpyDefault, cs));
-        continue;
-      }
       const int rc = ctx->write_value32(cs, (unsigned long long)(uintptr_t)flag, (unsigned)epoch, 0);
       if (rc != 0) {
         ep_set_error("combine_ce: cuStreamWriteValue32 into rank %d's chunk flag failed (CUresult %d)", s, rc);

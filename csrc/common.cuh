@@ -69,7 +69,7 @@ enum EpPhase { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombineReady = 3, kPh
 // peer that pushed fewer rows than this rank's tokens (reported at once)
 enum { kPhaseCombineStaged = 9, kPhaseCombineTokens = 10 };
 // combine_ce: a holder pushes source s's rows in at most this many chunks, each with a flag (EP_OPT_CE_CHUNKS even
-// chunks: 4, 8, 16 or 32, default 16; EP_OPT_CE_GROW: growing ones), on up to kCeStreams copy streams a peer
+// chunks: 4, 5, 6, 8, 16 or 32, default 16; EP_OPT_CE_GROW: growing ones), on up to kCeStreams copy streams a peer
 // (EP_OPT_CE_STREAMS)
 constexpr int kCeChunks = 32;
 constexpr int kCeStreams = 4;
@@ -200,8 +200,6 @@ struct EpContext {
   int ce_streams_used;  // combine_ce at 2 ranks: copy streams a peer (EP_OPT_CE_STREAMS: 1, 2 or 4, default 2)
   int ce_chunks;        // combine_ce: even chunks (EP_OPT_CE_CHUNKS), unless ce_grow
   int ce_grow;          // combine_ce: growing chunks (EP_OPT_CE_GROW)
-  int ce_flag_copy;     // combine_ce: flags by 4-byte copies of *ce_epoch_word (EP_OPT_CE_FLAG 1)
-  int* ce_epoch_word;   // combine_ce: this call's epoch, the flags' source for ce_flag_copy (device memory)
   int ce_share;         // own_rows all: percent of my x rows the copy engines move (EP_OPT_CE_SHARE, default 100)
   // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
   // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)

@@ -29,7 +29,6 @@ OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK, OPT_EM
 OPT_CE_CHUNKS, OPT_CE_STREAMS = 6, 7  # combine_rows ce only
 OPT_CE_SHARE = 8  # own_rows all only
 OPT_CE_GROW = 9  # combine_rows ce only: 1 for growing chunks (epbench.ce_chunking grow)
-OPT_CE_FLAG = 10  # combine_rows ce only: 1 for flags by 4-byte copies (epbench.ce_flag copy)
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}

@@ -99,16 +99,12 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                             "a later first chunk); every rank must use the same. Not given, 16 at 2 ranks and 4 at "
                             "3 or more, where every chunk and flag of a holder share one copy stream (4 x H200, "
                             "dsv3x4, 4 SMs: 780 us with 4, 988 with 16)",
-                            choices=(4, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
+                            choices=(4, 5, 6, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
         "ce_chunking": Option(str, "even", "combine_rows ce only: even (ce_chunks chunks of one size) or grow (the "
                               "first chunk max_tokens / 16 rows, each next 1.5x the one before, the last the rest: "
                               "the source's sum starts after a small first chunk and the copies stay ahead of it); "
                               "every rank must use the same; grow with ce_chunks given is refused",
                               choices=("even", "grow"), env="EPBENCH_CE_CHUNKING"),
-        "ce_flag": Option(str, "memop", "combine_rows ce only: how each chunk's flag follows its copy on the copy "
-                          "stream: memop (a fenced stream memory write of the call's epoch, cuStreamWriteValue32) or "
-                          "copy (a 4-byte copy of the epoch, written once a call into a local word)",
-                          choices=("memop", "copy"), env="EPBENCH_CE_FLAG"),
         "ce_streams": Option(int, 2, "combine_rows ce only: the copy streams the chunks alternate over (one stream's "
                              "flag write and next copy overlapping another's copy): at 2 ranks ce_streams a peer, at "
                              "3 or more ce_streams in all, each chunk's copies to every peer on one of them in ring "
@@ -264,7 +260,7 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
     way (quantize fused); fused_stores=16 asked for (given or by its environment variable: the default, 16,
     is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push sender or wide
     and em_sms > 0 need the expert-major layout and at most 16 dispatch warps; the push's options (ce_chunks,
-    ce_chunking, ce_flag, ce_streams) need combine_rows ce, and ce_chunks cannot be given with ce_chunking grow.
+    ce_chunking, ce_streams) need combine_rows ce, and ce_chunks cannot be given with ce_chunking grow.
     ``backend_options`` as validated; the environment counts as for ``resolve``."""
     given = backend_options.get("epbench") or {}
     resolved = resolve("epbench", given, environ)
@@ -287,7 +283,7 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
                         f"dispatch_warps {resolved['dispatch_warps']})")
     own = resolved["own_rows"]
     env = environ if environ is not None else os.environ
-    for key in ("ce_chunks", "ce_chunking", "ce_flag", "ce_streams"):
+    for key in ("ce_chunks", "ce_chunking", "ce_streams"):
         if (key in given or env.get(SCHEMAS["epbench"][key].env) is not None) and resolved["combine_rows"] != "ce":
             raise UserError(f"{where}: epbench.{key}={resolved[key]} needs epbench.combine_rows=ce (got "
                             f"{resolved['combine_rows']}): it shapes the copy engines' push of the combine's rows")

@@ -223,9 +223,6 @@ def test_ce_chunking_grow_refuses_ce_chunks_and_needs_ce() -> None:
                               environ={})
     with pytest.raises(UserError, match="ce_chunking: must be one of"):
         options.validate({"epbench": {"ce_chunking": "fast"}})
-    with pytest.raises(UserError, match="ce_flag=copy needs epbench.combine_rows=ce"):
-        options.check_payload({"epbench": {"own_rows": "all", "ce_flag": "copy"}}, "rank_major", "before", "x",
-                              environ={})
 
 
 def test_ce_streams_default_depends_on_the_world() -> None:

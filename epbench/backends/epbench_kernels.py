@@ -111,7 +111,7 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "ce_chunks", "ce_chunking", "ce_flag", "ce_streams", "ce_share", "fused_stores", "em_push",
+    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "ce_chunks", "ce_chunking", "ce_streams", "ce_share", "fused_stores", "em_push",
                                       "em_sms", "dispatch_warps") if k in given}
     options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
     return resolved
@@ -195,7 +195,7 @@ class EpbenchBackend(NormalMode):
                  fused_stores: Optional[int] = None, em_push: Optional[str] = None,
                  em_sms: Optional[int] = None, combine_rows: Optional[str] = None, ce_chunks: Optional[int] = None,
                  ce_streams: Optional[int] = None, ce_share: Optional[int] = None,
-                 ce_chunking: Optional[str] = None, ce_flag: Optional[str] = None) -> None:
+                 ce_chunking: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -205,8 +205,7 @@ class EpbenchBackend(NormalMode):
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
                                    ("own_rows", own_rows), ("fused_stores", fused_stores), ("em_push", em_push),
                                    ("em_sms", em_sms), ("combine_rows", combine_rows), ("ce_chunks", ce_chunks),
-                                   ("ce_streams", ce_streams), ("ce_share", ce_share), ("ce_chunking", ce_chunking),
-                                   ("ce_flag", ce_flag))
+                                   ("ce_streams", ce_streams), ("ce_share", ce_share), ("ce_chunking", ce_chunking))
                  if v is not None}
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
@@ -215,7 +214,6 @@ class EpbenchBackend(NormalMode):
         self.ce_chunks = options.ce_chunks_for(setup.world, resolved, given)
         self.ce_streams = options.ce_streams_for(setup.world, resolved, given)
         self.ce_chunking = resolved["ce_chunking"]
-        self.ce_flag = resolved["ce_flag"]
         self.ce_share = resolved["ce_share"]  # own_rows all only
         self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
         self.em_push = resolved["em_push"]  # expert-major only (check_payload refuses it elsewhere)
@@ -248,8 +246,6 @@ class EpbenchBackend(NormalMode):
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_CHUNKS, self.ce_chunks), "ep_set_option")
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_STREAMS, self.ce_streams), "ep_set_option")
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_GROW, int(self.ce_chunking == "grow")),
-                           "ep_set_option")
-            cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_FLAG, int(self.ce_flag == "copy")),
                            "ep_set_option")
         if self.own_rows == "all":  # the copy engines' share of the dispatch's x rows (csrc/dispatch.cu ce_tail_kernel)
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_SHARE, self.ce_share), "ep_set_option")
@@ -351,12 +347,12 @@ class EpbenchBackend(NormalMode):
                    if self.em_align else {})}
 
     def _ce_config(self) -> Dict[str, int]:
-        """own_rows all: the copy engines' share of the dispatch's rows; combine_rows ce: the push's chunking and flags, its
+        """own_rows all: the copy engines' share of the dispatch's rows; combine_rows ce: the push's chunking, its
         chunks where even and its streams (a peer's at 2 ranks, in all at 3 or more) (all fixed at construction);
         nothing otherwise."""
         ce = self.combine_rows == "ce"
         return {**({"ce_share": self.ce_share} if self.own_rows == "all" else {}),
-                **({"ce_chunking": self.ce_chunking, "ce_flag": self.ce_flag} if ce else {}),
+                **({"ce_chunking": self.ce_chunking} if ce else {}),
                 **({"ce_chunks": self.ce_chunks} if ce and self.ce_chunking == "even" else {}),
                 **({"ce_streams": self.ce_streams} if ce else {})}
 

@@ -230,7 +230,7 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
                             fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms,
                             combine_rows=args.combine_rows, ce_chunks=args.ce_chunks, ce_streams=args.ce_streams,
-                            ce_share=args.ce_share, ce_chunking=args.ce_chunking, ce_flag=args.ce_flag)
+                            ce_share=args.ce_share, ce_chunking=args.ce_chunking)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -264,7 +264,7 @@ def check_uneven_stop(args: argparse.Namespace, case: Case, rank: int, world: in
     (its peers pushed at least its rows). True on every rank when that holds everywhere."""
     be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows, combine_rows="ce",
                         ce_chunks=args.ce_chunks, ce_streams=args.ce_streams, ce_share=args.ce_share,
-                        ce_chunking=args.ce_chunking, ce_flag=args.ce_flag)
+                        ce_chunking=args.ce_chunking)
     counts = [case.tokens[r % len(case.tokens)] for r in range(world)]
     must_stop = any(t < counts[rank] for t in counts)
     try:
@@ -521,7 +521,7 @@ def run_trace(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, "bf16")
     extra = {k: v for k, v in (("combine_rows", args.combine_rows), ("ce_share", args.ce_share),
                                ("ce_chunks", args.ce_chunks), ("ce_streams", args.ce_streams),
-                               ("ce_chunking", args.ce_chunking), ("ce_flag", args.ce_flag)) if v is not None}
+                               ("ce_chunking", args.ce_chunking)) if v is not None}
     one = torch.ones(1, device=device)
     lines: List[str] = []
     for sms in [int(s) for s in args.sms.split(",")]:
@@ -584,12 +584,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--combine-rows", default=None, choices=["pull", "ce"],
                     help="the backend's combine_rows (default: the backend's); ce needs --own-rows all and checks the "
                          "cases whose ranks hold the same token count, the others for the stop they must make")
-    ap.add_argument("--ce-chunks", type=int, default=None, choices=[4, 8, 16, 32],
+    ap.add_argument("--ce-chunks", type=int, default=None, choices=[4, 5, 6, 8, 16, 32],
                     help="combine_rows ce: the backend's ce_chunks (default: the backend's)")
     ap.add_argument("--ce-chunking", default=None, choices=["even", "grow"],
                     help="combine_rows ce: the backend's ce_chunking (default: the backend's)")
-    ap.add_argument("--ce-flag", default=None, choices=["memop", "copy"],
-                    help="combine_rows ce: the backend's ce_flag (default: the backend's)")
     ap.add_argument("--ce-streams", type=int, default=None, choices=[1, 2, 4],
                     help="combine_rows ce: the backend's ce_streams (default: the backend's)")
     ap.add_argument("--ce-share", type=int, default=None, choices=[25, 50, 75, 100],

@@ -107,8 +107,6 @@ SUITES = {
                                  "--impls", "lean:16:8"],
         "combine-rows-ce-4x1": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunks", "4", "--ce-streams", "1",
                                 "--impls", "lean:16:3"],
-        "combine-rows-ce-flag-copy": ["--own-rows", "all", "--combine-rows", "ce", "--ce-flag", "copy", "--impls",
-                                      "lean:16:8"],
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
         "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2),
         "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER},
@@ -118,8 +116,7 @@ SUITES = {
         "own-rows-all": own_rows_ce_flags(4, "all"), "combine-rows-ce": combine_rows_ce_flags(4),
         "combine-rows-ce-grow": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunking", "grow", "--ce-streams", "2",
                                  "--impls", "lean:16:8"],
-        "combine-rows-ce-flag-copy": ["--own-rows", "all", "--combine-rows", "ce", "--ce-flag", "copy", "--ce-chunks",
-                                      "16", "--impls", "lean:16:8,lean:16:3"],
+        "combine-rows-ce-6": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunks", "6", "--impls", "lean:16:4"],
         "ce-share": ce_share_flags(4)},
 }
 for _world, _suites in SUITES.items():
@@ -226,8 +223,7 @@ def test_combine_rows_ce_matches_verification(kernels_built: None, nproc: int) -
         assert_suite(2, "combine-rows-ce-4x1")
     if nproc == 4:  # growing chunks (ce_chunking grow: 4095 tokens in 6 chunks of 256, 384, ... rows) on 2 streams
         assert "T=4095" in assert_suite(4, "combine-rows-ce-grow")
-    if nproc in (2, 4):  # the chunk flags as 4-byte copies of the call's epoch (ce_flag copy)
-        assert "T=4095" in assert_suite(nproc, "combine-rows-ce-flag-copy")
+        assert "T=4095" in assert_suite(4, "combine-rows-ce-6")  # 6 even chunks, the last one shorter
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
