@@ -362,24 +362,26 @@ CE_CHUNKS_WIDE = 4  # epbench.ce_chunks where it is not given, at 3 or more rank
 CE_STREAMS_WIDE = 1  # epbench.ce_streams where it is not given, at 3 or more ranks
 
 
+def _by_world(key: str, wide: int, world: int, resolved: Mapping[str, Any], given: Mapping[str, Any],
+              environ: Optional[Mapping[str, str]]) -> int:
+    """epbench option ``key`` as the kernels take it: what was given (option or environment variable), else its
+    default at 2 ranks and ``wide`` at 3 or more."""
+    environ = os.environ if environ is None else environ
+    if key in given or environ.get(SCHEMAS["epbench"][key].env) is not None or world <= 2:
+        return resolved[key]
+    return wide
+
+
 def ce_chunks_for(world: int, resolved: Mapping[str, Any], given: Mapping[str, Any],
                   environ: Optional[Mapping[str, str]] = None) -> int:
-    """epbench.ce_chunks as the kernels take it: what was given (option or environment variable), else its default
-    at 2 ranks and CE_CHUNKS_WIDE at 3 or more."""
-    environ = os.environ if environ is None else environ
-    if "ce_chunks" in given or environ.get(SCHEMAS["epbench"]["ce_chunks"].env) is not None or world <= 2:
-        return resolved["ce_chunks"]
-    return CE_CHUNKS_WIDE
+    """epbench.ce_chunks by world: its default at 2 ranks, CE_CHUNKS_WIDE at 3 or more, unless given."""
+    return _by_world("ce_chunks", CE_CHUNKS_WIDE, world, resolved, given, environ)
 
 
 def ce_streams_for(world: int, resolved: Mapping[str, Any], given: Mapping[str, Any],
                    environ: Optional[Mapping[str, str]] = None) -> int:
-    """epbench.ce_streams as the kernels take it: what was given (option or environment variable), else its default
-    at 2 ranks and CE_STREAMS_WIDE at 3 or more."""
-    environ = os.environ if environ is None else environ
-    if "ce_streams" in given or environ.get(SCHEMAS["epbench"]["ce_streams"].env) is not None or world <= 2:
-        return resolved["ce_streams"]
-    return CE_STREAMS_WIDE
+    """epbench.ce_streams by world: its default at 2 ranks, CE_STREAMS_WIDE at 3 or more, unless given."""
+    return _by_world("ce_streams", CE_STREAMS_WIDE, world, resolved, given, environ)
 
 
 def resolve(backend: str, given: Optional[Mapping[str, Any]] = None,
