@@ -72,7 +72,8 @@ enum ep_option {
   EP_OPT_COMBINE_STAGES = 3,  // stages per warp of the combine (2..4; default 2)
   EP_OPT_COMBINE_CHUNK = 4,   // bytes per holder and stage of the combine (1024, 2048, 4096; default 2048)
   EP_OPT_CE_CHUNKS = 6,   // combine_ce only: chunks a holder pushes a source's rows in (4, 5, 6, 8, 16, 32; default 16)
-  EP_OPT_CE_STREAMS = 7,  // combine_ce only: copy streams a peer the chunks alternate over (1, 2, 4; default 2)
+  EP_OPT_CE_STREAMS = 7,  // combine_ce only: copy streams the chunks alternate over, a peer's at 2 ranks, in all at 3+
+                          // (1, 2, 4; default 2 at 2 ranks, 1 at 3+)
   EP_OPT_CE_GROW = 9,     // combine_ce only: 1: chunks growing 1.5x from max_tokens / 16 rows (the first lands soon
                           // and the copies keep ahead of the sum); 0 (default): EP_OPT_CE_CHUNKS even chunks
   EP_OPT_CE_SHARE = 8,    // own_rows 2 only: percent of a source's x rows the copy engines move into each peer

@@ -42,14 +42,14 @@ static void ce_set_bounds(EpContext* ctx) {
   p.ce_bound[0] = 0;
   if (ctx->ce_grow) {
     int size = std::max(1, (T + 15) / 16);
-    while (p.ce_bound[c] < T && c + 1 < kCeChunks) {
+    while (p.ce_bound[c] < T && c < kCeChunks) {
       p.ce_bound[c + 1] = std::min(T, p.ce_bound[c] + size);
       size = size + (size + 1) / 2;
       ++c;
     }
   } else {
     const int rows = std::max(1, (T + ctx->ce_chunks - 1) / ctx->ce_chunks);
-    while (p.ce_bound[c] < T && c + 1 < kCeChunks) p.ce_bound[c + 1] = std::min(T, p.ce_bound[c] + rows), ++c;
+    while (p.ce_bound[c] < T && c < kCeChunks) p.ce_bound[c + 1] = std::min(T, p.ce_bound[c] + rows), ++c;
   }
   p.ce_bound[c] = T;  // the last chunk takes the rest
   for (int d = c + 1; d <= kCeChunks; ++d) p.ce_bound[d] = T;
@@ -115,7 +115,7 @@ extern "C" int ep_create(const ep_config* cfg, void** out) {
   ctx->device = cfg->device;
   // the measured defaults (notes/KERNELS.md); the Python backend sets every option explicitly anyway
   ctx->combine_stages = 2;
-  ctx->ce_streams_used = 2;
+  ctx->ce_streams_used = cfg->world > 2 ? 1 : 2;  // a peer's at 2 ranks, in all at 3+ (combine.cu ce_push_streams)
   ctx->ce_share = 100;
   ctx->combine_chunk = 2048;
   p.notify_impl = EP_NOTIFY_GRID;

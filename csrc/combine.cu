@@ -27,7 +27,7 @@
 // me) have no slot and are never read.
 // combine_ce (ep_config.combine_ce, own_rows all only): every source's rows sit at rows [s * max_tokens + t] on each
 // holder, so a holder's rows of source s are one range. ep_combine pushes them with the copy engine (at 2 ranks on
-// ce_streams streams alternating; at 3+ every copy on one stream, chunk-major in ring order) into s's staging buffer at
+// ce_streams streams alternating; at 3+ chunk-major in ring order, chunk c on stream c % ce_streams) into s's staging buffer at
 // rows [h * max_tokens + t], in the chunks of
 // p.ce_bound (even, or growing: buffers.cu ce_set_bounds), each followed by cstage[h][c] = epoch in s's signals (cuStreamWriteValue32: written after the
 // chunk's copy completed, fenced first). Step 1-2 become a check that every holder pushed at least my T rows (the
@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
 // unit being one kCbPiece piece of a token's row: the loader (warp l) finds each token's holders 32 tokens at a
 // time (lane i token i), lane d waits once per chunk for holder d's flag (a peer's), then lane d loads holder d's
 // piece (my combine_in for me, my staging buffer for a peer) into slot j of the pair's stage (j: d's place among
-// the token's holders), lane 0 arming the stage with the pieces' bytes; the summer (warp kCbPairs + l) finds the
+// the token's holders), lane 0 arming the stage with the pieces' bytes; each summer (warps kCbPairs + l, 2 kCbPairs + l, ...) finds the
 // same holders and weights, sums the stage's n pieces (n a constant in its loop) and stores them, then frees the
 // stage. 2 stages a pair; kCbSummers summers a pair (summer s: vectors lane + 32 (s + kCbSummers i) of each piece,
 // the stage freed when all have arrived), as the ceiling's kBsSummers (72 registers a thread, no spill, at 896

@@ -193,11 +193,11 @@ struct EpContext {
   ep_effective effective;  // what the last launches ran, filled by the launchers (ep_effective_config)
   // own_rows all (p.own_ce == 2): the peers' copies on stream 0, in ring order (peer me + 1 + i i-th), my own on 1; combine_ce
   // at 2 ranks pushes a peer's chunk c on stream i + (c % ce_streams) * (world - 1) (several copy queues, so one chunk's
-  // flag write and the next copy's start overlap another stream's copy), at 3+ every chunk on stream 0 in ring order
+  // flag write and the next copy's start overlap another stream's copy), at 3+ chunk c on stream c % ce_streams in ring order
   cudaEvent_t ce_fork;
   cudaStream_t ce_streams[kCeStreams * (EP_MAX_WORLD - 1)];
   cudaEvent_t ce_done[kCeStreams * (EP_MAX_WORLD - 1)];
-  int ce_streams_used;  // combine_ce at 2 ranks: copy streams a peer (EP_OPT_CE_STREAMS: 1, 2 or 4, default 2)
+  int ce_streams_used;  // combine_ce: copy streams a peer at 2 ranks, in all at 3+ (EP_OPT_CE_STREAMS: 1, 2, 4; 2 / 1)
   int ce_chunks;        // combine_ce: even chunks (EP_OPT_CE_CHUNKS), unless ce_grow
   int ce_grow;          // combine_ce: growing chunks (EP_OPT_CE_GROW)
   int ce_share;         // own_rows all: percent of my x rows the copy engines move (EP_OPT_CE_SHARE, default 100)
@@ -351,6 +351,12 @@ __device__ __forceinline__ bool wait_flag(const EpParams& p, const int* flag, in
   }
 }
 
+// combine_ce: the chunk holding row t, from chunk c on (a warp's rows only grow).
+__device__ __forceinline__ int ce_chunk_from(const EpParams& p, int t, int c) {
+  while (t >= p.ce_bound[c + 1]) ++c;
+  return c;
+}
+
 // Called by every thread at the end of a kernel whose blocks wrote into peer memory. All
 // threads fence, then one thread per block counts the block done; the last block of the grid
 // releases `epoch` into flag `my_flag_index` of every peer and waits until every peer has
@@ -358,12 +364,6 @@ __device__ __forceinline__ bool wait_flag(const EpParams& p, const int* flag, in
 // reset_counter / reset_counter2 >= 0: work counters of the kernel, zeroed by the last block (every block is
 // past its last use).
 // Returns true in the last block (block-uniform).
-// combine_ce: the chunk holding row t, from chunk c on (a warp's rows only grow).
-__device__ __forceinline__ int ce_chunk_from(const EpParams& p, int t, int c) {
-  while (t >= p.ce_bound[c + 1]) ++c;
-  return c;
-}
-
 __device__ __forceinline__ bool grid_release_and_wait(const EpParams& p, int counter, int flag_base, int epoch,
                                                       int phase, int reset_counter = -1, int reset_counter2 = -1) {
   __shared__ int is_last;
