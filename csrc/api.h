@@ -133,6 +133,9 @@ int ep_ipc_handle(void* ctx, void* handle_out /* 64 bytes */);
 int ep_open_peers(void* ctx, const void* handles /* world * 64 bytes, rank order */);
 int ep_region(void* ctx, int which, unsigned long long* ptr, unsigned long long* bytes);
 int ep_set_option(void* ctx, int key, int value);
+// combine_ce's chunk bounds for max_tokens rows (kCeChunks + 1 = 33 ints into bound): chunk c is rows [bound[c],
+// bound[c + 1]); `chunks` even chunks, or growing ones (grow != 0). No CUDA call.
+int ep_ce_bounds(int max_tokens, int chunks, int grow, int* bound);
 // impl: ep_dispatch_impl; warps 1..32. An impl or warp count that cannot run is an error before any launch.
 // x: [T, hidden] as configured (bf16 when quantize_fused); x_scales: [T, hidden / 128] f32 (fp8) or
 // [T, hidden / 32] u8 (mxfp8 not fused), contiguous; null otherwise.

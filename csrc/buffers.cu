@@ -32,27 +32,35 @@ struct Carver {
   }
 };
 
-// combine_ce's chunk bounds (EpParams::ce_bound) from ce_chunks / ce_grow. Growing chunks: the first max_tokens / 16
-// rows, each next 1.5x the one before (the sum of 4 SMs takes ~1.5x the copy engines' time for the same rows at 4
-// ranks, so each chunk lands before the sum of the ones before it is done), the last one taking the rest.
-static void ce_set_bounds(EpContext* ctx) {
-  EpParams& p = ctx->p;
-  const int T = p.max_tokens;
+// combine_ce's chunk bounds (EpParams::ce_bound: kCeChunks + 1 ints) for max_tokens T: `chunks` even chunks, or
+// growing ones (grow): the first T / 16 rows, each next 1.5x the one before (the sum of 4 SMs takes ~1.5x the copy
+// engines' time for the same rows at 4 ranks), at most kCeChunks, the last one taking the rest; every bound after
+// the last chunk's is T. No CUDA call: tests/test_ce_bounds.py calls it on any host where the library is built.
+extern "C" int ep_ce_bounds(int T, int chunks, int grow, int* bound) {
+  if (T < 0 || (!grow && chunks < 1) || bound == nullptr) {
+    ep_set_error("ep_ce_bounds: bad arguments (max_tokens %d, chunks %d)", T, chunks);
+    return -1;
+  }
   int c = 0;
-  p.ce_bound[0] = 0;
-  if (ctx->ce_grow) {
+  bound[0] = 0;
+  if (grow) {
     int size = std::max(1, (T + 15) / 16);
-    while (p.ce_bound[c] < T && c < kCeChunks) {
-      p.ce_bound[c + 1] = std::min(T, p.ce_bound[c] + size);
+    while (bound[c] < T && c < kCeChunks) {
+      bound[c + 1] = std::min(T, bound[c] + size);
       size = size + (size + 1) / 2;
       ++c;
     }
   } else {
-    const int rows = std::max(1, (T + ctx->ce_chunks - 1) / ctx->ce_chunks);
-    while (p.ce_bound[c] < T && c < kCeChunks) p.ce_bound[c + 1] = std::min(T, p.ce_bound[c] + rows), ++c;
+    const int rows = std::max(1, (T + chunks - 1) / chunks);
+    while (bound[c] < T && c < kCeChunks) bound[c + 1] = std::min(T, bound[c] + rows), ++c;
   }
-  p.ce_bound[c] = T;  // the last chunk takes the rest
-  for (int d = c + 1; d <= kCeChunks; ++d) p.ce_bound[d] = T;
+  bound[c] = T;  // the last chunk takes the rest
+  for (int d = c + 1; d <= kCeChunks; ++d) bound[d] = T;
+  return 0;
+}
+
+static void ce_set_bounds(EpContext* ctx) {
+  ep_ce_bounds(ctx->p.max_tokens, ctx->ce_chunks, ctx->ce_grow, ctx->p.ce_bound);
 }
 
 extern "C" int ep_create(const ep_config* cfg, void** out) {

@@ -140,6 +140,7 @@ def signatures() -> Dict[str, List[Any]]:
                              vp],
         "ep_sum_ceiling": [vp, vp, i, ctypes.c_longlong, i, i, i, vp],
         "ep_sm_mem": [i, vp, vp, i, i, i, i, i, vp],  # python -m epbench.smmem
+        "ep_ce_bounds": [i, i, i, vp],  # combine_rows ce's chunk bounds (tests/test_ce_bounds.py)
     }
 
 
