@@ -76,6 +76,10 @@ enum ep_option {
                           // (1, 2, 4; default 2 at 2 ranks, 1 at 3+)
   EP_OPT_CE_GROW = 9,     // combine_ce only: 1: chunks growing 1.5x from max_tokens / 16 rows (the first lands soon
                           // and the copies keep ahead of the sum); 0 (default): EP_OPT_CE_CHUNKS even chunks
+  EP_OPT_PULL_KERNEL = 10,  // the pull's kernel (combine_ce off): 0 (default) combine_tma_kernel, each warp issuing
+                            // and summing its own bulk copies; 1 loading warps with 3 summing warps each (the
+                            // combine_ce bulk kernel reading the holders' combine_in over the link; rank-major,
+                            // world <= 4)
   EP_OPT_CE_SHARE = 8,    // own_rows 2 only: percent of a source's x rows the copy engines move into each peer
                           // (25, 50, 75, 100; default 100); the rest go by SM stores at the same time (dispatch.cu)
   EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R
@@ -98,6 +102,7 @@ enum ep_notify_impl {
 enum ep_combine_impl {
   EP_COMBINE_TMA = 1,
   EP_COMBINE_CE = 2,
+  EP_COMBINE_BULK = 3,  // the pull by loading and summing warps (EP_OPT_PULL_KERNEL 1)
 };
 
 // Dispatch: the lean copy (every per-token load issued before the first store) with tokens handed to

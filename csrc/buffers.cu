@@ -332,6 +332,10 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       ctx->ce_chunks = value;
       ce_set_bounds(ctx);
       return 0;
+    case EP_OPT_PULL_KERNEL:  // the pull only (combine_ce off)
+      if (ctx->p.combine_ce || (value != 0 && value != 1)) break;
+      ctx->pull_bulk = value;
+      return 0;
     case EP_OPT_CE_GROW:  // combine_ce only; the same on every rank
       if (!ctx->p.combine_ce || (value != 0 && value != 1)) break;
       ctx->ce_grow = value;

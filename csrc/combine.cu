@@ -14,6 +14,8 @@
 //    the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t] and issues the
 //    loads of unit j + S into the freed stage. Rows and weights of the warp's tokens are computed 32
 //    tokens at a time (one lane per token) into a double-buffered per-warp table, one batch ahead.
+//    Or (EP_OPT_PULL_KERNEL 1, rank-major, world <= 4) combine_ce_bulk_kernel<true>: the copy-engine combine's
+//    loading warps and summing warps (below) pulling every holder's row from its combine_in after step 2.
 // Expert-major (align >= 1): combine_in holds one row per slot (the caller's expert outputs). Phase R
 // (em_reduce_kernel, launched right before the combine kernel on its grid, or on em_sms blocks of 16 warps
 // where ep_set_option EP_OPT_EM_SMS asks) runs before step 1: warp g
@@ -352,15 +354,16 @@ auto pick_combine_tma(int world, int S) -> decltype(&combine_tma_kernel<2, 4, C>
   return S == 2 ? combine_tma_kernel<2, 8, C> : S == 3 ? combine_tma_kernel<3, 8, C> : combine_tma_kernel<4, 8, C>;
 }
 
-// combine_ce: token t's row on each holder d < world (-1: no expert of the token there): my combine_in row for me,
-// row t of d's part of my staging buffer for a peer (rows[d] for d >= world left as they are).
-template <int N>
+// Token t's row on each holder d < world (-1: no expert of the token there; rows[d] for d >= world left as they are).
+// combine_ce: my combine_in row for me, row t of d's part of my staging buffer for a peer; kPull: row base[d] + slot
+// of d's combine_in for every holder, as fill_table finds it.
+template <bool kPull = false, int N>
 __device__ __forceinline__ void ce_holder_rows(const EpParams& p, int t, int (&rows)[N]) {
 #pragma unroll
   for (int d = 0; d < N; ++d) {
     if (d >= p.world) break;
     const int slot = p.slot_map[(size_t)t * p.world + d];
-    rows[d] = slot < 0 ? -1 : d == p.rank ? p.base[p.rank] + slot : t;
+    rows[d] = slot < 0 ? -1 : kPull || d == p.rank ? p.base[d] + slot : t;
   }
 }
 
@@ -480,11 +483,19 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
   }
 }
 
+// kDirect (pull_kernel bulk): the same loaders and summers pulling every holder's row straight from its combine_in
+// over the link, after steps 1-2 (combine_ready), as combine_tma_kernel does: no push, no staging, no chunk flags.
+template <bool kDirect>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
   extern __shared__ __align__(128) uint8_t cb_ring[];
   __shared__ uint64_t full[kCbPairs * 2], empty[kCbPairs * 2];
   __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
-  combine_ce_check(p, a.num_tokens);
+  if (kDirect) {
+    combine_ready(p, epoch);
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies read what the peers' release published
+  } else {
+    combine_ce_check(p, a.num_tokens);
+  }
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, l = w % kCbPairs;
   const bool loader = w < kCbPairs;
   const int sw = loader ? 0 : (w - kCbPairs) / kCbPairs;  // a summer's share
@@ -513,7 +524,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     if (k0 + lane < ntok) {
       const int t = P + (k0 + lane) * G;
       if (!loader) holder_weights<kCbHolders>(a, t, topk, world, E, ws);
-      ce_holder_rows(p, t, rows);
+      ce_holder_rows<kDirect>(p, t, rows);
     }
     const int nb = min(32, ntok - k0);
     for (int i = 0; i < nb; ++i) {
@@ -532,7 +543,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
           ++n;
         }
       }
-      if (loader && lane < world && lane != me && my_row >= 0 && t >= p.ce_bound[seen + 1]) {
+      if (!kDirect && loader && lane < world && lane != me && my_row >= 0 && t >= p.ce_bound[seen + 1]) {
         // given up: the sum reads stale rows, the host raises the timeout
         seen = ce_chunk_from(p, t, seen < 0 ? 0 : seen);
         wait_flag(p, signal_ptr(p, me, p.sig.cstage_off + lane * kCeChunks + seen), epoch, lane, kPhaseCombineStaged);
@@ -548,8 +559,9 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
           if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summers are done with the stage's last unit
           if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(n * bytes));
           if (my_slot >= 0) {
-            const uint8_t* src = lane == me ? own + (size_t)my_row * rb
-                                            : staged + ((size_t)lane * p.max_tokens + my_row) * rb;
+            const uint8_t* src = kDirect       ? p.peer_base[lane] + p.off_combine_in + (size_t)my_row * rb
+                                 : lane == me ? own + (size_t)my_row * rb
+                                              : staged + ((size_t)lane * p.max_tokens + my_row) * rb;
             bulk_load(stage + (size_t)my_slot * kCbPiece, src + (size_t)q * kCbPiece, (uint32_t)bytes, full + st);
           }
           __syncwarp();
@@ -645,10 +657,10 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     if (p.world <= 2) {
       combine_ce_kernel<2, 8><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     } else if (p.world <= kCbHolders && (size_t)ctx->max_smem_optin >= cb_smem_bytes()) {
-      CUDA_CHECK(cudaFuncSetAttribute(combine_ce_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      CUDA_CHECK(cudaFuncSetAttribute(combine_ce_bulk_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)cb_smem_bytes()));
       wc = kCbThreads / 32;
-      combine_ce_bulk_kernel<<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
+      combine_ce_bulk_kernel<false><<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
     } else if (p.world <= 4) {
       combine_ce_kernel<4, 4><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     } else {
@@ -663,6 +675,26 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     eff.combine_sms = num_sms;
     eff.combine_stages = 0;
     eff.combine_chunk = 0;
+    eff.combine_em_wide = false;
+    return 0;
+  }
+  if (ctx->pull_bulk) {  // EP_OPT_PULL_KERNEL 1: the loaders / summers pulling over the link (rank-major, world <= 4)
+    if (p.world > kCbHolders || p.align > 0 || (size_t)ctx->max_smem_optin < cb_smem_bytes()) {
+      ep_set_error("combine: pull_kernel bulk takes rank-major rows at <= %d ranks with %zu bytes of shared memory "
+                   "(world %d, align %d, %d bytes)", kCbHolders, cb_smem_bytes(), p.world, p.align,
+                   ctx->max_smem_optin);
+      return -1;
+    }
+    CUDA_CHECK(cudaFuncSetAttribute(combine_ce_bulk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)cb_smem_bytes()));
+    combine_ce_bulk_kernel<true><<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
+    CUDA_CHECK(cudaGetLastError());
+    ep_effective& eff = ctx->effective;
+    eff.combine_impl = EP_COMBINE_BULK;
+    eff.combine_warps = kCbThreads / 32;
+    eff.combine_sms = num_sms;
+    eff.combine_stages = 2;
+    eff.combine_chunk = kCbPiece;
     eff.combine_em_wide = false;
     return 0;
   }

@@ -190,7 +190,7 @@ def _prepare(path: Optional[Path], nproc: Optional[int], backends: Optional[str]
             raise UserError(f"--backends: must name at least one backend, got {scenario.shown(backends)}")
         scenario.check_backends(names, "--backends")
     if "epbench" in names:  # with --option and the environment (EPBENCH_OWN_ROWS) weighed in
-        options.check_payload(s.backend_options, s.model.layout, s.model.quantize, s.source)
+        options.check_payload(s.backend_options, s.model.layout, s.model.quantize, s.source, world=s.world)
     sms_list = scenario.maybe_int_list(sms, "--sms", scenario.MAX_SMS) or s.bench.sms
     for opt, v, rule in (("--iters", iters, "positive"), ("--warmup", warmup, "zero or positive")):
         if v is not None and not (1 if opt == "--iters" else 0) <= v <= scenario.MAX_ITERS:

@@ -29,10 +29,11 @@ OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK, OPT_EM
 OPT_CE_CHUNKS, OPT_CE_STREAMS = 6, 7  # combine_rows ce only
 OPT_CE_SHARE = 8  # own_rows all only
 OPT_CE_GROW = 9  # combine_rows ce only: 1 for growing chunks (epbench.ce_chunking grow)
+OPT_PULL_KERNEL = 10  # combine_rows pull only: 1 for the loading / summing warps (epbench.pull_kernel bulk)
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
-COMBINE_IMPLS = {"tma": 1, "ce": 2}
+COMBINE_IMPLS = {"tma": 1, "ce": 2, "bulk": 3}
 DISPATCH_IMPLS = {"lean": 3, "lean_dyn": 10}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",

@@ -100,6 +100,11 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                             "3 or more, where every chunk and flag of a holder share one copy stream (4 x H200, "
                             "dsv3x4, 4 SMs: 780 us with 4, 988 with 16)",
                             choices=(4, 5, 6, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
+        "pull_kernel": Option(str, "tma", "combine_rows pull only: tma (each warp issues its own bulk copies of the "
+                              "holders' rows and sums them) or bulk (7 loading warps a SM, each with 3 summing warps, "
+                              "2 stages of every holder's 3.5 KiB piece: the copy-engine combine's sum, pulling over "
+                              "the link); bulk takes the rank-major layout at 4 ranks or fewer",
+                              choices=("tma", "bulk"), env="EPBENCH_PULL_KERNEL"),
         "ce_chunking": Option(str, "even", "combine_rows ce only: even (ce_chunks chunks of one size) or grow (the "
                               "first chunk max_tokens / 16 rows, each next 1.5x the one before, the last the rest: "
                               "the source's sum starts after a small first chunk and the copies stay ahead of it); "
@@ -254,13 +259,14 @@ def diagnostics_set(environ: Optional[Mapping[str, str]] = None) -> List[str]:
 
 
 def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str, quantize: str, where: str,
-                  environ: Optional[Mapping[str, str]] = None) -> None:
+                  environ: Optional[Mapping[str, str]] = None, world: Optional[int] = None) -> None:
     """Options the scenario's payload rules out, refused in one line (UserError): epbench's own_rows=ce copies
     rows as they are, so it can neither place them per expert (layout expert_major) nor quantize them on the
     way (quantize fused); fused_stores=16 asked for (given or by its environment variable: the default, 16,
     is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push sender or wide
     and em_sms > 0 need the expert-major layout and at most 16 dispatch warps; the push's options (ce_chunks,
-    ce_chunking, ce_streams) need combine_rows ce, and ce_chunks cannot be given with ce_chunking grow.
+    ce_chunking, ce_streams) need combine_rows ce, and ce_chunks cannot be given with ce_chunking grow;
+    pull_kernel bulk needs combine_rows pull, the rank-major layout and (``world`` where known) at most 4 ranks.
     ``backend_options`` as validated; the environment counts as for ``resolve``."""
     given = backend_options.get("epbench") or {}
     resolved = resolve("epbench", given, environ)
@@ -291,6 +297,12 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
             and ("ce_chunks" in given or env.get(SCHEMAS["epbench"]["ce_chunks"].env) is not None)):
         raise UserError(f"{where}: epbench.ce_chunks={resolved['ce_chunks']} with epbench.ce_chunking=grow: growing "
                         f"chunks have their own sizes; give one of the two")
+    if resolved["pull_kernel"] == "bulk":
+        why = ("epbench.combine_rows=ce (it is the pull's kernel)" if resolved["combine_rows"] != "pull"
+               else f"model.layout {layout} (it takes rank_major rows)" if layout != "rank_major"
+               else f"world {world} (it takes at most 4 ranks)" if world is not None and world > 4 else None)
+        if why:
+            raise UserError(f"{where}: epbench.pull_kernel=bulk cannot run with {why}")
     if ("ce_share" in given or env.get(SCHEMAS["epbench"]["ce_share"].env) is not None) and own != "all":
         raise UserError(f"{where}: epbench.ce_share={resolved['ce_share']} needs epbench.own_rows=all (got {own}): it "
                         f"splits the copy engines' dispatch rows with the SMs")

@@ -237,3 +237,20 @@ def test_ce_streams_default_depends_on_the_world() -> None:
     assert options.ce_streams_for(3, options.resolve("epbench", {}, environ=env), {}, environ=env) == 4
     options.check_payload({"epbench": {"own_rows": "all", "combine_rows": "ce", "ce_streams": 4}}, "rank_major",
                           "before", "x", environ={})
+
+
+def test_pull_kernel_bulk_is_refused_where_it_cannot_run() -> None:
+    """pull_kernel bulk pulls rank-major rows at <= 4 ranks: with combine_rows ce, the expert-major layout or 5+
+    ranks it is refused in one line naming why; rank-major at 4 ranks (or world unknown) passes."""
+    bulk = {"epbench": {"pull_kernel": "bulk"}}
+    options.check_payload(bulk, "rank_major", "before", "x", environ={}, world=4)
+    options.check_payload(bulk, "rank_major", "before", "x", environ={})
+    with pytest.raises(UserError, match=r"pull_kernel=bulk cannot run with world 8 \(it takes at most 4 ranks\)"):
+        options.check_payload(bulk, "rank_major", "before", "x", environ={}, world=8)
+    with pytest.raises(UserError, match="pull_kernel=bulk cannot run with model.layout expert_major"):
+        options.check_payload(bulk, "expert_major", "before", "x", environ={}, world=2)
+    with pytest.raises(UserError, match="pull_kernel=bulk cannot run with epbench.combine_rows=ce"):
+        options.check_payload({"epbench": {"pull_kernel": "bulk", "own_rows": "all", "combine_rows": "ce"}},
+                              "rank_major", "before", "x", environ={}, world=4)
+    with pytest.raises(UserError, match="pull_kernel=bulk cannot run with world 5"):
+        options.check_payload({}, "rank_major", "before", "x", environ={"EPBENCH_PULL_KERNEL": "bulk"}, world=5)

@@ -111,9 +111,9 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "ce_chunks", "ce_chunking", "ce_streams", "ce_share", "fused_stores", "em_push",
+    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "pull_kernel", "ce_chunks", "ce_chunking", "ce_streams", "ce_share", "fused_stores", "em_push",
                                       "em_sms", "dispatch_warps") if k in given}
-    options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend")
+    options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend", world=setup.world)
     return resolved
 
 
@@ -176,6 +176,7 @@ class EpbenchBackend(NormalMode):
     layouts = ("rank_major", "expert_major")
     own_rows = "sm"  # backend option own_rows (set per instance; the module docstring says what ce changes)
     combine_rows = "pull"  # backend option combine_rows (set per instance; the module docstring says what ce changes)
+    pull_kernel = "tma"  # backend option pull_kernel (set per instance): combine_rows pull's kernel
     combine_stage: Optional[torch.Tensor] = None  # combine_rows ce: the staging buffer (set per instance)
     em_align = 0  # expert-major segments' alignment, 0 rank-major (set per instance from the scenario)
 
@@ -195,7 +196,7 @@ class EpbenchBackend(NormalMode):
                  fused_stores: Optional[int] = None, em_push: Optional[str] = None,
                  em_sms: Optional[int] = None, combine_rows: Optional[str] = None, ce_chunks: Optional[int] = None,
                  ce_streams: Optional[int] = None, ce_share: Optional[int] = None,
-                 ce_chunking: Optional[str] = None) -> None:
+                 ce_chunking: Optional[str] = None, pull_kernel: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench backend unavailable: {reason}")
@@ -205,7 +206,8 @@ class EpbenchBackend(NormalMode):
                                    ("combine_stages", combine_stages), ("combine_chunk", combine_chunk),
                                    ("own_rows", own_rows), ("fused_stores", fused_stores), ("em_push", em_push),
                                    ("em_sms", em_sms), ("combine_rows", combine_rows), ("ce_chunks", ce_chunks),
-                                   ("ce_streams", ce_streams), ("ce_share", ce_share), ("ce_chunking", ce_chunking))
+                                   ("ce_streams", ce_streams), ("ce_share", ce_share), ("ce_chunking", ce_chunking),
+                                   ("pull_kernel", pull_kernel))
                  if v is not None}
         resolved = resolve_options(self.options_key, given, setup)
         self.own_rows = resolved["own_rows"]
@@ -214,6 +216,7 @@ class EpbenchBackend(NormalMode):
         self.ce_chunks = options.ce_chunks_for(setup.world, resolved, given)
         self.ce_streams = options.ce_streams_for(setup.world, resolved, given)
         self.ce_chunking = resolved["ce_chunking"]
+        self.pull_kernel = resolved["pull_kernel"]
         self.ce_share = resolved["ce_share"]  # own_rows all only
         self.fused_stores = resolved["fused_stores"]  # quantize fused only (ignored otherwise)
         self.em_push = resolved["em_push"]  # expert-major only (check_payload refuses it elsewhere)
@@ -242,6 +245,8 @@ class EpbenchBackend(NormalMode):
         self.notify_impl = resolved["notify_impl"]
         self.combine_stages = resolved["combine_stages"]
         self.combine_chunk = resolved["combine_chunk"]
+        if self.combine_rows == "pull" and self.pull_kernel == "bulk":  # csrc/combine.cu combine_ce_bulk_kernel<true>
+            cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_PULL_KERNEL, 1), "ep_set_option")
         if self.combine_rows == "ce":  # the push's shape (csrc/combine.cu push_rows_by_ce)
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_CHUNKS, self.ce_chunks), "ep_set_option")
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_STREAMS, self.ce_streams), "ep_set_option")
@@ -347,11 +352,12 @@ class EpbenchBackend(NormalMode):
                    if self.em_align else {})}
 
     def _ce_config(self) -> Dict[str, int]:
-        """own_rows all: the copy engines' share of the dispatch's rows; combine_rows ce: the push's chunking, its
-        chunks where even and its streams (a peer's at 2 ranks, in all at 3 or more) (all fixed at construction);
-        nothing otherwise."""
+        """own_rows all: the copy engines' share of the dispatch's rows; combine_rows pull: its kernel; combine_rows
+        ce: the push's chunking, its chunks where even and its streams (a peer's at 2 ranks, in all at 3 or more)
+        (all fixed at construction)."""
         ce = self.combine_rows == "ce"
         return {**({"ce_share": self.ce_share} if self.own_rows == "all" else {}),
+                **({"pull_kernel": self.pull_kernel} if not ce else {}),
                 **({"ce_chunking": self.ce_chunking} if ce else {}),
                 **({"ce_chunks": self.ce_chunks} if ce and self.ce_chunking == "even" else {}),
                 **({"ce_streams": self.ce_streams} if ce else {})}

@@ -230,7 +230,7 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
                             fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms,
                             combine_rows=args.combine_rows, ce_chunks=args.ce_chunks, ce_streams=args.ce_streams,
-                            ce_share=args.ce_share, ce_chunking=args.ce_chunking)
+                            ce_share=args.ce_share, ce_chunking=args.ce_chunking, pull_kernel=args.pull_kernel)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
         for knob in ("combine_warps", "combine_stages", "combine_chunk"):
@@ -586,6 +586,8 @@ def parser() -> argparse.ArgumentParser:
                          "cases whose ranks hold the same token count, the others for the stop they must make")
     ap.add_argument("--ce-chunks", type=int, default=None, choices=[4, 5, 6, 8, 16, 32],
                     help="combine_rows ce: the backend's ce_chunks (default: the backend's)")
+    ap.add_argument("--pull-kernel", default=None, choices=["tma", "bulk"],
+                    help="the backend's pull_kernel (default: the backend's)")
     ap.add_argument("--ce-chunking", default=None, choices=["even", "grow"],
                     help="combine_rows ce: the backend's ce_chunking (default: the backend's)")
     ap.add_argument("--ce-streams", type=int, default=None, choices=[1, 2, 4],
