@@ -74,14 +74,14 @@ enum ep_option {
   EP_OPT_CE_CHUNKS = 6,   // combine_ce only: chunks a holder pushes a source's rows in (4, 5, 6, 8, 16, 32; default 16)
   EP_OPT_CE_STREAMS = 7,  // combine_ce only: copy streams the chunks alternate over, a peer's at 2 ranks, in all at 3+
                           // (1, 2, 4; default 2 at 2 ranks, 1 at 3+)
+  EP_OPT_CE_SHARE = 8,    // own_rows 2 only: percent of a source's x rows the copy engines move into each peer
+                          // (25, 50, 75, 100; default 100); the rest go by SM stores at the same time (dispatch.cu)
   EP_OPT_CE_GROW = 9,     // combine_ce only: 1: chunks growing 1.5x from max_tokens / 16 rows (the first lands soon
                           // and the copies keep ahead of the sum); 0 (default): EP_OPT_CE_CHUNKS even chunks
   EP_OPT_PULL_KERNEL = 10,  // the pull's kernel (combine_ce off): 0 (default) combine_tma_kernel, each warp issuing
                             // and summing its own bulk copies; 1 loading warps with 3 summing warps each (the
                             // combine_ce bulk kernel reading the holders' combine_in over the link; rank-major,
                             // world <= 4)
-  EP_OPT_CE_SHARE = 8,    // own_rows 2 only: percent of a source's x rows the copy engines move into each peer
-                          // (25, 50, 75, 100; default 100); the rest go by SM stores at the same time (dispatch.cu)
   EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R
                               // (combine), each its own kernel after the transfer; 0 (default): inside the
                               // dispatch kernel / on the combine's blocks (0..1024)

@@ -332,8 +332,9 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       ctx->ce_chunks = value;
       ce_set_bounds(ctx);
       return 0;
-    case EP_OPT_PULL_KERNEL:  // the pull only (combine_ce off)
-      if (ctx->p.combine_ce || (value != 0 && value != 1)) break;
+    case EP_OPT_PULL_KERNEL:  // the pull only (combine_ce off); bulk: rank-major at <= 4 ranks (combine.cu kCbHolders)
+      if (ctx->p.combine_ce || (value != 0 && value != 1) || (value == 1 && (ctx->p.world > 4 || ctx->p.align > 0)))
+        break;
       ctx->pull_bulk = value;
       return 0;
     case EP_OPT_CE_GROW:  // combine_ce only; the same on every rank

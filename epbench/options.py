@@ -303,6 +303,10 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
                else f"world {world} (it takes at most 4 ranks)" if world is not None and world > 4 else None)
         if why:
             raise UserError(f"{where}: epbench.pull_kernel=bulk cannot run with {why}")
+        for key in ("combine_warps", "combine_stages", "combine_chunk"):  # the tma kernel's shape
+            if key in given or env.get(SCHEMAS["epbench"][key].env or "") is not None:
+                raise UserError(f"{where}: epbench.{key}={resolved[key]} shapes the tma pull kernel; pull_kernel=bulk "
+                                f"has its own (7 loading warps a SM, 3 summing warps each, 2 stages of 3.5 KiB pieces)")
     if ("ce_share" in given or env.get(SCHEMAS["epbench"]["ce_share"].env) is not None) and own != "all":
         raise UserError(f"{where}: epbench.ce_share={resolved['ce_share']} needs epbench.own_rows=all (got {own}): it "
                         f"splits the copy engines' dispatch rows with the SMs")

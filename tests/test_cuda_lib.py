@@ -160,7 +160,8 @@ def test_python_enum_tables_match_the_c_api_header():
         assert values[c_name("EP_NOTIFY_", name)] == code, name
     for name, code in cuda_lib.COMBINE_IMPLS.items():
         assert values[c_name("EP_COMBINE_", name)] == code, name
-    for key in ("DEBUG_STAMPS", "NOTIFY_IMPL", "COMBINE_STAGES", "COMBINE_CHUNK"):
+    for key in ("DEBUG_STAMPS", "NOTIFY_IMPL", "COMBINE_STAGES", "COMBINE_CHUNK", "EM_SMS", "CE_CHUNKS", "CE_STREAMS",
+                "CE_SHARE", "CE_GROW", "PULL_KERNEL"):
         assert values["EP_OPT_" + key] == getattr(cuda_lib, "OPT_" + key), key
     struct = re.search(r"typedef struct ep_effective \{(.*?)\} ep_effective;", header, re.S).group(1)
     assert [f for f, _ in cuda_lib.EpEffective._fields_] == re.findall(r"int (\w+);", struct)

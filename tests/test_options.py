@@ -254,3 +254,8 @@ def test_pull_kernel_bulk_is_refused_where_it_cannot_run() -> None:
                               "rank_major", "before", "x", environ={}, world=4)
     with pytest.raises(UserError, match="pull_kernel=bulk cannot run with world 5"):
         options.check_payload({}, "rank_major", "before", "x", environ={"EPBENCH_PULL_KERNEL": "bulk"}, world=5)
+    with pytest.raises(UserError, match="combine_stages=3 shapes the tma pull kernel"):
+        options.check_payload({"epbench": {"pull_kernel": "bulk", "combine_stages": 3}}, "rank_major", "before", "x",
+                              environ={}, world=4)
+    with pytest.raises(UserError, match="combine_chunk=4096 shapes the tma pull kernel"):
+        options.check_payload(bulk, "rank_major", "before", "x", environ={"EPBENCH_COMBINE_CHUNK": "4096"}, world=2)

@@ -352,12 +352,11 @@ class EpbenchBackend(NormalMode):
                    if self.em_align else {})}
 
     def _ce_config(self) -> Dict[str, int]:
-        """own_rows all: the copy engines' share of the dispatch's rows; combine_rows pull: its kernel; combine_rows
-        ce: the push's chunking, its chunks where even and its streams (a peer's at 2 ranks, in all at 3 or more)
-        (all fixed at construction)."""
+        """own_rows all: the copy engines' share of the dispatch's rows; combine_rows ce: the push's chunking, its
+        chunks where even and its streams (a peer's at 2 ranks, in all at 3 or more) (all fixed at construction).
+        The pull's kernel (pull_kernel) is the library's own record, combine_impl tma or bulk."""
         ce = self.combine_rows == "ce"
         return {**({"ce_share": self.ce_share} if self.own_rows == "all" else {}),
-                **({"pull_kernel": self.pull_kernel} if not ce else {}),
                 **({"ce_chunking": self.ce_chunking} if ce else {}),
                 **({"ce_chunks": self.ce_chunks} if ce and self.ce_chunking == "even" else {}),
                 **({"ce_streams": self.ce_streams} if ce else {})}

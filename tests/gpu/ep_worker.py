@@ -521,7 +521,7 @@ def run_trace(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, "bf16")
     extra = {k: v for k, v in (("combine_rows", args.combine_rows), ("ce_share", args.ce_share),
                                ("ce_chunks", args.ce_chunks), ("ce_streams", args.ce_streams),
-                               ("ce_chunking", args.ce_chunking)) if v is not None}
+                               ("ce_chunking", args.ce_chunking), ("pull_kernel", args.pull_kernel)) if v is not None}
     one = torch.ones(1, device=device)
     lines: List[str] = []
     for sms in [int(s) for s in args.sms.split(",")]:

@@ -236,7 +236,7 @@ def test_combine_rows_ce_matches_verification(kernels_built: None, nproc: int) -
 def test_pull_bulk_matches_verification(kernels_built: None, nproc: int) -> None:
     """pull_kernel bulk (7 loading warps a SM with 3 summing warps each, pulling every holder's row over the link
     after the ready handshake): the combine exactly as verification on every rank-major case, twice per buffer; at 4
-    ranks also with own_rows all (the own rows at row t of combine_in)."""
+    ranks also with own_rows all (each holder's rows of a source at rows source * max_tokens + t)."""
     out = assert_suite(nproc, "pull-bulk")
     if nproc > 1:
         assert "T=4095" in out
