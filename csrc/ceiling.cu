@@ -188,10 +188,6 @@ constexpr int kBsSummers = 3;   // summing warps a loader
 constexpr int kBsThreads = kBsPairs * 32 * (1 + kBsSummers);
 constexpr size_t kBsSmem = (size_t)kBsPairs * 2 * kBsMaxRows * kBsPiece;
 
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
 // One piece of a token's kN rows in shared memory (row h at x0 + h * kBsPiece / 16): summer s's share, vectors
 // lane + 32 (s + kBsSummers i), summed and stored.
 template <int kN>
@@ -236,8 +232,7 @@ __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, con
     const uint32_t lap = j >> 1;
     char* stage = ring + (size_t)st * kBsMaxRows * kBsPiece;
     if (loader) {
-      if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summers are done with the stage's last unit
-      if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(k * bytes));
+      ring_stage_arm(full, empty, st, lap, lane, (uint32_t)(k * bytes));  // after the summers freed its last unit
       if (lane < k)
         bulk_load(stage + (size_t)lane * kBsPiece, src + ((size_t)lane * rows_out + t) * row_bytes + (size_t)q * kBsPiece,
                   (uint32_t)bytes, full + st);

@@ -459,10 +459,6 @@ constexpr int kCbThreads = kCbPairs * 32 * (1 + kCbSummers);
 
 __host__ __device__ __forceinline__ size_t cb_smem_bytes() { return (size_t)kCbPairs * 2 * kCbHolders * kCbPiece; }
 
-__device__ __forceinline__ void mbar_arrive_cta(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
 // n pieces (slots 0..kN-1 of a stage, kCbPiece bytes apart) weighted by w[0..kN-1] in order, stored bf16 at dst:
 // summer s's share of the vectors.
 template <int kN>
@@ -556,8 +552,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
         const uint32_t lap = j >> 1;
         uint8_t* stage = cb_ring + (size_t)st * kCbHolders * kCbPiece;
         if (loader) {
-          if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);  // the summers are done with the stage's last unit
-          if (lane == 0) mbar_expect_tx(full + st, (uint32_t)(n * bytes));
+          ring_stage_arm(full, empty, st, lap, lane, (uint32_t)(n * bytes));  // after the summers freed its last unit
           if (my_slot >= 0) {
             const uint8_t* src = kDirect       ? p.peer_base[lane] + p.off_combine_in + (size_t)my_row * rb
                                  : lane == me ? own + (size_t)my_row * rb
@@ -579,7 +574,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
           default: cb_sum_piece<4>(dst, x0, wd, nv, lane, sw); break;
         }
         __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
-        if (lane == 0) mbar_arrive_cta(empty + st);
+        if (lane == 0) mbar_arrive(empty + st);
       }
     }
   }
