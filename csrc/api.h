@@ -81,7 +81,7 @@ enum ep_option {
   EP_OPT_PULL_KERNEL = 10,  // the pull's kernel (combine_ce off): 0 (default) combine_tma_kernel, each warp issuing
                             // and summing its own bulk copies; 1 loading warps with 3 summing warps each (the
                             // combine_ce bulk kernel reading the holders' combine_in over the link; rank-major,
-                            // world <= 4)
+                            // world <= 4); 2 one of the two per call, as ep_pull_auto says
   EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R
                               // (combine), each its own kernel after the transfer; 0 (default): inside the
                               // dispatch kernel / on the combine's blocks (0..1024)
@@ -141,6 +141,8 @@ int ep_set_option(void* ctx, int key, int value);
 // combine_ce's chunk bounds for max_tokens rows (kCeChunks + 1 = 33 ints into bound): chunk c is rows [bound[c],
 // bound[c + 1]); `chunks` even chunks, or growing ones (grow != 0). No CUDA call.
 int ep_ce_bounds(int max_tokens, int chunks, int grow, int* bound);
+// EP_OPT_PULL_KERNEL 2's choice for a call: 1 (bulk) or 0 (tma); no CUDA call.
+int ep_pull_auto(int world, int num_sms, int align);
 // impl: ep_dispatch_impl; warps 1..32. An impl or warp count that cannot run is an error before any launch.
 // x: [T, hidden] as configured (bf16 when quantize_fused); x_scales: [T, hidden / 128] f32 (fp8) or
 // [T, hidden / 32] u8 (mxfp8 not fused), contiguous; null otherwise.

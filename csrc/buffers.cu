@@ -36,6 +36,15 @@ struct Carver {
 // growing ones (grow): the first T / 16 rows, each next 1.5x the one before (the sum of 4 SMs takes ~1.5x the copy
 // engines' time for the same rows at 4 ranks), at most kCeChunks, the last one taking the rest; every bound after
 // the last chunk's is T. No CUDA call: tests/test_ce_bounds.py calls it on any host where the library is built.
+// EP_OPT_PULL_KERNEL 2 (auto): 1 where the loading / summing warps' pull ran faster than the tma kernel's on
+// 2 and 4 x H200 (notes/LATENCY-NEXT.md "pull_kernel bulk, measured"), else 0. Rank-major rows at 2-4 ranks only
+// (kCbHolders); at 2 ranks below 16 SMs the tma kernel was as fast or faster (qwen3 shape at 8 SMs: 192 against
+// 233 us). No CUDA call: tests/test_ce_bounds.py checks it wherever the library is built.
+extern "C" int ep_pull_auto(int world, int num_sms, int align) {
+  if (align > 0 || world < 2 || world > 4) return 0;
+  return world >= 3 || num_sms >= 16 ? 1 : 0;
+}
+
 extern "C" int ep_ce_bounds(int T, int chunks, int grow, int* bound) {
   if (T < 0 || (!grow && chunks < 1) || bound == nullptr) {
     ep_set_error("ep_ce_bounds: bad arguments (max_tokens %d, chunks %d)", T, chunks);
@@ -332,8 +341,9 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       ctx->ce_chunks = value;
       ce_set_bounds(ctx);
       return 0;
-    case EP_OPT_PULL_KERNEL:  // the pull only (combine_ce off); bulk: rank-major at <= 4 ranks (combine.cu kCbHolders)
-      if (ctx->p.combine_ce || (value != 0 && value != 1) || (value == 1 && (ctx->p.world > 4 || ctx->p.align > 0)))
+    case EP_OPT_PULL_KERNEL:  // the pull only (combine_ce off); bulk: rank-major at <= 4 ranks (combine.cu kCbHolders);
+                              // auto: ep_pull_auto per call
+      if (ctx->p.combine_ce || value < 0 || value > 2 || (value == 1 && (ctx->p.world > 4 || ctx->p.align > 0)))
         break;
       ctx->pull_bulk = value;
       return 0;

@@ -673,7 +673,10 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     eff.combine_em_wide = false;
     return 0;
   }
-  if (ctx->pull_bulk) {  // EP_OPT_PULL_KERNEL 1: the loaders / summers pulling over the link (rank-major, world <= 4)
+  const bool bulk = ctx->pull_bulk == 1 ||
+                    (ctx->pull_bulk == 2 && ep_pull_auto(p.world, num_sms, p.align) &&
+                     (size_t)ctx->max_smem_optin >= cb_smem_bytes());
+  if (bulk) {  // EP_OPT_PULL_KERNEL 1 (or 2 where chosen): the loaders / summers pulling over the link (rank-major, world <= 4)
     if (p.world > kCbHolders || p.align > 0 || (size_t)ctx->max_smem_optin < cb_smem_bytes()) {
       ep_set_error("combine: pull_kernel bulk takes rank-major rows at <= %d ranks with %zu bytes of shared memory "
                    "(world %d, align %d, %d bytes)", kCbHolders, cb_smem_bytes(), p.world, p.align,

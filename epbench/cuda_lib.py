@@ -29,7 +29,7 @@ OPT_DEBUG_STAMPS, OPT_NOTIFY_IMPL, OPT_COMBINE_STAGES, OPT_COMBINE_CHUNK, OPT_EM
 OPT_CE_CHUNKS, OPT_CE_STREAMS = 6, 7  # combine_rows ce only
 OPT_CE_SHARE = 8  # own_rows all only
 OPT_CE_GROW = 9  # combine_rows ce only: 1 for growing chunks (epbench.ce_chunking grow)
-OPT_PULL_KERNEL = 10  # combine_rows pull only: 1 for the loading / summing warps (epbench.pull_kernel bulk)
+OPT_PULL_KERNEL = 10  # combine_rows pull only: 1 the loading / summing warps (epbench.pull_kernel bulk), 2 auto
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
@@ -142,6 +142,7 @@ def signatures() -> Dict[str, List[Any]]:
         "ep_sum_ceiling": [vp, vp, i, ctypes.c_longlong, i, i, i, vp],
         "ep_sm_mem": [i, vp, vp, i, i, i, i, i, vp],  # python -m epbench.smmem
         "ep_ce_bounds": [i, i, i, vp],  # combine_rows ce's chunk bounds (tests/test_ce_bounds.py)
+        "ep_pull_auto": [i, i, i],  # pull_kernel auto's choice for a call (tests/test_ce_bounds.py)
     }
 
 

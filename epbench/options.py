@@ -100,11 +100,13 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                             "3 or more, where every chunk and flag of a holder share one copy stream (4 x H200, "
                             "dsv3x4, 4 SMs: 752 us with 4, 782 with 6, 801 with 5)",
                             choices=(4, 5, 6, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
-        "pull_kernel": Option(str, "tma", "combine_rows pull only: tma (each warp issues its own bulk copies of the "
+        "pull_kernel": Option(str, "auto", "combine_rows pull only: tma (each warp issues its own bulk copies of the "
                               "holders' rows and sums them) or bulk (7 loading warps a SM, each with 3 summing warps, "
                               "2 stages of every holder's 3.5 KiB piece: the copy-engine combine's sum, pulling over "
-                              "the link); bulk takes the rank-major layout at 4 ranks or fewer",
-                              choices=("tma", "bulk"), env="EPBENCH_PULL_KERNEL"),
+                              "the link; the rank-major layout at 4 ranks or fewer) or auto (bulk at 3-4 ranks, and at "
+                              "2 ranks from 16 SMs, where it measured faster, else tma; tma wherever combine_warps, "
+                              "combine_stages or combine_chunk is given; rows record what ran as combine_impl)",
+                              choices=("auto", "tma", "bulk"), env="EPBENCH_PULL_KERNEL"),
         "ce_chunking": Option(str, "even", "combine_rows ce only: even (ce_chunks chunks of one size) or grow (the "
                               "first chunk max_tokens / 16 rows, each next 1.5x the one before, the last the rest: "
                               "the source's sum starts after a small first chunk and the copies stay ahead of it); "
@@ -303,7 +305,7 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
                else f"world {world} (it takes at most 4 ranks)" if world is not None and world > 4 else None)
         if why:
             raise UserError(f"{where}: epbench.pull_kernel=bulk cannot run with {why}")
-        for key in ("combine_warps", "combine_stages", "combine_chunk"):  # the tma kernel's shape
+        for key in PULL_TMA_KNOBS:
             if key in given or env.get(SCHEMAS["epbench"][key].env) is not None:
                 raise UserError(f"{where}: epbench.{key}={resolved[key]} shapes the tma pull kernel; pull_kernel=bulk "
                                 f"has its own (7 loading warps a SM, 3 summing warps each, 2 stages of 3.5 KiB pieces)")
@@ -398,6 +400,21 @@ def ce_streams_for(world: int, resolved: Mapping[str, Any], given: Mapping[str, 
                    environ: Optional[Mapping[str, str]] = None) -> int:
     """epbench.ce_streams by world: its default at 2 ranks, CE_STREAMS_WIDE at 3 or more, unless given."""
     return _by_world("ce_streams", CE_STREAMS_WIDE, world, resolved, given, environ)
+
+
+PULL_TMA_KNOBS = ("combine_warps", "combine_stages", "combine_chunk")  # the tma pull kernel's shape
+
+
+def pull_kernel_code(resolved: Mapping[str, Any], given: Mapping[str, Any],
+                     environ: Optional[Mapping[str, str]] = None) -> int:
+    """epbench.pull_kernel as the library takes it (csrc/api.h EP_OPT_PULL_KERNEL): tma 0, bulk 1, auto 2 (the
+    library's ep_pull_auto picks per call), except auto with a tma knob given (option or environment variable): 0."""
+    environ = os.environ if environ is None else environ
+    kernel = resolved["pull_kernel"]
+    if kernel == "auto" and any(k in given or environ.get(SCHEMAS["epbench"][k].env) is not None
+                                for k in PULL_TMA_KNOBS):
+        return 0
+    return {"tma": 0, "bulk": 1, "auto": 2}[kernel]
 
 
 def resolve(backend: str, given: Optional[Mapping[str, Any]] = None,

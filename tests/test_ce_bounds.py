@@ -57,3 +57,12 @@ def test_bad_arguments_are_refused(bounds) -> None:
     out = (ctypes.c_int * (K + 1))()
     assert lib.ep_ce_bounds(-1, 4, 0, out) != 0 and lib.ep_ce_bounds(100, 0, 0, out) != 0
     assert bounds(0, 4) == [0] * (K + 1)
+
+
+def test_pull_auto_picks_bulk_where_it_measured_faster(bounds) -> None:
+    """pull_kernel auto (csrc/buffers.cu ep_pull_auto): the bulk pull at 3-4 ranks at any SM count and at 2 ranks
+    from 16 SMs, rank-major only; the tma kernel at 1 rank, 5+ ranks, expert-major and 2 ranks below 16 SMs."""
+    lib = cuda_lib.load()
+    assert [lib.ep_pull_auto(w, 4, 0) for w in (1, 2, 3, 4, 5, 8)] == [0, 0, 1, 1, 0, 0]
+    assert [lib.ep_pull_auto(2, s, 0) for s in (4, 8, 15, 16, 24, 132)] == [0, 0, 0, 1, 1, 1]
+    assert lib.ep_pull_auto(4, 16, 128) == 0 and lib.ep_pull_auto(2, 16, 16) == 0

@@ -239,6 +239,17 @@ def test_ce_streams_default_depends_on_the_world() -> None:
                           "before", "x", environ={})
 
 
+def test_pull_kernel_code_auto_gives_way_to_the_tma_knobs() -> None:
+    """auto is the library's per-call choice (2) unless the tma kernel is shaped (combine_warps, combine_stages,
+    combine_chunk given or set by environment variable): then the tma kernel (0); tma 0 and bulk 1 as asked."""
+    code = lambda given, env=None: options.pull_kernel_code(options.resolve("epbench", given, env or {}), given, env or {})
+    assert code({}) == 2 and code({"pull_kernel": "tma"}) == 0 and code({"pull_kernel": "bulk"}) == 1
+    assert code({"combine_stages": 3}) == 0 and code({"combine_chunk": 4096}) == 0
+    assert code({}, {"EPBENCH_COMBINE_WARPS": "8"}) == 0 and code({}, {"EPBENCH_PULL_KERNEL": "bulk"}) == 1
+    options.check_payload({"epbench": {"pull_kernel": "auto", "own_rows": "all", "combine_rows": "ce"}},
+                          "rank_major", "before", "x", environ={}, world=8)  # auto is refused nowhere
+
+
 def test_pull_kernel_bulk_is_refused_where_it_cannot_run() -> None:
     """pull_kernel bulk pulls rank-major rows at <= 4 ranks: with combine_rows ce, the expert-major layout or 5+
     ranks it is refused in one line naming why; rank-major at 4 ranks (or world unknown) passes."""

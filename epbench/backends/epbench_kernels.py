@@ -176,7 +176,7 @@ class EpbenchBackend(NormalMode):
     layouts = ("rank_major", "expert_major")
     own_rows = "sm"  # backend option own_rows (set per instance; the module docstring says what ce changes)
     combine_rows = "pull"  # backend option combine_rows (set per instance; the module docstring says what ce changes)
-    pull_kernel = "tma"  # backend option pull_kernel (set per instance): combine_rows pull's kernel
+    pull_kernel = "auto"  # backend option pull_kernel (set per instance): combine_rows pull's kernel
     combine_stage: Optional[torch.Tensor] = None  # combine_rows ce: the staging buffer (set per instance)
     em_align = 0  # expert-major segments' alignment, 0 rank-major (set per instance from the scenario)
 
@@ -245,8 +245,9 @@ class EpbenchBackend(NormalMode):
         self.notify_impl = resolved["notify_impl"]
         self.combine_stages = resolved["combine_stages"]
         self.combine_chunk = resolved["combine_chunk"]
-        if self.combine_rows == "pull" and self.pull_kernel == "bulk":  # csrc/combine.cu combine_ce_bulk_kernel<true>
-            cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_PULL_KERNEL, 1), "ep_set_option")
+        pull = options.pull_kernel_code(resolved, given)  # 1 bulk: csrc/combine.cu combine_ce_bulk_kernel<true>
+        if self.combine_rows == "pull" and pull:  # 2 auto: ep_pull_auto per call; combine_impl records what ran
+            cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_PULL_KERNEL, pull), "ep_set_option")
         if self.combine_rows == "ce":  # the push's shape (csrc/combine.cu push_rows_by_ce)
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_CHUNKS, self.ce_chunks), "ep_set_option")
             cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CE_STREAMS, self.ce_streams), "ep_set_option")
