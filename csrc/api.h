@@ -81,8 +81,7 @@ enum ep_option {
   EP_OPT_PULL_KERNEL = 10,  // the pull's kernel (combine_ce off): 0 (default) combine_tma_kernel, each warp issuing
                             // and summing its own bulk copies; 1 loading warps with 3 summing warps each (the
                             // combine_ce bulk kernel reading the holders' combine_in over the link; rank-major,
-                            // world <= 4); 2 one of the two per call, as ep_pull_auto says; 3 as 1 with the own
-                            // rank's piece read by the summers from local memory and 3 stages of the peers' pieces
+                            // world <= 4); 2 one of the two per call, as ep_pull_auto says
   EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R
                               // (combine), each its own kernel after the transfer; 0 (default): inside the
                               // dispatch kernel / on the combine's blocks (0..1024)
@@ -104,7 +103,6 @@ enum ep_combine_impl {
   EP_COMBINE_TMA = 1,
   EP_COMBINE_CE = 2,
   EP_COMBINE_BULK = 3,  // the pull by loading and summing warps (EP_OPT_PULL_KERNEL 1)
-  EP_COMBINE_BULK_DEEP = 4,  // the same, the own piece read by the summers, 3 stages (EP_OPT_PULL_KERNEL 3)
 };
 
 // Dispatch: the lean copy (every per-token load issued before the first store) with tokens handed to

@@ -345,8 +345,7 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       return 0;
     case EP_OPT_PULL_KERNEL:  // the pull only (combine_ce off); bulk: rank-major at <= 4 ranks (combine.cu kCbHolders);
                               // auto: ep_pull_auto per call
-      if (ctx->p.combine_ce || value < 0 || value > 3 ||
-          ((value == 1 || value == 3) && (ctx->p.world > 4 || ctx->p.align > 0)))
+      if (ctx->p.combine_ce || value < 0 || value > 2 || (value == 1 && (ctx->p.world > 4 || ctx->p.align > 0)))
         break;
       ctx->pull_bulk = value;
       return 0;

@@ -458,33 +458,19 @@ constexpr int kCbSummers = 3;
 constexpr int kCbThreads = kCbPairs * 32 * (1 + kCbSummers);
 
 __host__ __device__ __forceinline__ size_t cb_smem_bytes() { return (size_t)kCbPairs * 2 * kCbHolders * kCbPiece; }
-// kOwnLocal (pull_kernel bulk_deep): a stage holds the peers' pieces only (kCbHolders - 1 slots) and the summers read
-// the own rank's piece from local memory themselves, so 3 stages a pair fit in about the same shared memory
-// (7 x 3 x 3 x 3.5 KiB = 220.5 KiB): half as many more remote bytes in flight.
-template <bool kOwnLocal>
-struct CbRing {
-  static constexpr int kStages = kOwnLocal ? 3 : 2;
-  static constexpr int kSlots = kOwnLocal ? kCbHolders - 1 : kCbHolders;
-  static constexpr size_t kBytes = (size_t)kCbPairs * kStages * kSlots * kCbPiece;
-};
 
-constexpr int kCbIters = ((kCbPiece >> 4) + 32 * kCbSummers - 1) / (32 * kCbSummers);  // a summer's vectors a lane
-
-// n pieces weighted by w[0..kN-1] in order, stored bf16 at dst: summer s's share of the vectors. Piece h is slot h
-// of the stage (kCbPiece bytes apart), except with own_pos >= 0: piece own_pos is `own` (the summer's vectors of the
-// own rank's piece, loaded before the stage was waited for) and the pieces after it are one slot down.
+// n pieces (slots 0..kN-1 of a stage, kCbPiece bytes apart) weighted by w[0..kN-1] in order, stored bf16 at dst:
+// summer s's share of the vectors.
 template <int kN>
 __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const float (&w)[kCbHolders], int nv,
-                                             int lane, int s, int own_pos = -1,
-                                             const int4 (&own)[kCbIters] = {}) {
+                                             int lane, int s) {
 #pragma unroll
-  for (int i = 0; i < kCbIters; ++i) {
+  for (int i = 0; i < ((kCbPiece >> 4) + 32 * kCbSummers - 1) / (32 * kCbSummers); ++i) {
     const int v = lane + 32 * (s + kCbSummers * i);
     if (v >= nv) break;
     int4 x[kN > 0 ? kN : 1];
 #pragma unroll
-    for (int h = 0; h < kN; ++h)
-      x[h] = h == own_pos ? own[i] : x0[(h - (own_pos >= 0 && h > own_pos)) * (kCbPiece >> 4) + v];
+    for (int h = 0; h < kN; ++h) x[h] = x0[h * (kCbPiece >> 4) + v];
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], w[h]);
@@ -495,12 +481,10 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 
 // kDirect (pull_kernel bulk): the same loaders and summers pulling every holder's row straight from its combine_in
 // over the link, after steps 1-2 (combine_ready), as combine_tma_kernel does: no push, no staging, no chunk flags.
-template <bool kDirect, bool kOwnLocal = false>
+template <bool kDirect>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
-  static_assert(kDirect || !kOwnLocal, "bulk_deep is a pull");
-  constexpr int S = CbRing<kOwnLocal>::kStages, kSlots = CbRing<kOwnLocal>::kSlots;
   extern __shared__ __align__(128) uint8_t cb_ring[];
-  __shared__ uint64_t full[kCbPairs * S], empty[kCbPairs * S];
+  __shared__ uint64_t full[kCbPairs * 2], empty[kCbPairs * 2];
   __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
   if (kDirect) {
     combine_ready(p, epoch);
@@ -519,7 +503,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
   const uint8_t* own = p.peer_base[me] + p.off_combine_in;
   const uint8_t* staged = p.peer_base[me] + p.off_combine_stage;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kCbPairs * S; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kCbSummers);
+    for (int s = 0; s < kCbPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kCbSummers);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     aborted = ld_volatile(p.dev_error) != 0;
   }
@@ -527,7 +511,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
   const int T = aborted ? 0 : a.num_tokens;
   const int ntok = P < T ? (T - P + G - 1) / G : 0;  // the pair's tokens P + k G, k < ntok
   int seen = -1;     // loader lane d: the last chunk of holder d seen pushed
-  uint32_t j = 0;    // the pair's units so far: stage j % S, lap j / S
+  uint32_t j = 0;    // the pair's units so far: stage j & 1, lap j >> 1
   for (int k0 = 0; k0 < ntok; k0 += 32) {
     int rows[kCbHolders];
     float ws[kCbHolders];
@@ -542,19 +526,13 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     for (int i = 0; i < nb; ++i) {
       const int t = P + (k0 + i) * G;
       float wd[kCbHolders] = {0.f, 0.f, 0.f, 0.f};
-      int n = 0, my_slot = -1, my_row = -1;  // the token's holders; lane d's place among them (its slot) and its row
-      int own_pos = -1, own_row = -1, nslot = 0;  // kOwnLocal: my place among them, my row; slots in use
+      int n = 0, my_slot = -1, my_row = -1;  // the token's holders; lane d's place among them and its row
 #pragma unroll
       for (int d = 0; d < kCbHolders; ++d) {
         const int rd = __shfl_sync(0xffffffffu, rows[d], i);
         const float wv = __shfl_sync(0xffffffffu, ws[d], i);
         if (rd >= 0) {
-          if (kOwnLocal && d == me) {
-            own_pos = n, own_row = rd;  // no slot: the summers read it
-          } else {
-            if (d == lane) my_slot = nslot, my_row = rd;
-            ++nslot;
-          }
+          if (d == lane) my_slot = n, my_row = rd;
 #pragma unroll
           for (int h = 0; h < kCbHolders; ++h)
             if (h == n) wd[h] = wv;  // compacted in rank order (no array indexed at run time: registers)
@@ -570,11 +548,11 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
       if (loader) __syncwarp();
       for (int q = 0; q < pieces; ++q, ++j) {
         const int bytes = min(kCbPiece, row_bytes - q * kCbPiece);
-        const int st = l * S + (int)(j % S);
-        const uint32_t lap = j / S;
-        uint8_t* stage = cb_ring + (size_t)st * kSlots * kCbPiece;
+        const int st = l * 2 + (int)(j & 1);
+        const uint32_t lap = j >> 1;
+        uint8_t* stage = cb_ring + (size_t)st * kCbHolders * kCbPiece;
         if (loader) {
-          ring_stage_arm(full, empty, st, lap, lane, (uint32_t)(nslot * bytes));  // after the summers freed its last unit
+          ring_stage_arm(full, empty, st, lap, lane, (uint32_t)(n * bytes));  // after the summers freed its last unit
           if (my_slot >= 0) {
             const uint8_t* src = kDirect       ? p.peer_base[lane] + p.off_combine_in + (size_t)my_row * rb
                                  : lane == me ? own + (size_t)my_row * rb
@@ -584,24 +562,16 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
           __syncwarp();
           continue;
         }
-        const int nv = bytes >> 4;
-        int4 ov[kCbIters];  // kOwnLocal: my share of the own piece, loaded before the wait (its latency under it)
-#pragma unroll
-        for (int it = 0; it < kCbIters; ++it) {
-          const int v = lane + 32 * (sw + kCbSummers * it);
-          ov[it] = make_int4(0, 0, 0, 0);
-          if (kOwnLocal && own_pos >= 0 && v < nv)
-            ov[it] = reinterpret_cast<const int4*>(own + (size_t)own_row * rb + (size_t)q * kCbPiece)[v];
-        }
         mbar_wait(full + st, lap & 1u);
         const int4* x0 = reinterpret_cast<const int4*>(stage);
         uint4* dst = a.out + (size_t)t * V + (size_t)q * (kCbPiece >> 4);
+        const int nv = bytes >> 4;
         switch (n) {  // the holder count a constant in the loop
-          case 0: cb_sum_piece<0>(dst, x0, wd, nv, lane, sw, own_pos, ov); break;
-          case 1: cb_sum_piece<1>(dst, x0, wd, nv, lane, sw, own_pos, ov); break;
-          case 2: cb_sum_piece<2>(dst, x0, wd, nv, lane, sw, own_pos, ov); break;
-          case 3: cb_sum_piece<3>(dst, x0, wd, nv, lane, sw, own_pos, ov); break;
-          default: cb_sum_piece<4>(dst, x0, wd, nv, lane, sw, own_pos, ov); break;
+          case 0: cb_sum_piece<0>(dst, x0, wd, nv, lane, sw); break;
+          case 1: cb_sum_piece<1>(dst, x0, wd, nv, lane, sw); break;
+          case 2: cb_sum_piece<2>(dst, x0, wd, nv, lane, sw); break;
+          case 3: cb_sum_piece<3>(dst, x0, wd, nv, lane, sw); break;
+          default: cb_sum_piece<4>(dst, x0, wd, nv, lane, sw); break;
         }
         __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
         if (lane == 0) mbar_arrive(empty + st);
@@ -706,23 +676,22 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
   const bool bulk = ctx->pull_bulk == 1 ||
                     (ctx->pull_bulk == 2 && ep_pull_auto(p.world, num_sms, p.align) &&
                      (size_t)ctx->max_smem_optin >= cb_smem_bytes());
-  const bool deep = ctx->pull_bulk == 3;  // EP_OPT_PULL_KERNEL 3: bulk_deep (the own piece by the summers, 3 stages)
-  if (bulk || deep) {  // EP_OPT_PULL_KERNEL 1 (or 2 where chosen): the loaders / summers pulling over the link (rank-major, world <= 4)
-    const size_t smem = deep ? CbRing<true>::kBytes : cb_smem_bytes();
-    if (p.world > kCbHolders || p.align > 0 || (size_t)ctx->max_smem_optin < smem) {
+  if (bulk) {  // EP_OPT_PULL_KERNEL 1 (or 2 where chosen): the loaders / summers pulling over the link (rank-major, world <= 4)
+    if (p.world > kCbHolders || p.align > 0 || (size_t)ctx->max_smem_optin < cb_smem_bytes()) {
       ep_set_error("combine: pull_kernel bulk takes rank-major rows at <= %d ranks with %zu bytes of shared memory "
-                   "(world %d, align %d, %d bytes)", kCbHolders, smem, p.world, p.align, ctx->max_smem_optin);
+                   "(world %d, align %d, %d bytes)", kCbHolders, cb_smem_bytes(), p.world, p.align,
+                   ctx->max_smem_optin);
       return -1;
     }
-    auto kernel = deep ? combine_ce_bulk_kernel<true, true> : combine_ce_bulk_kernel<true, false>;
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kernel<<<num_sms, kCbThreads, smem, stream>>>(p, a, epoch);
+    CUDA_CHECK(cudaFuncSetAttribute(combine_ce_bulk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)cb_smem_bytes()));
+    combine_ce_bulk_kernel<true><<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
     CUDA_CHECK(cudaGetLastError());
     ep_effective& eff = ctx->effective;
-    eff.combine_impl = deep ? EP_COMBINE_BULK_DEEP : EP_COMBINE_BULK;
+    eff.combine_impl = EP_COMBINE_BULK;
     eff.combine_warps = kCbThreads / 32;
     eff.combine_sms = num_sms;
-    eff.combine_stages = deep ? CbRing<true>::kStages : 2;
+    eff.combine_stages = 2;
     eff.combine_chunk = kCbPiece;
     eff.combine_em_wide = false;
     return 0;

@@ -33,7 +33,7 @@ OPT_PULL_KERNEL = 10  # combine_rows pull only: 1 the loading / summing warps (e
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
-COMBINE_IMPLS = {"tma": 1, "ce": 2, "bulk": 3, "bulk_deep": 4}
+COMBINE_IMPLS = {"tma": 1, "ce": 2, "bulk": 3}
 DISPATCH_IMPLS = {"lean": 3, "lean_dyn": 10}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",

@@ -105,10 +105,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                               "2 stages of every holder's 3.5 KiB piece: the copy-engine combine's sum, pulling over "
                               "the link; the rank-major layout at 4 ranks or fewer) or auto (bulk at 2 ranks from 16 SMs "
                               "and at 3-4 ranks below 8 SMs, where it measured faster, else tma; tma wherever combine_warps, "
-                              "combine_stages or combine_chunk is given; rows record what ran as combine_impl) or bulk_deep "
-                              "(as bulk, a stage holding the peers' pieces only, 3 stages, the summers reading the own "
-                              "rank's piece from local memory; measured beside bulk, docs/backends.md)",
-                              choices=("auto", "tma", "bulk", "bulk_deep"), env="EPBENCH_PULL_KERNEL"),
+                              "combine_stages or combine_chunk is given; rows record what ran as combine_impl)",
+                              choices=("auto", "tma", "bulk"), env="EPBENCH_PULL_KERNEL"),
         "ce_chunking": Option(str, "even", "combine_rows ce only: even (ce_chunks chunks of one size) or grow (the "
                               "first chunk max_tokens / 16 rows, each next 1.5x the one before, the last the rest: "
                               "the source's sum starts after a small first chunk and the copies stay ahead of it); "
@@ -301,17 +299,16 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
             and ("ce_chunks" in given or env.get(SCHEMAS["epbench"]["ce_chunks"].env) is not None)):
         raise UserError(f"{where}: epbench.ce_chunks={resolved['ce_chunks']} with epbench.ce_chunking=grow: growing "
                         f"chunks have their own sizes; give one of the two")
-    if resolved["pull_kernel"] in ("bulk", "bulk_deep"):
-        kernel = resolved["pull_kernel"]
+    if resolved["pull_kernel"] == "bulk":
         why = ("epbench.combine_rows=ce (it is the pull's kernel)" if resolved["combine_rows"] != "pull"
                else f"model.layout {layout} (it takes rank_major rows)" if layout != "rank_major"
                else f"world {world} (it takes at most 4 ranks)" if world is not None and world > 4 else None)
         if why:
-            raise UserError(f"{where}: epbench.pull_kernel={kernel} cannot run with {why}")
+            raise UserError(f"{where}: epbench.pull_kernel=bulk cannot run with {why}")
         for key in PULL_TMA_KNOBS:
             if key in given or env.get(SCHEMAS["epbench"][key].env) is not None:
-                raise UserError(f"{where}: epbench.{key}={resolved[key]} shapes the tma pull kernel; pull_kernel={kernel} "
-                                f"has its own (7 loading warps a SM, 3 summing warps each, 3.5 KiB pieces)")
+                raise UserError(f"{where}: epbench.{key}={resolved[key]} shapes the tma pull kernel; pull_kernel=bulk "
+                                f"has its own (7 loading warps a SM, 3 summing warps each, 2 stages of 3.5 KiB pieces)")
     if ("ce_share" in given or env.get(SCHEMAS["epbench"]["ce_share"].env) is not None) and own != "all":
         raise UserError(f"{where}: epbench.ce_share={resolved['ce_share']} needs epbench.own_rows=all (got {own}): it "
                         f"splits the copy engines' dispatch rows with the SMs")
@@ -417,7 +414,7 @@ def pull_kernel_code(resolved: Mapping[str, Any], given: Mapping[str, Any],
     if kernel == "auto" and any(k in given or environ.get(SCHEMAS["epbench"][k].env) is not None
                                 for k in PULL_TMA_KNOBS):
         return 0
-    return {"tma": 0, "bulk": 1, "auto": 2, "bulk_deep": 3}[kernel]
+    return {"tma": 0, "bulk": 1, "auto": 2}[kernel]
 
 
 def resolve(backend: str, given: Optional[Mapping[str, Any]] = None,

@@ -263,9 +263,6 @@ def test_pull_kernel_bulk_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(UserError, match="pull_kernel=bulk cannot run with epbench.combine_rows=ce"):
         options.check_payload({"epbench": {"pull_kernel": "bulk", "own_rows": "all", "combine_rows": "ce"}},
                               "rank_major", "before", "x", environ={}, world=4)
-    with pytest.raises(UserError, match="pull_kernel=bulk_deep cannot run with world 5"):
-        options.check_payload({"epbench": {"pull_kernel": "bulk_deep"}}, "rank_major", "before", "x", environ={}, world=5)
-    assert options.pull_kernel_code(options.resolve("epbench", {"pull_kernel": "bulk_deep"}, {}), {}, {}) == 3
     with pytest.raises(UserError, match="pull_kernel=bulk cannot run with world 5"):
         options.check_payload({}, "rank_major", "before", "x", environ={"EPBENCH_PULL_KERNEL": "bulk"}, world=5)
     with pytest.raises(UserError, match="combine_stages=3 shapes the tma pull kernel"):

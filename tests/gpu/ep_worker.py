@@ -586,7 +586,7 @@ def parser() -> argparse.ArgumentParser:
                          "cases whose ranks hold the same token count, the others for the stop they must make")
     ap.add_argument("--ce-chunks", type=int, default=None, choices=[4, 5, 6, 8, 16, 32],
                     help="combine_rows ce: the backend's ce_chunks (default: the backend's)")
-    ap.add_argument("--pull-kernel", default=None, choices=["auto", "tma", "bulk", "bulk_deep"],
+    ap.add_argument("--pull-kernel", default=None, choices=["auto", "tma", "bulk"],
                     help="the backend's pull_kernel (default: the backend's)")
     ap.add_argument("--ce-chunking", default=None, choices=["even", "grow"],
                     help="combine_rows ce: the backend's ce_chunking (default: the backend's)")

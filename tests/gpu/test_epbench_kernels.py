@@ -79,7 +79,6 @@ OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--
 # pull_kernel bulk: the rank-major cases (bf16, fp8, mxfp8 dispatch; 1 and 4095 tokens, every token to one rank, all
 # ranks 0 tokens) with the loading / summing warps pulling over the link, at 8 and 3 SMs
 PULL_BULK = ["--pull-kernel", "bulk", "--impls", "lean:16:8,lean:16:3"]
-PULL_BULK_DEEP = ["--pull-kernel", "bulk_deep", "--impls", "lean:16:8,lean:16:3"]  # the own piece by the summers
 
 
 def combine_rows_ce_flags(nproc: int) -> list:
@@ -103,7 +102,7 @@ SUITES = {
         "ce-share": ce_share_flags(1), "fused-stores-8": fused_stores8_flags(1),
         "fused-stores-8-em": ["--expert-major", *fused_stores8_flags(1)],
         "em-push-sender": em_push_sender_flags(1), "em-push-receiver": em_push_receiver_flags(1),
-        "em-sms": em_sms_flags(1), "pull-bulk": PULL_BULK, "pull-bulk-deep": PULL_BULK_DEEP},
+        "em-sms": em_sms_flags(1), "pull-bulk": PULL_BULK},
     2: {"defaults": ["--quick"], "options": OPTIONS, "expert-major": expert_major_flags(2),
         "own-rows-ce": own_rows_ce_flags(2), "own-rows-ce-staged": OWN_ROWS_CE_STAGED,
         "own-rows-all": own_rows_ce_flags(2, "all"), "own-rows-all-staged": OWN_ROWS_ALL_STAGED,
@@ -115,8 +114,7 @@ SUITES = {
                                 "--impls", "lean:16:3"],
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
         "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2),
-        "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER, "pull-bulk": PULL_BULK,
-        "pull-bulk-deep": PULL_BULK_DEEP},
+        "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER, "pull-bulk": PULL_BULK},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3),
         "em-push-receiver": em_push_receiver_flags(3), "em-sms": em_sms_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
@@ -124,8 +122,7 @@ SUITES = {
         "combine-rows-ce-grow": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunking", "grow", "--ce-streams", "2",
                                  "--impls", "lean:16:8"],
         "combine-rows-ce-6": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunks", "6", "--impls", "lean:16:4"],
-        "pull-bulk": PULL_BULK, "pull-bulk-own-all": ["--own-rows", "all", *PULL_BULK], "pull-bulk-deep": PULL_BULK_DEEP,
-        "pull-bulk-deep-own-all": ["--own-rows", "all", *PULL_BULK_DEEP],
+        "pull-bulk": PULL_BULK, "pull-bulk-own-all": ["--own-rows", "all", *PULL_BULK],
         "ce-share": ce_share_flags(4)},
 }
 for _world, _suites in SUITES.items():
@@ -245,18 +242,6 @@ def test_pull_bulk_matches_verification(kernels_built: None, nproc: int) -> None
         assert "T=4095" in out
     if nproc == 4:
         assert_suite(4, "pull-bulk-own-all")
-
-
-@pytest.mark.parametrize("nproc", [1, 2, 4])
-def test_pull_bulk_deep_matches_verification(kernels_built: None, nproc: int) -> None:
-    """pull_kernel bulk_deep (as bulk, a stage holding the peers' pieces only, 3 stages, the summers reading the own
-    rank's piece from local memory before they wait for the stage): the combine exactly as verification on every
-    rank-major case; at 4 ranks also with own_rows all."""
-    out = assert_suite(nproc, "pull-bulk-deep")
-    if nproc > 1:
-        assert "T=4095" in out
-    if nproc == 4:
-        assert_suite(4, "pull-bulk-deep-own-all")
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
