@@ -73,7 +73,7 @@ NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring t
 OptionOpt = Annotated[Optional[List[str]], typer.Option(
     "--option", help="A backend option, [backend.]key=value (repeatable; docs/backends.md).")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table with every column (spread over ranks, NVML, NIC, ceilings, slowest rank).")]
-ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, sms, call, timing, inputs, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong).")]
+ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, kernel, sms, call, timing, inputs, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
 

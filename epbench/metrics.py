@@ -151,6 +151,9 @@ def summarize(df):
         row = dict(zip(keys, key))
         row.update(world=int(g["world"].iloc[0]), time_us=float(g["time_us"].max()),
                    slowest_rank=int(slow["rank"]), wrong=int(g["wrong"].sum()))
+        if "impl" in g:  # the kernel the library says ran (every rank's, "a/b" where ranks differed)
+            impls = sorted(set(g["impl"].dropna().astype(str)))
+            row["impl"] = "/".join(impls) if impls else None
         if "time_us_p99" in g:
             row["time_us_p99"] = float(pd.to_numeric(g["time_us_p99"], errors="coerce").max())
         if "chain" in g:  # one K per (point, timing): calls per sample, shown with chain rows

@@ -90,6 +90,7 @@ COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
     "tokens": ("tokens", "right", lambda r, w: str(int(r["tokens_per_rank"]))),
     "op": ("op", "left", lambda r, w: str(r["op"])),
     "backend": ("backend", "left", lambda r, w: str(r["backend"])),
+    "kernel": ("kernel", "left", lambda r, w: r["impl"] if isinstance(r.get("impl"), str) and r["impl"] else "-"),
     "sms": ("SMs", "right", lambda r, w: str(int(r["sms"])) if r["sms"] else "auto"),
     "timing": ("timing", "left", lambda r, w: timing_label(r.get("timing"), r.get("chain"))),
     "call": ("call", "left", lambda r, w: str(r.get("call_mode") or "call")),
@@ -107,7 +108,7 @@ COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
 }
 DEFAULT = ("op", "backend", "sms", "time", "algbw", "busbw", "link", "wrong")
 LOW_LATENCY = ("op", "backend", "sms", "timing", "time", "p99", "busbw", "wrong")
-WIDE = ("op", "backend", "sms", "timing", "time", "p99", "algbw", "busbw", "nvml", "link", "nic",
+WIDE = ("op", "backend", "kernel", "sms", "timing", "time", "p99", "algbw", "busbw", "nvml", "link", "nic",
         "ceiling", "slow_rank", "wrong")
 
 
@@ -137,15 +138,28 @@ def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> Tuple[List[st
         keys.insert(keys.index("time") if "time" in keys else len(keys), "inputs")
     if columns is None and "call_mode" in df and df["call_mode"].nunique() > 1:  # both ways of calling a baseline
         keys.insert(keys.index("sms") + 1 if "sms" in keys else len(keys), "call")
+    if columns is None and _kernel_varies(df) and "backend" in keys:  # e.g. an auto option taking per SM count
+        keys.insert(keys.index("backend") + 1, "kernel")
     if (_swept_tokens(df) or _low_latency(df)) and "tokens" not in keys:
         keys.insert(0, "tokens")
     return keys, wide
+
+
+def _kernel_varies(df: pd.DataFrame) -> bool:
+    """Whether one backend's op ran more than one kernel over the run's points (the rows' ``impl``, the library's
+    own record): then the table names the kernel of each row."""
+    if "impl" not in df:
+        return False
+    impls = df.dropna(subset=["impl"]).groupby(["backend", "op"])["impl"].nunique()
+    return bool((impls > 1).any())
 
 
 CAPTION = ("time = slowest rank's median (us); algbw / busbw in GB/s, the slowest-bandwidth rank "
            "(--wide: min / median / max over ranks); busbw = bus bandwidth over the transport in the "
            "title, '-' where nothing crossed a link; link % = the busiest rank's NVLink traffic (NVML, protocol included) over "
            "the links' capacity; full data: results.csv")
+KERNEL_CAPTION = (" kernel: the kernel that ran, as the library records it (an option left at auto may take "
+                  "another at another SM count; docs/backends.md)")
 WIDE_CAPTION = (" NVML busbw: from the GPUs' counters ('!' = >10% off the computed). % ceil: this "
                 "run's ideal copy of the same bytes by copy engines (CE) / plain SM stores (SM), "
                 "time over the op's time")
@@ -164,7 +178,8 @@ INPUTS_CAPTION = (" inputs: 'rot N' = the timed calls rotated through N input se
 
 
 # The columns given up first where a table cannot fit the terminal without cutting a number.
-DROP_FIRST = ("ceiling", "slow_rank", "nvml", "nic", "link", "p99", "algbw", "inputs", "timing", "busbw", "tokens")
+DROP_FIRST = ("ceiling", "slow_rank", "nvml", "nic", "link", "p99", "algbw", "inputs", "timing", "kernel", "busbw",
+              "tokens")
 
 
 def _plain_cells(text: str) -> List[int]:
@@ -222,7 +237,8 @@ def results_table(df: pd.DataFrame, title: str = "",
         headers["nic"] = "NIC busbw (virtual)"
     cells = {k: [COLUMNS[k][2](r, wide) for _, r in summary.iterrows()] for k in keys}
     shown, widths = _fitted(keys, {k: [headers[k]] + cells[k] for k in keys}, width)
-    caption = (CAPTION + (WIDE_CAPTION if wide else "") + (LL_CAPTION if _low_latency(df) else "")
+    caption = (CAPTION + (KERNEL_CAPTION if "kernel" in shown else "") + (WIDE_CAPTION if wide else "")
+               + (LL_CAPTION if _low_latency(df) else "")
                + (INPUTS_CAPTION if "inputs" in shown else "") + (CALL_CAPTION if "call" in shown else ""))
     left_out = [headers[k] for k in keys if k not in shown]
     if left_out:

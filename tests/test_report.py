@@ -117,8 +117,8 @@ def test_functional_run_prints_dashes_for_link_figures():
     assert cells[5:7] == ["-"] * 2, cells
     text = table_lines(df, meta, report.WIDE)
     cells = [c.strip() for c in line_with(text, "dispatch", "reference").split("│") if c.strip()]
-    # ..., algbw, then busbw, NVML, link %, NIC busbw, % ceil: all "-"
-    assert cells[5:10] == ["-"] * 5, cells
+    # op, backend, kernel ("-": no record), SMs, time, algbw, then busbw, NVML, link %, NIC busbw, % ceil: all "-"
+    assert cells[2] == "-" and cells[6:11] == ["-"] * 5, cells
     assert "note: functional run" in text
 
 
@@ -322,3 +322,24 @@ def test_wide_table_never_cuts_a_number(width):
         assert {"0.00801", "0.0125", "0.017"} <= words, table  # algbw too
     caption = " ".join(text.split())
     assert ("Left out to fit" in caption) == (width < 110), caption
+
+
+def test_kernel_column_where_a_backends_kernel_varies_over_the_run():
+    """An option left at auto (epbench's pull_kernel) may run another kernel at another SM count: the table then
+    names each row's kernel (the rows' impl, the library's record), and says what the column means; a run whose
+    kernels stay the same keeps the default columns, and --wide always shows it."""
+    def impl_rows(op, sms, impl):
+        return [dict(r, backend="epbench", impl=impl) for r in rows(op, sms=sms)]
+
+    varied = (impl_rows("dispatch", 4, "lean_dyn") + impl_rows("combine", 4, "bulk")
+              + impl_rows("dispatch", 8, "lean_dyn") + impl_rows("combine", 8, "tma"))
+    text = table_lines(varied)
+    assert "kernel" in text and "kernel: the kernel that ran" in text
+    assert "bulk" in line_with(text, "combine", " 4 ") and "tma" in line_with(text, "combine", " 8 ")
+    assert "lean_dyn" in line_with(text, "dispatch", " 8 ")
+    same = impl_rows("dispatch", 4, "lean_dyn") + impl_rows("combine", 4, "tma") + impl_rows("combine", 8, "tma")
+    assert "kernel" not in table_lines(same)
+    assert "tma" in line_with(table_lines(same, columns=report.WIDE), "combine", " 8 ")
+    mixed = [dict(r, impl="tma" if r["rank"] else "bulk") for r in impl_rows("combine", 4, None)]
+    assert "bulk/tma" in line_with(table_lines(mixed, columns=report.WIDE), "combine")  # ranks that differed
+    assert " - " in line_with(table_lines(rows(), columns=report.WIDE), "dispatch")  # no record: a dash
