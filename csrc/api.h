@@ -102,7 +102,7 @@ enum ep_notify_impl {
 enum ep_combine_impl {
   EP_COMBINE_TMA = 1,
   EP_COMBINE_CE = 2,
-  EP_COMBINE_BULK = 3,  // the pull by loading and summing warps (EP_OPT_PULL_KERNEL 1)
+  EP_COMBINE_BULK = 3,  // the pull by loading and summing warps (EP_OPT_PULL_KERNEL 1, or 2 where ep_pull_auto picks it)
 };
 
 // Dispatch: the lean copy (every per-token load issued before the first store) with tokens handed to

@@ -14,7 +14,8 @@
 //    the stage, sums the holders' chunks in fp32 with w(t, d), stores bf16 into out[t] and issues the
 //    loads of unit j + S into the freed stage. Rows and weights of the warp's tokens are computed 32
 //    tokens at a time (one lane per token) into a double-buffered per-warp table, one batch ahead.
-//    Or (EP_OPT_PULL_KERNEL 1, rank-major, world <= 4) combine_ce_bulk_kernel<true>: the copy-engine combine's
+//    Or (EP_OPT_PULL_KERNEL 1, or 2 where ep_pull_auto picks it; rank-major, world <= 4)
+//    combine_ce_bulk_kernel<true>: the copy-engine combine's
 //    loading warps and summing warps (below) pulling every holder's row from its combine_in after step 2.
 // Expert-major (align >= 1): combine_in holds one row per slot (the caller's expert outputs). Phase R
 // (em_reduce_kernel, launched right before the combine kernel on its grid, or on em_sms blocks of 16 warps

@@ -200,7 +200,7 @@ struct EpContext {
   int ce_streams_used;  // combine_ce: copy streams a peer at 2 ranks, in all at 3+ (EP_OPT_CE_STREAMS: 1, 2, 4; 2 / 1)
   int ce_chunks;        // combine_ce: even chunks (EP_OPT_CE_CHUNKS), unless ce_grow
   int ce_grow;          // combine_ce: growing chunks (EP_OPT_CE_GROW)
-  int pull_bulk;        // the pull by combine_ce_bulk_kernel<true> (EP_OPT_PULL_KERNEL 1)
+  int pull_bulk;        // EP_OPT_PULL_KERNEL: 1 the pull by combine_ce_bulk_kernel<true>, 2 per call by ep_pull_auto
   int ce_share;         // own_rows all: percent of my x rows the copy engines move (EP_OPT_CE_SHARE, default 100)
   // combine_ce: the driver's cuStreamWriteValue32 (resolved at ep_create through the runtime, so the library does
   // not link libcuda): int (CUstream, CUdeviceptr, uint32 value, unsigned flags)

@@ -230,12 +230,12 @@ def check_cases(args: argparse.Namespace, rank: int, world: int, device: torch.d
         be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
                             fused_stores=args.fused_stores, em_push=args.em_push, em_sms=args.em_sms,
                             combine_rows=args.combine_rows, ce_chunks=args.ce_chunks, ce_streams=args.ce_streams,
-                            ce_share=args.ce_share, ce_chunking=args.ce_chunking, pull_kernel=args.pull_kernel)
+                            ce_share=args.ce_share, ce_chunking=args.ce_chunking, pull_kernel=args.pull_kernel,
+                            # the tma kernel's shape, given to the constructor: pull_kernel auto then takes tma
+                            combine_warps=args.combine_warps, combine_stages=args.combine_stages,
+                            combine_chunk=args.combine_chunk)
         if args.notify:
             be.notify_impl = args.notify.split(",")[0]
-        for knob in ("combine_warps", "combine_stages", "combine_chunk"):
-            if getattr(args, knob) is not None:
-                setattr(be, knob, getattr(args, knob))
         for impl, warps, sms in impls:
             set_impl(be, impl, warps)
             for rep in range(2):  # twice: the second call reuses buffers and flags
@@ -412,7 +412,10 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     for shape in SHAPES:
         for dtype in ("bf16", "fp8"):
             case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, dtype)
-            be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows)
+            # --combine-variants shape the tma kernel: pull_kernel tma unless --pull-kernel says otherwise (the rows
+            # then name the kernel that ran)
+            be = EpbenchBackend(make_setup(case, rank, world, device), own_rows=args.own_rows,
+                                pull_kernel=args.pull_kernel or "tma")
             routing = rank_routing(case, rank, world, seed=3)
             x = make_tokens(routing.num_tokens, case.hidden, 7, rank, 99, device)
             inp = dispatch_input(x, routing, dtype, device)
@@ -435,6 +438,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                         be.combine_stages = int(parts[1]) if len(parts) > 1 else 2
                         be.combine_chunk = int(parts[2]) if len(parts) > 2 else 2048
                         tc = time_calls(be, vinp, sms, args.warmup, args.iters, one, True, args.presleep)
+                        ran = be.effective_config().get("combine_impl", "tma")
+                        cv = cv if ran == "tma" else f"{ran} ({cv} not used)"
                         t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
                     if args.stamps:

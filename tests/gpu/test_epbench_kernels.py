@@ -79,6 +79,8 @@ OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--
 # pull_kernel bulk: the rank-major cases (bf16, fp8, mxfp8 dispatch; 1 and 4095 tokens, every token to one rank, all
 # ranks 0 tokens) with the loading / summing warps pulling over the link, at 8 and 3 SMs
 PULL_BULK = ["--pull-kernel", "bulk", "--impls", "lean:16:8,lean:16:3"]
+# pull_kernel tma where auto takes bulk (below 8 SMs at 4 ranks, from 16 at 2): the tma kernel stays checked there
+PULL_TMA = ["--pull-kernel", "tma", "--impls", "lean:16:3,lean:16:24"]
 
 
 def combine_rows_ce_flags(nproc: int) -> list:
@@ -114,7 +116,7 @@ SUITES = {
                                 "--impls", "lean:16:3"],
         "fused-stores-8": fused_stores8_flags(2), "em-push-sender": em_push_sender_flags(2),
         "em-push-receiver": em_push_receiver_flags(2), "em-sms": em_sms_flags(2),
-        "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER, "pull-bulk": PULL_BULK},
+        "em-sms-narrow": EM_SMS_NARROW, "em-sms-sender": EM_SMS_SENDER, "pull-bulk": PULL_BULK, "pull-tma": PULL_TMA},
     3: {"mxfp8": mxfp8_flags(3), "expert-major": expert_major_flags(3), "em-push-sender": em_push_sender_flags(3),
         "em-push-receiver": em_push_receiver_flags(3), "em-sms": em_sms_flags(3)},
     4: {"defaults": ["--quick"] if shared(4) else [], "own-rows-ce": own_rows_ce_flags(4),
@@ -122,7 +124,7 @@ SUITES = {
         "combine-rows-ce-grow": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunking", "grow", "--ce-streams", "2",
                                  "--impls", "lean:16:8"],
         "combine-rows-ce-6": ["--own-rows", "all", "--combine-rows", "ce", "--ce-chunks", "6", "--impls", "lean:16:4"],
-        "pull-bulk": PULL_BULK, "pull-bulk-own-all": ["--own-rows", "all", *PULL_BULK],
+        "pull-bulk": PULL_BULK, "pull-bulk-own-all": ["--own-rows", "all", *PULL_BULK], "pull-tma": PULL_TMA,
         "ce-share": ce_share_flags(4)},
 }
 for _world, _suites in SUITES.items():
@@ -242,6 +244,13 @@ def test_pull_bulk_matches_verification(kernels_built: None, nproc: int) -> None
         assert "T=4095" in out
     if nproc == 4:
         assert_suite(4, "pull-bulk-own-all")
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_pull_tma_where_auto_takes_bulk(kernels_built: None, nproc: int) -> None:
+    """pull_kernel tma at 3 and 24 SMs: where the default (auto) runs the bulk kernel (3-4 ranks below 8 SMs, 2 ranks
+    from 16), the tma kernel, which a tma knob given still selects there, is checked exactly as verification."""
+    assert "T=4095" in assert_suite(nproc, "pull-tma")
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 3])
