@@ -482,8 +482,12 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 
 // kDirect (pull_kernel bulk): the same loaders and summers pulling every holder's row straight from its combine_in
 // over the link, after steps 1-2 (combine_ready), as combine_tma_kernel does: no push, no staging, no chunk flags.
-template <bool kDirect>
+// kWaits (debug stamps on; its own instantiation, the other unchanged): each warp counts the clock64 cycles of its
+// waits and of its whole run into p.stamps[kStampCb*] (where a 4-SM bulk pull loses against the local sum).
+template <bool kDirect, bool kWaits = false>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
+  const long long t_start = kWaits ? clock64() : 0;
+  long long t_wait = 0;
   extern __shared__ __align__(128) uint8_t cb_ring[];
   __shared__ uint64_t full[kCbPairs * 2], empty[kCbPairs * 2];
   __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
@@ -540,11 +544,16 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
           ++n;
         }
       }
+      const long long t_flag = kWaits ? clock64() : 0;
       if (!kDirect && loader && lane < world && lane != me && my_row >= 0 && t >= p.ce_bound[seen + 1]) {
         // given up: the sum reads stale rows, the host raises the timeout
         seen = ce_chunk_from(p, t, seen < 0 ? 0 : seen);
         wait_flag(p, signal_ptr(p, me, p.sig.cstage_off + lane * kCeChunks + seen), epoch, lane, kPhaseCombineStaged);
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk copies below read what the flag published
+      }
+      if (kWaits && !kDirect && loader) {
+        __syncwarp();
+        t_wait += clock64() - t_flag;
       }
       if (loader) __syncwarp();
       for (int q = 0; q < pieces; ++q, ++j) {
@@ -553,7 +562,9 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
         const uint32_t lap = j >> 1;
         uint8_t* stage = cb_ring + (size_t)st * kCbHolders * kCbPiece;
         if (loader) {
+          const long long t_arm = kWaits ? clock64() : 0;
           ring_stage_arm(full, empty, st, lap, lane, (uint32_t)(n * bytes));  // after the summers freed its last unit
+          if (kWaits) t_wait += clock64() - t_arm;
           if (my_slot >= 0) {
             const uint8_t* src = kDirect       ? p.peer_base[lane] + p.off_combine_in + (size_t)my_row * rb
                                  : lane == me ? own + (size_t)my_row * rb
@@ -563,7 +574,9 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
           __syncwarp();
           continue;
         }
+        const long long t_full = kWaits ? clock64() : 0;
         mbar_wait(full + st, lap & 1u);
+        if (kWaits) t_wait += clock64() - t_full;
         const int4* x0 = reinterpret_cast<const int4*>(stage);
         uint4* dst = a.out + (size_t)t * V + (size_t)q * (kCbPiece >> 4);
         const int nv = bytes >> 4;
@@ -579,7 +592,22 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
       }
     }
   }
+  if (kWaits && lane == 0) {
+    unsigned long long* s = p.stamps;
+    atomicAdd(s + (loader ? kStampCbLoaderWait : kStampCbSummerWait), (unsigned long long)t_wait);
+    atomicAdd(s + (loader ? kStampCbLoaderBusy : kStampCbSummerBusy), (unsigned long long)(clock64() - t_start));
+    if (loader) atomicAdd(s + kStampCbUnits, (unsigned long long)j);
+  }
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
+}
+
+// Debug stamps on: the bulk kernel's wait counters zeroed on `stream` before its launch, and true (the counting
+// instantiation runs); off: false.
+bool cb_waits_zeroed(const EpParams& p, cudaStream_t stream) {
+  if (p.stamps == nullptr) return false;
+  CUDA_CHECK(cudaMemsetAsync(p.stamps + kStampCbLoaderWait, 0,
+                             (kStampCbUnits + 1 - kStampCbLoaderWait) * sizeof(unsigned long long), stream));
+  return true;
 }
 
 // The copy streams combine_ce's push forks, uses and joins: ce_streams a peer at 2 ranks, ce_streams in all at 3 or
@@ -653,10 +681,10 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     if (p.world <= 2) {
       combine_ce_kernel<2, 8><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     } else if (p.world <= kCbHolders && (size_t)ctx->max_smem_optin >= cb_smem_bytes()) {
-      CUDA_CHECK(cudaFuncSetAttribute(combine_ce_bulk_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)cb_smem_bytes()));
+      auto kernel = cb_waits_zeroed(p, stream) ? combine_ce_bulk_kernel<false, true> : combine_ce_bulk_kernel<false, false>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cb_smem_bytes()));
       wc = kCbThreads / 32;
-      combine_ce_bulk_kernel<false><<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
+      kernel<<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
     } else if (p.world <= 4) {
       combine_ce_kernel<4, 4><<<num_sms, wc * 32, 0, stream>>>(p, a, epoch);
     } else {
@@ -684,9 +712,9 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
                    ctx->max_smem_optin);
       return -1;
     }
-    CUDA_CHECK(cudaFuncSetAttribute(combine_ce_bulk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)cb_smem_bytes()));
-    combine_ce_bulk_kernel<true><<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
+    auto kernel = cb_waits_zeroed(p, stream) ? combine_ce_bulk_kernel<true, true> : combine_ce_bulk_kernel<true, false>;
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cb_smem_bytes()));
+    kernel<<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
     CUDA_CHECK(cudaGetLastError());
     ep_effective& eff = ctx->effective;
     eff.combine_impl = EP_COMBINE_BULK;

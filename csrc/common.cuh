@@ -165,7 +165,15 @@ enum EpStamp {
   kStampBlockCounted = 9,  // notify: a block finished A (grid: the last block to get there)
   kStampDataFirst = 10,    // first data block done with its rows
   kStampSmMask = 11,       // [11..13]: bit s set when a data block ran on SM s (lean / lean-dyn; debug)
-  kNumStamps = 16,
+  // [14..18] combine_ce_bulk_kernel (the bulk pull and the ce combine at 3-4 ranks), debug stamps on: sums over
+  // its warps of clock64 cycles (zeroed before the launch): the loaders' waits for a free stage (and, ce, for a
+  // chunk flag), the summers' waits for a full stage, each kind's cycles from its start to its end, the units
+  kStampCbLoaderWait = 14,
+  kStampCbSummerWait = 15,
+  kStampCbLoaderBusy = 16,
+  kStampCbSummerBusy = 17,
+  kStampCbUnits = 18,
+  kNumStamps = 24,
 };
 
 

@@ -37,7 +37,9 @@ COMBINE_IMPLS = {"tma": 1, "ce": 2, "bulk": 3}
 DISPATCH_IMPLS = {"lean": 3, "lean_dyn": 10}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
-          "data_last", "data_end", "block_counted", "data_first", "sm_mask0", "sm_mask1", "sm_mask2"]
+          "data_last", "data_end", "block_counted", "data_first", "sm_mask0", "sm_mask1", "sm_mask2",
+          # [14..18] the combine's bulk kernel (csrc/common.cuh kStampCb*): clock64 cycles summed over its warps
+          "cb_loader_wait", "cb_summer_wait", "cb_loader_busy", "cb_summer_busy", "cb_units"]
 
 
 class EpEffective(ctypes.Structure):

@@ -545,6 +545,7 @@ def run_trace(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                     be.combine(out, sms)
             dist.all_reduce(one)
             torch.cuda.synchronize()
+        waits = bulk_waits(be, inp, sms, one, args) if args.with_combine else ""
         be.check_errors()
         be.close()
         path = Path(args.out or "/tmp") / f"trace_{args.shape}_{args.own_rows}_sms{sms}_rank{rank}.json"
@@ -556,13 +557,37 @@ def run_trace(args: argparse.Namespace, rank: int, world: int, device: torch.dev
         mine = [f"rank {rank} sms={sms} {args.own_rows} {extra}: dispatch {timed['dispatch']:.1f} us"
                 + (f", combine {timed['combine']:.1f} us" if args.with_combine else "") + " (events, median)"]
         mine += [f"  stream {s} {start:8.1f} +{dur:7.1f} -> {start + dur:8.1f}  {name} (x{n})"
-                 for name, s, start, dur, n in timeline]
+                 for name, s, start, dur, n in timeline] + ([waits] if waits else [])
         gathered: List[List[str]] = [[] for _ in range(world)]
         dist.all_gather_object(gathered, mine)
         lines += [ln for g in gathered for ln in g]
     if rank == 0:
         print("\n".join(lines), flush=True)
     return 0
+
+
+def bulk_waits(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, args: argparse.Namespace) -> str:
+    """trace --with-combine where the combine ran its bulk kernel (pull_kernel bulk, or combine_rows ce at 3-4
+    ranks): with debug stamps on, --iters more calls, each warp's clock64 cycles waiting (loaders: for a free stage
+    and, ce, a chunk flag; summers: for a full stage) over its cycles in all, summed over warps (csrc/common.cuh
+    kStampCb*); "" where another kernel ran."""
+    if be.effective_config().get("combine_impl") not in ("bulk", "ce") or (be.s.world < 3 and be.combine_rows == "ce"):
+        return ""
+    be.set_debug_stamps(True)
+    sums = {k: 0 for k in ("cb_loader_wait", "cb_summer_wait", "cb_loader_busy", "cb_summer_busy", "cb_units")}
+    for _ in range(args.iters):
+        dist.all_reduce(one)
+        be.combine(be.dispatch(inp, sms), sms)
+        torch.cuda.synchronize()
+        st = be.debug_stamps()
+        for k in sums:
+            sums[k] += st[k]
+    be.set_debug_stamps(False)
+    pct = lambda wait, busy: 100.0 * sums[wait] / sums[busy] if sums[busy] else float("nan")
+    return (f"  bulk kernel waits ({args.iters} calls, stamps on): loaders {pct('cb_loader_wait', 'cb_loader_busy'):.1f} % "
+            f"of their cycles waiting for a free stage{' or a chunk flag' if be.combine_rows == 'ce' else ''}, "
+            f"summers {pct('cb_summer_wait', 'cb_summer_busy'):.1f} % for a full one; "
+            f"{sums['cb_units'] / args.iters:.0f} units a call")
 
 
 def parser() -> argparse.ArgumentParser:
