@@ -439,8 +439,8 @@ def run_bench(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                         be.combine_chunk = int(parts[2]) if len(parts) > 2 else 2048
                         tc = time_calls(be, vinp, sms, args.warmup, args.iters, one, True, args.presleep)
                         ran = be.effective_config().get("combine_impl", "tma")
-                        cv = cv if ran == "tma" else f"{ran} ({cv} not used)"
-                        t[f"combine {cv}"], t[f"host_combine {cv}"] = tc["combine"], tc["host_combine"]
+                        name = cv if ran == "tma" else f"{ran} ({cv} not used)"  # the kernel that ran
+                        t[f"combine {name}"], t[f"host_combine {name}"] = tc["combine"], tc["host_combine"]
                     label = ":".join(v) + ("" if len(notify_impls) == 1 else f"/{nimpl}")
                     if args.stamps:
                         line = stamp_phases(be, vinp, sms, args.stamps, one, device)
