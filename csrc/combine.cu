@@ -449,16 +449,17 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
 // piece (my combine_in for me, my staging buffer for a peer) into slot j of the pair's stage (j: d's place among
 // the token's holders), lane 0 arming the stage with the pieces' bytes; each summer (warps kCbPairs + l, 2 kCbPairs + l, ...) finds the
 // same holders and weights, sums the stage's n pieces (n a constant in its loop) and stores them, then frees the
-// stage. 2 stages a pair; kCbSummers summers a pair (summer s: vectors lane + 32 (s + kCbSummers i) of each piece,
+// stage. kCbStages stages a pair; kCbSummers summers a pair (summer s: vectors lane + 32 (s + kCbSummers i) of each piece,
 // the stage freed when all have arrived), as the ceiling's kBsSummers (72 registers a thread, no spill, at 896
 // threads).
 constexpr int kCbPiece = 3584;  // bytes of a piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
 constexpr int kCbPairs = 7;     // 7 pairs x 2 stages x 4 holders x 3.5 KiB = 196 KiB of shared memory a block
+constexpr int kCbStages = 2;    // a pair's stages: one summed while the other loads
 constexpr int kCbHolders = 4;
 constexpr int kCbSummers = 3;
 constexpr int kCbThreads = kCbPairs * 32 * (1 + kCbSummers);
 
-__host__ __device__ __forceinline__ size_t cb_smem_bytes() { return (size_t)kCbPairs * 2 * kCbHolders * kCbPiece; }
+__host__ __device__ __forceinline__ size_t cb_smem_bytes() { return (size_t)kCbPairs * kCbStages * kCbHolders * kCbPiece; }
 
 // n pieces (slots 0..kN-1 of a stage, kCbPiece bytes apart) weighted by w[0..kN-1] in order, stored bf16 at dst:
 // summer s's share of the vectors.
@@ -489,7 +490,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
   const long long t_start = kWaits ? clock64() : 0;
   long long t_wait = 0;
   extern __shared__ __align__(128) uint8_t cb_ring[];
-  __shared__ uint64_t full[kCbPairs * 2], empty[kCbPairs * 2];
+  __shared__ uint64_t full[kCbPairs * kCbStages], empty[kCbPairs * kCbStages];
   __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
   if (kDirect) {
     combine_ready(p, epoch);
@@ -508,7 +509,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
   const uint8_t* own = p.peer_base[me] + p.off_combine_in;
   const uint8_t* staged = p.peer_base[me] + p.off_combine_stage;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kCbPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kCbSummers);
+    for (int s = 0; s < kCbPairs * kCbStages; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kCbSummers);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     aborted = ld_volatile(p.dev_error) != 0;
   }
@@ -516,7 +517,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
   const int T = aborted ? 0 : a.num_tokens;
   const int ntok = P < T ? (T - P + G - 1) / G : 0;  // the pair's tokens P + k G, k < ntok
   int seen = -1;     // loader lane d: the last chunk of holder d seen pushed
-  uint32_t j = 0;    // the pair's units so far: stage j & 1, lap j >> 1
+  uint32_t j = 0;    // the pair's units so far: stage j % kCbStages, lap j / kCbStages
   for (int k0 = 0; k0 < ntok; k0 += 32) {
     int rows[kCbHolders];
     float ws[kCbHolders];
@@ -558,8 +559,8 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
       if (loader) __syncwarp();
       for (int q = 0; q < pieces; ++q, ++j) {
         const int bytes = min(kCbPiece, row_bytes - q * kCbPiece);
-        const int st = l * 2 + (int)(j & 1);
-        const uint32_t lap = j >> 1;
+        const int st = l * kCbStages + (int)(j % kCbStages);
+        const uint32_t lap = j / kCbStages;
         uint8_t* stage = cb_ring + (size_t)st * kCbHolders * kCbPiece;
         if (loader) {
           const long long t_arm = kWaits ? clock64() : 0;
