@@ -207,6 +207,12 @@ __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, in
   }
 }
 
+// kRead (python -m epbench.smmem's `bulk read`): the same loaders, stages and summers' reads of shared memory, but
+// no sum and no stores: each summer lane XOR-folds every vector it reads, and each summer warp folds its lanes into
+// out's word of the block (out an int array then, zeroed by the block first). What the pipeline costs without the
+// summers' arithmetic and global stores: whether a SM's shared memory, written by the bulk copies and read by the
+// summers, is what bounds the sum.
+template <bool kRead = false>
 __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
                                                                   long long rows_in, int row_bytes) {
   extern __shared__ __align__(128) char ring[];
@@ -220,9 +226,11 @@ __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, con
   if (threadIdx.x == 0) {
     for (int s = 0; s < kBsPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kBsSummers);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (kRead) reinterpret_cast<int*>(out)[blockIdx.x] = 0;
   }
   __syncthreads();
   const bool loader = w < kBsPairs;
+  int fold = 0;    // kRead: the summer lane's XOR of every word it read
   uint32_t j = 0;  // the pair's units so far: stage j & 1, lap j >> 1
   for (long long u = l; u < units; u += kBsPairs, ++j) {
     const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
@@ -243,6 +251,16 @@ __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, con
     const int4* x0 = reinterpret_cast<const int4*>(stage);
     uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
     const int nv = bytes >> 4;
+    if (kRead) {
+      for (int h = 0; h < k; ++h)
+        for (int v = lane + 32 * sw; v < nv; v += 32 * kBsSummers) {
+          const int4 x = x0[h * (kBsPiece >> 4) + v];
+          fold ^= x.x ^ x.y ^ x.z ^ x.w;
+        }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + st);
+      continue;
+    }
     switch (k) {  // the row count a constant in the loop (with k per token in it: 790 / 862 us at 3 / 4 rows, 4 SMs)
       case 1: sum_piece<1>(dst, x0, nv, lane, sw); break;
       case 2: sum_piece<2>(dst, x0, nv, lane, sw); break;
@@ -251,6 +269,11 @@ __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, con
     }
     __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
     if (lane == 0) mbar_arrive(empty + st);
+  }
+  if (kRead && !loader) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) fold ^= __shfl_xor_sync(0xffffffffu, fold, o);
+    if (lane == 0) atomicXor(reinterpret_cast<int*>(out) + blockIdx.x, fold);
   }
 }
 
@@ -272,8 +295,8 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
       ep_set_error("ep_sum_ceiling: the bulk-copy shape takes at most %d rows a token, got %lld", kBsMaxRows, most);
       return -1;
     }
-    CUDA_CHECK(cudaFuncSetAttribute(sum_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kBsSmem));
-    sum_bulk_kernel<<<num_blocks, threads, kBsSmem, static_cast<cudaStream_t>(stream)>>>(
+    CUDA_CHECK(cudaFuncSetAttribute(sum_bulk_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kBsSmem));
+    sum_bulk_kernel<false><<<num_blocks, threads, kBsSmem, static_cast<cudaStream_t>(stream)>>>(
         static_cast<uint4*>(out), static_cast<const char*>(src), rows_out, rows_in, hidden * 2);
     CUDA_CHECK(cudaGetLastError());
     return 0;
@@ -302,6 +325,7 @@ enum SmMemMode {
   EP_SM_LOAD = 0,
   EP_SM_BULK_LOAD = 1,
   EP_SM_STORE = 2,
+  EP_SM_BULK_READ = 3,  // sum_bulk_kernel<true>: threads must be kBsThreads, k <= kBsMaxRows; a word a block
 };
 constexpr int kLoadU = 16;
 constexpr int kBulkPiece = 7168;  // bytes of one bulk copy (half a 7168-wide bf16 row)
@@ -388,9 +412,10 @@ __global__ void __launch_bounds__(512, 1) sm_store_kernel(int4* out, int rows_ou
 
 extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int k, int hidden, int num_blocks,
                          int threads, void* stream) {
-  if (mode < EP_SM_LOAD || mode > EP_SM_STORE || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
-      num_blocks < 1 || threads < 32 || threads > 512 || threads % 32 != 0 || ((uintptr_t)src & 15) ||
-      ((uintptr_t)out & 15)) {
+  const bool bulk_read = mode == EP_SM_BULK_READ;
+  if (mode < EP_SM_LOAD || mode > EP_SM_BULK_READ || rows_out < 1 || k < 1 || hidden % 8 != 0 || hidden < 256 ||
+      num_blocks < 1 || threads < 32 || (threads > 512 && !bulk_read) || threads % 32 != 0 ||
+      (bulk_read && (threads != kBsThreads || k > kBsMaxRows)) || ((uintptr_t)src & 15) || ((uintptr_t)out & 15)) {
     ep_set_error("ep_sm_mem: bad arguments (mode %d, rows %d x %d, hidden %d, blocks %d, threads %d)", mode, rows_out,
                  k, hidden, num_blocks, threads);
     return -1;
@@ -408,6 +433,10 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
     }
     sm_bulk_load_kernel<<<num_blocks, threads, smem, s>>>(static_cast<int*>(out), static_cast<const char*>(src), rows_out,
                                                      k, hidden * 2);
+  } else if (bulk_read) {
+    CUDA_CHECK(cudaFuncSetAttribute(sum_bulk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kBsSmem));
+    sum_bulk_kernel<true><<<num_blocks, threads, kBsSmem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
+                                                               rows_out, (long long)k * rows_out, hidden * 2);
   } else {
     sm_store_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int4*>(out), rows_out, hidden / 8);
   }

@@ -18,6 +18,9 @@ csrc/ceiling.cu:
 - ``bulk sum``: its bulk-copy shape: the rows brought into shared memory by TMA bulk copies, 7 loading warps a SM
   (each bringing k 3.5 KiB pieces into its 2 stages in turn) with 3 summing warps each (summing and storing a share
   of every piece); k <= 4; checked bit for bit. ``epbench ceiling``'s local sum is the fastest of the three shapes.
+- ``bulk read``: the same loaders, stages and summers reading every vector of each stage from shared memory, without
+  the sum and the stores (each block's reads XOR-folded into a word, checked): what the bulk sum's pipeline costs by
+  itself, i.e. whether shared memory, written by the copies and read by the summers, bounds the sum.
 
 Columns: us (median of --iters launches, device events), MB moved (loads + stores), GB/s and GB/s per SM; for
 ``sum`` also ``apart us``, the ``load`` of the same rows plus the ``store`` of one row a token measured apart, i.e.
@@ -38,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from epbench.errors import UserError
 
-MODES = {"load": 0, "bulk": 1, "store": 2}  # csrc/ceiling.cu SmMemMode
+MODES = {"load": 0, "bulk": 1, "store": 2, "bulk read": 3}  # csrc/ceiling.cu SmMemMode
 THREADS = 512
 BULK_ISSUERS = (1, 4, 14)  # issuing warps a block of the bulk loads, each with its share of the 28-piece ring
 BULK_PIECE = 7168  # csrc/ceiling.cu kBulkPiece: bytes of one bulk copy
@@ -112,6 +115,15 @@ def xor_fold(words: Any) -> Any:
 def expected_load_words(src_words: Any, k: int) -> Any:
     """The load kernel's word for each token: every int32 of its k rows XOR-folded. src_words [rows, tokens, hidden/2]."""
     return xor_fold(src_words[:k].transpose(1, 0, 2).reshape(src_words.shape[1], -1))
+
+
+def expected_block_words(per_token: Any, blocks: int) -> Any:
+    """The bulk-read kernel's word for each block: the per-token words (expected_load_words) of its tokens (b, b +
+    blocks, ...) XOR-folded."""
+    import numpy as np
+
+    return np.array([xor_fold(per_token[b::blocks]) if b < len(per_token) else 0 for b in range(blocks)],
+                    dtype=np.int32)
 
 
 def expected_bulk_words(src_words: Any, k: int, issuers: int) -> Any:
@@ -200,6 +212,12 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
                                                 ceiling.BULK_SUM_THREADS, comm, a.warmup, a.iters))
                 rows.append(row_of(sms, "bulk sum", k, t_bs, moved_bytes("bulk sum", k, a.tokens, a.hidden),
                                    "ok" if torch.equal(out, sums[k]) else "WRONG", apart_us=t_bulk_best + t_store))
+                say(format_row(rows[-1]))
+                words.fill_(-1)  # the kernel zeroes its blocks' words: a block that did not run fails the check
+                t_br = timed(mem("bulk read", k, sms, words, ceiling.BULK_SUM_THREADS), "ep_sm_mem")
+                ok = (words[:sms].cpu().numpy() == expected_block_words(expected_load_words(src_words, k), sms)).all()
+                rows.append(row_of(sms, "bulk read", k, t_br, moved_bytes("bulk read", k, a.tokens, a.hidden),
+                                   "ok" if ok else "WRONG"))
                 say(format_row(rows[-1]))
     return rows
 

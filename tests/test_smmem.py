@@ -81,6 +81,23 @@ def test_bulk_fold_is_each_pieces_first_word_per_issuer() -> None:
             assert got[b] == np.int32(f)
 
 
+def test_bulk_read_fold_is_every_word_of_a_blocks_tokens() -> None:
+    w = _words(3, 7, 7168 + 256)
+    per_token = smmem.expected_load_words(w, 3)
+    for blocks in (1, 3, 9):
+        got = smmem.expected_block_words(per_token, blocks)
+        assert len(got) == blocks
+        for b in range(blocks):
+            f = 0
+            for t in range(b, 7, blocks):
+                for j in range(3):
+                    for x in w[j, t]:
+                        f ^= int(x)
+            assert got[b] == np.int32(f)
+    # a block that skipped a row fails the check
+    assert (smmem.expected_block_words(smmem.expected_load_words(w, 2), 3) != smmem.expected_block_words(per_token, 3)).any()
+
+
 def test_without_a_gpu_one_line_and_exit_2(capsys, monkeypatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -46,8 +46,8 @@ def test_local_sum_ceiling_sums_every_row_of_every_token(kernels_built: None, to
 
 def test_sm_memory_rates_do_all_their_work(kernels_built: None, tmp_path) -> None:
     """python -m epbench.smmem: every kernel's check passes (the load folds, the bulk-load folds, the stored
-    positions, the sums bit for bit) on shapes with a short last piece and tokens not a multiple of the warps, and
-    the CSV with its provenance is written."""
+    positions, the sums bit for bit, the bulk reads' block folds) on shapes with a short last piece and tokens not a
+    multiple of the warps, and the CSV with its provenance is written."""
     import csv
     import json
 
@@ -57,8 +57,8 @@ def test_sm_memory_rates_do_all_their_work(kernels_built: None, tmp_path) -> Non
     assert smmem.main(["--sms", "1,3", "--rows", "1,3", "--hidden", "7424", "--tokens", "37", "--iters", "2",
                        "--warmup", "1", "--csv", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == 2 * (1 + 2 * (3 + len(smmem.BULK_ISSUERS))) and all(r["check"] == "ok" for r in rows)
-    assert {r["kernel"] for r in rows} == ({"load", "store", "sum", "bulk sum"}
+    assert len(rows) == 2 * (1 + 2 * (4 + len(smmem.BULK_ISSUERS))) and all(r["check"] == "ok" for r in rows)
+    assert {r["kernel"] for r in rows} == ({"load", "store", "sum", "bulk sum", "bulk read"}
                                            | {f"bulk {w}w" for w in smmem.BULK_ISSUERS})
     assert all(float(r["time_us"]) > 0 for r in rows)
     assert json.loads((tmp_path / "m.csv.json").read_text())["options"]["hidden"] == 7424
