@@ -524,6 +524,12 @@ def run_trace(args: argparse.Namespace, rank: int, world: int, device: torch.dev
     from torch.profiler import ProfilerActivity, profile
     shape = {c.name: c for c in SHAPES}[args.shape]
     case = Case(shape.name, shape.hidden, shape.tokens, shape.topk, shape.experts_per_rank, "bf16")
+    if case.topk > world * case.experts_per_rank:  # one line, not a routing traceback from every rank
+        if rank == 0:
+            print(f"trace --shape {args.shape}: top-k {case.topk} needs {case.topk} experts, {world} ranks x "
+                  f"{case.experts_per_rank} give {world * case.experts_per_rank}: more ranks or another shape",
+                  file=sys.stderr, flush=True)
+        return 1
     extra = {k: v for k, v in (("combine_rows", args.combine_rows), ("ce_share", args.ce_share),
                                ("ce_chunks", args.ce_chunks), ("ce_streams", args.ce_streams),
                                ("ce_chunking", args.ce_chunking), ("pull_kernel", args.pull_kernel)) if v is not None}
