@@ -484,11 +484,13 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 // kDirect (pull_kernel bulk): the same loaders and summers pulling every holder's row straight from its combine_in
 // over the link, after steps 1-2 (combine_ready), as combine_tma_kernel does: no push, no staging, no chunk flags.
 // kWaits (debug stamps on; its own instantiation, the other unchanged): each warp counts the clock64 cycles of its
-// waits and of its whole run into p.stamps[kStampCb*] (where a 4-SM bulk pull loses against the local sum).
+// waits, its work (a loader's issue of a unit's copies, a summer's sum, stores and release of a stage), its
+// preparation (the batch's holder lookups and each token's holders), its start (the ready handshake, to the block
+// barrier) and its whole run into p.stamps[kStampCb*] (where a 4-SM bulk pull loses against the local sum).
 template <bool kDirect, bool kWaits = false>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
   const long long t_start = kWaits ? clock64() : 0;
-  long long t_wait = 0;
+  long long t_wait = 0, t_prep = 0, t_work = 0, t_ready = 0;  // kWaits: cycles by kind (see the stamps)
   extern __shared__ __align__(128) uint8_t cb_ring[];
   __shared__ uint64_t full[kCbPairs * kCbStages], empty[kCbPairs * kCbStages];
   __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
@@ -514,11 +516,13 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     aborted = ld_volatile(p.dev_error) != 0;
   }
   __syncthreads();
+  if (kWaits) t_ready = clock64() - t_start;
   const int T = aborted ? 0 : a.num_tokens;
   const int ntok = P < T ? (T - P + G - 1) / G : 0;  // the pair's tokens P + k G, k < ntok
   int seen = -1;     // loader lane d: the last chunk of holder d seen pushed
   uint32_t j = 0;    // the pair's units so far: stage j % kCbStages, lap j / kCbStages
   for (int k0 = 0; k0 < ntok; k0 += 32) {
+    long long t_prep0 = kWaits ? clock64() : 0;  // the batch's lookups, then each token's holders up to its flag wait
     int rows[kCbHolders];
     float ws[kCbHolders];
 #pragma unroll
@@ -530,6 +534,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     }
     const int nb = min(32, ntok - k0);
     for (int i = 0; i < nb; ++i) {
+      if (kWaits && i > 0) t_prep0 = clock64();
       const int t = P + (k0 + i) * G;
       float wd[kCbHolders] = {0.f, 0.f, 0.f, 0.f};
       int n = 0, my_slot = -1, my_row = -1;  // the token's holders; lane d's place among them and its row
@@ -544,6 +549,10 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
             if (h == n) wd[h] = wv;  // compacted in rank order (no array indexed at run time: registers)
           ++n;
         }
+      }
+      if (kWaits) {
+        __syncwarp();
+        t_prep += clock64() - t_prep0;
       }
       const long long t_flag = kWaits ? clock64() : 0;
       if (!kDirect && loader && lane < world && lane != me && my_row >= 0 && t >= p.ce_bound[seen + 1]) {
@@ -565,7 +574,8 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
         if (loader) {
           const long long t_arm = kWaits ? clock64() : 0;
           ring_stage_arm(full, empty, st, lap, lane, (uint32_t)(n * bytes));  // after the summers freed its last unit
-          if (kWaits) t_wait += clock64() - t_arm;
+          const long long t_issue = kWaits ? clock64() : 0;
+          if (kWaits) t_wait += t_issue - t_arm;
           if (my_slot >= 0) {
             const uint8_t* src = kDirect       ? p.peer_base[lane] + p.off_combine_in + (size_t)my_row * rb
                                  : lane == me ? own + (size_t)my_row * rb
@@ -573,11 +583,13 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
             bulk_load(stage + (size_t)my_slot * kCbPiece, src + (size_t)q * kCbPiece, (uint32_t)bytes, full + st);
           }
           __syncwarp();
+          if (kWaits) t_work += clock64() - t_issue;
           continue;
         }
         const long long t_full = kWaits ? clock64() : 0;
         mbar_wait(full + st, lap & 1u);
-        if (kWaits) t_wait += clock64() - t_full;
+        const long long t_sum = kWaits ? clock64() : 0;
+        if (kWaits) t_wait += t_sum - t_full;
         const int4* x0 = reinterpret_cast<const int4*>(stage);
         uint4* dst = a.out + (size_t)t * V + (size_t)q * (kCbPiece >> 4);
         const int nv = bytes >> 4;
@@ -590,6 +602,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
         }
         __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
         if (lane == 0) mbar_arrive(empty + st);
+        if (kWaits) t_work += clock64() - t_sum;
       }
     }
   }
@@ -598,6 +611,9 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     atomicAdd(s + (loader ? kStampCbLoaderWait : kStampCbSummerWait), (unsigned long long)t_wait);
     atomicAdd(s + (loader ? kStampCbLoaderBusy : kStampCbSummerBusy), (unsigned long long)(clock64() - t_start));
     if (loader) atomicAdd(s + kStampCbUnits, (unsigned long long)j);
+    atomicAdd(s + (loader ? kStampCbLoaderPrep : kStampCbSummerPrep), (unsigned long long)t_prep);
+    atomicAdd(s + (loader ? kStampCbLoaderIssue : kStampCbSummerSum), (unsigned long long)t_work);
+    atomicAdd(s + kStampCbReady, (unsigned long long)t_ready);
   }
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
@@ -607,7 +623,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
 bool cb_waits_zeroed(const EpParams& p, cudaStream_t stream) {
   if (p.stamps == nullptr) return false;
   CUDA_CHECK(cudaMemsetAsync(p.stamps + kStampCbLoaderWait, 0,
-                             (kStampCbUnits + 1 - kStampCbLoaderWait) * sizeof(unsigned long long), stream));
+                             (kStampCbReady + 1 - kStampCbLoaderWait) * sizeof(unsigned long long), stream));
   return true;
 }
 

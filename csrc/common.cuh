@@ -173,6 +173,14 @@ enum EpStamp {
   kStampCbLoaderBusy = 16,
   kStampCbSummerBusy = 17,
   kStampCbUnits = 18,
+  // [19..23] the same kernel's cycles by kind, summed over its warps: the loaders' and the summers' preparation
+  // (the batch's holder lookups, each token's holders), the loaders' issue of a unit's copies, the summers' sum,
+  // stores and release of a stage, and every warp's start (the ready handshake and the block barrier)
+  kStampCbLoaderPrep = 19,
+  kStampCbSummerPrep = 20,
+  kStampCbLoaderIssue = 21,
+  kStampCbSummerSum = 22,
+  kStampCbReady = 23,
   kNumStamps = 24,
 };
 

@@ -38,8 +38,9 @@ DISPATCH_IMPLS = {"lean": 3, "lean_dyn": 10}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
           "data_last", "data_end", "block_counted", "data_first", "sm_mask0", "sm_mask1", "sm_mask2",
-          # [14..18] the combine's bulk kernel (csrc/common.cuh kStampCb*): clock64 cycles summed over its warps
-          "cb_loader_wait", "cb_summer_wait", "cb_loader_busy", "cb_summer_busy", "cb_units"]
+          # [14..23] the combine's bulk kernel (csrc/common.cuh kStampCb*): clock64 cycles summed over its warps
+          "cb_loader_wait", "cb_summer_wait", "cb_loader_busy", "cb_summer_busy", "cb_units",
+          "cb_loader_prep", "cb_summer_prep", "cb_loader_issue", "cb_summer_sum", "cb_ready"]
 
 
 class EpEffective(ctypes.Structure):

@@ -205,3 +205,23 @@ def test_config_struct_and_region_ids_match_the_c_api_header():
     assert cuda_lib.OWN_ROWS == {"sm": 0, "ce": 1, "all": 2}
     assert cuda_lib.COMBINE_ROWS == {"pull": 0, "ce": 1}
     assert "2 (all)" in (Path(__file__).resolve().parents[1] / "csrc" / "api.h").read_text()
+
+
+def test_stamp_names_follow_the_c_enum() -> None:
+    """cuda_lib.STAMPS names each index of csrc/common.cuh's EpStamp (kStampFooBar = n -> foo_bar at n; the SM mask
+    spans three words), and fits in kNumStamps: a stamp added on one side only would print another's cycles."""
+    import re
+    from pathlib import Path
+
+    from epbench import cuda_lib
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "common.cuh").read_text()
+    body = re.search(r"enum EpStamp \{(.*?)\};", header, re.S).group(1)
+    pairs = {name: int(v) for name, v in re.findall(r"\bkStamp(\w+) = (\d+)", body)}
+    total = int(re.search(r"\bkNumStamps = (\d+)", body).group(1))
+    assert len(cuda_lib.STAMPS) <= total
+    snake = lambda camel: re.sub(r"(?<!^)([A-Z])", r"_\1", camel).lower()
+    for name, index in pairs.items():
+        want = "sm_mask0" if name == "SmMask" else snake(name)
+        assert cuda_lib.STAMPS[index] == want, (name, index)
+    assert pairs["CbReady"] == len(cuda_lib.STAMPS) - 1

@@ -575,12 +575,15 @@ def run_trace(args: argparse.Namespace, rank: int, world: int, device: torch.dev
 def bulk_waits(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, args: argparse.Namespace) -> str:
     """trace --with-combine where the combine ran its bulk kernel (pull_kernel bulk, or combine_rows ce at 3-4
     ranks): with debug stamps on, --iters more calls, each warp's clock64 cycles waiting (loaders: for a free stage
-    and, ce, a chunk flag; summers: for a full stage) over its cycles in all, summed over warps (csrc/common.cuh
-    kStampCb*); "" where another kernel ran."""
+    and, ce, a chunk flag; summers: for a full stage), working (loaders: issuing a unit's copies; summers: summing,
+    storing and freeing a stage), finding holders, and starting, over its cycles in all, summed over warps
+    (csrc/common.cuh kStampCb*); "" where another kernel ran."""
     if be.effective_config().get("combine_impl") not in ("bulk", "ce") or (be.s.world < 3 and be.combine_rows == "ce"):
         return ""
     be.set_debug_stamps(True)
-    sums = {k: 0 for k in ("cb_loader_wait", "cb_summer_wait", "cb_loader_busy", "cb_summer_busy", "cb_units")}
+    keys = ("cb_loader_wait", "cb_summer_wait", "cb_loader_busy", "cb_summer_busy", "cb_units", "cb_loader_prep",
+            "cb_summer_prep", "cb_loader_issue", "cb_summer_sum", "cb_ready")
+    sums = {k: 0 for k in keys}
     for _ in range(args.iters):
         dist.all_reduce(one)
         be.combine(be.dispatch(inp, sms), sms)
@@ -589,11 +592,17 @@ def bulk_waits(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, arg
         for k in sums:
             sums[k] += st[k]
     be.set_debug_stamps(False)
-    pct = lambda wait, busy: 100.0 * sums[wait] / sums[busy] if sums[busy] else float("nan")
+    pct = lambda part, whole: 100.0 * sums[part] / sums[whole] if sums[whole] else float("nan")
+    every = sums["cb_loader_busy"] + sums["cb_summer_busy"]
+    flag = " or a chunk flag" if be.combine_rows == "ce" else ""
     return (f"  bulk kernel waits ({args.iters} calls, stamps on): loaders {pct('cb_loader_wait', 'cb_loader_busy'):.1f} % "
-            f"of their cycles waiting for a free stage{' or a chunk flag' if be.combine_rows == 'ce' else ''}, "
-            f"summers {pct('cb_summer_wait', 'cb_summer_busy'):.1f} % for a full one; "
-            f"{sums['cb_units'] / args.iters:.0f} units a call")
+            f"of their cycles waiting for a free stage{flag}, summers {pct('cb_summer_wait', 'cb_summer_busy'):.1f} % "
+            f"for a full one; {sums['cb_units'] / args.iters:.0f} units a call\n"
+            f"  bulk kernel work: loaders issuing copies {pct('cb_loader_issue', 'cb_loader_busy'):.1f} %, finding "
+            f"holders {pct('cb_loader_prep', 'cb_loader_busy'):.1f} %; summers summing and storing "
+            f"{pct('cb_summer_sum', 'cb_summer_busy'):.1f} %, finding holders and weights "
+            f"{pct('cb_summer_prep', 'cb_summer_busy'):.1f} %; every warp's start (ready handshake, block barrier) "
+            f"{100.0 * sums['cb_ready'] / every if every else float('nan'):.1f} % of all cycles")
 
 
 def parser() -> argparse.ArgumentParser:
