@@ -485,12 +485,13 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 // over the link, after steps 1-2 (combine_ready), as combine_tma_kernel does: no push, no staging, no chunk flags.
 // kWaits (debug stamps on; its own instantiation, the other unchanged): each warp counts the clock64 cycles of its
 // waits, its work (a loader's issue of a unit's copies, a summer's sum, stores and release of a stage), its
-// preparation (the batch's holder lookups and each token's holders), its start (the ready handshake, to the block
-// barrier) and its whole run into p.stamps[kStampCb*] (where a 4-SM bulk pull loses against the local sum).
+// preparation (the batch's holder lookups and each token's holders), its start (the bulk pull's ready handshake or
+// the ce path's token check, to the block barrier) and its whole run into p.stamps[kStampCb*] (where a 4-SM bulk pull loses against the local sum).
 template <bool kDirect, bool kWaits = false>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
   const long long t_start = kWaits ? clock64() : 0;
-  long long t_wait = 0, t_prep = 0, t_work = 0, t_ready = 0;  // kWaits: cycles by kind (see the stamps)
+  long long t_wait = 0;
+  unsigned t_prep = 0, t_work = 0;  // kWaits: cycles by kind (see the stamps; 32 bits: a warp's ~2 s at most)
   extern __shared__ __align__(128) uint8_t cb_ring[];
   __shared__ uint64_t full[kCbPairs * kCbStages], empty[kCbPairs * kCbStages];
   __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
@@ -516,7 +517,8 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     aborted = ld_volatile(p.dev_error) != 0;
   }
   __syncthreads();
-  if (kWaits) t_ready = clock64() - t_start;
+  if (kWaits && lane == 0)  // added now, not held in a register to the end (the ce instantiation spilled)
+    atomicAdd(p.stamps + kStampCbReady, (unsigned long long)(clock64() - t_start));
   const int T = aborted ? 0 : a.num_tokens;
   const int ntok = P < T ? (T - P + G - 1) / G : 0;  // the pair's tokens P + k G, k < ntok
   int seen = -1;     // loader lane d: the last chunk of holder d seen pushed
@@ -552,7 +554,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
       }
       if (kWaits) {
         __syncwarp();
-        t_prep += clock64() - t_prep0;
+        t_prep += (unsigned)(clock64() - t_prep0);
       }
       const long long t_flag = kWaits ? clock64() : 0;
       if (!kDirect && loader && lane < world && lane != me && my_row >= 0 && t >= p.ce_bound[seen + 1]) {
@@ -583,7 +585,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
             bulk_load(stage + (size_t)my_slot * kCbPiece, src + (size_t)q * kCbPiece, (uint32_t)bytes, full + st);
           }
           __syncwarp();
-          if (kWaits) t_work += clock64() - t_issue;
+          if (kWaits) t_work += (unsigned)(clock64() - t_issue);
           continue;
         }
         const long long t_full = kWaits ? clock64() : 0;
@@ -602,7 +604,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
         }
         __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
         if (lane == 0) mbar_arrive(empty + st);
-        if (kWaits) t_work += clock64() - t_sum;
+        if (kWaits) t_work += (unsigned)(clock64() - t_sum);
       }
     }
   }
@@ -613,7 +615,6 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     if (loader) atomicAdd(s + kStampCbUnits, (unsigned long long)j);
     atomicAdd(s + (loader ? kStampCbLoaderPrep : kStampCbSummerPrep), (unsigned long long)t_prep);
     atomicAdd(s + (loader ? kStampCbLoaderIssue : kStampCbSummerSum), (unsigned long long)t_work);
-    atomicAdd(s + kStampCbReady, (unsigned long long)t_ready);
   }
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }

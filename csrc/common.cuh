@@ -175,7 +175,8 @@ enum EpStamp {
   kStampCbUnits = 18,
   // [19..23] the same kernel's cycles by kind, summed over its warps: the loaders' and the summers' preparation
   // (the batch's holder lookups, each token's holders), the loaders' issue of a unit's copies, the summers' sum,
-  // stores and release of a stage, and every warp's start (the ready handshake and the block barrier)
+  // stores and release of a stage, and every warp's start (the bulk pull's ready handshake or the ce path's token
+  // check, then the block barrier)
   kStampCbLoaderPrep = 19,
   kStampCbSummerPrep = 20,
   kStampCbLoaderIssue = 21,

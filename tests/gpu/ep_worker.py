@@ -601,7 +601,7 @@ def bulk_waits(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, arg
             f"  bulk kernel work: loaders issuing copies {pct('cb_loader_issue', 'cb_loader_busy'):.1f} %, finding "
             f"holders {pct('cb_loader_prep', 'cb_loader_busy'):.1f} %; summers summing and storing "
             f"{pct('cb_summer_sum', 'cb_summer_busy'):.1f} %, finding holders and weights "
-            f"{pct('cb_summer_prep', 'cb_summer_busy'):.1f} %; every warp's start (ready handshake, block barrier) "
+            f"{pct('cb_summer_prep', 'cb_summer_busy'):.1f} %; every warp's start ({'token check' if be.combine_rows == 'ce' else 'ready handshake'}, block barrier) "
             f"{100.0 * sums['cb_ready'] / every if every else float('nan'):.1f} % of all cycles")
 
 
