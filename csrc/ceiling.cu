@@ -189,9 +189,9 @@ constexpr int kBsThreads = kBsPairs * 32 * (1 + kBsSummers);
 constexpr size_t kBsSmem = (size_t)kBsPairs * 2 * kBsMaxRows * kBsPiece;
 
 // One piece of a token's kN rows in shared memory (row h at x0 + h * kBsPiece / 16): summer s's share, vectors
-// lane + 32 (s + kBsSummers i), summed and stored.
-template <int kN>
-__device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane, int s) {
+// lane + 32 (s + kBsSummers i), summed and stored; kRead (`bulk read`): the same loads, XOR-folded into *fold instead.
+template <int kN, bool kRead = false>
+__device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane, int s, int* fold = nullptr) {
 #pragma unroll
   for (int i = 0; i < ((kBsPiece >> 4) + 32 * kBsSummers - 1) / (32 * kBsSummers); ++i) {
     const int v = lane + 32 * (s + kBsSummers * i);
@@ -199,6 +199,11 @@ __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, in
     int4 x[kN];
 #pragma unroll
     for (int h = 0; h < kN; ++h) x[h] = x0[h * (kBsPiece >> 4) + v];
+    if (kRead) {
+#pragma unroll
+      for (int h = 0; h < kN; ++h) *fold ^= x[h].x ^ x[h].y ^ x[h].z ^ x[h].w;
+      continue;
+    }
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], 1.f);
@@ -207,24 +212,8 @@ __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, in
   }
 }
 
-// The same share of one piece's kN rows, read as sum_piece reads them (every row's vector loaded before any is
-// used) and XOR-folded into fold: `bulk read` keeps the sum's loads in flight, not only its bytes.
-template <int kN>
-__device__ __forceinline__ void read_piece(int& fold, const int4* x0, int nv, int lane, int s) {
-#pragma unroll
-  for (int i = 0; i < ((kBsPiece >> 4) + 32 * kBsSummers - 1) / (32 * kBsSummers); ++i) {
-    const int v = lane + 32 * (s + kBsSummers * i);
-    if (v >= nv) break;
-    int4 x[kN];
-#pragma unroll
-    for (int h = 0; h < kN; ++h) x[h] = x0[h * (kBsPiece >> 4) + v];
-#pragma unroll
-    for (int h = 0; h < kN; ++h) fold ^= x[h].x ^ x[h].y ^ x[h].z ^ x[h].w;
-  }
-}
-
 // kRead (python -m epbench.smmem's `bulk read`): the same loaders, stages and summers' reads of shared memory (as
-// sum_piece issues them), but no sum and no stores: each summer lane XOR-folds every vector it reads, and each summer warp folds its lanes into
+// the sum issues them), but no sum and no stores: each summer lane XOR-folds every vector it reads, and each summer warp folds its lanes into
 // out's word of the block (out an int array then, zeroed by the block first). What the pipeline costs without the
 // summers' arithmetic and global stores: whether a SM's shared memory, written by the bulk copies and read by the
 // summers, is what bounds the sum.
@@ -269,10 +258,10 @@ __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, con
     const int nv = bytes >> 4;
     if (kRead) {
       switch (k) {  // as the sum's switch below
-        case 1: read_piece<1>(fold, x0, nv, lane, sw); break;
-        case 2: read_piece<2>(fold, x0, nv, lane, sw); break;
-        case 3: read_piece<3>(fold, x0, nv, lane, sw); break;
-        default: read_piece<4>(fold, x0, nv, lane, sw); break;
+        case 1: sum_piece<1, true>(nullptr, x0, nv, lane, sw, &fold); break;
+        case 2: sum_piece<2, true>(nullptr, x0, nv, lane, sw, &fold); break;
+        case 3: sum_piece<3, true>(nullptr, x0, nv, lane, sw, &fold); break;
+        default: sum_piece<4, true>(nullptr, x0, nv, lane, sw, &fold); break;
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + st);
