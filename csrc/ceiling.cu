@@ -213,10 +213,10 @@ __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, in
 }
 
 // kRead (python -m epbench.smmem's `bulk read`): the same loaders, stages and summers' reads of shared memory (as
-// the sum issues them), but no sum and no stores: each summer lane XOR-folds every vector it reads, and each summer warp folds its lanes into
-// out's word of the block (out an int array then, zeroed by the block first). What the pipeline costs without the
-// summers' arithmetic and global stores: whether a SM's shared memory, written by the bulk copies and read by the
-// summers, is what bounds the sum.
+// the sum issues them), but no sum and no stores: each summer lane XOR-folds every vector it reads, and each summer
+// warp folds its lanes into out's word of the block (out an int array then, zeroed by the block first). What the
+// pipeline costs without the summers' arithmetic and global stores: whether a SM's shared memory, written by the
+// bulk copies and read by the summers, is what bounds the sum.
 template <bool kRead = false>
 __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
                                                                   long long rows_in, int row_bytes) {
@@ -441,8 +441,9 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
                                                      k, hidden * 2);
   } else if (bulk_read) {
     CUDA_CHECK(cudaFuncSetAttribute(sum_bulk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kBsSmem));
-    sum_bulk_kernel<true><<<num_blocks, threads, kBsSmem, s>>>(static_cast<uint4*>(out), static_cast<const char*>(src),
-                                                               rows_out, (long long)k * rows_out, hidden * 2);
+    sum_bulk_kernel<true><<<num_blocks, threads, kBsSmem, s>>>(static_cast<uint4*>(out),
+                                                               static_cast<const char*>(src), rows_out,
+                                                               (long long)k * rows_out, hidden * 2);
   } else {
     sm_store_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int4*>(out), rows_out, hidden / 8);
   }

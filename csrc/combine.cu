@@ -486,7 +486,8 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 // kWaits (debug stamps on; its own instantiation, the other unchanged): each warp counts the clock64 cycles of its
 // waits, its work (a loader's issue of a unit's copies, a summer's sum, stores and release of a stage), its
 // preparation (the batch's holder lookups and each token's holders), its start (the bulk pull's ready handshake or
-// the ce path's token check, to the block barrier) and its whole run into p.stamps[kStampCb*] (where a 4-SM bulk pull loses against the local sum).
+// the ce path's token check, to the block barrier) and its whole run into p.stamps[kStampCb*] (where a 4-SM bulk
+// pull loses against the local sum).
 template <bool kDirect, bool kWaits = false>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
   const long long t_start = kWaits ? clock64() : 0;

@@ -20,8 +20,8 @@ csrc/ceiling.cu:
   of every piece); k <= 4; checked bit for bit. ``epbench ceiling``'s local sum is the fastest of the three shapes.
 - ``bulk read``: the same loaders, stages and summers reading every vector of each stage from shared memory, without
   the sum and the stores (each block's reads XOR-folded into a word and compared: every vector read once, though a
-  fold cannot tell which slot a vector came from): what the bulk sum's pipeline costs by
-  itself, i.e. whether shared memory, written by the copies and read by the summers, bounds the sum.
+  fold cannot tell which slot a vector came from): what the bulk sum's pipeline costs by itself, i.e. whether
+  shared memory, written by the copies and read by the summers, bounds the sum.
 
 Columns: us (median of --iters launches, device events), MB moved (loads + stores), GB/s and GB/s per SM; for
 ``sum`` also ``apart us``, the ``load`` of the same rows plus the ``store`` of one row a token measured apart, i.e.

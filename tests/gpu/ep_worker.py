@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from epbench.launch import init_distributed  # noqa: E402
 from epbench.contract import DispatchInput, RankSetup  # noqa: E402
 from epbench.backends.epbench_kernels import EpbenchBackend  # noqa: E402
+from epbench import cuda_lib  # noqa: E402
 from epbench.inputs import dispatch_input, expert_output, make_tokens, wire_input  # noqa: E402
 from epbench.layout import by_source_keys, own_first_keys  # noqa: E402
 from epbench.metrics import row_bytes  # noqa: E402
@@ -581,9 +582,7 @@ def bulk_waits(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, arg
     if be.effective_config().get("combine_impl") not in ("bulk", "ce") or (be.s.world < 3 and be.combine_rows == "ce"):
         return ""
     be.set_debug_stamps(True)
-    keys = ("cb_loader_wait", "cb_summer_wait", "cb_loader_busy", "cb_summer_busy", "cb_units", "cb_loader_prep",
-            "cb_summer_prep", "cb_loader_issue", "cb_summer_sum", "cb_ready")
-    sums = {k: 0 for k in keys}
+    sums = {k: 0 for k in cuda_lib.STAMPS if k.startswith("cb_")}  # the bulk kernel's counters (csrc/common.cuh)
     for _ in range(args.iters):
         dist.all_reduce(one)
         be.combine(be.dispatch(inp, sms), sms)
