@@ -38,13 +38,13 @@ struct Carver {
 // the last chunk's is T. No CUDA call: tests/test_ce_bounds.py calls it on any host where the library is built.
 // EP_OPT_PULL_KERNEL 2 (auto): 1 where the loading / summing warps' pull ran faster than the tma kernel's on
 // 2 and 4 x H200 (notes/LATENCY-NEXT.md "pull_kernel bulk, measured"), else 0. Rank-major rows at 2-4 ranks only
-// (kCbHolders). 2 ranks: bulk from 16 SMs (dsv3x2 16 SMs 202 against 269 us); below, tma as fast or faster (qwen3
-// shape at 8 SMs 192 against 233). 3-4 ranks: bulk below 8 SMs (dsv3x4 4 SMs 738 against 876); from 8 SMs both are
-// at the link and tma is level or up to 4 % faster (qwen3x4 8 SMs 306 against 320). No CUDA call:
-// tests/test_ce_bounds.py checks it wherever the library is built.
+// (kCbHolders). 2 ranks: bulk at every SM count since its stages hold 2 pieces, 4 a pair (dsv3x2 8 / 16 SMs 236 /
+// 195 us against tma's 322 / 266, qwen3 shape 170 against 192 at 8 SMs; 4 x H200, 2026-11-27). 3-4 ranks: bulk below
+// 8 SMs (dsv3x4 4 SMs 738 against 876); from 8 SMs both are at the link and tma is level or up to 4 % faster (qwen3x4
+// 8 SMs 306 against 320). No CUDA call: tests/test_ce_bounds.py checks it wherever the library is built.
 extern "C" int ep_pull_auto(int world, int num_sms, int align) {
   if (align > 0 || world < 2 || world > 4) return 0;
-  return (world == 2 ? num_sms >= 16 : num_sms < 8) ? 1 : 0;
+  return (world == 2 || num_sms < 8) ? 1 : 0;
 }
 
 extern "C" int ep_ce_bounds(int T, int chunks, int grow, int* bound) {

@@ -187,6 +187,11 @@ constexpr int kBsPairs = 7;     // 7 loaders x 2 stages x 4 rows x 3.5 KiB = 196
 constexpr int kBsSummers = 3;   // summing warps a loader
 constexpr int kBsThreads = kBsPairs * 32 * (1 + kBsSummers);
 constexpr size_t kBsSmem = (size_t)kBsPairs * 2 * kBsMaxRows * kBsPiece;
+// Tokens of at most 2 rows: stages of 2 pieces, 4 a pair, in the same shared memory (the combine's bulk pull at 2
+// ranks, csrc/combine.cu kCbStages2, went 319 -> 236 us at 8 SMs so).
+constexpr int kBsRows2 = 2;
+constexpr int kBsStages2 = 4;
+static_assert(kBsRows2 * kBsStages2 == kBsMaxRows * 2, "both shapes fill kBsSmem");
 
 // One piece of a token's kN rows in shared memory (row h at x0 + h * kBsPiece / 16): summer s's share, vectors
 // lane + 32 (s + kBsSummers i), summed and stored; kRead (`bulk read`): the same loads, XOR-folded into *fold instead.
@@ -216,12 +221,13 @@ __device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, in
 // the sum issues them), but no sum and no stores: each summer lane XOR-folds every vector it reads, and each summer
 // warp folds its lanes into out's word of the block (out an int array then, zeroed by the block first). What the
 // pipeline costs without the summers' arithmetic and global stores: whether a SM's shared memory, written by the
-// bulk copies and read by the summers, is what bounds the sum.
-template <bool kRead = false>
+// bulk copies and read by the summers, is what bounds the sum. kR pieces a stage (at least a token's rows), kS
+// stages a pair.
+template <bool kRead = false, int kR = kBsMaxRows, int kS = 2>
 __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, const char* src, int rows_out,
                                                                   long long rows_in, int row_bytes) {
   extern __shared__ __align__(128) char ring[];
-  __shared__ uint64_t full[kBsPairs * 2], empty[kBsPairs * 2];
+  __shared__ uint64_t full[kBsPairs * kS], empty[kBsPairs * kS];
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int l = w % kBsPairs, sw = w < kBsPairs ? 0 : (w - kBsPairs) / kBsPairs;  // the pair; a summer's share
   const int base = (int)(rows_in / rows_out), extra = (int)(rows_in % rows_out);
@@ -229,21 +235,21 @@ __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, con
   const int ntok = blockIdx.x < rows_out ? (rows_out - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const long long units = (long long)ntok * pieces;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kBsPairs * 2; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kBsSummers);
+    for (int s = 0; s < kBsPairs * kS; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kBsSummers);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (kRead) reinterpret_cast<int*>(out)[blockIdx.x] = 0;
   }
   __syncthreads();
   const bool loader = w < kBsPairs;
   int fold = 0;    // kRead: the summer lane's XOR of every word it read
-  uint32_t j = 0;  // the pair's units so far: stage j & 1, lap j >> 1
+  uint32_t j = 0;  // the pair's units so far: stage j % kS, lap j / kS
   for (long long u = l; u < units; u += kBsPairs, ++j) {
     const int t = blockIdx.x + (int)(u / pieces) * gridDim.x, q = (int)(u % pieces);
     const int bytes = min(kBsPiece, row_bytes - q * kBsPiece);
     const int k = base + (t < extra ? 1 : 0);  // the token's rows
-    const int st = l * 2 + (int)(j & 1);
-    const uint32_t lap = j >> 1;
-    char* stage = ring + (size_t)st * kBsMaxRows * kBsPiece;
+    const int st = l * kS + (int)(j % kS);
+    const uint32_t lap = j / kS;
+    char* stage = ring + (size_t)st * kR * kBsPiece;
     if (loader) {
       ring_stage_arm(full, empty, st, lap, lane, (uint32_t)(k * bytes));  // after the summers freed its last unit
       if (lane < k)
@@ -283,6 +289,18 @@ __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, con
   }
 }
 
+// sum_bulk_kernel<kRead> on `blocks` SMs in the shape for tokens of at most `most` rows (<= kBsMaxRows): 0, or -1
+// with the error set.
+template <bool kRead>
+int launch_sum_bulk(uint4* out, const char* src, int rows_out, long long rows_in, int row_bytes, long long most,
+                     int blocks, cudaStream_t stream) {
+  auto kernel = most <= kBsRows2 ? sum_bulk_kernel<kRead, kBsRows2, kBsStages2> : sum_bulk_kernel<kRead>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kBsSmem));
+  kernel<<<blocks, kBsThreads, kBsSmem, stream>>>(out, src, rows_out, rows_in, row_bytes);
+  CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
 }  // namespace
 
 extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long long rows_in, int hidden, int num_blocks,
@@ -301,11 +319,8 @@ extern "C" int ep_sum_ceiling(void* out, const void* src, int rows_out, long lon
       ep_set_error("ep_sum_ceiling: the bulk-copy shape takes at most %d rows a token, got %lld", kBsMaxRows, most);
       return -1;
     }
-    CUDA_CHECK(cudaFuncSetAttribute(sum_bulk_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kBsSmem));
-    sum_bulk_kernel<false><<<num_blocks, threads, kBsSmem, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<uint4*>(out), static_cast<const char*>(src), rows_out, rows_in, hidden * 2);
-    CUDA_CHECK(cudaGetLastError());
-    return 0;
+    return launch_sum_bulk<false>(static_cast<uint4*>(out), static_cast<const char*>(src), rows_out, rows_in,
+                                  hidden * 2, most, num_blocks, static_cast<cudaStream_t>(stream));
   }
   const bool deep = threads <= 256;                              // the 256-thread shape: twice the loads in flight
   auto kernel = most <= 2 ? (deep ? sum_ceiling_kernel<2, true> : sum_ceiling_kernel<2, false>)
@@ -440,10 +455,9 @@ extern "C" int ep_sm_mem(int mode, void* out, const void* src, int rows_out, int
     sm_bulk_load_kernel<<<num_blocks, threads, smem, s>>>(static_cast<int*>(out), static_cast<const char*>(src), rows_out,
                                                      k, hidden * 2);
   } else if (bulk_read) {
-    CUDA_CHECK(cudaFuncSetAttribute(sum_bulk_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kBsSmem));
-    sum_bulk_kernel<true><<<num_blocks, threads, kBsSmem, s>>>(static_cast<uint4*>(out),
-                                                               static_cast<const char*>(src), rows_out,
-                                                               (long long)k * rows_out, hidden * 2);
+    if (launch_sum_bulk<true>(static_cast<uint4*>(out), static_cast<const char*>(src), rows_out,
+                              (long long)k * rows_out, hidden * 2, k, num_blocks, s) != 0)
+      return -1;
   } else {
     sm_store_kernel<<<num_blocks, threads, 0, s>>>(static_cast<int4*>(out), rows_out, hidden / 8);
   }

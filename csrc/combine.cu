@@ -451,11 +451,17 @@ __global__ void __launch_bounds__(512, 1) combine_ce_kernel(EpParams p, CombineA
 // same holders and weights, sums the stage's n pieces (n a constant in its loop) and stores them, then frees the
 // stage. kCbStages stages a pair; kCbSummers summers a pair (summer s: vectors lane + 32 (s + kCbSummers i) of each piece,
 // the stage freed when all have arrived), as the ceiling's kBsSummers (72 registers a thread, no spill, at 896
-// threads).
+// threads). At <= 2 ranks a token has at most 2 holders, so a stage holds 2 pieces and a pair has 4 stages in the
+// same shared memory (kCbHolders2, kCbStages2): the pull at 2 ranks and 8 SMs took 319 -> 236 us (dsv3x2), 383 -> 273
+// (h8192x2), 230 -> 170 (qwen3 shape), a stage's load over the link (~1.6 us) outlasting its sum (~0.6) and 2 stages
+// not hiding it (4 x H200, 2026-11-27, notes/LATENCY-NEXT.md "4 stages of 2 holders at 2 ranks").
 constexpr int kCbPiece = 3584;  // bytes of a piece: a quarter of a 7168-wide bf16 row, 7 vectors a lane
 constexpr int kCbPairs = 7;     // 7 pairs x 2 stages x 4 holders x 3.5 KiB = 196 KiB of shared memory a block
-constexpr int kCbStages = 2;    // a pair's stages: one summed while the other loads
+constexpr int kCbStages = 2;    // a pair's stages at 3-4 ranks: one summed while the other loads
 constexpr int kCbHolders = 4;
+constexpr int kCbStages2 = 4;   // ... and at <= 2 ranks, of kCbHolders2 pieces each
+constexpr int kCbHolders2 = 2;
+static_assert(kCbStages2 * kCbHolders2 == kCbStages * kCbHolders, "both shapes fill the same shared memory");
 constexpr int kCbSummers = 3;
 constexpr int kCbThreads = kCbPairs * 32 * (1 + kCbSummers);
 
@@ -487,14 +493,14 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 // waits, its work (a loader's issue of a unit's copies, a summer's sum, stores and release of a stage), its
 // preparation (the batch's holder lookups and each token's holders), its start (the bulk pull's ready handshake or
 // the ce path's token check, to the block barrier) and its whole run into p.stamps[kStampCb*] (where a 4-SM bulk
-// pull loses against the local sum).
-template <bool kDirect, bool kWaits = false>
+// pull loses against the local sum). kH pieces a stage (at least the token's holders), kS stages a pair.
+template <bool kDirect, bool kWaits = false, int kH = kCbHolders, int kS = kCbStages>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
   const long long t_start = kWaits ? clock64() : 0;
   long long t_wait = 0;
   unsigned t_prep = 0, t_work = 0;  // kWaits: cycles by kind (see the stamps; 32 bits: a warp's ~2 s at most)
   extern __shared__ __align__(128) uint8_t cb_ring[];
-  __shared__ uint64_t full[kCbPairs * kCbStages], empty[kCbPairs * kCbStages];
+  __shared__ uint64_t full[kCbPairs * kS], empty[kCbPairs * kS];
   __shared__ int aborted;  // read once for the block: a pair's two warps must agree on their units
   if (kDirect) {
     combine_ready(p, epoch);
@@ -513,7 +519,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
   const uint8_t* own = p.peer_base[me] + p.off_combine_in;
   const uint8_t* staged = p.peer_base[me] + p.off_combine_stage;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kCbPairs * kCbStages; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kCbSummers);
+    for (int s = 0; s < kCbPairs * kS; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kCbSummers);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     aborted = ld_volatile(p.dev_error) != 0;
   }
@@ -523,16 +529,16 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
   const int T = aborted ? 0 : a.num_tokens;
   const int ntok = P < T ? (T - P + G - 1) / G : 0;  // the pair's tokens P + k G, k < ntok
   int seen = -1;     // loader lane d: the last chunk of holder d seen pushed
-  uint32_t j = 0;    // the pair's units so far: stage j % kCbStages, lap j / kCbStages
+  uint32_t j = 0;    // the pair's units so far: stage j % kS, lap j / kS
   for (int k0 = 0; k0 < ntok; k0 += 32) {
     long long t_prep0 = kWaits ? clock64() : 0;  // the batch's lookups, then each token's holders up to its flag wait
-    int rows[kCbHolders];
-    float ws[kCbHolders];
+    int rows[kH];
+    float ws[kH];
 #pragma unroll
-    for (int d = 0; d < kCbHolders; ++d) rows[d] = -1, ws[d] = 0.f;
+    for (int d = 0; d < kH; ++d) rows[d] = -1, ws[d] = 0.f;
     if (k0 + lane < ntok) {
       const int t = P + (k0 + lane) * G;
-      if (!loader) holder_weights<kCbHolders>(a, t, topk, world, E, ws);
+      if (!loader) holder_weights<kH>(a, t, topk, world, E, ws);
       ce_holder_rows<kDirect>(p, t, rows);
     }
     const int nb = min(32, ntok - k0);
@@ -542,7 +548,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
       float wd[kCbHolders] = {0.f, 0.f, 0.f, 0.f};
       int n = 0, my_slot = -1, my_row = -1;  // the token's holders; lane d's place among them and its row
 #pragma unroll
-      for (int d = 0; d < kCbHolders; ++d) {
+      for (int d = 0; d < kH; ++d) {
         const int rd = __shfl_sync(0xffffffffu, rows[d], i);
         const float wv = __shfl_sync(0xffffffffu, ws[d], i);
         if (rd >= 0) {
@@ -571,9 +577,9 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
       if (loader) __syncwarp();
       for (int q = 0; q < pieces; ++q, ++j) {
         const int bytes = min(kCbPiece, row_bytes - q * kCbPiece);
-        const int st = l * kCbStages + (int)(j % kCbStages);
-        const uint32_t lap = j / kCbStages;
-        uint8_t* stage = cb_ring + (size_t)st * kCbHolders * kCbPiece;
+        const int st = l * kS + (int)(j % kS);
+        const uint32_t lap = j / kS;
+        uint8_t* stage = cb_ring + (size_t)st * kH * kCbPiece;
         if (loader) {
           const long long t_arm = kWaits ? clock64() : 0;
           ring_stage_arm(full, empty, st, lap, lane, (uint32_t)(n * bytes));  // after the summers freed its last unit
@@ -731,7 +737,10 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
                    ctx->max_smem_optin);
       return -1;
     }
-    auto kernel = cb_waits_zeroed(p, stream) ? combine_ce_bulk_kernel<true, true> : combine_ce_bulk_kernel<true, false>;
+    const bool waits = cb_waits_zeroed(p, stream), two = p.world <= kCbHolders2;  // two: 2 holders a stage, 4 stages
+    auto kernel = two ? (waits ? combine_ce_bulk_kernel<true, true, kCbHolders2, kCbStages2>
+                               : combine_ce_bulk_kernel<true, false, kCbHolders2, kCbStages2>)
+                      : (waits ? combine_ce_bulk_kernel<true, true> : combine_ce_bulk_kernel<true, false>);
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)cb_smem_bytes()));
     kernel<<<num_sms, kCbThreads, cb_smem_bytes(), stream>>>(p, a, epoch);
     CUDA_CHECK(cudaGetLastError());
@@ -739,7 +748,7 @@ extern "C" int ep_combine(void* vctx, void* out, const void* topk_idx, const voi
     eff.combine_impl = EP_COMBINE_BULK;
     eff.combine_warps = kCbThreads / 32;
     eff.combine_sms = num_sms;
-    eff.combine_stages = 2;
+    eff.combine_stages = two ? kCbStages2 : kCbStages;
     eff.combine_chunk = kCbPiece;
     eff.combine_em_wide = false;
     return 0;

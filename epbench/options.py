@@ -102,9 +102,9 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                             choices=(4, 5, 6, 8, 16, 32), env="EPBENCH_CE_CHUNKS"),
         "pull_kernel": Option(str, "auto", "combine_rows pull only: tma (each warp issues its own bulk copies of the "
                               "holders' rows and sums them) or bulk (7 loading warps a SM, each with 3 summing warps, "
-                              "2 stages of every holder's 3.5 KiB piece: the copy-engine combine's sum, pulling over "
-                              "the link; the rank-major layout at 4 ranks or fewer) or auto (bulk at 2 ranks from 16 SMs "
-                              "and at 3-4 ranks below 8 SMs, where it measured faster, else tma; tma wherever combine_warps, "
+                              "2 stages of every holder's 3.5 KiB piece, 4 stages at 2 ranks: the copy-engine combine's "
+                              "sum, pulling over the link; the rank-major layout at 4 ranks or fewer) or auto (bulk at 2 "
+                              "ranks and at 3-4 ranks below 8 SMs, where it measured faster, else tma; tma wherever combine_warps, "
                               "combine_stages or combine_chunk is given; rows record what ran as combine_impl)",
                               choices=("auto", "tma", "bulk"), env="EPBENCH_PULL_KERNEL"),
         "ce_chunking": Option(str, "even", "combine_rows ce only: even (ce_chunks chunks of one size) or grow (the "

@@ -60,11 +60,11 @@ def test_bad_arguments_are_refused(bounds) -> None:
 
 
 def test_pull_auto_picks_bulk_where_it_measured_faster(bounds) -> None:
-    """pull_kernel auto (csrc/buffers.cu ep_pull_auto), rank-major only: the bulk pull at 2 ranks from 16 SMs and
-    at 3-4 ranks below 8 SMs; the tma kernel elsewhere, at 1 rank, at 5+ ranks and with the expert-major layout."""
+    """pull_kernel auto (csrc/buffers.cu ep_pull_auto), rank-major only: the bulk pull at 2 ranks at every SM count
+    and at 3-4 ranks below 8 SMs; the tma kernel elsewhere, at 1 rank, at 5+ ranks and with the expert-major layout."""
     lib = cuda_lib.load()
-    assert [lib.ep_pull_auto(w, 4, 0) for w in (1, 2, 3, 4, 5, 8)] == [0, 0, 1, 1, 0, 0]
-    assert [lib.ep_pull_auto(2, s, 0) for s in (4, 8, 15, 16, 24, 132)] == [0, 0, 0, 1, 1, 1]
+    assert [lib.ep_pull_auto(w, 4, 0) for w in (1, 2, 3, 4, 5, 8)] == [0, 1, 1, 1, 0, 0]
+    assert [lib.ep_pull_auto(2, s, 0) for s in (1, 4, 8, 15, 16, 24, 132)] == [1] * 7
     assert [lib.ep_pull_auto(4, s, 0) for s in (1, 4, 7, 8, 16, 132)] == [1, 1, 1, 0, 0, 0]
     assert lib.ep_pull_auto(3, 7, 0) == 1 and lib.ep_pull_auto(3, 8, 0) == 0
     assert lib.ep_pull_auto(4, 4, 128) == 0 and lib.ep_pull_auto(2, 16, 16) == 0

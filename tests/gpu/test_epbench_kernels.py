@@ -79,7 +79,7 @@ OWN_ROWS_ALL_STAGED = ["--own-rows", "all", "--quick", "--notify", "staged", "--
 # pull_kernel bulk: the rank-major cases (bf16, fp8, mxfp8 dispatch; 1 and 4095 tokens, every token to one rank, all
 # ranks 0 tokens) with the loading / summing warps pulling over the link, at 8 and 3 SMs
 PULL_BULK = ["--pull-kernel", "bulk", "--impls", "lean:16:8,lean:16:3"]
-# pull_kernel tma where auto takes bulk (below 8 SMs at 4 ranks, from 16 at 2): the tma kernel stays checked there
+# pull_kernel tma where auto takes bulk (below 8 SMs at 4 ranks, every SM count at 2): the tma kernel stays checked there
 PULL_TMA = ["--pull-kernel", "tma", "--impls", "lean:16:3,lean:16:24"]
 
 
@@ -249,7 +249,7 @@ def test_pull_bulk_matches_verification(kernels_built: None, nproc: int) -> None
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_pull_tma_where_auto_takes_bulk(kernels_built: None, nproc: int) -> None:
     """pull_kernel tma at 3 and 24 SMs: where the default (auto) runs the bulk kernel (3-4 ranks below 8 SMs, 2 ranks
-    from 16), the tma kernel, which a tma knob given still selects there, is checked exactly as verification."""
+    at every count), the tma kernel, which a tma knob given still selects there, is checked exactly as verification."""
     assert "T=4095" in assert_suite(nproc, "pull-tma")
 
 
