@@ -283,7 +283,8 @@ SumProvider = Callable[[Any, Any, int, int, int, int, int, Any, int, int], List[
 # for tokens of more than 2 rows), 256 with twice the vectors a lane; and its bulk-copy shape (7 loading warps a SM,
 # each with 3 summing warps, TMA bulk copies into shared memory) for tokens of at most BULK_SUM_MAX_ROWS rows. The
 # ceiling is the fastest. One H200 (python -m epbench.smmem, 2026-11-27), 4 SMs, us for 2 / 3 / 4 rows a token:
-# registers 432 / 871 / 933, bulk copies with one summer a loader 498 / 570 / 654, with three 464 / 542 / 619.
+# registers 432 / 871 / 933, bulk copies with one summer a loader 498 / 570 / 654, with three 464 / 542 / 619;
+# tokens of at most 2 rows take stages of 2 pieces, 4 a pair, since 702c866 (2 rows: 462 at 4 SMs, 235 at 8).
 SUM_THREADS = (512, 256)
 BULK_SUM_THREADS = 896  # csrc/ceiling.cu kBsThreads
 BULK_SUM_MAX_ROWS = 4
