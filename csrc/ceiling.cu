@@ -194,9 +194,10 @@ constexpr int kBsStages2 = 4;
 static_assert(kBsRows2 * kBsStages2 == kBsMaxRows * 2, "both shapes fill kBsSmem");
 
 // One piece of a token's kN rows in shared memory (row h at x0 + h * kBsPiece / 16): summer s's share, vectors
-// lane + 32 (s + kBsSummers i), summed and stored; kRead (`bulk read`): the same loads, XOR-folded into *fold instead.
-template <int kN, bool kRead = false>
-__device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane, int s, int* fold = nullptr) {
+// lane + 32 (s + kBsSummers i), summed and stored; kRead (`bulk read`): the same loads, XOR-folded into *fold instead
+// (dst unused).
+template <int kN, bool kRead>
+__device__ __forceinline__ void sum_piece(uint4* dst, const int4* x0, int nv, int lane, int s, int* fold) {
 #pragma unroll
   for (int i = 0; i < ((kBsPiece >> 4) + 32 * kBsSummers - 1) / (32 * kBsSummers); ++i) {
     const int v = lane + 32 * (s + kBsSummers * i);
@@ -262,22 +263,11 @@ __global__ void __launch_bounds__(kBsThreads, 1) sum_bulk_kernel(uint4* out, con
     const int4* x0 = reinterpret_cast<const int4*>(stage);
     uint4* dst = out + (size_t)t * V + (size_t)q * (kBsPiece >> 4);
     const int nv = bytes >> 4;
-    if (kRead) {
-      switch (k) {  // as the sum's switch below
-        case 1: sum_piece<1, true>(nullptr, x0, nv, lane, sw, &fold); break;
-        case 2: sum_piece<2, true>(nullptr, x0, nv, lane, sw, &fold); break;
-        case 3: sum_piece<3, true>(nullptr, x0, nv, lane, sw, &fold); break;
-        default: sum_piece<4, true>(nullptr, x0, nv, lane, sw, &fold); break;
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + st);
-      continue;
-    }
     switch (k) {  // the row count a constant in the loop (with k per token in it: 790 / 862 us at 3 / 4 rows, 4 SMs)
-      case 1: sum_piece<1>(dst, x0, nv, lane, sw); break;
-      case 2: sum_piece<2>(dst, x0, nv, lane, sw); break;
-      case 3: sum_piece<3>(dst, x0, nv, lane, sw); break;
-      default: sum_piece<4>(dst, x0, nv, lane, sw); break;
+      case 1: sum_piece<1, kRead>(dst, x0, nv, lane, sw, &fold); break;
+      case 2: sum_piece<2, kRead>(dst, x0, nv, lane, sw, &fold); break;
+      case 3: sum_piece<3, kRead>(dst, x0, nv, lane, sw, &fold); break;
+      default: sum_piece<4, kRead>(dst, x0, nv, lane, sw, &fold); break;
     }
     __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
     if (lane == 0) mbar_arrive(empty + st);

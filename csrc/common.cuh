@@ -459,11 +459,6 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// A loading warp's next use (lap) of stage st of a TMA ring whose consumers free it through `empty`: wait until they
-// freed its last use, then lane 0 arms `full` with the bytes the lanes' bulk copies will bring.
-__device__ __forceinline__ void ring_stage_arm(uint64_t* full, uint64_t* empty, int st, uint32_t lap, int lane,
-                                               uint32_t bytes);
-
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -476,6 +471,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// A loading warp's next use (lap) of stage st of a TMA ring whose consumers free it through `empty`: wait until they
+// freed its last use, then lane 0 arms `full` with the bytes the lanes' bulk copies will bring.
 __device__ __forceinline__ void ring_stage_arm(uint64_t* full, uint64_t* empty, int st, uint32_t lap, int lane,
                                                uint32_t bytes) {
   if (lap > 0) mbar_wait(empty + st, (lap - 1) & 1u);

@@ -308,7 +308,7 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
         for key in PULL_TMA_KNOBS:
             if key in given or env.get(SCHEMAS["epbench"][key].env) is not None:
                 raise UserError(f"{where}: epbench.{key}={resolved[key]} shapes the tma pull kernel; pull_kernel=bulk "
-                                f"has its own (7 loading warps a SM, 3 summing warps each, 2 stages of 3.5 KiB pieces)")
+                                f"has its own (7 loading warps a SM, 3 summing warps each, 2 stages of 3.5 KiB pieces, 4 at 2 ranks)")
     if ("ce_share" in given or env.get(SCHEMAS["epbench"]["ce_share"].env) is not None) and own != "all":
         raise UserError(f"{where}: epbench.ce_share={resolved['ce_share']} needs epbench.own_rows=all (got {own}): it "
                         f"splits the copy engines' dispatch rows with the SMs")

@@ -16,7 +16,7 @@ csrc/ceiling.cu:
 - ``sum``: the local-sum ceiling of ``epbench ceiling`` (k rows in, one bf16 row out, fp32 adds), its register
   shapes (the faster of two); checked bit for bit against the fp32 sum in row order.
 - ``bulk sum``: its bulk-copy shape: the rows brought into shared memory by TMA bulk copies, 7 loading warps a SM
-  (each bringing k 3.5 KiB pieces into its 2 stages in turn) with 3 summing warps each (summing and storing a share
+  (each bringing k 3.5 KiB pieces into its 2 stages in turn, 4 stages of 2 pieces where k <= 2) with 3 summing warps each (summing and storing a share
   of every piece); k <= 4; checked bit for bit. ``epbench ceiling``'s local sum is the fastest of the three shapes.
 - ``bulk read``: the same loaders, stages and summers reading every vector of each stage from shared memory, without
   the sum and the stores (each block's reads XOR-folded into a word and compared: every vector read once, though a
