@@ -54,7 +54,8 @@ enum ep_region_id {
   EP_OUT = 5,
   EP_NUM_RECV = 6,
   EP_EXPERT_COUNTS = 7,
-  EP_DEBUG_STAMPS = 8,  // u64 [16] %globaltimer per phase, written only while EP_OPT_DEBUG_STAMPS is on
+  EP_DEBUG_STAMPS = 8,  // u64 [25] %globaltimer per phase and the bulk kernel's counters (csrc/common.cuh EpStamp),
+                        // written only while EP_OPT_DEBUG_STAMPS is on
   // expert-major layout (align >= 1): EP_RECV_X, EP_RECV_SCALES and EP_COMBINE_IN then hold slots, not rows:
   // [world * max_tokens * min(topk, E) + E * (align - 1)] (epbench/layout.py slot_capacity)
   EP_EM_OFFSETS = 9,    // i64 [E]: first slot of each local expert's segment
@@ -82,6 +83,9 @@ enum ep_option {
                             // and summing its own bulk copies; 1 loading warps with 3 summing warps each (the
                             // combine_ce bulk kernel reading the holders' combine_in over the link; rank-major,
                             // world <= 4); 2 one of the two per call, as ep_pull_auto says
+  EP_OPT_CB_SKIP = 11,  // measuring aid, honoured only with EP_OPT_DEBUG_STAMPS on (the bulk kernel's counting
+                        // instantiation; every other launch ignores it): 0 (default); 1 the summers read and sum
+                        // their pieces but store nothing; 2 they free each stage unread (the loaders' copies alone)
   EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R
                               // (combine), each its own kernel after the transfer; 0 (default): inside the
                               // dispatch kernel / on the combine's blocks (0..1024)

@@ -349,6 +349,10 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
         break;
       ctx->pull_bulk = value;
       return 0;
+    case EP_OPT_CB_SKIP:  // measuring aid: outputs are not written while it is on (never in a verified call)
+      if (value != 0 && value != kCbSkipStores && value != kCbSkipReads) break;
+      ctx->p.cb_skip = value;
+      return 0;
     case EP_OPT_CE_GROW:  // combine_ce only; the same on every rank
       if (!ctx->p.combine_ce || (value != 0 && value != 1)) break;
       ctx->ce_grow = value;

@@ -468,10 +468,12 @@ constexpr int kCbThreads = kCbPairs * 32 * (1 + kCbSummers);
 __host__ __device__ __forceinline__ size_t cb_smem_bytes() { return (size_t)kCbPairs * kCbStages * kCbHolders * kCbPiece; }
 
 // n pieces (slots 0..kN-1 of a stage, kCbPiece bytes apart) weighted by w[0..kN-1] in order, stored bf16 at dst:
-// summer s's share of the vectors.
+// summer s's share of the vectors. fold (the counting instantiation under EP_OPT_CB_SKIP's kCbSkipStores): the sums
+// XOR-folded into the value returned instead of stored (0 returned otherwise).
 template <int kN>
-__device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const float (&w)[kCbHolders], int nv,
-                                             int lane, int s) {
+__device__ __forceinline__ unsigned cb_sum_piece(uint4* dst, const int4* x0, const float (&w)[kCbHolders], int nv,
+                                                 int lane, int s, bool fold = false) {
+  unsigned folded = 0;
 #pragma unroll
   for (int i = 0; i < ((kCbPiece >> 4) + 32 * kCbSummers - 1) / (32 * kCbSummers); ++i) {
     const int v = lane + 32 * (s + kCbSummers * i);
@@ -483,8 +485,12 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 #pragma unroll
     for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], w[h]);
     const int4 o = pack_bf16x8(acc);
-    dst[v] = make_uint4(o.x, o.y, o.z, o.w);
+    if (fold)
+      folded ^= (unsigned)(o.x ^ o.y ^ o.z ^ o.w);
+    else
+      dst[v] = make_uint4(o.x, o.y, o.z, o.w);
   }
+  return folded;
 }
 
 // kDirect (pull_kernel bulk): the same loaders and summers pulling every holder's row straight from its combine_in
@@ -493,7 +499,10 @@ __device__ __forceinline__ void cb_sum_piece(uint4* dst, const int4* x0, const f
 // waits, its work (a loader's issue of a unit's copies, a summer's sum, stores and release of a stage), its
 // preparation (the batch's holder lookups and each token's holders), its start (the bulk pull's ready handshake or
 // the ce path's token check, to the block barrier) and its whole run into p.stamps[kStampCb*] (where a 4-SM bulk
-// pull loses against the local sum). kH pieces a stage (at least the token's holders), kS stages a pair.
+// pull loses against the local sum); there EP_OPT_CB_SKIP may leave the summers' stores out (kCbSkipStores: the
+// sums XOR-folded into kStampCbFold) or their reads and sums too (kCbSkipReads: a full stage freed at once), to time
+// the loaders' copies with and without the rest (outputs unwritten; never in a verified call). kH pieces a stage
+// (at least the token's holders), kS stages a pair.
 template <bool kDirect, bool kWaits = false, int kH = kCbHolders, int kS = kCbStages>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
   const long long t_start = kWaits ? clock64() : 0;
@@ -518,6 +527,8 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
   const size_t rb = (size_t)row_bytes;
   const uint8_t* own = p.peer_base[me] + p.off_combine_in;
   const uint8_t* staged = p.peer_base[me] + p.off_combine_stage;
+  const int skip = kWaits ? p.cb_skip : 0;  // measuring aid: only the counting instantiation reads it
+  unsigned fold = 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kCbPairs * kS; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kCbSummers);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -601,13 +612,14 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
         if (kWaits) t_wait += t_sum - t_full;
         const int4* x0 = reinterpret_cast<const int4*>(stage);
         uint4* dst = a.out + (size_t)t * V + (size_t)q * (kCbPiece >> 4);
-        const int nv = bytes >> 4;
+        const int nv = (kWaits && (skip & kCbSkipReads)) ? 0 : bytes >> 4;
+        const bool fo = kWaits && (skip & kCbSkipStores);
         switch (n) {  // the holder count a constant in the loop
-          case 0: cb_sum_piece<0>(dst, x0, wd, nv, lane, sw); break;
-          case 1: cb_sum_piece<1>(dst, x0, wd, nv, lane, sw); break;
-          case 2: cb_sum_piece<2>(dst, x0, wd, nv, lane, sw); break;
-          case 3: cb_sum_piece<3>(dst, x0, wd, nv, lane, sw); break;
-          default: cb_sum_piece<4>(dst, x0, wd, nv, lane, sw); break;
+          case 0: fold ^= cb_sum_piece<0>(dst, x0, wd, nv, lane, sw, fo); break;
+          case 1: fold ^= cb_sum_piece<1>(dst, x0, wd, nv, lane, sw, fo); break;
+          case 2: fold ^= cb_sum_piece<2>(dst, x0, wd, nv, lane, sw, fo); break;
+          case 3: fold ^= cb_sum_piece<3>(dst, x0, wd, nv, lane, sw, fo); break;
+          default: fold ^= cb_sum_piece<4>(dst, x0, wd, nv, lane, sw, fo); break;
         }
         __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
         if (lane == 0) mbar_arrive(empty + st);
@@ -623,6 +635,10 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     atomicAdd(s + (loader ? kStampCbLoaderPrep : kStampCbSummerPrep), (unsigned long long)t_prep);
     atomicAdd(s + (loader ? kStampCbLoaderIssue : kStampCbSummerSum), (unsigned long long)t_work);
   }
+  if (kWaits && (skip & kCbSkipStores) && !loader) {
+    for (int o = 16; o > 0; o >>= 1) fold ^= __shfl_xor_sync(0xffffffffu, fold, o);
+    if (lane == 0) atomicXor(p.stamps + kStampCbFold, (unsigned long long)fold);
+  }
   grid_release_and_wait(p, kCounterCombine, p.sig.pulled_off, epoch, kPhaseCombineDone);
 }
 
@@ -631,7 +647,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
 bool cb_waits_zeroed(const EpParams& p, cudaStream_t stream) {
   if (p.stamps == nullptr) return false;
   CUDA_CHECK(cudaMemsetAsync(p.stamps + kStampCbLoaderWait, 0,
-                             (kStampCbReady + 1 - kStampCbLoaderWait) * sizeof(unsigned long long), stream));
+                             (kStampCbFold + 1 - kStampCbLoaderWait) * sizeof(unsigned long long), stream));
   return true;
 }
 

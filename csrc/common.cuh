@@ -149,6 +149,7 @@ struct EpParams {
   int em_sms;  // ep_set_option EP_OPT_EM_SMS (expert-major): 0 = the dispatch kernel's blocks expand the rows after their
                // grid-wide wait and phase R runs on the combine's blocks; n > 0 = both in kernels of their own on n
                // blocks (dispatch.cu em_expand_kernel, combine.cu em_reduce_kernel)
+  int cb_skip;  // measuring aid (EP_OPT_CB_SKIP; kCbSkip* bits): read only while stamps is non-null
 };
 
 // Indices into EpParams::stamps (one launch's worth; each call overwrites them).
@@ -182,9 +183,15 @@ enum EpStamp {
   kStampCbLoaderIssue = 21,
   kStampCbSummerSum = 22,
   kStampCbReady = 23,
-  kNumStamps = 24,
+  // [24] the same, with EP_OPT_CB_SKIP's kCbSkipStores: the XOR of every summed word a summer did not store (so the
+  // sums are computed, not dropped by the compiler)
+  kStampCbFold = 24,
+  kNumStamps = 25,
 };
 
+
+// EP_OPT_CB_SKIP's bits (measuring aid, debug stamps on): what the bulk kernel's summers leave out
+enum { kCbSkipStores = 1, kCbSkipReads = 2 };
 
 enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
 // grid notify (notify.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;

@@ -30,6 +30,8 @@ OPT_CE_CHUNKS, OPT_CE_STREAMS = 6, 7  # combine_rows ce only
 OPT_CE_SHARE = 8  # own_rows all only
 OPT_CE_GROW = 9  # combine_rows ce only: 1 for growing chunks (epbench.ce_chunking grow)
 OPT_PULL_KERNEL = 10  # combine_rows pull only: 1 the loading / summing warps (epbench.pull_kernel bulk), 2 auto
+OPT_CB_SKIP = 11  # measuring aid, debug stamps on only: what the bulk kernel's summers leave out (CB_SKIP)
+CB_SKIP = {"none": 0, "stores": 1, "reads": 2}  # csrc/common.cuh kCbSkip*: no stores; no reads, sums or stores
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}
@@ -38,9 +40,10 @@ DISPATCH_IMPLS = {"lean": 3, "lean_dyn": 10}
 # Indices of the debug stamps (enum EpStamp in csrc/common.cuh).
 STAMPS = ["notify_start", "counted", "published", "slots", "peers_seen", "notify_end", "data_start",
           "data_last", "data_end", "block_counted", "data_first", "sm_mask0", "sm_mask1", "sm_mask2",
-          # [14..23] the combine's bulk kernel (csrc/common.cuh kStampCb*): clock64 cycles summed over its warps
+          # [14..24] the combine's bulk kernel (csrc/common.cuh kStampCb*): clock64 cycles summed over its warps
           "cb_loader_wait", "cb_summer_wait", "cb_loader_busy", "cb_summer_busy", "cb_units",
-          "cb_loader_prep", "cb_summer_prep", "cb_loader_issue", "cb_summer_sum", "cb_ready"]
+          "cb_loader_prep", "cb_summer_prep", "cb_loader_issue", "cb_summer_sum", "cb_ready",
+          "cb_fold"]
 
 
 class EpEffective(ctypes.Structure):

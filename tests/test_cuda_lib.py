@@ -161,7 +161,7 @@ def test_python_enum_tables_match_the_c_api_header():
     for name, code in cuda_lib.COMBINE_IMPLS.items():
         assert values[c_name("EP_COMBINE_", name)] == code, name
     for key in ("DEBUG_STAMPS", "NOTIFY_IMPL", "COMBINE_STAGES", "COMBINE_CHUNK", "EM_SMS", "CE_CHUNKS", "CE_STREAMS",
-                "CE_SHARE", "CE_GROW", "PULL_KERNEL"):
+                "CE_SHARE", "CE_GROW", "PULL_KERNEL", "CB_SKIP"):
         assert values["EP_OPT_" + key] == getattr(cuda_lib, "OPT_" + key), key
     struct = re.search(r"typedef struct ep_effective \{(.*?)\} ep_effective;", header, re.S).group(1)
     assert [f for f, _ in cuda_lib.EpEffective._fields_] == re.findall(r"int (\w+);", struct)
@@ -224,4 +224,6 @@ def test_stamp_names_follow_the_c_enum() -> None:
     for name, index in pairs.items():
         want = "sm_mask0" if name == "SmMask" else snake(name)
         assert cuda_lib.STAMPS[index] == want, (name, index)
-    assert pairs["CbReady"] == len(cuda_lib.STAMPS) - 1
+    assert pairs["CbFold"] == len(cuda_lib.STAMPS) - 1
+    skips = dict(re.findall(r"\bkCbSkip(\w+) = (\d+)", header))
+    assert {k: v for k, v in cuda_lib.CB_SKIP.items() if v} == {n.lower(): int(v) for n, v in skips.items()}

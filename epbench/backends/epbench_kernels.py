@@ -366,6 +366,12 @@ class EpbenchBackend(NormalMode):
         """Debug aid: per-phase %globaltimer stamps of the next calls (costs a few stores)."""
         cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_DEBUG_STAMPS, int(on)), "ep_set_option")
 
+    def set_cb_skip(self, what: str) -> None:
+        """Measuring aid (debug stamps on only): the bulk kernel's summers leave out their stores ("stores") or their
+        reads, sums and stores ("reads"); "none" restores them. Outputs are not written meanwhile: never verify."""
+        cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CB_SKIP, cuda_lib.CB_SKIP[what]),
+                       "ep_set_option")
+
     def debug_stamps(self) -> Dict[str, int]:
         """The stamps of the last call (ns, this GPU's %globaltimer); synchronize first."""
         raw = self._region(cuda_lib.DEBUG_STAMPS).view(torch.int64).cpu().tolist()

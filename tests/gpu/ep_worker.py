@@ -581,20 +581,48 @@ def bulk_waits(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, arg
     (csrc/common.cuh kStampCb*); "" where another kernel ran."""
     if be.effective_config().get("combine_impl") not in ("bulk", "ce") or (be.s.world < 3 and be.combine_rows == "ce"):
         return ""
+    before = be.combine(be.dispatch(inp, sms), sms).clone()
+    lines = [bulk_waits_one(be, inp, sms, one, args, skip) for skip in args.cb_skip.split(",")]
+    if args.cb_skip != "none":  # the aid off again: the same combine as before it, bit for bit
+        same = torch.equal(be.combine(be.dispatch(inp, sms), sms), before)
+        lines.append(f"  after the measuring aid: combine {'bit-equal to' if same else 'DIFFERENT FROM'} the one before")
+    return "\n".join(lines)
+
+
+def bulk_waits_one(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, args: argparse.Namespace,
+                   skip: str) -> str:
+    """bulk_waits' counters over --iters stamped calls with the summers leaving out `skip` (cuda_lib.CB_SKIP: none,
+    or the measuring aid's stores / reads, whose outputs are not written), and those calls' combine, timed with
+    events (median; the counting instantiation, so comparable among these lines only)."""
     be.set_debug_stamps(True)
+    be.set_cb_skip(skip)
     sums = {k: 0 for k in cuda_lib.STAMPS if k.startswith("cb_")}  # the bulk kernel's counters (csrc/common.cuh)
+    times, written = [], 0
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     for _ in range(args.iters):
         dist.all_reduce(one)
-        be.combine(be.dispatch(inp, sms), sms)
+        out = be.dispatch(inp, sms)
+        out.handle.out.zero_()
+        dist.all_reduce(one)
+        ev[0].record()
+        res = be.combine(out, sms)
+        ev[1].record()
         torch.cuda.synchronize()
+        times.append(1000.0 * ev[0].elapsed_time(ev[1]))
+        written += int(res.count_nonzero())
         st = be.debug_stamps()
         for k in sums:
             sums[k] += st[k]
+    be.set_cb_skip("none")
     be.set_debug_stamps(False)
     pct = lambda part, whole: 100.0 * sums[part] / sums[whole] if sums[whole] else float("nan")
     every = sums["cb_loader_busy"] + sums["cb_summer_busy"]
     flag = " or a chunk flag" if be.combine_rows == "ce" else ""
-    return (f"  bulk kernel waits ({args.iters} calls, stamps on): loaders {pct('cb_loader_wait', 'cb_loader_busy'):.1f} % "
+    left = {"none": "", "stores": " the summers storing nothing,", "reads": " the summers reading nothing,"}[skip]
+    seen = (f"; outputs {'left unwritten' if written == 0 else f'WRITTEN ({written} elements)'}"
+            + (f", sums folded {sums['cb_fold']:#x}" if skip == "stores" else "")) if skip != "none" else ""
+    return (f"  stamped combine,{left} {statistics.median(times):.1f} us (median of {args.iters}, events){seen}\n"
+            f"  bulk kernel waits ({args.iters} calls, stamps on): loaders {pct('cb_loader_wait', 'cb_loader_busy'):.1f} % "
             f"of their cycles waiting for a free stage{flag}, summers {pct('cb_summer_wait', 'cb_summer_busy'):.1f} % "
             f"for a full one; {sums['cb_units'] / args.iters:.0f} units a call\n"
             f"  bulk kernel work: loaders issuing copies {pct('cb_loader_issue', 'cb_loader_busy'):.1f} %, finding "
@@ -602,6 +630,14 @@ def bulk_waits(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, arg
             f"{pct('cb_summer_sum', 'cb_summer_busy'):.1f} %, finding holders and weights "
             f"{pct('cb_summer_prep', 'cb_summer_busy'):.1f} %; every warp's start ({'token check' if be.combine_rows == 'ce' else 'ready handshake'}, block barrier) "
             f"{100.0 * sums['cb_ready'] / every if every else float('nan'):.1f} % of all cycles")
+
+
+def cb_skips(text: str) -> str:
+    """--cb-skip: a comma list of cuda_lib.CB_SKIP's names."""
+    bad = [w for w in text.split(",") if w not in cuda_lib.CB_SKIP]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{','.join(bad)}: not one of {', '.join(cuda_lib.CB_SKIP)}")
+    return text
 
 
 def parser() -> argparse.ArgumentParser:
@@ -630,6 +666,9 @@ def parser() -> argparse.ArgumentParser:
                          "cases whose ranks hold the same token count, the others for the stop they must make")
     ap.add_argument("--ce-chunks", type=int, default=None, choices=[4, 5, 6, 8, 16, 32],
                     help="combine_rows ce: the backend's ce_chunks (default: the backend's)")
+    ap.add_argument("--cb-skip", default="none", type=cb_skips,
+                    help="trace --with-combine, bulk kernel: stamped runs each leaving out none / the summers' stores "
+                         "/ their reads (comma list of none, stores, reads; a measuring aid: outputs unwritten)")
     ap.add_argument("--pull-kernel", default=None, choices=["auto", "tma", "bulk"],
                     help="the backend's pull_kernel (default: the backend's)")
     ap.add_argument("--ce-chunking", default=None, choices=["even", "grow"],
