@@ -85,7 +85,8 @@ enum ep_option {
                             // world <= 4); 2 one of the two per call, as ep_pull_auto says
   EP_OPT_CB_SKIP = 11,  // measuring aid, honoured only with EP_OPT_DEBUG_STAMPS on (the bulk kernel's counting
                         // instantiation; every other launch ignores it): 0 (default); 1 the summers read and sum
-                        // their pieces but store nothing; 2 they free each stage unread (the loaders' copies alone)
+                        // their pieces but store nothing; 2 they free each stage unread (the loaders' copies alone);
+                        // 4 they sum words made in registers, reading no shared memory, and store nothing
   EP_OPT_EM_SMS = 5,          // expert-major: blocks of the receiver's expansion kernel (dispatch) and of phase R
                               // (combine), each its own kernel after the transfer; 0 (default): inside the
                               // dispatch kernel / on the combine's blocks (0..1024)

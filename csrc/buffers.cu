@@ -350,7 +350,7 @@ extern "C" int ep_set_option(void* vctx, int key, int value) {
       ctx->pull_bulk = value;
       return 0;
     case EP_OPT_CB_SKIP:  // measuring aid: outputs are not written while it is on (never in a verified call)
-      if (value != 0 && value != kCbSkipStores && value != kCbSkipReads) break;
+      if (value != 0 && value != kCbSkipStores && value != kCbSkipReads && value != kCbSkipSmem) break;
       ctx->p.cb_skip = value;
       return 0;
     case EP_OPT_CE_GROW:  // combine_ce only; the same on every rank

@@ -469,8 +469,9 @@ __host__ __device__ __forceinline__ size_t cb_smem_bytes() { return (size_t)kCbP
 
 // n pieces (slots 0..kN-1 of a stage, kCbPiece bytes apart) weighted by w[0..kN-1] in order, stored bf16 at dst:
 // summer s's share of the vectors. fold (the counting instantiation under EP_OPT_CB_SKIP's kCbSkipStores): the sums
-// XOR-folded into the value returned instead of stored (0 returned otherwise).
-template <int kN>
+// XOR-folded into the value returned instead of stored (0 returned otherwise); regs too (kCbSkipSmem): the pieces'
+// words made in registers from the vector's index (4 integer ops a row for its 16-byte shared-memory load), not read.
+template <int kN, bool kRegs = false>
 __device__ __forceinline__ unsigned cb_sum_piece(uint4* dst, const int4* x0, const float (&w)[kCbHolders], int nv,
                                                  int lane, int s, bool fold = false) {
   unsigned folded = 0;
@@ -480,7 +481,9 @@ __device__ __forceinline__ unsigned cb_sum_piece(uint4* dst, const int4* x0, con
     if (v >= nv) break;
     int4 x[kN > 0 ? kN : 1];
 #pragma unroll
-    for (int h = 0; h < kN; ++h) x[h] = x0[h * (kCbPiece >> 4) + v];
+    for (int h = 0; h < kN; ++h)
+      x[h] = kRegs ? make_int4(v ^ (0x3f803f80 + h), v ^ (0x3c003c00 + h), v ^ (0x40404040 + h), v ^ (0x3e003e00 + h))
+                  : x0[h * (kCbPiece >> 4) + v];
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < kN; ++h) fma_bf16x8(acc, x[h], w[h]);
@@ -500,8 +503,9 @@ __device__ __forceinline__ unsigned cb_sum_piece(uint4* dst, const int4* x0, con
 // preparation (the batch's holder lookups and each token's holders), its start (the bulk pull's ready handshake or
 // the ce path's token check, to the block barrier) and its whole run into p.stamps[kStampCb*] (where a 4-SM bulk
 // pull loses against the local sum); there EP_OPT_CB_SKIP may leave the summers' stores out (kCbSkipStores: the
-// sums XOR-folded into kStampCbFold) or their reads and sums too (kCbSkipReads: a full stage freed at once), to time
-// the loaders' copies with and without the rest (outputs unwritten; never in a verified call). kH pieces a stage
+// sums XOR-folded into kStampCbFold), their shared-memory reads too (kCbSkipSmem: the same sums of words made in
+// registers) or their reads and sums too (kCbSkipReads: a full stage freed at once), to time the loaders' copies
+// with and without the rest (outputs unwritten; never in a verified call). kH pieces a stage
 // (at least the token's holders), kS stages a pair.
 template <bool kDirect, bool kWaits = false, int kH = kCbHolders, int kS = kCbStages>
 __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams p, CombineArgs a, int epoch) {
@@ -614,12 +618,22 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
         uint4* dst = a.out + (size_t)t * V + (size_t)q * (kCbPiece >> 4);
         const int nv = (kWaits && (skip & kCbSkipReads)) ? 0 : bytes >> 4;
         const bool fo = kWaits && (skip & kCbSkipStores);
-        switch (n) {  // the holder count a constant in the loop
-          case 0: fold ^= cb_sum_piece<0>(dst, x0, wd, nv, lane, sw, fo); break;
-          case 1: fold ^= cb_sum_piece<1>(dst, x0, wd, nv, lane, sw, fo); break;
-          case 2: fold ^= cb_sum_piece<2>(dst, x0, wd, nv, lane, sw, fo); break;
-          case 3: fold ^= cb_sum_piece<3>(dst, x0, wd, nv, lane, sw, fo); break;
-          default: fold ^= cb_sum_piece<4>(dst, x0, wd, nv, lane, sw, fo); break;
+        if (kWaits && (skip & kCbSkipSmem)) {  // measuring aid: the same sums of register words, folded
+          switch (n) {
+            case 0: fold ^= cb_sum_piece<0, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
+            case 1: fold ^= cb_sum_piece<1, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
+            case 2: fold ^= cb_sum_piece<2, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
+            case 3: fold ^= cb_sum_piece<3, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
+            default: fold ^= cb_sum_piece<4, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
+          }
+        } else {
+          switch (n) {  // the holder count a constant in the loop
+            case 0: fold ^= cb_sum_piece<0>(dst, x0, wd, nv, lane, sw, fo); break;
+            case 1: fold ^= cb_sum_piece<1>(dst, x0, wd, nv, lane, sw, fo); break;
+            case 2: fold ^= cb_sum_piece<2>(dst, x0, wd, nv, lane, sw, fo); break;
+            case 3: fold ^= cb_sum_piece<3>(dst, x0, wd, nv, lane, sw, fo); break;
+            default: fold ^= cb_sum_piece<4>(dst, x0, wd, nv, lane, sw, fo); break;
+          }
         }
         __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
         if (lane == 0) mbar_arrive(empty + st);
@@ -635,7 +649,7 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
     atomicAdd(s + (loader ? kStampCbLoaderPrep : kStampCbSummerPrep), (unsigned long long)t_prep);
     atomicAdd(s + (loader ? kStampCbLoaderIssue : kStampCbSummerSum), (unsigned long long)t_work);
   }
-  if (kWaits && (skip & kCbSkipStores) && !loader) {
+  if (kWaits && (skip & (kCbSkipStores | kCbSkipSmem)) && !loader) {
     for (int o = 16; o > 0; o >>= 1) fold ^= __shfl_xor_sync(0xffffffffu, fold, o);
     if (lane == 0) atomicXor(p.stamps + kStampCbFold, (unsigned long long)fold);
   }

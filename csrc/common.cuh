@@ -191,7 +191,7 @@ enum EpStamp {
 
 
 // EP_OPT_CB_SKIP's bits (measuring aid, debug stamps on): what the bulk kernel's summers leave out
-enum { kCbSkipStores = 1, kCbSkipReads = 2 };
+enum { kCbSkipStores = 1, kCbSkipReads = 2, kCbSkipSmem = 4 };
 
 enum EpCounter { kCounterDispatch = 0, kCounterCombine = 1 };
 // grid notify (notify.cu): [3] hands out block ranges in arrival order, [4] counts finished blocks;

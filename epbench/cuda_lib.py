@@ -31,7 +31,8 @@ OPT_CE_SHARE = 8  # own_rows all only
 OPT_CE_GROW = 9  # combine_rows ce only: 1 for growing chunks (epbench.ce_chunking grow)
 OPT_PULL_KERNEL = 10  # combine_rows pull only: 1 the loading / summing warps (epbench.pull_kernel bulk), 2 auto
 OPT_CB_SKIP = 11  # measuring aid, debug stamps on only: what the bulk kernel's summers leave out (CB_SKIP)
-CB_SKIP = {"none": 0, "stores": 1, "reads": 2}  # csrc/common.cuh kCbSkip*: no stores; no reads, sums or stores
+# csrc/common.cuh kCbSkip*: no stores; no reads, sums or stores; sums of register words, no shared-memory reads
+CB_SKIP = {"none": 0, "stores": 1, "reads": 2, "smem": 4}
 # Notify, combine and dispatch implementations (enums ep_notify_impl, ep_combine_impl, ep_dispatch_impl);
 # direct is never asked for: it runs as the recorded fallback of the other two.
 NOTIFY_IMPLS = {"direct": 0, "staged": 1, "grid": 2}

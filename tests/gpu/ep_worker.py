@@ -618,9 +618,10 @@ def bulk_waits_one(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor,
     pct = lambda part, whole: 100.0 * sums[part] / sums[whole] if sums[whole] else float("nan")
     every = sums["cb_loader_busy"] + sums["cb_summer_busy"]
     flag = " or a chunk flag" if be.combine_rows == "ce" else ""
-    left = {"none": "", "stores": " the summers storing nothing,", "reads": " the summers reading nothing,"}[skip]
+    left = {"none": "", "stores": " the summers storing nothing,", "reads": " the summers reading nothing,",
+            "smem": " the summers summing register words, no shared memory read, nothing stored,"}[skip]
     seen = (f"; outputs {'left unwritten' if written == 0 else f'WRITTEN ({written} elements)'}"
-            + (f", sums folded {sums['cb_fold']:#x}" if skip == "stores" else "")) if skip != "none" else ""
+            + (f", sums folded {sums['cb_fold']:#x}" if skip in ("stores", "smem") else "")) if skip != "none" else ""
     return (f"  stamped combine,{left} {statistics.median(times):.1f} us (median of {args.iters}, events){seen}\n"
             f"  bulk kernel waits ({args.iters} calls, stamps on): loaders {pct('cb_loader_wait', 'cb_loader_busy'):.1f} % "
             f"of their cycles waiting for a free stage{flag}, summers {pct('cb_summer_wait', 'cb_summer_busy'):.1f} % "
@@ -668,7 +669,8 @@ def parser() -> argparse.ArgumentParser:
                     help="combine_rows ce: the backend's ce_chunks (default: the backend's)")
     ap.add_argument("--cb-skip", default="none", type=cb_skips,
                     help="trace --with-combine, bulk kernel: stamped runs each leaving out none / the summers' stores "
-                         "/ their reads (comma list of none, stores, reads; a measuring aid: outputs unwritten)")
+                         "/ their reads / their shared-memory reads and stores (comma list of none, stores, reads, "
+                         "smem; a measuring aid: outputs unwritten)")
     ap.add_argument("--pull-kernel", default=None, choices=["auto", "tma", "bulk"],
                     help="the backend's pull_kernel (default: the backend's)")
     ap.add_argument("--ce-chunking", default=None, choices=["even", "grow"],
