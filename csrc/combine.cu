@@ -496,6 +496,19 @@ __device__ __forceinline__ unsigned cb_sum_piece(uint4* dst, const int4* x0, con
   return folded;
 }
 
+// cb_sum_piece<n, kRegs> for a token's n holders (0..kCbHolders), n made a constant by one switch.
+template <bool kRegs>
+__device__ __forceinline__ unsigned cb_sum_n(int n, uint4* dst, const int4* x0, const float (&w)[kCbHolders], int nv,
+                                             int lane, int s, bool fold) {
+  switch (n) {
+    case 0: return cb_sum_piece<0, kRegs>(dst, x0, w, nv, lane, s, fold);
+    case 1: return cb_sum_piece<1, kRegs>(dst, x0, w, nv, lane, s, fold);
+    case 2: return cb_sum_piece<2, kRegs>(dst, x0, w, nv, lane, s, fold);
+    case 3: return cb_sum_piece<3, kRegs>(dst, x0, w, nv, lane, s, fold);
+    default: return cb_sum_piece<4, kRegs>(dst, x0, w, nv, lane, s, fold);
+  }
+}
+
 // kDirect (pull_kernel bulk): the same loaders and summers pulling every holder's row straight from its combine_in
 // over the link, after steps 1-2 (combine_ready), as combine_tma_kernel does: no push, no staging, no chunk flags.
 // kWaits (debug stamps on; its own instantiation, the other unchanged): each warp counts the clock64 cycles of its
@@ -617,24 +630,11 @@ __global__ void __launch_bounds__(kCbThreads, 1) combine_ce_bulk_kernel(EpParams
         const int4* x0 = reinterpret_cast<const int4*>(stage);
         uint4* dst = a.out + (size_t)t * V + (size_t)q * (kCbPiece >> 4);
         const int nv = (kWaits && (skip & kCbSkipReads)) ? 0 : bytes >> 4;
-        const bool fo = kWaits && (skip & kCbSkipStores);
-        if (kWaits && (skip & kCbSkipSmem)) {  // measuring aid: the same sums of register words, folded
-          switch (n) {
-            case 0: fold ^= cb_sum_piece<0, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
-            case 1: fold ^= cb_sum_piece<1, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
-            case 2: fold ^= cb_sum_piece<2, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
-            case 3: fold ^= cb_sum_piece<3, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
-            default: fold ^= cb_sum_piece<4, kWaits>(dst, x0, wd, nv, lane, sw, true); break;
-          }
-        } else {
-          switch (n) {  // the holder count a constant in the loop
-            case 0: fold ^= cb_sum_piece<0>(dst, x0, wd, nv, lane, sw, fo); break;
-            case 1: fold ^= cb_sum_piece<1>(dst, x0, wd, nv, lane, sw, fo); break;
-            case 2: fold ^= cb_sum_piece<2>(dst, x0, wd, nv, lane, sw, fo); break;
-            case 3: fold ^= cb_sum_piece<3>(dst, x0, wd, nv, lane, sw, fo); break;
-            default: fold ^= cb_sum_piece<4>(dst, x0, wd, nv, lane, sw, fo); break;
-          }
-        }
+        // the holder count a constant in the loop; the measuring aid's smem mode (register words) an instantiation
+        // of its own (one loop choosing per word spilled)
+        fold ^= (kWaits && (skip & kCbSkipSmem))
+                    ? cb_sum_n<kWaits>(n, dst, x0, wd, nv, lane, sw, true)
+                    : cb_sum_n<false>(n, dst, x0, wd, nv, lane, sw, kWaits && (skip & kCbSkipStores));
         __syncwarp();  // the warp's reads of the stage are done (their values consumed) before it is freed
         if (lane == 0) mbar_arrive(empty + st);
         if (kWaits) t_work += (unsigned)(clock64() - t_sum);

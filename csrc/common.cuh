@@ -183,8 +183,8 @@ enum EpStamp {
   kStampCbLoaderIssue = 21,
   kStampCbSummerSum = 22,
   kStampCbReady = 23,
-  // [24] the same, with EP_OPT_CB_SKIP's kCbSkipStores: the XOR of every summed word a summer did not store (so the
-  // sums are computed, not dropped by the compiler)
+  // [24] the same, with EP_OPT_CB_SKIP's kCbSkipStores or kCbSkipSmem: the XOR of every summed word a summer did
+  // not store (so the sums are computed, not dropped by the compiler)
   kStampCbFold = 24,
   kNumStamps = 25,
 };

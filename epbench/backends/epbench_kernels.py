@@ -367,8 +367,9 @@ class EpbenchBackend(NormalMode):
         cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_DEBUG_STAMPS, int(on)), "ep_set_option")
 
     def set_cb_skip(self, what: str) -> None:
-        """Measuring aid (debug stamps on only): the bulk kernel's summers leave out their stores ("stores") or their
-        reads, sums and stores ("reads"); "none" restores them. Outputs are not written meanwhile: never verify."""
+        """Measuring aid (debug stamps on only): the bulk kernel's summers leave out their stores ("stores"), their
+        shared-memory reads and stores, summing register words instead ("smem"), or their reads, sums and stores
+        ("reads"); "none" restores them (cuda_lib.CB_SKIP). Outputs are not written meanwhile: never verify."""
         cuda_lib.check(self._lib.ep_set_option(self._ctx, cuda_lib.OPT_CB_SKIP, cuda_lib.CB_SKIP[what]),
                        "ep_set_option")
 

@@ -592,7 +592,7 @@ def bulk_waits(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, arg
 def bulk_waits_one(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor, args: argparse.Namespace,
                    skip: str) -> str:
     """bulk_waits' counters over --iters stamped calls with the summers leaving out `skip` (cuda_lib.CB_SKIP: none,
-    or the measuring aid's stores / reads, whose outputs are not written), and those calls' combine, timed with
+    or the measuring aid's stores / smem / reads, whose outputs are not written), and those calls' combine, timed with
     events (median; the counting instantiation, so comparable among these lines only)."""
     be.set_debug_stamps(True)
     be.set_cb_skip(skip)
@@ -620,8 +620,11 @@ def bulk_waits_one(be: EpbenchBackend, inp: object, sms: int, one: torch.Tensor,
     flag = " or a chunk flag" if be.combine_rows == "ce" else ""
     left = {"none": "", "stores": " the summers storing nothing,", "reads": " the summers reading nothing,",
             "smem": " the summers summing register words, no shared memory read, nothing stored,"}[skip]
-    seen = (f"; outputs {'left unwritten' if written == 0 else f'WRITTEN ({written} elements)'}"
-            + (f", sums folded {sums['cb_fold']:#x}" if skip in ("stores", "smem") else "")) if skip != "none" else ""
+    seen = ""
+    if skip != "none":
+        seen = f"; outputs {'left unwritten' if written == 0 else f'WRITTEN ({written} elements)'}"
+    if skip in ("stores", "smem"):
+        seen += f", sums folded {sums['cb_fold']:#x}"
     return (f"  stamped combine,{left} {statistics.median(times):.1f} us (median of {args.iters}, events){seen}\n"
             f"  bulk kernel waits ({args.iters} calls, stamps on): loaders {pct('cb_loader_wait', 'cb_loader_busy'):.1f} % "
             f"of their cycles waiting for a free stage{flag}, summers {pct('cb_summer_wait', 'cb_summer_busy'):.1f} % "
