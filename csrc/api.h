@@ -235,7 +235,10 @@ int ep_ll_set_probe_skip(void* ll_ctx, int bits);
 // cost, stamped like them (start, end of part A at slot 2, end): mode 0 nothing (the launch floor),
 // 1 the grid-wide release / wait / finish handshake of the ll kernels (ll_sync grid),
 // 2 thread 0 of each block: 16 dependent global loads, 3 thread 0: 16 x (store, fence.acq_rel.sys),
-// 4 thread 0 of block 0 also stores the smallest nonzero step of %globaltimer (ns) at slot 7.
+// 4 thread 0 of block 0 also stores the smallest nonzero step of %globaltimer (ns) at slot 7,
+// 5 the ping: warp 0 of block b < world - 1 sends one dispatch row (row_bytes) to peer rank + 1 + b with a flag
+// behind a system-scope fence and waits for the flag of peer rank - 1 - b (needs num_sms >= world - 1; every
+// rank must launch it the same number of times), 6 the same with a combine row (hidden x 2 bytes).
 int ep_ll_probe(void* ll_ctx, int mode, int num_sms, int warps, void* stream);
 
 #ifdef __cplusplus

@@ -22,7 +22,11 @@ struct Carve {
 
 // Largest staged topk_idx (int32, T_max x topk) the dispatch kernel keeps in shared memory.
 constexpr size_t kMaxStagedIdxBytes = 48 * 1024;
-constexpr size_t kLlProbeBytes = 64;
+// ep_ll_probe's scratch: [0, 64) the flag, counter, epoch and chase words; [64, 128) the ping flags (u64, by
+// source rank); [128, 160) the ping epochs (i32, by block); from kPingRows a landing row of hidden x 2 bytes a
+// source rank (the combine's bf16 row, the largest row a ping sends).
+constexpr size_t kPingFlags = 64, kPingEpochs = 128, kPingRows = 256;
+size_t ll_probe_bytes(int world, int hidden) { return kPingRows + (size_t)world * hidden * 2; }
 
 }  // namespace
 
@@ -104,7 +108,7 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   ctx->off_epochs = c.take(2 * sizeof(int));
   ctx->off_counters = c.take(4 * sizeof(unsigned));
   ctx->off_dev_error = c.take(sizeof(int));
-  ctx->off_probe = c.take(kLlProbeBytes);
+  ctx->off_probe = c.take(ll_probe_bytes(p.world, p.hidden));
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, cfg->device));
   lp.eslot_count = ctx->sm_count;
   ctx->off_eslots = c.take(2 * (size_t)lp.eslot_count * sizeof(int));
@@ -127,7 +131,7 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaMemset(r + ctx->off_epochs, 0, 2 * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counters, 0, 4 * sizeof(unsigned)));
   CUDA_CHECK(cudaMemset(r + ctx->off_dev_error, 0, sizeof(int)));
-  CUDA_CHECK(cudaMemset(r + ctx->off_probe, 0, kLlProbeBytes));
+  CUDA_CHECK(cudaMemset(r + ctx->off_probe, 0, ll_probe_bytes(p.world, p.hidden)));
   CUDA_CHECK(cudaMemset(r + lp.off_tflags, 0, tflag_bytes));
   CUDA_CHECK(cudaMemset(r + lp.off_dwords, 0, dword_bytes));
   CUDA_CHECK(cudaMemset(r + lp.off_tcflags, 0, tcflag_bytes));
@@ -296,9 +300,63 @@ extern "C" int ep_ll_set_probe_skip(void* vctx, int bits) {
 
 namespace {
 
-// Scratch at off_probe: [0] u64 flag, [8] u32 block counter, [12] i32 epoch, [16..] words the chase loads.
-__global__ void ll_probe_kernel(EpParams p, LlParams lp, uint8_t* scratch, int mode) {
+// The ping (modes 5 and 6): the least that a decode call across the links does. Warp 0 of block b < world - 1
+// sends one row of `bytes` (every load issued before its stores) from this rank's own landing row into its row
+// on peer me + 1 + b, then, behind a system-scope fence, a flag carrying the call's epoch; then it waits for the
+// flag of peer me - 1 - b (whose block b sends to me). No ids, no counts, no copy into expert slots: one row each
+// way and the wait for its proof, in the kernels' grid and timed like them. Stamp 2 (sent): the flag issued.
+__device__ __forceinline__ void ll_ping(const EpParams& p, const LlParams& lp, uint8_t* scratch, size_t off_probe,
+                                        int bytes) {
+  const int b = blockIdx.x, lane = threadIdx.x;
+  if (b >= p.world - 1 || lane >= 32) {
+    ll_stamp(lp, kLlSent);  // nothing to send (thread 0 of a block without a peer)
+    return;
+  }
+  const int to = (p.rank + 1 + b) % p.world, from = (p.rank + p.world - 1 - b) % p.world;
+  int* epochs = reinterpret_cast<int*>(scratch + kPingEpochs) + b;
+  const int epoch = ld_volatile(epochs) + 1;
+  const int4* src = reinterpret_cast<const int4*>(scratch + kPingRows + (size_t)p.rank * p.hidden * 2);
+  uint8_t* peer = p.peer_base[to] + off_probe;
+  int4* dst = reinterpret_cast<int4*>(peer + kPingRows + (size_t)p.rank * p.hidden * 2);
+  constexpr int kV = 16;  // vectors a lane keeps in flight: a 7 KiB row in one round, a 14 KiB row in two
+  const int vectors = bytes / 16;
+  for (int base = 0; base < vectors; base += 32 * kV) {
+    int4 v[kV];
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      const int i = base + k * 32 + lane;
+      if (i < vectors) v[k] = src[i];
+    }
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      const int i = base + k * 32 + lane;
+      if (i < vectors) dst[i] = v[k];
+    }
+  }
+  __syncwarp();
+  if (lane == 0) {
+    fence_acq_rel_sys();
+    st_release_sys_u64(reinterpret_cast<unsigned long long*>(peer + kPingFlags) + p.rank,
+                       (unsigned long long)epoch << 32);
+  }
+  ll_stamp(lp, kLlSent);
+  if (lane == 0) {
+    ll_wait_epoch_u64(p, reinterpret_cast<const unsigned long long*>(scratch + kPingFlags) + from, epoch, from,
+                      kPhaseLlDispatch);
+    *epochs = epoch;  // kernel completion orders it before the next launch
+  }
+}
+
+// Scratch at off_probe: [0] u64 flag, [8] u32 block counter, [12] i32 epoch, [16..] words the chase loads; the
+// ping's from kPingFlags (ll_probe_bytes).
+__global__ void ll_probe_kernel(EpParams p, LlParams lp, uint8_t* scratch, size_t off_probe, int mode) {
   ll_stamp(lp, kLlStart);
+  if (mode == 5 || mode == 6) {
+    ll_ping(p, lp, scratch, off_probe, mode == 5 ? p.row_bytes : p.hidden * 2);
+    __syncthreads();
+    ll_stamp(lp, kLlEnd);
+    return;
+  }
   auto* flag = reinterpret_cast<unsigned long long*>(scratch);
   auto* counter = reinterpret_cast<unsigned*>(scratch + 8);
   int* epochs = reinterpret_cast<int*>(scratch + 12);
@@ -343,14 +401,18 @@ __global__ void ll_probe_kernel(EpParams p, LlParams lp, uint8_t* scratch, int m
 
 extern "C" int ep_ll_probe(void* vctx, int mode, int num_sms, int warps, void* stream) {
   LlContext* ctx = (LlContext*)vctx;
-  if (mode < 0 || mode > 4) {
+  if (mode < 0 || mode > 6) {
     ep_set_error("unknown probe mode %d", mode);
+    return -1;
+  }
+  if ((mode == 5 || mode == 6) && num_sms < ctx->ep->p.world - 1) {
+    ep_set_error("the ping needs a block for each of the %d peers, got %d SMs", ctx->ep->p.world - 1, num_sms);
     return -1;
   }
   if (ll_check_launch(ctx, 0, num_sms, warps) != 0) return -1;
   CUDA_CHECK(cudaSetDevice(ctx->ep->device));
   ll_probe_kernel<<<num_sms, warps * 32, 0, (cudaStream_t)stream>>>(ctx->ep->p, ctx->lp, ctx->ep->region + ctx->off_probe,
-                                                                    mode);
+                                                                    ctx->off_probe, mode);
   CUDA_CHECK(cudaGetLastError());
   return 0;
 }

@@ -16,6 +16,11 @@ Rows:
   grid-wide release / wait / finish handshake alone),
   `chase` (16 dependent global loads by one thread per block: span / 16 ~ one memory round trip),
   `fence` (16 x store + fence.acq_rel.sys), `timer` (the smallest step of %globaltimer, ns);
+  with several ranks also `ping` and `ping-combine`: the least a decode call across the links does, one row
+  each way and the wait for its proof (warp 0 of block b sends one row from every load in flight to peer
+  me + 1 + b, a flag behind a system-scope fence, then waits for peer me - 1 - b's flag: no ids, no counts,
+  no copy into expert slots); `ping` with the dispatch's row (hidden bytes in fp8, hidden x 2 in bf16),
+  `ping-combine` with the combine's (hidden x 2); `partA` is the flag issued, the rest of the span the wait;
 - dispatch and combine per tokens x variant, each verified once (#wrong) before it is timed:
   `grid` (ll_sync grid, the grid-wide handshakes); `token` (ll_sync token: per-token flags, no
   grid-wide step; its stamps mark warp 0's progress, there being no block barrier to stamp: its
@@ -85,6 +90,7 @@ from epbench.metrics import interpolated_percentile as percentile
 
 PARTS = ["stage", "send", "release", "wait", "receive", "finish"]  # LlStamp 1..6 (after kLlStart)
 PROBE_MODES = {"empty": 0, "sync": 1, "chase": 2, "fence": 3, "timer": 4}  # name -> ep_ll_probe mode
+PING_MODES = {"ping": 5, "ping-combine": 6}  # with several ranks only (a block for each peer)
 # name -> (warps per block or None for the backend's default, option ll_sync)
 VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
             "token-warps4": (4, "token"), "token-noown": (None, "token"), "token-norecv": (None, "token"),
@@ -490,7 +496,8 @@ def measure(job: Any) -> int:
     for sms in sms_list:
         stamps = torch.zeros(sms, STAMPS_PER_BLOCK, dtype=torch.int64, device=dev)
         for chain in chains:
-            for name, mode in PROBE_MODES.items():
+            pings = PING_MODES if 1 < ranks.world <= sms + 1 else {}
+            for name, mode in dict(PROBE_MODES, **pings).items():
                 be.warps = default_warps
                 be.set_probe(stamps)
                 g, _ = capture(lambda: be.probe_kernel(mode, sms), chain)

@@ -270,7 +270,8 @@ def test_every_variant_names_a_sync_and_warps_the_kernels_take() -> None:
     for name, (warps, sync) in llprobe.VARIANTS.items():
         assert sync in SYNCS, name
         assert warps is None or 2 <= warps <= 16, name  # ll_check_launch: warps 2..16
-    assert sorted(llprobe.PROBE_MODES.values()) == list(range(5))  # ep_ll_probe: modes 0..4
+    # ep_ll_probe: modes 0..6, the pings (5, 6) only with several ranks
+    assert sorted(list(llprobe.PROBE_MODES.values()) + list(llprobe.PING_MODES.values())) == list(range(7))
 
 
 def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:

@@ -73,6 +73,7 @@ def test_a_chain_verifies_at_world_1(kernels_built: None, runs: GpuRuns) -> None
     ops = [r for r in rows if r["op"] != "probe"]
     assert {r["chain"] for r in ops} == {"1", "4"} and all(r["wrong"] == "0" for r in ops)
     assert header(out)[-1] == "chain"
+    assert not [r for r in rows if r["variant"].startswith("ping")]  # world 1: no peer to ping
 
 
 def test_two_ranks_share_the_gpu_and_verify(kernels_built: None, runs: GpuRuns) -> None:
@@ -81,6 +82,14 @@ def test_two_ranks_share_the_gpu_and_verify(kernels_built: None, runs: GpuRuns) 
     assert ops and all(r["wrong"] == "0" and r["ranks"] == "2" for r in ops)
     assert all(float(r["call_p50"]) >= float(r["call_p50_rank0"]) for r in ops)
     assert "world 2: 2 ranks share this GPU, MPS " in out
+    pings(rows)
+
+
+def pings(rows: list) -> None:
+    """With several ranks: a `ping` and a `ping-combine` row per SM count, their flags issued within their span."""
+    got = [r for r in rows if r["op"] == "probe" and r["variant"].startswith("ping")]
+    assert sorted(r["variant"] for r in got) == ["ping", "ping-combine"], got
+    assert all(0 <= float(r["a_p50"]) <= float(r["span_p50"]) and float(r["span_p50"]) > 0 for r in got)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=needs_gpus(2, "one GPU per rank")) for n in SPREAD])
@@ -96,3 +105,4 @@ def test_spread_ranks_cross_the_link_and_verify(kernels_built: None, runs: GpuRu
     assert all(float(r["call_p50"]) >= float(r[f"call_p50_rank{r['slow_rank']}"]) - 1e-9 for r in ops)
     assert all(float(r["span_p50_rank0"]) > 0 and float(r["wait_p50_rank1"]) >= 0 for r in ops)
     assert "world 2: one GPU per rank" in out and "MPS" not in out.splitlines()[0]
+    pings(rows)
