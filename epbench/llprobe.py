@@ -501,7 +501,9 @@ def measure(job: Any) -> int:
                 be.warps = default_warps
                 be.set_probe(stamps)
                 g, _ = capture(lambda: be.probe_kernel(mode, sms), chain)
-                for res, rank_us in timed([g], stamps, probe_parts, chain):
+                measured = timed([g], stamps, probe_parts, chain)
+                be.check_errors()  # a ping that gave up waiting for a peer's flag stops here, naming it
+                for res, rank_us in measured:
                     row = base(sms, "probe", "", name, "", chain, res)
                     if name == "timer":
                         row["timer_step_ns"] = int(stamps[0, 7])
