@@ -274,20 +274,32 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   const int V = p.hidden >> 3;
   const int nch = (V + 32 * kV - 1) / (32 * kV);
   const bool aborted = ld_volatile(p.dev_error) != 0;  // issued with the epochs: one round trip for both
-  if (threadIdx.x == 0) {
-    s_epoch = ld_volatile(lp.eslots + lp.eslot_count + blockIdx.x) + 1;
-    s_depoch = ld_volatile(lp.eslots + blockIdx.x);  // the matching dispatch's epoch (stream order)
-    int acc = 0;
-    for (int s = 0; s < world; ++s) {
-      s_tokens[s] = acc;
-      acc += s == me ? 0 : lp.src_tokens[s];
+  // A small buffer (t_max <= kLlSpecTokens, the same on every rank) in rotated order: every thread loads the two
+  // epochs itself and the units run over every (peer, token < t_max, chunk), without the peers' token counts, so
+  // no block barrier and no dependent load stand before a unit's tmap loads; a unit past a peer's count finds
+  // tmap entries of an older epoch (none of this one can exist there) and pushes nothing.
+  const bool spec = kV == 2 && order == kLlOrderRotated && lp.t_max <= kLlSpecTokens;  // block-uniform; chunk 2 is auto there
+  int r_epoch = 0, r_depoch = 0;
+  if (spec) {
+    r_depoch = ld_volatile(lp.eslots + blockIdx.x);  // the matching dispatch's epoch (stream order)
+    r_epoch = ld_volatile(lp.eslots + lp.eslot_count + blockIdx.x) + 1;
+  } else {
+    if (threadIdx.x == 0) {
+      s_epoch = ld_volatile(lp.eslots + lp.eslot_count + blockIdx.x) + 1;
+      s_depoch = ld_volatile(lp.eslots + blockIdx.x);  // the matching dispatch's epoch (stream order)
+      int acc = 0;
+      for (int s = 0; s < world; ++s) {
+        s_tokens[s] = acc;
+        acc += s == me ? 0 : lp.src_tokens[s];
+      }
+      s_tokens[world] = acc;
+      s_units = push_unit_count(order, s_tokens, world - 1, nch, me, world);  // the peers
     }
-    s_tokens[world] = acc;
-    s_units = push_unit_count(order, s_tokens, world - 1, nch, me, world);  // the peers
+    __syncthreads();
   }
-  __syncthreads();
   ll_stamp(lp, kLlStaged);
-  const int epoch = s_epoch, depoch = s_depoch;
+  const int epoch = spec ? r_epoch : s_epoch, depoch = spec ? r_depoch : s_depoch;
+  const long long spec_units = (long long)(world - 1) * lp.t_max * nch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
   // units dealt block-major (u -> block u % blocks): a small batch's loads spread over many SMs
   const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
@@ -315,9 +327,16 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
     nheld = 0;
     held_rank = 0;
   };
-  for (long long u = gw; !aborted && u < s_units; u += G) {
+  for (long long u = gw; !aborted && u < (spec ? spec_units : s_units); u += G) {
     int s, t, c;
-    if (!push_unit(u, order, s_tokens, world - 1, nch, me, world, s, t, c)) continue;
+    if (spec) {  // the rotated order over t_max tokens a peer
+      const long long k = u / (world - 1);
+      s = (me + 1 + (int)(u - k * (world - 1))) % world;
+      t = (int)(k / nch);
+      c = (int)(k - (long long)t * nch);
+    } else if (!push_unit(u, order, s_tokens, world - 1, nch, me, world, s, t, c)) {
+      continue;
+    }
     if (!push_partial_chunk<kV>(p, lp, s, t, c, depoch, lane)) continue;
     const size_t fi = ((size_t)t * world + me) * cch + c * fstep;  // the unit's flag in s's tcflags
     if constexpr (kBatch) {

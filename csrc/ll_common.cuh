@@ -137,6 +137,9 @@ enum LlCombineOrder { kLlOrderSource = 0, kLlOrderRotated = 1 };
 // receiver's chunk c waits for chunk c alone. Same bytes in the same places either way. Every rank must use the
 // same value (the receiver waits on the flags its peers store). The grid dispatch ignores it.
 enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };
+// Buffers of at most this many tokens a rank: the token combine's push units run over every token of the buffer
+// without waiting for the peers' counts (ll_combine.cu, `spec`).
+constexpr int kLlSpecTokens = 16;
 constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk (2 KiB a warp)
 
 // Where a token dispatch's peer row lands on the receiver (ep_ll_set_dispatch_place, backend option
