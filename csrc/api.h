@@ -228,8 +228,9 @@ int ep_ll_set_combine_release(void* ll_ctx, int release);
 // [num_sms, 8]: thread 0 of every block of each later ll kernel stores %globaltimer at its phase
 // boundaries (LlStamp in ll_common.cuh).
 int ep_ll_set_probe(void* ll_ctx, void* stamps);
-// bits (LlProbeSkip in ll_common.cuh, 0..7; 0 the default): parts the token dispatch leaves out, 1 the own
-// rows, 2 the receive copies, 4 the scales and tmap / tw stores beside a peer row; its outputs are then wrong.
+// bits (LlProbeSkip in ll_common.cuh, 0..15; 0 the default): parts the token dispatch leaves out, 1 the own
+// rows, 2 the receive copies, 4 the scales and tmap / tw stores beside a peer row, 8 the fence before a peer
+// row's flag; its outputs are then wrong.
 int ep_ll_set_probe_skip(void* ll_ctx, int bits);
 // A kernel of the ll kernels' grid (num_sms blocks of warps x 32 threads) that does only one fixed
 // cost, stamped like them (start, end of part A at slot 2, end): mode 0 nothing (the launch floor),

@@ -96,8 +96,10 @@ struct LlParams {
 // kLlSkipOwnRows: the own-row units (a token's row into my own experts' slots); kLlSkipReceive: the receive
 // copies (each flag is still waited for; with dispatch_place inline each chunk's row words); kLlSkipSmallStores: the scales and the tmap / tw entries a peer unit
 // stores beside its row, with dispatch_place slot its pair entry (a receiver then finds no slot to copy into), with
-// inline its scale and weight words (never its slot words, which say whether a row follows).
-enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipAll = 7 };
+// inline its scale and weight words (never its slot words, which say whether a row follows); kLlSkipFence: a peer
+// unit's flag stored relaxed, without the release (fence) that orders its row's stores before it (a receiver may
+// then copy a row before it has landed; inline words have no fence to leave out).
+enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipFence = 8, kLlSkipAll = 15 };
 
 // Phase boundaries stamped per block (thread 0) when LlParams::stamps is set. Dispatch: staged =
 // ids in shared memory; sent = the block's rows / slots issued (after the block barrier); released =

@@ -624,8 +624,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     unsigned long long* flag =
         reinterpret_cast<unsigned long long*>(pb + lp.off_tflags) + ((size_t)me * Tm + t) * tfc + pc;
     if (lane == 0) {
-      if (mask != 0) st_release_sys_u64(flag, tag | 1u);
-      else st_relaxed_sys_u64(flag, tag);  // nothing behind it: no fence
+      if (mask != 0 && !(lp.probe_skip & kLlSkipFence)) st_release_sys_u64(flag, tag | 1u);
+      else st_relaxed_sys_u64(flag, tag | (mask != 0 ? 1u : 0u));  // nothing behind it (or measuring): no fence
     }
   }
   ll_stamp(lp, kLlSent);

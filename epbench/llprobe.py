@@ -34,7 +34,9 @@ Rows:
   own that never runs a combine, each replay after every rank's previous one as always):
   `token-noown` (no own-row units), `token-norecv` (each flag waited for, no receive copy),
   `token-peers` (only the peer rows, their flags and the count words: no own rows, no scales or tmap /
-  tw entries, no receive copy).
+  tw entries, no receive copy), `token-nofence` (each peer row's flag stored without the release fence that
+  orders the row before it: what those fences cost the send; a receiver may copy a row before it lands) and
+  `token-peers-nofence` (both).
 
 Prints one table, a line per row as it is measured (us; p50 unless marked), and records every
 number in a results folder (meta.json, results.csv: one line per row, samples.csv: every rank's
@@ -94,10 +96,12 @@ PING_MODES = {"ping": 5, "ping-combine": 6}  # with several ranks only (a block 
 # name -> (warps per block or None for the backend's default, option ll_sync)
 VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
             "token-warps4": (4, "token"), "token-noown": (None, "token"), "token-norecv": (None, "token"),
-            "token-peers": (None, "token")}
-# token dispatches with parts left out (LlProbeSkip, csrc/ll_common.cuh: 1 own rows, 2 receive copies, 4 the
-# scales and tmap / tw stores beside a peer row): timed alone, on a backend of their own, never verified
-SKIPS = {"token-noown": 1, "token-norecv": 2, "token-peers": 7}
+            "token-peers": (None, "token"), "token-nofence": (None, "token"),
+            "token-peers-nofence": (None, "token")}
+# token dispatches with parts left out (LlProbeSkip, csrc/ll_common.cuh: 1 own rows, 2 receive copies, 4 the scales
+# and tmap / tw stores beside a peer row, 8 the fence before a peer row's flag): timed alone, on a backend of their
+# own, never verified
+SKIPS = {"token-noown": 1, "token-norecv": 2, "token-peers": 7, "token-nofence": 8, "token-peers-nofence": 15}
 DEFAULT_VARIANTS = "grid,token,warps4"
 STAMPS_PER_BLOCK = 8
 

@@ -275,13 +275,14 @@ def test_every_variant_names_a_sync_and_warps_the_kernels_take() -> None:
 
 
 def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
-    """token-noown / token-norecv / token-peers: token-sync variants whose bits are LlProbeSkip's."""
+    """token-noown / token-norecv / token-peers / the nofence ones: token-sync variants whose bits are LlProbeSkip's."""
     from pathlib import Path
 
     assert set(llprobe.SKIPS) <= set(llprobe.VARIANTS)
     assert all(llprobe.VARIANTS[v][1] == "token" for v in llprobe.SKIPS)
     assert not set(llprobe.SKIPS) & set(llprobe.DEFAULT_VARIANTS.split(","))  # only when asked for
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
-    assert ("enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, "
-            "kLlSkipAll = 7 };") in header
-    assert llprobe.SKIPS == {"token-noown": 1, "token-norecv": 2, "token-peers": 1 | 2 | 4}
+    assert ("enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipFence = 8, "
+            "kLlSkipAll = 15 };") in header
+    assert llprobe.SKIPS == {"token-noown": 1, "token-norecv": 2, "token-peers": 1 | 2 | 4, "token-nofence": 8,
+                             "token-peers-nofence": 1 | 2 | 4 | 8}

@@ -22,7 +22,8 @@ QUICK = ["--tokens", "1,32", "--sms", "16", "--warmup", "2", "--iters", "5"]
 VERIFIED = ["--variants", "grid,token"]
 RUNS = {"chain": [*VERIFIED, "--chain", "1,4"], "2 ranks": [*VERIFIED, "--nproc", "2"]}
 # one GPU per rank: only where the host has 2; with the token dispatches that leave parts out (llprobe.SKIPS)
-SPREAD = {"2 ranks spread": ["--variants", "grid,token,token-noown,token-norecv,token-peers", "--nproc", "2", "--spread"]}
+SPREAD = {"2 ranks spread": ["--variants", "grid,token,token-noown,token-norecv,token-peers,token-nofence", "--nproc", "2",
+                              "--spread"]}
 
 
 def probe_command(args: list):
@@ -96,11 +97,11 @@ def pings(rows: list) -> None:
 def test_spread_ranks_cross_the_link_and_verify(kernels_built: None, runs: GpuRuns, name: str) -> None:
     """--spread: every row verified on both GPUs, the slowest rank's row with each rank's own span."""
     out, rows = probe(runs, name)
-    skipping = [r for r in rows if r["variant"] in ("token-noown", "token-norecv", "token-peers")]
+    skipping = [r for r in rows if r["variant"] in ("token-noown", "token-norecv", "token-peers", "token-nofence")]
     ops = [r for r in rows if r["op"] != "probe" and r not in skipping]
     assert ops and all(r["wrong"] == "0" and r["ranks"] == "2" for r in ops)
     # the dispatches with parts left out: one unverified dispatch row each per tokens, timed like the rest
-    assert len(skipping) == 6 and all(r["op"] == "dispatch" and r["wrong"] == "" for r in skipping)
+    assert len(skipping) == 8 and all(r["op"] == "dispatch" and r["wrong"] == "" for r in skipping)
     assert all(float(r["call_p50"]) > 0 and float(r["span_p50"]) > 0 for r in skipping)
     assert all(float(r["call_p50"]) >= float(r[f"call_p50_rank{r['slow_rank']}"]) - 1e-9 for r in ops)
     assert all(float(r["span_p50_rank0"]) > 0 and float(r["wait_p50_rank1"]) >= 0 for r in ops)
