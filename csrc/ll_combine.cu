@@ -274,11 +274,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   const int V = p.hidden >> 3;
   const int nch = (V + 32 * kV - 1) / (32 * kV);
   const bool aborted = ld_volatile(p.dev_error) != 0;  // issued with the epochs: one round trip for both
-  // A small buffer (t_max <= kLlSpecTokens, the same on every rank) in rotated order: every thread loads the two
-  // epochs itself and the units run over every (peer, token < t_max, chunk), without the peers' token counts, so
-  // no block barrier and no dependent load stand before a unit's tmap loads; a unit past a peer's count finds
-  // tmap entries of an older epoch (none of this one can exist there) and pushes nothing.
-  const bool spec = kV == 2 && order == kLlOrderRotated && lp.t_max <= kLlSpecTokens;  // block-uniform; chunk 2 is auto there
+  // A small buffer (t_max <= kLlSpecTokens, the same on every rank) in rotated order, with a warp for every unit
+  // (else a warp would walk units past the peers' counts one dependent tmap load after another: few SMs, many
+  // ranks): every thread loads the two epochs itself and the units run over every (peer, token < t_max, chunk),
+  // without the peers' token counts, so no block barrier and no dependent load stand before a unit's tmap loads; a
+  // unit past a peer's count finds tmap entries of an older epoch (none of this one can exist there) and pushes
+  // nothing. Block-uniform; chunk 2 is auto at such buffers.
+  const bool spec = kV == 2 && order == kLlOrderRotated && lp.t_max <= kLlSpecTokens &&
+                    (long long)(world - 1) * lp.t_max * nch <= (long long)gridDim.x * nwarps;
   int r_epoch = 0, r_depoch = 0;
   if (spec) {
     r_depoch = ld_volatile(lp.eslots + blockIdx.x);  // the matching dispatch's epoch (stream order)
