@@ -32,7 +32,8 @@
 //
 // Token sync (ll_sync = token, ll_combine_token_kernel): no grid-wide step. Epoch from eslots[1][b]
 // + 1, the dispatch's from eslots[0][b]; stored back into slots b, b + G, ... at the end.
-// Push: unit (peer s != me, token t < T_s, chunk c) as above (push_partial_chunk, push_unit), then
+// Push: unit (peer s != me, token t < T_s, chunk c) as above (push_partial_chunk, push_unit; with a small
+// buffer every t < t_max, the units past T_s finding no entry of this epoch: `spec` in the kernel), then
 // __syncwarp and lane 0 stores tcflags[t, me, c] on s = epoch << 32 with st.release.sys (cumulative,
 // as in dispatch). A token with no expert here stores nothing: s waits only for the ranks t's
 // topk_idx names. combine_release batch (LlCombineRelease): a warp keeps the flags of up to
@@ -399,6 +400,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
                   [&](int b) { return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, (unsigned long long)src, b)); });
   }
   ll_stamp(lp, kLlReceived);
+  // spec: every thread loaded the epoch slot itself; none may read it after thread 0 stores this call's below
+  if (spec) __syncthreads();
   ll_store_epoch_slots(lp, lp.eslots + lp.eslot_count, lp.epochs + 1, epoch);
   ll_stamp(lp, kLlEnd);
 }

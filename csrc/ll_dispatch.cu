@@ -72,7 +72,8 @@
 //      flag. The receive unit (s, t, c) waits for the slot words, then for its chunk's words, copies the chunk into
 //      each of its slots and writes its own tmap / tw / pair entries. T word bit 29.
 //   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
-//   receive copies or the small stores beside a peer row (LlProbeSkip, ll_common.cuh); outputs then wrong.
+//   receive copies, the small stores beside a peer row or the fence before a peer row's flag (LlProbeSkip,
+//   ll_common.cuh); outputs then wrong.
 //   Units are dealt block-major (unit u -> block u % blocks), so a few units land on as many SMs:
 //   a warp's send is bound by what its SM stores (measured: notes/LATENCY.md).
 //   Memory model: a unit's lanes store, then bar.warp.sync (which orders the participating threads'

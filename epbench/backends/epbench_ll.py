@@ -277,7 +277,8 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
     def set_probe_skip(self, bits: int) -> None:
         """Measuring aid (epbench/llprobe.py, SKIPS): later token dispatches leave out the parts in
         ``bits`` (LlProbeSkip, csrc/ll_common.cuh: 1 the own rows, 2 the receive copies, 4 the scales and
-        tmap / tw stores beside a peer row); their outputs are then wrong. 0: nothing left out."""
+        tmap / tw stores beside a peer row, 8 the fence before a peer row's flag); their outputs are then
+        wrong. 0: nothing left out."""
         cuda_lib.check(self._lib.ep_ll_set_probe_skip(self._ctx, int(bits)), "ep_ll_set_probe_skip")
 
     def probe_kernel(self, mode: int, num_sms: int) -> None:
