@@ -181,14 +181,19 @@ __device__ __forceinline__ long long push_unit_count(int order, const int* prefi
   return (long long)np * tmax * nch;
 }
 
+// The rotated order's unit u -> (s, t, c), whether or not t < T_s.
+__device__ __forceinline__ void rotated_unit(long long u, int np, int nch, int me, int world, int& s, int& t, int& c) {
+  const long long k = u / np;
+  s = (me + 1 + (int)(u - k * np)) % world;
+  t = (int)(k / nch);
+  c = (int)(k - (long long)t * nch);
+}
+
 // Unit u -> (s, t, c); false (warp-uniform: a warp holds one u) where the rotated order's u names no unit.
 __device__ __forceinline__ bool push_unit(long long u, int order, const int* prefix, int np, int nch, int me,
                                           int world, int& s, int& t, int& c) {
   if (order == kLlOrderRotated) {
-    const long long k = u / np;
-    s = (me + 1 + (int)(u - k * np)) % world;
-    t = (int)(k / nch);
-    c = (int)(k - (long long)t * nch);
+    rotated_unit(u, np, nch, me, world, s, t, c);
     return t < prefix[s + 1] - prefix[s];
   }
   const int st = (int)(u / nch);
@@ -281,8 +286,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   // without the peers' token counts, so no block barrier and no dependent load stand before a unit's tmap loads; a
   // unit past a peer's count finds tmap entries of an older epoch (none of this one can exist there) and pushes
   // nothing. Block-uniform; chunk 2 is auto at such buffers.
+  const long long spec_units = (long long)(world - 1) * lp.t_max * nch;
   const bool spec = kV == 2 && order == kLlOrderRotated && lp.t_max <= kLlSpecTokens &&
-                    (long long)(world - 1) * lp.t_max * nch <= (long long)gridDim.x * nwarps;
+                    spec_units <= (long long)gridDim.x * nwarps;
   int r_epoch = 0, r_depoch = 0;
   if (spec) {
     r_depoch = ld_volatile(lp.eslots + blockIdx.x);  // the matching dispatch's epoch (stream order)
@@ -303,7 +309,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   }
   ll_stamp(lp, kLlStaged);
   const int epoch = spec ? r_epoch : s_epoch, depoch = spec ? r_depoch : s_depoch;
-  const long long spec_units = (long long)(world - 1) * lp.t_max * nch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
   // units dealt block-major (u -> block u % blocks): a small batch's loads spread over many SMs
   const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
@@ -334,10 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_token_kernel(EpParams 
   for (long long u = gw; !aborted && u < (spec ? spec_units : s_units); u += G) {
     int s, t, c;
     if (spec) {  // the rotated order over t_max tokens a peer
-      const long long k = u / (world - 1);
-      s = (me + 1 + (int)(u - k * (world - 1))) % world;
-      t = (int)(k / nch);
-      c = (int)(k - (long long)t * nch);
+      rotated_unit(u, world - 1, nch, me, world, s, t, c);
     } else if (!push_unit(u, order, s_tokens, world - 1, nch, me, world, s, t, c)) {
       continue;
     }
