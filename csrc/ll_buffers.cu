@@ -269,13 +269,11 @@ extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_units, units, "dispatch units (0 row, 1 chunk)");
 }
 
-// Stage, slot, inline or early placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same
+// Stage, slot or inline placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same
 // value before the same call (a receiver that finds a peer's other kind stops with kPhaseLlPlaceMismatch).
 extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
-  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2 && kLlPlaceEarly == 3,
-                "LlDispatchPlace is 0 / 1 / 2 / 3");
-  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place,
-                       "dispatch place (0 stage, 1 slot, 2 inline, 3 early)", 3);
+  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2, "LlDispatchPlace is 0 / 1 / 2");
+  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place, "dispatch place (0 stage, 1 slot, 2 inline)", 2);
 }
 
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either

@@ -152,9 +152,7 @@ constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk
 // kLlPlaceInline: lstage[source, token], every 4 bytes of the row, its scales, slots and weights in a word of its
 // own beside the epoch (LlInlineRow), so the receiver reads each word as it lands: no sender fence, no flag, twice
 // the bytes on the link.
-// kLlPlaceEarly: the stage placement's bytes in the same places (the receiver is the stage one's), with each warp's
-// first peer row sent before the block stages the ids (ll_dispatch.cu, `sent_early`).
-enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceEarly = 3 };
+enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };
 
 // The token dispatch's T word (dwords[source][E]) carries the sender's kind in its three high bits, so a receiver
 // of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch) instead of copying what it did not

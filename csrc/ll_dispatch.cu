@@ -71,9 +71,6 @@
 //      as inline words (LlInlineRow, ll_common.cuh), every 4 bytes beside the epoch; no tmap / tw, no fence, no
 //      flag. The receive unit (s, t, c) waits for the slot words, then for its chunk's words, copies the chunk into
 //      each of its slots and writes its own tmap / tw / pair entries. T word bit 29.
-//   dispatch_place early (kLlPlaceEarly): the stage placement's bytes, places and receiver (so it works beside
-//      stage), except that a warp whose first unit is a peer unit sends that row and its scales before the
-//      block's first barrier, from the token's ids in global memory: only its tmap / tw entries need the stage.
 //   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
 //   receive copies, the small stores beside a peer row or the fence before a peer row's flag (LlProbeSkip,
 //   ll_common.cuh); outputs then wrong.
@@ -104,17 +101,16 @@ struct LlDispatchArgs {
 constexpr int kU = 8;  // 16-byte vectors per lane in flight when sending a row
 constexpr int kS = kLlRowChunkV;  // 16-byte vectors per lane in a scatter unit's chunk (and a chunk peer unit's)
 
-template <int kN = kU>  // vectors a lane keeps in flight: a row of <= 32 * kN vectors goes in one round
 __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int vectors, int lane) {
-  for (int v0 = 0; v0 < vectors; v0 += 32 * kN) {
-    int4 buf[kN];
+  for (int v0 = 0; v0 < vectors; v0 += 32 * kU) {
+    int4 buf[kU];
 #pragma unroll
-    for (int u = 0; u < kN; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const int i = v0 + u * 32 + lane;
       if (i < vectors) buf[u] = ld_nc_v4(src + i);
     }
 #pragma unroll
-    for (int u = 0; u < kN; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const int i = v0 + u * 32 + lane;
       if (i < vectors) st_v4(dst + i, buf[u]);
     }
@@ -465,50 +461,6 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   }
 }
 
-// A flagged peer unit's bytes (stage, slot or early placement): chunk pc of token t's row (pnx 1: the whole row,
-// kN vectors a lane in flight) into dst on the peer and, for pc = 0 and sdst set, the row's fp8 scales into sdst.
-// The unit's tmap / tw entries and its flag follow elsewhere, after these stores in the same lanes.
-template <int kN>
-__device__ __forceinline__ void send_peer_bytes(int4* dst, float* sdst, const LlDispatchArgs& a, int t, int pc,
-                                                int pnx, int V, int ns, int lane) {
-  const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * V * 16);
-  if (pnx == 1) {
-    copy_row<kN>(dst, src, V, lane);
-  } else {  // chunk pc: every load in flight before the stores
-    int4 buf[kS];
-#pragma unroll
-    for (int q = 0; q < kS; ++q) {
-      const int i = pc * 32 * kS + q * 32 + lane;
-      if (i < V) buf[q] = ld_nc_v4(src + i);
-    }
-#pragma unroll
-    for (int q = 0; q < kS; ++q) {
-      const int i = pc * 32 * kS + q * 32 + lane;
-      if (i < V) st_v4(dst + i, buf[q]);
-    }
-  }
-  if (sdst != nullptr && pc == 0)
-    for (int i = lane; i < ns; i += 32) sdst[i] = a.x_scales[(size_t)t * ns + i];
-}
-
-// The token dispatch's send units: per token nx x ng own-chunk units (rows straight into my experts' slots, ng =
-// how many times the units fit the grid's warps, 1..topk), then pnx units per peer (1: the whole row; nx: a chunk
-// each); unit u = t * per_token + r goes to grid warp u % (grid warps).
-struct TokenUnits {
-  int nx, pnx, ng, own, per_token;
-  __device__ __forceinline__ TokenUnits(const LlParams& lp, int T, int V, int world, int topk, int nwarps) {
-    nx = (V + 32 * kS - 1) / (32 * kS);
-    pnx = lp.dispatch_units == kLlUnitsChunk ? nx : 1;
-    const long long G = (long long)gridDim.x * nwarps, base_units = (long long)T * (nx + (world - 1) * pnx);
-    ng = base_units > 0 ? (int)max(1LL, min((long long)topk, G / base_units)) : 1;
-    own = nx * ng;
-    per_token = own + (world - 1) * pnx;
-  }
-};
-
-// dispatch_place early: rows of a 7 KiB fp8 row (448 vectors) and an 8 KiB one (512) in one round of loads
-constexpr int kUEarly = 16;
-
 // kInline: dispatch_place inline (its own instantiation, so the flagged kernel keeps its registers)
 template <int kThreads, bool kInline>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
@@ -527,31 +479,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   if (threadIdx.x == 0) s_epoch = ld_volatile(lp.eslots + blockIdx.x) + 1;
   for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
   for (int i = threadIdx.x; i < (chunks + 1) * NE; i += blockDim.x) s_mask[i] = 0;
-  // dispatch_place early: a warp whose first unit (u = gw) is a peer unit sends that unit's row and scales into
-  // stage[me, t] on d now, from t's ids in global memory, before the stage below: they need no slot (only the
-  // unit's tmap / tw entries do, which the loop stores after the stage, then its flag with a release that covers
-  // these stores too: same lanes, program order). The other warps wait at the next barrier for these loads.
-  bool sent_early = false;  // warp-uniform
-  if (!kInline && lp.dispatch_place == kLlPlaceEarly && world > 1 && !aborted) {
-    const TokenUnits tu(lp, T, V, world, topk, nwarps);
-    const long long gw = (long long)warp * gridDim.x + blockIdx.x;
-    const int pnx = tu.pnx, own_units = tu.own, per_token = tu.per_token;
-    const int t = (int)(gw / per_token), r = (int)(gw - (long long)t * per_token);
-    if (gw < (long long)T * per_token && r >= own_units) {
-      const int pr = r - own_units, d = (me + 1 + pr % (world - 1)) % world, pc = pr / (world - 1);
-      int e = -1;
-      if (lane < topk) e = (int)a.topk_idx[(size_t)t * topk + lane];
-      if (__ballot_sync(0xffffffffu, lane < topk && e >= d * E && e < (d + 1) * E) != 0) {
-        uint8_t* pb = p.peer_base[d];
-        const size_t srow = (size_t)me * Tm + t;
-        float* sdst = ns && !(lp.probe_skip & kLlSkipSmallStores)
-                          ? reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns : nullptr;
-        send_peer_bytes<kUEarly>(reinterpret_cast<int4*>(pb + lp.off_stage + srow * p.row_bytes), sdst, a, t, pc,
-                                 pnx, V, ns, lane);
-      }
-      sent_early = true;
-    }
-  }
   __syncthreads();
   const int epoch = s_epoch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
@@ -585,10 +512,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     }
   }
 
-  // send: the units of TokenUnits, strided over every warp of the grid
-  const TokenUnits tu(lp, T, V, world, topk, nwarps);
-  const int nx = tu.nx, pnx = tu.pnx, ng = tu.ng, own_units = tu.own, per_token = tu.per_token, tfc = lp.tflag_chunks;
+  // send: per token nx x ng own-chunk units (rows straight into my experts' slots), then pnx units per
+  // peer (1: the whole row; nx: a chunk each)
+  const int nx = (V + 32 * kS - 1) / (32 * kS);
+  const int pnx = lp.dispatch_units == kLlUnitsChunk ? nx : 1, tfc = lp.tflag_chunks;
   const long long G = (long long)gridDim.x * nwarps, gw = (long long)warp * gridDim.x + blockIdx.x;
+  const long long base_units = (long long)T * (nx + (world - 1) * pnx);
+  const int ng = base_units > 0 ? (int)max(1LL, min((long long)topk, G / base_units)) : 1;
+  const int own_units = nx * ng;
+  const int per_token = own_units + (world - 1) * pnx;
   uint8_t* mybase = p.peer_base[me];
   for (long long u = gw; !aborted && u < (long long)T * per_token; u += G) {
     const int t = (int)(u / per_token), r = (int)(u - (long long)t * per_token);
@@ -659,10 +591,27 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       const size_t srow = (size_t)me * Tm + t;
       int4* dst = reinterpret_cast<int4*>(in_slot ? pb + lp.off_x + fslot * p.row_bytes
                                                   : pb + lp.off_stage + srow * p.row_bytes);
-      float* sdst = !ns || (lp.probe_skip & kLlSkipSmallStores) ? nullptr
-                    : in_slot ? reinterpret_cast<float*>(pb + lp.off_scales) + fslot * ns
-                              : reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
-      if (!(sent_early && u == gw)) send_peer_bytes<kU>(dst, sdst, a, t, pc, pnx, V, ns, lane);  // early: sent
+      const int4* src = reinterpret_cast<const int4*>(a.x + (size_t)t * p.row_bytes);
+      if (pnx == 1) {
+        copy_row(dst, src, V, lane);
+      } else {  // chunk pc: every load in flight before the stores
+        int4 buf[kS];
+#pragma unroll
+        for (int q = 0; q < kS; ++q) {
+          const int i = pc * 32 * kS + q * 32 + lane;
+          if (i < V) buf[q] = ld_nc_v4(src + i);
+        }
+#pragma unroll
+        for (int q = 0; q < kS; ++q) {
+          const int i = pc * 32 * kS + q * 32 + lane;
+          if (i < V) st_v4(dst + i, buf[q]);
+        }
+      }
+      if (ns && pc == 0 && !(lp.probe_skip & kLlSkipSmallStores)) {
+        float* dst = in_slot ? reinterpret_cast<float*>(pb + lp.off_scales) + fslot * ns
+                             : reinterpret_cast<float*>(pb + lp.off_sscales) + srow * ns;
+        for (int i = lane; i < ns; i += 32) dst[i] = a.x_scales[(size_t)t * ns + i];
+      }
       if (in_slot && pc == 0 && lane == 0 && !(lp.probe_skip & kLlSkipSmallStores))
         reinterpret_cast<int*>(pb + lp.off_pair)[fslot] = t * topk + first;
     }

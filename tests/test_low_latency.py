@@ -548,8 +548,6 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
         "dispatch_place"] == "stage"  # the grid dispatch always stages
     slotted.use_dispatch_place("stage")
     assert places[-1] == 0 and slotted.effective_config()["dispatch_place"] == "stage"
-    slotted.use_dispatch_place("early")
-    assert places[-1] == 3 and slotted.effective_config()["dispatch_place"] == "early"
     slotted.use_dispatch_place("auto")  # 4 tokens per rank: inline
     assert places[-1] == 2 and slotted.effective_config()["dispatch_place"] == "inline"
     big = ll.EpbenchLowLatencyBackend(dataclasses.replace(setup, max_tokens_per_rank=17), ll_sync="token")
@@ -576,9 +574,9 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert options.resolve("epbench-ll", {}, environ={})["dispatch_place"] == "auto"
     assert [ll.dispatch_place_for("auto", t) for t in (1, 16, 17, 128)] == ["inline", "inline", "stage", "stage"]
     assert ll.dispatch_place_for("slot", 1) == "slot" and ll.dispatch_place_for("inline", 256) == "inline"
-    assert "enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceEarly = 3 };" in header
-    assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2, "early": 3}
-    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, early, got 'peer'"):
+    assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2}
+    assert "enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };" in header
+    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, got 'peer'"):
         options.validate({"epbench-ll": {"dispatch_place": "peer"}})
     with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})

@@ -162,7 +162,7 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
 
 def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
     """The combine in both push orders on the same inputs, and (token sync) the dispatch with chunk
-    peer units (option dispatch_units), slot, inline and early placement (dispatch_place) and the batched
+    peer units (option dispatch_units), slot and inline placement (dispatch_place) and the batched
     release (combine_release): each verified, and every combine output bit-equal (csrc/ll_combine.cu,
     push_unit: only the order of independent pushes differs; chunk units and every placement land the
     same bytes in the same places, tmap / tw included)."""
@@ -176,8 +176,7 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     configs = [("source", "row", "unit", "stage"), ("rotated", "row", "unit", "stage")] + (
         [("rotated", "chunk", "unit", "stage"), ("rotated", "row", "batch", "stage"),
          ("rotated", "row", "batch", "slot"), ("rotated", "chunk", "unit", "slot"),
-         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline"),
-         ("rotated", "row", "batch", "early"), ("rotated", "chunk", "unit", "early")] if sync == "token" else [])
+         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline")] if sync == "token" else [])
     for order, units, release, place in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
