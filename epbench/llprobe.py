@@ -97,7 +97,10 @@ PING_MODES = {"ping": 5, "ping-combine": 6}  # with several ranks only (a block 
 VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
             "token-warps4": (4, "token"), "token-noown": (None, "token"), "token-norecv": (None, "token"),
             "token-peers": (None, "token"), "token-nofence": (None, "token"),
-            "token-peers-nofence": (None, "token")}
+            "token-peers-nofence": (None, "token"), "token-ballot": (None, "token")}
+# token dispatches with another dispatch_stage (csrc/ll_common.cuh, LlDispatchStage): verified like `token`, on the
+# token backend switched for their rows only
+STAGED = {"token-ballot": "ballot"}
 # token dispatches with parts left out (LlProbeSkip, csrc/ll_common.cuh: 1 own rows, 2 receive copies, 4 the scales
 # and tmap / tw stores beside a peer row, 8 the fence before a peer row's flag): timed alone, on a backend of their
 # own, never verified
@@ -345,7 +348,10 @@ def header_line(info: Dict[str, Any]) -> str:
     if "token" in kernels:
         tk = kernels["token"]
         chained += (f", token dispatch units {tk.get('dispatch_units')}, place {tk.get('dispatch_place', 'stage')}, "
-                    f"release {tk.get('combine_release')}")
+                    f"release {tk.get('combine_release')}, stage {tk.get('dispatch_stage', 'masks')}")
+    for v in kernels:
+        if v in STAGED:
+            chained += f", {v} stage {kernels[v].get('dispatch_stage')}"
     return (f"# {info.get('device', '?')}, {where}, hidden {info.get('hidden')}, top-{info.get('topk')} of "
             f"{info.get('experts')} experts, {info.get('dtype')} dispatch, {info.get('iters')} graph replays "
             f"after {info.get('warmup')}, {info.get('warps')} warps unless named{chained}")
@@ -423,6 +429,9 @@ def measure(job: Any) -> int:
     backends = {sync: EpbenchLowLatencyBackend(setup, ll_sync=sync)
                 for sync in dict.fromkeys(VARIANTS[v][1] for v in ["grid"] + variants if v not in SKIPS)}
     kernels = {sync: b.effective_config() for sync, b in backends.items()}
+    for v in variants:
+        if v in STAGED:  # what the staged rows ran with
+            kernels[v] = dict(kernels["token"], dispatch_stage=STAGED[v])
     if any(v in SKIPS for v in variants):  # its own flags and epochs: no verified call follows a skipping one
         backends["skip"] = EpbenchLowLatencyBackend(setup, ll_sync="token")
         kernels.setdefault("token", backends["skip"].effective_config())  # what the skipping rows ran with
@@ -521,6 +530,8 @@ def measure(job: Any) -> int:
                     continue
                 be = backends[sync]
                 be.warps = warps or default_warps
+                if sync == "token":  # every rank switches before the same rows
+                    be.use_dispatch_stage(STAGED.get(vname, kernels["token"]["dispatch_stage"]))
                 be.set_probe(stamps)
                 salt = sms * 1000 + t
                 inp = input_of(t, salt, ranks.rank)
