@@ -69,11 +69,14 @@
 //      s, token t < T_s, chunk c): lane 0 acquires tflags[s, t, 0] (row units) or [s, t, c] (chunk
 //      units), a __syncwarp orders the other lanes' later loads of tmap and the row after it, then the
 //      warp copies chunk c as the grid path does.
-//   dispatch_place inline (LlDispatchPlace, kernel instantiation kInline): a peer unit stores, into lstage[me, t]
+//   dispatch_place inline (LlDispatchPlace, kernel instantiation kWords 1): a peer unit stores, into lstage[me, t]
 //      on d, t's slot words (one per expert, kLlNoSlot when not d's), weight and scale words and its row (chunk)
 //      as inline words (LlInlineRow, ll_common.cuh), every 4 bytes beside the epoch; no tmap / tw, no fence, no
 //      flag. The receive unit (s, t, c) waits for the slot words, then for its chunk's words, copies the chunk into
 //      each of its slots and writes its own tmap / tw / pair entries. T word bit 29.
+//   dispatch_place line (kWords 2, row units only): the inline head words, then the row as 128-byte lines of 120
+//      bytes and an epoch tag (LlLineRow; send_line / receive_line); the receive unit (s, t, c) takes lines
+//      [c Lq, (c + 1) Lq) once the warp has seen every tag current. T word bit 28.
 //   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
 //   receive copies, the small stores beside a peer row or the fence before a peer row's flag (LlProbeSkip,
 //   ll_common.cuh); outputs then wrong.
@@ -372,6 +375,45 @@ __device__ __forceinline__ int unit_slot(const LlParams& lp, const int* s_mask, 
   }
 }
 
+// dispatch_place line (LlLineRow, ll_common.cuh): lane l holds part j = l % 8 of line 4 q + l / 8 of each of kLinePasses
+// passes: payload bytes [120 L + 16 j, + 16) of the row, and for j = 7 the 8 bytes [120 L + 112, 120 L + 120) and
+// the line's tag. The 8 lanes of a line store it, and a receiver's 8 lanes load it, in one warp instruction.
+constexpr int kLinePasses = 4;  // 16 lines (1920 payload bytes) a warp in flight
+struct LineParts {
+  unsigned long long lo[kLinePasses], hi[kLinePasses];
+};
+
+// The row's payload of lines [L0, L0 + 4 kLinePasses) below Lc into the lane's parts (zero past the row's end).
+__device__ __forceinline__ void load_line_parts(const uint8_t* row, int R, int Lc, int L0, int lane,
+                                                unsigned long long tag, LineParts& lp) {
+  const int j = lane & 7;
+#pragma unroll
+  for (int q = 0; q < kLinePasses; ++q) {
+    const int L = L0 + 4 * q + (lane >> 3), off = kLlLinePayload * L + 16 * j;
+    const bool in = L < Lc;
+    lp.lo[q] = in && off < R ? __ldg(reinterpret_cast<const unsigned long long*>(row + off)) : 0ull;
+    lp.hi[q] = j == 7 ? (tag | kLlLineMark)
+                      : (in && off + 8 < R ? __ldg(reinterpret_cast<const unsigned long long*>(row + off + 8)) : 0ull);
+  }
+}
+
+// The head words of an inline or line row (LlInlineRow): lane k < topk the slot word (hit: `slot`, else kLlNoSlot)
+// and, hit, its weight word; when mask != 0 the ns scale words (neither with kLlSkipSmallStores).
+__device__ __forceinline__ void send_head_words(unsigned long long* lr, int topk, int ns, int lane, unsigned long long tag,
+                                                bool hit, unsigned mask, int slot, float w, bool small,
+                                                const RowScales& sc, const float* ssrc) {
+  if (lane < topk) {
+    st_relaxed_sys_u64(lr + lane, tag | (hit ? (unsigned)slot : kLlNoSlot));
+    if (hit && small) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
+  }
+  if (mask == 0 || !small) return;  // warp-uniform
+#pragma unroll
+  for (int q = 0; q < RowScales::kRegs; ++q)
+    if (lane + 32 * q < ns) st_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q, tag | __float_as_uint(sc.v[q]));
+  for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32)  // hidden > 16384 only
+    st_relaxed_sys_u64(lr + 2 * topk + i, tag | __float_as_uint(ssrc[i]));
+}
+
 // Peer unit of the inline placement (kLlPlaceInline): chunk pc of token t's row (pnx 1: the whole row) as inline
 // words into lstage[me, t] on d (LlInlineRow); the chunk-0 unit also stores the slot word of each of t's experts
 // (lane k's, from slot_of: unit_slot, every lane calls it; kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
@@ -400,19 +442,8 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
     }
   }
   const bool small = !(lp.probe_skip & kLlSkipSmallStores);  // measuring aid (LlProbeSkip); true when verified
-  const int slot = pc == 0 ? slot_of() : 0;  // every lane (unit_slot)
-  if (pc == 0 && lane < topk) {
-    st_relaxed_sys_u64(lr + lane, tag | (hit ? (unsigned)slot : kLlNoSlot));
-    if (hit && small) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
-  }
+  if (pc == 0) send_head_words(lr, topk, ns, lane, tag, hit, mask, slot_of(), w, small, sc, ssrc);  // slot_of: every lane
   if (mask == 0) return;  // warp-uniform
-  if (pc == 0 && small) {
-#pragma unroll
-    for (int q = 0; q < RowScales::kRegs; ++q)
-      if (lane + 32 * q < ns) st_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q, tag | __float_as_uint(sc.v[q]));
-    for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32)  // hidden > 16384 only
-      st_relaxed_sys_u64(lr + 2 * topk + i, tag | __float_as_uint(ssrc[i]));
-  }
   unsigned long long* rw = lr + lp.lrow_head;
   for (int b0 = v0;; ) {
 #pragma unroll
@@ -427,6 +458,117 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
       const int i = b0 + u * 32 + lane;
       if (i < v1) buf[u] = ld_nc_v4(src + i);
     }
+  }
+}
+
+// Peer unit of the line placement (kLlPlaceLine, row units): token t's head words as send_inline's, then, when t
+// has an expert on d, its row as line_count lines into lstage[me, t] on d, 4 x kLinePasses lines at a time, each
+// batch's loads issued before its stores; no fence and no flag: each line carries its tag.
+template <typename SlotOf>
+__device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
+                                          int t, bool hit, unsigned mask, float w, int lane, unsigned long long tag,
+                                          SlotOf slot_of) {
+  const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = lp.line_count;
+  unsigned long long* lr =
+      reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)p.rank * lp.t_max + t) * lp.lrow_words;
+  const float* ssrc = a.x_scales + (size_t)t * ns;
+  const uint8_t* row = a.x + (size_t)t * R;
+  RowScales sc;
+  LineParts parts;
+  if (mask != 0) {  // the first lines and the scales in flight before the head words go out
+    sc.load(ssrc, ns, lane);
+    load_line_parts(row, R, Lc, 0, lane, tag, parts);
+  }
+  const int slot = slot_of();  // every lane (unit_slot)
+  send_head_words(lr, topk, ns, lane, tag, hit, mask, slot, w, !(lp.probe_skip & kLlSkipSmallStores), sc, ssrc);
+  if (mask == 0) return;  // warp-uniform
+  unsigned long long* lw = lr + lp.line_head;
+  for (int L0 = 0;;) {
+#pragma unroll
+    for (int q = 0; q < kLinePasses; ++q) {
+      const int L = L0 + 4 * q + (lane >> 3);
+      if (L < Lc) st_relaxed_sys_v2u64(lw + 16 * (size_t)L + 2 * (lane & 7), parts.lo[q], parts.hi[q]);
+    }
+    L0 += 4 * kLinePasses;
+    if (L0 >= Lc) break;  // warp-uniform
+    load_line_parts(row, R, Lc, L0, lane, tag, parts);
+  }
+}
+
+// Receive unit (source s, token t, c of the row's nx units) of the line placement: the slot words as
+// receive_inline waits for them; then lines [c Lq, (c + 1) Lq) of the row (Lq = line_count / nx rounded up), 4 x
+// kLinePasses at a time: the warp polls a batch until every line's tag is of this epoch or later (one vote: the
+// tag is lane j = 7's, the other lanes' parts of a line were loaded by the same instruction), then stores it into
+// each valid slot with 8-byte stores; c = 0 then waits for the scale and weight words (sent before the lines) and
+// stores them, pair and this rank's tmap / tw entries as receive_inline does. `copy` false: waits, copies nothing.
+__device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& lp, int s, int t, int c, int nx,
+                                             int epoch, int lane, bool copy) {
+  const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = lp.line_count;
+  uint8_t* mybase = p.peer_base[p.rank];
+  const size_t srow = (size_t)s * lp.t_max + t;
+  const unsigned long long* lr =
+      reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
+  unsigned long long sw = 0;
+  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
+  const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
+  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  if (mask == 0) return;  // warp-uniform
+  const int slot = valid ? (int)(unsigned)sw : 0;
+  const int Lq = (Lc + nx - 1) / nx, L1 = min(Lc, (c + 1) * Lq), j = lane & 7;
+  const unsigned long long* lw = lr + lp.line_head;
+  uint8_t* xr = mybase + lp.off_x;
+  for (int L0 = c * Lq; L0 < L1; L0 += 4 * kLinePasses) {
+    LineParts parts;
+    const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
+#pragma unroll
+      for (int q = 0; q < kLinePasses; ++q) {  // every load of the poll issued before any is looked at
+        const int L = L0 + 4 * q + (lane >> 3);
+        if (L < L1) ld_relaxed_sys_v2u64(lw + 16 * (size_t)L + 2 * j, parts.lo[q], parts.hi[q]);
+      }
+      bool here = true;
+#pragma unroll
+      for (int q = 0; q < kLinePasses; ++q)
+        if (j == 7 && L0 + 4 * q + (lane >> 3) < L1)
+          here = here && (unsigned)parts.hi[q] == kLlLineMark && (int)(parts.hi[q] >> 32) - epoch >= 0;
+      return __all_sync(0xffffffffu, here);
+    });
+    if (!ok) return;  // gave up (the error is recorded; warp-uniform)
+    if (!copy) continue;
+    for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+      uint8_t* dst = xr + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(todo) - 1) * R;
+#pragma unroll
+      for (int q = 0; q < kLinePasses; ++q) {
+        const int L = L0 + 4 * q + (lane >> 3), off = kLlLinePayload * L + 16 * j;
+        if (L >= L1) continue;
+        if (off < R) *reinterpret_cast<unsigned long long*>(dst + off) = parts.lo[q];
+        if (j < 7 && off + 8 < R) *reinterpret_cast<unsigned long long*>(dst + off + 8) = parts.hi[q];
+      }
+    }
+  }
+  if (c != 0 || !copy) return;
+  float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
+  int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
+  unsigned long long wraw = 0, sraw[RowScales::kRegs];
+  if (valid) wraw = ll_wait_epoch_u64<false>(p, lr + topk + lane, epoch, s, kPhaseLlDispatch);
+#pragma unroll
+  for (int q = 0; q < RowScales::kRegs; ++q)
+    if (lane + 32 * q < ns) sraw[q] = ll_wait_epoch_u64<false>(p, lr + 2 * topk + lane + 32 * q, epoch, s, kPhaseLlDispatch);
+  for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+    const int b = __ffs(todo) - 1;
+    const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
+#pragma unroll
+    for (int q = 0; q < RowScales::kRegs; ++q)
+      if (lane + 32 * q < ns) xs[sl * ns + lane + 32 * q] = __uint_as_float((unsigned)sraw[q]);
+    for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32) {  // hidden > 16384 only: one word at a time
+      const unsigned long long v = ll_wait_epoch_u64<false>(p, lr + 2 * topk + i, epoch, s, kPhaseLlDispatch);
+      xs[sl * ns + i] = __uint_as_float((unsigned)v);
+    }
+    if (lane == 0) pair[sl] = t * topk + b;
+  }
+  if (valid) {  // where my combine's push finds the pair's slot and weight
+    reinterpret_cast<unsigned long long*>(mybase + lp.off_tmap)[srow * topk + lane] =
+        ((unsigned long long)(unsigned)epoch << 32) | (unsigned)slot;
+    reinterpret_cast<float*>(mybase + lp.off_tw)[srow * topk + lane] = __uint_as_float((unsigned)wraw);
   }
 }
 
@@ -514,10 +656,11 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   }
 }
 
-// kInline: dispatch_place inline (its own instantiation, so the flagged kernel keeps its registers); kBallot:
+// kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line (each its own instantiation, so the flagged
+// kernel keeps its registers); kBallot:
 // dispatch_stage ballot at T x topk <= kLlBallotIds (BallotIds: no stage in shared memory, no block barrier before
 // the units; block 0 keeps the experts' totals in s_mask's last row for its receive phase)
-template <int kThreads, bool kInline, bool kBallot>
+template <int kThreads, int kWords, bool kBallot>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
   __shared__ int s_epoch;
@@ -616,9 +759,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     float w = 0.f;
     if (pair_entry) w = a.topk_w[(size_t)t * topk + lane];  // loaded before any store of the unit
     uint8_t* pb = p.peer_base[d];
-    if (kInline && !own) {
-      send_inline(p, lp, a, pb, t, hit, mask, w, pc, pnx, lane, tag,
-                  [&] { return unit_slot<kBallot>(lp, s_mask, ids, NE, me, topk, t, e, d, hit, lane); });
+    if (kWords != 0 && !own) {
+      const auto slot_of = [&] { return unit_slot<kBallot>(lp, s_mask, ids, NE, me, topk, t, e, d, hit, lane); };
+      if constexpr (kWords == 2) send_line(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
+      else send_inline(p, lp, a, pb, t, hit, mask, w, pc, pnx, lane, tag, slot_of);
       continue;
     }
     if (own) {
@@ -771,8 +915,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     int s = 0;
     while (st >= s_tok[s + 1]) ++s;
     const int t = st - s_tok[s];
-    if constexpr (kInline) {  // every word waited for on its own, no flag
+    if constexpr (kWords == 1) {  // every word waited for on its own, no flag
       receive_inline(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
+      continue;
+    } else if constexpr (kWords == 2) {  // every line waited for by its tag, no flag
+      receive_line(p, lp, s, t, c, nx, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
       continue;
     }
     // lane 0 alone polls (one ld.acquire.sys per poll, not 32: the pollers share the L2 with the rows
@@ -813,11 +960,19 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   ctx->launched = true;
   if (ctx->sync == kLlSyncToken) {
     const size_t smem = ll_token_smem_bytes(num_tokens, p.topk, ctx->lp.num_experts);  // <= ctx->token_smem
-    const bool inl = ctx->lp.dispatch_place == kLlPlaceInline;
+    const int place = ctx->lp.dispatch_place;
+    if (place == kLlPlaceLine && ctx->lp.dispatch_units != kLlUnitsRow) {
+      ep_set_error("low-latency dispatch place line needs row units (dispatch_units row)");
+      return -1;
+    }
     const bool ballot = ctx->dispatch_stage == kLlStageBallot && (long long)num_tokens * p.topk <= kLlBallotIds;
-    auto kernel = inl ? (ballot ? ll_dispatch_token_kernel<512, true, true> : ll_dispatch_token_kernel<512, true, false>)
-                      : (ballot ? ll_dispatch_token_kernel<512, false, true> : ll_dispatch_token_kernel<512, false, false>);
-    kernel<<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
+    using Kernel = void (*)(EpParams, LlParams, LlDispatchArgs);
+    static const Kernel kernels[3][2] = {
+        {ll_dispatch_token_kernel<512, 0, false>, ll_dispatch_token_kernel<512, 0, true>},
+        {ll_dispatch_token_kernel<512, 1, false>, ll_dispatch_token_kernel<512, 1, true>},
+        {ll_dispatch_token_kernel<512, 2, false>, ll_dispatch_token_kernel<512, 2, true>}};
+    const int words = place == kLlPlaceInline ? 1 : place == kLlPlaceLine ? 2 : 0;
+    kernels[words][ballot]<<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
   } else {
     const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
     ll_dispatch_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
@@ -827,8 +982,9 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
 }
 
 int ll_dispatch_token_smem_attr(int bytes) {
-  for (auto kernel : {ll_dispatch_token_kernel<512, false, false>, ll_dispatch_token_kernel<512, true, false>,
-                      ll_dispatch_token_kernel<512, false, true>, ll_dispatch_token_kernel<512, true, true>})
+  for (auto kernel : {ll_dispatch_token_kernel<512, 0, false>, ll_dispatch_token_kernel<512, 1, false>,
+                      ll_dispatch_token_kernel<512, 2, false>, ll_dispatch_token_kernel<512, 0, true>,
+                      ll_dispatch_token_kernel<512, 1, true>, ll_dispatch_token_kernel<512, 2, true>})
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   return 0;
 }

@@ -564,6 +564,14 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
         "dispatch_stage"] == "masks"  # the grid dispatch stages in its own way
     ballot.use_dispatch_stage("masks")
     assert stages[-1] == 0 and ballot.effective_config()["dispatch_stage"] == "masks"
+    # dispatch_place line sends whole rows: row units (set, or auto above 16 tokens), never chunk
+    lined = ll.EpbenchLowLatencyBackend(big.s, ll_sync="token", dispatch_place="line")
+    assert places[-1] == 3 and lined.effective_config()["dispatch_place"] == "line"
+    assert lined.effective_config()["dispatch_units"] == "row"
+    with pytest.raises(RuntimeError, match="dispatch_place line sends whole rows: it needs dispatch_units row"):
+        ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_place="line")  # 4 tokens: auto picks chunk
+    assert ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_place="line").effective_config()[
+        "dispatch_place"] == "stage"  # the grid dispatch ignores the placement
 
 
 def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
@@ -586,9 +594,10 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert options.resolve("epbench-ll", {}, environ={})["dispatch_place"] == "auto"
     assert [ll.dispatch_place_for("auto", t) for t in (1, 16, 17, 128)] == ["inline", "inline", "stage", "stage"]
     assert ll.dispatch_place_for("slot", 1) == "slot" and ll.dispatch_place_for("inline", 256) == "inline"
-    assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2}
-    assert "enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };" in header
-    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, got 'peer'"):
+    assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2, "line": 3}
+    assert ("enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3 };"
+            in header)
+    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, line, got 'peer'"):
         options.validate({"epbench-ll": {"dispatch_place": "peer"}})
     with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})
@@ -598,6 +607,50 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert f"constexpr int kLlBallotIds = {ll.BALLOT_IDS};" in header
     with pytest.raises(UserError, match="dispatch_stage: must be one of masks, ballot, got 'smem'"):
         options.validate({"epbench-ll": {"dispatch_stage": "smem"}})
+
+
+def _line_parts(row: bytes, line_count: int, tag: int):
+    """csrc/ll_dispatch.cu load_line_parts over every pass: {(line, part j): (lo, hi)} as 8-byte little-endian
+    words; part j < 7 holds payload bytes [120 L + 16 j, + 16), part 7 the 8 bytes at 120 L + 112 and the tag."""
+    R, out = len(row), {}
+    word = lambda off: int.from_bytes(row[off:off + 8], "little") if off < R else 0  # noqa: E731
+    for L in range(line_count):
+        for j in range(8):
+            off = 120 * L + 16 * j
+            out[L, j] = (word(off), tag if j == 7 else word(off + 8))
+    return out
+
+
+@pytest.mark.parametrize("row_bytes", [16, 112, 128, 240, 2048, 7168, 7184, 14336, 16384])
+def test_line_placement_carries_every_byte_of_the_row_once(row_bytes):
+    """dispatch_place line: the sender's parts, written back as receive_line stores them (8-byte stores at
+    120 L + 16 j, the second only for j < 7, neither past the row), give back the row exactly; every line
+    carries its tag in part 7; the lines fit the lstage row that ll_buffers.cu sizes."""
+    import random
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
+    assert "constexpr int kLlLinePayload = 120;" in header and "constexpr unsigned kLlLineMark = 0x4c494e45u;" in header
+    rng = random.Random(row_bytes)
+    row = bytes(rng.randrange(256) for _ in range(row_bytes))
+    lines = (row_bytes + 119) // 120
+    tag = (7 << 32) | 0x4C494E45
+    parts = _line_parts(row, lines, tag)
+    got = bytearray(row_bytes)
+    written = [0] * row_bytes
+    for (L, j), (lo, hi) in parts.items():
+        off = 120 * L + 16 * j
+        for value, at, ok in ((lo, off, off < row_bytes), (hi, off + 8, j < 7 and off + 8 < row_bytes)):
+            if ok:
+                got[at:at + 8] = value.to_bytes(8, "little")
+                for b in range(at, at + 8):
+                    written[b] += 1
+    assert bytes(got) == row and written == [1] * row_bytes
+    assert all(parts[L, 7][1] == tag for L in range(lines))
+    for topk, ns in ((8, 56), (8, 0), (4, 16), (1, 0)):  # ll_buffers.cu: lrow_words holds inline words or lines
+        inline_head = (2 * topk + ns + 3) // 4 * 4
+        line_head = (inline_head + 15) // 16 * 16
+        words = (max(inline_head + 4 * (row_bytes // 16), line_head + 16 * lines) + 15) // 16 * 16
+        assert line_head % 16 == 0 and words % 16 == 0 and line_head + 16 * lines <= words
 
 
 def _ballot_rank(ids, topk, t, e, lanes=32, regs=4):

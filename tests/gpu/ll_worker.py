@@ -162,7 +162,7 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
 
 def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
     """The combine in both push orders on the same inputs, and (token sync) the dispatch with chunk
-    peer units (option dispatch_units), slot and inline placement (dispatch_place), the batched
+    peer units (option dispatch_units), slot, inline and line placement (dispatch_place), the batched
     release (combine_release) and the slots counted with ballots (dispatch_stage, at calls of <= 128 ids):
     each verified, and every combine output bit-equal (csrc/ll_combine.cu, push_unit: only the order of
     independent pushes differs; chunk units, every placement and both stages land the same bytes in the same
@@ -179,7 +179,8 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
          ("rotated", "row", "batch", "slot", "masks"), ("rotated", "chunk", "unit", "slot", "masks"),
          ("rotated", "row", "batch", "inline", "masks"), ("rotated", "chunk", "unit", "inline", "masks"),
          ("rotated", "row", "batch", "stage", "ballot"), ("rotated", "chunk", "unit", "slot", "ballot"),
-         ("rotated", "chunk", "unit", "inline", "ballot")] if sync == "token" else [])
+         ("rotated", "chunk", "unit", "inline", "ballot"), ("rotated", "row", "batch", "line", "masks"),
+         ("rotated", "row", "unit", "line", "ballot")] if sync == "token" else [])
     for order, units, release, place, stage in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
@@ -216,7 +217,7 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
 def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Token sync: rank 0 dispatches with chunk peer units, the others with row units (hidden 2048 bf16: 2
     chunks a row); then rank 0 with slot placement, the others with stage; then rank 0 with inline placement, the
-    others with stage. Each time every rank must raise at
+    others with stage; then rank 0 with line placement (row units), the others with stage. Each time every rank must raise at
     once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
     was put, and never wait out the timeout (10 s here; the check allows 5)."""
     import time
@@ -226,9 +227,11 @@ def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str)
     case = Case("units mismatch", 2048, [16], 4, 4)
     failures = 0
     for what, mine, others in (("dispatch_units", "chunk", "row"), ("dispatch_place", "slot", "stage"),
-                               ("dispatch_place", "inline", "stage")):
-        be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token",
-                                      **{what: mine if rank == 0 else others})
+                               ("dispatch_place", "inline", "stage"), ("dispatch_place", "line", "stage")):
+        chosen = {what: mine if rank == 0 else others}
+        if "line" in chosen.values():
+            chosen["dispatch_units"] = "row"  # line sends whole rows (16 tokens: auto would pick chunk)
+        be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token", **chosen)
         routing = rank_routing(case, rank, world, seed=1)
         inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
         dist.barrier()
