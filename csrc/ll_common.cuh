@@ -32,13 +32,14 @@
 //                                        tfc = chunks of kLlRowChunkV x 32 vectors per row)
 //     dwords     [world, E + 1] u64      dispatch: (epoch << 32) | rows source s has for my
 //                                        expert le at [s, le], (epoch << 32) | kind bits | T_s at
-//                                        [s, E] (ll_units_bits: chunk units, slot or inline placement)
+//                                        [s, E] (ll_units_bits: chunk units, slot, inline or line placement)
 //     tcflags    [T_max, world, cch] u64 combine: epoch << 32, stored by rank d into [t, d, c]
 //                                        once chunk c of its partial for my token t landed
 //                                        (cch = chunks of a bf16 row at 1 KiB per chunk)
-//     lstage     [world, T_max, Lw] u64  dispatch_place inline: source s's token t as inline words
-//                                        (LlInlineRow), each 4 bytes of payload beside the epoch; no flag
-//                                        (zeroed at creation: a word of epoch 0 is never current)
+//     lstage     [world, T_max, Lw] u64  dispatch_place inline / line: source s's token t as inline words
+//                                        (LlInlineRow), each 4 bytes of payload beside the epoch, or as
+//                                        head words and 128-byte tagged lines (LlLineRow); no flag
+//                                        (zeroed at creation: a word or line of epoch 0 is never current)
 //   local part
 //     y          [E, C, hidden] bf16     combine input, filled by the caller
 //     out        [T_max, hidden] bf16    combine result
@@ -67,7 +68,7 @@ struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank
   size_t off_x, off_scales, off_pair, off_stage, off_sscales, off_cnt, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
   size_t off_tflags, off_dwords, off_tcflags;  // ll_sync = token only
-  size_t off_lstage;                           // inline words (dispatch_place inline)
+  size_t off_lstage;                           // inline words or lines (dispatch_place inline / line)
   int lrow_head, lrow_words;                   // LlInlineRow: words before the row's, and in all (a multiple of 16)
   int line_head, line_count;                   // LlLineRow: words before the lines, lines
   int cflag_chunks;                            // cch: combine flags per (token, rank), hidden / 512 rounded up
@@ -166,7 +167,7 @@ constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk
 // memory model does not promise: every run of it is verified like any other. Row units only.
 enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3 };
 
-// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its three high bits, so a receiver
+// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its four high bits, so a receiver
 // of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch) instead of copying what it did not
 // wait for, or from where nothing was put: bit 31 chunk units, bit 30 slot placement, bit 29 inline placement, bit
 // 28 line placement (T < 2^28).

@@ -48,7 +48,7 @@
 //      shared stage and no block barrier: every warp loads all ids into registers (BallotIds) and its block's epoch,
 //      and a slot is a count of ballots (unit_slot); block 0's warps count the totals for the count words so.
 //      Block 0 stores dwords[me][E] = (epoch << 32) | kind bits | T on every peer first (bit 31 dispatch_units
-//      chunk, bit 30 dispatch_place slot, bit 29 inline; a receiver of another kind reports kPhaseLlUnitsMismatch or
+//      chunk, bit 30 dispatch_place slot, bit 29 inline, bit 28 line; a receiver of another kind reports kPhaseLlUnitsMismatch or
 //      kPhaseLlPlaceMismatch), then dwords[me][le] =
 //      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
 //   send: per token nx x ng own-chunk units (chunk of kS x 32 vectors straight into the slots of my
@@ -495,29 +495,38 @@ __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp,
   }
 }
 
-// Receive unit (source s, token t, c of the row's nx units) of the line placement: the slot words as
-// receive_inline waits for them; then lines [c Lq, (c + 1) Lq) of the row (Lq = line_count / nx rounded up), 4 x
-// kLinePasses at a time: the warp polls a batch until every line's tag is of this epoch or later (one vote: the
-// tag is lane j = 7's, the other lanes' parts of a line were loaded by the same instruction), then stores it into
-// each valid slot with 8-byte stores; c = 0 then waits for the scale and weight words (sent before the lines) and
-// stores them, pair and this rank's tmap / tw entries as receive_inline does. `copy` false: waits, copies nothing.
-__device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& lp, int s, int t, int c, int nx,
-                                             int epoch, int lane, bool copy) {
+// The slot words of an inline or line row (LlInlineRow's first topk words): lane k < topk waits for word k and
+// gets the slot of the token's k-th expert here (`valid`: this epoch's, and mine); returns the valid lanes.
+__device__ __forceinline__ unsigned wait_slot_words(const EpParams& p, const unsigned long long* lr, int topk, int epoch,
+                                                    int s, int lane, int& slot, bool& valid) {
+  unsigned long long sw = 0;
+  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
+  valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
+  slot = valid ? (int)(unsigned)sw : 0;
+  return __ballot_sync(0xffffffffu, valid);
+}
+
+// Receive unit (source s, token t, batch c of 4 x kLinePasses lines) of the line placement: the slot words as
+// receive_inline waits for them; then the warp polls the batch's lines until every line's tag is of this epoch or
+// later (one vote: the tag is lane j = 7's, the other lanes' parts of a line were loaded by the same instruction),
+// then stores them into each valid slot with 8-byte stores; c = 0 then waits for the scale and weight words (sent
+// before the lines) and stores them, pair and this rank's tmap / tw entries as receive_inline does (nothing, if a
+// wait gave up). `copy` false: waits, copies nothing.
+__device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& lp, int s, int t, int c, int epoch,
+                                             int lane, bool copy) {
   const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = lp.line_count;
   uint8_t* mybase = p.peer_base[p.rank];
   const size_t srow = (size_t)s * lp.t_max + t;
   const unsigned long long* lr =
       reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
-  unsigned long long sw = 0;
-  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
-  const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
-  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  int slot;
+  bool valid;
+  const unsigned mask = wait_slot_words(p, lr, topk, epoch, s, lane, slot, valid);
   if (mask == 0) return;  // warp-uniform
-  const int slot = valid ? (int)(unsigned)sw : 0;
-  const int Lq = (Lc + nx - 1) / nx, L1 = min(Lc, (c + 1) * Lq), j = lane & 7;
+  const int L0 = 4 * kLinePasses * c, L1 = min(Lc, L0 + 4 * kLinePasses), j = lane & 7;
   const unsigned long long* lw = lr + lp.line_head;
   uint8_t* xr = mybase + lp.off_x;
-  for (int L0 = c * Lq; L0 < L1; L0 += 4 * kLinePasses) {
+  {
     LineParts parts;
     const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
 #pragma unroll
@@ -532,27 +541,31 @@ __device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& 
           here = here && (unsigned)parts.hi[q] == kLlLineMark && (int)(parts.hi[q] >> 32) - epoch >= 0;
       return __all_sync(0xffffffffu, here);
     });
-    if (!ok) return;  // gave up (the error is recorded; warp-uniform)
-    if (!copy) continue;
+    if (!ok || !copy) return;  // gave up (the error is recorded; warp-uniform), or measuring
     for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
       uint8_t* dst = xr + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(todo) - 1) * R;
 #pragma unroll
       for (int q = 0; q < kLinePasses; ++q) {
         const int L = L0 + 4 * q + (lane >> 3), off = kLlLinePayload * L + 16 * j;
-        if (L >= L1) continue;
+        if (L >= L1) break;  // (the later passes' lines are further on)
         if (off < R) *reinterpret_cast<unsigned long long*>(dst + off) = parts.lo[q];
         if (j < 7 && off + 8 < R) *reinterpret_cast<unsigned long long*>(dst + off + 8) = parts.hi[q];
       }
     }
   }
-  if (c != 0 || !copy) return;
+  if (c != 0) return;
   float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
   int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
   unsigned long long wraw = 0, sraw[RowScales::kRegs];
   if (valid) wraw = ll_wait_epoch_u64<false>(p, lr + topk + lane, epoch, s, kPhaseLlDispatch);
+  bool lost = valid && wraw == 0;  // a wait that gave up returns 0 (a word of epoch >= 1 never is)
 #pragma unroll
   for (int q = 0; q < RowScales::kRegs; ++q)
-    if (lane + 32 * q < ns) sraw[q] = ll_wait_epoch_u64<false>(p, lr + 2 * topk + lane + 32 * q, epoch, s, kPhaseLlDispatch);
+    if (lane + 32 * q < ns) {
+      sraw[q] = ll_wait_epoch_u64<false>(p, lr + 2 * topk + lane + 32 * q, epoch, s, kPhaseLlDispatch);
+      lost = lost || sraw[q] == 0;
+    }
+  if (__ballot_sync(0xffffffffu, lost) != 0) return;  // the error is recorded: store nothing of this call
   for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
     const int b = __ffs(todo) - 1;
     const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
@@ -589,12 +602,10 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   const size_t srow = (size_t)s * lp.t_max + t;
   const unsigned long long* lr =
       reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
-  unsigned long long sw = 0;
-  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
-  const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
-  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  int slot;
+  bool valid;
+  const unsigned mask = wait_slot_words(p, lr, topk, epoch, s, lane, slot, valid);
   if (mask == 0) return;  // warp-uniform
-  const int slot = valid ? (int)(unsigned)sw : 0;
   const unsigned long long* rw = lr + lp.lrow_head;
   unsigned long long raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
   const bool meta = copy && c == 0;  // the scale and weight words too
@@ -691,7 +702,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
   if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
     dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
-    // first: the receivers' blocks wait for it; bits 31 / 30 / 29 say chunk units / slot / inline placement (T < 2^29), so a
+    // first: the receivers' blocks wait for it; bits 31 / 30 / 29 / 28 say chunk units / slot / inline / line placement (T < 2^28), so a
     // receiver set to another kind stops with an error instead of copying what it did not wait for
     st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
   }
@@ -910,8 +921,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       lp.src_tokens[threadIdx.x] = threadIdx.x == me ? T : s_tok[threadIdx.x + 1] - s_tok[threadIdx.x];
   }
   const unsigned long long* tflags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tflags);
-  for (long long u = gw; !aborted && u < (long long)s_tok[world] * nx; u += G) {
-    const int st = (int)(u / nx), c = (int)(u - (long long)st * nx);
+  // receive units per row: nx chunks of kS x 32 vectors, or (line) one per batch of 4 x kLinePasses lines
+  const int nxr = kWords == 2 ? (lp.line_count + 4 * kLinePasses - 1) / (4 * kLinePasses) : nx;
+  for (long long u = gw; !aborted && u < (long long)s_tok[world] * nxr; u += G) {
+    const int st = (int)(u / nxr), c = (int)(u - (long long)st * nxr);
     int s = 0;
     while (st >= s_tok[s + 1]) ++s;
     const int t = st - s_tok[s];
@@ -919,7 +932,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       receive_inline(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
       continue;
     } else if constexpr (kWords == 2) {  // every line waited for by its tag, no flag
-      receive_line(p, lp, s, t, c, nx, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
+      receive_line(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
       continue;
     }
     // lane 0 alone polls (one ld.acquire.sys per poll, not 32: the pollers share the L2 with the rows
@@ -957,14 +970,14 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   a.topk_idx = (const int64_t*)topk_idx;
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
+  const int place = ctx->lp.dispatch_place;
+  if (ctx->sync == kLlSyncToken && place == kLlPlaceLine && ctx->lp.dispatch_units != kLlUnitsRow) {
+    ep_set_error("low-latency dispatch place line needs row units (dispatch_units row)");
+    return -1;
+  }
   ctx->launched = true;
   if (ctx->sync == kLlSyncToken) {
     const size_t smem = ll_token_smem_bytes(num_tokens, p.topk, ctx->lp.num_experts);  // <= ctx->token_smem
-    const int place = ctx->lp.dispatch_place;
-    if (place == kLlPlaceLine && ctx->lp.dispatch_units != kLlUnitsRow) {
-      ep_set_error("low-latency dispatch place line needs row units (dispatch_units row)");
-      return -1;
-    }
     const bool ballot = ctx->dispatch_stage == kLlStageBallot && (long long)num_tokens * p.topk <= kLlBallotIds;
     using Kernel = void (*)(EpParams, LlParams, LlDispatchArgs);
     static const Kernel kernels[3][2] = {
