@@ -378,17 +378,20 @@ __device__ __forceinline__ int unit_slot(const LlParams& lp, const int* s_mask, 
 // dispatch_place line (LlLineRow, ll_common.cuh): lane l holds part j = l % 8 of line 4 q + l / 8 of each of kLinePasses
 // passes: payload bytes [120 L + 16 j, + 16) of the row, and for j = 7 the 8 bytes [120 L + 112, 120 L + 120) and
 // the line's tag. The 8 lanes of a line store it, and a receiver's 8 lanes load it, in one warp instruction.
-constexpr int kLinePasses = 4;  // 16 lines (1920 payload bytes) a warp in flight
+constexpr int kLinePasses = 4;       // a receive unit's batch: 16 lines (1920 payload bytes)
+constexpr int kLineSendPasses = 8;   // a sender's lines in flight: 32 (a 7 KiB row in two rounds, as copy_row)
+template <int kP>
 struct LineParts {
-  unsigned long long lo[kLinePasses], hi[kLinePasses];
+  unsigned long long lo[kP], hi[kP];
 };
 
-// The row's payload of lines [L0, L0 + 4 kLinePasses) below Lc into the lane's parts (zero past the row's end).
+// The row's payload of lines [L0, L0 + 4 kP) below Lc into the lane's parts (zero past the row's end).
+template <int kP>
 __device__ __forceinline__ void load_line_parts(const uint8_t* row, int R, int Lc, int L0, int lane,
-                                                unsigned long long tag, LineParts& lp) {
+                                                unsigned long long tag, LineParts<kP>& lp) {
   const int j = lane & 7;
 #pragma unroll
-  for (int q = 0; q < kLinePasses; ++q) {
+  for (int q = 0; q < kP; ++q) {
     const int L = L0 + 4 * q + (lane >> 3), off = kLlLinePayload * L + 16 * j;
     const bool in = L < Lc;
     lp.lo[q] = in && off < R ? __ldg(reinterpret_cast<const unsigned long long*>(row + off)) : 0ull;
@@ -462,7 +465,7 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
 }
 
 // Peer unit of the line placement (kLlPlaceLine, row units): token t's head words as send_inline's, then, when t
-// has an expert on d, its row as line_count lines into lstage[me, t] on d, 4 x kLinePasses lines at a time, each
+// has an expert on d, its row as line_count lines into lstage[me, t] on d, 4 x kLineSendPasses lines at a time, each
 // batch's loads issued before its stores; no fence and no flag: each line carries its tag.
 template <typename SlotOf>
 __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
@@ -474,7 +477,7 @@ __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp,
   const float* ssrc = a.x_scales + (size_t)t * ns;
   const uint8_t* row = a.x + (size_t)t * R;
   RowScales sc;
-  LineParts parts;
+  LineParts<kLineSendPasses> parts;
   if (mask != 0) {  // the first lines and the scales in flight before the head words go out
     sc.load(ssrc, ns, lane);
     load_line_parts(row, R, Lc, 0, lane, tag, parts);
@@ -485,11 +488,11 @@ __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp,
   unsigned long long* lw = lr + lp.line_head;
   for (int L0 = 0;;) {
 #pragma unroll
-    for (int q = 0; q < kLinePasses; ++q) {
+    for (int q = 0; q < kLineSendPasses; ++q) {
       const int L = L0 + 4 * q + (lane >> 3);
       if (L < Lc) st_relaxed_sys_v2u64(lw + 16 * (size_t)L + 2 * (lane & 7), parts.lo[q], parts.hi[q]);
     }
-    L0 += 4 * kLinePasses;
+    L0 += 4 * kLineSendPasses;
     if (L0 >= Lc) break;  // warp-uniform
     load_line_parts(row, R, Lc, L0, lane, tag, parts);
   }
@@ -527,7 +530,7 @@ __device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& 
   const unsigned long long* lw = lr + lp.line_head;
   uint8_t* xr = mybase + lp.off_x;
   {
-    LineParts parts;
+    LineParts<kLinePasses> parts;
     const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
 #pragma unroll
       for (int q = 0; q < kLinePasses; ++q) {  // every load of the poll issued before any is looked at
