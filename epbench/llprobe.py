@@ -97,10 +97,12 @@ PING_MODES = {"ping": 5, "ping-combine": 6}  # with several ranks only (a block 
 VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
             "token-warps4": (4, "token"), "token-noown": (None, "token"), "token-norecv": (None, "token"),
             "token-peers": (None, "token"), "token-nofence": (None, "token"),
-            "token-peers-nofence": (None, "token"), "token-ballot": (None, "token")}
-# token dispatches with another dispatch_stage (csrc/ll_common.cuh, LlDispatchStage): verified like `token`, on the
-# token backend switched for their rows only
-STAGED = {"token-ballot": "ballot"}
+            "token-peers-nofence": (None, "token"), "token-ballot": (None, "token"), "token-line": (None, "token")}
+# token-sync calls with other epbench-ll options (csrc/ll_common.cuh: LlDispatchStage, LlDispatchPlace): verified
+# like `token`, on the token backend switched to these options for their rows only (line sends whole rows)
+TUNED = {"token-ballot": {"dispatch_stage": "ballot"},
+         "token-line": {"dispatch_place": "line", "dispatch_units": "row"}}
+TUNABLE = ("dispatch_units", "dispatch_place", "dispatch_stage")  # the options TUNED may set, in the order set
 # token dispatches with parts left out (LlProbeSkip, csrc/ll_common.cuh: 1 own rows, 2 receive copies, 4 the scales
 # and tmap / tw stores beside a peer row, 8 the fence before a peer row's flag): timed alone, on a backend of their
 # own, never verified
@@ -350,8 +352,8 @@ def header_line(info: Dict[str, Any]) -> str:
         chained += (f", token dispatch units {tk.get('dispatch_units')}, place {tk.get('dispatch_place', 'stage')}, "
                     f"release {tk.get('combine_release')}, stage {tk.get('dispatch_stage', 'masks')}")
     for v in kernels:
-        if v in STAGED:
-            chained += f", {v} stage {kernels[v].get('dispatch_stage')}"
+        if v in TUNED:
+            chained += f", {v}: " + " ".join(f"{k} {kernels[v].get(k)}" for k in TUNED[v])
     return (f"# {info.get('device', '?')}, {where}, hidden {info.get('hidden')}, top-{info.get('topk')} of "
             f"{info.get('experts')} experts, {info.get('dtype')} dispatch, {info.get('iters')} graph replays "
             f"after {info.get('warmup')}, {info.get('warps')} warps unless named{chained}")
@@ -430,8 +432,8 @@ def measure(job: Any) -> int:
                 for sync in dict.fromkeys(VARIANTS[v][1] for v in ["grid"] + variants if v not in SKIPS)}
     kernels = {sync: b.effective_config() for sync, b in backends.items()}
     for v in variants:
-        if v in STAGED:  # what the staged rows ran with
-            kernels[v] = dict(kernels["token"], dispatch_stage=STAGED[v])
+        if v in TUNED:  # what the tuned rows ran with
+            kernels[v] = dict(kernels["token"], **TUNED[v])
     if any(v in SKIPS for v in variants):  # its own flags and epochs: no verified call follows a skipping one
         backends["skip"] = EpbenchLowLatencyBackend(setup, ll_sync="token")
         kernels.setdefault("token", backends["skip"].effective_config())  # what the skipping rows ran with
@@ -530,8 +532,9 @@ def measure(job: Any) -> int:
                     continue
                 be = backends[sync]
                 be.warps = warps or default_warps
-                if sync == "token":  # every rank switches before the same rows
-                    be.use_dispatch_stage(STAGED.get(vname, kernels["token"]["dispatch_stage"]))
+                if sync == "token":  # every rank switches before the same rows (units first: line needs row)
+                    for k in TUNABLE:
+                        getattr(be, f"use_{k}")(TUNED.get(vname, {}).get(k, kernels["token"][k]))
                 be.set_probe(stamps)
                 salt = sms * 1000 + t
                 inp = input_of(t, salt, ranks.rank)

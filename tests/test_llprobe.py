@@ -140,11 +140,12 @@ def test_spread_needs_ranks_and_is_in_the_header() -> None:
     info = {"device": "H200", "world": 4, "spread": True, "chains": [1],
             "kernels": {"token": {"combine_order": "rotated", "dispatch_units": "chunk", "dispatch_place": "slot",
                                   "combine_release": "unit"},
-                        "token-ballot": {"dispatch_stage": "ballot"}}}
+                        "token-ballot": {"dispatch_stage": "ballot"},
+                        "token-line": {"dispatch_place": "line", "dispatch_units": "row"}}}
     line = llprobe.header_line(info)
     assert "world 4: one GPU per rank" in line
     assert ("combine order rotated, token dispatch units chunk, place slot, release unit, stage masks, "
-            "token-ballot stage ballot") in line
+            "token-ballot: dispatch_stage ballot, token-line: dispatch_place line dispatch_units row") in line
 
 
 def test_ranks_must_have_the_same_calls() -> None:
@@ -278,10 +279,10 @@ def test_every_variant_names_a_sync_and_warps_the_kernels_take() -> None:
 
 def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
     """token-noown / token-norecv / token-peers / the nofence ones: token-sync variants whose bits are LlProbeSkip's;
-    the staged one (token-ballot) a token-sync variant with a dispatch_stage the backend knows."""
+    the tuned ones (token-ballot, token-line) token-sync variants with option values the backend knows."""
     from pathlib import Path
 
-    from epbench.backends.epbench_ll import STAGES
+    from epbench.backends.epbench_ll import PLACES, STAGES, UNITS, EpbenchLowLatencyBackend
 
     assert set(llprobe.SKIPS) <= set(llprobe.VARIANTS)
     assert all(llprobe.VARIANTS[v][1] == "token" for v in llprobe.SKIPS)
@@ -289,7 +290,10 @@ def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
     assert ("enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipFence = 8, "
             "kLlSkipAll = 15 };") in header
-    assert not set(llprobe.SKIPS) & set(llprobe.STAGED)  # the staged rows are verified
-    assert all(llprobe.VARIANTS[v][1] == "token" and stage in STAGES for v, stage in llprobe.STAGED.items())
+    assert not set(llprobe.SKIPS) & set(llprobe.TUNED)  # the tuned rows are verified
+    choices = {"dispatch_stage": STAGES, "dispatch_place": PLACES, "dispatch_units": UNITS}
+    assert all(llprobe.VARIANTS[v][1] == "token" and set(opts) <= set(llprobe.TUNABLE) and
+               all(value in choices[k] for k, value in opts.items()) for v, opts in llprobe.TUNED.items())
+    assert all(hasattr(EpbenchLowLatencyBackend, f"use_{k}") for k in llprobe.TUNABLE)
     assert llprobe.SKIPS == {"token-noown": 1, "token-norecv": 2, "token-peers": 1 | 2 | 4, "token-nofence": 8,
                              "token-peers-nofence": 1 | 2 | 4 | 8}
