@@ -229,8 +229,8 @@ def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str)
     for what, mine, others in (("dispatch_units", "chunk", "row"), ("dispatch_place", "slot", "stage"),
                                ("dispatch_place", "inline", "stage"), ("dispatch_place", "line", "stage")):
         chosen = {what: mine if rank == 0 else others}
-        if "line" in chosen.values():
-            chosen["dispatch_units"] = "row"  # line sends whole rows (16 tokens: auto would pick chunk)
+        if mine == "line":  # line sends whole rows (16 tokens: auto would pick chunk): row units on every rank, so
+            chosen["dispatch_units"] = "row"  # only the placement differs
         be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token", **chosen)
         routing = rank_routing(case, rank, world, seed=1)
         inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
