@@ -75,8 +75,8 @@
 //      flag. The receive unit (s, t, c) waits for the slot words, then for its chunk's words, copies the chunk into
 //      each of its slots and writes its own tmap / tw / pair entries. T word bit 29.
 //   dispatch_place line (kWords 2, row units only): the inline head words, then the row as 128-byte lines of 120
-//      bytes and an epoch tag (LlLineRow; send_line / receive_line); the receive unit (s, t, c) takes lines
-//      [c Lq, (c + 1) Lq) once the warp has seen every tag current. T word bit 28.
+//      bytes and an epoch tag (LlLineRow; send_line / receive_line); the receive unit (s, t, c) takes batch c of
+//      4 x kLinePasses lines once the warp has seen every tag of it current. T word bit 28.
 //   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
 //   receive copies, the small stores beside a peer row or the fence before a peer row's flag (LlProbeSkip,
 //   ll_common.cuh); outputs then wrong.
@@ -375,8 +375,8 @@ __device__ __forceinline__ int unit_slot(const LlParams& lp, const int* s_mask, 
   }
 }
 
-// dispatch_place line (LlLineRow, ll_common.cuh): lane l holds part j = l % 8 of line 4 q + l / 8 of each of kLinePasses
-// passes: payload bytes [120 L + 16 j, + 16) of the row, and for j = 7 the 8 bytes [120 L + 112, 120 L + 120) and
+// dispatch_place line (LlLineRow, ll_common.cuh): lane l holds part j = l % 8 of line L0 + 4 q + l / 8 of each of a
+// batch's kP passes (LineParts<kP>): payload bytes [120 L + 16 j, + 16) of the row, and for j = 7 the 8 bytes [120 L + 112, 120 L + 120) and
 // the line's tag. The 8 lanes of a line store it, and a receiver's 8 lanes load it, in one warp instruction.
 constexpr int kLinePasses = 4;       // a receive unit's batch: 16 lines (1920 payload bytes)
 constexpr int kLineSendPasses = 8;   // a sender's lines in flight: 32 (a 7 KiB row in two rounds, as copy_row)

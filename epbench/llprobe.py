@@ -103,6 +103,18 @@ VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "gri
 TUNED = {"token-ballot": {"dispatch_stage": "ballot"},
          "token-line": {"dispatch_place": "line", "dispatch_units": "row"}}
 TUNABLE = ("dispatch_units", "dispatch_place", "dispatch_stage")  # the options TUNED may set, in the order set
+
+
+def tuned_options(variant: str, token: Dict[str, Any]) -> List[Tuple[str, Any]]:
+    """The token backend's TUNABLE options, in the order to set them, for `variant`'s rows: TUNED's values for a
+    tuned variant, else the backend's own (`token`: its effective_config), so no row inherits a tuned one's."""
+    return [(k, TUNED.get(variant, {}).get(k, token[k])) for k in TUNABLE]
+
+
+def tuned_label(variant: str, cfg: Dict[str, Any]) -> str:
+    """How the header names a tuned variant's options (ballot applies to calls of <= 128 ids only)."""
+    words = [f"{k} {cfg.get(k)}" for k in TUNED[variant]]
+    return " ".join(w + (" (calls of <= 128 ids; masks above)" if w == "dispatch_stage ballot" else "") for w in words)
 # token dispatches with parts left out (LlProbeSkip, csrc/ll_common.cuh: 1 own rows, 2 receive copies, 4 the scales
 # and tmap / tw stores beside a peer row, 8 the fence before a peer row's flag): timed alone, on a backend of their
 # own, never verified
@@ -353,7 +365,7 @@ def header_line(info: Dict[str, Any]) -> str:
                     f"release {tk.get('combine_release')}, stage {tk.get('dispatch_stage', 'masks')}")
     for v in kernels:
         if v in TUNED:
-            chained += f", {v}: " + " ".join(f"{k} {kernels[v].get(k)}" for k in TUNED[v])
+            chained += f", {v}: {tuned_label(v, kernels[v])}"
     return (f"# {info.get('device', '?')}, {where}, hidden {info.get('hidden')}, top-{info.get('topk')} of "
             f"{info.get('experts')} experts, {info.get('dtype')} dispatch, {info.get('iters')} graph replays "
             f"after {info.get('warmup')}, {info.get('warps')} warps unless named{chained}")
@@ -533,8 +545,8 @@ def measure(job: Any) -> int:
                 be = backends[sync]
                 be.warps = warps or default_warps
                 if sync == "token":  # every rank switches before the same rows (units first: line needs row)
-                    for k in TUNABLE:
-                        getattr(be, f"use_{k}")(TUNED.get(vname, {}).get(k, kernels["token"][k]))
+                    for k, value in tuned_options(vname, kernels["token"]):
+                        getattr(be, f"use_{k}")(value)
                 be.set_probe(stamps)
                 salt = sms * 1000 + t
                 inp = input_of(t, salt, ranks.rank)

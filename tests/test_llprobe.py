@@ -145,7 +145,23 @@ def test_spread_needs_ranks_and_is_in_the_header() -> None:
     line = llprobe.header_line(info)
     assert "world 4: one GPU per rank" in line
     assert ("combine order rotated, token dispatch units chunk, place slot, release unit, stage masks, "
-            "token-ballot: dispatch_stage ballot, token-line: dispatch_place line dispatch_units row") in line
+            "token-ballot: dispatch_stage ballot (calls of <= 128 ids; masks above), "
+            "token-line: dispatch_place line dispatch_units row") in line
+
+
+def test_tuned_rows_set_their_options_and_every_other_token_row_the_backends_own() -> None:
+    """A token variant after token-line runs with the backend's own units, placement and stage again (a small
+    buffer's chunk / inline), never with line's row units; ballot's label names where it applies."""
+    from epbench.backends.epbench_ll import BALLOT_IDS
+
+    own = {"dispatch_units": "chunk", "dispatch_place": "inline", "dispatch_stage": "masks", "warps": 16}
+    assert llprobe.tuned_options("token-line", own) == [
+        ("dispatch_units", "row"), ("dispatch_place", "line"), ("dispatch_stage", "masks")]  # units before place
+    for after in ("token", "token-warps4"):
+        assert llprobe.tuned_options(after, own) == [
+            ("dispatch_units", "chunk"), ("dispatch_place", "inline"), ("dispatch_stage", "masks")]
+    assert dict(llprobe.tuned_options("token-ballot", own))["dispatch_stage"] == "ballot"
+    assert f"<= {BALLOT_IDS} ids" in llprobe.tuned_label("token-ballot", dict(own, dispatch_stage="ballot"))
 
 
 def test_ranks_must_have_the_same_calls() -> None:

@@ -646,11 +646,16 @@ def test_line_placement_carries_every_byte_of_the_row_once(row_bytes):
                     written[b] += 1
     assert bytes(got) == row and written == [1] * row_bytes
     assert all(parts[L, 7][1] == tag for L in range(lines))
-    for topk, ns in ((8, 56), (8, 0), (4, 16), (1, 0)):  # ll_buffers.cu: lrow_words holds inline words or lines
-        inline_head = (2 * topk + ns + 3) // 4 * 4
-        line_head = (inline_head + 15) // 16 * 16
-        words = (max(inline_head + 4 * (row_bytes // 16), line_head + 16 * lines) + 15) // 16 * 16
-        assert line_head % 16 == 0 and words % 16 == 0 and line_head + 16 * lines <= words
+    # lane l of pass q of a batch from line L0 holds line L0 + 4 q + l / 8: a sender's batches of 32 lines and the
+    # receive units' batches of 16 (nxr = lines / 16 rounded up) each reach every line once
+    for per_batch in (4 * 8, 4 * 4):
+        reached = [L0 + 4 * q + lane // 8 for L0 in range(0, lines, per_batch) for q in range(per_batch // 4)
+                   for lane in range(0, 32, 8)]
+        assert sorted(L for L in reached if L < lines) == list(range(lines))
+    # ll_buffers.cu sizes each lstage row for the inline words or the lines, whichever needs more, in 128-byte steps
+    src = (Path(__file__).resolve().parents[1] / "csrc" / "ll_buffers.cu").read_text()
+    assert ("lp.lrow_words = (std::max(lp.lrow_head + 4 * (p.row_bytes / 16), lp.line_head + 16 * lp.line_count) "
+            "+ 15) / 16 * 16;") in src
 
 
 def _ballot_rank(ids, topk, t, e, lanes=32, regs=4):

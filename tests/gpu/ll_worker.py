@@ -217,8 +217,8 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
 def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Token sync: rank 0 dispatches with chunk peer units, the others with row units (hidden 2048 bf16: 2
     chunks a row); then rank 0 with slot placement, the others with stage; then rank 0 with inline placement, the
-    others with stage; then rank 0 with line placement (row units), the others with stage. Each time every rank must raise at
-    once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
+    others with stage; then rank 0 with line placement, the others with stage (row units on every rank). Each
+    time every rank must raise at once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
     was put, and never wait out the timeout (10 s here; the check allows 5)."""
     import time
 
