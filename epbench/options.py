@@ -195,7 +195,7 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "warp holds all ids in registers and counts a slot with warp ballots: no barrier "
                                  "before its first row; masks above 128 ids); the same slots and outputs, so ranks "
                                  "may differ; not yet measured on a GPU, notes/LATENCY-NEXT.md; rows record the "
-                                 "option (masks under ll_sync grid, which stages in its own way)",
+                                 "stage their calls ran (masks under ll_sync grid, which stages in its own way)",
                                  choices=("masks", "ballot"), env="EPBENCH_LL_DISPATCH_STAGE"),
     },
     "epbench-hier": {

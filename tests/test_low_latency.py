@@ -564,6 +564,12 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
         "dispatch_stage"] == "masks"  # the grid dispatch stages in its own way
     ballot.use_dispatch_stage("masks")
     assert stages[-1] == 0 and ballot.effective_config()["dispatch_stage"] == "masks"
+    # rows record the stage a call ran: ballot only at <= BALLOT_IDS ids (tokens x topk), masks above
+    assert [ll.stage_for("ballot", t, 8) for t in (1, 16, 17)] == ["ballot", "ballot", "masks"]
+    assert ll.stage_for("masks", 1, 8) == "masks"
+    ballot.use_dispatch_stage("ballot")
+    ballot._stage_ran = ll.stage_for("ballot", 17, 8)  # as ll_dispatch sets it after a call of 136 ids
+    assert ballot.effective_config()["dispatch_stage"] == "masks"
     # dispatch_place line sends whole rows: row units (set, or auto above 16 tokens), never chunk
     lined = ll.EpbenchLowLatencyBackend(big.s, ll_sync="token", dispatch_place="line")
     assert places[-1] == 3 and lined.effective_config()["dispatch_place"] == "line"

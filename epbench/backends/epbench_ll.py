@@ -75,6 +75,12 @@ AUTO_CHUNK_MAX_TOKENS = 64
 AUTO_UNITS_MAX_TOKENS = 16
 
 
+def stage_for(stage: str, tokens: int, topk: int) -> str:
+    """The dispatch_stage a call actually runs (ep_ll_dispatch): ballot only for calls of at most BALLOT_IDS ids
+    (tokens x topk), masks above; rows record it through effective_config after their calls."""
+    return "ballot" if stage == "ballot" and tokens * topk <= BALLOT_IDS else "masks"
+
+
 def dispatch_units_for(units: str, max_tokens: int) -> str:
     """The dispatch units actually used (recorded in the rows): ``auto`` picks chunk up to
     AUTO_UNITS_MAX_TOKENS tokens per rank (the buffers' size, the same on every rank, so every rank
@@ -224,6 +230,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
                                       self._stream())
         if rc:
             cuda_lib.check(rc, "ll_dispatch")
+        self._stage_ran = stage_for(self.dispatch_stage, t, self.s.topk)  # what this call's kernel did
         if self._timed_out.value:
             self._raise_if_timed_out()
         handle = _Handle(t, inp.topk_idx, inp.topk_weights, self.out[:t])
@@ -236,7 +243,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
                 "dispatch_units": self.dispatch_units if self.ll_sync == "token" else "row",
                 "dispatch_place": self.dispatch_place if self.ll_sync == "token" else "stage",
                 "combine_release": self.combine_release if self.ll_sync == "token" else "grid",
-                "dispatch_stage": self.dispatch_stage if self.ll_sync == "token" else "masks"}
+                "dispatch_stage": (self._stage_ran or self.dispatch_stage) if self.ll_sync == "token" else "masks"}
 
     def use_combine_order(self, order: str) -> None:
         """The order of later combine launches and captures (option combine_order); a graph captured
@@ -267,6 +274,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         captured before keeps its own."""
         cuda_lib.check(self._lib.ep_ll_set_dispatch_stage(self._ctx, STAGES[stage]), "ep_ll_set_dispatch_stage")
         self.dispatch_stage = stage
+        self._stage_ran: Optional[str] = None  # set by the next dispatch (stage_for)
 
     def use_combine_release(self, release: str) -> None:
         """How later token-sync combines release their pushes' flags (option combine_release: unit |
