@@ -529,31 +529,29 @@ __device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& 
   const int L0 = 4 * kLinePasses * c, L1 = min(Lc, L0 + 4 * kLinePasses), j = lane & 7;
   const unsigned long long* lw = lr + lp.line_head;
   uint8_t* xr = mybase + lp.off_x;
-  {
-    LineParts<kLinePasses> parts;
-    const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
+  LineParts<kLinePasses> parts;
+  const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
 #pragma unroll
-      for (int q = 0; q < kLinePasses; ++q) {  // every load of the poll issued before any is looked at
-        const int L = L0 + 4 * q + (lane >> 3);
-        if (L < L1) ld_relaxed_sys_v2u64(lw + 16 * (size_t)L + 2 * j, parts.lo[q], parts.hi[q]);
-      }
-      bool here = true;
+    for (int q = 0; q < kLinePasses; ++q) {  // every load of the poll issued before any is looked at
+      const int L = L0 + 4 * q + (lane >> 3);
+      if (L < L1) ld_relaxed_sys_v2u64(lw + 16 * (size_t)L + 2 * j, parts.lo[q], parts.hi[q]);
+    }
+    bool here = true;
 #pragma unroll
-      for (int q = 0; q < kLinePasses; ++q)
-        if (j == 7 && L0 + 4 * q + (lane >> 3) < L1)
-          here = here && (unsigned)parts.hi[q] == kLlLineMark && (int)(parts.hi[q] >> 32) - epoch >= 0;
-      return __all_sync(0xffffffffu, here);
-    });
-    if (!ok || !copy) return;  // gave up (the error is recorded; warp-uniform), or measuring
-    for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
-      uint8_t* dst = xr + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(todo) - 1) * R;
+    for (int q = 0; q < kLinePasses; ++q)
+      if (j == 7 && L0 + 4 * q + (lane >> 3) < L1)
+        here = here && (unsigned)parts.hi[q] == kLlLineMark && (int)(parts.hi[q] >> 32) - epoch >= 0;
+    return __all_sync(0xffffffffu, here);
+  });
+  if (!ok || !copy) return;  // gave up (the error is recorded; warp-uniform), or measuring
+  for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+    uint8_t* dst = xr + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(todo) - 1) * R;
 #pragma unroll
-      for (int q = 0; q < kLinePasses; ++q) {
-        const int L = L0 + 4 * q + (lane >> 3), off = kLlLinePayload * L + 16 * j;
-        if (L >= L1) break;  // (the later passes' lines are further on)
-        if (off < R) *reinterpret_cast<unsigned long long*>(dst + off) = parts.lo[q];
-        if (j < 7 && off + 8 < R) *reinterpret_cast<unsigned long long*>(dst + off + 8) = parts.hi[q];
-      }
+    for (int q = 0; q < kLinePasses; ++q) {
+      const int L = L0 + 4 * q + (lane >> 3), off = kLlLinePayload * L + 16 * j;
+      if (L >= L1) break;  // (the later passes' lines are further on)
+      if (off < R) *reinterpret_cast<unsigned long long*>(dst + off) = parts.lo[q];
+      if (j < 7 && off + 8 < R) *reinterpret_cast<unsigned long long*>(dst + off + 8) = parts.hi[q];
     }
   }
   if (c != 0) return;
