@@ -249,9 +249,8 @@ extern "C" int ep_ll_set_sync(void* vctx, int sync) {
   return 0;
 }
 
-// The launch choices below are small enumerations (0..last) in fields of LlParams that later launches copy (or, for
-// dispatch_stage, of LlContext, which picks the kernel a later launch uses), so a captured graph keeps the value it
-// was captured with; `what` names the choice and its values for the error.
+// The launch choices below are small enumerations (0..last) in fields of LlParams that later launches copy, so a
+// captured graph keeps the value it was captured with; `what` names the choice and its values for the error.
 static int ll_set_choice(int* field, int value, const char* what, int last = 1) {
   if (value < 0 || value > last) {
     ep_set_error("low-latency %s must be 0..%d, got %d", what, last, value);
@@ -281,13 +280,6 @@ extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
                 "LlDispatchPlace is 0 / 1 / 2 / 3");
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place,
                        "dispatch place (0 stage, 1 slot, 2 inline, 3 line)", 3);
-}
-
-// Shared-memory masks or ballots for the token dispatch's slots (LlDispatchStage; ballots only for launches of at most
-// kLlBallotIds ids). Host side only: it picks the kernel, the slots are the same, so ranks may differ.
-extern "C" int ep_ll_set_dispatch_stage(void* vctx, int stage) {
-  static_assert(kLlStageMasks == 0 && kLlStageBallot == 1, "LlDispatchStage is 0 / 1");
-  return ll_set_choice(&((LlContext*)vctx)->dispatch_stage, stage, "dispatch stage (0 masks, 1 ballot)");
 }
 
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either

@@ -144,12 +144,6 @@ enum LlDispatchUnits { kLlUnitsRow = 0, kLlUnitsChunk = 1 };
 // Buffers of at most this many tokens a rank: the token combine's push units run over every token of the buffer
 // without waiting for the peers' counts (ll_combine.cu, `spec`).
 constexpr int kLlSpecTokens = 16;
-// How the token dispatch finds its slots (ep_ll_set_dispatch_stage, backend option dispatch_stage; host side: it
-// picks the kernel): kLlStageMasks, every block stages the ids in shared memory and builds per-(32 tokens, expert)
-// masks behind block barriers; kLlStageBallot, for a launch of at most kLlBallotIds ids (T x topk), every warp
-// loads all ids into registers and counts a slot with ballots, no barrier before its first unit. The same slots.
-enum LlDispatchStage { kLlStageMasks = 0, kLlStageBallot = 1 };
-constexpr int kLlBallotIds = 128;
 constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk (2 KiB a warp)
 
 // Where a token dispatch's peer row lands on the receiver (ep_ll_set_dispatch_place, backend option
@@ -233,7 +227,6 @@ struct LlContext {
   int sm_count;  // read once here: launches may be captured into a CUDA graph
   int sync;      // LlSync; fixed before the first launch (the two keep different flags and epochs)
   bool launched;
-  int dispatch_stage;  // LlDispatchStage (ep_ll_set_dispatch_stage): picks the token dispatch's instantiation
   size_t token_smem;  // dynamic shared memory the token dispatch needs at max_tokens (ll_token_smem_bytes)
   size_t off_y, off_out, off_counts, off_src_counts, off_src_tokens, off_epochs, off_counters, off_dev_error;
   size_t off_eslots;

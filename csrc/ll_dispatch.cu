@@ -44,9 +44,6 @@
 //      and a totals row: token t's slot j for expert e = popcounts of e's masks of earlier chunks +
 //      those of t's own chunk below t (token_rank: per lane, no ballot, no loop over topk). Slots are
 //      the contract's (base.py ll_slots).
-//      dispatch_stage ballot (LlDispatchStage, kernel instantiation kBallot; calls of <= kLlBallotIds ids): no
-//      shared stage and no block barrier: every warp loads all ids into registers (BallotIds) and its block's epoch,
-//      and a slot is a count of ballots (unit_slot); block 0's warps count the totals for the count words so.
 //      Block 0 stores dwords[me][E] = (epoch << 32) | kind bits | T on every peer first (bit 31 dispatch_units
 //      chunk, bit 30 dispatch_place slot, bit 29 inline, bit 28 line; a receiver of another kind reports kPhaseLlUnitsMismatch or
 //      kPhaseLlPlaceMismatch), then dwords[me][le] =
@@ -326,53 +323,10 @@ __device__ __forceinline__ int token_slot(const LlParams& lp, const int* s_mask,
   return (e - d * lp.experts) * lp.capacity + me * lp.t_max + token_rank(s_mask, NE, t, e);
 }
 
-// dispatch_stage ballot (LlDispatchStage; T x topk <= kLlBallotIds): every warp holds all of this rank's ids, id i =
-// t * topk + k in lane i % 32, register i / 32 (-1 past T x topk), instead of the block's shared masks.
-constexpr int kLlBallotRegs = kLlBallotIds / 32;
-struct BallotIds {
-  int v[kLlBallotRegs];
-  __device__ __forceinline__ void load(const int64_t* topk_idx, int n, int lane) {
-#pragma unroll
-    for (int q = 0; q < kLlBallotRegs; ++q) v[q] = lane + 32 * q < n ? (int)topk_idx[lane + 32 * q] : -1;
-  }
-  // expert k of token t for lane k < topk (-1 for the other lanes); every lane calls
-  __device__ __forceinline__ int expert(int t, int topk, int lane) const {
-    const int f = t * topk + lane;
-    int e = -1;
-#pragma unroll
-    for (int q = 0; q < kLlBallotRegs; ++q) {
-      const int x = __shfl_sync(0xffffffffu, v[q], f & 31);
-      if (f >> 5 == q) e = x;
-    }
-    return lane < topk ? e : -1;
-  }
-  // how many of this rank's tokens below `below` were routed to expert e (ids are distinct within a token); e and
-  // below must be the same in every lane, and every lane calls
-  __device__ __forceinline__ int count(int e, int below, int topk, int lane) const {
-    int n = 0;
-#pragma unroll
-    for (int q = 0; q < kLlBallotRegs; ++q)
-      n += __popc(__ballot_sync(0xffffffffu, v[q] == e && lane + 32 * q < below * topk));
-    return n;
-  }
-};
-
 // The slots a unit of token t (warp-uniform) needs: lane k's slot for its expert e on d where `want`, 0 elsewhere.
-// Every lane calls (ballot: a count per wanting lane, one lane after another; masks: each lane on its own).
-template <bool kBallot>
-__device__ __forceinline__ int unit_slot(const LlParams& lp, const int* s_mask, const BallotIds& ids, int NE, int me,
-                                         int topk, int t, int e, int d, bool want, int lane) {
-  if constexpr (kBallot) {
-    int j = 0;
-    for (unsigned todo = __ballot_sync(0xffffffffu, want); todo != 0; todo &= todo - 1) {
-      const int b = __ffs(todo) - 1;
-      const int n = ids.count(__shfl_sync(0xffffffffu, e, b), t, topk, lane);
-      if (lane == b) j = n;
-    }
-    return want ? (e - d * lp.experts) * lp.capacity + me * lp.t_max + j : 0;
-  } else {
-    return want ? token_slot(lp, s_mask, NE, me, t, e, d) : 0;
-  }
+__device__ __forceinline__ int unit_slot(const LlParams& lp, const int* s_mask, int NE, int me, int t, int e, int d,
+                                         bool want) {
+  return want ? token_slot(lp, s_mask, NE, me, t, e, d) : 0;
 }
 
 // dispatch_place line (LlLineRow, ll_common.cuh): lane l holds part j = l % 8 of line L0 + 4 q + l / 8 of each of a
@@ -419,7 +373,7 @@ __device__ __forceinline__ void send_head_words(unsigned long long* lr, int topk
 
 // Peer unit of the inline placement (kLlPlaceInline): chunk pc of token t's row (pnx 1: the whole row) as inline
 // words into lstage[me, t] on d (LlInlineRow); the chunk-0 unit also stores the slot word of each of t's experts
-// (lane k's, from slot_of: unit_slot, every lane calls it; kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
+// (lane k's, from slot_of: unit_slot; kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
 // on d, the weight and scale words (neither with the probe's kLlSkipSmallStores). The unit's first kU x 32 vectors,
 // its scales and its weight are loaded before its first store (a load after a store that may alias it waits for
 // the store; a row of more than kU x 32 vectors loads each later batch after the stores before it), and nothing is
@@ -445,7 +399,7 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
     }
   }
   const bool small = !(lp.probe_skip & kLlSkipSmallStores);  // measuring aid (LlProbeSkip); true when verified
-  if (pc == 0) send_head_words(lr, topk, ns, lane, tag, hit, mask, slot_of(), w, small, sc, ssrc);  // slot_of: every lane
+  if (pc == 0) send_head_words(lr, topk, ns, lane, tag, hit, mask, slot_of(), w, small, sc, ssrc);
   if (mask == 0) return;  // warp-uniform
   unsigned long long* rw = lr + lp.lrow_head;
   for (int b0 = v0;; ) {
@@ -482,7 +436,7 @@ __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp,
     sc.load(ssrc, ns, lane);
     load_line_parts(row, R, Lc, 0, lane, tag, parts);
   }
-  const int slot = slot_of();  // every lane (unit_slot)
+  const int slot = slot_of();  // unit_slot
   send_head_words(lr, topk, ns, lane, tag, hit, mask, slot, w, !(lp.probe_skip & kLlSkipSmallStores), sc, ssrc);
   if (mask == 0) return;  // warp-uniform
   unsigned long long* lw = lr + lp.line_head;
@@ -669,10 +623,8 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
 }
 
 // kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line (each its own instantiation, so the flagged
-// kernel keeps its registers); kBallot:
-// dispatch_stage ballot at T x topk <= kLlBallotIds (BallotIds: no stage in shared memory, no block barrier before
-// the units; block 0 keeps the experts' totals in s_mask's last row for its receive phase)
-template <int kThreads, int kWords, bool kBallot>
+// kernel keeps its registers)
+template <int kThreads, int kWords>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
   __shared__ int s_epoch;
@@ -687,18 +639,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   ll_stamp(lp, kLlStart);
   // every global load of the stage issued before the first wait on any of them
   bool aborted = ld_volatile(p.dev_error) != 0;
-  BallotIds ids;
-  int r_epoch = 0;
-  if constexpr (kBallot) {  // each thread its own epoch (the store-back at the end follows the receive's barriers)
-    r_epoch = ld_volatile(lp.eslots + blockIdx.x) + 1;
-    ids.load(a.topk_idx, T * topk, lane);
-  } else {
-    if (threadIdx.x == 0) s_epoch = ld_volatile(lp.eslots + blockIdx.x) + 1;
-    for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
-    for (int i = threadIdx.x; i < (chunks + 1) * NE; i += blockDim.x) s_mask[i] = 0;
-    __syncthreads();
-  }
-  const int epoch = kBallot ? r_epoch : s_epoch;
+  if (threadIdx.x == 0) s_epoch = ld_volatile(lp.eslots + blockIdx.x) + 1;
+  for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
+  for (int i = threadIdx.x; i < (chunks + 1) * NE; i += blockDim.x) s_mask[i] = 0;
+  __syncthreads();
+  const int epoch = s_epoch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
   unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
   if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
@@ -707,39 +652,25 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     // receiver set to another kind stops with an error instead of copying what it did not wait for
     st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
   }
-  if constexpr (kBallot) {
-    ll_stamp(lp, kLlStaged);
-    if (blockIdx.x == 0) {  // counts for each peer's experts, epoch-tagged; my own ones for the receive below
-      for (int i = warp; i < NE; i += nwarps) {
-        const int n = ids.count(i, T, topk, lane), d = i / E;
-        if (lane == 0) totals[i] = n;  // read after the receive phase's barriers
-        if (lane == 0 && d != me && !aborted)
-          st_relaxed_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[d] + lp.off_dwords) +
-                                 (size_t)me * (E + 1) + (i - d * E),
-                             tag | (unsigned)n);
-      }
-    }
-  } else {
-    for (int i = threadIdx.x; i < T * topk; i += blockDim.x) {
-      const int e = s_idx[i], t = i / topk;
-      if (e >= 0 && e < NE) atomicOr(reinterpret_cast<unsigned*>(&s_mask[(t >> 5) * NE + e]), 1u << (t & 31));
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < NE; e += blockDim.x) {
-      int run = 0;
-      for (int c = 0; c < chunks; ++c) run += __popc((unsigned)s_mask[c * NE + e]);
-      totals[e] = run;
-    }
-    __syncthreads();
-    ll_stamp(lp, kLlStaged);
-    if (blockIdx.x == 0 && !aborted) {  // counts for each peer's experts, epoch-tagged
-      for (int i = threadIdx.x; i < NE; i += blockDim.x) {
-        const int d = i / E;
-        if (d != me)
-          st_relaxed_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[d] + lp.off_dwords) +
-                                 (size_t)me * (E + 1) + (i - d * E),
-                             tag | (unsigned)totals[i]);
-      }
+  for (int i = threadIdx.x; i < T * topk; i += blockDim.x) {
+    const int e = s_idx[i], t = i / topk;
+    if (e >= 0 && e < NE) atomicOr(reinterpret_cast<unsigned*>(&s_mask[(t >> 5) * NE + e]), 1u << (t & 31));
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < NE; e += blockDim.x) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) run += __popc((unsigned)s_mask[c * NE + e]);
+    totals[e] = run;
+  }
+  __syncthreads();
+  ll_stamp(lp, kLlStaged);
+  if (blockIdx.x == 0 && !aborted) {  // counts for each peer's experts, epoch-tagged
+    for (int i = threadIdx.x; i < NE; i += blockDim.x) {
+      const int d = i / E;
+      if (d != me)
+        st_relaxed_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[d] + lp.off_dwords) +
+                               (size_t)me * (E + 1) + (i - d * E),
+                           tag | (unsigned)totals[i]);
     }
   }
 
@@ -762,8 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     const int pc = own || world == 1 ? 0 : pr / (world - 1);  // the row's chunk (chunk units; 0 for a row)
     const int rc = own ? r / ng : 0;  // own: chunk of the row, and group g = r % ng of t's experts
     int e = -1;
-    if constexpr (kBallot) e = ids.expert(t, topk, lane);
-    else if (lane < topk) e = s_idx[t * topk + lane];
+    if (lane < topk) e = s_idx[t * topk + lane];
     const bool hit = lane < topk && e >= d * E && e < (d + 1) * E && (!own || lane % ng == r - rc * ng);
     const unsigned mask = __ballot_sync(0xffffffffu, hit);
     if (own && mask == 0) continue;
@@ -772,7 +702,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     if (pair_entry) w = a.topk_w[(size_t)t * topk + lane];  // loaded before any store of the unit
     uint8_t* pb = p.peer_base[d];
     if (kWords != 0 && !own) {
-      const auto slot_of = [&] { return unit_slot<kBallot>(lp, s_mask, ids, NE, me, topk, t, e, d, hit, lane); };
+      const auto slot_of = [&] { return unit_slot(lp, s_mask, NE, me, t, e, d, hit); };
       if constexpr (kWords == 2) send_line(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
       else send_inline(p, lp, a, pb, t, hit, mask, w, pc, pnx, lane, tag, slot_of);
       continue;
@@ -789,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       const float* ssrc = a.x_scales + (size_t)t * ns;
       RowScales sc;
       if (rc == 0) sc.load(ssrc, ns, lane);
-      const int slot = unit_slot<kBallot>(lp, s_mask, ids, NE, me, topk, t, e, d, hit, lane);
+      const int slot = unit_slot(lp, s_mask, NE, me, t, e, d, hit);
       float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
       int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
       for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
@@ -819,11 +749,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     const bool in_slot = lp.dispatch_place == kLlPlaceSlot;  // warp-uniform
     const bool entries = !(lp.probe_skip & kLlSkipSmallStores);  // the pair's tmap / tw entries (below)
     int slot = 0;
-    if constexpr (kBallot) {
-      if (in_slot) slot = unit_slot<true>(lp, s_mask, ids, NE, me, topk, t, e, d, hit, lane);
-    } else if (in_slot && hit) {
-      slot = token_slot(lp, s_mask, NE, me, t, e, d);
-    }
+    if (in_slot && hit) slot = token_slot(lp, s_mask, NE, me, t, e, d);
     if (mask != 0) {
       const int first = __ffs(mask) - 1;
       const size_t fslot = in_slot ? (size_t)__shfl_sync(0xffffffffu, slot, first) : 0;
@@ -854,14 +780,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       if (in_slot && pc == 0 && lane == 0 && !(lp.probe_skip & kLlSkipSmallStores))
         reinterpret_cast<int*>(pb + lp.off_pair)[fslot] = t * topk + first;
     }
-    if constexpr (kBallot) {  // warp-collective: every lane
-      if (!in_slot && entries) slot = unit_slot<true>(lp, s_mask, ids, NE, me, topk, t, e, d, hit, lane);
-    }
     if (hit && entries) {  // the pair's slot and weight, where d's combine reads them
       const size_t tk = ((size_t)me * Tm + t) * topk + lane;
-      if constexpr (!kBallot) {
-        if (!in_slot) slot = token_slot(lp, s_mask, NE, me, t, e, d);
-      }
+      if (!in_slot) slot = token_slot(lp, s_mask, NE, me, t, e, d);
       reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
       reinterpret_cast<float*>(pb + lp.off_tw)[tk] = w;
     }
@@ -979,14 +900,11 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   ctx->launched = true;
   if (ctx->sync == kLlSyncToken) {
     const size_t smem = ll_token_smem_bytes(num_tokens, p.topk, ctx->lp.num_experts);  // <= ctx->token_smem
-    const bool ballot = ctx->dispatch_stage == kLlStageBallot && (long long)num_tokens * p.topk <= kLlBallotIds;
     using Kernel = void (*)(EpParams, LlParams, LlDispatchArgs);
-    static const Kernel kernels[3][2] = {
-        {ll_dispatch_token_kernel<512, 0, false>, ll_dispatch_token_kernel<512, 0, true>},
-        {ll_dispatch_token_kernel<512, 1, false>, ll_dispatch_token_kernel<512, 1, true>},
-        {ll_dispatch_token_kernel<512, 2, false>, ll_dispatch_token_kernel<512, 2, true>}};
+    static const Kernel kernels[3] = {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>,
+                                      ll_dispatch_token_kernel<512, 2>};
     const int words = place == kLlPlaceInline ? 1 : place == kLlPlaceLine ? 2 : 0;
-    kernels[words][ballot]<<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
+    kernels[words]<<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
   } else {
     const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
     ll_dispatch_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
@@ -996,9 +914,7 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
 }
 
 int ll_dispatch_token_smem_attr(int bytes) {
-  for (auto kernel : {ll_dispatch_token_kernel<512, 0, false>, ll_dispatch_token_kernel<512, 1, false>,
-                      ll_dispatch_token_kernel<512, 2, false>, ll_dispatch_token_kernel<512, 0, true>,
-                      ll_dispatch_token_kernel<512, 1, true>, ll_dispatch_token_kernel<512, 2, true>})
+  for (auto kernel : {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>, ll_dispatch_token_kernel<512, 2>})
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   return 0;
 }

@@ -97,12 +97,11 @@ PING_MODES = {"ping": 5, "ping-combine": 6}  # with several ranks only (a block 
 VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
             "token-warps4": (4, "token"), "token-noown": (None, "token"), "token-norecv": (None, "token"),
             "token-peers": (None, "token"), "token-nofence": (None, "token"),
-            "token-peers-nofence": (None, "token"), "token-ballot": (None, "token"), "token-line": (None, "token")}
-# token-sync calls with other epbench-ll options (csrc/ll_common.cuh: LlDispatchStage, LlDispatchPlace): verified
-# like `token`, on the token backend switched to these options for their rows only (line sends whole rows)
-TUNED = {"token-ballot": {"dispatch_stage": "ballot"},
-         "token-line": {"dispatch_place": "line", "dispatch_units": "row"}}
-TUNABLE = ("dispatch_units", "dispatch_place", "dispatch_stage")  # the options TUNED may set, in the order set
+            "token-peers-nofence": (None, "token"), "token-line": (None, "token")}
+# token-sync calls with other epbench-ll options (csrc/ll_common.cuh, LlDispatchPlace): verified like `token`, on
+# the token backend switched to these options for their rows only (line sends whole rows)
+TUNED = {"token-line": {"dispatch_place": "line", "dispatch_units": "row"}}
+TUNABLE = ("dispatch_units", "dispatch_place")  # the options TUNED may set, in the order set
 
 
 def tuned_options(variant: str, token: Dict[str, Any]) -> List[Tuple[str, Any]]:
@@ -112,9 +111,8 @@ def tuned_options(variant: str, token: Dict[str, Any]) -> List[Tuple[str, Any]]:
 
 
 def tuned_label(variant: str, cfg: Dict[str, Any]) -> str:
-    """How the header names a tuned variant's options (ballot applies to calls of <= 128 ids only)."""
-    words = [f"{k} {cfg.get(k)}" for k in TUNED[variant]]
-    return " ".join(w + (" (calls of <= 128 ids; masks above)" if w == "dispatch_stage ballot" else "") for w in words)
+    """How the header names a tuned variant's options."""
+    return " ".join(f"{k} {cfg.get(k)}" for k in TUNED[variant])
 # token dispatches with parts left out (LlProbeSkip, csrc/ll_common.cuh: 1 own rows, 2 receive copies, 4 the scales
 # and tmap / tw stores beside a peer row, 8 the fence before a peer row's flag): timed alone, on a backend of their
 # own, never verified
@@ -362,7 +360,7 @@ def header_line(info: Dict[str, Any]) -> str:
     if "token" in kernels:
         tk = kernels["token"]
         chained += (f", token dispatch units {tk.get('dispatch_units')}, place {tk.get('dispatch_place', 'stage')}, "
-                    f"release {tk.get('combine_release')}, stage {tk.get('dispatch_stage', 'masks')}")
+                    f"release {tk.get('combine_release')}")
     for v in kernels:
         if v in TUNED:
             chained += f", {v}: {tuned_label(v, kernels[v])}"

@@ -180,8 +180,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "record the one used (stage under ll_sync grid, which ignores it); line: inline's "
                                  "slot, weight and scale words, the row in 128-byte lines of 120 bytes and an epoch "
                                  "tag (7 % more bytes, no fence, no flag; relies on 128-byte stores and loads landing "
-                                 "whole, as NCCL's LL128 does; row units only; not yet measured on a GPU, "
-                                 "notes/LATENCY-NEXT.md)",
+                                 "whole, as NCCL's LL128 does; row units only; 2 x H200: 0.4-1.7 us faster at "
+                                 "32-256 tokens; 4 ranks not yet measured; notes/LATENCY-NEXT.md)",
                                  choices=("auto", "stage", "slot", "inline", "line"), env="EPBENCH_LL_DISPATCH_PLACE"),
         "combine_release": Option(str, "batch", "how the token-sync combine releases its pushes' flags: unit (a "
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
@@ -189,14 +189,6 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                   "tokens on 4 ranks, within 0.3 us at 1-32; notes/LATENCY-NEXT.md); the same flags "
                                   "and outputs; rows record the one used (grid under ll_sync grid, which releases "
                                   "once per grid)", choices=("unit", "batch"), env="EPBENCH_LL_COMBINE_RELEASE"),
-        "dispatch_stage": Option(str, "masks", "how the token-sync dispatch finds each row's expert slots: masks (every "
-                                 "block stages the ids in shared memory and builds per-32-token expert masks behind "
-                                 "block barriers) or ballot (for a call of at most 128 ids, tokens x top-k, every "
-                                 "warp holds all ids in registers and counts a slot with warp ballots: no barrier "
-                                 "before its first row; masks above 128 ids); the same slots and outputs, so ranks "
-                                 "may differ; not yet measured on a GPU, notes/LATENCY-NEXT.md; rows record the "
-                                 "stage their calls ran (masks under ll_sync grid, which stages in its own way)",
-                                 choices=("masks", "ballot"), env="EPBENCH_LL_DISPATCH_STAGE"),
     },
     "epbench-hier": {
         "send_share": Option(float, 0.5, "share of the num_sms blocks that send", low=0.0, high=1.0,

@@ -140,28 +140,23 @@ def test_spread_needs_ranks_and_is_in_the_header() -> None:
     info = {"device": "H200", "world": 4, "spread": True, "chains": [1],
             "kernels": {"token": {"combine_order": "rotated", "dispatch_units": "chunk", "dispatch_place": "slot",
                                   "combine_release": "unit"},
-                        "token-ballot": {"dispatch_stage": "ballot"},
                         "token-line": {"dispatch_place": "line", "dispatch_units": "row"}}}
     line = llprobe.header_line(info)
     assert "world 4: one GPU per rank" in line
-    assert ("combine order rotated, token dispatch units chunk, place slot, release unit, stage masks, "
-            "token-ballot: dispatch_stage ballot (calls of <= 128 ids; masks above), "
+    assert ("combine order rotated, token dispatch units chunk, place slot, release unit, "
             "token-line: dispatch_place line dispatch_units row") in line
 
 
 def test_tuned_rows_set_their_options_and_every_other_token_row_the_backends_own() -> None:
-    """A token variant after token-line runs with the backend's own units, placement and stage again (a small
-    buffer's chunk / inline), never with line's row units; ballot's label names where it applies."""
-    from epbench.backends.epbench_ll import BALLOT_IDS
-
-    own = {"dispatch_units": "chunk", "dispatch_place": "inline", "dispatch_stage": "masks", "warps": 16}
+    """A token variant after token-line runs with the backend's own units and placement again (a small buffer's
+    chunk / inline), never with line's row units; the header names a tuned variant's options."""
+    own = {"dispatch_units": "chunk", "dispatch_place": "inline", "warps": 16}
     assert llprobe.tuned_options("token-line", own) == [
-        ("dispatch_units", "row"), ("dispatch_place", "line"), ("dispatch_stage", "masks")]  # units before place
+        ("dispatch_units", "row"), ("dispatch_place", "line")]  # units before place
     for after in ("token", "token-warps4"):
-        assert llprobe.tuned_options(after, own) == [
-            ("dispatch_units", "chunk"), ("dispatch_place", "inline"), ("dispatch_stage", "masks")]
-    assert dict(llprobe.tuned_options("token-ballot", own))["dispatch_stage"] == "ballot"
-    assert f"<= {BALLOT_IDS} ids" in llprobe.tuned_label("token-ballot", dict(own, dispatch_stage="ballot"))
+        assert llprobe.tuned_options(after, own) == [("dispatch_units", "chunk"), ("dispatch_place", "inline")]
+    assert llprobe.tuned_label("token-line", dict(own, dispatch_place="line", dispatch_units="row")) == \
+        "dispatch_place line dispatch_units row"
 
 
 def test_ranks_must_have_the_same_calls() -> None:
@@ -295,10 +290,10 @@ def test_every_variant_names_a_sync_and_warps_the_kernels_take() -> None:
 
 def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
     """token-noown / token-norecv / token-peers / the nofence ones: token-sync variants whose bits are LlProbeSkip's;
-    the tuned ones (token-ballot, token-line) token-sync variants with option values the backend knows."""
+    the tuned one (token-line) a token-sync variant with option values the backend knows."""
     from pathlib import Path
 
-    from epbench.backends.epbench_ll import PLACES, STAGES, UNITS, EpbenchLowLatencyBackend
+    from epbench.backends.epbench_ll import PLACES, UNITS, EpbenchLowLatencyBackend
 
     assert set(llprobe.SKIPS) <= set(llprobe.VARIANTS)
     assert all(llprobe.VARIANTS[v][1] == "token" for v in llprobe.SKIPS)
@@ -307,7 +302,7 @@ def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
     assert ("enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipFence = 8, "
             "kLlSkipAll = 15 };") in header
     assert not set(llprobe.SKIPS) & set(llprobe.TUNED)  # the tuned rows are verified
-    choices = {"dispatch_stage": STAGES, "dispatch_place": PLACES, "dispatch_units": UNITS}
+    choices = {"dispatch_place": PLACES, "dispatch_units": UNITS}
     assert all(llprobe.VARIANTS[v][1] == "token" and set(opts) <= set(llprobe.TUNABLE) and
                all(value in choices[k] for k, value in opts.items()) for v, opts in llprobe.TUNED.items())
     assert all(hasattr(EpbenchLowLatencyBackend, f"use_{k}") for k in llprobe.TUNABLE)

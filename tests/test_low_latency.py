@@ -474,7 +474,7 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     from epbench.contract import RankSetup
 
     error_word = ctypes.c_int(0)
-    calls, units_set, releases, places, stages = [], [], [], [], []
+    calls, units_set, releases, places = [], [], [], []
 
     class Lib:
         def ep_ll_create(self, cfg, out):
@@ -500,10 +500,6 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
 
         def ep_ll_set_combine_release(self, ctx, release):
             releases.append(release)
-            return 0
-
-        def ep_ll_set_dispatch_stage(self, ctx, stage):
-            stages.append(stage)
             return 0
 
         def ep_error_flag_ptr(self, ep):
@@ -556,20 +552,6 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert places[-1] == 2 and slotted.effective_config()["dispatch_place"] == "inline"
     big = ll.EpbenchLowLatencyBackend(dataclasses.replace(setup, max_tokens_per_rank=17), ll_sync="token")
     assert places[-1] == 0 and big.effective_config()["dispatch_place"] == "stage"  # a buffer above 16 tokens
-    # dispatch_stage: masks by default, ballot set in the kernels and recorded where the token dispatch runs
-    assert set(stages) == {0} and token.effective_config()["dispatch_stage"] == "masks"
-    ballot = ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_stage="ballot")
-    assert stages[-1] == 1 and ballot.effective_config()["dispatch_stage"] == "ballot"
-    assert ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_stage="ballot").effective_config()[
-        "dispatch_stage"] == "masks"  # the grid dispatch stages in its own way
-    ballot.use_dispatch_stage("masks")
-    assert stages[-1] == 0 and ballot.effective_config()["dispatch_stage"] == "masks"
-    # rows record the stage a call ran: ballot only at <= BALLOT_IDS ids (tokens x topk), masks above
-    assert [ll.stage_for("ballot", t, 8) for t in (1, 16, 17)] == ["ballot", "ballot", "masks"]
-    assert ll.stage_for("masks", 1, 8) == "masks"
-    ballot.use_dispatch_stage("ballot")
-    ballot._stage_ran = ll.stage_for("ballot", 17, 8)  # as ll_dispatch sets it after a call of 136 ids
-    assert ballot.effective_config()["dispatch_stage"] == "masks"
     # dispatch_place line sends whole rows: row units (set, or auto above 16 tokens), never chunk
     lined = ll.EpbenchLowLatencyBackend(big.s, ll_sync="token", dispatch_place="line")
     assert places[-1] == 3 and lined.effective_config()["dispatch_place"] == "line"
@@ -607,12 +589,6 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
         options.validate({"epbench-ll": {"dispatch_place": "peer"}})
     with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})
-    assert options.resolve("epbench-ll", {}, environ={})["dispatch_stage"] == "masks"
-    assert ll.STAGES == {"masks": 0, "ballot": 1}
-    assert "enum LlDispatchStage { kLlStageMasks = 0, kLlStageBallot = 1 };" in header
-    assert f"constexpr int kLlBallotIds = {ll.BALLOT_IDS};" in header
-    with pytest.raises(UserError, match="dispatch_stage: must be one of masks, ballot, got 'smem'"):
-        options.validate({"epbench-ll": {"dispatch_stage": "smem"}})
 
 
 def _line_parts(row: bytes, line_count: int, tag: int):
@@ -662,33 +638,6 @@ def test_line_placement_carries_every_byte_of_the_row_once(row_bytes):
     src = (Path(__file__).resolve().parents[1] / "csrc" / "ll_buffers.cu").read_text()
     assert ("lp.lrow_words = (std::max(lp.lrow_head + 4 * (p.row_bytes / 16), lp.line_head + 16 * lp.line_count) "
             "+ 15) / 16 * 16;") in src
-
-
-def _ballot_rank(ids, topk, t, e, lanes=32, regs=4):
-    """csrc/ll_dispatch.cu BallotIds::count, lane by lane: id i in lane i % 32, register i / 32 (-1 past the
-    ids); token t's rank for expert e = the ids equal to e whose flat index is below t x topk."""
-    held = [[ids[lane + lanes * q] if lane + lanes * q < len(ids) else -1 for lane in range(lanes)] for q in range(regs)]
-    return sum(sum(1 for lane in range(lanes) if held[q][lane] == e and lane + lanes * q < t * topk)
-               for q in range(regs))
-
-
-@pytest.mark.parametrize("tokens, topk, experts", [(1, 8, 256), (16, 8, 256), (5, 8, 16), (32, 4, 8), (3, 2, 4)])
-def test_ballot_slots_are_the_contracts(tokens, topk, experts):
-    """dispatch_stage ballot: every (token, expert) slot counted from the ids held in registers equals the
-    contract's (ll_slots), and so do the experts' totals, for calls of at most 128 ids."""
-    from epbench.backends.epbench_ll import BALLOT_IDS
-    from epbench.contract import ll_slots
-
-    assert tokens * topk <= BALLOT_IDS
-    g = torch.Generator().manual_seed(tokens * 100 + topk)
-    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
-    j, counts = ll_slots(idx, experts)
-    flat = idx.flatten().tolist()
-    for t in range(tokens):
-        for k in range(topk):
-            assert _ballot_rank(flat, topk, t, int(idx[t, k])) == int(j[t, k]), (t, k)
-    # block 0's count words: the same count below every token
-    assert [_ballot_rank(flat, topk, tokens, e) for e in range(experts)] == counts.tolist()
 
 
 def _dispatch_units(T, world, me, nx, ng, pnx):

@@ -18,11 +18,10 @@ flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
 row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
 ``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease);
-``dispatch_place`` stage|slot|inline|line|auto where the token-sync dispatch puts a peer's row (LlDispatchPlace);
-``dispatch_stage`` masks|ballot how it finds its slots (LlDispatchStage).
-All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch, auto and masks;
+``dispatch_place`` stage|slot|inline|line|auto where the token-sync dispatch puts a peer's row (LlDispatchPlace).
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and auto;
 env EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
-EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE / EPBENCH_LL_DISPATCH_PLACE / EPBENCH_LL_DISPATCH_STAGE).
+EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE / EPBENCH_LL_DISPATCH_PLACE).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
 figures in notes/KERNELS.md, "Low-latency mode".
@@ -48,8 +47,6 @@ ORDERS = {"source": 0, "rotated": 1}  # option combine_order -> enum LlCombineOr
 UNITS = {"row": 0, "chunk": 1}  # option dispatch_units -> enum LlDispatchUnits (csrc/ll_common.cuh)
 PLACES = {"stage": 0, "slot": 1, "inline": 2, "line": 3}  # option dispatch_place -> enum LlDispatchPlace (csrc/ll_common.cuh)
 RELEASES = {"unit": 0, "batch": 1}  # option combine_release -> enum LlCombineRelease (csrc/ll_common.cuh)
-STAGES = {"masks": 0, "ballot": 1}  # option dispatch_stage -> enum LlDispatchStage (csrc/ll_common.cuh)
-BALLOT_IDS = 128  # kLlBallotIds: dispatch_stage ballot applies to launches of at most this many ids (tokens x topk)
 TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's shared memory
 
 
@@ -73,12 +70,6 @@ class _Handle:
 
 AUTO_CHUNK_MAX_TOKENS = 64
 AUTO_UNITS_MAX_TOKENS = 16
-
-
-def stage_for(stage: str, tokens: int, topk: int) -> str:
-    """The dispatch_stage a call actually runs (ep_ll_dispatch): ballot only for calls of at most BALLOT_IDS ids
-    (tokens x topk), masks above; rows record it through effective_config after their calls."""
-    return "ballot" if stage == "ballot" and tokens * topk <= BALLOT_IDS else "masks"
 
 
 def dispatch_units_for(units: str, max_tokens: int) -> str:
@@ -148,20 +139,18 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
     def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None,
                  ll_sync: Optional[str] = None, combine_order: Optional[str] = None,
                  dispatch_units: Optional[str] = None, combine_release: Optional[str] = None,
-                 dispatch_place: Optional[str] = None, dispatch_stage: Optional[str] = None) -> None:
+                 dispatch_place: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-ll backend unavailable: {reason}")
         self.s = setup
         given = (("warps", warps), ("combine_chunk", combine_chunk), ("ll_sync", ll_sync),
                  ("combine_order", combine_order), ("dispatch_units", dispatch_units),
-                 ("combine_release", combine_release), ("dispatch_place", dispatch_place),
-                 ("dispatch_stage", dispatch_stage))
+                 ("combine_release", combine_release), ("dispatch_place", dispatch_place))
         resolved = options.resolve(self.name, {k: v for k, v in given if v is not None})
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
         self.combine_order, self.dispatch_units = resolved["combine_order"], resolved["dispatch_units"]
         self.combine_release, self.dispatch_place = resolved["combine_release"], resolved["dispatch_place"]
-        self.dispatch_stage = resolved["dispatch_stage"]
         self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank)
         self.dispatch_units = dispatch_units_for(self.dispatch_units, setup.max_tokens_per_rank)
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
@@ -189,7 +178,6 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         self.use_dispatch_units(self.dispatch_units)
         self.use_dispatch_place(self.dispatch_place)
         self.use_combine_release(self.combine_release)
-        self.use_dispatch_stage(self.dispatch_stage)
         self._open_peers()
         self._views()
         self._timed_out = ctypes.c_int.from_address(self._lib.ep_error_flag_ptr(self._ep))
@@ -230,7 +218,6 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
                                       self._stream())
         if rc:
             cuda_lib.check(rc, "ll_dispatch")
-        self._stage_ran = stage_for(self.dispatch_stage, t, self.s.topk)  # what this call's kernel did
         if self._timed_out.value:
             self._raise_if_timed_out()
         handle = _Handle(t, inp.topk_idx, inp.topk_weights, self.out[:t])
@@ -242,8 +229,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
                 "combine_order": self.combine_order,
                 "dispatch_units": self.dispatch_units if self.ll_sync == "token" else "row",
                 "dispatch_place": self.dispatch_place if self.ll_sync == "token" else "stage",
-                "combine_release": self.combine_release if self.ll_sync == "token" else "grid",
-                "dispatch_stage": (self._stage_ran or self.dispatch_stage) if self.ll_sync == "token" else "masks"}
+                "combine_release": self.combine_release if self.ll_sync == "token" else "grid"}
 
     def use_combine_order(self, order: str) -> None:
         """The order of later combine launches and captures (option combine_order); a graph captured
@@ -266,15 +252,6 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         place = dispatch_place_for(place, self.s.max_tokens_per_rank)
         cuda_lib.check(self._lib.ep_ll_set_dispatch_place(self._ctx, PLACES[place]), "ep_ll_set_dispatch_place")
         self.dispatch_place = place
-
-    def use_dispatch_stage(self, stage: str) -> None:
-        """How later token-sync dispatches find their slots (option dispatch_stage: masks | ballot; csrc/ll_common.cuh,
-        LlDispatchStage): ballot, for launches of at most BALLOT_IDS ids, counts them with warp ballots instead of
-        a shared-memory stage behind block barriers. The same slots and bytes, so ranks may differ; a graph
-        captured before keeps its own."""
-        cuda_lib.check(self._lib.ep_ll_set_dispatch_stage(self._ctx, STAGES[stage]), "ep_ll_set_dispatch_stage")
-        self.dispatch_stage = stage
-        self._stage_ran: Optional[str] = None  # set by the next dispatch (stage_for)
 
     def use_combine_release(self, release: str) -> None:
         """How later token-sync combines release their pushes' flags (option combine_release: unit |

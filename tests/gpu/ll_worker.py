@@ -162,11 +162,10 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
 
 def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
     """The combine in both push orders on the same inputs, and (token sync) the dispatch with chunk
-    peer units (option dispatch_units), slot, inline and line placement (dispatch_place), the batched
-    release (combine_release) and the slots counted with ballots (dispatch_stage, at calls of <= 128 ids):
-    each verified, and every combine output bit-equal (csrc/ll_combine.cu, push_unit: only the order of
-    independent pushes differs; chunk units, every placement and both stages land the same bytes in the same
-    places, tmap / tw included)."""
+    peer units (option dispatch_units), slot, inline and line placement (dispatch_place) and the batched
+    release (combine_release): each verified, and every combine output bit-equal (csrc/ll_combine.cu,
+    push_unit: only the order of independent pushes differs; chunk units and every placement land the same
+    bytes in the same places, tmap / tw included)."""
     problems: List[str] = []
     kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync=sync)
     salt = zlib.crc32(f"{case.name}/orders".encode()) % 10000
@@ -174,29 +173,26 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, salt, device), routings[r],
                              case.dtype, device) for r in range(world)]
     got = {}
-    configs = [("source", "row", "unit", "stage", "masks"), ("rotated", "row", "unit", "stage", "masks")] + (
-        [("rotated", "chunk", "unit", "stage", "masks"), ("rotated", "row", "batch", "stage", "masks"),
-         ("rotated", "row", "batch", "slot", "masks"), ("rotated", "chunk", "unit", "slot", "masks"),
-         ("rotated", "row", "batch", "inline", "masks"), ("rotated", "chunk", "unit", "inline", "masks"),
-         ("rotated", "row", "batch", "stage", "ballot"), ("rotated", "chunk", "unit", "slot", "ballot"),
-         ("rotated", "chunk", "unit", "inline", "ballot"), ("rotated", "row", "batch", "line", "masks"),
-         ("rotated", "row", "unit", "line", "ballot")] if sync == "token" else [])
-    for order, units, release, place, stage in configs:
+    configs = [("source", "row", "unit", "stage"), ("rotated", "row", "unit", "stage")] + (
+        [("rotated", "chunk", "unit", "stage"), ("rotated", "row", "batch", "stage"),
+         ("rotated", "row", "batch", "slot"), ("rotated", "chunk", "unit", "slot"),
+         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline"),
+         ("rotated", "row", "batch", "line"), ("rotated", "row", "unit", "line")] if sync == "token" else [])
+    for order, units, release, place in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
         kernels.use_dispatch_place(place)  # likewise
         kernels.use_combine_release(release)
-        kernels.use_dispatch_stage(stage)  # (ballot only where a rank's call has <= 128 ids)
         for how, calls in (("launch", launch_calls(kernels, inputs[rank], sms, rank)),
                            ("graph", graph_calls(kernels, inputs[rank], sms, rank))):
-            d, c, got[order, units, release, place, stage, how] = one_call(
+            d, c, got[order, units, release, place, how] = one_call(
                 kernels, calls, inputs[rank], rank, world, case.experts_per_rank, lambda r: inputs[r])
             for what, r in (("dispatch", d), ("combine", c)):
                 if r.wrong:
-                    problems.append(f"{order} {units} {release} {place} {stage} {how} {what}: {r.wrong} wrong "
+                    problems.append(f"{order} {units} {release} {place} {how} {what}: {r.wrong} wrong "
                                     f"({r.first_problem})")
     bits = {k: v.view(torch.int16) for k, v in got.items()}
-    first = bits["source", "row", "unit", "stage", "masks", "launch"]
+    first = bits["source", "row", "unit", "stage", "launch"]
     for key, b in bits.items():
         if not torch.equal(b, first):
             rows = int((b != first).any(dim=1).sum())

@@ -24,7 +24,7 @@ RUNS = {"chain": [*VERIFIED, "--chain", "1,4"], "2 ranks": [*VERIFIED, "--nproc"
 # one GPU per rank: only where the host has 2; with the token dispatches that leave parts out (llprobe.SKIPS)
 # and with the tuned ones (llprobe.TUNED), verified
 SPREAD = {"2 ranks spread": ["--variants", "grid,token,token-noown,token-norecv,token-peers,token-nofence,"
-                                           "token-ballot,token-line", "--nproc", "2", "--spread"]}
+                                           "token-line", "--nproc", "2", "--spread"]}
 
 
 def probe_command(args: list):
