@@ -4,7 +4,6 @@
 // it unchanged. All sizes are the worst case (every token of every rank to one expert), so
 // nothing is allocated after ep_ll_create.
 #include <string.h>
-#include <algorithm>
 
 #include "ll_common.cuh"
 
@@ -97,10 +96,7 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.off_dwords = c.take(dword_bytes);
   lp.off_tcflags = c.take(tcflag_bytes);
   lp.lrow_head = ll_inline_head(p.topk, p.num_scales);
-  lp.line_head = ll_line_head(p.topk, p.num_scales);
-  lp.line_count = ll_line_count(p.row_bytes);
-  // inline words or lines, whichever needs more; a multiple of 16 words, so every row's lines are 128-byte aligned
-  lp.lrow_words = (std::max(lp.lrow_head + 4 * (p.row_bytes / 16), lp.line_head + 16 * lp.line_count) + 15) / 16 * 16;
+  lp.lrow_words = lp.lrow_head + 4 * (p.row_bytes / 16);
   const size_t lstage_bytes = (size_t)p.world * lp.t_max * lp.lrow_words * sizeof(unsigned long long);
   lp.off_lstage = c.take(lstage_bytes);
   ep->shared_bytes = c.next;
@@ -273,13 +269,11 @@ extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_units, units, "dispatch units (0 row, 1 chunk)");
 }
 
-// Stage, slot, inline or line placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same
+// Stage, slot or inline placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same
 // value before the same call (a receiver that finds a peer's other kind stops with kPhaseLlPlaceMismatch).
 extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
-  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2 && kLlPlaceLine == 3,
-                "LlDispatchPlace is 0 / 1 / 2 / 3");
-  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place,
-                       "dispatch place (0 stage, 1 slot, 2 inline, 3 line)", 3);
+  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2, "LlDispatchPlace is 0 / 1 / 2");
+  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place, "dispatch place (0 stage, 1 slot, 2 inline)", 2);
 }
 
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either

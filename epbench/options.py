@@ -177,12 +177,8 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "equal at 32, twice as slow at 128-256; notes/LATENCY-NEXT.md) or auto (inline up to 16 "
                                  "tokens per rank, the buffers' size, else stage); the same outputs, valid until this rank's "
                                  "combine (slot) or its next dispatch; every rank must agree (a mismatch stops at once); rows "
-                                 "record the one used (stage under ll_sync grid, which ignores it); line: inline's "
-                                 "slot, weight and scale words, the row in 128-byte lines of 120 bytes and an epoch "
-                                 "tag (7 % more bytes, no fence, no flag; relies on 128-byte stores and loads landing "
-                                 "whole, as NCCL's LL128 does; row units only; 2 x H200: 0.4-1.7 us faster at "
-                                 "32-256 tokens; 4 ranks not yet measured; notes/LATENCY-NEXT.md)",
-                                 choices=("auto", "stage", "slot", "inline", "line"), env="EPBENCH_LL_DISPATCH_PLACE"),
+                                 "record the one used (stage under ll_sync grid, which ignores it)",
+                                 choices=("auto", "stage", "slot", "inline"), env="EPBENCH_LL_DISPATCH_PLACE"),
         "combine_release": Option(str, "batch", "how the token-sync combine releases its pushes' flags: unit (a "
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
                                   "to 2 pushes, then one fence and their flags: 4 x H200, 1.5-1.8 us faster at 128-256 "

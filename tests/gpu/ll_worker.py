@@ -162,10 +162,10 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
 
 def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
     """The combine in both push orders on the same inputs, and (token sync) the dispatch with chunk
-    peer units (option dispatch_units), slot, inline and line placement (dispatch_place) and the batched
+    peer units (option dispatch_units), slot and inline placement (dispatch_place) and the batched
     release (combine_release): each verified, and every combine output bit-equal (csrc/ll_combine.cu,
-    push_unit: only the order of independent pushes differs; chunk units and every placement land the same
-    bytes in the same places, tmap / tw included)."""
+    push_unit: only the order of independent pushes differs; chunk units and every placement land the
+    same bytes in the same places, tmap / tw included)."""
     problems: List[str] = []
     kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync=sync)
     salt = zlib.crc32(f"{case.name}/orders".encode()) % 10000
@@ -176,8 +176,7 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     configs = [("source", "row", "unit", "stage"), ("rotated", "row", "unit", "stage")] + (
         [("rotated", "chunk", "unit", "stage"), ("rotated", "row", "batch", "stage"),
          ("rotated", "row", "batch", "slot"), ("rotated", "chunk", "unit", "slot"),
-         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline"),
-         ("rotated", "row", "batch", "line"), ("rotated", "row", "unit", "line")] if sync == "token" else [])
+         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline")] if sync == "token" else [])
     for order, units, release, place in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
@@ -185,8 +184,8 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
         kernels.use_combine_release(release)
         for how, calls in (("launch", launch_calls(kernels, inputs[rank], sms, rank)),
                            ("graph", graph_calls(kernels, inputs[rank], sms, rank))):
-            d, c, got[order, units, release, place, how] = one_call(
-                kernels, calls, inputs[rank], rank, world, case.experts_per_rank, lambda r: inputs[r])
+            d, c, got[order, units, release, place, how] = one_call(kernels, calls, inputs[rank], rank, world,
+                                                                    case.experts_per_rank, lambda r: inputs[r])
             for what, r in (("dispatch", d), ("combine", c)):
                 if r.wrong:
                     problems.append(f"{order} {units} {release} {place} {how} {what}: {r.wrong} wrong "
@@ -213,8 +212,8 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
 def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Token sync: rank 0 dispatches with chunk peer units, the others with row units (hidden 2048 bf16: 2
     chunks a row); then rank 0 with slot placement, the others with stage; then rank 0 with inline placement, the
-    others with stage; then rank 0 with line placement, the others with stage (row units on every rank). Each
-    time every rank must raise at once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
+    others with stage. Each time every rank must raise at
+    once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
     was put, and never wait out the timeout (10 s here; the check allows 5)."""
     import time
 
@@ -223,11 +222,9 @@ def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str)
     case = Case("units mismatch", 2048, [16], 4, 4)
     failures = 0
     for what, mine, others in (("dispatch_units", "chunk", "row"), ("dispatch_place", "slot", "stage"),
-                               ("dispatch_place", "inline", "stage"), ("dispatch_place", "line", "stage")):
-        chosen = {what: mine if rank == 0 else others}
-        if mine == "line":  # line sends whole rows (16 tokens: auto would pick chunk): row units on every rank, so
-            chosen["dispatch_units"] = "row"  # only the placement differs
-        be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token", **chosen)
+                               ("dispatch_place", "inline", "stage")):
+        be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token",
+                                      **{what: mine if rank == 0 else others})
         routing = rank_routing(case, rank, world, seed=1)
         inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
         dist.barrier()
