@@ -320,40 +320,16 @@ __device__ __forceinline__ int token_slot(const LlParams& lp, const int* s_mask,
   return (e - d * lp.experts) * lp.capacity + me * lp.t_max + token_rank(s_mask, NE, t, e);
 }
 
-// The slots a unit of token t (warp-uniform) needs: lane k's slot for its expert e on d where `want`, 0 elsewhere.
-__device__ __forceinline__ int unit_slot(const LlParams& lp, const int* s_mask, int NE, int me, int t, int e, int d,
-                                         bool want) {
-  return want ? token_slot(lp, s_mask, NE, me, t, e, d) : 0;
-}
-
-// The head words of an inline row (LlInlineRow): lane k < topk the slot word (hit: `slot`, else kLlNoSlot)
-// and, hit, its weight word; when mask != 0 the ns scale words (neither with kLlSkipSmallStores).
-__device__ __forceinline__ void send_head_words(unsigned long long* lr, int topk, int ns, int lane, unsigned long long tag,
-                                                bool hit, unsigned mask, int slot, float w, bool small,
-                                                const RowScales& sc, const float* ssrc) {
-  if (lane < topk) {
-    st_relaxed_sys_u64(lr + lane, tag | (hit ? (unsigned)slot : kLlNoSlot));
-    if (hit && small) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
-  }
-  if (mask == 0 || !small) return;  // warp-uniform
-#pragma unroll
-  for (int q = 0; q < RowScales::kRegs; ++q)
-    if (lane + 32 * q < ns) st_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q, tag | __float_as_uint(sc.v[q]));
-  for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32)  // hidden > 16384 only
-    st_relaxed_sys_u64(lr + 2 * topk + i, tag | __float_as_uint(ssrc[i]));
-}
-
 // Peer unit of the inline placement (kLlPlaceInline): chunk pc of token t's row (pnx 1: the whole row) as inline
 // words into lstage[me, t] on d (LlInlineRow); the chunk-0 unit also stores the slot word of each of t's experts
-// (lane k's, from slot_of: unit_slot; kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
+// (kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
 // on d, the weight and scale words (neither with the probe's kLlSkipSmallStores). The unit's first kU x 32 vectors,
 // its scales and its weight are loaded before its first store (a load after a store that may alias it waits for
 // the store; a row of more than kU x 32 vectors loads each later batch after the stores before it), and nothing is
 // fenced or flagged: each word carries its epoch.
-template <typename SlotOf>
 __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
-                                            int t, bool hit, unsigned mask, float w, int pc, int pnx, int lane,
-                                            unsigned long long tag, SlotOf slot_of) {
+                                            const int* s_mask, int NE, int t, int e, int d, bool hit, unsigned mask,
+                                            float w, int pc, int pnx, int lane, unsigned long long tag) {
   const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4, me = p.rank;
   unsigned long long* lr =
       reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)me * lp.t_max + t) * lp.lrow_words;
@@ -371,8 +347,19 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
     }
   }
   const bool small = !(lp.probe_skip & kLlSkipSmallStores);  // measuring aid (LlProbeSkip); true when verified
-  if (pc == 0) send_head_words(lr, topk, ns, lane, tag, hit, mask, slot_of(), w, small, sc, ssrc);
+  if (pc == 0 && lane < topk) {
+    const unsigned slot = hit ? (unsigned)token_slot(lp, s_mask, NE, me, t, e, d) : kLlNoSlot;
+    st_relaxed_sys_u64(lr + lane, tag | slot);
+    if (hit && small) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
+  }
   if (mask == 0) return;  // warp-uniform
+  if (pc == 0 && small) {
+#pragma unroll
+    for (int q = 0; q < RowScales::kRegs; ++q)
+      if (lane + 32 * q < ns) st_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q, tag | __float_as_uint(sc.v[q]));
+    for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32)  // hidden > 16384 only
+      st_relaxed_sys_u64(lr + 2 * topk + i, tag | __float_as_uint(ssrc[i]));
+  }
   unsigned long long* rw = lr + lp.lrow_head;
   for (int b0 = v0;; ) {
 #pragma unroll
@@ -388,17 +375,6 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
       if (i < v1) buf[u] = ld_nc_v4(src + i);
     }
   }
-}
-
-// The slot words of an inline row (LlInlineRow's first topk words): lane k < topk waits for word k and
-// gets the slot of the token's k-th expert here (`valid`: this epoch's, and mine); returns the valid lanes.
-__device__ __forceinline__ unsigned wait_slot_words(const EpParams& p, const unsigned long long* lr, int topk, int epoch,
-                                                    int s, int lane, int& slot, bool& valid) {
-  unsigned long long sw = 0;
-  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
-  valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
-  slot = valid ? (int)(unsigned)sw : 0;
-  return __ballot_sync(0xffffffffu, valid);
 }
 
 // Receive unit (source s, token t, chunk c of kS x 32 vectors) of the inline placement: lane k < topk waits for
@@ -418,10 +394,12 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   const size_t srow = (size_t)s * lp.t_max + t;
   const unsigned long long* lr =
       reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
-  int slot;
-  bool valid;
-  const unsigned mask = wait_slot_words(p, lr, topk, epoch, s, lane, slot, valid);
+  unsigned long long sw = 0;
+  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
+  const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
+  const unsigned mask = __ballot_sync(0xffffffffu, valid);
   if (mask == 0) return;  // warp-uniform
+  const int slot = valid ? (int)(unsigned)sw : 0;
   const unsigned long long* rw = lr + lp.lrow_head;
   unsigned long long raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
   const bool meta = copy && c == 0;  // the scale and weight words too
@@ -495,7 +473,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   const int chunks = (T + 31) / 32;
   int* s_idx = s_dyn;
   int* s_mask = s_dyn + T * topk;
-  int* totals = s_mask + chunks * NE;
   ll_stamp(lp, kLlStart);
   // every global load of the stage issued before the first wait on any of them
   bool aborted = ld_volatile(p.dev_error) != 0;
@@ -517,6 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     if (e >= 0 && e < NE) atomicOr(reinterpret_cast<unsigned*>(&s_mask[(t >> 5) * NE + e]), 1u << (t & 31));
   }
   __syncthreads();
+  int* totals = s_mask + chunks * NE;
   for (int e = threadIdx.x; e < NE; e += blockDim.x) {
     int run = 0;
     for (int c = 0; c < chunks; ++c) run += __popc((unsigned)s_mask[c * NE + e]);
@@ -562,8 +540,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     if (pair_entry) w = a.topk_w[(size_t)t * topk + lane];  // loaded before any store of the unit
     uint8_t* pb = p.peer_base[d];
     if (kInline && !own) {
-      send_inline(p, lp, a, pb, t, hit, mask, w, pc, pnx, lane, tag,
-                  [&] { return unit_slot(lp, s_mask, NE, me, t, e, d, hit); });
+      send_inline(p, lp, a, pb, s_mask, NE, t, e, d, hit, mask, w, pc, pnx, lane, tag);
       continue;
     }
     if (own) {
@@ -578,7 +555,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       const float* ssrc = a.x_scales + (size_t)t * ns;
       RowScales sc;
       if (rc == 0) sc.load(ssrc, ns, lane);
-      const int slot = unit_slot(lp, s_mask, NE, me, t, e, d, hit);
+      const int slot = hit ? token_slot(lp, s_mask, NE, me, t, e, d) : 0;
       float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
       int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
       for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
@@ -606,7 +583,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     // the lowest hit lane's; d copies it from there into the others' slots, so a row with one expert on d
     // needs no copy at all). Stage placement computes the slots after the row's stores, beside them in flight.
     const bool in_slot = lp.dispatch_place == kLlPlaceSlot;  // warp-uniform
-    const bool entries = !(lp.probe_skip & kLlSkipSmallStores);  // the pair's tmap / tw entries (below)
     int slot = 0;
     if (in_slot && hit) slot = token_slot(lp, s_mask, NE, me, t, e, d);
     if (mask != 0) {
@@ -639,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       if (in_slot && pc == 0 && lane == 0 && !(lp.probe_skip & kLlSkipSmallStores))
         reinterpret_cast<int*>(pb + lp.off_pair)[fslot] = t * topk + first;
     }
-    if (hit && entries) {  // the pair's slot and weight, where d's combine reads them
+    if (hit && !(lp.probe_skip & kLlSkipSmallStores)) {  // the pair's slot and weight, where d's combine reads them
       const size_t tk = ((size_t)me * Tm + t) * topk + lane;
       if (!in_slot) slot = token_slot(lp, s_mask, NE, me, t, e, d);
       reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
@@ -762,7 +738,7 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
 }
 
 int ll_dispatch_token_smem_attr(int bytes) {
-  for (auto kernel : {ll_dispatch_token_kernel<512, false>, ll_dispatch_token_kernel<512, true>})
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_token_kernel<512, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_token_kernel<512, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   return 0;
 }

@@ -19,8 +19,8 @@ the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit`
 row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
 ``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease);
 ``dispatch_place`` stage|slot|inline|auto where the token-sync dispatch puts a peer's row (LlDispatchPlace).
-All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and auto;
-env EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and auto; env
+EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
 EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE / EPBENCH_LL_DISPATCH_PLACE).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
