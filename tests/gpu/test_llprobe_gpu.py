@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
+from epbench.llprobe import SKIPS
 from gpu_launch import EARLY_RUNS, GPUS, ROOT, GpuRuns, needs_gpus, safe_env, shares_gpus
 
 pytestmark = shares_gpus()
@@ -97,7 +98,7 @@ def pings(rows: list) -> None:
 def test_spread_ranks_cross_the_link_and_verify(kernels_built: None, runs: GpuRuns, name: str) -> None:
     """--spread: every row verified on both GPUs, the slowest rank's row with each rank's own span."""
     out, rows = probe(runs, name)
-    skipping = [r for r in rows if r["variant"] in ("token-noown", "token-norecv", "token-peers", "token-nofence")]
+    skipping = [r for r in rows if r["variant"] in SKIPS]
     ops = [r for r in rows if r["op"] != "probe" and r not in skipping]
     assert ops and all(r["wrong"] == "0" and r["ranks"] == "2" for r in ops)
     # the dispatches with parts left out: one unverified dispatch row each per tokens, timed like the rest
