@@ -96,9 +96,12 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.off_dwords = c.take(dword_bytes);
   lp.off_tcflags = c.take(tcflag_bytes);
   lp.lrow_head = ll_inline_head(p.topk, p.num_scales);
+  lp.line_count = ll_line_count(p.row_bytes);
   lp.lrow_words = lp.lrow_head + 4 * (p.row_bytes / 16);
   const size_t lstage_bytes = (size_t)p.world * lp.t_max * lp.lrow_words * sizeof(unsigned long long);
   lp.off_lstage = c.take(lstage_bytes);
+  const size_t lline_bytes = (size_t)p.world * lp.t_max * lp.line_count * kLlLineBytes;
+  lp.off_lline = c.take(lline_bytes);
   ep->shared_bytes = c.next;
   ctx->off_y = c.take(slots * p.hidden * 2);
   ctx->off_out = c.take((size_t)lp.t_max * p.hidden * 2);
@@ -136,6 +139,7 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   CUDA_CHECK(cudaMemset(r + lp.off_dwords, 0, dword_bytes));
   CUDA_CHECK(cudaMemset(r + lp.off_tcflags, 0, tcflag_bytes));
   CUDA_CHECK(cudaMemset(r + lp.off_lstage, 0, lstage_bytes));
+  CUDA_CHECK(cudaMemset(r + lp.off_lline, 0, lline_bytes));
   CUDA_CHECK(cudaMemset(r + ctx->off_eslots, 0, 2 * (size_t)lp.eslot_count * sizeof(int)));
   CUDA_CHECK(cudaMemset(r + ctx->off_counts, 0, (size_t)lp.experts * sizeof(long long)));
   CUDA_CHECK(cudaMemset(r + ctx->off_src_counts, 0, (size_t)lp.experts * p.world * sizeof(int)));
@@ -269,11 +273,13 @@ extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_units, units, "dispatch units (0 row, 1 chunk)");
 }
 
-// Stage, slot or inline placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same
+// Stage, slot, inline or line placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same
 // value before the same call (a receiver that finds a peer's other kind stops with kPhaseLlPlaceMismatch).
 extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
-  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2, "LlDispatchPlace is 0 / 1 / 2");
-  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place, "dispatch place (0 stage, 1 slot, 2 inline)", 2);
+  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2 && kLlPlaceLine == 3,
+                "LlDispatchPlace is 0 / 1 / 2 / 3");
+  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place,
+                       "dispatch place (0 stage, 1 slot, 2 inline, 3 line)", 3);
 }
 
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either

@@ -32,13 +32,17 @@
 //                                        tfc = chunks of kLlRowChunkV x 32 vectors per row)
 //     dwords     [world, E + 1] u64      dispatch: (epoch << 32) | rows source s has for my
 //                                        expert le at [s, le], (epoch << 32) | kind bits | T_s at
-//                                        [s, E] (ll_units_bits: chunk units, slot or inline placement)
+//                                        [s, E] (ll_units_bits: chunk units, slot, inline or line placement)
 //     tcflags    [T_max, world, cch] u64 combine: epoch << 32, stored by rank d into [t, d, c]
 //                                        once chunk c of its partial for my token t landed
 //                                        (cch = chunks of a bf16 row at 1 KiB per chunk)
-//     lstage     [world, T_max, Lw] u64  dispatch_place inline: source s's token t as inline words
-//                                        (LlInlineRow), each 4 bytes of payload beside the epoch; no flag
-//                                        (zeroed at creation: a word of epoch 0 is never current)
+//     lstage     [world, T_max, Lw] u64  dispatch_place inline / line: source s's token t as inline words
+//                                        (LlInlineRow), each 4 bytes of payload beside the epoch (line: the
+//                                        head words only); no flag (zeroed at creation: a word of epoch 0 is
+//                                        never current)
+//     lline      [world, T_max, 8 Lc] u64 dispatch_place line: source s's row t as Lc 64-byte tagged lines
+//                                        (LlLineRow); a region of its own, so no line word is ever read as an
+//                                        inline word or the reverse (zeroed at creation)
 //   local part
 //     y          [E, C, hidden] bf16     combine input, filled by the caller
 //     out        [T_max, hidden] bf16    combine result
@@ -67,8 +71,10 @@ struct LlParams {
   int t_max, capacity, experts, num_experts;  // capacity = world * t_max; experts = per rank
   size_t off_x, off_scales, off_pair, off_stage, off_sscales, off_cnt, off_dflags, off_tmap, off_tw, off_crows, off_cflags;
   size_t off_tflags, off_dwords, off_tcflags;  // ll_sync = token only
-  size_t off_lstage;                           // inline words (dispatch_place inline)
+  size_t off_lstage;                           // inline words (dispatch_place inline; line: head words)
+  size_t off_lline;                            // 64-byte tagged lines (dispatch_place line)
   int lrow_head, lrow_words;                   // LlInlineRow: words before the row's, and in all
+  int line_count;                              // LlLineRow: lines per row
   int cflag_chunks;                            // cch: combine flags per (token, rank), hidden / 512 rounded up
   int tflag_chunks;                            // tfc: dispatch flags per (source, token): row chunks
   int* eslots;                                 // [2, eslot_count]: token-sync epochs (dispatch, combine)
@@ -152,16 +158,22 @@ constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk
 // kLlPlaceInline: lstage[source, token], every 4 bytes of the row, its scales, slots and weights in a word of its
 // own beside the epoch (LlInlineRow), so the receiver reads each word as it lands: no sender fence, no flag, twice
 // the bytes on the link.
-enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };
+// kLlPlaceLine: the inline placement's slot, weight and scale words, but the row in 64-byte lines of 56 bytes of
+// payload and an 8-byte tag with the call's epoch (LlLineRow, region lline): 14 % more bytes than the row instead
+// of twice as many, no fence, no flag. It relies on the 4 lanes' aligned 64-byte store of a line becoming visible
+// on the peer whole and a warp's load of it seeing one version, which the PTX memory model does not promise (it
+// promises 8 bytes): every run of it is verified like any other. Lines of 128 bytes (NCCL's LL128 size) tore on 2 x
+// H200: the first 64 bytes of a line read stale beside a current tag (notes/LATENCY-NEXT.md). Row units only.
+enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3 };
 
-// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its three high bits, so a receiver
+// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its four high bits, so a receiver
 // of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch) instead of copying what it did not
-// wait for, or from where nothing was put: bit 31 chunk units, bit 30 slot placement, bit 29 inline placement
-// (T < 2^29).
-constexpr unsigned kLlUnitsBitsMask = 0xe0000000u;
+// wait for, or from where nothing was put: bit 31 chunk units, bit 30 slot placement, bit 29 inline placement, bit
+// 28 line placement (T < 2^28).
+constexpr unsigned kLlUnitsBitsMask = 0xf0000000u;
 __host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp) {
   return (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (lp.dispatch_place == kLlPlaceSlot ? 0x40000000u : 0u) |
-         (lp.dispatch_place == kLlPlaceInline ? 0x20000000u : 0u);
+         (lp.dispatch_place == kLlPlaceInline ? 0x20000000u : 0u) | (lp.dispatch_place == kLlPlaceLine ? 0x10000000u : 0u);
 }
 
 // How the token combine releases its push units' flags (ep_ll_set_combine_release, backend option
@@ -184,6 +196,17 @@ constexpr int kLlReleaseBatchUnits = 2;
 // scale words; from lrow_head (a multiple of 4) 4 words per 16-byte vector of the row.
 constexpr unsigned kLlNoSlot = 0xffffffffu;
 __host__ __device__ inline int ll_inline_head(int topk, int ns) { return (2 * topk + ns + 3) / 4 * 4; }
+// LlLineRow (dispatch_place line, lline[source, token], 64-byte aligned: the head words stay in lstage's
+// LlInlineRow): line_count lines of kLlLineWords words; line L holds payload bytes [56 L, 56 L + 56) of the row
+// (zero past its end) in its first 7 words and its tag, (epoch << 32) | kLlLineMark, in the last. Lane l of a warp
+// handles part l % 4 (16 bytes) of line 8 p + l / 4 of pass p: one warp instruction, 8 whole lines.
+constexpr int kLlLineBytes = 64;
+constexpr int kLlLineWords = kLlLineBytes / 8;
+constexpr int kLlLineParts = kLlLineBytes / 16;     // lanes per line
+constexpr int kLlLinesPerPass = 32 / kLlLineParts;  // lines per warp instruction
+constexpr int kLlLinePayload = kLlLineBytes - 8;
+constexpr unsigned kLlLineMark = 0x4c494e45u;  // "LINE"
+__host__ __device__ inline int ll_line_count(int row_bytes) { return (row_bytes + kLlLinePayload - 1) / kLlLinePayload; }
 
 __device__ __forceinline__ void st_relaxed_sys_v2u64(unsigned long long* p, unsigned long long a, unsigned long long b) {
   asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
@@ -248,6 +271,27 @@ __device__ __forceinline__ bool ll_spin(const EpParams& p, int peer, int phase, 
       report_timeout(p.dev_error, p.host_error, p.rank, peer, phase);
       return false;
     }
+  }
+}
+
+// ll_spin for a warp that polls together: ready() must be called by every lane and return the same value in every
+// lane (built from warp votes); the give-up decision is lane 0's, broadcast, so the warp leaves together.
+template <typename Ready>
+__device__ __forceinline__ bool ll_spin_warp(const EpParams& p, int peer, int phase, int lane, Ready ready) {
+  const unsigned long long start = globaltimer();
+  for (unsigned n = 1;; ++n) {
+    if (ready()) return true;
+    if (n % 64 != 0) continue;
+    int stop = 0;
+    if (lane == 0) {
+      if (ld_volatile(p.dev_error) != 0) {
+        stop = 1;
+      } else if (globaltimer() - start > p.timeout_ns) {
+        report_timeout(p.dev_error, p.host_error, p.rank, peer, phase);
+        stop = 1;
+      }
+    }
+    if (__shfl_sync(0xffffffffu, stop, 0) != 0) return false;
   }
 }
 

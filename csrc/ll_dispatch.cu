@@ -45,7 +45,7 @@
 //      those of t's own chunk below t (token_rank: per lane, no ballot, no loop over topk). Slots are
 //      the contract's (base.py ll_slots).
 //      Block 0 stores dwords[me][E] = (epoch << 32) | kind bits | T on every peer first (bit 31 dispatch_units
-//      chunk, bit 30 dispatch_place slot, bit 29 inline; a receiver of another kind reports kPhaseLlUnitsMismatch or
+//      chunk, bit 30 dispatch_place slot, bit 29 inline, bit 28 line; a receiver of another kind reports kPhaseLlUnitsMismatch or
 //      kPhaseLlPlaceMismatch), then dwords[me][le] =
 //      (epoch << 32) | rows for its expert le (strong relaxed stores: each word carries its epoch).
 //   send: per token nx x ng own-chunk units (chunk of kS x 32 vectors straight into the slots of my
@@ -66,11 +66,14 @@
 //      s, token t < T_s, chunk c): lane 0 acquires tflags[s, t, 0] (row units) or [s, t, c] (chunk
 //      units), a __syncwarp orders the other lanes' later loads of tmap and the row after it, then the
 //      warp copies chunk c as the grid path does.
-//   dispatch_place inline (LlDispatchPlace, kernel instantiation kInline): a peer unit stores, into lstage[me, t]
+//   dispatch_place inline (LlDispatchPlace, kernel instantiation kWords 1): a peer unit stores, into lstage[me, t]
 //      on d, t's slot words (one per expert, kLlNoSlot when not d's), weight and scale words and its row (chunk)
 //      as inline words (LlInlineRow, ll_common.cuh), every 4 bytes beside the epoch; no tmap / tw, no fence, no
 //      flag. The receive unit (s, t, c) waits for the slot words, then for its chunk's words, copies the chunk into
 //      each of its slots and writes its own tmap / tw / pair entries. T word bit 29.
+//   dispatch_place line (kWords 2, row units only): the inline head words, then the row as 64-byte lines of 56
+//      bytes and an epoch tag in lline (LlLineRow; send_line / receive_line); the receive unit (s, t, c) takes
+//      batch c of 8 x kLinePasses lines once the warp has seen every tag of it current. T word bit 28.
 //   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
 //   receive copies, the small stores beside a peer row or the fence before a peer row's flag (LlProbeSkip,
 //   ll_common.cuh); outputs then wrong.
@@ -320,16 +323,66 @@ __device__ __forceinline__ int token_slot(const LlParams& lp, const int* s_mask,
   return (e - d * lp.experts) * lp.capacity + me * lp.t_max + token_rank(s_mask, NE, t, e);
 }
 
+// The slots a unit of token t (warp-uniform) needs: lane k's slot for its expert e on d where `want`, 0 elsewhere.
+__device__ __forceinline__ int unit_slot(const LlParams& lp, const int* s_mask, int NE, int me, int t, int e, int d,
+                                         bool want) {
+  return want ? token_slot(lp, s_mask, NE, me, t, e, d) : 0;
+}
+
+// dispatch_place line (LlLineRow, ll_common.cuh): lane l holds part j = l % 4 of line L0 + 8 q + l / 4 of each of a
+// batch's kP passes (LineParts<kP>): payload bytes [56 L + 16 j, + 16) of the row, and for j = 3 the 8 bytes
+// [56 L + 48, 56 L + 56) and the line's tag. The 4 lanes of a line store it, and a receiver's 4 lanes load it, in
+// one warp instruction.
+constexpr int kLinePasses = 4;       // a receive unit's batch: 32 lines (1792 payload bytes)
+constexpr int kLineSendPasses = 8;   // a sender's lines in flight: 64 (a 7 KiB row in two rounds, as copy_row)
+template <int kP>
+struct LineParts {
+  unsigned long long lo[kP], hi[kP];
+};
+
+// The row's payload of lines [L0, L0 + 8 kP) below Lc into the lane's parts (zero past the row's end).
+template <int kP>
+__device__ __forceinline__ void load_line_parts(const uint8_t* row, int R, int Lc, int L0, int lane,
+                                                unsigned long long tag, LineParts<kP>& lp) {
+  const int j = lane % kLlLineParts;
+#pragma unroll
+  for (int q = 0; q < kP; ++q) {
+    const int L = L0 + kLlLinesPerPass * q + lane / kLlLineParts, off = kLlLinePayload * L + 16 * j;
+    const bool in = L < Lc;
+    lp.lo[q] = in && off < R ? __ldg(reinterpret_cast<const unsigned long long*>(row + off)) : 0ull;
+    lp.hi[q] = j == kLlLineParts - 1 ? (tag | kLlLineMark)
+                                     : (in && off + 8 < R ? __ldg(reinterpret_cast<const unsigned long long*>(row + off + 8)) : 0ull);
+  }
+}
+
+// The head words of an inline or line row (LlInlineRow): lane k < topk the slot word (hit: `slot`, else kLlNoSlot)
+// and, hit, its weight word; when mask != 0 the ns scale words (neither with kLlSkipSmallStores).
+__device__ __forceinline__ void send_head_words(unsigned long long* lr, int topk, int ns, int lane, unsigned long long tag,
+                                                bool hit, unsigned mask, int slot, float w, bool small,
+                                                const RowScales& sc, const float* ssrc) {
+  if (lane < topk) {
+    st_relaxed_sys_u64(lr + lane, tag | (hit ? (unsigned)slot : kLlNoSlot));
+    if (hit && small) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
+  }
+  if (mask == 0 || !small) return;  // warp-uniform
+#pragma unroll
+  for (int q = 0; q < RowScales::kRegs; ++q)
+    if (lane + 32 * q < ns) st_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q, tag | __float_as_uint(sc.v[q]));
+  for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32)  // hidden > 16384 only
+    st_relaxed_sys_u64(lr + 2 * topk + i, tag | __float_as_uint(ssrc[i]));
+}
+
 // Peer unit of the inline placement (kLlPlaceInline): chunk pc of token t's row (pnx 1: the whole row) as inline
 // words into lstage[me, t] on d (LlInlineRow); the chunk-0 unit also stores the slot word of each of t's experts
-// (kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
+// (lane k's, from slot_of: unit_slot; kLlNoSlot for one not on d: the receiver learns from these whether a row follows) and, when t has an expert
 // on d, the weight and scale words (neither with the probe's kLlSkipSmallStores). The unit's first kU x 32 vectors,
 // its scales and its weight are loaded before its first store (a load after a store that may alias it waits for
 // the store; a row of more than kU x 32 vectors loads each later batch after the stores before it), and nothing is
 // fenced or flagged: each word carries its epoch.
+template <typename SlotOf>
 __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
-                                            const int* s_mask, int NE, int t, int e, int d, bool hit, unsigned mask,
-                                            float w, int pc, int pnx, int lane, unsigned long long tag) {
+                                            int t, bool hit, unsigned mask, float w, int pc, int pnx, int lane,
+                                            unsigned long long tag, SlotOf slot_of) {
   const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4, me = p.rank;
   unsigned long long* lr =
       reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)me * lp.t_max + t) * lp.lrow_words;
@@ -347,19 +400,8 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
     }
   }
   const bool small = !(lp.probe_skip & kLlSkipSmallStores);  // measuring aid (LlProbeSkip); true when verified
-  if (pc == 0 && lane < topk) {
-    const unsigned slot = hit ? (unsigned)token_slot(lp, s_mask, NE, me, t, e, d) : kLlNoSlot;
-    st_relaxed_sys_u64(lr + lane, tag | slot);
-    if (hit && small) st_relaxed_sys_u64(lr + topk + lane, tag | __float_as_uint(w));
-  }
+  if (pc == 0) send_head_words(lr, topk, ns, lane, tag, hit, mask, slot_of(), w, small, sc, ssrc);
   if (mask == 0) return;  // warp-uniform
-  if (pc == 0 && small) {
-#pragma unroll
-    for (int q = 0; q < RowScales::kRegs; ++q)
-      if (lane + 32 * q < ns) st_relaxed_sys_u64(lr + 2 * topk + lane + 32 * q, tag | __float_as_uint(sc.v[q]));
-    for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32)  // hidden > 16384 only
-      st_relaxed_sys_u64(lr + 2 * topk + i, tag | __float_as_uint(ssrc[i]));
-  }
   unsigned long long* rw = lr + lp.lrow_head;
   for (int b0 = v0;; ) {
 #pragma unroll
@@ -374,6 +416,131 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
       const int i = b0 + u * 32 + lane;
       if (i < v1) buf[u] = ld_nc_v4(src + i);
     }
+  }
+}
+
+// Peer unit of the line placement (kLlPlaceLine, row units): token t's head words as send_inline's, then, when t
+// has an expert on d, its row as line_count lines into lline[me, t] on d, 8 x kLineSendPasses lines at a time, each
+// batch's loads issued before its stores; no fence and no flag: each line carries its tag.
+template <typename SlotOf>
+__device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
+                                          int t, bool hit, unsigned mask, float w, int lane, unsigned long long tag,
+                                          SlotOf slot_of) {
+  const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = lp.line_count;
+  unsigned long long* lr =
+      reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)p.rank * lp.t_max + t) * lp.lrow_words;
+  const float* ssrc = a.x_scales + (size_t)t * ns;
+  const uint8_t* row = a.x + (size_t)t * R;
+  RowScales sc;
+  LineParts<kLineSendPasses> parts;
+  if (mask != 0) {  // the first lines and the scales in flight before the head words go out
+    sc.load(ssrc, ns, lane);
+    load_line_parts(row, R, Lc, 0, lane, tag, parts);
+  }
+  const int slot = slot_of();  // unit_slot
+  send_head_words(lr, topk, ns, lane, tag, hit, mask, slot, w, !(lp.probe_skip & kLlSkipSmallStores), sc, ssrc);
+  if (mask == 0) return;  // warp-uniform
+  unsigned long long* lw =
+      reinterpret_cast<unsigned long long*>(pb + lp.off_lline) + ((size_t)p.rank * lp.t_max + t) * Lc * kLlLineWords;
+  for (int L0 = 0;;) {
+#pragma unroll
+    for (int q = 0; q < kLineSendPasses; ++q) {
+      const int L = L0 + kLlLinesPerPass * q + lane / kLlLineParts;
+      if (L < Lc) st_relaxed_sys_v2u64(lw + kLlLineWords * (size_t)L + 2 * (lane % kLlLineParts), parts.lo[q], parts.hi[q]);
+    }
+    L0 += kLlLinesPerPass * kLineSendPasses;
+    if (L0 >= Lc) break;  // warp-uniform
+    load_line_parts(row, R, Lc, L0, lane, tag, parts);
+  }
+}
+
+// The slot words of an inline or line row (LlInlineRow's first topk words): lane k < topk waits for word k and
+// gets the slot of the token's k-th expert here (`valid`: this epoch's, and mine); returns the valid lanes.
+__device__ __forceinline__ unsigned wait_slot_words(const EpParams& p, const unsigned long long* lr, int topk, int epoch,
+                                                    int s, int lane, int& slot, bool& valid) {
+  unsigned long long sw = 0;
+  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
+  valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
+  slot = valid ? (int)(unsigned)sw : 0;
+  return __ballot_sync(0xffffffffu, valid);
+}
+
+// Receive unit (source s, token t, batch c of 8 x kLinePasses lines) of the line placement: the slot words as
+// receive_inline waits for them; then the warp polls the batch's lines until every line's tag is of this epoch or
+// later (one vote: the tag is lane j = 3's, the other lanes' parts of a line were loaded by the same instruction),
+// then stores them into each valid slot with 8-byte stores; c = 0 then waits for the scale and weight words (sent
+// before the lines) and stores them, pair and this rank's tmap / tw entries as receive_inline does (nothing, if a
+// wait gave up). `copy` false: waits, copies nothing.
+__device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& lp, int s, int t, int c, int epoch,
+                                             int lane, bool copy) {
+  const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = lp.line_count;
+  uint8_t* mybase = p.peer_base[p.rank];
+  const size_t srow = (size_t)s * lp.t_max + t;
+  const unsigned long long* lr =
+      reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
+  int slot;
+  bool valid;
+  const unsigned mask = wait_slot_words(p, lr, topk, epoch, s, lane, slot, valid);
+  if (mask == 0) return;  // warp-uniform
+  const int L0 = kLlLinesPerPass * kLinePasses * c, L1 = min(Lc, L0 + kLlLinesPerPass * kLinePasses);
+  const int j = lane % kLlLineParts;
+  const unsigned long long* lw =
+      reinterpret_cast<const unsigned long long*>(mybase + lp.off_lline) + srow * Lc * kLlLineWords;
+  uint8_t* xr = mybase + lp.off_x;
+  LineParts<kLinePasses> parts;
+  const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
+#pragma unroll
+    for (int q = 0; q < kLinePasses; ++q) {  // every load of the poll issued before any is looked at
+      const int L = L0 + kLlLinesPerPass * q + lane / kLlLineParts;
+      if (L < L1) ld_relaxed_sys_v2u64(lw + kLlLineWords * (size_t)L + 2 * j, parts.lo[q], parts.hi[q]);
+    }
+    bool here = true;
+#pragma unroll
+    for (int q = 0; q < kLinePasses; ++q)
+      if (j == kLlLineParts - 1 && L0 + kLlLinesPerPass * q + lane / kLlLineParts < L1)
+        here = here && (unsigned)parts.hi[q] == kLlLineMark && (int)(parts.hi[q] >> 32) - epoch >= 0;
+    return __all_sync(0xffffffffu, here);
+  });
+  if (!ok || !copy) return;  // gave up (the error is recorded; warp-uniform), or measuring
+  for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+    uint8_t* dst = xr + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(todo) - 1) * R;
+#pragma unroll
+    for (int q = 0; q < kLinePasses; ++q) {
+      const int L = L0 + kLlLinesPerPass * q + lane / kLlLineParts, off = kLlLinePayload * L + 16 * j;
+      if (L >= L1) break;  // (the later passes' lines are further on)
+      if (off < R) *reinterpret_cast<unsigned long long*>(dst + off) = parts.lo[q];
+      if (j < kLlLineParts - 1 && off + 8 < R) *reinterpret_cast<unsigned long long*>(dst + off + 8) = parts.hi[q];
+    }
+  }
+  if (c != 0) return;
+  float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
+  int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
+  unsigned long long wraw = 0, sraw[RowScales::kRegs];
+  if (valid) wraw = ll_wait_epoch_u64<false>(p, lr + topk + lane, epoch, s, kPhaseLlDispatch);
+  bool lost = valid && wraw == 0;  // a wait that gave up returns 0 (a word of epoch >= 1 never is)
+#pragma unroll
+  for (int q = 0; q < RowScales::kRegs; ++q)
+    if (lane + 32 * q < ns) {
+      sraw[q] = ll_wait_epoch_u64<false>(p, lr + 2 * topk + lane + 32 * q, epoch, s, kPhaseLlDispatch);
+      lost = lost || sraw[q] == 0;
+    }
+  if (__ballot_sync(0xffffffffu, lost) != 0) return;  // the error is recorded: store nothing of this call
+  for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+    const int b = __ffs(todo) - 1;
+    const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
+#pragma unroll
+    for (int q = 0; q < RowScales::kRegs; ++q)
+      if (lane + 32 * q < ns) xs[sl * ns + lane + 32 * q] = __uint_as_float((unsigned)sraw[q]);
+    for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32) {  // hidden > 16384 only: one word at a time
+      const unsigned long long v = ll_wait_epoch_u64<false>(p, lr + 2 * topk + i, epoch, s, kPhaseLlDispatch);
+      xs[sl * ns + i] = __uint_as_float((unsigned)v);
+    }
+    if (lane == 0) pair[sl] = t * topk + b;
+  }
+  if (valid) {  // where my combine's push finds the pair's slot and weight
+    reinterpret_cast<unsigned long long*>(mybase + lp.off_tmap)[srow * topk + lane] =
+        ((unsigned long long)(unsigned)epoch << 32) | (unsigned)slot;
+    reinterpret_cast<float*>(mybase + lp.off_tw)[srow * topk + lane] = __uint_as_float((unsigned)wraw);
   }
 }
 
@@ -394,12 +561,10 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   const size_t srow = (size_t)s * lp.t_max + t;
   const unsigned long long* lr =
       reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
-  unsigned long long sw = 0;
-  if (lane < topk) sw = ll_wait_epoch_u64<false>(p, lr + lane, epoch, s, kPhaseLlDispatch);
-  const bool valid = lane < topk && (int)(sw >> 32) == epoch && (unsigned)sw != kLlNoSlot;
-  const unsigned mask = __ballot_sync(0xffffffffu, valid);
+  int slot;
+  bool valid;
+  const unsigned mask = wait_slot_words(p, lr, topk, epoch, s, lane, slot, valid);
   if (mask == 0) return;  // warp-uniform
-  const int slot = valid ? (int)(unsigned)sw : 0;
   const unsigned long long* rw = lr + lp.lrow_head;
   unsigned long long raw[kS][4], sraw[RowScales::kRegs], wraw = 0;  // the words as last loaded
   const bool meta = copy && c == 0;  // the scale and weight words too
@@ -461,8 +626,9 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   }
 }
 
-// kInline: dispatch_place inline (its own instantiation, so the flagged kernel keeps its registers)
-template <int kThreads, bool kInline>
+// kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line (each its own instantiation, so the flagged
+// kernel keeps its registers)
+template <int kThreads, int kWords>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
   __shared__ int s_epoch;
@@ -473,6 +639,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   const int chunks = (T + 31) / 32;
   int* s_idx = s_dyn;
   int* s_mask = s_dyn + T * topk;
+  int* totals = s_mask + chunks * NE;
   ll_stamp(lp, kLlStart);
   // every global load of the stage issued before the first wait on any of them
   bool aborted = ld_volatile(p.dev_error) != 0;
@@ -485,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
   if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
     dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
-    // first: the receivers' blocks wait for it; bits 31 / 30 / 29 say chunk units / slot / inline placement (T < 2^29), so a
+    // first: the receivers' blocks wait for it; bits 31 / 30 / 29 / 28 say chunk units / slot / inline / line placement (T < 2^28), so a
     // receiver set to another kind stops with an error instead of copying what it did not wait for
     st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
   }
@@ -494,7 +661,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     if (e >= 0 && e < NE) atomicOr(reinterpret_cast<unsigned*>(&s_mask[(t >> 5) * NE + e]), 1u << (t & 31));
   }
   __syncthreads();
-  int* totals = s_mask + chunks * NE;
   for (int e = threadIdx.x; e < NE; e += blockDim.x) {
     int run = 0;
     for (int c = 0; c < chunks; ++c) run += __popc((unsigned)s_mask[c * NE + e]);
@@ -539,8 +705,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     float w = 0.f;
     if (pair_entry) w = a.topk_w[(size_t)t * topk + lane];  // loaded before any store of the unit
     uint8_t* pb = p.peer_base[d];
-    if (kInline && !own) {
-      send_inline(p, lp, a, pb, s_mask, NE, t, e, d, hit, mask, w, pc, pnx, lane, tag);
+    if (kWords != 0 && !own) {
+      const auto slot_of = [&] { return unit_slot(lp, s_mask, NE, me, t, e, d, hit); };
+      if constexpr (kWords == 2) send_line(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
+      else send_inline(p, lp, a, pb, t, hit, mask, w, pc, pnx, lane, tag, slot_of);
       continue;
     }
     if (own) {
@@ -555,7 +723,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       const float* ssrc = a.x_scales + (size_t)t * ns;
       RowScales sc;
       if (rc == 0) sc.load(ssrc, ns, lane);
-      const int slot = hit ? token_slot(lp, s_mask, NE, me, t, e, d) : 0;
+      const int slot = unit_slot(lp, s_mask, NE, me, t, e, d, hit);
       float* xs = reinterpret_cast<float*>(mybase + lp.off_scales);
       int* pair = reinterpret_cast<int*>(mybase + lp.off_pair);
       for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
@@ -583,6 +751,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     // the lowest hit lane's; d copies it from there into the others' slots, so a row with one expert on d
     // needs no copy at all). Stage placement computes the slots after the row's stores, beside them in flight.
     const bool in_slot = lp.dispatch_place == kLlPlaceSlot;  // warp-uniform
+    const bool entries = !(lp.probe_skip & kLlSkipSmallStores);  // the pair's tmap / tw entries (below)
     int slot = 0;
     if (in_slot && hit) slot = token_slot(lp, s_mask, NE, me, t, e, d);
     if (mask != 0) {
@@ -615,7 +784,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       if (in_slot && pc == 0 && lane == 0 && !(lp.probe_skip & kLlSkipSmallStores))
         reinterpret_cast<int*>(pb + lp.off_pair)[fslot] = t * topk + first;
     }
-    if (hit && !(lp.probe_skip & kLlSkipSmallStores)) {  // the pair's slot and weight, where d's combine reads them
+    if (hit && entries) {  // the pair's slot and weight, where d's combine reads them
       const size_t tk = ((size_t)me * Tm + t) * topk + lane;
       if (!in_slot) slot = token_slot(lp, s_mask, NE, me, t, e, d);
       reinterpret_cast<unsigned long long*>(pb + lp.off_tmap)[tk] = tag | (unsigned)slot;
@@ -678,13 +847,18 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       lp.src_tokens[threadIdx.x] = threadIdx.x == me ? T : s_tok[threadIdx.x + 1] - s_tok[threadIdx.x];
   }
   const unsigned long long* tflags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tflags);
-  for (long long u = gw; !aborted && u < (long long)s_tok[world] * nx; u += G) {
-    const int st = (int)(u / nx), c = (int)(u - (long long)st * nx);
+  // receive units per row: nx chunks of kS x 32 vectors, or (line) one per batch of 8 x kLinePasses lines
+  const int nxr = kWords == 2 ? (lp.line_count + kLlLinesPerPass * kLinePasses - 1) / (kLlLinesPerPass * kLinePasses) : nx;
+  for (long long u = gw; !aborted && u < (long long)s_tok[world] * nxr; u += G) {
+    const int st = (int)(u / nxr), c = (int)(u - (long long)st * nxr);
     int s = 0;
     while (st >= s_tok[s + 1]) ++s;
     const int t = st - s_tok[s];
-    if constexpr (kInline) {  // every word waited for on its own, no flag
+    if constexpr (kWords == 1) {  // every word waited for on its own, no flag
       receive_inline(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
+      continue;
+    } else if constexpr (kWords == 2) {  // every line waited for by its tag, no flag
+      receive_line(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
       continue;
     }
     // lane 0 alone polls (one ld.acquire.sys per poll, not 32: the pollers share the L2 with the rows
@@ -722,13 +896,19 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   a.topk_idx = (const int64_t*)topk_idx;
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
+  const int place = ctx->lp.dispatch_place;
+  if (ctx->sync == kLlSyncToken && place == kLlPlaceLine && ctx->lp.dispatch_units != kLlUnitsRow) {
+    ep_set_error("low-latency dispatch place line needs row units (dispatch_units row)");
+    return -1;
+  }
   ctx->launched = true;
   if (ctx->sync == kLlSyncToken) {
     const size_t smem = ll_token_smem_bytes(num_tokens, p.topk, ctx->lp.num_experts);  // <= ctx->token_smem
-    if (ctx->lp.dispatch_place == kLlPlaceInline)
-      ll_dispatch_token_kernel<512, true><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
-    else
-      ll_dispatch_token_kernel<512, false><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
+    using Kernel = void (*)(EpParams, LlParams, LlDispatchArgs);
+    static const Kernel kernels[3] = {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>,
+                                      ll_dispatch_token_kernel<512, 2>};
+    const int words = place == kLlPlaceInline ? 1 : place == kLlPlaceLine ? 2 : 0;
+    kernels[words]<<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
   } else {
     const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
     ll_dispatch_kernel<512><<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
@@ -738,7 +918,7 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
 }
 
 int ll_dispatch_token_smem_attr(int bytes) {
-  CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_token_kernel<512, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_token_kernel<512, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  for (auto kernel : {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>, ll_dispatch_token_kernel<512, 2>})
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   return 0;
 }

@@ -97,7 +97,22 @@ PING_MODES = {"ping": 5, "ping-combine": 6}  # with several ranks only (a block 
 VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
             "token-warps4": (4, "token"), "token-noown": (None, "token"), "token-norecv": (None, "token"),
             "token-peers": (None, "token"), "token-nofence": (None, "token"),
-            "token-peers-nofence": (None, "token")}
+            "token-peers-nofence": (None, "token"), "token-line": (None, "token")}
+# token-sync calls with other epbench-ll options (csrc/ll_common.cuh, LlDispatchPlace): verified like `token`, on
+# the token backend switched to these options for their rows only (line sends whole rows)
+TUNED = {"token-line": {"dispatch_place": "line", "dispatch_units": "row"}}
+TUNABLE = ("dispatch_units", "dispatch_place")  # the options TUNED may set, in the order set
+
+
+def tuned_options(variant: str, token: Dict[str, Any]) -> List[Tuple[str, Any]]:
+    """The token backend's TUNABLE options, in the order to set them, for `variant`'s rows: TUNED's values for a
+    tuned variant, else the backend's own (`token`: its effective_config), so no row inherits a tuned one's."""
+    return [(k, TUNED.get(variant, {}).get(k, token[k])) for k in TUNABLE]
+
+
+def tuned_label(variant: str, cfg: Dict[str, Any]) -> str:
+    """How the header names a tuned variant's options."""
+    return " ".join(f"{k} {cfg.get(k)}" for k in TUNED[variant])
 # token dispatches with parts left out (LlProbeSkip, csrc/ll_common.cuh: 1 own rows, 2 receive copies, 4 the scales
 # and tmap / tw stores beside a peer row, 8 the fence before a peer row's flag): timed alone, on a backend of their
 # own, never verified
@@ -346,6 +361,9 @@ def header_line(info: Dict[str, Any]) -> str:
         tk = kernels["token"]
         chained += (f", token dispatch units {tk.get('dispatch_units')}, place {tk.get('dispatch_place', 'stage')}, "
                     f"release {tk.get('combine_release')}")
+    for v in kernels:
+        if v in TUNED:
+            chained += f", {v}: {tuned_label(v, kernels[v])}"
     return (f"# {info.get('device', '?')}, {where}, hidden {info.get('hidden')}, top-{info.get('topk')} of "
             f"{info.get('experts')} experts, {info.get('dtype')} dispatch, {info.get('iters')} graph replays "
             f"after {info.get('warmup')}, {info.get('warps')} warps unless named{chained}")
@@ -423,6 +441,9 @@ def measure(job: Any) -> int:
     backends = {sync: EpbenchLowLatencyBackend(setup, ll_sync=sync)
                 for sync in dict.fromkeys(VARIANTS[v][1] for v in ["grid"] + variants if v not in SKIPS)}
     kernels = {sync: b.effective_config() for sync, b in backends.items()}
+    for v in variants:
+        if v in TUNED:  # what the tuned rows ran with
+            kernels[v] = dict(kernels["token"], **TUNED[v])
     if any(v in SKIPS for v in variants):  # its own flags and epochs: no verified call follows a skipping one
         backends["skip"] = EpbenchLowLatencyBackend(setup, ll_sync="token")
         kernels.setdefault("token", backends["skip"].effective_config())  # what the skipping rows ran with
@@ -521,6 +542,9 @@ def measure(job: Any) -> int:
                     continue
                 be = backends[sync]
                 be.warps = warps or default_warps
+                if sync == "token":  # every rank switches before the same rows (units first: line needs row)
+                    for k, value in tuned_options(vname, kernels["token"]):
+                        getattr(be, f"use_{k}")(value)
                 be.set_probe(stamps)
                 salt = sms * 1000 + t
                 inp = input_of(t, salt, ranks.rank)

@@ -177,8 +177,13 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "equal at 32, twice as slow at 128-256; notes/LATENCY-NEXT.md) or auto (inline up to 16 "
                                  "tokens per rank, the buffers' size, else stage); the same outputs, valid until this rank's "
                                  "combine (slot) or its next dispatch; every rank must agree (a mismatch stops at once); rows "
-                                 "record the one used (stage under ll_sync grid, which ignores it)",
-                                 choices=("auto", "stage", "slot", "inline"), env="EPBENCH_LL_DISPATCH_PLACE"),
+                                 "record the one used (stage under ll_sync grid, which ignores it); line: inline's "
+                                 "slot, weight and scale words, the row in 64-byte lines of 56 bytes and an epoch "
+                                 "tag (14 % more bytes, no fence, no flag; relies on a 64-byte line landing and "
+                                 "being read whole, which the PTX model does not promise: 128-byte lines tore on 2 x "
+                                 "H200; row units only; 2 x H200: 0.3-1.5 us faster at 32-256 tokens, slower at 1-8; "
+                                 "4 ranks not yet measured; notes/LATENCY-NEXT.md)",
+                                 choices=("auto", "stage", "slot", "inline", "line"), env="EPBENCH_LL_DISPATCH_PLACE"),
         "combine_release": Option(str, "batch", "how the token-sync combine releases its pushes' flags: unit (a "
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
                                   "to 2 pushes, then one fence and their flags: 4 x H200, 1.5-1.8 us faster at 128-256 "

@@ -139,10 +139,24 @@ def test_spread_needs_ranks_and_is_in_the_header() -> None:
     assert llprobe.probe_options("1", "32", 7168, 8, 64, "fp8", "grid", 1, 1, "1", 4, spread=True).spread
     info = {"device": "H200", "world": 4, "spread": True, "chains": [1],
             "kernels": {"token": {"combine_order": "rotated", "dispatch_units": "chunk", "dispatch_place": "slot",
-                                  "combine_release": "unit"}}}
+                                  "combine_release": "unit"},
+                        "token-line": {"dispatch_place": "line", "dispatch_units": "row"}}}
     line = llprobe.header_line(info)
     assert "world 4: one GPU per rank" in line
-    assert "combine order rotated, token dispatch units chunk, place slot, release unit" in line
+    assert ("combine order rotated, token dispatch units chunk, place slot, release unit, "
+            "token-line: dispatch_place line dispatch_units row") in line
+
+
+def test_tuned_rows_set_their_options_and_every_other_token_row_the_backends_own() -> None:
+    """A token variant after token-line runs with the backend's own units and placement again (a small buffer's
+    chunk / inline), never with line's row units; the header names a tuned variant's options."""
+    own = {"dispatch_units": "chunk", "dispatch_place": "inline", "warps": 16}
+    assert llprobe.tuned_options("token-line", own) == [
+        ("dispatch_units", "row"), ("dispatch_place", "line")]  # units before place
+    for after in ("token", "token-warps4"):
+        assert llprobe.tuned_options(after, own) == [("dispatch_units", "chunk"), ("dispatch_place", "inline")]
+    assert llprobe.tuned_label("token-line", dict(own, dispatch_place="line", dispatch_units="row")) == \
+        "dispatch_place line dispatch_units row"
 
 
 def test_ranks_must_have_the_same_calls() -> None:
@@ -275,8 +289,11 @@ def test_every_variant_names_a_sync_and_warps_the_kernels_take() -> None:
 
 
 def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
-    """token-noown / token-norecv / token-peers / the nofence ones: token-sync variants whose bits are LlProbeSkip's."""
+    """token-noown / token-norecv / token-peers / the nofence ones: token-sync variants whose bits are LlProbeSkip's;
+    the tuned one (token-line) a token-sync variant with option values the backend knows."""
     from pathlib import Path
+
+    from epbench.backends.epbench_ll import PLACES, UNITS, EpbenchLowLatencyBackend
 
     assert set(llprobe.SKIPS) <= set(llprobe.VARIANTS)
     assert all(llprobe.VARIANTS[v][1] == "token" for v in llprobe.SKIPS)
@@ -284,5 +301,10 @@ def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
     header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
     assert ("enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipFence = 8, "
             "kLlSkipAll = 15 };") in header
+    assert not set(llprobe.SKIPS) & set(llprobe.TUNED)  # the tuned rows are verified
+    choices = {"dispatch_place": PLACES, "dispatch_units": UNITS}
+    assert all(llprobe.VARIANTS[v][1] == "token" and set(opts) <= set(llprobe.TUNABLE) and
+               all(value in choices[k] for k, value in opts.items()) for v, opts in llprobe.TUNED.items())
+    assert all(hasattr(EpbenchLowLatencyBackend, f"use_{k}") for k in llprobe.TUNABLE)
     assert llprobe.SKIPS == {"token-noown": 1, "token-norecv": 2, "token-peers": 1 | 2 | 4, "token-nofence": 8,
                              "token-peers-nofence": 1 | 2 | 4 | 8}

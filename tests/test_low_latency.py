@@ -512,7 +512,7 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     setup = RankSetup(rank=0, world=1, gpus_per_node=1, device=torch.device("cuda", 0), hidden=128,
                       max_tokens_per_rank=4, topk=2, experts_per_rank=2, dispatch_dtype="bf16", mode="low_latency")
     for var in ("EPBENCH_LL_COMBINE_ORDER", "EPBENCH_LL_DISPATCH_UNITS", "EPBENCH_LL_COMBINE_RELEASE",
-                "EPBENCH_LL_DISPATCH_PLACE"):
+                "EPBENCH_LL_DISPATCH_PLACE", "EPBENCH_LL_DISPATCH_STAGE"):
         monkeypatch.delenv(var, raising=False)  # every backend below takes the defaults
     assert ll.EpbenchLowLatencyBackend(setup).effective_config()["combine_order"] == "rotated"
     be = ll.EpbenchLowLatencyBackend(setup, combine_order="source")
@@ -552,6 +552,14 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     assert places[-1] == 2 and slotted.effective_config()["dispatch_place"] == "inline"
     big = ll.EpbenchLowLatencyBackend(dataclasses.replace(setup, max_tokens_per_rank=17), ll_sync="token")
     assert places[-1] == 0 and big.effective_config()["dispatch_place"] == "stage"  # a buffer above 16 tokens
+    # dispatch_place line sends whole rows: row units (set, or auto above 16 tokens), never chunk
+    lined = ll.EpbenchLowLatencyBackend(big.s, ll_sync="token", dispatch_place="line")
+    assert places[-1] == 3 and lined.effective_config()["dispatch_place"] == "line"
+    assert lined.effective_config()["dispatch_units"] == "row"
+    with pytest.raises(RuntimeError, match="dispatch_place line sends whole rows: it needs dispatch_units row"):
+        ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_place="line")  # 4 tokens: auto picks chunk
+    assert ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_place="line").effective_config()[
+        "dispatch_place"] == "stage"  # the grid dispatch ignores the placement
 
 
 def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
@@ -574,12 +582,69 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert options.resolve("epbench-ll", {}, environ={})["dispatch_place"] == "auto"
     assert [ll.dispatch_place_for("auto", t) for t in (1, 16, 17, 128)] == ["inline", "inline", "stage", "stage"]
     assert ll.dispatch_place_for("slot", 1) == "slot" and ll.dispatch_place_for("inline", 256) == "inline"
-    assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2}
-    assert "enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2 };" in header
-    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, got 'peer'"):
+    assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2, "line": 3}
+    assert ("enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3 };"
+            in header)
+    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, line, got 'peer'"):
         options.validate({"epbench-ll": {"dispatch_place": "peer"}})
     with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})
+
+
+LINE_BYTES, LINE_PAYLOAD, LINE_PARTS = 64, 56, 4  # csrc/ll_common.cuh: kLlLineBytes, kLlLinePayload, kLlLineParts
+
+
+def _line_parts(row: bytes, line_count: int, tag: int):
+    """csrc/ll_dispatch.cu load_line_parts over every pass: {(line, part j): (lo, hi)} as 8-byte little-endian
+    words; part j < 3 holds payload bytes [56 L + 16 j, + 16), part 3 the 8 bytes at 56 L + 48 and the tag."""
+    R, out = len(row), {}
+    word = lambda off: int.from_bytes(row[off:off + 8], "little") if off < R else 0  # noqa: E731
+    for L in range(line_count):
+        for j in range(LINE_PARTS):
+            off = LINE_PAYLOAD * L + 16 * j
+            out[L, j] = (word(off), tag if j == LINE_PARTS - 1 else word(off + 8))
+    return out
+
+
+@pytest.mark.parametrize("row_bytes", [16, 48, 56, 64, 112, 240, 2048, 7168, 7184, 14336, 16384])
+def test_line_placement_carries_every_byte_of_the_row_once(row_bytes):
+    """dispatch_place line: the sender's parts, written back as receive_line stores them (8-byte stores at
+    56 L + 16 j, the second only for j < 3, neither past the row), give back the row exactly; every line
+    carries its tag in part 3; lines live in a region of their own (lline), 64 bytes each."""
+    import random
+
+    root = Path(__file__).resolve().parents[1] / "csrc"
+    header = (root / "ll_common.cuh").read_text()
+    assert (f"constexpr int kLlLineBytes = {LINE_BYTES};" in header and "kLlLinePayload = kLlLineBytes - 8;" in header
+            and "kLlLineParts = kLlLineBytes / 16;" in header and "kLlLineMark = 0x4c494e45u;" in header)
+    rng = random.Random(row_bytes)
+    row = bytes(rng.randrange(256) for _ in range(row_bytes))
+    lines = (row_bytes + LINE_PAYLOAD - 1) // LINE_PAYLOAD
+    tag = (7 << 32) | 0x4C494E45
+    parts = _line_parts(row, lines, tag)
+    got = bytearray(row_bytes)
+    written = [0] * row_bytes
+    for (L, j), (lo, hi) in parts.items():
+        off = LINE_PAYLOAD * L + 16 * j
+        for value, at, ok in ((lo, off, off < row_bytes), (hi, off + 8, j < LINE_PARTS - 1 and off + 8 < row_bytes)):
+            if ok:
+                got[at:at + 8] = value.to_bytes(8, "little")
+                for b in range(at, at + 8):
+                    written[b] += 1
+    assert bytes(got) == row and written == [1] * row_bytes
+    assert all(parts[L, LINE_PARTS - 1][1] == tag for L in range(lines))
+    # lane l of pass q of a batch from line L0 holds line L0 + 8 q + l / 4: a sender's batches of 64 lines and the
+    # receive units' batches of 32 (nxr = lines / 32 rounded up) each reach every line once
+    per_pass = 32 // LINE_PARTS
+    for per_batch in (per_pass * 8, per_pass * 4):
+        reached = [L0 + per_pass * q + lane // LINE_PARTS for L0 in range(0, lines, per_batch)
+                   for q in range(per_batch // per_pass) for lane in range(0, 32, LINE_PARTS)]
+        assert sorted(L for L in reached if L < lines) == list(range(lines))
+    # ll_buffers.cu: lstage rows hold inline words only; the lines get a region of their own, zeroed at creation
+    src = (root / "ll_buffers.cu").read_text()
+    assert "lp.lrow_words = lp.lrow_head + 4 * (p.row_bytes / 16);" in src
+    assert "const size_t lline_bytes = (size_t)p.world * lp.t_max * lp.line_count * kLlLineBytes;" in src
+    assert "cudaMemset(r + lp.off_lline, 0, lline_bytes)" in src
 
 
 def _dispatch_units(T, world, me, nx, ng, pnx):

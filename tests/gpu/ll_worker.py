@@ -1,6 +1,6 @@
 """Multi-rank worker for the low-latency kernels (backend epbench-ll), started by torchrun.
 
-    torchrun --nproc_per_node 4 tests/gpu/ll_worker.py check|orders [--quick] [--sync grid|token]
+    torchrun --nproc_per_node 4 tests/gpu/ll_worker.py check|orders|lines [--quick] [--sync grid|token]
 
 check: each case runs the kernels and the NCCL reference's low-latency path on the same inputs: both
 must pass epbench.verify's low-latency checks (bit-exact dispatch per (expert, slot), combine
@@ -10,8 +10,9 @@ each time, twice per case (buffers and flags reused), then once more through CUD
 raise naming it, not hang. orders: each case's combine in both push orders (backend option
 combine_order) and, with token sync, after a dispatch of chunk peer units (option dispatch_units), with
 batched flag releases (option combine_release) and with peer rows put straight into their first slot or sent as
-inline words (option dispatch_place), launched and through graph replays: every
-output verified and every combine bit-equal. Exit code 0 only if every check passed. The GPU tests run several of these in one
+inline words or tagged lines (option dispatch_place), launched and through graph replays: every
+output verified and every combine bit-equal. lines (token sync): many line dispatches, each after an inline one and
+with fresh token values, every one verified (a torn line shows the previous call's bytes). Exit code 0 only if every check passed. The GPU tests run several of these in one
 launch through tests/gpu/suite_worker.py.
 """
 
@@ -83,6 +84,14 @@ CASES: List[Case] = [
     Case("T=256 fp8", 7168, [256], 8, 64, "fp8"),
 ]
 QUICK = {"dsv3 fp8 T=128", "rank with 0 tokens", "T=1 bf16", "every token to expert 0"}
+# mode lines: the shapes where 128-byte lines tore on 2 x H200 (hidden 2048 bf16 at 4 SMs, notes/LATENCY-NEXT.md),
+# and the DeepSeek-V3 one
+LINE_CASES: List[Case] = [
+    Case("lines bf16", 2048, [64], 4, 4),
+    Case("lines top-1, one expert", 2048, [64], 1, 4, "bf16", "expert0"),
+    Case("lines dsv3 fp8", 7168, [32], 8, 64, "fp8"),
+]
+LINE_CALLS = 60  # inline, then line, each with fresh token values
 
 
 def setup_of(case: Case, rank: int, world: int, device: torch.device, timeout_s: float = 10.0) -> RankSetup:
@@ -162,10 +171,10 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
 
 def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
     """The combine in both push orders on the same inputs, and (token sync) the dispatch with chunk
-    peer units (option dispatch_units), slot and inline placement (dispatch_place) and the batched
+    peer units (option dispatch_units), slot, inline and line placement (dispatch_place) and the batched
     release (combine_release): each verified, and every combine output bit-equal (csrc/ll_combine.cu,
-    push_unit: only the order of independent pushes differs; chunk units and every placement land the
-    same bytes in the same places, tmap / tw included)."""
+    push_unit: only the order of independent pushes differs; chunk units and every placement land the same
+    bytes in the same places, tmap / tw included)."""
     problems: List[str] = []
     kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync=sync)
     salt = zlib.crc32(f"{case.name}/orders".encode()) % 10000
@@ -176,7 +185,8 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
     configs = [("source", "row", "unit", "stage"), ("rotated", "row", "unit", "stage")] + (
         [("rotated", "chunk", "unit", "stage"), ("rotated", "row", "batch", "stage"),
          ("rotated", "row", "batch", "slot"), ("rotated", "chunk", "unit", "slot"),
-         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline")] if sync == "token" else [])
+         ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline"),
+         ("rotated", "row", "batch", "line"), ("rotated", "row", "unit", "line")] if sync == "token" else [])
     for order, units, release, place in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
@@ -184,8 +194,8 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
         kernels.use_combine_release(release)
         for how, calls in (("launch", launch_calls(kernels, inputs[rank], sms, rank)),
                            ("graph", graph_calls(kernels, inputs[rank], sms, rank))):
-            d, c, got[order, units, release, place, how] = one_call(kernels, calls, inputs[rank], rank, world,
-                                                                    case.experts_per_rank, lambda r: inputs[r])
+            d, c, got[order, units, release, place, how] = one_call(
+                kernels, calls, inputs[rank], rank, world, case.experts_per_rank, lambda r: inputs[r])
             for what, r in (("dispatch", d), ("combine", c)):
                 if r.wrong:
                     problems.append(f"{order} {units} {release} {place} {how} {what}: {r.wrong} wrong "
@@ -196,6 +206,34 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
         if not torch.equal(b, first):
             rows = int((b != first).any(dim=1).sum())
             problems.append(f"{' '.join(key)}: {rows} combine rows differ in their bits from source row launch")
+    kernels.close()
+    return problems
+
+
+def run_lines(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
+    """dispatch_place line, LINE_CALLS times, each after an inline call and each with fresh token values (so a
+    line read before all of it landed shows the previous call's bytes): every dispatch and combine verified. Lines
+    of 128 bytes failed this on 2 x H200 (the first 64 bytes of a line stale beside a current tag); token sync."""
+    problems: List[str] = []
+    if sync != "token":
+        return problems
+    kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync="token", dispatch_units="row")
+    routings = [rank_routing(case, r, world, seed=5) for r in range(world)]
+    wrong = {"inline": 0, "line": 0}
+    for i in range(LINE_CALLS):
+        inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, 100 + i, device), routings[r],
+                                 case.dtype, device) for r in range(world)]
+        for place in ("inline", "line"):
+            kernels.use_dispatch_place(place)  # every rank switches before the same call
+            d, c, _ = one_call(kernels, launch_calls(kernels, inputs[rank], sms, rank), inputs[rank], rank, world,
+                               case.experts_per_rank, lambda r: inputs[r])
+            for what, r in (("dispatch", d), ("combine", c)):
+                if r.wrong:
+                    wrong[place] += r.wrong
+                    if len(problems) < 3:
+                        problems.append(f"call {i} {place} {what}: {r.wrong} wrong ({r.first_problem})")
+    if any(wrong.values()):
+        problems.append(f"wrong rows in {LINE_CALLS} calls each: {wrong}")
     kernels.close()
     return problems
 
@@ -212,8 +250,8 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
 def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Token sync: rank 0 dispatches with chunk peer units, the others with row units (hidden 2048 bf16: 2
     chunks a row); then rank 0 with slot placement, the others with stage; then rank 0 with inline placement, the
-    others with stage. Each time every rank must raise at
-    once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
+    others with stage; then rank 0 with line placement, the others with stage (row units on every rank). Each
+    time every rank must raise at once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
     was put, and never wait out the timeout (10 s here; the check allows 5)."""
     import time
 
@@ -222,9 +260,11 @@ def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str)
     case = Case("units mismatch", 2048, [16], 4, 4)
     failures = 0
     for what, mine, others in (("dispatch_units", "chunk", "row"), ("dispatch_place", "slot", "stage"),
-                               ("dispatch_place", "inline", "stage")):
-        be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token",
-                                      **{what: mine if rank == 0 else others})
+                               ("dispatch_place", "inline", "stage"), ("dispatch_place", "line", "stage")):
+        chosen = {what: mine if rank == 0 else others}
+        if mine == "line":  # line sends whole rows (16 tokens: auto would pick chunk): row units on every rank, so
+            chosen["dispatch_units"] = "row"  # only the placement differs
+        be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token", **chosen)
         routing = rank_routing(case, rank, world, seed=1)
         inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
         dist.barrier()
@@ -248,11 +288,11 @@ def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str)
 
 
 def check_suite(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> List[str]:
-    """Every case of ``args.mode`` (check or orders) at each SM count; returns the failed ones as
+    """Every case of ``args.mode`` (check, orders or lines: LINE_CASES) at each SM count; returns the failed ones as
     'case sms=N' (the same list on every rank)."""
     failed: List[str] = []
-    run = run_case if args.mode == "check" else run_orders
-    for case in CASES:
+    run = {"check": run_case, "orders": run_orders, "lines": run_lines}[args.mode]
+    for case in (LINE_CASES if args.mode == "lines" else CASES):
         if args.quick and case.name not in QUICK:
             continue
         for sms in [int(s) for s in args.sms.split(",")]:
@@ -282,7 +322,7 @@ def run_check(args: argparse.Namespace, rank: int, world: int, device: torch.dev
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "orders"])
+    ap.add_argument("mode", choices=["check", "orders", "lines"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sync", choices=["grid", "token"], default="grid", help="backend option ll_sync")
     ap.add_argument("--sms", default="4,32", help="grid sizes to check (blocks; <= the GPU's SM count)")

@@ -43,8 +43,8 @@ def parse_spec(spec: str) -> Tuple[str, str, argparse.Namespace]:
     if not sep or not colon or not name or kind not in KINDS:
         raise SystemExit(f"a suite is KIND:NAME=FLAGS with KIND one of {sorted(KINDS)}, got {spec!r}")
     args = KINDS[kind][0](shlex.split(flags))
-    if kind == "ll" and args.mode not in ("check", "orders"):
-        raise SystemExit(f"suite {name}: ll flags start with check or orders, got {args.mode}")
+    if kind == "ll" and args.mode not in ("check", "orders", "lines"):
+        raise SystemExit(f"suite {name}: ll flags start with check, orders or lines, got {args.mode}")
     return kind, name, args
 
 

@@ -23,8 +23,9 @@ QUICK = ["--tokens", "1,32", "--sms", "16", "--warmup", "2", "--iters", "5"]
 VERIFIED = ["--variants", "grid,token"]
 RUNS = {"chain": [*VERIFIED, "--chain", "1,4"], "2 ranks": [*VERIFIED, "--nproc", "2"]}
 # one GPU per rank: only where the host has 2; with the token dispatches that leave parts out (llprobe.SKIPS)
-SPREAD = {"2 ranks spread": ["--variants", "grid,token,token-noown,token-norecv,token-peers,token-nofence", "--nproc", "2",
-                              "--spread"]}
+# and with the tuned ones (llprobe.TUNED), verified
+SPREAD = {"2 ranks spread": ["--variants", "grid,token,token-noown,token-norecv,token-peers,token-nofence,"
+                                           "token-line", "--nproc", "2", "--spread"]}
 
 
 def probe_command(args: list):
