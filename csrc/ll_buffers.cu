@@ -4,6 +4,7 @@
 // it unchanged. All sizes are the worst case (every token of every rank to one expert), so
 // nothing is allocated after ep_ll_create.
 #include <string.h>
+#include <algorithm>
 
 #include "ll_common.cuh"
 
@@ -96,11 +97,14 @@ extern "C" int ep_ll_create(const ep_config* cfg, void** out) {
   lp.off_dwords = c.take(dword_bytes);
   lp.off_tcflags = c.take(tcflag_bytes);
   lp.lrow_head = ll_inline_head(p.topk, p.num_scales);
-  lp.line_count = ll_line_count(p.row_bytes);
+  lp.line_count = ll_line_count<64>(p.row_bytes);
+  lp.line128_count = ll_line_count<128>(p.row_bytes);
+  lp.lline_words = std::max(lp.line_count * 8, lp.line128_count * 16);  // the larger of the two rows (a line size's rows
+  // lie Lc x kWords words apart: 64- or 128-byte aligned, as their lines)
   lp.lrow_words = lp.lrow_head + 4 * (p.row_bytes / 16);
   const size_t lstage_bytes = (size_t)p.world * lp.t_max * lp.lrow_words * sizeof(unsigned long long);
   lp.off_lstage = c.take(lstage_bytes);
-  const size_t lline_bytes = (size_t)p.world * lp.t_max * lp.line_count * kLlLineBytes;
+  const size_t lline_bytes = (size_t)p.world * lp.t_max * lp.lline_words * sizeof(unsigned long long);
   lp.off_lline = c.take(lline_bytes);
   ep->shared_bytes = c.next;
   ctx->off_y = c.take(slots * p.hidden * 2);
@@ -273,13 +277,14 @@ extern "C" int ep_ll_set_dispatch_units(void* vctx, int units) {
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_units, units, "dispatch units (0 row, 1 chunk)");
 }
 
-// Stage, slot, inline or line placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must set the same
-// value before the same call (a receiver that finds a peer's other kind stops with kPhaseLlPlaceMismatch).
+// Stage, slot, inline, line or line128 placement of the token dispatch's peer rows (LlDispatchPlace). Every rank must
+// set the same value before the same call (a receiver that finds a peer's other kind stops with kPhaseLlPlaceMismatch).
 extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
-  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2 && kLlPlaceLine == 3,
-                "LlDispatchPlace is 0 / 1 / 2 / 3");
+  static_assert(kLlPlaceStage == 0 && kLlPlaceSlot == 1 && kLlPlaceInline == 2 && kLlPlaceLine == 3 &&
+                    kLlPlaceLine128 == 4,
+                "LlDispatchPlace is 0 / 1 / 2 / 3 / 4");
   return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_place, place,
-                       "dispatch place (0 stage, 1 slot, 2 inline, 3 line)", 3);
+                       "dispatch place (0 stage, 1 slot, 2 inline, 3 line, 4 line128)", 4);
 }
 
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either

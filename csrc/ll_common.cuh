@@ -40,8 +40,9 @@
 //                                        (LlInlineRow), each 4 bytes of payload beside the epoch (line: the
 //                                        head words only); no flag (zeroed at creation: a word of epoch 0 is
 //                                        never current)
-//     lline      [world, T_max, 8 Lc] u64 dispatch_place line: source s's row t as Lc 64-byte tagged lines
-//                                        (LlLineRow); a region of its own, so no line word is ever read as an
+//     lline      [world, T_max, Lb] u64  dispatch_place line / line128: source s's row t as 64-byte or
+//                                        128-byte tagged lines (LlLineRow; Lb = the larger row, 128-byte
+//                                        aligned); a region of its own, so no line word is ever read as an
 //                                        inline word or the reverse (zeroed at creation)
 //   local part
 //     y          [E, C, hidden] bf16     combine input, filled by the caller
@@ -94,6 +95,7 @@ struct LlParams {
   int dispatch_place;  // LlDispatchPlace (ep_ll_set_dispatch_place): where a token dispatch's peer rows land
   int combine_release;  // LlCombineRelease (ep_ll_set_combine_release): the token combine's flag releases
   int probe_skip;  // measuring aid (ep_ll_set_probe_skip): 0, or LlProbeSkip bits the token dispatch leaves out
+  int line128_count, lline_words;  // LlLineRow<128>: lines per row; lline words per (source, token), either size
 };
 
 // Measuring aid (ep_ll_set_probe_skip; epbench probe's variants token-noown / token-norecv / token-peers): parts
@@ -164,16 +166,21 @@ constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk
 // on the peer whole and a warp's load of it seeing one version, which the PTX memory model does not promise (it
 // promises 8 bytes): every run of it is verified like any other. Lines of 128 bytes (NCCL's LL128 size) tore on 2 x
 // H200: the first 64 bytes of a line read stale beside a current tag (notes/LATENCY-NEXT.md). Row units only.
-enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3 };
+// kLlPlaceLine128: 128-byte lines of 120 bytes and the tag (7 % more bytes than the row), each receive batch loaded
+// once more after its tags were all current: the tear above showed a line's first 64 bytes landing before its tag
+// half, so a load issued after the tag was seen finds them (no wrong row in 1,600 calls of the loop that found
+// hundreds without it). Outside the PTX model too; verified like any other run. Row units only.
+enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3, kLlPlaceLine128 = 4 };
 
-// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its four high bits, so a receiver
+// The token dispatch's T word (dwords[source][E]) carries the sender's kind in its five high bits, so a receiver
 // of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch) instead of copying what it did not
 // wait for, or from where nothing was put: bit 31 chunk units, bit 30 slot placement, bit 29 inline placement, bit
-// 28 line placement (T < 2^28).
-constexpr unsigned kLlUnitsBitsMask = 0xf0000000u;
+// 28 line placement, bit 27 line128 placement (T < 2^27).
+constexpr unsigned kLlUnitsBitsMask = 0xf8000000u;
 __host__ __device__ __forceinline__ unsigned ll_units_bits(const LlParams& lp) {
   return (lp.dispatch_units == kLlUnitsChunk ? 0x80000000u : 0u) | (lp.dispatch_place == kLlPlaceSlot ? 0x40000000u : 0u) |
-         (lp.dispatch_place == kLlPlaceInline ? 0x20000000u : 0u) | (lp.dispatch_place == kLlPlaceLine ? 0x10000000u : 0u);
+         (lp.dispatch_place == kLlPlaceInline ? 0x20000000u : 0u) | (lp.dispatch_place == kLlPlaceLine ? 0x10000000u : 0u) |
+         (lp.dispatch_place == kLlPlaceLine128 ? 0x08000000u : 0u);
 }
 
 // How the token combine releases its push units' flags (ep_ll_set_combine_release, backend option
@@ -196,17 +203,25 @@ constexpr int kLlReleaseBatchUnits = 2;
 // scale words; from lrow_head (a multiple of 4) 4 words per 16-byte vector of the row.
 constexpr unsigned kLlNoSlot = 0xffffffffu;
 __host__ __device__ inline int ll_inline_head(int topk, int ns) { return (2 * topk + ns + 3) / 4 * 4; }
-// LlLineRow (dispatch_place line, lline[source, token], 64-byte aligned: the head words stay in lstage's
-// LlInlineRow): line_count lines of kLlLineWords words; line L holds payload bytes [56 L, 56 L + 56) of the row
-// (zero past its end) in its first 7 words and its tag, (epoch << 32) | kLlLineMark, in the last. Lane l of a warp
-// handles part l % 4 (16 bytes) of line 8 p + l / 4 of pass p: one warp instruction, 8 whole lines.
-constexpr int kLlLineBytes = 64;
-constexpr int kLlLineWords = kLlLineBytes / 8;
-constexpr int kLlLineParts = kLlLineBytes / 16;     // lanes per line
-constexpr int kLlLinesPerPass = 32 / kLlLineParts;  // lines per warp instruction
-constexpr int kLlLinePayload = kLlLineBytes - 8;
+// LlLineRow<kBytes> (dispatch_place line: 64, line128: 128; lline[source, token], Lc x kWords words apart, so
+// kBytes-aligned: the head words stay in lstage's LlInlineRow): ll_line_count<kBytes> lines of kWords words; line L holds
+// payload bytes [kPayload L, kPayload (L + 1)) of the row (zero past its end) in its first kWords - 1 words and its
+// tag, (epoch << 32) | kLlLineMark, in the last. Lane l of a warp handles part l % kParts (16 bytes) of line
+// kPerPass p + l / kParts of pass p: one warp instruction, kPerPass whole lines.
+template <int kBytes>
+struct LlLineRow {
+  static_assert(kBytes == 64 || kBytes == 128, "64- or 128-byte lines");
+  static constexpr int kWords = kBytes / 8;
+  static constexpr int kParts = kBytes / 16;     // lanes per line
+  static constexpr int kPerPass = 32 / kParts;   // lines per warp instruction
+  static constexpr int kPayload = kBytes - 8;
+  static constexpr bool kReread = kBytes == 128;  // line128: the batch loaded once more after its tags
+};
 constexpr unsigned kLlLineMark = 0x4c494e45u;  // "LINE"
-__host__ __device__ inline int ll_line_count(int row_bytes) { return (row_bytes + kLlLinePayload - 1) / kLlLinePayload; }
+template <int kBytes>
+__host__ __device__ inline int ll_line_count(int row_bytes) {
+  return (row_bytes + LlLineRow<kBytes>::kPayload - 1) / LlLineRow<kBytes>::kPayload;
+}
 
 __device__ __forceinline__ void st_relaxed_sys_v2u64(unsigned long long* p, unsigned long long a, unsigned long long b) {
   asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");

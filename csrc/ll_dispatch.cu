@@ -74,6 +74,8 @@
 //   dispatch_place line (kWords 2, row units only): the inline head words, then the row as 64-byte lines of 56
 //      bytes and an epoch tag in lline (LlLineRow; send_line / receive_line); the receive unit (s, t, c) takes
 //      batch c of 8 x kLinePasses lines once the warp has seen every tag of it current. T word bit 28.
+//   dispatch_place line128 (kWords 3): the same with 128-byte lines of 120 bytes, each batch of 4 x kLinePasses
+//      loaded once more after its tags were current (LlLineRow<128>::kReread). T word bit 27.
 //   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
 //   receive copies, the small stores beside a peer row or the fence before a peer row's flag (LlProbeSkip,
 //   ll_common.cuh); outputs then wrong.
@@ -329,28 +331,34 @@ __device__ __forceinline__ int unit_slot(const LlParams& lp, const int* s_mask, 
   return want ? token_slot(lp, s_mask, NE, me, t, e, d) : 0;
 }
 
-// dispatch_place line (LlLineRow, ll_common.cuh): lane l holds part j = l % 4 of line L0 + 8 q + l / 4 of each of a
-// batch's kP passes (LineParts<kP>): payload bytes [56 L + 16 j, + 16) of the row, and for j = 3 the 8 bytes
-// [56 L + 48, 56 L + 56) and the line's tag. The 4 lanes of a line store it, and a receiver's 4 lanes load it, in
+// dispatch_place line / line128 (LlLineRow<kBytes>, ll_common.cuh; 64: P = 4 lanes a line, 8 lines a pass, 56
+// payload bytes; 128: P = 8, 4, 120): lane l holds part j = l % P of line L0 + (32 / P) q + l / P of each of a batch's
+// kP passes (LineParts<kP>): payload bytes [payload L + 16 j, + 16) of the row, and for j = P - 1 the 8 bytes before
+// the line's payload ends and the line's tag. The P lanes of a line store it, and a receiver's P lanes load it, in
 // one warp instruction.
-constexpr int kLinePasses = 4;       // a receive unit's batch: 32 lines (1792 payload bytes)
-constexpr int kLineSendPasses = 8;   // a sender's lines in flight: 64 (a 7 KiB row in two rounds, as copy_row)
+constexpr int kLinePasses = 4;       // a receive unit's batch: 32 lines of 64 bytes (1792 payload bytes) or 16 of 128 (1920)
+constexpr int kLineSendPasses = 8;   // a sender's lines in flight: 64 or 32 (a 7 KiB row in two rounds, as copy_row)
+template <int kBytes>
+__device__ __forceinline__ int line_count_of(const LlParams& lp) {
+  return kBytes == 64 ? lp.line_count : lp.line128_count;
+}
 template <int kP>
 struct LineParts {
   unsigned long long lo[kP], hi[kP];
 };
 
-// The row's payload of lines [L0, L0 + 8 kP) below Lc into the lane's parts (zero past the row's end).
-template <int kP>
+// The row's payload of lines [L0, L0 + (32 / P) kP) below Lc into the lane's parts (zero past the row's end).
+template <int kBytes, int kP>
 __device__ __forceinline__ void load_line_parts(const uint8_t* row, int R, int Lc, int L0, int lane,
                                                 unsigned long long tag, LineParts<kP>& lp) {
-  const int j = lane % kLlLineParts;
+  using Line = LlLineRow<kBytes>;
+  const int j = lane % Line::kParts;
 #pragma unroll
   for (int q = 0; q < kP; ++q) {
-    const int L = L0 + kLlLinesPerPass * q + lane / kLlLineParts, off = kLlLinePayload * L + 16 * j;
+    const int L = L0 + Line::kPerPass * q + lane / Line::kParts, off = Line::kPayload * L + 16 * j;
     const bool in = L < Lc;
     lp.lo[q] = in && off < R ? __ldg(reinterpret_cast<const unsigned long long*>(row + off)) : 0ull;
-    lp.hi[q] = j == kLlLineParts - 1 ? (tag | kLlLineMark)
+    lp.hi[q] = j == Line::kParts - 1 ? (tag | kLlLineMark)
                                      : (in && off + 8 < R ? __ldg(reinterpret_cast<const unsigned long long*>(row + off + 8)) : 0ull);
   }
 }
@@ -419,14 +427,16 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
   }
 }
 
-// Peer unit of the line placement (kLlPlaceLine, row units): token t's head words as send_inline's, then, when t
-// has an expert on d, its row as line_count lines into lline[me, t] on d, 8 x kLineSendPasses lines at a time, each
-// batch's loads issued before its stores; no fence and no flag: each line carries its tag.
-template <typename SlotOf>
+// Peer unit of the line placements (kLlPlaceLine / kLlPlaceLine128, row units): token t's head words as
+// send_inline's, then, when t has an expert on d, its row as Lc lines of kBytes into lline[me, t] on d, (32 / P) x
+// kLineSendPasses lines at a time, each batch's loads issued before its stores; no fence and no flag: each line
+// carries its tag.
+template <int kBytes, typename SlotOf>
 __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
                                           int t, bool hit, unsigned mask, float w, int lane, unsigned long long tag,
                                           SlotOf slot_of) {
-  const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = lp.line_count;
+  using Line = LlLineRow<kBytes>;
+  const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = line_count_of<kBytes>(lp);
   unsigned long long* lr =
       reinterpret_cast<unsigned long long*>(pb + lp.off_lstage) + ((size_t)p.rank * lp.t_max + t) * lp.lrow_words;
   const float* ssrc = a.x_scales + (size_t)t * ns;
@@ -435,22 +445,22 @@ __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp,
   LineParts<kLineSendPasses> parts;
   if (mask != 0) {  // the first lines and the scales in flight before the head words go out
     sc.load(ssrc, ns, lane);
-    load_line_parts(row, R, Lc, 0, lane, tag, parts);
+    load_line_parts<kBytes>(row, R, Lc, 0, lane, tag, parts);
   }
   const int slot = slot_of();  // unit_slot
   send_head_words(lr, topk, ns, lane, tag, hit, mask, slot, w, !(lp.probe_skip & kLlSkipSmallStores), sc, ssrc);
   if (mask == 0) return;  // warp-uniform
   unsigned long long* lw =
-      reinterpret_cast<unsigned long long*>(pb + lp.off_lline) + ((size_t)p.rank * lp.t_max + t) * Lc * kLlLineWords;
+      reinterpret_cast<unsigned long long*>(pb + lp.off_lline) + ((size_t)p.rank * lp.t_max + t) * Lc * Line::kWords;
   for (int L0 = 0;;) {
 #pragma unroll
     for (int q = 0; q < kLineSendPasses; ++q) {
-      const int L = L0 + kLlLinesPerPass * q + lane / kLlLineParts;
-      if (L < Lc) st_relaxed_sys_v2u64(lw + kLlLineWords * (size_t)L + 2 * (lane % kLlLineParts), parts.lo[q], parts.hi[q]);
+      const int L = L0 + Line::kPerPass * q + lane / Line::kParts;
+      if (L < Lc) st_relaxed_sys_v2u64(lw + Line::kWords * (size_t)L + 2 * (lane % Line::kParts), parts.lo[q], parts.hi[q]);
     }
-    L0 += kLlLinesPerPass * kLineSendPasses;
+    L0 += Line::kPerPass * kLineSendPasses;
     if (L0 >= Lc) break;  // warp-uniform
-    load_line_parts(row, R, Lc, L0, lane, tag, parts);
+    load_line_parts<kBytes>(row, R, Lc, L0, lane, tag, parts);
   }
 }
 
@@ -465,15 +475,18 @@ __device__ __forceinline__ unsigned wait_slot_words(const EpParams& p, const uns
   return __ballot_sync(0xffffffffu, valid);
 }
 
-// Receive unit (source s, token t, batch c of 8 x kLinePasses lines) of the line placement: the slot words as
-// receive_inline waits for them; then the warp polls the batch's lines until every line's tag is of this epoch or
-// later (one vote: the tag is lane j = 3's, the other lanes' parts of a line were loaded by the same instruction),
-// then stores them into each valid slot with 8-byte stores; c = 0 then waits for the scale and weight words (sent
-// before the lines) and stores them, pair and this rank's tmap / tw entries as receive_inline does (nothing, if a
-// wait gave up). `copy` false: waits, copies nothing.
+// Receive unit (source s, token t, batch c of (32 / P) x kLinePasses lines) of the line placements: the slot words
+// as receive_inline waits for them; then the warp polls the batch's lines until every line's tag is of this epoch or
+// later (one vote: the tag is lane j = P - 1's, the other lanes' parts of a line were loaded by the same
+// instruction); line128 then loads the batch once more (LlLineRow::kReread: a 128-byte line's first half may have
+// been read before it landed); then stores them into each valid slot with 8-byte stores; c = 0 then waits for the
+// scale and weight words (sent before the lines) and stores them, pair and this rank's tmap / tw entries as
+// receive_inline does (nothing, if a wait gave up). `copy` false: waits, copies nothing.
+template <int kBytes>
 __device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& lp, int s, int t, int c, int epoch,
                                              int lane, bool copy) {
-  const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = lp.line_count;
+  using Line = LlLineRow<kBytes>;
+  const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = line_count_of<kBytes>(lp);
   uint8_t* mybase = p.peer_base[p.rank];
   const size_t srow = (size_t)s * lp.t_max + t;
   const unsigned long long* lr =
@@ -482,34 +495,38 @@ __device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& 
   bool valid;
   const unsigned mask = wait_slot_words(p, lr, topk, epoch, s, lane, slot, valid);
   if (mask == 0) return;  // warp-uniform
-  const int L0 = kLlLinesPerPass * kLinePasses * c, L1 = min(Lc, L0 + kLlLinesPerPass * kLinePasses);
-  const int j = lane % kLlLineParts;
+  const int L0 = Line::kPerPass * kLinePasses * c, L1 = min(Lc, L0 + Line::kPerPass * kLinePasses);
+  const int j = lane % Line::kParts;
   const unsigned long long* lw =
-      reinterpret_cast<const unsigned long long*>(mybase + lp.off_lline) + srow * Lc * kLlLineWords;
+      reinterpret_cast<const unsigned long long*>(mybase + lp.off_lline) + srow * Lc * Line::kWords;
   uint8_t* xr = mybase + lp.off_x;
   LineParts<kLinePasses> parts;
-  const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
+  const auto load_batch = [&] {
 #pragma unroll
-    for (int q = 0; q < kLinePasses; ++q) {  // every load of the poll issued before any is looked at
-      const int L = L0 + kLlLinesPerPass * q + lane / kLlLineParts;
-      if (L < L1) ld_relaxed_sys_v2u64(lw + kLlLineWords * (size_t)L + 2 * j, parts.lo[q], parts.hi[q]);
+    for (int q = 0; q < kLinePasses; ++q) {  // every load of the batch issued before any is looked at
+      const int L = L0 + Line::kPerPass * q + lane / Line::kParts;
+      if (L < L1) ld_relaxed_sys_v2u64(lw + Line::kWords * (size_t)L + 2 * j, parts.lo[q], parts.hi[q]);
     }
+  };
+  const bool ok = ll_spin_warp(p, s, kPhaseLlDispatch, lane, [&] {
+    load_batch();
     bool here = true;
 #pragma unroll
     for (int q = 0; q < kLinePasses; ++q)
-      if (j == kLlLineParts - 1 && L0 + kLlLinesPerPass * q + lane / kLlLineParts < L1)
+      if (j == Line::kParts - 1 && L0 + Line::kPerPass * q + lane / Line::kParts < L1)
         here = here && (unsigned)parts.hi[q] == kLlLineMark && (int)(parts.hi[q] >> 32) - epoch >= 0;
     return __all_sync(0xffffffffu, here);
   });
   if (!ok || !copy) return;  // gave up (the error is recorded; warp-uniform), or measuring
+  if constexpr (Line::kReread) load_batch();  // after every tag was seen current: a line's first half is there too
   for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
     uint8_t* dst = xr + (size_t)__shfl_sync(0xffffffffu, slot, __ffs(todo) - 1) * R;
 #pragma unroll
     for (int q = 0; q < kLinePasses; ++q) {
-      const int L = L0 + kLlLinesPerPass * q + lane / kLlLineParts, off = kLlLinePayload * L + 16 * j;
+      const int L = L0 + Line::kPerPass * q + lane / Line::kParts, off = Line::kPayload * L + 16 * j;
       if (L >= L1) break;  // (the later passes' lines are further on)
       if (off < R) *reinterpret_cast<unsigned long long*>(dst + off) = parts.lo[q];
-      if (j < kLlLineParts - 1 && off + 8 < R) *reinterpret_cast<unsigned long long*>(dst + off + 8) = parts.hi[q];
+      if (j < Line::kParts - 1 && off + 8 < R) *reinterpret_cast<unsigned long long*>(dst + off + 8) = parts.hi[q];
     }
   }
   if (c != 0) return;
@@ -626,8 +643,8 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   }
 }
 
-// kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line (each its own instantiation, so the flagged
-// kernel keeps its registers)
+// kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line, 3 line128 (each its own instantiation, so the
+// flagged kernel keeps its registers)
 template <int kThreads, int kWords>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
@@ -652,7 +669,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
   if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
     dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
-    // first: the receivers' blocks wait for it; bits 31 / 30 / 29 / 28 say chunk units / slot / inline / line placement (T < 2^28), so a
+    // first: the receivers' blocks wait for it; bits 31 / 30 / 29 / 28 / 27 say chunk units / slot / inline / line / line128 placement (T < 2^27), so a
     // receiver set to another kind stops with an error instead of copying what it did not wait for
     st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
   }
@@ -707,7 +724,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     uint8_t* pb = p.peer_base[d];
     if (kWords != 0 && !own) {
       const auto slot_of = [&] { return unit_slot(lp, s_mask, NE, me, t, e, d, hit); };
-      if constexpr (kWords == 2) send_line(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
+      if constexpr (kWords == 2) send_line<64>(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
+      else if constexpr (kWords == 3) send_line<128>(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
       else send_inline(p, lp, a, pb, t, hit, mask, w, pc, pnx, lane, tag, slot_of);
       continue;
     }
@@ -847,8 +865,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
       lp.src_tokens[threadIdx.x] = threadIdx.x == me ? T : s_tok[threadIdx.x + 1] - s_tok[threadIdx.x];
   }
   const unsigned long long* tflags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tflags);
-  // receive units per row: nx chunks of kS x 32 vectors, or (line) one per batch of 8 x kLinePasses lines
-  const int nxr = kWords == 2 ? (lp.line_count + kLlLinesPerPass * kLinePasses - 1) / (kLlLinesPerPass * kLinePasses) : nx;
+  // receive units per row: nx chunks of kS x 32 vectors, or (line / line128) one per batch of (8 or 4) x kLinePasses
+  // lines
+  constexpr int kBatch = (kWords == 3 ? LlLineRow<128>::kPerPass : LlLineRow<64>::kPerPass) * kLinePasses;
+  const int nxr = kWords == 2 ? (lp.line_count + kBatch - 1) / kBatch
+                              : kWords == 3 ? (lp.line128_count + kBatch - 1) / kBatch : nx;
   for (long long u = gw; !aborted && u < (long long)s_tok[world] * nxr; u += G) {
     const int st = (int)(u / nxr), c = (int)(u - (long long)st * nxr);
     int s = 0;
@@ -857,8 +878,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     if constexpr (kWords == 1) {  // every word waited for on its own, no flag
       receive_inline(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
       continue;
-    } else if constexpr (kWords == 2) {  // every line waited for by its tag, no flag
-      receive_line(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
+    } else if constexpr (kWords >= 2) {  // every line waited for by its tag, no flag
+      receive_line<kWords == 2 ? 64 : 128>(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
       continue;
     }
     // lane 0 alone polls (one ld.acquire.sys per poll, not 32: the pollers share the L2 with the rows
@@ -897,17 +918,18 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   a.topk_w = (const float*)topk_w;
   a.num_tokens = num_tokens;
   const int place = ctx->lp.dispatch_place;
-  if (ctx->sync == kLlSyncToken && place == kLlPlaceLine && ctx->lp.dispatch_units != kLlUnitsRow) {
-    ep_set_error("low-latency dispatch place line needs row units (dispatch_units row)");
+  if (ctx->sync == kLlSyncToken && (place == kLlPlaceLine || place == kLlPlaceLine128) &&
+      ctx->lp.dispatch_units != kLlUnitsRow) {
+    ep_set_error("low-latency dispatch place line / line128 needs row units (dispatch_units row)");
     return -1;
   }
   ctx->launched = true;
   if (ctx->sync == kLlSyncToken) {
     const size_t smem = ll_token_smem_bytes(num_tokens, p.topk, ctx->lp.num_experts);  // <= ctx->token_smem
     using Kernel = void (*)(EpParams, LlParams, LlDispatchArgs);
-    static const Kernel kernels[3] = {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>,
-                                      ll_dispatch_token_kernel<512, 2>};
-    const int words = place == kLlPlaceInline ? 1 : place == kLlPlaceLine ? 2 : 0;
+    static const Kernel kernels[4] = {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>,
+                                      ll_dispatch_token_kernel<512, 2>, ll_dispatch_token_kernel<512, 3>};
+    const int words = place == kLlPlaceInline ? 1 : place == kLlPlaceLine ? 2 : place == kLlPlaceLine128 ? 3 : 0;
     kernels[words]<<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
   } else {
     const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
@@ -918,7 +940,8 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
 }
 
 int ll_dispatch_token_smem_attr(int bytes) {
-  for (auto kernel : {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>, ll_dispatch_token_kernel<512, 2>})
+  for (auto kernel : {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>, ll_dispatch_token_kernel<512, 2>,
+                      ll_dispatch_token_kernel<512, 3>})
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   return 0;
 }

@@ -182,8 +182,11 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "tag (14 % more bytes, no fence, no flag; relies on a 64-byte line landing and "
                                  "being read whole, which the PTX model does not promise: 128-byte lines tore on 2 x "
                                  "H200; row units only; 2 x H200: 0.3-1.5 us faster at 32-256 tokens, slower at 1-8; "
-                                 "4 x H200: 0.5 faster at 128, 0.7 slower at 256; notes/LATENCY-NEXT.md)",
-                                 choices=("auto", "stage", "slot", "inline", "line"), env="EPBENCH_LL_DISPATCH_PLACE"),
+                                 "4 x H200: 0.5 faster at 128, 0.7 slower at 256; notes/LATENCY-NEXT.md); line128: "
+                                 "the same in 128-byte lines of 120 bytes and the tag (7 % more bytes), each batch "
+                                 "loaded once more after its tags were seen (the cure for the tear, in the repro); "
+                                 "not yet measured in epbench itself",
+                                 choices=("auto", "stage", "slot", "inline", "line", "line128"), env="EPBENCH_LL_DISPATCH_PLACE"),
         "combine_release": Option(str, "batch", "how the token-sync combine releases its pushes' flags: unit (a "
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
                                   "to 2 pushes, then one fence and their flags: 4 x H200, 1.5-1.8 us faster at 128-256 "

@@ -560,6 +560,10 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
         ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_place="line")  # 4 tokens: auto picks chunk
     assert ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_place="line").effective_config()[
         "dispatch_place"] == "stage"  # the grid dispatch ignores the placement
+    lined128 = ll.EpbenchLowLatencyBackend(big.s, ll_sync="token", dispatch_place="line128")
+    assert places[-1] == 4 and lined128.effective_config()["dispatch_place"] == "line128"
+    with pytest.raises(RuntimeError, match="dispatch_place line128 sends whole rows: it needs dispatch_units row"):
+        ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_place="line128")
 
 
 def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
@@ -582,69 +586,75 @@ def test_dispatch_units_option_parses_and_matches_the_kernels_enum():
     assert options.resolve("epbench-ll", {}, environ={})["dispatch_place"] == "auto"
     assert [ll.dispatch_place_for("auto", t) for t in (1, 16, 17, 128)] == ["inline", "inline", "stage", "stage"]
     assert ll.dispatch_place_for("slot", 1) == "slot" and ll.dispatch_place_for("inline", 256) == "inline"
-    assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2, "line": 3}
-    assert ("enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3 };"
-            in header)
-    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, line, got 'peer'"):
+    assert ll.PLACES == {"stage": 0, "slot": 1, "inline": 2, "line": 3, "line128": 4}
+    assert ("enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3, "
+            "kLlPlaceLine128 = 4 };" in header)
+    with pytest.raises(UserError, match="dispatch_place: must be one of auto, stage, slot, inline, line, line128, "
+                                        "got 'peer'"):
         options.validate({"epbench-ll": {"dispatch_place": "peer"}})
     with pytest.raises(UserError, match="combine_release: must be one of unit, batch, got 'all'"):
         options.validate({"epbench-ll": {"combine_release": "all"}})
 
 
-LINE_BYTES, LINE_PAYLOAD, LINE_PARTS = 64, 56, 4  # csrc/ll_common.cuh: kLlLineBytes, kLlLinePayload, kLlLineParts
-
-
-def _line_parts(row: bytes, line_count: int, tag: int):
-    """csrc/ll_dispatch.cu load_line_parts over every pass: {(line, part j): (lo, hi)} as 8-byte little-endian
-    words; part j < 3 holds payload bytes [56 L + 16 j, + 16), part 3 the 8 bytes at 56 L + 48 and the tag."""
-    R, out = len(row), {}
+def _line_parts(row: bytes, line_bytes: int, tag: int):
+    """csrc/ll_dispatch.cu load_line_parts<line_bytes> over every pass: {(line, part j): (lo, hi)} as 8-byte
+    little-endian words; with P = line_bytes / 16 parts a line and payload = line_bytes - 8, part j < P - 1 holds
+    payload bytes [payload L + 16 j, + 16), part P - 1 the 8 bytes at payload L + 16 (P - 1) and the tag."""
+    R, out, parts, payload = len(row), {}, line_bytes // 16, line_bytes - 8
     word = lambda off: int.from_bytes(row[off:off + 8], "little") if off < R else 0  # noqa: E731
-    for L in range(line_count):
-        for j in range(LINE_PARTS):
-            off = LINE_PAYLOAD * L + 16 * j
-            out[L, j] = (word(off), tag if j == LINE_PARTS - 1 else word(off + 8))
+    for L in range((R + payload - 1) // payload):
+        for j in range(parts):
+            off = payload * L + 16 * j
+            out[L, j] = (word(off), tag if j == parts - 1 else word(off + 8))
     return out
 
 
-@pytest.mark.parametrize("row_bytes", [16, 48, 56, 64, 112, 240, 2048, 7168, 7184, 14336, 16384])
-def test_line_placement_carries_every_byte_of_the_row_once(row_bytes):
-    """dispatch_place line: the sender's parts, written back as receive_line stores them (8-byte stores at
-    56 L + 16 j, the second only for j < 3, neither past the row), give back the row exactly; every line
-    carries its tag in part 3; lines live in a region of their own (lline), 64 bytes each."""
+@pytest.mark.parametrize("line_bytes", [64, 128])
+@pytest.mark.parametrize("row_bytes", [16, 48, 56, 64, 112, 128, 240, 2048, 7168, 7184, 14336, 16384])
+def test_line_placement_carries_every_byte_of_the_row_once(row_bytes, line_bytes):
+    """dispatch_place line (64-byte lines) and line128: the sender's parts, written back as receive_line stores
+    them (8-byte stores at payload L + 16 j, the second only for j < P - 1, neither past the row), give back the row
+    exactly; every line carries its tag in its last part; each size's rows fit the lline region."""
     import random
 
     root = Path(__file__).resolve().parents[1] / "csrc"
     header = (root / "ll_common.cuh").read_text()
-    assert (f"constexpr int kLlLineBytes = {LINE_BYTES};" in header and "kLlLinePayload = kLlLineBytes - 8;" in header
-            and "kLlLineParts = kLlLineBytes / 16;" in header and "kLlLineMark = 0x4c494e45u;" in header)
+    assert ("static constexpr int kParts = kBytes / 16;" in header and "static constexpr int kPayload = kBytes - 8;"
+            in header and "static constexpr bool kReread = kBytes == 128;" in header
+            and "kLlLineMark = 0x4c494e45u;" in header)
+    parts_per_line, payload = line_bytes // 16, line_bytes - 8
     rng = random.Random(row_bytes)
     row = bytes(rng.randrange(256) for _ in range(row_bytes))
-    lines = (row_bytes + LINE_PAYLOAD - 1) // LINE_PAYLOAD
+    lines = (row_bytes + payload - 1) // payload
     tag = (7 << 32) | 0x4C494E45
-    parts = _line_parts(row, lines, tag)
+    parts = _line_parts(row, line_bytes, tag)
     got = bytearray(row_bytes)
     written = [0] * row_bytes
     for (L, j), (lo, hi) in parts.items():
-        off = LINE_PAYLOAD * L + 16 * j
-        for value, at, ok in ((lo, off, off < row_bytes), (hi, off + 8, j < LINE_PARTS - 1 and off + 8 < row_bytes)):
+        off = payload * L + 16 * j
+        last = j == parts_per_line - 1
+        for value, at, ok in ((lo, off, off < row_bytes), (hi, off + 8, not last and off + 8 < row_bytes)):
             if ok:
                 got[at:at + 8] = value.to_bytes(8, "little")
                 for b in range(at, at + 8):
                     written[b] += 1
     assert bytes(got) == row and written == [1] * row_bytes
-    assert all(parts[L, LINE_PARTS - 1][1] == tag for L in range(lines))
-    # lane l of pass q of a batch from line L0 holds line L0 + 8 q + l / 4: a sender's batches of 64 lines and the
-    # receive units' batches of 32 (nxr = lines / 32 rounded up) each reach every line once
-    per_pass = 32 // LINE_PARTS
+    assert all(parts[L, parts_per_line - 1][1] == tag for L in range(lines))
+    # lane l of pass q of a batch from line L0 holds line L0 + (32 / P) q + l / P: a sender's batches of 8 passes
+    # and the receive units' batches of 4 (nxr = lines / batch rounded up) each reach every line once
+    per_pass = 32 // parts_per_line
     for per_batch in (per_pass * 8, per_pass * 4):
-        reached = [L0 + per_pass * q + lane // LINE_PARTS for L0 in range(0, lines, per_batch)
-                   for q in range(per_batch // per_pass) for lane in range(0, 32, LINE_PARTS)]
+        reached = [L0 + per_pass * q + lane // parts_per_line for L0 in range(0, lines, per_batch)
+                   for q in range(per_batch // per_pass) for lane in range(0, 32, parts_per_line)]
         assert sorted(L for L in reached if L < lines) == list(range(lines))
-    # ll_buffers.cu: lstage rows hold inline words only; the lines get a region of their own, zeroed at creation
+    # ll_buffers.cu: lstage rows hold inline words only; lline rows are as long as the larger size needs, each
+    # size's rows Lc x kWords words apart (the row fits), zeroed at creation
     src = (root / "ll_buffers.cu").read_text()
     assert "lp.lrow_words = lp.lrow_head + 4 * (p.row_bytes / 16);" in src
-    assert "const size_t lline_bytes = (size_t)p.world * lp.t_max * lp.line_count * kLlLineBytes;" in src
+    assert "lp.lline_words = std::max(lp.line_count * 8, lp.line128_count * 16);" in src
+    assert "const size_t lline_bytes = (size_t)p.world * lp.t_max * lp.lline_words * sizeof(unsigned long long);" in src
     assert "cudaMemset(r + lp.off_lline, 0, lline_bytes)" in src
+    assert lines * line_bytes <= 8 * max((row_bytes + 55) // 56 * 8, (row_bytes + 119) // 120 * 16)
 
 
 def _dispatch_units(T, world, me, nx, ng, pnx):

@@ -18,7 +18,7 @@ flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
 row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
 ``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease);
-``dispatch_place`` stage|slot|inline|line|auto where the token-sync dispatch puts a peer's row (LlDispatchPlace).
+``dispatch_place`` stage|slot|inline|line|line128|auto where the token-sync dispatch puts a peer's row (LlDispatchPlace).
 All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and auto;
 env EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
 EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE / EPBENCH_LL_DISPATCH_PLACE).
@@ -45,7 +45,7 @@ MAX_STAGED_IDS = 48 * 1024 // 4  # max_tokens_per_rank x topk the dispatch kerne
 SYNCS = {"grid": 0, "token": 1}  # option ll_sync -> enum LlSync (csrc/ll_common.cuh)
 ORDERS = {"source": 0, "rotated": 1}  # option combine_order -> enum LlCombineOrder (csrc/ll_common.cuh)
 UNITS = {"row": 0, "chunk": 1}  # option dispatch_units -> enum LlDispatchUnits (csrc/ll_common.cuh)
-PLACES = {"stage": 0, "slot": 1, "inline": 2, "line": 3}  # option dispatch_place -> enum LlDispatchPlace (csrc/ll_common.cuh)
+PLACES = {"stage": 0, "slot": 1, "inline": 2, "line": 3, "line128": 4}  # option dispatch_place -> enum LlDispatchPlace (csrc/ll_common.cuh)
 RELEASES = {"unit": 0, "batch": 1}  # option combine_release -> enum LlCombineRelease (csrc/ll_common.cuh)
 TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's shared memory
 
@@ -156,8 +156,8 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
         if self.ll_sync == "auto":  # the one recorded in the rows (effective_config)
             self.ll_sync = "token" if need <= TOKEN_SMEM_LIMIT else "grid"
-        if self.ll_sync == "token" and self.dispatch_place == "line" and self.dispatch_units == "chunk":
-            raise RuntimeError("epbench-ll dispatch_place line sends whole rows: it needs dispatch_units row "
+        if self.ll_sync == "token" and self.dispatch_place in ("line", "line128") and self.dispatch_units == "chunk":
+            raise RuntimeError(f"epbench-ll dispatch_place {self.dispatch_place} sends whole rows: it needs dispatch_units row "
                                f"(auto picks chunk up to {AUTO_UNITS_MAX_TOKENS} tokens per rank)")
         if self.ll_sync == "token":
             if need > TOKEN_SMEM_LIMIT:

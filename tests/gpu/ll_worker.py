@@ -91,7 +91,7 @@ LINE_CASES: List[Case] = [
     Case("lines top-1, one expert", 2048, [64], 1, 4, "bf16", "expert0"),
     Case("lines dsv3 fp8", 7168, [32], 8, 64, "fp8"),
 ]
-LINE_CALLS = 60  # inline, then line, each with fresh token values
+LINE_CALLS = 60  # of each line size, each after an inline call, each pair with fresh token values
 
 
 def setup_of(case: Case, rank: int, world: int, device: torch.device, timeout_s: float = 10.0) -> RankSetup:
@@ -186,7 +186,8 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
         [("rotated", "chunk", "unit", "stage"), ("rotated", "row", "batch", "stage"),
          ("rotated", "row", "batch", "slot"), ("rotated", "chunk", "unit", "slot"),
          ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline"),
-         ("rotated", "row", "batch", "line"), ("rotated", "row", "unit", "line")] if sync == "token" else [])
+         ("rotated", "row", "batch", "line"), ("rotated", "row", "unit", "line"),
+         ("rotated", "row", "batch", "line128")] if sync == "token" else [])
     for order, units, release, place in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
@@ -211,19 +212,21 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
 
 
 def run_lines(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
-    """dispatch_place line, LINE_CALLS times, each after an inline call and each with fresh token values (so a
-    line read before all of it landed shows the previous call's bytes): every dispatch and combine verified. Lines
-    of 128 bytes failed this on 2 x H200 (the first 64 bytes of a line stale beside a current tag); token sync."""
+    """dispatch_place line and line128, LINE_CALLS times each, in turn, each after an inline call with the same
+    fresh token values (so a line read before all of it landed shows older bytes): every dispatch and combine
+    verified. 128-byte lines without line128's second load failed this on 2 x H200 (the first 64 bytes of a line
+    stale beside a current tag); token sync."""
     problems: List[str] = []
     if sync != "token":
         return problems
     kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync="token", dispatch_units="row")
     routings = [rank_routing(case, r, world, seed=5) for r in range(world)]
-    wrong = {"inline": 0, "line": 0}
-    for i in range(LINE_CALLS):
-        inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, 100 + i, device), routings[r],
+    wrong = {"inline": 0, "line": 0, "line128": 0}
+    for n in range(2 * LINE_CALLS):
+        i, line = n // 2, ("line", "line128")[n % 2]
+        inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, 100 + n, device), routings[r],
                                  case.dtype, device) for r in range(world)]
-        for place in ("inline", "line"):
+        for place in ("inline", line):
             kernels.use_dispatch_place(place)  # every rank switches before the same call
             d, c, _ = one_call(kernels, launch_calls(kernels, inputs[rank], sms, rank), inputs[rank], rank, world,
                                case.experts_per_rank, lambda r: inputs[r])
@@ -250,7 +253,8 @@ def check_timeout(rank: int, world: int, device: torch.device, sync: str) -> int
 def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str) -> int:
     """Token sync: rank 0 dispatches with chunk peer units, the others with row units (hidden 2048 bf16: 2
     chunks a row); then rank 0 with slot placement, the others with stage; then rank 0 with inline placement, the
-    others with stage; then rank 0 with line placement, the others with stage (row units on every rank). Each
+    others with stage; then rank 0 with line and then line128 placement, the others with stage (row units on every
+    rank). Each
     time every rank must raise at once naming the options (the T word's kind bits), never copy what it did not wait for or from where nothing
     was put, and never wait out the timeout (10 s here; the check allows 5)."""
     import time
@@ -260,10 +264,11 @@ def check_units_mismatch(rank: int, world: int, device: torch.device, sync: str)
     case = Case("units mismatch", 2048, [16], 4, 4)
     failures = 0
     for what, mine, others in (("dispatch_units", "chunk", "row"), ("dispatch_place", "slot", "stage"),
-                               ("dispatch_place", "inline", "stage"), ("dispatch_place", "line", "stage")):
+                               ("dispatch_place", "inline", "stage"), ("dispatch_place", "line", "stage"),
+                               ("dispatch_place", "line128", "stage")):
         chosen = {what: mine if rank == 0 else others}
-        if mine == "line":  # line sends whole rows (16 tokens: auto would pick chunk): row units on every rank, so
-            chosen["dispatch_units"] = "row"  # only the placement differs
+        if mine in ("line", "line128"):  # lines carry whole rows (16 tokens: auto would pick chunk): row units on
+            chosen["dispatch_units"] = "row"  # every rank, so only the placement differs
         be = EpbenchLowLatencyBackend(setup_of(case, rank, world, device, timeout_s=10.0), ll_sync="token", **chosen)
         routing = rank_routing(case, rank, world, seed=1)
         inp = dispatch_input(make_tokens(16, 2048, 7, rank, 1, device), routing, "bf16", device)
