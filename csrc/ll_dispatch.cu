@@ -464,6 +464,34 @@ __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp,
   }
 }
 
+// Source s's token t's LlInlineRow in my lstage (srow = s * T_max + t).
+__device__ __forceinline__ const unsigned long long* inline_row(const LlParams& lp, const uint8_t* mybase, size_t srow) {
+  return reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
+}
+
+// Slot sl's scales (ns words: the first 32 kRegs as loaded into sraw, any beyond waited for one at a time from the
+// row's scale words sw) and pair entry, by an inline or line receive unit.
+__device__ __forceinline__ void put_scales_pair(const EpParams& p, float* xs, int* pair, size_t sl, int ns, int lane,
+                                                const unsigned long long (&sraw)[RowScales::kRegs],
+                                                const unsigned long long* sw, int epoch, int s, int pair_value) {
+#pragma unroll
+  for (int q = 0; q < RowScales::kRegs; ++q)
+    if (lane + 32 * q < ns) xs[sl * ns + lane + 32 * q] = __uint_as_float((unsigned)sraw[q]);
+  for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32) {  // hidden > 16384 only: one word at a time
+    const unsigned long long v = ll_wait_epoch_u64<false>(p, sw + i, epoch, s, kPhaseLlDispatch);
+    xs[sl * ns + i] = __uint_as_float((unsigned)v);
+  }
+  if (lane == 0) pair[sl] = pair_value;
+}
+
+// Where my combine's push finds pair (srow, lane)'s slot and weight: its tmap and tw entries.
+__device__ __forceinline__ void put_tmap_tw(const LlParams& lp, uint8_t* mybase, size_t srow, int topk, int lane,
+                                            int epoch, int slot, unsigned long long wraw) {
+  reinterpret_cast<unsigned long long*>(mybase + lp.off_tmap)[srow * topk + lane] =
+      ((unsigned long long)(unsigned)epoch << 32) | (unsigned)slot;
+  reinterpret_cast<float*>(mybase + lp.off_tw)[srow * topk + lane] = __uint_as_float((unsigned)wraw);
+}
+
 // The slot words of an inline or line row (LlInlineRow's first topk words): lane k < topk waits for word k and
 // gets the slot of the token's k-th expert here (`valid`: this epoch's, and mine); returns the valid lanes.
 __device__ __forceinline__ unsigned wait_slot_words(const EpParams& p, const unsigned long long* lr, int topk, int epoch,
@@ -489,8 +517,7 @@ __device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& 
   const int topk = p.topk, ns = p.num_scales, R = p.row_bytes, Lc = line_count_of<kBytes>(lp);
   uint8_t* mybase = p.peer_base[p.rank];
   const size_t srow = (size_t)s * lp.t_max + t;
-  const unsigned long long* lr =
-      reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
+  const unsigned long long* lr = inline_row(lp, mybase, srow);
   int slot;
   bool valid;
   const unsigned mask = wait_slot_words(p, lr, topk, epoch, s, lane, slot, valid);
@@ -545,20 +572,9 @@ __device__ __forceinline__ void receive_line(const EpParams& p, const LlParams& 
   for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
     const int b = __ffs(todo) - 1;
     const size_t sl = (size_t)__shfl_sync(0xffffffffu, slot, b);
-#pragma unroll
-    for (int q = 0; q < RowScales::kRegs; ++q)
-      if (lane + 32 * q < ns) xs[sl * ns + lane + 32 * q] = __uint_as_float((unsigned)sraw[q]);
-    for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32) {  // hidden > 16384 only: one word at a time
-      const unsigned long long v = ll_wait_epoch_u64<false>(p, lr + 2 * topk + i, epoch, s, kPhaseLlDispatch);
-      xs[sl * ns + i] = __uint_as_float((unsigned)v);
-    }
-    if (lane == 0) pair[sl] = t * topk + b;
+    put_scales_pair(p, xs, pair, sl, ns, lane, sraw, lr + 2 * topk, epoch, s, t * topk + b);
   }
-  if (valid) {  // where my combine's push finds the pair's slot and weight
-    reinterpret_cast<unsigned long long*>(mybase + lp.off_tmap)[srow * topk + lane] =
-        ((unsigned long long)(unsigned)epoch << 32) | (unsigned)slot;
-    reinterpret_cast<float*>(mybase + lp.off_tw)[srow * topk + lane] = __uint_as_float((unsigned)wraw);
-  }
+  if (valid) put_tmap_tw(lp, mybase, srow, topk, lane, epoch, slot, wraw);
 }
 
 // Receive unit (source s, token t, chunk c of kS x 32 vectors) of the inline placement: lane k < topk waits for
@@ -576,8 +592,7 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   const int topk = p.topk, ns = p.num_scales, V = p.row_bytes >> 4;
   uint8_t* mybase = p.peer_base[p.rank];
   const size_t srow = (size_t)s * lp.t_max + t;
-  const unsigned long long* lr =
-      reinterpret_cast<const unsigned long long*>(mybase + lp.off_lstage) + srow * lp.lrow_words;
+  const unsigned long long* lr = inline_row(lp, mybase, srow);
   int slot;
   bool valid;
   const unsigned mask = wait_slot_words(p, lr, topk, epoch, s, lane, slot, valid);
@@ -625,22 +640,9 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
         dst[i] = make_int4((int)(unsigned)raw[q][0], (int)(unsigned)raw[q][1], (int)(unsigned)raw[q][2],
                            (int)(unsigned)raw[q][3]);
     }
-    if (c == 0) {
-#pragma unroll
-      for (int q = 0; q < RowScales::kRegs; ++q)
-        if (lane + 32 * q < ns) xs[sl * ns + lane + 32 * q] = __uint_as_float((unsigned)sraw[q]);
-      for (int i = 32 * RowScales::kRegs + lane; i < ns; i += 32) {  // hidden > 16384 only: one word at a time
-        const unsigned long long v = ll_wait_epoch_u64<false>(p, lr + 2 * topk + i, epoch, s, kPhaseLlDispatch);
-        xs[sl * ns + i] = __uint_as_float((unsigned)v);
-      }
-      if (lane == 0) pair[sl] = t * p.topk + b;
-    }
+    if (c == 0) put_scales_pair(p, xs, pair, sl, ns, lane, sraw, lr + 2 * topk, epoch, s, t * p.topk + b);
   }
-  if (c == 0 && valid) {  // where my combine's push finds the pair's slot and weight
-    reinterpret_cast<unsigned long long*>(mybase + lp.off_tmap)[srow * topk + lane] =
-        ((unsigned long long)(unsigned)epoch << 32) | (unsigned)slot;
-    reinterpret_cast<float*>(mybase + lp.off_tw)[srow * topk + lane] = __uint_as_float((unsigned)wraw);
-  }
+  if (c == 0 && valid) put_tmap_tw(lp, mybase, srow, topk, lane, epoch, slot, wraw);
 }
 
 // kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line, 3 line128 (each its own instantiation, so the
