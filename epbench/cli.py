@@ -301,6 +301,10 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
         raise UserError(f"--inject-fault: must be dispatch or combine, got {scenario.shown(inject_fault)}")
     opts = dataclasses.replace(opts, inject_fault=inject_fault, ceilings=not no_ceilings,
                                tokens=token_list, graph_chain=chain)
+    if "epbench-ll" in opts.backends and s.mode == "low_latency":
+        from epbench import options
+
+        options.check_ll_lines(s.backend_options, token_list or [s.model.tokens_per_rank], s.source)
     if control_timeout is None:
         control_timeout = s.bench.control_timeout_s
     if not 0 < control_timeout <= scenario.MAX_CONTROL_TIMEOUT_S:

@@ -268,6 +268,27 @@ def diagnostics_set(environ: Optional[Mapping[str, str]] = None) -> List[str]:
             if environ.get(opt.env) is not None]
 
 
+LL_AUTO_CHUNK_UNITS_MAX_TOKENS = 16  # epbench-ll dispatch_units auto: chunk up to this many tokens per rank
+LL_LINE_PLACES = ("line", "line128")  # epbench-ll dispatch_place values that carry whole rows (row units only)
+
+
+def check_ll_lines(backend_options: Mapping[str, Mapping[str, Any]], tokens: Sequence[int], where: str,
+                   environ: Optional[Mapping[str, str]] = None) -> None:
+    """epbench-ll's dispatch_place line / line128 send whole rows: under token sync (ll_sync token or auto) they
+    need row units, so dispatch_units chunk, or auto at a point of up to LL_AUTO_CHUNK_UNITS_MAX_TOKENS tokens per
+    rank (each point's buffer is its token count), is refused in one line (UserError) before any rank starts."""
+    r = resolve("epbench-ll", backend_options.get("epbench-ll") or {}, environ)
+    if r["dispatch_place"] not in LL_LINE_PLACES or r["ll_sync"] == "grid":
+        return
+    small = [t for t in tokens if t <= LL_AUTO_CHUNK_UNITS_MAX_TOKENS]
+    if r["dispatch_units"] == "chunk" or (r["dispatch_units"] == "auto" and small):
+        why = ("dispatch_units chunk" if r["dispatch_units"] == "chunk" else
+               f"dispatch_units auto picks chunk up to {LL_AUTO_CHUNK_UNITS_MAX_TOKENS} tokens per rank, and the run "
+               f"has {small[0]}")
+        raise UserError(f"{where}: epbench-ll.dispatch_place={r['dispatch_place']} sends whole rows and needs row "
+                        f"units ({why}): add --option epbench-ll.dispatch_units=row")
+
+
 def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str, quantize: str, where: str,
                   environ: Optional[Mapping[str, str]] = None, world: Optional[int] = None) -> None:
     """Options the scenario's payload rules out, refused in one line (UserError): epbench's own_rows=ce copies

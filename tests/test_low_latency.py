@@ -46,6 +46,29 @@ def test_bad_tokens_options(args, needles, tmp_path):
     assert not (tmp_path / "res").exists()
 
 
+def test_line_placements_without_row_units_are_refused_before_any_rank_starts(tmp_path):
+    """dispatch_place line / line128 carry whole rows: chunk units, or auto at a point of up to 16 tokens per rank,
+    stop `run` in one line (exit 2) naming the fix; row units, larger points or ll_sync grid pass."""
+    from epbench import options
+
+    ok = [({"dispatch_place": "line", "dispatch_units": "row"}, [1, 8]),
+          ({"dispatch_place": "line128"}, [17, 128]),
+          ({"dispatch_place": "line", "ll_sync": "grid"}, [1]),
+          ({"dispatch_place": "inline", "dispatch_units": "chunk"}, [1])]
+    for given, tokens in ok:
+        options.check_ll_lines({"epbench-ll": given}, tokens, "s.yaml", environ={})
+    for given, tokens, needle in [({"dispatch_place": "line"}, [128, 8], "has 8"),
+                                  ({"dispatch_place": "line128", "dispatch_units": "chunk"}, [256], "units chunk")]:
+        with pytest.raises(UserError, match=needle):
+            options.check_ll_lines({"epbench-ll": given}, tokens, "s.yaml", environ={})
+    with pytest.raises(UserError, match="dispatch_place=line sends whole rows"):
+        options.check_ll_lines({}, [4], "s.yaml", environ={"EPBENCH_LL_DISPATCH_PLACE": "line"})
+    r = epbench_here("run", SMOKE_LL, "--backends", "epbench-ll", "--tokens", "1", "--option",
+                     "epbench-ll.dispatch_place=line", "--results", tmp_path / "res")
+    assert_one_line_error(r, "dispatch_place=line", "--option epbench-ll.dispatch_units=row")
+    assert not (tmp_path / "res").exists()
+
+
 @pytest.mark.parametrize("value", ["1", "-1", "1025", "x"])
 @pytest.mark.parametrize("verb", ["run", "sweep"])
 def test_bad_graph_chain_is_one_line(verb, value, tmp_path):

@@ -69,7 +69,7 @@ class _Handle:
 
 
 AUTO_CHUNK_MAX_TOKENS = 64
-AUTO_UNITS_MAX_TOKENS = 16
+AUTO_UNITS_MAX_TOKENS = options.LL_AUTO_CHUNK_UNITS_MAX_TOKENS
 
 
 def dispatch_units_for(units: str, max_tokens: int) -> str:
