@@ -91,7 +91,7 @@ LINE_CASES: List[Case] = [
     Case("lines top-1, one expert", 2048, [64], 1, 4, "bf16", "expert0"),
     Case("lines dsv3 fp8", 7168, [32], 8, 64, "fp8"),
 ]
-LINE_CALLS = 60  # of each line size, each after an inline call, each pair with fresh token values
+LINE_CALLS = 40  # of each line size, each after an inline call, each pair with fresh token values
 
 
 def setup_of(case: Case, rank: int, world: int, device: torch.device, timeout_s: float = 10.0) -> RankSetup:
