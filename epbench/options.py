@@ -185,7 +185,7 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "4 x H200: 0.5 faster at 128, 0.7 slower at 256; notes/LATENCY-NEXT.md); line128: "
                                  "the same in 128-byte lines of 120 bytes and the tag (7 % more bytes), each batch "
                                  "loaded once more after its tags were seen (the cure for the tear, in the repro); "
-                                 "not yet measured in epbench itself",
+                                 "row units only; 4 x H200: 0.2-0.3 us faster than line at 128 tokens, 0.6-0.8 at 256",
                                  choices=("auto", "stage", "slot", "inline", "line", "line128"), env="EPBENCH_LL_DISPATCH_PLACE"),
         "combine_release": Option(str, "batch", "how the token-sync combine releases its pushes' flags: unit (a "
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
