@@ -220,7 +220,7 @@ int ep_ll_set_dispatch_units(void* ll_ctx, int units);
 // flag). Same outputs; every rank the same value (a mismatch stops every rank at once).
 int ep_ll_set_dispatch_place(void* ll_ctx, int place);
 // Who computes the token dispatch's slot stage (backend option dispatch_stage), with dispatch_place line or line128
-// only: 0 block (every warp, before any row leaves; the default), 1 split (the first 4 warps of a block while the
+// only: 0 block (every warp, before any row leaves; the default), 1 split (the last 4 warps of a block while the
 // others send their rows' lines). Same outputs; ranks may differ; a captured launch keeps the value it had.
 int ep_ll_set_dispatch_stage(void* ll_ctx, int stage);
 // How the token combine releases its push units' flags (backend option combine_release): 0 unit (a release

@@ -287,7 +287,7 @@ extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
                        "dispatch place (0 stage, 1 slot, 2 inline, 3 line, 4 line128)", 4);
 }
 
-// Who computes the token dispatch's slot stage (LlDispatchStage): the block, or its first warps beside the lines
+// Who computes the token dispatch's slot stage (LlDispatchStage): the block, or its last 4 warps beside the lines
 // (dispatch_place line / line128 only; ignored otherwise). Sender-side only: ranks may differ.
 extern "C" int ep_ll_set_dispatch_stage(void* vctx, int stage) {
   static_assert(kLlStageBlock == 0 && kLlStageSplit == 1, "LlDispatchStage is 0 / 1");

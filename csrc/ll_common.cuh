@@ -175,7 +175,7 @@ enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, 
 
 // Who computes the token dispatch's slot stage (ep_ll_set_dispatch_stage, backend option dispatch_stage), with
 // dispatch_place line / line128 (the other placements ignore it): kLlStageBlock, every warp of a block before any row
-// leaves; kLlStageSplit, warps [0, kLlStageWarps) alone (a named barrier of their own) while the block's other warps
+// leaves; kLlStageSplit, the block's last kLlStageWarps warps alone (a named barrier of their own) while its other warps
 // send their peer units' lines, whose tags need no slot; those warps then wait for the stage word (block-scope
 // release / acquire) and send the units' head words, own rows and entries. The receiver is the same either way, so
 // ranks may differ.

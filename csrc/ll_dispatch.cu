@@ -686,14 +686,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     else __syncthreads();
   };
   ll_stamp(lp, kLlStart);
-  if (split) {  // s_ready cleared under the one block barrier of split, before any load is waited for
-    if (threadIdx.x == 0) s_ready = 0;
-    __syncthreads();
-  }
   // every global load of the stage issued before the first wait on any of them
   bool aborted = ld_volatile(p.dev_error) != 0;
   int ev = 0;  // the epoch: thread 0's via s_epoch, or (split) each warp's lane 0's
   if (split ? lane == 0 : threadIdx.x == 0) ev = ld_volatile(lp.eslots + blockIdx.x) + 1;
+  if (split) {  // s_ready cleared under split's one block barrier, before anyone polls it (a stale word may hold
+    // this epoch); the loads above stay in flight across it
+    if (threadIdx.x == 0) s_ready = 0;
+    __syncthreads();
+  }
   if (!split && threadIdx.x == 0) s_epoch = ev;
   if (stager) {
     for (int i = sx; i < T * topk; i += sthreads) s_idx[i] = (int)a.topk_idx[i];
@@ -761,7 +762,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
         send_line<kWords == 2 ? 64 : 128, kLineRows>(p, lp, a, p.peer_base[d], t, hit, mask, 0.f, lane, tag,
                                                       [] { return 0; });
       }
-      // then the stage: lane 0's block-scope acquire, and the warp barrier orders every lane's reads after it
+      // then the stage: lane 0's block-scope acquire, and the warp barrier orders every lane's reads after it. No
+      // bound: the stage warps release s_ready on every path (aborted, T = 0, world 1), after no remote wait; keep it so
       if (lane == 0)
         while (ld_acquire_cta_shared(&s_ready) != epoch) {
         }

@@ -189,7 +189,7 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  choices=("auto", "stage", "slot", "inline", "line", "line128"), env="EPBENCH_LL_DISPATCH_PLACE"),
         "dispatch_stage": Option(str, "block", "who computes the token-sync dispatch's slot stage with "
                                  "dispatch_place line or line128 (refused with any other placement): block (every "
-                                 "warp of a block, before any row leaves) or split (its first 4 warps, while the "
+                                 "warp of a block, before any row leaves) or split (its last 4 warps, while the "
                                  "others send their rows' lines, whose tags need no slot; the head words, own rows "
                                  "and entries follow the stage); the same outputs; ranks may differ; rows record "
                                  "block where the placement is not a line one; notes/LATENCY-NEXT.md",

@@ -91,7 +91,7 @@ LINE_CASES: List[Case] = [
     Case("lines top-1, one expert", 2048, [64], 1, 4, "bf16", "expert0"),
     Case("lines dsv3 fp8", 7168, [32], 8, 64, "fp8"),
 ]
-LINE_CALLS = 30  # of each line kind (line, line128, each also with dispatch_stage split), each after an inline call,
+LINE_CALLS = 40  # of each line kind (line, line128, each also with dispatch_stage split), each after an inline call,
 # each pair with fresh token values
 LINE_KINDS = ("line", "line128", "line-split", "line128-split")
 
