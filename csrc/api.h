@@ -219,10 +219,6 @@ int ep_ll_set_dispatch_units(void* ll_ctx, int units);
 // the other slots only), 2 inline (a staging row of inline words, each 4 bytes beside the epoch: no fence, no
 // flag). Same outputs; every rank the same value (a mismatch stops every rank at once).
 int ep_ll_set_dispatch_place(void* ll_ctx, int place);
-// Who computes the token dispatch's slot stage (backend option dispatch_stage), with dispatch_place line or line128
-// only: 0 block (every warp, before any row leaves; the default), 1 split (the last 4 warps of a block while the
-// others send their rows' lines). Same outputs; ranks may differ; a captured launch keeps the value it had.
-int ep_ll_set_dispatch_stage(void* ll_ctx, int stage);
 // How the token combine releases its push units' flags (backend option combine_release): 0 unit (a release
 // store after every unit; the default), 1 batch (up to 2 units, then one fence and relaxed flag stores). Same
 // flags and outputs; a captured launch keeps the value it had.

@@ -287,13 +287,6 @@ extern "C" int ep_ll_set_dispatch_place(void* vctx, int place) {
                        "dispatch place (0 stage, 1 slot, 2 inline, 3 line, 4 line128)", 4);
 }
 
-// Who computes the token dispatch's slot stage (LlDispatchStage): the block, or its last 4 warps beside the lines
-// (dispatch_place line / line128 only; ignored otherwise). Sender-side only: ranks may differ.
-extern "C" int ep_ll_set_dispatch_stage(void* vctx, int stage) {
-  static_assert(kLlStageBlock == 0 && kLlStageSplit == 1, "LlDispatchStage is 0 / 1");
-  return ll_set_choice(&((LlContext*)vctx)->lp.dispatch_stage, stage, "dispatch stage (0 block, 1 split)");
-}
-
 // Per-unit or batched flag releases in the token combine (LlCombineRelease): the same flags and values either
 // way, so ranks may differ and it may change between launches.
 extern "C" int ep_ll_set_combine_release(void* vctx, int release) {

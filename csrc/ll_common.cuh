@@ -96,7 +96,6 @@ struct LlParams {
   int combine_release;  // LlCombineRelease (ep_ll_set_combine_release): the token combine's flag releases
   int probe_skip;  // measuring aid (ep_ll_set_probe_skip): 0, or LlProbeSkip bits the token dispatch leaves out
   int line128_count, lline_words;  // LlLineRow<128>: lines per row; lline words per (source, token), either size
-  int dispatch_stage;  // LlDispatchStage (ep_ll_set_dispatch_stage): who computes a token dispatch's slot stage
 };
 
 // Measuring aid (ep_ll_set_probe_skip; epbench probe's variants token-noown / token-norecv / token-peers): parts
@@ -172,29 +171,6 @@ constexpr int kLlRowChunkV = 4;  // 16-byte vectors per lane in a dispatch chunk
 // half, so a load issued after the tag was seen finds them (no wrong row in 1,600 calls of the loop that found
 // hundreds without it). Outside the PTX model too; verified like any other run. Row units only.
 enum LlDispatchPlace { kLlPlaceStage = 0, kLlPlaceSlot = 1, kLlPlaceInline = 2, kLlPlaceLine = 3, kLlPlaceLine128 = 4 };
-
-// Who computes the token dispatch's slot stage (ep_ll_set_dispatch_stage, backend option dispatch_stage), with
-// dispatch_place line / line128 (the other placements ignore it): kLlStageBlock, every warp of a block before any row
-// leaves; kLlStageSplit, the block's last kLlStageWarps warps alone (a named barrier of their own) while its other warps
-// send their peer units' lines, whose tags need no slot; those warps then wait for the stage word (block-scope
-// release / acquire) and send the units' head words, own rows and entries. The receiver is the same either way, so
-// ranks may differ.
-enum LlDispatchStage { kLlStageBlock = 0, kLlStageSplit = 1 };
-constexpr int kLlStageWarps = 4;
-constexpr int kLlStageBarrier = 1;  // the named barrier of the split stage's warps (0 is __syncthreads')
-
-// Block-scope release store / acquire load of a shared-memory word, and a named barrier of `threads` threads.
-__device__ __forceinline__ void st_release_cta_shared(int* p, int v) {
-  asm volatile("st.release.cta.shared.b32 [%0], %1;" ::"r"((unsigned)__cvta_generic_to_shared(p)), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_acquire_cta_shared(const int* p) {
-  int v;
-  asm volatile("ld.acquire.cta.shared.b32 %0, [%1];" : "=r"(v) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
-  return v;
-}
-__device__ __forceinline__ void bar_sync_named(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 
 // The token dispatch's T word (dwords[source][E]) carries the sender's kind in its five high bits, so a receiver
 // of another kind stops at once (kPhaseLlUnitsMismatch / kPhaseLlPlaceMismatch) instead of copying what it did not

@@ -76,14 +76,6 @@
 //      batch c of 8 x kLinePasses lines once the warp has seen every tag of it current. T word bit 28.
 //   dispatch_place line128 (kWords 3): the same with 128-byte lines of 120 bytes, each batch of 4 x kLinePasses
 //      loaded once more after its tags were current (LlLineRow<128>::kReread). T word bit 27.
-//   dispatch_stage split (LlDispatchStage, instantiations kSplit, line / line128 only, more than kLlStageWarps
-//      warps a block): the block's last kLlStageWarps warps (units are dealt warp-major, so they hold the fewest,
-//      often none) compute the stage above under a named barrier of their own and
-//      release s_ready (the epoch, block scope; cleared under one block barrier at the start, before any load is
-//      waited for), then send their units as above. Every other warp first sends the lines of its peer units (the
-//      expert ids from global memory; a line needs no slot), then acquires s_ready and runs its units again: the
-//      head words of its peer units, its own rows and entries. Lines and words carry their own tags, so the
-//      receiver, unchanged, takes them in any order. Same outputs; ranks may differ.
 //   Measuring aid: LlParams::probe_skip (0 unless epbench probe asks) leaves out the own-row units, the
 //   receive copies, the small stores beside a peer row or the fence before a peer row's flag (LlProbeSkip,
 //   ll_common.cuh); outputs then wrong.
@@ -438,10 +430,8 @@ __device__ __forceinline__ void send_inline(const EpParams& p, const LlParams& l
 // Peer unit of the line placements (kLlPlaceLine / kLlPlaceLine128, row units): token t's head words as
 // send_inline's, then, when t has an expert on d, its row as Lc lines of kBytes into lline[me, t] on d, (32 / P) x
 // kLineSendPasses lines at a time, each batch's loads issued before its stores; no fence and no flag: each line
-// carries its tag. kPart (dispatch_stage split): kLineAll both; kLineRows the lines alone (before the stage: no slot
-// needed, no head word sent); kLineHead the head words alone (after the stage, the lines already sent).
-enum LineSendPart { kLineAll = 0, kLineRows = 1, kLineHead = 2 };
-template <int kBytes, int kPart, typename SlotOf>
+// carries its tag.
+template <int kBytes, typename SlotOf>
 __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp, const LlDispatchArgs& a, uint8_t* pb,
                                           int t, bool hit, unsigned mask, float w, int lane, unsigned long long tag,
                                           SlotOf slot_of) {
@@ -454,14 +444,12 @@ __device__ __forceinline__ void send_line(const EpParams& p, const LlParams& lp,
   RowScales sc;
   LineParts<kLineSendPasses> parts;
   if (mask != 0) {  // the first lines and the scales in flight before the head words go out
-    if (kPart != kLineRows) sc.load(ssrc, ns, lane);
-    if (kPart != kLineHead) load_line_parts<kBytes>(row, R, Lc, 0, lane, tag, parts);
+    sc.load(ssrc, ns, lane);
+    load_line_parts<kBytes>(row, R, Lc, 0, lane, tag, parts);
   }
-  if (kPart != kLineRows) {
-    const int slot = slot_of();  // unit_slot
-    send_head_words(lr, topk, ns, lane, tag, hit, mask, slot, w, !(lp.probe_skip & kLlSkipSmallStores), sc, ssrc);
-  }
-  if (mask == 0 || kPart == kLineHead) return;  // warp-uniform
+  const int slot = slot_of();  // unit_slot
+  send_head_words(lr, topk, ns, lane, tag, hit, mask, slot, w, !(lp.probe_skip & kLlSkipSmallStores), sc, ssrc);
+  if (mask == 0) return;  // warp-uniform
   unsigned long long* lw =
       reinterpret_cast<unsigned long long*>(pb + lp.off_lline) + ((size_t)p.rank * lp.t_max + t) * Lc * Line::kWords;
   for (int L0 = 0;;) {
@@ -658,9 +646,8 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
 }
 
 // kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line, 3 line128 (each its own instantiation, so the
-// flagged kernel keeps its registers); kSplit (line / line128 only): dispatch_stage split (LlDispatchStage), its own
-// instantiation too, so the block-stage line kernels keep theirs
-template <int kThreads, int kWords, bool kSplit = false>
+// flagged kernel keeps its registers)
+template <int kThreads, int kWords>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
   __shared__ int s_epoch;
@@ -672,69 +659,41 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   int* s_idx = s_dyn;
   int* s_mask = s_dyn + T * topk;
   int* totals = s_mask + chunks * NE;
-  // dispatch_stage split (LlDispatchStage; line / line128 only): the block's last kLlStageWarps warps (those dealt the
-  // fewest units) compute the stage under a named barrier of their own and publish it in s_ready (the epoch); the
-  // other warps send their lines meanwhile. sx: a thread's index among the stage's threads
-  __shared__ int s_ready;
-  static_assert(!kSplit || kWords >= 2, "dispatch_stage split is for the line placements");
-  const bool split = kSplit && nwarps > kLlStageWarps;  // block-uniform
-  const bool stager = !split || warp >= nwarps - kLlStageWarps;
-  const unsigned sthreads = split ? kLlStageWarps * 32u : blockDim.x;  // the stage's threads (unsigned, as blockDim.x)
-  const int sx = split ? (int)threadIdx.x - (nwarps - kLlStageWarps) * 32 : (int)threadIdx.x;
-  const auto stage_sync = [&] {
-    if (split) bar_sync_named(kLlStageBarrier, sthreads);
-    else __syncthreads();
-  };
   ll_stamp(lp, kLlStart);
   // every global load of the stage issued before the first wait on any of them
   bool aborted = ld_volatile(p.dev_error) != 0;
-  int ev = 0;  // the epoch: thread 0's via s_epoch, or (split) each warp's lane 0's
-  if (split ? lane == 0 : threadIdx.x == 0) ev = ld_volatile(lp.eslots + blockIdx.x) + 1;
-  if (split) {  // s_ready cleared under split's one block barrier, before anyone polls it (a stale word may hold
-    // this epoch); the loads above stay in flight across it
-    if (threadIdx.x == 0) s_ready = 0;
-    __syncthreads();
-  }
-  if (!split && threadIdx.x == 0) s_epoch = ev;
-  if (stager) {
-    for (int i = sx; i < T * topk; i += sthreads) s_idx[i] = (int)a.topk_idx[i];
-    for (int i = sx; i < (chunks + 1) * NE; i += sthreads) s_mask[i] = 0;
-    stage_sync();
-  }
-  const int epoch = split ? __shfl_sync(0xffffffffu, ev, 0) : s_epoch;
+  if (threadIdx.x == 0) s_epoch = ld_volatile(lp.eslots + blockIdx.x) + 1;
+  for (int i = threadIdx.x; i < T * topk; i += blockDim.x) s_idx[i] = (int)a.topk_idx[i];
+  for (int i = threadIdx.x; i < (chunks + 1) * NE; i += blockDim.x) s_mask[i] = 0;
+  __syncthreads();
+  const int epoch = s_epoch;
   const unsigned long long tag = (unsigned long long)(unsigned)epoch << 32;
-  if (stager) {
-    const unsigned hd = (unsigned)sx;  // the peer whose T word this stage thread stores (sx >= 0 here)
-    if (blockIdx.x == 0 && hd < world && hd != me && !aborted) {
-      unsigned long long* dwords_of_me =  // my row of dwords on a peer
-          reinterpret_cast<unsigned long long*>(p.peer_base[hd] + lp.off_dwords) + (size_t)me * (E + 1);
-      // first: the receivers' blocks wait for it; bits 31 / 30 / 29 / 28 / 27 say chunk units / slot / inline / line /
-      // line128 placement (T < 2^27), so a receiver set to another kind stops with an error instead of copying what
-      // it did not wait for
-      st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
-    }
-    for (int i = sx; i < T * topk; i += sthreads) {
-      const int e = s_idx[i], t = i / topk;
-      if (e >= 0 && e < NE) atomicOr(reinterpret_cast<unsigned*>(&s_mask[(t >> 5) * NE + e]), 1u << (t & 31));
-    }
-    stage_sync();
-    for (int e = sx; e < NE; e += sthreads) {
-      int run = 0;
-      for (int c = 0; c < chunks; ++c) run += __popc((unsigned)s_mask[c * NE + e]);
-      totals[e] = run;
-    }
-    stage_sync();
-    // split: the stage is complete (the barrier above orders every stage thread's stores before this release)
-    if (split && sx == 0) st_release_cta_shared(&s_ready, epoch);
-    if (!split) ll_stamp(lp, kLlStaged);
-    if (blockIdx.x == 0 && !aborted) {  // counts for each peer's experts, epoch-tagged
-      for (int i = sx; i < NE; i += sthreads) {
-        const int d = i / E;
-        if (d != me)
-          st_relaxed_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[d] + lp.off_dwords) +
-                                 (size_t)me * (E + 1) + (i - d * E),
-                             tag | (unsigned)totals[i]);
-      }
+  unsigned long long* dwords_of_me = nullptr;  // my row of dwords on a peer: + (size_t)me * (E + 1)
+  if (blockIdx.x == 0 && threadIdx.x < world && threadIdx.x != me && !aborted) {
+    dwords_of_me = reinterpret_cast<unsigned long long*>(p.peer_base[threadIdx.x] + lp.off_dwords) + (size_t)me * (E + 1);
+    // first: the receivers' blocks wait for it; bits 31 / 30 / 29 / 28 / 27 say chunk units / slot / inline / line / line128 placement (T < 2^27), so a
+    // receiver set to another kind stops with an error instead of copying what it did not wait for
+    st_relaxed_sys_u64(dwords_of_me + E, tag | ll_units_bits(lp) | (unsigned)T);
+  }
+  for (int i = threadIdx.x; i < T * topk; i += blockDim.x) {
+    const int e = s_idx[i], t = i / topk;
+    if (e >= 0 && e < NE) atomicOr(reinterpret_cast<unsigned*>(&s_mask[(t >> 5) * NE + e]), 1u << (t & 31));
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < NE; e += blockDim.x) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) run += __popc((unsigned)s_mask[c * NE + e]);
+    totals[e] = run;
+  }
+  __syncthreads();
+  ll_stamp(lp, kLlStaged);
+  if (blockIdx.x == 0 && !aborted) {  // counts for each peer's experts, epoch-tagged
+    for (int i = threadIdx.x; i < NE; i += blockDim.x) {
+      const int d = i / E;
+      if (d != me)
+        st_relaxed_sys_u64(reinterpret_cast<unsigned long long*>(p.peer_base[d] + lp.off_dwords) +
+                               (size_t)me * (E + 1) + (i - d * E),
+                           tag | (unsigned)totals[i]);
     }
   }
 
@@ -748,30 +707,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   const int own_units = nx * ng;
   const int per_token = own_units + (world - 1) * pnx;
   uint8_t* mybase = p.peer_base[me];
-  if constexpr (kWords >= 2) {
-    if (!stager) {  // split: this warp's peer units' lines before the stage is ready (their tags need no slot)
-      for (long long u = gw; !aborted && u < (long long)T * per_token; u += G) {
-        const int t = (int)(u / per_token), r = (int)(u - (long long)t * per_token);
-        if (r < own_units) continue;  // warp-uniform; world > 1 past here
-        const int d = (me + 1 + (r - own_units) % (world - 1)) % world;
-        int e = -1;
-        if (lane < topk) e = (int)a.topk_idx[(size_t)t * topk + lane];  // from global memory: s_idx is the stage's
-        const bool hit = lane < topk && e >= d * E && e < (d + 1) * E;
-        const unsigned mask = __ballot_sync(0xffffffffu, hit);
-        if (mask == 0) continue;
-        send_line<kWords == 2 ? 64 : 128, kLineRows>(p, lp, a, p.peer_base[d], t, hit, mask, 0.f, lane, tag,
-                                                      [] { return 0; });
-      }
-      // then the stage: lane 0's block-scope acquire, and the warp barrier orders every lane's reads after it. No
-      // bound: the stage warps release s_ready on every path (aborted, T = 0, world 1), after no remote wait; keep it so
-      if (lane == 0)
-        while (ld_acquire_cta_shared(&s_ready) != epoch) {
-        }
-      __syncwarp();
-      ll_stamp(lp, kLlStaged);  // split: thread 0 (warp 0, not a stage warp) has sent its lines and sees the stage
-
-    }
-  }
   for (long long u = gw; !aborted && u < (long long)T * per_token; u += G) {
     const int t = (int)(u / per_token), r = (int)(u - (long long)t * per_token);
     const bool own = r < own_units;
@@ -791,13 +726,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
     uint8_t* pb = p.peer_base[d];
     if (kWords != 0 && !own) {
       const auto slot_of = [&] { return unit_slot(lp, s_mask, NE, me, t, e, d, hit); };
-      if constexpr (kWords >= 2) {
-        constexpr int kB = kWords == 2 ? 64 : 128;
-        if (!stager) send_line<kB, kLineHead>(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);  // split: lines sent
-        else send_line<kB, kLineAll>(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
-      } else {
-        send_inline(p, lp, a, pb, t, hit, mask, w, pc, pnx, lane, tag, slot_of);
-      }
+      if constexpr (kWords == 2) send_line<64>(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
+      else if constexpr (kWords == 3) send_line<128>(p, lp, a, pb, t, hit, mask, w, lane, tag, slot_of);
+      else send_inline(p, lp, a, pb, t, hit, mask, w, pc, pnx, lane, tag, slot_of);
       continue;
     }
     if (own) {
@@ -998,11 +929,9 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
   if (ctx->sync == kLlSyncToken) {
     const size_t smem = ll_token_smem_bytes(num_tokens, p.topk, ctx->lp.num_experts);  // <= ctx->token_smem
     using Kernel = void (*)(EpParams, LlParams, LlDispatchArgs);
-    static const Kernel kernels[6] = {ll_dispatch_token_kernel<512, 0>,       ll_dispatch_token_kernel<512, 1>,
-                                      ll_dispatch_token_kernel<512, 2>,       ll_dispatch_token_kernel<512, 3>,
-                                      ll_dispatch_token_kernel<512, 2, true>, ll_dispatch_token_kernel<512, 3, true>};
-    int words = place == kLlPlaceInline ? 1 : place == kLlPlaceLine ? 2 : place == kLlPlaceLine128 ? 3 : 0;
-    if (words >= 2 && ctx->lp.dispatch_stage == kLlStageSplit) words += 2;  // the other placements ignore it
+    static const Kernel kernels[4] = {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>,
+                                      ll_dispatch_token_kernel<512, 2>, ll_dispatch_token_kernel<512, 3>};
+    const int words = place == kLlPlaceInline ? 1 : place == kLlPlaceLine ? 2 : place == kLlPlaceLine128 ? 3 : 0;
     kernels[words]<<<num_sms, warps * 32, smem, (cudaStream_t)vstream>>>(p, ctx->lp, a);
   } else {
     const size_t smem = (size_t)num_tokens * p.topk * sizeof(int);  // <= 48 KB, checked in ep_ll_create
@@ -1014,8 +943,7 @@ extern "C" int ep_ll_dispatch(void* vctx, const void* x, const void* x_scales, c
 
 int ll_dispatch_token_smem_attr(int bytes) {
   for (auto kernel : {ll_dispatch_token_kernel<512, 0>, ll_dispatch_token_kernel<512, 1>, ll_dispatch_token_kernel<512, 2>,
-                      ll_dispatch_token_kernel<512, 3>, ll_dispatch_token_kernel<512, 2, true>,
-                      ll_dispatch_token_kernel<512, 3, true>})
+                      ll_dispatch_token_kernel<512, 3>})
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   return 0;
 }

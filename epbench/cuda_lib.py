@@ -138,7 +138,6 @@ def signatures() -> Dict[str, List[Any]]:
         "ep_ll_set_combine_order": [vp, i],
         "ep_ll_set_dispatch_units": [vp, i],
         "ep_ll_set_dispatch_place": [vp, i],
-        "ep_ll_set_dispatch_stage": [vp, i],
         "ep_ll_set_combine_release": [vp, i],
         "ep_ll_set_probe": [vp, vp],
         "ep_ll_set_probe_skip": [vp, i],

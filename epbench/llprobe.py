@@ -97,14 +97,12 @@ PING_MODES = {"ping": 5, "ping-combine": 6}  # with several ranks only (a block 
 VARIANTS = {"grid": (None, "grid"), "token": (None, "token"), "warps4": (4, "grid"), "warps8": (8, "grid"),
             "token-warps4": (4, "token"), "token-noown": (None, "token"), "token-norecv": (None, "token"),
             "token-peers": (None, "token"), "token-nofence": (None, "token"),
-            "token-peers-nofence": (None, "token"), "token-line": (None, "token"), "token-line128": (None, "token"),
-            "token-line128-split": (None, "token")}
+            "token-peers-nofence": (None, "token"), "token-line": (None, "token"), "token-line128": (None, "token")}
 # token-sync calls with other epbench-ll options (csrc/ll_common.cuh, LlDispatchPlace): verified like `token`, on
 # the token backend switched to these options for their rows only (line sends whole rows)
 TUNED = {"token-line": {"dispatch_place": "line", "dispatch_units": "row"},
-         "token-line128": {"dispatch_place": "line128", "dispatch_units": "row"},
-         "token-line128-split": {"dispatch_place": "line128", "dispatch_units": "row", "dispatch_stage": "split"}}
-TUNABLE = ("dispatch_units", "dispatch_place", "dispatch_stage")  # the options TUNED may set, in the order set
+         "token-line128": {"dispatch_place": "line128", "dispatch_units": "row"}}
+TUNABLE = ("dispatch_units", "dispatch_place")  # the options TUNED may set, in the order set
 
 
 def tuned_options(variant: str, token: Dict[str, Any]) -> List[Tuple[str, Any]]:

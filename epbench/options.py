@@ -187,13 +187,6 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
                                  "loaded once more after its tags were seen (the cure for the tear, in the repro); "
                                  "row units only; 4 x H200: 0.2-0.3 us faster than line at 128 tokens, 0.6-0.8 at 256",
                                  choices=("auto", "stage", "slot", "inline", "line", "line128"), env="EPBENCH_LL_DISPATCH_PLACE"),
-        "dispatch_stage": Option(str, "block", "who computes the token-sync dispatch's slot stage with "
-                                 "dispatch_place line or line128 (refused with any other placement): block (every "
-                                 "warp of a block, before any row leaves) or split (its last 4 warps, while the "
-                                 "others send their rows' lines, whose tags need no slot; the head words, own rows "
-                                 "and entries follow the stage); the same outputs; ranks may differ; rows record "
-                                 "block where the placement is not a line one; notes/LATENCY-NEXT.md",
-                                 choices=("block", "split"), env="EPBENCH_LL_DISPATCH_STAGE"),
         "combine_release": Option(str, "batch", "how the token-sync combine releases its pushes' flags: unit (a "
                                   "release store after every 2 KiB push, the next push after its fence) or batch (up "
                                   "to 2 pushes, then one fence and their flags: 4 x H200, 1.5-1.8 us faster at 128-256 "
@@ -283,13 +276,8 @@ def check_ll_lines(backend_options: Mapping[str, Mapping[str, Any]], tokens: Seq
                    environ: Optional[Mapping[str, str]] = None) -> None:
     """epbench-ll's dispatch_place line / line128 send whole rows: under token sync (ll_sync token or auto) they
     need row units, so dispatch_units chunk, or auto at a point of up to LL_AUTO_CHUNK_UNITS_MAX_TOKENS tokens per
-    rank (each point's buffer is its token count), is refused in one line (UserError) before any rank starts; so is
-    dispatch_stage split with any other placement (it splits the line kernels' stage only)."""
+    rank (each point's buffer is its token count), is refused in one line (UserError) before any rank starts."""
     r = resolve("epbench-ll", backend_options.get("epbench-ll") or {}, environ)
-    if r["dispatch_stage"] == "split" and (r["dispatch_place"] not in LL_LINE_PLACES or r["ll_sync"] == "grid"):
-        raise UserError(f"{where}: epbench-ll.dispatch_stage=split works with the token-sync dispatch's line "
-                        f"placements only (dispatch_place is {r['dispatch_place']}, ll_sync {r['ll_sync']}): add "
-                        f"--option epbench-ll.dispatch_place=line128 --option epbench-ll.dispatch_units=row")
     if r["dispatch_place"] not in LL_LINE_PLACES or r["ll_sync"] == "grid":
         return
     small = [t for t in tokens if t <= LL_AUTO_CHUNK_UNITS_MAX_TOKENS]

@@ -150,14 +150,11 @@ def test_spread_needs_ranks_and_is_in_the_header() -> None:
 def test_tuned_rows_set_their_options_and_every_other_token_row_the_backends_own() -> None:
     """A token variant after token-line runs with the backend's own units and placement again (a small buffer's
     chunk / inline), never with line's row units; the header names a tuned variant's options."""
-    own = {"dispatch_units": "chunk", "dispatch_place": "inline", "dispatch_stage": "block", "warps": 16}
+    own = {"dispatch_units": "chunk", "dispatch_place": "inline", "warps": 16}
     assert llprobe.tuned_options("token-line", own) == [
-        ("dispatch_units", "row"), ("dispatch_place", "line"), ("dispatch_stage", "block")]  # units before place
-    assert llprobe.tuned_options("token-line128-split", own) == [
-        ("dispatch_units", "row"), ("dispatch_place", "line128"), ("dispatch_stage", "split")]
-    for after in ("token", "token-warps4"):  # never a tuned row's options, split included
-        assert llprobe.tuned_options(after, own) == [("dispatch_units", "chunk"), ("dispatch_place", "inline"),
-                                                     ("dispatch_stage", "block")]
+        ("dispatch_units", "row"), ("dispatch_place", "line")]  # units before place
+    for after in ("token", "token-warps4"):
+        assert llprobe.tuned_options(after, own) == [("dispatch_units", "chunk"), ("dispatch_place", "inline")]
     assert llprobe.tuned_label("token-line", dict(own, dispatch_place="line", dispatch_units="row")) == \
         "dispatch_place line dispatch_units row"
 
@@ -296,7 +293,7 @@ def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
     the tuned one (token-line) a token-sync variant with option values the backend knows."""
     from pathlib import Path
 
-    from epbench.backends.epbench_ll import PLACES, STAGES, UNITS, EpbenchLowLatencyBackend
+    from epbench.backends.epbench_ll import PLACES, UNITS, EpbenchLowLatencyBackend
 
     assert set(llprobe.SKIPS) <= set(llprobe.VARIANTS)
     assert all(llprobe.VARIANTS[v][1] == "token" for v in llprobe.SKIPS)
@@ -305,7 +302,7 @@ def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
     assert ("enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 4, kLlSkipFence = 8, "
             "kLlSkipAll = 15 };") in header
     assert not set(llprobe.SKIPS) & set(llprobe.TUNED)  # the tuned rows are verified
-    choices = {"dispatch_place": PLACES, "dispatch_units": UNITS, "dispatch_stage": STAGES}
+    choices = {"dispatch_place": PLACES, "dispatch_units": UNITS}
     assert all(llprobe.VARIANTS[v][1] == "token" and set(opts) <= set(llprobe.TUNABLE) and
                all(value in choices[k] for k, value in opts.items()) for v, opts in llprobe.TUNED.items())
     assert all(hasattr(EpbenchLowLatencyBackend, f"use_{k}") for k in llprobe.TUNABLE)

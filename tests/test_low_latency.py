@@ -63,13 +63,6 @@ def test_line_placements_without_row_units_are_refused_before_any_rank_starts(tm
             options.check_ll_lines({"epbench-ll": given}, tokens, "s.yaml", environ={})
     with pytest.raises(UserError, match="dispatch_place=line sends whole rows"):
         options.check_ll_lines({}, [4], "s.yaml", environ={"EPBENCH_LL_DISPATCH_PLACE": "line"})
-    # dispatch_stage split splits the line kernels' stage only: with another placement (auto included) it is refused
-    options.check_ll_lines({"epbench-ll": {"dispatch_place": "line128", "dispatch_units": "row",
-                                           "dispatch_stage": "split"}}, [128], "s.yaml", environ={})
-    for given in ({"dispatch_stage": "split"}, {"dispatch_stage": "split", "dispatch_place": "inline"},
-                  {"dispatch_stage": "split", "dispatch_place": "line", "ll_sync": "grid"}):
-        with pytest.raises(UserError, match="dispatch_stage=split works with .* line placements only"):
-            options.check_ll_lines({"epbench-ll": given}, [128], "s.yaml", environ={})
     r = epbench_here("run", SMOKE_LL, "--backends", "epbench-ll", "--tokens", "1", "--option",
                      "epbench-ll.dispatch_place=line", "--results", tmp_path / "res")
     assert_one_line_error(r, "dispatch_place=line", "--option epbench-ll.dispatch_units=row")
@@ -504,7 +497,7 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
     from epbench.contract import RankSetup
 
     error_word = ctypes.c_int(0)
-    calls, units_set, releases, places, stages = [], [], [], [], []
+    calls, units_set, releases, places = [], [], [], []
 
     class Lib:
         def ep_ll_create(self, cfg, out):
@@ -526,10 +519,6 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
 
         def ep_ll_set_dispatch_place(self, ctx, place):
             places.append(place)
-            return 0
-
-        def ep_ll_set_dispatch_stage(self, ctx, stage):
-            stages.append(stage)
             return 0
 
         def ep_ll_set_combine_release(self, ctx, release):
@@ -594,18 +583,6 @@ def test_backend_sets_the_combine_order_and_records_it(monkeypatch):
         ll.EpbenchLowLatencyBackend(setup, ll_sync="token", dispatch_place="line")  # 4 tokens: auto picks chunk
     assert ll.EpbenchLowLatencyBackend(setup, ll_sync="grid", dispatch_place="line").effective_config()[
         "dispatch_place"] == "stage"  # the grid dispatch ignores the placement
-    # dispatch_stage: block by default; split reaches the library and is recorded with a line placement only
-    assert set(stages) == {0} and lined.effective_config()["dispatch_stage"] == "block"
-    split = ll.EpbenchLowLatencyBackend(big.s, ll_sync="token", dispatch_place="line128", dispatch_stage="split")
-    assert stages[-1] == 1 and split.effective_config()["dispatch_stage"] == "split"
-    split.use_dispatch_place("stage")  # the stage placement has no lines to send first: recorded as block
-    assert stages[-1] == 1 and split.effective_config()["dispatch_stage"] == "block"
-    split.use_dispatch_stage("block")
-    assert stages[-1] == 0
-    few = ll.EpbenchLowLatencyBackend(big.s, ll_sync="token", dispatch_place="line", dispatch_stage="split", warps=4)
-    assert few.effective_config()["dispatch_stage"] == "block"  # no warps left beside the stage's: the kernel's block
-    header = (Path(__file__).resolve().parents[1] / "csrc" / "ll_common.cuh").read_text()
-    assert f"constexpr int kLlStageWarps = {ll.STAGE_WARPS};" in header
     lined128 = ll.EpbenchLowLatencyBackend(big.s, ll_sync="token", dispatch_place="line128")
     assert places[-1] == 4 and lined128.effective_config()["dispatch_place"] == "line128"
     with pytest.raises(RuntimeError, match="dispatch_place line128 sends whole rows: it needs dispatch_units row"):

@@ -18,11 +18,10 @@ flags and per-block epochs: notes/LATENCY.md, round 3); ``combine_order`` source
 the combine's pushes (the same bytes either way, csrc/ll_combine.cu ``push_unit``); ``dispatch_units``
 row|chunk|auto what one peer unit of the token-sync dispatch sends (csrc/ll_common.cuh, LlDispatchUnits);
 ``combine_release`` unit|batch how the token-sync combine releases its pushes' flags (LlCombineRelease);
-``dispatch_place`` stage|slot|inline|line|line128|auto where the token-sync dispatch puts a peer's row (LlDispatchPlace);
-``dispatch_stage`` block|split who computes the line placements' slot stage (LlDispatchStage).
-All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch, auto and block;
+``dispatch_place`` stage|slot|inline|line|line128|auto where the token-sync dispatch puts a peer's row (LlDispatchPlace).
+All are backend options (epbench/options.py: defaults 16, auto, auto, rotated, auto, batch and auto;
 env EPBENCH_LL_WARPS / EPBENCH_LL_COMBINE_CHUNK / EPBENCH_LL_SYNC / EPBENCH_LL_COMBINE_ORDER /
-EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE / EPBENCH_LL_DISPATCH_PLACE / EPBENCH_LL_DISPATCH_STAGE).
+EPBENCH_LL_DISPATCH_UNITS / EPBENCH_LL_COMBINE_RELEASE / EPBENCH_LL_DISPATCH_PLACE).
 
 GPU-checked on 4 x H200 (tests/gpu/ll_worker.py, tests/gpu/test_epbench_ll.py); history and
 figures in notes/KERNELS.md, "Low-latency mode".
@@ -47,9 +46,6 @@ SYNCS = {"grid": 0, "token": 1}  # option ll_sync -> enum LlSync (csrc/ll_common
 ORDERS = {"source": 0, "rotated": 1}  # option combine_order -> enum LlCombineOrder (csrc/ll_common.cuh)
 UNITS = {"row": 0, "chunk": 1}  # option dispatch_units -> enum LlDispatchUnits (csrc/ll_common.cuh)
 PLACES = {"stage": 0, "slot": 1, "inline": 2, "line": 3, "line128": 4}  # option dispatch_place -> enum LlDispatchPlace (csrc/ll_common.cuh)
-LINE_PLACES = options.LL_LINE_PLACES  # the placements whose kernels dispatch_stage splits
-STAGE_WARPS = 4  # kLlStageWarps (csrc/ll_common.cuh): split needs more warps a block than the stage's
-STAGES = {"block": 0, "split": 1}  # option dispatch_stage -> enum LlDispatchStage (csrc/ll_common.cuh)
 RELEASES = {"unit": 0, "batch": 1}  # option combine_release -> enum LlCombineRelease (csrc/ll_common.cuh)
 TOKEN_SMEM_LIMIT = 200 * 1024  # ep_ll_set_sync's limit on the token dispatch's shared memory
 
@@ -143,26 +139,24 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
     def __init__(self, setup: RankSetup, *, warps: Optional[int] = None, combine_chunk: Optional[int] = None,
                  ll_sync: Optional[str] = None, combine_order: Optional[str] = None,
                  dispatch_units: Optional[str] = None, combine_release: Optional[str] = None,
-                 dispatch_place: Optional[str] = None, dispatch_stage: Optional[str] = None) -> None:
+                 dispatch_place: Optional[str] = None) -> None:
         reason = self.unavailable_reason(setup)
         if reason:
             raise RuntimeError(f"epbench-ll backend unavailable: {reason}")
         self.s = setup
         given = (("warps", warps), ("combine_chunk", combine_chunk), ("ll_sync", ll_sync),
                  ("combine_order", combine_order), ("dispatch_units", dispatch_units),
-                 ("combine_release", combine_release), ("dispatch_place", dispatch_place),
-                 ("dispatch_stage", dispatch_stage))
+                 ("combine_release", combine_release), ("dispatch_place", dispatch_place))
         resolved = options.resolve(self.name, {k: v for k, v in given if v is not None})
         self.warps, self.combine_chunk, self.ll_sync = resolved["warps"], resolved["combine_chunk"], resolved["ll_sync"]
         self.combine_order, self.dispatch_units = resolved["combine_order"], resolved["dispatch_units"]
         self.combine_release, self.dispatch_place = resolved["combine_release"], resolved["dispatch_place"]
-        self.dispatch_stage = resolved["dispatch_stage"]
         self.combine_chunk = combine_chunk_for(self.combine_chunk, setup.max_tokens_per_rank)
         self.dispatch_units = dispatch_units_for(self.dispatch_units, setup.max_tokens_per_rank)
         need = token_smem_bytes(setup.max_tokens_per_rank, setup.topk, setup.world * setup.experts_per_rank)
         if self.ll_sync == "auto":  # the one recorded in the rows (effective_config)
             self.ll_sync = "token" if need <= TOKEN_SMEM_LIMIT else "grid"
-        if self.ll_sync == "token" and self.dispatch_place in LINE_PLACES and self.dispatch_units == "chunk":
+        if self.ll_sync == "token" and self.dispatch_place in ("line", "line128") and self.dispatch_units == "chunk":
             raise RuntimeError(f"epbench-ll dispatch_place {self.dispatch_place} sends whole rows: it needs dispatch_units row "
                                f"(auto picks chunk up to {AUTO_UNITS_MAX_TOKENS} tokens per rank)")
         if self.ll_sync == "token":
@@ -183,7 +177,6 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         self.use_combine_order(self.combine_order)
         self.use_dispatch_units(self.dispatch_units)
         self.use_dispatch_place(self.dispatch_place)
-        self.use_dispatch_stage(self.dispatch_stage)
         self.use_combine_release(self.combine_release)
         self._open_peers()
         self._views()
@@ -236,8 +229,6 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
                 "combine_order": self.combine_order,
                 "dispatch_units": self.dispatch_units if self.ll_sync == "token" else "row",
                 "dispatch_place": self.dispatch_place if self.ll_sync == "token" else "stage",
-                "dispatch_stage": self.dispatch_stage if self.ll_sync == "token" and self.dispatch_place in LINE_PLACES
-                and self.warps > STAGE_WARPS else "block",
                 "combine_release": self.combine_release if self.ll_sync == "token" else "grid"}
 
     def use_combine_order(self, order: str) -> None:
@@ -261,13 +252,6 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         place = dispatch_place_for(place, self.s.max_tokens_per_rank)
         cuda_lib.check(self._lib.ep_ll_set_dispatch_place(self._ctx, PLACES[place]), "ep_ll_set_dispatch_place")
         self.dispatch_place = place
-
-    def use_dispatch_stage(self, stage: str) -> None:
-        """Who computes later token-sync dispatches' slot stage with a line placement (option dispatch_stage: block |
-        split; csrc/ll_common.cuh, LlDispatchStage); the other placements ignore it. Sender-side only: ranks may
-        differ; a graph captured before keeps its own."""
-        cuda_lib.check(self._lib.ep_ll_set_dispatch_stage(self._ctx, STAGES[stage]), "ep_ll_set_dispatch_stage")
-        self.dispatch_stage = stage
 
     def use_combine_release(self, release: str) -> None:
         """How later token-sync combines release their pushes' flags (option combine_release: unit |

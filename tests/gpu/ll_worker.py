@@ -91,9 +91,7 @@ LINE_CASES: List[Case] = [
     Case("lines top-1, one expert", 2048, [64], 1, 4, "bf16", "expert0"),
     Case("lines dsv3 fp8", 7168, [32], 8, 64, "fp8"),
 ]
-LINE_CALLS = 40  # of each line kind (line, line128, each also with dispatch_stage split), each after an inline call,
-# each pair with fresh token values
-LINE_KINDS = ("line", "line128", "line-split", "line128-split")
+LINE_CALLS = 40  # of each line size, each after an inline call, each pair with fresh token values
 
 
 def setup_of(case: Case, rank: int, world: int, device: torch.device, timeout_s: float = 10.0) -> RankSetup:
@@ -171,13 +169,6 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, sms: int, 
     return problems
 
 
-def use_place(kernels: EpbenchLowLatencyBackend, place: str) -> None:
-    """dispatch_place `place`, with dispatch_stage split where it ends in -split (line / line128), else block."""
-    split = place.endswith("-split")
-    kernels.use_dispatch_place(place[:-len("-split")] if split else place)
-    kernels.use_dispatch_stage("split" if split else "block")
-
-
 def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
     """The combine in both push orders on the same inputs, and (token sync) the dispatch with chunk
     peer units (option dispatch_units), slot, inline and line placement (dispatch_place) and the batched
@@ -196,12 +187,11 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
          ("rotated", "row", "batch", "slot"), ("rotated", "chunk", "unit", "slot"),
          ("rotated", "row", "batch", "inline"), ("rotated", "chunk", "unit", "inline"),
          ("rotated", "row", "batch", "line"), ("rotated", "row", "unit", "line"),
-         ("rotated", "row", "batch", "line128"), ("rotated", "row", "batch", "line128-split"),
-         ("rotated", "row", "unit", "line-split")] if sync == "token" else [])
+         ("rotated", "row", "batch", "line128")] if sync == "token" else [])
     for order, units, release, place in configs:
         kernels.use_combine_order(order)  # before the graphs below are captured: they keep it
         kernels.use_dispatch_units(units)  # every rank switches before the same call
-        use_place(kernels, place)  # likewise
+        kernels.use_dispatch_place(place)  # likewise
         kernels.use_combine_release(release)
         for how, calls in (("launch", launch_calls(kernels, inputs[rank], sms, rank)),
                            ("graph", graph_calls(kernels, inputs[rank], sms, rank))):
@@ -222,22 +212,22 @@ def run_orders(case: Case, rank: int, world: int, device: torch.device, sms: int
 
 
 def run_lines(case: Case, rank: int, world: int, device: torch.device, sms: int, sync: str) -> List[str]:
-    """dispatch_place line and line128, each also with dispatch_stage split (LINE_KINDS), LINE_CALLS times each, in
-    turn, each after an inline call with the same fresh token values (so a line read before all of it landed shows
-    older bytes): every dispatch and combine verified. 128-byte lines without line128's second load failed this on
-    2 x H200 (the first 64 bytes of a line stale beside a current tag); token sync."""
+    """dispatch_place line and line128, LINE_CALLS times each, in turn, each after an inline call with the same
+    fresh token values (so a line read before all of it landed shows older bytes): every dispatch and combine
+    verified. 128-byte lines without line128's second load failed this on 2 x H200 (the first 64 bytes of a line
+    stale beside a current tag); token sync."""
     problems: List[str] = []
     if sync != "token":
         return problems
     kernels = EpbenchLowLatencyBackend(setup_of(case, rank, world, device), ll_sync="token", dispatch_units="row")
     routings = [rank_routing(case, r, world, seed=5) for r in range(world)]
-    wrong = dict.fromkeys(("inline",) + LINE_KINDS, 0)
-    for n in range(len(LINE_KINDS) * LINE_CALLS):
-        i, line = n // len(LINE_KINDS), LINE_KINDS[n % len(LINE_KINDS)]
+    wrong = {"inline": 0, "line": 0, "line128": 0}
+    for n in range(2 * LINE_CALLS):
+        i, line = n // 2, ("line", "line128")[n % 2]
         inputs = [dispatch_input(make_tokens(routings[r].num_tokens, case.hidden, 7, r, 100 + n, device), routings[r],
                                  case.dtype, device) for r in range(world)]
         for place in ("inline", line):
-            use_place(kernels, place)  # every rank switches before the same call
+            kernels.use_dispatch_place(place)  # every rank switches before the same call
             d, c, _ = one_call(kernels, launch_calls(kernels, inputs[rank], sms, rank), inputs[rank], rank, world,
                                case.experts_per_rank, lambda r: inputs[r])
             for what, r in (("dispatch", d), ("combine", c)):

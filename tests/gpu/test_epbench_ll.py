@@ -59,8 +59,8 @@ def test_combine_push_orders_give_bit_equal_outputs(built: None, nproc: int, syn
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_line_placement_never_reads_a_torn_line(built: None, nproc: int) -> None:
-    """dispatch_place line and line128, each also with dispatch_stage split, many calls, each after an inline one
-    and with fresh token values, at 4 and 32 SMs: every dispatch and combine verified. The same loop found hundreds of wrong rows with 128-byte lines on 2 x H200
+    """dispatch_place line, many calls, each after an inline one and with fresh token values, at 4 and 32 SMs:
+    every dispatch and combine verified. The same loop found hundreds of wrong rows with 128-byte lines on 2 x H200
     (notes/LATENCY-NEXT.md); it checks the 64-byte lines' assumption on every machine the suite runs on."""
     KERNEL_SUITES.assert_passed(nproc, f"suite ll-lines world={nproc}")
 
