@@ -645,13 +645,33 @@ __device__ __forceinline__ void receive_inline(const EpParams& p, const LlParams
   if (c == 0 && valid) put_tmap_tw(lp, mybase, srow, topk, lane, epoch, slot, wraw);
 }
 
+// Source s's token count for this epoch from its T word (dwords[s][E], stored first by the sender's block 0): 0 for
+// a later epoch (nothing of it is mine) or a wait given up; a T word of another kind (units or placement bits)
+// records the mismatch, naming the option, which stops every wait.
+__device__ __forceinline__ int tword_tokens(const EpParams& p, const LlParams& lp, const unsigned long long* dwords,
+                                            int s, int E, int epoch) {
+  const unsigned long long v = ll_wait_epoch_u64(p, dwords + (size_t)s * (E + 1) + E, epoch, s, kPhaseLlDispatch);
+  const unsigned lo = (unsigned)(v & 0xffffffffu);
+  if ((int)(v >> 32) != epoch) return 0;
+  const unsigned differ = (lo ^ ll_units_bits(lp)) & kLlUnitsBitsMask;
+  if (differ != 0) {  // abort every wait, naming the option that differs
+    report_timeout(p.dev_error, p.host_error, p.rank, s,
+                   (differ & 0x80000000u) ? kPhaseLlUnitsMismatch : kPhaseLlPlaceMismatch);
+    return 0;
+  }
+  return (int)(lo & ~kLlUnitsBitsMask);
+}
+
+#ifndef EP_LL_RECEIVE_BESIDE
+#define EP_LL_RECEIVE_BESIDE 1  // 0: every warp receives after its own sends (the A/B build of the measurement)
+#endif
+
 // kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line, 3 line128 (each its own instantiation, so the
 // flagged kernel keeps its registers)
 template <int kThreads, int kWords>
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams p, LlParams lp, LlDispatchArgs a) {
   extern __shared__ int s_dyn[];  // s_idx [T * topk], then s_mask [(chunks + 1) * NE] (last row: totals)
   __shared__ int s_epoch;
-  __shared__ int s_tok[EP_MAX_WORLD + 1];  // prefix over sources of the tokens to receive (mine: 0)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int T = a.num_tokens, topk = p.topk, world = p.world, E = lp.experts, NE = lp.num_experts;
   const int me = p.rank, Tm = lp.t_max, ns = p.num_scales, V = p.row_bytes >> 4;
@@ -821,50 +841,49 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   ll_stamp(lp, kLlSent);
   ll_stamp(lp, kLlReleased);
 
-  // receive: how many tokens each peer sends this epoch, then each staged row chunk by chunk
+  // receive: how many tokens each peer sends this epoch, then each staged row chunk by chunk, no block barrier.
+  // Units are dealt warp-major, so the warps that hold no send unit are the grid's warps [units, G) in that order.
+  // Where they are at least a quarter of the grid (`beside`, the same on every block), they alone receive, as soon
+  // as their block's stage is done, so a row is copied into its experts' slots as it lands while the other warps
+  // still send; else every warp receives once its own sends are issued. Either way a receiving warp learns the
+  // peers' token counts itself (lane s waits for source s's T word, stored first by its block 0) and sums them over
+  // its lanes. A receiver waits only for peers' sends, which wait for nothing but their own block's stage: no cycle.
   const unsigned long long* dwords = reinterpret_cast<const unsigned long long*>(mybase + lp.off_dwords);
-  if (threadIdx.x < world) {
-    int n = 0;
-    if (threadIdx.x != me && !aborted) {
-      const unsigned long long v =
-          ll_wait_epoch_u64(p, dwords + (size_t)threadIdx.x * (E + 1) + E, epoch, threadIdx.x, kPhaseLlDispatch);
-      const unsigned lo = (unsigned)(v & 0xffffffffu);
-      n = (int)(v >> 32) == epoch ? (int)(lo & ~kLlUnitsBitsMask) : 0;  // later epoch: nothing of it is mine (header)
-      const unsigned differ = (lo ^ ll_units_bits(lp)) & kLlUnitsBitsMask;
-      if ((int)(v >> 32) == epoch && differ != 0) {  // abort every wait, naming the option that differs
-        report_timeout(p.dev_error, p.host_error, me, threadIdx.x,
-                       (differ & 0x80000000u) ? kPhaseLlUnitsMismatch : kPhaseLlPlaceMismatch);
-        n = 0;
-      }
+  const long long units = (long long)T * per_token, idle = G - units;
+  const bool beside = EP_LL_RECEIVE_BESIDE && idle * 4 >= G;  // grid-uniform
+  const bool receiver = !beside || gw >= units;
+  static_assert(EP_MAX_WORLD <= 32, "a warp's lanes hold the sources' token counts");
+  int n = 0, incl = 0;  // lane s: source s's tokens, and those of sources 0..s
+  if (receiver || warp == 0) {  // warp 0 always, for the stamp below and block 0's src_tokens
+    if (lane < world && lane != me && !aborted) n = tword_tokens(p, lp, dwords, lane, E, epoch);
+    incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
     }
-    s_tok[threadIdx.x + 1] = n;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    s_tok[0] = 0;
-    for (int s = 0; s < world; ++s) s_tok[s + 1] += s_tok[s];
-  }
-  __syncthreads();
+  const int total = __shfl_sync(0xffffffffu, incl, world - 1);
   ll_stamp(lp, kLlWaited);
-  // a wait above (world > 1 only) may have given up: look again; at world 1 nothing waited
-  if (world > 1) aborted = aborted || ld_volatile(p.dev_error) != 0;
+  // a wait above (world > 1 only) may have given up: look again (lane 0's view, so the warp agrees); at world 1
+  // nothing waited
+  if (world > 1) aborted = __shfl_sync(0xffffffffu, (int)(aborted || ld_volatile(p.dev_error) != 0), 0) != 0;
   if (blockIdx.x == 0 && !aborted) {
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
       long long sum = 0;
       for (int s = 0; s < world; ++s) {
-        int n = totals[me * E + i];
+        int c = totals[me * E + i];
         if (s != me) {
           const unsigned long long v =
               ll_wait_epoch_u64(p, dwords + (size_t)s * (E + 1) + i, epoch, s, kPhaseLlDispatch);
-          n = (int)(v >> 32) == epoch ? (int)(v & 0xffffffffu) : 0;
+          c = (int)(v >> 32) == epoch ? (int)(v & 0xffffffffu) : 0;
         }
-        lp.src_counts[i * world + s] = n;
-        sum += n;
+        lp.src_counts[i * world + s] = c;
+        sum += c;
       }
       lp.counts[i] = sum;
     }
-    if (threadIdx.x < world)
-      lp.src_tokens[threadIdx.x] = threadIdx.x == me ? T : s_tok[threadIdx.x + 1] - s_tok[threadIdx.x];
+    if (warp == 0 && lane < world) lp.src_tokens[lane] = lane == me ? T : n;
   }
   const unsigned long long* tflags = reinterpret_cast<const unsigned long long*>(mybase + lp.off_tflags);
   // receive units per row: nx chunks of kS x 32 vectors, or (line / line128) one per batch of (8 or 4) x kLinePasses
@@ -872,11 +891,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   constexpr int kBatch = (kWords == 3 ? LlLineRow<128>::kPerPass : LlLineRow<64>::kPerPass) * kLinePasses;
   const int nxr = kWords == 2 ? (lp.line_count + kBatch - 1) / kBatch
                               : kWords == 3 ? (lp.line128_count + kBatch - 1) / kBatch : nx;
-  for (long long u = gw; !aborted && u < (long long)s_tok[world] * nxr; u += G) {
+  const long long rx_stride = beside ? idle : G;
+  for (long long u = beside ? gw - units : gw; receiver && !aborted && u < (long long)total * nxr; u += rx_stride) {
     const int st = (int)(u / nxr), c = (int)(u - (long long)st * nxr);
-    int s = 0;
-    while (st >= s_tok[s + 1]) ++s;
-    const int t = st - s_tok[s];
+    const int s = __popc(__ballot_sync(0xffffffffu, lane < world && incl <= st));  // the sources wholly before st
+    const int t = st - (__shfl_sync(0xffffffffu, incl, s) - __shfl_sync(0xffffffffu, n, s));
     if constexpr (kWords == 1) {  // every word waited for on its own, no flag
       receive_inline(p, lp, s, t, c, epoch, lane, !(lp.probe_skip & kLlSkipReceive));
       continue;
