@@ -662,10 +662,6 @@ __device__ __forceinline__ int tword_tokens(const EpParams& p, const LlParams& l
   return (int)(lo & ~kLlUnitsBitsMask);
 }
 
-#ifndef EP_LL_RECEIVE_BESIDE
-#define EP_LL_RECEIVE_BESIDE 1  // 0: every warp receives after its own sends (the A/B build of the measurement)
-#endif
-
 // kWords: 0 the flagged placements (stage, slot), 1 inline, 2 line, 3 line128 (each its own instantiation, so the
 // flagged kernel keeps its registers)
 template <int kThreads, int kWords>
@@ -843,14 +839,17 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
 
   // receive: how many tokens each peer sends this epoch, then each staged row chunk by chunk, no block barrier.
   // Units are dealt warp-major, so the warps that hold no send unit are the grid's warps [units, G) in that order.
-  // Where they are at least a quarter of the grid (`beside`, the same on every block), they alone receive, as soon
-  // as their block's stage is done, so a row is copied into its experts' slots as it lands while the other warps
-  // still send; else every warp receives once its own sends are issued. Either way a receiving warp learns the
-  // peers' token counts itself (lane s waits for source s's T word, stored first by its block 0) and sums them over
-  // its lanes. A receiver waits only for peers' sends, which wait for nothing but their own block's stage: no cycle.
+  // Where they are at least three quarters of the grid (`beside`, the same on every block: small batches), they
+  // alone receive, as soon as their block's stage is done, so a row is copied into its experts' slots as it lands
+  // while the few others still send; else every warp receives once its own sends are issued. (With a quarter of the
+  // grid idle, at 128 tokens on 4 ranks, receiving beside the send was 1.7-2.3 us slower on 4 x H200: the idle
+  // warps' polls slowed the sends more than the overlap gained; notes/LATENCY-NEXT.md.) Either way a receiving
+  // warp learns the peers' token counts itself (lane s waits for source s's T word, stored first by its block 0)
+  // and sums them over its lanes. A receiver waits only for peers' sends, which wait for nothing but their own
+  // block's stage: no cycle.
   const unsigned long long* dwords = reinterpret_cast<const unsigned long long*>(mybase + lp.off_dwords);
   const long long units = (long long)T * per_token, idle = G - units;
-  const bool beside = EP_LL_RECEIVE_BESIDE && idle * 4 >= G;  // grid-uniform
+  const bool beside = units * 4 <= G;  // grid-uniform
   const bool receiver = !beside || gw >= units;
   static_assert(EP_MAX_WORLD <= 32, "a warp's lanes hold the sources' token counts");
   int n = 0, incl = 0;  // lane s: source s's tokens, and those of sources 0..s
