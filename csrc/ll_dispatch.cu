@@ -61,8 +61,10 @@
 //      stage[me, t] on d (chunk 0 also the scales), tmap / tw of t's experts on d (every chunk unit
 //      stores the same entries, so each flag covers them), then tflags[me, t, c] as above; the units of
 //      a token go peer-minor (consecutive units, different peers).
-//   receive: threads s < world of every block wait (bounded) for dwords[s][E] of this epoch (T_s);
-//      block 0 waits for the count words and writes counts / src_counts / src_tokens; unit (source
+//   receive (no block barrier): lane s < world of every receiving warp (and of each block's warp 0) waits
+//      (bounded) for dwords[s][E] of this epoch (T_s) and the warp sums them over its lanes; small batches are
+//      received by the warps that hold no send unit, right after their stage, else by every warp after its
+//      own sends; block 0 waits for the count words and writes counts / src_counts / src_tokens; unit (source
 //      s, token t < T_s, chunk c): lane 0 acquires tflags[s, t, 0] (row units) or [s, t, c] (chunk
 //      units), a __syncwarp orders the other lanes' later loads of tmap and the row after it, then the
 //      warp copies chunk c as the grid path does.
@@ -842,7 +844,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   // Where they are at least three quarters of the grid (`beside`, the same on every block: small batches), they
   // alone receive, as soon as their block's stage is done, so a row is copied into its experts' slots as it lands
   // while the few others still send; else every warp receives once its own sends are issued. (With a quarter of the
-  // grid idle, at 128 tokens on 4 ranks, receiving beside the send was 1.7-2.3 us slower on 4 x H200: the idle
+  // grid idle, at 128 tokens on 4 ranks, receiving beside the send was 1.7-2.4 us slower on 4 x H200: the idle
   // warps' polls slowed the sends more than the overlap gained; notes/LATENCY-NEXT.md.) Either way a receiving
   // warp learns the peers' token counts itself (lane s waits for source s's T word, stored first by its block 0)
   // and sums them over its lanes. A receiver waits only for peers' sends, which wait for nothing but their own

@@ -24,9 +24,10 @@ Rows:
 - dispatch and combine per tokens x variant, each verified once (#wrong) before it is timed:
   `grid` (ll_sync grid, the grid-wide handshakes); `token` (ll_sync token: per-token flags, no
   grid-wide step; its stamps mark warp 0's progress, there being no block barrier to stamp: its
-  `sent`, `released` and `waited` stamps are consecutive instructions, so a long `release` there is
-  thread 0's stamp store waiting to issue behind the SM's stores to peers, i.e. the links draining
-  what the push put in flight (4 x H200, 2026-11-27: notes/LATENCY-NEXT.md));
+  `sent` and `released` stamps are consecutive instructions, so a long `release` there is thread 0's
+  stamp store waiting to issue behind the SM's stores to peers, i.e. the links draining what the push
+  put in flight (4 x H200, 2026-11-27: notes/LATENCY-NEXT.md); `waited` is warp 0 having every
+  source's token count (T word));
   `warps4` / `warps8` (grid with 4 / 8 warps per block); `token-warps4` (token with 4). warps8 and
   token-warps4 only when asked for;
 - token dispatches with parts left out, to split its time (only when asked for; a dispatch row each,
