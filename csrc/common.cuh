@@ -278,6 +278,16 @@ cudaError_t launch_dependent(void (*kernel)(KArgs...), int grid, int block, size
 // ---- device helpers ----
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// Inclusive prefix sum of v over the warp's lanes (lane l gets v of lanes 0..l); every lane must call it.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, v, off);
+    if ((threadIdx.x & 31) >= off) v += x;
+  }
+  return v;
+}
+
 __device__ __forceinline__ int ld_acquire_sys(const int* p) {
   int v;
   asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

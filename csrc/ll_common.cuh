@@ -112,9 +112,9 @@ enum LlProbeSkip { kLlSkipOwnRows = 1, kLlSkipReceive = 2, kLlSkipSmallStores = 
 // Phase boundaries stamped per block (thread 0) when LlParams::stamps is set. Dispatch: staged =
 // ids in shared memory; sent = the block's rows / slots issued (after the block barrier); released =
 // the block counted itself (the last block: its release stores issued); waited = every source's flag
-// seen (token dispatch: warp 0 has every source's T word); received = the block's copies issued; end = the block counted done. Combine: the same, with
-// pushes for sends and the reduce for the receive copies. The probe kernel (ep_ll_probe) uses
-// start, sent (end of its measured part A) and end.
+// seen (token dispatch: warp 0 has every source's T word); received = the block's copies issued; end =
+// the block counted done. Combine: the same, with pushes for sends and the reduce for the receive
+// copies. The probe kernel (ep_ll_probe) uses start, sent (end of its measured part A) and end.
 enum LlStamp {
   kLlStart = 0,
   kLlStaged = 1,

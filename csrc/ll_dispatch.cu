@@ -857,12 +857,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_token_kernel(EpParams
   int n = 0, incl = 0;  // lane s: source s's tokens, and those of sources 0..s
   if (receiver || warp == 0) {  // warp 0 always, for the stamp below and block 0's src_tokens
     if (lane < world && lane != me && !aborted) n = tword_tokens(p, lp, dwords, lane, E, epoch);
-    incl = n;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
+    incl = warp_inclusive_sum(n);
   }
   const int total = __shfl_sync(0xffffffffu, incl, world - 1);
   ll_stamp(lp, kLlWaited);

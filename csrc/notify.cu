@@ -146,12 +146,7 @@ __device__ __forceinline__ void em_segments(const EpParams& p, const int* rows, 
       before += s < p.rank ? v : 0;
     }
     const int padded = (c + align - 1) / align * align;
-    int incl = padded;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int x = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += x;
-    }
+    const int incl = warp_inclusive_sum(padded);
     const long long start = carry + incl - padded;
     if (e < E) {
       p.em_base[g] = (int)start + before;
