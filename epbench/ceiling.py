@@ -17,7 +17,7 @@ plain SM stores
     the same bytes written by a kernel with plain 16-byte stores into peer memory at a given SM
     count (``ep_store_ceiling`` in csrc/ceiling.cu: no layout, no flags). It needs the built
     kernels library; without it (or with another provider plugged in through
-    ``set_sm_store_provider``) it is reported as absent, never estimated.
+    ``set_sm_store_provider``) it is reported as not measured, with the reason, never estimated.
 
 Nominal limits come from the hardware: NVLink = active links x the per-link rate of the link
 generation NVML reports; NIC = the sum of the active InfiniBand port rates of the nearest NIC.
@@ -201,8 +201,11 @@ def read_limits(device_index: Optional[int], sysfs: Path = Path("/sys")) -> Limi
 #  nbytes: peer rank -> bytes; source tensor, sms, comm, warmup, iters) -> per-iteration microseconds
 SmStoreProvider = Callable[[Dict[int, int], Dict[int, int], Any, int, Any, int, int], List[float]]
 _sm_store_provider: Optional[SmStoreProvider] = None
-SM_STORE_ABSENT = ("plain SM-store ceiling: absent (needs an epbench store kernel; none is "
-                   "plugged in yet)")
+def sm_store_absent(device: str) -> str:
+    """Why the plain SM-store ceiling has no figure: a CPU run, or a GPU host whose kernels library is not built."""
+    why = ("it needs CUDA GPUs" if device != "cuda"
+           else "its kernel (ep_store_ceiling) is in the kernels library, which is not built here: `make build`")
+    return f"plain SM-store ceiling: not measured ({why})"
 
 
 def set_sm_store_provider(fn: Optional[SmStoreProvider]) -> None:
@@ -662,7 +665,7 @@ def print_ceilings(s: Any, ceilings: List[OpCeiling], limits: Limits, device: st
         console.print("note: copy-engine ceilings need CUDA GPUs; only the byte counts and nominal "
                       "limits are shown")
     if not any(v is not None for c in ceilings for v in c.sm_store_us.values()):
-        console.print(f"note: {SM_STORE_ABSENT}")
+        console.print(f"note: {sm_store_absent(device)}")
 
 
 def rates_of(limits: Sequence[Limits]) -> List[Optional[float]]:

@@ -98,7 +98,7 @@ def measure_ceilings(s: Scenario, opts: RunOptions, comm: Any,
         raise RuntimeError(f"ceiling measurement failed ({e}); run again with --no-ceilings "
                            f"to skip it") from e
     if all(v is None for c in found for v in c.sm_store_us.values()):
-        on_note(f"ceilings: {ceiling.SM_STORE_ABSENT}")
+        on_note(f"ceilings: {ceiling.sm_store_absent('cuda')}")
     return {c.op: c for c in found}
 
 

@@ -176,7 +176,7 @@ def test_ceiling_command_on_cpu_prints_bytes_and_says_what_needs_gpus(tmp_path):
     assert r.code == 0, r.both
     assert "dispatch" in r.out and "combine" in r.out
     assert "copy-engine ceilings need CUDA GPUs" in r.out
-    assert "SM-store ceiling: absent" in r.out
+    assert "SM-store ceiling: not measured (it needs CUDA GPUs)" in r.out
     # --csv: the figures it printed (here the scenario's ideal times), and what produced them beside
     import json
 
@@ -461,3 +461,9 @@ def test_local_sum_takes_the_bulk_shape_only_for_tokens_of_at_most_4_rows(monkey
         comm = types.SimpleNamespace(rank=0, device=torch.device("cpu"))
         assert ceiling.measure_sums(summer, s, None, comm, 1, 2, [8, 16]) == {8: want, 16: want / 2}
         assert seen == want_threads
+
+
+def test_the_sm_store_note_names_why_it_has_no_figure():
+    assert ceiling.sm_store_absent("cpu") == "plain SM-store ceiling: not measured (it needs CUDA GPUs)"
+    on_gpu = ceiling.sm_store_absent("cuda")
+    assert "not measured" in on_gpu and "make build" in on_gpu and "ep_store_ceiling" in on_gpu
