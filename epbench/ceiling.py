@@ -16,8 +16,8 @@ copy engines
 plain SM stores
     the same bytes written by a kernel with plain 16-byte stores into peer memory at a given SM
     count (``ep_store_ceiling`` in csrc/ceiling.cu: no layout, no flags). It needs the built
-    kernels library; without it (or with another provider plugged in through
-    ``set_sm_store_provider``) it is reported as not measured, with the reason, never estimated.
+    kernels library (or another provider plugged in through ``set_sm_store_provider``); without
+    either it is reported as not measured, with the reason, never estimated.
 
 Nominal limits come from the hardware: NVLink = active links x the per-link rate of the link
 generation NVML reports; NIC = the sum of the active InfiniBand port rates of the nearest NIC.
