@@ -490,7 +490,7 @@ class OpCeiling:
     @property
     def copy_engine_gbps(self) -> Optional[float]:
         return metrics.bandwidth_gbps(self.max_bytes, self.copy_engine_us) \
-            if self.copy_engine_us is not None else None
+            if self.copy_engine_us is not None and self.max_bytes > 0 else None
 
 
 def ideal_per_op(plan: Dict[str, List[List[int]]], rates: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
@@ -705,15 +705,16 @@ def every_ranks_limits(comm: Any) -> List[Limits]:
     return limits
 
 
-CSV_COLUMNS = ("scenario", "world", "op", "figure", "sms", "streams", "ce_share", "time_us", "bytes_per_rank",
+CSV_COLUMNS = ("scenario", "world", "op", "figure", "sms", "streams", "ce_fraction", "time_us", "bytes_per_rank",
                "gbps", "git_commit")
 
 
 def figure_rows(s: Any, ceilings: List[OpCeiling], commit: str) -> List[Dict[str, Any]]:
     """Every figure of the ceilings, one row each (``epbench ceiling --csv``): copy engines by streams per
-    destination, SM stores, copy engines + SM stores (with the share) and the local sum by SM count, the nominal
-    and the scenario's ideal times. gbps = the op's NVLink bytes a rank sends / time, none for the local sum (no
-    link bytes)."""
+    destination, SM stores, copy engines + SM stores (ce_fraction: the copy engines' part of the bytes, 0-1) and
+    the local sum by SM count, the nominal and the scenario's ideal times. bytes_per_rank = the op's NVLink bytes a
+    rank sends (none for the local sum, which reads other bytes); gbps = those bytes / time, none for the local sum
+    and none where no rank sends a byte over a link."""
     rows: List[Dict[str, Any]] = []
 
     def add(c: OpCeiling, figure: str, time_us: Optional[float], sms: Optional[int] = None,
@@ -721,8 +722,10 @@ def figure_rows(s: Any, ceilings: List[OpCeiling], commit: str) -> List[Dict[str
         if time_us is None:
             return
         rows.append({"scenario": s.name, "world": s.world, "op": c.op, "figure": figure, "sms": sms,
-                     "streams": streams, "ce_share": share, "time_us": time_us, "bytes_per_rank": c.max_bytes,
-                     "gbps": metrics.bandwidth_gbps(c.max_bytes, time_us) if link and time_us > 0 else None,
+                     "streams": streams, "ce_fraction": share, "time_us": time_us,
+                     "bytes_per_rank": c.max_bytes if link else None,
+                     "gbps": metrics.bandwidth_gbps(c.max_bytes, time_us)
+                     if link and c.max_bytes > 0 and time_us > 0 else None,
                      "git_commit": commit})
 
     for c in ceilings:

@@ -506,7 +506,7 @@ def show_overlap(run_dir: Path) -> None:
 
 
 @app.command()
-def probe(tokens: Annotated[str, typer.Option("--tokens", help="Tokens per call (comma list).")] = "1,32,128",
+def probe(tokens: Annotated[str, typer.Option("--tokens", help="Tokens per call (comma list); the buffers, and epbench-ll's auto options, are sized once for the largest.")] = "1,32,128",
           sms: Annotated[str, typer.Option("--sms", help="Blocks per kernel (comma list).")] = "32,132",
           hidden: Annotated[int, typer.Option("--hidden", help="Hidden size.")] = 7168,
           topk: Annotated[int, typer.Option("--topk", help="Experts per token.")] = 8,
@@ -680,6 +680,9 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     s = scenario.load(path)
     if nproc is not None:
         s = s.with_world(nproc)
+    if s.world == 1:  # a link ceiling of bytes that never leave the GPU would be a figure of nothing
+        raise UserError(f"{s.source}: one rank: nothing crosses a link, so there is no ceiling to measure; "
+                        f"use --nproc N with N >= 2")
     sms_list = scenario.maybe_int_list(sms, "--sms", scenario.MAX_SMS)
     if sms_list:  # the SM counts of the store, copy engine + store and local-sum ceilings
         s = dataclasses.replace(s, bench=dataclasses.replace(s.bench, sms=sms_list))

@@ -16,10 +16,11 @@ Rows:
   grid-wide release / wait / finish handshake alone),
   `chase` (16 dependent global loads by one thread per block: span / 16 ~ one memory round trip),
   `fence` (16 x store + fence.acq_rel.sys), `timer` (the smallest step of %globaltimer, ns);
-  with several ranks also `ping` and `ping-combine`: the least a decode call across the links does, one row
-  each way and the wait for its proof (warp 0 of block b sends one row from every load in flight to peer
-  me + 1 + b, a flag behind a system-scope fence, then waits for peer me - 1 - b's flag: no ids, no counts,
-  no copy into expert slots); `ping` with the dispatch's row (hidden bytes in fp8, hidden x 2 in bf16),
+  with several ranks also `ping` and `ping-combine`: the least a decode call across the links does (with
+  --spread; ranks sharing one GPU ping within its memory), one row each way and the wait for its proof
+  (warp 0 of block b sends one row from every load in flight to peer me + 1 + b, a flag behind a
+  system-scope fence, then waits for peer me - 1 - b's flag: no ids, no counts, no copy into expert
+  slots; left out, with a line saying so, where the grid has fewer blocks than peers); `ping` with the dispatch's row (hidden bytes in fp8, hidden x 2 in bf16),
   `ping-combine` with the combine's (hidden x 2); `partA` is the flag issued, the rest of the span the wait;
 - dispatch and combine per tokens x variant, each verified once (#wrong) before it is timed:
   `grid` (ll_sync grid, the grid-wide handshakes); `token` (ll_sync token: per-token flags, no
@@ -303,7 +304,7 @@ def probe_options(tokens: str, sms: str, hidden: int, topk: int, experts_per_ran
                   variants: str, warmup: int, iters: int, chain: str, nproc: int,
                   spread: bool = False) -> ProbeOptions:
     """``epbench probe``'s options, checked; UserError (one line) for the first one wrong."""
-    from epbench import scenario
+    from epbench import options, scenario
 
     bad = [v for v in variants.split(",") if v and v not in VARIANTS]
     if bad:
@@ -321,7 +322,12 @@ def probe_options(tokens: str, sms: str, hidden: int, topk: int, experts_per_ran
     for opt, v, low in (("--warmup", warmup, 0), ("--iters", iters, 1)):
         if not low <= v <= scenario.MAX_ITERS:
             raise UserError(f"{opt}: must be at least {low} and at most {scenario.MAX_ITERS}, got {v}")
-    return ProbeOptions(tokens=scenario.maybe_int_list(tokens, "--tokens", scenario.MAX_SHAPE["tokens_per_rank"]),
+    token_list = scenario.maybe_int_list(tokens, "--tokens", scenario.MAX_SHAPE["tokens_per_rank"])
+    # the probe's epbench-ll backends take their options from the environment, sized (auto resolved) at the largest
+    # token count: a line placement there that would get chunk units is refused here, before any rank starts
+    if token_list:
+        options.check_ll_lines({}, [max(token_list)], "epbench probe")
+    return ProbeOptions(tokens=token_list,
                         sms=scenario.maybe_int_list(sms, "--sms", scenario.MAX_SMS), hidden=hidden, topk=topk,
                         experts_per_rank=experts_per_rank, dtype=dtype,
                         variants=tuple(v for v in variants.split(",") if v), warmup=warmup, iters=iters,
@@ -363,6 +369,8 @@ def header_line(info: Dict[str, Any]) -> str:
         tk = kernels["token"]
         chained += (f", token dispatch units {tk.get('dispatch_units')}, place {tk.get('dispatch_place', 'stage')}, "
                     f"release {tk.get('combine_release')}")
+        if info.get("sized_tokens"):  # one backend for every token count: `run` sizes (and resolves auto) per point
+            chained += f" (resolved once, at {info['sized_tokens']} tokens, for every row)"
     for v in kernels:
         if v in TUNED:
             chained += f", {v}: {tuned_label(v, kernels[v])}"
@@ -460,7 +468,7 @@ def measure(job: Any) -> int:
         info = {"device": torch.cuda.get_device_name(dev), "world": ranks.world, "hidden": o.hidden,
                 "topk": o.topk, "experts": epr * ranks.world, "dtype": o.dtype, "iters": o.iters,
                 "warmup": o.warmup, "warps": default_warps, "chains": chains, "spread": o.spread,
-                "kernels": kernels,
+                "kernels": kernels, "sized_tokens": max(o.tokens),
                 "mps": ("on" if launch.mps_active() else "off") if (ranks.world > 1 and not o.spread) or job.plan.mps
                 else None}
         job.open(job.meta(verb="probe", probe=info))
@@ -524,6 +532,9 @@ def measure(job: Any) -> int:
         stamps = torch.zeros(sms, STAMPS_PER_BLOCK, dtype=torch.int64, device=dev)
         for chain in chains:
             pings = PING_MODES if 1 < ranks.world <= sms + 1 else {}
+            if lead and ranks.world > sms + 1 and chain == chains[0]:
+                print(f"# no ping rows at {sms} SMs: a ping needs a block for each of the {ranks.world - 1} peers",
+                      flush=True)
             for name, mode in dict(PROBE_MODES, **pings).items():
                 be.warps = default_warps
                 be.set_probe(stamps)

@@ -78,6 +78,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             raise UserError(f"{opt}: must be at least {low}, got {v}")
     if a.csv is not None and (a.csv.is_dir() or not a.csv.parent.is_dir()):
         raise UserError(f"--csv: {a.csv} must be a file name in an existing folder")
+    if a.csv is not None:  # before minutes of measuring: a folder that can take the file
+        from epbench.results import check_writable
+
+        check_writable(a.csv.parent)
     return a
 
 

@@ -200,6 +200,8 @@ def test_ceiling_command_bad_input_is_one_line(tmp_path):
     assert_one_line_error(r, "is a folder")
     r = epbench_here("ceiling", "scenarios/smoke.yaml", "--csv", tmp_path / "no" / "c.csv")
     assert_one_line_error(r, "is not a folder")
+    r = epbench_here("ceiling", "scenarios/smoke.yaml", "--nproc", "1")
+    assert_one_line_error(r, "one rank: nothing crosses a link")
 
 
 def test_counted_vs_computed_reports_the_worst_rank():
@@ -365,7 +367,7 @@ def test_every_measured_figure_is_one_csv_row_with_its_bandwidth_where_it_crosse
     c.ce_sm_us, c.ce_sm_share = {4: 16.0}, {4: 0.75}
     c.sm_sum_us = {4: 50.0}
     rows = ceiling.figure_rows(s, [c], "abc")
-    got = {(r["figure"], r["sms"], r["streams"], r["ce_share"]): (r["time_us"], r["gbps"] and round(r["gbps"], 9))
+    got = {(r["figure"], r["sms"], r["streams"], r["ce_fraction"]): (r["time_us"], r["gbps"] and round(r["gbps"], 9))
            for r in rows}
     assert got == {("copy_engine", None, 1, None): (20.0, 100.0), ("copy_engine", None, 2, None): (25.0, 80.0),
                    ("copy_engine_ring", None, 1, None): (40.0, 50.0),
@@ -374,12 +376,24 @@ def test_every_measured_figure_is_one_csv_row_with_its_bandwidth_where_it_crosse
                    ("sm_local_sum", 4, None, None): (50.0, None),  # no link bytes
                    ("nominal_ideal", None, None, None): (10.0, 200.0),
                    ("scenario_ideal", None, None, None): (12.5, 160.0)}  # the 8-SM store figure was not measured
-    assert all(r["bytes_per_rank"] == 2 * 10**6 and r["git_commit"] == "abc" and r["world"] == 4 for r in rows)
+    assert all(r["bytes_per_rank"] == (None if r["figure"] == "sm_local_sum" else 2 * 10**6)
+               and r["git_commit"] == "abc" and r["world"] == 4 for r in rows)
     ceiling.write_csv(tmp_path / "f.csv", rows, {"git_commit": "abc"})
     import pandas as pd
     df = pd.read_csv(tmp_path / "f.csv")
     assert len(df) == 8 and df.loc[df["figure"] == "sm_local_sum", "gbps"].isna().all()
     assert (tmp_path / "f.csv.json").read_text().startswith("{")
+
+
+def test_figure_rows_give_no_bandwidth_where_no_byte_leaves_a_rank() -> None:
+    """An op whose ranks send nothing over a link: its times are the timing's own cost, never a GB/s."""
+    s = scenario(hidden=256, tokens_per_rank=16, topk=4, experts_per_rank=4)
+    c = ceiling.OpCeiling("dispatch", [0, 0], 3.0, {4: 2.0}, None)
+    c.copy_engine_by_split = {1: 3.0, ceiling.RING: 3.5}
+    c.ce_sm_us, c.ce_sm_share = {4: 2.5}, {4: 0.25}
+    rows = ceiling.figure_rows(s, [c], "abc")
+    assert {r["figure"] for r in rows} >= {"copy_engine", "copy_engine_ring", "sm_stores", "copy_engine_and_sm_stores"}
+    assert all(r["gbps"] is None for r in rows) and c.copy_engine_gbps is None
 
 
 def test_ring_copies_go_one_after_another_on_one_stream_from_the_next_rank_on(monkeypatch) -> None:
@@ -467,3 +481,33 @@ def test_the_sm_store_note_names_why_it_has_no_figure():
     assert ceiling.sm_store_absent("cpu") == "plain SM-store ceiling: not measured (it needs CUDA GPUs)"
     on_gpu = ceiling.sm_store_absent("cuda")
     assert "not measured" in on_gpu and "make build" in on_gpu and "ep_store_ceiling" in on_gpu
+
+
+@pytest.mark.parametrize("rank0", [True, False])
+def test_measure_job_prints_and_writes_the_csv_on_rank_0_only(monkeypatch, tmp_path, rank0) -> None:
+    """The GPU path of `epbench ceiling --csv` with the measurement faked: rank 0 prints the table and writes the
+    figures (provenance beside them); another rank writes nothing."""
+    from rich.console import Console
+
+    s = scenario(hidden=256, tokens_per_rank=16, topk=4, experts_per_rank=4)
+    c = ceiling.OpCeiling("dispatch", [10**6] * 4, 20.0, {4: 40.0}, 10.0)
+    c.copy_engine_by_split = {1: 20.0}
+    monkeypatch.setattr(ceiling, "every_ranks_limits", lambda comm: [ceiling.Limits(None, None, None, ())] * 4)
+    monkeypatch.setattr(ceiling, "measure_ceilings", lambda *a: [c])
+    con = Console(width=200, record=True)
+    job = types.SimpleNamespace(scenario=s, options=types.SimpleNamespace(warmup=1, iters=2), comm=None,
+                                rank0=rank0, console=con,
+                                plan=types.SimpleNamespace(csv=tmp_path / "c.csv", argv=("ceiling", "x.yaml")))
+    assert ceiling.measure_job(job) == 0
+    if not rank0:
+        assert not (tmp_path / "c.csv").exists() and con.export_text() == ""
+        return
+    import json
+
+    import pandas as pd
+    df = pd.read_csv(tmp_path / "c.csv")
+    assert set(df["figure"]) == {"copy_engine", "sm_stores", "nominal_ideal"}
+    assert df.loc[df["figure"] == "sm_stores", "gbps"].iloc[0] == pytest.approx(25.0)
+    meta = json.loads((tmp_path / "c.csv.json").read_text())
+    assert meta["device"] == "cuda" and meta["iters"] == 2 and meta["argv"] == ["ceiling", "x.yaml"]
+    assert f"figures: {tmp_path / 'c.csv'}" in con.export_text().replace("\n", "")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from epbench import llprobe, plan
+from epbench.errors import UserError
 from epbench.results import RunWriter, load_run
 from support import epbench_here
 
@@ -145,6 +146,8 @@ def test_spread_needs_ranks_and_is_in_the_header() -> None:
     assert "world 4: one GPU per rank" in line
     assert ("combine order rotated, token dispatch units chunk, place slot, release unit, "
             "token-line: dispatch_place line dispatch_units row") in line
+    sized = llprobe.header_line({**info, "sized_tokens": 128})
+    assert "release unit (resolved once, at 128 tokens, for every row), token-line" in sized
 
 
 def test_tuned_rows_set_their_options_and_every_other_token_row_the_backends_own() -> None:
@@ -308,3 +311,14 @@ def test_skipping_variants_are_token_dispatches_with_the_kernels_bits() -> None:
     assert all(hasattr(EpbenchLowLatencyBackend, f"use_{k}") for k in llprobe.TUNABLE)
     assert llprobe.SKIPS == {"token-noown": 1, "token-norecv": 2, "token-peers": 1 | 2 | 4, "token-nofence": 8,
                              "token-peers-nofence": 1 | 2 | 4 | 8}
+
+
+def test_probe_refuses_a_line_placement_that_would_get_chunk_units(monkeypatch):
+    """The probe's backends read epbench-ll's options from the environment and resolve auto at the largest token
+    count: line128 with chunk units (auto at <= 16 tokens) is one line before any rank starts, as in `run`."""
+    monkeypatch.setenv("EPBENCH_LL_DISPATCH_PLACE", "line128")
+    with pytest.raises(UserError, match="epbench probe: epbench-ll.dispatch_place=line128 .*dispatch_units=row"):
+        llprobe.probe_options("1,8", "32", 7168, 8, 64, "fp8", "token", 1, 1, "1", 4)
+    assert llprobe.probe_options("1,32", "32", 7168, 8, 64, "fp8", "token", 1, 1, "1", 4).tokens == (1, 32)
+    monkeypatch.setenv("EPBENCH_LL_DISPATCH_UNITS", "row")
+    assert llprobe.probe_options("1", "32", 7168, 8, 64, "fp8", "token", 1, 1, "1", 4).tokens == (1,)

@@ -3,6 +3,8 @@ against (each fold against a plain loop over the same words)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,12 @@ from epbench.errors import UserError
 def test_bad_options_name_the_option(argv, what) -> None:
     with pytest.raises(UserError, match=what):
         smmem.parse_args(argv)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (no file can be made there)")
+def test_a_csv_folder_that_cannot_take_the_file_is_refused_before_measuring() -> None:
+    with pytest.raises(UserError, match="/proc: cannot write there"):
+        smmem.parse_args(["--csv", "/proc/m.csv"])
 
 
 def test_bad_option_is_one_line_and_exit_2(capsys) -> None:
