@@ -206,8 +206,8 @@ int ep_ll_destroy(void* ll_ctx);
 // first ep_ll_dispatch; changing it afterwards is refused (the two keep different flags and epochs).
 int ep_ll_set_sync(void* ll_ctx, int sync);
 // In which order both combine kernels push their (rank, token, chunk) units (backend option combine_order):
-// 0 source (destination-major, lowest rank first; the default), 1 rotated (destination-minor from rank + 1 on,
-// as the dispatch sends). Outputs are bit-identical either way (ll_combine.cu, push_unit). Set it before
+// 0 source (destination-major, lowest rank first; the library's default), 1 rotated (destination-minor from
+// rank + 1 on, as the dispatch sends; what the epbench-ll backend sets unless told otherwise). Outputs are bit-identical either way (ll_combine.cu, push_unit). Set it before
 // capturing a graph: a captured launch keeps the order it had.
 int ep_ll_set_combine_order(void* ll_ctx, int order);
 // What a peer unit of the token dispatch sends (backend option dispatch_units): 0 row (a whole row, one warp,
@@ -215,13 +215,16 @@ int ep_ll_set_combine_order(void* ll_ctx, int order);
 // bytes land either way. Every rank must use the same value; a captured launch keeps the value it had.
 int ep_ll_set_dispatch_units(void* ll_ctx, int units);
 // Where the token dispatch's peer rows land (backend option dispatch_place): 0 stage (the receiver copies each
-// into its experts' slots; the default), 1 the slot of the token's first expert there (the receiver copies it into
-// the other slots only), 2 inline (a staging row of inline words, each 4 bytes beside the epoch: no fence, no
-// flag). Same outputs; every rank the same value (a mismatch stops every rank at once).
+// into its experts' slots; the library's default), 1 the slot of the token's first expert there (the receiver
+// copies it into the other slots only), 2 inline (a staging row of inline words, each 4 bytes beside the epoch: no
+// fence, no flag), 3 line / 4 line128 (the row in 64- / 128-byte lines, each with the epoch in its tag; row units
+// only; enum LlDispatchPlace in ll_common.cuh). Same outputs; every rank the same value (a mismatch stops every
+// rank at once).
 int ep_ll_set_dispatch_place(void* ll_ctx, int place);
 // How the token combine releases its push units' flags (backend option combine_release): 0 unit (a release
-// store after every unit; the default), 1 batch (up to 2 units, then one fence and relaxed flag stores). Same
-// flags and outputs; a captured launch keeps the value it had.
+// store after every unit; the library's default), 1 batch (up to 2 units, then one fence and relaxed flag stores;
+// what the epbench-ll backend sets unless told otherwise). Same flags and outputs; a captured launch keeps the
+// value it had.
 int ep_ll_set_combine_release(void* ll_ctx, int release);
 // Measuring aids (epbench/llprobe.py, notes/LATENCY.md). ep_ll_set_probe changes what later launches and
 // captures do, so set it before capturing. stamps: null (off, the default) or a device buffer of u64

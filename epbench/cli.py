@@ -437,6 +437,8 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     launch.apply_safe_env()
     spec = ov.parse_gemm(gemm)
     s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option, call_modes=call_modes)
+    if s.mode != "normal":  # as the ranks would say, but before any starts
+        raise UserError(f"{s.source}: mode: overlap measures normal mode only (not {s.mode})")
     o = ov.OverlapOptions(opts.backends, opts.sms, opts.warmup, opts.iters, spec)
     p = Plan(verb="overlap", scenario=s, options=o, device="cuda", argv=tuple(sys.argv[1:]),
              results=results, run_dir=run_dir, jobs=(o.backends,))

@@ -323,10 +323,11 @@ def probe_options(tokens: str, sms: str, hidden: int, topk: int, experts_per_ran
         if not low <= v <= scenario.MAX_ITERS:
             raise UserError(f"{opt}: must be at least {low} and at most {scenario.MAX_ITERS}, got {v}")
     token_list = scenario.maybe_int_list(tokens, "--tokens", scenario.MAX_SHAPE["tokens_per_rank"])
-    # the probe's epbench-ll backends take their options from the environment, sized (auto resolved) at the largest
-    # token count: a line placement there that would get chunk units is refused here, before any rank starts
-    if token_list:
-        options.check_ll_lines({}, [max(token_list)], "epbench probe")
+    # the probe's token-sync backend takes its other options from the environment, sized (auto resolved) at the
+    # largest token count: a line placement there that would get chunk units is refused here, before any rank starts
+    if token_list and any(VARIANTS[v][1] == "token" for v in variants.split(",") if v):
+        options.check_ll_lines({"epbench-ll": {"ll_sync": "token"}}, [max(token_list)], "epbench probe",
+                               fix="set EPBENCH_LL_DISPATCH_UNITS=row")
     return ProbeOptions(tokens=token_list,
                         sms=scenario.maybe_int_list(sms, "--sms", scenario.MAX_SMS), hidden=hidden, topk=topk,
                         experts_per_rank=experts_per_rank, dtype=dtype,

@@ -164,7 +164,7 @@ SCHEMAS: Dict[str, Dict[str, Option]] = {
         "dispatch_units": Option(str, "auto", "what one peer unit of the token-sync dispatch sends: row (a whole row "
                                  "per token and peer, one warp and flag), chunk (one warp and flag per 2 KiB chunk "
                                  "of the row) or auto (chunk up to 16 tokens per rank, else row: 4 x H200, chunk "
-                                 "1.1-1.8 us faster at 1 token, 1-2.6 us slower at 32-256 tokens on 4 ranks; "
+                                 "1.1-1.8 us faster at 1 token, 1.3-2.7 us slower at 32-256 tokens on 4 ranks; "
                                  "notes/LATENCY-NEXT.md); the same bytes land either way; rows record the one used "
                                  "(row under ll_sync grid, which ignores it)", choices=("auto", "row", "chunk"),
                                  env="EPBENCH_LL_DISPATCH_UNITS"),
@@ -273,10 +273,12 @@ LL_LINE_PLACES = ("line", "line128")  # epbench-ll dispatch_place values that ca
 
 
 def check_ll_lines(backend_options: Mapping[str, Mapping[str, Any]], tokens: Sequence[int], where: str,
-                   environ: Optional[Mapping[str, str]] = None) -> None:
+                   environ: Optional[Mapping[str, str]] = None,
+                   fix: str = "add --option epbench-ll.dispatch_units=row") -> None:
     """epbench-ll's dispatch_place line / line128 send whole rows: under token sync (ll_sync token or auto) they
     need row units, so dispatch_units chunk, or auto at a point of up to LL_AUTO_CHUNK_UNITS_MAX_TOKENS tokens per
-    rank (each point's buffer is its token count), is refused in one line (UserError) before any rank starts."""
+    rank (each point's buffer is its token count), is refused in one line (UserError) before any rank starts;
+    ``fix`` says how the command in ``where`` asks for row units."""
     r = resolve("epbench-ll", backend_options.get("epbench-ll") or {}, environ)
     if r["dispatch_place"] not in LL_LINE_PLACES or r["ll_sync"] == "grid":
         return
@@ -286,7 +288,7 @@ def check_ll_lines(backend_options: Mapping[str, Mapping[str, Any]], tokens: Seq
                f"dispatch_units auto picks chunk up to {LL_AUTO_CHUNK_UNITS_MAX_TOKENS} tokens per rank, and the run "
                f"has {small[0]}")
         raise UserError(f"{where}: epbench-ll.dispatch_place={r['dispatch_place']} sends whole rows and needs row "
-                        f"units ({why}): add --option epbench-ll.dispatch_units=row")
+                        f"units ({why}): {fix}")
 
 
 def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str, quantize: str, where: str,
@@ -297,7 +299,8 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
     is ignored by other payloads) changes the fused cast's stores, so it needs quantize fused; em_push sender or wide
     and em_sms > 0 need the expert-major layout and at most 16 dispatch warps; the push's options (ce_chunks,
     ce_chunking, ce_streams) need combine_rows ce, and ce_chunks cannot be given with ce_chunking grow;
-    pull_kernel bulk needs combine_rows pull, the rank-major layout and (``world`` where known) at most 4 ranks.
+    pull_kernel tma needs combine_rows pull; bulk needs it too, the rank-major layout and (``world`` where known) at
+    most 4 ranks, and none of the tma kernel's knobs.
     ``backend_options`` as validated; the environment counts as for ``resolve``."""
     given = backend_options.get("epbench") or {}
     resolved = resolve("epbench", given, environ)
@@ -328,6 +331,9 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
             and ("ce_chunks" in given or env.get(SCHEMAS["epbench"]["ce_chunks"].env) is not None)):
         raise UserError(f"{where}: epbench.ce_chunks={resolved['ce_chunks']} with epbench.ce_chunking=grow: growing "
                         f"chunks have their own sizes; give one of the two")
+    if resolved["pull_kernel"] == "tma" and resolved["combine_rows"] != "pull":
+        raise UserError(f"{where}: epbench.pull_kernel=tma needs epbench.combine_rows=pull (got "
+                        f"{resolved['combine_rows']}): it names the pull's kernel")
     if resolved["pull_kernel"] == "bulk":
         why = ("epbench.combine_rows=ce (it is the pull's kernel)" if resolved["combine_rows"] != "pull"
                else f"model.layout {layout} (it takes rank_major rows)" if layout != "rank_major"
@@ -423,6 +429,19 @@ def ce_chunks_for(world: int, resolved: Mapping[str, Any], given: Mapping[str, A
                   environ: Optional[Mapping[str, str]] = None) -> int:
     """epbench.ce_chunks by world: its default at 2 ranks, CE_CHUNKS_WIDE at 3 or more, unless given."""
     return _by_world("ce_chunks", CE_CHUNKS_WIDE, world, resolved, given, environ)
+
+
+CE_CHUNKS_MAX = 32  # csrc/common.cuh kCeChunks
+
+
+def ce_chunks_made(max_tokens: int, chunks: int) -> int:
+    """The even chunks csrc/buffers.cu ep_ce_bounds makes of a rank's max_tokens rows when asked for ``chunks``:
+    rows = ceil(T / chunks) a chunk, so ceil(T / rows) chunks (fewer than asked where T is not a multiple: 25 for
+    T = 100 and 32 asked), none for T = 0, at most CE_CHUNKS_MAX."""
+    if max_tokens <= 0:
+        return 0
+    rows = max(1, -(-max_tokens // chunks))
+    return min(CE_CHUNKS_MAX, -(-max_tokens // rows))
 
 
 def ce_streams_for(world: int, resolved: Mapping[str, Any], given: Mapping[str, Any],

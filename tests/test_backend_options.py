@@ -283,6 +283,21 @@ def test_own_rows_ce_with_expert_major_is_refused_by_the_constructor_options(mon
         resolve_options("epbench", {}, setup)
 
 
+def test_the_constructor_options_refuse_a_tma_knob_beside_the_bulk_pull(monkeypatch) -> None:
+    """What the CLI refuses, the backend's own options refuse too (the GPU workers build backends directly)."""
+    from epbench.backends.epbench_kernels import resolve_options
+    from epbench.contract import RankSetup
+
+    import torch
+
+    for key in ("EPBENCH_PULL_KERNEL", "EPBENCH_COMBINE_STAGES", "EPBENCH_COMBINE_WARPS", "EPBENCH_COMBINE_CHUNK"):
+        monkeypatch.delenv(key, raising=False)
+    setup = RankSetup(0, 2, 2, torch.device("cpu"), 64, 8, 2, 2, "bf16")
+    with pytest.raises(UserError, match="epbench backend: epbench.combine_warps=8 shapes the tma pull kernel"):
+        resolve_options("epbench", {"pull_kernel": "bulk", "combine_warps": 8}, setup)
+    assert resolve_options("epbench", {"pull_kernel": "tma", "combine_warps": 8}, setup)["combine_warps"] == 8
+
+
 def test_em_sms_needs_expert_major_and_at_most_16_warps() -> None:
     assert options.resolve("epbench", {}, environ={})["em_sms"] == 0  # the passes inside the k blocks
     options.check_payload({"epbench": {"em_sms": 132}}, "expert_major", "before", "s.yaml", environ={})

@@ -317,8 +317,13 @@ def test_probe_refuses_a_line_placement_that_would_get_chunk_units(monkeypatch):
     """The probe's backends read epbench-ll's options from the environment and resolve auto at the largest token
     count: line128 with chunk units (auto at <= 16 tokens) is one line before any rank starts, as in `run`."""
     monkeypatch.setenv("EPBENCH_LL_DISPATCH_PLACE", "line128")
-    with pytest.raises(UserError, match="epbench probe: epbench-ll.dispatch_place=line128 .*dispatch_units=row"):
-        llprobe.probe_options("1,8", "32", 7168, 8, 64, "fp8", "token", 1, 1, "1", 4)
+    monkeypatch.setenv("EPBENCH_LL_SYNC", "grid")  # the probe's token rows run token sync whatever it says
+    with pytest.raises(UserError, match="epbench probe: epbench-ll.dispatch_place=line128 .*: set "
+                                        "EPBENCH_LL_DISPATCH_UNITS=row$") as e:
+        llprobe.probe_options("1,8", "32", 7168, 8, 64, "fp8", "grid,token", 1, 1, "1", 4)
+    assert "--option" not in str(e.value)
     assert llprobe.probe_options("1,32", "32", 7168, 8, 64, "fp8", "token", 1, 1, "1", 4).tokens == (1, 32)
+    # no token-sync variant: no backend that would refuse it is built
+    assert llprobe.probe_options("1", "32", 7168, 8, 64, "fp8", "grid,warps4", 1, 1, "1", 4).tokens == (1,)
     monkeypatch.setenv("EPBENCH_LL_DISPATCH_UNITS", "row")
     assert llprobe.probe_options("1", "32", 7168, 8, 64, "fp8", "token", 1, 1, "1", 4).tokens == (1,)

@@ -270,3 +270,24 @@ def test_pull_kernel_bulk_is_refused_where_it_cannot_run() -> None:
                               environ={}, world=4)
     with pytest.raises(UserError, match="combine_chunk=4096 shapes the tma pull kernel"):
         options.check_payload(bulk, "rank_major", "before", "x", environ={"EPBENCH_COMBINE_CHUNK": "4096"}, world=2)
+
+
+def test_pull_kernel_tma_needs_the_pull() -> None:
+    """tma names the pull's kernel: with combine_rows ce (no pull) it is refused in one line, not ignored."""
+    options.check_payload({"epbench": {"pull_kernel": "tma"}}, "rank_major", "before", "x", environ={}, world=4)
+    with pytest.raises(UserError, match=r"^x: epbench\.pull_kernel=tma needs epbench\.combine_rows=pull \(got ce\)"):
+        options.check_payload({"epbench": {"pull_kernel": "tma", "own_rows": "all", "combine_rows": "ce"}},
+                              "rank_major", "before", "x", environ={}, world=4)
+
+
+@pytest.mark.parametrize("t,asked,made", [(100, 32, 25), (8, 16, 8), (4096, 16, 16), (4096, 4, 4), (1, 4, 1),
+                                          (0, 4, 0), (33, 32, 17)])
+def test_ce_chunks_made_follows_the_librarys_even_bounds(t, asked, made) -> None:
+    """ceil(T / chunks) rows a chunk, as csrc/buffers.cu ep_ce_bounds: fewer chunks than asked where they do not
+    divide T; the count recorded beside the one asked."""
+    assert options.ce_chunks_made(t, asked) == made
+    if t:  # the same bounds walked as the library walks them
+        rows, b, n = max(1, -(-t // asked)), 0, 0
+        while b < t:
+            b, n = min(t, b + rows), n + 1
+        assert n == made

@@ -170,6 +170,12 @@ def test_cli_refuses_without_a_gpu():
     assert "needs a CUDA GPU" in r.both and len(r.both.strip().splitlines()) == 1
 
 
+def test_cli_refuses_a_low_latency_scenario_before_any_rank_starts():
+    r = epbench_here("overlap", str(SCENARIOS / "dsv3x4-ll.yaml"), "--nproc", "1", "--sms", "8")
+    assert r.code == 2 and len(r.both.strip().splitlines()) == 1, r.both
+    assert "mode: overlap measures normal mode only (not low_latency)" in r.both
+
+
 def test_gemm_check_passes_a_rerun_and_fails_a_poisoned_or_wrong_output():
     torch = pytest.importorskip("torch")
     for spec, tokens in ((ov.parse_gemm("32,48,64"), None), (ov.parse_gemm("experts:16"), [5, 0, 7])):

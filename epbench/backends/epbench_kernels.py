@@ -111,8 +111,9 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "pull_kernel", "ce_chunks", "ce_chunking", "ce_streams", "ce_share", "fused_stores", "em_push",
-                                      "em_sms", "dispatch_warps") if k in given}
+    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "pull_kernel", "ce_chunks", "ce_chunking", "ce_streams",
+                                      "ce_share", "fused_stores", "em_push", "em_sms", "dispatch_warps",
+                                      *options.PULL_TMA_KNOBS) if k in given}
     options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend", world=setup.world)
     return resolved
 
@@ -214,6 +215,7 @@ class EpbenchBackend(NormalMode):
         self.combine_rows = resolved["combine_rows"]
         # combine_rows ce only; ce_chunks and ce_streams by world where not given (options.ce_chunks_for, _streams_for)
         self.ce_chunks = options.ce_chunks_for(setup.world, resolved, given)
+        self.ce_chunks_made = options.ce_chunks_made(setup.max_tokens_per_rank, self.ce_chunks)  # of the buffer's rows
         self.ce_streams = options.ce_streams_for(setup.world, resolved, given)
         self.ce_chunking = resolved["ce_chunking"]
         self.pull_kernel = resolved["pull_kernel"]
@@ -354,12 +356,15 @@ class EpbenchBackend(NormalMode):
 
     def _ce_config(self) -> Dict[str, int]:
         """own_rows all: the copy engines' share of the dispatch's rows; combine_rows ce: the push's chunking, its
-        chunks where even and its streams (a peer's at 2 ranks, in all at 3 or more) (all fixed at construction).
-        The pull's kernel (pull_kernel) is the library's own record, combine_impl tma or bulk."""
+        chunks where even (asked, and made of the buffer's max_tokens rows: fewer where they do not divide) and its
+        streams (a peer's at 2 ranks, in all at 3 or more) (all fixed at construction). The pull's kernel
+        (pull_kernel) is the library's own record, combine_impl tma or bulk."""
         ce = self.combine_rows == "ce"
+        even = ce and self.ce_chunking == "even"
         return {**({"ce_share": self.ce_share} if self.own_rows == "all" else {}),
                 **({"ce_chunking": self.ce_chunking} if ce else {}),
-                **({"ce_chunks": self.ce_chunks} if ce and self.ce_chunking == "even" else {}),
+                **({"ce_chunks": self.ce_chunks,
+                    "ce_chunks_made": self.ce_chunks_made} if even else {}),
                 **({"ce_streams": self.ce_streams} if ce else {})}
 
     def set_debug_stamps(self, on: bool) -> None:

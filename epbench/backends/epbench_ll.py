@@ -247,7 +247,7 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
 
     def use_dispatch_place(self, place: str) -> None:
         """Where later token-sync dispatches put a peer's row on the receiver (option dispatch_place: stage |
-        slot | inline | line | auto; csrc/ll_common.cuh, LlDispatchPlace). Every rank must switch before the same
+        slot | inline | line | line128 | auto; csrc/ll_common.cuh, LlDispatchPlace). Every rank must switch before the same
         call; line needs row units at the launch."""
         place = dispatch_place_for(place, self.s.max_tokens_per_rank)
         cuda_lib.check(self._lib.ep_ll_set_dispatch_place(self._ctx, PLACES[place]), "ep_ll_set_dispatch_place")
