@@ -207,8 +207,9 @@ int ep_ll_destroy(void* ll_ctx);
 int ep_ll_set_sync(void* ll_ctx, int sync);
 // In which order both combine kernels push their (rank, token, chunk) units (backend option combine_order):
 // 0 source (destination-major, lowest rank first; the library's default), 1 rotated (destination-minor from
-// rank + 1 on, as the dispatch sends; what the epbench-ll backend sets unless told otherwise). Outputs are bit-identical either way (ll_combine.cu, push_unit). Set it before
-// capturing a graph: a captured launch keeps the order it had.
+// rank + 1 on, as the dispatch sends; what the epbench-ll backend sets unless told otherwise). Outputs are
+// bit-identical either way (ll_combine.cu, push_unit). Set it before capturing a graph: a captured launch keeps
+// the order it had.
 int ep_ll_set_combine_order(void* ll_ctx, int order);
 // What a peer unit of the token dispatch sends (backend option dispatch_units): 0 row (a whole row, one warp,
 // one flag per (token, peer); the default), 1 chunk (one warp and flag per 2 KiB chunk of the row). The same

@@ -201,6 +201,8 @@ def read_limits(device_index: Optional[int], sysfs: Path = Path("/sys")) -> Limi
 #  nbytes: peer rank -> bytes; source tensor, sms, comm, warmup, iters) -> per-iteration microseconds
 SmStoreProvider = Callable[[Dict[int, int], Dict[int, int], Any, int, Any, int, int], List[float]]
 _sm_store_provider: Optional[SmStoreProvider] = None
+
+
 def sm_store_absent(device: str) -> str:
     """Why the plain SM-store ceiling has no figure: a CPU run, or a GPU host whose kernels library is not built."""
     why = ("it needs CUDA GPUs" if device != "cuda"

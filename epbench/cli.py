@@ -507,8 +507,12 @@ def show_overlap(run_dir: Path) -> None:
     console.print(f"results: {run_dir}")
 
 
+PROBE_TOKENS_HELP = ("Tokens per call (comma list); the buffers, and epbench-ll's auto options, are sized once for "
+                     "the largest.")
+
+
 @app.command()
-def probe(tokens: Annotated[str, typer.Option("--tokens", help="Tokens per call (comma list); the buffers, and epbench-ll's auto options, are sized once for the largest.")] = "1,32,128",
+def probe(tokens: Annotated[str, typer.Option("--tokens", help=PROBE_TOKENS_HELP)] = "1,32,128",
           sms: Annotated[str, typer.Option("--sms", help="Blocks per kernel (comma list).")] = "32,132",
           hidden: Annotated[int, typer.Option("--hidden", help="Hidden size.")] = 7168,
           topk: Annotated[int, typer.Option("--topk", help="Experts per token.")] = 8,

@@ -20,8 +20,8 @@ Rows:
   --spread; ranks sharing one GPU ping within its memory), one row each way and the wait for its proof
   (warp 0 of block b sends one row from every load in flight to peer me + 1 + b, a flag behind a
   system-scope fence, then waits for peer me - 1 - b's flag: no ids, no counts, no copy into expert
-  slots; left out, with a line saying so, where the grid has fewer blocks than peers); `ping` with the dispatch's row (hidden bytes in fp8, hidden x 2 in bf16),
-  `ping-combine` with the combine's (hidden x 2); `partA` is the flag issued, the rest of the span the wait;
+  slots; left out, with a line saying so, where the grid has fewer blocks than peers); `ping` with the
+  dispatch's row (hidden bytes in fp8, hidden x 2 in bf16), `ping-combine` with the combine's (hidden x 2); `partA` is the flag issued, the rest of the span the wait;
 - dispatch and combine per tokens x variant, each verified once (#wrong) before it is timed:
   `grid` (ll_sync grid, the grid-wide handshakes); `token` (ll_sync token: per-token flags, no
   grid-wide step; its stamps mark warp 0's progress, there being no block barrier to stamp: its

@@ -111,8 +111,8 @@ def resolve_options(key: str, given: Dict[str, Any], setup: RankSetup) -> Dict[s
     bad value or for own_rows=ce / fused_stores=16 with a payload they cannot serve (options.check_payload)."""
     schema = options.SCHEMAS[key]
     resolved = {k: schema[k].parse(v, k) if k in given else v for k, v in options.resolve(key, given).items()}
-    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "pull_kernel", "ce_chunks", "ce_chunking", "ce_streams",
-                                      "ce_share", "fused_stores", "em_push", "em_sms", "dispatch_warps",
+    asked = {k: resolved[k] for k in ("own_rows", "combine_rows", "pull_kernel", "ce_chunks", "ce_chunking",
+                                      "ce_streams", "ce_share", "fused_stores", "em_push", "em_sms", "dispatch_warps",
                                       *options.PULL_TMA_KNOBS) if k in given}
     options.check_payload({"epbench": asked}, setup.layout, setup.quantize, "epbench backend", world=setup.world)
     return resolved

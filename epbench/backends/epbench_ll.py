@@ -246,9 +246,9 @@ class EpbenchLowLatencyBackend(LowLatencyMode):
         self.dispatch_units = units
 
     def use_dispatch_place(self, place: str) -> None:
-        """Where later token-sync dispatches put a peer's row on the receiver (option dispatch_place: stage |
-        slot | inline | line | line128 | auto; csrc/ll_common.cuh, LlDispatchPlace). Every rank must switch before the same
-        call; line needs row units at the launch."""
+        """Where later token-sync dispatches put a peer's row on the receiver (option dispatch_place: stage | slot |
+        inline | line | line128 | auto; csrc/ll_common.cuh, LlDispatchPlace). Every rank must switch before the
+        same call; line and line128 need row units at the launch."""
         place = dispatch_place_for(place, self.s.max_tokens_per_rank)
         cuda_lib.check(self._lib.ep_ll_set_dispatch_place(self._ctx, PLACES[place]), "ep_ll_set_dispatch_place")
         self.dispatch_place = place
