@@ -331,12 +331,11 @@ def check_payload(backend_options: Mapping[str, Mapping[str, Any]], layout: str,
             and ("ce_chunks" in given or env.get(SCHEMAS["epbench"]["ce_chunks"].env) is not None)):
         raise UserError(f"{where}: epbench.ce_chunks={resolved['ce_chunks']} with epbench.ce_chunking=grow: growing "
                         f"chunks have their own sizes; give one of the two")
-    if resolved["pull_kernel"] == "tma" and resolved["combine_rows"] != "pull":
-        raise UserError(f"{where}: epbench.pull_kernel=tma needs epbench.combine_rows=pull (got "
+    if resolved["pull_kernel"] in ("tma", "bulk") and resolved["combine_rows"] != "pull":
+        raise UserError(f"{where}: epbench.pull_kernel={resolved['pull_kernel']} needs epbench.combine_rows=pull (got "
                         f"{resolved['combine_rows']}): it names the pull's kernel")
     if resolved["pull_kernel"] == "bulk":
-        why = ("epbench.combine_rows=ce (it is the pull's kernel)" if resolved["combine_rows"] != "pull"
-               else f"model.layout {layout} (it takes rank_major rows)" if layout != "rank_major"
+        why = (f"model.layout {layout} (it takes rank_major rows)" if layout != "rank_major"
                else f"world {world} (it takes at most 4 ranks)" if world is not None and world > 4 else None)
         if why:
             raise UserError(f"{where}: epbench.pull_kernel=bulk cannot run with {why}")

@@ -252,7 +252,8 @@ def test_pull_kernel_code_auto_gives_way_to_the_tma_knobs() -> None:
 
 def test_pull_kernel_bulk_is_refused_where_it_cannot_run() -> None:
     """pull_kernel bulk pulls rank-major rows at <= 4 ranks: with combine_rows ce, the expert-major layout or 5+
-    ranks it is refused in one line naming why; rank-major at 4 ranks (or world unknown) passes."""
+    ranks it is refused in one line naming why (the pull itself in the words tma's refusal uses); rank-major at 4
+    ranks (or world unknown) passes."""
     bulk = {"epbench": {"pull_kernel": "bulk"}}
     options.check_payload(bulk, "rank_major", "before", "x", environ={}, world=4)
     options.check_payload(bulk, "rank_major", "before", "x", environ={})
@@ -260,7 +261,7 @@ def test_pull_kernel_bulk_is_refused_where_it_cannot_run() -> None:
         options.check_payload(bulk, "rank_major", "before", "x", environ={}, world=8)
     with pytest.raises(UserError, match="pull_kernel=bulk cannot run with model.layout expert_major"):
         options.check_payload(bulk, "expert_major", "before", "x", environ={}, world=2)
-    with pytest.raises(UserError, match="pull_kernel=bulk cannot run with epbench.combine_rows=ce"):
+    with pytest.raises(UserError, match=r"^x: epbench\.pull_kernel=bulk needs epbench\.combine_rows=pull \(got ce\)"):
         options.check_payload({"epbench": {"pull_kernel": "bulk", "own_rows": "all", "combine_rows": "ce"}},
                               "rank_major", "before", "x", environ={}, world=4)
     with pytest.raises(UserError, match="pull_kernel=bulk cannot run with world 5"):
