@@ -33,7 +33,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from epbench import metrics
 from epbench.cudart import Cudart
+from epbench.errors import UserError
 from epbench.routing import Traffic
+from epbench.scenario import cpu_ranks
 from epbench.timing import Timer
 
 OPS = ("dispatch", "combine")
@@ -638,7 +640,7 @@ def ceiling_table(ceilings: List[OpCeiling], title: str):
         both = [f"{k}: {number(v)} ({c.ce_sm_share[k]:.0%})" for k, v in c.ce_sm_us.items() if v is not None]
         t.add_row(c.op, number(c.max_bytes / 1e6), number(c.copy_engine_us), number(c.copy_engine_gbps),
                   ", ".join(by) if by else "-",
-                  ", ".join(sm) if sm else "absent",
+                  ", ".join(sm) if sm else "-",
                   ", ".join(both) if both else "-",
                   ", ".join(sums) if sums else "-",
                   number(c.ideal_us),
@@ -655,14 +657,19 @@ def _ratio(r: Optional[float]) -> str:
 
 
 def print_ceilings(s: Any, ceilings: List[OpCeiling], limits: Limits, device: str,
-                   console: Any) -> None:
+                   console: Any, no_links: str = "") -> None:
+    """The table and its notes; ``no_links``: why the scenario's own NVLink rate means nothing
+    (scenario.cpu_ranks), said in place of it and of the scenario ideal."""
     console.print(ceiling_table(ceilings, f"{s.name}: ceilings on {s.world} ranks ({device})"))
     console.print(f"NVLink nominal: {limits.nvlink.describe() if limits.nvlink else 'unknown'}; "
-                  f"scenario says {s.topology.nvlink_gbps:g} GB/s")
+                  + (f"scenario says {s.topology.nvlink_gbps:g} GB/s" if not no_links else
+                     "scenario: no NVLink (CPU ranks)"))
     console.print("NIC nominal: " + (f"{limits.nic} {limits.nic_gbps:g} GB/s" if limits.nic_gbps
                                      else "none"))
     for n in limits.notes:
         console.print(f"note: {n}")
+    if no_links:
+        console.print(f"note: scenario ideal: none ({no_links})")
     if device != "cuda":
         console.print("note: copy-engine ceilings need CUDA GPUs; only the byte counts and nominal "
                       "limits are shown")
@@ -676,13 +683,19 @@ def rates_of(limits: Sequence[Limits]) -> List[Optional[float]]:
 
 def run_local(s: Any, console: Any, csv: Optional[Path] = None, argv: Sequence[str] = ()) -> int:
     """Without GPUs: byte counts and whatever nominal limits this host reports (with ``csv``: those figures into
-    that file too)."""
+    that file too). A scenario of CPU ranks (scenario.cpu_ranks) gets no scenario ideal: its NVLink rate describes nothing."""
     from epbench.routing import route_all, traffic
 
+    if csv is not None:
+        check_csv_path(csv)
     tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
     limits = read_limits(None)
     ceilings = byte_ceilings(s, tr, rates_of([limits] * s.world))
-    print_ceilings(s, ceilings, limits, "cpu", console)
+    no_links = cpu_ranks(s)
+    if no_links:
+        for c in ceilings:
+            c.scenario_ideal_us = None
+    print_ceilings(s, ceilings, limits, "cpu", console, no_links)
     if csv is not None:
         _record(csv, s, ceilings, argv, "cpu", {})
         console.print(f"figures: {csv}")
@@ -695,7 +708,7 @@ def _record(csv: Path, s: Any, ceilings: List[OpCeiling], argv: Sequence[str], d
 
     info = provenance.collect(list(argv), device)
     write_csv(csv, figure_rows(s, ceilings, info.get("git_commit", "unknown")),
-              {**info, "scenario": s.to_dict(), **extra})
+              {**info, "scenario": s.to_dict(), **extra}, overwrite=False)
 
 
 def every_ranks_limits(comm: Any) -> List[Limits]:
@@ -744,14 +757,31 @@ def figure_rows(s: Any, ceilings: List[OpCeiling], commit: str) -> List[Dict[str
     return rows
 
 
+def provenance_path(path: Path) -> Path:
+    """Where ``--csv path`` records what produced its figures: the same name + .json."""
+    return path.with_name(path.name + ".json")
+
+
+def check_csv_path(path: Path) -> None:
+    """Refuses a ``--csv`` file, or its .json beside it, that exists already (before anything is measured, and
+    again when they are written), as predict's --json and plot refuse theirs."""
+    from epbench.results import refuse_existing
+
+    for p in (path, provenance_path(path)):
+        refuse_existing(p, "--csv")
+
+
 def write_csv(path: Path, rows: List[Dict[str, Any]], provenance: Dict[str, Any],
-              columns: Sequence[str] = CSV_COLUMNS) -> None:
+              columns: Sequence[str] = CSV_COLUMNS, overwrite: bool = True) -> None:
     """The rows into ``path`` (``columns``, CSV_COLUMNS unless given) and what produced them into the same name +
-    .json; each whole or not at all (a UserError naming the file it could not write)."""
+    .json; each whole or not at all (a UserError naming the file it could not write). ``overwrite`` False
+    (``epbench ceiling --csv``): both must be new files, none that exists is touched, and neither is kept
+    without the other."""
     import csv
     import io
     import json
 
+    from epbench.results import write_new
     from epbench.results import _atomic_write
 
     text = io.StringIO()
@@ -759,8 +789,18 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], provenance: Dict[str, Any]
     w.writeheader()
     for r in rows:
         w.writerow({k: "" if r.get(k) is None else r[k] for k in columns})
-    _atomic_write(path, text.getvalue())
-    _atomic_write(path.with_name(path.name + ".json"), json.dumps(provenance, indent=1, default=str) + "\n")
+    meta = json.dumps(provenance, indent=1, default=str) + "\n"
+    if overwrite:
+        _atomic_write(path, text.getvalue())
+        _atomic_write(provenance_path(path), meta)
+        return
+    check_csv_path(path)
+    write_new(path, text.getvalue(), "--csv")
+    try:
+        write_new(provenance_path(path), meta, "--csv")
+    except UserError:
+        path.unlink(missing_ok=True)  # figures without what produced them: neither is kept
+        raise
 
 
 def measure_job(job: Any) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import traceback
@@ -71,8 +72,8 @@ CallModesOpt = Annotated[Optional[str], typer.Option("--call-modes", help="How b
 GraphChainOpt = Annotated[Optional[int], typer.Option("--graph-chain", help=f"Low-latency runs on a GPU: also time K back-to-back calls per op captured in one CUDA graph (rows 'graph xK': the per-call cost inside a graph, as in a decode step's), 0 = off; default {scenario.GRAPH_CHAIN}.", show_default=False)]
 NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring the copy-engine and SM-store ceilings (GPU runs).")]
 OptionOpt = Annotated[Optional[List[str]], typer.Option(
-    "--option", help="A backend option, [backend.]key=value (repeatable; docs/backends.md).")]
-WideOpt = Annotated[bool, typer.Option("--wide", help="Table with every column (spread over ranks, NVML, NIC, ceilings, slowest rank).")]
+    "--option", help="A backend option, key=value or backend.key=value (repeatable; docs/backends.md).")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="Table with every column (spread over ranks, NVML, NIC, ceilings, slowest rank); the columns that tell rows apart (tokens, call, inputs) are shown wherever they vary.")]
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, kernel, sms, call, timing, inputs, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
@@ -215,21 +216,38 @@ def check_memory(s: scenario.Scenario, device: str, tokens: Optional[tuple]) -> 
         have = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus)) // per_gpu
         what = "each GPU of this host" if per_gpu == 1 else f"each GPU shared by {per_gpu} ranks"
     else:
+        # what the host can still give (MemAvailable: free memory and the caches the kernel can
+        # drop, less what other processes and this launcher already hold), not its total: CPU
+        # ranks that outgrow it are killed by the OOM killer, not refused
         have = _host_memory() // per_host
-        what = f"this host's memory shared by {per_host} CPU ranks"
-    scenario.check_fits(s, s.world, what, have, max(tokens) if tokens else None)
+        what = f"this host's memory available to {per_host} CPU ranks"
+    scenario.check_fits(s, s.world, what, have, max(tokens) if tokens else None, device,
+                        _own_resident_bytes())
+
+
+def _kib_field(path: str, key: str) -> Optional[int]:
+    """Bytes of the ``key:`` line (in kB) of a /proc file, None where it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _host_memory() -> int:
     """Bytes of memory available to new processes (MemAvailable), else the physical total."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    got = _kib_field("/proc/meminfo", "MemAvailable")
+    return got if got is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _own_resident_bytes() -> int:
+    """This process's resident bytes (VmRSS), 0 where unknown: by the memory check it has
+    imported torch and the driver, as every rank does before its first tensor, so it stands
+    for what an idle rank holds (a rank adds its process group, a few tens of MB more)."""
+    return _kib_field("/proc/self/status", "VmRSS") or 0
 
 
 def check_graph_chain(k: Optional[int]) -> int:
@@ -333,6 +351,8 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
                         f"--rdzv-endpoint HOST:PORT, or use --nproc to run its shape on one node")
     if rdzv_endpoint:
         check_endpoint(rdzv_endpoint)
+    for note in ineffective_options(s, opts, dev, mps=mps, graph_chain=graph_chain, sms=sms, option=option):
+        _warn(note)
     from epbench.launcher import jobs_of
     from epbench.results import claim_run_dir, new_run_dir
 
@@ -340,6 +360,32 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
     return Plan(device=dev, run_dir=run_dir, jobs=jobs_of(opts.backends, nodes), nnodes=nodes,
                 node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
                 mps=mps, **common)
+
+
+def ineffective_options(s: scenario.Scenario, opts, device: str, *, mps: bool = False,
+                        graph_chain: Optional[int] = None, sms: Optional[str] = None,
+                        option: Optional[List[str]] = None) -> List[str]:
+    """Options given that change nothing in this run, one note each (the run goes on: they are valid,
+    only idle here): --mps with CPU ranks, --graph-chain outside a low-latency run on GPUs, --sms where
+    no backend of the run takes an SM count, an --option for a backend the run does not include."""
+    from epbench.backends import load_backend
+    from epbench import options as backend_options
+
+    notes = []
+    if mps and device != "cuda":
+        notes.append("--mps: no effect: the ranks run on the CPU (MPS shares a GPU between ranks)")
+    if graph_chain and (s.mode != "low_latency" or device != "cuda"):
+        notes.append(f"--graph-chain {graph_chain}: no effect: chain rows are timed in low-latency runs on GPUs "
+                     f"(this run: {s.mode} mode, {device})")
+    if sms is not None and not any(getattr(load_backend(b)[0], "uses_sms", True) for b in opts.backends):
+        notes.append(f"--sms {sms}: no effect: no backend of this run ({', '.join(opts.backends)}) takes an SM "
+                     f"count; each point is timed once, at auto")
+    for backend, given in backend_options.parse_cli(option or ()).items():
+        if backend not in opts.backends:
+            keys = ", ".join(f"{backend}.{k}" for k in given)
+            notes.append(f"--option {keys}: no effect: {backend} is not among this run's backends "
+                         f"({', '.join(opts.backends)})")
+    return notes
 
 
 def _plan_options(params: dict) -> dict:
@@ -516,7 +562,7 @@ def probe(tokens: Annotated[str, typer.Option("--tokens", help=PROBE_TOKENS_HELP
           sms: Annotated[str, typer.Option("--sms", help="Blocks per kernel (comma list).")] = "32,132",
           hidden: Annotated[int, typer.Option("--hidden", help="Hidden size.")] = 7168,
           topk: Annotated[int, typer.Option("--topk", help="Experts per token.")] = 8,
-          experts_per_rank: Annotated[int, typer.Option("--experts-per-rank", help="64: the shape of `epbench sweep scenarios/dsv3x4-ll.yaml --nproc 1`.")] = 64,
+          experts_per_rank: Annotated[int, typer.Option("--experts-per-rank", help="Routed experts on each rank (64: the shape of `epbench sweep scenarios/dsv3x4-ll.yaml --nproc 1`).")] = 64,
           dtype: Annotated[str, typer.Option("--dtype", help="Dispatch dtype: fp8 | bf16.")] = "fp8",
           variants: Annotated[Optional[str], typer.Option("--variants", help="Kernel variants to time (comma list; default: epbench/llprobe.py's DEFAULT_VARIANTS; an unknown name lists every one).", show_default=False)] = None,
           warmup: Annotated[int, typer.Option("--warmup", help="Untimed graph replays per row.")] = 50,
@@ -616,23 +662,24 @@ def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders 
     chosen = parse_columns(columns, wide)
     for d, meta, df in load_runs(run_dirs, _warn):
         console.print(f"[bold]{escape(str(d))}[/]")
-        print_run(df, meta, console, chosen)
+        print_run(df, meta, console, chosen, run_dir=d)
         if per_rank and meta.get("verb") in ("overlap", "probe"):  # their rows are not per (op, rank)
             console.print(f"per rank: none for an `epbench {meta['verb']}` run (its table above)", highlight=False)
         elif per_rank:
-            print_per_rank(df, console)
+            print_per_rank(df, console, meta)
 
 
 @app.command()
 def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
-         out: Annotated[Optional[Path], typer.Option("--out", help="Folder for the PNGs (default: <run>/plots).")] = None,
+         out: Annotated[Optional[Path], typer.Option("--out", help="Folder that receives one subfolder per run, <out>/<run folder name>/ (the runs' PNGs share file names; default: <run>/plots); with --together, the folder for its one PNG.")] = None,
          force: ForceOpt = False,
          together: Annotated[bool, typer.Option("--together", help="One bandwidth-vs-SMs figure of all the "
-                                                "runs given (same scenario, ranks and transport), e.g. one "
-                                                "run per DeepEP flavor; into --out (default: the first "
+                                                "runs given (same scenario, ranks and transport; a line per "
+                                                "backend and run, refused where no run set an SM count), e.g. "
+                                                "one run per DeepEP flavor; into --out (default: the first "
                                                 "run's plots folder).")] = False) -> None:
-    """Draw bandwidth-vs-SMs (with the link limit and ceiling), per-rank, latency and expert-load
-    PNGs from results folders.
+    """Draw bandwidth-vs-SMs (with the link limit and ceiling), per-rank, latency-vs-tokens (any
+    --tokens sweep) and expert-load PNGs from results folders, each naming its run and commit.
 
     Example: epbench plot results/20261125T013216Z_dsv3x4_w1"""
     from epbench.plot import PlotsKept, plot_run, plot_together
@@ -706,6 +753,7 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
             raise UserError(f"--csv: {csv_out.parent} is not a folder")
         check_writable(csv_out.parent)
         csv_out = csv_out.resolve()
+        ce.check_csv_path(csv_out)  # FILE and FILE.json are new files: refused before anything is measured
     from epbench.driver import RunOptions
     from epbench.plan import Plan
 
@@ -724,7 +772,8 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
 def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseline).")],
             b: Annotated[Path, typer.Argument(help="Results folder B.")],
             plot_out: Annotated[Optional[str], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG (a folder: a file named after both runs in it).")] = None,
-            force: ForceOpt = False, wide: WideOpt = False) -> None:
+            force: ForceOpt = False,
+            wide: Annotated[bool, typer.Option("--wide", help="Adds the scenario column (shown anyway where the two runs' scenarios differ).")] = False) -> None:
     """Two results folders side by side: matching (scenario, backend, op, SMs) rows, ratios
     B/A, and a warning for each hardware or software difference.
 
@@ -802,6 +851,18 @@ def _one_backend(names: Optional[str]) -> str:
     return picked[0]
 
 
+def _flowed(doc: str) -> str:
+    """A command's docstring as its help: each paragraph (blank-line separated) one line, which the
+    terminal then wraps at its own width (Rich keeps a docstring's line breaks, which at 80 columns
+    broke sentences in the middle)."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
+
+
+for _command in app.registered_commands:
+    if _command.help is None and _command.callback is not None and _command.callback.__doc__:
+        _command.help = _flowed(_command.callback.__doc__)
+
+
 def main() -> None:
     try:
         _main()
@@ -811,12 +872,28 @@ def main() -> None:
         raise
 
 
+class _Interrupted(BaseException):
+    """Ctrl-C outside a run's launcher. Not a KeyboardInterrupt: typer >= 0.29 turns that into a
+    silent exit 130 (older ones into Abort); a BaseException, so no ``except Exception`` eats it."""
+
+
+def _on_sigint(_signum: int, _frame: object) -> None:
+    raise _Interrupted()
+
+
 def _main() -> None:
+    import signal
+
     from epbench.errors import ControlTimeout, KernelTimeout
 
     launch.apply_safe_env()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+        signal.signal(signal.SIGINT, _on_sigint)  # a run's launcher sets its own (raise_on_signals)
     try:
         sys.exit(app(standalone_mode=False))
+    except _Interrupted:  # predict, plot, report, compare, ceiling on CPU: one line, as a run says it
+        err.print("epbench: interrupted (SIGINT)", markup=False, highlight=False)
+        sys.exit(launch.SIGNAL_EXIT["SIGINT"])
     except click_errors.UsageError as e:  # a mistyped option or value: one line, not click's framed box
         if isinstance(e, getattr(click_errors, "NoArgsIsHelpError", ())):
             console.print(e.ctx.get_help() if e.ctx else str(e))

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pandas as pd
+from rich.markup import escape
 
 from epbench.errors import UserError
 from epbench.metrics import summarize
-from epbench.results import is_run_dir, load_run
+from epbench.results import is_run_dir, load_run, run_status
 from epbench.scenario import short_path
 
 KEYS = ["scenario", "backend", "op", "sms"]
@@ -25,6 +26,11 @@ def load(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     if not is_run_dir(path):
         raise UserError(f"{short_path(path)}: not a results folder (no meta.json)")
     meta, df = load_run(path)  # a corrupt or truncated run: UserError naming the file
+    from epbench.report import missing_results
+
+    lost = missing_results(path, meta)  # a run that completed, its results.csv gone since
+    if lost:
+        raise UserError(lost)
     verb = meta.get("verb")
     if verb in ("overlap", "probe"):
         raise UserError(f"{short_path(path)}: an `epbench {verb}` run; compare reads run and sweep "
@@ -55,6 +61,19 @@ def side_by_side(df_a: pd.DataFrame, df_b: pd.DataFrame) -> pd.DataFrame:
         both[f"{v}_ratio"] = pd.Series([ratio(b, a) for a, b in zip(both[f"{v}_a"], both[f"{v}_b"])],
                                        index=both.index, dtype=object)
     return both
+
+
+def status_warnings(a: Path, meta_a: Dict[str, Any], b: Path, meta_b: Dict[str, Any]) -> List[str]:
+    """One line per run that did not complete (failed, timed out, interrupted, abandoned, still
+    running): its figures may be partial or wrong. A folder without a status (older) says nothing."""
+    out = []
+    for ab, path, meta in (("A", a, meta_a), ("B", b, meta_b)):
+        status = run_status(meta)
+        if status not in (None, "complete"):
+            error = meta.get("error")
+            why = f" ({error})" if isinstance(error, str) and error else ""
+            out.append(f"{ab} {short_path(path)}: run status {status}{why}: its figures may be partial")
+    return out
 
 
 def _show(v: Any) -> str:
@@ -105,16 +124,32 @@ def option_warnings(meta_a: Dict[str, Any], df_a: pd.DataFrame,
     return out
 
 
-def compare_table(both: pd.DataFrame, title: str, wide: bool = False):
+def links(meta_a: Dict[str, Any], meta_b: Dict[str, Any]) -> str:
+    """What the busbw columns measured, for the caption: each run's transport (report.transport),
+    one where both had the same; '-' where nothing crossed a link (a functional run)."""
+    from epbench.report import transport
+
+    over = [None if m.get("functional") else transport(m) for m in (meta_a, meta_b)]
+    if over[0] is None and over[1] is None:
+        return "busbw: '-', nothing crossed a link in either run"
+    if over[0] == over[1]:
+        return f"busbw = bus bandwidth over {over[0]}, slowest-bandwidth rank (GB/s)"
+    said = [f"{ab} {o}" if o else f"{ab} '-' (nothing crossed a link)" for ab, o in zip("AB", over)]
+    return f"busbw = bus bandwidth over {' / '.join(said)}, slowest-bandwidth rank (GB/s)"
+
+
+def compare_table(both: pd.DataFrame, title: str, wide: bool = False,
+                  link: str = "busbw = bus bandwidth, slowest-bandwidth rank (GB/s)"):
     """The rows side by side; the scenario column only where the runs hold several scenarios
-    (or ``wide``): one scenario is in the title, and the table fits 100 columns."""
+    (or ``wide``): one scenario is in the title, and the table fits 100 columns. ``link``: what
+    the busbw columns measured (see links)."""
     from epbench.console import number, table
+    from epbench.report import _input_sets
 
     scenarios = list(dict.fromkeys(str(x) for x in both["scenario"]))
     with_scenario = wide or len(scenarios) > 1
     t = table(title + ("" if with_scenario else f" ({scenarios[0]})"),
-              "time = slowest rank's median (us); NVLink busbw = slowest-"
-              "bandwidth rank (GB/s); ratio = B / A ('-' where a run lacks the row)",
+              f"time = slowest rank's median (us); {link}; ratio = B / A ('-' where a run lacks the row)",
               ((("scenario", "left"),) if with_scenario else ()) + (
                   ("op", "left"), ("backend", "left"), ("SMs", "right"),
                   ("time A", "right"), ("time B", "right"), ("time B/A", "right"),
@@ -130,7 +165,8 @@ def compare_table(both: pd.DataFrame, title: str, wide: bool = False):
         parts = [str(int(r["sms"])) if r["sms"] else "auto"]
         for c in vary:
             if r[c] is not None:
-                parts.append(f"{int(r[c])} tok" if c == "tokens_per_rank" else str(r[c]))
+                parts.append(f"{int(r[c])} tok" if c == "tokens_per_rank" else
+                             f"inputs {_input_sets(r[c])}" if c == "input_sets" else str(r[c]))
         return " ".join(parts)
 
     for _, r in both.iterrows():
@@ -148,11 +184,12 @@ def print_compare(a: Path, b: Path, console, wide: bool = False) -> pd.DataFrame
     if both.empty:
         console.print(f"A {a} and B {b}: no measured points in either")
     else:
-        console.print(compare_table(both, f"A = {a}  vs  B = {b}", wide))
+        console.print(compare_table(both, f"A = {a}  vs  B = {b}", wide, links(meta_a, meta_b)))
         matched = both["time_us_a"].notna() & both["time_us_b"].notna()
         if not matched.any():
             console.print("[yellow]warning:[/] no point was measured in both runs (scenario, backend, "
                           "op and SMs differ everywhere): no ratios", highlight=False)
-    for w in provenance_warnings(meta_a, meta_b) + option_warnings(meta_a, df_a, meta_b, df_b):
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    for w in (status_warnings(a, meta_a, b, meta_b) + provenance_warnings(meta_a, meta_b)
+              + option_warnings(meta_a, df_a, meta_b, df_b)):
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
     return both

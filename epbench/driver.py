@@ -547,14 +547,26 @@ def _payload_reason(be_cls: Optional[type], m: Any) -> Optional[str]:
     return None
 
 
+OnVariants = Callable[[str, List[Dict[str, Any]]], None]  # (backend, its point_variants)
+
+
+def point_variants(variants: List[Tuple[str, str, int]], low_latency: bool) -> List[Dict[str, Any]]:
+    """The ways each (SM count, batch size) point of a backend is timed, (call mode, timing, input
+    sets) each, as the columns of its rows name them (timing: low-latency rows only)."""
+    return [dict(call_mode=c, input_sets=n, **({"timing": h} if low_latency else {})) for c, h, n in variants]
+
+
 def measure(s: Scenario, opts: RunOptions, comm: Comm,
             on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
             on_note: Callable[[str], None],
             advance: Callable[[str], None],
-            ceilings: Optional[Dict[str, Any]] = None) -> int:
+            ceilings: Optional[Dict[str, Any]] = None,
+            on_variants: Optional[OnVariants] = None) -> int:
     """Runs every point on every rank, for each batch size of ``opts.tokens``. Rank 0's
     callbacks receive rows; returns the number of wrong rows summed over ranks and points.
-    ``ceilings`` were measured for the scenario's own batch size; rows of others get none."""
+    ``ceilings`` were measured for the scenario's own batch size; rows of others get none.
+    ``on_variants`` (rank 0) hears the variants of each backend's points before they are timed
+    (point_variants), so that a job that dies mid-point can have every point it lost recorded."""
     functional = metrics.functional_reason(comm.world, comm.ranks_per_gpu)
     cnt: Optional[hw.Counters] = None
     if functional is not None:
@@ -575,7 +587,7 @@ def measure(s: Scenario, opts: RunOptions, comm: Comm,
         sized = s.with_tokens(tokens)
         own_ceilings = ceilings if tokens == s.model.tokens_per_rank else None
         total_wrong += _measure_size(sized, replace(opts, input_sets=opts.input_sets or s.bench.input_sets), comm, on_point, on_note, advance, own_ceilings, cnt,
-                                     salt, functional)
+                                     salt, functional, on_variants)
     if cnt is not None:
         cnt.close()
     comm.arrive("end of measurement")
@@ -588,7 +600,8 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
                   on_point: Callable[[List[Dict[str, Any]], List[Dict[str, Any]]], None],
                   on_note: Callable[[str], None], advance: Callable[[str], None],
                   ceilings: Optional[Dict[str, Any]], cnt: Optional[hw.Counters],
-                  salt: List[int], functional: Optional[str] = None) -> int:
+                  salt: List[int], functional: Optional[str] = None,
+                  on_variants: Optional[OnVariants] = None) -> int:
     """Every backend and SM count at one batch size; ``salt[0]`` advances per verified point.
     ``functional``: why no byte crosses a link in this run (its rows then carry no link figures)."""
     m = s.model
@@ -626,10 +639,13 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
         timings, no_chain = timings_of(be_cls, be_setup, device, as_normal, opts.graph_chain)
         if no_chain:
             on_note(f"backend {name}: no chain rows ({no_chain})")
+        variants = [(c, h, n) for c in call_modes_of(be, opts.call_modes or s.bench.call_modes)
+                    for h in timings for n in opts.input_sets]
+        if on_variants is not None and comm.rank == 0:
+            on_variants(name, point_variants(variants, low_latency))
         try:
             for sms in sms_list:
-                for mode, how, sets in ((c, h, n) for c in call_modes_of(be, opts.call_modes or s.bench.call_modes)
-                                        for h in timings for n in opts.input_sets):
+                for mode, how, sets in variants:
                     comm.arrive(f"{name} sms={sms or 'auto'}: timed calls")
                     be.use_call_mode(mode)
                     rec = PointRecord(comm.rank, timing=how, input_sets=sets, call_mode=mode)

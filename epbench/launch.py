@@ -206,6 +206,62 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def oom_kills(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """How many processes the kernel's out-of-memory killer has killed in this process's memory
+    cgroup (the ranks it starts join it), its descendants included: cgroup v2's memory.events, else
+    v1's memory.oom_control (both count ``oom_kill``, Linux 4.13 on). None where neither can be read
+    (another OS, the cgroup not mounted where /proc names it)."""
+    try:
+        with open(cgroups) as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        return None
+    found = [os.path.join(root, path.lstrip("/"), "memory.events") for hier, ctl, path in lines
+             if hier == "0" and ctl == ""]
+    found += [os.path.join(root, "memory", path.lstrip("/"), "memory.oom_control")
+              for _hier, ctl, path in lines if "memory" in ctl.split(",")]
+    for path in found:
+        try:
+            with open(path) as f:
+                counts = dict(ln.split(None, 1) for ln in f if len(ln.split()) == 2)
+            return int(counts["oom_kill"])
+        except (OSError, KeyError, ValueError):
+            continue
+    return None
+
+
+OOM_WHY = "the kernel's out-of-memory killer: memory ran out"
+
+
+def killed_line(rank: object, code: int, oom_before: Optional[int], oom_after: Optional[int]) -> str:
+    """What a job's line says of a rank killed by signal ``-code``: SIGKILL while the out-of-memory
+    killer's count (oom_kills, read before the job and after) rose was, as far as can be told, its
+    work; where the count cannot be read, nothing is added."""
+    why = ""
+    if code == -9 and oom_before is not None and oom_after is not None and oom_after > oom_before:
+        why = f" ({OOM_WHY})"
+    return f"rank {rank} was killed by {_signal_name(code)}{why}"
+
+
+# The rank a job's line (run_job's, or a rank's own "[rank R] ..." from fail in rank.py) blames: the
+# one killed or exiting, the one rank that did not reach the others; else the rank that said the line
+_BLAMED = re.compile(r"(?:\[rank \d+\] )?rank (\d+) (?:was killed by|exited with code|did not reach)")
+_SEVERAL = re.compile(r"(?:ranks [\d, ]+|a rank) did not reach")
+_SAID_BY = re.compile(r"\[rank (\d+)\] ")
+
+
+def blamed_rank(line: str) -> Optional[int]:
+    """The one rank a job's failure ``line`` names as its cause; None where it names several, or
+    none (a rendezvous that failed)."""
+    found = _BLAMED.match(line)
+    if found:
+        return int(found.group(1))
+    if _SEVERAL.search(line):
+        return None
+    found = _SAID_BY.match(line)
+    return int(found.group(1)) if found else None
+
+
 def write_rank_error(folder: Path, rank: int, status: str, line: str) -> None:
     """A rank's fatal error, kept for the launcher (which prints one line for the whole job)."""
     import json
@@ -344,6 +400,7 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
     raise_on_signals()
     stop_with_grace()
     _stopped_by_launcher.clear()
+    oom_before = oom_kills()
     try:
         trun.run(trun.parse_args([*grace_flags(trun.get_args_parser()), *torchrun]))
     except ChildFailedError as e:
@@ -356,14 +413,15 @@ def run_job(torchrun: List[str], device: str, error_dir: Optional[Path] = None) 
                         if f.exitcode < 0 and f.exitcode != -15 and f.local_rank not in _stopped_by_launcher)
         if killed:
             _, rank, code = killed[0]
-            return Outcome("failed", 1, f"rank {rank} was killed by {_signal_name(code)}")
+            return Outcome("failed", 1, killed_line(rank, code, oom_before, oom_kills()))
         if said:
             return Outcome(str(said["status"]), 1, str(said["line"]))
         own = sorted((f.timestamp, r) for r, f in e.failures.items() if f.local_rank not in _stopped_by_launcher)
         rank, failure = (own[0][1], e.failures[own[0][1]]) if own else e.get_first_failure()
         code = failure.exitcode
-        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-        return Outcome("failed", code if code > 0 else 1, f"rank {rank} {how}")
+        line = (killed_line(rank, code, oom_before, oom_kills()) if code < 0
+                else f"rank {rank} exited with code {code}")
+        return Outcome("failed", code if code > 0 else 1, line)
     except SignalException as e:
         sig = getattr(e, "received", e.sigval)
         return Outcome("interrupted", SIGNAL_EXIT.get(sig.name, 128 + int(sig)), f"interrupted ({sig.name})")

@@ -303,10 +303,11 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 "algo_bytes": int(nbytes["algo"][r]), "nvlink_bytes": int(nbytes["nvlink"][r]),
                 "nic_bytes": int(nbytes["nic"][r]) if has_nic else None,
                 "algbw_gbps": bandwidth_gbps(int(nbytes["algo"][r]), t_med),
+                # a rank that sent no byte over a tier has no bus bandwidth there (empty, not 0)
                 "busbw_nvlink_gbps": (bandwidth_gbps(int(nbytes["nvlink"][r]), t_med)
-                                      if over_links else None),
+                                      if over_links and int(nbytes["nvlink"][r]) > 0 else None),
                 "busbw_nic_gbps": (bandwidth_gbps(int(nbytes["nic"][r]), t_med)
-                                   if has_nic and over_links else None),
+                                   if has_nic and over_links and int(nbytes["nic"][r]) > 0 else None),
                 **{k: v if over_links else None for k, v in measured.items()},
                 **ceiling_columns((ceilings or {}).get(op) if over_links else None, sms),
                 "functional": functional,

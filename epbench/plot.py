@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import matplotlib
 
@@ -17,6 +17,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
 from epbench.errors import UserError  # noqa: E402
 from epbench.metrics import CALIBRATIONS, summarize  # noqa: E402
+from epbench.plot_source import Sources, metadata as _metadata, stamp as _stamp  # noqa: E402
 from epbench.report import transport  # noqa: E402
 from epbench.results import load_run  # noqa: E402
 from epbench.scenario import cut, short_path  # noqa: E402
@@ -29,13 +30,26 @@ def _label(backend: str) -> str:
     return "reference (NCCL / gloo)" if backend == "reference" else backend
 
 
+def _tags(cols: Sequence[str], values: Sequence[Any]) -> List[str]:
+    """A point's keys as legend tags: "64 tok", "4 input sets", a call or timing mode, a run
+    (none for a key the rows left empty)."""
+    shown = {"tokens_per_rank": "{} tok", "input_sets": "{} input sets"}
+    return [shown.get(c, "{}").format(v) for c, v in zip(cols, values) if not pd.isna(v)]
+
+
+def _varying(frame: pd.DataFrame, cols: Sequence[str]) -> List[str]:
+    """The point keys among ``cols`` whose rows hold more than one value."""
+    return [c for c in cols if c in frame and frame[c].nunique() > 1]
+
+
 def _series(summary: pd.DataFrame):
-    """Lines to draw: one per backend, split further by token count and timing mode when a run
-    swept them (low-latency sweeps), so that points of different sweeps never join."""
-    extra = [c for c in ("tokens_per_rank", "timing", "input_sets", "call_mode") if c in summary and summary[c].nunique() > 1]
-    for i, (key, g) in enumerate(summary.groupby(["backend"] + extra, sort=False)):
+    """Lines to draw: one per backend, split further by run (several runs drawn together), token
+    count, timing mode, input sets and call mode where they differ, so that points of different
+    runs or sweeps never join."""
+    extra = _varying(summary, ("run", "tokens_per_rank", "timing", "input_sets", "call_mode"))
+    for i, (key, g) in enumerate(summary.groupby(["backend"] + extra, sort=False, dropna=False)):
         key = key if isinstance(key, tuple) else (key,)
-        tags = [f"{v} tok" if c == "tokens_per_rank" else str(v) for c, v in zip(extra, key[1:])]
+        tags = _tags(extra, key[1:])
         yield i, key[0], _label(key[0]) + (f" [{', '.join(tags)}]" if tags else ""), g
 
 
@@ -80,8 +94,9 @@ def _save_figure(fig, path: Path, force: bool) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        # bbox "tight": a legend placed beside the axes is saved whole, however many lines it lists
-        fig.savefig(tmp, dpi=120, format=path.suffix[1:].lower(), bbox_inches="tight")
+        fmt = path.suffix[1:].lower()
+        # bbox "tight": a legend placed beside the axes, and the footer below them, saved whole
+        fig.savefig(tmp, dpi=120, format=fmt, bbox_inches="tight", metadata=_metadata(fig, fmt))
     except OSError as e:
         raise UserError(f"{short_path(path)}: cannot write ({e.strerror or type(e).__name__})") from None
     finally:
@@ -148,7 +163,8 @@ def ceiling_gbps(df: pd.DataFrame, op: str) -> Optional[float]:
 def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: bool = False,
                      force: bool = False, transport: str = "NVLink",
                      limit: Optional[Tuple[float, str]] = None,
-                     ceilings: Optional[Dict[str, float]] = None, algbw: bool = True) -> Path:
+                     ceilings: Optional[Dict[str, float]] = None, algbw: bool = True,
+                     source: Optional[Sources] = None) -> Path:
     """Slowest rank's bus bandwidth per tier (solid; NIC dotted where there is one) and
     algorithm bandwidth (dashed; ``algbw`` False: bus only, where the bus figures exist) against
     the SM count; a backend whose SM count epbench does not control is a horizontal line. Grey
@@ -159,12 +175,11 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: boo
     tiers = bus_tiers(summary, virtual, transport)
     series = tiers + ([("algbw_gbps_min", "algbw", "--")] if algbw or not tiers else [])
     markers = {"-": "o", ":": "^", "--": "s"}
-    lines = max(sum(1 for _ in _series(summary[summary["op"] == op])) for op in OPS)
-    palette = plt.get_cmap("tab20") if lines > 10 else None  # no two lines of one colour up to 20
+    colour = _colours(max(sum(1 for _ in _series(summary[summary["op"] == op])) for op in OPS))
     for ax, op in zip(axes, OPS):
         part = summary[summary["op"] == op]
         for i, _backend, name, g in _series(part):
-            color = palette(i % 20) if palette else f"C{i % 10}"
+            color = colour(i)
             g = g.sort_values("sms")
             for col, what, style in series:
                 if (g["sms"] == 0).all():
@@ -187,27 +202,51 @@ def bandwidth_vs_sms(summary: pd.DataFrame, title: str, path: Path, virtual: boo
     axes[0].set_ylim(bottom=0)  # bandwidth axes start at zero: no exaggerated gaps
     axes[0].set_ylabel(f"GB/s over {transport} (slowest rank)" if tiers else
                        f"algbw GB/s, {transport} (slowest rank)")
-    entries = len(axes[-1].get_legend_handles_labels()[0])
-    axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),  # beside the data, never on it
-                    ncol=1 if entries <= 14 else 2)
+    _legend_beside(axes[-1])
+    _stamp(fig, source)
     return _save(fig, title, path, force)
 
 
-def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path, force: bool = False) -> Path:
-    """Low-latency sweeps: p50 latency of the slowest rank against tokens per rank, one line per
-    (backend, SM count); CUDA-graph replays where a backend has them, else its one timing mode.
-    Log axes: the NCCL reference and the kernels sit orders of magnitude apart."""
+def _legend_beside(ax) -> None:
+    entries = len(ax.get_legend_handles_labels()[0])
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),  # beside the data, never on it
+              ncol=1 if entries <= 14 else 2)
+
+
+def _colours(count: int) -> Callable[[int], Any]:
+    """The i-th line's colour: no two of one colour up to 20 lines."""
+    palette = plt.get_cmap("tab20") if count > 10 else None
+    return (lambda i: palette(i % 20)) if palette else (lambda i: f"C{i % 10}")
+
+
+def _token_lines(part: pd.DataFrame):
+    """(label, rows) of each line against tokens: one per backend, SM count, input sets and call
+    mode; of a low-latency run's timing modes, CUDA-graph replays where a backend has them, else
+    its one mode (named in the label)."""
+    keys = _varying(part, ("input_sets", "call_mode"))
+    for backend, g in part.groupby("backend", sort=False):
+        timing = None
+        if "timing" in g and g["timing"].notna().any():
+            timing = "graph" if (g["timing"] == "graph").any() else g["timing"].dropna().iloc[0]
+            g = g[g["timing"] == timing]
+        for key, h in g.groupby(["sms"] + keys, sort=True, dropna=False):
+            key = key if isinstance(key, tuple) else (key,)
+            tags = ([f"{int(key[0])} SMs"] if key[0] else []) + _tags(keys, key[1:])
+            yield ", ".join([_label(backend)] + tags + ([str(timing)] if timing else [])), h
+
+
+def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path, force: bool = False,
+                      source: Optional[Sources] = None) -> Path:
+    """A --tokens sweep (normal or low-latency): p50 time of the slowest rank against tokens per
+    rank, one line per backend, SM count, input sets and call mode (_token_lines). Log axes: the
+    NCCL reference and the kernels sit orders of magnitude apart."""
     fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
+    colour = _colours(max(sum(1 for _ in _token_lines(summary[summary["op"] == op])) for op in OPS))
     for ax, op in zip(axes, OPS):
         part = summary[summary["op"] == op]
-        for i, (backend, g) in enumerate(part.groupby("backend", sort=False)):
-            timing = "graph" if (g["timing"] == "graph").any() else g["timing"].iloc[0]
-            g = g[g["timing"] == timing]
-            for j, (sms, h) in enumerate(g.groupby("sms")):
-                h = h.sort_values("tokens_per_rank")
-                ax.plot(h["tokens_per_rank"], h["time_us"], "o-", color=f"C{i % 10}",
-                        alpha=1.0 - 0.25 * (j % 3),
-                        label=f"{_label(backend)}, {int(sms)} SMs, {timing}" if sms else f"{_label(backend)}, {timing}")
+        for i, (label, h) in enumerate(_token_lines(part)):
+            h = h.sort_values("tokens_per_rank")
+            ax.plot(h["tokens_per_rank"], h["time_us"], "o-", color=colour(i), label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ticks = sorted(int(t) for t in part["tokens_per_rank"].unique())
@@ -220,34 +259,50 @@ def latency_vs_tokens(summary: pd.DataFrame, title: str, path: Path, force: bool
         ax.set_xlabel("tokens per rank")
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("p50 latency, us (slowest rank)")
-    axes[-1].legend(fontsize=7, loc="upper left")
+    _legend_beside(axes[-1])
+    _stamp(fig, source)
     return _save(fig, title, path, force)
 
 
 def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False,
-             transport: str = "NVLink") -> Path:
-    """Each rank's bus bandwidth over ``transport`` at every backend's largest SM count:
-    imbalance shows. A functional run has none: its algbw instead."""
+             transport: str = "NVLink", source: Optional[Sources] = None) -> Path:
+    """Each rank's bus bandwidth over ``transport`` at every backend's largest SM count, one bar
+    per point measured there (timing mode, input sets, call mode where the run has several):
+    imbalance shows. A --tokens sweep: its largest token count only, said under the title. A
+    functional run has no bus bandwidth: its algbw instead."""
     col, what = (("busbw_nvlink_gbps", f"{transport} busbw") if _has(df, "busbw_nvlink_gbps")
                  else ("algbw_gbps", f"algbw ({transport})"))
+    if "tokens_per_rank" in df and df["tokens_per_rank"].nunique() > 1:
+        most = df["tokens_per_rank"].max()
+        title += f"\nat {int(most)} tokens per rank, the largest of the {df['tokens_per_rank'].nunique()} measured"
+        df = df[df["tokens_per_rank"] == most]
+    keys = _varying(df, ("timing", "input_sets", "call_mode"))
+
+    def bars(part: pd.DataFrame):
+        top = part[part["sms"] == part.groupby("backend", sort=False)["sms"].transform("max")]
+        return list(top.groupby(["backend"] + keys, sort=False, dropna=False))
+
     fig, axes = plt.subplots(1, len(OPS), figsize=(12, 4.5), sharey=True)
+    colour = _colours(max(len(bars(df[df["op"] == op])) for op in OPS))
     for ax, op in zip(axes, OPS):
         part = df[df["op"] == op]
-        groups = [(b, g[g["sms"] == g["sms"].max()]) for b, g in part.groupby("backend", sort=False)]
+        groups = bars(part)
         width = 0.8 / max(len(groups), 1)
-        for i, (backend, g) in enumerate(groups):
+        for i, (key, g) in enumerate(groups):
+            key = key if isinstance(key, tuple) else (key,)
             g = g.sort_values("rank")
             sms = int(g["sms"].iloc[0])
-            ax.bar(g["rank"] + (i - (len(groups) - 1) / 2) * width, g[col],
-                   width=width, color=f"C{i}",
-                   label=f"{_label(backend)} ({sms} SMs)" if sms else _label(backend))
+            tags = _tags(keys, key[1:]) + ([f"{sms} SMs"] if sms else [])
+            ax.bar(g["rank"] + (i - (len(groups) - 1) / 2) * width, g[col], width=width, color=colour(i),
+                   label=_label(key[0]) + (f" [{', '.join(tags)}]" if tags else ""))
         ax.set_title(op)
         ax.set_xticks(sorted(part["rank"].unique()))
         ax.set_xlabel("rank")
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylim(bottom=0)
     axes[0].set_ylabel(f"{what}, GB/s")
-    axes[-1].legend(fontsize=8)
+    _legend_beside(axes[-1])
+    _stamp(fig, source)
     return _save(fig, title, path, force)
 
 
@@ -260,7 +315,8 @@ def run_scenario(meta: dict):
     return parse(data, "meta.json scenario")
 
 
-def expert_load(meta: dict, path: Path, force: bool = False) -> Optional[Path]:
+def expert_load(meta: dict, path: Path, force: bool = False,
+                source: Optional[Sources] = None) -> Optional[Path]:
     """Tokens routed to each expert (regenerated from the run's scenario and seed)."""
     from epbench.routing import expert_load as load_of, route_all
 
@@ -279,6 +335,7 @@ def expert_load(meta: dict, path: Path, force: bool = False) -> Optional[Path]:
                  f"(max/avg {load.max() / max(load.mean(), 1e-9):.2f})")
     ax.legend()
     fig.tight_layout()
+    _stamp(fig, source)
     return _save_figure(fig, path, force)
 
 
@@ -308,8 +365,8 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
         (warn or (lambda _text: None))(f"{short_path(run_dir)}: no bandwidth_vs_sms.png (no SM count "
                                        f"was set: every backend chose its own)")
     names = (["bandwidth_vs_sms.png"] if by_sms else []) + (["per_rank.png"] if not df.empty else [])
-    tokens_sweep = (not df.empty and "timing" in summary and summary["timing"].notna().any()
-                    and summary["tokens_per_rank"].nunique() > 1)
+    # a --tokens sweep, normal or low-latency: its time against tokens
+    tokens_sweep = not df.empty and "tokens_per_rank" in summary and summary["tokens_per_rank"].nunique() > 1
     names += ["latency_vs_tokens.png"] if tokens_sweep else []
     names += ["expert_load.png"] if meta.get("scenario") else []
     there = [n for n in names if (out_dir / n).exists()]
@@ -318,6 +375,7 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
     how = transport(meta)
     note = ": times, not link speed" if "functional" in how else ""
     title = f"{run_dir.name} ({meta.get('world', '?')} ranks, {how}{note})"
+    source = [(run_dir.name, meta)]
     written: List[Path] = []
     try:
         if not df.empty:
@@ -327,11 +385,12 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
             ceilings = {op: ceiling_gbps(df, op) for op in OPS} if crossed else None
             if by_sms:
                 written.append(bandwidth_vs_sms(summary, title, out_dir / "bandwidth_vs_sms.png",
-                                                virtual, force, how, limit, ceilings))
-            written.append(per_rank(df, title, out_dir / "per_rank.png", force, how))
+                                                virtual, force, how, limit, ceilings, source=source))
+            written.append(per_rank(df, title, out_dir / "per_rank.png", force, how, source))
             if tokens_sweep:
-                written.append(latency_vs_tokens(summary, title, out_dir / "latency_vs_tokens.png", force))
-        load_png = expert_load(meta, out_dir / "expert_load.png", force)
+                written.append(latency_vs_tokens(summary, title, out_dir / "latency_vs_tokens.png", force,
+                                                 source))
+        load_png = expert_load(meta, out_dir / "expert_load.png", force, source)
     except (KeyError, TypeError, ValueError) as e:  # columns of the wrong kind in a hand-edited file
         plt.close("all")
         raise UserError(f"{short_path(run_dir)}: cannot plot ({type(e).__name__}: "
@@ -354,19 +413,33 @@ def why_not_together(runs: List[Tuple[Path, Dict[str, Any], pd.DataFrame]]) -> O
         shown = "; ".join(f"{name} on {world} ranks over {how}" for name, world, how in sorted(keys, key=str))
         return f"--together: the runs measure different things ({shown})"
     empty = [short_path(d) for d, _, df in runs if df.empty]
-    return f"--together: no measured rows in {', '.join(empty)}" if empty else None
+    if empty:
+        return f"--together: no measured rows in {', '.join(empty)}"
+    if not any((pd.to_numeric(df["sms"], errors="coerce").fillna(0) > 0).any() for _, _, df in runs):
+        # as plain `plot` and `compare --plot`: no curve, only each backend's one point
+        return "--together: no run set an SM count (every backend chose its own): no bandwidth-vs-SMs curve"
+    return None
+
+
+def _run_names(dirs: List[Path]) -> List[str]:
+    """Each run's name in a legend: its folder's name, its path where two folders share a name."""
+    names = [d.name for d in dirs]
+    return names if len(set(names)) == len(names) else [short_path(d) for d in dirs]
 
 
 def plot_together(runs: List[Tuple[Path, Dict[str, Any], pd.DataFrame]], out: Path,
                   force: bool = False) -> Path:
     """One bandwidth-vs-SMs figure of several runs of the same scenario, ranks and transport
-    (e.g. one run per DeepEP flavor, each from its own venv): every run's rows as one table, bus
-    bandwidth only (algbw is the same multiple of it for every backend of one scenario), the
-    link limit read by any of them, each op's lowest copy-engine ceiling measured."""
+    (e.g. one run per DeepEP flavor, each from its own venv): each run's lines of its own, labelled
+    with the run (a backend in two runs may be two builds of it), bus bandwidth only (algbw is the
+    same multiple of it for every backend of one scenario), the link limit read by any of them,
+    each op's lowest copy-engine ceiling measured."""
     why = why_not_together(runs)
     if why:
         raise UserError(why)
-    df = pd.concat([d for _, _, d in runs], ignore_index=True)
+    names = _run_names([d for d, _, _ in runs])
+    summary = pd.concat([summarize(d).assign(run=name) for name, (_, _, d) in zip(names, runs)],
+                        ignore_index=True)
     metas = [m for _, m, _ in runs]
     how = transport(metas[0])
     limits = [lim for m, (_, _, d) in zip(metas, runs) for lim in [link_limit(m, d)] if lim] if how == "NVLink" else []
@@ -375,8 +448,8 @@ def plot_together(runs: List[Tuple[Path, Dict[str, Any], pd.DataFrame]], out: Pa
     scenario = (metas[0].get("scenario") or {}).get("name", "?")
     title = (f"{scenario} ({metas[0].get('world', '?')} ranks, {how}), {len(runs)} runs: "
              f"{', '.join(d.name.split('_')[0] for d, _, _ in runs)}")
-    return bandwidth_vs_sms(summarize(df), title, out, False, force, how,
-                            max(limits) if limits else None, ceilings, algbw=False)
+    return bandwidth_vs_sms(summary, title, out, False, force, how, max(limits) if limits else None,
+                            ceilings, algbw=False, source=list(zip(names, metas)))
 
 
 def _compare_links(metas: List[Dict[str, Any]]) -> str:
@@ -431,6 +504,7 @@ def compare_plot(a_dir: Path, b_dir: Path, out: Path, force: bool = False) -> Pa
     axes[0].set_ylabel(f"busbw GB/s over {_compare_links(metas)} (slowest rank)")
     if axes[-1].get_legend_handles_labels()[0]:
         axes[-1].legend(fontsize=8, loc="lower right")
+    _stamp(fig, [(a_dir.name, metas[0]), (b_dir.name, metas[1])])
     return _save(fig, f"A = {a_dir.name}  vs  B = {b_dir.name}", out, force)
 
 
@@ -469,5 +543,6 @@ def overlap_plot(run_dir: Path, out_dir: Optional[Path] = None, force: bool = Fa
     if axes[-1].get_legend_handles_labels()[0]:
         axes[-1].legend(fontsize=8, loc="lower right")
     o = meta.get("overlap", {})
+    _stamp(fig, [(run_dir.name, meta)])
     return _save(fig, f"{run_dir.name}: {o.get('gemm', 'GEMM')} beside the communication "
                       f"({meta.get('world', '?')} ranks)", out_dir / "overlap_vs_sms.png", force)

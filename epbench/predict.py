@@ -88,6 +88,7 @@ forwarding GPU's SMs that compete with its own sends, and NIC efficiency, which 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -99,7 +100,7 @@ from epbench.console import number
 from epbench.errors import UserError
 from epbench.routing import (RankRouting, ReachStats, Traffic, dest_mask, reach_stats,
                              route_all, traffic)
-from epbench.scenario import Scenario
+from epbench.scenario import Scenario, cpu_ranks
 
 OPS = ("dispatch", "combine")
 ALGORITHMS = ("hierarchical", "flat")
@@ -424,6 +425,7 @@ class Prediction:
     ops: List[OpPrediction]
     method: str = "exact"  # how the per-rank copies were found: exact | sampled
     method_note: str = ""  # with its expected error against the exact method
+    scenario_spec: Dict[str, Any] = field(default_factory=dict)  # the scenario as parsed
 
     def get(self, algorithm: str, op: str) -> OpPrediction:
         return next(p for p in self.ops if p.algorithm == algorithm and p.op == op)
@@ -570,11 +572,25 @@ def method_note(method: str, samples: int = REACH_SAMPLES) -> str:
             f"tokens); {SAMPLED_ERROR}")
 
 
+def check_scenario(s: Scenario) -> None:
+    """Refuses a scenario with no link to predict: one rank (nothing leaves the GPU) or ranks
+    that are CPU processes (scenario.cpu_ranks): a time at its nominal link rates would be a
+    figure of nothing."""
+    if s.world == 1:
+        raise UserError(f"{s.source}: one rank: nothing crosses a link, so there is nothing to "
+                        f"predict; give topology.nodes x topology.gpus_per_node two or more ranks")
+    why = cpu_ranks(s)
+    if why:
+        raise UserError(f"{s.source}: {why}, so there is nothing to predict; set bench.device "
+                        f"to auto or cuda for a scenario of GPUs")
+
+
 def predict(s: Scenario, calib: Calibration, nic_efficiency: float = DEFAULT_NIC_EFFICIENCY,
             method: str = "auto") -> Prediction:
     """``method``: exact (route every rank, count), sampled (draw per-rank counts from the
     routing distribution: time and memory independent of the per-rank routing) or auto (exact
-    up to EXACT_MAX_RANKS ranks)."""
+    up to EXACT_MAX_RANKS ranks). A scenario check_scenario refuses is a UserError."""
+    check_scenario(s)
     if not 0 < nic_efficiency <= 1:
         raise UserError(f"--nic-efficiency: must lie in (0, 1], got {nic_efficiency:g}")
     if calib.overhead_us < 0:
@@ -600,7 +616,7 @@ def predict(s: Scenario, calib: Calibration, nic_efficiency: float = DEFAULT_NIC
            for a in ALGORITHMS for op in OPS]
     return Prediction(s.name, s.source, s.world, t.nodes, t.gpus_per_node, t.virtual_nodes,
                       t.nvlink_gbps, t.nic_gbps, nic_efficiency, calib, ops, method,
-                      method_note(method))
+                      method_note(method), s.to_dict())
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -666,32 +682,27 @@ def to_dict(pred: Prediction) -> Dict[str, Any]:
     return d
 
 
-def write_json(pred: Prediction, path: Path) -> None:
-    """Never overwrites a file and never writes into a results folder; a file it could not
-    finish is removed, and what stopped it is one line (UserError)."""
+def write_json(pred: Prediction, path: Path, argv: Optional[Sequence[str]] = None) -> None:
+    """The prediction and, under ``provenance``, what produced it (provenance.collect, as a
+    run's meta.json: commit, versions, host, command line ``argv``, by default this process's).
+    Never overwrites a file and never writes into a results folder; a file it could not finish
+    is removed, and what stopped it is one line (UserError)."""
+    from epbench import provenance
+    from epbench.results import write_new
+
     check_json_path(path)
-    text = json.dumps(to_dict(pred), indent=2, default=str) + "\n"
-    try:
-        f = open(path, "x")  # exclusive: a file that appeared meanwhile is not clobbered
-    except FileExistsError:
-        raise UserError(f"--json {path}: already exists; refusing to overwrite it") from None
-    except OSError as e:
-        raise UserError(f"--json {path}: {e.strerror or e}") from None
-    try:
-        with f:
-            f.write(text)
-    except OSError as e:  # a full disk, a quota: leave no half-written file
-        path.unlink(missing_ok=True)
-        raise UserError(f"--json {path}: {e.strerror or e}") from None
+    d = to_dict(pred)
+    d["provenance"] = provenance.collect(list(sys.argv[1:] if argv is None else argv), "cpu")
+    d["provenance"].pop("launcher", None)  # tells a run left "running" from a live one: none here
+    write_new(path, json.dumps(d, indent=2, default=str) + "\n", "--json")
 
 
 def check_json_path(path: Path) -> None:
     """Refuses a --json file that exists or sits in a results folder (before anything is
     computed, and again when it is written; a path that cannot be written fails on opening)."""
-    from epbench.results import is_run_dir
+    from epbench.results import is_run_dir, refuse_existing
 
-    if path.exists():
-        raise UserError(f"--json {path}: already exists; refusing to overwrite it")
+    refuse_existing(path, "--json")
     if path.parent.is_dir() and is_run_dir(path.parent):
         raise UserError(f"--json {path}: {path.parent} is a results folder; predictions stay "
                         f"out of measured results")

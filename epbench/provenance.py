@@ -201,7 +201,29 @@ def runtime_nccl_version() -> Optional["tuple[int, ...]"]:
         return None
 
 
+PYTHON_PACKAGES = ("numpy", "pandas")  # besides torch, what epbench computes and writes with
+
+
+def package_versions() -> Dict[str, str]:
+    """epbench's own version and numpy's and pandas' (as installed; "not installed" where one is
+    missing), for meta.json. Never raises; imports neither numpy nor pandas."""
+    import importlib.metadata as md
+
+    from epbench import __version__
+
+    out = {"epbench": __version__}
+    for dist in PYTHON_PACKAGES:
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
 def collect(argv: List[str], device: str) -> Dict[str, Any]:
+    """What produced a result (a run's meta.json, ceiling's and predict's files): when, the
+    command line, epbench's commit and version, host, platform, the versions of python, torch,
+    numpy and pandas, the device, the EPBENCH_ / NCCL_ ... environment and the baselines."""
     import torch
 
     info: Dict[str, Any] = {
@@ -213,6 +235,7 @@ def collect(argv: List[str], device: str) -> Dict[str, Any]:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        **package_versions(),
         "device": device,
         "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
         "baselines": baseline_versions(),  # external libraries' versions and pinned commits

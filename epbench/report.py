@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
@@ -124,9 +125,35 @@ def parse_columns(text: Optional[str], wide: bool = False) -> Optional[Tuple[str
     return keys
 
 
-def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> Tuple[List[str], bool]:
-    """The columns shown and whether bandwidths show their spread over ranks. A token sweep adds
-    the tokens column; the timing and p99 columns appear only for low-latency rows."""
+# The columns that tell a table's rows apart (metrics.summarize's keys) -> the rows' column, in the
+# order they stand in a table.
+ROW_KEYS = (("tokens", "tokens_per_rank"), ("op", "op"), ("backend", "backend"), ("sms", "sms"),
+            ("call", "call_mode"), ("timing", "timing"), ("inputs", "input_sets"))
+
+
+def _varying(df: pd.DataFrame, swept_tokens: bool = False) -> List[str]:
+    """The ROW_KEYS whose value differs between the rows (a run that swept tokens: tokens too,
+    however many of its token counts were measured)."""
+    out = [k for k, col in ROW_KEYS if col in df and df[col].astype(object).nunique(dropna=False) > 1]
+    return (["tokens"] if swept_tokens and "tokens" not in out else []) + out
+
+
+def _insert_key(keys: List[str], key: str) -> None:
+    """``key`` into ``keys`` after the row key that comes before it in ROW_KEYS (the kernel column
+    stays beside its backend), else first."""
+    order = [k for k, _ in ROW_KEYS]
+    before = [k for k in order[:order.index(key)] if k in keys]
+    at = keys.index(before[-1]) + 1 if before else 0
+    keys.insert(at + (1 if at < len(keys) and keys[at] == "kernel" else 0), key)
+
+
+def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]], swept_tokens: bool = False
+            ) -> Tuple[List[str], bool]:
+    """The columns shown and whether bandwidths show their spread over ranks. Whatever the choice
+    (default, --wide or --columns), every column that tells the rows apart is kept (a token sweep's
+    tokens, both call modes' call, rotated and repeated inputs, ...); the timing and p99 columns
+    appear only for low-latency rows. ``swept_tokens``: the run swept tokens (meta.json), though
+    its rows may hold one count (a failed run)."""
     wide = columns is not None and tuple(columns) == WIDE
     keys = list(columns or (LOW_LATENCY if _low_latency(df) else DEFAULT))
     if not _low_latency(df):
@@ -134,14 +161,11 @@ def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> Tuple[List[st
     nic = "busbw_nic_gbps" in df and pd.to_numeric(df["busbw_nic_gbps"], errors="coerce").notna().any()
     if columns is None and nic and "busbw" in keys:  # a run with a NIC tier: its busbw is a first column too
         keys.insert(keys.index("busbw") + 1, "nic")
-    if columns is None and "input_sets" in df and df["input_sets"].nunique() > 1:  # rotated and repeated side by side
-        keys.insert(keys.index("time") if "time" in keys else len(keys), "inputs")
-    if columns is None and "call_mode" in df and df["call_mode"].nunique() > 1:  # both ways of calling a baseline
-        keys.insert(keys.index("sms") + 1 if "sms" in keys else len(keys), "call")
     if columns is None and _kernel_varies(df) and "backend" in keys:  # e.g. an auto option taking per SM count
         keys.insert(keys.index("backend") + 1, "kernel")
-    if (_swept_tokens(df) or _low_latency(df)) and "tokens" not in keys:
-        keys.insert(0, "tokens")
+    for key in _varying(df, swept_tokens) + (["tokens"] if _low_latency(df) else []):
+        if key not in keys:
+            _insert_key(keys, key)
     return keys, wide
 
 
@@ -158,21 +182,21 @@ CAPTION = ("time = slowest rank's median (us); algbw / busbw in GB/s, the slowes
            "(--wide: min / median / max over ranks); busbw = bus bandwidth over the transport in the "
            "title, '-' where nothing crossed a link; link % = the busiest rank's NVLink traffic (NVML, protocol included) over "
            "the links' capacity; full data: results.csv")
-KERNEL_CAPTION = (" kernel: the kernel that ran, as the library records it (an option left at auto may take "
+KERNEL_CAPTION = ("kernel: the kernel that ran, as the library records it (an option left at auto may take "
                   "another at another SM count; docs/backends.md)")
-WIDE_CAPTION = (" NVML busbw: from the GPUs' counters ('!' = >10% off the computed). % ceil: this "
+WIDE_CAPTION = ("NVML busbw: from the GPUs' counters ('!' = >10% off the computed). % ceil: this "
                 "run's ideal copy of the same bytes by copy engines (CE) / plain SM stores (SM), "
                 "time over the op's time")
-LL_CAPTION = (" p50 / p99: percentiles of the per-iteration times, slowest rank; timing: plain "
+LL_CAPTION = ("p50 / p99: percentiles of the per-iteration times, slowest rank; timing: plain "
               "launches, CUDA-graph replays of one call (graph: a standalone call, graph launch "
               "included), 'graph xK' (in-graph: per call of K chained in one graph, as inside a "
               "decode step's graph; each sample is one replay / K, so its p99 is that of per-replay "
               "averages), or 'normal' (a normal-mode backend on the same batch)")
-CALL_CAPTION = (" call: 'call' = as a model's forward pass calls the library (layout, count exchange, "
+CALL_CAPTION = ("call: 'call' = as a model's forward pass calls the library (layout, count exchange, "
                 "host waits, the weighting a user adds); 'kernel' = its fastest path as its own benchmark "
                 "times it (cached layout; the weights folded into the expert output, untimed); "
                 "docs/baselines.md")
-INPUTS_CAPTION = (" inputs: 'rot N' = the timed calls rotated through N input sets (other values, the "
+INPUTS_CAPTION = ("inputs: 'rot N' = the timed calls rotated through N input sets (other values, the "
                   "same routes on other tokens); 'same' = the same tensors and values every call (small "
                   "inputs may then sit in L2)")
 
@@ -196,13 +220,14 @@ def _table_width(widths: Sequence[int]) -> int:
     return sum(w + 2 for w in widths) + len(widths) + 1  # one space each side, a rule between
 
 
-def _fitted(keys: List[str], texts: Dict[str, List[str]], width: Optional[int]
+def _fitted(keys: List[str], texts: Dict[str, List[str]], width: Optional[int], keep: Sequence[str] = ()
             ) -> Tuple[List[str], Dict[str, Optional[int]]]:
     """The keys shown in ``width`` terminal columns and each one's width (None: as rich likes).
     No number is ever cut: a column is at least as wide as its longest word (rich then wraps at
     spaces, "0.0080 / 0.0081 / 0.0090" over three lines); where even that does not fit,
-    DROP_FIRST's columns are left out in turn. The room above those widths goes to the columns
-    that need the least of it first, so that most columns keep one line."""
+    DROP_FIRST's columns are left out in turn, never one of ``keep`` (those that tell the rows
+    apart). The room above those widths goes to the columns that need the least of it first, so
+    that most columns keep one line."""
     sizes = {k: [_plain_cells(t) for t in texts[k]] for k in keys}
     natural = {k: max(line for line, _ in sizes[k]) for k in keys}
     least = {k: max(word for _, word in sizes[k]) for k in keys}
@@ -212,7 +237,7 @@ def _fitted(keys: List[str], texts: Dict[str, List[str]], width: Optional[int]
     for k in DROP_FIRST:
         if _table_width([least[x] for x in keys]) <= width:
             break
-        if k in keys:
+        if k in keys and k not in keep:
             keys.remove(k)
     given = {k: least[k] for k in keys}
     room = width - _table_width(list(given.values()))
@@ -224,22 +249,24 @@ def _fitted(keys: List[str], texts: Dict[str, List[str]], width: Optional[int]
 
 
 def results_table(df: pd.DataFrame, title: str = "",
-                  columns: Optional[Sequence[str]] = None, width: Optional[int] = None) -> Table:
-    """One row per (backend, SMs, op[, tokens, timing]) with the ``columns`` keys (default: the
-    set that fits 100 terminal columns). ``width``: the terminal's columns; a table that cannot
-    fit them without cutting a number leaves out DROP_FIRST's columns in turn, and says so."""
+                  columns: Optional[Sequence[str]] = None, width: Optional[int] = None,
+                  swept_tokens: bool = False) -> Table:
+    """One row per (backend, SMs, op[, tokens, timing, call mode, input sets]) with the ``columns``
+    keys (default: the set that fits 100 terminal columns) and those that tell the rows apart.
+    ``width``: the terminal's columns; a table that cannot fit them without cutting a number
+    leaves out DROP_FIRST's columns in turn, and says so. ``swept_tokens``: see _chosen."""
     summary = summarize(df)
-    keys, wide = _chosen(df, columns)
+    keys, wide = _chosen(df, columns, swept_tokens)
     headers = {k: COLUMNS[k][0] for k in keys}
     if "time" in headers and _low_latency(df):
         headers["time"] = "p50 us"
     if "nic" in headers and _virtual(df):
         headers["nic"] = "NIC busbw (virtual)"
     cells = {k: [COLUMNS[k][2](r, wide) for _, r in summary.iterrows()] for k in keys}
-    shown, widths = _fitted(keys, {k: [headers[k]] + cells[k] for k in keys}, width)
-    caption = (CAPTION + (KERNEL_CAPTION if "kernel" in shown else "") + (WIDE_CAPTION if wide else "")
-               + (LL_CAPTION if _low_latency(df) else "")
-               + (INPUTS_CAPTION if "inputs" in shown else "") + (CALL_CAPTION if "call" in shown else ""))
+    shown, widths = _fitted(keys, {k: [headers[k]] + cells[k] for k in keys}, width, _varying(df, swept_tokens))
+    parts = ((True, CAPTION), ("kernel" in shown, KERNEL_CAPTION), (wide, WIDE_CAPTION),
+             (_low_latency(df), LL_CAPTION), ("inputs" in shown, INPUTS_CAPTION), ("call" in shown, CALL_CAPTION))
+    caption = ". ".join(text for said, text in parts if said)  # sentences, each ended before the next
     left_out = [headers[k] for k in keys if k not in shown]
     if left_out:
         caption += (f". Left out to fit {width} columns: {', '.join(left_out)} (--columns picks, "
@@ -268,6 +295,11 @@ def transport(meta: Dict[str, Any]) -> str:
     return "PCIe" if matrix.strip() else "NVLink"  # no matrix recorded: the scenario's NVLink
 
 
+def _sms(n: Any) -> str:
+    """An SM count as the tables show it: 0 (the backend chose) is "auto"."""
+    return str(int(n)) if n else "auto"
+
+
 def floor_notes(df: pd.DataFrame) -> List[str]:
     """Low-latency runs: the fixed cost of each backend's op, i.e. the slowest rank's p50 at the
     fewest tokens the run measured (its best SM count and standalone timing), one line each; where
@@ -283,12 +315,12 @@ def floor_notes(df: pd.DataFrame) -> List[str]:
     out = []
     for (backend, op), g in worst[~chained].groupby(["backend", "op"], sort=False):
         best = g.loc[g["time_us"].idxmin()]
-        how = f"{int(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
+        how = f"{_sms(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
         line = f"floor: {backend} {op} {number(best['time_us'])} us at {int(fewest)} token(s) per rank ({how})"
         chain = worst[chained & (worst["backend"] == backend) & (worst["op"] == op)]
         if not chain.empty:
             c = chain.loc[chain["time_us"].idxmin()]
-            line += (f"; in-graph {number(c['time_us'])} us ({int(c['sms'])} SMs, "
+            line += (f"; in-graph {number(c['time_us'])} us ({_sms(c['sms'])} SMs, "
                      f"{timing_label('chain', c.get('chain'))}: per call of a chain in one graph)")
         out.append(line)
     return out
@@ -314,7 +346,7 @@ def bound_notes(df: pd.DataFrame) -> List[str]:
     out = []
     for (backend, op), g in worst.groupby(["backend", "op"], sort=False):
         best = g.loc[g["time_us"].idxmin()]
-        how = f"{int(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
+        how = f"{_sms(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
         out.append(f"bound: {backend} {op} {number(best['time_us'])} us at {int(best['tokens_per_rank'])} token(s) "
                    f"per rank ({how}) against {number(best['ceil'])} us for plain SM stores of its routed rows "
                    f"into the peers, timed the same way: {best['time_us'] / best['ceil']:.2f}x")
@@ -342,15 +374,81 @@ def wrong_rows(df: pd.DataFrame, listed: int = 3) -> Optional[str]:
             f"{int(first['rank'])}{problem})")
 
 
+def missing_results(run_dir: Path, meta: Dict[str, Any]) -> Optional[str]:
+    """Why a run that says it completed has no rows to show: its results.csv is missing, empty or
+    a header alone (deleted or cut short after the run). None: the file holds rows (measured or
+    not), or the run did not complete, or its verb writes other tables."""
+    from epbench.results import RESULTS, read_table
+    from epbench.scenario import short_path
+
+    if run_status(meta) != "complete" or meta.get("verb") in ("overlap", "probe"):
+        return None
+    path = run_dir / RESULTS
+    if not path.exists():
+        what = "missing"
+    elif path.is_file() and not path.stat().st_size:
+        what = "empty"
+    elif read_table(path).empty:  # a corrupt file is read_table's UserError, naming it
+        what = "a header and no rows"
+    else:
+        return None
+    return (f"{short_path(path)}: {what}, though meta.json says the run completed "
+            f"(the file was deleted or cut short since): no figures to show")
+
+
+def tokens_given(meta: Dict[str, Any]) -> bool:
+    """Whether the run was given token counts (--tokens): its rows are then not at the scenario's
+    own count, whatever number of counts a failed run got to measure."""
+    return bool((meta.get("options") or {}).get("tokens"))
+
+
+def status_line(meta: Dict[str, Any], wrong_said: bool = False) -> Optional[str]:
+    """The run's status where it did not complete, with the error meta.json records (the first
+    failure's line), as one line of markup: red where it failed or timed out. None: complete.
+    ``wrong_said``: the VERIFICATION FAILED line is printed, so a verification error points there."""
+    status = run_status(meta)
+    if status in (None, "complete"):
+        return None
+    error = meta.get("error")
+    if wrong_said and isinstance(error, str) and error.startswith("verification failed"):
+        error = "verification failed, above"
+    said = f"run status: {status}" + (f" ({error})" if isinstance(error, str) and error else "")
+    style = "bold red" if str(status).startswith(("failed", "timeout")) else "yellow"
+    return f"[{style}]{escape(said)}[/]"
+
+
+def unmeasured_lines(run_dir: Path) -> List[str]:
+    """One line of markup per backend and reason whose points were not measured (skipped, or lost
+    with a job that failed: red)."""
+    from epbench.results import load_unmeasured
+
+    left = load_unmeasured(run_dir)
+    out = []
+    for (backend, status), g in (left.groupby(["backend", "status"], sort=False) if not left.empty else ()):
+        # a point: an SM count at a token count, timed one way (call mode, input sets, timing where the rows
+        # record them: a lost point leaves a row per op and per way, results.lost_rows), as the launcher's line
+        # counts them
+        keys = [k for k in ("sms", "tokens_per_rank", "call_mode", "input_sets", "timing") if k in g]
+        n = len(g[keys].astype(str).drop_duplicates())
+        said = escape(f"{backend}: {status} ({n} point{'s' if n > 1 else ''} not measured)")
+        out.append(f"[bold red]{said}[/]" if str(status).startswith("failed") else said)
+    return out
+
+
 def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None,
-              columns: Optional[Sequence[str]] = None) -> None:
+              columns: Optional[Sequence[str]] = None, run_dir: Optional[Path] = None) -> None:
     """The run's table; ``columns``: its columns by key (None: the default ones). An overlap or
-    probe run's table is its verb's own (``columns`` apart)."""
+    probe run's table is its verb's own (``columns`` apart). ``run_dir``: the folder the run was
+    read from (`epbench report`): a line per backend whose points were not measured and why, and a
+    UserError where a run that completed has lost its results.csv."""
     console = console or wide_console()
     if meta.get("verb") == "overlap":
         return print_overlap(df, meta, console)
     if meta.get("verb") == "probe":
         return print_probe(df, meta, console)
+    lost = missing_results(run_dir, meta) if run_dir is not None else None
+    if lost:
+        raise UserError(lost)
     scenario = meta.get("scenario", {})
     functional = ", no link figures" if meta.get("functional") else ""
     title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "
@@ -358,7 +456,7 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
     if df.empty:
         console.print(f"{title}: no measured points")
     else:
-        console.print(results_table(df, title, columns, console.width))
+        console.print(results_table(df, title, columns, console.width, tokens_given(meta)))
     for note in meta.get("notes", []):
         console.print(f"note: {note}")
     for line in floor_notes(df) + bound_notes(df):
@@ -366,9 +464,11 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
     wrong = wrong_rows(df)
     if wrong:
         console.print(f"[bold red]VERIFICATION FAILED:[/] {escape(wrong)}", highlight=False)
-    status = run_status(meta)
-    if status not in (None, "complete"):
-        console.print(f"[yellow]run status: {status}[/]")
+    status = status_line(meta, bool(wrong))
+    if status:
+        console.print(status, highlight=False)
+    for line in unmeasured_lines(run_dir) if run_dir is not None else ():
+        console.print(line, highlight=False)
 
 
 # -- `epbench overlap` folders --
@@ -506,15 +606,43 @@ def print_probe(df: pd.DataFrame, meta: Dict[str, Any], console: Any) -> None:
     for note in meta.get("notes", []):
         console.print(f"note: {note}", highlight=False)
 
-def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
-    """One row per (backend, op, SMs, rank): that rank's median time and bandwidths, the spread
-    of its iterations, and a mark on the slowest rank of each point."""
-    table = console_table(title, "time = the rank's median over iterations (min - max in brackets); "
-                          "bandwidths in GB/s; * = slowest rank of the point",
-                          (("op", "left"), ("backend", "left"), ("SMs", "right"), ("rank", "right"),
-                           ("time us", "right"), ("algbw", "right"), ("NVLink busbw", "right"),
-                           ("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"),
-                           ("#wrong", "right")))
+def _link_words(df: pd.DataFrame, meta: Optional[Dict[str, Any]]) -> Optional[str]:
+    """What carried the rows' bus bandwidth, for a caption: the run's transport (meta.json; without
+    it, gloo where the rows say cpu, else the transport in the run's title); None where nothing
+    crossed a link (a functional run: its busbw cells are '-')."""
+    if meta is not None:
+        return None if meta.get("functional") else transport(meta)
+    if "functional" in df and df["functional"].notna().any():
+        return None
+    if "device" in df and (df["device"] == "cpu").all():
+        return transport({"device": "cpu"})
+    return "the transport in the run's title"
+
+
+def per_rank_table(df: pd.DataFrame, title: str = "", meta: Optional[Dict[str, Any]] = None) -> Table:
+    """One row per (backend, op, SMs[, tokens, call mode, timing, input sets], rank): that rank's
+    median time and bandwidths, the spread of its iterations, and a mark on the slowest rank of
+    each point. The columns that tell the points apart are those that vary among the rows; the NIC
+    column only where a row has a NIC tier. ``meta``: the run's meta.json (names the transport)."""
+    shown = [k for k in _varying(df, tokens_given(meta or {})) if k not in ("op", "backend", "sms")]
+    nic = "busbw_nic_gbps" in df and pd.to_numeric(df["busbw_nic_gbps"], errors="coerce").notna().any()
+    link = _link_words(df, meta)
+    caption = ("time = the rank's median over iterations (min - max in brackets); bandwidths in GB/s"
+               + (f"; busbw = bus bandwidth over {link}" if link else "; busbw: '-', nothing crossed a link")
+               + "; * = slowest rank of the point")
+    cells: Dict[str, Tuple[str, str, Callable[[pd.Series], str]]] = {
+        "tokens": ("tokens", "right", lambda r: str(int(r["tokens_per_rank"]))),
+        "call": ("call", "left", lambda r: str(r.get("call_mode") or "call")),
+        "timing": ("timing", "left", lambda r: timing_label(r.get("timing"), r.get("chain"))),
+        "inputs": ("inputs", "right", lambda r: _input_sets(r.get("input_sets"))),
+    }
+    table = console_table(title, caption,
+                          ((("tokens", "right"),) if "tokens" in shown else ())
+                          + (("op", "left"), ("backend", "left"), ("SMs", "right"))
+                          + tuple(cells[k][:2] for k in shown if k != "tokens")
+                          + (("rank", "right"), ("time us", "right"), ("algbw", "right"), ("busbw", "right"))
+                          + ((("NIC busbw (virtual)" if _virtual(df) else "NIC busbw", "right"),) if nic else ())
+                          + (("#wrong", "right"),))
     keys = ["backend", "op", "sms"] + [k for k in ("tokens_per_rank", "timing", "input_sets", "call_mode") if k in df]
     for _, g in df.groupby(keys, sort=False, dropna=False):
         slowest = g["time_us"].idxmax()
@@ -523,17 +651,20 @@ def per_rank_table(df: pd.DataFrame, title: str = "") -> Table:
             if "time_us_min" in r and "time_us_max" in r:
                 spread = f" ({number(r['time_us_min'])} - {number(r['time_us_max'])})"
             wrong = int(r["wrong"]) if "wrong" in r else 0
-            table.add_row(r["op"], r["backend"], str(int(r["sms"])) if r["sms"] else "auto",
+            table.add_row(*([cells["tokens"][2](r)] if "tokens" in shown else []),
+                          r["op"], r["backend"], _sms(r["sms"]),
+                          *(cells[k][2](r) for k in shown if k != "tokens"),
                           f"{int(r['rank'])}{' *' if i == slowest else ''}",
                           number(r["time_us"]) + spread, number(r.get("algbw_gbps")),
-                          number(r.get("busbw_nvlink_gbps")), number(r.get("busbw_nic_gbps")),
+                          number(r.get("busbw_nvlink_gbps")), *([number(r.get("busbw_nic_gbps"))] if nic else []),
                           f"[bold red]{wrong}[/]" if wrong else "0")
     return table
 
 
-def print_per_rank(df: pd.DataFrame, console: Optional[Console] = None) -> None:
+def print_per_rank(df: pd.DataFrame, console: Optional[Console] = None,
+                   meta: Optional[Dict[str, Any]] = None) -> None:
     console = console or wide_console()
     if df.empty:
         console.print("per rank: no measured points")
         return
-    console.print(per_rank_table(df, "per rank"))
+    console.print(per_rank_table(df, "per rank", meta))

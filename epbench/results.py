@@ -82,6 +82,30 @@ def check_new_run_dir(root: Path, run_dir: Optional[Path]) -> None:
     check_writable(run_dir.parent if run_dir is not None else root)
 
 
+def refuse_existing(path: Path, opt: str) -> None:
+    """A UserError naming ``path`` (given by option ``opt``) where it exists already."""
+    if path.exists():
+        raise UserError(f"{opt} {path}: already exists; refusing to overwrite it")
+
+
+def write_new(path: Path, text: str, opt: str) -> None:
+    """``text`` into the new file ``path`` (given by option ``opt``): never overwrites a file,
+    not even one that appeared after it was checked; a file it could not finish is removed, and
+    what stopped it is one line (UserError)."""
+    try:
+        f = open(path, "x")  # exclusive: a file that appeared meanwhile is not clobbered
+    except FileExistsError:
+        raise UserError(f"{opt} {path}: already exists; refusing to overwrite it") from None
+    except OSError as e:
+        raise UserError(f"{opt} {path}: {e.strerror or e}") from None
+    try:
+        with f:
+            f.write(text)
+    except OSError as e:  # a full disk, a quota: leave no half-written file
+        path.unlink(missing_ok=True)
+        raise UserError(f"{opt} {path}: {e.strerror or e}") from None
+
+
 def check_writable(folder: Path) -> None:
     """Creates and removes a small file in ``folder`` (or in its nearest existing parent, where
     the folder is still to be made): the run would otherwise measure for minutes and then fail
@@ -158,18 +182,80 @@ MEASURED = "ok"  # the status column of a measured row; others say "skipped: ...
 
 
 def unmeasured_rows(scenario: str, backend: str, points: List[Tuple[int, int]],
-                    status: str) -> List[Dict[str, Any]]:
-    """Rows for points that were not measured, one per (op, SM count, tokens per rank): the
-    table and results.csv say why (``status``: "skipped: <reason>" or "failed: <reason>")."""
-    return [{"scenario": scenario, "backend": backend, "op": op, "sms": sms, "rank": None,
-             "tokens_per_rank": tokens, "time_us": None, "status": status}
-            for sms, tokens in points for op in ("dispatch", "combine")]
+                    status: str, variants: Optional[List[Dict[str, Any]]] = None,
+                    rank: Optional[int] = None) -> List[Dict[str, Any]]:
+    """Rows for points that were not measured, one per (op, SM count, tokens per rank, variant):
+    the table and results.csv say why (``status``: "skipped: <reason>" or "failed: <reason>").
+    ``variants``: the ways each point is timed (driver.point_variants; None: not known, one row per
+    op then stands for all of them); ``rank``: the rank the reason blames (None: not one)."""
+    return [{"scenario": scenario, "backend": backend, "op": op, "sms": sms, "rank": rank,
+             "tokens_per_rank": tokens, **v, "time_us": None, "status": status}
+            for sms, tokens in points for v in (variants or [{}]) for op in ("dispatch", "combine")]
+
+
+WHOLE_TEXT = re.compile(r"-?\d+")
 
 
 def _read_csv_rows(path: Path) -> List[Dict[str, Any]]:
+    """The rows of a table this module wrote; a column written as whole numbers reads as ints
+    (None where empty), not floats, so that writing the rows again keeps it so."""
     if not path.is_file() or not path.stat().st_size:
         return []
-    return pd.read_csv(path).to_dict("records")
+    df = pd.read_csv(path)
+    text = pd.read_csv(path, dtype=str)
+    whole = [c for c in df.columns if df[c].dtype == float and text[c].notna().any()
+             and text[c].dropna().str.fullmatch(WHOLE_TEXT).all()]
+    rows = df.to_dict("records")
+    for c in whole:  # from the text: a byte count past 2**53 stays exact
+        for r, v in zip(rows, text[c]):
+            r[c] = None if pd.isna(v) else int(v)
+    return rows
+
+
+def _is_whole(v: Any) -> bool:
+    import numbers
+
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _absent(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and v != v)
+
+
+def _table(rows: List[Dict[str, Any]]) -> str:
+    """``rows`` as CSV; a column whose values are all whole numbers (ints, not bools) is written
+    as such where some rows leave it empty too (pandas would make it float: rank 0.0, world 4.0)."""
+    df = pd.DataFrame(rows)
+    for col in df.columns:
+        if df[col].dtype != float:
+            continue
+        given = [r[col] for r in rows if not _absent(r.get(col))]
+        if given and all(_is_whole(v) for v in given):
+            df[col] = df[col].astype("Int64")
+    return df.to_csv(index=False)
+
+
+VARIANT_KEYS = ("call_mode", "timing", "input_sets")  # what tells a point's rows timed one way from another
+
+
+def _plain(v: Any) -> Any:
+    """A cell as written, for comparing: None where empty, 4 for 4.0."""
+    if _absent(v):
+        return None
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _variant_key(row: Dict[str, Any], variant: Dict[str, Any]) -> tuple:
+    return tuple(_plain(row.get(k)) for k in VARIANT_KEYS if k in variant)
+
+
+def missing_variants(rows: List[Dict[str, Any]], backend: str, sms: int, tokens: int,
+                     variants: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The ``variants`` of point (``backend``, ``sms``, ``tokens``) that ``rows`` hold no measured
+    row of."""
+    here = [r for r in rows if r.get("backend") == backend and _plain(r.get("sms")) == sms
+            and _plain(r.get("tokens_per_rank")) == tokens and r.get("status", MEASURED) == MEASURED]
+    return [v for v in variants if not any(_variant_key(r, v) == _variant_key(v, v) for r in here)]
 
 
 class RunWriter:
@@ -200,6 +286,11 @@ class RunWriter:
         self.meta["notes"] = list(earlier.get("notes", []))
         self.meta["wrong"] = int(earlier.get("wrong", 0))
         self.meta["backend_runtime"] = {**earlier.get("backend_runtime", {}), **meta.get("backend_runtime", {})}
+        # how each backend's points are timed (driver.point_variants), kept for the launcher: it
+        # records every variant of the points a failed job lost
+        variants = {**earlier.get("variants", {}), **meta.get("variants", {})}
+        if variants:
+            self.meta["variants"] = variants
         self._write_meta()
 
     def _write(self, path: Path, text: str) -> None:
@@ -218,9 +309,16 @@ class RunWriter:
     def add(self, rows: List[Dict[str, Any]], samples: List[Dict[str, Any]]) -> None:
         self.rows += [dict(r, status=r.get("status", MEASURED)) for r in rows]
         self.samples += samples
-        self._write(self.dir / RESULTS, pd.DataFrame(self.rows).to_csv(index=False))
+        self._write(self.dir / RESULTS, _table(self.rows))
         if samples:
-            self._write(self.dir / SAMPLES, pd.DataFrame(self.samples).to_csv(index=False))
+            self._write(self.dir / SAMPLES, _table(self.samples))
+
+    def variants(self, backend: str, variants: List[Dict[str, Any]]) -> None:
+        """How each point of ``backend`` is timed (driver.point_variants), into meta.json."""
+        known = self.meta.setdefault("variants", {})
+        if known.get(backend) != variants:
+            known[backend] = variants
+            self._write_meta()
 
     def note(self, notes: List[str], wrong: int = 0) -> None:
         """This job's notes and wrong rows, added to the earlier jobs'; the status stays."""
@@ -279,18 +377,60 @@ def run_status(meta: Dict[str, Any]) -> Any:
     return "abandoned" if status == "running" and launcher_gone(meta.get("launcher")) else status
 
 
+def _recorded_variants(run_dir: Path, backend: str) -> Optional[List[Dict[str, Any]]]:
+    """How the job timed each point of ``backend`` (meta.json's ``variants``; None: not recorded,
+    as by a job that ended before it built the backend, or by an older epbench)."""
+    try:
+        found = json.loads((run_dir / META).read_text()).get("variants", {}).get(backend)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, list) and found and all(isinstance(v, dict) for v in found) else None
+
+
 def measured_points(run_dir: Path, backend: str) -> set:
-    """(sms, tokens per rank) of the points of ``backend`` already in results.csv."""
-    return {(int(r["sms"]), int(r["tokens_per_rank"])) for r in _read_csv_rows(run_dir / RESULTS)
-            if r.get("backend") == backend}
+    """(sms, tokens per rank) of the points of ``backend`` that results.csv holds whole: a row
+    saying why it was not measured, or a measured row for every variant the job recorded
+    (_recorded_variants; where none were, any row). A point whose job died in one of its
+    variants is not among them: add_rows then records the variants it lacks."""
+    rows = [r for r in _read_csv_rows(run_dir / RESULTS) if r.get("backend") == backend]
+    variants = _recorded_variants(run_dir, backend)
+    points = {(int(r["sms"]), int(r["tokens_per_rank"])) for r in rows}
+    said = {(int(r["sms"]), int(r["tokens_per_rank"])) for r in rows if r.get("status", MEASURED) != MEASURED}
+    return {pt for pt in points if pt in said or variants is None
+            or not missing_variants(rows, backend, *pt, variants)}
+
+
+def lost_rows(run_dir: Path, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The launcher's rows for points a failed job left out (unmeasured_rows, one per op), made
+    whole from the run folder: a row without a call mode becomes one per variant of its point
+    that the job recorded (_recorded_variants) and results.csv does not hold measured (the point
+    the job died in keeps the variants it finished); the rank column names the rank the reason
+    blames (launch.blamed_rank), where it blames one."""
+    from epbench.launch import blamed_rank
+
+    have = _read_csv_rows(run_dir / RESULTS)
+    made: List[Tuple[int, int, Dict[str, Any]]] = []
+    for n, r in enumerate(rows):
+        kind, _, line = str(r.get("status") or "").partition(": ")
+        if _absent(r.get("rank")) and kind in ("failed", "timeout"):
+            r = dict(r, rank=blamed_rank(line))
+        variants = _recorded_variants(run_dir, r["backend"]) if _absent(r.get("call_mode")) else None
+        if variants is None:
+            made.append((n, 0, r))
+            continue
+        point = (r["backend"], _plain(r["sms"]), _plain(r["tokens_per_rank"]))
+        first = next(i for i, o in enumerate(rows) if (o["backend"], _plain(o["sms"]),
+                                                      _plain(o["tokens_per_rank"])) == point)
+        made += [(first, variants.index(v), dict(r, **v)) for v in missing_variants(have, *point, variants)]
+    return [r for _, _, r in sorted(made, key=lambda m: (m[0], m[1]))]  # a point's variants in turn, ops within
 
 
 def add_rows(run_dir: Path, rows: List[Dict[str, Any]]) -> None:
-    """Appends rows to results.csv (the launcher's rows for points a failed job left out). Where
-    they cannot be written (a full disk), meta.json records the run as failed before the
-    UserError naming the file goes up."""
+    """Appends rows to results.csv (the launcher's rows for points a failed job left out, made
+    whole by lost_rows). Where they cannot be written (a full disk), meta.json records the run as
+    failed before the UserError naming the file goes up."""
     try:
-        RunWriter(run_dir, json.loads((run_dir / META).read_text()), append=True).add(rows, [])
+        RunWriter(run_dir, json.loads((run_dir / META).read_text()), append=True).add(lost_rows(run_dir, rows), [])
     except UserError as e:
         finish_run(run_dir, "failed", str(e))
         raise

@@ -365,6 +365,103 @@ def min_bytes_per_rank(s: Scenario, tokens_per_rank: Optional[int] = None) -> in
     return tokens * row * 2 + received
 
 
+def payload_bytes(dtype: str, hidden: int) -> int:
+    """Bytes of one dispatched row, its scales included (epbench/metrics.py row_bytes, which
+    needs torch)."""
+    if dtype == "fp8":
+        return hidden + 4 * (hidden // FP8_BLOCK)  # e4m3 elements, one fp32 scale per 128
+    if dtype == "mxfp8":
+        return hidden + hidden // MXFP8_BLOCK  # e4m3 elements, one E8M0 byte per 32
+    return 2 * hidden
+
+
+def received_per_token(s: Scenario) -> Tuple[float, float]:
+    """How much of one source token a rank receives: (rows, pairs), the chance that its top-k
+    holds one of the rank's experts and the number of them it holds. Uniform routing draws k of
+    the N experts without replacement, each pick as likely on any expert, so a row arrives unless
+    all k picks miss the rank's E experts, 1 - C(N - E, k) / C(N, k), and k E / N picks land there
+    on average (for large batches the count stays close to its mean); any other routing may put a
+    token's every pick on one rank: 1 row and min(k, E) pairs."""
+    m = s.model
+    n, e, k = s.num_experts, m.experts_per_rank, m.topk
+    if s.routing.kind != "uniform":
+        return 1.0, float(min(k, e))
+    miss = 1.0
+    for i in range(k):  # C(N - E, k) / C(N, k) as a product: picks i of k all miss the rank
+        miss *= max(n - e - i, 0) / (n - i)
+    return 1.0 - miss, k * e / n
+
+
+def cpu_rank_bytes(s: Scenario, tokens_per_rank: Optional[int] = None) -> int:
+    """Peak bytes one CPU rank touches for a run of ``s``, beyond an idle rank's (the interpreter,
+    torch and the process group: check_fits' ``base_bytes``). On CPUs only the reference backend
+    runs (every other needs CUDA), so this follows its buffers (epbench/backends/reference.py) and
+    the driver's point around them (epbench/driver.py Point): input sets, the copy of the last
+    timed output, the stand-in expert's fp32 rows and the checks' fp32 rows (epbench/verify.py).
+    torch.empty's pages cost nothing until written: a buffer counts whole where something writes
+    it whole (be.poison() does before every verification run), else as far as rows arrive
+    (``received_per_token``). Measured 2026-11-28 (CPU host, ``--device cpu --backends reference
+    --iters 2 --warmup 0``, each rank's VmHWM less an idle rank's at ``--tokens 8``): dsv3x4 on 2
+    ranks at 512 / 2048 / 8192 tokens grew 1.15 / 1.08 / 1.02 times this (small batches leave
+    freed heap behind), its fp8, mxfp8 fused (1 input set), mxfp8 expert-major (align 128) and
+    4-rank variants at 1024-2048 tokens 0.95-1.09 times, dsv3x4-ll at 128 tokens 1.04 times."""
+    m = s.model
+    t = tokens_per_rank or m.tokens_per_rank
+    w, h, k, e = s.world, m.hidden, m.topk, m.experts_per_rank
+    share, picks = received_per_token(s)
+    sets = max(s.bench.input_sets)  # Point holds one point's input sets at a time (del point)
+    bf16, f32 = 2 * h, 4 * h  # bytes of one row of hidden values
+    payload = payload_bytes(m.dispatch_dtype, h)  # one received row: elements and scales
+    x_bytes = bf16 if m.dispatch_dtype == "bf16" else h  # its elements alone
+    meta = 12 * k  # topk ids (int64) and weights (fp32) of one token
+    given = (bf16 if m.quantize == "fused" else payload) + meta  # one token as the caller hands it
+    inputs = sets * t * given  # the input sets the timed calls rotate through (driver.Point)
+    # the checks of this rank's combine (verify._compare_combine, both modes): the expected rows,
+    # the returned rows as fp32, torch.isclose's allowed and actual errors and one temporary of
+    # theirs (5 fp32 rows a token) and its 3 boolean masks (3 bytes an element); beside them two
+    # more inputs: verification_run's fresh draw and the one the check rebuilds
+    check = t * (5 * f32 + 3 * h) + 2 * t * given
+    got = int(w * t * picks)  # (token, local expert) pairs received from all sources
+    if s.mode == "low_latency":
+        slots = e * w * t  # per local expert, every source's tokens (padding, reference.py)
+        pairs = t * k  # (token, expert) rows this rank sends
+        row = (16 + payload + 15) // 16 * 16  # packed pair row: id, pad, scales, elements
+        backend = (t * row + pairs * row  # ll_tokens, ll_send
+                   + got * row  # ll_recv, written as far as rows arrive
+                   + slots * (payload + 4)  # ll_x, ll_scales and ll_pair: poisoned whole
+                   + slots * bf16  # ll_y: the stand-in expert writes every slot
+                   + got * bf16 + pairs * bf16  # ll_y_send (as far as received), ll_y_back
+                   + t * (f32 + bf16))  # ll_acc, ll_out
+        kept = slots * (payload + 4)  # driver.snapshot: x, scales and pair ids of every slot
+        # the stand-in expert (verify.ll_expert_output): every slot dequantized to fp32, scaled
+        # (a second fp32 copy) and rounded to bf16, all three alive at once; verification_run's
+        # fresh draw beside them
+        expert = slots * (2 * f32 + bf16) + t * given
+        return int(backend + inputs + kept + max(expert, check))
+    cap = w * t  # rows a receive buffer holds: one per source token
+    recv = int(cap * share)  # rows received
+    packed = (meta + payload + 15) // 16 * 16  # reference.py's packed row
+    backend = (t * packed + int(t * w * share) * packed  # send, send_rows (one copy per destination)
+               + cap * packed  # recv: poisoned whole
+               + cap * bf16  # combine_back: poisoned whole
+               + w * t * bf16 + t * bf16)  # dense [T x world, H] and out: poisoned whole
+    rows, kept = recv, recv * payload  # what the stand-in expert reads and writes; driver.snapshot's x
+    if m.layout == "expert_major":
+        slots = w * t * min(k, e) + e * (m.align - 1)  # layout.slot_capacity
+        rows = got + e * (m.align - 1)  # slots in use: the pairs, each segment padded
+        backend += (slots * payload  # em_x and em_scales: poisoned whole
+                    + (got * x_bytes if m.align > 1 else 0)  # em_stage: the padded scatter's staging
+                    + cap * (f32 + bf16))  # recv_acc, recv_back: poisoned whole
+        kept = slots * payload  # driver.snapshot copies em_x and em_scales whole
+    backend += rows * bf16  # combine_in: the stand-in expert's output
+    kept += recv * meta  # driver.snapshot: the received rows' ids and weights
+    # the stand-in expert (inputs.expert_output, verify.em_expert_output): its rows dequantized
+    # to fp32 and scaled, a second fp32 copy, before the bf16 rounding; verification_run's fresh
+    # draw beside them
+    expert = rows * 2 * f32 + t * given
+    return int(backend + inputs + kept + max(expert, check))
+
+
 def _name_from_file(source: str) -> str:
     """The file's stem as a run name, with characters a folder name should not carry replaced."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(source).stem).lstrip(".")[:100]
@@ -561,17 +658,39 @@ def load(path: "str | Path") -> Scenario:
     return parse(data, where)
 
 
+def cpu_ranks(s: Any) -> str:
+    """Why the scenario's link figures mean nothing: its ranks are CPU processes (bench.device
+    cpu, as in scenarios/smoke.yaml: gloo over the host's memory), so no byte crosses NVLink or
+    a NIC and its topology.nvlink_gbps is only the default; "" where it describes GPUs (auto or
+    cuda), real or hypothetical."""
+    if s.bench.device != "cpu":
+        return ""
+    return "bench.device: cpu: the scenario's ranks are CPU processes over gloo, which cross no NVLink or NIC"
+
+
 def check_fits(s: Scenario, available: int, what: str, bytes_per_rank: Optional[int] = None,
-               tokens_per_rank: Optional[int] = None) -> None:
+               tokens_per_rank: Optional[int] = None, device: str = "cuda", base_bytes: int = 0) -> None:
     """A scenario needing more ranks than the host can give, or more memory per rank than each
     rank has (``bytes_per_rank``: the device's memory, or the host's share for CPU ranks), stops
-    here, before anything is launched."""
+    here, before anything is launched. GPU ranks are held to the lower bound min_bytes_per_rank;
+    CPU ranks, where the kernel's OOM killer and not an allocation error would stop a rank that
+    runs out, to cpu_rank_bytes plus ``base_bytes``, an idle rank's own (the caller's measure of
+    an interpreter with torch loaded)."""
     if s.world > available:
         raise UserError(
             f"{s.source}: topology: needs {s.world} ranks ({s.topology.nodes} nodes x "
             f"{s.topology.gpus_per_node}) but {what} has {available}; use --nproc to run the "
             f"shape on fewer ranks")
     if bytes_per_rank is None:
+        return
+    if device == "cpu":
+        need = base_bytes + cpu_rank_bytes(s, tokens_per_rank)
+        if need > bytes_per_rank:
+            tokens = tokens_per_rank or s.model.tokens_per_rank
+            raise UserError(f"{s.source}: model: needs about {need / 2**30:.3g} GiB per CPU rank (hidden "
+                            f"{s.model.hidden}, tokens_per_rank {tokens}, topk {s.model.topk}, {s.world} "
+                            f"ranks, {max(s.bench.input_sets)} input sets) but {what} has "
+                            f"{bytes_per_rank / 2**30:.3g} GiB per rank; use fewer --tokens, --nproc or --input-sets")
         return
     need = min_bytes_per_rank(s, tokens_per_rank)
     if need > bytes_per_rank:

@@ -217,6 +217,12 @@ class Job:
         if self.writer is not None:
             self.writer.add(rows, samples)
 
+    def record_variants(self, backend: str, variants: List[Dict[str, Any]]) -> None:
+        """Rank 0: how each point of ``backend`` is timed (driver.point_variants), into meta.json
+        before its points are, so that the launcher can record every point a failed job lost."""
+        if self.writer is not None:
+            self.writer.variants(backend, variants)
+
     def fail(self, e: BaseException) -> None:
         """What the folder records of a measurement that raised ``e``."""
         if self.writer is None:
@@ -337,26 +343,23 @@ def measure_points(job: Job) -> int:
     comm.arrive("ceilings")
     ceilings = _ceilings(s, opts, comm, job.note, p.run_dir if job.launched else None)
     with progress:
-        return measure(s, opts, comm, job.record, job.note, advance, ceilings)
+        return measure(s, opts, comm, job.record, job.note, advance, ceilings, job.record_variants)
 
 
 def show_run(run_dir: Path, console: Any, columns: Optional[Sequence[str]] = None) -> None:
     """The run's table (``columns``: its columns, None: the default ones), a line per backend
-    whose points were not measured, and the folder."""
+    whose points were not measured (print_run), and the folder."""
     from epbench.results import load_run
 
     meta, df = load_run(run_dir)
-    print_run(df, meta, console, columns)
-    show_unmeasured(run_dir, console)
+    print_run(df, meta, console, columns, run_dir=run_dir)
     console.print(f"results: {run_dir}")
 
 
 def show_unmeasured(run_dir: Path, console: Any) -> None:
     """A line per backend and reason whose points were not measured (skipped, or lost with a job
     that failed)."""
-    from epbench.results import load_unmeasured
+    from epbench.report import unmeasured_lines
 
-    left = load_unmeasured(run_dir)
-    for (backend, status), g in (left.groupby(["backend", "status"], sort=False) if not left.empty else ()):
-        console.print(f"{backend}: {status} ({len(g) // 2} point{'s' if len(g) > 2 else ''} not measured)",
-                      highlight=False, markup=False)
+    for line in unmeasured_lines(run_dir):
+        console.print(line, highlight=False)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from epbench import ceiling
+from epbench.errors import UserError
 from epbench.routing import Traffic, route_all, traffic
-from epbench.scenario import parse
+from epbench.scenario import cpu_ranks, parse
 from support import assert_one_line_error, epbench_here, scenario_dict
 
 
@@ -158,8 +159,20 @@ def test_sm_store_is_absent_until_a_provider_is_plugged_in():
     tr = traffic(route_all(s), 4, 4, False)
     c = ceiling.byte_ceilings(s, tr, [None] * 4)
     table_text = render(ceiling.ceiling_table(c, "t"))
-    assert "absent" in table_text
+    assert "absent" not in table_text  # '-' as every other column without a figure; a note says why
+    assert cell(table_text, "dispatch", "SM stores us") == "-"
     assert ceiling._sm_store_provider is None
+
+
+CEILING_COLUMNS = ("op", "MB per rank", "copy engine us", "copy engine GB/s", "copy engine us by streams",
+                   "SM stores us", "copy engine + SM stores us", "SM local sum us", "nominal ideal us",
+                   "nominal GB/s", "scenario ideal us", "NVML TX / computed")
+
+
+def cell(text: str, op: str, column: str) -> str:
+    """One cell of a printed ceiling table (its header wraps; a row's cells stand between the box's bars)."""
+    row = next(ln for ln in text.splitlines() if ln.lstrip("│ ").startswith(op))
+    return [c.strip() for c in row.strip().strip("│").split("│")][CEILING_COLUMNS.index(column)]
 
 
 def render(table):
@@ -177,16 +190,78 @@ def test_ceiling_command_on_cpu_prints_bytes_and_says_what_needs_gpus(tmp_path):
     assert "dispatch" in r.out and "combine" in r.out
     assert "copy-engine ceilings need CUDA GPUs" in r.out
     assert "SM-store ceiling: not measured (it needs CUDA GPUs)" in r.out
-    # --csv: the figures it printed (here the scenario's ideal times), and what produced them beside
+    # smoke's ranks are CPU processes: no scenario ideal (its NVLink rate is only the default), a note says why
+    assert "note: scenario ideal: none (bench.device: cpu" in r.out and "scenario says" not in r.out
+    # --csv: the figures it printed (none here: no copy engine, no NVLink), and what produced them beside
     import json
 
     import pandas as pd
     df = pd.read_csv(tmp_path / "c.csv")
-    assert list(df.columns) == list(ceiling.CSV_COLUMNS)
-    assert set(df["op"]) == {"dispatch", "combine"} and "scenario_ideal" in set(df["figure"])
-    assert (df["scenario"] == "smoke").all() and df["git_commit"].notna().all()
+    assert list(df.columns) == list(ceiling.CSV_COLUMNS) and df.empty
     meta = json.loads((tmp_path / "c.csv.json").read_text())
     assert meta["device"] == "cpu" and meta["scenario"]["name"] == "smoke" and "--csv" in meta["argv"]
+    assert {"epbench", "numpy", "pandas", "torch", "git_commit"} <= set(meta)
+
+
+def local_ceilings(s, tmp_path, csv=None):
+    """ceiling.run_local's printed text (its --csv into ``csv``)."""
+    from rich.console import Console
+
+    con = Console(width=400, record=True, color_system=None)
+    assert ceiling.run_local(s, con, csv, ("ceiling", "x.yaml")) == 0
+    return con.export_text()
+
+
+def test_cpu_ranks_get_no_scenario_ideal_gpus_keep_it(tmp_path):
+    """A scenario of CPU ranks (bench.device cpu, as smoke.yaml) crosses no NVLink: the ideal time at its NVLink
+    rate is a figure of nothing, shown '-' with a note and written nowhere; one of GPUs (auto or cuda), hypothetical
+    here, keeps it."""
+    import pandas as pd
+
+    shape = dict(model={"hidden": 256, "tokens_per_rank": 16, "topk": 4, "experts_per_rank": 4},
+                 topology={"nvlink_gbps": 100.0})
+    cpu = parse(scenario_dict(**shape), "cpu.yaml")
+    assert cpu_ranks(cpu).startswith("bench.device: cpu")
+    text = local_ceilings(cpu, tmp_path, tmp_path / "cpu.csv")
+    assert "note: scenario ideal: none (bench.device: cpu: the scenario's ranks are CPU processes" in text
+    assert "scenario says" not in text and "scenario: no NVLink (CPU ranks)" in text
+    assert cell(text, "dispatch", "scenario ideal us") == "-" and cell(text, "combine", "MB per rank") != "-"
+    assert "scenario_ideal" not in set(pd.read_csv(tmp_path / "cpu.csv")["figure"])
+    for device in ("auto", "cuda"):
+        gpus = parse(scenario_dict(**shape, bench={"device": device}), f"{device}.yaml")
+        assert cpu_ranks(gpus) == ""
+        text = local_ceilings(gpus, tmp_path, tmp_path / f"{device}.csv")
+        assert "scenario says 100 GB/s" in text and "scenario ideal: none" not in text
+        assert cell(text, "dispatch", "scenario ideal us") != "-"
+        df = pd.read_csv(tmp_path / f"{device}.csv")
+        assert set(df["figure"]) == {"scenario_ideal"} and list(df["gbps"]) == pytest.approx([100.0, 100.0])
+
+
+def test_csv_and_its_json_are_never_overwritten(tmp_path):
+    """`ceiling --csv F` refuses F or F.json that exists (as predict --json and plot do), in one line naming it,
+    before anything is computed and again when it writes; a pair it could not finish leaves neither file."""
+    s = scenario(hidden=256, tokens_per_rank=16, topk=4, experts_per_rank=4)
+    f = tmp_path / "c.csv"
+    local_ceilings(s, tmp_path, f)
+    before = {p: p.read_text() for p in (f, tmp_path / "c.csv.json")}
+    with pytest.raises(UserError, match=f"--csv {f}: already exists; refusing to overwrite it"):
+        local_ceilings(s, tmp_path, f)
+    f.unlink()  # the .json alone still stops it
+    with pytest.raises(UserError, match=f"--csv {f}.json: already exists"):
+        local_ceilings(s, tmp_path, f)
+    assert not f.exists() and (tmp_path / "c.csv.json").read_text() == before[tmp_path / "c.csv.json"]
+    # a file that appears between the check and the write (the GPU path measures for minutes) is kept too
+    g = tmp_path / "g.csv"
+    g.with_name("g.csv.json").write_text("theirs")
+    with pytest.raises(UserError, match="g.csv.json: already exists"):
+        ceiling.write_csv(g, [], {"git_commit": "abc"}, overwrite=False)
+    assert not g.exists() and g.with_name("g.csv.json").read_text() == "theirs"
+    ceiling.write_csv(g, [], {}, overwrite=True)  # python -m epbench.smmem --csv writes over its own file
+    # the command line: one line, exit 2, naming the file
+    f.write_text("mine")
+    r = epbench_here("ceiling", "scenarios/smoke.yaml", "--csv", f)
+    assert_one_line_error(r, f"--csv {f}: already exists; refusing to overwrite it")
+    assert f.read_text() == "mine" and "dispatch" not in r.out
 
 
 def test_ceiling_command_bad_input_is_one_line(tmp_path):

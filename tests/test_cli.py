@@ -8,7 +8,10 @@ Real runs: 4 (or 2) CPU ranks over gloo under torchrun; the smoke run happens on
 results root, never into the repository's results/."""
 
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -415,7 +418,7 @@ def test_compare_reads_good_runs_and_refuses_broken_ones_in_one_line(broken_root
 
 def test_predict_calibrates_from_a_root_with_broken_runs(broken_root):
     root, made = broken_root
-    r = epbench_here("predict", "scenarios/smoke.yaml", "--calibrate", root)
+    r = epbench_here("predict", "scenarios/h100x32.yaml", "--calibrate", root)
     assert r.code == 0 and "Traceback" not in r.both, r.both
     _warned(r.err, made)
     assert "calibration:" in r.out and "MEASURED" in r.out
@@ -455,3 +458,41 @@ def test_ranks_share_gpus_with_a_loud_note_but_never_without_a_gpu(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="needs 4 GPUs on this host but it has 0"):
         cli.resolve_device(s, None)
+
+
+@pytest.mark.parametrize("verb, where, args", [
+    ("predict", "epbench.predict.predict", ("scenarios/h100x32.yaml",)),
+    ("plot", "epbench.plot.plot_run", ("results",)),
+])
+def test_ctrl_c_outside_a_run_is_one_line_and_exit_130(monkeypatch, tmp_path, verb, where, args):
+    """typer >= 0.29 turns a KeyboardInterrupt into a silent exit 130: a Ctrl-C in predict or plot
+    says so in one line, as a run's does."""
+    def interrupted(*_a, **_k):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+
+    monkeypatch.setattr(where, interrupted)
+    if verb == "plot":
+        monkeypatch.setattr("epbench.results.load_runs", lambda *a, **k: iter([(tmp_path, {}, None)]))
+    r = epbench_here(verb, *args)
+    assert r.code == 130 and r.err == "epbench: interrupted (SIGINT)\n", r.both
+
+
+def test_options_that_change_nothing_get_a_note_each_and_the_run_goes_on():
+    """--mps with CPU ranks, --graph-chain outside a low-latency GPU run, --sms where no backend takes an SM
+    count and an --option for a backend not in the run each get one note; where they apply, none."""
+    from types import SimpleNamespace
+
+    from epbench import cli, scenario as sc
+
+    normal = sc.load(SCENARIOS / "smoke.yaml")
+    ll = sc.load(SCENARIOS / "smoke-ll.yaml")
+    ref = SimpleNamespace(backends=("reference",))
+    notes = cli.ineffective_options(normal, ref, "cpu", mps=True, graph_chain=4, sms="4,8",
+                                    option=["own_rows=ce"])
+    assert [n.split(":")[0] for n in notes] == ["--mps", "--graph-chain 4", "--sms 4,8", "--option epbench.own_rows"]
+    assert all("no effect" in n for n in notes)
+    both = SimpleNamespace(backends=("reference", "epbench-ll"))
+    assert cli.ineffective_options(ll, both, "cuda", mps=True, graph_chain=4, sms="4,8",
+                                   option=["epbench-ll.combine_chunk=2"]) == []
+    assert cli.ineffective_options(normal, ref, "cpu") == []

@@ -209,3 +209,49 @@ def test_compare_plot_names_the_transport_of_the_runs(runs, tmp_path, monkeypatc
     plot.compare_plot(a, gloo, tmp_path / "y.png")
     assert labels == ["busbw GB/s over NVLink (slowest rank)",
                       "busbw GB/s over A NVLink / B gloo (CPU) (slowest rank)"]
+
+
+# -- status and transport (new-user audit) --
+
+def test_compare_warns_of_a_run_that_did_not_complete(runs, tmp_path):
+    from epbench.results import finish_run
+
+    a, b = runs
+    finish_run(b, "failed", "epbench: rank 1 was killed by SIGKILL")
+    con = Console(record=True, width=220, color_system=None)
+    compare.print_compare(a, b, con)
+    text = con.export_text()
+    assert (f"warning: B {b}: run status failed (epbench: rank 1 was killed by SIGKILL): its figures "
+            f"may be partial") in text
+    assert f"warning: A {a}" not in text
+    assert compare.status_warnings(a, {"status": "complete"}, b, {}) == []  # no status recorded (older): nothing
+    assert compare.status_warnings(a, {"status": "interrupted"}, b, {"status": "complete"}) == [
+        f"A {a}: run status interrupted: its figures may be partial"]
+
+
+def test_compare_names_the_link_each_run_had(runs, tmp_path):
+    a, b = runs
+    gloo = write_run(tmp_path / "g", dict(META, device="cpu"),
+                     [rows("reference", "dispatch", 0, (1.0, 1.0), (1.0, 1.0))])
+    for other, said in ((a, "busbw = bus bandwidth over A gloo (CPU) / B NVLink, slowest-bandwidth rank (GB/s)"),
+                        (gloo, "busbw = bus bandwidth over gloo (CPU), slowest-bandwidth rank (GB/s)")):
+        con = Console(record=True, width=220, color_system=None)
+        compare.print_compare(gloo, other, con)
+        text = " ".join(con.export_text().split())
+        assert said in text and "NVLink busbw" not in text, text
+    functional = dict(META, functional="4 ranks share each GPU")
+    assert compare.links(functional, functional) == "busbw: '-', nothing crossed a link in either run"
+
+
+@pytest.mark.parametrize("results", ["missing", "header"])
+def test_compare_of_a_complete_run_without_its_results_is_an_error(runs, results):
+    a, b = runs
+    csv = b / "results.csv"
+    if results == "missing":
+        csv.unlink()
+    else:
+        csv.write_text(csv.read_text().splitlines()[0] + "\n")
+    with pytest.raises(compare.UserError, match="results.csv: .*, though meta.json says the run completed"):
+        compare.load(b)
+    r = epbench_here("compare", a, b)
+    assert_one_line_error(r, "results.csv", "though meta.json says the run completed")

@@ -105,6 +105,7 @@ def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
     assert meta["status"] == "timeout" and "rank 1 did not reach" in meta["error"]
     rows = pd.read_csv(d / "results.csv")
     assert set(rows["status"]) == {"timeout: " + line.split("test-hang: ", 1)[1]}
+    assert set(rows["call_mode"]) == {"call"} and set(rows["rank"]) == {1}  # the point, and who failed
     assert not processes_of(d)
 
 
@@ -208,8 +209,11 @@ def test_a_rank_killed_outright_fails_its_backend_only(tmp_path):
     assert meta["status"] == "failed" and meta["error"] == "test-hang: rank 1 was killed by SIGKILL"
     rows = pd.read_csv(d / "results.csv")
     assert (rows[rows["backend"] == "reference"]["status"] == "ok").sum() == 4
-    assert set(rows[rows["backend"] == "test-hang"]["status"]) == {
-        "failed: rank 1 was killed by SIGKILL"}
+    lost = rows[rows["backend"] == "test-hang"]
+    assert set(lost["status"]) == {"failed: rank 1 was killed by SIGKILL"}
+    assert list(lost["op"]) == ["dispatch", "combine"] and set(lost["call_mode"]) == {"call"}
+    assert set(lost["rank"]) == {1}
+    assert set(pd.read_csv(d / "results.csv", dtype=str)["world"].dropna()) == {"2"}  # not 2.0 beside the gaps
     assert "test-hang: failed: rank 1 was killed by SIGKILL" in out  # the table says it too
     assert not processes_of(d)
 

@@ -248,3 +248,49 @@ def test_ranks_start_without_nccls_timeout_dump_unless_the_user_asks(monkeypatch
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     launch.apply_rank_env()
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"  # the user's own setting wins
+
+
+def test_the_out_of_memory_killers_count_is_read_from_this_processs_cgroup(tmp_path):
+    """cgroup v2's memory.events, else v1's memory.oom_control; None where neither is readable."""
+    from epbench.launch import oom_kills
+
+    root = tmp_path / "cg"
+    (root / "box" / "job").mkdir(parents=True)
+    (root / "box" / "job" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\n")
+    v2 = tmp_path / "v2"
+    v2.write_text("0::/box/job\n")
+    assert oom_kills(str(v2), str(root)) == 2
+    (root / "memory" / "m").mkdir(parents=True)
+    (root / "memory" / "m" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    v1 = tmp_path / "v1"
+    v1.write_text("9:cpu,cpuacct:/c\n4:memory:/m\n0::/\n")  # v1 memory beside an empty v2 hierarchy
+    assert oom_kills(str(v1), str(root)) == 5
+    (root / "box" / "job" / "memory.events").write_text("oom 1\n")  # a kernel before 4.13
+    assert oom_kills(str(v2), str(root)) is None
+    assert oom_kills(str(tmp_path / "none"), str(root)) is None
+    v2.write_text("0::/gone\n")
+    assert oom_kills(str(v2), str(root)) is None
+
+
+def test_a_rank_killed_while_the_out_of_memory_killer_acted_says_so():
+    from epbench.launch import killed_line
+
+    assert killed_line(1, -9, 0, 1) == ("rank 1 was killed by SIGKILL (the kernel's out-of-memory "
+                                        "killer: memory ran out)")
+    assert killed_line(1, -9, 1, 1) == "rank 1 was killed by SIGKILL"
+    assert killed_line(1, -9, None, 3) == killed_line(1, -9, 0, None) == "rank 1 was killed by SIGKILL"
+    assert killed_line(2, -6, 0, 1) == "rank 2 was killed by SIGABRT"  # the OOM killer sends SIGKILL only
+
+
+def test_the_rank_a_failure_line_blames():
+    from epbench.launch import blamed_rank
+
+    assert blamed_rank("rank 3 was killed by SIGKILL") == 3
+    assert blamed_rank("rank 2 exited with code 1") == 2
+    assert blamed_rank("[rank 0] rank 3 did not reach the others in 'x' within 8 s (--control-timeout)") == 3
+    assert blamed_rank("[rank 1] rank 3 did not reach the others in 'x' within 8 s; a timed call made no "
+                       "progress for 12 s") == 3
+    assert blamed_rank("[rank 0] ranks 2, 3 did not reach the others in 'x' within 8 s") is None
+    assert blamed_rank("[rank 0] a rank did not reach the others in 'x' within 8 s") is None
+    assert blamed_rank("[rank 1] RuntimeError: boom") == 1
+    assert blamed_rank("the nodes could not meet at the rendezvous h:1: why") is None

@@ -302,3 +302,33 @@ def test_printed_bandwidths_equal_hand_counted_bytes_over_the_median_time():
         assert math.isclose(r["algbw_gbps"], algo / (t_us * 1e-6) / 1e9), key
     assert math.isclose(got[("dispatch", 0)]["busbw_nvlink_gbps"], 0.0128)  # 256 B in 20 us
     assert math.isclose(got[("combine", 0)]["busbw_nvlink_gbps"], 0.048)  # 384 B in 8 us
+
+
+def test_a_rank_that_sends_nothing_over_the_link_has_no_bus_bandwidth():
+    """World 2, hidden 64 bf16 (128-byte rows), experts 0-1 on rank 0: every token of both ranks goes to
+    rank 0's experts. Dispatch: rank 0 keeps its rows (0 bytes over NVLink), rank 1 sends its 2 rows
+    (256). Combine returns them: rank 0 sends 256, rank 1 nothing. The rank with 0 link bytes gets an
+    empty busbw (its time is real, its bus bandwidth means nothing), the other its bytes over its time,
+    and the point's summary is that rank's figure, not 0."""
+    from epbench.routing import RankRouting
+
+    s = parse(scenario_dict(model={"hidden": 64, "tokens_per_rank": 2, "topk": 1, "experts_per_rank": 2},
+                            topology={"name": "two", "nodes": 1, "gpus_per_node": 2}))
+    w = torch.ones((2, 1))
+    routings = [RankRouting(torch.tensor([[0], [1]]), w), RankRouting(torch.tensor([[1], [0]]), w)]
+    recs = [metrics.PointRecord(r, samples_us={"dispatch": [2.0], "combine": [4.0]},
+                                wrong={"dispatch": 0, "combine": 0}, problem={"dispatch": "", "combine": ""})
+            for r in range(2)]
+
+    class Named:
+        name = "hand"
+
+    rows, _ = metrics.point_rows(s, Named, 8, recs, traffic(routings, 2, 2, False), "cuda")
+    got = {(r["op"], r["rank"]): r for r in rows}
+    assert got[("dispatch", 0)]["nvlink_bytes"] == 0 and got[("dispatch", 0)]["busbw_nvlink_gbps"] is None
+    assert got[("combine", 1)]["nvlink_bytes"] == 0 and got[("combine", 1)]["busbw_nvlink_gbps"] is None
+    assert got[("dispatch", 1)]["busbw_nvlink_gbps"] == pytest.approx(256 / 2e-6 / 1e9)
+    assert got[("combine", 0)]["busbw_nvlink_gbps"] == pytest.approx(256 / 4e-6 / 1e9)
+    summary = summarize(pd.DataFrame(rows)).set_index("op")
+    for op in ("dispatch", "combine"):
+        assert summary.loc[op].filter(like="busbw_nvlink").dropna().gt(0).all()

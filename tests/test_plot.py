@@ -117,7 +117,7 @@ def drawn_figures(monkeypatch, run_dir, meta_edit=None):
 
 
 def legend_and_lines(ax):
-    return [t.get_text() for t in ax.get_legend_handles_labels()[1]], ax.get_lines()
+    return list(ax.get_legend_handles_labels()[1]), ax.get_lines()
 
 
 NVML_RUN = sorted((REPO / "docs" / "perf").glob("*/results/*_h200x4"))
@@ -268,7 +268,7 @@ def test_runs_of_one_scenario_plot_together_bus_only_with_the_limit_lines(monkey
     runs = [(d, *load_run(d)) for d in (a, b)]
     plot.plot_together(runs, tmp_path / "out" / "together.png")
     labels = figs["together.png"].axes[0].get_legend_handles_labels()[1]
-    assert "epbench NVLink busbw" in labels and "deepep NVLink busbw" in labels
+    assert "epbench [a_run] NVLink busbw" in labels and "deepep [b_run] NVLink busbw" in labels
     assert not any("algbw" in x for x in labels)  # bus only: algbw is the same multiple for all
     assert "link limit (NVML)" in labels and "copy-engine ceiling (measured)" in labels
     meta = json.loads((b / "meta.json").read_text())
@@ -341,3 +341,135 @@ def test_a_figure_whose_file_is_kept_is_closed_too(tmp_path):
         with pytest.raises(plot.PlotsKept):
             plot._save_figure(fig, path, False)
     assert len(plt.get_fignums()) == before and path.read_text() == "an earlier plot"
+
+
+# -- runs together, per-rank points, tokens sweeps, --out, provenance (new-user audit) ------------
+
+def _run(path, rows, meta=None):
+    """A results folder of ``rows`` (one per op, rank and point) with a commit in its meta.json."""
+    from epbench.results import RunWriter
+
+    w = RunWriter(path, {"device": "cuda", "world": 2, "git_commit": "c0ffee1234", **(meta or {})})
+    w.add([{"scenario": "s", "op": op, "world": 2, "wrong": 0, "algbw_gbps": 1.0, **r}
+           for op in ("dispatch", "combine") for r in rows], [])
+    w.finish("complete")
+    return path
+
+
+def _keep_figures(monkeypatch):
+    import epbench.plot as plot
+
+    figs = {}
+
+    def keep(fig, path, force=False):
+        figs[Path(path).name] = fig
+        return Path(path)
+
+    monkeypatch.setattr(plot, "_save_figure", keep)
+    return figs
+
+
+def test_runs_plotted_together_keep_one_line_per_run_labelled_with_it(monkeypatch, tmp_path):
+    """The same backend in two runs (two builds of one library): two lines, each its own run's
+    figures, not one line of the worse of both."""
+    from epbench import plot
+    from epbench.results import load_run
+
+    runs = []
+    for name, gbps in (("run_a", 100.0), ("run_b", 300.0)):
+        rows = [dict(backend="deepep", sms=sms, rank=r, time_us=10.0, busbw_nvlink_gbps=gbps + sms)
+                for sms in (8, 16) for r in range(2)]
+        d = _run(tmp_path / name, rows)
+        runs.append((d, *load_run(d)))
+    figs = _keep_figures(monkeypatch)
+    plot.plot_together(runs, tmp_path / "t.png")
+    lines, _ = legend_and_lines(figs["t.png"].axes[0])
+    ydata = {ln.get_label(): list(ln.get_ydata()) for ln in figs["t.png"].axes[0].get_lines()}
+    assert lines == ["deepep [run_a] NVLink busbw", "deepep [run_b] NVLink busbw"]
+    assert ydata["deepep [run_a] NVLink busbw"] == [108.0, 116.0]
+    assert ydata["deepep [run_b] NVLink busbw"] == [308.0, 316.0]
+
+
+def test_plot_together_of_runs_without_sm_counts_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from inproc import epbench_here
+
+    rows = [dict(backend="reference", sms=0, rank=r, time_us=10.0, busbw_nvlink_gbps=5.0) for r in range(2)]
+    a, b = _run(tmp_path / "a", rows), _run(tmp_path / "b", rows)
+    r = epbench_here(monkeypatch, capsys, "plot", "--together", a, b, "--out", tmp_path / "o")
+    assert r.code == 2 and r.out == "", r.both
+    assert r.err == ("epbench: error: --together: no run set an SM count (every backend chose its own): "
+                     "no bandwidth-vs-SMs curve\n")
+    assert not (tmp_path / "o").exists()
+
+
+def test_per_rank_draws_each_point_at_the_largest_sm_count_as_its_own_bars(monkeypatch, tmp_path):
+    """A --tokens sweep in two call modes: at the largest SM count four points per rank; the figure
+    keeps the largest token count (said under the title) and one labelled bar per call mode."""
+    rows = [dict(backend="epbench", sms=16, rank=r, tokens_per_rank=t, call_mode=m, time_us=10.0,
+                 busbw_nvlink_gbps=t + (100 if m == "kernel" else 0) + r)
+            for t in (8, 64) for m in ("call", "kernel") for r in range(2)]
+    rows += [dict(backend="other", sms=8, rank=r, tokens_per_rank=64, time_us=10.0, busbw_nvlink_gbps=7.0)
+             for r in range(2)]  # no call mode recorded: no tag for it
+    run = _run(tmp_path / "sweep", rows)
+    figs = drawn_figures(monkeypatch, run)
+    fig = figs["per_rank.png"]
+    assert "at 64 tokens per rank, the largest of the 2 measured" in fig._suptitle.get_text()
+    ax = fig.axes[0]
+    bars = {c.get_label(): [p.get_height() for p in c.patches] for c in ax.containers}
+    assert bars == {"epbench [call, 16 SMs]": [64.0, 65.0], "epbench [kernel, 16 SMs]": [164.0, 165.0],
+                    "other [8 SMs]": [7.0, 7.0]}
+    xs = [p.get_x() for c in ax.containers for p in c.patches]
+    assert len(set(xs)) == len(xs)  # no two bars at one place
+
+
+def test_a_normal_mode_tokens_sweep_draws_time_against_tokens(monkeypatch, tmp_path):
+    rows = [dict(backend="epbench", sms=16, rank=r, tokens_per_rank=t, call_mode=m,
+                 time_us=t * (2.0 if m == "call" else 1.0), busbw_nvlink_gbps=10.0)
+            for t in (8, 16, 32) for m in ("call", "kernel") for r in range(2)]
+    figs = drawn_figures(monkeypatch, _run(tmp_path / "sweep", rows))
+    labels, lines = legend_and_lines(figs["latency_vs_tokens.png"].axes[1])
+    assert labels == ["epbench, 16 SMs, call", "epbench, 16 SMs, kernel"]
+    assert [list(ln.get_xdata()) for ln in lines] == [[8, 16, 32]] * 2
+    assert [list(ln.get_ydata()) for ln in lines] == [[16.0, 32.0, 64.0], [8.0, 16.0, 32.0]]
+
+
+def test_plot_out_writes_each_run_into_its_own_subfolder_and_says_so(tmp_path, monkeypatch, capsys):
+    """--out DIR with several runs: DIR/<run folder name>/ each (their PNGs share names), every
+    file written printed with that path."""
+    from inproc import epbench_here
+
+    rows = [dict(backend="epbench", sms=sms, rank=r, time_us=10.0, busbw_nvlink_gbps=50.0)
+            for sms in (8, 16) for r in range(2)]
+    runs = [_run(tmp_path / "res" / n, rows) for n in ("r1", "r2")]
+    r = epbench_here(monkeypatch, capsys, "plot", tmp_path / "res", "--out", tmp_path / "o")
+    assert r.code == 0, r.both
+    wrote = [line.split(" ", 1)[1] for line in r.out.splitlines()]
+    assert wrote == [str(tmp_path / "o" / d.name / n) for d in runs
+                     for n in ("bandwidth_vs_sms.png", "per_rank.png")]
+    assert all(_is_png(Path(p)) for p in wrote)
+
+
+def test_every_figure_names_its_run_and_commit_in_a_footer_and_the_file(tmp_path):
+    from PIL import Image
+
+    from epbench import plot
+
+    rows = [dict(backend="epbench", sms=sms, rank=r, time_us=10.0, busbw_nvlink_gbps=50.0,
+                 tokens_per_rank=t) for sms in (8, 16) for t in (8, 16) for r in range(2)]
+    run = _run(tmp_path / "r1", rows, {"git_commit": "abc123+dirty"})
+    pngs = plot_run(run, tmp_path / "o")
+    assert [p.name for p in pngs] == ["bandwidth_vs_sms.png", "per_rank.png", "latency_vs_tokens.png"]
+    for png in pngs:
+        text = Image.open(png).text
+        assert text["Run"] == "r1" and text["Commit"] == "abc123+dirty", text
+        assert text["Source"] == "run r1: epbench commit abc123+dirty"
+    other = _run(tmp_path / "r2", rows, {"git_commit": "def456"})
+    for suffix in ("svg", "pdf"):  # the keys those formats take; compare --plot writes any of them
+        out = plot.compare_plot(run, other, tmp_path / f"c.{suffix}")
+        assert b"run r1: epbench commit abc123+dirty; run r2: epbench commit def456" in out.read_bytes()
+
+
+def test_the_footer_is_drawn_on_the_figure(monkeypatch, tmp_path):
+    rows = [dict(backend="epbench", sms=8, rank=r, time_us=10.0, busbw_nvlink_gbps=50.0) for r in range(2)]
+    figs = drawn_figures(monkeypatch, _run(tmp_path / "r1", rows))
+    assert "run r1: epbench commit c0ffee1234" in [t.get_text() for t in figs["per_rank.png"].texts]

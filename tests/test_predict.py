@@ -27,8 +27,14 @@ T, R = 1000, 512
 TR = T * R
 
 
+def gpu_scenario(**sections):
+    """support's test shape as a scenario of GPUs (bench.device auto): one of CPU ranks has no
+    link to predict."""
+    return scenario_dict(bench={"device": "auto", **sections.pop("bench", {})}, **sections)
+
+
 def tiny(nodes=2, gpus=2, nvlink=100.0, nic=10.0, topk=4, **topo):
-    data = scenario_dict(model={"hidden": 256, "tokens_per_rank": T, "topk": topk,
+    data = gpu_scenario(model={"hidden": 256, "tokens_per_rank": T, "topk": topk,
                                 "experts_per_rank": 1},
                          topology={"nodes": nodes, "gpus_per_node": gpus, "nvlink_gbps": nvlink,
                                    "nic_gbps": nic, **topo})
@@ -113,7 +119,7 @@ def test_h100x32_nic_bytes_match_the_expected_node_fan_out():
 
 def cal_scenario():
     """1 node x 2 ranks, top-2 of 2 experts: each rank sends T rows = 512,000 bytes to its peer."""
-    return scenario.parse(scenario_dict(model={"hidden": 256, "tokens_per_rank": T, "topk": 2,
+    return scenario.parse(gpu_scenario(model={"hidden": 256, "tokens_per_rank": T, "topk": 2,
                                                "experts_per_rank": 1},
                                         topology={"nodes": 1, "gpus_per_node": 2,
                                                   "nvlink_gbps": 100.0}), "cal.yaml")
@@ -178,7 +184,7 @@ def test_calibration_skips_unverified_cpu_and_other_dtype_runs(tmp_path):
     assert c.source.endswith("good") and c.nvlink_efficiency["dispatch"] == pytest.approx(0.5)
     with pytest.raises(UserError, match="fp8 dispatch"):
         predict.calibrate([root / "good"], scenario.parse(
-            scenario_dict(model={"dispatch_dtype": "fp8", "hidden": 256}), "f.yaml"), "epbench")
+            gpu_scenario(model={"dispatch_dtype": "fp8", "hidden": 256}), "f.yaml"), "epbench")
     with pytest.raises(UserError, match="backend deepep"):
         predict.calibrate([root], tiny(), "deepep")
     # a table holding nothing usable: uncalibrated, and it says where it looked
@@ -305,6 +311,15 @@ def test_cli_json_is_written_once_and_never_into_a_results_folder(tmp_path):
     h = next(x for x in data["summary"] if x["algorithm"] == "hierarchical"
              and x["op"] == "dispatch")
     assert h["limiting_tier"] == "nic" and h["time_us"] > 0
+    # what produced it, as a run's meta.json records it: command line, commit, versions
+    made = data["provenance"]
+    assert made["argv"] == ["predict", "scenarios/h100x32.yaml", "--nic-efficiency", "0.8",
+                            "--json", str(out)]
+    assert made["git_commit"] and made["git_commit_from"] and made["device"] == "cpu"
+    assert {"epbench", "torch", "numpy", "pandas", "python", "platform", "host"} <= set(made)
+    assert "launcher" not in made  # a run's liveness record: nothing to tell here
+    spec = json.loads(json.dumps(scenario.load(SCENARIOS / "h100x32.yaml").to_dict()))
+    assert data["scenario_spec"] == {**spec, "source": "scenarios/h100x32.yaml"}  # as given
     assert_one_line_error(epbench_here("predict", "scenarios/h100x32.yaml", "--json", out),
                           "--json", "already exists")
     run = write_run(tmp_path / "run", {16: (10.0, 10.0)})
@@ -328,16 +343,36 @@ def test_cli_calibrate_from_a_run_without_the_backend_exits_2(tmp_path):
                                        "--backends", "nope"), "--calibrate", "backend nope")
 
 
+def test_a_scenario_with_no_link_is_refused_not_predicted(write_scenario):
+    """One rank (nothing leaves the GPU) or CPU ranks (smoke.yaml: gloo processes, no NVLink, its
+    nvlink_gbps only the default): a time at the nominal rates would be a figure of nothing."""
+    with pytest.raises(UserError, match="one rank: nothing crosses a link"):
+        predict.predict(tiny(nodes=1, gpus=1, nic=0.0, topk=1), predict.uncalibrated())
+    one = write_scenario("one", gpu_scenario(topology={"nodes": 1, "gpus_per_node": 1},
+                                             model={"experts_per_rank": 4}))
+    r = epbench_here("predict", one)
+    assert_one_line_error(r, str(one), "one rank: nothing crosses a link", "nothing to predict")
+    assert "PREDICTED" not in r.out
+    cpu = scenario.parse(scenario_dict(topology={"nodes": 2, "gpus_per_node": 2,
+                                                 "nic_gbps": 50.0}), "cpu.yaml")
+    with pytest.raises(UserError, match="bench.device: cpu: the scenario's ranks are CPU"):
+        predict.predict(cpu, predict.uncalibrated())
+    r = epbench_here("predict", "scenarios/smoke.yaml")
+    assert_one_line_error(r, "scenarios/smoke.yaml: bench.device: cpu", "nothing to predict",
+                          "set bench.device to auto or cuda")
+    assert "PREDICTED" not in r.out and "NVLink" not in r.out
+
+
 def test_cli_bad_scenario_exits_2(write_scenario):
     assert_one_line_error(epbench_here("predict", "scenarios/none.yaml"), "no such scenario file")
-    path = write_scenario("nonic", scenario_dict(topology={"nodes": 2, "gpus_per_node": 2}))
+    path = write_scenario("nonic", gpu_scenario(topology={"nodes": 2, "gpus_per_node": 2}))
     assert_one_line_error(epbench_here("predict", path), str(path), "topology.nic_gbps")
 
 
 # -- large worlds: copies drawn from the routing distribution ---------------------------------
 
 def small_world(nodes, gpus, kind, tokens=256):
-    return scenario.parse(scenario_dict(
+    return scenario.parse(gpu_scenario(
         model={"hidden": 1024, "tokens_per_rank": tokens, "topk": 8, "experts_per_rank": 2},
         topology={"nodes": nodes, "gpus_per_node": gpus, "nvlink_gbps": 450.0, "nic_gbps": 50.0},
         routing={"kind": kind}), f"{kind}.yaml")
@@ -413,7 +448,9 @@ def test_json_into_an_unwritable_path_is_one_line_and_leaves_nothing(tmp_path, m
             self.f.write(text[:10])
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(predict, "open", FullDisk, raising=False)
+    from epbench import results
+
+    monkeypatch.setattr(results, "open", FullDisk, raising=False)  # results.write_new writes the file
     with pytest.raises(UserError, match="No space left on device"):
         predict.write_json(pred, out)
     assert list(tmp_path.iterdir()) == []

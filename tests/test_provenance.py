@@ -144,3 +144,20 @@ def test_loaded_nccl_lists_every_mapped_copy_and_never_raises(tmp_path):
     assert paths == ["/venv/epbench-nccl/lib/libnccl.so.2", "/site/nvidia/nccl/lib/libnccl.so.2"]
     assert version is None  # the first path is not a loadable library here
     assert provenance.loaded_nccl(str(tmp_path / "none")) == ([], None)
+
+
+def test_collect_names_epbench_numpy_and_pandas_versions(monkeypatch):
+    """meta.json (and ceiling's and predict's files) name epbench's own version and the numpy and
+    pandas that computed and wrote the numbers, beside python and torch."""
+    import numpy
+    import pandas
+
+    from epbench import __version__
+
+    info = provenance.collect(["run", "x.yaml"], "cpu")
+    assert info["epbench"] == __version__
+    assert info["numpy"] == numpy.__version__ and info["pandas"] == pandas.__version__
+    assert info["torch"] and info["python"] and info["argv"] == ["run", "x.yaml"]
+    # a package missing from the environment is said so, never an error
+    monkeypatch.setattr(provenance, "PYTHON_PACKAGES", ("numpy", "epbench-no-such-dist"))
+    assert provenance.package_versions()["epbench-no-such-dist"] == "not installed"

@@ -344,3 +344,148 @@ def test_kernel_column_where_a_backends_kernel_varies_over_the_run():
     assert "bulk/tma" in line_with(table_lines(mixed, columns=report.WIDE), "combine")  # ranks that differed
     cells = [c.strip() for c in line_with(table_lines(rows(), columns=report.WIDE), "dispatch").split("│") if c.strip()]
     assert cells[1:3] == ["reference", "-"], cells  # no record: the kernel cell is a dash
+
+
+# -- the columns that tell rows apart; failed and emptied runs; labels (new-user audit) --
+
+def modes_rows(tokens=64):
+    """One point timed both ways of calling it and with both input choices: four rows per op."""
+    return [dict(r, call_mode=mode, input_sets=sets, tokens_per_rank=tokens)
+            for mode in ("call", "kernel") for sets in (1, 4) for r in rows()]
+
+
+def header_cells(text):
+    return [c.strip() for c in line_with(text, "┃", "time us" if "time us" in text else "rank").split("┃") if c.strip()]
+
+
+@pytest.mark.parametrize("columns", [None, report.WIDE, ("op", "time"), ("time", "busbw")])
+def test_every_table_keeps_the_columns_that_tell_its_rows_apart(columns):
+    """--wide and --columns too: four dispatch rows are never four identical-looking lines."""
+    text = table_lines(modes_rows(), columns=columns)
+    heads = header_cells(text)
+    assert {"call", "inputs"} <= set(heads), heads
+    lines = [ln for ln in text.splitlines() if "kernel" in ln and ("same" in ln or "rot 4" in ln)]
+    assert len(lines) == 2 and len(set(lines)) == 2, text
+    assert ("op" in heads) == (columns != ("time", "busbw"))  # op does not vary here: not added
+    assert "tokens" not in heads and ("backend" in heads) == (columns in (None, report.WIDE))
+
+
+def test_a_table_that_cannot_fit_keeps_the_columns_that_tell_rows_apart():
+    """--wide on an 80-column terminal leaves out the figures it cannot fit, never call or inputs."""
+    c = Console(record=True, width=80, color_system=None)
+    report.print_run(pd.DataFrame(modes_rows()), META, c, report.WIDE)
+    text = c.export_text()
+    heads = header_cells(text)
+    assert "inputs" in heads and "call" in heads, heads
+    assert "Left out to fit 80 columns" in " ".join(text.split())
+
+
+def test_the_caption_ends_each_sentence_before_the_next():
+    caption = " ".join(table_lines(modes_rows()).split())
+    assert "full data: results.csv. inputs: 'rot N'" in caption, caption
+    assert "L2). call: 'call' = as a model's" in caption, caption
+    wide = " ".join(table_lines(rows(), columns=report.WIDE).split())
+    assert "results.csv. kernel: the kernel" in wide and "docs/backends.md). NVML busbw:" in wide, wide
+
+
+def test_the_per_rank_table_keeps_the_columns_that_tell_its_rows_apart_and_names_the_link():
+    swept = [dict(r, tokens_per_rank=t, device="cpu") for t in (1, 8) for r in modes_rows()]
+    c = console()
+    report.print_per_rank(pd.DataFrame(swept), c, META)
+    text = c.export_text()
+    heads = header_cells(text)
+    assert heads[:6] == ["tokens", "op", "backend", "SMs", "call", "inputs"], heads
+    assert "NVLink busbw" not in text and "NIC busbw" not in text  # one tier, and not NVLink
+    assert "busbw = bus bandwidth over gloo (CPU)" in " ".join(text.split())
+    assert len([ln for ln in text.splitlines() if "dispatch" in ln and " 8 " in ln and "rot 4" in ln]) == 4
+    c = console()  # no meta.json at hand: the rows say they ran on CPUs
+    report.print_per_rank(pd.DataFrame(swept), c)
+    assert "over gloo (CPU)" in " ".join(c.export_text().split())
+    c = console()  # nothing crossed a link: no transport named
+    report.print_per_rank(pd.DataFrame(rows()), c, dict(META, device="cuda", functional="4 ranks share each GPU"))
+    caption = " ".join(c.export_text().split())
+    assert "nothing crossed a link" in caption and "bus bandwidth over" not in caption
+
+
+def failed_run(tmp_path, measured, status="failed", error="test-abort: rank 1 was killed by SIGABRT", **options):
+    """A run folder as the launcher leaves it: ``measured`` rows, the lost points' failed rows, the final status."""
+    from epbench.results import RunWriter, finish_run, unmeasured_rows
+
+    d = tmp_path / "run"
+    w = RunWriter(d, META)
+    w.add(measured, [])
+    if status == "failed":
+        w.add(unmeasured_rows("s", "test-abort", [(0, 4), (0, 8)], f"failed: {error.split(': ', 1)[1]}"), [])
+    finish_run(d, status, error if status == "failed" else None, options=options)
+    return d
+
+
+def report_text(d, columns=None):
+    from epbench.results import load_run
+
+    meta, df = load_run(d)
+    c = console()
+    report.print_run(df, meta, c, columns, run_dir=d)
+    return c.export_text()
+
+
+def test_a_failed_run_says_why_and_keeps_its_tokens_column(tmp_path):
+    """Only the 8-token points were measured of a --tokens 4,8 run: its table still says 8 tokens;
+    the status line carries meta.json's error, and each lost backend's rows their reason."""
+    d = failed_run(tmp_path, [dict(r, tokens_per_rank=8) for r in rows()], tokens=[4, 8])
+    text = report_text(d)
+    assert header_cells(text)[0] == "tokens"
+    assert line_with(text, "dispatch", "reference").lstrip("│ ").startswith("8 ")
+    assert "run status: failed (test-abort: rank 1 was killed by SIGABRT)" in text
+    assert "test-abort: failed: rank 1 was killed by SIGABRT (2 points not measured)" in text
+
+
+def test_a_failed_verification_is_said_once_with_the_status(tmp_path):
+    d = failed_run(tmp_path, rows(wrong=(2, 0), problem="payload differs"), error="verification failed: 2 wrong rows")
+    text = report_text(d)
+    assert "VERIFICATION FAILED: 2 wrong rows" in text
+    assert "run status: failed (verification failed, above)" in text
+
+
+@pytest.mark.parametrize("results", ["missing", "empty", "header"])
+def test_a_complete_run_without_its_results_file_is_an_error_not_an_empty_table(tmp_path, results):
+    d = failed_run(tmp_path, rows(), status="complete")
+    csv = d / "results.csv"
+    if results == "missing":
+        csv.unlink()
+    else:
+        csv.write_text("" if results == "empty" else csv.read_text().splitlines()[0] + "\n")
+    said = {"missing": "missing", "empty": "empty", "header": "a header and no rows"}[results]
+    with pytest.raises(report.UserError, match=f"results.csv: {said}, though meta.json says the run completed"):
+        report_text(d)
+    # a run whose every point was skipped is not that: its rows say why
+    from epbench.results import RunWriter, unmeasured_rows
+
+    skipped = tmp_path / "skipped"
+    w = RunWriter(skipped, META)
+    w.add(unmeasured_rows("s", "epbench", [(4, 64)], "skipped: needs CUDA GPUs"), [])
+    w.finish("complete")
+    text = report_text(skipped)
+    assert "no measured points" in text and "epbench: skipped: needs CUDA GPUs (1 point not measured)" in text
+
+
+def test_the_floor_says_auto_where_the_backend_chose_its_sms():
+    from epbench.report import floor_notes
+
+    ll = [dict(r, backend="reference", sms=0) for r in _ll_rows([(0, "launch", 1, 509.0, 941.0)])]
+    assert floor_notes(pd.DataFrame(ll)) == [
+        "floor: reference dispatch 510 us at 1 token(s) per rank (auto SMs, launch)"]
+
+
+def test_unmeasured_points_are_counted_once_whatever_rows_they_left(tmp_path):
+    """A lost point leaves a row per op: one point per SM count, token count and way of timing it (call
+    mode), as the launcher's closing line counts them."""
+    from epbench.results import RunWriter
+
+    lost = [{"scenario": "s", "backend": "epbench", "op": op, "sms": sms, "rank": None, "tokens_per_rank": 64,
+             "call_mode": mode, "time_us": None, "status": "failed: rank 1 was killed by SIGKILL"}
+            for sms in (4, 8) for mode in ("call", "kernel") for op in ("dispatch", "combine")]
+    w = RunWriter(tmp_path / "run", META)
+    w.add(rows() + lost, [])
+    assert report.unmeasured_lines(tmp_path / "run") == [
+        "[bold red]epbench: failed: rank 1 was killed by SIGKILL (4 points not measured)[/]"]

@@ -398,3 +398,84 @@ def test_a_results_table_that_is_a_bad_link_is_no_silent_empty_run(tmp_path, lin
     _run(tmp_path / "root" / "good")  # beside a readable run it is a warning
     assert len(results.load_runs([tmp_path / "root"], warnings.append)) == 1
     assert len(warnings) == 1 and needle in warnings[0]
+
+
+# -- what a run records of itself: whole numbers, and the points a failed job lost -------------
+
+def test_whole_number_columns_are_written_as_whole_numbers_beside_empty_cells(tmp_path):
+    """pandas writes a column of ints that some rows leave empty as floats (rank 0.0, world 4.0):
+    the writer keeps them whole, and a later job of the run (append) too."""
+    d = tmp_path / "run"
+    w = results.RunWriter(d, {"scenario": {"name": "s"}})
+    w.add([dict(ROW, world=4, hidden=256, iters=5, input_sets=4, nic_virtual=False, time_us=12.0)], [SAMPLE])
+    w.add(results.unmeasured_rows("s", "epbench", [(4, 64)], "skipped: needs CUDA GPUs"), [])
+    first = (d / "results.csv").read_text().splitlines()
+    assert first[1] == "s,reference,dispatch,0,0,4,12.0,0,256,5,4,False,ok,", first
+    assert first[2].startswith("s,epbench,dispatch,4,,,,,"), first
+    results.RunWriter(d, json.loads((d / "meta.json").read_text()), append=True).add(
+        [dict(ROW, backend="other", rank=1, world=4)], [])
+    again = (d / "results.csv").read_text().splitlines()
+    assert again[:3] == first[:3] and again[-1].startswith("s,other,dispatch,0,1,4,12.5,0,")
+    _, df = results.load_run(d)
+    assert list(df["rank"]) == [0, 1] and df["rank"].dtype == "int64" and list(df["time_us"]) == [12.0, 12.5]
+
+
+def _lost_run(tmp_path, variants, measured, status):
+    """A sweep over tokens 8-64 whose job died after ``measured`` variants of its first point, and
+    the launcher's rows for the rest (launcher.launch_run)."""
+    from epbench.launcher import job_points
+
+    d = tmp_path / "run"
+    w = results.RunWriter(d, {"scenario": {"name": "s"}})
+    if variants is not None:
+        w.variants("reference", variants)
+    for v in (variants or [{}])[:measured]:
+        w.add([dict(ROW, op=op, rank=r, tokens_per_rank=8, **v) for op in ("dispatch", "combine")
+               for r in range(4)], [])
+    opts = type("Opts", (), {"sms": (4,), "tokens": (8, 16, 32, 64)})()
+    done = results.measured_points(d, "reference")
+    left = [pt for pt in job_points(opts, "reference", 64) if pt not in done]
+    results.add_rows(d, results.unmeasured_rows("s", "reference", left, status))
+    return d, pd.read_csv(d / "results.csv")
+
+
+def test_a_job_that_dies_mid_point_records_every_variant_it_lost(tmp_path):
+    """Killed in the kernel-mode variant of its first point: that variant and every variant of the
+    sizes still to come get rows, with their call mode and the rank that failed; the one measured
+    keeps its rows alone; the closing line counts them."""
+    from rich.console import Console
+
+    from epbench.session import show_unmeasured
+
+    variants = [{"call_mode": "call", "input_sets": 4}, {"call_mode": "kernel", "input_sets": 4}]
+    d, df = _lost_run(tmp_path, variants, 1, "failed: rank 3 was killed by SIGKILL")
+    lost = df[df["status"] != "ok"]
+    assert list(zip(lost["tokens_per_rank"], lost["call_mode"], lost["op"]))[:4] == [
+        (8, "kernel", "dispatch"), (8, "kernel", "combine"), (16, "call", "dispatch"), (16, "call", "combine")]
+    assert len(lost) == 14 and set(lost["rank"]) == {3} and set(lost["input_sets"]) == {4}
+    assert set(lost["status"]) == {"failed: rank 3 was killed by SIGKILL"}
+    assert len(df[(df["status"] == "ok")]) == 8 and set(df[df["status"] == "ok"]["call_mode"]) == {"call"}
+    console = Console(record=True, width=200)
+    show_unmeasured(d, console)
+    assert "reference: failed: rank 3 was killed by SIGKILL (7 points not measured)" in console.export_text()
+    # every variant measured: the point is whole, nothing more is added for it
+    assert (8, 8) not in results.measured_points(d, "reference")
+    assert (0, 8) in results.measured_points(d, "reference")
+
+
+def test_lost_rows_name_the_rank_a_timeout_blames_and_none_where_it_blames_several(tmp_path):
+    _, df = _lost_run(tmp_path, [{"call_mode": "call", "input_sets": 1}], 0,
+                      "timeout: [rank 0] rank 3 did not reach the others in 'x' within 8 s (--control-timeout)")
+    assert len(df) == 8 and set(df["rank"]) == {3} and set(df["call_mode"]) == {"call"}
+    _, df = _lost_run(tmp_path / "b", [{"call_mode": "call", "input_sets": 1}], 0,
+                      "timeout: [rank 0] ranks 2, 3 did not reach the others in 'x' within 8 s")
+    assert len(df) == 8 and df["rank"].isna().all()
+
+
+def test_a_job_that_recorded_no_variants_gets_a_row_pair_per_point_as_before(tmp_path):
+    """A job that died before it built its backend recorded no variants: one row per op of each
+    point lost, the call mode left empty (it is not known)."""
+    _, df = _lost_run(tmp_path, None, 0, "failed: [rank 1] boom")
+    assert list(df["tokens_per_rank"]) == [8, 8, 16, 16, 32, 32, 64, 64]
+    assert df["call_mode"].isna().all() if "call_mode" in df else True
+    assert set(df["rank"]) == {1}

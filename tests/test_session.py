@@ -210,3 +210,22 @@ def test_a_measurement_that_raises_leaves_a_failed_folder(monkeypatch, tmp_path,
     meta = load_run(folder)[0]
     assert meta["status"] == "failed" and "the GEMM broke" in meta["error"]
     assert meta["notes"] == ["before the failure"]
+
+
+def test_rank0_records_how_each_backends_points_are_timed_before_timing_them(tmp_path, world_of_one):
+    """meta.json's ``variants``: what the launcher needs to record every point a job lost, the
+    point it died in included (results.lost_rows)."""
+    from epbench.plan import Plan
+    from epbench.results import load_run
+
+    opts = RunOptions(backends=("reference",), sms=(4,), warmup=1, iters=2, tokens=(8,), progress=False,
+                      ceilings=False, input_sets=(1,))
+    p = Plan(verb="run", scenario=scenario.load(SCENARIOS / "smoke.yaml"), options=opts, device="cpu",
+             argv=("run",), results=tmp_path, control_timeout_s=60)
+    shown = []
+    assert session.run_worker(p, opts, False, shown.append) == 0
+    (folder,) = shown
+    meta, df = load_run(folder)
+    assert meta["variants"] == {"reference": [{"call_mode": "call", "input_sets": 1},
+                                              {"call_mode": "kernel", "input_sets": 1}]}
+    assert list(df["call_mode"]) == ["call", "call", "kernel", "kernel"]
