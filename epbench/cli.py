@@ -695,7 +695,16 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
         return
     failed: List[UserError] = []
     wrote = 0
-    for d, meta, df in load_runs(paths, _warn):
+    runs = load_runs(paths, _warn)
+    if out is not None:  # <out>/<run folder name>/: two runs of one name would overwrite each other there
+        runs = list(runs)
+        seen: dict = {}
+        for d, _, _ in runs:
+            if d.name in seen:
+                raise UserError(f"--out {out}: runs {seen[d.name]} and {d} share the folder name {d.name!r}, "
+                                f"whose plots would land in one subfolder; plot them into separate --out folders")
+            seen[d.name] = d
+    for d, meta, df in runs:
         try:
             written = plot_run(d, (out / d.name) if out else None, force=force, loaded=(meta, df),
                                warn=_warn)

@@ -180,8 +180,8 @@ def _kernel_varies(df: pd.DataFrame) -> bool:
 
 CAPTION = ("time = slowest rank's median (us); algbw / busbw in GB/s, the slowest-bandwidth rank "
            "(--wide: min / median / max over ranks); busbw = bus bandwidth over the transport in the "
-           "title, '-' where nothing crossed a link; link % = the busiest rank's NVLink traffic (NVML, protocol included) over "
-           "the links' capacity; full data: results.csv")
+           "title, '-' where nothing crossed a link; full data: results.csv")
+LINK_CAPTION = "link % = the busiest rank's NVLink traffic (NVML, protocol included) over the links' capacity"
 KERNEL_CAPTION = ("kernel: the kernel that ran, as the library records it (an option left at auto may take "
                   "another at another SM count; docs/backends.md)")
 WIDE_CAPTION = ("NVML busbw: from the GPUs' counters ('!' = >10% off the computed). % ceil: this "
@@ -264,7 +264,8 @@ def results_table(df: pd.DataFrame, title: str = "",
         headers["nic"] = "NIC busbw (virtual)"
     cells = {k: [COLUMNS[k][2](r, wide) for _, r in summary.iterrows()] for k in keys}
     shown, widths = _fitted(keys, {k: [headers[k]] + cells[k] for k in keys}, width, _varying(df, swept_tokens))
-    parts = ((True, CAPTION), ("kernel" in shown, KERNEL_CAPTION), (wide, WIDE_CAPTION),
+    link_said = "link" in shown and any(c.strip() not in ("", "-") for c in cells["link"])  # not on gloo runs
+    parts = ((True, CAPTION), (link_said, LINK_CAPTION), ("kernel" in shown, KERNEL_CAPTION), (wide, WIDE_CAPTION),
              (_low_latency(df), LL_CAPTION), ("inputs" in shown, INPUTS_CAPTION), ("call" in shown, CALL_CAPTION))
     caption = ". ".join(text for said, text in parts if said)  # sentences, each ended before the next
     left_out = [headers[k] for k in keys if k not in shown]

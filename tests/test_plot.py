@@ -449,6 +449,21 @@ def test_plot_out_writes_each_run_into_its_own_subfolder_and_says_so(tmp_path, m
     assert all(_is_png(Path(p)) for p in wrote)
 
 
+def test_plot_out_refuses_two_runs_of_one_folder_name(tmp_path, monkeypatch, capsys):
+    """<out>/<run folder name>/: two runs named alike in different parents would share a subfolder (the
+    second overwriting, with --force, the first's plots): refused in one line before anything is drawn."""
+    from inproc import epbench_here
+
+    rows = [dict(backend="epbench", sms=sms, rank=r, time_us=10.0, busbw_nvlink_gbps=50.0)
+            for sms in (8, 16) for r in range(2)]
+    for parent in ("a", "b"):
+        _run(tmp_path / parent / "same", rows)
+    r = epbench_here(monkeypatch, capsys, "plot", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "o",
+                     "--force")
+    assert r.code == 2 and "share the folder name 'same'" in r.err and len(r.err.splitlines()) == 1, r.both
+    assert not (tmp_path / "o" / "same").exists()
+
+
 def test_every_figure_names_its_run_and_commit_in_a_footer_and_the_file(tmp_path):
     from PIL import Image
 

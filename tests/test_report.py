@@ -489,3 +489,17 @@ def test_unmeasured_points_are_counted_once_whatever_rows_they_left(tmp_path):
     w.add(rows() + lost, [])
     assert report.unmeasured_lines(tmp_path / "run") == [
         "[bold red]epbench: failed: rank 1 was killed by SIGKILL (4 points not measured)[/]"]
+
+
+def test_the_link_caption_only_where_the_link_column_has_a_figure():
+    """'link % = ... NVLink traffic' explains a column: said where some row has a link figure, not on a run
+    whose link column is all '-' (gloo CPU ranks, no NVML counter)."""
+    with_link = rows(times=(100.0, 100.0))
+    with_link[0]["nvlink_link_use_pct"], with_link[1]["nvlink_link_use_pct"] = 91.0, 93.0
+    said = " ".join(table_lines(with_link, columns=report.WIDE).split())
+    assert "link % = the busiest rank's NVLink traffic" in said, said
+    plain = rows()
+    for r in plain:
+        r["nvlink_link_use_pct"] = None
+    said = " ".join(table_lines(plain, columns=report.WIDE).split())
+    assert "link %" in said and "link % = the busiest rank's NVLink traffic" not in said, said
