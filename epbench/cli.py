@@ -238,9 +238,13 @@ def _kib_field(path: str, key: str) -> Optional[int]:
 
 
 def _host_memory() -> int:
-    """Bytes of memory available to new processes (MemAvailable), else the physical total."""
+    """Bytes of memory available to new processes (MemAvailable, else the physical total), no more
+    than this process's memory cgroup still allows (a container's limit, which MemAvailable does
+    not show and whose OOM killer acts first)."""
     got = _kib_field("/proc/meminfo", "MemAvailable")
-    return got if got is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = got if got is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    room = launch.cgroup_memory_room()
+    return host if room is None else min(host, room)
 
 
 def _own_resident_bytes() -> int:
@@ -660,13 +664,25 @@ def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders 
     from epbench.results import load_runs
 
     chosen = parse_columns(columns, wide)
+    failed: List[UserError] = []
+    shown = 0
     for d, meta, df in load_runs(run_dirs, _warn):
         console.print(f"[bold]{escape(str(d))}[/]")
-        print_run(df, meta, console, chosen, run_dir=d)
+        try:
+            print_run(df, meta, console, chosen, run_dir=d)
+        except UserError as e:  # one run that lost its results.csv: said below, the others still shown
+            failed.append(e)
+            continue
+        shown += 1
         if per_rank and meta.get("verb") in ("overlap", "probe"):  # their rows are not per (op, rank)
             console.print(f"per rank: none for an `epbench {meta['verb']}` run (its table above)", highlight=False)
         elif per_rank:
             print_per_rank(df, console, meta)
+    if failed and not shown:
+        more = f" ({len(failed) - 1} more run(s) could not be shown either)" if len(failed) > 1 else ""
+        raise UserError(f"{failed[0]}{more}")
+    for e in failed:
+        _warn(str(e))
 
 
 @app.command()
@@ -823,6 +839,7 @@ def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topolo
         _warn("predict: --backend is now --backends (the old spelling still works)")
     backend = _one_backend(backends if backends is not None else old_backend)
     s = scenario.load(path)
+    model.check_scenario(s)  # one rank or CPU ranks: refused before any calibration is read
     if sms is not None and sms < 1:
         raise UserError(f"--sms: must be positive, got {sms}")
     if json_out is not None:

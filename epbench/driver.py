@@ -515,9 +515,10 @@ def _first_reason(reason: Optional[str]) -> Optional[str]:
     return next((f"rank {i}: {r}" for i, r in enumerate(reasons) if r), None)
 
 
-def call_modes_of(be: Backend, asked: Tuple[str, ...]) -> Tuple[str, ...]:
-    """The call modes a backend's points are timed in: the asked ones it has (in the mode it was
-    built for), and "call" for a backend that has only that way (how a model calls it)."""
+def call_modes_of(be: Any, asked: Tuple[str, ...]) -> Tuple[str, ...]:
+    """The call modes a backend's points are timed in: the asked ones it has (``be``: the backend as
+    built, for the mode it was built for; or its class, before it is built), and "call" for a backend
+    that has only that way (how a model calls it)."""
     have = tuple(m for m in asked if m in be.call_modes)
     return have or ("call",)
 
@@ -628,6 +629,16 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             for _ in sms_list:
                 advance(f"{name}: skipped")
             continue
+        timings, no_chain = timings_of(be_cls, be_setup, device, as_normal, opts.graph_chain)
+
+        def variants_of(has_modes: Any) -> List[Tuple[str, str, int]]:
+            return [(c, h, n) for c in call_modes_of(has_modes, opts.call_modes or s.bench.call_modes)
+                    for h in timings for n in opts.input_sets]
+
+        # the class's variants first, so that a job dying while it builds the backend (its buffers: a CPU
+        # rank's peak) has them recorded; then the instance's, which may have fewer call modes
+        if on_variants is not None and comm.rank == 0:
+            on_variants(name, point_variants(variants_of(be_cls), low_latency))
         be = be_cls(be_setup, **s.backend_options.get(name, {}))
         for note in backend_notes(name, be):
             on_note(note)
@@ -636,11 +647,9 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
             tr = metrics.pair_traffic(routings, m.experts_per_rank, s.topology.gpus_per_node)
         else:
             tr = traffic(routings, m.experts_per_rank, s.topology.gpus_per_node, be_cls.hierarchical)
-        timings, no_chain = timings_of(be_cls, be_setup, device, as_normal, opts.graph_chain)
         if no_chain:
             on_note(f"backend {name}: no chain rows ({no_chain})")
-        variants = [(c, h, n) for c in call_modes_of(be, opts.call_modes or s.bench.call_modes)
-                    for h in timings for n in opts.input_sets]
+        variants = variants_of(be)
         if on_variants is not None and comm.rank == 0:
             on_variants(name, point_variants(variants, low_latency))
         try:

@@ -13,7 +13,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 # NVLink multicast can take a shared NVSwitch host down; it stays off in every process we start.
 SAFE_ENV = {
@@ -206,27 +206,52 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def memory_cgroups(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> List[Tuple[str, str]]:
+    """This process's memory cgroup folders, each with its version ("v2" or "v1"), as /proc names
+    them ([] where it cannot be read: another OS). The ranks it starts join the same cgroup."""
+    try:
+        with open(cgroups) as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        return []
+    return ([(os.path.join(root, path.lstrip("/")), "v2") for hier, ctl, path in lines if hier == "0" and ctl == ""]
+            + [(os.path.join(root, "memory", path.lstrip("/")), "v1") for _hier, ctl, path in lines
+               if "memory" in ctl.split(",")])
+
+
 def oom_kills(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
     """How many processes the kernel's out-of-memory killer has killed in this process's memory
     cgroup (the ranks it starts join it), its descendants included: cgroup v2's memory.events, else
     v1's memory.oom_control (both count ``oom_kill``, Linux 4.13 on). None where neither can be read
     (another OS, the cgroup not mounted where /proc names it)."""
-    try:
-        with open(cgroups) as f:
-            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
-    except OSError:
-        return None
-    found = [os.path.join(root, path.lstrip("/"), "memory.events") for hier, ctl, path in lines
-             if hier == "0" and ctl == ""]
-    found += [os.path.join(root, "memory", path.lstrip("/"), "memory.oom_control")
-              for _hier, ctl, path in lines if "memory" in ctl.split(",")]
-    for path in found:
+    for folder, version in memory_cgroups(cgroups, root):
         try:
-            with open(path) as f:
+            with open(os.path.join(folder, "memory.events" if version == "v2" else "memory.oom_control")) as f:
                 counts = dict(ln.split(None, 1) for ln in f if len(ln.split()) == 2)
             return int(counts["oom_kill"])
         except (OSError, KeyError, ValueError):
             continue
+    return None
+
+
+def cgroup_memory_room(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Bytes this process's memory cgroup still lets it and its ranks take: its limit less its usage
+    (v2 memory.max - memory.current, v1 memory.limit_in_bytes - memory.usage_in_bytes); None where
+    there is no limit ("max", or v1's near-2**63 "unlimited") or it cannot be read. A container's limit
+    is not in /proc/meminfo's MemAvailable, and its OOM killer acts on it."""
+    names = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+    for folder, version in memory_cgroups(cgroups, root):
+        try:
+            limit_file, usage_file = (os.path.join(folder, n) for n in names[version])
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return max(0, int(limit) - usage)
     return None
 
 

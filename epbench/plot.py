@@ -18,7 +18,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 from epbench.errors import UserError  # noqa: E402
 from epbench.metrics import CALIBRATIONS, summarize  # noqa: E402
 from epbench.plot_source import Sources, metadata as _metadata, stamp as _stamp  # noqa: E402
-from epbench.report import transport  # noqa: E402
+from epbench.report import missing_results, transport  # noqa: E402
 from epbench.results import load_run  # noqa: E402
 from epbench.scenario import cut, short_path  # noqa: E402
 
@@ -268,14 +268,19 @@ def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False,
              transport: str = "NVLink", source: Optional[Sources] = None) -> Path:
     """Each rank's bus bandwidth over ``transport`` at every backend's largest SM count, one bar
     per point measured there (timing mode, input sets, call mode where the run has several):
-    imbalance shows. A --tokens sweep: its largest token count only, said under the title. A
-    functional run has no bus bandwidth: its algbw instead."""
+    imbalance shows. A --tokens sweep: each backend's largest measured token count only (one that
+    died or was skipped at the run's largest keeps its bars), said under the title, or in each
+    backend's labels where they differ. A functional run has no bus bandwidth: its algbw instead."""
     col, what = (("busbw_nvlink_gbps", f"{transport} busbw") if _has(df, "busbw_nvlink_gbps")
                  else ("algbw_gbps", f"algbw ({transport})"))
+    own_tokens = False
     if "tokens_per_rank" in df and df["tokens_per_rank"].nunique() > 1:
-        most = df["tokens_per_rank"].max()
-        title += f"\nat {int(most)} tokens per rank, the largest of the {df['tokens_per_rank'].nunique()} measured"
-        df = df[df["tokens_per_rank"] == most]
+        counted = df["tokens_per_rank"].nunique()
+        df = df[df["tokens_per_rank"] == df.groupby("backend")["tokens_per_rank"].transform("max")]
+        own_tokens = df["tokens_per_rank"].nunique() > 1
+        title += (f"\nat each backend's largest token count per rank (in its labels) of the {counted} measured"
+                  if own_tokens else
+                  f"\nat {int(df['tokens_per_rank'].iloc[0])} tokens per rank, the largest of the {counted} measured")
     keys = _varying(df, ("timing", "input_sets", "call_mode"))
 
     def bars(part: pd.DataFrame):
@@ -292,7 +297,8 @@ def per_rank(df: pd.DataFrame, title: str, path: Path, force: bool = False,
             key = key if isinstance(key, tuple) else (key,)
             g = g.sort_values("rank")
             sms = int(g["sms"].iloc[0])
-            tags = _tags(keys, key[1:]) + ([f"{sms} SMs"] if sms else [])
+            tags = (([f"{int(g['tokens_per_rank'].iloc[0])} tokens"] if own_tokens else []) + _tags(keys, key[1:])
+                    + ([f"{sms} SMs"] if sms else []))
             ax.bar(g["rank"] + (i - (len(groups) - 1) / 2) * width, g[col], width=width, color=colour(i),
                    label=_label(key[0]) + (f" [{', '.join(tags)}]" if tags else ""))
         ax.set_title(op)
@@ -351,6 +357,9 @@ def plot_run(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,
     if meta.get("verb") == "probe":
         raise UserError(f"{short_path(run_dir)}: an `epbench probe` run draws no plot (its figures "
                         f"are its table: `epbench report`)")
+    lost = missing_results(run_dir, meta)  # complete, but results.csv deleted or cut short since
+    if lost:
+        raise UserError(lost)
     if meta.get("scenario"):
         try:
             run_scenario(meta)

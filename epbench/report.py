@@ -420,7 +420,7 @@ def status_line(meta: Dict[str, Any], wrong_said: bool = False) -> Optional[str]
 
 def unmeasured_lines(run_dir: Path) -> List[str]:
     """One line of markup per backend and reason whose points were not measured (skipped, or lost
-    with a job that failed: red)."""
+    with a job that failed or timed out: red)."""
     from epbench.results import load_unmeasured
 
     left = load_unmeasured(run_dir)
@@ -432,21 +432,22 @@ def unmeasured_lines(run_dir: Path) -> List[str]:
         keys = [k for k in ("sms", "tokens_per_rank", "call_mode", "input_sets", "timing") if k in g]
         n = len(g[keys].astype(str).drop_duplicates())
         said = escape(f"{backend}: {status} ({n} point{'s' if n > 1 else ''} not measured)")
-        out.append(f"[bold red]{said}[/]" if str(status).startswith("failed") else said)
+        out.append(f"[bold red]{said}[/]" if str(status).startswith(("failed", "timeout")) else said)
     return out
 
 
 def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console] = None,
               columns: Optional[Sequence[str]] = None, run_dir: Optional[Path] = None) -> None:
     """The run's table; ``columns``: its columns by key (None: the default ones). An overlap or
-    probe run's table is its verb's own (``columns`` apart). ``run_dir``: the folder the run was
-    read from (`epbench report`): a line per backend whose points were not measured and why, and a
-    UserError where a run that completed has lost its results.csv."""
+    probe run's table is its verb's own (``columns`` apart), its status line after it as a run's.
+    ``run_dir``: the folder the run was read from (`epbench report`): a line per backend whose
+    points were not measured and why, and a UserError where a run that completed has lost its
+    results.csv."""
     console = console or wide_console()
-    if meta.get("verb") == "overlap":
-        return print_overlap(df, meta, console)
-    if meta.get("verb") == "probe":
-        return print_probe(df, meta, console)
+    if meta.get("verb") in ("overlap", "probe"):  # their printers say neither the status nor the lost points
+        (print_overlap if meta["verb"] == "overlap" else print_probe)(df, meta, console)
+        shown = "wrong" in df and bool(pd.to_numeric(df["wrong"], errors="coerce").fillna(0).gt(0).any())
+        return _print_tail(meta, shown, run_dir, console)
     lost = missing_results(run_dir, meta) if run_dir is not None else None
     if lost:
         raise UserError(lost)
@@ -465,7 +466,13 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
     wrong = wrong_rows(df)
     if wrong:
         console.print(f"[bold red]VERIFICATION FAILED:[/] {escape(wrong)}", highlight=False)
-    status = status_line(meta, bool(wrong))
+    _print_tail(meta, bool(wrong), run_dir, console)
+
+
+def _print_tail(meta: Dict[str, Any], wrong_said: bool, run_dir: Optional[Path], console: Console) -> None:
+    """Below a run's table: its status where it did not complete, and (``run_dir`` given) a line
+    per backend and reason whose points were not measured."""
+    status = status_line(meta, wrong_said)
     if status:
         console.print(status, highlight=False)
     for line in unmeasured_lines(run_dir) if run_dir is not None else ():

@@ -496,3 +496,28 @@ def test_options_that_change_nothing_get_a_note_each_and_the_run_goes_on():
     assert cli.ineffective_options(ll, both, "cuda", mps=True, graph_chain=4, sms="4,8",
                                    option=["epbench-ll.combine_chunk=2"]) == []
     assert cli.ineffective_options(normal, ref, "cpu") == []
+
+
+def test_report_goes_on_past_a_run_that_lost_its_results_file(tmp_path):
+    """A completed run whose results.csv is gone is one warning in a tree's report, the other runs still
+    shown (exit 0); given alone it is the error (exit 2)."""
+    from epbench.results import RunWriter
+
+    meta = {"scenario": {"name": "smoke"}, "world": 2, "device": "cpu", "status": "complete"}
+    measured = [{"scenario": "s", "backend": "reference", "op": op, "sms": 0, "rank": r, "world": 2,
+                 "time_us": 100.0, "algbw_gbps": 10.0, "wrong": 0} for op in ("dispatch", "combine") for r in (0, 1)]
+    for name in ("a_gone", "b_ok"):
+        w = RunWriter(tmp_path / "tree" / name, meta)
+        w.add(measured, [])
+        w.finish("complete")
+    (tmp_path / "tree" / "a_gone" / "results.csv").unlink()
+    r = epbench_here("report", tmp_path / "tree")
+    assert r.code == 0 and "b_ok" in r.out and "dispatch" in r.out, r.both
+    assert "warning" in r.err and "a_gone" in r.err and "results.csv: missing" in r.err, r.both
+    assert_one_line_error(epbench_here("report", tmp_path / "tree" / "a_gone"), "results.csv: missing")
+
+
+def test_predict_refuses_a_scenario_of_cpu_ranks_before_reading_any_calibration(tmp_path):
+    """The refusal comes first: not a calibration error about the folder given (nothing is read)."""
+    assert_one_line_error(epbench_here("predict", SMOKE, "--calibrate", tmp_path / "nowhere"),
+                          "bench.device: cpu", "nothing to predict")

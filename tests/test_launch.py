@@ -272,6 +272,43 @@ def test_the_out_of_memory_killers_count_is_read_from_this_processs_cgroup(tmp_p
     assert oom_kills(str(v2), str(root)) is None
 
 
+def test_the_room_a_memory_cgroup_leaves_is_its_limit_less_its_usage(tmp_path):
+    """v2 memory.max - memory.current, v1 limit_in_bytes - usage_in_bytes; no limit ("max", v1's
+    unlimited) or nothing readable: None; never below 0."""
+    from epbench.launch import cgroup_memory_room
+
+    root = tmp_path / "cg"
+    (root / "box").mkdir(parents=True)
+    (root / "box" / "memory.max").write_text("8589934592\n")
+    (root / "box" / "memory.current").write_text("2147483648\n")
+    v2 = tmp_path / "v2"
+    v2.write_text("0::/box\n")
+    assert cgroup_memory_room(str(v2), str(root)) == 6 << 30
+    (root / "box" / "memory.current").write_text(str(9 << 30))
+    assert cgroup_memory_room(str(v2), str(root)) == 0
+    (root / "box" / "memory.max").write_text("max\n")
+    assert cgroup_memory_room(str(v2), str(root)) is None
+    (root / "memory" / "m").mkdir(parents=True)
+    (root / "memory" / "m" / "memory.limit_in_bytes").write_text(str(4 << 30))
+    (root / "memory" / "m" / "memory.usage_in_bytes").write_text(str(1 << 30))
+    v1 = tmp_path / "v1"
+    v1.write_text("4:memory:/m\n0::/\n")
+    assert cgroup_memory_room(str(v1), str(root)) == 3 << 30
+    (root / "memory" / "m" / "memory.limit_in_bytes").write_text("9223372036854771712")  # v1's unlimited
+    assert cgroup_memory_room(str(v1), str(root)) is None
+    assert cgroup_memory_room(str(tmp_path / "none"), str(root)) is None
+
+
+def test_the_host_memory_a_cpu_run_may_take_is_held_to_its_cgroup(monkeypatch):
+    from epbench import cli, launch
+
+    monkeypatch.setattr(cli, "_kib_field", lambda path, key: 64 << 30)
+    monkeypatch.setattr(launch, "cgroup_memory_room", lambda: 10 << 30)
+    assert cli._host_memory() == 10 << 30
+    monkeypatch.setattr(launch, "cgroup_memory_room", lambda: None)
+    assert cli._host_memory() == 64 << 30
+
+
 def test_a_rank_killed_while_the_out_of_memory_killer_acted_says_so():
     from epbench.launch import killed_line
 

@@ -488,3 +488,41 @@ def test_the_footer_is_drawn_on_the_figure(monkeypatch, tmp_path):
     rows = [dict(backend="epbench", sms=8, rank=r, time_us=10.0, busbw_nvlink_gbps=50.0) for r in range(2)]
     figs = drawn_figures(monkeypatch, _run(tmp_path / "r1", rows))
     assert "run r1: epbench commit c0ffee1234" in [t.get_text() for t in figs["per_rank.png"].texts]
+
+
+def test_per_rank_keeps_a_backend_not_measured_at_the_largest_token_count(monkeypatch, tmp_path):
+    """A --tokens 8,64 sweep whose 'other' job died before 64: its bars at its own largest (8), said in its
+    labels, not dropped."""
+    rows = [dict(backend="epbench", sms=16, rank=r, tokens_per_rank=t, time_us=10.0, busbw_nvlink_gbps=t + r)
+            for t in (8, 64) for r in range(2)]
+    rows += [dict(backend="other", sms=16, rank=r, tokens_per_rank=8, time_us=10.0, busbw_nvlink_gbps=7.0)
+             for r in range(2)]
+    fig = drawn_figures(monkeypatch, _run(tmp_path / "sweep", rows))["per_rank.png"]
+    assert "at each backend's largest token count per rank (in its labels) of the 2 measured" in \
+        fig._suptitle.get_text()
+    bars = {c.get_label(): [p.get_height() for p in c.patches] for c in fig.axes[0].containers}
+    assert bars == {"epbench [64 tokens, 16 SMs]": [64.0, 65.0], "other [8 tokens, 16 SMs]": [7.0, 7.0]}
+
+
+def test_a_complete_run_that_lost_its_results_file_is_refused_not_an_expert_load_alone(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """meta.json says complete, results.csv deleted since: the report's one line; beside a good run, a
+    warning and the good run's plots."""
+    import dataclasses
+    import json
+
+    from epbench import scenario
+    from epbench.errors import UserError
+    from inproc import epbench_here
+
+    s = dataclasses.asdict(scenario.load(REPO / "scenarios" / "smoke.yaml"))
+    lost = _run(tmp_path / "res" / "lost", [dict(backend="epbench", sms=8, rank=r, time_us=10.0) for r in range(2)],
+                {"scenario": json.loads(json.dumps(s, default=str))})
+    (lost / "results.csv").unlink()
+    with pytest.raises(UserError, match="results.csv: missing, though meta.json says the run completed"):
+        plot_run(lost, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    good = _cuda_run(tmp_path / "res" / "good")
+    r = epbench_here(monkeypatch, capsys, "plot", tmp_path / "res")
+    assert r.code == 0 and "results.csv: missing, though meta.json says the run completed" in r.err, r.both
+    assert (good / "plots" / "per_rank.png").exists() and not (lost / "plots").exists()

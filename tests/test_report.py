@@ -503,3 +503,33 @@ def test_the_link_caption_only_where_the_link_column_has_a_figure():
         r["nvlink_link_use_pct"] = None
     said = " ".join(table_lines(plain, columns=report.WIDE).split())
     assert "link %" in said and "link % = the busiest rank's NVLink traffic" not in said, said
+
+
+@pytest.mark.parametrize("verb", ["overlap", "probe"])
+def test_a_failed_overlap_or_probe_run_says_its_status_and_lost_points_once(tmp_path, verb):
+    """Their own printers give the table and notes; the status line and the lost points come once, after."""
+    from epbench.results import RunWriter, finish_run, unmeasured_rows
+
+    d = tmp_path / "run"
+    measured = ([{"backend": "reference", "sms": 0, "rank": 0, "wrong": 0, "gemm_kept_pct": 90.0}] if verb == "overlap"
+                else [{"sms": 32, "op": "dispatch", "tokens": 1, "variant": "default", "wrong": 0, "call_p50": 4.5}])
+    w = RunWriter(d, {"verb": verb, "world": 2, "scenario": {"name": "s"}, "probe": {}})
+    w.add(measured, [])
+    w.note(["a note"])
+    w.add(unmeasured_rows("s", "deepep", [(8, 4)], "timeout: no progress for 600 s"), [])
+    finish_run(d, "timeout", "no progress for 600 s")
+    text = report_text(d)
+    said = ["note: a note", "run status: timeout (no progress for 600 s)",
+            "deepep: timeout: no progress for 600 s (1 point not measured)"]
+    assert [text.count(s) for s in said] == [1, 1, 1], text
+    assert text.index(said[0]) < text.index(said[1]) < text.index(said[2])
+
+
+def test_points_lost_to_a_timeout_are_red_like_failed_ones(tmp_path):
+    from epbench.results import RunWriter, unmeasured_rows
+
+    w = RunWriter(tmp_path / "run", META)
+    w.add(unmeasured_rows("s", "a", [(0, 4)], "timeout: no progress") +
+          unmeasured_rows("s", "b", [(0, 4)], "skipped: needs CUDA GPUs"), [])
+    assert report.unmeasured_lines(tmp_path / "run") == [
+        "[bold red]a: timeout: no progress (1 point not measured)[/]", "b: skipped: needs CUDA GPUs (1 point not measured)"]

@@ -458,9 +458,24 @@ def test_a_job_that_dies_mid_point_records_every_variant_it_lost(tmp_path):
     console = Console(record=True, width=200)
     show_unmeasured(d, console)
     assert "reference: failed: rank 3 was killed by SIGKILL (7 points not measured)" in console.export_text()
-    # every variant measured: the point is whole, nothing more is added for it
-    assert (8, 8) not in results.measured_points(d, "reference")
-    assert (0, 8) in results.measured_points(d, "reference")
+
+
+
+def test_a_point_is_whole_once_every_recorded_variant_has_measured_rows(tmp_path):
+    """measured_points: a point whose recorded variants all have measured rows is done; one with a variant
+    missing (and no row saying why) is not, so the launcher records the missing variant."""
+    variants = [{"call_mode": "call", "input_sets": 4}, {"call_mode": "kernel", "input_sets": 4}]
+    w = results.RunWriter(tmp_path / "run", {"scenario": {"name": "s"}})
+    w.variants("reference", variants)
+    point = (int(ROW["sms"]), 8)
+
+    def measure(v):
+        w.add([dict(ROW, op=op, rank=r, tokens_per_rank=8, **v) for op in ("dispatch", "combine") for r in range(2)], [])
+
+    measure(variants[0])
+    assert point not in results.measured_points(tmp_path / "run", "reference")
+    measure(variants[1])
+    assert point in results.measured_points(tmp_path / "run", "reference")
 
 
 def test_lost_rows_name_the_rank_a_timeout_blames_and_none_where_it_blames_several(tmp_path):

@@ -229,3 +229,25 @@ def test_rank0_records_how_each_backends_points_are_timed_before_timing_them(tmp
     assert meta["variants"] == {"reference": [{"call_mode": "call", "input_sets": 1},
                                               {"call_mode": "kernel", "input_sets": 1}]}
     assert list(df["call_mode"]) == ["call", "call", "kernel", "kernel"]
+
+
+def test_the_variants_are_recorded_before_the_backend_is_built(tmp_path, world_of_one, monkeypatch):
+    """A job that dies while it builds its backend (allocating its buffers: where a CPU rank peaks) has
+    its variants in meta.json already, from the backend's class, so every point it lost is recorded."""
+    from epbench.backends.reference import ReferenceBackend
+    from epbench.plan import Plan
+    from epbench.results import load_run
+
+    def dies(self, *args, **kwargs):
+        raise RuntimeError("the buffers did not fit")
+
+    monkeypatch.setattr(ReferenceBackend, "__init__", dies)
+    opts = RunOptions(backends=("reference",), sms=(4,), warmup=1, iters=2, tokens=(8,), progress=False,
+                      ceilings=False, input_sets=(1,))
+    p = Plan(verb="run", scenario=scenario.load(SCENARIOS / "smoke.yaml"), options=opts, device="cpu",
+             argv=("run",), results=tmp_path, control_timeout_s=60)
+    with pytest.raises(RuntimeError, match="the buffers did not fit"):
+        session.run_worker(p, opts, False, print)
+    (folder,) = list(tmp_path.iterdir())
+    assert load_run(folder)[0]["variants"] == {"reference": [{"call_mode": "call", "input_sets": 1},
+                                                             {"call_mode": "kernel", "input_sets": 1}]}
