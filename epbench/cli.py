@@ -653,6 +653,16 @@ def _warn(text: str) -> None:
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite output files that exist.")]
 
 
+def _said_after(failed: List[UserError], done: int, verb: str, tail: str = "") -> None:
+    """The runs of a report or plot that could not be shown: each a warning where others were done,
+    else the first as the error (the count of the others beside it)."""
+    if failed and not done:
+        more = f" ({len(failed) - 1} more run(s) could not be {verb} either)" if len(failed) > 1 else ""
+        raise UserError(f"{failed[0]}{more}{tail}")
+    for e in failed:
+        _warn(str(e))
+
+
 @app.command()
 def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
            per_rank: Annotated[bool, typer.Option("--per-rank", help="Also list every rank's time and bandwidths.")] = False,
@@ -678,11 +688,7 @@ def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders 
             console.print(f"per rank: none for an `epbench {meta['verb']}` run (its table above)", highlight=False)
         elif per_rank:
             print_per_rank(df, console, meta)
-    if failed and not shown:
-        more = f" ({len(failed) - 1} more run(s) could not be shown either)" if len(failed) > 1 else ""
-        raise UserError(f"{failed[0]}{more}")
-    for e in failed:
-        _warn(str(e))
+    _said_after(failed, shown, "shown")
 
 
 @app.command()
@@ -733,11 +739,7 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
         wrote += len(written)
         for png in written:
             console.print(f"wrote {escape(str(png))}", highlight=False)
-    if failed and not wrote:
-        more = f" ({len(failed) - 1} more run(s) could not be plotted either)" if len(failed) > 1 else ""
-        raise UserError(f"{failed[0]}{more}; nothing was written")
-    for e in failed:
-        _warn(str(e))
+    _said_after(failed, wrote, "plotted", "; nothing was written")
 
 
 @app.command()

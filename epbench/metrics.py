@@ -59,20 +59,10 @@ import torch
 from epbench import counters as hw
 from epbench.layout import round_up
 from epbench.routing import Traffic, dest_mask, expert_load
-from epbench.scenario import FP8_BLOCK, MXFP8_BLOCK, Scenario
+from epbench.scenario import Scenario, mxfp8_row_bytes, row_bytes  # noqa: F401  (row sizes live with the dtypes)
 
 GB = 1e9  # bandwidths are in GB/s (10^9 bytes per second), as NVLink and NIC rates are quoted
 OPS = ("dispatch", "combine")
-
-
-def row_bytes(dtype: str, hidden: int) -> int:
-    if dtype == "bf16":
-        return 2 * hidden
-    if dtype == "fp8":
-        return hidden + 4 * (hidden // FP8_BLOCK)
-    if dtype == "mxfp8":
-        return mxfp8_row_bytes(hidden)
-    raise ValueError(f"unknown dtype {dtype!r}")
 
 
 def rank_bytes(t: Traffic, op: str, row: int) -> Dict[str, torch.Tensor]:
@@ -329,17 +319,6 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
 
 
 # ---- MXFP8 rows and the expert-major layout (issue 26) ----
-
-def mxfp8_row_bytes(hidden: int) -> int:
-    """Bytes of one mxfp8 row on the wire: ``hidden + hidden / 32``.
-
-    Each element is one e4m3 byte (``hidden`` bytes) and each block of 32 consecutive elements
-    shares one E8M0 scale byte (``hidden / 32`` bytes); the layout is epbench/mxfp8.py's
-    ``pack_rows``. At hidden 7168: 7168 + 224 = 7392 bytes, 0.516 of the bf16 row (14336) and
-    the same as the fp8 row with one fp32 scale per 128 elements (7168 + 4 * 56): both spend
-    1/32 byte per element on scales. Expert ids and weights are not counted, as for bf16."""
-    return hidden + hidden // MXFP8_BLOCK
-
 
 def expert_major_rows(routings, experts_per_rank: int, align: int) -> Dict[str, torch.Tensor]:
     """Per receiving rank (int64 [world]): the rows the expert-major layout adds on the

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 Sources = Sequence[Tuple[str, Dict[str, Any]]]  # (run folder name, its meta.json) of what a figure draws
-_SOURCES: "weakref.WeakKeyDictionary[Any, Dict[str, str]]" = weakref.WeakKeyDictionary()
+ATTR = "epbench_sources"  # the figure's attribute that carries them from stamp() to its savefig
 
 
 def stamp(fig, sources: Optional[Sources]) -> None:
@@ -18,16 +17,17 @@ def stamp(fig, sources: Optional[Sources]) -> None:
         return
     lines = [f"run {name}: epbench commit {commit_label(meta)}" for name, meta in sources]
     fig.text(0.005, 0.0, "\n".join(lines), ha="left", va="top", fontsize=7, color="0.35")
-    _SOURCES[fig] = {"Run": ", ".join(name for name, _ in sources),
+    setattr(fig, ATTR, {"Run": ", ".join(name for name, _ in sources),
                      "Commit": ", ".join(commit_label(meta) for _, meta in sources),
-                     "Source": "; ".join(lines)}
+                     "Source": "; ".join(lines)})
 
 
 def metadata(fig, fmt: str) -> Optional[Dict[str, str]]:
     """savefig's metadata: the title and the footer's runs and commits, under the keys each
     format takes (PNG: any text key; SVG and PDF: their own; other formats: none)."""
-    given = _SOURCES.get(fig)
-    title = fig._suptitle.get_text() if fig._suptitle is not None else None
+    given = getattr(fig, ATTR, None)
+    suptitle = getattr(fig, "_suptitle", None)  # Figure.get_suptitle is matplotlib >= 3.8; 3.7 is allowed
+    title = suptitle.get_text() if suptitle is not None else None
     if not given or fmt not in ("png", "svg", "pdf"):
         return None
     keys = {"png": {"Source": "Source", "Run": "Run", "Commit": "Commit"},

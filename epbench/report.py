@@ -87,12 +87,17 @@ def _link_pct(r: pd.Series, wide: bool) -> str:
     return _spread(r, "nvlink_link_use_pct") if wide else number(r.get("nvlink_link_use_pct_max"))
 
 
+def _sms(n: Any) -> str:
+    """An SM count as the tables show it: 0 (the backend chose) is "auto"."""
+    return str(int(n)) if n else "auto"
+
+
 COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
     "tokens": ("tokens", "right", lambda r, w: str(int(r["tokens_per_rank"]))),
     "op": ("op", "left", lambda r, w: str(r["op"])),
     "backend": ("backend", "left", lambda r, w: str(r["backend"])),
     "kernel": ("kernel", "left", lambda r, w: r["impl"] if isinstance(r.get("impl"), str) and r["impl"] else "-"),
-    "sms": ("SMs", "right", lambda r, w: str(int(r["sms"])) if r["sms"] else "auto"),
+    "sms": ("SMs", "right", lambda r, w: _sms(r["sms"])),
     "timing": ("timing", "left", lambda r, w: timing_label(r.get("timing"), r.get("chain"))),
     "call": ("call", "left", lambda r, w: str(r.get("call_mode") or "call")),
     "inputs": ("inputs", "right", lambda r, w: _input_sets(r.get("input_sets"))),
@@ -294,11 +299,6 @@ def transport(meta: Dict[str, Any]) -> str:
     if re.search(r"\bNV\d+\b", matrix):
         return "NVLink"
     return "PCIe" if matrix.strip() else "NVLink"  # no matrix recorded: the scenario's NVLink
-
-
-def _sms(n: Any) -> str:
-    """An SM count as the tables show it: 0 (the backend chose) is "auto"."""
-    return str(int(n)) if n else "auto"
 
 
 def floor_notes(df: pd.DataFrame) -> List[str]:
@@ -638,12 +638,7 @@ def per_rank_table(df: pd.DataFrame, title: str = "", meta: Optional[Dict[str, A
     caption = ("time = the rank's median over iterations (min - max in brackets); bandwidths in GB/s"
                + (f"; busbw = bus bandwidth over {link}" if link else "; busbw: '-', nothing crossed a link")
                + "; * = slowest rank of the point")
-    cells: Dict[str, Tuple[str, str, Callable[[pd.Series], str]]] = {
-        "tokens": ("tokens", "right", lambda r: str(int(r["tokens_per_rank"]))),
-        "call": ("call", "left", lambda r: str(r.get("call_mode") or "call")),
-        "timing": ("timing", "left", lambda r: timing_label(r.get("timing"), r.get("chain"))),
-        "inputs": ("inputs", "right", lambda r: _input_sets(r.get("input_sets"))),
-    }
+    cells = {k: (COLUMNS[k][0], COLUMNS[k][1], lambda r, cell=COLUMNS[k][2]: cell(r, False)) for k in shown}
     table = console_table(title, caption,
                           ((("tokens", "right"),) if "tokens" in shown else ())
                           + (("op", "left"), ("backend", "left"), ("SMs", "right"))

@@ -365,14 +365,26 @@ def min_bytes_per_rank(s: Scenario, tokens_per_rank: Optional[int] = None) -> in
     return tokens * row * 2 + received
 
 
-def payload_bytes(dtype: str, hidden: int) -> int:
-    """Bytes of one dispatched row, its scales included (epbench/metrics.py row_bytes, which
-    needs torch)."""
+def row_bytes(dtype: str, hidden: int) -> int:
+    """Bytes of one dispatched (or combined) row of ``dtype`` on the wire, its scales included."""
+    if dtype == "bf16":
+        return 2 * hidden
     if dtype == "fp8":
-        return hidden + 4 * (hidden // FP8_BLOCK)  # e4m3 elements, one fp32 scale per 128
+        return hidden + 4 * (hidden // FP8_BLOCK)
     if dtype == "mxfp8":
-        return hidden + hidden // MXFP8_BLOCK  # e4m3 elements, one E8M0 byte per 32
-    return 2 * hidden
+        return mxfp8_row_bytes(hidden)
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+def mxfp8_row_bytes(hidden: int) -> int:
+    """Bytes of one mxfp8 row on the wire: ``hidden + hidden / 32``.
+
+    Each element is one e4m3 byte (``hidden`` bytes) and each block of 32 consecutive elements
+    shares one E8M0 scale byte (``hidden / 32`` bytes); the layout is epbench/mxfp8.py's
+    ``pack_rows``. At hidden 7168: 7168 + 224 = 7392 bytes, 0.516 of the bf16 row (14336) and
+    the same as the fp8 row with one fp32 scale per 128 elements (7168 + 4 * 56): both spend
+    1/32 byte per element on scales. Expert ids and weights are not counted, as for bf16."""
+    return hidden + hidden // MXFP8_BLOCK
 
 
 def received_per_token(s: Scenario) -> Tuple[float, float]:
@@ -411,7 +423,7 @@ def cpu_rank_bytes(s: Scenario, tokens_per_rank: Optional[int] = None) -> int:
     share, picks = received_per_token(s)
     sets = max(s.bench.input_sets)  # Point holds one point's input sets at a time (del point)
     bf16, f32 = 2 * h, 4 * h  # bytes of one row of hidden values
-    payload = payload_bytes(m.dispatch_dtype, h)  # one received row: elements and scales
+    payload = row_bytes(m.dispatch_dtype, h)  # one received row: elements and scales
     x_bytes = bf16 if m.dispatch_dtype == "bf16" else h  # its elements alone
     meta = 12 * k  # topk ids (int64) and weights (fp32) of one token
     given = (bf16 if m.quantize == "fused" else payload) + meta  # one token as the caller hands it
