@@ -81,6 +81,28 @@ def start_one(p: Plan) -> int:
     return out.code
 
 
+def _signal_of(line: Optional[str]) -> str:
+    """SIGINT from launch.run_job's "interrupted (SIGINT)"."""
+    text = line or ""
+    return text[text.find("(") + 1:text.rfind(")")] if "(" in text else "a signal"
+
+
+def _claim_for_lost_points(p: Plan) -> None:
+    """meta.json for a run whose job ended before its rank 0 wrote one (a rank killed, or the run
+    interrupted, while the ranks started): what the ranks would have recorded of its provenance,
+    scenario and options, written by the launcher, so that the points the run lost are recorded
+    (launch_run) and the folder is no longer removed as empty. Its status is set by finish_run. run
+    and sweep on one node only: an overlap run's record names its GEMM, which its ranks work out, and
+    nodes that never met at the rendezvous started no point."""
+    from epbench import provenance
+    from epbench.results import RunWriter
+
+    meta = provenance.collect(list(p.argv), p.device)
+    meta.update(scenario=dataclasses.asdict(p.scenario), world=p.scenario.world,
+                options=dataclasses.asdict(p.options), recorded_by="launcher (no rank wrote meta.json)")
+    RunWriter(p.run_dir, meta)
+
+
 def _drop_if_empty(run_dir: Path) -> None:
     """Removes a run folder in which no job wrote anything: its plan alone records no run."""
     if run_dir.is_dir() and all(f.name == plans.PLAN for f in run_dir.iterdir()):
@@ -127,19 +149,25 @@ def launch_run(p: Plan, plan_path: Path, show: Optional[Show] = None) -> int:
         # that checkout's epbench first; V2's own NCCL, for its job only
         with flavors.job_environment(python), deepep_v2_env.job_environment(job, python):
             out = launch.run_job(job_command(p, plan_path, i, python), p.device, run_dir)
-        if out.status == "interrupted":
-            first = out
-            break
         if out.status == "complete":
             continue
-        first = first or launch.Outcome(out.status, out.code, f"{','.join(job)}: {out.line}")
-        if not (run_dir / results.META).is_file():
-            continue
-        for backend in job:
-            done = results.measured_points(run_dir, backend)
-            left = [pt for pt in job_points(opts, backend, s.model.tokens_per_rank) if pt not in done]
-            results.add_rows(run_dir, results.unmeasured_rows(s.name, backend, left,
-                                                              f"{out.status}: {out.line}"))
+        interrupted = out.status == "interrupted"
+        if interrupted:
+            first = out
+            reason = f"interrupted: {_signal_of(out.line)} before it was measured"
+        else:
+            first = first or launch.Outcome(out.status, out.code, f"{','.join(job)}: {out.line}")
+            reason = f"{out.status}: {out.line}"
+        if not (run_dir / results.META).is_file() and p.verb in ("run", "sweep") and p.nnodes == 1:
+            _claim_for_lost_points(p)  # the job died before its rank 0 wrote anything
+        if (run_dir / results.META).is_file():
+            # the job's own points it left out; after an interrupt, also those of every job not started
+            for backend in [b for later in p.jobs[i:] for b in later] if interrupted else job:
+                done = results.measured_points(run_dir, backend)
+                left = [pt for pt in job_points(opts, backend, s.model.tokens_per_rank) if pt not in done]
+                results.add_rows(run_dir, results.unmeasured_rows(s.name, backend, left, reason))
+        if interrupted:
+            break
     (run_dir / CEILINGS_CACHE).unlink(missing_ok=True)
     if first is None and (run_dir / results.META).is_file():
         first = verification_failure(run_dir)
@@ -155,7 +183,7 @@ def launch_run(p: Plan, plan_path: Path, show: Optional[Show] = None) -> int:
     meta = results.finish_run(run_dir, first.status if first else "complete",
                               first.line if first else None, options=options)
     if first is not None and first.status == "interrupted":
-        kept = len(results.load_run(run_dir)[1])
+        kept = len(results.load_run(run_dir)[1])  # measured rows only
         print(f"epbench: {first.line}: {kept} measured rows kept in {run_dir}", file=sys.stderr)
         return first.code
     if show is not None:

@@ -144,10 +144,12 @@ def test_interrupt_stops_every_rank_and_keeps_the_rows(tmp_path, sig, code):
     assert f"interrupted ({sig.name})" in line and "4 measured rows kept" in line
     meta = json.loads((d / "meta.json").read_text())
     assert meta["status"] == "interrupted"
-    from epbench.results import load_run
+    from epbench.results import load_run, load_unmeasured
 
     _, df = load_run(d)
     assert list(df["backend"].unique()) == ["reference"] and len(df) == 4 and df["time_us"].notna().all()
+    lost = load_unmeasured(d)  # the hanging job's points, lost to the signal
+    assert set(lost["backend"]) == {"test-hang"} and (lost["status"] == f"interrupted: {sig.name} before it was measured").all()
     assert not processes_of(d)
 
 

@@ -144,3 +144,62 @@ def test_wrong_overlap_rows_fail_the_run_after_its_table(tmp_path, monkeypatch, 
     meta, df = load_run(p.run_dir)
     assert meta["status"] == "failed" and meta["error"] == line and meta["wrong"] == 3
     assert list(df["backend"]) == ["reference", "deepep", "deepep-v2"]
+
+
+def _run_plan(tmp_path, backends=("reference", "epbench")):
+    opts = RunOptions(tuple(backends), (4,), 1, 2)
+    (tmp_path / "run").mkdir()
+    return plan.Plan(verb="run", scenario=scenario.load(SMOKE), options=opts, device="cpu", argv=("run", SMOKE),
+                     results=tmp_path, run_dir=tmp_path / "run", jobs=launcher.jobs_of(opts.backends, 1))
+
+
+def test_a_job_killed_before_rank_0_wrote_anything_still_leaves_a_record(tmp_path, monkeypatch, capsys):
+    """A rank killed while the ranks start: the launcher writes meta.json itself, the job's every
+    point gets a failed row naming the kill, the next job still runs, and the status is failed."""
+    from epbench.results import load_run, load_unmeasured
+
+    p, started = _run_plan(tmp_path), []
+
+    def fake_job(torchrun, device, error_dir=None):
+        started.append(int(torchrun[-1]))
+        if started[-1] == 0:
+            return launch.Outcome("failed", 1, "rank 1 was killed by SIGKILL")
+        return launch.Outcome("complete")
+
+    monkeypatch.setattr(launch, "run_job", fake_job)
+    assert launcher.start(p, lambda d: None) == 1
+    assert started == [0, 1]
+    meta, df = load_run(p.run_dir)
+    assert meta["status"] == "failed" and "killed by SIGKILL" in meta["error"] and df.empty
+    assert meta["scenario"]["name"] == "smoke" and meta["argv"] == ["run", SMOKE] and "torch" in meta
+    lost = load_unmeasured(p.run_dir)
+    assert set(lost["backend"]) == {"reference"} and list(lost["op"]) == ["dispatch", "combine"]
+    assert (lost["status"] == "failed: rank 1 was killed by SIGKILL").all() and (lost["rank"] == 1).all()
+    assert "epbench: error: reference: rank 1 was killed by SIGKILL" in capsys.readouterr().err
+
+
+def test_an_interrupt_records_the_points_it_lost(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the second of three jobs: the first job's rows stay, the second's points and the
+    third's (never started) are recorded as lost to the signal; 130, and the measured rows counted."""
+    from epbench.results import RunWriter, load_run, load_unmeasured
+
+    p, started = _run_plan(tmp_path, ("reference", "epbench", "symm-mem")), []
+
+    def fake_job(torchrun, device, error_dir=None):
+        started.append(int(torchrun[-1]))
+        if started[-1] == 0:
+            w = RunWriter(p.run_dir, {"scenario": {"name": "smoke"}}, append=True)
+            w.add([{"scenario": "smoke", "backend": "reference", "op": op, "sms": 0, "rank": 0,
+                    "tokens_per_rank": 64, "time_us": 5.0, "world": 4, "wrong": 0} for op in ("dispatch", "combine")], [])
+            return launch.Outcome("complete")
+        return launch.Outcome("interrupted", 130, "interrupted (SIGINT)")
+
+    monkeypatch.setattr(launch, "run_job", fake_job)
+    assert launcher.start(p, lambda d: None) == 130
+    assert started == [0, 1]
+    meta, df = load_run(p.run_dir)
+    assert meta["status"] == "interrupted" and list(df["backend"]) == ["reference", "reference"]
+    lost = load_unmeasured(p.run_dir)
+    assert list(dict.fromkeys(lost["backend"])) == ["epbench", "symm-mem"]
+    assert (lost["status"] == "interrupted: SIGINT before it was measured").all()
+    assert capsys.readouterr().err == f"epbench: interrupted (SIGINT): 2 measured rows kept in {p.run_dir}\n"
