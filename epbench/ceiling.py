@@ -681,9 +681,28 @@ def rates_of(limits: Sequence[Limits]) -> List[Optional[float]]:
     return [lim.nvlink.gbps if lim.nvlink else None for lim in limits]
 
 
+def nic_lines(s: Any, tr: Traffic, limits: Limits) -> List[str]:
+    """A scenario of several nodes: each op's NIC-tier bytes (the copies between nodes, the most any rank
+    sends) and their ideal time at the scenario's topology.nic_gbps and at this host's NIC, one line each;
+    none for one node. Nothing here is measured: ceilings are measured inside one node."""
+    if s.topology.nodes < 2:
+        return []
+    tier = "NIC (virtual: over NVLink)" if s.topology.virtual_nodes else "NIC"
+    lines = []
+    for op in OPS:
+        copies = tr.nic if op == "dispatch" else tr.nic.t()
+        most = max(int(row.sum()) for row in copies) * op_row_bytes(s, op)
+        ideal = [f"{how} {ideal_time_us(most, rate):.1f} us at {rate:g} GB/s"
+                 for how, rate in (("scenario", s.topology.nic_gbps or None), (limits.nic or "host", limits.nic_gbps))
+                 if ideal_time_us(most, rate) is not None]
+        lines.append(f"{tier} bytes ({s.topology.nodes} nodes): {op} {most / 1e6:.3f} MB per rank (max over ranks)"
+                     + (f"; ideal: {', '.join(ideal)}" if ideal else "; no NIC rate: no ideal time"))
+    return lines
+
+
 def run_local(s: Any, console: Any, csv: Optional[Path] = None, argv: Sequence[str] = ()) -> int:
     """Without GPUs: byte counts and whatever nominal limits this host reports (with ``csv``: those figures into
-    that file too). A scenario of CPU ranks (scenario.cpu_ranks) gets no scenario ideal: its NVLink rate describes nothing."""
+    that file too); a scenario of several nodes: its NIC tier's bytes too (nic_lines). A scenario of CPU ranks (scenario.cpu_ranks) gets no scenario ideal: its NVLink rate describes nothing."""
     from epbench.routing import route_all, traffic
 
     if csv is not None:
@@ -696,6 +715,8 @@ def run_local(s: Any, console: Any, csv: Optional[Path] = None, argv: Sequence[s
         for c in ceilings:
             c.scenario_ideal_us = None
     print_ceilings(s, ceilings, limits, "cpu", console, no_links)
+    for line in nic_lines(s, tr, limits):  # a multi-node scenario's other tier (the table's bytes: NVLink)
+        console.print(line, highlight=False)
     if csv is not None:
         _record(csv, s, ceilings, argv, "cpu", {})
         console.print(f"figures: {csv}")

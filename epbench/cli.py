@@ -50,7 +50,29 @@ err = wide_console(stderr=True)
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
-ScenarioArg = Annotated[Optional[Path], typer.Argument(
+
+def _given_path(value: object) -> Path:
+    """A path argument or option as typed. An empty string is refused (a usage error: one line,
+    exit 2): Path('') is '.', so `--results ''` would write into the current folder, `--json ''`
+    name it and `report ''` read it, none of which was asked for."""
+    if isinstance(value, Path):  # a default
+        return value
+    if str(value) == "":
+        raise typer.BadParameter("must name a file or folder, got an empty string")
+    return Path(str(value))
+
+
+def path_argument(**kw):
+    """typer.Argument of a path: an empty string refused (_given_path)."""
+    return typer.Argument(parser=_given_path, **kw)
+
+
+def path_option(*names: str, **kw):
+    """typer.Option of a path: an empty string refused (_given_path), <path> in the help as before."""
+    return typer.Option(*names, parser=_given_path, metavar="<path>", **kw)
+
+
+ScenarioArg = Annotated[Optional[Path], path_argument(
     help="Scenario YAML. Default: the shipped scenario that fits this host.", show_default=False)]
 NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="Run the scenario's shape on this many ranks (one node).")]
 BackendsOpt = Annotated[Optional[str], typer.Option("--backends", help="Comma-separated backends (default: the scenario's).")]
@@ -59,12 +81,12 @@ TokensOpt = Annotated[Optional[str], typer.Option("--tokens", help="Comma-separa
 ItersOpt = Annotated[Optional[int], typer.Option("--iters", help="Timed iterations per point.")]
 WarmupOpt = Annotated[Optional[int], typer.Option("--warmup", help="Untimed iterations per point.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cuda | cpu (default: the scenario's).")]
-ResultsOpt = Annotated[Path, typer.Option("--results", help="Folder that receives the run folder.")]
+ResultsOpt = Annotated[Path, path_option("--results", help="Folder that receives the run folder.")]
 NnodesOpt = Annotated[Optional[int], typer.Option("--nnodes", help="Nodes (multi-node runs; passed to torchrun).")]
 NodeRankOpt = Annotated[Optional[int], typer.Option("--node-rank", help="This node's rank (passed to torchrun).")]
 RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous (passed to torchrun).")]
 RdzvTimeoutOpt = Annotated[Optional[int], typer.Option("--rdzv-timeout", help="Seconds to wait for every node to join (multi-node; torchrun's default otherwise).")]
-RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", hidden=True)]
+RunDirOpt = Annotated[Optional[Path], path_option("--run-dir", hidden=True)]
 ControlTimeoutOpt = Annotated[Optional[float], typer.Option("--control-timeout", help="Seconds the ranks wait for each other at a barrier, gather or start-up before stopping with one line naming the missing ranks (default: the scenario's bench.control_timeout_s, 300).")]
 MpsOpt = Annotated[bool, typer.Option("--mps/--no-mps", help="Start a private MPS daemon for the run (ranks sharing a GPU then run side by side; needs root).")]
 InputSetsOpt = Annotated[Optional[str], typer.Option("--input-sets", help=f"Input sets the timed calls rotate through (other token values, the same routes on other tokens), e.g. 4; 1 = the same inputs every call; a list (1,4) times each point once per entry, side by side. Default: the scenario's bench.input_sets ({scenario.INPUT_SETS}).", show_default=False)]
@@ -74,7 +96,7 @@ NoCeilOpt = Annotated[bool, typer.Option("--no-ceilings", help="Skip measuring t
 OptionOpt = Annotated[Optional[List[str]], typer.Option(
     "--option", help="A backend option, key=value or backend.key=value (repeatable; docs/backends.md).")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table with every column (spread over ranks, NVML, NIC, ceilings, slowest rank); the columns that tell rows apart (tokens, call, inputs) are shown wherever they vary.")]
-ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, kernel, sms, call, timing, inputs, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong).")]
+ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table columns by key, e.g. op,backend,sms,time,busbw (keys: tokens, op, backend, kernel, sms, call, timing, inputs, time, p99, algbw, busbw, link, nvml, nic, ceiling, slow_rank, wrong; each once, not with --wide; timing and p99 apply to low-latency rows only).")]
 FaultOpt = Annotated[Optional[str], typer.Option("--inject-fault", hidden=True,
                                                  help="dispatch | combine: corrupt one output row (tests the checks).")]
 
@@ -337,6 +359,8 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
     if by_hand:
         return Plan(device=device or s.bench.device, run_dir=run_dir, jobs=(opts.backends,), **common)
     dev = resolve_device(s, device)
+    if backends is not None:
+        check_named_backends(s, opts.backends, dev)
     check_memory(s, dev, opts.tokens)
     nodes = 1 if nnodes is None else nnodes
     if nodes < 1:
@@ -364,6 +388,47 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
     return Plan(device=dev, run_dir=run_dir, jobs=jobs_of(opts.backends, nodes), nnodes=nodes,
                 node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout_s=rdzv_timeout,
                 mps=mps, **common)
+
+
+def unrunnable_reason(s: scenario.Scenario, name: str, device: str) -> Optional[str]:
+    """Why backend ``name`` would be skipped on every rank of this run (words that follow its
+    name), by the ranks' own rule
+    (driver.py _measure_size): a scenario mode it does not implement (a normal-mode backend in a
+    low-latency run runs its normal path, runs_as_normal) or, on CPU ranks, its unavailable_reason
+    there, the same call with the same setup as on a rank. None where it may run; where its class
+    cannot be imported here; for a DeepEP flavor's availability (its job runs from the flavor's
+    own venv, whose libraries this process lacks); and on GPUs, which the ranks judge."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from epbench import driver, flavors
+    from epbench.backends import load_backend
+
+    be_cls, _ = load_backend(name)
+    if be_cls is None:
+        return None
+    as_normal = driver.runs_as_normal(be_cls, s.mode)
+    why = None if as_normal else driver._mode_reason(be_cls, s.mode)
+    if why is None and device == "cpu" and name not in flavors.BACKEND_FLAVOR:
+        import torch
+
+        setup = driver.rank_setup(s, SimpleNamespace(rank=0, world=s.world, device=torch.device("cpu")))
+        why = be_cls.unavailable_reason(dataclasses.replace(setup, mode="normal") if as_normal else setup)
+        why = why and f"cannot run on CPU ranks: {why}"
+    return why
+
+
+def check_named_backends(s: scenario.Scenario, names: Tuple[str, ...], device: str) -> None:
+    """--backends of which none can run this scenario (unrunnable_reason) would start the ranks to
+    measure nothing, exit 0 and leave a complete run of skip rows: refused before launch, naming each
+    and why. Where one of them can run, the others are left to the ranks (their skip rows stay)."""
+    reasons = []
+    for name in names:
+        why = unrunnable_reason(s, name, device)
+        if why is None:
+            return
+        reasons.append(f"{name} {why}")
+    raise UserError(f"--backends: nothing would be measured in {s.source} ({s.mode} mode): {'; '.join(reasons)}")
 
 
 def ineffective_options(s: scenario.Scenario, opts, device: str, *, mps: bool = False,
@@ -440,7 +505,7 @@ def run(path: ScenarioArg = None, nproc: NprocOpt = None, backends: BackendsOpt 
 
 
 @app.command()
-def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
+def sweep(path: Annotated[Path, path_argument(help="Scenario YAML.")],
           sms: Annotated[Optional[str], typer.Option("--sms", help="Comma-separated SM counts, e.g. 4,8,16,24,32.")] = None,
           tokens: TokensOpt = None,
           nproc: NprocOpt = None, backends: BackendsOpt = None, iters: ItersOpt = None,
@@ -464,7 +529,7 @@ def sweep(path: Annotated[Path, typer.Argument(help="Scenario YAML.")],
 
 
 @app.command()
-def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
+def overlap(path: Annotated[Path, path_argument(help="Scenario YAML.")], nproc: NprocOpt = None,
             sms: Annotated[Optional[str], typer.Option("--sms", help="SM counts for the communication, e.g. 4,8,16,32 (the GEMM gets the rest).")] = None,
             backends: BackendsOpt = None,
             gemm: Annotated[Optional[str], typer.Option("--gemm", help="M,N,K (default 8192,8192,8192), or experts[:INTERMEDIATE] for the rank's expert GEMMs.")] = None,
@@ -489,6 +554,12 @@ def overlap(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     s, opts = _prepare(path, nproc, backends, sms, iters, warmup, option, call_modes=call_modes)
     if s.mode != "normal":  # as the ranks would say, but before any starts
         raise UserError(f"{s.source}: mode: overlap measures normal mode only (not {s.mode})")
+    if backends is not None:
+        check_named_backends(s, opts.backends, "cuda")
+    if not launch.under_torchrun():  # cheap checks of the output folders, as run's
+        from epbench.results import check_new_run_dir
+
+        check_new_run_dir(results, run_dir)
     o = ov.OverlapOptions(opts.backends, opts.sms, opts.warmup, opts.iters, spec)
     p = Plan(verb="overlap", scenario=s, options=o, device="cuda", argv=tuple(sys.argv[1:]),
              results=results, run_dir=run_dir, jobs=(o.backends,))
@@ -575,7 +646,7 @@ def probe(tokens: Annotated[str, typer.Option("--tokens", help=PROBE_TOKENS_HELP
           nproc: Annotated[int, typer.Option("--nproc", help="Ranks: sharing the first visible GPU, or one GPU each with --spread.")] = 1,
           spread: Annotated[bool, typer.Option("--spread", help="Each rank on a GPU of its own (the first --nproc visible): the calls cross the links; parts per rank on its own clock, the slowest rank's shown.")] = False,
           mps: Annotated[bool, typer.Option("--mps", help="Start a private MPS daemon for the ranks (as `epbench run --mps`).")] = False,
-          csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the rows to this CSV file (the probe's column order).")] = None,
+          csv: Annotated[Optional[Path], path_option("--csv", help="Also write the rows to this CSV file (the probe's column order).")] = None,
           results: ResultsOpt = Path("results"), run_dir: RunDirOpt = None) -> None:
     """Where the low-latency kernels' fixed cost goes: each part of a dispatch / combine call
     from per-block timer stamps, beside probe kernels, per SM count, tokens and variant (CUDA;
@@ -624,7 +695,7 @@ def probe(tokens: Annotated[str, typer.Option("--tokens", help=PROBE_TOKENS_HELP
 
 
 @app.command()
-def validate(paths: Annotated[List[Path], typer.Argument(help="Scenario YAML files.")]) -> None:
+def validate(paths: Annotated[List[Path], path_argument(help="Scenario YAML files.")]) -> None:
     """Check scenario files; one line per file (every file is checked, bad ones on stderr).
 
     Example: epbench validate scenarios/*.yaml"""
@@ -664,7 +735,7 @@ def _said_after(failed: List[UserError], done: int, verb: str, tail: str = "") -
 
 
 @app.command()
-def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
+def report(run_dirs: Annotated[List[Path], path_argument(help="Results folders (or folders of them, searched recursively).")],
            per_rank: Annotated[bool, typer.Option("--per-rank", help="Also list every rank's time and bandwidths.")] = False,
            wide: WideOpt = False, columns: ColumnsOpt = None) -> None:
     """Print the table of one or more results folders.
@@ -692,16 +763,18 @@ def report(run_dirs: Annotated[List[Path], typer.Argument(help="Results folders 
 
 
 @app.command()
-def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or folders of them, searched recursively).")],
-         out: Annotated[Optional[Path], typer.Option("--out", help="Folder that receives one subfolder per run, <out>/<run folder name>/ (the runs' PNGs share file names; default: <run>/plots); with --together, the folder for its one PNG.")] = None,
+def plot(paths: Annotated[List[Path], path_argument(help="Results folders (or folders of them, searched recursively).")],
+         out: Annotated[Optional[Path], path_option("--out", help="Folder that receives one subfolder per run, <out>/<run folder name>/ (the runs' PNGs share file names; default: <run>/plots); with --together, the folder for its one PNG.")] = None,
          force: ForceOpt = False,
          together: Annotated[bool, typer.Option("--together", help="One bandwidth-vs-SMs figure of all the "
                                                 "runs given (same scenario, ranks and transport; a line per "
                                                 "backend and run, refused where no run set an SM count), e.g. "
                                                 "one run per DeepEP flavor; into --out (default: the first "
                                                 "run's plots folder).")] = False) -> None:
-    """Draw bandwidth-vs-SMs (with the link limit and ceiling), per-rank, latency-vs-tokens (any
-    --tokens sweep) and expert-load PNGs from results folders, each naming its run and commit.
+    """Draw bandwidth-vs-SMs (runs of two or more SM counts, with the link limit and ceiling),
+    per-rank, latency-vs-tokens (any --tokens sweep) and expert-load (at the largest token count
+    measured) PNGs from results folders, each naming its run and commit; a run that failed
+    verification is said in one line and marked red in every figure.
 
     Example: epbench plot results/20261125T013216Z_dsv3x4_w1"""
     from epbench.plot import PlotsKept, plot_run, plot_together
@@ -743,13 +816,14 @@ def plot(paths: Annotated[List[Path], typer.Argument(help="Results folders (or f
 
 
 @app.command()
-def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc: NprocOpt = None,
+def ceiling(path: Annotated[Path, path_argument(help="Scenario YAML.")], nproc: NprocOpt = None,
             sms: SmsOpt = None, iters: ItersOpt = None, warmup: WarmupOpt = None, device: DeviceOpt = None,
-            csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Also write every measured figure into this CSV file, one per row, and what produced them (commit, versions, GPUs, the scenario) into the same name + .json (without GPUs: the nominal figures).")] = None) -> None:
+            csv_out: Annotated[Optional[Path], path_option("--csv", help="Also write every measured figure into this CSV file, one per row, and what produced them (commit, versions, GPUs, the scenario) into the same name + .json (without GPUs: the nominal figures).")] = None) -> None:
     """Ceilings for the scenario's own bytes: copy-engine peer copies measured on the GPUs,
     nominal NVLink / NIC limits from the hardware. Measuring needs as many CUDA GPUs as the
     scenario has ranks per node (or --nproc N); on a host without GPUs, --device cpu prints
-    only the byte counts and nominal limits (exit 0).
+    only the byte counts and nominal limits (exit 0), for multi-node scenarios too (the NIC
+    tier's bytes in one line per op).
 
     Example: epbench ceiling scenarios/smoke.yaml --device cpu  (or --sms 4,8 on GPUs)"""
     import dataclasses
@@ -787,17 +861,17 @@ def ceiling(path: Annotated[Path, typer.Argument(help="Scenario YAML.")], nproc:
     p = Plan(verb="ceiling", scenario=s, options=RunOptions((), s.bench.sms, n_warmup, n_iters),
              device="cuda", argv=tuple(sys.argv[1:]), ranks_per_node=s.topology.gpus_per_node, csv=csv_out)
     if not launch.under_torchrun():
+        if resolve_device(s, device, share=False) != "cuda":  # byte counts and nominal limits: any node count
+            raise typer.Exit(ce.run_local(s, console, csv_out, sys.argv[1:]))
         if s.topology.nodes > 1:
             raise UserError(f"{s.source}: topology.nodes: ceilings are measured inside one node; "
                             f"use --nproc N to run the shape on N GPUs of this node")
-        if resolve_device(s, device, share=False) != "cuda":
-            raise typer.Exit(ce.run_local(s, console, csv_out, sys.argv[1:]))
     _start_one(p)
 
 
 @app.command()
-def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseline).")],
-            b: Annotated[Path, typer.Argument(help="Results folder B.")],
+def compare(a: Annotated[Path, path_argument(help="Results folder A (the baseline).")],
+            b: Annotated[Path, path_argument(help="Results folder B.")],
             plot_out: Annotated[Optional[str], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG (a folder: a file named after both runs in it).")] = None,
             force: ForceOpt = False,
             wide: Annotated[bool, typer.Option("--wide", help="Adds the scenario column (shown anyway where the two runs' scenarios differ).")] = False) -> None:
@@ -808,6 +882,8 @@ def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseli
     from epbench.compare import print_compare
 
     png = None
+    if plot_out == "":  # '' would be the current folder (as for a path option: _given_path)
+        raise UserError("--plot: must name a file or folder, got an empty string")
     if plot_out is not None:  # a file that exists stops the command before anything is printed
         from epbench.plot import compare_output, compare_plot, output_path, why_no_compare_plot
 
@@ -822,14 +898,14 @@ def compare(a: Annotated[Path, typer.Argument(help="Results folder A (the baseli
 
 
 @app.command()
-def predict(path: Annotated[Path, typer.Argument(help="Scenario YAML (any topology; nothing runs).")],
-            calibrate: Annotated[Optional[Path], typer.Option("--calibrate", help="Intranode results folder (or a folder of them) that sets the NVLink efficiency. Default: the best matching point in epbench/data/calibration.csv, else none.")] = None,
+def predict(path: Annotated[Path, path_argument(help="Scenario YAML (any topology; nothing runs).")],
+            calibrate: Annotated[Optional[Path], path_option("--calibrate", help="Intranode results folder (or a folder of them) that sets the NVLink efficiency. Default: the best matching point in epbench/data/calibration.csv, else none.")] = None,
             backends: Annotated[Optional[str], typer.Option("--backends", help="Backend whose measured efficiency calibrates the model (one name; default epbench).")] = None,
             old_backend: Annotated[Optional[str], typer.Option("--backend", hidden=True)] = None,
             sms: Annotated[Optional[int], typer.Option("--sms", help="Calibrate from this SM count (default: the run's fastest).")] = None,
             nic_efficiency: Annotated[float, typer.Option("--nic-efficiency", help="Fraction of the nominal NIC rate reached (assumed; nothing here measures a NIC).")] = 1.0,
             overhead_us: Annotated[float, typer.Option("--overhead-us", help="Fixed per-call cost taken out of the calibration time and added to each prediction.")] = 0.0,
-            json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the numbers to this new file (never overwritten).")] = None,
+            json_out: Annotated[Optional[Path], path_option("--json", help="Also write the numbers to this new file (never overwritten).")] = None,
             method: Annotated[str, typer.Option("--method", help="Per-rank copies: exact (route every rank), sampled (from the routing distribution), auto (exact up to 64 ranks).")] = "auto") -> None:
     """PREDICTED dispatch/combine time and bandwidths for a topology from its routing bytes and
     link rates, calibrated by a measured intranode run (epbench/predict.py). CPU only.
@@ -876,6 +952,7 @@ def _one_backend(names: Optional[str]) -> str:
     picked = [b.strip() for b in names.split(",") if b.strip()]
     if len(picked) != 1:
         raise UserError(f"--backends: predict calibrates from one backend, got {scenario.shown(names)}")
+    scenario.check_backends(tuple(picked), "--backends")  # as run refuses it, before anything is read
     return picked[0]
 
 

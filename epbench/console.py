@@ -38,12 +38,19 @@ def wide_console(stderr: bool = False) -> Console:
     return SafeConsole(stderr=stderr, width=200)
 
 
+# past this a figure is written with an exponent (1.23e+09): a 1e308 from a hand-edited file as 309
+# digits would take a table's width; a real time (10 s = 1e7 us) or bandwidth stays plain
+PLAIN_BELOW = 1e8
+
+
 def number(v: object) -> str:
     """A figure as the tables show it: three significant figures at most, none wasted on big
-    numbers (327, 41.2, 0.0123); "-" where there is none."""
+    numbers (327, 41.2, 0.0123), an exponent past PLAIN_BELOW (1.23e+09); "-" where there is none."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     v = float(v)  # type: ignore[arg-type]
+    if abs(v) >= PLAIN_BELOW:
+        return f"{v:.3g}"
     if abs(v) >= 100:
         return f"{v:.0f}"
     return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"

@@ -267,9 +267,12 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                expert_major_rows: Optional[Dict[str, torch.Tensor]] = None
                ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """Rank 0: raw samples -> one row per (op, rank) with bytes and bandwidths. In a functional
-    run (``functional`` says why) the link figures stay empty: nothing crossed a link."""
+    run (``functional`` says why) the link figures stay empty: nothing crossed a link. Nor on CPU
+    ranks (``device`` "cpu"): gloo moves their rows through host memory, so they have no link
+    bytes either, only algbw (bytes received / time)."""
     m, topo = s.model, s.topology
-    over_links = functional is None
+    on_gpus = device != "cpu"
+    over_links = functional is None and on_gpus
     rows, samples = [], []
     for op in OPS:
         dtype = m.dispatch_dtype if op == "dispatch" else m.combine_dtype
@@ -278,7 +281,7 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
             r = rec.rank
             ts = rec.samples_us[op]
             t_med = median(ts)
-            has_nic = topo.nodes > 1
+            has_nic = topo.nodes > 1 and on_gpus
             measured = measured_columns(rec, op, *counter_reference_bytes(
                 topo.virtual_nodes, int(nbytes["nvlink"][r]), int(nbytes["nic"][r]) if has_nic else None), t_med)
             rows.append({
@@ -290,7 +293,7 @@ def point_rows(s: Scenario, be_cls: type, sms: int, records: List[PointRecord], 
                 "experts_per_rank": m.experts_per_rank, "routing": s.routing.kind,
                 "iters": len(ts), "input_sets": rec.input_sets, "call_mode": rec.call_mode, "time_us": t_med, "time_us_min": min(ts),
                 "time_us_max": max(ts), "time_us_mean": sum(ts) / len(ts),
-                "algo_bytes": int(nbytes["algo"][r]), "nvlink_bytes": int(nbytes["nvlink"][r]),
+                "algo_bytes": int(nbytes["algo"][r]), "nvlink_bytes": int(nbytes["nvlink"][r]) if on_gpus else None,
                 "nic_bytes": int(nbytes["nic"][r]) if has_nic else None,
                 "algbw_gbps": bandwidth_gbps(int(nbytes["algo"][r]), t_med),
                 # a rank that sent no byte over a tier has no bus bandwidth there (empty, not 0)

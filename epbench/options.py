@@ -386,7 +386,9 @@ def validate(data: Any, where: str = "backend_options") -> Dict[str, Dict[str, A
 
 
 def parse_cli(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
-    """``--option`` values, ``[backend.]key=value`` each, as a validated mapping."""
+    """``--option`` values, ``[backend.]key=value`` each, as a validated mapping. A key given twice
+    (bare or qualified) is refused, as ``--sms 4,4`` is: with different values the last would win
+    unseen, with the same one it says nothing."""
     out: Dict[str, Dict[str, Any]] = {}
     for item in items:
         name, eq, value = item.partition("=")
@@ -399,7 +401,11 @@ def parse_cli(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
                 where = "no backend has it" if not owners else f"{', '.join(owners)} have it: write backend.{key}"
                 raise UserError(f"--option {item}: option {key!r} is ambiguous or unknown ({where})")
             backend = owners[0]
-        out.setdefault(backend, {})[key] = value
+        given = out.setdefault(backend, {})
+        if key in given:
+            values = "" if given[key].strip() == value.strip() else f" ({given[key].strip()}, then {value.strip()})"
+            raise UserError(f"--option: {backend}.{key} is listed twice{values}; give it once")
+        given[key] = value
     return validate(out, "--option")
 
 

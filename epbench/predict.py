@@ -698,11 +698,19 @@ def write_json(pred: Prediction, path: Path, argv: Optional[Sequence[str]] = Non
 
 
 def check_json_path(path: Path) -> None:
-    """Refuses a --json file that exists or sits in a results folder (before anything is
-    computed, and again when it is written; a path that cannot be written fails on opening)."""
-    from epbench.results import is_run_dir, refuse_existing
+    """Refuses a --json file that exists, sits in a results folder, or whose folder is missing or
+    cannot be written (before anything is computed, and again when it is written): the table is
+    not printed and then followed by an error."""
+    from epbench.results import check_writable, is_run_dir, refuse_existing
 
     refuse_existing(path, "--json")
-    if path.parent.is_dir() and is_run_dir(path.parent):
+    if not path.parent.is_dir():  # the words write_new would have said, after the prediction
+        why = "Not a directory" if path.parent.exists() else "No such file or directory"
+        raise UserError(f"--json {path}: {why} ({path.parent} is not a folder; it is not created)")
+    if is_run_dir(path.parent):
         raise UserError(f"--json {path}: {path.parent} is a results folder; predictions stay "
                         f"out of measured results")
+    try:
+        check_writable(path.parent)
+    except UserError as e:
+        raise UserError(f"--json {path}: {e}") from None

@@ -92,8 +92,14 @@ def _sms(n: Any) -> str:
     return str(int(n)) if n else "auto"
 
 
+def _whole(n: Any) -> str:
+    """A count as the tables show it; '-' where the rows do not record it (a folder from before
+    the column: results.load_run refuses a gap in a column that is there)."""
+    return "-" if n is None or pd.isna(n) else str(int(n))
+
+
 COLUMNS: Dict[str, Tuple[str, str, Cell]] = {
-    "tokens": ("tokens", "right", lambda r, w: str(int(r["tokens_per_rank"]))),
+    "tokens": ("tokens", "right", lambda r, w: _whole(r.get("tokens_per_rank"))),
     "op": ("op", "left", lambda r, w: str(r["op"])),
     "backend": ("backend", "left", lambda r, w: str(r["backend"])),
     "kernel": ("kernel", "left", lambda r, w: r["impl"] if isinstance(r.get("impl"), str) and r["impl"] else "-"),
@@ -119,15 +125,33 @@ WIDE = ("op", "backend", "kernel", "sms", "timing", "time", "p99", "algbw", "bus
 
 
 def parse_columns(text: Optional[str], wide: bool = False) -> Optional[Tuple[str, ...]]:
-    """``--columns a,b`` (keys of COLUMNS) or ``--wide`` as a column choice; None = the default."""
+    """``--columns a,b`` (keys of COLUMNS) or ``--wide`` as a column choice; None = the default.
+    Both at once, or a key twice, is refused: either would print a table other than the one asked
+    for (--wide's columns are a --columns choice of their own)."""
     if text is None:
         return WIDE if wide else None
+    if wide:
+        raise UserError("--wide and --columns: give one (--wide is --columns " + ",".join(WIDE) + ")")
     keys = tuple(k.strip() for k in text.split(",") if k.strip())
     bad = [k for k in keys if k not in COLUMNS]
     if bad or not keys:
         raise UserError(f"--columns: unknown column {', '.join(bad) or '(none given)'}; "
                         f"choose from {', '.join(COLUMNS)}")
+    twice = sorted({k for k in keys if keys.count(k) > 1}, key=keys.index)
+    if twice:
+        raise UserError(f"--columns: {', '.join(twice)} given twice; name each column once")
     return keys
+
+
+LL_ONLY = ("timing", "p99")  # columns of low-latency rows: a normal-mode run has no timing kinds or p99
+
+
+def not_applicable(df: pd.DataFrame, columns: Optional[Sequence[str]]) -> List[str]:
+    """The --columns keys this run's table leaves out because they mean nothing for its rows
+    (timing and p99 on a normal-mode run): said in a note rather than dropped without a word."""
+    if columns is None or tuple(columns) == WIDE or df.empty or _low_latency(df):
+        return []
+    return [k for k in columns if k in LL_ONLY]
 
 
 # The columns that tell a table's rows apart (metrics.summarize's keys) -> the rows' column, in the
@@ -162,7 +186,7 @@ def _chosen(df: pd.DataFrame, columns: Optional[Sequence[str]], swept_tokens: bo
     wide = columns is not None and tuple(columns) == WIDE
     keys = list(columns or (LOW_LATENCY if _low_latency(df) else DEFAULT))
     if not _low_latency(df):
-        keys = [k for k in keys if k not in ("timing", "p99")]
+        keys = [k for k in keys if k not in LL_ONLY]
     nic = "busbw_nic_gbps" in df and pd.to_numeric(df["busbw_nic_gbps"], errors="coerce").notna().any()
     if columns is None and nic and "busbw" in keys:  # a run with a NIC tier: its busbw is a first column too
         keys.insert(keys.index("busbw") + 1, "nic")
@@ -186,6 +210,41 @@ def _kernel_varies(df: pd.DataFrame) -> bool:
 CAPTION = ("time = slowest rank's median (us); algbw / busbw in GB/s, the slowest-bandwidth rank "
            "(--wide: min / median / max over ranks); busbw = bus bandwidth over the transport in the "
            "title, '-' where nothing crossed a link; full data: results.csv")
+NO_LINK_CAPTION = ("time = slowest rank's median (us); algbw in GB/s, the slowest-bandwidth rank "
+                   "(--wide: min / median / max over ranks); busbw: '-', nothing crossed a link (CPU "
+                   "ranks over gloo cross no NVLink or NIC; one rank or a shared GPU neither); full "
+                   "data: results.csv")
+# what only a byte that crossed a link gives: blank ('-') in the rows of CPU ranks (link_figures)
+LINK_FIGURES = ("busbw_nvlink_gbps", "busbw_nic_gbps", "busbw_nvlink_measured_gbps", "busbw_nic_measured_gbps",
+                "nvlink_link_use_pct", "nvlink_efficiency")
+
+
+def _cpu_rows(df: pd.DataFrame, meta: Optional[Dict[str, Any]]) -> pd.Series:
+    """The rows whose ranks were CPU processes: all of a run whose meta.json says cpu, else those
+    whose device column does."""
+    if meta is not None and meta.get("device") == "cpu":
+        return pd.Series(True, index=df.index)
+    return df["device"].eq("cpu") if "device" in df else pd.Series(False, index=df.index)
+
+
+def link_figures(df: pd.DataFrame, meta: Optional[Dict[str, Any]] = None) -> pd.DataFrame:
+    """``df`` with LINK_FIGURES blank on rows of CPU ranks: gloo moved their bytes through host
+    memory, no NVLink or NIC, so a bus bandwidth there means nothing (metrics.point_rows files none
+    since; folders from before hold one)."""
+    cpu = _cpu_rows(df, meta)
+    cols = [c for c in LINK_FIGURES if c in df]
+    if df.empty or not cols or not cpu.any():
+        return df
+    df = df.copy()
+    for c in cols:
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype(float).mask(cpu)
+    return df
+
+
+def _crossed(df: pd.DataFrame) -> bool:
+    """Whether some row has a bus bandwidth: else the caption claims no transport for busbw."""
+    return any(c in df and pd.to_numeric(df[c], errors="coerce").notna().any()
+               for c in ("busbw_nvlink_gbps", "busbw_nic_gbps"))
 LINK_CAPTION = "link % = the busiest rank's NVLink traffic (NVML, protocol included) over the links' capacity"
 KERNEL_CAPTION = ("kernel: the kernel that ran, as the library records it (an option left at auto may take "
                   "another at another SM count; docs/backends.md)")
@@ -270,7 +329,7 @@ def results_table(df: pd.DataFrame, title: str = "",
     cells = {k: [COLUMNS[k][2](r, wide) for _, r in summary.iterrows()] for k in keys}
     shown, widths = _fitted(keys, {k: [headers[k]] + cells[k] for k in keys}, width, _varying(df, swept_tokens))
     link_said = "link" in shown and any(c.strip() not in ("", "-") for c in cells["link"])  # not on gloo runs
-    parts = ((True, CAPTION), (link_said, LINK_CAPTION), ("kernel" in shown, KERNEL_CAPTION), (wide, WIDE_CAPTION),
+    parts = ((True, CAPTION if _crossed(df) else NO_LINK_CAPTION), (link_said, LINK_CAPTION), ("kernel" in shown, KERNEL_CAPTION), (wide, WIDE_CAPTION),
              (_low_latency(df), LL_CAPTION), ("inputs" in shown, INPUTS_CAPTION), ("call" in shown, CALL_CAPTION))
     caption = ". ".join(text for said, text in parts if said)  # sentences, each ended before the next
     left_out = [headers[k] for k in keys if k not in shown]
@@ -285,9 +344,13 @@ def results_table(df: pd.DataFrame, title: str = "",
     return table
 
 
+NOT_RECORDED = "link not recorded"
+
+
 def transport(meta: Dict[str, Any]) -> str:
     """What carried a run's bytes, in a reader's words: "gloo (CPU)", "NVLink", "PCIe", or, where
-    nothing crossed a link, "one rank - functional" / "shared GPU - functional"."""
+    nothing crossed a link, "one rank - functional" / "shared GPU - functional"; NOT_RECORDED where
+    meta.json holds no GPU topology matrix to tell NVLink from PCIe (never a guess)."""
     import re
 
     if meta.get("device") == "cpu":
@@ -298,33 +361,46 @@ def transport(meta: Dict[str, Any]) -> str:
     matrix = str(meta.get("topology") or "").split("Legend")[0]
     if re.search(r"\bNV\d+\b", matrix):
         return "NVLink"
-    return "PCIe" if matrix.strip() else "NVLink"  # no matrix recorded: the scenario's NVLink
+    return "PCIe" if matrix.strip() else NOT_RECORDED  # no matrix: no evidence of either
 
 
 def floor_notes(df: pd.DataFrame) -> List[str]:
     """Low-latency runs: the fixed cost of each backend's op, i.e. the slowest rank's p50 at the
     fewest tokens the run measured (its best SM count and standalone timing), one line each; where
     the run has chain rows, the line adds the in-graph figure (best SM count of the chain rows). A
-    decode step pays it whatever its batch; bytes only add to it."""
+    decode step pays it whatever its batch; bytes only add to it. Each way of timing a point
+    (input sets, call mode) is its own figure, as in the table; the line names the best one's where
+    the run timed more than one (never the max over them, a figure no row shows)."""
     if df.empty or "mode" not in df or not (df["mode"] == "low_latency").any() or "tokens_per_rank" not in df:
         return []
     ll = df[df["mode"] == "low_latency"]
     fewest = ll["tokens_per_rank"].min()
-    keys = [k for k in ("backend", "op", "sms", "timing", "chain") if k in ll]
+    keys = [k for k in ("backend", "op", "sms", "timing", "chain") + VARIANTS if k in ll]
     worst = ll[ll["tokens_per_rank"] == fewest].groupby(keys, dropna=False)["time_us"].max().reset_index()
     chained = worst["timing"] == "chain" if "timing" in worst else pd.Series(False, index=worst.index)
+    named = [k for k in VARIANTS if k in ll and ll[k].astype(object).nunique(dropna=False) > 1]
     out = []
     for (backend, op), g in worst[~chained].groupby(["backend", "op"], sort=False):
         best = g.loc[g["time_us"].idxmin()]
-        how = f"{_sms(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
+        how = f"{_sms(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "") + _variant(best, named)
         line = f"floor: {backend} {op} {number(best['time_us'])} us at {int(fewest)} token(s) per rank ({how})"
         chain = worst[chained & (worst["backend"] == backend) & (worst["op"] == op)]
         if not chain.empty:
             c = chain.loc[chain["time_us"].idxmin()]
             line += (f"; in-graph {number(c['time_us'])} us ({_sms(c['sms'])} SMs, "
-                     f"{timing_label('chain', c.get('chain'))}: per call of a chain in one graph)")
+                     f"{timing_label('chain', c.get('chain'))}{_variant(c, named)}: per call of a chain in one graph)")
         out.append(line)
     return out
+
+
+VARIANTS = ("input_sets", "call_mode")  # further ways one point is timed: each its own row in the table
+
+
+def _variant(row: pd.Series, named: Sequence[str]) -> str:
+    """The ``named`` ways of timing (those that vary in the run) of the row a floor or bound line
+    quotes, as the table shows them ("rot 4", "kernel"), so that the figure can be found there."""
+    said = {"input_sets": lambda v: f"inputs {_input_sets(v)}", "call_mode": lambda v: f"{v} mode"}
+    return "".join(f", {said[k](row.get(k))}" for k in named)
 
 
 def bound_notes(df: pd.DataFrame) -> List[str]:
@@ -342,12 +418,13 @@ def bound_notes(df: pd.DataFrame) -> List[str]:
         ll = ll[ll["timing"] != "chain"]
     if ll.empty:
         return []
-    keys = [k for k in ("backend", "op", "sms", "timing", "tokens_per_rank") if k in ll]
+    keys = [k for k in ("backend", "op", "sms", "timing", "tokens_per_rank") + VARIANTS if k in ll]
     worst = ll.groupby(keys, dropna=False)[["time_us", "ceil"]].max().reset_index()
+    named = [k for k in VARIANTS if k in ll and ll[k].astype(object).nunique(dropna=False) > 1]
     out = []
     for (backend, op), g in worst.groupby(["backend", "op"], sort=False):
         best = g.loc[g["time_us"].idxmin()]
-        how = f"{_sms(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "")
+        how = f"{_sms(best['sms'])} SMs" + (f", {best['timing']}" if "timing" in best else "") + _variant(best, named)
         out.append(f"bound: {backend} {op} {number(best['time_us'])} us at {int(best['tokens_per_rank'])} token(s) "
                    f"per rank ({how}) against {number(best['ceil'])} us for plain SM stores of its routed rows "
                    f"into the peers, timed the same way: {best['time_us'] / best['ceil']:.2f}x")
@@ -455,12 +532,17 @@ def print_run(df: pd.DataFrame, meta: Dict[str, Any], console: Optional[Console]
     functional = ", no link figures" if meta.get("functional") else ""
     title = (f"{scenario.get('name', '?')} on {meta.get('world', '?')} ranks "
              f"({meta.get('device', '?')}) - {transport(meta)}{functional}")
+    df = link_figures(df, meta)
     if df.empty:
         console.print(f"{title}: no measured points")
     else:
         console.print(results_table(df, title, columns, console.width, tokens_given(meta)))
     for note in meta.get("notes", []):
         console.print(f"note: {note}")
+    unused = not_applicable(df, columns)
+    if unused:
+        console.print(f"note: --columns {','.join(unused)}: low-latency rows only; this run has none, "
+                      f"so {'they are' if len(unused) > 1 else 'it is'} not shown", highlight=False)
     for line in floor_notes(df) + bound_notes(df):
         console.print(line)
     wrong = wrong_rows(df)
@@ -616,14 +698,14 @@ def print_probe(df: pd.DataFrame, meta: Dict[str, Any], console: Any) -> None:
 
 def _link_words(df: pd.DataFrame, meta: Optional[Dict[str, Any]]) -> Optional[str]:
     """What carried the rows' bus bandwidth, for a caption: the run's transport (meta.json; without
-    it, gloo where the rows say cpu, else the transport in the run's title); None where nothing
-    crossed a link (a functional run: its busbw cells are '-')."""
+    it, the transport in the run's title); None where nothing crossed a link (a functional run, CPU
+    ranks over gloo: their busbw cells are '-')."""
     if meta is not None:
-        return None if meta.get("functional") else transport(meta)
+        return None if meta.get("functional") or meta.get("device") == "cpu" else transport(meta)
     if "functional" in df and df["functional"].notna().any():
         return None
-    if "device" in df and (df["device"] == "cpu").all():
-        return transport({"device": "cpu"})
+    if "device" in df and (df["device"] == "cpu").all():  # gloo: host memory, no link
+        return None
     return "the transport in the run's title"
 
 
@@ -632,6 +714,7 @@ def per_rank_table(df: pd.DataFrame, title: str = "", meta: Optional[Dict[str, A
     median time and bandwidths, the spread of its iterations, and a mark on the slowest rank of
     each point. The columns that tell the points apart are those that vary among the rows; the NIC
     column only where a row has a NIC tier. ``meta``: the run's meta.json (names the transport)."""
+    df = link_figures(df, meta)
     shown = [k for k in _varying(df, tokens_given(meta or {})) if k not in ("op", "backend", "sms")]
     nic = "busbw_nic_gbps" in df and pd.to_numeric(df["busbw_nic_gbps"], errors="coerce").notna().any()
     link = _link_words(df, meta)

@@ -72,14 +72,29 @@ def _make_root(root: Path) -> None:
 def check_new_run_dir(root: Path, run_dir: Optional[Path]) -> None:
     """Refuses, before anything starts, a results root that is not a folder or cannot be written
     (a read-only file system, no permission, a full disk), or a --run-dir that exists
-    (claim_run_dir / new_run_dir still claim the folder atomically later)."""
+    (claim_run_dir / new_run_dir still claim the folder atomically later), or a new run's folder
+    inside a run folder at any depth: report and plot stop at a run folder (_walk), so a run
+    nested in one would never be found."""
     for p in (root,) + ((run_dir.parent,) if run_dir else ()):
         if p.exists() and not p.is_dir():
             raise UserError(f"{_shown(p)}: not a folder; results need a folder")
     if run_dir is not None and (run_dir.exists() or run_dir.is_symlink()):
         raise UserError(f"{_shown(run_dir)}: exists already; a run never writes into an existing "
                         f"folder (give a new --run-dir)")
-    check_writable(run_dir.parent if run_dir is not None else root)
+    holder = run_dir.parent if run_dir is not None else root
+
+    def a_run(p: Path) -> bool:  # a folder it cannot look into is left to check_writable
+        try:
+            return is_run_dir(p)
+        except OSError:
+            return False
+
+    run = next((p for p in (holder, *holder.resolve().parents) if a_run(p)), None)
+    if run is not None:
+        where = f"is a run folder (it holds {META})" if run is holder else f"is inside the run folder {_shown(run)}"
+        raise UserError(f"{_shown(holder)}: {where}; a new run there would be hidden from report and plot "
+                        f"(give a folder outside it)")
+    check_writable(holder)
 
 
 def refuse_existing(path: Path, opt: str) -> None:
@@ -589,18 +604,52 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     df = _typed(read_table(path / RESULTS, need), path / RESULTS)
     if "status" in df:  # rows of points not measured (skipped, failed) carry no figures
         df = df[df["status"].fillna(MEASURED) == MEASURED].drop(columns="status").reset_index(drop=True)
-        for col in df.columns:  # integer columns read as float where unmeasured rows left gaps
-            if df[col].dtype == float and df[col].notna().all() and (df[col] % 1 == 0).all():
-                df[col] = df[col].astype("int64")
     if need is RESULT_COLUMNS and not df.empty:  # what the readers' summary takes of every measured row
-        for col in RESULT_COLUMNS + MEASURED_COLUMNS:
+        df = _defaulted(df, meta)
+        for col in RESULT_COLUMNS + MEASURED_COLUMNS + tuple(c for c in READ_WHOLE if c in df):
             if col not in df or df[col].isna().any():
                 raise UserError(f"{_shown(path / RESULTS)}: a measured row lacks its {col} (corrupt)")
-    for col in WHOLE_COLUMNS:  # read as int() by the readers: inf (or 1e400) would end them
-        if col in df and df[col].isin([float("inf"), float("-inf")]).any():
-            raise UserError(f"{_shown(path / RESULTS)}: column {col} holds an infinite value "
-                            f"where a whole number belongs (corrupt or hand-edited)")
+    _check_whole(df, path / RESULTS)
+    for col in df.columns:  # integer columns read as float where unmeasured rows left gaps
+        if df[col].dtype == float and df[col].notna().all() and (df[col] % 1 == 0).all():
+            df[col] = df[col].astype("int64")
+    if "world" not in meta and need is RESULT_COLUMNS and not df.empty and df["world"].nunique() == 1:
+        meta["world"] = int(df["world"].iloc[0])  # a folder whose meta.json lost it: its rows say it
+    if "world" not in meta:
+        raise UserError(f"{_shown(path / META)}: lacks world (corrupt or hand-edited)")
     return meta, df
+
+
+# Whole-number columns the readers take as int() from every measured row where the table has
+# them (a table's tokens column, the floor and bound lines): a gap there would end them. Absent,
+# the scenario's value stands in (_defaulted), else the readers show '-'.
+READ_WHOLE = ("tokens_per_rank",)
+WHOLE_LIMIT = 2 ** 53  # past it a float no longer holds every whole number (and int64 is near)
+
+
+def _defaulted(df: pd.DataFrame, meta: Dict[str, Any]) -> pd.DataFrame:
+    """Measured rows of a folder from before a READ_WHOLE column was written: the scenario's own
+    value (meta.json), where it records one."""
+    model = (meta.get("scenario") or {}).get("model") or {}
+    tokens = model.get("tokens_per_rank")
+    if "tokens_per_rank" not in df and _is_whole(tokens):
+        df = df.assign(tokens_per_rank=tokens)
+    return df
+
+
+def _check_whole(df: pd.DataFrame, path: Path) -> None:
+    """WHOLE_COLUMNS hold whole numbers the readers can int(): not inf, not 1e20 (astype("int64")
+    would make it -9223372036854775808), not 2.5; a UserError naming the column and the value."""
+    for col in WHOLE_COLUMNS:
+        if col not in df or not pd.api.types.is_numeric_dtype(df[col]):
+            continue
+        values = df[col].dropna().astype(float)
+        bad = values[(values.abs() >= WHOLE_LIMIT) | (values % 1 != 0)]
+        if len(bad):
+            v = bad.iloc[0]
+            said = "an infinite value" if v in (float("inf"), float("-inf")) else f"{v:g}"
+            raise UserError(f"{_shown(path)}: column {col} holds {said} where a whole number "
+                            f"belongs (corrupt or hand-edited)")
 
 
 TYPE_WORDS = {dict: "an object", list: "a list", int: "a whole number", str: "text"}
@@ -621,7 +670,9 @@ def _check_types(data: Dict[str, Any], types: Dict[str, Tuple[type, ...]], where
 
 def _check_meta(meta: Dict[str, Any], path: Path) -> None:
     """The fields of meta.json that readers use have the types the writer gives them; an object
-    or list field that is null is taken as absent (readers fall back to their defaults)."""
+    or list field that is null is taken as absent (readers fall back to their defaults). The
+    scenario and its name must be there (a title of '?' says nothing); world too (load_run:
+    where meta.json lost it, the rows may still say it)."""
     from epbench.scenario import shown
 
     where = _shown(path)
@@ -630,6 +681,9 @@ def _check_meta(meta: Dict[str, Any], path: Path) -> None:
             del meta[key]
     _check_types(meta, META_TYPES, where)
     _check_types(meta.get("scenario") or {}, SCENARIO_TYPES, where, "scenario.")
+    if not (meta.get("scenario") or {}).get("name"):  # every writer records it: what the run measured
+        raise UserError(f"{where}: lacks {'scenario.name' if meta.get('scenario') else 'scenario'} "
+                        f"(corrupt or hand-edited)")
     odd = [n for n in meta.get("notes") or [] if not isinstance(n, str)]
     if odd:
         raise UserError(f"{where}: notes must be a list of text, got {shown(odd[0], 40)} in it "

@@ -230,7 +230,7 @@ def measure(a: argparse.Namespace, say: Callable[[str], None]) -> List[Dict[str,
 def commit_label(info: Dict[str, Any]) -> str:
     """epbench's commit as provenance found it, with the build stamp beside a dirty checkout that holds another
     commit (a copy laid over an older checkout: provenance.git_commit names both)."""
-    label = str(info.get("git_commit", "unknown"))
+    label = str(info.get("git_commit") or "unknown")  # null in a hand-edited meta.json too
     stamped = info.get("git_commit_stamped")
     return f"{label} (build stamp {stamped})" if stamped else label
 

@@ -264,10 +264,10 @@ def test_a_shape_larger_than_host_memory_stops_before_launch(write_scenario, tmp
 # -- results folders with bad content, write errors (issue 35): in-process, no subprocess --------
 
 def _rows(scale=1.0):
-    return [{"scenario": "s", "backend": "epbench", "op": op, "sms": 8, "rank": r, "world": 2,
+    return [{"scenario": "s", "backend": "epbench", "op": op, "sms": sms, "rank": r, "world": 2,
              "time_us": 500.0 * scale + r, "algbw_gbps": 300.0, "busbw_nvlink_gbps": 250.0 / scale,
              "nvlink_bytes": 125_000_000, "wrong": 0, "problem": ""}
-            for op in ("dispatch", "combine") for r in range(2)]
+            for sms in (8, 16) for op in ("dispatch", "combine") for r in range(2)]  # two SM counts: a curve
 
 
 @pytest.fixture
@@ -367,3 +367,32 @@ def test_a_rank_whose_error_file_cannot_be_written_says_its_line_itself(tmp_path
     assert rank.run([str(tmp_path / "plan.json"), "0"]) == 2
     assert capsys.readouterr().err == ("epbench: error: [rank 0] /r/samples.csv: cannot write "
                                        "(No space left on device)\n")
+
+
+@pytest.mark.parametrize("verb", ["run", "overlap"])
+@pytest.mark.parametrize("where", [".", "sub", "sub/deeper"])
+def test_results_inside_a_run_folder_is_refused(verb, where, tmp_path):
+    """report and plot stop at a run folder: a run written inside one (at any depth) would never
+    be found. One line, nothing written into the run."""
+    from support import assert_one_line_error, epbench_here
+
+    run = tmp_path / "20261128T000000Z_smoke_w2"
+    run.mkdir()
+    (run / "meta.json").write_text("{}")
+    inside = (run / where) if where != "." else run
+    r = epbench_here(verb, SMOKE, "--nproc", "2", "--backends", "reference", "--call-modes", "kernel",
+                     "--results", inside)
+    line = assert_one_line_error(r, str(inside), "a new run there would be hidden from report and plot")
+    assert ("is a run folder (it holds meta.json)" if where == "." else f"is inside the run folder {run}") in line
+    assert sorted(p.name for p in run.iterdir()) == ["meta.json"]
+
+
+def test_a_run_dir_inside_a_run_folder_is_refused(tmp_path):
+    from support import assert_one_line_error, epbench_here
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "meta.json").write_text("{}")
+    r = epbench_here("run", SMOKE, "--run-dir", run / "new")
+    assert_one_line_error(r, f"{run}: is a run folder (it holds meta.json)")
+    assert not (run / "new").exists()

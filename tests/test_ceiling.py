@@ -586,3 +586,32 @@ def test_measure_job_prints_and_writes_the_csv_on_rank_0_only(monkeypatch, tmp_p
     meta = json.loads((tmp_path / "c.csv.json").read_text())
     assert meta["device"] == "cuda" and meta["iters"] == 2 and meta["argv"] == ["ceiling", "x.yaml"]
     assert f"figures: {tmp_path / 'c.csv'}" in con.export_text().replace("\n", "")
+
+
+def test_a_multi_node_scenario_without_gpus_prints_both_tiers_bytes(tmp_path):
+    """--device cpu measures nothing, so a scenario of several nodes (h100x32: 4 x 8) is printed too: its NVLink
+    bytes in the table, its NIC bytes and their ideal time at the scenario's nic_gbps in one line per op."""
+    from pathlib import Path
+
+    from epbench import scenario
+
+    s = scenario.load(Path(__file__).resolve().parents[1] / "scenarios" / "h100x32.yaml")
+    assert s.topology.nodes > 1 and s.topology.nic_gbps > 0
+    text = local_ceilings(s, tmp_path)
+    tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
+    most = max(int(row.sum()) for row in tr.nic) * ceiling.op_row_bytes(s, "dispatch")
+    line = [x for x in text.splitlines() if x.startswith(f"NIC bytes ({s.topology.nodes} nodes): dispatch")]
+    assert line == [f"NIC bytes ({s.topology.nodes} nodes): dispatch {most / 1e6:.3f} MB per rank (max over ranks); "
+                    f"ideal: scenario {ceiling.ideal_time_us(most, s.topology.nic_gbps):.1f} us at "
+                    f"{s.topology.nic_gbps:g} GB/s"]
+    assert "NIC bytes (4 nodes): combine" in text and cell(text, "dispatch", "MB per rank") != "-"
+
+
+def test_the_ceiling_command_without_gpus_takes_a_multi_node_scenario():
+    """`epbench ceiling h100x32.yaml --device cpu` prints the byte counts (exit 0), as its help says; only a
+    measurement (CUDA) is held to one node."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scenarios" / "h100x32.yaml"
+    r = epbench_here("ceiling", path, "--device", "cpu")
+    assert r.code == 0 and "NIC bytes (4 nodes): dispatch" in r.out, r.err

@@ -191,7 +191,7 @@ def test_smoke_results_csv(smoke_run):
     want = metrics.rank_bytes(t, "dispatch", metrics.row_bytes("bf16", s.model.hidden))
     got = df[(df["op"] == "dispatch") & (df["call_mode"] == "call")].sort_values("rank")
     assert got["algo_bytes"].tolist() == want["algo"].tolist()
-    assert got["nvlink_bytes"].tolist() == want["nvlink"].tolist()
+    assert got["nvlink_bytes"].isna().all() and got["busbw_nvlink_gbps"].isna().all()  # CPU ranks cross no link
     row = got.iloc[0]
     assert row["algbw_gbps"] == pytest.approx(row["algo_bytes"] / (row["time_us"] * 1e3))
 
@@ -355,7 +355,8 @@ def broken_root(tmp_path):
     for name, where in (("good", root / "good"), ("nested", root / "x" / "y" / "nested"),
                         ("corrupt", root / "corrupt"), ("truncated", root / "x" / "truncated")):
         w = RunWriter(where, RUN_META)
-        w.add(_measured_rows(scale=2.0 if name == "nested" else 1.0), [])
+        scale = 2.0 if name == "nested" else 1.0  # two SM counts: a bandwidth-vs-SMs curve
+        w.add(_measured_rows(scale=scale) + _measured_rows(sms=16, scale=scale), [])
         w.finish("complete")
         made[name] = where
     (made["corrupt"] / "meta.json").write_text('{"device": "cu')
@@ -406,7 +407,7 @@ def test_compare_reads_good_runs_and_refuses_broken_ones_in_one_line(broken_root
     r = epbench_here("compare", made["good"], made["nested"], "--plot", out)
     assert r.code == 0, r.both
     assert f"wrote {out}.png" in r.out and (tmp_path / "ab.png").is_file()  # the path written
-    assert r.out.count("0.500") == 2  # B/A busbw of the nested run (half), dispatch and combine
+    assert r.out.count("0.500") == 4  # B/A busbw of the nested run (half): dispatch and combine at 8 and 16 SMs
     again = epbench_here("compare", made["good"], made["nested"], "--plot", f"{out}.png")
     assert_one_line_error(again, f"{out}.png", "exists; --force overwrites it")
     assert "wrote" not in again.out
@@ -521,3 +522,91 @@ def test_predict_refuses_a_scenario_of_cpu_ranks_before_reading_any_calibration(
     """The refusal comes first: not a calibration error about the folder given (nothing is read)."""
     assert_one_line_error(epbench_here("predict", SMOKE, "--calibrate", tmp_path / "nowhere"),
                           "bench.device: cpu", "nothing to predict")
+
+
+# -- empty paths, backends that cannot run the scenario ----------------------------------------
+
+EMPTY_PATHS = {
+    "run-path": ("run", ""),
+    "run-results": ("run", SMOKE, "--results", ""),
+    "run-run-dir": ("run", SMOKE, "--run-dir", ""),
+    "sweep-results": ("sweep", SMOKE, "--sms", "4", "--results", ""),
+    "overlap-results": ("overlap", SMOKE, "--results", ""),
+    "probe-csv": ("probe", "--csv", ""),
+    "validate": ("validate", SMOKE, ""),
+    "report": ("report", ""),
+    "plot": ("plot", ""),
+    "plot-out": ("plot", "results", "--out", ""),
+    "ceiling-csv": ("ceiling", SMOKE, "--csv", ""),
+    "compare": ("compare", "", "results"),
+    "predict-json": ("predict", "scenarios/h100x32.yaml", "--json", ""),
+    "predict-calibrate": ("predict", "scenarios/h100x32.yaml", "--calibrate", ""),
+}
+
+
+@pytest.mark.parametrize("case", EMPTY_PATHS)
+def test_an_empty_path_is_refused_not_taken_as_the_current_folder(case, tmp_path, monkeypatch):
+    """Path('') is '.': `--results ''` wrote a run into the current folder, `report ''` read it."""
+    monkeypatch.chdir(tmp_path)  # where an accepted '' would write
+    r = epbench_here(*[str(SCENARIOS.parent / a) if a.startswith("scenarios/") else a for a in EMPTY_PATHS[case]])
+    assert_one_line_error(r, "must name a file or folder, got an empty string")
+    assert list(tmp_path.iterdir()) == [] and r.out == ""
+
+
+def test_compare_plot_into_an_empty_name_is_refused(tmp_path):
+    r = epbench_here("compare", tmp_path, tmp_path, "--plot", "")
+    assert_one_line_error(r, "--plot: must name a file or folder, got an empty string")
+
+
+def test_every_path_parameter_refuses_an_empty_string():
+    """One rule for every command's path arguments and options, those added later included."""
+    import typing
+
+    from typer.models import ParameterInfo
+
+    from epbench import cli
+
+    for command in cli.app.registered_commands:
+        for name, hint in typing.get_type_hints(command.callback, include_extras=True).items():
+            if typing.get_origin(hint) is not typing.Annotated or "Path" not in str(typing.get_args(hint)[0]):
+                continue
+            infos = [i for i in typing.get_args(hint)[1:] if isinstance(i, ParameterInfo)]
+            assert infos and all(i.parser is cli._given_path for i in infos), \
+                f"epbench {command.callback.__name__} {name}: use cli.path_argument / path_option"
+
+
+@pytest.mark.parametrize("path, backends, needles", [
+    (SMOKE, "epbench-ll", ("epbench-ll does not implement mode normal (it implements: low_latency)",)),
+    ("scenarios/smoke-ll.yaml", "epbench", ("epbench cannot run on CPU ranks: needs CUDA GPUs",)),
+    (SMOKE, "epbench,epbench-ll", ("epbench cannot run on CPU ranks", "epbench-ll does not implement mode normal")),
+])
+def test_named_backends_none_of_which_can_run_are_refused_before_launch(path, backends, needles, tmp_path):
+    """The ranks would skip each one, measure nothing and exit 0 with a complete run."""
+    r = epbench_here("run", path, "--device", "cpu", "--backends", backends, "--results", tmp_path / "res")
+    assert_one_line_error(r, "--backends: nothing would be measured in", *needles)
+    assert not (tmp_path / "res").exists()
+
+
+def test_a_backend_that_cannot_run_beside_one_that_can_is_left_to_its_skip_row(monkeypatch):
+    """Some of the named backends run: the others keep their skip rows (the ranks' rule); a
+    normal-mode backend in a low-latency run times its normal path; the defaults are not checked."""
+    from epbench import cli, scenario
+
+    smoke, ll = scenario.load(Path(SMOKE)), scenario.load(Path("scenarios/smoke-ll.yaml"))
+    cli.check_named_backends(smoke, ("reference", "epbench-ll"), "cpu")
+    cli.check_named_backends(ll, ("epbench-ll", "reference"), "cpu")
+    assert cli.unrunnable_reason(ll, "epbench", "cuda") is None  # runs_as_normal; GPUs judged by the ranks
+    assert cli.unrunnable_reason(smoke, "epbench-ll", "cuda").startswith("does not implement mode normal")
+    assert cli.unrunnable_reason(smoke, "deepep", "cpu") is None  # its flavor's venv judges it
+
+
+def test_the_default_backends_are_not_checked(monkeypatch, tmp_path):
+    from epbench import cli
+
+    def refused(*_args):
+        raise AssertionError("default backends checked")
+
+    monkeypatch.setattr(cli, "check_named_backends", refused)
+    monkeypatch.setattr(cli.sys, "argv", ["epbench", "run", SMOKE])
+    p = cli._plan("run", Path(SMOKE), device="cpu", results=tmp_path / "res")
+    assert p.options.backends == ("reference", "epbench")

@@ -13,7 +13,7 @@ from support import assert_one_line_error, epbench_here
 
 META = {"scenario": {"name": "s"}, "world": 2, "device": "cuda", "gpus": ["NVIDIA H200"] * 2,
         "driver": "580.159.04", "cuda": "13.0", "torch": "2.11.0+cu130", "nccl": "2.28.9",
-        "host": "gpu-host"}
+        "host": "gpu-host", "topology": "GPU0\tGPU1\nGPU0\t X \tNV18\nGPU1\tNV18\t X \n"}
 
 
 def rows(backend, op, sms, times, busbw, wrong=0):
@@ -202,7 +202,7 @@ def test_compare_plot_names_the_transport_of_the_runs(runs, tmp_path, monkeypatc
 
     a, b = runs
     labels = []
-    monkeypatch.setattr(plot, "_save", lambda fig, title, path, force=False: labels.append(
+    monkeypatch.setattr(plot, "_save", lambda fig, title, path, force=False, failed=0: labels.append(
         fig.axes[0].get_ylabel()) or path)
     plot.compare_plot(a, b, tmp_path / "x.png")
     gloo = write_run(tmp_path / "g", dict(META, device="cpu"), [rows("reference", "dispatch", 8, (1.0, 1.0), (1.0, 1.0))])

@@ -99,7 +99,8 @@ def _rank0_writes(run: Path, backend: str, wrong: int = 0) -> None:
     """What rank 0 of an overlap job leaves in the folder: meta.json, its backend's row, its wrong."""
     from epbench.results import RunWriter
 
-    w = RunWriter(run, {"verb": "overlap", "overlap": {"gemm": "bf16 8x8x8"}}, append=True)
+    w = RunWriter(run, {"verb": "overlap", "scenario": {"name": "s"}, "world": 2,
+                                  "overlap": {"gemm": "bf16 8x8x8"}}, append=True)
     w.add([{"backend": backend, "sms": 0, "rank": 0, "tokens_per_rank": 64, "wrong": wrong}], [])
     w.note([], wrong)
 

@@ -53,7 +53,7 @@ def test_percentile_interpolates_and_summary_reports_outside_the_stamps() -> Non
 
 def _probe_folder(path: Path, rows: list, **meta) -> Path:
     """A probe run's folder as the engine writes it (RunWriter, then the status)."""
-    w = RunWriter(path, dict({"verb": "probe", "world": 1, "probe": {}}, **meta))
+    w = RunWriter(path, dict({"verb": "probe", "world": 1, "scenario": {"name": "probe"}, "probe": {}}, **meta))
     w.add(rows, [])
     w.finish("complete")
     return path

@@ -332,3 +332,21 @@ def test_a_rank_that_sends_nothing_over_the_link_has_no_bus_bandwidth():
     summary = summarize(pd.DataFrame(rows)).set_index("op")
     for op in ("dispatch", "combine"):
         assert summary.loc[op].filter(like="busbw_nvlink").dropna().gt(0).all()
+
+
+def test_cpu_ranks_file_no_link_bytes_and_no_bus_bandwidth():
+    """gloo moves CPU ranks' rows through host memory: no NVLink or NIC bytes and no bus bandwidth (empty,
+    never a figure a reader takes for a link's speed); algbw (bytes received / time) stays."""
+    from types import SimpleNamespace
+
+    s = parse(scenario_dict(topology={"nodes": 2, "gpus_per_node": 1}))
+    recs = [PointRecord(rank=r, samples_us={"dispatch": [10.0, 12.0], "combine": [20.0]},
+                        wrong={"dispatch": 0, "combine": 0}, problem={"dispatch": "", "combine": ""}) for r in range(2)]
+    tr = traffic(route_all(s), s.model.experts_per_rank, s.topology.gpus_per_node, False)
+    be = SimpleNamespace(name="reference")
+    cpu = metrics.point_rows(s, be, 0, recs, tr, "cpu")[0]
+    for col in ("nvlink_bytes", "nic_bytes", "busbw_nvlink_gbps", "busbw_nic_gbps"):
+        assert all(r[col] is None for r in cpu), col
+    assert all(r["algbw_gbps"] > 0 and r["algo_bytes"] > 0 for r in cpu)
+    gpu = metrics.point_rows(s, be, 0, recs, tr, "cuda")[0]
+    assert any(r["busbw_nic_gbps"] for r in gpu) and all(r["nic_bytes"] is not None for r in gpu)

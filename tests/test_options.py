@@ -292,3 +292,26 @@ def test_ce_chunks_made_follows_the_librarys_even_bounds(t, asked, made) -> None
         while b < t:
             b, n = min(t, b + rows), n + 1
         assert n == made
+
+
+@pytest.mark.parametrize("items,match", [
+    (["epbench.dispatch_warps=8", "epbench.dispatch_warps=4"], r"epbench\.dispatch_warps is listed twice \(8, then 4\)"),
+    (["dispatch_warps=8", "epbench.dispatch_warps=8"], r"--option: epbench\.dispatch_warps is listed twice; give it once"),
+    (["epbench-ll.warps=4", "warps=4"], r"epbench-ll\.warps is listed twice"),
+])
+def test_an_option_given_twice_is_refused_as_sms_are(items, match) -> None:
+    """Last-wins would run with a value the user may not have meant; the same value twice says
+    nothing, and --sms 4,4 is refused as listed twice too."""
+    with pytest.raises(UserError, match=match):
+        options.parse_cli(items)
+    assert options.parse_cli(["epbench.dispatch_warps=8", "epbench-ll.warps=8"]) == {
+        "epbench": {"dispatch_warps": 8}, "epbench-ll": {"warps": 8}}
+
+
+def test_an_option_given_twice_stops_run_in_one_line(tmp_path) -> None:
+    from support import SCENARIOS, assert_one_line_error, epbench_here
+
+    r = epbench_here("run", str(SCENARIOS / "smoke.yaml"), "--backends", "epbench", "--option",
+                     "epbench.dispatch_warps=8", "--option", "epbench.dispatch_warps=4", "--results", str(tmp_path / "res"))
+    assert_one_line_error(r, "--option: epbench.dispatch_warps is listed twice (8, then 4)")
+    assert not (tmp_path / "res").exists()

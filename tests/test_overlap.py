@@ -133,7 +133,7 @@ def test_table_takes_the_worst_rank_and_fits_100_columns():
 def _overlap_folder(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "meta.json").write_text(json.dumps({"verb": "overlap", "world": 2,
+    (run / "meta.json").write_text(json.dumps({"verb": "overlap", "world": 2, "scenario": {"name": "s"},
                                                "overlap": {"gemm": "bf16 8192x8192x8192"}}))
     pd.DataFrame(_rows()).to_csv(run / "results.csv", index=False)
     return run
@@ -156,7 +156,8 @@ def test_report_of_an_overlap_folder_without_rows_says_so_with_its_notes(tmp_pat
     """Every backend skipped and no copy kernel (or every job failed first): no table, the notes."""
     run = tmp_path / "run"
     run.mkdir()
-    (run / "meta.json").write_text(json.dumps({"verb": "overlap", "notes": ["backend deepep skipped: why"]}))
+    (run / "meta.json").write_text(json.dumps({"verb": "overlap", "scenario": {"name": "s"}, "world": 2,
+                                               "notes": ["backend deepep skipped: why"]}))
     r = epbench_here("report", str(run))
     assert r.code == 0 and "no measured points" in r.out and "note: backend deepep skipped: why" in r.out
 
@@ -438,7 +439,7 @@ def test_a_pair_window_the_gemms_did_not_cover_is_redone_longer_on_every_rank(mo
 def test_report_per_rank_of_an_overlap_folder_is_one_line(tmp_path):
     from epbench import results
 
-    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "scenario": {"name": "s"}})
+    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "scenario": {"name": "s"}, "world": 2})
     w.add([{"backend": "reference", "sms": 0, "rank": 0, "wrong": 0}], [])
     w.finish("complete")
     r = epbench_here("report", str(tmp_path / "ov"), "--per-rank")

@@ -179,8 +179,10 @@ def test_cpu_run_labels_name_gloo(smoke_run, monkeypatch):
     figs = drawn_figures(monkeypatch, smoke_run.dir)
     assert "bandwidth_vs_sms.png" not in figs
     ax = figs["per_rank.png"].axes[0]
-    assert ax.get_ylabel() == "gloo (CPU) busbw, GB/s"
+    # gloo crosses no link: no bus bandwidth drawn, even from a folder that still holds one
+    assert ax.get_ylabel() == "algbw (gloo (CPU)), GB/s"
     assert "NVLink" not in figs["per_rank.png"]._suptitle.get_text()
+    assert "times, not link speed" in figs["per_rank.png"]._suptitle.get_text()
 
 
 LATENCY_RUN = sorted((REPO / "docs" / "perf").glob("*_dsv3x4-ll"))
@@ -197,13 +199,16 @@ def test_latency_ticks_are_plain_microseconds(monkeypatch):
 
 # -- a plot command that writes nothing fails (issue 35, item 5) ---------------------------------
 
+NV_MATRIX = "\tGPU0\tGPU1\nGPU0\t X \tNV18\nGPU1\tNV18\t X \n\nLegend: ..."  # nvidia-smi topo -m
+
+
 def _cuda_run(path):
     from epbench.results import RunWriter
 
-    w = RunWriter(path, {"device": "cuda", "world": 2})
-    w.add([{"scenario": "s", "backend": "epbench", "op": op, "sms": 8, "rank": r, "world": 2,
+    w = RunWriter(path, {"device": "cuda", "world": 2, "topology": NV_MATRIX, **_scenario_meta(), "world": 2})
+    w.add([{"scenario": "s", "backend": "epbench", "op": op, "sms": sms, "rank": r, "world": 2,
             "time_us": 500.0, "algbw_gbps": 300.0, "busbw_nvlink_gbps": 250.0, "wrong": 0}
-           for op in ("dispatch", "combine") for r in range(2)], [])
+           for op in ("dispatch", "combine") for sms in (8, 16) for r in range(2)], [])
     w.finish("complete")
     return path
 
@@ -287,7 +292,7 @@ def test_plot_together_of_one_run_is_one_line_and_exit_2(smoke_run, tmp_path):
 def test_plot_together_with_an_overlap_run_names_it(smoke_run, tmp_path):
     from epbench import results
 
-    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "scenario": {"name": "smoke"}})
+    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "world": 1, "scenario": {"name": "smoke"}})
     w.add([{"backend": "reference", "sms": 0, "rank": 0, "wrong": 0, "gemm_kept_pct": 90.0,
             "comm_kept_pct": 80.0}], [])
     w.finish("complete")
@@ -321,7 +326,7 @@ def test_an_overlap_run_without_kept_figures_is_one_line_not_a_traceback(tmp_pat
     from epbench import results
     from epbench.errors import UserError
 
-    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "scenario": {"name": "s"}})
+    w = results.RunWriter(tmp_path / "ov", {"verb": "overlap", "world": 1, "scenario": {"name": "s"}})
     w.add([{"backend": "reference", "sms": 0, "rank": 0, "wrong": 0}], [])
     w.finish("complete")
     with pytest.raises(UserError, match="no overlap plot .results.csv has no gemm_kept_pct"):
@@ -349,7 +354,8 @@ def _run(path, rows, meta=None):
     """A results folder of ``rows`` (one per op, rank and point) with a commit in its meta.json."""
     from epbench.results import RunWriter
 
-    w = RunWriter(path, {"device": "cuda", "world": 2, "git_commit": "c0ffee1234", **(meta or {})})
+    w = RunWriter(path, {"device": "cuda", "world": 2, "git_commit": "c0ffee1234", "scenario": {"name": "s"},
+                         "topology": NV_MATRIX, **(meta or {})})
     w.add([{"scenario": "s", "op": op, "world": 2, "wrong": 0, "algbw_gbps": 1.0, **r}
            for op in ("dispatch", "combine") for r in rows], [])
     w.finish("complete")
@@ -526,3 +532,116 @@ def test_a_complete_run_that_lost_its_results_file_is_refused_not_an_expert_load
     r = epbench_here(monkeypatch, capsys, "plot", tmp_path / "res")
     assert r.code == 0 and "results.csv: missing, though meta.json says the run completed" in r.err, r.both
     assert (good / "plots" / "per_rank.png").exists() and not (lost / "plots").exists()
+
+
+# -- plot audit: failed verification, measured tokens, leaked warnings, one SM count, CPU busbw, ----
+# -- implausible figures ---------------------------------------------------------------------------
+
+def _swept(path, wrong=0, sms=(8, 16), tokens=(8, 16), meta=None, **cols):
+    """A --sms and --tokens sweep of two ranks, ``wrong`` in every row of the largest SM count."""
+    rows = [{**dict(backend="epbench", sms=s, rank=r, tokens_per_rank=t, time_us=float(t), busbw_nvlink_gbps=50.0 + s,
+                    wrong=wrong if s == max(sms) else 0), **cols} for s in sms for t in tokens for r in range(2)]
+    return _run(path, rows, meta)
+
+
+def _scenario_meta(tokens_per_rank=64):
+    import dataclasses
+    import json
+
+    from epbench import scenario
+
+    s = scenario.load(REPO / "scenarios" / "smoke.yaml")
+    assert s.model.tokens_per_rank == tokens_per_rank
+    return {"scenario": json.loads(json.dumps(dataclasses.asdict(s), default=str)), "world": s.world}
+
+
+def test_a_run_that_failed_verification_says_so_loudly_and_marks_every_figure(monkeypatch, tmp_path, capsys):
+    from epbench import plot
+    from inproc import epbench_here
+
+    run = _swept(tmp_path / "bad", wrong=3, meta=_scenario_meta())
+    figs = drawn_figures(monkeypatch, run)
+    assert sorted(figs) == ["bandwidth_vs_sms.png", "expert_load.png", "latency_vs_tokens.png", "per_rank.png"]
+    for name, fig in figs.items():
+        title = fig._suptitle if name != "expert_load.png" else fig.axes[0].title
+        assert "VERIFICATION FAILED: 8 row(s) with wrong > 0" in title.get_text(), name
+        assert title.get_color() == "red", name
+    for name in ("bandwidth_vs_sms.png", "latency_vs_tokens.png"):
+        crosses = [ln for ln in figs[name].axes[0].get_lines() if ln.get_label() == plot.FAILED]
+        assert len(crosses) == 1 and crosses[0].get_color() == "red", name
+    sms_x = [ln for ln in figs["bandwidth_vs_sms.png"].axes[0].get_lines() if ln.get_label() == plot.FAILED][0]
+    assert set(sms_x.get_xdata()) == {16}  # only the points that failed
+    bars = [p for c in figs["per_rank.png"].axes[0].containers for p in c.patches]
+    assert bars and all(p.get_hatch() == "xx" for p in bars)  # the per-rank figure is of the largest SM count
+    plot.plt.close("all")
+    monkeypatch.undo()
+    r = epbench_here(monkeypatch, capsys, "plot", run, "--out", tmp_path / "o")
+    assert r.code == 0, r.both
+    loud = [line for line in r.err.splitlines() if "VERIFICATION FAILED" in line]
+    assert loud == [f"epbench: warning: {run}: VERIFICATION FAILED in 8 of 16 row(s) (wrong > 0): their figures "
+                    f"time wrong results; every figure is marked"]
+
+
+def test_a_run_that_verified_has_no_failure_mark(monkeypatch, tmp_path):
+    figs = drawn_figures(monkeypatch, _swept(tmp_path / "good"))
+    assert all("VERIFICATION" not in f._suptitle.get_text() for f in figs.values())
+    assert all("verification" not in " ".join(f.axes[-1].get_legend_handles_labels()[1]) for f in figs.values())
+
+
+def test_expert_load_is_drawn_at_the_tokens_the_run_measured_and_says_how_many(monkeypatch, tmp_path):
+    """A --tokens 8,16 sweep of smoke.yaml (64 tokens per rank in its scenario): the load of 16 tokens per rank,
+    the largest measured, named in the title; a run of its own count says that count."""
+    meta = _scenario_meta()
+    ax = drawn_figures(monkeypatch, _swept(tmp_path / "sweep", meta=meta))["expert_load.png"].axes[0]
+    world, topk = meta["world"], meta["scenario"]["model"]["topk"]
+    assert sum(p.get_height() for p in ax.patches) == 16 * world * topk
+    assert "expert load at 16 tokens per rank x 4 ranks (the largest of the 2 token counts measured)" in ax.get_title()
+    ax = drawn_figures(monkeypatch, _swept(tmp_path / "own", tokens=(64,), meta=meta))["expert_load.png"].axes[0]
+    assert sum(p.get_height() for p in ax.patches) == 64 * world * topk
+    assert "expert load at 64 tokens per rank x 4 ranks" in ax.get_title()
+
+
+def test_one_sm_count_draws_no_bandwidth_against_sms_and_says_why(monkeypatch, tmp_path, capsys):
+    """A low-latency run at one SM count (132 on an H200): every point on one x, no curve: no figure, one line."""
+    from inproc import epbench_here
+
+    run = _swept(tmp_path / "one", sms=(132,))
+    assert "bandwidth_vs_sms.png" not in drawn_figures(monkeypatch, run)
+    monkeypatch.undo()
+    r = epbench_here(monkeypatch, capsys, "plot", run, "--out", tmp_path / "o")
+    assert r.code == 0, r.both
+    said = [line for line in r.err.splitlines() if "bandwidth_vs_sms" in line]
+    assert said == [f"epbench: warning: {run}: no bandwidth_vs_sms.png (one SM count (132) was measured: a curve "
+                    f"against SMs needs two or more (--sms A,B); per_rank.png shows the run)"]
+    assert sorted(p.name for p in (tmp_path / "o" / "one").iterdir()) == ["latency_vs_tokens.png", "per_rank.png"]
+
+
+def test_a_cpu_run_draws_no_bus_bandwidth_even_where_its_folder_holds_one(monkeypatch, tmp_path):
+    figs = drawn_figures(monkeypatch, _swept(tmp_path / "cpu", meta={"device": "cpu"}))
+    for name in ("bandwidth_vs_sms.png", "per_rank.png"):
+        labels = [t for ax in figs[name].axes for t in [ax.get_ylabel()] + ax.get_legend_handles_labels()[1]]
+        assert not any("busbw" in t for t in labels), (name, labels)
+    assert figs["per_rank.png"].axes[0].get_ylabel() == "algbw (gloo (CPU)), GB/s"
+
+
+@pytest.mark.parametrize("cols, said", [
+    (dict(busbw_nvlink_gbps=float("inf")), "busbw_nvlink_gbps is infinite or beyond 1 PB/s in 16 row(s)"),
+    (dict(nvlink_capacity_gbps=float("inf")), "nvlink_capacity_gbps is infinite or beyond 1 PB/s in 16 row(s)"),
+    (dict(nvlink_bytes=1e6, ceiling_copy_engine_us=1e-300), "no copy-engine ceiling line for dispatch, combine"),
+    (dict(backend="\u00dc\u00f1\u00ee\u00e7\u00f8d\u0401\U0001f4a5"),
+     "characters the plot font lacks, drawn as boxes: \U0001f4a5 (U+1F4A5)"),
+])
+def test_figures_matplotlib_would_warn_about_are_one_line_each(tmp_path, cols, said):
+    """Infinite figures (hand-edited or corrupt), a ceiling time that makes an infinite bandwidth, a backend named
+    with a glyph the font lacks: one line each, no Python warning with its source line."""
+    import warnings
+
+    lines = []
+    run = _swept(tmp_path / "odd", **cols)
+    with warnings.catch_warnings(record=True) as leaked:
+        warnings.simplefilter("always")
+        pngs = plot_run(run, tmp_path / "o", warn=lines.append)
+    assert [str(w.message) for w in leaked] == []
+    lines = [line for line in lines if "no expert-load plot" not in line]  # the helper's scenario is a name only
+    assert [line for line in lines if said in line] and len(lines) == 1, lines
+    assert "bandwidth_vs_sms.png" in [p.name for p in pngs] and all(_is_png(p) for p in pngs)

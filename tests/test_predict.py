@@ -338,9 +338,15 @@ def test_cli_bad_options_exit_2_with_one_line(args, needles):
 
 
 def test_cli_calibrate_from_a_run_without_the_backend_exits_2(tmp_path):
-    run = write_run(tmp_path / "run", {16: (10.0, 10.0)})
+    run = write_run(tmp_path / "run", {16: (10.0, 10.0)})  # epbench rows only
     assert_one_line_error(epbench_here("predict", "scenarios/h100x32.yaml", "--calibrate", run,
-                                       "--backends", "nope"), "--calibrate", "backend nope")
+                                       "--backends", "reference"), "--calibrate", "backend reference")
+
+
+def test_cli_an_unknown_backend_is_refused_before_anything_is_predicted():
+    r = epbench_here("predict", "scenarios/h100x32.yaml", "--backends", "nope")
+    assert_one_line_error(r, "--backends: unknown backend 'nope'", "known: reference")
+    assert "PREDICTED" not in r.out
 
 
 def test_a_scenario_with_no_link_is_refused_not_predicted(write_scenario):
@@ -460,3 +466,35 @@ def test_cli_json_into_a_path_under_a_file_exits_2():
     assert_one_line_error(epbench_here("predict", "scenarios/h100x8.yaml", "--json",
                                   "/etc/passwd/p.json"), "--json /etc/passwd/p.json",
                           "Not a directory")
+
+
+def test_cli_json_into_a_missing_folder_is_refused_before_the_prediction(tmp_path):
+    """The table is not printed and then followed by an error: the folder is checked first."""
+    out = tmp_path / "nodir" / "x.json"
+    r = epbench_here("predict", "scenarios/h100x32.yaml", "--json", out)
+    assert_one_line_error(r, f"--json {out}: No such file or directory", "not created")
+    assert "PREDICTED" not in r.out and not out.parent.exists()
+    r = epbench_here("predict", "scenarios/h100x32.yaml", "--json", "")
+    assert_one_line_error(r, "'--json'", "empty string")
+    assert "PREDICTED" not in r.out
+
+
+def test_cli_json_into_a_folder_that_takes_no_file_is_refused_before_the_prediction(tmp_path, monkeypatch):
+    """What a read-only file system does to the write probe (chmod would stop no root in CI)."""
+    import errno
+    import os
+
+    from epbench import results
+
+    real_open = os.open
+
+    def read_only_here(path, *args, **kwargs):  # the scenario file is still read
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(results.os, "open", read_only_here)
+    r = epbench_here("predict", "scenarios/h100x32.yaml", "--json", tmp_path / "x.json")
+    monkeypatch.undo()
+    assert_one_line_error(r, f"--json {tmp_path / 'x.json'}", "cannot write there (Read-only file system)")
+    assert "PREDICTED" not in r.out and list(tmp_path.iterdir()) == []

@@ -18,6 +18,8 @@ def rows(op="dispatch", times=(100.0, 200.0), algbw=(10.0, 20.0), wrong=(0, 0), 
 
 
 META = {"scenario": {"name": "smoke"}, "world": 2, "device": "cpu", "status": "complete"}
+# two GPUs over NVLink (nvidia-smi's matrix): bus bandwidths and link figures mean something
+GPU_META = dict(META, device="cuda", topology="GPU0\tGPU1\nGPU0\t X \tNV18\n\nLegend: ...")
 
 
 @pytest.mark.parametrize("value, text", [
@@ -43,15 +45,15 @@ def line_with(text, *needles):
 
 
 def test_table_shows_slowest_rank_time_and_spread():
-    text = table_lines(rows(times=(100.0, 200.0), algbw=(10.0, 20.0)))
-    assert "smoke on 2 ranks (cpu) - gloo (CPU)" in text
+    text = table_lines(rows(times=(100.0, 200.0), algbw=(10.0, 20.0)), GPU_META)
+    assert "smoke on 2 ranks (cuda) - NVLink" in text
     for header in ("op", "backend", "SMs", "time us", "algbw", "busbw", "link %", "#wrong"):
         assert header in text
     line = line_with(text, "dispatch", "reference")
     assert "200" in line and "auto" in line  # time = the slowest rank's median; sms 0 = auto
     assert " 10.0 " in line and " 7.5 " in line  # the slowest-bandwidth rank by default
     assert "VERIFICATION FAILED" not in text
-    wide = table_lines(rows(times=(100.0, 200.0), algbw=(10.0, 20.0)), columns=report.WIDE)
+    wide = table_lines(rows(times=(100.0, 200.0), algbw=(10.0, 20.0)), GPU_META, columns=report.WIDE)
     for header in ("NVML busbw", "NIC busbw", "% ceil CE / SM", "slow rank"):
         assert header in wide
     line = line_with(wide, "dispatch", "reference")
@@ -97,7 +99,7 @@ def test_results_table_rows_match_summary():
 def test_link_use_column_from_the_raw_counters():
     df = rows(times=(100.0, 100.0))
     df[0]["nvlink_link_use_pct"], df[1]["nvlink_link_use_pct"] = 91.0, 93.0
-    text = table_lines(df, columns=report.WIDE)
+    text = table_lines(df, GPU_META, columns=report.WIDE)
     assert "link %" in text
     assert "92.0" in line_with(text, "dispatch", "reference")  # collapsed: min/max within 5%
     # no raw counter read (CPU runs): a dash, never 0
@@ -159,7 +161,7 @@ def test_columns_option_picks_and_rejects():
     assert report.parse_columns(None) is None
     with pytest.raises(report.UserError, match="unknown column nope"):
         report.parse_columns("op,nope")
-    text = table_lines(rows(), columns=("backend", "busbw"))
+    text = table_lines(rows(), GPU_META, columns=("backend", "busbw"))
     assert "time us" not in text and " 7.5 " in line_with(text, "reference")
 
 
@@ -179,7 +181,7 @@ def test_the_run_table_shows_the_columns_the_plan_carries(tmp_path):
 def test_a_run_with_a_nic_tier_shows_its_busbw_by_default():
     df = [dict(r, busbw_nic_gbps=5.0, nic_virtual=True) for r in rows()]
     c = Console(record=True, width=100, color_system=None)
-    report.print_run(pd.DataFrame(df), META, c)
+    report.print_run(pd.DataFrame(df), GPU_META, c)
     header = line_with(c.export_text(), "op", "backend")
     assert " NIC busbw (virtual) " in header and " link % " in header
 
@@ -396,11 +398,11 @@ def test_the_per_rank_table_keeps_the_columns_that_tell_its_rows_apart_and_names
     heads = header_cells(text)
     assert heads[:6] == ["tokens", "op", "backend", "SMs", "call", "inputs"], heads
     assert "NVLink busbw" not in text and "NIC busbw" not in text  # one tier, and not NVLink
-    assert "busbw = bus bandwidth over gloo (CPU)" in " ".join(text.split())
+    assert "busbw: '-', nothing crossed a link" in " ".join(text.split())  # CPU ranks: no busbw claim
     assert len([ln for ln in text.splitlines() if "dispatch" in ln and " 8 " in ln and "rot 4" in ln]) == 4
     c = console()  # no meta.json at hand: the rows say they ran on CPUs
     report.print_per_rank(pd.DataFrame(swept), c)
-    assert "over gloo (CPU)" in " ".join(c.export_text().split())
+    assert "nothing crossed a link" in " ".join(c.export_text().split())
     c = console()  # nothing crossed a link: no transport named
     report.print_per_rank(pd.DataFrame(rows()), c, dict(META, device="cuda", functional="4 ranks share each GPU"))
     caption = " ".join(c.export_text().split())
@@ -441,7 +443,8 @@ def test_a_failed_run_says_why_and_keeps_its_tokens_column(tmp_path):
 
 
 def test_a_failed_verification_is_said_once_with_the_status(tmp_path):
-    d = failed_run(tmp_path, rows(wrong=(2, 0), problem="payload differs"), error="verification failed: 2 wrong rows")
+    d = failed_run(tmp_path, [dict(r, tokens_per_rank=4) for r in rows(wrong=(2, 0), problem="payload differs")],
+                   error="verification failed: 2 wrong rows")
     text = report_text(d)
     assert "VERIFICATION FAILED: 2 wrong rows" in text
     assert "run status: failed (verification failed, above)" in text
@@ -496,7 +499,7 @@ def test_the_link_caption_only_where_the_link_column_has_a_figure():
     whose link column is all '-' (gloo CPU ranks, no NVML counter)."""
     with_link = rows(times=(100.0, 100.0))
     with_link[0]["nvlink_link_use_pct"], with_link[1]["nvlink_link_use_pct"] = 91.0, 93.0
-    said = " ".join(table_lines(with_link, columns=report.WIDE).split())
+    said = " ".join(table_lines(with_link, GPU_META, columns=report.WIDE).split())
     assert "link % = the busiest rank's NVLink traffic" in said, said
     plain = rows()
     for r in plain:
@@ -533,3 +536,68 @@ def test_points_lost_to_a_timeout_are_red_like_failed_ones(tmp_path):
           unmeasured_rows("s", "b", [(0, 4)], "skipped: needs CUDA GPUs"), [])
     assert report.unmeasured_lines(tmp_path / "run") == [
         "[bold red]a: timeout: no progress (1 point not measured)[/]", "b: skipped: needs CUDA GPUs (1 point not measured)"]
+
+
+# -- auditors' defects: figures that mean nothing, column choices, huge values --------------------
+
+def test_cpu_ranks_show_no_bus_bandwidth_and_claim_no_transport_for_it():
+    """gloo moves CPU ranks' rows through host memory: busbw is '-' (an old folder's figures too) and the
+    caption says nothing crossed a link; algbw (bytes received / time) stays."""
+    text = table_lines(rows())  # META: device cpu; the rows hold busbw figures, as folders from before did
+    cells = [c.strip() for c in line_with(text, "dispatch", "reference").split("│") if c.strip()]
+    assert cells[4:6] == ["10.0", "-"], cells  # algbw, busbw
+    caption = " ".join(text.split())
+    assert "busbw: '-', nothing crossed a link" in caption and "busbw = bus bandwidth" not in caption
+    wide = table_lines(rows(), columns=report.WIDE)
+    assert " 7.5 " not in wide and "0.75" not in wide
+    gpu = " ".join(table_lines(rows(), GPU_META).split())
+    assert " 7.5 " in gpu and "busbw = bus bandwidth over the transport in the title" in gpu
+
+
+def test_the_transport_is_never_a_guess():
+    assert report.transport({"device": "cuda"}) == "link not recorded"
+    assert report.transport({}) == "link not recorded"
+    assert report.transport(GPU_META) == "NVLink" and report.transport(META) == "gloo (CPU)"
+    assert report.transport(dict(GPU_META, topology="GPU0\tGPU1\nGPU0\t X \tSYS\n")) == "PCIe"
+
+
+def test_the_floor_is_one_ways_figure_and_names_its_inputs():
+    """A row per input choice, as the table shows them: the floor is the best one's figure (the slowest
+    rank's), never the max over the choices, and says which; a run of one choice does not name it."""
+    ll = [dict(r, input_sets=sets, time_us=r["time_us"] + (0.2 if sets == 1 else 0.0))
+          for sets in (1, 4) for r in _ll_rows([(132, "graph", 1, 10.5, 20.0)])]
+    assert report.floor_notes(pd.DataFrame(ll)) == [
+        "floor: epbench-ll dispatch 11.0 us at 1 token(s) per rank (132 SMs, graph, inputs rot 4)"]
+    rot = [r for r in ll if r["input_sets"] == 4]
+    assert report.floor_notes(pd.DataFrame(rot)) == [
+        "floor: epbench-ll dispatch 11.0 us at 1 token(s) per rank (132 SMs, graph)"]
+    for r in ll:
+        r["ceiling_sm_store_us"] = 10.0
+    assert "(132 SMs, graph, inputs rot 4) against 10.0 us" in report.bound_notes(pd.DataFrame(ll))[0]
+
+
+def test_column_choices_that_would_mislead_are_refused_or_said():
+    with pytest.raises(report.UserError, match="--columns: time given twice"):
+        report.parse_columns("time,op,time")
+    with pytest.raises(report.UserError, match="--wide and --columns: give one"):
+        report.parse_columns("op,time", wide=True)
+    text = table_lines(rows(), columns=("op", "time", "p99"))
+    assert "p99" not in header_cells(text)
+    assert "note: --columns p99: low-latency rows only; this run has none, so it is not shown" in text
+    ll = pd.DataFrame(_ll_rows([(32, "graph", 1, 7.4, 13.6)]))
+    c = console()
+    report.print_run(ll, META, c, ("op", "time", "p99"))
+    assert "p99 us" in c.export_text() and "low-latency rows only" not in c.export_text()
+
+
+def test_a_huge_figure_takes_an_exponent_not_the_table():
+    from epbench.console import number
+
+    assert number(1e308) == "1e+308" and number(-2.5e9) == "-2.5e+09" and number(12345678.0) == "12345678"
+    text = table_lines([dict(r, time_us=1e308) for r in rows()])
+    assert "1e+308" in line_with(text, "dispatch", "reference") and max(map(len, text.splitlines())) < 200
+
+
+def test_a_run_without_a_tokens_column_shows_a_dash_where_tokens_are_asked_for():
+    text = table_lines(rows(), columns=("tokens", "time"))
+    assert line_with(text, "200").strip("│ ").startswith("-")

@@ -122,7 +122,7 @@ def test_load_run_with_broken_meta(tmp_path):
 
 
 def test_load_run_without_points_is_empty(tmp_path):
-    results.RunWriter(tmp_path / "r", {"scenario": {"name": "s"}})
+    results.RunWriter(tmp_path / "r", {"scenario": {"name": "s"}, "world": 1})
     meta, df = results.load_run(tmp_path / "r")
     assert df.empty and meta["scenario"]["name"] == "s"
     assert results.load_samples(tmp_path / "r").empty
@@ -130,9 +130,9 @@ def test_load_run_without_points_is_empty(tmp_path):
 
 def test_find_runs(tmp_path):
     a = results.new_run_dir(tmp_path, "a")
-    results.RunWriter(a, {})
+    results.RunWriter(a, {"scenario": {"name": "a"}, "world": 1})
     b = tmp_path / "b_run"
-    results.RunWriter(b, {})
+    results.RunWriter(b, {"scenario": {"name": "b"}, "world": 1})
     (tmp_path / "stray").mkdir()
     assert results.find_runs([tmp_path]) == sorted([a, b])
     assert results.find_runs([a]) == [a]
@@ -323,8 +323,17 @@ def _append_table(d):
     (lambda d: _edit_results(d, "dispatch,0,", "dispatch,1e400,"), "column sms holds an infinite value"),
     (lambda d: _add_column(d, "time_us_min", "x"), "column time_us_min holds text"),
     (lambda d: _add_column(d, "input_sets", "four"), "column input_sets holds text"),
+    # the readers int() these: a gap, 1e20 (astype int64: -9223372036854775808) or 2.5 is corrupt
+    (lambda d: _add_column(d, "tokens_per_rank", ""), "a measured row lacks its tokens_per_rank"),
+    (lambda d: _add_column(d, "tokens_per_rank", "1e20"), "column tokens_per_rank holds 1e+20 where a whole"),
+    (lambda d: _edit_results(d, "dispatch,0,", "dispatch,1e20,"), "column sms holds 1e+20 where a whole"),
+    (lambda d: _edit_results(d, "dispatch,0,", "dispatch,2.5,"), "column sms holds 2.5 where a whole"),
+    # what every title and figure names: the scenario and its ranks
+    (lambda d: (d / "meta.json").write_text("{}"), "meta.json: lacks scenario (corrupt"),
+    (lambda d: _edit_meta(d, scenario={"model": {}}), "meta.json: lacks scenario.name (corrupt"),
 ], ids=["appended", "scenario-5", "name-list", "notes-numbers", "world-text", "world-bool", "time-text",
-        "backend-empty", "time-nan", "rank-inf", "sms-1e400", "time-min-text", "input-sets-text"])
+        "backend-empty", "time-nan", "rank-inf", "sms-1e400", "time-min-text", "input-sets-text",
+        "tokens-nan", "tokens-1e20", "sms-1e20", "sms-fraction", "meta-empty", "scenario-unnamed"])
 def test_fields_of_the_wrong_type_make_the_run_one_user_error(tmp_path, damage, needle):
     good = _run(tmp_path / "root" / "good")
     bad = _run(tmp_path / "root" / "bad")
@@ -355,9 +364,9 @@ def _edit_meta(d, **fields):
 
 def test_null_objects_and_lists_in_meta_read_as_absent(tmp_path):
     d = _run(tmp_path / "r")
-    _edit_meta(d, scenario=None, notes=None, functional=None)
+    _edit_meta(d, options=None, notes=None, functional=None)
     meta, _ = results.load_run(d)
-    assert "scenario" not in meta and "notes" not in meta and meta["functional"] is None
+    assert "options" not in meta and "notes" not in meta and meta["functional"] is None
 
 
 def test_numbers_read_as_numbers_and_keys_as_text(tmp_path):
@@ -407,13 +416,14 @@ def test_whole_number_columns_are_written_as_whole_numbers_beside_empty_cells(tm
     the writer keeps them whole, and a later job of the run (append) too."""
     d = tmp_path / "run"
     w = results.RunWriter(d, {"scenario": {"name": "s"}})
-    w.add([dict(ROW, world=4, hidden=256, iters=5, input_sets=4, nic_virtual=False, time_us=12.0)], [SAMPLE])
+    w.add([dict(ROW, world=4, hidden=256, iters=5, input_sets=4, nic_virtual=False, tokens_per_rank=64,
+                time_us=12.0)], [SAMPLE])
     w.add(results.unmeasured_rows("s", "epbench", [(4, 64)], "skipped: needs CUDA GPUs"), [])
     first = (d / "results.csv").read_text().splitlines()
-    assert first[1] == "s,reference,dispatch,0,0,4,12.0,0,256,5,4,False,ok,", first
+    assert first[1] == "s,reference,dispatch,0,0,4,12.0,0,256,5,4,False,64,ok", first
     assert first[2].startswith("s,epbench,dispatch,4,,,,,"), first
     results.RunWriter(d, json.loads((d / "meta.json").read_text()), append=True).add(
-        [dict(ROW, backend="other", rank=1, world=4)], [])
+        [dict(ROW, backend="other", rank=1, world=4, tokens_per_rank=64)], [])
     again = (d / "results.csv").read_text().splitlines()
     assert again[:3] == first[:3] and again[-1].startswith("s,other,dispatch,0,1,4,12.5,0,")
     _, df = results.load_run(d)
@@ -494,3 +504,22 @@ def test_a_job_that_recorded_no_variants_gets_a_row_pair_per_point_as_before(tmp
     assert list(df["tokens_per_rank"]) == [8, 8, 16, 16, 32, 32, 64, 64]
     assert df["call_mode"].isna().all() if "call_mode" in df else True
     assert set(df["rank"]) == {1}
+
+
+def test_world_comes_from_the_rows_where_meta_json_lost_it_and_is_otherwise_corrupt(tmp_path):
+    d = _run(tmp_path / "r", rows=(dict(ROW, world=4),))
+    meta, _ = results.load_run(d)
+    assert meta["world"] == 4
+    results.RunWriter(tmp_path / "empty", {"scenario": {"name": "s"}})  # nothing else says it
+    with pytest.raises(UserError, match=r"empty/meta.json: lacks world \(corrupt"):
+        results.load_run(tmp_path / "empty")
+
+
+def test_tokens_absent_from_old_rows_are_the_scenarios_own(tmp_path):
+    """A folder from before the column: the scenario's count (meta.json) stands in, never a gap."""
+    d = _run(tmp_path / "r")
+    _edit_meta(d, scenario={"name": "s", "model": {"tokens_per_rank": 128}})
+    _, df = results.load_run(d)
+    assert list(df["tokens_per_rank"]) == [128]
+    _, df = results.load_run(_run(tmp_path / "plain"))  # no count anywhere: the readers show '-'
+    assert "tokens_per_rank" not in df
