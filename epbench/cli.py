@@ -875,8 +875,9 @@ def compare(a: Annotated[Path, path_argument(help="Results folder A (the baselin
             plot_out: Annotated[Optional[str], typer.Option("--plot", help="Also draw both runs' bandwidth vs SMs into this PNG (a folder: a file named after both runs in it).")] = None,
             force: ForceOpt = False,
             wide: Annotated[bool, typer.Option("--wide", help="Adds the scenario column (shown anyway where the two runs' scenarios differ).")] = False) -> None:
-    """Two results folders side by side: matching (scenario, backend, op, SMs) rows, ratios
-    B/A, and a warning for each hardware or software difference.
+    """Two results folders side by side: matching (scenario, backend, op, SMs) rows and ratios
+    B/A (none where the runs measured different shapes or a point failed verification), and a
+    warning for each shape, setting, hardware or software difference.
 
     Example: epbench compare results/RUN_A results/RUN_B"""
     from epbench.compare import print_compare

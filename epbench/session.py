@@ -348,12 +348,15 @@ def measure_points(job: Job) -> int:
 
 def show_run(run_dir: Path, console: Any, columns: Optional[Sequence[str]] = None) -> None:
     """The run's table (``columns``: its columns, None: the default ones), a line per backend
-    whose points were not measured (print_run), and the folder."""
+    whose points were not measured (print_run), and the folder, as it is (a '[' in the path
+    the user chose is text, not rich markup: escaped)."""
+    from rich.markup import escape
+
     from epbench.results import load_run
 
     meta, df = load_run(run_dir)
     print_run(df, meta, console, columns, run_dir=run_dir)
-    console.print(f"results: {run_dir}")
+    console.print(f"results: {escape(str(run_dir))}", highlight=False)
 
 
 def show_unmeasured(run_dir: Path, console: Any) -> None:

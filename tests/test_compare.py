@@ -75,9 +75,8 @@ def test_a_run_whose_call_mode_column_is_empty_still_compares(tmp_path):
 
 
 def test_provenance_warnings_one_per_difference():
-    w = compare.provenance_warnings(META, dict(META, driver="570", world=4, nccl=None))
-    assert w == ["driver differs: A 580.159.04 vs B 570", "nccl differs: A 2.28.9 vs B missing",
-                 "world differs: A 2 vs B 4"]
+    w = compare.provenance_warnings(META, dict(META, driver="570", nccl=None))
+    assert w == ["driver differs: A 580.159.04 vs B 570", "nccl differs: A 2.28.9 vs B missing"]
     assert compare.provenance_warnings(META, dict(META)) == []
 
 
@@ -255,3 +254,119 @@ def test_compare_of_a_complete_run_without_its_results_is_an_error(runs, results
         compare.load(b)
     r = epbench_here("compare", a, b)
     assert_one_line_error(r, "results.csv", "though meta.json says the run completed")
+
+
+# -- paths as text, unlike shapes, software, corrupt options, failed verification (compare audit) --
+
+def _text(a, b, width=220):
+    con = Console(record=True, width=width, color_system=None)
+    both = compare.print_compare(a, b, con)
+    return " ".join(con.export_text().split()), both
+
+
+@pytest.mark.parametrize("name", ["x[/]y", "ü n[i]", "[bold]b"])
+def test_compare_prints_paths_with_brackets_as_they_are(tmp_path, name):
+    """A '[' in a folder name is text: rich markup there crashed ('[/]') or vanished ('[i]')."""
+    a = write_run(tmp_path / "a", META, [rows("reference", "dispatch", 0, (800.0, 820.0), (250.0, 240.0))])
+    b = write_run(tmp_path / name, META, [rows("reference", "dispatch", 0, (700.0, 720.0), (250.0, 240.0))])
+    text, _ = _text(a, b, width=400)
+    assert f"A = {a} vs B = {b}" in text
+    r = epbench_here("compare", a, b)
+    assert r.code == 0 and "Traceback" not in r.both, r.both
+
+
+def _shaped(hidden=256, topk=4, **scenario):
+    """META whose scenario records a model, mode and routing (as a run writes them)."""
+    model = {"hidden": hidden, "tokens_per_rank": 64, "topk": topk, "experts_per_rank": 4,
+             "dispatch_dtype": "bf16", "combine_dtype": "bf16", "quantize": "before", "layout": "rank_major", "align": 1}
+    sc = dict({"name": "s", "model": model, "mode": "normal", "routing": {"kind": "uniform", "seed": 1},
+               "bench": {"warmup": 2, "iters": 5}}, **scenario)
+    return dict(META, scenario=sc)
+
+
+def test_compare_names_each_shape_difference_and_divides_no_unlike_rows(tmp_path):
+    a = write_run(tmp_path / "a", _shaped(), [rows("reference", "dispatch", 0, (800.0, 820.0), (250.0, 240.0))])
+    b = write_run(tmp_path / "b", _shaped(hidden=512, topk=2, mode="low_latency"),
+                  [rows("reference", "dispatch", 0, (700.0, 720.0), (250.0, 240.0))])
+    text, both = _text(a, b)
+    assert "warning: shape: hidden differs: A 256 vs B 512" in text
+    assert "warning: shape: topk differs: A 4 vs B 2" in text
+    assert "warning: shape: mode differs: A normal vs B low_latency" in text
+    assert "no ratios: the runs measured different shapes (hidden, topk, mode)" in text
+    assert both["time_us_ratio"].tolist() == [None] and both["withheld"].tolist() == ["unlike"]
+    con = Console(record=True, width=220, color_system=None)
+    compare.print_compare(a, b, con)
+    line = next(ln for ln in con.export_text().splitlines() if "dispatch" in ln)
+    assert line.count("unlike") == 2 and "0.878" not in line
+    same = write_run(tmp_path / "c", _shaped(), [rows("reference", "dispatch", 0, (700.0, 720.0), (250.0, 240.0))])
+    text, both = _text(a, same)
+    assert "shape:" not in text and "no ratios" not in text
+    assert both["time_us_ratio"].tolist() == [pytest.approx(720.0 / 820.0)]
+
+
+def test_compare_warns_of_each_setting_and_software_difference(tmp_path):
+    soft = dict(_shaped(), git_commit="abc", epbench="0.1.0", python="3.11.7", numpy="2.4.6", pandas="3.1.1",
+                baselines={"deep_ep": "1.2.1"})
+    a = write_run(tmp_path / "a", soft, [rows("reference", "dispatch", 0, (800.0, 820.0), (250.0, 240.0))])
+    other = dict(soft, git_commit="def+dirty", epbench="0.2.0", python="3.12.1", numpy="2.0.0", pandas="2.2.0",
+                 torch="2.12.0", baselines={"deep_ep": "1.2.2"}, options={"iters": 50, "warmup": 2})
+    b = write_run(tmp_path / "b", other, [rows("reference", "dispatch", 0, (700.0, 720.0), (250.0, 240.0))])
+    text, both = _text(a, b)
+    for line in ("iters differs: A 5 vs B 50", "git_commit differs: A abc vs B def+dirty",
+                 "epbench differs: A 0.1.0 vs B 0.2.0", "python differs: A 3.11.7 vs B 3.12.1",
+                 "numpy differs: A 2.4.6 vs B 2.0.0", "pandas differs: A 3.1.1 vs B 2.2.0",
+                 "torch differs: A 2.11.0+cu130 vs B 2.12.0", "baselines deep_ep differs: A 1.2.1 vs B 1.2.2"):
+        assert f"warning: {line}" in text, line
+    assert "warmup differs" not in text
+    assert both["time_us_ratio"].tolist() == [pytest.approx(720.0 / 820.0)]  # the same work, timed otherwise
+
+
+@pytest.mark.parametrize("cell", ["abc", "[1]", "{", "7"])
+def test_compare_of_a_corrupt_options_cell_is_one_line(runs, cell):
+    a, b = runs
+    csv = b / "results.csv"
+    df = pd.read_csv(csv)
+    df["options"] = pd.Series([cell] * len(df), dtype=object)
+    df.to_csv(csv, index=False)
+    with pytest.raises(compare.UserError, match="options cell is not a JSON object"):
+        compare.load(b)
+    assert_one_line_error(epbench_here("compare", a, b), "results.csv", "options cell is not a JSON object")
+
+
+def test_compare_of_corrupt_backend_options_in_meta_is_one_line(tmp_path, runs):
+    a, _ = runs
+    b = write_run(tmp_path / "bad", dict(META, scenario={"name": "s", "backend_options": {"reference": "x"}}),
+                  [rows("reference", "dispatch", 0, (700.0, 720.0), (250.0, 240.0))])
+    assert_one_line_error(epbench_here("compare", a, b), "meta.json", "backend_options.reference is not an object")
+
+
+def test_compare_says_loudly_which_run_failed_verification_and_divides_none_of_it(runs, tmp_path):
+    a, _ = runs
+    b = write_run(tmp_path / "wrong", META, [
+        rows("reference", "dispatch", 0, (820.0, 861.0), (245.0, 230.0)),
+        rows("epbench", "dispatch", 8, (400.0, 416.0), (360.0, 348.0), wrong=2)])
+    text, both = _text(a, b)
+    assert (f"VERIFICATION FAILED: B {b}: 2 of 4 row(s) failed verification (wrong > 0): their figures time "
+            f"a wrong result; no ratio for those points (WRONG)") in text
+    assert "VERIFICATION FAILED: A" not in text
+    by = {(r.backend, r.sms): r for r in both.itertuples()}
+    assert by[("epbench", 8)].time_us_ratio is None and by[("epbench", 8)].withheld == "wrong"
+    assert by[("reference", 0)].time_us_ratio == pytest.approx(861.0 / 820.0)
+    con = Console(record=True, width=220, color_system=None)
+    compare.print_compare(a, b, con)
+    line = next(ln for ln in con.export_text().splitlines() if "epbench" in ln and " 8 " in ln)
+    assert line.count("WRONG") == 2 and "0.800" not in line
+
+
+def test_no_common_point_names_what_differs(tmp_path):
+    def at(tokens, *times):
+        return [dict(r, tokens_per_rank=tokens) for r in rows("reference", "dispatch", 0, times, (1.0, 1.0))]
+
+    a = write_run(tmp_path / "a", META, [at(64, 800.0, 820.0)])
+    b = write_run(tmp_path / "b", META, [at(t, 700.0, 720.0) for t in (8, 16, 128, 256)])
+    text, _ = _text(a, b)
+    assert "no point was measured in both runs (tokens per rank: A 64 vs B 8, 16, 128, 256): no ratios" in text
+    assert "scenario, backend, op and SMs differ everywhere" not in text
+    c = write_run(tmp_path / "c", META, [rows("epbench", "dispatch", 8, (1.0, 1.0), (1.0, 1.0))])
+    text, _ = _text(a, c)
+    assert "(backend: A reference vs B epbench; SMs: A auto vs B 8)" in text

@@ -251,3 +251,23 @@ def test_the_variants_are_recorded_before_the_backend_is_built(tmp_path, world_o
     (folder,) = list(tmp_path.iterdir())
     assert load_run(folder)[0]["variants"] == {"reference": [{"call_mode": "call", "input_sets": 1},
                                                              {"call_mode": "kernel", "input_sets": 1}]}
+
+
+@pytest.mark.parametrize("name", ["x[/]y", "ü n[i]"])
+def test_show_run_prints_the_folder_as_it_is(tmp_path, name):
+    """A '[' in the --results path the user chose is text: rich markup there ended the run after its
+    table with a MarkupError ('[/]') or dropped part of the path ('[i]')."""
+    from rich.console import Console
+
+    from epbench.results import RunWriter
+
+    d = tmp_path / name / "run"
+    meta = {"scenario": {"name": "s"}, "world": 1, "device": "cpu"}
+    row = {"scenario": "s", "backend": "reference", "op": "dispatch", "sms": 0, "rank": 0, "world": 1,
+           "time_us": 10.0, "wrong": 0, "problem": ""}
+    w = RunWriter(d, meta)
+    w.add([row], [])
+    w.finish("complete")
+    c = Console(record=True, width=400, color_system=None)
+    session.show_run(d, c)
+    assert f"results: {d}" in c.export_text().splitlines()[-1]
