@@ -681,14 +681,16 @@ def compare_plot(a_dir: Path, b_dir: Path, out: Path, force: bool = False,
                  warn: Optional[Warn] = None) -> Path:
     """Both runs' slowest-rank bus bandwidth against the SM count, per op and backend: A
     solid, B dashed, one colour per backend; the axis names the transport that carried it. A run
-    that failed verification: one line (``warn``), the title and its points marked red."""
-    from epbench.compare import load
+    that failed verification: one line (``warn``), the title and its points marked red. Runs of
+    different shapes (compare.shape_differences): the title names the fields (`compare`, which
+    draws it, names each in a warning line above its table)."""
+    from epbench.compare import load, shape_differences
 
     runs = [(a_dir, "A", "o-"), (b_dir, "B", "s--")]
-    frames, metas = [], []
+    frames, metas, loaded = [], [], [load(d) for d in (a_dir, b_dir)]
+    unlike = [field for field, _, _ in shape_differences(*loaded[0], *loaded[1])]
     failed = 0
-    for d, tag, style in runs:
-        meta, df = load(d)
+    for (d, tag, style), (meta, df) in zip(runs, loaded):
         metas.append(meta)
         failed += failed_rows(df)
         if failed_rows(df):
@@ -720,7 +722,8 @@ def compare_plot(a_dir: Path, b_dir: Path, out: Path, force: bool = False,
         axes[-1].legend(fontsize=8, loc="lower right")
     _stamp(fig, [(a_dir.name, metas[0]), (b_dir.name, metas[1])])
     with _drawing(short_path(out), warn):
-        return _save(fig, f"A = {a_dir.name}  vs  B = {b_dir.name}", out, force, failed)
+        unlike_said = f"\ndifferent shapes: {', '.join(unlike)}" if unlike else ""
+        return _save(fig, f"A = {a_dir.name}  vs  B = {b_dir.name}{unlike_said}", out, force, failed)
 
 
 def overlap_plot(run_dir: Path, out_dir: Optional[Path] = None, force: bool = False,

@@ -370,3 +370,18 @@ def test_no_common_point_names_what_differs(tmp_path):
     c = write_run(tmp_path / "c", META, [rows("epbench", "dispatch", 8, (1.0, 1.0), (1.0, 1.0))])
     text, _ = _text(a, c)
     assert "(backend: A reference vs B epbench; SMs: A auto vs B 8)" in text
+
+
+def test_compare_plot_of_different_shapes_names_them_in_its_title(runs, tmp_path, monkeypatch):
+    from epbench import plot
+
+    a, _ = runs
+    titles = []
+    monkeypatch.setattr(plot, "_save", lambda fig, title, path, force=False, failed=0: titles.append(title) or path)
+    wide = write_run(tmp_path / "w", dict(META, scenario={"name": "s", "model": {"hidden": 512}}),
+                     [rows("epbench", "dispatch", 8, (500.0, 520.0), (300.0, 290.0))])
+    narrow = write_run(tmp_path / "n", dict(META, scenario={"name": "s", "model": {"hidden": 256}}),
+                       [rows("epbench", "dispatch", 8, (500.0, 520.0), (300.0, 290.0))])
+    plot.compare_plot(a, a, tmp_path / "same.png")
+    plot.compare_plot(narrow, wide, tmp_path / "unlike.png")
+    assert "different shapes" not in titles[0] and titles[1].endswith("\ndifferent shapes: hidden"), titles
