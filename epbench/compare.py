@@ -40,7 +40,7 @@ def load(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
     if not is_run_dir(path):
         raise UserError(f"{short_path(path)}: not a results folder (no meta.json)")
     meta, df = load_run(path)  # a corrupt or truncated run: UserError naming the file
-    from epbench.report import missing_results
+    from epbench.report import link_figures, missing_results
 
     lost = missing_results(path, meta)  # a run that completed, its results.csv gone since
     if lost:
@@ -50,7 +50,7 @@ def load(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
         raise UserError(f"{short_path(path)}: an `epbench {verb}` run; compare reads run and sweep "
                         f"folders (`epbench report` shows this one)")
     check_options(path, meta, df)
-    return meta, df
+    return meta, link_figures(df, meta)  # a CPU run's busbw is '-', also in folders written before that rule
 
 
 def check_options(path: Path, meta: Dict[str, Any], df: pd.DataFrame) -> None:
@@ -287,10 +287,10 @@ def option_warnings(meta_a: Dict[str, Any], df_a: pd.DataFrame,
 
 def links(meta_a: Dict[str, Any], meta_b: Dict[str, Any]) -> str:
     """What the busbw columns measured, for the caption: each run's transport (report.transport),
-    one where both had the same; '-' where nothing crossed a link (a functional run)."""
+    one where both had the same; '-' where nothing crossed a link (a functional run, CPU ranks)."""
     from epbench.report import transport
 
-    over = [None if m.get("functional") else transport(m) for m in (meta_a, meta_b)]
+    over = [None if m.get("functional") or m.get("device") == "cpu" else transport(m) for m in (meta_a, meta_b)]
     if over[0] is None and over[1] is None:
         return "busbw: '-', nothing crossed a link in either run"
     if over[0] == over[1]:
