@@ -392,9 +392,8 @@ def _plan(command: str, path: Optional[Path], *, nproc=None, backends=None, sms=
 
 def unrunnable_reason(s: scenario.Scenario, name: str, device: str) -> Optional[str]:
     """Why backend ``name`` would be skipped on every rank of this run (words that follow its
-    name), by the ranks' own rule
-    (driver.py _measure_size): a scenario mode it does not implement (a normal-mode backend in a
-    low-latency run runs its normal path, runs_as_normal) or, on CPU ranks, its unavailable_reason
+    name), by the ranks' own rule: a scenario mode it does not implement (driver.mode_reason) or,
+    on CPU ranks, its unavailable_reason
     there, the same call with the same setup as on a rank. None where it may run; where its class
     cannot be imported here; for a DeepEP flavor's availability (its job runs from the flavor's
     own venv, whose libraries this process lacks); and on GPUs, which the ranks judge."""
@@ -407,12 +406,12 @@ def unrunnable_reason(s: scenario.Scenario, name: str, device: str) -> Optional[
     be_cls, _ = load_backend(name)
     if be_cls is None:
         return None
-    as_normal = driver.runs_as_normal(be_cls, s.mode)
-    why = None if as_normal else driver._mode_reason(be_cls, s.mode)
+    why = driver.mode_reason(be_cls, s.mode)
     if why is None and device == "cpu" and name not in flavors.BACKEND_FLAVOR:
         import torch
 
         setup = driver.rank_setup(s, SimpleNamespace(rank=0, world=s.world, device=torch.device("cpu")))
+        as_normal = driver.runs_as_normal(be_cls, s.mode)
         why = be_cls.unavailable_reason(dataclasses.replace(setup, mode="normal") if as_normal else setup)
         why = why and f"cannot run on CPU ranks: {why}"
     return why

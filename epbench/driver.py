@@ -530,8 +530,11 @@ def runs_as_normal(be_cls: Optional[type], mode: str) -> bool:
             and "low_latency" not in be_cls.modes)
 
 
-def _mode_reason(be_cls: Optional[type], mode: str) -> Optional[str]:
-    if be_cls is None or mode in be_cls.modes:
+def mode_reason(be_cls: Optional[type], mode: str) -> Optional[str]:
+    """Why ``be_cls`` is skipped in a run of ``mode`` (None: it runs, a normal-mode backend in a
+    low-latency run by its normal path, runs_as_normal): the ranks' rule, and the launcher's
+    before it starts them (cli.unrunnable_reason)."""
+    if be_cls is None or mode in be_cls.modes or runs_as_normal(be_cls, mode):
         return None
     return f"does not implement mode {mode} (it implements: {', '.join(be_cls.modes)})"
 
@@ -618,7 +621,7 @@ def _measure_size(s: Scenario, opts: RunOptions, comm: Comm,
         as_normal = runs_as_normal(be_cls, s.mode)
         be_setup = replace(setup, mode="normal") if as_normal else setup
         comm.arrive(f"{name}: availability check")
-        reason = _first_reason(reason or (None if as_normal else _mode_reason(be_cls, s.mode))
+        reason = _first_reason(reason or mode_reason(be_cls, s.mode)
                                or _payload_reason(be_cls, m) or be_cls.unavailable_reason(be_setup))
         sms_list = opts.sms if be_cls is not None and be_cls.uses_sms else (0,)
         if reason:

@@ -865,7 +865,7 @@ def measure(job: Any) -> int:
 
     for name in opts.backends:
         be_cls, reason = load_backend(name)
-        reason = driver._first_reason(reason or driver._mode_reason(be_cls, s.mode)
+        reason = driver._first_reason(reason or driver.mode_reason(be_cls, s.mode)
                                       or be_cls.unavailable_reason(setup))
         if reason:
             job.note(f"backend {name} skipped: {reason}")

@@ -24,7 +24,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 from epbench.errors import UserError  # noqa: E402
 from epbench.metrics import CALIBRATIONS, summarize  # noqa: E402
 from epbench.plot_source import Sources, metadata as _metadata, stamp as _stamp  # noqa: E402
-from epbench.report import missing_results, transport  # noqa: E402
+from epbench.report import link_figures, missing_results, transport  # noqa: E402
 from epbench.results import load_run  # noqa: E402
 from epbench.scenario import cut, short_path  # noqa: E402
 
@@ -112,8 +112,7 @@ def drawable(meta: Dict[str, Any], df: pd.DataFrame, warn: Optional[Warn] = None
     column blanked with one line each (matplotlib would warn and draw an axis to nowhere)."""
     if df.empty:
         return df
-    if meta.get("device") == "cpu":
-        df = df.assign(**{c: None for c in BUS_COLUMNS if c in df})
+    df = link_figures(df, meta)  # as the tables show them: a CPU run's '-'
     for col in FIGURE_COLUMNS:
         if col not in df:
             continue

@@ -610,8 +610,10 @@ def load_run(path: Path) -> Tuple[Dict[str, Any], pd.DataFrame]:
             if col not in df or df[col].isna().any():
                 raise UserError(f"{_shown(path / RESULTS)}: a measured row lacks its {col} (corrupt)")
     _check_whole(df, path / RESULTS)
-    for col in df.columns:  # integer columns read as float where unmeasured rows left gaps
-        if df[col].dtype == float and df[col].notna().all() and (df[col] % 1 == 0).all():
+    for col in df.columns:  # integer columns read as float where unmeasured rows left gaps (a figure
+        # past WHOLE_LIMIT, e.g. a hand-edited 1e300 busbw, stays a float: int64 would wrap it)
+        if (df[col].dtype == float and df[col].notna().all() and (df[col] % 1 == 0).all()
+                and (df[col].abs() < WHOLE_LIMIT).all()):
             df[col] = df[col].astype("int64")
     if "world" not in meta and need is RESULT_COLUMNS and not df.empty and df["world"].nunique() == 1:
         meta["world"] = int(df["world"].iloc[0])  # a folder whose meta.json lost it: its rows say it

@@ -523,3 +523,14 @@ def test_tokens_absent_from_old_rows_are_the_scenarios_own(tmp_path):
     assert list(df["tokens_per_rank"]) == [128]
     _, df = results.load_run(_run(tmp_path / "plain"))  # no count anywhere: the readers show '-'
     assert "tokens_per_rank" not in df
+
+
+def test_a_huge_whole_figure_outside_the_whole_columns_stays_a_float(tmp_path):
+    """A hand-edited busbw of 1e300 is whole, but int64 would wrap it to -9223372036854775808: it is read as the
+    number it is (the readers then print it in exponent form)."""
+    w = results.RunWriter(tmp_path / "r", {"scenario": {"name": "s"}, "world": 1})
+    w.add([{"scenario": "s", "backend": "reference", "op": op, "sms": 0, "rank": 0, "world": 1, "tokens_per_rank": 8,
+            "time_us": 5.0, "wrong": 0, "busbw_nvlink_gbps": 1e300} for op in ("dispatch", "combine")], [])
+    w.finish("complete")
+    _, df = results.load_run(tmp_path / "r")
+    assert (df["busbw_nvlink_gbps"] == 1e300).all() and df["sms"].dtype == "int64"
